@@ -1,0 +1,1 @@
+"""Benchmarks, installed as `llamarl_core.bench` so that `llamarl bench ...` runs them."""

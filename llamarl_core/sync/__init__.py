@@ -1,0 +1,24 @@
+"""DDMA weight sync: trainer shards straight into the generator's parameter storage.
+
+    src = hf_llama_fsdp(config, world_size=2, dtype=torch.float32)   # trainer
+    dst = vllm_llama_tp(config, tp_size=2, dtype=torch.bfloat16)     # generator
+    plan = plan_transfer(src, dst)          # validated once; plan.summary()
+    plan.execute_local(src_shards, dst_shards)                      # one process
+
+Across processes: `WeightSender(store, src, rank, shards).send(version)` on each
+trainer rank, `WeightReceiver(store, dst, rank, params).receive()` on each
+generator rank (see endpoints.py for versions, timeouts and torn weights).
+"""
+
+from .endpoints import SyncError, SyncTimeoutError, TornWeightsError, WeightReceiver, WeightSender
+from .layout import Fragment, Fused, FusedPart, Layout, ParamSpec, Replicate, Shard
+from .plan import DEFAULT_BUCKET_BYTES, Segment, TransferPlan, plan_transfer
+from .presets import hf_llama_fsdp, hf_llama_shapes, vllm_llama_tp
+from .reference import reference_fsdp_shards, reference_vllm_tp_shards
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES", "Fragment", "Fused", "FusedPart", "Layout", "ParamSpec", "Replicate", "Segment",
+    "Shard", "SyncError", "SyncTimeoutError", "TornWeightsError", "TransferPlan", "WeightReceiver",
+    "WeightSender", "hf_llama_fsdp", "hf_llama_shapes", "plan_transfer", "reference_fsdp_shards",
+    "reference_vllm_tp_shards", "vllm_llama_tp",
+]

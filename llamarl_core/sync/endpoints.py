@@ -1,0 +1,407 @@
+"""WeightSender (trainer ranks) and WeightReceiver (generator ranks).
+
+Set-up, once: each side registers its tensors and its layout; layouts, device
+infos and memory handles are exchanged through a torch.distributed Store
+(TCPStore or FileStore) under `llamarl/sync/<name>/`; each rank computes the
+same plan and the transport all ranks agree on (transports.py).
+
+Every sync, one call on each side:
+- `receiver.receive()` opens a ticket (the generator is now paused between
+  decode steps: its tensors may change), waits until every sender that writes
+  to it reports the ticket done, and only then reports the version. On a
+  timeout or a disagreement on the version it raises, keeps the last complete
+  version, and refuses to serve the torn tensors (`weights()` raises
+  TornWeightsError) until a complete version lands.
+- `sender.send(version)` writes its segments straight into each receiver's
+  parameter storage (shared memory or CUDA IPC) or sends packed buckets over
+  the process group (p2p), and returns only once every byte it reads from its
+  tensors has been copied. This is the version lock: the trainer's next
+  optimizer step, which runs after send() returns, can never tear a copy, so no
+  snapshot of the trainer's weights is needed.
+
+Every wait has a timeout that raises SyncTimeoutError.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import replace
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from .engine import DEFAULT_COPY_TIMEOUT_S, check_local_tensors, run_segment_table, segment_table, tensors_device
+from .layout import Layout
+from .plan import DEFAULT_BUCKET_BYTES, Segment, TransferPlan, plan_transfer
+from .transports import (
+    CUDA_IPC,
+    P2P,
+    SHM,
+    OpenedCudaHandles,
+    check_transport_name,
+    choose_transport,
+    cuda_ipc_handle,
+    device_info,
+    make_process_group,
+    open_shm_handle,
+    rehome_into_shared_memory,
+    shm_handle,
+)
+
+DEFAULT_TIMEOUT_S = 120.0
+_SRC, _DST = "src", "dst"
+
+
+class SyncError(RuntimeError):
+    """A weight sync failed."""
+
+
+class SyncTimeoutError(SyncError, TimeoutError):
+    """A peer did not answer within the timeout."""
+
+
+class TornWeightsError(SyncError):
+    """The receiver's tensors hold a partly written version and must not be used."""
+
+
+class _Channel:
+    """The Store, namespaced, with JSON values and waits that always time out."""
+
+    def __init__(self, store: dist.Store, name: str):
+        self.store = dist.PrefixStore(f"llamarl/sync/{name}/", store)
+
+    def set(self, key: str, value) -> None:
+        self.store.set(key, json.dumps(value))
+
+    def get(self, key: str):
+        return json.loads(self.store.get(key))
+
+    def wait(self, keys: list[str], deadline: float, what: str) -> None:
+        remaining = deadline - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise dist.DistStoreError("deadline passed")
+            self.store.wait(keys, datetime.timedelta(seconds=remaining))
+        except dist.DistStoreError as exc:
+            missing = [k for k in keys if not self.store.check([k])]
+            raise SyncTimeoutError(f"timed out waiting for {what} (missing {missing})") from exc
+
+    def counter(self, key: str, delta: int = 0) -> int:
+        return self.store.add(key, delta)
+
+    def has(self, key: str) -> bool:
+        return self.store.check([key])
+
+
+class _Endpoint:
+    """Shared set-up of both sides.
+
+    store: a torch.distributed Store every sender and receiver reaches.
+    layout / rank / tensors: this side's layout, this process's rank in it, and
+    its local tensors (name -> tensor). name: namespaces the Store keys, so
+    several syncs can share one Store. transport: 'auto', 'shm', 'cuda_ipc' or
+    'p2p' (torch.distributed, the path used across machines). timeout: seconds,
+    for set-up and the default of every call. bucket_bytes: see plan_transfer.
+    num_threads: host copy threads (default: LLAMARL_COPY_THREADS or all cores).
+    """
+
+    side = ""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        layout: Layout,
+        rank: int,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        name: str = "weights",
+        transport: str = "auto",
+        timeout: float = DEFAULT_TIMEOUT_S,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        num_threads: int | None = None,
+    ):
+        if not 0 <= rank < layout.world_size:
+            raise ValueError(f"{self.side} rank {rank} is outside the layout's world size {layout.world_size}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        check_transport_name(transport)
+        check_local_tensors(layout, rank, tensors, self.side)
+        self.layout, self.rank, self.timeout = layout, rank, timeout
+        self.tensors = dict(tensors)
+        self.device = tensors_device(self.tensors, f"{self.side} rank {rank}")
+        self.num_threads = num_threads
+        self.channel = _Channel(store, name)
+        self._closed = False
+
+        deadline = time.monotonic() + timeout
+        me = _SRC if self.side == "sender" else _DST
+        self.channel.set(f"{me}/{rank}/info", device_info(self.device))
+        if rank == 0:
+            self.channel.set(f"{me}/layout", layout.to_dict())
+        self.channel.wait([f"{_SRC}/layout", f"{_DST}/layout"], deadline, "both sides' layouts")
+        if Layout.from_dict(self.channel.get(f"{me}/layout")) != layout:
+            raise ValueError(f"{self.side} rank {rank}: its layout differs from the one rank 0 registered")
+        other = _DST if me == _SRC else _SRC
+        other_layout = Layout.from_dict(self.channel.get(f"{other}/layout"))
+        src_layout, dst_layout = (layout, other_layout) if me == _SRC else (other_layout, layout)
+        self.plan: TransferPlan = plan_transfer(src_layout, dst_layout, bucket_bytes)
+        info_keys = [f"{_SRC}/{r}/info" for r in range(src_layout.world_size)]
+        info_keys += [f"{_DST}/{r}/info" for r in range(dst_layout.world_size)]
+        self.channel.wait(info_keys, deadline, "every rank's device info")
+        self.transport = choose_transport(transport, [self.channel.get(k) for k in info_keys])
+        self.group = None
+        if self.transport == P2P:
+            num_src = src_layout.world_size
+            self.group = make_process_group(
+                dist.PrefixStore("pg/", self.channel.store),
+                rank if me == _SRC else num_src + rank,
+                num_src + dst_layout.world_size,
+                self.device.type,
+                timeout,
+            )
+
+    def _deadline(self, timeout: float | None) -> float:
+        if self._closed:
+            raise SyncError(f"{self.side} rank {self.rank} is closed")
+        return time.monotonic() + (self.timeout if timeout is None else timeout)
+
+    def _wait_work(self, work, deadline: float, what: str) -> None:
+        remaining = deadline - time.monotonic()
+        try:
+            if remaining <= 0 or not work.wait(datetime.timedelta(seconds=remaining)):
+                raise SyncTimeoutError(f"{what} did not complete in time")
+        except RuntimeError as exc:
+            if isinstance(exc, SyncError):
+                raise
+            raise SyncTimeoutError(f"{what} failed: {exc}") from exc
+
+    def _staging(self, buckets) -> torch.Tensor:
+        """One bucket's worth of bytes for the p2p transport."""
+        largest = max((sum(seg.nbytes for seg in bucket) for bucket in buckets), default=0)
+        return torch.empty(largest, dtype=torch.uint8, device=self.device)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _packed(bucket: tuple[Segment, ...]) -> tuple[list[Segment], list[Segment]]:
+    """(pack, unpack) segments moving a bucket through a dense staging buffer:
+    pack reads the source tensors (casting) into staging, unpack copies staging
+    into the destination tensors."""
+    pack, unpack, offset = [], [], 0
+    for seg in bucket:
+        row = seg.width * seg.itemsize
+        pack.append(replace(seg, dst_offset=offset, dst_pitch=row))
+        unpack.append(replace(seg, src_offset=offset, src_pitch=row, cast=False))
+        offset += seg.nbytes
+    return pack, unpack
+
+
+class WeightSender(_Endpoint):
+    """A trainer rank: registers its shard tensors once, then `send(version)` per step.
+
+    tensors: local parameter name -> shard tensor, shapes and dtypes as `layout`
+    says for `rank`, contiguous, all on one device. They are read in place (no
+    copy is kept); if their storage moves between sends, addresses are resolved
+    again.
+    """
+
+    side = "sender"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.receivers = self.plan.receivers_of(self.rank)
+        # Start with a different receiver on each sender so they do not all queue on one.
+        shift = self.rank % len(self.receivers) if self.receivers else 0
+        self.receivers = self.receivers[shift:] + self.receivers[:shift]
+        self._served: dict[int, int] = {}
+        if self.transport != P2P and self.channel.counter(f"{_SRC}/{self.rank}/incarnation", 1) > 1:
+            # A restarted sender: a receive() open now may hold a predecessor's partial
+            # writes and the other senders' previous version; joining it would mix
+            # versions. Serve from the next ticket on.
+            self._served = {dst: self.channel.counter(f"{_DST}/{dst}/ticket") for dst in self.receivers}
+        self._opened: list = []
+        self._dst_addresses: dict[int, dict[str, int]] = {}
+        deadline = time.monotonic() + self.timeout
+        if self.transport in (SHM, CUDA_IPC):
+            for dst in self.receivers:
+                self.channel.wait([f"{_DST}/{dst}/handle"], deadline, f"receiver {dst}'s memory handle")
+                handle = self.channel.get(f"{_DST}/{dst}/handle")
+                if self.transport == SHM:
+                    region, addresses = open_shm_handle(handle)
+                    self._opened.append(region)
+                else:
+                    opened = OpenedCudaHandles(handle, self.device)
+                    self._opened.append(opened)
+                    addresses = opened.addresses
+                self._dst_addresses[dst] = addresses
+        else:
+            self._staging_buf = self._staging([b for d in self.receivers for b in self.plan.buckets[(self.rank, d)]])
+        self._build_tables()
+
+    def _build_tables(self) -> None:
+        self._src_ptrs = {name: t.data_ptr() for name, t in self.tensors.items()}
+        src_base = lambda seg: self._src_ptrs[seg.src_name]  # noqa: E731
+        self._tables: dict[int, list] = {}
+        for dst in self.receivers:
+            buckets = self.plan.buckets[(self.rank, dst)]
+            if self.transport == P2P:
+                staging = self._staging_buf.data_ptr()
+                self._tables[dst] = [
+                    (segment_table(_packed(b)[0], src_base, lambda seg: staging), sum(s.nbytes for s in b))
+                    for b in buckets
+                ]
+            else:
+                addresses = self._dst_addresses[dst]
+                self._tables[dst] = [
+                    (segment_table(b, src_base, lambda seg: addresses[seg.dst_name]), sum(s.nbytes for s in b))
+                    for b in buckets
+                ]
+
+    def _await_ticket(self, dst: int, deadline: float) -> int:
+        """The ticket of receiver `dst`'s open receive() that this sender has not served."""
+        last = self._served.get(dst, 0)
+        while True:
+            current = self.channel.counter(f"{_DST}/{dst}/ticket")
+            if current > last and not self.channel.has(f"{_DST}/{dst}/closed/{current}"):
+                return current
+            nxt = max(current, last) + 1
+            self.channel.wait([f"{_DST}/{dst}/open/{nxt}"], deadline, f"receiver {dst} to ask for a version")
+
+    def send(self, version: int, timeout: float | None = None) -> int:
+        """Move `version` of this rank's shards to every receiver that needs them;
+        returns the bytes written. Raises SyncTimeoutError if a receiver does not
+        ask for a version, or a transfer does not finish, within the timeout."""
+        deadline = self._deadline(timeout)
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        if any(t.data_ptr() != self._src_ptrs[n] for n, t in self.tensors.items()):
+            self._build_tables()
+        copy_timeout = min(DEFAULT_COPY_TIMEOUT_S, max(deadline - time.monotonic(), 1e-3))
+        written = 0
+        for dst in self.receivers:
+            if self.transport == P2P:
+                header = torch.tensor([version, len(self._tables[dst])], dtype=torch.int64, device=self.device)
+                self._wait_work(self.group.send([header], self.plan.src_layout.world_size + dst, 0), deadline,
+                                f"sending the header of version {version} to receiver {dst}")
+                for table, nbytes in self._tables[dst]:
+                    written += run_segment_table(table, self.device, self.num_threads, copy_timeout)
+                    work = self.group.send([self._staging_buf[:nbytes]], self.plan.src_layout.world_size + dst, 1)
+                    self._wait_work(work, deadline, f"sending version {version} to receiver {dst}")
+                continue
+            ticket = self._await_ticket(dst, deadline)
+            for table, _ in self._tables[dst]:
+                written += run_segment_table(table, self.device, self.num_threads, copy_timeout)
+            self.channel.set(f"{_DST}/{dst}/done/{ticket}/{self.rank}", version)
+            self._served[dst] = ticket
+        return written
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for opened in self._opened:
+            opened.close()
+        self._opened = []
+
+
+class WeightReceiver(_Endpoint):
+    """A generator rank: registers its own parameter tensors once, then
+    `receive()` per sync. The destination is the tensors' own storage.
+
+    tensors: vLLM-style local parameter name -> the generator's parameter tensor
+    (shapes and dtypes as `layout` says for `rank`). With the shared-memory
+    transport (CPU tensors on one machine) the tensors are moved into a shared
+    region at registration, values kept: the same tensor objects (and
+    nn.Parameters) then live in memory the senders write, so register them
+    before anything caches their data pointers.
+    """
+
+    side = "receiver"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.version: int | None = None
+        self.torn = False
+        self.senders = self.plan.senders_of(self.rank)
+        if self.transport == SHM:
+            # The region stays mapped for as long as the tensors viewing it live.
+            region, offsets = rehome_into_shared_memory(self.tensors)
+            self.channel.set(f"{_DST}/{self.rank}/handle", shm_handle(region, offsets))
+        elif self.transport == CUDA_IPC:
+            self.channel.set(f"{_DST}/{self.rank}/handle", cuda_ipc_handle(self.tensors, self.device))
+        else:
+            buckets = [b for s in self.senders for b in self.plan.buckets[(s, self.rank)]]
+            self._staging_buf = self._staging(buckets)
+            staging = self._staging_buf.data_ptr()
+            self._unpack = {
+                s: [
+                    (
+                        segment_table(_packed(b)[1], lambda seg: staging, lambda seg: self.tensors[seg.dst_name].data_ptr()),
+                        sum(seg.nbytes for seg in b),
+                    )
+                    for b in self.plan.buckets[(s, self.rank)]
+                ]
+                for s in self.senders
+            }
+
+    def receive(self, timeout: float | None = None) -> int:
+        """Take the next version from the senders; returns it once every segment
+        has landed. Raises SyncTimeoutError (tensors torn, version unchanged)."""
+        deadline = self._deadline(timeout)
+        if self.transport == P2P:
+            return self._receive_p2p(deadline)
+        key = f"{_DST}/{self.rank}"
+        ticket = self.channel.counter(f"{key}/ticket", 1)
+        self.torn = True  # from here on senders may be writing into the tensors
+        self.channel.set(f"{key}/open/{ticket}", 1)
+        done = [f"{key}/done/{ticket}/{s}" for s in self.senders]
+        try:
+            self.channel.wait(done, deadline, f"senders to finish (receiver {self.rank}, ticket {ticket})")
+            versions = {self.channel.get(k) for k in done}
+        finally:
+            self.channel.set(f"{key}/closed/{ticket}", 1)
+        if len(versions) > 1:
+            raise SyncError(f"receiver rank {self.rank}: senders sent different versions {sorted(versions)}; weights torn")
+        self.version = versions.pop() if versions else self.version
+        self.torn = False
+        return self.version
+
+    def _receive_p2p(self, deadline: float) -> int:
+        versions = set()
+        self.torn = True
+        for src in self.senders:
+            header = torch.empty(2, dtype=torch.int64, device=self.device)
+            self._wait_work(self.group.recv([header], src, 0), deadline, f"the header from sender {src}")
+            version, num_buckets = (int(x) for x in header.tolist())
+            if num_buckets != len(self._unpack[src]):
+                raise SyncError(f"sender {src} sends {num_buckets} buckets, the plan has {len(self._unpack[src])}")
+            versions.add(version)
+            for table, nbytes in self._unpack[src]:
+                work = self.group.recv([self._staging_buf[:nbytes]], src, 1)
+                self._wait_work(work, deadline, f"version {version} from sender {src}")
+                copy_timeout = min(DEFAULT_COPY_TIMEOUT_S, max(deadline - time.monotonic(), 1e-3))
+                run_segment_table(table, self.device, self.num_threads, copy_timeout)
+        if len(versions) > 1:
+            raise SyncError(f"receiver rank {self.rank}: senders sent different versions {sorted(versions)}; weights torn")
+        self.version = versions.pop() if versions else self.version
+        self.torn = False
+        return self.version
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The registered tensors, for sampling; raises TornWeightsError while torn."""
+        if self.torn:
+            raise TornWeightsError(
+                f"receiver rank {self.rank}: a sync was interrupted and the weights are torn "
+                f"(last complete version {self.version}); call receive() again"
+            )
+        return self.tensors
+
+    def close(self) -> None:
+        self._closed = True

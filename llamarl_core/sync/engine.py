@@ -1,0 +1,111 @@
+"""Execution of copy segments by the native engine (host threads or CUDA stream).
+
+Python resolves every segment to absolute addresses once (a numpy table matching
+csrc/copy_segments.h `CopySegment`); each execution is then one native call.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+
+from .._native import native, native_cuda
+from .layout import Layout
+
+KIND_COPY, KIND_F32_TO_BF16 = 0, 1
+
+# A CUDA copy that has not completed after this long is reported, never waited on forever.
+DEFAULT_COPY_TIMEOUT_S = 300.0
+
+
+def default_num_threads() -> int:
+    """Copy threads per call: LLAMARL_COPY_THREADS, else every core. On this kind of
+    machine one thread copies 10-12 GB/s and two 15-19 GB/s (bench/RESULTS.md)."""
+    value = os.environ.get("LLAMARL_COPY_THREADS")
+    if value:
+        threads = int(value)
+        if threads < 1:
+            raise ValueError(f"LLAMARL_COPY_THREADS must be >= 1, got {value!r}")
+        return threads
+    return os.cpu_count() or 1
+
+
+def segment_table(segments: Iterable, src_base: Callable, dst_base: Callable) -> np.ndarray:
+    """(n, 7) int64 table [src, src_pitch, dst, dst_pitch, width, height, kind] with
+    absolute addresses `src_base(seg) + seg.src_offset`, `dst_base(seg) + seg.dst_offset`.
+    Copy segments count their width in bytes, cast segments in elements."""
+    rows = [
+        (
+            src_base(seg) + seg.src_offset, seg.src_pitch, dst_base(seg) + seg.dst_offset, seg.dst_pitch,
+            seg.width if seg.cast else seg.width * seg.itemsize, seg.height,
+            KIND_F32_TO_BF16 if seg.cast else KIND_COPY,
+        )
+        for seg in segments
+    ]
+    return np.array(rows, dtype=np.int64).reshape(len(rows), 7)
+
+
+def check_local_tensors(layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor] | None, side: str) -> None:
+    """Every local parameter of `rank` present, with the layout's shape and dtype,
+    contiguous; no unknown names. Raises ValueError naming the parameter."""
+    if tensors is None:
+        raise ValueError(f"{side} rank {rank}: no tensors given")
+    unknown = sorted(set(tensors) - set(layout.params))
+    if unknown:
+        raise ValueError(f"{side} rank {rank}: unknown parameter {unknown[0]!r} (not in the layout)")
+    for name, spec in layout.params.items():
+        if name not in tensors:
+            raise ValueError(f"{side} rank {rank}: missing parameter {name!r}")
+        tensor = tensors[name]
+        expected = layout.local_shape(name, rank)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{side} rank {rank}: {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        if tensor.dtype != spec.dtype:
+            raise ValueError(f"{side} rank {rank}: {name!r} has dtype {tensor.dtype}, expected {spec.dtype}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{side} rank {rank}: {name!r} must be contiguous")
+
+
+def tensors_device(tensors: Mapping[str, torch.Tensor], what: str) -> torch.device:
+    """The one device all tensors live on (cpu when there are none)."""
+    devices = {t.device for t in tensors.values() if t.numel()}
+    if len(devices) > 1:
+        raise ValueError(f"{what}: tensors on several devices {sorted(map(str, devices))}")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def run_segment_table(
+    table: np.ndarray,
+    device: torch.device,
+    num_threads: int | None = None,
+    timeout_s: float = DEFAULT_COPY_TIMEOUT_S,
+) -> int:
+    """Execute a segment table on `device`'s engine; returns bytes written.
+
+    CPU: memcpy threads. CUDA: a side stream that first waits for the current
+    stream (so pending optimizer kernels finish writing the source), then
+    cudaMemcpy2DAsync / the cast kernel, waited for with `timeout_s`.
+    """
+    if len(table) == 0:
+        return 0
+    if device.type == "cpu":
+        return native().execute_segments_host(table, num_threads or default_num_threads())
+    if device.type == "cuda":
+        mod = native_cuda()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.Stream(device=index)
+        stream.wait_stream(torch.cuda.current_stream(index))
+        return mod.execute_segments_cuda(table, index, stream.cuda_stream, timeout_s)
+    raise ValueError(f"no copy engine for device {device}")
+
+
+def table_nbytes(table: np.ndarray) -> int:
+    """Destination bytes of a segment table (copy widths are bytes, cast widths elements)."""
+    if len(table) == 0:
+        return 0
+    per_elem = np.where(table[:, 6] == KIND_F32_TO_BF16, 2, 1)
+    return int(np.sum(table[:, 4] * table[:, 5] * per_elem))
+

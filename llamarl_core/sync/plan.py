@@ -1,0 +1,313 @@
+"""The planner: intersect a source and a destination layout into copy segments.
+
+`plan_transfer(src_layout, dst_layout)` validates everything (names, shapes,
+dtypes, coverage: every destination element written exactly once, padding
+excepted) and only then returns a `TransferPlan`. Nothing is copied by planning;
+a plan is made once and executed every step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+import torch
+
+from .engine import check_local_tensors, run_segment_table, segment_table
+from .layout import Fragment, Layout, view_2d
+
+# Casts a segment may do on the way; any other dtype pair is refused.
+SUPPORTED_CASTS = {(torch.float32, torch.bfloat16)}
+
+# Default bucket: 256 MiB bounds the staging buffer of the point-to-point
+# transport per rank pair (checkpoint-engine uses 8 GiB double buckets, slime
+# 512 MiB); the shared-memory and CUDA IPC transports copy in place and only use
+# buckets as units of work.
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A 2-D strided rectangle: `height` rows of `width` elements, from source rank's
+    local tensor `src_name` at byte `src_offset` (rows `src_pitch` bytes apart) to
+    destination rank's local tensor `dst_name` at `dst_offset` (`dst_pitch`).
+    `itemsize` is the destination element size; `cast` marks float32 -> bfloat16."""
+
+    src_rank: int
+    src_name: str
+    src_offset: int
+    src_pitch: int
+    dst_rank: int
+    dst_name: str
+    dst_offset: int
+    dst_pitch: int
+    width: int
+    height: int
+    itemsize: int
+    cast: bool
+
+    @property
+    def src_itemsize(self) -> int:
+        return 4 if self.cast else self.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes written to the destination."""
+        return self.width * self.height * self.itemsize
+
+
+def _split(seg: Segment, max_bytes: int) -> list[Segment]:
+    """Cut a segment into pieces of at most `max_bytes`: blocks of rows, or runs of
+    elements for a single row (at least one row / element per piece)."""
+    if seg.nbytes <= max_bytes:
+        return [seg]
+    if seg.height > 1:
+        rows = max(1, max_bytes // (seg.width * seg.itemsize))
+        return [
+            replace(seg, src_offset=seg.src_offset + r * seg.src_pitch, dst_offset=seg.dst_offset + r * seg.dst_pitch,
+                    height=min(rows, seg.height - r))
+            for r in range(0, seg.height, rows)
+        ]
+    elems = max(1, max_bytes // seg.itemsize)
+    return [
+        replace(seg, src_offset=seg.src_offset + e * seg.src_itemsize, dst_offset=seg.dst_offset + e * seg.itemsize,
+                width=min(elems, seg.width - e))
+        for e in range(0, seg.width, elems)
+    ]
+
+
+class TransferPlan:
+    """Copy segments from a source layout to a destination layout, grouped per
+    (source rank, destination rank) pair and bucketed."""
+
+    def __init__(self, src_layout: Layout, dst_layout: Layout, segments: list[Segment], bucket_bytes: int):
+        self.src_layout = src_layout
+        self.dst_layout = dst_layout
+        self.segments = tuple(segments)
+        self.bucket_bytes = bucket_bytes
+        pairs: dict[tuple[int, int], list[Segment]] = defaultdict(list)
+        for seg in segments:
+            pairs[(seg.src_rank, seg.dst_rank)].append(seg)
+        self.buckets: dict[tuple[int, int], list[tuple[Segment, ...]]] = {}
+        for pair in sorted(pairs):
+            buckets, current, size = [], [], 0
+            for seg in pairs[pair]:
+                for piece in _split(seg, bucket_bytes):
+                    if current and size + piece.nbytes > bucket_bytes:
+                        buckets.append(tuple(current))
+                        current, size = [], 0
+                    current.append(piece)
+                    size += piece.nbytes
+            if current:
+                buckets.append(tuple(current))
+            self.buckets[pair] = buckets
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        return list(self.buckets)
+
+    def senders_of(self, dst_rank: int) -> list[int]:
+        return sorted({s for s, d in self.buckets if d == dst_rank})
+
+    def receivers_of(self, src_rank: int) -> list[int]:
+        return sorted({d for s, d in self.buckets if s == src_rank})
+
+    def pair_segments(self, src_rank: int, dst_rank: int) -> list[Segment]:
+        return [seg for bucket in self.buckets.get((src_rank, dst_rank), []) for seg in bucket]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes written to the destination by one execution."""
+        return sum(seg.nbytes for seg in self.segments)
+
+    def summary(self) -> list[dict]:
+        """Per (source rank, destination rank): bytes written, segments, buckets."""
+        return [
+            {
+                "src_rank": s,
+                "dst_rank": d,
+                "bytes": sum(seg.nbytes for b in buckets for seg in b),
+                "segments": sum(len(b) for b in buckets),
+                "buckets": len(buckets),
+            }
+            for (s, d), buckets in self.buckets.items()
+        ]
+
+    def execute_local(
+        self,
+        src_shards: Mapping[int, Mapping[str, torch.Tensor]],
+        dst_shards: Mapping[int, Mapping[str, torch.Tensor]],
+        num_threads: int | None = None,
+    ) -> int:
+        """Run the whole plan in this process (also offline checkpoint resharding).
+
+        src_shards / dst_shards: rank -> local parameter name -> tensor, every rank
+        of each layout, shapes and dtypes as the layouts say, contiguous, all on
+        one device. Everything is checked before the first byte moves. Returns the
+        bytes written.
+        """
+        for rank in range(self.src_layout.world_size):
+            check_local_tensors(self.src_layout, rank, src_shards.get(rank), "source")
+        for rank in range(self.dst_layout.world_size):
+            check_local_tensors(self.dst_layout, rank, dst_shards.get(rank), "destination")
+        devices = {t.device for shards in (src_shards, dst_shards) for r in shards for t in shards[r].values()}
+        if len(devices) > 1:
+            raise ValueError(f"execute_local needs all tensors on one device, got {sorted(map(str, devices))}")
+        table = segment_table(
+            self.segments,
+            lambda seg: src_shards[seg.src_rank][seg.src_name].data_ptr(),
+            lambda seg: dst_shards[seg.dst_rank][seg.dst_name].data_ptr(),
+        )
+        return run_segment_table(table, devices.pop() if devices else torch.device("cpu"), num_threads)
+
+    def __repr__(self) -> str:
+        return (
+            f"TransferPlan(src_world={self.src_layout.world_size}, dst_world={self.dst_layout.world_size}, "
+            f"segments={len(self.segments)}, bytes={self.nbytes}, pairs={len(self.buckets)})"
+        )
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class _Holder:
+    rank: int
+    name: str
+    fragment: Fragment
+
+
+def _check_tiling(layout: Layout, name: str, rank: int) -> None:
+    """Fragments plus padding must tile the local tensor exactly: inside its bounds,
+    no overlap, no gap."""
+    rows, cols = view_2d(layout.local_shape(name, rank))
+    rects = [(f.local_row, f.local_row + f.num_rows, f.local_col, f.local_col + f.num_cols) for f in layout.fragments(name, rank)]
+    pad = layout.padding_rows(name, rank)
+    if pad[1] > pad[0]:
+        rects.append((pad[0], pad[1], 0, cols))
+    for r0, r1, c0, c1 in rects:
+        if not (0 <= r0 <= r1 <= rows and 0 <= c0 <= c1 <= cols):
+            raise ValueError(
+                f"destination {name!r} rank {rank}: rows [{r0}, {r1}) cols [{c0}, {c1}) lie outside "
+                f"its local shape ({rows}, {cols})"
+            )
+    for i, a in enumerate(rects):
+        for b in rects[i + 1 :]:
+            if a[0] < b[1] and b[0] < a[1] and a[2] < b[3] and b[2] < a[3]:
+                raise ValueError(
+                    f"destination {name!r} rank {rank}: overlapping writes to rows "
+                    f"[{max(a[0], b[0])}, {min(a[1], b[1])}) cols [{max(a[2], b[2])}, {min(a[3], b[3])})"
+                )
+    covered = sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in rects)
+    if covered != rows * cols:
+        raise ValueError(
+            f"destination {name!r} rank {rank}: {rows * cols - covered} of {rows * cols} elements "
+            f"would never be written"
+        )
+
+
+def _decompose(frag: Fragment, holders: list[_Holder], dst_rank: int, dst_name: str) -> list[tuple[_Holder, int, int, int, int]]:
+    """Cover a destination fragment with disjoint rectangles, each read from one
+    source holder: (holder, row0, row1, col0, col1) in logical coordinates.
+    Replicated sources are spread over their holders by destination rank."""
+    r0, r1 = frag.src_row, frag.src_row + frag.num_rows
+    c0, c1 = frag.src_col, frag.src_col + frag.num_cols
+    touching = []
+    for h in holders:
+        f = h.fragment
+        if f.src_row < r1 and r0 < f.src_row + f.num_rows and f.src_col < c1 and c0 < f.src_col + f.num_cols:
+            touching.append(h)
+    row_cuts = sorted({r0, r1} | {min(max(b, r0), r1) for h in touching for b in (h.fragment.src_row, h.fragment.src_row + h.fragment.num_rows)})
+    col_cuts = sorted({c0, c1} | {min(max(b, c0), c1) for h in touching for b in (h.fragment.src_col, h.fragment.src_col + h.fragment.num_cols)})
+    bands: list[list[tuple[_Holder, int, int, int, int]]] = []
+    for ra, rb in zip(row_cuts, row_cuts[1:]):
+        band: list[tuple[_Holder, int, int, int, int]] = []
+        for ca, cb in zip(col_cuts, col_cuts[1:]):
+            candidates = [
+                h for h in touching
+                if h.fragment.src_row <= ra and rb <= h.fragment.src_row + h.fragment.num_rows
+                and h.fragment.src_col <= ca and cb <= h.fragment.src_col + h.fragment.num_cols
+            ]
+            if not candidates:
+                raise ValueError(
+                    f"destination {dst_name!r} rank {dst_rank}: rows [{ra}, {rb}) cols [{ca}, {cb}) of "
+                    f"{frag.source!r} are held by no source rank"
+                )
+            holder = candidates[dst_rank % len(candidates)]
+            if band and band[-1][0] == holder and band[-1][4] == ca:
+                band[-1] = (holder, ra, rb, band[-1][3], cb)
+            else:
+                band.append((holder, ra, rb, ca, cb))
+        if bands and [(h, a, b) for h, _, _, a, b in bands[-1]] == [(h, a, b) for h, _, _, a, b in band]:
+            bands[-1] = [(h, prev[1], rb, a, b) for prev, (h, _, _, a, b) in zip(bands[-1], band)]
+        else:
+            bands.append(band)
+    return [rect for band in bands for rect in band]
+
+
+def plan_transfer(src_layout: Layout, dst_layout: Layout, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> TransferPlan:
+    """Plan the copy of every destination parameter from the source layout.
+
+    Raises ValueError, naming the parameter, for: a destination reading a logical
+    tensor the source does not have; a source parameter no destination uses; a
+    global shape mismatch; a dtype pair other than equal or float32 -> bfloat16;
+    destination writes that overlap, leave a gap, or fall outside the tensor.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    src_shapes = src_layout.logical_shapes()
+    dst_shapes = dst_layout.logical_shapes()
+    src_dtypes = {src: spec.dtype for spec in src_layout.params.values() for src in spec.logical_shapes()}
+
+    for spec in dst_layout.params.values():
+        for source, shape in spec.logical_shapes().items():
+            if source not in src_shapes:
+                raise ValueError(f"destination {spec.name!r} reads {source!r}, which the source layout does not have")
+            if src_shapes[source] != shape:
+                raise ValueError(
+                    f"destination {spec.name!r}: {source!r} has shape {src_shapes[source]} in the source "
+                    f"layout, expected {shape}"
+                )
+            pair = (src_dtypes[source], spec.dtype)
+            if pair[0] != pair[1] and pair not in SUPPORTED_CASTS:
+                raise ValueError(
+                    f"destination {spec.name!r}: cannot cast {source!r} from {pair[0]} to {pair[1]} "
+                    f"(supported: equal dtypes, float32 -> bfloat16)"
+                )
+    unused = [name for name, spec in src_layout.params.items() if not set(spec.logical_shapes()) & set(dst_shapes)]
+    if unused:
+        raise ValueError(f"source parameter {unused[0]!r} is not used by the destination layout ({len(unused)} unused)")
+
+    holders: dict[str, list[_Holder]] = defaultdict(list)
+    for rank in range(src_layout.world_size):
+        for name in src_layout.params:
+            for frag in src_layout.fragments(name, rank):
+                holders[frag.source].append(_Holder(rank, name, frag))
+
+    segments: list[Segment] = []
+    for rank in range(dst_layout.world_size):
+        for name, spec in dst_layout.params.items():
+            _check_tiling(dst_layout, name, rank)
+            dst_cols = view_2d(dst_layout.local_shape(name, rank))[1]
+            dst_item = spec.dtype.itemsize
+            for frag in dst_layout.fragments(name, rank):
+                for holder, ra, rb, ca, cb in _decompose(frag, holders[frag.source], rank, name):
+                    src_spec = src_layout.params[holder.name]
+                    src_item = src_spec.dtype.itemsize
+                    src_cols = view_2d(src_layout.local_shape(holder.name, holder.rank))[1]
+                    hf = holder.fragment
+                    src_r, src_c = ra - hf.src_row + hf.local_row, ca - hf.src_col + hf.local_col
+                    dst_r, dst_c = ra - frag.src_row + frag.local_row, ca - frag.src_col + frag.local_col
+                    width, height = cb - ca, rb - ra
+                    if width == src_cols == dst_cols and height > 1:  # whole rows on both sides: one run
+                        width, height = width * height, 1
+                    cast = src_spec.dtype != spec.dtype
+                    segments.append(
+                        Segment(
+                            holder.rank, holder.name, (src_r * src_cols + src_c) * src_item, src_cols * src_item,
+                            rank, name, (dst_r * dst_cols + dst_c) * dst_item, dst_cols * dst_item,
+                            width, height, dst_item, cast,
+                        )
+                    )
+    return TransferPlan(src_layout, dst_layout, segments, bucket_bytes)

@@ -1,0 +1,73 @@
+"""Reference resharding in plain torch, independent of layouts and the planner.
+
+Tests and benchmarks compare every sync against these: the trainer's FSDP shards
+are `torch.chunk` pieces of the full Hugging Face tensors, and the generator's
+tensor-parallel tensors are built by slicing and concatenating the full tensors
+the way vLLM's loaders do.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+VOCAB_PADDING = 64
+
+
+def reference_fsdp_shards(
+    state_dict: Mapping[str, torch.Tensor], world_size: int, dtype: torch.dtype
+) -> dict[int, dict[str, torch.Tensor]]:
+    """rank -> name -> `torch.chunk(t, world_size)[rank]` (empty where chunk gives fewer pieces)."""
+    shards: dict[int, dict[str, torch.Tensor]] = {r: {} for r in range(world_size)}
+    for name, full in state_dict.items():
+        pieces = torch.chunk(full.detach().to(dtype), world_size, dim=0)
+        for rank in range(world_size):
+            piece = pieces[rank] if rank < len(pieces) else full.new_empty((0, *full.shape[1:]), dtype=dtype)
+            shards[rank][name] = piece.contiguous().clone()
+    return shards
+
+
+def _kv_rows(t: torch.Tensor, num_kv_heads: int, tp_size: int, rank: int) -> torch.Tensor:
+    if tp_size <= num_kv_heads:
+        return torch.chunk(t, tp_size, dim=0)[rank]
+    per_head = torch.chunk(t, num_kv_heads, dim=0)
+    return per_head[rank // (tp_size // num_kv_heads)]
+
+
+def reference_vllm_tp_shards(
+    state_dict: Mapping[str, torch.Tensor], config, tp_size: int, dtype: torch.dtype
+) -> dict[int, dict[str, torch.Tensor]]:
+    """rank -> vLLM parameter name -> tensor, from full Hugging Face tensors."""
+    num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    sd = {k: v.detach().to(dtype) for k, v in state_dict.items()}
+    out: dict[int, dict[str, torch.Tensor]] = {r: {} for r in range(tp_size)}
+    for rank in range(tp_size):
+        shard = out[rank]
+        for name, t in sd.items():
+            prefix, _, kind = name.rpartition(".")
+            if ".self_attn.q_proj." in name:
+                base = prefix.rsplit(".", 1)[0]
+                k, v = sd[f"{base}.k_proj.{kind}"], sd[f"{base}.v_proj.{kind}"]
+                shard[f"{base}.qkv_proj.{kind}"] = torch.cat(
+                    [torch.chunk(t, tp_size, 0)[rank], _kv_rows(k, num_kv, tp_size, rank), _kv_rows(v, num_kv, tp_size, rank)]
+                )
+            elif ".mlp.gate_proj." in name:
+                base = prefix.rsplit(".", 1)[0]
+                up = sd[f"{base}.up_proj.{kind}"]
+                shard[f"{base}.gate_up_proj.{kind}"] = torch.cat(
+                    [torch.chunk(t, tp_size, 0)[rank], torch.chunk(up, tp_size, 0)[rank]]
+                )
+            elif any(p in name for p in (".k_proj.", ".v_proj.", ".up_proj.")):
+                continue
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                shard[name] = torch.chunk(t, tp_size, 1)[rank]
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                padded = -(-t.shape[0] // VOCAB_PADDING) * VOCAB_PADDING
+                full = torch.zeros((padded, t.shape[1]), dtype=dtype)
+                full[: t.shape[0]] = t
+                shard[name] = torch.chunk(full, tp_size, 0)[rank]
+            else:  # norms, o_proj / down_proj biases: replicated
+                shard[name] = t
+        out[rank] = {k: v.contiguous().clone() for k, v in shard.items()}
+    return out

@@ -1,0 +1,116 @@
+"""Shared test helpers: real Hugging Face models with random weights, poisoned
+destinations, mismatch reports, and real processes with a deadline."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import traceback
+from typing import Callable, Mapping
+
+import torch
+import transformers
+
+from llamarl_core.sync import Layout
+
+
+def small_config(kind: str):
+    """Odd-sized Llama-family configs covering GQA, bias and tied embeddings."""
+    common = dict(hidden_size=96, intermediate_size=344, num_hidden_layers=2, num_attention_heads=8, vocab_size=1001)
+    if kind == "llama_gqa_bias":  # kv heads < tp 4: replicated KV heads; q/k/v/o bias
+        return transformers.LlamaConfig(**common, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+                                        tie_word_embeddings=False)
+    if kind == "llama_tied":
+        return transformers.LlamaConfig(**common, num_key_value_heads=4, tie_word_embeddings=True)
+    if kind == "qwen2":  # q/k/v bias, no o bias
+        return transformers.Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)
+    if kind == "mistral":
+        return transformers.MistralConfig(**common, num_key_value_heads=1, tie_word_embeddings=False)
+    raise ValueError(kind)
+
+
+CONFIG_KINDS = ("llama_gqa_bias", "llama_tied", "qwen2", "mistral")
+MODEL_CLASSES = {
+    "llama": transformers.LlamaForCausalLM,
+    "qwen2": transformers.Qwen2ForCausalLM,
+    "mistral": transformers.MistralForCausalLM,
+}
+
+
+def hf_state_dict(config, seed: int) -> dict[str, torch.Tensor]:
+    """named_parameters() of the real Hugging Face model class, every parameter
+    (norms and biases too, which init to ones / zeros) redrawn from N(0, 1)."""
+    torch.manual_seed(seed)
+    model = MODEL_CLASSES[config.model_type](config)
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(p.shape, generator=gen) for name, p in model.named_parameters()}
+
+
+def poisoned_destination(layout: Layout, rank: int) -> dict[str, torch.Tensor]:
+    """NaN everywhere a sync must write, zeros in padding rows (as vLLM allocates them)."""
+    out = {}
+    for name, spec in layout.params.items():
+        t = torch.full(layout.local_shape(name, rank), float("nan"), dtype=spec.dtype)
+        start, stop = layout.padding_rows(name, rank)
+        t[start:stop] = 0
+        out[name] = t
+    return out
+
+
+def mismatches(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor]) -> list[str]:
+    """One line per tensor that is not bitwise equal: count, first bad index, NaNs."""
+    lines = []
+    for name in sorted(set(expected) | set(got)):
+        if name not in got or name not in expected:
+            lines.append(f"{name}: present on one side only")
+            continue
+        a, b = expected[name], got[name]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            lines.append(f"{name}: {tuple(b.shape)} {b.dtype} != expected {tuple(a.shape)} {a.dtype}")
+            continue
+        if torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b):
+            continue
+        bad = (a.view(torch.uint8) != b.view(torch.uint8)).nonzero()
+        lines.append(
+            f"{name}: {len(bad)} bytes differ, first at {bad[0].tolist()}, NaN in result: {int(torch.isnan(b.float()).sum())}"
+        )
+    return lines
+
+
+def _child(target: Callable, kwargs: dict, queue) -> None:
+    try:
+        queue.put((os.getpid(), "ok", target(**kwargs)))
+    except BaseException:  # report any failure of the child to the parent
+        queue.put((os.getpid(), "error", traceback.format_exc()))
+
+
+def run_processes(jobs: list[tuple[Callable, dict]], timeout: float) -> list:
+    """Run each (function, kwargs) in its own spawned process; return their results
+    in order. Raises if one fails, or kills them all if they pass the deadline."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(fn, kw, queue)) for fn, kw in jobs]
+    for p in procs:
+        p.start()
+    by_pid = {}
+    try:
+        for _ in procs:
+            pid, status, value = queue.get(timeout=timeout)
+            by_pid[pid] = (status, value)
+    except Exception as exc:
+        raise TimeoutError(f"processes did not finish within {timeout} s: {exc!r}") from exc
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
+    errors = [v for s, v in by_pid.values() if s == "error"]
+    if errors:
+        raise AssertionError("a rank failed:\n" + "\n".join(errors))
+    return [by_pid[p.pid][1] for p in procs]
+
+
+def llamarl_shm_entries() -> list[str]:
+    return sorted(e for e in os.listdir("/dev/shm") if e.startswith("llamarl"))

@@ -1,0 +1,152 @@
+"""Process bodies for the multi-process weight-sync tests (spawned by helpers.run_processes)."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from helpers import hf_state_dict, mismatches, poisoned_destination, small_config
+from llamarl_core.sync import (
+    WeightReceiver,
+    WeightSender,
+    hf_llama_fsdp,
+    reference_fsdp_shards,
+    reference_vllm_tp_shards,
+    vllm_llama_tp,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def connect(port: int) -> dist.Store:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+
+
+def scenario_name(s: dict) -> str:
+    return f"{s['config']}-fsdp{s['fsdp']}-tp{s['tp']}-{s['src_dtype']}-{s['transport']}-seed{s['seed']}"
+
+
+def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) -> dict:
+    """For each scenario this rank belongs to: register FSDP shards, send each version
+    (the shards updated in place between versions, as an optimizer step does)."""
+    store, out = connect(port), {}
+    torch.set_num_threads(1)
+    for s in scenarios:
+        if rank >= s["fsdp"]:
+            continue
+        config, dtype = small_config(s["config"]), DTYPES[s["src_dtype"]]
+        shards = reference_fsdp_shards(hf_state_dict(config, s["seed"]), s["fsdp"], dtype)[rank]
+        with WeightSender(store, hf_llama_fsdp(config, s["fsdp"], dtype), rank, shards,
+                          name=scenario_name(s), transport=s["transport"], timeout=60) as sender:
+            for v in versions:
+                fresh = reference_fsdp_shards(hf_state_dict(config, s["seed"] + v), s["fsdp"], dtype)[rank]
+                for name, t in shards.items():
+                    t.copy_(fresh[name])
+                sender.send(v)
+            out[scenario_name(s)] = sender.transport
+    return out
+
+
+def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) -> dict:
+    """For each scenario: register NaN-poisoned parameters (as nn.Parameters of a
+    module, the generator's own storage), receive each version and compare it
+    bitwise with the plain-torch reference. Returns scenario -> mismatch lines."""
+    store, out = connect(port), {}
+    torch.set_num_threads(1)
+    for s in scenarios:
+        if rank >= s["tp"]:
+            continue
+        config = small_config(s["config"])
+        layout = vllm_llama_tp(config, s["tp"], torch.bfloat16)
+        module = torch.nn.ParameterDict(
+            {n.replace(".", "/"): torch.nn.Parameter(t, requires_grad=False)
+             for n, t in poisoned_destination(layout, rank).items()}
+        )
+        params = {n.replace("/", "."): p for n, p in module.items()}
+        problems = []
+        with WeightReceiver(store, layout, rank, params, name=scenario_name(s), transport=s["transport"],
+                            timeout=60) as receiver:
+            for v in versions:
+                got = receiver.receive()
+                if got != v:
+                    problems.append(f"version {got} reported, expected {v}")
+                expected = reference_vllm_tp_shards(hf_state_dict(config, s["seed"] + v), config, s["tp"],
+                                                    torch.bfloat16)[rank]
+                # Read through the module: the destination is the generator's own parameters.
+                problems += [f"v{v} {line}" for line in mismatches(expected, {n.replace("/", "."): p.data for n, p in module.items()})]
+        out[scenario_name(s)] = problems
+    return out
+
+
+def stalling_sender_body(port: int, rank: int, scenario: dict, stall_in_version: int) -> None:
+    """Send version 1, then stall inside version `stall_in_version` after its first
+    bucket has landed (and say so in the Store), waiting to be SIGKILLed."""
+    import time
+
+    import llamarl_core.sync.endpoints as endpoints
+
+    store, real_run = connect(port), endpoints.run_segment_table
+    state = {"version": None, "calls": 0}
+
+    def run_then_stall(*args, **kwargs):
+        written = real_run(*args, **kwargs)
+        state["calls"] += 1
+        if state["version"] == stall_in_version:
+            store.set(f"test/stalled/{rank}", str(state["calls"]))
+            time.sleep(600)
+        return written
+
+    endpoints.run_segment_table = run_then_stall
+    config, dtype = small_config(scenario["config"]), DTYPES[scenario["src_dtype"]]
+    shards = reference_fsdp_shards(hf_state_dict(config, scenario["seed"]), scenario["fsdp"], dtype)[rank]
+    sender = WeightSender(store, hf_llama_fsdp(config, scenario["fsdp"], dtype), rank, shards,
+                          name=scenario_name(scenario), timeout=60, bucket_bytes=scenario["bucket_bytes"])
+    for v in (1, stall_in_version):
+        state["version"] = v
+        fresh = reference_fsdp_shards(hf_state_dict(config, scenario["seed"] + v), scenario["fsdp"], dtype)[rank]
+        for name, t in shards.items():
+            t.copy_(fresh[name])
+        sender.send(v)
+
+
+def torn_receiver_body(port: int, rank: int, scenario: dict, torn_timeout: float) -> dict:
+    """Receive version 1; then a receive that must time out (a sender dies); then
+    the next complete version. Reports what it saw at each step."""
+    import time
+
+    from llamarl_core.sync import SyncTimeoutError, TornWeightsError
+
+    store = connect(port)
+    config = small_config(scenario["config"])
+    layout = vllm_llama_tp(config, scenario["tp"], torch.bfloat16)
+    params = poisoned_destination(layout, rank)
+    report = {}
+    receiver = WeightReceiver(store, layout, rank, params, name=scenario_name(scenario), timeout=60,
+                              bucket_bytes=scenario["bucket_bytes"])
+    report["v1"] = receiver.receive()
+    v1_copy = {n: t.clone() for n, t in params.items()}
+    start = time.monotonic()
+    try:
+        receiver.receive(timeout=torn_timeout)
+        report["torn_receive"] = "returned"
+    except SyncTimeoutError as exc:
+        report["torn_receive"] = f"SyncTimeoutError: {exc}"
+    report["torn_elapsed"] = time.monotonic() - start
+    report["version_after_torn"] = receiver.version
+    report["torn_flag"] = receiver.torn
+    try:
+        receiver.weights()
+        report["weights_while_torn"] = "served"
+    except TornWeightsError as exc:
+        report["weights_while_torn"] = f"TornWeightsError: {exc}"
+    report["changed_by_torn_sync"] = sum(
+        int(not torch.equal(v1_copy[n].view(torch.uint8), params[n].view(torch.uint8))) for n in params
+    )
+    report["v3"] = receiver.receive()
+    expected = reference_vllm_tp_shards(hf_state_dict(config, scenario["seed"] + 3), config, scenario["tp"],
+                                        torch.bfloat16)[rank]
+    report["v3_mismatches"] = mismatches(expected, receiver.weights())
+    receiver.close()
+    return report

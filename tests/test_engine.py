@@ -1,0 +1,174 @@
+"""The native copy engine: segments, the fp32 -> bf16 cast, shared memory regions."""
+
+import multiprocessing as mp
+import os
+import shutil
+import stat
+
+import numpy as np
+import pytest
+import torch
+
+from llamarl_core._native import native, native_cuda
+from llamarl_core.sync.engine import KIND_COPY, KIND_F32_TO_BF16, run_segment_table
+from helpers import llamarl_shm_entries
+
+
+def _rect_table(src: torch.Tensor, dst: torch.Tensor, rects, kind: int) -> np.ndarray:
+    """Segments copying src[r0:r0+h, c0:c0+w] -> dst[R0:R0+h, C0:C0+w] for each rect."""
+    rows = []
+    for r0, c0, R0, C0, h, w in rects:
+        rows.append((
+            src[r0, c0:].data_ptr(), src.stride(0) * src.element_size(),
+            dst[R0, C0:].data_ptr(), dst.stride(0) * dst.element_size(),
+            w * (src.element_size() if kind == KIND_COPY else 1), h, kind,
+        ))
+    return np.array(rows, dtype=np.int64)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_strided_copy_matches_torch(num_threads, dtype):
+    gen = torch.Generator().manual_seed(num_threads)
+    # 1100 x 1031 fp32 is 4.5 MiB: large enough that the engine splits over threads.
+    src = (torch.randn(1100, 1031, generator=gen) * 100).to(dtype)
+    dst = torch.full((1200, 1100), 77, dtype=dtype)
+    expected = dst.clone()
+    rects = [(0, 0, 0, 0, 1100, 1031), (5, 7, 1101, 3, 97, 123), (1099, 1030, 1199, 1099, 1, 1)]
+    for r0, c0, R0, C0, h, w in rects:
+        expected[R0:R0 + h, C0:C0 + w] = src[r0:r0 + h, c0:c0 + w]
+    written = native().execute_segments_host(_rect_table(src, dst, rects, KIND_COPY), num_threads)
+    assert written == sum(h * w for *_, h, w in rects) * src.element_size()
+    assert torch.equal(dst.view(torch.uint8), expected.view(torch.uint8))
+
+
+def _special_fp32() -> torch.Tensor:
+    """Values where fp32 -> bf16 rounding is delicate, plus random bits."""
+    specials = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.0, -1.0,
+                3.4028234663852886e38, -3.4028234663852886e38, 1e-45, -1e-45, 1.1754942e-38]
+    bits = []
+    for base in (0x3F800000, 0x7F7F0000, 0x00010000, 0xBF800000):
+        bits += [base | 0x8000, base | 0x7FFF, base | 0x8001, base | 0x18000, base | 0xFFFF]
+    gen = torch.Generator().manual_seed(0)
+    random_bits = torch.randint(-(2**31), 2**31 - 1, (65536,), generator=gen, dtype=torch.int64)
+    midpoints = torch.tensor(bits, dtype=torch.int64)
+    all_bits = torch.cat([midpoints, random_bits]).to(torch.int32)
+    return torch.cat([torch.tensor(specials, dtype=torch.float32), all_bits.view(torch.float32)])
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_cast_fp32_to_bf16_bitwise_equals_torch(num_threads):
+    values = _special_fp32()
+    n = values.numel() // 16 * 16
+    src = values[:n].view(-1, 16).contiguous()
+    dst = torch.full(src.shape, float("nan"), dtype=torch.bfloat16)
+    table = _rect_table(src, dst, [(0, 0, 0, 0, src.shape[0], 16)], KIND_F32_TO_BF16)
+    native().execute_segments_host(table, num_threads)
+    expected = src.to(torch.bfloat16)
+    # NaN payloads are not a contract: torch's own vectorised and scalar paths give
+    # 0xFFFF and 0x7FC0. A NaN must stay a NaN; every other value bit for bit.
+    nan = torch.isnan(src)
+    assert torch.isnan(dst[nan].float()).all()
+    diff = ((dst.view(torch.int16) != expected.view(torch.int16)) & ~nan).nonzero()
+    assert len(diff) == 0, f"{len(diff)} values differ, first {src[tuple(diff[0])].item()!r}"
+    assert nan.sum() > 100  # the random bits include NaN patterns, so the branch above is exercised
+
+
+def test_cast_of_each_special_value_alone():
+    for value in _special_fp32()[:40].tolist():
+        bits = torch.tensor([value], dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF
+        got = native().float_to_bf16_bits(bits)
+        as_bf16 = torch.tensor([got], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        if value != value:
+            assert torch.isnan(as_bf16.float()).all()
+            continue
+        expected = torch.tensor([value], dtype=torch.float32).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+        assert got == expected, value
+
+
+@pytest.mark.parametrize("row, message", [
+    ((1, 0, 1, 0, -1, 1, KIND_COPY), "negative width"),
+    ((1, 0, 1, 0, 1, 1, 5), "unknown kind"),
+    ((0, 0, 1, 0, 8, 1, KIND_COPY), "null address"),
+    ((1, 4, 1, 4, 8, 2, KIND_COPY), "pitch smaller than a row"),
+])
+def test_bad_segments_are_refused_before_any_copy(row, message):
+    dst = torch.zeros(16, dtype=torch.uint8)
+    src_keep = torch.ones(16, dtype=torch.uint8)
+    good = (src_keep.data_ptr(), 16, dst.data_ptr(), 16, 16, 1, KIND_COPY)
+    table = np.array([good, row], dtype=np.int64)
+    with pytest.raises(RuntimeError, match=message):
+        native().execute_segments_host(table, 1)
+    assert int(dst.sum()) == 0  # the good segment before the bad one did not run either
+
+
+def test_table_shape_is_checked():
+    with pytest.raises(RuntimeError, match=r"shape \(n, 7\)"):
+        native().execute_segments_host(np.zeros((2, 6), dtype=np.int64), 1)
+
+
+def _peer_reads(pid: int, fd: int, name: str, nbytes: int, queue) -> None:
+    from llamarl_core._native import native as load
+
+    region = load().SharedMemoryRegion.open(pid, fd, name, nbytes)
+    view = torch.frombuffer(region, dtype=torch.uint8)
+    total = int(view.to(torch.int64).sum())
+    view[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)  # written back through the mapping
+    del view
+    region.close()
+    queue.put(total)
+
+
+def test_shared_memory_region_between_processes():
+    region = native().SharedMemoryRegion.create(1 << 20)
+    assert region.is_owner and region.nbytes == 1 << 20
+    assert region.name.startswith("/llamarl-") and len(region.name.rsplit("-", 1)[1]) == 32
+    assert region.name != native().SharedMemoryRegion.create(64).name
+    # Unlinked at creation: nothing in /dev/shm, even while it is in use.
+    assert region.name.lstrip("/") not in os.listdir("/dev/shm")
+    assert stat.S_IMODE(os.fstat(region.fd).st_mode) == 0o600
+    view = torch.frombuffer(region, dtype=torch.uint8)
+    view.copy_(torch.arange(1 << 20, dtype=torch.int64).remainder(251).to(torch.uint8))
+    expected_total = int(view.to(torch.int64).sum())
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_peer_reads, args=(os.getpid(), region.fd, region.name, region.nbytes, queue))
+    proc.start()
+    total = queue.get(timeout=60)
+    proc.join(timeout=30)
+    assert total == expected_total
+    assert view[:4].tolist() == [1, 2, 3, 4]
+    assert proc.exitcode == 0
+
+
+def test_open_refuses_a_wrong_name_or_size():
+    region = native().SharedMemoryRegion.create(4096)
+    with pytest.raises(RuntimeError, match="expected"):
+        native().SharedMemoryRegion.open(os.getpid(), region.fd, "/llamarl-not-this-one", 4096)
+    with pytest.raises(RuntimeError, match="expected 8192"):
+        native().SharedMemoryRegion.open(os.getpid(), region.fd, region.name, 8192)
+    with pytest.raises(RuntimeError, match="cannot read"):
+        native().SharedMemoryRegion.open(2**22 + 12345, 3, region.name, 4096)
+    assert llamarl_shm_entries() == []
+
+
+def test_cuda_backend_is_built_and_fails_clearly_without_a_device():
+    mod = native()
+    if shutil.which("nvcc") and os.environ.get("LLAMARL_SKIP_CUDA", "0") in ("", "0"):
+        assert mod.built_with_cuda, "nvcc is on PATH but the CUDA sources were not built"
+    elif not mod.built_with_cuda:
+        with pytest.raises(RuntimeError, match="built without its CUDA backend"):
+            native_cuda()
+        return
+    if torch.cuda.is_available():
+        pytest.skip("a device is present")
+    assert mod.cuda_device_count() == 0
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        native_cuda()
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        mod.cuda_device_uuid(0)
+
+
+def test_run_segment_table_refuses_unknown_devices():
+    with pytest.raises(ValueError, match="no copy engine"):
+        run_segment_table(np.zeros((1, 7), dtype=np.int64), torch.device("meta"))

@@ -1,0 +1,209 @@
+"""Layouts, presets and the planner, executed in one process against plain torch."""
+
+import dataclasses
+import itertools
+import zlib
+
+import pytest
+import torch
+
+from helpers import CONFIG_KINDS, MODEL_CLASSES, hf_state_dict, mismatches, poisoned_destination, small_config
+from llamarl_core.sync import (
+    Fused,
+    FusedPart,
+    Layout,
+    ParamSpec,
+    Replicate,
+    Shard,
+    hf_llama_fsdp,
+    plan_transfer,
+    reference_fsdp_shards,
+    reference_vllm_tp_shards,
+    vllm_llama_tp,
+)
+
+
+@pytest.mark.parametrize("kind", CONFIG_KINDS)
+def test_hf_preset_matches_the_real_model(kind):
+    config = small_config(kind)
+    model = MODEL_CLASSES[config.model_type](config)
+    layout = hf_llama_fsdp(config, 3, torch.float32)
+    assert {n: tuple(p.shape) for n, p in model.named_parameters()} == {n: s.shape for n, s in layout.params.items()}
+    for name, p in model.named_parameters():
+        pieces = torch.chunk(p, 3)
+        for rank in range(3):
+            expected = tuple(pieces[rank].shape) if rank < len(pieces) else (0, *p.shape[1:])
+            assert layout.local_shape(name, rank) == expected, (name, rank)
+
+
+@pytest.mark.parametrize("kind", CONFIG_KINDS)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_vllm_preset_local_shapes_match_the_reference(kind, tp):
+    config = small_config(kind)
+    ref = reference_vllm_tp_shards(hf_state_dict(config, 0), config, tp, torch.bfloat16)
+    layout = vllm_llama_tp(config, tp, torch.bfloat16)
+    for rank in range(tp):
+        assert {n: layout.local_shape(n, rank) for n in layout.params} == {n: tuple(t.shape) for n, t in ref[rank].items()}
+    assert ("lm_head.weight" in layout.params) == (not config.tie_word_embeddings)
+    assert layout.local_shape("model.embed_tokens.weight", 0)[0] == 1024 // tp  # 1001 padded to 1024
+
+
+MATRIX = list(itertools.product(CONFIG_KINDS, [1, 2, 3], [1, 2, 4], [torch.float32, torch.bfloat16]))
+
+
+@pytest.mark.parametrize("kind, fsdp, tp, src_dtype", MATRIX)
+def test_execute_local_equals_reference(kind, fsdp, tp, src_dtype):
+    config = small_config(kind)
+    seed = zlib.crc32(f"{kind}{fsdp}{tp}{src_dtype}".encode())
+    state = hf_state_dict(config, seed)
+    dst_layout = vllm_llama_tp(config, tp, torch.bfloat16)
+    plan = plan_transfer(hf_llama_fsdp(config, fsdp, src_dtype), dst_layout)
+    dst = {r: poisoned_destination(dst_layout, r) for r in range(tp)}
+    written = plan.execute_local(reference_fsdp_shards(state, fsdp, src_dtype), dst)
+    assert written == plan.nbytes == sum(row["bytes"] for row in plan.summary())
+    ref = reference_vllm_tp_shards(state, config, tp, torch.bfloat16)
+    for rank in range(tp):
+        assert mismatches(ref[rank], dst[rank]) == []
+
+
+def test_small_buckets_split_segments_and_stay_exact():
+    config = small_config("llama_gqa_bias")
+    state = hf_state_dict(config, 3)
+    dst_layout = vllm_llama_tp(config, 2, torch.bfloat16)
+    plan = plan_transfer(hf_llama_fsdp(config, 3, torch.float32), dst_layout, bucket_bytes=1000)
+    assert all(sum(s.nbytes for s in b) <= 1000 for buckets in plan.buckets.values() for b in buckets)
+    dst = {r: poisoned_destination(dst_layout, r) for r in range(2)}
+    plan.execute_local(reference_fsdp_shards(state, 3, torch.float32), dst)
+    ref = reference_vllm_tp_shards(state, config, 2, torch.bfloat16)
+    assert all(mismatches(ref[r], dst[r]) == [] for r in range(2))
+
+
+def test_summary_counts_bytes_per_rank_pair():
+    config = small_config("llama_tied")
+    plan = plan_transfer(hf_llama_fsdp(config, 2, torch.float32), vllm_llama_tp(config, 2, torch.bfloat16))
+    rows = plan.summary()
+    assert {(r["src_rank"], r["dst_rank"]) for r in rows} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    dst_layout = plan.dst_layout
+    # Every destination element except padding is written once.
+    expected = sum(
+        (torch.Size(dst_layout.local_shape(n, r)).numel() - (lambda p: (p[1] - p[0]) * 96)(dst_layout.padding_rows(n, r)))
+        * 2
+        for n in dst_layout.params for r in range(2)
+    )
+    assert sum(r["bytes"] for r in rows) == plan.nbytes == expected
+    assert all(r["segments"] >= r["buckets"] >= 1 for r in rows)
+
+
+def test_replicated_source_is_spread_over_holders():
+    src = Layout(2, [ParamSpec("w", (8, 4), torch.float32, Replicate())])
+    dst = Layout(4, [ParamSpec("w", (8, 4), torch.float32, Shard(0))])
+    plan = plan_transfer(src, dst)
+    assert sorted((s.src_rank, s.dst_rank) for s in plan.segments) == [(0, 0), (0, 2), (1, 1), (1, 3)]
+
+
+def test_custom_2d_resharding_row_to_column_split():
+    src = Layout(3, [ParamSpec("w", (7, 10), torch.float32, Shard(0))])
+    dst = Layout(2, [ParamSpec("w", (7, 10), torch.bfloat16, Shard(1))])
+    full = torch.randn(7, 10)
+    src_shards = {r: {"w": torch.chunk(full, 3)[r].contiguous()} for r in range(3)}
+    dst_shards = {r: {"w": torch.full((7, 5), float("nan"), dtype=torch.bfloat16)} for r in range(2)}
+    plan_transfer(src, dst).execute_local(src_shards, dst_shards)
+    for r in range(2):
+        assert torch.equal(dst_shards[r]["w"], torch.chunk(full, 2, dim=1)[r].to(torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def _tiny():
+    config = small_config("llama_gqa_bias")
+    return config, hf_llama_fsdp(config, 2, torch.float32), vllm_llama_tp(config, 2, torch.bfloat16)
+
+
+def _replace(layout: Layout, name: str, **changes) -> Layout:
+    return Layout(layout.world_size, [dataclasses.replace(s, **changes) if s.name == name else s for s in layout.params.values()])
+
+
+def test_refuses_shape_mismatch_naming_the_parameter():
+    _, src, dst = _tiny()
+    bad = _replace(src, "model.layers.1.mlp.down_proj.weight", shape=(96, 343))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight.*shape"):
+        plan_transfer(bad, dst)
+
+
+def test_refuses_missing_source_parameter():
+    _, src, dst = _tiny()
+    missing = Layout(2, [s for n, s in src.params.items() if n != "model.layers.0.self_attn.k_proj.weight"])
+    with pytest.raises(ValueError, match=r"qkv_proj\.weight.*model\.layers\.0\.self_attn\.k_proj\.weight"):
+        plan_transfer(missing, dst)
+
+
+def test_refuses_unused_source_parameter():
+    _, src, dst = _tiny()
+    extra = Layout(2, [*src.params.values(), ParamSpec("model.extra.weight", (4, 4), torch.float32, Shard(0))])
+    with pytest.raises(ValueError, match=r"model\.extra\.weight.*not used"):
+        plan_transfer(extra, dst)
+
+
+@pytest.mark.parametrize("src_dtype, dst_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16), (torch.float32, torch.float16)])
+def test_refuses_unsupported_casts(src_dtype, dst_dtype):
+    config = small_config("mistral")
+    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight.*cannot cast"):
+        plan_transfer(hf_llama_fsdp(config, 1, src_dtype), vllm_llama_tp(config, 1, dst_dtype))
+
+
+def test_refuses_overlapping_destination_writes():
+    class Overlap(Layout):  # a custom layout whose first fragment is listed twice
+        def fragments(self, name, rank):
+            frags = super().fragments(name, rank)
+            return frags + frags[:1]
+
+    with pytest.raises(ValueError, match=r"'w' rank 0: overlapping writes"):
+        plan_transfer(Layout(1, [ParamSpec("w", (4, 3), torch.float32)]), Overlap(1, [ParamSpec("w", (4, 3), torch.float32)]))
+
+
+def test_refuses_gaps_in_destination():
+    class Gap(Layout):
+        def fragments(self, name, rank):
+            frag = super().fragments(name, rank)[0]
+            return [dataclasses.replace(frag, num_rows=frag.num_rows - 1)]
+
+    with pytest.raises(ValueError, match=r"'w' rank 0: 3 of 12 elements would never be written"):
+        plan_transfer(Layout(1, [ParamSpec("w", (4, 3), torch.float32)]), Gap(1, [ParamSpec("w", (4, 3), torch.float32)]))
+
+
+def test_layout_validation_names_the_parameter():
+    with pytest.raises(ValueError, match=r"'a'.*dim 1 of a 2-D"):
+        Layout(2, [ParamSpec("a", (4,), torch.float32, Shard(1))])
+    with pytest.raises(ValueError, match=r"'b'.*listed twice"):
+        Layout(1, [ParamSpec("b", (1,), torch.float32), ParamSpec("b", (1,), torch.float32)])
+    with pytest.raises(ValueError, match=r"'c'.*outside"):
+        Layout(1, [ParamSpec("c", (4, 2), torch.float32, Fused((FusedPart("x", (4, 2), ((0, 5),)),)))])
+    with pytest.raises(ValueError, match="tp_size 3"):
+        vllm_llama_tp(small_config("llama_tied"), 3, torch.bfloat16)
+
+
+def test_execute_local_refuses_bad_tensors_before_copying():
+    config, src, dst = _tiny()
+    plan = plan_transfer(src, dst)
+    state = hf_state_dict(config, 1)
+    src_shards = reference_fsdp_shards(state, 2, torch.float32)
+    dst_shards = {r: poisoned_destination(dst, r) for r in range(2)}
+    before = {r: {n: t.clone() for n, t in d.items()} for r, d in dst_shards.items()}
+    bad = dict(src_shards[1])
+    bad["model.norm.weight"] = bad["model.norm.weight"][:-1].clone()
+    with pytest.raises(ValueError, match=r"source rank 1: 'model\.norm\.weight' has shape"):
+        plan.execute_local({0: src_shards[0], 1: bad}, dst_shards)
+    wrong_dtype = dict(dst_shards[1])
+    wrong_dtype["model.norm.weight"] = torch.zeros(96, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"destination rank 1: 'model\.norm\.weight' has dtype"):
+        plan.execute_local(src_shards, {0: dst_shards[0], 1: wrong_dtype})
+    for r in range(2):
+        assert all(torch.equal(before[r][n].view(torch.uint8), dst_shards[r][n].view(torch.uint8)) for n in before[r])
+
+
+def test_layout_round_trips_through_json():
+    _, src, dst = _tiny()
+    assert Layout.from_json(dst.to_json()) == dst
+    assert Layout.from_json(src.to_json()) == src
+    assert Layout.from_json(src.to_json()) != dst

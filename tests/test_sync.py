@@ -1,0 +1,138 @@
+"""Weight sync between real processes: trainer ranks -> generator ranks."""
+
+import datetime
+import itertools
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sync_workers as workers
+from helpers import CONFIG_KINDS, _child, llamarl_shm_entries, poisoned_destination, run_processes, small_config
+from llamarl_core.sync import SyncTimeoutError, WeightReceiver, WeightSender, hf_llama_fsdp, vllm_llama_tp
+
+
+@pytest.fixture
+def store():
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+    yield s
+
+
+def _matrix():
+    """Every FSDP world x TP size, both dtype pairs on the default transport and
+    fp32 -> bf16 on the point-to-point transport; model configs rotated."""
+    scenarios = []
+    combos = list(itertools.product([1, 2, 3], [1, 2, 4]))
+    for i, (fsdp, tp) in enumerate(combos):
+        for j, (dtype, transport) in enumerate([("fp32", "auto"), ("bf16", "auto"), ("fp32", "p2p")]):
+            scenarios.append(dict(config=CONFIG_KINDS[(i + j) % len(CONFIG_KINDS)], fsdp=fsdp, tp=tp,
+                                  src_dtype=dtype, transport=transport, seed=100 * i + 10 * j))
+    return scenarios
+
+
+def test_sync_between_processes_equals_reference(store):
+    scenarios = _matrix()
+    jobs = [(workers.sender_body, dict(port=store.port, rank=r, scenarios=scenarios)) for r in range(3)]
+    jobs += [(workers.receiver_body, dict(port=store.port, rank=r, scenarios=scenarios)) for r in range(4)]
+    results = run_processes(jobs, timeout=300)
+    senders, receivers = results[:3], results[3:]
+    for s in scenarios:
+        name = workers.scenario_name(s)
+        expected_transport = "shm" if s["transport"] == "auto" else "p2p"
+        assert [senders[r][name] for r in range(s["fsdp"])] == [expected_transport] * s["fsdp"], name
+        for r in range(s["tp"]):
+            assert receivers[r][name] == [], (name, r)
+    assert llamarl_shm_entries() == []
+
+
+def test_killed_sender_leaves_receiver_consistent_and_restart_completes(store):
+    scenario = dict(config="llama_gqa_bias", fsdp=2, tp=2, src_dtype="fp32", transport="auto", seed=7,
+                    bucket_bytes=4096)  # many small buckets, so the kill lands mid-sync
+    torn_timeout = 8.0
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+
+    def start(fn, **kw):
+        p = ctx.Process(target=_child, args=(fn, dict(port=store.port, **kw), queue))
+        p.start()
+        return p
+
+    receivers = [start(workers.torn_receiver_body, rank=r, scenario=scenario, torn_timeout=torn_timeout) for r in range(2)]
+    sender0 = start(workers.sender_body, rank=0, scenarios=[scenario], versions=(1, 2, 3))
+    doomed = start(workers.stalling_sender_body, rank=1, scenario=scenario, stall_in_version=2)
+    procs = [*receivers, sender0, doomed]
+    try:
+        store.wait(["test/stalled/1"], datetime.timedelta(seconds=120))
+        os.kill(doomed.pid, signal.SIGKILL)
+        doomed.join(timeout=30)
+        assert doomed.exitcode == -signal.SIGKILL
+        # The receivers must give up on version 2 within their timeout; then restart rank 1.
+        time.sleep(1.0)
+        restarted = start(workers.sender_body, rank=1, scenarios=[scenario], versions=(3,))
+        procs.append(restarted)
+        results = {}
+        for _ in range(4):  # two receivers, sender 0, the restarted sender
+            pid, status, value = queue.get(timeout=180)
+            assert status == "ok", value
+            results[pid] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+    for p in receivers:
+        report = results[p.pid]
+        assert report["v1"] == 1
+        assert report["torn_receive"].startswith("SyncTimeoutError"), report
+        assert "senders to finish" in report["torn_receive"]
+        assert report["torn_elapsed"] < torn_timeout + 3, report
+        assert report["version_after_torn"] == 1
+        assert report["torn_flag"] is True
+        assert report["weights_while_torn"].startswith("TornWeightsError")
+        assert report["changed_by_torn_sync"] > 0  # version 2 really was partly written
+        assert report["v3"] == 3
+        assert report["v3_mismatches"] == []
+    assert llamarl_shm_entries() == []
+
+
+def test_receiver_without_senders_times_out(store):
+    config = small_config("mistral")
+    layout = vllm_llama_tp(config, 1, torch.bfloat16)
+    start = time.monotonic()
+    with pytest.raises(SyncTimeoutError, match="both sides' layouts"):
+        WeightReceiver(store, layout, 0, poisoned_destination(layout, 0), name="lonely", timeout=1.0)
+    assert time.monotonic() - start < 5
+
+
+def test_registration_refuses_bad_tensors_before_publishing(store):
+    config = small_config("mistral")
+    layout = hf_llama_fsdp(config, 2, torch.float32)
+    shards = {n: torch.zeros(layout.local_shape(n, 0)) for n in layout.params}
+    shards["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"sender rank 0: 'model\.layers\.1\.mlp\.up_proj\.weight' has shape"):
+        WeightSender(store, layout, 0, shards, name="bad", timeout=1.0)
+    with pytest.raises(ValueError, match="outside the layout's world size"):
+        WeightSender(store, layout, 2, shards, name="bad", timeout=1.0)
+    prefixed = dist.PrefixStore("llamarl/sync/bad/", store)
+    assert not prefixed.check(["src/0/info"])  # nothing was published
+
+
+def test_transport_request_is_validated(store):
+    config = small_config("mistral")
+    layout = hf_llama_fsdp(config, 1, torch.float32)
+    shards = {n: torch.zeros(layout.local_shape(n, 0)) for n in layout.params}
+    from llamarl_core.sync.transports import choose_transport
+
+    infos = [{"host": "a", "device": "cpu"}, {"host": "a", "device": "cpu"}]
+    assert choose_transport("auto", infos) == "shm"
+    assert choose_transport("auto", [{"host": "a", "device": "cpu"}, {"host": "b", "device": "cpu"}]) == "p2p"
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        choose_transport("cuda_ipc", infos)
+    with pytest.raises(ValueError, match="one machine"):
+        choose_transport("shm", [{"host": "a", "device": "cpu"}, {"host": "b", "device": "cpu"}])
+    with pytest.raises(ValueError, match="transport must be"):
+        WeightSender(store, layout, 0, shards, name="t", transport="rdma", timeout=1.0)
