@@ -1,0 +1,32 @@
+"""The `llamarl` command.
+
+    llamarl bench sync [options]    weight-sync bandwidth between real processes
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: llamarl <command> ...
+
+commands:
+  bench sync    weight-sync bandwidth: FSDP trainer ranks -> TP generator ranks,
+                beside memcpy, gloo broadcast and torch.multiprocessing sharing
+                (llamarl bench sync --help)
+"""
+
+BENCHES = {"sync": "llamarl_core.bench.bench_sync"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
+        import importlib
+
+        return importlib.import_module(BENCHES[argv[1]]).main(argv[2:])
+    print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+    return 0 if argv and argv[0] in ("-h", "--help") else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

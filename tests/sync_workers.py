@@ -37,7 +37,8 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) ->
         if rank >= s["fsdp"]:
             continue
         config, dtype = small_config(s["config"]), DTYPES[s["src_dtype"]]
-        shards = reference_fsdp_shards(hf_state_dict(config, s["seed"]), s["fsdp"], dtype)[rank]
+        device = s.get("device", "cpu")
+        shards = {n: t.to(device) for n, t in reference_fsdp_shards(hf_state_dict(config, s["seed"]), s["fsdp"], dtype)[rank].items()}
         with WeightSender(store, hf_llama_fsdp(config, s["fsdp"], dtype), rank, shards,
                           name=scenario_name(s), transport=s["transport"], timeout=60) as sender:
             for v in versions:
@@ -61,7 +62,7 @@ def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) 
         config = small_config(s["config"])
         layout = vllm_llama_tp(config, s["tp"], torch.bfloat16)
         module = torch.nn.ParameterDict(
-            {n.replace(".", "/"): torch.nn.Parameter(t, requires_grad=False)
+            {n.replace(".", "/"): torch.nn.Parameter(t.to(s.get("device", "cpu")), requires_grad=False)
              for n, t in poisoned_destination(layout, rank).items()}
         )
         params = {n.replace("/", "."): p for n, p in module.items()}
@@ -75,7 +76,7 @@ def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) 
                 expected = reference_vllm_tp_shards(hf_state_dict(config, s["seed"] + v), config, s["tp"],
                                                     torch.bfloat16)[rank]
                 # Read through the module: the destination is the generator's own parameters.
-                problems += [f"v{v} {line}" for line in mismatches(expected, {n.replace("/", "."): p.data for n, p in module.items()})]
+                problems += [f"v{v} {line}" for line in mismatches(expected, {n.replace("/", "."): p.data.cpu() for n, p in module.items()})]
         out[scenario_name(s)] = problems
     return out
 

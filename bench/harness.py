@@ -1,0 +1,86 @@
+"""Shared benchmark harness: statistics, machine info, the CSV log and RESULTS.md.
+
+Every benchmark prints its figures beside a limit or a peer measured in the same
+run, appends one CSV row per figure (machine, timestamp, version, git SHA) to
+bench/results.csv, and rewrites its own section of bench/RESULTS.md with the
+latest figures and the command that produced them.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import llamarl_core
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_MD = BENCH_DIR / "RESULTS.md"
+RESULTS_CSV = BENCH_DIR / "results.csv"
+
+
+def summarize(samples: list[float]) -> dict:
+    """Median and spread (min, max) of repeated measurements."""
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH_DIR, capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine() -> str:
+    return f"{platform.node()} {platform.machine()} {os.cpu_count()} cores"
+
+
+def command_line() -> str:
+    """The command as a user would type it."""
+    argv = sys.argv[1:]
+    if Path(sys.argv[0]).name == "llamarl":
+        return "llamarl " + shlex.join(argv)
+    return "python " + shlex.join([os.path.relpath(sys.argv[0]), *argv])
+
+
+def append_csv(bench: str, figures: dict[str, float], params: dict) -> None:
+    """One row per figure: timestamp, machine, version, git SHA, bench, name, value, params."""
+    new = not RESULTS_CSV.exists()
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    with RESULTS_CSV.open("a", newline="") as f:
+        writer = csv.writer(f)
+        if new:
+            writer.writerow(["timestamp", "machine", "version", "git_sha", "bench", "figure", "value", "params"])
+        for name, value in figures.items():
+            writer.writerow([stamp, machine(), llamarl_core.__version__, git_sha(), bench, name, f"{value:.6g}",
+                             " ".join(f"{k}={v}" for k, v in params.items())])
+
+
+def update_results_md(section: str, body: str) -> None:
+    """Replace (or add) the section `## {section}` of bench/RESULTS.md."""
+    text = RESULTS_MD.read_text() if RESULTS_MD.exists() else "# Benchmark results\n\nLatest figures, with the command that produced them.\n"
+    header = f"## {section}\n"
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    block = f"{header}\n`{command_line()}` on {machine()}, {stamp}, git {git_sha()}\n\n{body.strip()}\n\n"
+    if header in text:
+        start = text.index(header)
+        nxt = text.find("\n## ", start + len(header))
+        text = text[:start] + block + (text[nxt + 1 :] if nxt >= 0 else "")
+    else:
+        text = text.rstrip() + "\n\n" + block
+    RESULTS_MD.write_text(text.rstrip() + "\n")
+
+
+def table(rows: list[list[str]]) -> str:
+    """A Markdown table (first row is the header)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([fmt(rows[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, rows[1:])])

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test command: a fresh virtual environment, a clean install from this
+# repository (the native module built by CMake, CUDA sources included when nvcc
+# is found), then the whole test suite.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${LLAMARL_TEST_VENV:-$root/.venv-test}
+bash "$root/scripts/install.sh" "$venv" test
+cd "$root"
+# The installed package is tested, not the source tree: pytest (not `python -m
+# pytest`) keeps the repository root off sys.path.
+"$venv/bin/pytest" "$@"
