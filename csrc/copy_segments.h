@@ -69,6 +69,16 @@ inline int64_t segment_dst_bytes(const CopySegment& seg) {
   return seg.width * seg.height * dst_elem_bytes(seg.kind);
 }
 
+// Validate a whole list before any of it runs; returns the bytes it writes.
+inline int64_t validate_segments(const CopySegment* segs, int64_t count) {
+  int64_t total = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    validate_segment(segs[i], i);
+    total += segment_dst_bytes(segs[i]);
+  }
+  return total;
+}
+
 // Split a segment list into about `num_parts` pieces of equal destination bytes,
 // cutting segments between rows and, for a single long row, inside the row (on an
 // element boundary). Each piece is itself a valid segment, so threads (host) or

@@ -115,11 +115,7 @@ void cuda_ipc_close(int device, int64_t base) {
 int64_t execute_segments_cuda(const CopySegment* segs, int64_t count, int device, int64_t stream_handle,
                               double timeout_s) {
   require_device(device);
-  int64_t total = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    validate_segment(segs[i], i);
-    total += segment_dst_bytes(segs[i]);
-  }
+  const int64_t total = validate_segments(segs, count);
   LLAMARL_CUDA_CHECK(cudaSetDevice(device));
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   for (int64_t i = 0; i < count; ++i) {

@@ -39,11 +39,7 @@ void run_part(const std::vector<CopySegment>& part) {
 
 int64_t execute_segments_host(const CopySegment* segs, int64_t count, int64_t num_threads) {
   LLAMARL_CHECK(num_threads >= 1, "num_threads must be >= 1, got " << num_threads);
-  int64_t total = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    validate_segment(segs[i], i);
-    total += segment_dst_bytes(segs[i]);
-  }
+  const int64_t total = validate_segments(segs, count);
   // Below 4 MiB a second thread costs more to start (~50 us) than it saves.
   constexpr int64_t kMinBytesPerThread = 4 << 20;
   int64_t threads = total / kMinBytesPerThread;

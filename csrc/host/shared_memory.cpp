@@ -31,15 +31,18 @@ std::string random_shm_name() {
   return name;
 }
 
-// MAP_POPULATE: a peer writing 1 GiB through a fresh mapping would otherwise take
-// 262,144 minor page faults on its first sync.
-void* map_shared(int fd, int64_t nbytes) {
-  void* data = mmap(nullptr, static_cast<size_t>(nbytes), PROT_READ | PROT_WRITE,
-                    MAP_SHARED | MAP_POPULATE, fd, 0);
-  return data == MAP_FAILED ? nullptr : data;
-}
-
 }  // namespace
+
+// On failure the half-built region's destructor closes the descriptor.
+void SharedMemoryRegion::map(int64_t nbytes) {
+  // MAP_POPULATE: a peer writing 1 GiB through a fresh mapping would otherwise take
+  // 262,144 minor page faults (4 KiB pages) during its first sync.
+  void* data = mmap(nullptr, static_cast<size_t>(nbytes), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd_, 0);
+  LLAMARL_CHECK(data != MAP_FAILED, "mmap of " << nbytes << " bytes of shared memory " << name_
+                                               << " failed: " << std::strerror(errno));
+  data_ = data;
+  nbytes_ = nbytes;
+}
 
 SharedMemoryRegion SharedMemoryRegion::create(int64_t nbytes) {
   LLAMARL_CHECK(nbytes > 0, "shared memory region size must be positive, got " << nbytes);
@@ -50,18 +53,9 @@ SharedMemoryRegion SharedMemoryRegion::create(int64_t nbytes) {
   // Unlink at once: the descriptor keeps the memory alive, and no crash can leak the name.
   shm_unlink(region.name_.c_str());
   region.owner_ = true;
-  if (ftruncate(region.fd_, nbytes) != 0) {
-    const int err = errno;
-    region.close();
-    LLAMARL_CHECK(false, "ftruncate of shared memory to " << nbytes << " bytes failed: " << std::strerror(err));
-  }
-  region.data_ = map_shared(region.fd_, nbytes);
-  if (region.data_ == nullptr) {
-    const int err = errno;
-    region.close();
-    LLAMARL_CHECK(false, "mmap of " << nbytes << " bytes of shared memory failed: " << std::strerror(err));
-  }
-  region.nbytes_ = nbytes;
+  LLAMARL_CHECK(ftruncate(region.fd_, nbytes) == 0,
+                "ftruncate of shared memory to " << nbytes << " bytes failed: " << std::strerror(errno));
+  region.map(nbytes);
   return region;
 }
 
@@ -80,19 +74,11 @@ SharedMemoryRegion SharedMemoryRegion::open(int64_t owner_pid, int64_t owner_fd,
   region.fd_ = ::open(link.c_str(), O_RDWR | O_CLOEXEC);
   LLAMARL_CHECK(region.fd_ >= 0, "open(" << link << ") failed: " << std::strerror(errno));
   region.name_ = name;
-  struct stat info;
-  if (fstat(region.fd_, &info) != 0 || info.st_size != nbytes) {
-    const int64_t size = info.st_size;
-    region.close();
-    LLAMARL_CHECK(false, "shared memory " << name << " has " << size << " bytes, expected " << nbytes);
-  }
-  region.data_ = map_shared(region.fd_, nbytes);
-  if (region.data_ == nullptr) {
-    const int err = errno;
-    region.close();
-    LLAMARL_CHECK(false, "mmap of shared memory " << name << " failed: " << std::strerror(err));
-  }
-  region.nbytes_ = nbytes;
+  struct stat info {};
+  LLAMARL_CHECK(fstat(region.fd_, &info) == 0, "fstat of " << link << " failed: " << std::strerror(errno));
+  LLAMARL_CHECK(info.st_size == nbytes, "shared memory " << name << " has " << info.st_size << " bytes, expected "
+                                                        << nbytes);
+  region.map(nbytes);
   return region;
 }
 

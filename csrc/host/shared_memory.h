@@ -36,6 +36,7 @@ class SharedMemoryRegion {
 
  private:
   SharedMemoryRegion() = default;
+  void map(int64_t nbytes);
   void* data_ = nullptr;
   int64_t nbytes_ = 0;
   int fd_ = -1;

@@ -104,7 +104,8 @@ class _Endpoint:
     its local tensors (name -> tensor). name: namespaces the Store keys, so
     several syncs can share one Store. transport: 'auto', 'shm', 'cuda_ipc' or
     'p2p' (torch.distributed, the path used across machines). timeout: seconds,
-    for set-up and the default of every call. bucket_bytes: see plan_transfer.
+    for set-up and the default of every call. bucket_bytes: see plan_transfer;
+    sender rank 0's value is used by every rank.
     num_threads: host copy threads (default: LLAMARL_COPY_THREADS or all cores).
     """
 
@@ -141,7 +142,10 @@ class _Endpoint:
         self.channel.set(f"{me}/{rank}/info", device_info(self.device))
         if rank == 0:
             self.channel.set(f"{me}/layout", layout.to_dict())
-        self.channel.wait([f"{_SRC}/layout", f"{_DST}/layout"], deadline, "both sides' layouts")
+            if me == _SRC:
+                self.channel.set(f"{_SRC}/bucket_bytes", bucket_bytes)
+        self.channel.wait([f"{_SRC}/layout", f"{_DST}/layout", f"{_SRC}/bucket_bytes"], deadline, "both sides' layouts")
+        bucket_bytes = self.channel.get(f"{_SRC}/bucket_bytes")  # both sides must bucket alike (p2p)
         if Layout.from_dict(self.channel.get(f"{me}/layout")) != layout:
             raise ValueError(f"{self.side} rank {rank}: its layout differs from the one rank 0 registered")
         other = _DST if me == _SRC else _SRC
@@ -167,6 +171,11 @@ class _Endpoint:
         if self._closed:
             raise SyncError(f"{self.side} rank {self.rank} is closed")
         return time.monotonic() + (self.timeout if timeout is None else timeout)
+
+    @staticmethod
+    def _copy_timeout(deadline: float) -> float:
+        """What is left of the call's deadline for a device copy (never more than the engine's cap)."""
+        return min(DEFAULT_COPY_TIMEOUT_S, max(deadline - time.monotonic(), 1e-3))
 
     def _wait_work(self, work, deadline: float, what: str) -> None:
         remaining = deadline - time.monotonic()
@@ -283,7 +292,7 @@ class WeightSender(_Endpoint):
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         if any(t.data_ptr() != self._src_ptrs[n] for n, t in self.tensors.items()):
             self._build_tables()
-        copy_timeout = min(DEFAULT_COPY_TIMEOUT_S, max(deadline - time.monotonic(), 1e-3))
+        copy_timeout = self._copy_timeout(deadline)
         written = 0
         for dst in self.receivers:
             if self.transport == P2P:
@@ -367,11 +376,7 @@ class WeightReceiver(_Endpoint):
             versions = {self.channel.get(k) for k in done}
         finally:
             self.channel.set(f"{key}/closed/{ticket}", 1)
-        if len(versions) > 1:
-            raise SyncError(f"receiver rank {self.rank}: senders sent different versions {sorted(versions)}; weights torn")
-        self.version = versions.pop() if versions else self.version
-        self.torn = False
-        return self.version
+        return self._complete(versions)
 
     def _receive_p2p(self, deadline: float) -> int:
         versions = set()
@@ -386,8 +391,11 @@ class WeightReceiver(_Endpoint):
             for table, nbytes in self._unpack[src]:
                 work = self.group.recv([self._staging_buf[:nbytes]], src, 1)
                 self._wait_work(work, deadline, f"version {version} from sender {src}")
-                copy_timeout = min(DEFAULT_COPY_TIMEOUT_S, max(deadline - time.monotonic(), 1e-3))
-                run_segment_table(table, self.device, self.num_threads, copy_timeout)
+                run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
+        return self._complete(versions)
+
+    def _complete(self, versions: set[int]) -> int:
+        """Every segment has landed: adopt the senders' common version."""
         if len(versions) > 1:
             raise SyncError(f"receiver rank {self.rank}: senders sent different versions {sorted(versions)}; weights torn")
         self.version = versions.pop() if versions else self.version

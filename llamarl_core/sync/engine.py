@@ -100,12 +100,3 @@ def run_segment_table(
         stream.wait_stream(torch.cuda.current_stream(index))
         return mod.execute_segments_cuda(table, index, stream.cuda_stream, timeout_s)
     raise ValueError(f"no copy engine for device {device}")
-
-
-def table_nbytes(table: np.ndarray) -> int:
-    """Destination bytes of a segment table (copy widths are bytes, cast widths elements)."""
-    if len(table) == 0:
-        return 0
-    per_elem = np.where(table[:, 6] == KIND_F32_TO_BF16, 2, 1)
-    return int(np.sum(table[:, 4] * table[:, 5] * per_elem))
-

@@ -14,7 +14,7 @@ from typing import Mapping
 
 import torch
 
-from .engine import check_local_tensors, run_segment_table, segment_table
+from .engine import check_local_tensors, run_segment_table, segment_table, tensors_device
 from .layout import Fragment, Layout, view_2d
 
 # Casts a segment may do on the way; any other dtype pair is refused.
@@ -151,15 +151,15 @@ class TransferPlan:
             check_local_tensors(self.src_layout, rank, src_shards.get(rank), "source")
         for rank in range(self.dst_layout.world_size):
             check_local_tensors(self.dst_layout, rank, dst_shards.get(rank), "destination")
-        devices = {t.device for shards in (src_shards, dst_shards) for r in shards for t in shards[r].values()}
-        if len(devices) > 1:
-            raise ValueError(f"execute_local needs all tensors on one device, got {sorted(map(str, devices))}")
+        everything = {(side, r, n): t for side, shards in (("src", src_shards), ("dst", dst_shards))
+                      for r in shards for n, t in shards[r].items()}
+        device = tensors_device(everything, "execute_local")
         table = segment_table(
             self.segments,
             lambda seg: src_shards[seg.src_rank][seg.src_name].data_ptr(),
             lambda seg: dst_shards[seg.dst_rank][seg.dst_name].data_ptr(),
         )
-        return run_segment_table(table, devices.pop() if devices else torch.device("cpu"), num_threads)
+        return run_segment_table(table, device, num_threads)
 
     def __repr__(self) -> str:
         return (

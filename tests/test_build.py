@@ -1,0 +1,52 @@
+"""The native build without CUDA: with LLAMARL_SKIP_CUDA and with no nvcc on PATH,
+CMake builds the host backend alone, says so, and the module imports."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _build(tmp_path: Path, extra_args: list[str], env: dict) -> tuple[str, Path]:
+    pybind11 = pytest.importorskip("pybind11")
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("cmake is not installed")
+    configure = subprocess.run(
+        [cmake, str(ROOT), f"-Dpybind11_DIR={pybind11.get_cmake_dir()}", f"-DPython_EXECUTABLE={sys.executable}",
+         f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={tmp_path / 'out'}", *extra_args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert configure.returncode == 0, configure.stderr
+    build = subprocess.run([cmake, "--build", ".", "--parallel", "2"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert build.returncode == 0, build.stderr
+    return configure.stdout, tmp_path / "out"
+
+
+def _import_summary(out_dir: Path) -> str:
+    probe = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('_C', sys.argv[1]); "
+             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+             "print(m.built_with_cuda, m.build_summary)")
+    module = next(out_dir.glob("_C*.so"))
+    return subprocess.run([sys.executable, "-c", probe, str(module)], capture_output=True, text=True,
+                          timeout=60, check=True).stdout.strip()
+
+
+def test_build_with_cuda_skipped(tmp_path):
+    stdout, out = _build(tmp_path, ["-DLLAMARL_SKIP_CUDA=ON"], dict(os.environ))
+    assert "llamarl_core._C: host backend only (CUDA skipped: LLAMARL_SKIP_CUDA=1)" in stdout
+    assert _import_summary(out) == "False host backend only (CUDA skipped: LLAMARL_SKIP_CUDA=1)"
+
+
+def test_build_without_nvcc_on_path(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDACXX", "CUDA_PATH", "CUDA_HOME")}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if not (Path(p) / "nvcc").exists())
+    stdout, out = _build(tmp_path, [], env)
+    assert "host backend only (CUDA skipped: nvcc not found)" in stdout
+    assert _import_summary(out).startswith("False host backend only")
