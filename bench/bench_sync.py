@@ -297,7 +297,9 @@ def main(argv=None) -> int:
     if not spec.no_record:
         append_csv("sync", {f"{k}_gbps": v for k, v in result["gbps"].items()} | result["ratios"],
                    {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype})
-        update_results_md("Weight sync (`llamarl bench sync`)", report(result))
+        section = (f"Weight sync: {result['model_bytes'] / 2**30:.2f} GiB, FSDP {spec.fsdp} {spec.src_dtype} -> "
+                   f"TP {spec.tp} bf16 (`llamarl bench sync`)")
+        update_results_md(section, report(result))
     print(json.dumps(result, indent=2) if spec.json else report(result))
     return 0
 

@@ -20,7 +20,12 @@ from llamarl_core.sync import (
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def connect(port: int) -> dist.Store:
+def connect(port) -> dist.Store:
+    """The parent's TCPStore (an int port) or a FileStore (a path)."""
+    if isinstance(port, str):
+        store = dist.FileStore(port, -1)
+        store.set_timeout(datetime.timedelta(seconds=60))
+        return store
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
 
 

@@ -50,3 +50,14 @@ def test_build_without_nvcc_on_path(tmp_path):
     stdout, out = _build(tmp_path, [], env)
     assert "host backend only (CUDA skipped: nvcc not found)" in stdout
     assert _import_summary(out).startswith("False host backend only")
+
+
+def test_kernels_install_as_a_subpackage_only():
+    import importlib
+    import importlib.util
+
+    kernels = importlib.import_module("llamarl_core.kernels")
+    assert Path(kernels.__file__).parent.name == "kernels"
+    assert importlib.util.find_spec("kernels") is None  # no generic top-level module installed
+    bench = importlib.import_module("llamarl_core.bench.bench_sync")
+    assert callable(bench.main)

@@ -49,6 +49,17 @@ def test_sync_between_processes_equals_reference(store):
     assert llamarl_shm_entries() == []
 
 
+def test_sync_through_a_file_store(tmp_path):
+    scenarios = [dict(config="qwen2", fsdp=2, tp=1, src_dtype="fp32", transport="auto", seed=3)]
+    path = str(tmp_path / "store")
+    jobs = [(workers.sender_body, dict(port=path, rank=r, scenarios=scenarios)) for r in range(2)]
+    jobs += [(workers.receiver_body, dict(port=path, rank=0, scenarios=scenarios))]
+    senders0, _, receiver = run_processes(jobs, timeout=180)
+    name = workers.scenario_name(scenarios[0])
+    assert senders0[name] == "shm"
+    assert receiver[name] == []
+
+
 def test_killed_sender_leaves_receiver_consistent_and_restart_completes(store):
     scenario = dict(config="llama_gqa_bias", fsdp=2, tp=2, src_dtype="fp32", transport="auto", seed=7,
                     bucket_bytes=4096)  # many small buckets, so the kill lands mid-sync

@@ -18,6 +18,22 @@ namespace {
                         << cudaGetErrorString(llamarl_err_));                              \
   } while (0)
 
+// Restores the calling thread's current device on scope exit, so that a copy on
+// device d does not move the caller (torch keeps its own notion of the device).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    LLAMARL_CUDA_CHECK(cudaGetDevice(&previous_));
+    LLAMARL_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
 void require_device(int device) {
   const int count = cuda_device_count();
   LLAMARL_CHECK(count > 0, "no CUDA device: the driver is missing or no GPU is visible");
@@ -72,7 +88,7 @@ int cuda_device_by_uuid(const std::string& uuid) {
 
 IpcExport cuda_ipc_export(int device, int64_t ptr) {
   require_device(device);
-  LLAMARL_CUDA_CHECK(cudaSetDevice(device));
+  DeviceGuard guard(device);
   // The allocation base comes from the driver; fetched through the runtime so the
   // module never links libcuda (absent on machines without a driver).
   void* fn = nullptr;
@@ -100,7 +116,7 @@ int64_t cuda_ipc_open(int device, const std::string& handle) {
   LLAMARL_CHECK(handle.size() == sizeof(h.reserved),
                 "CUDA IPC handle must be " << sizeof(h.reserved) << " bytes, got " << handle.size());
   std::memcpy(h.reserved, handle.data(), sizeof(h.reserved));
-  LLAMARL_CUDA_CHECK(cudaSetDevice(device));
+  DeviceGuard guard(device);
   void* base = nullptr;
   LLAMARL_CUDA_CHECK(cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess));
   return reinterpret_cast<int64_t>(base);
@@ -108,7 +124,7 @@ int64_t cuda_ipc_open(int device, const std::string& handle) {
 
 void cuda_ipc_close(int device, int64_t base) {
   require_device(device);
-  LLAMARL_CUDA_CHECK(cudaSetDevice(device));
+  DeviceGuard guard(device);
   LLAMARL_CUDA_CHECK(cudaIpcCloseMemHandle(reinterpret_cast<void*>(base)));
 }
 
@@ -116,7 +132,7 @@ int64_t execute_segments_cuda(const CopySegment* segs, int64_t count, int device
                               double timeout_s) {
   require_device(device);
   const int64_t total = validate_segments(segs, count);
-  LLAMARL_CUDA_CHECK(cudaSetDevice(device));
+  DeviceGuard guard(device);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   for (int64_t i = 0; i < count; ++i) {
     const CopySegment& seg = segs[i];

@@ -185,7 +185,7 @@ class _Endpoint:
         except RuntimeError as exc:
             if isinstance(exc, SyncError):
                 raise
-            raise SyncTimeoutError(f"{what} failed: {exc}") from exc
+            raise SyncError(f"{what} failed (a peer died or its connection broke): {exc}") from exc
 
     def _staging(self, buckets) -> torch.Tensor:
         """One bucket's worth of bytes for the p2p transport."""
