@@ -58,7 +58,8 @@ def test_kernels_install_as_a_subpackage_only():
 
     kernels = importlib.import_module("llamarl_core.kernels")
     assert Path(kernels.__file__).parent.name == "kernels"
-    installed = [str(f) for f in importlib.metadata.files("llamarl-core")]
-    assert not [f for f in installed if f.startswith(("kernels/", "bench/"))]  # no generic top-level modules
+    # The one top-level package: no generic `kernels` or `bench` module is installed.
+    top_level = importlib.metadata.distribution("llamarl-core").read_text("top_level.txt")
+    assert top_level.split() == ["llamarl_core"]
     bench = importlib.import_module("llamarl_core.bench.bench_sync")
     assert callable(bench.main)
