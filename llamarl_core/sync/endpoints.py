@@ -129,6 +129,8 @@ class _Endpoint:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         check_transport_name(transport)
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         check_local_tensors(layout, rank, tensors, self.side)
         self.layout, self.rank, self.timeout = layout, rank, timeout
         self.tensors = dict(tensors)
@@ -139,7 +141,7 @@ class _Endpoint:
 
         deadline = time.monotonic() + timeout
         me = _SRC if self.side == "sender" else _DST
-        self.channel.set(f"{me}/{rank}/info", device_info(self.device))
+        self.channel.set(f"{me}/{rank}/info", {**device_info(self.device), "transport": transport})
         if rank == 0:
             self.channel.set(f"{me}/layout", layout.to_dict())
             if me == _SRC:
@@ -155,7 +157,11 @@ class _Endpoint:
         info_keys = [f"{_SRC}/{r}/info" for r in range(src_layout.world_size)]
         info_keys += [f"{_DST}/{r}/info" for r in range(dst_layout.world_size)]
         self.channel.wait(info_keys, deadline, "every rank's device info")
-        self.transport = choose_transport(transport, [self.channel.get(k) for k in info_keys])
+        infos = [self.channel.get(k) for k in info_keys]
+        requested = {i["transport"] for i in infos}
+        if len(requested) > 1:
+            raise ValueError(f"ranks asked for different transports {sorted(requested)}; pass the same to every rank")
+        self.transport = choose_transport(transport, infos)
         self.group = None
         if self.transport == P2P:
             num_src = src_layout.world_size
