@@ -4,6 +4,11 @@ import sys
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter. The
+# variable must be set before any @triton.jit decorator runs (shared/MACHINE.md).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 

@@ -63,3 +63,16 @@ def test_sync_between_processes_over_cuda_ipc():
         name = workers.scenario_name(s)
         assert [results[r][name] for r in range(2)] == ["cuda_ipc"] * 2
         assert results[2][name] == [] and results[3][name] == []
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("shape", [(1, 1), (127, 129), (300, 200), (4096, 1), (1024, 4096)])
+def test_fp8_triton_kernel_on_gpu_matches_reference(granularity, shape):
+    from llamarl_core.ops.fp8 import quantize_fp8, quantize_fp8_ref
+
+    w = (torch.randn(shape) * 3).to(torch.bfloat16)
+    w.view(-1)[:: 97] *= 1e3
+    q, scale = quantize_fp8(w.cuda(), granularity)
+    q_ref, scale_ref = quantize_fp8_ref(w, granularity)
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(scale.cpu(), scale_ref)

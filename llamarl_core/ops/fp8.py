@@ -1,0 +1,360 @@
+"""FP8 (e4m3fn) quantization of weights: per tensor, per output channel, per block.
+
+Semantics, the same bits on every path (Triton on GPU, Triton under
+TRITON_INTERPRET=1, the torch CPU path):
+    amax  = max |w_fp32| over the group (tensor; a row; a block_size block, ragged
+            edge blocks using only their valid elements)
+    scale = amax / 448 in float32, or 1.0 where that is 0 (an all-zero group), so
+            a scale is always finite and positive
+    q     = round_to_nearest_even(w_fp32 / scale), the division correctly rounded
+            in float32, saturated to +-448, as float8_e4m3fn
+    w    ~= q * scale (dequantize_fp8); `weight_scale_inv` in DeepSeek-V3 / vLLM
+            block checkpoints is this same per-block scale.
+A NaN or inf anywhere in `w` raises ValueError naming the tensor.
+
+File order: reference -> launchers (Triton kernels in llamarl_core.kernels) ->
+CPU path -> functional API.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+FP8_MAX = 448.0
+FP8_DTYPE = torch.float8_e4m3fn
+GRANULARITIES = ("tensor", "channel", "block")
+DEFAULT_BLOCK = (128, 128)
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_input(w: torch.Tensor, granularity: str, block_size: tuple[int, int], name: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"{name}: granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if w.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D weight, got shape {tuple(w.shape)}")
+    if w.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"{name}: dtype must be bfloat16, float16 or float32, got {w.dtype}")
+    if len(block_size) != 2 or min(block_size) < 1:
+        raise ValueError(f"{name}: block_size must be two positive ints, got {block_size}")
+
+
+def scale_shape(shape: tuple[int, int], granularity: str, block_size: tuple[int, int] = DEFAULT_BLOCK) -> tuple:
+    """() per tensor, (N, 1) per channel, (ceil(N/bn), ceil(K/bk)) per block."""
+    n, k = shape
+    if granularity == "tensor":
+        return ()
+    if granularity == "channel":
+        return (n, 1)
+    return (-(-n // block_size[0]), -(-k // block_size[1]))
+
+
+def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 in float32; 1.0 where that is 0."""
+    scale = amax.to(torch.float32) / FP8_MAX
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def raise_if_not_finite(amax: torch.Tensor, name: str) -> None:
+    """A group's amax is NaN or inf exactly when the group holds a NaN or an inf."""
+    if not bool(torch.isfinite(amax).all()):
+        raise ValueError(f"{name}: contains NaN or inf; refusing to quantize it to FP8")
+
+
+def expand_scale(scale: torch.Tensor, shape: tuple[int, int], granularity: str, block_size=DEFAULT_BLOCK) -> torch.Tensor:
+    """The per-element scale (N, K) of a per-group scale."""
+    n, k = shape
+    if granularity == "tensor":
+        return scale.reshape(1, 1).expand(n, k)
+    if granularity == "channel":
+        return scale.reshape(n, 1).expand(n, k)
+    bn, bk = block_size
+    return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def fp8_amax_ref(w: torch.Tensor, granularity: str, block_size=DEFAULT_BLOCK) -> torch.Tensor:
+    """max |w| per group in float32 (NaN / inf propagate)."""
+    a = w.to(torch.float32).abs()
+    if granularity == "tensor":
+        return a.max() if a.numel() else torch.zeros((), dtype=torch.float32)
+    if granularity == "channel":
+        return a.amax(dim=1, keepdim=True) if a.shape[1] else torch.zeros((a.shape[0], 1))
+    n, k = a.shape
+    bn, bk = block_size
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.zeros((rows * bn, cols * bk), dtype=torch.float32)  # |w| >= 0: zero padding never wins
+    padded[:n, :k] = a
+    return padded.view(rows, bn, cols, bk).amax(dim=(1, 3))
+
+
+def quantize_fp8_ref(w: torch.Tensor, granularity: str, block_size=DEFAULT_BLOCK, *, name: str = "weight"):
+    """Plain torch, whole tensor at once: the reference every path is compared with."""
+    _check_input(w, granularity, block_size, name)
+    amax = fp8_amax_ref(w.cpu(), granularity, block_size)
+    raise_if_not_finite(amax, name)
+    scale = scale_from_amax(amax)
+    full = expand_scale(scale, tuple(w.shape), granularity, block_size)
+    q = (w.cpu().to(torch.float32) / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block_size=DEFAULT_BLOCK, out_dtype=torch.float32) -> torch.Tensor:
+    """q * scale, the granularity read off scale's shape: () tensor, (N, 1) channel, else block."""
+    if q.dtype != FP8_DTYPE or q.dim() != 2:
+        raise ValueError(f"q must be a 2-D float8_e4m3fn tensor, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    if scale.dim() == 0:
+        granularity = "tensor"
+    elif tuple(scale.shape) == (n, 1):
+        granularity = "channel"
+    elif tuple(scale.shape) == scale_shape((n, k), "block", block_size):
+        granularity = "block"
+    else:
+        raise ValueError(f"scale of shape {tuple(scale.shape)} fits no granularity of q {tuple(q.shape)}")
+    full = expand_scale(scale.to(torch.float32), (n, k), granularity, block_size)
+    return (q.to(torch.float32) * full).to(out_dtype)
+
+
+def e4m3_nearest_even_ref64(x: torch.Tensor) -> torch.Tensor:
+    """uint8 e4m3fn codes of float32 values (already within +-448), found by
+    comparing against every finite e4m3fn value in float64: the nearest, ties to
+    the even code. Independent of torch's own fp8 conversion."""
+    codes = torch.arange(256, dtype=torch.int64)
+    values = codes.to(torch.uint8).view(FP8_DTYPE).to(torch.float64)
+    finite = torch.isfinite(values)
+    codes, values = codes[finite], values[finite]
+    x64 = x.reshape(-1, 1).to(torch.float64)
+    dist = (x64 - values.reshape(1, -1)).abs()
+    best = dist.min(dim=1, keepdim=True).values
+    # Among ties, prefer an even mantissa (lowest bit 0); then keep the sign of x for zero.
+    candidates = (dist == best) & ((codes.reshape(1, -1) & 1) == 0)
+    candidates |= (dist == best) & ~candidates.any(dim=1, keepdim=True)
+    sign_ok = (codes.reshape(1, -1) >= 128) == (torch.signbit(x.reshape(-1, 1).to(torch.float32)))
+    pick = torch.where((candidates & sign_ok).any(dim=1, keepdim=True), candidates & sign_ok, candidates)
+    return codes[pick.to(torch.int64).argmax(dim=1)].to(torch.uint8).reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------- Triton launchers
+
+
+def _use_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _triton_kernels():
+    from llamarl_core.kernels import fp8_quant
+
+    return fp8_quant
+
+
+def _launch_amax(w: torch.Tensor, granularity: str, block_size) -> torch.Tensor:
+    """Per-group amax with the Triton reduction kernel."""
+    kernels = _triton_kernels()
+    n, k = w.shape
+    if granularity == "block":
+        bn, bk = block_size
+    elif granularity == "channel":
+        bn, bk = _channel_tile(n, k)
+    else:
+        bn, bk = _tensor_tile(n, k)
+    grid = (-(-n // bn), -(-k // bk))
+    partial = torch.empty(grid, dtype=torch.float32, device=w.device)
+    rows = torch.empty((n, 1), dtype=torch.float32, device=w.device) if granularity == "channel" else partial
+    kernels.fp8_amax_kernel[grid](
+        w, partial if granularity != "channel" else rows, n, k, w.stride(0), w.stride(1),
+        BLOCK_N=bn, BLOCK_K=bk, PER_ROW=granularity == "channel",
+    )
+    if granularity == "tensor":
+        return partial.amax() if partial.numel() else torch.zeros((), device=w.device)
+    return rows if granularity == "channel" else partial
+
+
+def _channel_tile(n: int, k: int) -> tuple[int, int]:
+    """A whole row per tile (one pass per channel); rows per tile so that a tile
+    holds about 16K elements (64 per thread at 8 warps on a GPU)."""
+    bk = triton_next_pow2(k)
+    return max(1, min(triton_next_pow2(n), 16384 // bk)), bk
+
+
+def _tensor_tile(n: int, k: int) -> tuple[int, int]:
+    bk = min(triton_next_pow2(k), 1024)
+    return max(1, min(triton_next_pow2(n), 16384 // bk)), bk
+
+
+def triton_next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _launch_quantize(w, q_bits, scale_out, granularity: str, block_size, given_scale: torch.Tensor | None) -> None:
+    """One fused pass (amax, scale, cast, both stores) for channel / block groups;
+    with `given_scale`, the cast pass alone (per-tensor, or scales reduced across ranks)."""
+    kernels = _triton_kernels()
+    n, k = w.shape
+    if granularity == "block":
+        bn, bk = block_size
+    elif granularity == "channel":
+        bn, bk = _channel_tile(n, k)
+    else:
+        bn, bk = _tensor_tile(n, k)
+    grid = (-(-n // bn), -(-k // bk))
+    mode = {"tensor": 0, "channel": 1, "block": 2}[granularity]
+    scale_ptr = given_scale if given_scale is not None else scale_out
+    kernels.fp8_quantize_kernel[grid](
+        w, q_bits, scale_ptr, n, k, w.stride(0), w.stride(1), q_bits.stride(0),
+        scale_ptr.stride(0) if scale_ptr.dim() >= 1 else 0,
+        BLOCK_N=bn, BLOCK_K=bk, SCALE_MODE=mode, COMPUTE_SCALE=given_scale is None,
+        SOFTWARE_FP8=_use_interpreter() or w.device.type == "cpu",
+    )
+
+
+# ----------------------------------------------------------------------------- CPU path
+
+
+# Rows per chunk of the CPU path: 64 rows of a 16384-wide fp32 temporary is 4 MiB,
+# cache-friendly and small next to any weight worth quantizing.
+_CPU_CHUNK_ELEMS = 1 << 20
+
+
+def _cpu_quantize_into(w, q, scale, granularity, block_size) -> None:
+    """Quantize `w` into q (fp8) with a known per-group `scale`, a row chunk at a time
+    (whole block rows for block granularity), so the float32 temporary stays small."""
+    n, k = w.shape
+    step = max(1, _CPU_CHUNK_ELEMS // max(k, 1))
+    if granularity == "block":
+        step = max(block_size[0], step // block_size[0] * block_size[0])
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        chunk = w[start:stop].to(torch.float32, copy=True)  # a float32 w must not be divided in place
+        if granularity == "tensor":
+            chunk.div_(scale)
+        elif granularity == "channel":
+            chunk.div_(scale[start:stop])
+        else:
+            rows = scale[start // block_size[0] : -(-stop // block_size[0])]
+            chunk.div_(expand_scale(rows, (stop - start, k), "block", block_size))
+        q[start:stop] = chunk.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+# ----------------------------------------------------------------------------- functional API
+
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def fp8_amax(w: torch.Tensor, granularity: str, block_size=DEFAULT_BLOCK, *, name: str = "weight",
+             backend: str = "auto") -> torch.Tensor:
+    """max |w| per group (float32, the shape of the scale); raises on NaN / inf."""
+    _check_input(w, granularity, block_size, name)
+    if _triton_path(w, backend):
+        amax = _launch_amax(w, granularity, block_size)
+    else:
+        amax = fp8_amax_ref(w, granularity, block_size)
+    raise_if_not_finite(amax, name)
+    return amax.reshape(scale_shape(tuple(w.shape), granularity, block_size))
+
+
+def cast_to_fp8(w, scale, granularity: str, block_size, out: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """The cast pass into `out` with a per-group `scale`, no checks: for callers
+    that already ran fp8_amax (which refuses NaN / inf) on `w`."""
+    if _triton_path(w, backend):
+        _launch_quantize(w, out.view(torch.uint8), None, granularity, block_size, scale.contiguous())
+    else:
+        _cpu_quantize_into(w, out, scale, granularity, block_size)
+    return out
+
+
+def quantize_fp8_with_scale(w, scale, granularity: str, block_size=DEFAULT_BLOCK, *, out: torch.Tensor | None = None,
+                            name: str = "weight", backend: str = "auto") -> torch.Tensor:
+    """q = sat(RNE(w / scale)) with a given per-group scale (e.g. an amax reduced
+    across tensor-parallel ranks, through scale_from_amax). Checks w for NaN / inf
+    first (one extra read), so `out` is never written with a bad input."""
+    _check_input(w, granularity, block_size, name)
+    expected = scale_shape(tuple(w.shape), granularity, block_size)
+    if tuple(scale.shape) != expected or scale.dtype != torch.float32:
+        raise ValueError(f"{name}: scale must be float32 of shape {expected}, got {scale.dtype} {tuple(scale.shape)}")
+    out = _check_out(out, w, name)
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"{name}: contains NaN or inf; refusing to quantize it to FP8")
+    return cast_to_fp8(w, scale, granularity, block_size, out, backend)
+
+
+def quantize_fp8(w: torch.Tensor, granularity: str, block_size=DEFAULT_BLOCK, *, name: str = "weight",
+                 backend: str = "auto"):
+    """Quantize a 2-D weight (bf16, fp16 or fp32; any strides) to float8_e4m3fn.
+
+    Returns (q, scale): q of w's shape; scale float32 of shape () per tensor,
+    (N, 1) per channel, (ceil(N/128), ceil(K/128)) per block. See the module doc
+    for the exact semantics. Raises ValueError naming `name` on NaN or inf.
+    backend: "auto" (Triton for CUDA tensors and, under TRITON_INTERPRET=1, for
+    CPU tensors up to INTERPRETER_MAX_ELEMS; torch otherwise), "triton" or "torch".
+    """
+    _check_input(w, granularity, block_size, name)
+    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    if granularity == "tensor" or not _triton_path(w, backend):
+        # Per tensor needs the global amax first: a reduction pass, then the cast pass.
+        scale = scale_from_amax(fp8_amax(w, granularity, block_size, name=name, backend=backend))
+        return cast_to_fp8(w, scale, granularity, block_size, q, backend), scale
+    scale = torch.empty(scale_shape(tuple(w.shape), granularity, block_size), dtype=torch.float32, device=w.device)
+    _launch_quantize(w, q.view(torch.uint8), scale, granularity, block_size, None)
+    raise_if_not_finite(scale, name)  # a group holding NaN / inf gets an inf scale
+    return q, scale
+
+
+def _check_out(out: torch.Tensor | None, w: torch.Tensor, name: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    if out.dtype != FP8_DTYPE or out.shape != w.shape or not out.is_contiguous() or out.device != w.device:
+        raise ValueError(f"{name}: out must be a contiguous float8_e4m3fn tensor of shape {tuple(w.shape)} on {w.device}")
+    return out
+
+
+# The interpreter runs about 0.5 ms per program instance (shared/MACHINE.md): past
+# this many elements a CPU tensor goes to the torch path even when interpreting.
+INTERPRETER_MAX_ELEMS = 1 << 22
+_warned_fallback = False
+
+
+def _triton_path(w: torch.Tensor, backend: str) -> bool:
+    """Whether `w` goes to the Triton kernels. "triton" and "torch" are obeyed or
+    raise; "auto" picks Triton for CUDA tensors and, under TRITON_INTERPRET=1, for
+    CPU tensors up to INTERPRETER_MAX_ELEMS, and warns once if interpreting was
+    asked for but triton is missing."""
+    global _warned_fallback
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        if w.device.type != "cpu":
+            raise ValueError(f"the torch FP8 path runs on CPU tensors, got a {w.device.type} tensor")
+        return False
+    if backend == "triton" or w.device.type == "cuda":
+        if w.device.type == "cpu" and not _use_interpreter():
+            raise RuntimeError("the Triton FP8 kernels need a CUDA tensor, or TRITON_INTERPRET=1 for CPU tensors")
+        try:
+            _triton_kernels()
+        except ImportError as exc:
+            raise RuntimeError("the Triton FP8 kernels need triton (pip install triton)") from exc
+        return True
+    if not _use_interpreter() or w.numel() > INTERPRETER_MAX_ELEMS:
+        return False
+    try:
+        _triton_kernels()
+    except ImportError:
+        if not _warned_fallback:
+            warnings.warn("TRITON_INTERPRET=1 but triton is not importable: using the torch CPU path", stacklevel=3)
+            _warned_fallback = True
+        return False
+    return True
+
+
+__all__ = [
+    "FP8_MAX", "GRANULARITIES", "cast_to_fp8", "dequantize_fp8", "e4m3_nearest_even_ref64", "expand_scale", "fp8_amax",
+    "fp8_amax_ref", "quantize_fp8", "quantize_fp8_ref", "quantize_fp8_with_scale", "scale_from_amax", "scale_shape",
+]

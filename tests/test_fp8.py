@@ -1,0 +1,166 @@
+"""FP8 quantization: the Triton kernels (interpreted on CPU here) and the torch CPU
+path against the reference, bit for bit; the reference against float64."""
+
+import zlib
+
+import pytest
+import torch
+
+from llamarl_core.ops.fp8 import (
+    FP8_MAX,
+    dequantize_fp8,
+    e4m3_nearest_even_ref64,
+    expand_scale,
+    fp8_amax_ref,
+    quantize_fp8,
+    quantize_fp8_ref,
+    quantize_fp8_with_scale,
+    scale_from_amax,
+)
+
+GRANULARITIES = ["tensor", "channel", "block"]
+BACKENDS = ["triton", "torch"]
+SHAPES = [(1, 1), (127, 129), (300, 200), (4096, 1)]
+
+
+def _e4m3_values() -> torch.Tensor:
+    v = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    return v[torch.isfinite(v)]
+
+
+def _inputs(kind: str, shape, dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    n, k = shape
+    w = torch.randn(shape, generator=gen)
+    if kind == "outliers":  # a few 1e3 outliers: most values land in fp8's subnormal range
+        w[torch.rand(shape, generator=gen) < 0.01] = 1e3
+    elif kind == "midpoints":  # with amax 448 the scale is 1: w / s sits exactly on fp8 midpoints
+        pos = _e4m3_values()
+        pos = pos[pos >= 0].sort().values
+        mids = (pos[1:] + pos[:-1]) / 2
+        grid = torch.cat([mids, -mids, torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(1e9))])
+        w = grid[torch.randint(len(grid), shape, generator=gen)]
+        w.view(-1)[0] = FP8_MAX
+        if dtype != torch.float32:
+            pytest.skip("midpoints are exact only in float32")
+    elif kind == "beyond448":  # magnitudes far above fp8's range
+        w = w * 1e5
+    elif kind == "zero_blocks":  # whole 128 x 128 blocks, rows and the top-left element zero
+        w[:128, :128] = 0
+        w[n // 2] = 0
+    return w.to(dtype)
+
+
+def _assert_same(q, scale, q_ref, scale_ref):
+    bad = (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
+    assert len(bad) == 0, f"{len(bad)} codes differ, first at {bad[0].tolist()}"
+    assert scale.shape == scale_ref.shape and torch.equal(scale, scale_ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", ["normal", "outliers", "midpoints", "beyond448", "zero_blocks"])
+def test_matches_reference_bitwise(backend, granularity, shape, kind):
+    w = _inputs(kind, shape, torch.bfloat16 if kind != "midpoints" else torch.float32, zlib.crc32(f"{shape}{kind}".encode()))
+    q, scale = quantize_fp8(w, granularity, backend=backend)
+    q_ref, scale_ref = quantize_fp8_ref(w, granularity)
+    _assert_same(q, scale, q_ref, scale_ref)
+    # The scale is amax / 448 exactly (float64 quotient rounded once to float32), or
+    # 1 where that is 0 (all-zero groups; float32 amax below 448 x the least subnormal).
+    quotient = (fp8_amax_ref(w, granularity).to(torch.float64) / FP8_MAX).to(torch.float32)
+    expected = torch.where(quotient == 0, torch.ones_like(quotient), quotient)
+    assert torch.equal(scale_ref, expected.reshape(scale_ref.shape))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_other_input_dtypes_and_strides(dtype, granularity):
+    w = (torch.randn(200, 300) * 7).to(dtype).t()  # non-contiguous (300, 200) view
+    for backend in BACKENDS:
+        q, scale = quantize_fp8(w, granularity, backend=backend)
+        _assert_same(q, scale, *quantize_fp8_ref(w.contiguous(), granularity))
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_reference_rounds_like_float64_nearest_even(granularity):
+    w = _inputs("outliers", (300, 200), torch.float32, 5)
+    q_ref, scale = quantize_fp8_ref(w, granularity)
+    quotient = (w / expand_scale(scale, tuple(w.shape), granularity)).clamp(-FP8_MAX, FP8_MAX)
+    assert torch.equal(e4m3_nearest_even_ref64(quotient), q_ref.view(torch.uint8))
+
+
+def test_float64_rounding_check_is_itself_sound():
+    values = _e4m3_values()
+    # Every representable value maps to its own code; midpoints go to the even code.
+    assert torch.equal(e4m3_nearest_even_ref64(values).view(torch.float8_e4m3fn).float(), values)
+    assert e4m3_nearest_even_ref64(torch.tensor([1.0625])).item() == 0x38  # 1.0625: between 1.0 (0x38) and 1.125
+    assert e4m3_nearest_even_ref64(torch.tensor([1.1875])).item() == 0x3A  # between 1.125 (0x39) and 1.25 (0x3A)
+    assert e4m3_nearest_even_ref64(torch.tensor([2.0 ** -10])).item() == 0x00  # half the smallest subnormal
+    assert e4m3_nearest_even_ref64(torch.tensor([3 * 2.0 ** -10])).item() == 0x02
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_all_zero_gives_zeros_and_unit_scale(backend, granularity):
+    q, scale = quantize_fp8(torch.zeros(130, 260, dtype=torch.bfloat16), granularity, backend=backend)
+    assert int(q.view(torch.uint8).sum()) == 0
+    assert torch.isfinite(scale).all() and (scale == 1.0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")  # the interpreter's inf / inf
+def test_nan_and_inf_raise_naming_the_tensor(backend, granularity, bad):
+    w = torch.randn(130, 260, dtype=torch.bfloat16)
+    w[129, 259] = bad
+    with pytest.raises(ValueError, match=r"layers\.3\.mlp: contains NaN or inf"):
+        quantize_fp8(w, granularity, name="layers.3.mlp", backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quantize_with_scale_checks_before_writing(backend):
+    w = torch.randn(64, 64, dtype=torch.bfloat16)
+    scale = scale_from_amax(fp8_amax_ref(w, "channel"))
+    out = torch.full((64, 64), 1.0).to(torch.float8_e4m3fn)
+    w[3, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        quantize_fp8_with_scale(w, scale, "channel", out=out, backend=backend)
+    assert (out.float() == 1.0).all()  # untouched
+    w[3, 3] = 0.5
+    quantize_fp8_with_scale(w, scale, "channel", out=out, backend=backend)
+    assert torch.equal(out.view(torch.uint8), quantize_fp8_ref(w, "channel")[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_dequantize_is_q_times_scale_within_fp8_precision(granularity):
+    w = torch.randn(300, 200, dtype=torch.float32)
+    q, scale = quantize_fp8(w, granularity)
+    full = expand_scale(scale, (300, 200), granularity)
+    deq = dequantize_fp8(q, scale)
+    assert torch.equal(deq, q.float() * full)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2**-4, absolute <= half a subnormal step.
+    assert ((deq - w).abs() <= torch.maximum(w.abs() * 2.0 ** -4, full * 2.0 ** -10)).all()
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="granularity"):
+        quantize_fp8(torch.zeros(4, 4), "row")
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_fp8(torch.zeros(4), "tensor")
+    with pytest.raises(ValueError, match="dtype"):
+        quantize_fp8(torch.zeros(4, 4, dtype=torch.float64), "tensor")
+    with pytest.raises(ValueError, match="backend"):
+        quantize_fp8(torch.zeros(4, 4), "tensor", backend="cuda")
+    with pytest.raises(ValueError, match="scale must be float32 of shape"):
+        quantize_fp8_with_scale(torch.zeros(4, 4), torch.ones(4), "channel")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_input_is_left_untouched(backend, granularity):
+    w = torch.randn(300, 200, dtype=torch.float32) * 9
+    before = w.clone()
+    quantize_fp8(w, granularity, backend=backend)
+    assert torch.equal(w, before)
