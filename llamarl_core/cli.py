@@ -1,6 +1,7 @@
 """The `llamarl` command.
 
     llamarl bench sync [options]    weight-sync bandwidth between real processes
+    llamarl bench fp8 [options]     FP8 weight quantization throughput
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ commands:
   bench sync    weight-sync bandwidth: FSDP trainer ranks -> TP generator ranks,
                 beside memcpy, gloo broadcast and torch.multiprocessing sharing
                 (llamarl bench sync --help)
+  bench fp8     FP8 weight quantization GB/s beside a copy and the torch reference
+                (llamarl bench fp8 --help)
 """
 
-BENCHES = {"sync": "llamarl_core.bench.bench_sync"}
+BENCHES = {"sync": "llamarl_core.bench.bench_sync", "fp8": "llamarl_core.bench.bench_fp8"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,12 +48,14 @@ def hf_state_dict(config, seed: int) -> dict[str, torch.Tensor]:
 
 
 def poisoned_destination(layout: Layout, rank: int) -> dict[str, torch.Tensor]:
-    """NaN everywhere a sync must write, zeros in padding rows (as vLLM allocates them)."""
+    """Every tensor of `rank` (FP8 weights and scales included) NaN where a sync must
+    write, zeros in padding rows (as vLLM allocates them)."""
     out = {}
-    for name, spec in layout.params.items():
-        t = torch.full(layout.local_shape(name, rank), float("nan"), dtype=spec.dtype)
-        start, stop = layout.padding_rows(name, rank)
-        t[start:stop] = 0
+    for name, (shape, dtype) in layout.local_tensor_specs(rank).items():
+        t = torch.full(shape, float("nan")).to(dtype)
+        if name in layout.params:
+            start, stop = layout.padding_rows(name, rank)
+            t[start:stop] = 0
         out[name] = t
     return out
 
@@ -69,11 +71,12 @@ def mismatches(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Ten
         if a.shape != b.shape or a.dtype != b.dtype:
             lines.append(f"{name}: {tuple(b.shape)} {b.dtype} != expected {tuple(a.shape)} {a.dtype}")
             continue
-        if torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b):
+        a_bytes, b_bytes = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+        if torch.equal(a_bytes, b_bytes):
             continue
-        bad = (a.view(torch.uint8) != b.view(torch.uint8)).nonzero()
+        bad = (a_bytes != b_bytes).nonzero()
         lines.append(
-            f"{name}: {len(bad)} bytes differ, first at {bad[0].tolist()}, NaN in result: {int(torch.isnan(b.float()).sum())}"
+            f"{name}: {len(bad)} bytes differ, first at byte {bad[0].item()}, NaN in result: {int(torch.isnan(b.float()).sum())}"
         )
     return lines
 

@@ -16,6 +16,7 @@ from llamarl_core.sync import (
     reference_vllm_tp_shards,
     vllm_llama_tp,
 )
+from llamarl_core.sync.reference import reference_vllm_fp8_shards
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -30,7 +31,7 @@ def connect(port) -> dist.Store:
 
 
 def scenario_name(s: dict) -> str:
-    return f"{s['config']}-fsdp{s['fsdp']}-tp{s['tp']}-{s['src_dtype']}-{s['transport']}-seed{s['seed']}"
+    return f"{s['config']}-fsdp{s['fsdp']}-tp{s['tp']}-{s['src_dtype']}-{s['transport']}-fp8{s.get('fp8')}-seed{s['seed']}"
 
 
 def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) -> dict:
@@ -65,7 +66,7 @@ def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) 
         if rank >= s["tp"]:
             continue
         config = small_config(s["config"])
-        layout = vllm_llama_tp(config, s["tp"], torch.bfloat16)
+        layout = vllm_llama_tp(config, s["tp"], torch.bfloat16, fp8=s.get("fp8"))
         module = torch.nn.ParameterDict(
             {n.replace(".", "/"): torch.nn.Parameter(t.to(s.get("device", "cpu")), requires_grad=False)
              for n, t in poisoned_destination(layout, rank).items()}
@@ -78,8 +79,11 @@ def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) 
                 got = receiver.receive()
                 if got != v:
                     problems.append(f"version {got} reported, expected {v}")
-                expected = reference_vllm_tp_shards(hf_state_dict(config, s["seed"] + v), config, s["tp"],
-                                                    torch.bfloat16)[rank]
+                state = hf_state_dict(config, s["seed"] + v)
+                if s.get("fp8"):
+                    expected = reference_vllm_fp8_shards(state, config, s["tp"], s["fp8"])[rank]
+                else:
+                    expected = reference_vllm_tp_shards(state, config, s["tp"], torch.bfloat16)[rank]
                 # Read through the module: the destination is the generator's own parameters.
                 problems += [f"v{v} {line}" for line in mismatches(expected, {n.replace("/", "."): p.data.cpu() for n, p in module.items()})]
         out[scenario_name(s)] = problems

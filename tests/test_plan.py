@@ -21,6 +21,7 @@ from llamarl_core.sync import (
     reference_vllm_tp_shards,
     vllm_llama_tp,
 )
+from llamarl_core.sync.reference import reference_vllm_fp8_shards
 
 
 @pytest.mark.parametrize("kind", CONFIG_KINDS)
@@ -207,3 +208,46 @@ def test_layout_round_trips_through_json():
     assert Layout.from_json(dst.to_json()) == dst
     assert Layout.from_json(src.to_json()) == src
     assert Layout.from_json(src.to_json()) != dst
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_execute_local_into_fp8_destinations_equals_reference(granularity, tp):
+    config = small_config("llama_gqa_bias" if tp != 2 else "qwen2")
+    state = hf_state_dict(config, 40 + tp)
+    dst_layout = vllm_llama_tp(config, tp, torch.bfloat16, fp8=granularity)
+    plan = plan_transfer(hf_llama_fsdp(config, 3, torch.float32), dst_layout)
+    dst = {r: poisoned_destination(dst_layout, r) for r in range(tp)}
+    plan.execute_local(reference_fsdp_shards(state, 3, torch.float32), dst)
+    ref = reference_vllm_fp8_shards(state, config, tp, granularity)
+    for rank in range(tp):
+        assert mismatches(ref[rank], dst[rank]) == []
+    scale = "weight_scale_inv" if granularity == "block" else "weight_scale"
+    assert dst[0]["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
+    assert f"model.layers.0.mlp.down_proj.{scale}" in dst[0]
+    if granularity == "tensor":  # one scale per fused part
+        assert dst[0][f"model.layers.0.self_attn.qkv_proj.{scale}"].shape == (3,)
+
+
+def test_fp8_destination_refuses_nan_before_writing_fp8_weights():
+    config = small_config("mistral")
+    state = hf_state_dict(config, 9)
+    state["model.layers.1.mlp.up_proj.weight"][5, 7] = float("nan")
+    dst_layout = vllm_llama_tp(config, 2, torch.bfloat16, fp8="block")
+    dst = {r: poisoned_destination(dst_layout, r) for r in range(2)}
+    fp8_before = {r: {n: t.clone() for n, t in d.items() if t.dtype == torch.float8_e4m3fn} for r, d in dst.items()}
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.gate_up_proj\.weight: contains NaN or inf"):
+        plan_transfer(hf_llama_fsdp(config, 2, torch.float32), dst_layout).execute_local(
+            reference_fsdp_shards(state, 2, torch.float32), dst)
+    for r in range(2):
+        assert all(torch.equal(t.view(torch.uint8), dst[r][n].view(torch.uint8)) for n, t in fp8_before[r].items())
+
+
+def test_fp8_registration_expects_weight_and_scale():
+    config = small_config("mistral")
+    layout = vllm_llama_tp(config, 1, torch.bfloat16, fp8="channel")
+    specs = layout.local_tensor_specs(0)
+    assert specs["model.layers.0.self_attn.o_proj.weight"] == ((96, 96), torch.float8_e4m3fn)
+    assert specs["model.layers.0.self_attn.o_proj.weight_scale"] == ((96, 1), torch.float32)
+    assert specs["model.norm.weight"] == ((96,), torch.bfloat16)
+    assert Layout.from_json(layout.to_json()) == layout

@@ -24,13 +24,20 @@ def store():
 
 def _matrix():
     """Every FSDP world x TP size, both dtype pairs on the default transport and
-    fp32 -> bf16 on the point-to-point transport; model configs rotated."""
+    fp32 -> bf16 on the point-to-point transport; model configs rotated; FP8
+    destinations."""
     scenarios = []
     combos = list(itertools.product([1, 2, 3], [1, 2, 4]))
     for i, (fsdp, tp) in enumerate(combos):
         for j, (dtype, transport) in enumerate([("fp32", "auto"), ("bf16", "auto"), ("fp32", "p2p")]):
             scenarios.append(dict(config=CONFIG_KINDS[(i + j) % len(CONFIG_KINDS)], fsdp=fsdp, tp=tp,
                                   src_dtype=dtype, transport=transport, seed=100 * i + 10 * j))
+    # FP8 generator weights: every granularity at TP 1 and 2, and once over p2p.
+    for k, (granularity, tp) in enumerate(itertools.product(["tensor", "channel", "block"], [1, 2])):
+        scenarios.append(dict(config=CONFIG_KINDS[k % len(CONFIG_KINDS)], fsdp=2, tp=tp, src_dtype="fp32",
+                              transport="auto", seed=1000 + k, fp8=granularity))
+    scenarios.append(dict(config="llama_gqa_bias", fsdp=3, tp=2, src_dtype="bf16", transport="p2p", seed=2000,
+                          fp8="tensor"))
     return scenarios
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .engine import DEFAULT_COPY_TIMEOUT_S, check_local_tensors, run_segment_table, segment_table, tensors_device
+from .fp8 import Fp8Destinations, reduce_max
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES, Segment, TransferPlan, plan_transfer
 from .transports import (
@@ -345,12 +346,15 @@ class WeightReceiver(_Endpoint):
         self.version: int | None = None
         self.torn = False
         self.senders = self.plan.senders_of(self.rank)
+        # What the senders write: the registered tensors, and landing rows for FP8 weights.
+        self.fp8 = Fp8Destinations(self.layout, self.rank)
+        self.landing = self.fp8.landing(self.tensors, self.device)
         if self.transport == SHM:
             # The region stays mapped for as long as the tensors viewing it live.
-            region, offsets = rehome_into_shared_memory(self.tensors)
+            region, offsets = rehome_into_shared_memory(self.landing)
             self.channel.set(f"{_DST}/{self.rank}/handle", shm_handle(region, offsets))
         elif self.transport == CUDA_IPC:
-            self.channel.set(f"{_DST}/{self.rank}/handle", cuda_ipc_handle(self.tensors, self.device))
+            self.channel.set(f"{_DST}/{self.rank}/handle", cuda_ipc_handle(self.landing, self.device))
         else:
             buckets = [b for s in self.senders for b in self.plan.buckets[(s, self.rank)]]
             self._staging_buf = self._staging(buckets)
@@ -358,7 +362,7 @@ class WeightReceiver(_Endpoint):
             self._unpack = {
                 s: [
                     (
-                        segment_table(_packed(b)[1], lambda seg: staging, lambda seg: self.tensors[seg.dst_name].data_ptr()),
+                        segment_table(_packed(b)[1], lambda seg: staging, lambda seg: self.landing[seg.dst_name].data_ptr()),
                         sum(seg.nbytes for seg in b),
                     )
                     for b in self.plan.buckets[(s, self.rank)]
@@ -382,7 +386,7 @@ class WeightReceiver(_Endpoint):
             versions = {self.channel.get(k) for k in done}
         finally:
             self.channel.set(f"{key}/closed/{ticket}", 1)
-        return self._complete(versions)
+        return self._complete(versions, deadline)
 
     def _receive_p2p(self, deadline: float) -> int:
         versions = set()
@@ -398,15 +402,38 @@ class WeightReceiver(_Endpoint):
                 work = self.group.recv([self._staging_buf[:nbytes]], src, 1)
                 self._wait_work(work, deadline, f"version {version} from sender {src}")
                 run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
-        return self._complete(versions)
+        return self._complete(versions, deadline)
 
-    def _complete(self, versions: set[int]) -> int:
+    def _complete(self, versions: set[int], deadline: float) -> int:
         """Every segment has landed: adopt the senders' common version."""
         if len(versions) > 1:
             raise SyncError(f"receiver rank {self.rank}: senders sent different versions {sorted(versions)}; weights torn")
-        self.version = versions.pop() if versions else self.version
+        version = versions.pop() if versions else self.version
+        if self.fp8.names:
+            self._quantize_fp8(version, deadline)
+        self.version = version
         self.torn = False
         return self.version
+
+    def _quantize_fp8(self, version: int, deadline: float) -> None:
+        """Quantize the landed rows of FP8 weights, with the amaxes that span ranks
+        reduced (MAX) through the Store under this version's key."""
+        try:
+            amaxes, flat = self.fp8.local_amax(self.landing)
+        except ValueError as exc:
+            if self.fp8.num_reduced:
+                self.channel.store.set(f"{_DST}/amax/{version}/{self.rank}", b"nonfinite")  # let the other ranks fail fast
+            raise SyncError(f"receiver rank {self.rank}, version {version}: {exc}; weights torn") from exc
+        reduced = flat
+        if self.fp8.num_reduced and self.layout.world_size > 1:
+            self.channel.store.set(f"{_DST}/amax/{version}/{self.rank}", flat.numpy().tobytes())
+            keys = [f"{_DST}/amax/{version}/{r}" for r in range(self.layout.world_size)]
+            self.channel.wait(keys, deadline, f"the FP8 amaxes of version {version} from every receiver")
+            values = [self.channel.store.get(k) for k in keys]
+            if b"nonfinite" in values:
+                raise SyncError(f"receiver rank {self.rank}, version {version}: another rank received NaN or inf; weights torn")
+            reduced = reduce_max([torch.frombuffer(bytearray(v), dtype=torch.float32) for v in values])
+        self.fp8.finish(self.landing, self.tensors, amaxes, reduced)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The registered tensors, for sampling; raises TornWeightsError while torn."""

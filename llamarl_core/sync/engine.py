@@ -49,22 +49,22 @@ def segment_table(segments: Iterable, src_base: Callable, dst_base: Callable) ->
 
 
 def check_local_tensors(layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor] | None, side: str) -> None:
-    """Every local parameter of `rank` present, with the layout's shape and dtype,
-    contiguous; no unknown names. Raises ValueError naming the parameter."""
+    """Every local tensor of `rank` (layout.local_tensor_specs) present, with its
+    shape and dtype, contiguous; no unknown names. Raises ValueError naming it."""
     if tensors is None:
         raise ValueError(f"{side} rank {rank}: no tensors given")
-    unknown = sorted(set(tensors) - set(layout.params))
+    specs = layout.local_tensor_specs(rank)
+    unknown = sorted(set(tensors) - set(specs))
     if unknown:
         raise ValueError(f"{side} rank {rank}: unknown parameter {unknown[0]!r} (not in the layout)")
-    for name, spec in layout.params.items():
+    for name, (shape, dtype) in specs.items():
         if name not in tensors:
             raise ValueError(f"{side} rank {rank}: missing parameter {name!r}")
         tensor = tensors[name]
-        expected = layout.local_shape(name, rank)
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"{side} rank {rank}: {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
-        if tensor.dtype != spec.dtype:
-            raise ValueError(f"{side} rank {rank}: {name!r} has dtype {tensor.dtype}, expected {spec.dtype}")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{side} rank {rank}: {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+        if tensor.dtype != dtype:
+            raise ValueError(f"{side} rank {rank}: {name!r} has dtype {tensor.dtype}, expected {dtype}")
         if not tensor.is_contiguous():
             raise ValueError(f"{side} rank {rank}: {name!r} must be contiguous")
 

@@ -120,13 +120,28 @@ class Fused:
 Placement = Union[Replicate, Shard, Fused]
 
 
+FP8_GRANULARITIES = ("tensor", "channel", "block")
+
+
+def fp8_scale_name(name: str, granularity: str) -> str:
+    """vLLM's name of an FP8 weight's scale: `weight_scale_inv` per 128 x 128 block
+    (DeepSeek-V3 checkpoints), `weight_scale` per tensor and per channel."""
+    base = name[: -len("weight")] if name.endswith("weight") else name + "_"
+    return base + ("weight_scale_inv" if granularity == "block" else "weight_scale")
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     """One parameter of a layout.
 
     shape: the global (unsharded) shape; for `Fused`, the parts stacked on dim 0.
+    dtype: the dtype the sync lands in (for an FP8 parameter: the bf16 rows that
+    are then quantized).
     source: the logical tensor it holds (default: its own name); unused by `Fused`,
     whose parts name their sources.
+    fp8: None, or the granularity ("tensor", "channel", "block") of an FP8
+    destination: the rank then holds `name` as float8_e4m3fn plus a float32 scale
+    (fp8_scale_name); see llamarl_core/sync/fp8.py.
     """
 
     name: str
@@ -134,6 +149,7 @@ class ParamSpec:
     dtype: torch.dtype
     placement: Placement = Replicate()
     source: str | None = None
+    fp8: str | None = None
 
     @property
     def source_name(self) -> str:
@@ -170,6 +186,11 @@ class Layout:
             raise ValueError(f"parameter {name!r}: dtype must be a torch.dtype, got {spec.dtype!r}")
         if any((not isinstance(d, int)) or d < 0 for d in spec.shape):
             raise ValueError(f"parameter {name!r}: shape must be non-negative ints, got {spec.shape}")
+        if spec.fp8 is not None:
+            if spec.fp8 not in FP8_GRANULARITIES:
+                raise ValueError(f"parameter {name!r}: fp8 granularity must be one of {FP8_GRANULARITIES}, got {spec.fp8!r}")
+            if len(spec.shape) != 2 or spec.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                raise ValueError(f"parameter {name!r}: FP8 needs a 2-D weight landing in bf16, fp16 or fp32")
         placement = spec.placement
         if isinstance(placement, Replicate):
             return
@@ -261,6 +282,21 @@ class Layout:
         pad_start = min(max(rows - start, 0), stop - start)
         return (pad_start, stop - start)
 
+    def local_tensor_specs(self, rank: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The tensors `rank` holds: name -> (shape, dtype). An FP8 parameter is its
+        float8_e4m3fn weight plus its float32 scale (see llamarl_core/sync/fp8.py)."""
+        from .fp8 import fp8_scale_local_shape
+
+        specs = {}
+        for name, spec in self.params.items():
+            shape = self.local_shape(name, rank)
+            if spec.fp8 is None:
+                specs[name] = (shape, spec.dtype)
+            else:
+                specs[name] = (shape, torch.float8_e4m3fn)
+                specs[fp8_scale_name(name, spec.fp8)] = (fp8_scale_local_shape(self, name, rank), torch.float32)
+        return specs
+
     def local_nbytes(self, name: str, rank: int) -> int:
         return math.prod(self.local_shape(name, rank)) * self.params[name].dtype.itemsize
 
@@ -300,6 +336,7 @@ class Layout:
                     "dtype": dtype_name(s.dtype),
                     "placement": placement_dict(s.placement),
                     "source": s.source,
+                    "fp8": s.fp8,
                 }
                 for s in self.params.values()
             ],
@@ -324,7 +361,8 @@ class Layout:
         return cls(
             data["world_size"],
             [
-                ParamSpec(p["name"], tuple(p["shape"]), dtype_from_name(p["dtype"]), placement_of(p["placement"]), p["source"])
+                ParamSpec(p["name"], tuple(p["shape"]), dtype_from_name(p["dtype"]), placement_of(p["placement"]), p["source"],
+                          p.get("fp8"))
                 for p in data["params"]
             ],
         )

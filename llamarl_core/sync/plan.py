@@ -15,6 +15,7 @@ from typing import Mapping
 import torch
 
 from .engine import check_local_tensors, run_segment_table, segment_table, tensors_device
+from .fp8 import Fp8Destinations, reduce_max
 from .layout import Fragment, Layout, view_2d
 
 # Casts a segment may do on the way; any other dtype pair is refused.
@@ -143,9 +144,10 @@ class TransferPlan:
         """Run the whole plan in this process (also offline checkpoint resharding).
 
         src_shards / dst_shards: rank -> local parameter name -> tensor, every rank
-        of each layout, shapes and dtypes as the layouts say, contiguous, all on
-        one device. Everything is checked before the first byte moves. Returns the
-        bytes written.
+        of each layout (`layout.local_tensor_specs(rank)`: FP8 parameters are a
+        float8_e4m3fn weight and a float32 scale), contiguous, all on one device.
+        Everything is checked before the first byte moves. Returns the bytes the
+        plan wrote (FP8 parameters: their landing rows).
         """
         for rank in range(self.src_layout.world_size):
             check_local_tensors(self.src_layout, rank, src_shards.get(rank), "source")
@@ -154,12 +156,20 @@ class TransferPlan:
         everything = {(side, r, n): t for side, shards in (("src", src_shards), ("dst", dst_shards))
                       for r in shards for n, t in shards[r].items()}
         device = tensors_device(everything, "execute_local")
+        fp8 = {r: Fp8Destinations(self.dst_layout, r) for r in range(self.dst_layout.world_size)}
+        landing = {r: fp8[r].landing(dst_shards[r], device) for r in fp8}
         table = segment_table(
             self.segments,
             lambda seg: src_shards[seg.src_rank][seg.src_name].data_ptr(),
-            lambda seg: dst_shards[seg.dst_rank][seg.dst_name].data_ptr(),
+            lambda seg: landing[seg.dst_rank][seg.dst_name].data_ptr(),
         )
-        return run_segment_table(table, device, num_threads)
+        written = run_segment_table(table, device, num_threads)
+        if any(f.names for f in fp8.values()):
+            local = {r: fp8[r].local_amax(landing[r]) for r in fp8}
+            reduced = reduce_max([flat for _, flat in local.values()])
+            for r in fp8:
+                fp8[r].finish(landing[r], dst_shards[r], local[r][0], reduced)
+        return written
 
     def __repr__(self) -> str:
         return (

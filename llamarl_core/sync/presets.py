@@ -121,7 +121,7 @@ def _kv_head_ranges(d: LlamaDims, tp_size: int) -> tuple[tuple[int, int], ...]:
     return tuple(((r // replicas) * d.head_dim, (r // replicas + 1) * d.head_dim) for r in range(tp_size))
 
 
-def vllm_llama_tp(config, tp_size: int, dtype: torch.dtype) -> Layout:
+def vllm_llama_tp(config, tp_size: int, dtype: torch.dtype, fp8: str | None = None) -> Layout:
     """Generator layout: vLLM's names and tensor-parallel layout.
 
     - `self_attn.qkv_proj`: rank r holds its q heads, then its k heads, then its v
@@ -131,6 +131,11 @@ def vllm_llama_tp(config, tp_size: int, dtype: torch.dtype) -> Layout:
     - norms replicated.
     - `embed_tokens` and `lm_head` split on dim 0 after padding the vocabulary to a
       multiple of 64 (padding rows stay zero); `lm_head` omitted when tied.
+    - fp8: None, or a granularity ("tensor", "channel", "block") for the weights
+      of qkv_proj, o_proj, gate_up_proj and down_proj, which the generator then
+      holds in float8_e4m3fn with a scale (llamarl_core/sync/fp8.py); `dtype` is
+      what their rows land in before quantization. Norms, biases, embeddings and
+      lm_head stay in `dtype`.
     """
     d = llama_dims(config)
     if tp_size < 1:
@@ -147,7 +152,8 @@ def vllm_llama_tp(config, tp_size: int, dtype: torch.dtype) -> Layout:
 
     def fused(name: str, parts: list[tuple[str, tuple[int, ...], tuple]], cols: tuple[int, ...]) -> ParamSpec:
         rows = sum(shape[0] for _, shape, _ in parts)
-        return ParamSpec(name, (rows, *cols), dtype, Fused(tuple(FusedPart(s, shape, r) for s, shape, r in parts)))
+        return ParamSpec(name, (rows, *cols), dtype, Fused(tuple(FusedPart(s, shape, r) for s, shape, r in parts)),
+                         fp8=fp8 if name.endswith(".weight") else None)
 
     vocab_shard = Shard(0, padded_size=padded_vocab)
     params = [ParamSpec("model.embed_tokens.weight", (d.vocab, d.hidden), dtype, vocab_shard)]
@@ -167,7 +173,7 @@ def vllm_llama_tp(config, tp_size: int, dtype: torch.dtype) -> Layout:
                     cols,
                 )
             )
-        params.append(ParamSpec(f"{a}o_proj.weight", (d.hidden, q_rows), dtype, Shard(1)))
+        params.append(ParamSpec(f"{a}o_proj.weight", (d.hidden, q_rows), dtype, Shard(1), fp8=fp8))
         if d.o_bias:
             params.append(ParamSpec(f"{a}o_proj.bias", (d.hidden,), dtype, Replicate()))
         for kind in ["weight"] + (["bias"] if d.mlp_bias else []):
@@ -182,7 +188,7 @@ def vllm_llama_tp(config, tp_size: int, dtype: torch.dtype) -> Layout:
                     cols,
                 )
             )
-        params.append(ParamSpec(f"{m}down_proj.weight", (d.hidden, d.intermediate), dtype, Shard(1)))
+        params.append(ParamSpec(f"{m}down_proj.weight", (d.hidden, d.intermediate), dtype, Shard(1), fp8=fp8))
         if d.mlp_bias:
             params.append(ParamSpec(f"{m}down_proj.bias", (d.hidden,), dtype, Replicate()))
         for norm in ("input_layernorm", "post_attention_layernorm"):
