@@ -154,3 +154,42 @@ def test_transport_request_is_validated(store):
         choose_transport("shm", [{"host": "a", "device": "cpu"}, {"host": "b", "device": "cpu"}])
     with pytest.raises(ValueError, match="transport must be"):
         WeightSender(store, layout, 0, shards, name="t", transport="rdma", timeout=1.0)
+
+
+def test_fp8_sync_refuses_nonfinite_weights_on_every_rank(store):
+    """Threads in one process (the shared-memory transport works within a process
+    too): a NaN reaching receiver 0 fails both receivers at once, both torn."""
+    import threading
+
+    from llamarl_core.sync import SyncError, reference_fsdp_shards
+    from helpers import hf_state_dict
+
+    config = small_config("llama_gqa_bias")
+    state = hf_state_dict(config, 21)
+    state["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")  # rows of TP rank 0 only
+    src_layout = hf_llama_fsdp(config, 1, torch.float32)
+    dst_layout = vllm_llama_tp(config, 2, torch.bfloat16, fp8="tensor")
+    outcome = {}
+
+    def client():  # one Store client per thread: a client blocks while it waits
+        return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+
+    def receiver(rank):
+        params = poisoned_destination(dst_layout, rank)
+        with WeightReceiver(client(), dst_layout, rank, params, name="nan", timeout=30) as r:
+            try:
+                r.receive()
+                outcome[rank] = "received"
+            except SyncError as exc:
+                outcome[rank] = (str(exc), r.torn, r.version)
+
+    threads = [threading.Thread(target=receiver, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    shards = reference_fsdp_shards(state, 1, torch.float32)[0]
+    with WeightSender(client(), src_layout, 0, shards, name="nan", timeout=30) as sender:
+        sender.send(1)
+    for t in threads:
+        t.join(timeout=60)
+    assert "qkv_proj.weight: contains NaN or inf" in outcome[0][0] and outcome[0][1:] == (True, None)
+    assert "another rank received NaN or inf" in outcome[1][0] and outcome[1][1:] == (True, None)

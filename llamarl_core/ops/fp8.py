@@ -18,7 +18,9 @@ CPU path -> functional API.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import warnings
 
 import torch
@@ -149,6 +151,16 @@ def _use_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Triton's interpreter patches module-level state while it runs a kernel: two
+# threads interpreting at once fail ("Did you forget to add @triton.jit?").
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _serialized(device: torch.device):
+    """A lock around interpreted launches; nothing for real GPU launches."""
+    return _INTERPRETER_LOCK if device.type == "cpu" else contextlib.nullcontext()
+
+
 def _triton_kernels():
     from llamarl_core.kernels import fp8_quant
 
@@ -168,10 +180,11 @@ def _launch_amax(w: torch.Tensor, granularity: str, block_size) -> torch.Tensor:
     grid = (-(-n // bn), -(-k // bk))
     partial = torch.empty(grid, dtype=torch.float32, device=w.device)
     rows = torch.empty((n, 1), dtype=torch.float32, device=w.device) if granularity == "channel" else partial
-    kernels.fp8_amax_kernel[grid](
-        w, partial if granularity != "channel" else rows, n, k, w.stride(0), w.stride(1),
-        BLOCK_N=bn, BLOCK_K=bk, PER_ROW=granularity == "channel",
-    )
+    with _serialized(w.device):
+        kernels.fp8_amax_kernel[grid](
+            w, partial if granularity != "channel" else rows, n, k, w.stride(0), w.stride(1),
+            BLOCK_N=bn, BLOCK_K=bk, PER_ROW=granularity == "channel",
+        )
     if granularity == "tensor":
         return partial.amax() if partial.numel() else torch.zeros((), device=w.device)
     return rows if granularity == "channel" else partial
@@ -207,12 +220,13 @@ def _launch_quantize(w, q_bits, scale_out, granularity: str, block_size, given_s
     grid = (-(-n // bn), -(-k // bk))
     mode = {"tensor": 0, "channel": 1, "block": 2}[granularity]
     scale_ptr = given_scale if given_scale is not None else scale_out
-    kernels.fp8_quantize_kernel[grid](
-        w, q_bits, scale_ptr, n, k, w.stride(0), w.stride(1), q_bits.stride(0),
-        scale_ptr.stride(0) if scale_ptr.dim() >= 1 else 0,
-        BLOCK_N=bn, BLOCK_K=bk, SCALE_MODE=mode, COMPUTE_SCALE=given_scale is None,
-        SOFTWARE_FP8=_use_interpreter() or w.device.type == "cpu",
-    )
+    with _serialized(w.device):
+        kernels.fp8_quantize_kernel[grid](
+            w, q_bits, scale_ptr, n, k, w.stride(0), w.stride(1), q_bits.stride(0),
+            scale_ptr.stride(0) if scale_ptr.dim() >= 1 else 0,
+            BLOCK_N=bn, BLOCK_K=bk, SCALE_MODE=mode, COMPUTE_SCALE=given_scale is None,
+            SOFTWARE_FP8=_use_interpreter() or w.device.type == "cpu",
+        )
 
 
 # ----------------------------------------------------------------------------- CPU path
