@@ -237,6 +237,23 @@ def _launch_quantize(w, q_bits, scale_out, granularity: str, block_size, given_s
 _CPU_CHUNK_ELEMS = 1 << 20
 
 
+def _cpu_amax(w: torch.Tensor, granularity: str, block_size) -> torch.Tensor:
+    """fp8_amax_ref without float32 temporaries: max |w| = max(max w, -min w),
+    taken in w's own dtype (exact: every bf16 / fp16 value is a float32 value)."""
+    n, k = w.shape
+    bn, bk = block_size
+    if w.numel() == 0 or (granularity == "block" and (n % bn or k % bk)):
+        return fp8_amax_ref(w, granularity, block_size)  # ragged edge blocks: pad like the reference
+    if granularity == "tensor":
+        low, high = torch.aminmax(w)
+    elif granularity == "channel":
+        low, high = torch.aminmax(w, dim=1, keepdim=True)
+    else:
+        blocks = w.reshape(n // bn, bn, k // bk, bk)
+        low, high = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
+    return torch.maximum(high.to(torch.float32), -low.to(torch.float32))
+
+
 def _cpu_quantize_into(w, q, scale, granularity, block_size) -> None:
     """Quantize `w` into q (fp8) with a known per-group `scale`, a row chunk at a time
     (whole block rows for block granularity), so the float32 temporary stays small."""
@@ -252,9 +269,15 @@ def _cpu_quantize_into(w, q, scale, granularity, block_size) -> None:
         elif granularity == "channel":
             chunk.div_(scale[start:stop])
         else:
-            rows = scale[start // block_size[0] : -(-stop // block_size[0])]
-            chunk.div_(expand_scale(rows, (stop - start, k), "block", block_size))
-        q[start:stop] = chunk.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            bn, bk = block_size
+            rows = scale[start // bn : -(-stop // bn)].repeat_interleave(bn, 0)[: stop - start]
+            if k % bk == 0:  # broadcast over each block's columns instead of materialising them
+                chunk.view(stop - start, k // bk, bk).div_(rows.unsqueeze(-1))
+            else:
+                chunk.div_(rows.repeat_interleave(bk, 1)[:, :k])
+        # No clamp: |w / scale| <= 448 up to one rounding, and torch's e4m3fn cast
+        # saturates (>= 464 -> 448), so it gives the same bits (tests check it).
+        q[start:stop] = chunk.to(FP8_DTYPE)
 
 
 # ----------------------------------------------------------------------------- functional API
@@ -267,10 +290,7 @@ def fp8_amax(w: torch.Tensor, granularity: str, block_size=DEFAULT_BLOCK, *, nam
              backend: str = "auto") -> torch.Tensor:
     """max |w| per group (float32, the shape of the scale); raises on NaN / inf."""
     _check_input(w, granularity, block_size, name)
-    if _triton_path(w, backend):
-        amax = _launch_amax(w, granularity, block_size)
-    else:
-        amax = fp8_amax_ref(w, granularity, block_size)
+    amax = _launch_amax(w, granularity, block_size) if _triton_path(w, backend) else _cpu_amax(w, granularity, block_size)
     raise_if_not_finite(amax, name)
     return amax.reshape(scale_shape(tuple(w.shape), granularity, block_size))
 
