@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from llamarl_core.bench.harness import append_csv, summarize, table, update_results_md
+from llamarl_core.bench.harness import add_output_args, append_csv, summarize, table, update_results_md
 from llamarl_core.ops.fp8 import quantize_fp8, quantize_fp8_ref, scale_shape
 
 # Llama-3-8B-shaped projections: q/o (4096 x 4096), gate/up (14336 x 4096), down (4096 x 14336).
@@ -90,8 +90,7 @@ def parse_args(argv):
     p.add_argument("--granularities", nargs="+", default=["tensor", "channel", "block"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--gpu", action="store_true", help="also time the Triton kernel against a d2d copy")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument("--no-record", action="store_true", help="do not append to results.csv nor update RESULTS.md")
+    add_output_args(p)
     return p.parse_args(argv)
 
 

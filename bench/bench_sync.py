@@ -33,7 +33,7 @@ import torch.multiprocessing as tmp
 
 from llamarl_core.sync import WeightReceiver, WeightSender, hf_llama_fsdp, hf_llama_shapes, plan_transfer, vllm_llama_tp
 
-from llamarl_core.bench.harness import append_csv, summarize, table, update_results_md
+from llamarl_core.bench.harness import add_output_args, append_csv, summarize, table, update_results_md
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Each rank of every method waits at most this long for a signal.
@@ -286,8 +286,7 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=0, help="copy threads per sender (default: cores / senders)")
     p.add_argument("--warmup", type=int, default=2, help="untimed syncs first (the first ones run 30-50%% slower)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument("--no-record", action="store_true", help="do not append to results.csv nor update RESULTS.md")
+    add_output_args(p)
     return p.parse_args(argv)
 
 

@@ -79,6 +79,12 @@ def update_results_md(section: str, body: str) -> None:
     RESULTS_MD.write_text(text.rstrip() + "\n")
 
 
+def add_output_args(parser) -> None:
+    """--json and --no-record, the same for every benchmark."""
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--no-record", action="store_true", help="do not append to results.csv nor update RESULTS.md")
+
+
 def table(rows: list[list[str]]) -> str:
     """A Markdown table (first row is the header)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

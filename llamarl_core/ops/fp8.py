@@ -171,34 +171,27 @@ def _launch_amax(w: torch.Tensor, granularity: str, block_size) -> torch.Tensor:
     """Per-group amax with the Triton reduction kernel."""
     kernels = _triton_kernels()
     n, k = w.shape
-    if granularity == "block":
-        bn, bk = block_size
-    elif granularity == "channel":
-        bn, bk = _channel_tile(n, k)
-    else:
-        bn, bk = _tensor_tile(n, k)
+    bn, bk = _tile(n, k, granularity, block_size)
     grid = (-(-n // bn), -(-k // bk))
     partial = torch.empty(grid, dtype=torch.float32, device=w.device)
     rows = torch.empty((n, 1), dtype=torch.float32, device=w.device) if granularity == "channel" else partial
     with _serialized(w.device):
         kernels.fp8_amax_kernel[grid](
             w, partial if granularity != "channel" else rows, n, k, w.stride(0), w.stride(1),
-            BLOCK_N=bn, BLOCK_K=bk, PER_ROW=granularity == "channel",
+            BLOCK_N=bn, BLOCK_K=bk, PER_ROW=granularity == "channel", num_warps=8,
         )
     if granularity == "tensor":
         return partial.amax() if partial.numel() else torch.zeros((), device=w.device)
     return rows if granularity == "channel" else partial
 
 
-def _channel_tile(n: int, k: int) -> tuple[int, int]:
-    """A whole row per tile (one pass per channel); rows per tile so that a tile
-    holds about 16K elements (64 per thread at 8 warps on a GPU)."""
-    bk = triton_next_pow2(k)
-    return max(1, min(triton_next_pow2(n), 16384 // bk)), bk
-
-
-def _tensor_tile(n: int, k: int) -> tuple[int, int]:
-    bk = min(triton_next_pow2(k), 1024)
+def _tile(n: int, k: int, granularity: str, block_size) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of one program: a block is a tile; a channel group is whole
+    rows (one pass per channel), as many as fit in about 16K elements (64 per thread
+    at 8 warps on a GPU); the per-tensor passes use 16K-element tiles too."""
+    if granularity == "block":
+        return tuple(block_size)
+    bk = triton_next_pow2(k) if granularity == "channel" else min(triton_next_pow2(k), 1024)
     return max(1, min(triton_next_pow2(n), 16384 // bk)), bk
 
 
@@ -211,12 +204,7 @@ def _launch_quantize(w, q_bits, scale_out, granularity: str, block_size, given_s
     with `given_scale`, the cast pass alone (per-tensor, or scales reduced across ranks)."""
     kernels = _triton_kernels()
     n, k = w.shape
-    if granularity == "block":
-        bn, bk = block_size
-    elif granularity == "channel":
-        bn, bk = _channel_tile(n, k)
-    else:
-        bn, bk = _tensor_tile(n, k)
+    bn, bk = _tile(n, k, granularity, block_size)
     grid = (-(-n // bn), -(-k // bk))
     mode = {"tensor": 0, "channel": 1, "block": 2}[granularity]
     scale_ptr = given_scale if given_scale is not None else scale_out
@@ -225,7 +213,7 @@ def _launch_quantize(w, q_bits, scale_out, granularity: str, block_size, given_s
             w, q_bits, scale_ptr, n, k, w.stride(0), w.stride(1), q_bits.stride(0),
             scale_ptr.stride(0) if scale_ptr.dim() >= 1 else 0,
             BLOCK_N=bn, BLOCK_K=bk, SCALE_MODE=mode, COMPUTE_SCALE=given_scale is None,
-            SOFTWARE_FP8=_use_interpreter() or w.device.type == "cpu",
+            SOFTWARE_FP8=_use_interpreter() or w.device.type == "cpu", num_warps=8,
         )
 
 

@@ -1,0 +1,29 @@
+"""The benchmark commands run end to end and print their figures as JSON (tiny
+sizes; no timing is asserted here: figures live in bench/RESULTS.md)."""
+
+import json
+import subprocess
+import sys
+
+
+def _run(*args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "bench", *args, "--no-record", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_bench_sync_reports_every_method():
+    result = _run("sync", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "4",
+                  "--kv-heads", "2", "--vocab", "256", "--warmup", "0", "--repeats", "1")
+    assert set(result["gbps"]) == {"memcpy", "engine_auto", "engine_p2p", "gloo_broadcast", "mp_shared"}
+    assert all(v > 0 for v in result["gbps"].values())
+    assert set(result["ratios"]) == {"engine_vs_memcpy", "engine_vs_gloo_broadcast", "engine_vs_mp_shared",
+                                     "p2p_vs_gloo_broadcast"}
+
+
+def test_bench_fp8_reports_cpu_path_and_peers():
+    result = _run("fp8", "--shapes", "64x96", "--repeats", "1")
+    methods = {(r["granularity"], r["method"]) for r in result["rows"]}
+    assert methods == {(g, m) for g in ("tensor", "channel", "block") for m in ("torch copy", "CPU path", "torch reference")}
+    assert set(result["ratios"]) == {"64x96 tensor", "64x96 channel", "64x96 block"}
