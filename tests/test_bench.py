@@ -4,11 +4,13 @@ sizes; no timing is asserted here: figures live in bench/RESULTS.md)."""
 import json
 import subprocess
 import sys
+import tempfile
 
 
 def _run(*args: str) -> dict:
+    # Run outside the repository so the installed package is imported, not the sources.
     out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "bench", *args, "--no-record", "--json"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 
