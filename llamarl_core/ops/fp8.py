@@ -18,12 +18,11 @@ CPU path -> functional API.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
 import warnings
 
 import torch
+
+from ._launch import serialized, use_interpreter
 
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -147,18 +146,6 @@ def e4m3_nearest_even_ref64(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- Triton launchers
 
 
-def _use_interpreter() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-# Triton's interpreter patches module-level state while it runs a kernel: two
-# threads interpreting at once fail ("Did you forget to add @triton.jit?").
-_INTERPRETER_LOCK = threading.Lock()
-
-
-def _serialized(device: torch.device):
-    """A lock around interpreted launches; nothing for real GPU launches."""
-    return _INTERPRETER_LOCK if device.type == "cpu" else contextlib.nullcontext()
 
 
 def _triton_kernels():
@@ -175,7 +162,7 @@ def _launch_amax(w: torch.Tensor, granularity: str, block_size) -> torch.Tensor:
     grid = (-(-n // bn), -(-k // bk))
     partial = torch.empty(grid, dtype=torch.float32, device=w.device)
     rows = torch.empty((n, 1), dtype=torch.float32, device=w.device) if granularity == "channel" else partial
-    with _serialized(w.device):
+    with serialized(w.device):
         kernels.fp8_amax_kernel[grid](
             w, partial if granularity != "channel" else rows, n, k, w.stride(0), w.stride(1),
             BLOCK_N=bn, BLOCK_K=bk, PER_ROW=granularity == "channel", num_warps=8,
@@ -208,12 +195,12 @@ def _launch_quantize(w, q_bits, scale_out, granularity: str, block_size, given_s
     grid = (-(-n // bn), -(-k // bk))
     mode = {"tensor": 0, "channel": 1, "block": 2}[granularity]
     scale_ptr = given_scale if given_scale is not None else scale_out
-    with _serialized(w.device):
+    with serialized(w.device):
         kernels.fp8_quantize_kernel[grid](
             w, q_bits, scale_ptr, n, k, w.stride(0), w.stride(1), q_bits.stride(0),
             scale_ptr.stride(0) if scale_ptr.dim() >= 1 else 0,
             BLOCK_N=bn, BLOCK_K=bk, SCALE_MODE=mode, COMPUTE_SCALE=given_scale is None,
-            SOFTWARE_FP8=_use_interpreter() or w.device.type == "cpu", num_warps=8,
+            SOFTWARE_FP8=use_interpreter() or w.device.type == "cpu", num_warps=8,
         )
 
 
@@ -357,14 +344,14 @@ def _triton_path(w: torch.Tensor, backend: str) -> bool:
             raise ValueError(f"the torch FP8 path runs on CPU tensors, got a {w.device.type} tensor")
         return False
     if backend == "triton" or w.device.type == "cuda":
-        if w.device.type == "cpu" and not _use_interpreter():
+        if w.device.type == "cpu" and not use_interpreter():
             raise RuntimeError("the Triton FP8 kernels need a CUDA tensor, or TRITON_INTERPRET=1 for CPU tensors")
         try:
             _triton_kernels()
         except ImportError as exc:
             raise RuntimeError("the Triton FP8 kernels need triton (pip install triton)") from exc
         return True
-    if not _use_interpreter() or w.numel() > INTERPRETER_MAX_ELEMS:
+    if not use_interpreter() or w.numel() > INTERPRETER_MAX_ELEMS:
         return False
     try:
         _triton_kernels()

@@ -1,0 +1,425 @@
+"""AIPO loss (LlamaRL's truncated importance-weighted policy gradient) and the
+objectives users compare it with, from logits or from last hidden states.
+
+For token t: logp_t = log_softmax(logits_t / temperature)[y_t], behaviour log-prob
+b_t (from the generator), advantage A_t, mask m_t.
+    aipo     w_t = min(exp(logp_t - b_t), rho), a constant;  l_t = -w_t A_t logp_t
+    ppo      r_t = exp(logp_t - old_t);  l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
+    ppo_tis  l_t = min(exp(old_t - b_t), rho) * ppo l_t (token-level truncated IS of the
+             trainer's old policy against the generator's behaviour policy)
+    loss = sum_t weight_t l_t with weight_t = m_t / sum(m) ("token_mean"), m_t /
+    (count(seq_t) * sequences with a token) ("sequence_mean"), m_t ("sum"). With
+    every m_t = 0 the loss and the gradients are 0.
+Every objective is per token, so dl/dlogp_t is known in the forward pass: the
+backward only turns it into dlogits (one vocabulary pass, kernels/logprob.py),
+and the linear variant computes its gradients chunk by chunk during the forward.
+
+File order: reference -> launchers -> torch CPU path -> autograd -> functional.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._launch import serialized, use_interpreter
+
+IGNORE_INDEX = -100
+LOSS_TYPES = ("aipo", "ppo", "ppo_tis")
+REDUCTIONS = ("token_mean", "sequence_mean", "sum")
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    loss_type: str = "aipo"
+    rho: float = 4.0
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    temperature: float = 1.0
+
+
+@dataclass
+class AIPOStats:
+    """Detached diagnostics over the masked tokens."""
+
+    logprobs: torch.Tensor  # (num_tokens,) learner log-probs, float32
+    mean_ratio: torch.Tensor  # mean exp(logp - b)
+    truncated_fraction: torch.Tensor  # fraction of tokens with exp(logp - b) > rho
+    mismatch_kl: torch.Tensor  # k3 estimate of KL(behaviour || learner): exp(b - logp) - (b - logp) - 1
+    entropy: torch.Tensor | None = None  # mean entropy of the learner distribution, if asked for
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=4.0, temperature=1.0,
+                  reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=0.2,
+                  eps_high=0.2, compute_dtype=torch.float64):
+    """Plain torch autograd (log_softmax, gather, the objective), in float64 by
+    default: the reference for values and gradients. With compute_dtype=None it
+    runs in the logits' own dtype: the naive version users would write. Returns the
+    loss; gradients through backward()."""
+    dtype = logits.dtype if compute_dtype is None else compute_dtype
+    x = logits.to(dtype) / temperature
+    logp_all = torch.log_softmax(x, dim=-1)
+    valid = targets != IGNORE_INDEX
+    logp = torch.where(valid, logp_all.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+    m = (torch.ones_like(logp) if mask is None else mask.to(dtype)) * valid
+    b, a = behavior_logprobs.to(dtype), advantages.to(dtype)
+    if loss_type == "aipo":
+        w = torch.clamp(torch.exp(logp.detach() - b), max=rho)
+        terms = torch.where(w == 0, 0.0, -w * a * logp)
+    else:
+        old = old_logprobs.to(dtype)
+        r = torch.exp(logp - old)
+        terms = -torch.minimum(r * a, torch.clamp(r, 1 - eps_low, 1 + eps_high) * a)
+        if loss_type == "ppo_tis":
+            terms = torch.clamp(torch.exp(old - b), max=rho) * terms
+    weights = reduction_weights(m, reduction, sequence_ids)
+    return torch.where(weights != 0, weights * terms, 0.0).sum()
+
+
+def reduction_weights(m: torch.Tensor, reduction: str, sequence_ids: torch.Tensor | None) -> torch.Tensor:
+    """Per-token weights turning per-token losses into the reduced loss."""
+    if reduction == "sum":
+        return m
+    if reduction == "token_mean":
+        total = m.sum()
+        return m / total if total > 0 else torch.zeros_like(m)
+    if sequence_ids is None:
+        raise ValueError('reduction="sequence_mean" needs sequence_ids (num_tokens,)')
+    _, seq_index = torch.unique(sequence_ids, return_inverse=True)
+    counts = torch.zeros(int(seq_index.max()) + 1 if seq_index.numel() else 0, dtype=m.dtype, device=m.device)
+    counts.index_add_(0, seq_index, m)
+    num_sequences = (counts > 0).sum()
+    if num_sequences == 0:
+        return torch.zeros_like(m)
+    per_token_count = counts[seq_index]
+    return torch.where(per_token_count > 0, m / (per_token_count.clamp(min=1) * num_sequences), 0.0)
+
+
+def token_objective(logp: torch.Tensor, behavior: torch.Tensor, advantages: torch.Tensor, old: torch.Tensor | None,
+                    cfg: ObjectiveConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss l_t and its derivative dl_t / dlogp_t, in float32, analytically
+    (no autograd): the truncated IS weights are constants; PPO's clipped branch has
+    no gradient."""
+    if cfg.loss_type == "aipo":
+        w = torch.clamp(torch.exp(logp - behavior), max=cfg.rho)
+        return torch.where(w == 0, 0.0, -w * advantages * logp), -w * advantages
+    r = torch.exp(logp - old)
+    unclipped, clipped = r * advantages, torch.clamp(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * advantages
+    terms = -torch.minimum(unclipped, clipped)
+    grad = torch.where(clipped < unclipped, 0.0, -unclipped)
+    if cfg.loss_type == "ppo_tis":
+        tis = torch.clamp(torch.exp(old - behavior), max=cfg.rho)
+        terms, grad = tis * terms, tis * grad
+    return terms, grad
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _use_triton(logits: torch.Tensor) -> bool:
+    """Triton for CUDA tensors, and for CPU tensors under TRITON_INTERPRET=1."""
+    return logits.device.type == "cuda" or (logits.device.type == "cpu" and use_interpreter())
+
+
+def _block_v(vocab: int, device: torch.device) -> int:
+    """Vocabulary block: 4096 on a GPU (16 fp32 values per thread at 8 warps); in the
+    interpreter one block per row where possible, as each program instance costs
+    about 0.5 ms there (shared/MACHINE.md: V=32000 takes 0.16 s at 32768, 2.8 s at 1024)."""
+    cap = 4096 if device.type == "cuda" else 32768
+    return min(cap, 1 << max(4, (vocab - 1).bit_length()))
+
+
+def logprob_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
+    """(lse, logp, entropy or None), float32 (num_tokens,), for 2-D contiguous-row logits."""
+    n, v = logits.shape
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    logp = torch.empty_like(lse)
+    ent = torch.empty_like(lse) if entropy else None
+    if n == 0:
+        return lse, logp, ent
+    if _use_triton(logits):
+        from llamarl_core.kernels.logprob import logprob_fwd_kernel
+
+        with serialized(logits.device):
+            logprob_fwd_kernel[(n,)](logits, targets, lse, logp, ent if entropy else lse, v, logits.stride(0),
+                                     1.0 / temperature, IGNORE_INDEX=IGNORE_INDEX, BLOCK_V=_block_v(v, logits.device),
+                                     COMPUTE_ENTROPY=entropy, num_warps=8)
+        return lse, logp, ent
+    for rows in _row_chunks(n, v):
+        x = logits[rows].to(torch.float32) / temperature
+        chunk_lse = torch.logsumexp(x, dim=-1)
+        lse[rows] = chunk_lse
+        logp[rows] = _target_logp(x, targets[rows], chunk_lse)
+        if entropy:
+            p = torch.exp(x - chunk_lse.unsqueeze(-1))
+            ent[rows] = chunk_lse - torch.where(p > 0, p * x, 0.0).sum(-1)
+    return lse, logp, ent
+
+
+def logprob_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
+                     temperature: float) -> torch.Tensor:
+    """dlogits = coef_t * (onehot(y_t) - softmax_t) / temperature, in logits' dtype."""
+    n, v = logits.shape
+    dlogits = torch.empty_like(logits)
+    if n == 0:
+        return dlogits
+    coef = coef.to(torch.float32).contiguous()
+    if _use_triton(logits):
+        from llamarl_core.kernels.logprob import logprob_bwd_kernel
+
+        with serialized(logits.device):
+            logprob_bwd_kernel[(n,)](logits, dlogits, targets, lse, coef, v, logits.stride(0), dlogits.stride(0),
+                                     1.0 / temperature, BLOCK_V=_block_v(v, logits.device), num_warps=8)
+        return dlogits
+    for rows in _row_chunks(n, v):
+        dlogits[rows] = _dlogits_chunk(logits[rows].to(torch.float32) / temperature, targets[rows], lse[rows],
+                                       coef[rows], temperature).to(logits.dtype)
+    return dlogits
+
+
+# ----------------------------------------------------------------------------- torch CPU path
+
+# Rows per chunk: at most about 16 Mi float32 values (64 MiB) of temporaries.
+_CHUNK_ELEMS = 1 << 24
+
+
+def _row_chunks(n: int, v: int):
+    step = max(1, _CHUNK_ELEMS // max(v, 1))
+    return [slice(s, min(n, s + step)) for s in range(0, n, step)]
+
+
+def _target_logp(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    valid = targets != IGNORE_INDEX
+    picked = x.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, picked - lse, 0.0)
+
+
+def _dlogits_chunk(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
+                   temperature: float) -> torch.Tensor:
+    """coef * (onehot - softmax) / temperature for scaled logits x (float32), in place on x."""
+    grad = x.sub_(lse.unsqueeze(-1)).exp_().mul_(-(coef / temperature).unsqueeze(-1))
+    valid = targets != IGNORE_INDEX
+    rows = torch.nonzero(valid).squeeze(-1)
+    grad[rows, targets[rows]] += coef[rows] / temperature
+    return grad
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+def _check_config(cfg: ObjectiveConfig, reduction: str) -> None:
+    if cfg.loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {cfg.loss_type!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if cfg.temperature <= 0 or cfg.rho <= 0:
+        raise ValueError(f"temperature and rho must be positive, got {cfg.temperature} and {cfg.rho}")
+
+
+def _flat_logits(logits: torch.Tensor) -> torch.Tensor:
+    if logits.dim() < 2:
+        raise ValueError(f"logits must be (num_tokens, vocab) or (..., vocab), got shape {tuple(logits.shape)}")
+    if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"logits dtype must be bfloat16, float16 or float32, got {logits.dtype}")
+    flat = logits.reshape(-1, logits.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def _prepare(lead: torch.Size, vocab: int, device, targets, behavior, advantages, mask, old, sequence_ids, cfg,
+             reduction):
+    """Validate and flatten the per-token inputs (leading shape `lead`); returns
+    1-D tensors and the per-token reduction weights."""
+    _check_config(cfg, reduction)
+    n = lead.numel()
+
+    def vec(t, what, dtype=torch.float32):
+        if t is None:
+            return None
+        if t.shape != lead:
+            raise ValueError(f"{what} must have shape {tuple(lead)} (the logits' leading dims), got {tuple(t.shape)}")
+        return t.reshape(n).to(device=device, dtype=dtype)
+
+    targets = vec(targets, "targets", torch.int64)
+    bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"targets[{i}] = {int(targets[i])} is outside [0, {vocab}) (ignore index: {IGNORE_INDEX})")
+    behavior = vec(behavior, "behavior_logprobs")
+    advantages = vec(advantages, "advantages")
+    if cfg.loss_type != "aipo" and old is None:
+        raise ValueError(f'loss_type="{cfg.loss_type}" needs old_logprobs')
+    old = vec(old, "old_logprobs")
+    m = torch.ones(n, device=device) if mask is None else vec(mask, "mask")
+    m = m * (targets != IGNORE_INDEX)
+    seq = vec(sequence_ids, "sequence_ids", torch.int64)
+    weights = reduction_weights(m, reduction, seq)
+    return targets, behavior, advantages, old, m, weights
+
+
+def _loss_and_coef(logp, behavior, advantages, old, weights, cfg):
+    terms, dterms = token_objective(logp, behavior, advantages, old, cfg)
+    active = weights != 0
+    loss = torch.where(active, weights * terms, 0.0).sum()
+    return loss, torch.where(active, weights * dterms, 0.0)
+
+
+def _stats(logp, behavior, m, cfg, entropy) -> AIPOStats:
+    count = m.sum().clamp(min=1)
+    delta = (behavior - logp).clamp(max=80.0)  # exp(80) keeps the k3 estimate finite
+    ratio = torch.exp(-delta)
+    return AIPOStats(
+        logprobs=logp.detach(),
+        mean_ratio=(ratio * m).sum() / count,
+        truncated_fraction=((ratio > cfg.rho).to(torch.float32) * m).sum() / count,
+        mismatch_kl=((torch.exp(delta) - delta - 1) * m).sum() / count,
+        entropy=None if entropy is None else (entropy * m).sum() / count,
+    )
+
+
+class AIPOLossFunction(torch.autograd.Function):
+    """loss from logits; the backward writes dlogits in one vocabulary pass."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, behavior, advantages, old, weights, cfg: ObjectiveConfig, with_entropy: bool):
+        lse, logp, entropy = logprob_forward(logits, targets, cfg.temperature, with_entropy)
+        loss, coef = _loss_and_coef(logp, behavior, advantages, old, weights, cfg)
+        ctx.save_for_backward(logits, targets, lse, coef)
+        ctx.temperature = cfg.temperature
+        ctx.mark_non_differentiable(logp)
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return loss, logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        logits, targets, lse, coef = ctx.saved_tensors
+        dlogits = logprob_backward(logits, targets, lse, coef * grad_loss, ctx.temperature)
+        return dlogits, None, None, None, None, None, None, None
+
+
+class LinearAIPOLossFunction(torch.autograd.Function):
+    """loss from last hidden states and the lm-head weight, chunked over tokens so
+    the full logits never exist. Every objective is per token, so each chunk's
+    gradients are computed as soon as its logits are (3 matmuls in all, as the
+    naive version does); the backward only scales them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, behavior, advantages, old, weights, cfg: ObjectiveConfig,
+                chunk_size: int, with_entropy: bool):
+        n = hidden.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # Accumulated over chunks in float32 whatever the weight's dtype.
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logp) if with_entropy else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, min(n, start + chunk_size))
+            h = hidden[rows]
+            logits = h @ weight.t()
+            lse, logp[rows], chunk_entropy = logprob_forward(logits, targets[rows], cfg.temperature, with_entropy)
+            if with_entropy:
+                entropy[rows] = chunk_entropy
+            old_rows = None if old is None else old[rows]
+            chunk_loss, coef = _loss_and_coef(logp[rows], behavior[rows], advantages[rows], old_rows, weights[rows], cfg)
+            loss += chunk_loss
+            if need_h or need_w:
+                dlogits = logprob_backward(logits, targets[rows], lse, coef, cfg.temperature)
+                del logits
+                if need_h:
+                    grad_h[rows] = dlogits @ weight
+                if need_w:
+                    grad_w.addmm_(dlogits.t().to(torch.float32), h.to(torch.float32))
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(logp)
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return loss, logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        grad_h, grad_w = ctx.saved_tensors
+        dh = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
+        dw = None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype)
+        return dh, dw, None, None, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- functional
+
+
+def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=4.0, temperature=1.0,
+              reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=0.2,
+              eps_high=0.2, entropy=False):
+    """AIPO (or PPO-clip, PPO-clip + truncated IS) loss from logits.
+
+    logits: (num_tokens, vocab) or (..., vocab), bf16 / fp16 / fp32; gradients flow
+    to logits only. targets: int (num_tokens,), IGNORE_INDEX (-100) to skip a
+    token; any other value outside [0, vocab) raises. behavior_logprobs,
+    advantages, mask, old_logprobs, sequence_ids: (num_tokens,). `-inf` logits
+    (masked vocabulary) are allowed. Returns (loss, AIPOStats).
+    """
+    cfg = ObjectiveConfig(loss_type, rho, eps_low, eps_high, temperature)
+    flat = _flat_logits(logits)
+    targets, behavior, advantages, old, m, weights = _prepare(
+        logits.shape[:-1], logits.shape[-1], flat.device, targets, behavior_logprobs, advantages, mask, old_logprobs,
+        sequence_ids, cfg, reduction)
+    loss, logp, ent = AIPOLossFunction.apply(flat, targets, behavior, advantages, old, weights, cfg, entropy)
+    return loss, _stats(logp, behavior, m, cfg, ent)
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = False,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """A = r - mean(r over the samples of the same prompt) (AIPO); with
+    normalize_std, divided by the group's std + eps (GRPO). rewards, group_ids: (num_samples,)."""
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(f"rewards and group_ids must be 1-D of one shape, got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
+    _, index = torch.unique(group_ids, return_inverse=True)
+    groups = int(index.max()) + 1 if index.numel() else 0
+    r = rewards.to(torch.float32)
+    counts = torch.zeros(groups, device=r.device).index_add_(0, index, torch.ones_like(r))
+    means = torch.zeros(groups, device=r.device).index_add_(0, index, r) / counts
+    centered = r - means[index]
+    if not normalize_std:
+        return centered
+    var = torch.zeros(groups, device=r.device).index_add_(0, index, centered**2) / (counts - 1).clamp(min=1)
+    return centered / (var.sqrt()[index] + eps)
+
+
+# Tokens per chunk of linear_aipo_loss: about 32 Mi float32 logits (128 MiB), e.g.
+# 256 tokens at vocab 128256, 1024 at vocab 32000.
+_LINEAR_CHUNK_ELEMS = 1 << 25
+
+
+def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mask=None, *, rho=4.0, temperature=1.0,
+                     reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=0.2,
+                     eps_high=0.2, entropy=False, chunk_size=None):
+    """`aipo_loss` of `hidden @ weight.T`, without ever holding the full logits.
+
+    hidden: (num_tokens, hidden) or (..., hidden); weight: (vocab, hidden), the
+    lm-head; gradients flow to both. chunk_size: tokens per chunk (default: about
+    32 Mi logits per chunk). Runs on CPU (torch per chunk) and on GPU (Triton
+    log-prob kernels per chunk). Returns (loss, AIPOStats).
+    """
+    if hidden.dim() < 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden (..., H) and weight (vocab, H) do not match: {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight dtypes differ: {hidden.dtype} and {weight.dtype}")
+    vocab = weight.shape[0]
+    cfg = ObjectiveConfig(loss_type, rho, eps_low, eps_high, temperature)
+    targets, behavior, advantages, old, m, weights = _prepare(
+        hidden.shape[:-1], vocab, hidden.device, targets, behavior_logprobs, advantages, mask, old_logprobs,
+        sequence_ids, cfg, reduction)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if chunk_size is None:
+        chunk_size = max(1, _LINEAR_CHUNK_ELEMS // max(vocab, 1))
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    loss, logp, ent = LinearAIPOLossFunction.apply(flat, weight, targets, behavior, advantages, old, weights, cfg,
+                                                   chunk_size, entropy)
+    return loss, _stats(logp, behavior, m, cfg, ent)

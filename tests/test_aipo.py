@@ -1,0 +1,197 @@
+"""AIPO / PPO-clip / PPO + TIS losses: the Triton kernels (interpreted on CPU here)
+and the torch CPU path against a float64 reference, values and gradients."""
+
+import pytest
+import torch
+
+from llamarl_core.ops.aipo import IGNORE_INDEX, aipo_loss, aipo_loss_ref, group_advantages, linear_aipo_loss
+
+LOSS_TYPES = ["aipo", "ppo", "ppo_tis"]
+
+
+@pytest.fixture(params=["triton", "torch"])
+def backend(request, monkeypatch):
+    """triton: the kernels under TRITON_INTERPRET=1 (conftest) or on a GPU; torch: the chunked CPU path."""
+    if request.param == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    return request.param
+
+
+def _inputs(n, v, dtype, seed, ratio="mixed", mask="partial"):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, v, generator=gen) * 2).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.double(), -1).gather(-1, targets[:, None]).squeeze(-1).float()
+    # Behaviour log-probs around the learner's: ratios below rho, and far above it.
+    shift = {"below": 0.5, "above": -6.0, "mixed": None}[ratio]
+    offsets = torch.randn(n, generator=gen) * 3 if shift is None else torch.full((n,), shift)
+    behavior = logp + offsets
+    old = logp + torch.randn(n, generator=gen) * 0.3
+    advantages = torch.randn(n, generator=gen)
+    m = {"partial": (torch.rand(n, generator=gen) > 0.3).float(), "zero": torch.zeros(n), "ones": torch.ones(n)}[mask]
+    return logits, targets, behavior, advantages, m, old
+
+
+def _errors(loss, grad, ref_loss, ref_grad):
+    scale = ref_grad.abs().max().clamp(min=1e-30)
+    return abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-30), ((grad.double() - ref_grad).abs().max() / scale).item()
+
+
+def _run(logits, targets, behavior, advantages, m, old, fn, **kw):
+    x = logits.clone().requires_grad_()
+    out = fn(x, targets, behavior, advantages, m, old_logprobs=old, **kw)
+    loss = out[0] if isinstance(out, tuple) else out
+    loss.backward()
+    return out, x.grad
+
+
+SHAPES = [(1, 1001), (97, 1001), (300, 1001), (97, 32000)]
+
+
+@pytest.mark.parametrize("n, v", SHAPES)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_fp32_matches_float64_reference(backend, n, v, loss_type):
+    args = _inputs(n, v, torch.float32, n + v)
+    kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type)
+    (loss, stats), grad = _run(*args, aipo_loss, **kw)
+    ref, ref_grad = _run(args[0].double(), *args[1:], aipo_loss_ref, **kw)
+    loss_err, grad_err = _errors(loss, grad, ref, ref_grad)
+    assert loss_err <= 1e-5 and grad_err <= 1e-5, (loss_err, grad_err)
+    assert (stats.logprobs <= 0).all() and torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("n, v", [(97, 1001), (97, 32000)])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_bf16_within_twice_the_error_of_plain_torch_bf16(backend, n, v, loss_type):
+    args = _inputs(n, v, torch.bfloat16, 7 * n + v)
+    kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type)
+    (loss, _), grad = _run(*args, aipo_loss, **kw)
+    naive, naive_grad = _run(*args, aipo_loss_ref, compute_dtype=None, **kw)
+    ref, ref_grad = _run(args[0].double(), *args[1:], aipo_loss_ref, **kw)
+    ours, theirs = _errors(loss, grad, ref, ref_grad), _errors(naive, naive_grad, ref, ref_grad)
+    assert grad.dtype == torch.bfloat16
+    assert ours[0] <= 2 * theirs[0] + 1e-6 and ours[1] <= 2 * theirs[1] + 1e-6, (ours, theirs)
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "sum"])
+@pytest.mark.parametrize("ratio", ["below", "above"])
+@pytest.mark.parametrize("mask", ["partial", "ones"])
+def test_reductions_ratios_and_masks(backend, reduction, ratio, mask):
+    args = _inputs(60, 1001, torch.float32, 3, ratio=ratio, mask=mask)
+    seq = torch.arange(60) // 9
+    kw = dict(rho=4.0, reduction=reduction, sequence_ids=seq)
+    (loss, stats), grad = _run(*args, aipo_loss, **kw)
+    ref, ref_grad = _run(args[0].double(), *args[1:], aipo_loss_ref, **kw)
+    assert max(_errors(loss, grad, ref, ref_grad)) <= 1e-5
+    expected_truncated = 1.0 if ratio == "above" else 0.0  # exp(6) > 4 > exp(-0.5)
+    assert stats.truncated_fraction.item() == pytest.approx(expected_truncated)
+
+
+def test_fully_masked_gives_zero_loss_and_zero_gradients(backend):
+    args = _inputs(50, 1001, torch.float32, 4, mask="zero")
+    for reduction in ("token_mean", "sequence_mean", "sum"):
+        (loss, stats), grad = _run(*args, aipo_loss, reduction=reduction, sequence_ids=torch.arange(50) // 5)
+        assert loss.item() == 0.0 and torch.count_nonzero(grad) == 0
+        assert torch.isfinite(stats.mismatch_kl) and torch.isfinite(stats.mean_ratio)
+
+
+def test_stats_match_their_definitions(backend):
+    logits, targets, behavior, advantages, m, old = _inputs(80, 1001, torch.float32, 5)
+    _, stats = aipo_loss(logits, targets, behavior, advantages, m, rho=2.0, entropy=True)
+    logp_all = torch.log_softmax(logits.double(), -1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    sel = m.bool()
+    delta = behavior.double() - logp
+    assert torch.allclose(stats.logprobs.double(), logp, atol=1e-5)
+    assert stats.mean_ratio.item() == pytest.approx(torch.exp(-delta)[sel].mean().item(), rel=1e-5)
+    assert stats.truncated_fraction.item() == pytest.approx((torch.exp(-delta) > 2.0)[sel].double().mean().item())
+    assert stats.mismatch_kl.item() == pytest.approx((torch.exp(delta) - delta - 1)[sel].mean().item(), rel=1e-4)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    assert stats.entropy.item() == pytest.approx(entropy[sel].mean().item(), rel=1e-5)
+
+
+def test_masked_vocabulary_ignore_index_and_leading_dims(backend):
+    logits, targets, behavior, advantages, m, old = _inputs(48, 1001, torch.float32, 6)
+    logits[:, 500:] = float("-inf")  # masked vocabulary
+    targets = targets % 500
+    targets[::7] = IGNORE_INDEX
+    shaped = [t.reshape(6, 8) for t in (targets, behavior, advantages, m)]
+    x = logits.reshape(6, 8, 1001).clone().requires_grad_()
+    loss, stats = aipo_loss(x, *shaped, temperature=0.7, entropy=True)
+    loss.backward()
+    xr = logits.double().clone().requires_grad_()
+    ref = aipo_loss_ref(xr, targets, behavior, advantages, m, temperature=0.7)
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert torch.allclose(x.grad.reshape(48, 1001).double(), xr.grad, atol=1e-6)
+    assert (x.grad.reshape(48, 1001)[:, 500:] == 0).all()
+    assert (x.grad.reshape(48, 1001)[::7] == 0).all()  # ignored tokens
+    assert torch.isfinite(stats.entropy)
+
+
+def test_log_probs_never_positive_for_peaked_logits(backend):
+    logits = torch.randn(64, 1001) * 1e4  # one dominant logit per row
+    targets = logits.argmax(-1)
+    loss, stats = aipo_loss(logits, targets, torch.zeros(64), torch.ones(64))
+    assert (stats.logprobs <= 0).all() and torch.isfinite(loss)
+
+
+def test_bad_targets_and_arguments_raise():
+    logits, targets, behavior, advantages, m, old = _inputs(10, 101, torch.float32, 8)
+    for bad in (101, -1, -5):
+        t = targets.clone()
+        t[3] = bad
+        with pytest.raises(ValueError, match=rf"targets\[3\] = {bad} is outside \[0, 101\)"):
+            aipo_loss(logits, t, behavior, advantages)
+    with pytest.raises(ValueError, match="needs old_logprobs"):
+        aipo_loss(logits, targets, behavior, advantages, loss_type="ppo")
+    with pytest.raises(ValueError, match="sequence_ids"):
+        aipo_loss(logits, targets, behavior, advantages, reduction="sequence_mean")
+    with pytest.raises(ValueError, match="advantages must have shape"):
+        aipo_loss(logits, targets, behavior, advantages[:-1])
+    with pytest.raises(ValueError, match="loss_type"):
+        aipo_loss(logits, targets, behavior, advantages, loss_type="grpo")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("loss_type", ["aipo", "ppo_tis"])
+@pytest.mark.parametrize("chunk_size", [None, 16, 41])
+def test_linear_variant_matches_reference(backend, dtype, loss_type, chunk_size):
+    gen = torch.Generator().manual_seed(11)
+    n, h, v = 97, 64, 1001
+    hidden = torch.randn(n, h, generator=gen).to(dtype)
+    weight = (torch.randn(v, h, generator=gen) / 8).to(dtype)
+    _, targets, behavior, advantages, m, old = _inputs(n, v, torch.float32, 12)
+    kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type, old_logprobs=old, reduction="sequence_mean",
+              sequence_ids=torch.arange(n) // 10)
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, stats = linear_aipo_loss(hx, wx, targets, behavior, advantages, m, chunk_size=chunk_size, **kw)
+    loss.backward()
+
+    def reference(compute_dtype, cast):
+        hr, wr = hidden.to(cast).clone().requires_grad_(), weight.to(cast).clone().requires_grad_()
+        out = aipo_loss_ref(hr @ wr.t(), targets, behavior, advantages, m, compute_dtype=compute_dtype, **kw)
+        out.backward()
+        return out, hr.grad, wr.grad
+
+    ref, ref_h, ref_w = reference(torch.float64, torch.float64)
+    if dtype == torch.float32:
+        tol_loss = tol_h = tol_w = 1e-5
+    else:  # within twice the error of the naive bf16 version (+ a floor for tiny errors)
+        naive, naive_h, naive_w = reference(None, dtype)
+        tol_loss = 2 * abs(naive.item() - ref.item()) / abs(ref.item()) + 1e-6
+        tol_h = 2 * ((naive_h.double() - ref_h).abs().max() / ref_h.abs().max()).item() + 1e-6
+        tol_w = 2 * ((naive_w.double() - ref_w).abs().max() / ref_w.abs().max()).item() + 1e-6
+    assert abs(loss.item() - ref.item()) / abs(ref.item()) <= tol_loss
+    assert ((hx.grad.double() - ref_h).abs().max() / ref_h.abs().max()).item() <= tol_h
+    assert ((wx.grad.double() - ref_w).abs().max() / ref_w.abs().max()).item() <= tol_w
+    assert hx.grad.dtype == dtype and wx.grad.dtype == dtype and (stats.logprobs <= 0).all()
+
+
+def test_group_advantages():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 5.0, 3.0, 2.0])
+    groups = torch.tensor([7, 7, 7, 9, 9, 9])
+    assert torch.allclose(group_advantages(rewards, groups), torch.tensor([1 / 3, -2 / 3, 1 / 3, 5 / 3, -1 / 3, -4 / 3]))
+    std = group_advantages(rewards, groups, normalize_std=True)
+    assert torch.allclose(std[:3], torch.tensor([1 / 3, -2 / 3, 1 / 3]) / torch.tensor([1.0, 0.0, 1.0]).std() , atol=1e-5)
