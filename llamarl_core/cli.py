@@ -2,6 +2,7 @@
 
     llamarl bench sync [options]    weight-sync bandwidth between real processes
     llamarl bench fp8 [options]     FP8 weight quantization throughput
+    llamarl bench aipo [options]    AIPO loss time and peak memory
 """
 
 from __future__ import annotations
@@ -16,9 +17,15 @@ commands:
                 (llamarl bench sync --help)
   bench fp8     FP8 weight quantization GB/s beside a copy and the torch reference
                 (llamarl bench fp8 --help)
+  bench aipo    AIPO loss time and peak memory beside the naive torch loss and
+                Liger-Kernel's chunked GRPO loss (llamarl bench aipo --help)
 """
 
-BENCHES = {"sync": "llamarl_core.bench.bench_sync", "fp8": "llamarl_core.bench.bench_fp8"}
+BENCHES = {
+    "sync": "llamarl_core.bench.bench_sync",
+    "fp8": "llamarl_core.bench.bench_fp8",
+    "aipo": "llamarl_core.bench.bench_aipo",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

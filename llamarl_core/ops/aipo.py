@@ -133,8 +133,10 @@ def _block_v(vocab: int, device: torch.device) -> int:
     return min(cap, 1 << max(4, (vocab - 1).bit_length()))
 
 
-def logprob_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
-    """(lse, logp, entropy or None), float32 (num_tokens,), for 2-D contiguous-row logits."""
+def logprob_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool,
+                    scratch: torch.Tensor | None = None):
+    """(lse, logp, entropy or None), float32 (num_tokens,), for 2-D contiguous-row
+    logits. scratch: an optional float32 buffer of at least one CPU chunk, reused."""
     n, v = logits.shape
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     logp = torch.empty_like(lse)
@@ -149,22 +151,17 @@ def logprob_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
                                      1.0 / temperature, IGNORE_INDEX=IGNORE_INDEX, BLOCK_V=_block_v(v, logits.device),
                                      COMPUTE_ENTROPY=entropy, num_warps=8)
         return lse, logp, ent
-    for rows in _row_chunks(n, v):
-        x = logits[rows].to(torch.float32) / temperature
-        chunk_lse = torch.logsumexp(x, dim=-1)
-        lse[rows] = chunk_lse
-        logp[rows] = _target_logp(x, targets[rows], chunk_lse)
-        if entropy:
-            p = torch.exp(x - chunk_lse.unsqueeze(-1))
-            ent[rows] = chunk_lse - torch.where(p > 0, p * x, 0.0).sum(-1)
+    _cpu_forward(logits, targets, 1.0 / temperature, lse, logp, ent, scratch)
     return lse, logp, ent
 
 
 def logprob_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
-                     temperature: float) -> torch.Tensor:
-    """dlogits = coef_t * (onehot(y_t) - softmax_t) / temperature, in logits' dtype."""
+                     temperature: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """dlogits = coef_t * (onehot(y_t) - softmax_t) / temperature, in logits' dtype.
+    out: where to write it (may be `logits` itself: every element is read before
+    it is written)."""
     n, v = logits.shape
-    dlogits = torch.empty_like(logits)
+    dlogits = torch.empty_like(logits) if out is None else out
     if n == 0:
         return dlogits
     coef = coef.to(torch.float32).contiguous()
@@ -175,15 +172,15 @@ def logprob_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Ten
             logprob_bwd_kernel[(n,)](logits, dlogits, targets, lse, coef, v, logits.stride(0), dlogits.stride(0),
                                      1.0 / temperature, BLOCK_V=_block_v(v, logits.device), num_warps=8)
         return dlogits
-    for rows in _row_chunks(n, v):
-        dlogits[rows] = _dlogits_chunk(logits[rows].to(torch.float32) / temperature, targets[rows], lse[rows],
-                                       coef[rows], temperature).to(logits.dtype)
+    _cpu_backward(logits, targets, lse, coef, 1.0 / temperature, dlogits)
     return dlogits
 
 
 # ----------------------------------------------------------------------------- torch CPU path
 
-# Rows per chunk: at most about 16 Mi float32 values (64 MiB) of temporaries.
+# Rows per chunk: about 16 Mi float32 values (64 MiB) of scratch, reused across
+# chunks: a fresh buffer per chunk costs its page faults every time (a 128 MiB
+# copy into new memory runs at about 3 GB/s here, into reused memory far faster).
 _CHUNK_ELEMS = 1 << 24
 
 
@@ -192,20 +189,54 @@ def _row_chunks(n: int, v: int):
     return [slice(s, min(n, s + step)) for s in range(0, n, step)]
 
 
-def _target_logp(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    valid = targets != IGNORE_INDEX
-    picked = x.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(valid, picked - lse, 0.0)
+def _scratch(n: int, v: int, device, scratch: torch.Tensor | None) -> torch.Tensor:
+    rows = min(n, max(1, _CHUNK_ELEMS // max(v, 1)))
+    if scratch is not None and scratch.dtype == torch.float32 and scratch.numel() >= rows * v:
+        return scratch.view(-1)[: rows * v].view(rows, v)
+    return torch.empty((rows, v), dtype=torch.float32, device=device)
 
 
-def _dlogits_chunk(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
-                   temperature: float) -> torch.Tensor:
-    """coef * (onehot - softmax) / temperature for scaled logits x (float32), in place on x."""
-    grad = x.sub_(lse.unsqueeze(-1)).exp_().mul_(-(coef / temperature).unsqueeze(-1))
-    valid = targets != IGNORE_INDEX
-    rows = torch.nonzero(valid).squeeze(-1)
-    grad[rows, targets[rows]] += coef[rows] / temperature
-    return grad
+def _cpu_forward(logits, targets, inv_t: float, lse, logp, ent, scratch) -> None:
+    """Per chunk: max, exp(x / T - max) into the scratch buffer, sum -> lse; the
+    target's log-prob; optionally the entropy."""
+    n, v = logits.shape
+    buf_all = _scratch(n, v, logits.device, scratch)
+    for rows in _row_chunks(n, v):
+        x = logits[rows]
+        buf = buf_all[: x.shape[0]]
+        if x.dtype == torch.float32:
+            torch.mul(x, inv_t, out=buf)
+        else:  # upcast first: a bf16 tensor times a Python float is computed in bf16
+            buf.copy_(x).mul_(inv_t)
+        row_max = buf.amax(dim=-1)
+        safe_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # rows of -inf only
+        buf.sub_(safe_max.unsqueeze(-1)).exp_()
+        total = buf.sum(dim=-1)
+        chunk_lse = safe_max + total.log()
+        lse[rows] = chunk_lse
+        valid = targets[rows] != IGNORE_INDEX
+        picked = x.gather(-1, targets[rows].clamp(min=0).unsqueeze(-1)).squeeze(-1).to(torch.float32) * inv_t
+        logp[rows] = torch.where(valid, picked - chunk_lse, 0.0)
+        if ent is not None:  # H = lse - sum(p * x / T); p * x is 0 where p is (x = -inf)
+            weighted = torch.where(buf > 0, buf * x.to(torch.float32), 0.0).sum(dim=-1) * inv_t
+            ent[rows] = chunk_lse - weighted / total
+
+
+def _cpu_backward(logits, targets, lse, coef, inv_t: float, dlogits) -> None:
+    """Per chunk: exp(x / T - lse) * (-coef / T), plus coef / T at the target,
+    written straight into float32 dlogits (through the scratch buffer otherwise)."""
+    n, v = logits.shape
+    direct = dlogits.dtype == torch.float32
+    buf_all = None if direct else _scratch(n, v, logits.device, None)
+    for rows in _row_chunks(n, v):
+        x = logits[rows]
+        out = dlogits[rows] if direct else buf_all[: x.shape[0]]
+        torch.add(-lse[rows].unsqueeze(-1), x, alpha=inv_t, out=out)
+        out.exp_().mul_((-coef[rows] * inv_t).unsqueeze(-1))
+        tokens = torch.nonzero(targets[rows] != IGNORE_INDEX).squeeze(-1)
+        out[tokens, targets[rows][tokens]] += coef[rows][tokens] * inv_t
+        if not direct:
+            dlogits[rows] = out
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -318,21 +349,24 @@ class LinearAIPOLossFunction(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp) if with_entropy else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # Two chunk buffers reused for every chunk (logits, then dlogits in place; softmax scratch).
+        logits_buf = torch.empty((min(chunk_size, n), weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+        scratch = torch.empty_like(logits_buf, dtype=torch.float32) if hidden.device.type == "cpu" else None
         for start in range(0, n, chunk_size):
             rows = slice(start, min(n, start + chunk_size))
             h = hidden[rows]
-            logits = h @ weight.t()
-            lse, logp[rows], chunk_entropy = logprob_forward(logits, targets[rows], cfg.temperature, with_entropy)
+            logits = torch.matmul(h, weight.t(), out=logits_buf[: h.shape[0]])
+            lse, logp[rows], chunk_entropy = logprob_forward(logits, targets[rows], cfg.temperature, with_entropy,
+                                                             scratch)
             if with_entropy:
                 entropy[rows] = chunk_entropy
             old_rows = None if old is None else old[rows]
             chunk_loss, coef = _loss_and_coef(logp[rows], behavior[rows], advantages[rows], old_rows, weights[rows], cfg)
             loss += chunk_loss
             if need_h or need_w:
-                dlogits = logprob_backward(logits, targets[rows], lse, coef, cfg.temperature)
-                del logits
+                dlogits = logprob_backward(logits, targets[rows], lse, coef, cfg.temperature, out=logits)
                 if need_h:
-                    grad_h[rows] = dlogits @ weight
+                    torch.matmul(dlogits, weight, out=grad_h[rows])
                 if need_w:
                     grad_w.addmm_(dlogits.t().to(torch.float32), h.to(torch.float32))
         ctx.save_for_backward(grad_h, grad_w)
@@ -345,8 +379,10 @@ class LinearAIPOLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         grad_h, grad_w = ctx.saved_tensors
-        dh = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
-        dw = None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype)
+        # Scaled in place: a second vocab x hidden buffer would double the peak (1 GiB
+        # at vocab 128256, hidden 2048). The buffers are this call's own.
+        dh = None if grad_h is None else grad_h.mul_(grad_loss.to(grad_h.dtype))
+        dw = None if grad_w is None else grad_w.mul_(grad_loss).to(ctx.weight_dtype)
         return dh, dw, None, None, None, None, None, None, None, None
 
 
