@@ -29,3 +29,11 @@ def test_bench_fp8_reports_cpu_path_and_peers():
     methods = {(r["granularity"], r["method"]) for r in result["rows"]}
     assert methods == {(g, m) for g in ("tensor", "channel", "block") for m in ("torch copy", "CPU path", "torch reference")}
     assert set(result["ratios"]) == {"64x96 tensor", "64x96 channel", "64x96 block"}
+
+
+def test_bench_aipo_reports_time_and_memory():
+    result = _run("aipo", "--tokens", "64", "--vocabs", "1001", "--hidden", "32",
+                  "--variants", "aipo_loss", "naive_logits", "linear_aipo_loss", "naive_linear")
+    assert {r["variant"] for r in result["rows"]} == {"aipo_loss", "naive_logits", "linear_aipo_loss", "naive_linear"}
+    assert all(r["seconds"]["median"] > 0 and r["peak_bytes"] >= 0 for r in result["rows"])
+    assert set(result["ratios"]) == {"aipo_loss vs naive_logits @ 1001", "linear_aipo_loss vs naive_linear @ 1001"}

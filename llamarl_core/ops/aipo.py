@@ -349,9 +349,10 @@ class LinearAIPOLossFunction(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp) if with_entropy else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        # Two chunk buffers reused for every chunk (logits, then dlogits in place; softmax scratch).
+        # Chunk buffers reused for every chunk: the logits (then dlogits, in place) and,
+        # on CPU, the softmax scratch.
         logits_buf = torch.empty((min(chunk_size, n), weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
-        scratch = torch.empty_like(logits_buf, dtype=torch.float32) if hidden.device.type == "cpu" else None
+        scratch = _scratch(logits_buf.shape[0], weight.shape[0], hidden.device, None) if hidden.device.type == "cpu" else None
         for start in range(0, n, chunk_size):
             rows = slice(start, min(n, start + chunk_size))
             h = hidden[rows]
