@@ -46,7 +46,7 @@ def _run(logits, targets, behavior, advantages, m, old, fn, **kw):
     return out, x.grad
 
 
-SHAPES = [(1, 1001), (97, 1001), (300, 1001), (97, 32000)]
+SHAPES = [(1, 1001), (97, 1001), (300, 1001), (97, 32000), (300, 32000)]
 
 
 @pytest.mark.parametrize("n, v", SHAPES)

@@ -311,6 +311,14 @@ def _stats(logp, behavior, m, cfg, entropy) -> AIPOStats:
     )
 
 
+def _outputs(ctx, loss, logp, entropy):
+    """(loss, logp, entropy) of a loss Function: only the loss carries a gradient."""
+    ctx.mark_non_differentiable(logp)
+    if entropy is not None:
+        ctx.mark_non_differentiable(entropy)
+    return loss, logp, entropy
+
+
 class AIPOLossFunction(torch.autograd.Function):
     """loss from logits; the backward writes dlogits in one vocabulary pass."""
 
@@ -320,10 +328,7 @@ class AIPOLossFunction(torch.autograd.Function):
         loss, coef = _loss_and_coef(logp, behavior, advantages, old, weights, cfg)
         ctx.save_for_backward(logits, targets, lse, coef)
         ctx.temperature = cfg.temperature
-        ctx.mark_non_differentiable(logp)
-        if entropy is not None:
-            ctx.mark_non_differentiable(entropy)
-        return loss, logp, entropy
+        return _outputs(ctx, loss, logp, entropy)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
@@ -372,10 +377,7 @@ class LinearAIPOLossFunction(torch.autograd.Function):
                     grad_w.addmm_(dlogits.t().to(torch.float32), h.to(torch.float32))
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(logp)
-        if entropy is not None:
-            ctx.mark_non_differentiable(entropy)
-        return loss, logp, entropy
+        return _outputs(ctx, loss, logp, entropy)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
