@@ -1,0 +1,200 @@
+"""LlamaGenerator: an inference Llama in vLLM's fused tensor-parallel layout.
+
+Its `named_parameters()` are exactly the names, local shapes and dtypes of
+`vllm_llama_tp(config, tp_size, dtype)` for its rank, so a WeightReceiver (or
+TransferPlan.execute_local) writes trainer weights straight into it. Forward on
+`input_ids` (batch, seq) gives logits (batch, seq, vocab), with an optional KV
+cache for decoding. Tensor parallelism over a torch.distributed group (gloo on
+CPU): vocabulary-parallel embedding and lm_head, column-parallel qkv / gate_up,
+row-parallel o_proj / down_proj, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..sync.presets import llama_dims, vllm_llama_tp
+
+
+def rope_theta(config) -> float:
+    """RoPE base from a Hugging Face config (transformers 5 `rope_parameters`, or `rope_theta`)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        raise ValueError(f"rope_type {kind!r} is not supported by LlamaGenerator (only 'default')")
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+@dataclass
+class KVCache:
+    """Per layer, keys and values (batch, local kv heads, tokens so far, head_dim)."""
+
+    keys: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+
+def _linear(in_features: int, out_features: int, bias: bool, dtype, device) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
+    layer.weight.requires_grad_(False)
+    nn.init.zeros_(layer.weight)
+    if bias:
+        layer.bias.requires_grad_(False)
+        nn.init.zeros_(layer.bias)
+    return layer
+
+
+class _Attention(nn.Module):
+    def __init__(self, d, tp_size: int, dtype, device):
+        super().__init__()
+        self.num_heads = d.num_heads // tp_size
+        self.num_kv_heads = max(1, d.num_kv_heads // tp_size)
+        self.head_dim = d.head_dim
+        q_rows, kv_rows = self.num_heads * d.head_dim, self.num_kv_heads * d.head_dim
+        self.qkv_proj = _linear(d.hidden, q_rows + 2 * kv_rows, d.qkv_bias, dtype, device)
+        self.o_proj = _linear(q_rows, d.hidden, d.o_bias, dtype, device)
+
+
+class _MLP(nn.Module):
+    def __init__(self, d, tp_size: int, dtype, device):
+        super().__init__()
+        self.intermediate = d.intermediate // tp_size
+        self.gate_up_proj = _linear(d.hidden, 2 * self.intermediate, d.mlp_bias, dtype, device)
+        self.down_proj = _linear(self.intermediate, d.hidden, d.mlp_bias, dtype, device)
+
+
+class _Layer(nn.Module):
+    def __init__(self, d, eps: float, tp_size: int, dtype, device):
+        super().__init__()
+        self.self_attn = _Attention(d, tp_size, dtype, device)
+        self.mlp = _MLP(d, tp_size, dtype, device)
+        self.input_layernorm = RMSNorm(d.hidden, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(d.hidden, eps, dtype, device)
+
+
+class LlamaGenerator(nn.Module):
+    """See the module docstring. group: the tensor-parallel process group (None with
+    tp_size 1); tp_rank: this process's rank in it."""
+
+    def __init__(self, config, tp_size: int = 1, tp_rank: int = 0, *, group=None, dtype=torch.float32,
+                 device="cpu"):
+        super().__init__()
+        if tp_size > 1 and group is None:
+            raise ValueError("tp_size > 1 needs a torch.distributed process group")
+        self.layout = vllm_llama_tp(config, tp_size, dtype)  # validates divisibility
+        d = self.dims = llama_dims(config)
+        self.tp_size, self.tp_rank, self.group = tp_size, tp_rank, group
+        self.theta = rope_theta(config)
+        eps = getattr(config, "rms_norm_eps", 1e-6)
+        vocab_local = self.layout.local_shape("model.embed_tokens.weight", tp_rank)[0]
+        self.vocab_start = tp_rank * vocab_local
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab_local, d.hidden, dtype=dtype, device=device)
+        self.model.embed_tokens.weight.requires_grad_(False)
+        nn.init.zeros_(self.model.embed_tokens.weight)
+        self.model.layers = nn.ModuleList(_Layer(d, eps, tp_size, dtype, device) for _ in range(d.num_layers))
+        self.model.norm = RMSNorm(d.hidden, eps, dtype, device)
+        self.lm_head = None if d.tied else _linear(d.hidden, vocab_local, False, dtype, device)
+
+    # -- tensor-parallel collectives --------------------------------------------------
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            dist.all_gather(parts, logits.contiguous(), group=self.group)
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., : self.dims.vocab]
+
+    # -- forward -----------------------------------------------------------------------
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        dim = self.dims.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
+        freqs = positions[..., None].to(torch.float32) * inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # (batch, 1, seq, dim)
+
+    @staticmethod
+    def _rotate(x, cos, sin):
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """input_ids (batch, seq) -> logits (batch, seq, vocab). With a cache, the
+        tokens continue those already cached (positions follow on)."""
+        batch, seq = input_ids.shape
+        past = cache.length if cache is not None else 0
+        positions = (torch.arange(seq, device=input_ids.device) + past).expand(batch, seq)
+        local = input_ids - self.vocab_start
+        in_range = (local >= 0) & (local < self.model.embed_tokens.num_embeddings)
+        x = self.model.embed_tokens(torch.where(in_range, local, 0)) * in_range[..., None]
+        x = self._all_reduce(x)
+        cos, sin = self._rope(positions, x.dtype)
+        for index, layer in enumerate(self.model.layers):
+            x = x + self._attention(layer, layer.input_layernorm(x), cos, sin, cache, index, past)
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
+        x = self.model.norm(x)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self._gather_vocab(F.linear(x, head))
+
+    def _attention(self, layer, h, cos, sin, cache, index, past):
+        attn = layer.self_attn
+        batch, seq, _ = h.shape
+        q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        q, k, v = attn.qkv_proj(h).split([q_rows, kv_rows, kv_rows], dim=-1)
+        q = self._rotate(q.view(batch, seq, attn.num_heads, attn.head_dim).transpose(1, 2), cos, sin)
+        k = self._rotate(k.view(batch, seq, attn.num_kv_heads, attn.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(batch, seq, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        if cache is not None:
+            if index < len(cache.keys):
+                k = torch.cat([cache.keys[index], k], dim=2)
+                v = torch.cat([cache.values[index], v], dim=2)
+                cache.keys[index], cache.values[index] = k, v
+            else:
+                cache.keys.append(k)
+                cache.values.append(v)
+        groups = attn.num_heads // attn.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        # Query i (absolute position past + i) sees keys 0 .. past + i.
+        total = k.shape[2]
+        mask = torch.arange(total, device=h.device)[None, :] <= (torch.arange(seq, device=h.device)[:, None] + past)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(batch, seq, q_rows)
+        return self._row_parallel(attn.o_proj, out)
+
+    def _mlp(self, mlp, h):
+        gate, up = mlp.gate_up_proj(h).split([mlp.intermediate, mlp.intermediate], dim=-1)
+        return self._row_parallel(mlp.down_proj, F.silu(gate) * up)
+
+    def _row_parallel(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """Partial sums over this rank's input slice, summed across ranks; the
+        (replicated) bias added once, after the sum."""
+        out = self._all_reduce(F.linear(x, linear.weight))
+        return out if linear.bias is None else out + linear.bias

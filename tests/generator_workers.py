@@ -1,0 +1,42 @@
+"""Process body for the tensor-parallel LlamaGenerator test."""
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from helpers import MODEL_CLASSES, small_config
+from llamarl_core.models.llama_generator import LlamaGenerator
+from llamarl_core.sync import reference_vllm_tp_shards
+
+
+def hf_model(kind: str, seed: int):
+    """The real Hugging Face model, weights redrawn from N(0, 0.1) (norms and biases too)."""
+    config = small_config(kind)
+    torch.manual_seed(seed)
+    model = MODEL_CLASSES[config.model_type](config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    return config, model
+
+
+def tp_logits_gap(port: int, rank: int, world: int, kind: str, seed: int) -> float:
+    """Max |logits - HF logits| of this rank's LlamaGenerator (tensor parallel over gloo)."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.set_num_threads(1)
+        config, hf = hf_model(kind, seed)
+        generator = LlamaGenerator(config, world, rank, group=dist.group.WORLD)
+        shard = reference_vllm_tp_shards({n: p.detach() for n, p in hf.named_parameters()}, config, world, torch.float32)[rank]
+        with torch.no_grad():
+            for name, param in generator.named_parameters():
+                param.copy_(shard[name])
+            ids = torch.randint(0, config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(seed))
+            expected = hf(ids).logits
+            cache = generator.new_cache()
+            decoded = torch.cat([generator(ids[:, :8], cache)] + [generator(ids[:, i : i + 1], cache) for i in range(8, 13)], 1)
+            return max((generator(ids) - expected).abs().max().item(), (decoded - expected).abs().max().item())
+    finally:
+        dist.destroy_process_group()

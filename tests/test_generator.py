@@ -1,0 +1,48 @@
+"""LlamaGenerator: vLLM's fused layout, logits equal to transformers' models after a sync."""
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import generator_workers as workers
+from helpers import CONFIG_KINDS, run_processes
+from llamarl_core.models.llama_generator import LlamaGenerator
+from llamarl_core.sync import hf_llama_fsdp, plan_transfer, vllm_llama_tp
+
+
+@pytest.mark.parametrize("kind", CONFIG_KINDS)
+def test_tp1_after_sync_matches_transformers(kind):
+    config, hf = workers.hf_model(kind, 3)
+    generator = LlamaGenerator(config)
+    layout = vllm_llama_tp(config, 1, torch.float32)
+    # Its parameters are exactly the generator layout's tensors.
+    assert {n: (tuple(p.shape), p.dtype) for n, p in generator.named_parameters()} == layout.local_tensor_specs(0)
+    plan = plan_transfer(hf_llama_fsdp(config, 1, torch.float32), layout)
+    plan.execute_local({0: {n: p.detach() for n, p in hf.named_parameters()}}, {0: dict(generator.named_parameters())})
+    ids = torch.randint(0, config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        assert (generator(ids) - expected).abs().max().item() <= 1e-4
+        cache = generator.new_cache()
+        steps = [generator(ids[:, :10], cache)] + [generator(ids[:, i : i + 1], cache) for i in range(10, 17)]
+        assert (torch.cat(steps, dim=1) - expected).abs().max().item() <= 1e-4
+        assert cache.length == 17
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa_bias", "qwen2"])
+def test_tp2_over_gloo_matches_transformers(kind):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+    gaps = run_processes([(workers.tp_logits_gap, dict(port=store.port, rank=r, world=2, kind=kind, seed=5))
+                          for r in range(2)], timeout=180)
+    assert max(gaps) <= 1e-4, gaps
+
+
+def test_bad_configuration_is_refused():
+    config, _ = workers.hf_model("mistral", 0)
+    with pytest.raises(ValueError, match="process group"):
+        LlamaGenerator(config, tp_size=2)
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        LlamaGenerator(config)
