@@ -46,3 +46,45 @@ def test_bad_configuration_is_refused():
     config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
     with pytest.raises(ValueError, match="rope_type 'yarn'"):
         LlamaGenerator(config)
+
+
+def test_generate_records_the_logprobs_it_samples_from():
+    config, hf = workers.hf_model("llama_gqa_bias", 4)
+    generator = LlamaGenerator(config)
+    plan = plan_transfer(hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.float32))
+    plan.execute_local({0: {n: p.detach() for n, p in hf.named_parameters()}}, {0: dict(generator.named_parameters())})
+    prompts = torch.randint(0, config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(2))
+    out = generator.generate(prompts, 9, temperature=0.7, generator=torch.Generator().manual_seed(3))
+    assert out.tokens.shape == out.logprobs.shape == (4, 9) and not out.padding.any()
+    # Teacher-forced through transformers: the recorded log-probs are log_softmax(logits / 0.7) at the sampled tokens.
+    with torch.no_grad():
+        logits = hf(torch.cat([prompts, out.tokens], 1)).logits[:, 5:-1]
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, out.tokens[..., None]).squeeze(-1)
+    assert (out.logprobs - expected).abs().max().item() <= 1e-4
+    assert (out.logprobs <= 0).all()
+    # The same generator state gives the same samples.
+    again = generator.generate(prompts, 9, temperature=0.7, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(again.tokens, out.tokens)
+
+
+def test_generate_stops_sequences_at_eos():
+    config, hf = workers.hf_model("mistral", 6)
+    generator = LlamaGenerator(config)
+    plan = plan_transfer(hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.float32))
+    plan.execute_local({0: {n: p.detach() for n, p in hf.named_parameters()}}, {0: dict(generator.named_parameters())})
+    prompts = torch.randint(0, config.vocab_size, (3, 4), generator=torch.Generator().manual_seed(1))
+    free = generator.generate(prompts, 12, generator=torch.Generator().manual_seed(0))
+    eos = int(free.tokens[0, 3])  # a token row 0 samples at step 3
+    # Same generator state: every row samples the same tokens until its first eos.
+    out = generator.generate(prompts, 12, eos_token_id=eos, generator=torch.Generator().manual_seed(0))
+    for b in range(3):
+        hits = (free.tokens[b] == eos).nonzero()
+        stop = int(hits[0]) if len(hits) else 12
+        assert torch.equal(out.tokens[b, : stop + 1], free.tokens[b, : stop + 1])
+        assert not out.padding[b, : stop + 1].any()
+        if stop + 1 < out.tokens.shape[1]:
+            assert (out.tokens[b, stop + 1 :] == eos).all() and out.padding[b, stop + 1 :].all()
+            assert (out.logprobs[b, stop + 1 :] == 0).all()
+    assert out.padding.any()  # row 0 stopped early
+    with pytest.raises(ValueError, match="temperature"):
+        generator.generate(prompts, 2, temperature=0.0)

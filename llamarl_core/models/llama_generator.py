@@ -54,6 +54,24 @@ class KVCache:
         return self.keys[0].shape[2] if self.keys else 0
 
 
+@dataclass
+class Rollout:
+    """tokens, logprobs (batch, new tokens); padding[b, t]: position t comes after
+    sequence b's eos (not a sampled token)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    padding: torch.Tensor
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None):
+    """One token per row from softmax(logits / temperature), and its log-prob under
+    that same distribution (float32)."""
+    logp = torch.log_softmax(logits.to(torch.float32) / temperature, dim=-1)
+    token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
 def _linear(in_features: int, out_features: int, bias: bool, dtype, device) -> nn.Linear:
     layer = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
     layer.weight.requires_grad_(False)
@@ -132,6 +150,37 @@ class LlamaGenerator(nn.Module):
     # -- forward -----------------------------------------------------------------------
     def new_cache(self) -> KVCache:
         return KVCache()
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 eos_token_id: int | None = None, generator: torch.Generator | None = None) -> "Rollout":
+        """Sample up to `max_new_tokens` continuations of equal-length prompts
+        `input_ids` (batch, prompt_len) with the KV cache. Each token's log-prob is
+        taken from the distribution it was sampled from (softmax(logits / T) in
+        float32), as the behaviour log-probs of AIPO. A sequence stops after
+        `eos_token_id`; later positions hold eos with log-prob 0 and finished=True.
+        Every rank of a tensor-parallel group must pass the same `generator` state."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        cache = self.new_cache()
+        logits = self(input_ids, cache)[:, -1]
+        batch = input_ids.shape[0]
+        tokens, logprobs, done_before = [], [], []
+        finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+        for _ in range(max_new_tokens):
+            token, logprob = sample_tokens(logits, temperature, generator)
+            if eos_token_id is not None:
+                token = torch.where(finished, eos_token_id, token)
+                logprob = torch.where(finished, 0.0, logprob)
+            tokens.append(token)
+            logprobs.append(logprob)
+            done_before.append(finished.clone())
+            if eos_token_id is not None:
+                finished |= token == eos_token_id
+                if bool(finished.all()):
+                    break
+            logits = self(token[:, None], cache)[:, -1]
+        return Rollout(torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(done_before, 1))
 
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         dim = self.dims.head_dim
