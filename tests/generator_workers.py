@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from helpers import MODEL_CLASSES, small_config
 from llamarl_core.models.llama_generator import LlamaGenerator
-from llamarl_core.sync import reference_vllm_tp_shards
+from llamarl_core.sync import hf_llama_fsdp, plan_transfer, reference_vllm_tp_shards, vllm_llama_tp
 
 
 def hf_model(kind: str, seed: int):
@@ -19,6 +19,15 @@ def hf_model(kind: str, seed: int):
         for p in model.parameters():
             p.normal_(0, 0.1)
     return config, model
+
+
+def synced_generator(kind: str, seed: int):
+    """(config, HF model, LlamaGenerator holding the HF weights after a TP-1 sync)."""
+    config, hf = hf_model(kind, seed)
+    generator = LlamaGenerator(config)
+    plan = plan_transfer(hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.float32))
+    plan.execute_local({0: {n: p.detach() for n, p in hf.named_parameters()}}, {0: dict(generator.named_parameters())})
+    return config, hf, generator
 
 
 def tp_logits_gap(port: int, rank: int, world: int, kind: str, seed: int) -> float:

@@ -9,18 +9,15 @@ import torch.distributed as dist
 import generator_workers as workers
 from helpers import CONFIG_KINDS, run_processes
 from llamarl_core.models.llama_generator import LlamaGenerator
-from llamarl_core.sync import hf_llama_fsdp, plan_transfer, vllm_llama_tp
+from llamarl_core.sync import vllm_llama_tp
 
 
 @pytest.mark.parametrize("kind", CONFIG_KINDS)
 def test_tp1_after_sync_matches_transformers(kind):
-    config, hf = workers.hf_model(kind, 3)
-    generator = LlamaGenerator(config)
-    layout = vllm_llama_tp(config, 1, torch.float32)
+    config, hf, generator = workers.synced_generator(kind, 3)
     # Its parameters are exactly the generator layout's tensors.
-    assert {n: (tuple(p.shape), p.dtype) for n, p in generator.named_parameters()} == layout.local_tensor_specs(0)
-    plan = plan_transfer(hf_llama_fsdp(config, 1, torch.float32), layout)
-    plan.execute_local({0: {n: p.detach() for n, p in hf.named_parameters()}}, {0: dict(generator.named_parameters())})
+    specs = vllm_llama_tp(config, 1, torch.float32).local_tensor_specs(0)
+    assert {n: (tuple(p.shape), p.dtype) for n, p in generator.named_parameters()} == specs
     ids = torch.randint(0, config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(ids).logits
@@ -49,10 +46,7 @@ def test_bad_configuration_is_refused():
 
 
 def test_generate_records_the_logprobs_it_samples_from():
-    config, hf = workers.hf_model("llama_gqa_bias", 4)
-    generator = LlamaGenerator(config)
-    plan = plan_transfer(hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.float32))
-    plan.execute_local({0: {n: p.detach() for n, p in hf.named_parameters()}}, {0: dict(generator.named_parameters())})
+    config, hf, generator = workers.synced_generator("llama_gqa_bias", 4)
     prompts = torch.randint(0, config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(2))
     out = generator.generate(prompts, 9, temperature=0.7, generator=torch.Generator().manual_seed(3))
     assert out.tokens.shape == out.logprobs.shape == (4, 9) and not out.padding.any()
@@ -68,10 +62,7 @@ def test_generate_records_the_logprobs_it_samples_from():
 
 
 def test_generate_stops_sequences_at_eos():
-    config, hf = workers.hf_model("mistral", 6)
-    generator = LlamaGenerator(config)
-    plan = plan_transfer(hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.float32))
-    plan.execute_local({0: {n: p.detach() for n, p in hf.named_parameters()}}, {0: dict(generator.named_parameters())})
+    config, _, generator = workers.synced_generator("mistral", 6)
     prompts = torch.randint(0, config.vocab_size, (3, 4), generator=torch.Generator().manual_seed(1))
     free = generator.generate(prompts, 12, generator=torch.Generator().manual_seed(0))
     eos = int(free.tokens[0, 3])  # a token row 0 samples at step 3
