@@ -9,7 +9,7 @@ import torch.distributed as dist
 import generator_workers as workers
 from helpers import CONFIG_KINDS, run_processes
 from llamarl_core.models.llama_generator import LlamaGenerator
-from llamarl_core.sync import vllm_llama_tp
+from llamarl_core.sync import hf_llama_fsdp, vllm_llama_tp
 
 
 @pytest.mark.parametrize("kind", CONFIG_KINDS)
@@ -79,3 +79,30 @@ def test_generate_stops_sequences_at_eos():
     assert out.padding.any()  # row 0 stopped early
     with pytest.raises(ValueError, match="temperature"):
         generator.generate(prompts, 2, temperature=0.0)
+
+
+def test_weight_sync_lands_in_the_generator_parameters_it_samples_with():
+    """A WeightReceiver registered with the generator's own parameters (shared-memory
+    transport, a sender thread in this process): after one sync its logits are the
+    trainer's."""
+    import threading
+
+    from llamarl_core.sync import WeightReceiver, WeightSender, reference_fsdp_shards
+
+    config, hf = workers.hf_model("llama_tied", 8)
+    generator = LlamaGenerator(config)
+    params = dict(generator.named_parameters())
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    client = lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False,  # noqa: E731
+                                   timeout=datetime.timedelta(seconds=30))
+    shards = reference_fsdp_shards({n: p.detach() for n, p in hf.named_parameters()}, 1, torch.float32)[0]
+    sender_layout = hf_llama_fsdp(config, 1, torch.float32)
+    sender = threading.Thread(target=lambda: WeightSender(client(), sender_layout, 0, shards, name="gen").send(1))
+    sender.start()
+    receiver = WeightReceiver(client(), vllm_llama_tp(config, 1, torch.float32), 0, params, name="gen")
+    assert receiver.receive() == 1
+    sender.join(timeout=30)
+    assert all(p is params[n] for n, p in generator.named_parameters())  # the same Parameter objects
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (generator(ids) - hf(ids).logits).abs().max().item() <= 1e-4
