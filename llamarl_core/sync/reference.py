@@ -94,7 +94,7 @@ def reference_vllm_fp8_shards(
     shards = reference_vllm_tp_shards(state_dict, config, tp_size, dtype)
     full = {k: v.detach().to(dtype) for k, v in state_dict.items()}
     amax = lambda t, dim=None: t.to(torch.float32).abs().amax() if dim is None else t.to(torch.float32).abs().amax(dim)  # noqa: E731
-    for rank, shard in shards.items():
+    for shard in shards.values():
         for name in [n for n in shard if n.endswith(("qkv_proj.weight", "gate_up_proj.weight", "o_proj.weight", "down_proj.weight"))]:
             local = shard[name]
             base = name.rsplit(".", 2)[0]
