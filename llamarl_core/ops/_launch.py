@@ -22,3 +22,8 @@ _INTERPRETER_LOCK = threading.Lock()
 def serialized(device: torch.device):
     """A lock around interpreted launches; nothing for real GPU launches."""
     return _INTERPRETER_LOCK if device.type == "cpu" else contextlib.nullcontext()
+
+
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1): Triton block sizes are powers of two."""
+    return 1 << max(0, (x - 1).bit_length())

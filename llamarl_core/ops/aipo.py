@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._launch import serialized, use_interpreter
+from ._launch import next_pow2, serialized, use_interpreter
 
 IGNORE_INDEX = -100
 LOSS_TYPES = ("aipo", "ppo", "ppo_tis")
@@ -130,7 +130,7 @@ def _block_v(vocab: int, device: torch.device) -> int:
     interpreter one block per row where possible, as each program instance costs
     about 0.5 ms there (shared/MACHINE.md: V=32000 takes 0.16 s at 32768, 2.8 s at 1024)."""
     cap = 4096 if device.type == "cuda" else 32768
-    return min(cap, 1 << max(4, (vocab - 1).bit_length()))
+    return min(cap, max(16, next_pow2(vocab)))
 
 
 def logprob_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool,

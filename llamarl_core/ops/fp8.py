@@ -22,13 +22,13 @@ import warnings
 
 import torch
 
-from ._launch import serialized, use_interpreter
+from ._launch import next_pow2, serialized, use_interpreter
 
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
 GRANULARITIES = ("tensor", "channel", "block")
 DEFAULT_BLOCK = (128, 128)
-_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -39,7 +39,7 @@ def _check_input(w: torch.Tensor, granularity: str, block_size: tuple[int, int],
         raise ValueError(f"{name}: granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if w.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D weight, got shape {tuple(w.shape)}")
-    if w.dtype not in _INPUT_DTYPES:
+    if w.dtype not in INPUT_DTYPES:
         raise ValueError(f"{name}: dtype must be bfloat16, float16 or float32, got {w.dtype}")
     if len(block_size) != 2 or min(block_size) < 1:
         raise ValueError(f"{name}: block_size must be two positive ints, got {block_size}")
@@ -102,9 +102,12 @@ def quantize_fp8_ref(w: torch.Tensor, granularity: str, block_size=DEFAULT_BLOCK
     amax = fp8_amax_ref(w.cpu(), granularity, block_size)
     raise_if_not_finite(amax, name)
     scale = scale_from_amax(amax)
-    full = expand_scale(scale, tuple(w.shape), granularity, block_size)
-    q = (w.cpu().to(torch.float32) / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+    return cast_fp8_ref(w.cpu(), expand_scale(scale, tuple(w.shape), granularity, block_size)), scale
+
+
+def cast_fp8_ref(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """sat(RNE(w / scale)) in plain torch; `scale` broadcasts against w (e.g. (N, 1) per row)."""
+    return (w.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block_size=DEFAULT_BLOCK, out_dtype=torch.float32) -> torch.Tensor:
@@ -178,12 +181,8 @@ def _tile(n: int, k: int, granularity: str, block_size) -> tuple[int, int]:
     at 8 warps on a GPU); the per-tensor passes use 16K-element tiles too."""
     if granularity == "block":
         return tuple(block_size)
-    bk = triton_next_pow2(k) if granularity == "channel" else min(triton_next_pow2(k), 1024)
-    return max(1, min(triton_next_pow2(n), 16384 // bk)), bk
-
-
-def triton_next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+    bk = next_pow2(k) if granularity == "channel" else min(next_pow2(k), 1024)
+    return max(1, min(next_pow2(n), 16384 // bk)), bk
 
 
 def _launch_quantize(w, q_bits, scale_out, granularity: str, block_size, given_scale: torch.Tensor | None) -> None:
@@ -364,6 +363,6 @@ def _triton_path(w: torch.Tensor, backend: str) -> bool:
 
 
 __all__ = [
-    "FP8_MAX", "GRANULARITIES", "cast_to_fp8", "dequantize_fp8", "e4m3_nearest_even_ref64", "expand_scale", "fp8_amax",
+    "FP8_MAX", "GRANULARITIES", "INPUT_DTYPES", "cast_fp8_ref", "cast_to_fp8", "dequantize_fp8", "e4m3_nearest_even_ref64", "expand_scale", "fp8_amax",
     "fp8_amax_ref", "quantize_fp8", "quantize_fp8_ref", "quantize_fp8_with_scale", "scale_from_amax", "scale_shape",
 ]

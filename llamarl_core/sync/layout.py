@@ -21,6 +21,8 @@ from typing import Iterable, Union
 
 import torch
 
+from ..ops.fp8 import GRANULARITIES, INPUT_DTYPES
+
 _DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -120,9 +122,6 @@ class Fused:
 Placement = Union[Replicate, Shard, Fused]
 
 
-FP8_GRANULARITIES = ("tensor", "channel", "block")
-
-
 def fp8_scale_name(name: str, granularity: str) -> str:
     """vLLM's name of an FP8 weight's scale: `weight_scale_inv` per 128 x 128 block
     (DeepSeek-V3 checkpoints), `weight_scale` per tensor and per channel."""
@@ -187,9 +186,9 @@ class Layout:
         if any((not isinstance(d, int)) or d < 0 for d in spec.shape):
             raise ValueError(f"parameter {name!r}: shape must be non-negative ints, got {spec.shape}")
         if spec.fp8 is not None:
-            if spec.fp8 not in FP8_GRANULARITIES:
-                raise ValueError(f"parameter {name!r}: fp8 granularity must be one of {FP8_GRANULARITIES}, got {spec.fp8!r}")
-            if len(spec.shape) != 2 or spec.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            if spec.fp8 not in GRANULARITIES:
+                raise ValueError(f"parameter {name!r}: fp8 granularity must be one of {GRANULARITIES}, got {spec.fp8!r}")
+            if len(spec.shape) != 2 or spec.dtype not in INPUT_DTYPES:
                 raise ValueError(f"parameter {name!r}: FP8 needs a 2-D weight landing in bf16, fp16 or fp32")
         placement = spec.placement
         if isinstance(placement, Replicate):

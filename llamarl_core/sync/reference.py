@@ -73,13 +73,6 @@ def reference_vllm_tp_shards(
     return out
 
 
-def _cast_ref(w: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
-    """sat(RNE(w / scale)) with one scale per row, in plain torch."""
-    from ..ops.fp8 import FP8_MAX
-
-    return (w.to(torch.float32) / row_scale.reshape(-1, 1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
-
 def reference_vllm_fp8_shards(
     state_dict: Mapping[str, torch.Tensor], config, tp_size: int, granularity: str, dtype: torch.dtype = torch.bfloat16
 ) -> dict[int, dict[str, torch.Tensor]]:
@@ -87,7 +80,7 @@ def reference_vllm_fp8_shards(
     vLLM lays them out: per block on the local tensor; per channel on local rows,
     except o_proj / down_proj (split on dim 1) whose rows are whole only in the
     full tensor; per tensor from the full tensor, one scale per fused part."""
-    from ..ops.fp8 import quantize_fp8_ref, scale_from_amax
+    from ..ops.fp8 import cast_fp8_ref, quantize_fp8_ref, scale_from_amax
 
     num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -103,10 +96,10 @@ def reference_vllm_fp8_shards(
                 q, scale = quantize_fp8_ref(local, granularity)
             elif granularity == "channel":
                 scale = scale_from_amax(amax(full[name], 1)).reshape(-1, 1)
-                q = _cast_ref(local, scale)
+                q = cast_fp8_ref(local, scale)
             elif row_split:
                 scale = scale_from_amax(amax(full[name]))
-                q = _cast_ref(local, scale.expand(local.shape[0]))
+                q = cast_fp8_ref(local, scale)
             else:
                 if name.endswith("qkv_proj.weight"):
                     parts = [f"{base}.q_proj.weight", f"{base}.k_proj.weight", f"{base}.v_proj.weight"]
@@ -116,7 +109,7 @@ def reference_vllm_fp8_shards(
                     parts = [f"{base}.gate_proj.weight", f"{base}.up_proj.weight"]
                     rows = [full[parts[0]].shape[0] // tp_size] * 2
                 scale = scale_from_amax(torch.stack([amax(full[p]) for p in parts]))
-                q = _cast_ref(local, torch.cat([scale[i].expand(r) for i, r in enumerate(rows)]))
+                q = cast_fp8_ref(local, torch.cat([scale[i].expand(r) for i, r in enumerate(rows)]).reshape(-1, 1))
             shard[name] = q
             shard[name[: -len("weight")] + ("weight_scale_inv" if granularity == "block" else "weight_scale")] = scale
     return shards
