@@ -11,4 +11,6 @@ python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet --upgrade pip
 "$venv/bin/pip" install --quiet torch==2.13.0
 "$venv/bin/pip" install --quiet "$root[$extras]"
-"$venv/bin/python" -c "import llamarl_core._C as c; print('llamarl_core._C built:', c.build_summary)"
+# From / so that `-c` cannot pick up a source tree in the working directory
+# (a clean checkout has no built _C in it).
+(cd / && "$venv/bin/python" -c "import llamarl_core._C as c; print('llamarl_core._C built:', c.build_summary)")
