@@ -1,5 +1,6 @@
 """The `llamarl` command.
 
+    llamarl train [options]         the asynchronous RL pipeline (llamarl train --help)
     llamarl bench sync [options]    weight-sync bandwidth between real processes
     llamarl bench fp8 [options]     FP8 weight quantization throughput
     llamarl bench aipo [options]    AIPO loss time and peak memory
@@ -12,6 +13,8 @@ import sys
 USAGE = """usage: llamarl <command> ...
 
 commands:
+  train         run the asynchronous RL pipeline on the embedded default task
+                (or --task module:attribute); --compare runs the sync baseline too
   bench sync    weight-sync bandwidth: FSDP trainer ranks -> TP generator ranks,
                 beside memcpy, gloo broadcast and torch.multiprocessing sharing
                 (llamarl bench sync --help)
@@ -30,6 +33,10 @@ BENCHES = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "train":
+        from .pipeline.train_cli import main as train_main
+
+        return train_main(argv[1:])
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
         import importlib
 

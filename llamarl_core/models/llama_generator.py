@@ -48,10 +48,32 @@ class KVCache:
 
     keys: list = field(default_factory=list)
     values: list = field(default_factory=list)
+    _layer: int = 0
 
     @property
     def length(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add one layer's new keys and values (layers in order); returns all of that layer's."""
+        index = self._layer
+        if index < len(self.keys):
+            k = torch.cat([self.keys[index], k], dim=2)
+            v = torch.cat([self.values[index], v], dim=2)
+            self.keys[index], self.values[index] = k, v
+        else:
+            self.keys.append(k)
+            self.values.append(v)
+        self._layer += 1
+        return k, v
+
+    def layers_done(self) -> None:
+        self._layer = 0
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (index tensor), e.g. after sequences finish."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
 
 
 @dataclass
@@ -153,7 +175,7 @@ class LlamaGenerator(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 eos_token_id: int | None = None, generator: torch.Generator | None = None) -> "Rollout":
+                 eos_token_id: int | None = None, generator: torch.Generator | None = None) -> Rollout:
         """Sample up to `max_new_tokens` continuations of equal-length prompts
         `input_ids` (batch, prompt_len) with the KV cache. Each token's log-prob is
         taken from the distribution it was sampled from (softmax(logits / T) in
@@ -195,25 +217,52 @@ class LlamaGenerator(nn.Module):
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (batch, seq) -> logits (batch, seq, vocab). With a cache, the
-        tokens continue those already cached (positions follow on)."""
+        tokens continue those already cached (positions follow on).
+        attention_mask: (batch, cached + seq), 1 for real tokens and 0 for left
+        padding (Hugging Face's convention), so that prompts of different lengths
+        share a batch: positions count real tokens only and no query sees a pad."""
         batch, seq = input_ids.shape
         past = cache.length if cache is not None else 0
-        positions = (torch.arange(seq, device=input_ids.device) + past).expand(batch, seq)
+        if attention_mask is None:
+            positions = (torch.arange(seq, device=input_ids.device) + past).expand(batch, seq)
+            keys_valid = None
+        else:
+            if attention_mask.shape != (batch, past + seq):
+                raise ValueError(f"attention_mask must be (batch, cached + new tokens) = {(batch, past + seq)}, "
+                                 f"got {tuple(attention_mask.shape)}")
+            keys_valid = attention_mask.to(torch.bool)
+            positions = (keys_valid.cumsum(-1) - 1).clamp(min=0)[:, past:]
         local = input_ids - self.vocab_start
         in_range = (local >= 0) & (local < self.model.embed_tokens.num_embeddings)
         x = self.model.embed_tokens(torch.where(in_range, local, 0)) * in_range[..., None]
         x = self._all_reduce(x)
         cos, sin = self._rope(positions, x.dtype)
-        for index, layer in enumerate(self.model.layers):
-            x = x + self._attention(layer, layer.input_layernorm(x), cos, sin, cache, index, past)
+        mask = self._attention_mask(seq, past, keys_valid, input_ids.device)
+        for layer in self.model.layers:
+            x = x + self._attention(layer, layer.input_layernorm(x), cos, sin, cache, mask)
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
+        if cache is not None:
+            cache.layers_done()
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return self._gather_vocab(F.linear(x, head))
 
-    def _attention(self, layer, h, cos, sin, cache, index, past):
+    @staticmethod
+    def _attention_mask(seq: int, past: int, keys_valid: torch.Tensor | None, device) -> torch.Tensor:
+        """Query i (absolute index past + i) sees keys 0 .. past + i that are not
+        padding; a padding query sees itself too, so that no row is empty (its
+        output is never used)."""
+        keys = torch.arange(past + seq, device=device)[None, :]
+        queries = torch.arange(seq, device=device)[:, None] + past
+        causal = keys <= queries
+        if keys_valid is None:
+            return causal
+        return (causal & keys_valid[:, None, None, :]) | (keys == queries)
+
+    def _attention(self, layer, h, cos, sin, cache, mask):
         attn = layer.self_attn
         batch, seq, _ = h.shape
         q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
@@ -222,18 +271,9 @@ class LlamaGenerator(nn.Module):
         k = self._rotate(k.view(batch, seq, attn.num_kv_heads, attn.head_dim).transpose(1, 2), cos, sin)
         v = v.view(batch, seq, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
         if cache is not None:
-            if index < len(cache.keys):
-                k = torch.cat([cache.keys[index], k], dim=2)
-                v = torch.cat([cache.values[index], v], dim=2)
-                cache.keys[index], cache.values[index] = k, v
-            else:
-                cache.keys.append(k)
-                cache.values.append(v)
+            k, v = cache.append(k, v)
         groups = attn.num_heads // attn.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        # Query i (absolute position past + i) sees keys 0 .. past + i.
-        total = k.shape[2]
-        mask = torch.arange(total, device=h.device)[None, :] <= (torch.arange(seq, device=h.device)[:, None] + past)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(batch, seq, q_rows)
         return self._row_parallel(attn.o_proj, out)

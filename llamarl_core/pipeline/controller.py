@@ -1,0 +1,370 @@
+"""The single controller: starts the executors, runs the event loop, routes
+rollouts (generator -> reward -> trainer), enforces the staleness bound and
+triggers the DDMA weight syncs. It holds no tensors of the model: only token
+ids, rewards and timings pass through it.
+
+Step s of the trainer trains the weights of version s on samples whose oldest
+token was sampled with version v >= s - max_staleness (older ones are dropped
+and counted) and produces version s + 1, which the trainer ranks then push
+straight into the generator ranks' parameters; the generator takes it between
+two decode steps. In sync mode (max_staleness 0) generation and training take
+turns: prompts for step s go out only once version s has landed, and the
+trainer waits for them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import queue
+import time
+from collections import Counter, deque
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .config import TrainConfig
+from .executors import GENERATOR, REWARD, TRAINER, executor_main
+from .report import plot_reward, summarize, write_trace
+from .task import load_task
+
+EVENT_POLL_S = 0.05
+MAX_GENERATOR_RESTARTS = 3
+
+
+class PipelineError(RuntimeError):
+    """The run cannot go on (an executor failed, or nothing happened for too long)."""
+
+
+class Controller:
+    """Runs one training run (see the module docstring). out_dir: where everything
+    goes; if it holds a checkpoint the run resumes from it. on_step(metrics) is
+    called after each trainer step (the CLI prints and draws its progress bar)."""
+
+    def __init__(self, config: TrainConfig, out_dir: Path, on_step=None, on_event=None):
+        self.config, self.out = config, Path(out_dir)
+        self.on_step = on_step or (lambda m: None)
+        self.on_event = on_event or (lambda msg: None)
+        self.task = load_task(config.task)
+        self.tokenizer = self.task.tokenizer()
+        self.ctx = mp.get_context("spawn")
+        self.events = self.ctx.Queue()
+        self.procs: dict[tuple[str, int], mp.Process] = {}
+        self.inboxes: dict[tuple[str, int], object] = {}
+        self.spans: list[tuple] = []
+        self.metrics: list[dict] = []
+        self.generator_incarnation = 0
+        self.generator_restarts = 0
+
+    # -- processes ------------------------------------------------------------------------
+    def _start(self, role: str, rank: int, **extra) -> None:
+        inbox = self.ctx.Queue()
+        proc = self.ctx.Process(
+            target=executor_main, name=f"llamarl-{role}-{rank}",
+            args=(role, rank, self.config.to_dict(), self.store.port, inbox, self.events, os.getpid(), extra),
+            daemon=True,
+        )
+        proc.start()
+        self.procs[(role, rank)], self.inboxes[(role, rank)] = proc, inbox
+        pids = {f"{r}/{k}": p.pid for (r, k), p in self.procs.items()}
+        (self.out / "executors.json").write_text(json.dumps(pids, indent=2) + "\n")  # for monitoring
+
+    def _tell(self, role: str, kind: str, **payload) -> None:
+        for (r, _), inbox in self.inboxes.items():
+            if r == role:
+                inbox.put((kind, payload))
+
+    def _ranks(self, role: str) -> int:
+        return sum(1 for r, _ in self.procs if r == role)
+
+    def _start_generator(self) -> None:
+        for rank in range(self.config.generator_tp):
+            self._start(GENERATOR, rank, incarnation=self.generator_incarnation)
+
+    def _check_alive(self) -> None:
+        for (role, rank), proc in list(self.procs.items()):
+            if proc.is_alive():
+                continue
+            if role == GENERATOR:
+                self._restart_generator(f"generator rank {rank} exited (code {proc.exitcode})")
+                return
+            raise PipelineError(f"{role} rank {rank} exited (code {proc.exitcode}); "
+                                f"the last checkpoint is in {self.out / 'checkpoint'}")
+
+    def _restart_generator(self, why: str) -> None:
+        self.generator_restarts += 1
+        if self.generator_restarts > MAX_GENERATOR_RESTARTS:
+            raise PipelineError(f"{why}; restarted {MAX_GENERATOR_RESTARTS} times already, stopping "
+                                f"(the last checkpoint is in {self.out / 'checkpoint'})")
+        self.on_event(f"{why}: restarting it and re-syncing weights v{self.step}")
+        for key in [k for k in self.procs if k[0] == GENERATOR]:
+            proc = self.procs.pop(key)
+            self.inboxes.pop(key)
+            proc.kill()
+            proc.join(timeout=5)
+        # Every group it held is sampled again from scratch by the new generator.
+        self.partial.clear()
+        lost = self.outstanding - {g[0].group for g in self.ready}
+        self.outstanding -= lost
+        self.to_issue = deque(sorted(set(self.to_issue) | lost))
+        self.ready_ranks = {k for k in self.ready_ranks if k[0] != GENERATOR}
+        self.generator_incarnation += 1
+        self.gen_version = None
+        self._start_generator()
+        self._tell(TRAINER, "reconnect", incarnation=self.generator_incarnation)
+        self.pending_sync = self.step  # the current weights go to the new generator once it is up
+        self.syncing = None
+
+    # -- event handling ----------------------------------------------------------------
+    def _handle(self, role: str, rank: int, kind: str, payload: dict) -> None:
+        for name, start, end, args in payload.pop("spans", []):
+            self.spans.append((role, rank, name, start, end, args))
+        self.last_progress = time.monotonic()
+        if role == GENERATOR and payload["incarnation"] != self.generator_incarnation:
+            return  # from a generator that has been replaced
+        if kind in ("synced", "sync_failed") and payload["generator"] != self.generator_incarnation:
+            return  # a sync to a generator that has been replaced
+        if kind == "error" and role == GENERATOR:
+            self._restart_generator(f"generator rank {rank} failed: {payload['message']}")
+            return
+        if kind == "error":
+            raise PipelineError(f"{role} rank {rank} failed: {payload['message']}\n{payload['traceback']}")
+        if kind == "ready" and role == GENERATOR:
+            self.ready_ranks.add((role, rank))
+        elif kind == "ready":
+            self.ready_ranks.add((role, rank))
+            if role == TRAINER:
+                self.step, self.data_position = payload["step"], payload["data_position"]
+        elif kind == "samples":
+            self.gen_busy += payload["busy"]
+            self.inboxes[(REWARD, 0)].put(("score", {"samples": payload["samples"],
+                                                      "incarnation": self.generator_incarnation}))
+        elif kind == "received":
+            self.gen_busy += payload["busy"]
+            self.gen_version = payload["version"]
+            self._sync_part_done(GENERATOR)
+        elif kind == "scored":
+            if payload.get("incarnation") != self.generator_incarnation:
+                return  # sampled by a generator that has since been replaced; its groups were re-issued
+            for sample in payload["samples"]:
+                if sample.group not in self.outstanding:
+                    continue
+                group = self.partial.setdefault(sample.group, [])
+                group.append(sample)
+                if len(group) == self.config.samples_per_prompt:
+                    self.ready.append(self.partial.pop(sample.group))
+        elif kind == "trained":
+            self.trained.append(payload)
+            if len(self.trained) == self.config.trainer_world:
+                self._step_trained()
+        elif kind == "synced":
+            self.sync_seconds = max(self.sync_seconds, payload["seconds"])
+            self._sync_part_done(TRAINER)
+        elif kind == "checkpointed":
+            self.checkpointing -= 1
+        elif kind == "sync_failed":
+            self._check_alive()  # a dead generator is restarted (and the sync redone) here
+            if payload["generator"] == self.generator_incarnation:
+                raise PipelineError(f"weight sync of version {payload['version']} failed: {payload['message']}")
+
+    def _sync_part_done(self, role: str) -> None:
+        if self.syncing is None:
+            return
+        self.sync_waiting[role] -= 1
+        if all(v == 0 for v in self.sync_waiting.values()):
+            self.syncing = None
+            if self.step_record is not None:
+                self._finish_step()
+
+    def _begin_sync(self, version: int) -> None:
+        self.syncing, self.sync_seconds = version, 0.0
+        self.sync_waiting = {TRAINER: self.config.trainer_world, GENERATOR: 1}
+        self._tell(GENERATOR, "receive")
+        self._tell(TRAINER, "sync", version=version)
+
+    def _step_trained(self) -> None:
+        s = self.step
+        reports, self.trained = self.trained, []
+        self.batch_started = False
+        samples = self.batch
+        self.step_record = {
+            "step": s,
+            "reward": sum(x.reward for x in samples) / len(samples),
+            "samples": len(samples),
+            "completion_tokens": sum(len(x.tokens) for x in samples),
+            "staleness": dict(Counter(str(s - x.oldest_version) for x in samples)),
+            "dropped": self.dropped,
+            "train_time_s": max(r["seconds"] for r in reports),
+            "loss": sum(r["loss"] for r in reports) / len(reports),
+            "mismatch_kl": sum(r["mismatch_kl"] for r in reports) / len(reports),
+            "truncated_fraction": sum(r["truncated_fraction"] for r in reports) / len(reports),
+        }
+        self.dropped = 0
+        self.step = s + 1
+        self._begin_sync(self.step)
+
+    def _finish_step(self) -> None:
+        now = time.monotonic()
+        record, self.step_record = self.step_record, None
+        record.update(step_time_s=now - self.last_step_end, gen_time_s=self.gen_busy, sync_time_s=self.sync_seconds,
+                      wall_s=now - self.t0 + self.resumed_wall)
+        self.gen_busy, self.last_step_end = 0.0, now
+        self.metrics.append(record)
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.on_step(record)
+        if self.step % self.config.checkpoint_every == 0 or self.step == self.config.steps:
+            self._tell(TRAINER, "checkpoint", data_position=self.data_position)
+            self.checkpointing += self.config.trainer_world
+
+    # -- scheduling --------------------------------------------------------------------
+    def _issue_prompts(self) -> None:
+        cfg = self.config
+        if self.gen_version is None:
+            return
+        if cfg.mode == "sync":
+            trainer_busy = self.batch_started or self.step_record is not None
+            if self.outstanding or trainer_busy or self.syncing is not None or self.gen_version != self.step:
+                return
+            limit = cfg.prompts_per_step
+        else:
+            limit = cfg.max_staleness * cfg.prompts_per_step
+        groups = []
+        while len(self.outstanding) < limit:
+            group = self.to_issue.popleft() if self.to_issue else self._next_group()
+            self.outstanding.add(group)
+            groups.append((group, self.tokenizer.encode(self.task.prompt(group))))
+        if groups:
+            self._tell(GENERATOR, "prompts", groups=groups)
+
+    def _next_group(self) -> int:
+        group = self.next_group
+        self.next_group += 1
+        return group
+
+    def _maybe_train(self) -> None:
+        cfg = self.config
+        if self.syncing is not None or self.step_record is not None or self.checkpointing or self.trained:
+            return
+        if self.batch_started or self.step >= cfg.steps:
+            return
+        while self.ready and self.step - min(x.oldest_version for x in self.ready[0]) > cfg.max_staleness:
+            stale = self.ready.popleft()
+            self.outstanding.discard(stale[0].group)
+            self.dropped += len(stale)
+        if len(self.ready) < cfg.prompts_per_step:
+            return
+        groups = [self.ready.popleft() for _ in range(cfg.prompts_per_step)]
+        for g in groups:
+            self.outstanding.discard(g[0].group)
+        self.data_position = max(self.data_position, max(g[0].group for g in groups) + 1)
+        self.batch = [x for g in groups for x in g]
+        per_rank = cfg.prompts_per_step // cfg.trainer_world
+        for rank in range(cfg.trainer_world):
+            part = [x for g in groups[rank * per_rank:(rank + 1) * per_rank] for x in g]
+            self.inboxes[(TRAINER, rank)].put(("train", {"step": self.step, "samples": part}))
+        self.batch_started = True
+
+    # -- the run -------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg = self.config
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        self.ready_ranks: set = set()
+        self.step = self.data_position = 0
+        self.t0 = time.monotonic()
+        try:
+            self._start(REWARD, 0)
+            for rank in range(cfg.trainer_world):
+                self._start(TRAINER, rank, incarnation=0, out_dir=str(self.out))
+            self._start_generator()
+            self._wait_ready()
+            self._loop()
+            summary = summarize(cfg.mode, self.metrics, time.monotonic() - self.t0 + self.resumed_wall)
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            return summary
+        finally:
+            self._shutdown()
+            write_trace(self.out / "trace.json", self.spans, self.t0)
+            if self.metrics:
+                plot_reward(self.out / "reward.png", {cfg.mode: self.metrics})
+
+    def _next_event(self, deadline_what: str) -> None:
+        try:
+            role, rank, kind, payload = self.events.get(timeout=EVENT_POLL_S)
+        except queue.Empty:
+            self._check_alive()
+            if time.monotonic() - self.last_progress > self.config.timeout_s:
+                raise PipelineError(f"no executor reported anything for {self.config.timeout_s:.0f} s while "
+                                    f"waiting for {deadline_what}; stopping") from None
+            return
+        self._handle(role, rank, kind, payload)
+
+    def _wait_ready(self) -> None:
+        self.last_progress = time.monotonic()
+        self._reset_state()
+        everyone = {(REWARD, 0)} | {(TRAINER, r) for r in range(self.config.trainer_world)} | {
+            (GENERATOR, r) for r in range(self.config.generator_tp)}
+        while not everyone <= self.ready_ranks:
+            self._next_event("the executors to start")
+            self._check_alive()
+        self.next_group = self.data_position
+        self.resumed_wall = self._previous_wall()
+        self._begin_sync(self.step)  # the trainer's weights (fresh, warmed up or resumed) go to the generator
+        self.last_step_end = time.monotonic()
+
+    def _previous_wall(self) -> float:
+        """On resume: keep the metrics of the steps before the checkpoint, drop the rest."""
+        path = self.out / "metrics.jsonl"
+        if not path.exists():
+            return 0.0
+        kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        kept = [m for m in kept if m["step"] < self.step]
+        path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        self.metrics = kept
+        return kept[-1]["wall_s"] if kept else 0.0
+
+    def _reset_state(self) -> None:
+        self.outstanding: set[int] = set()
+        self.to_issue: deque[int] = deque()
+        self.partial: dict[int, list] = {}
+        self.ready: deque[list] = deque()
+        self.trained: list[dict] = []
+        self.batch: list = []
+        self.batch_started = False
+        self.step_record = None
+        self.syncing = None
+        self.sync_waiting: dict[str, int] = {}
+        self.sync_seconds = 0.0
+        self.pending_sync = None
+        self.gen_version = None
+        self.gen_busy = 0.0
+        self.dropped = 0
+        self.checkpointing = 0
+        self.resumed_wall = 0.0
+
+    def _loop(self) -> None:
+        cfg = self.config
+        while len(self.metrics) < cfg.steps or self.checkpointing:
+            self._next_event(f"trainer step {self.step}")
+            self._check_alive()
+            generator_up = {(GENERATOR, r) for r in range(cfg.generator_tp)} <= self.ready_ranks
+            if self.pending_sync is not None and generator_up and self.syncing is None:
+                self.pending_sync = None
+                self._begin_sync(self.step)
+            self._maybe_train()
+            self._issue_prompts()  # after: a batch just handed to the trainer frees room for the next
+
+    def _shutdown(self) -> None:
+        for inbox in self.inboxes.values():
+            inbox.put(("stop", {}))
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            proc.join(timeout=max(deadline - time.monotonic(), 0.1))
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)

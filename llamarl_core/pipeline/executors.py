@@ -1,0 +1,340 @@
+"""The executors: generator, trainer and reward, each a process (or a group of
+processes) with its own torch.distributed process group, driven by the
+controller through queues. They exchange rollouts (token ids, floats) with the
+controller; model weights go from trainer to generator through the DDMA engine
+only (WeightSender -> WeightReceiver), never through the controller.
+
+Every message to the controller is (role, rank, kind, payload); payloads carry
+the spans (name, start, end on the shared monotonic clock) that the run's trace
+shows.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import queue
+import time
+import traceback
+from collections import deque
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..models.llama_generator import LlamaGenerator
+from ..sync import SyncError, WeightReceiver, WeightSender, hf_llama_fsdp, vllm_llama_tp
+from .config import TrainConfig
+from .learner import collate, policy_loss, supervised_loss
+from .rollout import RolloutEngine, Sample
+from .task import load_task
+
+GENERATOR, TRAINER, REWARD = "generator", "trainer", "reward"
+INBOX_POLL_S = 0.2  # how long an idle executor blocks on its inbox before checking on its parent
+
+
+class Link:
+    """An executor's end of the queues, with the spans it has not reported yet."""
+
+    def __init__(self, role: str, rank: int, inbox, events, parent_pid: int, tags: dict):
+        self.role, self.rank, self.inbox, self.events, self.parent_pid = role, rank, inbox, events, parent_pid
+        self.tags = tags  # added to every message (the generator's incarnation)
+        self.spans: list[tuple[str, float, float, dict]] = []
+
+    def send(self, kind: str, **payload) -> None:
+        payload.update(self.tags)
+        payload["spans"], self.spans = self.spans, []
+        self.events.put((self.role, self.rank, kind, payload))
+
+    def span(self, name: str, start: float, end: float, **args) -> None:
+        self.spans.append((name, start, end, args))
+
+    def get(self, timeout: float):
+        """The next command (kind, payload), or None after `timeout` seconds."""
+        try:
+            return self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            if os.getppid() != self.parent_pid:
+                raise SystemExit(f"{self.role} {self.rank}: the controller is gone") from None
+            return None
+
+    def commands(self):
+        """The controller's commands (kind, payload) in order, until 'stop'."""
+        while True:
+            command = self.get(INBOX_POLL_S)
+            if command is None:
+                continue
+            if command[0] == "stop":
+                return
+            yield command
+
+    def get_nowait(self):
+        try:
+            return self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+
+def _setup_threads(config: TrainConfig, role: str, rank: int) -> None:
+    """Async mode: one thread per executor and, with enough cores, the generator
+    and trainer ranks pinned to cores of their own (the two phases run at once;
+    measured in ../shared/MACHINE.md: one core each beats sharing both). Sync
+    mode: each phase has every core while it runs."""
+    cores = sorted(os.sched_getaffinity(0))
+    if config.mode == "sync":
+        torch.set_num_threads(len(cores))
+        return
+    torch.set_num_threads(1)
+    pinned = config.generator_tp + config.trainer_world
+    if role != REWARD and pinned <= len(cores):
+        index = rank if role == GENERATOR else config.generator_tp + rank
+        os.sched_setaffinity(0, {cores[index]})
+
+
+def _process_group(store: dist.Store, name: str, rank: int, world: int, timeout_s: float) -> None:
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"pg/{name}/", store), rank=rank, world_size=world,
+                           timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def executor_main(role: str, rank: int, config_dict: dict, store_port: int, inbox, events, parent_pid: int,
+                  extra: dict) -> None:
+    """Process entry point (torch.multiprocessing spawn): runs one executor rank;
+    any exception is reported to the controller with its traceback."""
+    link = Link(role, rank, inbox, events, parent_pid,
+                {"incarnation": extra["incarnation"]} if role == GENERATOR else {})
+    try:
+        config = TrainConfig.from_dict(config_dict)
+        _setup_threads(config, role, rank)
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=config.timeout_s))
+        {GENERATOR: run_generator, TRAINER: run_trainer, REWARD: run_reward}[role](link, config, store, rank, **extra)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the controller
+        link.send("error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- generator
+
+
+class _CommandFeed:
+    """The generator ranks' shared view of the controller's commands: rank 0 reads
+    the inbox and broadcasts what it read over the tensor-parallel group, so every
+    rank takes the same decisions at the same decode step."""
+
+    def __init__(self, link: Link, tp_size: int):
+        self.link, self.tp_size = link, tp_size
+        self.pending: deque = deque()
+
+    def poll(self, block_s: float = 0.0) -> None:
+        new = []
+        if self.link.rank == 0:
+            first = self.link.get(block_s) if block_s > 0 else self.link.get_nowait()
+            while first is not None:
+                new.append(first)
+                first = self.link.get_nowait()
+        if self.tp_size > 1:
+            box = [new]
+            dist.broadcast_object_list(box, src=0)
+            new = box[0]
+        self.pending.extend(new)
+
+    def weights_waiting(self) -> bool:
+        """Asked between decode steps: is a new version (or a stop) waiting?"""
+        self.poll()
+        return any(kind in ("receive", "stop") for kind, _ in self.pending)
+
+
+def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation: int) -> None:
+    task = load_task(config.task)
+    tokenizer = task.tokenizer()
+    model_config = config.model_config(tokenizer.vocab_size)
+    tp = config.generator_tp
+    _process_group(store, f"{GENERATOR}/{incarnation}", rank, tp, config.timeout_s)
+    model = LlamaGenerator(model_config, tp, rank, group=dist.group.WORLD if tp > 1 else None)
+    receiver = WeightReceiver(store, vllm_llama_tp(model_config, tp, torch.float32), rank,
+                              dict(model.named_parameters()), name=f"weights/{incarnation}",
+                              timeout=config.sync_timeout_s, num_threads=1)
+    engine = RolloutEngine(
+        model, max_batch=config.max_staleness * config.prompts_per_step * config.samples_per_prompt
+        if config.mode == "async" else config.prompts_per_step * config.samples_per_prompt,
+        max_new_tokens=task.max_new_tokens, segment_tokens=config.segment_tokens, temperature=config.temperature,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        seed=config.seed * 1000 + incarnation,
+    )
+    feed = _CommandFeed(link, tp)
+    version, busy = None, 0.0
+    link.send("ready")
+    while True:
+        while feed.pending:
+            kind, payload = feed.pending.popleft()
+            if kind == "stop":
+                return
+            if kind == "prompts":
+                engine.submit([Sample(group, ids) for group, ids in payload["groups"]
+                               for _ in range(config.samples_per_prompt)])
+            elif kind == "receive":
+                start = time.monotonic()
+                version = receiver.receive()
+                engine.invalidate()  # unfinished sequences are re-prefilled under the new weights
+                link.span(f"receive v{version}", start, time.monotonic())
+                if rank == 0:
+                    link.send("received", version=version, busy=busy)
+                    busy = 0.0
+        if version is None or not engine.busy:
+            feed.poll(block_s=INBOX_POLL_S)
+            continue
+        start = time.monotonic()
+        before = engine.stats.tokens
+        done = engine.run_segment(version, stop=feed.weights_waiting)
+        end = time.monotonic()
+        busy += end - start
+        link.span("generate", start, end, tokens=engine.stats.tokens - before, version=version)
+        if done and rank == 0:
+            link.send("samples", samples=done, busy=busy)
+            busy = 0.0
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's storage on this rank (FSDP2 DTensor: its shard), no copy."""
+    return (param.to_local() if hasattr(param, "to_local") else param).detach()
+
+
+def _checkpoint_path(out_dir: str) -> Path:
+    return Path(out_dir) / "checkpoint" / "trainer.pt"
+
+
+def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str) -> None:
+    import transformers
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    task = load_task(config.task)
+    tokenizer = task.tokenizer()
+    model_config = config.model_config(tokenizer.vocab_size)
+    world = config.trainer_world
+    _process_group(store, TRAINER, rank, world, config.timeout_s)
+    torch.manual_seed(config.seed)
+    model = transformers.LlamaForCausalLM(model_config)
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    step, data_position = 0, 0
+    checkpoint = _checkpoint_path(out_dir)
+    if checkpoint.exists():
+        saved = torch.load(checkpoint, weights_only=False) if rank == 0 else {}
+        box = [{k: saved.get(k) for k in ("step", "data_position")}]
+        if world > 1:
+            dist.broadcast_object_list(box, src=0)
+        step, data_position = box[0]["step"], box[0]["data_position"]
+        set_state_dict(model, optimizer, model_state_dict=saved.get("model", {}),
+                       optim_state_dict=saved.get("optimizer", {}),
+                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    def connect(generator: int) -> WeightSender:
+        """This rank's sender to generator incarnation `generator` (its own Store namespace)."""
+        return WeightSender(store, hf_llama_fsdp(model_config, world, torch.float32), rank,
+                            {n: _local(p) for n, p in model.named_parameters()}, name=f"weights/{generator}",
+                            timeout=config.sync_timeout_s, num_threads=1)
+
+    generator = incarnation  # the generator incarnation the sender serves
+    sender = connect(generator)
+    if step == 0 and config.warmup_steps and task.reference is not None:
+        start = time.monotonic()
+        per_rank = config.warmup_batch // world or 1
+        for i in range(config.warmup_steps):
+            # Warm-up prompts come from far beyond the RL prompts' indices.
+            prompts = [task.prompt(10**9 + (i * world + rank) * per_rank + j) for j in range(per_rank)]
+            loss = supervised_loss(model, [tokenizer.encode(p) for p in prompts],
+                                   [tokenizer.encode(task.reference(p))[1:] + [tokenizer.eos_token_id] for p in prompts],
+                                   tokenizer.pad_token_id)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        link.span("supervised warm-up", start, time.monotonic(), steps=config.warmup_steps, loss=loss.item())
+    link.send("ready", step=step, data_position=data_position)
+
+    for kind, payload in link.commands():
+        start = time.monotonic()
+        if kind == "sync":
+            try:
+                sender.send(payload["version"])
+            except SyncError as exc:  # e.g. the generator died mid-sync: the controller decides
+                link.send("sync_failed", version=payload["version"], message=str(exc), generator=generator)
+                continue
+            end = time.monotonic()
+            link.span(f"send v{payload['version']}", start, end)
+            link.send("synced", version=payload["version"], seconds=end - start, generator=generator)
+        elif kind == "train":
+            batch = collate(payload["samples"], tokenizer.pad_token_id)
+            loss, stats = policy_loss(model, batch, rho=config.rho, temperature=config.temperature)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step = payload["step"] + 1
+            end = time.monotonic()
+            link.span(f"train step {payload['step']}", start, end, samples=len(payload["samples"]))
+            link.send("trained", step=payload["step"], seconds=end - start, loss=float(loss),
+                      mismatch_kl=float(stats.mismatch_kl), truncated_fraction=float(stats.truncated_fraction),
+                      mean_ratio=float(stats.mean_ratio))
+        elif kind == "checkpoint":
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_state, optim_state = get_state_dict(model, optimizer, options=options)
+            if rank == 0:
+                checkpoint.parent.mkdir(parents=True, exist_ok=True)
+                tmp = checkpoint.with_suffix(".tmp")
+                torch.save({"model": model_state, "optimizer": optim_state, "step": step,
+                            "data_position": payload["data_position"]}, tmp)
+                os.replace(tmp, checkpoint)  # a crash mid-save leaves the previous checkpoint whole
+            end = time.monotonic()
+            link.span(f"checkpoint at step {step}", start, end)
+            link.send("checkpointed", step=step)
+        elif kind == "reconnect":
+            sender.close()
+            generator = payload["incarnation"]
+            sender = connect(generator)
+        else:
+            raise ValueError(f"trainer: unknown command {kind!r}")
+
+
+# ----------------------------------------------------------------------------- reward
+
+
+def run_reward(link: Link, config: TrainConfig, store, rank: int) -> None:
+    task = load_task(config.task)
+    tokenizer = task.tokenizer()
+    _process_group(store, REWARD, rank, 1, config.timeout_s)
+    link.send("ready")
+    for kind, payload in link.commands():
+        start = time.monotonic()
+        samples: list[Sample] = payload["samples"]
+        for sample in samples:
+            prompt, completion = tokenizer.decode(sample.prompt), tokenizer.decode(sample.tokens)
+            try:
+                reward = float(task.reward(prompt, completion))
+            except Exception as exc:
+                raise RuntimeError(f"the reward function of task {task.name!r} failed on prompt {prompt!r}, "
+                                   f"completion {completion!r}: {exc}") from exc
+            if not math.isfinite(reward):
+                raise ValueError(f"the reward function of task {task.name!r} returned {reward} for prompt "
+                                 f"{prompt!r}, completion {completion!r}")
+            sample.reward = reward
+        link.span("score", start, time.monotonic(), samples=len(samples))
+        link.send("scored", samples=samples, incarnation=payload["incarnation"])

@@ -1,0 +1,73 @@
+"""The trainer's math on a batch of samples: collation, the AIPO policy loss on a
+Hugging Face causal LM, and the supervised warm-up loss. No processes here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.aipo import IGNORE_INDEX, aipo_loss, group_advantages
+from .rollout import Sample
+
+
+@dataclass
+class Batch:
+    """Right-padded prompt + completion rows; the per-position tensors are aligned
+    with the logits of input_ids[:, :-1] (position t predicts token t + 1)."""
+
+    input_ids: torch.Tensor  # (batch, length)
+    attention_mask: torch.Tensor  # (batch, length)
+    targets: torch.Tensor  # (batch, length - 1), IGNORE_INDEX off the completion
+    behavior_logprobs: torch.Tensor  # (batch, length - 1)
+    advantages: torch.Tensor  # (batch, length - 1), the sample's advantage on each of its tokens
+    rewards: torch.Tensor  # (batch,)
+
+
+def collate(samples: list[Sample], pad_token_id: int) -> Batch:
+    """Samples with rewards -> a Batch; advantages are rewards centred over the
+    samples of the same prompt (group), as AIPO does."""
+    if not samples:
+        raise ValueError("collate: no samples")
+    missing = [s.group for s in samples if s.reward is None]
+    if missing:
+        raise ValueError(f"collate: samples of prompt groups {sorted(set(missing))} have no reward")
+    length = max(len(s.prompt) + len(s.tokens) for s in samples)
+    batch = len(samples)
+    input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, length), dtype=torch.long)
+    targets = torch.full((batch, length - 1), IGNORE_INDEX, dtype=torch.long)
+    behavior = torch.zeros((batch, length - 1), dtype=torch.float32)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    groups = torch.tensor([s.group for s in samples], dtype=torch.long)
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt), len(s.tokens)
+        input_ids[i, : p + c] = torch.tensor(s.prompt + s.tokens)
+        attention_mask[i, : p + c] = 1
+        targets[i, p - 1 : p - 1 + c] = torch.tensor(s.tokens)
+        behavior[i, p - 1 : p - 1 + c] = torch.tensor(s.logprobs, dtype=torch.float32)
+    advantages = group_advantages(rewards, groups)[:, None].expand(batch, length - 1).contiguous()
+    return Batch(input_ids, attention_mask, targets, behavior, advantages, rewards)
+
+
+def policy_loss(model, batch: Batch, *, rho: float, temperature: float):
+    """AIPO loss (token mean over completion tokens) of `model` on `batch`, from
+    the fused log-prob kernel; returns (loss, AIPOStats)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    return aipo_loss(logits, batch.targets, batch.behavior_logprobs, batch.advantages, rho=rho,
+                     temperature=temperature)
+
+
+def supervised_loss(model, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int):
+    """Mean cross-entropy of `completions` (eos included) after `prompts`."""
+    length = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    input_ids = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    targets = torch.full((len(prompts), length - 1), IGNORE_INDEX, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        input_ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        attention_mask[i, : len(p) + len(c)] = 1
+        targets[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(c)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)

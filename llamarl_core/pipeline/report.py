@@ -1,0 +1,81 @@
+"""What a run writes: metrics.jsonl (a line per trainer step), summary.json, a PNG
+of reward against wall time, and a Chrome-trace / Perfetto timeline."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+SUMMARY_TIMES = ("step_time_s", "gen_time_s", "train_time_s", "sync_time_s")
+
+
+def tenth_means(values: list[float]) -> tuple[float, float]:
+    """Mean of the first and of the last tenth (at least one value each)."""
+    if not values:
+        raise ValueError("no values")
+    k = max(1, len(values) // 10)
+    return statistics.fmean(values[:k]), statistics.fmean(values[-k:])
+
+
+def summarize(mode: str, metrics: list[dict], wall_time_s: float) -> dict:
+    """summary.json: reward_first / reward_last over the first / last tenth of
+    steps; per-step times averaged over all steps but the first (which includes
+    filling the pipeline)."""
+    if not metrics:
+        raise ValueError("no trainer step finished: nothing to summarize")
+    first, last = tenth_means([m["reward"] for m in metrics])
+    steady = metrics[1:] or metrics
+    summary = {
+        "mode": mode,
+        "steps": len(metrics),
+        "samples": sum(m["samples"] for m in metrics),
+        "reward_first": first,
+        "reward_last": last,
+        **{key: statistics.fmean(m[key] for m in steady) for key in SUMMARY_TIMES},
+        "dropped_samples": sum(m["dropped"] for m in metrics),
+        "max_staleness_seen": max(max(map(int, m["staleness"]), default=0) for m in metrics),
+        "completion_tokens": sum(m["completion_tokens"] for m in metrics),
+        "wall_time_s": wall_time_s,
+    }
+    summary["overlap_efficiency"] = max(summary["gen_time_s"], summary["train_time_s"]) / summary["step_time_s"]
+    summary["completion_tokens_per_s"] = summary["completion_tokens"] / metrics[-1]["wall_s"]
+    return summary
+
+
+def step_line(m: dict) -> str:
+    hist = " ".join(f"{k}:{v}" for k, v in sorted(m["staleness"].items(), key=lambda kv: int(kv[0])))
+    return (f"step {m['step']:4d}  reward {m['reward']:.3f}  step {m['step_time_s']:.3f}s  "
+            f"gen {m['gen_time_s']:.3f}s  train {m['train_time_s']:.3f}s  sync {m['sync_time_s'] * 1e3:.1f}ms  "
+            f"staleness [{hist}]  kl {m['mismatch_kl']:.2e}  dropped {m['dropped']}")
+
+
+def write_trace(path: Path, spans: list[tuple], t0: float) -> None:
+    """Chrome trace (chrome://tracing, ui.perfetto.dev): one process row per
+    executor role, one thread row per rank; spans (role, rank, name, start, end, args)."""
+    roles = sorted({s[0] for s in spans})
+    pids = {role: i + 1 for i, role in enumerate(roles)}
+    events = [{"name": "process_name", "ph": "M", "pid": pids[r], "args": {"name": r}} for r in roles]
+    for role, rank, name, start, end, args in spans:
+        events.append({"name": name, "ph": "X", "pid": pids[role], "tid": rank, "ts": (start - t0) * 1e6,
+                       "dur": max(end - start, 0.0) * 1e6, "args": args})
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def plot_reward(path: Path, runs: dict[str, list[dict]]) -> None:
+    """PNG: mean reward of each trainer step against wall time, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for label, metrics in runs.items():
+        ax.plot([m["wall_s"] for m in metrics], [m["reward"] for m in metrics], label=label, linewidth=1.2)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("mean reward per step")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

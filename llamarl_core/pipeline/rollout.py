@@ -1,0 +1,152 @@
+"""Partial rollouts with continuous batching over a LlamaGenerator.
+
+Generation runs in segments of at most `segment_tokens` decode steps. Between
+two decode steps (never inside one) the caller may stop the segment, e.g. to
+take new weights; sequences unfinished at that point keep their prompt and
+generated prefix and are re-prefilled under the new weights at the start of the
+next segment, instead of being aborted. Every token records the policy version
+and the behaviour log-prob (from the distribution it was sampled from) it was
+sampled with. Between segments, free batch slots take waiting prompts (the
+batch is re-prefilled then, left-padded, so sequences of any length share it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.llama_generator import KVCache, LlamaGenerator, sample_tokens
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt. group: the prompt's index in the task (its
+    data position); the samples of a group share a prompt. tokens, logprobs,
+    versions: per completion token. finished: ended by eos (else by the budget)."""
+
+    group: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+    reward: float | None = None
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.versions)
+
+
+@dataclass
+class EngineStats:
+    prefills: int = 0
+    prefill_tokens: int = 0
+    decode_steps: int = 0
+    tokens: int = 0
+
+
+class RolloutEngine:
+    """See the module docstring. Every rank of a tensor-parallel generator runs one
+    with the same seed and the same calls, so they sample the same tokens."""
+
+    def __init__(self, model: LlamaGenerator, *, max_batch: int, max_new_tokens: int, segment_tokens: int,
+                 temperature: float, eos_token_id: int, pad_token_id: int, seed: int):
+        for name, value in (("max_batch", max_batch), ("max_new_tokens", max_new_tokens),
+                            ("segment_tokens", segment_tokens)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        self.model = model
+        self.max_batch, self.max_new_tokens, self.segment_tokens = max_batch, max_new_tokens, segment_tokens
+        self.temperature, self.eos, self.pad = temperature, eos_token_id, pad_token_id
+        self.generator = torch.Generator().manual_seed(seed)
+        self.waiting: deque[Sample] = deque()
+        self.active: list[Sample] = []
+        self.stats = EngineStats()
+        self._cache: KVCache | None = None
+        self._mask: torch.Tensor | None = None
+        self._logits: torch.Tensor | None = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active or self.waiting)
+
+    def submit(self, samples: list[Sample]) -> None:
+        self.waiting.extend(samples)
+
+    def invalidate(self) -> None:
+        """The weights changed: the KV cache is stale; re-prefill before the next token."""
+        self._cache = self._mask = self._logits = None
+
+    def drop_all(self) -> list[Sample]:
+        """Remove every queued and in-flight sample (returned)."""
+        dropped = self.active + list(self.waiting)
+        self.active, self.waiting = [], deque()
+        self.invalidate()
+        return dropped
+
+    @torch.no_grad()
+    def _prefill(self) -> None:
+        """Admit waiting samples into free slots and run the whole batch's prompt +
+        generated prefix through the model, left-padded."""
+        while self.waiting and len(self.active) < self.max_batch:
+            self.active.append(self.waiting.popleft())
+        rows = [s.prompt + s.tokens for s in self.active]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = True
+        self._cache = self.model.new_cache()
+        self._logits = self.model(ids, self._cache, mask)[:, -1]
+        self._mask = mask
+        self.stats.prefills += 1
+        self.stats.prefill_tokens += int(mask.sum())
+
+    @torch.no_grad()
+    def run_segment(self, version: int, stop: Callable[[], bool] = lambda: False) -> list[Sample]:
+        """Up to `segment_tokens` decode steps with weights `version`; returns the
+        samples that finished (eos or budget). `stop()` is asked between decode
+        steps; True ends the segment there (the in-flight samples are kept and
+        re-prefilled by the next segment)."""
+        finished: list[Sample] = []
+        if self.waiting and len(self.active) < self.max_batch:
+            self.invalidate()  # admit new prompts: the batch is rebuilt
+        if not self.busy:
+            return finished
+        if self._cache is None:
+            self._prefill()
+        for _ in range(self.segment_tokens):
+            token, logprob = sample_tokens(self._logits, self.temperature, self.generator)
+            self.stats.decode_steps += 1
+            self.stats.tokens += len(self.active)
+            keep = []
+            for i, (sample, t, lp) in enumerate(zip(self.active, token.tolist(), logprob.tolist())):
+                sample.tokens.append(t)
+                sample.logprobs.append(lp)
+                sample.versions.append(version)
+                if t == self.eos or len(sample.tokens) >= self.max_new_tokens:
+                    sample.finished = t == self.eos
+                    finished.append(sample)
+                else:
+                    keep.append(i)
+            if len(keep) < len(self.active):
+                self.active = [self.active[i] for i in keep]
+                if not keep:
+                    self.invalidate()
+                    break
+                rows = torch.tensor(keep)
+                self._cache.keep(rows)
+                self._mask, token = self._mask[rows], token[rows]
+            if stop():
+                self.invalidate()
+                break
+            self._mask = torch.cat([self._mask, torch.ones(len(keep), 1, dtype=torch.bool)], dim=1)
+            self._logits = self.model(token[:, None], self._cache, self._mask)[:, -1]
+        return finished
+

@@ -1,0 +1,130 @@
+"""`llamarl train`: run the pipeline on a task (the embedded default unless told).
+
+    llamarl train                       # async run of the default task, out: runs/<time>-async
+    llamarl train --mode sync           # the synchronous baseline
+    llamarl train --compare             # both on the same budget; compare.json
+    llamarl train --out runs/x --resume # continue a run from its last checkpoint
+    llamarl train --task mypkg.tasks:my_task
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from .config import TrainConfig
+
+FLAGS = ("steps", "prompts_per_step", "samples_per_prompt", "max_staleness", "segment_tokens", "temperature", "rho",
+         "lr", "warmup_steps", "hidden_size", "intermediate_size", "num_layers", "trainer_world", "generator_tp",
+         "seed", "checkpoint_every", "timeout_s", "sync_timeout_s")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="llamarl train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("async", "sync"), default="async")
+    parser.add_argument("--compare", action="store_true", help="run sync then async on the same budget")
+    parser.add_argument("--out", type=Path, help="output folder (default: a fresh folder under runs/)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    parser.add_argument("--task", help="module:attribute of a llamarl_core.pipeline.Task (default: string reversal)")
+    parser.add_argument("--quiet", action="store_true", help="no per-step lines")
+    defaults = TrainConfig()
+    for name in FLAGS:
+        parser.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)), default=None)
+    return parser.parse_args(argv)
+
+
+def _config(args, mode: str) -> TrainConfig:
+    values = {name: getattr(args, name) for name in FLAGS if getattr(args, name) is not None}
+    if args.task:
+        values["task"] = args.task
+    if mode == "sync":
+        values.pop("max_staleness", None)
+    return TrainConfig(mode=mode, **values)
+
+
+def run_one(config: TrainConfig, out: Path, quiet: bool) -> dict:
+    from tqdm import tqdm
+
+    from .controller import Controller
+
+    out.mkdir(parents=True, exist_ok=True)
+    saved = out / "config.json"
+    if saved.exists():
+        previous = TrainConfig.load(saved)
+        if dataclasses.replace(previous, steps=config.steps) != config:
+            raise SystemExit(f"{out} holds a run with a different configuration ({saved}); "
+                             f"resume it with the same options or pick another --out")
+    config.save(saved)
+    bar = tqdm(total=config.steps, desc=f"{config.mode} RL steps", unit="step", file=sys.stderr,
+               dynamic_ncols=True, leave=True)
+
+    def on_step(m):
+        if bar.n < m["step"] + 1:
+            bar.update(m["step"] + 1 - bar.n)
+        bar.set_postfix(reward=f"{m['reward']:.3f}")
+        if not quiet:
+            from .report import step_line
+
+            bar.write(step_line(m), file=sys.stderr)
+
+    try:
+        summary = Controller(config, out, on_step=on_step, on_event=lambda msg: bar.write(msg, file=sys.stderr)).run()
+    finally:
+        bar.close()
+    return summary
+
+
+def _print_summary(s: dict) -> None:
+    print(f"{s['mode']}: {s['steps']} steps, {s['samples']} samples, reward {s['reward_first']:.3f} (first tenth) -> "
+          f"{s['reward_last']:.3f} (last tenth); step {s['step_time_s']:.3f}s = gen {s['gen_time_s']:.3f}s, "
+          f"train {s['train_time_s']:.3f}s, sync {s['sync_time_s'] * 1e3:.1f}ms; overlap efficiency "
+          f"{s['overlap_efficiency']:.2f}; {s['completion_tokens_per_s']:.0f} completion tokens/s; "
+          f"dropped {s['dropped_samples']}; wall {s['wall_time_s']:.1f}s")
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        import matplotlib  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(f"llamarl train needs the 'train' extra: pip install 'llamarl-core[train]' ({exc})") from None
+    if args.resume and args.out is None:
+        raise SystemExit("--resume needs --out: the folder of the run to continue")
+    if args.resume and not (args.out / "config.json").exists():
+        raise SystemExit(f"--resume: {args.out} holds no run (no config.json)")
+    if not args.resume and args.out is not None and (args.out / "config.json").exists():
+        raise SystemExit(f"{args.out} already holds a run; pass --resume to continue it or pick another --out")
+    out = args.out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{'compare' if args.compare else args.mode}")
+    if not args.compare:
+        config = TrainConfig.load(out / "config.json") if args.resume else _config(args, args.mode)
+        if args.resume and args.steps:
+            config.steps = args.steps
+        summary = run_one(config, out, args.quiet)
+        _print_summary(summary)
+        print(f"wrote {out}/: metrics.jsonl summary.json reward.png trace.json checkpoint/")
+        return 0
+    summaries = {mode: run_one(_config(args, mode), out / mode, args.quiet) for mode in ("sync", "async")}
+    sync, asyn = summaries["sync"], summaries["async"]
+    result = {
+        "sync": sync,
+        "async": asyn,
+        "step_time_ratio": asyn["step_time_s"] / sync["step_time_s"],
+        "async_overlap_efficiency": asyn["overlap_efficiency"],
+    }
+    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    from .report import plot_reward
+
+    plot_reward(out / "reward.png", {m: [json.loads(x) for x in (out / m / "metrics.jsonl").read_text().splitlines()]
+                                     for m in ("sync", "async")})
+    for s in (sync, asyn):
+        _print_summary(s)
+    print(f"async / sync step time: {result['step_time_ratio']:.2f}x; async overlap efficiency "
+          f"max(t_gen, t_train) / step = {result['async_overlap_efficiency']:.2f}")
+    print(f"wrote {out}/compare.json and reward.png; each run in {out}/sync and {out}/async")
+    return 0

@@ -1,0 +1,309 @@
+"""The pipeline: partial rollouts, the trainer's batch, the controller's
+staleness bound, and whole runs of `llamarl train` between real processes
+(async, sync, resume after a kill, a generator killed mid-run)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from llamarl_core.models import LlamaGenerator
+from llamarl_core.pipeline import (
+    CharTokenizer,
+    Controller,
+    RolloutEngine,
+    Sample,
+    TrainConfig,
+    load_task,
+)
+from llamarl_core.pipeline.learner import collate
+from llamarl_core.pipeline.task import positional_match, reverse_task
+from llamarl_core.sync import hf_llama_fsdp, plan_transfer, vllm_llama_tp
+
+# Small and fast: every run below takes a few seconds of RL after start-up.
+FAST = ["--steps", "12", "--warmup-steps", "5", "--prompts-per-step", "4", "--checkpoint-every", "5", "--quiet"]
+
+
+def tiny_config(vocab=12):
+    return transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+
+
+def generator_from_hf(config, seed):
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(config)
+    gen = LlamaGenerator(config)
+    plan = plan_transfer(hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.float32))
+    plan.execute_local({0: {n: p.detach() for n, p in hf.named_parameters()}}, {0: dict(gen.named_parameters())})
+    return hf, gen
+
+
+# ----------------------------------------------------------------------------- task, tokenizer
+
+
+def test_char_tokenizer_round_trip_and_errors():
+    tok = CharTokenizer("abc=")
+    assert tok.encode("ab=") == [1, 3, 4, 6]
+    assert tok.decode([1, 3, 4, 6, 2, 5]) == "ab="  # stops at eos, skips bos
+    with pytest.raises(ValueError, match="'z'"):
+        tok.encode("az")
+    with pytest.raises(ValueError, match="repeats"):
+        CharTokenizer("aa")
+
+
+def test_reverse_task_reward():
+    task = reverse_task()
+    prompt = task.prompt(7)
+    assert prompt.endswith("=") and 3 <= len(prompt) - 1 <= 6
+    assert task.reward(prompt, task.reference(prompt)) == 1.0
+    assert positional_match("abcd", "abxd") == 0.75
+    assert positional_match("abcd", "abcdzz") == 4 / 6  # too long is penalised
+    assert task.prompt(7) == prompt  # the data position fixes the prompt
+
+
+def test_load_task_errors():
+    assert load_task("llamarl_core.pipeline.task:reverse_task").name == "reverse"
+    with pytest.raises(ValueError, match="module:attribute"):
+        load_task("reverse_task")
+    with pytest.raises(ValueError, match="cannot load task"):
+        load_task("llamarl_core.pipeline.task:nothing_here")
+    with pytest.raises(TypeError, match="not a llamarl_core.pipeline.Task"):
+        load_task("llamarl_core.pipeline.task:REVERSE_LETTERS")  # a string, not a Task
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(mode="eager"), "mode"), (dict(max_staleness=0), "max_staleness"), (dict(samples_per_prompt=1), "samples_per_prompt"),
+    (dict(prompts_per_step=3, trainer_world=2), "split evenly"), (dict(lr=0.0), "lr"), (dict(steps=0), "steps"),
+])
+def test_config_rejects_bad_values(bad, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**bad)
+
+
+def test_config_sync_mode_forces_staleness_zero():
+    assert TrainConfig(mode="sync", max_staleness=3).max_staleness == 0
+
+
+# ----------------------------------------------------------------------------- generator with left padding
+
+
+def test_left_padded_batch_equals_each_sequence_alone():
+    config = tiny_config()
+    hf, gen = generator_from_hf(config, 0)
+    rows = [[1, 3, 4, 5, 6, 7], [1, 8], [1, 9, 10, 11]]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    with torch.no_grad():
+        cache = gen.new_cache()
+        prefill = gen(ids, cache, mask)
+        step = gen(torch.tensor([[5], [6], [7]]), cache, torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1))
+        for i, r in enumerate(rows):
+            alone = hf(torch.tensor([r + [[5], [6], [7]][i]])).logits[0]
+            assert (prefill[i, width - len(r):] - alone[:-1]).abs().max() <= 1e-5
+            assert (step[i, 0] - alone[-1]).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="attention_mask"):
+        gen(ids, None, mask[:, :-1])
+
+
+# ----------------------------------------------------------------------------- partial rollouts
+
+
+def test_partial_rollout_switches_weights_between_decode_steps():
+    """Stop a segment mid-generation, load other weights, go on: every token's
+    recorded log-prob equals the log-prob under the weights of its recorded
+    version, computed from scratch on prompt + prefix (so the re-prefill under the
+    new weights is right), and tokens after the switch carry the new version."""
+    config = tiny_config()
+    weights = {}
+    for version, seed in ((0, 1), (1, 2)):
+        hf, _ = generator_from_hf(config, seed)
+        weights[version] = hf
+    _, gen = generator_from_hf(config, 1)
+    engine = RolloutEngine(gen, max_batch=8, max_new_tokens=10, segment_tokens=6, temperature=0.8, eos_token_id=2,
+                           pad_token_id=0, seed=0)
+    prompts = [[1, 3, 4], [1, 5], [1, 6, 7, 8, 9], [1, 10]]
+    engine.submit([Sample(g, p) for g, p in enumerate(prompts) for _ in range(2)])
+    calls = deque([False, False, True])  # stop after the third decode step
+    done = engine.run_segment(0, stop=lambda: calls.popleft() if calls else False)
+    in_flight = list(engine.active)
+    assert in_flight and all(len(s.tokens) == 3 for s in in_flight)
+    plan = plan_transfer(hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.float32))
+    plan.execute_local({0: {n: p.detach() for n, p in weights[1].named_parameters()}}, {0: dict(gen.named_parameters())})
+    engine.invalidate()
+    while engine.busy:
+        done += engine.run_segment(1)
+    assert len(done) == 8
+    switched = 0
+    for s in done:
+        assert s.finished == (s.tokens[-1] == 2)
+        assert len(s.tokens) == len(s.logprobs) == len(s.versions) <= 10
+        assert s.versions == sorted(s.versions)
+        switched += s.versions[0] == 0 and s.versions[-1] == 1
+        for t, (token, logprob, version) in enumerate(zip(s.tokens, s.logprobs, s.versions)):
+            with torch.no_grad():
+                logits = weights[version](torch.tensor([s.prompt + s.tokens[:t]])).logits[0, -1]
+            expected = torch.log_softmax(logits.double() / 0.8, -1)[token].item()
+            assert abs(logprob - expected) <= 1e-4, (s.group, t, version)
+    assert switched >= 1  # at least one sample spans both versions
+
+
+def test_collate_aligns_targets_behaviour_and_advantages():
+    samples = [Sample(0, [1, 3], [4, 2], [-0.5, -0.25], [0, 0], True, 1.0),
+               Sample(0, [1, 3], [5, 6, 7], [-1.0, -2.0, -3.0], [0, 1, 1], False, 0.0),
+               Sample(1, [1, 4, 4], [2], [-0.1], [1], True, 0.5)]
+    batch = collate(samples, pad_token_id=0)
+    assert batch.input_ids.tolist() == [[1, 3, 4, 2, 0], [1, 3, 5, 6, 7], [1, 4, 4, 2, 0]]
+    assert batch.targets.tolist() == [[-100, 4, 2, -100], [-100, 5, 6, 7], [-100, -100, 2, -100]]
+    assert batch.behavior_logprobs[1].tolist() == [0.0, -1.0, -2.0, -3.0]
+    assert batch.advantages[:, 0].tolist() == [0.5, -0.5, 0.0]  # centred per prompt group
+    with pytest.raises(ValueError, match="no reward"):
+        collate([Sample(3, [1], [2], [0.0], [0])], 0)
+
+
+# ----------------------------------------------------------------------------- staleness bound (controller logic)
+
+
+class _Inbox(list):
+    def put(self, item):
+        self.append(item)
+
+
+def test_controller_drops_stale_groups_and_counts_them():
+    config = TrainConfig(prompts_per_step=2, samples_per_prompt=2, max_staleness=2)
+    ctl = Controller.__new__(Controller)
+    ctl.config = config
+    ctl._reset_state()
+    ctl.inboxes = {("trainer", 0): _Inbox()}
+    ctl.step, ctl.data_position = 5, 0
+
+    def group(g, versions):
+        return [Sample(g, [1], [3] * len(v), [0.0] * len(v), v, True, 0.0) for v in versions]
+
+    # Oldest tokens of versions 2 (stale at step 5: 5 - 2 > 2), 3, 4 and 5.
+    for g, v in enumerate([[[2, 5], [4]], [[3], [3, 4]], [[4], [5]], [[5], [5]]]):
+        ctl.outstanding.add(g)
+        ctl.ready.append(group(g, v))
+    ctl._maybe_train()
+    (kind, payload), = ctl.inboxes[("trainer", 0)]
+    assert kind == "train" and payload["step"] == 5
+    assert sorted({s.group for s in payload["samples"]}) == [1, 2]
+    assert all(5 - s.oldest_version <= 2 for s in payload["samples"])
+    assert ctl.dropped == 2 and 0 not in ctl.outstanding
+    assert ctl.data_position == 3
+
+
+# ----------------------------------------------------------------------------- whole runs
+
+
+# The runs use the CPU paths of the kernels, as a user's run on this machine does
+# (conftest turns the Triton interpreter on for the kernel tests).
+RUN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+def llamarl(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd="/", env=RUN_ENV)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_train_run_writes_everything_and_respects_staleness(tmp_path, mode):
+    out = tmp_path / mode
+    extra = ["--max-staleness", "2"] if mode == "async" else []
+    proc = llamarl("--mode", mode, "--out", str(out), *FAST, *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == mode and summary["steps"] == 12 and summary["samples"] == 12 * 16
+    for key in ("reward_first", "reward_last", "step_time_s", "gen_time_s", "train_time_s", "sync_time_s"):
+        assert isinstance(summary[key], float) and summary[key] >= 0, key
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == list(range(12))
+    bound = 2 if mode == "async" else 0
+    for m in metrics:  # every consumed sample, by the versions its tokens carry
+        assert sum(m["staleness"].values()) == m["samples"] == 16
+        assert all(0 <= int(k) <= bound for k in m["staleness"]), m["staleness"]
+    assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+    names = {e["name"] for e in trace if e["ph"] == "X"}
+    assert {"generate", "score", "train step 0", "send v1", "receive v1"} <= names
+    saved = torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)
+    assert saved["step"] == 12 and saved["data_position"] > 0
+
+
+def test_bad_arguments_fail_before_anything_runs(tmp_path):
+    proc = llamarl("--max-staleness", "0", "--out", str(tmp_path / "x"), "--quiet")
+    assert proc.returncode != 0 and "max_staleness" in proc.stderr
+    proc = llamarl("--resume", "--out", str(tmp_path / "none"))
+    assert proc.returncode != 0 and "holds no run" in proc.stderr
+    proc = llamarl("--task", "no_such_module:task", "--out", str(tmp_path / "y"), "--quiet")
+    assert proc.returncode != 0 and "cannot load task" in proc.stderr
+
+
+def _wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.1)
+
+
+def test_killed_run_resumes_from_its_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    args = ["--steps", "400", "--warmup-steps", "5", "--prompts-per-step", "4", "--checkpoint-every", "5", "--quiet"]
+    proc = subprocess.Popen([sys.executable, "-m", "llamarl_core.cli", "train", "--out", str(out), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/", start_new_session=True,
+                            env=RUN_ENV)
+    try:
+        ckpt = out / "checkpoint" / "trainer.pt"
+        _wait_for(lambda: ckpt.exists() and (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 12, 120,
+                  "the run to reach a checkpoint")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the controller and every executor, no clean-up
+        proc.wait(timeout=30)
+    saved_step = torch.load(ckpt, weights_only=False)["step"]
+    assert saved_step % 5 == 0 and saved_step >= 5
+    resumed = llamarl("--out", str(out), "--resume", "--steps", str(saved_step + 6), "--quiet")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == list(range(saved_step + 6))  # the steps after the checkpoint were redone
+    assert torch.load(ckpt, weights_only=False)["step"] == saved_step + 6
+    assert json.loads((out / "summary.json").read_text())["steps"] == saved_step + 6
+
+
+def test_generator_killed_mid_run_is_restarted_and_resynced(tmp_path):
+    out = tmp_path / "run"
+    args = ["--steps", "60", "--warmup-steps", "5", "--prompts-per-step", "4", "--sync-timeout-s", "5", "--quiet"]
+    proc = subprocess.Popen([sys.executable, "-m", "llamarl_core.cli", "train", "--out", str(out), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/", start_new_session=True,
+                            env=RUN_ENV)
+    try:
+        _wait_for(lambda: (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 10, 120, "10 steps")
+        pid = json.loads((out / "executors.json").read_text())["generator/0"]
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        _wait_for(lambda: json.loads((out / "executors.json").read_text())["generator/0"] != pid, 10,
+                  "the controller to start a new generator")
+        assert time.monotonic() - killed_at < 10
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "restarting it and re-syncing" in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 60
