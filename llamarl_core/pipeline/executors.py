@@ -291,7 +291,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
             step = payload["step"] + 1
             end = time.monotonic()
             link.span(f"train step {payload['step']}", start, end, samples=len(payload["samples"]))
-            link.send("trained", step=payload["step"], seconds=end - start, loss=float(loss),
+            link.send("trained", step=payload["step"], seconds=end - start, loss=loss.item(),
                       mismatch_kl=float(stats.mismatch_kl), truncated_fraction=float(stats.truncated_fraction),
                       mean_ratio=float(stats.mean_ratio))
         elif kind == "checkpoint":
