@@ -4,6 +4,7 @@
     llamarl bench sync [options]    weight-sync bandwidth between real processes
     llamarl bench fp8 [options]     FP8 weight quantization throughput
     llamarl bench aipo [options]    AIPO loss time and peak memory
+    llamarl bench pipeline [options] RL throughput and reward beside TRL's GRPOTrainer
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ commands:
                 (llamarl bench fp8 --help)
   bench aipo    AIPO loss time and peak memory beside the naive torch loss and
                 Liger-Kernel's chunked GRPO loss (llamarl bench aipo --help)
+  bench pipeline  completion tokens/s and reward of our async and sync modes
+                beside TRL's GRPOTrainer (llamarl bench pipeline --help)
 """
 
 BENCHES = {
     "sync": "llamarl_core.bench.bench_sync",
     "fp8": "llamarl_core.bench.bench_fp8",
     "aipo": "llamarl_core.bench.bench_aipo",
+    "pipeline": "llamarl_core.bench.bench_pipeline",
 }
 
 

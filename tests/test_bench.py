@@ -2,6 +2,7 @@
 sizes; no timing is asserted here: figures live in bench/RESULTS.md)."""
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -37,3 +38,28 @@ def test_bench_aipo_reports_time_and_memory():
     assert {r["variant"] for r in result["rows"]} == {"aipo_loss", "naive_logits", "linear_aipo_loss", "naive_linear"}
     assert all(r["seconds"]["median"] > 0 and r["peak_bytes"] >= 0 for r in result["rows"])
     assert set(result["ratios"]) == {"aipo_loss vs naive_logits @ 1001", "linear_aipo_loss vs naive_linear @ 1001"}
+
+
+def test_bench_pipeline_reports_both_modes():
+    # TRL is an optional bench dependency, not installed for the tests: our two modes only.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "bench", "pipeline", "--steps", "3", "--skip-trl",
+                          "--no-record", "--json"], capture_output=True, text=True, timeout=300,
+                         cwd=tempfile.gettempdir(), env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert set(result) == {"llamarl_async", "llamarl_sync"}
+    assert all(r["tokens_per_s"] > 0 and r["completion_tokens"] > 0 for r in result.values())
+
+
+def test_trl_tokenizer_has_our_ids():
+    from llamarl_core.bench.bench_pipeline import char_tokenizer_for_transformers
+    from llamarl_core.pipeline import reverse_task
+
+    task = reverse_task()
+    ours, theirs = task.tokenizer(), char_tokenizer_for_transformers(task)
+    for i in range(50):
+        prompt = task.prompt(i)
+        assert theirs(prompt)["input_ids"] == ours.encode(prompt)
+        ids = ours.encode(task.reference(prompt))[1:] + [ours.eos_token_id, ours.pad_token_id]
+        assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids) == task.reference(prompt)

@@ -237,12 +237,30 @@ def test_train_run_writes_everything_and_respects_staleness(tmp_path, mode):
     for m in metrics:  # every consumed sample, by the versions its tokens carry
         assert sum(m["staleness"].values()) == m["samples"] == 16
         assert all(0 <= int(k) <= bound for k in m["staleness"]), m["staleness"]
+    if mode == "sync":
+        # Every token was sampled with the weights the trainer holds: the
+        # generator's behaviour log-probs equal the trainer's log-probs.
+        assert all(abs(m["mismatch_kl"]) < 1e-5 and abs(m["mean_ratio"] - 1) < 1e-4 for m in metrics)
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads((out / "trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in trace if e["ph"] == "X"}
     assert {"generate", "score", "train step 0", "send v1", "receive v1"} <= names
     saved = torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)
     assert saved["step"] == 12 and saved["data_position"] > 0
+
+
+def test_fsdp2_trainer_and_tensor_parallel_generator(tmp_path):
+    """Two FSDP2 trainer ranks sync into two tensor-parallel generator ranks every
+    step; in sync mode the generator's behaviour log-probs then equal the trainer's
+    own log-probs on every token (so the resharded weights are the trainer's)."""
+    out = tmp_path / "dp2tp2"
+    proc = llamarl("--mode", "sync", "--trainer-world", "2", "--generator-tp", "2", "--out", str(out), *FAST,
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert len(metrics) == 12
+    assert all(abs(m["mismatch_kl"]) < 1e-5 and abs(m["mean_ratio"] - 1) < 1e-4 for m in metrics), metrics
+    assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 12
 
 
 def test_bad_arguments_fail_before_anything_runs(tmp_path):

@@ -17,7 +17,7 @@ class TrainConfig:
     mode: str = "async"  # "async": generation and training overlap; "sync": they take turns
     steps: int = 400  # trainer steps (weight versions) to run
     task: str = "llamarl_core.pipeline.task:reverse_task"  # module:attribute of a Task
-    prompts_per_step: int = 16  # prompt groups per trainer step
+    prompts_per_step: int = 12  # prompt groups per trainer step
     samples_per_prompt: int = 4  # completions per prompt (the AIPO / GRPO group)
     max_staleness: int = 1  # async: a sample whose oldest token is version v trains at step s only if s - v <= this
     segment_tokens: int = 4  # K: decode steps per generation segment (partial rollouts)

@@ -115,7 +115,7 @@ class Controller:
         self._start_generator()
         self._tell(TRAINER, "reconnect", incarnation=self.generator_incarnation)
         self.pending_sync = self.step  # the current weights go to the new generator once it is up
-        self.syncing = None
+        self.syncs.clear()
 
     # -- event handling ----------------------------------------------------------------
     def _handle(self, role: str, rank: int, kind: str, payload: dict) -> None:
@@ -144,7 +144,7 @@ class Controller:
         elif kind == "received":
             self.gen_busy += payload["busy"]
             self.gen_version = payload["version"]
-            self._sync_part_done(GENERATOR)
+            self._sync_part_done(GENERATOR, payload["version"])
         elif kind == "scored":
             if payload.get("incarnation") != self.generator_incarnation:
                 return  # sampled by a generator that has since been replaced; its groups were re-issued
@@ -160,8 +160,8 @@ class Controller:
             if len(self.trained) == self.config.trainer_world:
                 self._step_trained()
         elif kind == "synced":
-            self.sync_seconds = max(self.sync_seconds, payload["seconds"])
-            self._sync_part_done(TRAINER)
+            self.sync_seconds[payload["version"]] = max(self.sync_seconds.get(payload["version"], 0.0), payload["seconds"])
+            self._sync_part_done(TRAINER, payload["version"])
         elif kind == "checkpointed":
             self.checkpointing -= 1
         elif kind == "sync_failed":
@@ -169,27 +169,28 @@ class Controller:
             if payload["generator"] == self.generator_incarnation:
                 raise PipelineError(f"weight sync of version {payload['version']} failed: {payload['message']}")
 
-    def _sync_part_done(self, role: str) -> None:
-        if self.syncing is None:
+    def _sync_part_done(self, role: str, version: int) -> None:
+        waiting = self.syncs.get(version)
+        if waiting is None:
             return
-        self.sync_waiting[role] -= 1
-        if all(v == 0 for v in self.sync_waiting.values()):
-            self.syncing = None
-            if self.step_record is not None:
-                self._finish_step()
+        waiting[role] -= 1
+        if any(waiting.values()):
+            return
+        del self.syncs[version]
+        for step in sorted(s for s in self.records if s < version):  # steps whose weights have now landed
+            self._finish_step(step, version)
 
     def _begin_sync(self, version: int) -> None:
-        self.syncing, self.sync_seconds = version, 0.0
-        self.sync_waiting = {TRAINER: self.config.trainer_world, GENERATOR: 1}
+        self.syncs[version] = {TRAINER: self.config.trainer_world, GENERATOR: 1}
         self._tell(GENERATOR, "receive")
         self._tell(TRAINER, "sync", version=version)
 
     def _step_trained(self) -> None:
         s = self.step
         reports, self.trained = self.trained, []
-        self.batch_started = False
-        samples = self.batch
-        self.step_record = {
+        self.train_pending = False
+        samples = self.batches.pop(s)
+        self.records[s] = {
             "step": s,
             "reward": sum(x.reward for x in samples) / len(samples),
             "samples": len(samples),
@@ -200,24 +201,23 @@ class Controller:
             "loss": sum(r["loss"] for r in reports) / len(reports),
             "mismatch_kl": sum(r["mismatch_kl"] for r in reports) / len(reports),
             "truncated_fraction": sum(r["truncated_fraction"] for r in reports) / len(reports),
+            "mean_ratio": sum(r["mean_ratio"] for r in reports) / len(reports),
         }
         self.dropped = 0
         self.step = s + 1
         self._begin_sync(self.step)
 
-    def _finish_step(self) -> None:
+    def _finish_step(self, step: int, version: int) -> None:
         now = time.monotonic()
-        record, self.step_record = self.step_record, None
-        record.update(step_time_s=now - self.last_step_end, gen_time_s=self.gen_busy, sync_time_s=self.sync_seconds,
-                      wall_s=now - self.t0 + self.resumed_wall)
+        record = self.records.pop(step)
+        record.update(step_time_s=now - self.last_step_end, gen_time_s=self.gen_busy,
+                      sync_time_s=self.sync_seconds.pop(version, 0.0), wall_s=now - self.t0 + self.resumed_wall,
+                      rl_s=now - self.rl_start + self.resumed_rl)
         self.gen_busy, self.last_step_end = 0.0, now
         self.metrics.append(record)
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         self.on_step(record)
-        if self.step % self.config.checkpoint_every == 0 or self.step == self.config.steps:
-            self._tell(TRAINER, "checkpoint", data_position=self.data_position)
-            self.checkpointing += self.config.trainer_world
 
     # -- scheduling --------------------------------------------------------------------
     def _issue_prompts(self) -> None:
@@ -225,8 +225,8 @@ class Controller:
         if self.gen_version is None:
             return
         if cfg.mode == "sync":
-            trainer_busy = self.batch_started or self.step_record is not None
-            if self.outstanding or trainer_busy or self.syncing is not None or self.gen_version != self.step:
+            trainer_busy = self.train_pending or self.records
+            if self.outstanding or trainer_busy or self.syncs or self.gen_version != self.step:
                 return
             limit = cfg.prompts_per_step
         else:
@@ -245,10 +245,14 @@ class Controller:
         return group
 
     def _maybe_train(self) -> None:
+        """Hand the next batch to the trainer. In async mode it is queued behind the
+        weight sync in flight (the trainer runs its commands in order), so the trainer
+        never waits for a round trip through the controller; in sync mode only once
+        the sync has landed and the batch was generated with the new weights."""
         cfg = self.config
-        if self.syncing is not None or self.step_record is not None or self.checkpointing or self.trained:
+        if self.train_pending or self.step >= cfg.steps or self.pending_sync is not None:
             return
-        if self.batch_started or self.step >= cfg.steps:
+        if cfg.mode == "sync" and (self.syncs or self.records or self.checkpointing):
             return
         while self.ready and self.step - min(x.oldest_version for x in self.ready[0]) > cfg.max_staleness:
             stale = self.ready.popleft()
@@ -260,12 +264,17 @@ class Controller:
         for g in groups:
             self.outstanding.discard(g[0].group)
         self.data_position = max(self.data_position, max(g[0].group for g in groups) + 1)
-        self.batch = [x for g in groups for x in g]
+        self.batches[self.step] = [x for g in groups for x in g]
         per_rank = cfg.prompts_per_step // cfg.trainer_world
         for rank in range(cfg.trainer_world):
             part = [x for g in groups[rank * per_rank:(rank + 1) * per_rank] for x in g]
             self.inboxes[(TRAINER, rank)].put(("train", {"step": self.step, "samples": part}))
-        self.batch_started = True
+        self.train_pending = True
+        done = self.step + 1
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            # Queued right behind the step it saves, with the data position after its batch.
+            self._tell(TRAINER, "checkpoint", data_position=self.data_position)
+            self.checkpointing += cfg.trainer_world
 
     # -- the run -------------------------------------------------------------------------
     def run(self) -> dict:
@@ -312,20 +321,21 @@ class Controller:
             self._next_event("the executors to start")
             self._check_alive()
         self.next_group = self.data_position
-        self.resumed_wall = self._previous_wall()
+        self.resumed_wall, self.resumed_rl = self._previous_times()
         self._begin_sync(self.step)  # the trainer's weights (fresh, warmed up or resumed) go to the generator
-        self.last_step_end = time.monotonic()
+        self.last_step_end = self.rl_start = time.monotonic()
 
-    def _previous_wall(self) -> float:
-        """On resume: keep the metrics of the steps before the checkpoint, drop the rest."""
+    def _previous_times(self) -> tuple[float, float]:
+        """On resume: keep the metrics of the steps before the checkpoint, drop the
+        rest; returns the (wall, RL) seconds the kept steps took."""
         path = self.out / "metrics.jsonl"
         if not path.exists():
-            return 0.0
+            return 0.0, 0.0
         kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         kept = [m for m in kept if m["step"] < self.step]
         path.write_text("".join(json.dumps(m) + "\n" for m in kept))
         self.metrics = kept
-        return kept[-1]["wall_s"] if kept else 0.0
+        return (kept[-1]["wall_s"], kept[-1]["rl_s"]) if kept else (0.0, 0.0)
 
     def _reset_state(self) -> None:
         self.outstanding: set[int] = set()
@@ -333,18 +343,17 @@ class Controller:
         self.partial: dict[int, list] = {}
         self.ready: deque[list] = deque()
         self.trained: list[dict] = []
-        self.batch: list = []
-        self.batch_started = False
-        self.step_record = None
-        self.syncing = None
-        self.sync_waiting: dict[str, int] = {}
-        self.sync_seconds = 0.0
+        self.batches: dict[int, list] = {}  # step -> the samples handed to the trainer
+        self.train_pending = False
+        self.records: dict[int, dict] = {}  # trained steps whose new weights have not landed yet
+        self.syncs: dict[int, dict[str, int]] = {}  # version -> ranks yet to report, per side
+        self.sync_seconds: dict[int, float] = {}
         self.pending_sync = None
         self.gen_version = None
         self.gen_busy = 0.0
         self.dropped = 0
         self.checkpointing = 0
-        self.resumed_wall = 0.0
+        self.resumed_wall = self.resumed_rl = 0.0
 
     def _loop(self) -> None:
         cfg = self.config
@@ -352,7 +361,7 @@ class Controller:
             self._next_event(f"trainer step {self.step}")
             self._check_alive()
             generator_up = {(GENERATOR, r) for r in range(cfg.generator_tp)} <= self.ready_ranks
-            if self.pending_sync is not None and generator_up and self.syncing is None:
+            if self.pending_sync is not None and generator_up and not self.syncs:
                 self.pending_sync = None
                 self._begin_sync(self.step)
             self._maybe_train()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..models.llama_generator import LlamaGenerator
 from ..sync import SyncError, WeightReceiver, WeightSender, hf_llama_fsdp, vllm_llama_tp
 from .config import TrainConfig
-from .learner import collate, policy_loss, supervised_loss
+from .learner import collate, policy_loss, supervised_warmup
 from .rollout import RolloutEngine, Sample
 from .task import load_task
 
@@ -258,17 +258,8 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
     sender = connect(generator)
     if step == 0 and config.warmup_steps and task.reference is not None:
         start = time.monotonic()
-        per_rank = config.warmup_batch // world or 1
-        for i in range(config.warmup_steps):
-            # Warm-up prompts come from far beyond the RL prompts' indices.
-            prompts = [task.prompt(10**9 + (i * world + rank) * per_rank + j) for j in range(per_rank)]
-            loss = supervised_loss(model, [tokenizer.encode(p) for p in prompts],
-                                   [tokenizer.encode(task.reference(p))[1:] + [tokenizer.eos_token_id] for p in prompts],
-                                   tokenizer.pad_token_id)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-        link.span("supervised warm-up", start, time.monotonic(), steps=config.warmup_steps, loss=loss.item())
+        loss = supervised_warmup(model, optimizer, task, config.warmup_steps, config.warmup_batch, rank, world)
+        link.span("supervised warm-up", start, time.monotonic(), steps=config.warmup_steps, loss=loss)
     link.send("ready", step=step, data_position=data_position)
 
     for kind, payload in link.commands():

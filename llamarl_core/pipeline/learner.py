@@ -71,3 +71,23 @@ def supervised_loss(model, prompts: list[list[int]], completions: list[list[int]
         targets[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(c)
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+# Warm-up prompts come from far beyond the RL prompts' indices, so RL never sees them.
+WARMUP_PROMPT_OFFSET = 10**9
+
+
+def supervised_warmup(model, optimizer, task, steps: int, batch: int, rank: int = 0, world: int = 1) -> float:
+    """`steps` supervised steps on the task's reference answers (this data-parallel
+    rank's share of `batch` prompts each); returns the last loss."""
+    tokenizer = task.tokenizer()
+    per_rank = max(batch // world, 1)
+    loss = torch.zeros(())
+    for i in range(steps):
+        prompts = [task.prompt(WARMUP_PROMPT_OFFSET + (i * world + rank) * per_rank + j) for j in range(per_rank)]
+        completions = [tokenizer.encode(task.reference(p))[1:] + [tokenizer.eos_token_id] for p in prompts]
+        loss = supervised_loss(model, [tokenizer.encode(p) for p in prompts], completions, tokenizer.pad_token_id)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return loss.item()

@@ -39,7 +39,8 @@ def summarize(mode: str, metrics: list[dict], wall_time_s: float) -> dict:
         "wall_time_s": wall_time_s,
     }
     summary["overlap_efficiency"] = max(summary["gen_time_s"], summary["train_time_s"]) / summary["step_time_s"]
-    summary["completion_tokens_per_s"] = summary["completion_tokens"] / metrics[-1]["wall_s"]
+    summary["rl_time_s"] = metrics[-1]["rl_s"]  # from the first weight sync to the last step (no start-up)
+    summary["completion_tokens_per_s"] = summary["completion_tokens"] / summary["rl_time_s"]
     return summary
 
 

@@ -1,0 +1,151 @@
+"""`llamarl bench pipeline`: end-to-end RL throughput and reward at equal samples,
+our asynchronous and synchronous modes beside TRL's GRPOTrainer, in one run.
+
+All three train the same `LlamaForCausalLM` config (TrainConfig's model) on the
+same task and rule-based reward (the embedded string reversal unless --task),
+with the same batch (prompts x samples per prompt), completion budget, learning
+rate, temperature, number of steps and supervised warm-up (same prompts, same
+seed). TRL (PyPI `trl`, `pip install 'llamarl-core[bench]'`) runs on the CPU with
+`use_cpu=True, use_vllm=False`, a character-level tokenizer built offline with the
+same ids as ours, a constant learning rate, beta 0 and otherwise its defaults
+(loss "dapo", rewards scaled per group), all cores. Ours run the controller and
+its executors as `llamarl train` does.
+
+Figures: completion tokens per second over the RL loop (ours: first weight sync
+to last step; TRL: `trainer.train()`) and including start-up (process start,
+model build, warm-up), and mean reward over the first and last tenth of steps
+(equal steps and batch = equal samples seen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from llamarl_core.bench.harness import add_output_args, append_csv, table, update_results_md
+from llamarl_core.pipeline import Controller, TrainConfig, load_task
+from llamarl_core.pipeline.learner import supervised_warmup
+from llamarl_core.pipeline.report import tenth_means
+from llamarl_core.pipeline.task import BOS, EOS, PAD
+
+
+def char_tokenizer_for_transformers(task):
+    """A PreTrainedTokenizerFast with exactly CharTokenizer's ids: one token per
+    character, bos prepended, decoding concatenates."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    ours = task.tokenizer()
+    vocab = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **ours.ids}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                 padding_side="left")
+    probe = task.prompt(0)
+    if hf(probe)["input_ids"] != ours.encode(probe):
+        raise AssertionError(f"tokenizers disagree on {probe!r}")
+    return hf
+
+
+def run_trl(config: TrainConfig) -> dict:
+    import datasets
+    import transformers
+    from trl import GRPOConfig, GRPOTrainer
+
+    start = time.monotonic()
+    torch.set_num_threads(os.cpu_count() or 1)
+    task = load_task(config.task)
+    tokenizer = char_tokenizer_for_transformers(task)
+    torch.manual_seed(config.seed)
+    model = transformers.LlamaForCausalLM(config.model_config(task.tokenizer().vocab_size))
+    if config.warmup_steps and task.reference is not None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+        supervised_warmup(model, optimizer, task, config.warmup_steps, config.warmup_batch)
+    batch = config.prompts_per_step * config.samples_per_prompt
+    prompts = datasets.Dataset.from_list([{"prompt": task.prompt(i)} for i in range(config.steps * config.prompts_per_step)])
+
+    def reward(prompts, completions, **_):
+        return [float(task.reward(p, c)) for p, c in zip(prompts, completions)]
+
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out, use_cpu=True, use_vllm=False, per_device_train_batch_size=batch,
+            num_generations=config.samples_per_prompt, max_completion_length=task.max_new_tokens,
+            max_steps=config.steps, learning_rate=config.lr, lr_scheduler_type="constant", weight_decay=0.0,
+            beta=0.0, temperature=config.temperature, logging_steps=1, save_strategy="no", report_to="none",
+            seed=config.seed, disable_tqdm=True, bf16=False,
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=prompts,
+                              processing_class=tokenizer)
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # a dict per step on stdout
+        train_start = time.monotonic()
+        trainer.train()
+        rl_time = time.monotonic() - train_start
+    logs = [e for e in trainer.state.log_history if "reward" in e and "completions/mean_length" in e]
+    if len(logs) != config.steps:
+        raise RuntimeError(f"TRL logged {len(logs)} steps, expected {config.steps}")
+    tokens = sum(e["completions/mean_length"] * batch for e in logs)
+    first, last = tenth_means([e["reward"] for e in logs])
+    return {"completion_tokens": tokens, "rl_time_s": rl_time, "wall_time_s": time.monotonic() - start,
+            "reward_first": first, "reward_last": last, "step_time_s": rl_time / config.steps}
+
+
+def run_ours(config: TrainConfig, out: Path) -> dict:
+    s = Controller(config, out).run()
+    return {k: s[k] for k in ("completion_tokens", "rl_time_s", "wall_time_s", "reward_first", "reward_last",
+                              "step_time_s")}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="llamarl bench pipeline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=TrainConfig.steps)
+    p.add_argument("--task", default=TrainConfig.task)
+    p.add_argument("--skip-trl", action="store_true", help="only our two modes")
+    add_output_args(p)
+    args = p.parse_args(argv)
+    base = TrainConfig(steps=args.steps, task=args.task)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("async", "sync"):
+            config = TrainConfig.from_dict({**base.to_dict(), "mode": mode})
+            print(f"running llamarl {mode} ({args.steps} steps)...", file=sys.stderr, flush=True)
+            results[f"llamarl_{mode}"] = run_ours(config, Path(tmp) / mode)
+    if not args.skip_trl:
+        print(f"running TRL GRPOTrainer ({args.steps} steps)...", file=sys.stderr, flush=True)
+        results["trl_grpo"] = run_trl(base)
+    for r in results.values():
+        r["tokens_per_s"] = r["completion_tokens"] / r["rl_time_s"]
+        r["tokens_per_s_with_startup"] = r["completion_tokens"] / r["wall_time_s"]
+    peer = results.get("trl_grpo")
+    rows = [["system", "completion tok/s (RL loop)", "incl. start-up", "vs TRL", "step", "reward first -> last tenth"]]
+    for name, r in results.items():
+        rows.append([name, f"{r['tokens_per_s']:.0f}", f"{r['tokens_per_s_with_startup']:.0f}",
+                     f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-",
+                     f"{r['step_time_s'] * 1e3:.1f} ms", f"{r['reward_first']:.3f} -> {r['reward_last']:.3f}"])
+    body = (f"{args.steps} steps of {base.prompts_per_step} prompts x {base.samples_per_prompt} samples, "
+            f"task {args.task}, model hidden {base.hidden_size} x {base.num_layers} layers, same warm-up for all.\n\n"
+            + table(rows))
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(body)
+    if not args.no_record:
+        figures = {f"{name}_tokens_per_s": r["tokens_per_s"] for name, r in results.items()}
+        figures.update({f"{name}_reward_last": r["reward_last"] for name, r in results.items()})
+        append_csv("pipeline", figures, {"steps": args.steps, "task": args.task})
+        update_results_md("Pipeline end to end beside TRL GRPOTrainer (`llamarl bench pipeline`)", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
