@@ -28,8 +28,13 @@ import time
 from pathlib import Path
 
 import torch
+from llamarl_core.bench.harness import (
+    add_output_args,
+    append_csv,
+    table,
+    update_results_md,
+)
 
-from llamarl_core.bench.harness import add_output_args, append_csv, table, update_results_md
 from llamarl_core.pipeline import Controller, TrainConfig, load_task
 from llamarl_core.pipeline.learner import supervised_warmup
 from llamarl_core.pipeline.report import tenth_means
@@ -39,7 +44,14 @@ from llamarl_core.pipeline.task import BOS, EOS, PAD
 def char_tokenizer_for_transformers(task):
     """A PreTrainedTokenizerFast with exactly CharTokenizer's ids: one token per
     character, bos prepended, decoding concatenates."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
     from transformers import PreTrainedTokenizerFast
 
     ours = task.tokenizer()
