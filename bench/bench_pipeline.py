@@ -7,14 +7,17 @@ with the same batch (prompts x samples per prompt), completion budget, learning
 rate, temperature, number of steps and supervised warm-up (same prompts, same
 seed). TRL (PyPI `trl`, `pip install 'llamarl-core[bench]'`) runs on the CPU with
 `use_cpu=True, use_vllm=False`, a character-level tokenizer built offline with the
-same ids as ours, a constant learning rate, beta 0 and otherwise its defaults
-(loss "dapo", rewards scaled per group), all cores. Ours run the controller and
+same ids as ours, a constant learning rate, beta 0, gradient checkpointing off
+(TRL turns it on by default: it costs time and saves memory not short here) and
+otherwise its defaults (loss "dapo", rewards scaled per group), all cores. Ours run the controller and
 its executors as `llamarl train` does.
 
 Figures: completion tokens per second over the RL loop (ours: first weight sync
 to last step; TRL: `trainer.train()`) and including start-up (process start,
 model build, warm-up), and mean reward over the first and last tenth of steps
-(equal steps and batch = equal samples seen).
+(equal steps and batch = equal samples seen). Each system runs --repeats times in
+rotating order; the table gives medians (this 2-core machine's timings vary by
+tens of percent from run to run).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -69,11 +73,11 @@ def char_tokenizer_for_transformers(task):
 
 
 def run_trl(config: TrainConfig) -> dict:
+    start = time.monotonic()  # start-up counts its imports, as ours counts its processes' imports
     import datasets
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
-    start = time.monotonic()
     torch.set_num_threads(os.cpu_count() or 1)
     task = load_task(config.task)
     tokenizer = char_tokenizer_for_transformers(task)
@@ -95,6 +99,7 @@ def run_trl(config: TrainConfig) -> dict:
             max_steps=config.steps, learning_rate=config.lr, lr_scheduler_type="constant", weight_decay=0.0,
             beta=0.0, temperature=config.temperature, logging_steps=1, save_strategy="no", report_to="none",
             seed=config.seed, disable_tqdm=True, bf16=False,
+            gradient_checkpointing=False,  # TRL's default is on; it trades time for memory we do not need here
         )
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=prompts,
                               processing_class=tokenizer)
@@ -123,28 +128,39 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
     p.add_argument("--task", default=TrainConfig.task)
     p.add_argument("--skip-trl", action="store_true", help="only our two modes")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each system, in rotating order; medians are reported (the machine is noisy)")
     add_output_args(p)
     args = p.parse_args(argv)
     base = TrainConfig(steps=args.steps, task=args.task)
-    results = {}
+    systems = ["llamarl_async", "llamarl_sync"] + ([] if args.skip_trl else ["trl_grpo"])
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("async", "sync"):
-            config = TrainConfig.from_dict({**base.to_dict(), "mode": mode})
-            print(f"running llamarl {mode} ({args.steps} steps)...", file=sys.stderr, flush=True)
-            results[f"llamarl_{mode}"] = run_ours(config, Path(tmp) / mode)
-    if not args.skip_trl:
-        print(f"running TRL GRPOTrainer ({args.steps} steps)...", file=sys.stderr, flush=True)
-        results["trl_grpo"] = run_trl(base)
-    for r in results.values():
-        r["tokens_per_s"] = r["completion_tokens"] / r["rl_time_s"]
-        r["tokens_per_s_with_startup"] = r["completion_tokens"] / r["wall_time_s"]
+        for repeat in range(args.repeats):
+            for name in systems[repeat % len(systems):] + systems[:repeat % len(systems)]:
+                print(f"run {repeat + 1}/{args.repeats}: {name} ({args.steps} steps)...", file=sys.stderr, flush=True)
+                if name == "trl_grpo":
+                    r = run_trl(base)
+                else:
+                    mode = name.split("_")[1]
+                    config = TrainConfig.from_dict({**base.to_dict(), "mode": mode})
+                    r = run_ours(config, Path(tmp) / f"{mode}{repeat}")
+                r["tokens_per_s"] = r["completion_tokens"] / r["rl_time_s"]
+                r["tokens_per_s_with_startup"] = r["completion_tokens"] / r["wall_time_s"]
+                runs[name].append(r)
+    results = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
+    for name, rs in runs.items():
+        results[name]["tokens_per_s_runs"] = [round(r["tokens_per_s"]) for r in rs]
     peer = results.get("trl_grpo")
-    rows = [["system", "completion tok/s (RL loop)", "incl. start-up", "vs TRL", "step", "reward first -> last tenth"]]
+    rows = [["system", "completion tok/s (RL loop)", "runs", "vs TRL", "incl. start-up", "vs TRL", "step",
+             "reward first -> last tenth"]]
     for name, r in results.items():
-        rows.append([name, f"{r['tokens_per_s']:.0f}", f"{r['tokens_per_s_with_startup']:.0f}",
+        rows.append([name, f"{r['tokens_per_s']:.0f}", " / ".join(map(str, r["tokens_per_s_runs"])),
                      f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-",
+                     f"{r['tokens_per_s_with_startup']:.0f}",
+                     f"{r['tokens_per_s_with_startup'] / peer['tokens_per_s_with_startup']:.2f}x" if peer else "-",
                      f"{r['step_time_s'] * 1e3:.1f} ms", f"{r['reward_first']:.3f} -> {r['reward_last']:.3f}"])
-    body = (f"{args.steps} steps of {base.prompts_per_step} prompts x {base.samples_per_prompt} samples, "
+    body = (f"Medians of {args.repeats} runs each (rotating order). {args.steps} steps of {base.prompts_per_step} prompts x {base.samples_per_prompt} samples, "
             f"task {args.task}, model hidden {base.hidden_size} x {base.num_layers} layers, same warm-up for all.\n\n"
             + table(rows))
     if args.json:

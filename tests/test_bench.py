@@ -43,7 +43,7 @@ def test_bench_aipo_reports_time_and_memory():
 def test_bench_pipeline_reports_both_modes():
     # TRL is an optional bench dependency, not installed for the tests: our two modes only.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "bench", "pipeline", "--steps", "3", "--skip-trl",
+    out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "bench", "pipeline", "--steps", "3", "--skip-trl", "--repeats", "1",
                           "--no-record", "--json"], capture_output=True, text=True, timeout=300,
                          cwd=tempfile.gettempdir(), env=env)
     assert out.returncode == 0, out.stderr[-3000:]

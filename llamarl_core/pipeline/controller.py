@@ -76,9 +76,6 @@ class Controller:
             if r == role:
                 inbox.put((kind, payload))
 
-    def _ranks(self, role: str) -> int:
-        return sum(1 for r, _ in self.procs if r == role)
-
     def _start_generator(self) -> None:
         for rank in range(self.config.generator_tp):
             self._start(GENERATOR, rank, incarnation=self.generator_incarnation)

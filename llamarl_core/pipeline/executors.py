@@ -11,6 +11,7 @@ shows.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -32,6 +33,7 @@ from .task import load_task
 
 GENERATOR, TRAINER, REWARD = "generator", "trainer", "reward"
 INBOX_POLL_S = 0.2  # how long an idle executor blocks on its inbox before checking on its parent
+_ALL_CORES = os.sched_getaffinity(0)  # at import, before any pinning
 
 
 class Link:
@@ -90,6 +92,21 @@ def _setup_threads(config: TrainConfig, role: str, rank: int) -> None:
     if role != REWARD and pinned <= len(cores):
         index = rank if role == GENERATOR else config.generator_tp + rank
         os.sched_setaffinity(0, {cores[index]})
+
+
+@contextlib.contextmanager
+def _every_core(world: int):
+    """While nothing else computes (the trainer's warm-up, before the first sync),
+    a lone trainer may use every core; its own pinning and threads come back after."""
+    pinned, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    if world == 1:
+        os.sched_setaffinity(0, _ALL_CORES)
+        torch.set_num_threads(len(_ALL_CORES))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
+        torch.set_num_threads(threads)
 
 
 def _process_group(store: dist.Store, name: str, rank: int, world: int, timeout_s: float) -> None:
@@ -235,7 +252,8 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    # fused: one kernel over all parameters (0.6 vs 1.2 ms a step for the default model).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=True)
     step, data_position = 0, 0
     checkpoint = _checkpoint_path(out_dir)
     if checkpoint.exists():
@@ -254,12 +272,13 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
                             {n: _local(p) for n, p in model.named_parameters()}, name=f"weights/{generator}",
                             timeout=config.sync_timeout_s, num_threads=1)
 
-    generator = incarnation  # the generator incarnation the sender serves
-    sender = connect(generator)
     if step == 0 and config.warmup_steps and task.reference is not None:
         start = time.monotonic()
-        loss = supervised_warmup(model, optimizer, task, config.warmup_steps, config.warmup_batch, rank, world)
+        with _every_core(world):
+            loss = supervised_warmup(model, optimizer, task, config.warmup_steps, config.warmup_batch, rank, world)
         link.span("supervised warm-up", start, time.monotonic(), steps=config.warmup_steps, loss=loss)
+    generator = incarnation  # the generator incarnation the sender serves
+    sender = connect(generator)
     link.send("ready", step=step, data_position=data_position)
 
     for kind, payload in link.commands():
