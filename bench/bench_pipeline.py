@@ -15,7 +15,8 @@ its executors as `llamarl train` does.
 Figures: completion tokens per second over the RL loop (ours: first weight sync
 to last step; TRL: `trainer.train()`) and including start-up (process start,
 model build, warm-up), and mean reward over the first and last tenth of steps
-(equal steps and batch = equal samples seen). Each system runs --repeats times in
+(equal steps and batch = equal samples seen), and the CPU steal during each run (time
+the virtual machine's host took: it slows whatever runs then). Each system runs --repeats times in
 rotating order; the table gives medians (this 2-core machine's timings vary by
 tens of percent from run to run).
 """
@@ -41,7 +42,7 @@ from llamarl_core.bench.harness import (
 
 from llamarl_core.pipeline import Controller, TrainConfig, load_task
 from llamarl_core.pipeline.learner import supervised_warmup
-from llamarl_core.pipeline.report import tenth_means
+from llamarl_core.pipeline.report import cpu_times, steal_fraction, tenth_means
 from llamarl_core.pipeline.task import BOS, EOS, PAD
 
 
@@ -74,6 +75,7 @@ def char_tokenizer_for_transformers(task):
 
 def run_trl(config: TrainConfig) -> dict:
     start = time.monotonic()  # start-up counts its imports, as ours counts its processes' imports
+    cpu_before = cpu_times()
     import datasets
     import transformers
     from trl import GRPOConfig, GRPOTrainer
@@ -113,13 +115,14 @@ def run_trl(config: TrainConfig) -> dict:
     tokens = sum(e["completions/mean_length"] * batch for e in logs)
     first, last = tenth_means([e["reward"] for e in logs])
     return {"completion_tokens": tokens, "rl_time_s": rl_time, "wall_time_s": time.monotonic() - start,
-            "reward_first": first, "reward_last": last, "step_time_s": rl_time / config.steps}
+            "reward_first": first, "reward_last": last, "step_time_s": rl_time / config.steps,
+            "cpu_steal": steal_fraction(cpu_before, cpu_times())}
 
 
 def run_ours(config: TrainConfig, out: Path) -> dict:
     s = Controller(config, out).run()
     return {k: s[k] for k in ("completion_tokens", "rl_time_s", "wall_time_s", "reward_first", "reward_last",
-                              "step_time_s")}
+                              "step_time_s", "cpu_steal")}
 
 
 def main(argv=None) -> int:
@@ -153,13 +156,14 @@ def main(argv=None) -> int:
         results[name]["tokens_per_s_runs"] = [round(r["tokens_per_s"]) for r in rs]
     peer = results.get("trl_grpo")
     rows = [["system", "completion tok/s (RL loop)", "runs", "vs TRL", "incl. start-up", "vs TRL", "step",
-             "reward first -> last tenth"]]
+             "reward first -> last tenth", "CPU steal"]]
     for name, r in results.items():
         rows.append([name, f"{r['tokens_per_s']:.0f}", " / ".join(map(str, r["tokens_per_s_runs"])),
                      f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-",
                      f"{r['tokens_per_s_with_startup']:.0f}",
                      f"{r['tokens_per_s_with_startup'] / peer['tokens_per_s_with_startup']:.2f}x" if peer else "-",
-                     f"{r['step_time_s'] * 1e3:.1f} ms", f"{r['reward_first']:.3f} -> {r['reward_last']:.3f}"])
+                     f"{r['step_time_s'] * 1e3:.1f} ms", f"{r['reward_first']:.3f} -> {r['reward_last']:.3f}",
+                     f"{r['cpu_steal']:.0%}"])
     body = (f"Medians of {args.repeats} runs each (rotating order). {args.steps} steps of {base.prompts_per_step} prompts x {base.samples_per_prompt} samples, "
             f"task {args.task}, model hidden {base.hidden_size} x {base.num_layers} layers, same warm-up for all.\n\n"
             + table(rows))

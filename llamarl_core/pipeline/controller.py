@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from .config import TrainConfig
 from .executors import GENERATOR, REWARD, TRAINER, executor_main
-from .report import plot_reward, summarize, write_trace
+from .report import cpu_times, plot_reward, steal_fraction, summarize, write_trace
 from .task import load_task
 
 EVENT_POLL_S = 0.05
@@ -282,6 +282,7 @@ class Controller:
         self.ready_ranks: set = set()
         self.step = self.data_position = 0
         self.t0 = time.monotonic()
+        self.cpu_before = cpu_times()
         try:
             self._start(REWARD, 0)
             for rank in range(cfg.trainer_world):
@@ -289,7 +290,8 @@ class Controller:
             self._start_generator()
             self._wait_ready()
             self._loop()
-            summary = summarize(cfg.mode, self.metrics, time.monotonic() - self.t0 + self.resumed_wall)
+            summary = summarize(cfg.mode, self.metrics, time.monotonic() - self.t0 + self.resumed_wall,
+                                steal_fraction(self.cpu_before, cpu_times()))
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             return summary
         finally:

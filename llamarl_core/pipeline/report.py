@@ -10,6 +10,23 @@ from pathlib import Path
 SUMMARY_TIMES = ("step_time_s", "gen_time_s", "train_time_s", "sync_time_s")
 
 
+def cpu_times() -> tuple[int, int]:
+    """(steal, total) jiffies of all CPUs from /proc/stat ((0, 0) where there is none).
+    Steal is time a virtual machine's CPUs were runnable but the host ran something
+    else: on a shared host it slows every phase, so a run reports it."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_fraction(before: tuple[int, int], after: tuple[int, int]) -> float:
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
 def tenth_means(values: list[float]) -> tuple[float, float]:
     """Mean of the first and of the last tenth (at least one value each)."""
     if not values:
@@ -18,7 +35,7 @@ def tenth_means(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values[:k]), statistics.fmean(values[-k:])
 
 
-def summarize(mode: str, metrics: list[dict], wall_time_s: float) -> dict:
+def summarize(mode: str, metrics: list[dict], wall_time_s: float, cpu_steal: float) -> dict:
     """summary.json: reward_first / reward_last over the first / last tenth of
     steps; per-step times averaged over all steps but the first (which includes
     filling the pipeline)."""
@@ -37,6 +54,7 @@ def summarize(mode: str, metrics: list[dict], wall_time_s: float) -> dict:
         "max_staleness_seen": max(max(map(int, m["staleness"]), default=0) for m in metrics),
         "completion_tokens": sum(m["completion_tokens"] for m in metrics),
         "wall_time_s": wall_time_s,
+        "cpu_steal": cpu_steal,  # fraction of CPU time the host took during the run
     }
     summary["overlap_efficiency"] = max(summary["gen_time_s"], summary["train_time_s"]) / summary["step_time_s"]
     summary["rl_time_s"] = metrics[-1]["rl_s"]  # from the first weight sync to the last step (no start-up)
