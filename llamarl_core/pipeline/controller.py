@@ -356,7 +356,8 @@ class Controller:
 
     def _loop(self) -> None:
         cfg = self.config
-        while len(self.metrics) < cfg.steps or self.checkpointing:
+        # Until the last step's weights have landed (its record written) and its checkpoint is saved.
+        while self.step < cfg.steps or self.records or self.syncs or self.checkpointing:
             self._next_event(f"trainer step {self.step}")
             self._check_alive()
             generator_up = {(GENERATOR, r) for r in range(cfg.generator_tp)} <= self.ready_ranks

@@ -45,7 +45,7 @@ def summarize(mode: str, metrics: list[dict], wall_time_s: float, cpu_steal: flo
     steady = metrics[1:] or metrics
     summary = {
         "mode": mode,
-        "steps": len(metrics),
+        "steps": metrics[-1]["step"] + 1,  # a step lost with a crash before its record stays counted
         "samples": sum(m["samples"] for m in metrics),
         "reward_first": first,
         "reward_last": last,
