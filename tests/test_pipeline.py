@@ -272,6 +272,18 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path):
     assert proc.returncode != 0 and "cannot load task" in proc.stderr
 
 
+@pytest.mark.parametrize("task, message", [("failing_task", "KeyError: \"a user's reward bug\""),
+                                           ("nan_task", "returned nan")])
+def test_a_bad_reward_function_stops_the_run_with_the_culprit(tmp_path, task, message):
+    env = {**RUN_ENV, "PYTHONPATH": str(Path(__file__).parent)}
+    proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--task", f"pipeline_tasks:{task}",
+                           "--out", str(tmp_path / "run"), *FAST], capture_output=True, text=True, timeout=120,
+                          cwd="/", env=env)
+    assert proc.returncode == 1
+    assert "the run stopped: reward rank 0 failed" in proc.stderr and message in proc.stderr
+    assert "prompt '" in proc.stderr  # names the input it failed on
+
+
 def _wait_for(predicate, timeout, what):
     deadline = time.monotonic() + timeout
     while not predicate():

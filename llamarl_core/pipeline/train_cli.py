@@ -50,7 +50,7 @@ def _config(args, mode: str) -> TrainConfig:
 def run_one(config: TrainConfig, out: Path, quiet: bool) -> dict:
     from tqdm import tqdm
 
-    from .controller import Controller
+    from .controller import Controller, PipelineError
 
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "config.json"
@@ -74,6 +74,9 @@ def run_one(config: TrainConfig, out: Path, quiet: bool) -> dict:
 
     try:
         summary = Controller(config, out, on_step=on_step, on_event=lambda msg: bar.write(msg, file=sys.stderr)).run()
+    except PipelineError as exc:
+        bar.close()
+        raise SystemExit(f"llamarl train: the run stopped: {exc}") from None
     finally:
         bar.close()
     return summary

@@ -1,0 +1,18 @@
+"""Tasks for the pipeline tests, imported by the executors (tests/ on PYTHONPATH)."""
+
+from llamarl_core.pipeline import Task
+from llamarl_core.pipeline.task import reverse_prompt, reverse_reference, reverse_reward
+
+
+def _failing_reward(prompt: str, completion: str) -> float:
+    if len(completion) > 3:
+        raise KeyError("a user's reward bug")
+    return reverse_reward(prompt, completion)
+
+
+def failing_task() -> Task:
+    return Task("failing", reverse_prompt, _failing_reward, "abcdefgh=", 11, reverse_reference)
+
+
+def nan_task() -> Task:
+    return Task("nan", reverse_prompt, lambda prompt, completion: float("nan"), "abcdefgh=", 11, reverse_reference)
