@@ -284,6 +284,14 @@ def test_a_bad_reward_function_stops_the_run_with_the_culprit(tmp_path, task, me
     assert "prompt '" in proc.stderr  # names the input it failed on
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
 def _wait_for(predicate, timeout, what):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -302,9 +310,16 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
         ckpt = out / "checkpoint" / "trainer.pt"
         _wait_for(lambda: ckpt.exists() and (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 12, 120,
                   "the run to reach a checkpoint")
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the controller and every executor, no clean-up
+        # The controller dies without any clean-up; its executors notice within
+        # seconds and exit (Python's resource tracker, left alive, unlinks the
+        # queues' semaphores).
+        executors = json.loads((out / "executors.json").read_text()).values()
+        os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        _wait_for(lambda: not any(_alive(pid) for pid in executors), 30, "the executors to exit")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     saved_step = torch.load(ckpt, weights_only=False)["step"]
     assert saved_step % 5 == 0 and saved_step >= 5
     # The record of the step just before the checkpoint is written once that step's
