@@ -86,7 +86,7 @@ def run_trl(config: TrainConfig) -> dict:
     torch.manual_seed(config.seed)
     model = transformers.LlamaForCausalLM(config.model_config(task.tokenizer().vocab_size))
     if config.warmup_steps and task.reference is not None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=True)  # as our trainer
         supervised_warmup(model, optimizer, task, config.warmup_steps, config.warmup_batch)
     batch = config.prompts_per_step * config.samples_per_prompt
     prompts = datasets.Dataset.from_list([{"prompt": task.prompt(i)} for i in range(config.steps * config.prompts_per_step)])

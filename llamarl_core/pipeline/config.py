@@ -62,6 +62,13 @@ class TrainConfig:
             raise ValueError(f"prompts_per_step {self.prompts_per_step} must split evenly over "
                              f"trainer_world {self.trainer_world} ranks")
 
+    @property
+    def groups_in_flight(self) -> int:
+        """Prompt groups handed to the generator and not yet consumed by the trainer, at
+        most: one step's worth in sync mode, max_staleness steps' worth in async mode
+        (more would only be sampled with weights too old to be used)."""
+        return max(1, self.max_staleness) * self.prompts_per_step
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

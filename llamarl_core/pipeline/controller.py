@@ -111,7 +111,7 @@ class Controller:
         self.gen_version = None
         self._start_generator()
         self._tell(TRAINER, "reconnect", incarnation=self.generator_incarnation)
-        self.pending_sync = self.step  # the current weights go to the new generator once it is up
+        self.resync_pending = True  # the current weights go to the new generator once it is up
         self.syncs.clear()
 
     # -- event handling ----------------------------------------------------------------
@@ -128,9 +128,7 @@ class Controller:
             return
         if kind == "error":
             raise PipelineError(f"{role} rank {rank} failed: {payload['message']}\n{payload['traceback']}")
-        if kind == "ready" and role == GENERATOR:
-            self.ready_ranks.add((role, rank))
-        elif kind == "ready":
+        if kind == "ready":
             self.ready_ranks.add((role, rank))
             if role == TRAINER:
                 self.step, self.data_position = payload["step"], payload["data_position"]
@@ -143,7 +141,7 @@ class Controller:
             self.gen_version = payload["version"]
             self._sync_part_done(GENERATOR, payload["version"])
         elif kind == "scored":
-            if payload.get("incarnation") != self.generator_incarnation:
+            if payload["incarnation"] != self.generator_incarnation:
                 return  # sampled by a generator that has since been replaced; its groups were re-issued
             for sample in payload["samples"]:
                 if sample.group not in self.outstanding:
@@ -218,18 +216,14 @@ class Controller:
 
     # -- scheduling --------------------------------------------------------------------
     def _issue_prompts(self) -> None:
-        cfg = self.config
         if self.gen_version is None:
             return
-        if cfg.mode == "sync":
+        if self.config.mode == "sync":
             trainer_busy = self.train_pending or self.records
             if self.outstanding or trainer_busy or self.syncs or self.gen_version != self.step:
                 return
-            limit = cfg.prompts_per_step
-        else:
-            limit = cfg.max_staleness * cfg.prompts_per_step
         groups = []
-        while len(self.outstanding) < limit:
+        while len(self.outstanding) < self.config.groups_in_flight:
             group = self.to_issue.popleft() if self.to_issue else self._next_group()
             self.outstanding.add(group)
             groups.append((group, self.tokenizer.encode(self.task.prompt(group))))
@@ -247,7 +241,7 @@ class Controller:
         never waits for a round trip through the controller; in sync mode only once
         the sync has landed and the batch was generated with the new weights."""
         cfg = self.config
-        if self.train_pending or self.step >= cfg.steps or self.pending_sync is not None:
+        if self.train_pending or self.step >= cfg.steps or self.resync_pending:
             return
         if cfg.mode == "sync" and (self.syncs or self.records or self.checkpointing):
             return
@@ -279,8 +273,7 @@ class Controller:
         self.out.mkdir(parents=True, exist_ok=True)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=cfg.timeout_s))
-        self.ready_ranks: set = set()
-        self.step = self.data_position = 0
+        self._reset_state()
         self.t0 = time.monotonic()
         self.cpu_before = cpu_times()
         try:
@@ -301,24 +294,24 @@ class Controller:
                 plot_reward(self.out / "reward.png", {cfg.mode: self.metrics})
 
     def _next_event(self, deadline_what: str) -> None:
+        """Handle the next event, if one comes within EVENT_POLL_S; then check that
+        every executor is alive (a dead generator is restarted here)."""
         try:
             role, rank, kind, payload = self.events.get(timeout=EVENT_POLL_S)
         except queue.Empty:
-            self._check_alive()
             if time.monotonic() - self.last_progress > self.config.timeout_s:
                 raise PipelineError(f"no executor reported anything for {self.config.timeout_s:.0f} s while "
                                     f"waiting for {deadline_what}; stopping") from None
-            return
-        self._handle(role, rank, kind, payload)
+        else:
+            self._handle(role, rank, kind, payload)
+        self._check_alive()
 
     def _wait_ready(self) -> None:
         self.last_progress = time.monotonic()
-        self._reset_state()
         everyone = {(REWARD, 0)} | {(TRAINER, r) for r in range(self.config.trainer_world)} | {
             (GENERATOR, r) for r in range(self.config.generator_tp)}
         while not everyone <= self.ready_ranks:
             self._next_event("the executors to start")
-            self._check_alive()
         self.next_group = self.data_position
         self.resumed_wall, self.resumed_rl = self._previous_times()
         self._begin_sync(self.step)  # the trainer's weights (fresh, warmed up or resumed) go to the generator
@@ -337,6 +330,8 @@ class Controller:
         return (kept[-1]["wall_s"], kept[-1]["rl_s"]) if kept else (0.0, 0.0)
 
     def _reset_state(self) -> None:
+        self.ready_ranks: set[tuple[str, int]] = set()
+        self.step = self.data_position = 0
         self.outstanding: set[int] = set()
         self.to_issue: deque[int] = deque()
         self.partial: dict[int, list] = {}
@@ -347,7 +342,7 @@ class Controller:
         self.records: dict[int, dict] = {}  # trained steps whose new weights have not landed yet
         self.syncs: dict[int, dict[str, int]] = {}  # version -> ranks yet to report, per side
         self.sync_seconds: dict[int, float] = {}
-        self.pending_sync = None
+        self.resync_pending = False
         self.gen_version = None
         self.gen_busy = 0.0
         self.dropped = 0
@@ -359,10 +354,9 @@ class Controller:
         # Until the last step's weights have landed (its record written) and its checkpoint is saved.
         while self.step < cfg.steps or self.records or self.syncs or self.checkpointing:
             self._next_event(f"trainer step {self.step}")
-            self._check_alive()
             generator_up = {(GENERATOR, r) for r in range(cfg.generator_tp)} <= self.ready_ranks
-            if self.pending_sync is not None and generator_up and not self.syncs:
-                self.pending_sync = None
+            if self.resync_pending and generator_up and not self.syncs:
+                self.resync_pending = False
                 self._begin_sync(self.step)
             self._maybe_train()
             self._issue_prompts()  # after: a batch just handed to the trainer frees room for the next

@@ -12,6 +12,7 @@ shows.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import math
 import os
@@ -178,9 +179,7 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
                               dict(model.named_parameters()), name=f"weights/{incarnation}",
                               timeout=config.sync_timeout_s, num_threads=1)
     engine = RolloutEngine(
-        model, max_batch=config.max_staleness * config.prompts_per_step * config.samples_per_prompt
-        if config.mode == "async" else config.prompts_per_step * config.samples_per_prompt,
-        max_new_tokens=task.max_new_tokens, segment_tokens=config.segment_tokens, temperature=config.temperature,
+        model, max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=task.max_new_tokens, segment_tokens=config.segment_tokens, temperature=config.temperature,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         seed=config.seed * 1000 + incarnation,
     )
@@ -207,11 +206,11 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
             feed.poll(block_s=INBOX_POLL_S)
             continue
         start = time.monotonic()
-        before = engine.stats.tokens
+        before = dataclasses.replace(engine.stats)
         done = engine.run_segment(version, stop=feed.weights_waiting)
         end = time.monotonic()
         busy += end - start
-        link.span("generate", start, end, tokens=engine.stats.tokens - before, version=version)
+        link.span("generate", start, end, version=version, **engine.stats.since(before))
         if done and rank == 0:
             link.send("samples", samples=done, busy=busy)
             busy = 0.0

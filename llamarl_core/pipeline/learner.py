@@ -26,6 +26,25 @@ class Batch:
     rewards: torch.Tensor  # (batch,)
 
 
+def _right_padded(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int):
+    """Rows prompt + completion, right-padded, as numpy arrays: (input_ids, filled,
+    targets, on_completion). targets and on_completion are aligned with the logits
+    of input_ids[:, :-1] (position t predicts token t + 1): the completion's tokens
+    sit at [prompt - 1, prompt - 1 + completion), IGNORE_INDEX elsewhere."""
+    prompt_lens = np.array([len(p) for p in prompts])
+    lengths = prompt_lens + np.array([len(c) for c in completions])
+    batch, length = len(prompts), int(lengths.max())
+    # One flat copy of every row instead of a tensor per row (1.5 -> 0.3 ms at 48 samples).
+    positions = np.arange(length)[None, :]
+    filled = positions < lengths[:, None]
+    ids = np.full((batch, length), pad_token_id, dtype=np.int64)
+    ids[filled] = np.fromiter((t for p, c in zip(prompts, completions) for t in (*p, *c)), np.int64, int(lengths.sum()))
+    on_completion = (positions[:, :-1] >= prompt_lens[:, None] - 1) & (positions[:, :-1] < lengths[:, None] - 1)
+    targets = np.full((batch, length - 1), IGNORE_INDEX, dtype=np.int64)
+    targets[on_completion] = ids[:, 1:][on_completion]
+    return ids, filled, targets, on_completion
+
+
 def collate(samples: list[Sample], pad_token_id: int) -> Batch:
     """Samples with rewards -> a Batch; advantages are rewards centred over the
     samples of the same prompt (group), as AIPO does."""
@@ -34,28 +53,16 @@ def collate(samples: list[Sample], pad_token_id: int) -> Batch:
     missing = [s.group for s in samples if s.reward is None]
     if missing:
         raise ValueError(f"collate: samples of prompt groups {sorted(set(missing))} have no reward")
-    prompt_lens = np.array([len(s.prompt) for s in samples])
-    completion_lens = np.array([len(s.tokens) for s in samples])
-    lengths = prompt_lens + completion_lens
-    batch, length = len(samples), int(lengths.max())
-    # One flat copy of every row instead of a tensor per sample (1.5 -> 0.3 ms at 48 samples).
-    positions = np.arange(length)[None, :]
-    filled = positions < lengths[:, None]
-    ids = np.full((batch, length), pad_token_id, dtype=np.int64)
-    ids[filled] = np.fromiter((t for s in samples for t in (*s.prompt, *s.tokens)), np.int64, int(lengths.sum()))
-    # Position t predicts token t + 1: the completion's targets sit at [prompt - 1, prompt - 1 + completion).
-    on_completion = (positions[:, :-1] >= prompt_lens[:, None] - 1) & (positions[:, :-1] < lengths[:, None] - 1)
-    targets = np.full((batch, length - 1), IGNORE_INDEX, dtype=np.int64)
-    targets[on_completion] = ids[:, 1:][on_completion]
-    behavior = np.zeros((batch, length - 1), dtype=np.float32)
+    ids, filled, targets, on_completion = _right_padded([s.prompt for s in samples], [s.tokens for s in samples],
+                                                        pad_token_id)
+    behavior = np.zeros(targets.shape, dtype=np.float32)
     behavior[on_completion] = np.fromiter((lp for s in samples for lp in s.logprobs), np.float32,
-                                          int(completion_lens.sum()))
-    input_ids, targets, behavior = map(torch.from_numpy, (ids, targets, behavior))
-    attention_mask = torch.from_numpy(filled.astype(np.int64))
+                                          int(on_completion.sum()))
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     groups = torch.tensor([s.group for s in samples], dtype=torch.long)
-    advantages = group_advantages(rewards, groups)[:, None].expand(batch, length - 1).contiguous()
-    return Batch(input_ids, attention_mask, targets, behavior, advantages, rewards)
+    advantages = group_advantages(rewards, groups)[:, None].expand(targets.shape).contiguous()
+    return Batch(torch.from_numpy(ids), torch.from_numpy(filled.astype(np.int64)), torch.from_numpy(targets),
+                 torch.from_numpy(behavior), advantages, rewards)
 
 
 def policy_loss(model, batch: Batch, *, rho: float, temperature: float):
@@ -68,14 +75,8 @@ def policy_loss(model, batch: Batch, *, rho: float, temperature: float):
 
 def supervised_loss(model, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int):
     """Mean cross-entropy of `completions` (eos included) after `prompts`."""
-    length = max(len(p) + len(c) for p, c in zip(prompts, completions))
-    input_ids = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    targets = torch.full((len(prompts), length - 1), IGNORE_INDEX, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        input_ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        attention_mask[i, : len(p) + len(c)] = 1
-        targets[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(c)
+    ids, filled, targets, _ = _right_padded(prompts, completions, pad_token_id)
+    input_ids, attention_mask, targets = (torch.from_numpy(a) for a in (ids, filled.astype(np.int64), targets))
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)
 

@@ -42,10 +42,16 @@ class Sample:
 
 @dataclass
 class EngineStats:
+    """Running counts; the generator puts each segment's share in its trace span
+    (prefill_tokens shows what re-prefilling after a weight update costs)."""
+
     prefills: int = 0
     prefill_tokens: int = 0
     decode_steps: int = 0
     tokens: int = 0
+
+    def since(self, earlier: EngineStats) -> dict[str, int]:
+        return {name: getattr(self, name) - getattr(earlier, name) for name in self.__dataclass_fields__}
 
 
 class RolloutEngine:
@@ -81,13 +87,6 @@ class RolloutEngine:
     def invalidate(self) -> None:
         """The weights changed: the KV cache is stale; re-prefill before the next token."""
         self._cache = self._mask = self._logits = None
-
-    def drop_all(self) -> list[Sample]:
-        """Remove every queued and in-flight sample (returned)."""
-        dropped = self.active + list(self.waiting)
-        self.active, self.waiting = [], deque()
-        self.invalidate()
-        return dropped
 
     @torch.no_grad()
     def _prefill(self) -> None:

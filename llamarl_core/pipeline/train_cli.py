@@ -47,7 +47,8 @@ def _config(args, mode: str) -> TrainConfig:
     return TrainConfig(mode=mode, **values)
 
 
-def run_one(config: TrainConfig, out: Path, quiet: bool) -> dict:
+def run_one(config: TrainConfig, out: Path, quiet: bool) -> tuple[dict, list[dict]]:
+    """One run into `out`: (its summary, its per-step metrics)."""
     from tqdm import tqdm
 
     from .controller import Controller, PipelineError
@@ -72,14 +73,14 @@ def run_one(config: TrainConfig, out: Path, quiet: bool) -> dict:
 
             bar.write(step_line(m), file=sys.stderr)
 
+    controller = Controller(config, out, on_step=on_step, on_event=lambda msg: bar.write(msg, file=sys.stderr))
     try:
-        summary = Controller(config, out, on_step=on_step, on_event=lambda msg: bar.write(msg, file=sys.stderr)).run()
+        summary = controller.run()
     except PipelineError as exc:
-        bar.close()
         raise SystemExit(f"llamarl train: the run stopped: {exc}") from None
     finally:
         bar.close()
-    return summary
+    return summary, controller.metrics
 
 
 def _print_summary(s: dict) -> None:
@@ -108,12 +109,12 @@ def main(argv=None) -> int:
         config = TrainConfig.load(out / "config.json") if args.resume else _config(args, args.mode)
         if args.resume and args.steps:
             config.steps = args.steps
-        summary = run_one(config, out, args.quiet)
+        summary, _ = run_one(config, out, args.quiet)
         _print_summary(summary)
         print(f"wrote {out}/: metrics.jsonl summary.json reward.png trace.json checkpoint/")
         return 0
-    summaries = {mode: run_one(_config(args, mode), out / mode, args.quiet) for mode in ("sync", "async")}
-    sync, asyn = summaries["sync"], summaries["async"]
+    runs = {mode: run_one(_config(args, mode), out / mode, args.quiet) for mode in ("sync", "async")}
+    (sync, sync_metrics), (asyn, async_metrics) = runs["sync"], runs["async"]
     result = {
         "sync": sync,
         "async": asyn,
@@ -123,8 +124,7 @@ def main(argv=None) -> int:
     (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
     from .report import plot_reward
 
-    plot_reward(out / "reward.png", {m: [json.loads(x) for x in (out / m / "metrics.jsonl").read_text().splitlines()]
-                                     for m in ("sync", "async")})
+    plot_reward(out / "reward.png", {"sync": sync_metrics, "async": async_metrics})
     for s in (sync, asyn):
         _print_summary(s)
     print(f"async / sync step time: {result['step_time_ratio']:.2f}x; async overlap efficiency "
