@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from llamarl_core.models import LlamaGenerator
+from llamarl_core.ops.aipo import aipo_loss_ref, group_advantages
 from llamarl_core.pipeline import (
     CharTokenizer,
     Controller,
@@ -24,7 +25,7 @@ from llamarl_core.pipeline import (
     TrainConfig,
     load_task,
 )
-from llamarl_core.pipeline.learner import collate
+from llamarl_core.pipeline.learner import collate, policy_loss
 from llamarl_core.pipeline.task import positional_match, reverse_task
 from llamarl_core.sync import hf_llama_fsdp, plan_transfer, vllm_llama_tp
 
@@ -80,8 +81,8 @@ def test_load_task_errors():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(mode="eager"), "mode"), (dict(max_staleness=0), "max_staleness"), (dict(samples_per_prompt=1), "samples_per_prompt"),
-    (dict(prompts_per_step=3, trainer_world=2), "split evenly"), (dict(lr=0.0), "lr"), (dict(steps=0), "steps"),
+    ({"mode": "eager"}, "mode"), ({"max_staleness": 0}, "max_staleness"), ({"samples_per_prompt": 1}, "samples_per_prompt"),
+    ({"prompts_per_step": 3, "trainer_world": 2}, "split evenly"), ({"lr": 0.0}, "lr"), ({"steps": 0}, "steps"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -159,17 +160,61 @@ def test_partial_rollout_switches_weights_between_decode_steps():
     assert switched >= 1  # at least one sample spans both versions
 
 
-def test_collate_aligns_targets_behaviour_and_advantages():
+def test_collate_packs_samples_and_aligns_targets_behaviour_and_advantages():
     samples = [Sample(0, [1, 3], [4, 2], [-0.5, -0.25], [0, 0], True, 1.0),
                Sample(0, [1, 3], [5, 6, 7], [-1.0, -2.0, -3.0], [0, 1, 1], False, 0.0),
                Sample(1, [1, 4, 4], [2], [-0.1], [1], True, 0.5)]
     batch = collate(samples, pad_token_id=0)
-    assert batch.input_ids.tolist() == [[1, 3, 4, 2, 0], [1, 3, 5, 6, 7], [1, 4, 4, 2, 0]]
-    assert batch.targets.tolist() == [[-100, 4, 2, -100], [-100, 5, 6, 7], [-100, -100, 2, -100]]
-    assert batch.behavior_logprobs[1].tolist() == [0.0, -1.0, -2.0, -3.0]
-    assert batch.advantages[:, 0].tolist() == [0.5, -0.5, 0.0]  # centred per prompt group
+    # Longest first into rows of at most twice the longest sample (5 tokens): 5 + 4, then 4.
+    assert batch.input_ids.tolist() == [[1, 3, 5, 6, 7, 1, 3, 4, 2], [1, 4, 4, 2, 0, 0, 0, 0, 0]]
+    assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert batch.position_ids[1, :4].tolist() == [0, 1, 2, 3]
+    assert batch.targets.tolist() == [[-100, 5, 6, 7, -100, -100, 4, 2], [-100, -100, 2, -100, -100, -100, -100, -100]]
+    assert batch.behavior_logprobs[0].tolist() == [0.0, -1.0, -2.0, -3.0, 0.0, 0.0, -0.5, -0.25]
+    assert batch.advantages[0, [1, 6]].tolist() == [-0.5, 0.5]  # centred per prompt group
+    assert batch.advantages[1, 2].item() == 0.0
     with pytest.raises(ValueError, match="no reward"):
         collate([Sample(3, [1], [2], [0.0], [0])], 0)
+
+
+def test_policy_loss_on_packed_rows_equals_each_sample_alone():
+    """Packing must not change the math: the loss and every gradient equal the float64
+    reference computed from each sample run through the model on its own."""
+    generator = torch.Generator().manual_seed(3)
+    config = tiny_config()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    samples = []
+    for group in range(5):
+        prompt = [1] + torch.randint(3, 12, (int(torch.randint(1, 9, (1,), generator=generator)),),
+                                     generator=generator).tolist()
+        for _ in range(3):
+            n = int(torch.randint(1, 12, (1,), generator=generator))
+            samples.append(Sample(group, prompt, torch.randint(2, 12, (n,), generator=generator).tolist(),
+                                  (-torch.rand(n, generator=generator)).tolist(), [0] * n, True,
+                                  float(torch.rand((), generator=generator))))
+    batch = collate(samples, pad_token_id=0)
+    assert batch.input_ids.shape[0] < len(samples)  # really packed several to a row
+    loss, _ = policy_loss(model, batch, rho=2.0, temperature=0.9)
+    loss.backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    model.double()
+    advantages = group_advantages(torch.tensor([s.reward for s in samples]), torch.tensor([s.group for s in samples]))
+    logits, targets, behavior, per_token_advantage = [], [], [], []
+    for sample, advantage in zip(samples, advantages):
+        alone = model(input_ids=torch.tensor([sample.prompt + sample.tokens])).logits[0, :-1]
+        logits.append(alone[len(sample.prompt) - 1:])
+        targets += sample.tokens
+        behavior += sample.logprobs
+        per_token_advantage += [float(advantage)] * len(sample.tokens)
+    reference = aipo_loss_ref(torch.cat(logits), torch.tensor(targets), torch.tensor(behavior, dtype=torch.float64),
+                              torch.tensor(per_token_advantage, dtype=torch.float64), rho=2.0, temperature=0.9)
+    reference.backward()
+    assert abs(loss.item() - reference.item()) <= 1e-6
+    for packed, p in zip(packed_grads, model.parameters()):
+        torch.testing.assert_close(packed.double(), p.grad, atol=1e-6, rtol=1e-4)
 
 
 # ----------------------------------------------------------------------------- staleness bound (controller logic)
@@ -213,7 +258,7 @@ RUN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 def llamarl(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", *args], check=False, capture_output=True, text=True,
                           timeout=timeout, cwd="/", env=RUN_ENV)
 
 
@@ -277,7 +322,7 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path):
 def test_a_bad_reward_function_stops_the_run_with_the_culprit(tmp_path, task, message):
     env = {**RUN_ENV, "PYTHONPATH": str(Path(__file__).parent)}
     proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--task", f"pipeline_tasks:{task}",
-                           "--out", str(tmp_path / "run"), *FAST], capture_output=True, text=True, timeout=120,
+                           "--out", str(tmp_path / "run"), *FAST], check=False, capture_output=True, text=True, timeout=120,
                           cwd="/", env=env)
     assert proc.returncode == 1
     assert "the run stopped: reward rank 0 failed" in proc.stderr and message in proc.stderr

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import queue
 import time
 from collections import Counter, deque
@@ -31,6 +30,7 @@ from .report import cpu_times, plot_reward, steal_fraction, summarize, write_tra
 from .task import load_task
 
 EVENT_POLL_S = 0.05
+EXECUTOR_MODULES = ["llamarl_core.pipeline.executors", "transformers.models.llama.modeling_llama"]
 MAX_GENERATOR_RESTARTS = 3
 
 
@@ -49,7 +49,13 @@ class Controller:
         self.on_event = on_event or (lambda msg: None)
         self.task = load_task(config.task)
         self.tokenizer = self.task.tokenizer()
-        self.ctx = mp.get_context("spawn")
+        # Executors are forked from a server process that has imported torch, transformers
+        # and this package once (a single-threaded process that never ran an op, so
+        # forking it is safe): the first run's trainer starts its warm-up at about 4 s
+        # instead of 5 s (three processes no longer import the same modules at once on
+        # 2 cores), and later runs in the same process start their executors at once.
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(EXECUTOR_MODULES)
         self.events = self.ctx.Queue()
         self.procs: dict[tuple[str, int], mp.Process] = {}
         self.inboxes: dict[tuple[str, int], object] = {}
@@ -63,7 +69,7 @@ class Controller:
         inbox = self.ctx.Queue()
         proc = self.ctx.Process(
             target=executor_main, name=f"llamarl-{role}-{rank}",
-            args=(role, rank, self.config.to_dict(), self.store.port, inbox, self.events, os.getpid(), extra),
+            args=(role, rank, self.config.to_dict(), self.store.port, inbox, self.events, extra),
             daemon=True,
         )
         proc.start()

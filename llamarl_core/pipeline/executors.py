@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import datetime
 import math
+import multiprocessing
 import os
 import queue
 import time
@@ -40,8 +41,8 @@ _ALL_CORES = os.sched_getaffinity(0)  # at import, before any pinning
 class Link:
     """An executor's end of the queues, with the spans it has not reported yet."""
 
-    def __init__(self, role: str, rank: int, inbox, events, parent_pid: int, tags: dict):
-        self.role, self.rank, self.inbox, self.events, self.parent_pid = role, rank, inbox, events, parent_pid
+    def __init__(self, role: str, rank: int, inbox, events, tags: dict):
+        self.role, self.rank, self.inbox, self.events = role, rank, inbox, events
         self.tags = tags  # added to every message (the generator's incarnation)
         self.spans: list[tuple[str, float, float, dict]] = []
 
@@ -58,7 +59,7 @@ class Link:
         try:
             return self.inbox.get(timeout=timeout)
         except queue.Empty:
-            if os.getppid() != self.parent_pid:
+            if not multiprocessing.parent_process().is_alive():  # the controller, whatever forked us
                 raise SystemExit(f"{self.role} {self.rank}: the controller is gone") from None
             return None
 
@@ -115,12 +116,10 @@ def _process_group(store: dist.Store, name: str, rank: int, world: int, timeout_
                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def executor_main(role: str, rank: int, config_dict: dict, store_port: int, inbox, events, parent_pid: int,
-                  extra: dict) -> None:
-    """Process entry point (torch.multiprocessing spawn): runs one executor rank;
+def executor_main(role: str, rank: int, config_dict: dict, store_port: int, inbox, events, extra: dict) -> None:
+    """Process entry point (forked by the controller's forkserver): runs one executor rank;
     any exception is reported to the controller with its traceback."""
-    link = Link(role, rank, inbox, events, parent_pid,
-                {"incarnation": extra["incarnation"]} if role == GENERATOR else {})
+    link = Link(role, rank, inbox, events, {"incarnation": extra["incarnation"]} if role == GENERATOR else {})
     try:
         config = TrainConfig.from_dict(config_dict)
         _setup_threads(config, role, rank)
