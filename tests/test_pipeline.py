@@ -138,6 +138,7 @@ def test_partial_rollout_switches_weights_between_decode_steps():
     engine.submit([Sample(g, p) for g, p in enumerate(prompts) for _ in range(2)])
     calls = deque([False, False, True])  # stop after the third decode step
     done = engine.run_segment(0, stop=lambda: calls.popleft() if calls else False)
+    assert engine.stats.prefill_tokens == sum(map(len, prompts))  # each prompt ran once for its 2 samples
     in_flight = list(engine.active)
     assert in_flight and all(len(s.tokens) == 3 for s in in_flight)
     plan = plan_transfer(hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.float32))

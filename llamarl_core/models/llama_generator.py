@@ -64,8 +64,9 @@ class KVCache:
             self.values.append(v)
         return k, v
 
-    def keep(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows `rows` (index tensor), e.g. after sequences finish."""
+    def select(self, rows: torch.Tensor) -> None:
+        """Batch rows `rows` (index tensor) become the batch: drop finished sequences,
+        or repeat one row for sequences that share it."""
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
 
