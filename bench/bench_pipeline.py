@@ -16,9 +16,12 @@ Figures: completion tokens per second over the RL loop (ours: first weight sync
 to last step; TRL: `trainer.train()`) and including start-up (process start,
 model build, warm-up), and mean reward over the first and last tenth of steps
 (equal steps and batch = equal samples seen), and the CPU steal during each run (time
-the virtual machine's host took: it slows whatever runs then). Each system runs --repeats times in
-rotating order; the table gives medians (this 2-core machine's timings vary by
-tens of percent from run to run).
+the virtual machine's host took: it slows whatever runs then). Completion tokens
+per second depend on how long the completions are, which depends on what each
+policy has learned; samples per second (prompts x samples per step over the RL
+loop) and the mean completion length are shown beside it. Repeat r runs every
+system with seed r (model init, sampling), in rotating order; the table gives
+medians (this 2-core machine's timings vary by tens of percent from run to run).
 """
 
 from __future__ import annotations
@@ -136,35 +139,43 @@ def main(argv=None) -> int:
     add_output_args(p)
     args = p.parse_args(argv)
     base = TrainConfig(steps=args.steps, task=args.task)
+    batch = base.prompts_per_step * base.samples_per_prompt
     systems = ["llamarl_async", "llamarl_sync"] + ([] if args.skip_trl else ["trl_grpo"])
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for name in systems[repeat % len(systems):] + systems[:repeat % len(systems)]:
                 print(f"run {repeat + 1}/{args.repeats}: {name} ({args.steps} steps)...", file=sys.stderr, flush=True)
+                seeded = {**base.to_dict(), "seed": repeat}
                 if name == "trl_grpo":
-                    r = run_trl(base)
+                    r = run_trl(TrainConfig.from_dict(seeded))
                 else:
                     mode = name.split("_")[1]
-                    config = TrainConfig.from_dict({**base.to_dict(), "mode": mode})
-                    r = run_ours(config, Path(tmp) / f"{mode}{repeat}")
+                    r = run_ours(TrainConfig.from_dict({**seeded, "mode": mode}), Path(tmp) / f"{mode}{repeat}")
                 r["tokens_per_s"] = r["completion_tokens"] / r["rl_time_s"]
                 r["tokens_per_s_with_startup"] = r["completion_tokens"] / r["wall_time_s"]
+                r["samples_per_s"] = args.steps * batch / r["rl_time_s"]
+                r["mean_completion_tokens"] = r["completion_tokens"] / (args.steps * batch)
                 runs[name].append(r)
     results = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
     for name, rs in runs.items():
         results[name]["tokens_per_s_runs"] = [round(r["tokens_per_s"]) for r in rs]
+        results[name]["reward_last_runs"] = [round(r["reward_last"], 3) for r in rs]
     peer = results.get("trl_grpo")
-    rows = [["system", "completion tok/s (RL loop)", "runs", "vs TRL", "incl. start-up", "vs TRL", "step",
-             "reward first -> last tenth", "CPU steal"]]
+    rows = [["system", "completion tok/s (RL loop)", "runs", "vs TRL", "incl. start-up", "vs TRL", "samples/s",
+             "vs TRL", "mean completion", "step", "reward first -> last tenth", "last tenth, runs", "CPU steal"]]
+
+    def versus(r, key):
+        return f"{r[key] / peer[key]:.2f}x" if peer else "-"
+
     for name, r in results.items():
         rows.append([name, f"{r['tokens_per_s']:.0f}", " / ".join(map(str, r["tokens_per_s_runs"])),
-                     f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-",
-                     f"{r['tokens_per_s_with_startup']:.0f}",
-                     f"{r['tokens_per_s_with_startup'] / peer['tokens_per_s_with_startup']:.2f}x" if peer else "-",
-                     f"{r['step_time_s'] * 1e3:.1f} ms", f"{r['reward_first']:.3f} -> {r['reward_last']:.3f}",
+                     versus(r, "tokens_per_s"), f"{r['tokens_per_s_with_startup']:.0f}",
+                     versus(r, "tokens_per_s_with_startup"), f"{r['samples_per_s']:.0f}", versus(r, "samples_per_s"),
+                     f"{r['mean_completion_tokens']:.1f} tokens", f"{r['step_time_s'] * 1e3:.1f} ms",
+                     f"{r['reward_first']:.3f} -> {r['reward_last']:.3f}", " / ".join(map(str, r["reward_last_runs"])),
                      f"{r['cpu_steal']:.0%}"])
-    body = (f"Medians of {args.repeats} runs each (rotating order). {args.steps} steps of {base.prompts_per_step} prompts x {base.samples_per_prompt} samples, "
+    body = (f"Medians of {args.repeats} runs each (seeds 0-{args.repeats - 1}, rotating order). {args.steps} steps of {base.prompts_per_step} prompts x {base.samples_per_prompt} samples, "
             f"task {args.task}, model hidden {base.hidden_size} x {base.num_layers} layers, same warm-up for all.\n\n"
             + table(rows))
     if args.json:

@@ -316,6 +316,10 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path):
     assert proc.returncode != 0 and "holds no run" in proc.stderr
     proc = llamarl("--task", "no_such_module:task", "--out", str(tmp_path / "y"), "--quiet")
     assert proc.returncode != 0 and "cannot load task" in proc.stderr
+    (tmp_path / "z").mkdir()
+    TrainConfig().save(tmp_path / "z" / "config.json")
+    proc = llamarl("--resume", "--out", str(tmp_path / "z"), "--lr", "0.1", "--mode", "sync", "--steps", "5")
+    assert proc.returncode != 0 and "drop --lr --mode" in proc.stderr  # not silently ignored
 
 
 @pytest.mark.parametrize("task, message", [("failing_task", "KeyError: \"a user's reward bug\""),

@@ -26,10 +26,12 @@ FLAGS = ("steps", "prompts_per_step", "samples_per_prompt", "max_staleness", "se
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="llamarl train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("async", "sync"), default="async")
+    parser.add_argument("--mode", choices=("async", "sync"), help="default: async")
     parser.add_argument("--compare", action="store_true", help="run sync then async on the same budget")
     parser.add_argument("--out", type=Path, help="output folder (default: a fresh folder under runs/)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out from its checkpoint, with its saved config.json (only --steps "
+                             "may change)")
     parser.add_argument("--task", help="module:attribute of a llamarl_core.pipeline.Task (default: string reversal)")
     parser.add_argument("--quiet", action="store_true", help="no per-step lines")
     defaults = TrainConfig()
@@ -102,11 +104,19 @@ def main(argv=None) -> int:
         raise SystemExit("--resume needs --out: the folder of the run to continue")
     if args.resume and not (args.out / "config.json").exists():
         raise SystemExit(f"--resume: {args.out} holds no run (no config.json)")
+    if args.resume:
+        ignored = [f"--{name.replace('_', '-')}" for name in FLAGS if name != "steps" and getattr(args, name) is not None]
+        ignored += [flag for flag, given in (("--mode", args.mode), ("--task", args.task), ("--compare", args.compare))
+                    if given]
+        if ignored:
+            raise SystemExit(f"--resume continues the run with its saved config.json and takes only --steps; "
+                             f"drop {' '.join(ignored)}")
     if not args.resume and args.out is not None and (args.out / "config.json").exists():
         raise SystemExit(f"{args.out} already holds a run; pass --resume to continue it or pick another --out")
-    out = args.out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{'compare' if args.compare else args.mode}")
+    mode = args.mode or "async"
+    out = args.out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{'compare' if args.compare else mode}")
     if not args.compare:
-        config = TrainConfig.load(out / "config.json") if args.resume else _config(args, args.mode)
+        config = TrainConfig.load(out / "config.json") if args.resume else _config(args, mode)
         if args.resume and args.steps:
             config.steps = args.steps
         summary, _ = run_one(config, out, args.quiet)
