@@ -1,5 +1,7 @@
 """Tasks for the pipeline tests, imported by the executors (tests/ on PYTHONPATH)."""
 
+import multiprocessing
+
 from llamarl_core.pipeline import Task
 from llamarl_core.pipeline.task import reverse_prompt, reverse_reference, reverse_reward
 
@@ -16,3 +18,10 @@ def failing_task() -> Task:
 
 def nan_task() -> Task:
     return Task("nan", reverse_prompt, lambda prompt, completion: float("nan"), "abcdefgh=", 11, reverse_reference)
+
+
+def generator_start_fails_task() -> Task:
+    """Loads everywhere but in the generator (process names come from the controller)."""
+    if multiprocessing.current_process().name.startswith("llamarl-generator"):
+        raise RuntimeError("a generator-only start-up failure")
+    return Task("generator-start-fails", reverse_prompt, reverse_reward, "abcdefgh=", 11, reverse_reference)

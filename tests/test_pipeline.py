@@ -263,6 +263,17 @@ def llamarl(*args, timeout=240):
                           timeout=timeout, cwd="/", env=RUN_ENV)
 
 
+def test_train_runs_from_the_repository_root(tmp_path):
+    """What the README does: the installed console script, run from a source
+    checkout. The executors must import the installed package (with its built
+    native module), not the source tree in the working directory."""
+    script = Path(sys.executable).with_name("llamarl")
+    proc = subprocess.run([str(script), "train", "--out", str(tmp_path / "run"), *FAST, "--steps", "3"], check=False,
+                          capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[1], env=RUN_ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(read_metrics(tmp_path / "run")) == 3
+
+
 def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -316,10 +327,27 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path):
     assert proc.returncode != 0 and "holds no run" in proc.stderr
     proc = llamarl("--task", "no_such_module:task", "--out", str(tmp_path / "y"), "--quiet")
     assert proc.returncode != 0 and "cannot load task" in proc.stderr
+    proc = llamarl("--generator-tp", "3", "--out", str(tmp_path / "tp"), "--quiet")
+    assert proc.returncode != 0 and "not divisible by tp_size 3" in proc.stderr
+    assert not (tmp_path / "tp").exists()  # nothing written
     (tmp_path / "z").mkdir()
     TrainConfig().save(tmp_path / "z" / "config.json")
     proc = llamarl("--resume", "--out", str(tmp_path / "z"), "--lr", "0.1", "--mode", "sync", "--steps", "5")
     assert proc.returncode != 0 and "drop --lr --mode" in proc.stderr  # not silently ignored
+
+
+def test_a_generator_that_fails_while_starting_stops_the_run_with_its_error(tmp_path):
+    """Not restarted (a new one would fail alike), and not hidden behind the trainer's
+    timeout waiting for it: the run stops at once with the generator's own error."""
+    env = {**RUN_ENV, "PYTHONPATH": str(Path(__file__).parent)}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--task",
+                           "pipeline_tasks:generator_start_fails_task", "--out", str(tmp_path / "run"), *FAST],
+                          check=False, capture_output=True, text=True, timeout=120, cwd="/", env=env)
+    assert proc.returncode == 1
+    assert "generator rank 0 failed" in proc.stderr and "a generator-only start-up failure" in proc.stderr
+    assert "while starting; not restarting it" in proc.stderr and "restarting it and" not in proc.stderr
+    assert time.monotonic() - start < 60
 
 
 @pytest.mark.parametrize("task, message", [("failing_task", "KeyError: \"a user's reward bug\""),

@@ -21,16 +21,21 @@ import time
 from collections import Counter, deque
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..sync import hf_llama_fsdp, vllm_llama_tp
 from .config import TrainConfig
 from .executors import GENERATOR, REWARD, TRAINER, executor_main
 from .report import cpu_times, plot_reward, steal_fraction, summarize, write_trace
 from .task import load_task
 
 EVENT_POLL_S = 0.05
-EXECUTOR_MODULES = ["llamarl_core.pipeline.executors", "transformers.models.llama.modeling_llama"]
+# Third-party modules only: the forkserver imports them with the working directory
+# first on sys.path, so from a source checkout it would import this package's
+# unbuilt tree; the executors import it after taking the controller's sys.path.
+EXECUTOR_MODULES = ["torch.distributed", "transformers.models.llama.modeling_llama"]
 MAX_GENERATOR_RESTARTS = 3
 
 
@@ -49,11 +54,16 @@ class Controller:
         self.on_event = on_event or (lambda msg: None)
         self.task = load_task(config.task)
         self.tokenizer = self.task.tokenizer()
-        # Executors are forked from a server process that has imported torch, transformers
-        # and this package once (a single-threaded process that never ran an op, so
-        # forking it is safe): the first run's trainer starts its warm-up at about 4 s
-        # instead of 5 s (three processes no longer import the same modules at once on
-        # 2 cores), and later runs in the same process start their executors at once.
+        # The trainer's and the generator's layouts: a model that does not split over the
+        # parallel sizes fails here, naming the sizes, before any process starts.
+        model_config = config.model_config(self.tokenizer.vocab_size)
+        hf_llama_fsdp(model_config, config.trainer_world, torch.float32)
+        vllm_llama_tp(model_config, config.generator_tp, torch.float32)
+        # Executors are forked from a server process that has imported torch and
+        # transformers once (a single-threaded process that never ran an op, so forking
+        # it is safe): the first run's trainer starts its warm-up at about 4 s instead
+        # of 5 s (three processes no longer import the same modules at once on 2
+        # cores), and later runs in the same process start their executors at once.
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(EXECUTOR_MODULES)
         self.events = self.ctx.Queue()
@@ -96,7 +106,10 @@ class Controller:
             raise PipelineError(f"{role} rank {rank} exited (code {proc.exitcode}); "
                                 f"the last checkpoint is in {self.out / 'checkpoint'}")
 
-    def _restart_generator(self, why: str) -> None:
+    def _restart_generator(self, why: str, detail: str = "") -> None:
+        if not all((GENERATOR, r) in self.ready_ranks for r in range(self.config.generator_tp)):
+            # It failed while starting (before it was ever ready): a new one would fail the same way.
+            raise PipelineError(f"{why} while starting; not restarting it\n{detail}")
         self.generator_restarts += 1
         if self.generator_restarts > MAX_GENERATOR_RESTARTS:
             raise PipelineError(f"{why}; restarted {MAX_GENERATOR_RESTARTS} times already, stopping "
@@ -130,7 +143,7 @@ class Controller:
         if kind in ("synced", "sync_failed") and payload["generator"] != self.generator_incarnation:
             return  # a sync to a generator that has been replaced
         if kind == "error" and role == GENERATOR:
-            self._restart_generator(f"generator rank {rank} failed: {payload['message']}")
+            self._restart_generator(f"generator rank {rank} failed: {payload['message']}", payload["traceback"])
             return
         if kind == "error":
             raise PipelineError(f"{role} rank {rank} failed: {payload['message']}\n{payload['traceback']}")

@@ -46,7 +46,10 @@ def _config(args, mode: str) -> TrainConfig:
         values["task"] = args.task
     if mode == "sync":
         values.pop("max_staleness", None)
-    return TrainConfig(mode=mode, **values)
+    try:
+        return TrainConfig(mode=mode, **values)
+    except ValueError as exc:
+        raise SystemExit(f"llamarl train: {exc}") from None
 
 
 def run_one(config: TrainConfig, out: Path, quiet: bool) -> tuple[dict, list[dict]]:
@@ -54,17 +57,6 @@ def run_one(config: TrainConfig, out: Path, quiet: bool) -> tuple[dict, list[dic
     from tqdm import tqdm
 
     from .controller import Controller, PipelineError
-
-    out.mkdir(parents=True, exist_ok=True)
-    saved = out / "config.json"
-    if saved.exists():
-        previous = TrainConfig.load(saved)
-        if dataclasses.replace(previous, steps=config.steps) != config:
-            raise SystemExit(f"{out} holds a run with a different configuration ({saved}); "
-                             f"resume it with the same options or pick another --out")
-    config.save(saved)
-    bar = tqdm(total=config.steps, desc=f"{config.mode} RL steps", unit="step", file=sys.stderr,
-               dynamic_ncols=True, leave=True)
 
     def on_step(m):
         if bar.n < m["step"] + 1:
@@ -75,7 +67,20 @@ def run_one(config: TrainConfig, out: Path, quiet: bool) -> tuple[dict, list[dic
 
             bar.write(step_line(m), file=sys.stderr)
 
-    controller = Controller(config, out, on_step=on_step, on_event=lambda msg: bar.write(msg, file=sys.stderr))
+    try:  # checks the task and the model's shapes against the parallel sizes; nothing written yet
+        controller = Controller(config, out, on_step=on_step, on_event=lambda msg: bar.write(msg, file=sys.stderr))
+    except ValueError as exc:
+        raise SystemExit(f"llamarl train: {exc}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    saved = out / "config.json"
+    if saved.exists():
+        previous = TrainConfig.load(saved)
+        if dataclasses.replace(previous, steps=config.steps) != config:
+            raise SystemExit(f"{out} holds a run with a different configuration ({saved}); "
+                             f"resume it with the same options or pick another --out")
+    config.save(saved)
+    bar = tqdm(total=config.steps, desc=f"{config.mode} RL steps", unit="step", file=sys.stderr,
+               dynamic_ncols=True, leave=True)
     try:
         summary = controller.run()
     except PipelineError as exc:
@@ -123,7 +128,8 @@ def main(argv=None) -> int:
         _print_summary(summary)
         print(f"wrote {out}/: metrics.jsonl summary.json reward.png trace.json checkpoint/")
         return 0
-    runs = {mode: run_one(_config(args, mode), out / mode, args.quiet) for mode in ("sync", "async")}
+    configs = {mode: _config(args, mode) for mode in ("sync", "async")}  # both checked before either runs
+    runs = {mode: run_one(config, out / mode, args.quiet) for mode, config in configs.items()}
     (sync, sync_metrics), (asyn, async_metrics) = runs["sync"], runs["async"]
     result = {
         "sync": sync,
