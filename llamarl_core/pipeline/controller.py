@@ -61,9 +61,9 @@ class Controller:
         vllm_llama_tp(model_config, config.generator_tp, torch.float32)
         # Executors are forked from a server process that has imported torch and
         # transformers once (a single-threaded process that never ran an op, so forking
-        # it is safe): the first run's trainer starts its warm-up at about 4 s instead
-        # of 5 s (three processes no longer import the same modules at once on 2
-        # cores), and later runs in the same process start their executors at once.
+        # it is safe): a cold run's trainer starts its warm-up about 3 s in instead of
+        # 5.5 s (three processes no longer import the same modules at once on 2 cores),
+        # and later runs in the same process start their executors at once.
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(EXECUTOR_MODULES)
         self.events = self.ctx.Queue()
