@@ -176,6 +176,8 @@ def test_collate_packs_samples_and_aligns_targets_behaviour_and_advantages():
     assert batch.advantages[1, 2].item() == 0.0
     with pytest.raises(ValueError, match="no reward"):
         collate([Sample(3, [1], [2], [0.0], [0])], 0)
+    with pytest.raises(ValueError, match="at least one token"):
+        collate([Sample(3, [], [2], [0.0], [0], True, 1.0)], 0)
 
 
 def test_policy_loss_on_packed_rows_equals_each_sample_alone():

@@ -45,6 +45,8 @@ def _pack(prompts: list[list[int]], completions: list[list[int]], pad_token_id: 
     a fifth of the tokens on the default task (rows of 12-22 tokens); packed rows
     waste about 5%, which makes the trainer step about 12% faster (the attention
     over twice-as-long rows costs little at these lengths)."""
+    if any(not p for p in prompts):
+        raise ValueError("every prompt needs at least one token (bos): its last position predicts the first completion token")
     lengths = np.array([len(p) + len(c) for p, c in zip(prompts, completions)])
     capacity = 2 * int(lengths.max())
     fills: list[int] = []
