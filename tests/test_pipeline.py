@@ -260,9 +260,14 @@ def test_controller_drops_stale_groups_and_counts_them():
 RUN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
-def llamarl(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", *args], check=False, capture_output=True, text=True,
-                          timeout=timeout, cwd="/", env=RUN_ENV)
+# The test tasks (tests/pipeline_tasks.py) importable by the executors too.
+TASKS_ENV = {**RUN_ENV, "PYTHONPATH": str(Path(__file__).parent)}
+TRAIN = [sys.executable, "-m", "llamarl_core.cli", "train"]
+
+
+def llamarl(*args, timeout=240, env=RUN_ENV):
+    return subprocess.run([*TRAIN, *args], check=False, capture_output=True, text=True, timeout=timeout, cwd="/",
+                          env=env)
 
 
 def test_train_runs_from_the_repository_root(tmp_path):
@@ -341,11 +346,9 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path):
 def test_a_generator_that_fails_while_starting_stops_the_run_with_its_error(tmp_path):
     """Not restarted (a new one would fail alike), and not hidden behind the trainer's
     timeout waiting for it: the run stops at once with the generator's own error."""
-    env = {**RUN_ENV, "PYTHONPATH": str(Path(__file__).parent)}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--task",
-                           "pipeline_tasks:generator_start_fails_task", "--out", str(tmp_path / "run"), *FAST],
-                          check=False, capture_output=True, text=True, timeout=120, cwd="/", env=env)
+    proc = llamarl("--task", "pipeline_tasks:generator_start_fails_task", "--out", str(tmp_path / "run"), *FAST,
+                   timeout=120, env=TASKS_ENV)
     assert proc.returncode == 1
     assert "generator rank 0 failed" in proc.stderr and "a generator-only start-up failure" in proc.stderr
     assert "while starting; not restarting it" in proc.stderr and "restarting it and" not in proc.stderr
@@ -355,10 +358,8 @@ def test_a_generator_that_fails_while_starting_stops_the_run_with_its_error(tmp_
 @pytest.mark.parametrize("task, message", [("failing_task", "KeyError: \"a user's reward bug\""),
                                            ("nan_task", "returned nan")])
 def test_a_bad_reward_function_stops_the_run_with_the_culprit(tmp_path, task, message):
-    env = {**RUN_ENV, "PYTHONPATH": str(Path(__file__).parent)}
-    proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--task", f"pipeline_tasks:{task}",
-                           "--out", str(tmp_path / "run"), *FAST], check=False, capture_output=True, text=True, timeout=120,
-                          cwd="/", env=env)
+    proc = llamarl("--task", f"pipeline_tasks:{task}", "--out", str(tmp_path / "run"), *FAST, timeout=120,
+                   env=TASKS_ENV)
     assert proc.returncode == 1
     assert "the run stopped: reward rank 0 failed" in proc.stderr and message in proc.stderr
     assert "prompt '" in proc.stderr  # names the input it failed on
@@ -383,7 +384,7 @@ def _wait_for(predicate, timeout, what):
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     out = tmp_path / "run"
     args = ["--steps", "400", "--warmup-steps", "5", "--prompts-per-step", "4", "--checkpoint-every", "5", "--quiet"]
-    proc = subprocess.Popen([sys.executable, "-m", "llamarl_core.cli", "train", "--out", str(out), *args],
+    proc = subprocess.Popen([*TRAIN, "--out", str(out), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/", start_new_session=True,
                             env=RUN_ENV)
     try:
@@ -418,7 +419,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
 def test_generator_killed_mid_run_is_restarted_and_resynced(tmp_path):
     out = tmp_path / "run"
     args = ["--steps", "60", "--warmup-steps", "5", "--prompts-per-step", "4", "--sync-timeout-s", "5", "--quiet"]
-    proc = subprocess.Popen([sys.executable, "-m", "llamarl_core.cli", "train", "--out", str(out), *args],
+    proc = subprocess.Popen([*TRAIN, "--out", str(out), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/", start_new_session=True,
                             env=RUN_ENV)
     try:
