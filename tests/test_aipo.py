@@ -1,5 +1,6 @@
-"""AIPO / PPO-clip / PPO + TIS losses: the Triton kernels (interpreted on CPU here)
-and the torch CPU path against a float64 reference, values and gradients."""
+"""AIPO / PPO-clip / PPO + TIS losses: the Triton kernels (on a GPU when there is
+one, else in Triton's interpreter on CPU tensors) and the torch CPU path against
+a float64 reference, values and gradients."""
 
 import pytest
 import torch
@@ -9,12 +10,18 @@ from llamarl_core.ops.aipo import IGNORE_INDEX, aipo_loss, aipo_loss_ref, group_
 LOSS_TYPES = ["aipo", "ppo", "ppo_tis"]
 
 
-@pytest.fixture(params=["triton", "torch"])
-def backend(request, monkeypatch):
-    """triton: the kernels under TRITON_INTERPRET=1 (conftest) or on a GPU; torch: the chunked CPU path."""
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(params=["triton-cuda" if CUDA else "triton-interpreter", "torch"])
+def device(request, monkeypatch):
+    """Where the loss runs: triton-cuda, the kernels on CUDA tensors; triton-interpreter,
+    the kernels on CPU tensors under TRITON_INTERPRET=1 (conftest, without a GPU);
+    torch, the chunked CPU path."""
     if request.param == "torch":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-    return request.param
+        return torch.device("cpu")
+    return torch.device("cuda" if CUDA else "cpu")
 
 
 def _inputs(n, v, dtype, seed, ratio="mixed", mask="partial"):
@@ -38,12 +45,14 @@ def _errors(loss, grad, ref_loss, ref_grad):
     return abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-30), ((grad.double() - ref_grad).abs().max() / scale).item()
 
 
-def _run(logits, targets, behavior, advantages, m, old, fn, **kw):
-    x = logits.clone().requires_grad_()
-    out = fn(x, targets, behavior, advantages, m, old_logprobs=old, **kw)
+def _run(logits, targets, behavior, advantages, m, old, fn, device=torch.device("cpu"), **kw):
+    """fn on the inputs moved to `device`; returns its output and the logits' gradient on CPU."""
+    x = logits.to(device).clone().requires_grad_()
+    on_device = [t.to(device) for t in (targets, behavior, advantages, m, old)]
+    out = fn(x, *on_device[:4], old_logprobs=on_device[4], **kw)
     loss = out[0] if isinstance(out, tuple) else out
     loss.backward()
-    return out, x.grad
+    return out, x.grad.cpu()
 
 
 SHAPES = [(1, 1001), (97, 1001), (300, 1001), (97, 32000), (300, 32000)]
@@ -51,10 +60,10 @@ SHAPES = [(1, 1001), (97, 1001), (300, 1001), (97, 32000), (300, 32000)]
 
 @pytest.mark.parametrize("n, v", SHAPES)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_fp32_matches_float64_reference(backend, n, v, loss_type):
+def test_fp32_matches_float64_reference(device, n, v, loss_type):
     args = _inputs(n, v, torch.float32, n + v)
     kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type)
-    (loss, stats), grad = _run(*args, aipo_loss, **kw)
+    (loss, stats), grad = _run(*args, aipo_loss, device, **kw)
     ref, ref_grad = _run(args[0].double(), *args[1:], aipo_loss_ref, **kw)
     loss_err, grad_err = _errors(loss, grad, ref, ref_grad)
     assert loss_err <= 1e-5 and grad_err <= 1e-5, (loss_err, grad_err)
@@ -63,10 +72,10 @@ def test_fp32_matches_float64_reference(backend, n, v, loss_type):
 
 @pytest.mark.parametrize("n, v", [(97, 1001), (97, 32000)])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_bf16_within_twice_the_error_of_plain_torch_bf16(backend, n, v, loss_type):
+def test_bf16_within_twice_the_error_of_plain_torch_bf16(device, n, v, loss_type):
     args = _inputs(n, v, torch.bfloat16, 7 * n + v)
     kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type)
-    (loss, _), grad = _run(*args, aipo_loss, **kw)
+    (loss, _), grad = _run(*args, aipo_loss, device, **kw)
     naive, naive_grad = _run(*args, aipo_loss_ref, compute_dtype=None, **kw)
     ref, ref_grad = _run(args[0].double(), *args[1:], aipo_loss_ref, **kw)
     ours, theirs = _errors(loss, grad, ref, ref_grad), _errors(naive, naive_grad, ref, ref_grad)
@@ -77,49 +86,52 @@ def test_bf16_within_twice_the_error_of_plain_torch_bf16(backend, n, v, loss_typ
 @pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "sum"])
 @pytest.mark.parametrize("ratio", ["below", "above"])
 @pytest.mark.parametrize("mask", ["partial", "ones"])
-def test_reductions_ratios_and_masks(backend, reduction, ratio, mask):
+def test_reductions_ratios_and_masks(device, reduction, ratio, mask):
     args = _inputs(60, 1001, torch.float32, 3, ratio=ratio, mask=mask)
     seq = torch.arange(60) // 9
-    kw = dict(rho=4.0, reduction=reduction, sequence_ids=seq)
-    (loss, stats), grad = _run(*args, aipo_loss, **kw)
-    ref, ref_grad = _run(args[0].double(), *args[1:], aipo_loss_ref, **kw)
+    kw = dict(rho=4.0, reduction=reduction)
+    (loss, stats), grad = _run(*args, aipo_loss, device, sequence_ids=seq.to(device), **kw)
+    ref, ref_grad = _run(args[0].double(), *args[1:], aipo_loss_ref, sequence_ids=seq, **kw)
     assert max(_errors(loss, grad, ref, ref_grad)) <= 1e-5
     expected_truncated = 1.0 if ratio == "above" else 0.0  # exp(6) > 4 > exp(-0.5)
     assert stats.truncated_fraction.item() == pytest.approx(expected_truncated)
 
 
-def test_fully_masked_gives_zero_loss_and_zero_gradients(backend):
+def test_fully_masked_gives_zero_loss_and_zero_gradients(device):
     args = _inputs(50, 1001, torch.float32, 4, mask="zero")
     for reduction in ("token_mean", "sequence_mean", "sum"):
-        (loss, stats), grad = _run(*args, aipo_loss, reduction=reduction, sequence_ids=torch.arange(50) // 5)
+        (loss, stats), grad = _run(*args, aipo_loss, device, reduction=reduction,
+                                   sequence_ids=(torch.arange(50) // 5).to(device))
         assert loss.item() == 0.0 and torch.count_nonzero(grad) == 0
         assert torch.isfinite(stats.mismatch_kl) and torch.isfinite(stats.mean_ratio)
 
 
-def test_stats_match_their_definitions(backend):
+def test_stats_match_their_definitions(device):
     logits, targets, behavior, advantages, m, old = _inputs(80, 1001, torch.float32, 5)
-    _, stats = aipo_loss(logits, targets, behavior, advantages, m, rho=2.0, entropy=True)
+    _, stats = aipo_loss(*(t.to(device) for t in (logits, targets, behavior, advantages, m)), rho=2.0, entropy=True)
     logp_all = torch.log_softmax(logits.double(), -1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     sel = m.bool()
-    delta = behavior.double() - logp
-    assert torch.allclose(stats.logprobs.double(), logp, atol=1e-5)
-    assert stats.mean_ratio.item() == pytest.approx(torch.exp(-delta)[sel].mean().item(), rel=1e-5)
-    assert stats.truncated_fraction.item() == pytest.approx((torch.exp(-delta) > 2.0)[sel].double().mean().item())
-    assert stats.mismatch_kl.item() == pytest.approx((torch.exp(delta) - delta - 1)[sel].mean().item(), rel=1e-4)
+    log_ratio = logp - behavior.double()  # log(pi / mu) of tokens sampled from mu
+    assert torch.allclose(stats.logprobs.cpu().double(), logp, atol=1e-5)
+    assert stats.mean_ratio.item() == pytest.approx(torch.exp(log_ratio)[sel].mean().item(), rel=1e-5)
+    assert stats.truncated_fraction.item() == pytest.approx((torch.exp(log_ratio) > 2.0)[sel].double().mean().item())
+    k3 = torch.exp(log_ratio) - 1 - log_ratio
+    assert stats.mismatch_kl.item() == pytest.approx(k3[sel].mean().item(), rel=1e-4)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     assert stats.entropy.item() == pytest.approx(entropy[sel].mean().item(), rel=1e-5)
 
 
-def test_masked_vocabulary_ignore_index_and_leading_dims(backend):
+def test_masked_vocabulary_ignore_index_and_leading_dims(device):
     logits, targets, behavior, advantages, m, old = _inputs(48, 1001, torch.float32, 6)
     logits[:, 500:] = float("-inf")  # masked vocabulary
     targets = targets % 500
     targets[::7] = IGNORE_INDEX
-    shaped = [t.reshape(6, 8) for t in (targets, behavior, advantages, m)]
-    x = logits.reshape(6, 8, 1001).clone().requires_grad_()
+    shaped = [t.reshape(6, 8).to(device) for t in (targets, behavior, advantages, m)]
+    x = logits.reshape(6, 8, 1001).to(device).clone().requires_grad_()
     loss, stats = aipo_loss(x, *shaped, temperature=0.7, entropy=True)
     loss.backward()
+    x.grad = x.grad.cpu()
     xr = logits.double().clone().requires_grad_()
     ref = aipo_loss_ref(xr, targets, behavior, advantages, m, temperature=0.7)
     ref.backward()
@@ -130,10 +142,10 @@ def test_masked_vocabulary_ignore_index_and_leading_dims(backend):
     assert torch.isfinite(stats.entropy)
 
 
-def test_log_probs_never_positive_for_peaked_logits(backend):
-    logits = torch.randn(64, 1001) * 1e4  # one dominant logit per row
+def test_log_probs_never_positive_for_peaked_logits(device):
+    logits = torch.randn(64, 1001, device=device) * 1e4  # one dominant logit per row
     targets = logits.argmax(-1)
-    loss, stats = aipo_loss(logits, targets, torch.zeros(64), torch.ones(64))
+    loss, stats = aipo_loss(logits, targets, torch.zeros(64, device=device), torch.ones(64, device=device))
     assert (stats.logprobs <= 0).all() and torch.isfinite(loss)
 
 
@@ -157,17 +169,20 @@ def test_bad_targets_and_arguments_raise():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("loss_type", ["aipo", "ppo_tis"])
 @pytest.mark.parametrize("chunk_size", [None, 16, 41])
-def test_linear_variant_matches_reference(backend, dtype, loss_type, chunk_size):
+def test_linear_variant_matches_reference(device, dtype, loss_type, chunk_size):
     gen = torch.Generator().manual_seed(11)
     n, h, v = 97, 64, 1001
     hidden = torch.randn(n, h, generator=gen).to(dtype)
     weight = (torch.randn(v, h, generator=gen) / 8).to(dtype)
     _, targets, behavior, advantages, m, old = _inputs(n, v, torch.float32, 12)
-    kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type, old_logprobs=old, reduction="sequence_mean",
-              sequence_ids=torch.arange(n) // 10)
-    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss, stats = linear_aipo_loss(hx, wx, targets, behavior, advantages, m, chunk_size=chunk_size, **kw)
+    kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type, reduction="sequence_mean")
+    seq = torch.arange(n) // 10
+    hx, wx = hidden.to(device).clone().requires_grad_(), weight.to(device).clone().requires_grad_()
+    loss, stats = linear_aipo_loss(hx, wx, *(t.to(device) for t in (targets, behavior, advantages, m)),
+                                   chunk_size=chunk_size, old_logprobs=old.to(device), sequence_ids=seq.to(device), **kw)
     loss.backward()
+    kw.update(old_logprobs=old, sequence_ids=seq)
+    hx.grad, wx.grad = hx.grad.cpu(), wx.grad.cpu()
 
     def reference(compute_dtype, cast):
         hr, wr = hidden.to(cast).clone().requires_grad_(), weight.to(cast).clone().requires_grad_()
@@ -195,3 +210,27 @@ def test_group_advantages():
     assert torch.allclose(group_advantages(rewards, groups), torch.tensor([1 / 3, -2 / 3, 1 / 3, 5 / 3, -1 / 3, -4 / 3]))
     std = group_advantages(rewards, groups, normalize_std=True)
     assert torch.allclose(std[:3], torch.tensor([1 / 3, -2 / 3, 1 / 3]) / torch.tensor([1.0, 0.0, 1.0]).std() , atol=1e-5)
+
+
+def test_mismatch_kl_estimates_kl_of_behaviour_from_learner(monkeypatch):
+    """Tokens sampled from a known behaviour distribution mu, scored by a known
+    learner distribution pi: stats.mismatch_kl must estimate KL(mu || pi) (float64,
+    exact), within 4 standard errors of the Monte Carlo mean; the estimator with
+    the ratio inverted (mu / pi) has a different mean, far outside that band. The
+    statistic is computed from the log-probs whatever path made them: the torch
+    path here (20000 rows would take minutes in the interpreter)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gen = torch.Generator().manual_seed(21)
+    v, n = 40, 20000
+    mu = torch.softmax(torch.randn(v, generator=gen, dtype=torch.float64) * 1.5, 0)
+    pi = torch.softmax(torch.randn(v, generator=gen, dtype=torch.float64) * 1.5, 0)
+    tokens = torch.multinomial(mu, n, replacement=True, generator=gen)
+    logits = pi.log().to(torch.float32).expand(n, v)  # every row is the learner's distribution
+    _, stats = aipo_loss(logits, tokens, mu.log()[tokens].to(torch.float32), torch.zeros(n))
+    kl = (mu * (mu / pi).log()).sum().item()
+    log_ratio = (pi / mu).log()[tokens]
+    per_token = log_ratio.exp() - 1 - log_ratio
+    standard_error = (per_token.std() / n**0.5).item()
+    assert abs(stats.mismatch_kl.item() - kl) <= 4 * standard_error, (stats.mismatch_kl.item(), kl, standard_error)
+    inverted_mean = (mu * mu / pi).sum().item() - 1 - kl  # E_mu[mu / pi - 1 - log(mu / pi)]
+    assert abs(inverted_mean - kl) > 20 * standard_error

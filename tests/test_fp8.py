@@ -1,5 +1,6 @@
-"""FP8 quantization: the Triton kernels (interpreted on CPU here) and the torch CPU
-path against the reference, bit for bit; the reference against float64."""
+"""FP8 quantization: the Triton kernels (on a GPU when there is one, else in
+Triton's interpreter on CPU tensors) and the torch CPU path against the
+reference, bit for bit; the reference against float64."""
 
 import zlib
 
@@ -19,7 +20,13 @@ from llamarl_core.ops.fp8 import (
 )
 
 GRANULARITIES = ["tensor", "channel", "block"]
-BACKENDS = ["triton", "torch"]
+CUDA = torch.cuda.is_available()
+# (backend, device): the Triton kernels on CUDA tensors when there is a GPU, else on
+# CPU tensors in the interpreter (conftest sets TRITON_INTERPRET=1 without a GPU).
+BACKENDS = [
+    pytest.param(("triton", "cuda" if CUDA else "cpu"), id="triton-cuda" if CUDA else "triton-interpreter"),
+    pytest.param(("torch", "cpu"), id="torch"),
+]
 SHAPES = [(1, 1), (127, 129), (300, 200), (4096, 1)]
 
 
@@ -51,6 +58,13 @@ def _inputs(kind: str, shape, dtype, seed: int) -> torch.Tensor:
     return w.to(dtype)
 
 
+def _quantize(w, granularity, backend, **kw):
+    """quantize_fp8 of w on the backend's device; (q, scale) back on the CPU."""
+    name, device = backend
+    q, scale = quantize_fp8(w.to(device), granularity, backend=name, **kw)
+    return q.cpu(), scale.cpu()
+
+
 def _assert_same(q, scale, q_ref, scale_ref):
     bad = (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
     assert len(bad) == 0, f"{len(bad)} codes differ, first at {bad[0].tolist()}"
@@ -63,7 +77,7 @@ def _assert_same(q, scale, q_ref, scale_ref):
 @pytest.mark.parametrize("kind", ["normal", "outliers", "midpoints", "beyond448", "zero_blocks"])
 def test_matches_reference_bitwise(backend, granularity, shape, kind):
     w = _inputs(kind, shape, torch.bfloat16 if kind != "midpoints" else torch.float32, zlib.crc32(f"{shape}{kind}".encode()))
-    q, scale = quantize_fp8(w, granularity, backend=backend)
+    q, scale = _quantize(w, granularity, backend)
     q_ref, scale_ref = quantize_fp8_ref(w, granularity)
     _assert_same(q, scale, q_ref, scale_ref)
     # The scale is amax / 448 exactly (float64 quotient rounded once to float32), or
@@ -76,10 +90,11 @@ def test_matches_reference_bitwise(backend, granularity, shape, kind):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_other_input_dtypes_and_strides(dtype, granularity):
-    w = (torch.randn(200, 300) * 7).to(dtype).t()  # non-contiguous (300, 200) view
+    w = (torch.randn(200, 300) * 7).to(dtype)
     for backend in BACKENDS:
-        q, scale = quantize_fp8(w, granularity, backend=backend)
-        _assert_same(q, scale, *quantize_fp8_ref(w.contiguous(), granularity))
+        name, device = backend.values[0]
+        q, scale = quantize_fp8(w.to(device).t(), granularity, backend=name)  # a non-contiguous (300, 200) view
+        _assert_same(q.cpu(), scale.cpu(), *quantize_fp8_ref(w.t().contiguous(), granularity))
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
@@ -103,7 +118,7 @@ def test_float64_rounding_check_is_itself_sound():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_all_zero_gives_zeros_and_unit_scale(backend, granularity):
-    q, scale = quantize_fp8(torch.zeros(130, 260, dtype=torch.bfloat16), granularity, backend=backend)
+    q, scale = _quantize(torch.zeros(130, 260, dtype=torch.bfloat16), granularity, backend)
     assert int(q.view(torch.uint8).sum()) == 0
     assert torch.isfinite(scale).all() and (scale == 1.0).all()
 
@@ -116,22 +131,23 @@ def test_nan_and_inf_raise_naming_the_tensor(backend, granularity, bad):
     w = torch.randn(130, 260, dtype=torch.bfloat16)
     w[129, 259] = bad
     with pytest.raises(ValueError, match=r"layers\.3\.mlp: contains NaN or inf"):
-        quantize_fp8(w, granularity, name="layers.3.mlp", backend=backend)
+        _quantize(w, granularity, backend, name="layers.3.mlp")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_quantize_with_scale_checks_before_writing(backend):
+    name, device = backend
     w = torch.randn(64, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    scale = scale_from_amax(fp8_amax_ref(w, "channel"))
-    out = torch.full((64, 64), 1.0).to(torch.float8_e4m3fn)
+    scale = scale_from_amax(fp8_amax_ref(w, "channel")).to(device)
+    out = torch.full((64, 64), 1.0).to(torch.float8_e4m3fn).to(device)
     original = w[3, 3].clone()
     w[3, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf"):
-        quantize_fp8_with_scale(w, scale, "channel", out=out, backend=backend)
+        quantize_fp8_with_scale(w.to(device), scale, "channel", out=out, backend=name)
     assert (out.float() == 1.0).all()  # untouched
     w[3, 3] = original
-    quantize_fp8_with_scale(w, scale, "channel", out=out, backend=backend)
-    assert torch.equal(out.view(torch.uint8), quantize_fp8_ref(w, "channel")[0].view(torch.uint8))
+    quantize_fp8_with_scale(w.to(device), scale, "channel", out=out, backend=name)
+    assert torch.equal(out.cpu().view(torch.uint8), quantize_fp8_ref(w, "channel")[0].view(torch.uint8))
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
@@ -161,7 +177,30 @@ def test_bad_arguments_are_refused():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_input_is_left_untouched(backend, granularity):
-    w = torch.randn(300, 200, dtype=torch.float32) * 9
+    w = (torch.randn(300, 200, dtype=torch.float32) * 9).to(backend[1])
     before = w.clone()
-    quantize_fp8(w, granularity, backend=backend)
+    quantize_fp8(w, granularity, backend=backend[0])
     assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("granularity, shape, block_size", [
+    ("block", (300, 200), (128, 128)),  # several 32-row sub-tiles per block, ragged edge blocks
+    ("block", (250, 130), (100, 60)),  # a block size that is no power of two
+    ("channel", (37, 2500), (128, 128)),  # rows walked in three 1024-wide sub-tiles, the last ragged
+    ("channel", (70, 200), (128, 128)),  # narrow rows: 32-row sub-tiles
+    ("tensor", (97, 1030), (128, 128)),
+])
+def test_gpu_subtiles_walked_in_the_interpreter(monkeypatch, granularity, shape, block_size):
+    """The interpreter normally walks whole blocks at once (it is slow per
+    operation); here it walks the GPU's sub-tiles, so the loops a GPU runs are
+    checked bit for bit too."""
+    from llamarl_core.ops import fp8
+
+    if not fp8.use_interpreter():
+        pytest.skip("checks the interpreter's walk of the GPU sub-tiles")
+    monkeypatch.setattr(fp8, "_INTERPRETER_SUBTILES", fp8._GPU_SUBTILES)
+    w = _inputs("outliers", shape, torch.bfloat16, 17)
+    q, scale = quantize_fp8(w, granularity, block_size, backend="triton")
+    _assert_same(q, scale, *quantize_fp8_ref(w, granularity, block_size))
+    amax = fp8.fp8_amax(w, granularity, block_size, backend="triton")
+    assert torch.equal(amax, fp8_amax_ref(w, granularity, block_size).reshape(amax.shape))

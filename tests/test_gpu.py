@@ -78,6 +78,18 @@ def test_fp8_triton_kernel_on_gpu_matches_reference(granularity, shape):
     assert torch.equal(scale.cpu(), scale_ref)
 
 
+def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref|, in float64 on the CPU."""
+    got, ref = got.detach().cpu().double(), ref.detach().cpu().double()
+    return ((got - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+
+
+def _tolerance(dtype, naive_error: float) -> float:
+    """float32: the CPU tests' 1e-5. bf16: twice the error of plain torch in bf16 on
+    the same GPU against the same float64 reference, plus a floor for tiny errors."""
+    return 1e-5 if dtype == torch.float32 else 2 * naive_error + 1e-6
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, v", [(97, 1001), (300, 128256)])
 def test_aipo_triton_kernels_on_gpu_match_reference(dtype, n, v):
@@ -87,18 +99,72 @@ def test_aipo_triton_kernels_on_gpu_match_reference(dtype, n, v):
     logits = (torch.randn(n, v, generator=gen) * 2).to(dtype)
     targets = torch.randint(0, v, (n,), generator=gen)
     behavior, advantages = -torch.rand(n, generator=gen) * 9, torch.randn(n, generator=gen)
-    x = logits.cuda().requires_grad_()
-    loss, stats = aipo_loss(x, targets.cuda(), behavior.cuda(), advantages.cuda(), temperature=0.7)
+    cuda = [t.cuda() for t in (targets, behavior, advantages)]
+
+    def run(fn, x, *, compute_dtype="default"):
+        x = x.clone().requires_grad_()
+        kw = {} if compute_dtype == "default" else {"compute_dtype": compute_dtype}
+        inputs = cuda if x.is_cuda else (targets, behavior, advantages)
+        out = fn(x, *inputs, temperature=0.7, **kw)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.backward()
+        return loss, x.grad
+
+    loss, grad = run(aipo_loss, logits.cuda())
+    ref, ref_grad = run(aipo_loss_ref, logits.double())
+    naive, naive_grad = run(aipo_loss_ref, logits.cuda(), compute_dtype=None)  # plain torch in `dtype`
+    assert _relative_error(loss, ref) <= _tolerance(dtype, _relative_error(naive, ref))
+    assert _relative_error(grad, ref_grad) <= _tolerance(dtype, _relative_error(naive_grad, ref_grad))
+
+    h = torch.randn(n, 64, generator=gen).to(dtype)
+    w = (torch.randn(v, 64, generator=gen) / 8).to(dtype)
+
+    def run_linear(fn, hidden, weight, **kw):
+        hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        inputs = cuda if hx.is_cuda else (targets, behavior, advantages)
+        if fn is linear_aipo_loss:
+            out, _ = fn(hx, wx, *inputs, temperature=0.7, chunk_size=64)
+        else:
+            out = fn(hx @ wx.t(), *inputs, temperature=0.7, **kw)
+        out.backward()
+        return out, hx.grad, wx.grad
+
+    ours = run_linear(linear_aipo_loss, h.cuda(), w.cuda())
+    ref64 = run_linear(aipo_loss_ref, h.double(), w.double())
+    naive = run_linear(aipo_loss_ref, h.cuda(), w.cuda(), compute_dtype=None)
+    for got, expected, plain in zip(ours, ref64, naive):
+        assert _relative_error(got, expected) <= _tolerance(dtype, _relative_error(plain, expected))
+
+
+def test_linear_aipo_weight_gradient_gemm_runs_in_bf16():
+    """With bf16 inputs on a GPU every GEMM of linear_aipo_loss takes bf16 operands
+    (tensor cores), the weight gradient accumulating in float32: no GEMM on
+    float32 upcasts of the hidden states or dlogits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from llamarl_core.ops.aipo import linear_aipo_loss
+
+    class GemmOperands(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name
+            if name in ("aten::mm", "aten::addmm"):
+                operands = args[:2] if name == "aten::mm" else args[1:3]
+                self.seen.append((str(func), tuple(t.dtype for t in operands)))
+            return func(*args, **(kwargs or {}))
+
+    n, hidden, vocab = 300, 256, 4096
+    h = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(vocab, hidden, device="cuda") / 16).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, vocab, (n,), device="cuda")
+    mode = GemmOperands()
+    with mode:
+        loss, _ = linear_aipo_loss(h, w, targets, torch.full((n,), -8.0, device="cuda"), torch.randn(n, device="cuda"),
+                                   chunk_size=64)
     loss.backward()
-    xr = logits.double().requires_grad_()
-    ref = aipo_loss_ref(xr, targets, behavior, advantages, temperature=0.7)
-    ref.backward()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert abs(loss.item() - ref.item()) <= tol * abs(ref.item())
-    assert ((x.grad.cpu().double() - xr.grad).abs().max() / xr.grad.abs().max()).item() <= tol
-    assert (stats.logprobs <= 0).all()
-    h = torch.randn(n, 64, generator=gen).to(dtype).cuda().requires_grad_()
-    w = (torch.randn(v, 64, generator=gen) / 8).to(dtype).cuda().requires_grad_()
-    linear_loss, _ = linear_aipo_loss(h, w, targets.cuda(), behavior.cuda(), advantages.cuda(), chunk_size=64)
-    linear_loss.backward()
-    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+    assert mode.seen, "no GEMM was recorded"
+    assert all(dtypes == (torch.bfloat16, torch.bfloat16) for _, dtypes in mode.seen), mode.seen
+    assert w.grad.dtype == torch.bfloat16 and torch.isfinite(w.grad.float()).all()

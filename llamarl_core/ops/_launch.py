@@ -1,10 +1,12 @@
-"""What every Triton launcher needs to know: interpreter mode and its lock."""
+"""What every Triton launcher needs: interpreter mode and its lock, block sizes,
+and one description of a launch that both runs it and compiles it ahead of time."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -27,3 +29,20 @@ def serialized(device: torch.device):
 def next_pow2(x: int) -> int:
     """The smallest power of two >= x (1 for x <= 1): Triton block sizes are powers of two."""
     return 1 << max(0, (x - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One Triton launch, fully described. Launchers build it and `launch()` it;
+    llamarl_core.ops.kernel_check compiles the same description for a GPU target
+    without a GPU, so what is compiled in the tests is what the launchers run."""
+
+    kernel: object  # a @triton.jit function
+    grid: tuple[int, ...]
+    args: dict  # runtime arguments by parameter name: tensors, ints, floats
+    constexprs: dict
+    num_warps: int
+
+    def launch(self, device: torch.device) -> None:
+        with serialized(device):
+            self.kernel[self.grid](**self.args, **self.constexprs, num_warps=self.num_warps)

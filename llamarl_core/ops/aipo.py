@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._launch import next_pow2, serialized, use_interpreter
+from ._launch import KernelLaunch, next_pow2, use_interpreter
 
 IGNORE_INDEX = -100
 LOSS_TYPES = ("aipo", "ppo", "ppo_tis")
@@ -46,7 +46,7 @@ class AIPOStats:
     logprobs: torch.Tensor  # (num_tokens,) learner log-probs, float32
     mean_ratio: torch.Tensor  # mean exp(logp - b)
     truncated_fraction: torch.Tensor  # fraction of tokens with exp(logp - b) > rho
-    mismatch_kl: torch.Tensor  # k3 estimate of KL(behaviour || learner): exp(b - logp) - (b - logp) - 1
+    mismatch_kl: torch.Tensor  # k3 estimate of KL(behaviour || learner): r - 1 - log r, r = exp(logp - b)
     entropy: torch.Tensor | None = None  # mean entropy of the learner distribution, if asked for
 
 
@@ -125,12 +125,58 @@ def _use_triton(logits: torch.Tensor) -> bool:
     return logits.device.type == "cuda" or (logits.device.type == "cpu" and use_interpreter())
 
 
-def _block_v(vocab: int, device: torch.device) -> int:
-    """Vocabulary block: 4096 on a GPU (16 fp32 values per thread at 8 warps); in the
-    interpreter one block per row where possible, as each program instance costs
-    about 0.5 ms there (shared/MACHINE.md: V=32000 takes 0.16 s at 32768, 2.8 s at 1024)."""
-    cap = 4096 if device.type == "cuda" else 32768
-    return min(cap, max(16, next_pow2(vocab)))
+def _block_v(vocab: int, on_gpu: bool) -> int:
+    """Vocabulary block: 4096 on a GPU (16 fp32 values per thread at 8 warps; a
+    smaller vocabulary only masks lanes, and one block size is one compiled
+    variant); in the interpreter one block per row where possible, as each
+    program instance costs about 0.5 ms there (shared/MACHINE.md: V=32000 takes
+    0.16 s at 32768, 2.8 s at 1024)."""
+    if on_gpu:
+        return 4096
+    return min(32768, max(16, next_pow2(vocab)))
+
+
+_LOGPROB_NUM_WARPS = 8
+
+
+def _forward_launch(logits, targets, lse, logp, ent, temperature: float, on_gpu: bool) -> KernelLaunch:
+    from llamarl_core.kernels.logprob import logprob_fwd_kernel
+
+    n, v = logits.shape
+    return KernelLaunch(
+        logprob_fwd_kernel, (n,),
+        dict(logits_ptr=logits, targets_ptr=targets, lse_ptr=lse, logp_ptr=logp,
+             entropy_ptr=ent if ent is not None else lse, vocab=v, stride_row=logits.stride(0),
+             inv_temperature=1.0 / temperature),
+        dict(IGNORE_INDEX=IGNORE_INDEX, BLOCK_V=_block_v(v, on_gpu), COMPUTE_ENTROPY=ent is not None),
+        _LOGPROB_NUM_WARPS)
+
+
+def _backward_launch(logits, dlogits, targets, lse, coef, temperature: float, on_gpu: bool) -> KernelLaunch:
+    from llamarl_core.kernels.logprob import logprob_bwd_kernel
+
+    n, v = logits.shape
+    return KernelLaunch(
+        logprob_bwd_kernel, (n,),
+        dict(logits_ptr=logits, dlogits_ptr=dlogits, targets_ptr=targets, lse_ptr=lse, coef_ptr=coef, vocab=v,
+             stride_row=logits.stride(0), stride_drow=dlogits.stride(0), inv_temperature=1.0 / temperature),
+        dict(BLOCK_V=_block_v(v, on_gpu)), _LOGPROB_NUM_WARPS)
+
+
+def kernel_variants() -> list[tuple[str, KernelLaunch]]:
+    """Every (kernel, constexprs, argument types) the launchers can launch on a
+    GPU, on small CPU tensors standing in for CUDA ones: what a GPU must compile."""
+    variants = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        logits = torch.empty((4, 32000), dtype=dtype)
+        targets = torch.empty(4, dtype=torch.int64)
+        lse, logp, ent = (torch.empty(4, dtype=torch.float32) for _ in range(3))
+        for entropy in (False, True):
+            launch = _forward_launch(logits, targets, lse, logp, ent if entropy else None, 0.7, on_gpu=True)
+            variants.append((f"logprob forward, {dtype}{', entropy' if entropy else ''}", launch))
+        launch = _backward_launch(logits, torch.empty_like(logits), targets, lse, logp, 0.7, on_gpu=True)
+        variants.append((f"logprob backward, {dtype}", launch))
+    return variants
 
 
 def logprob_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool,
@@ -144,12 +190,7 @@ def logprob_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     if n == 0:
         return lse, logp, ent
     if _use_triton(logits):
-        from llamarl_core.kernels.logprob import logprob_fwd_kernel
-
-        with serialized(logits.device):
-            logprob_fwd_kernel[(n,)](logits, targets, lse, logp, ent if entropy else lse, v, logits.stride(0),
-                                     1.0 / temperature, IGNORE_INDEX=IGNORE_INDEX, BLOCK_V=_block_v(v, logits.device),
-                                     COMPUTE_ENTROPY=entropy, num_warps=8)
+        _forward_launch(logits, targets, lse, logp, ent, temperature, logits.device.type == "cuda").launch(logits.device)
         return lse, logp, ent
     _cpu_forward(logits, targets, 1.0 / temperature, lse, logp, ent, scratch)
     return lse, logp, ent
@@ -166,11 +207,8 @@ def logprob_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Ten
         return dlogits
     coef = coef.to(torch.float32).contiguous()
     if _use_triton(logits):
-        from llamarl_core.kernels.logprob import logprob_bwd_kernel
-
-        with serialized(logits.device):
-            logprob_bwd_kernel[(n,)](logits, dlogits, targets, lse, coef, v, logits.stride(0), dlogits.stride(0),
-                                     1.0 / temperature, BLOCK_V=_block_v(v, logits.device), num_warps=8)
+        _backward_launch(logits, dlogits, targets, lse, coef, temperature, logits.device.type == "cuda").launch(
+            logits.device)
         return dlogits
     _cpu_backward(logits, targets, lse, coef, 1.0 / temperature, dlogits)
     return dlogits
@@ -299,14 +337,17 @@ def _loss_and_coef(logp, behavior, advantages, old, weights, cfg):
 
 
 def _stats(logp, behavior, m, cfg, entropy) -> AIPOStats:
+    """Means over the masked tokens. The tokens were sampled from the behaviour
+    policy mu, so with r = pi / mu = exp(logp - b), E_mu[r - 1 - log r] =
+    KL(mu || pi): the k3 estimator, unbiased and never negative."""
     count = m.sum().clamp(min=1)
-    delta = (behavior - logp).clamp(max=80.0)  # exp(80) keeps the k3 estimate finite
-    ratio = torch.exp(-delta)
+    log_ratio = (logp - behavior).clamp(max=80.0)  # exp(80) keeps r and the estimate finite
+    ratio = torch.exp(log_ratio)
     return AIPOStats(
         logprobs=logp.detach(),
         mean_ratio=(ratio * m).sum() / count,
         truncated_fraction=((ratio > cfg.rho).to(torch.float32) * m).sum() / count,
-        mismatch_kl=((torch.exp(delta) - delta - 1) * m).sum() / count,
+        mismatch_kl=((ratio - 1 - log_ratio) * m).sum() / count,
         entropy=None if entropy is None else (entropy * m).sum() / count,
     )
 
@@ -335,6 +376,17 @@ class AIPOLossFunction(torch.autograd.Function):
         logits, targets, lse, coef = ctx.saved_tensors
         dlogits = logprob_backward(logits, targets, lse, coef * grad_loss, ctx.temperature)
         return dlogits, None, None, None, None, None, None, None
+
+
+def _accumulate_weight_grad(grad_w: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_w (float32) += dlogits^T @ h. On a GPU with bf16 / fp16 inputs the
+    GEMM runs in their dtype (tensor cores) and accumulates in float32 straight
+    into grad_w (addmm's out_dtype): upcasting both operands first would run it
+    in float32, off the tensor cores. On CPU, and for float32 inputs, in float32."""
+    if h.device.type == "cuda" and h.dtype != torch.float32:
+        torch.addmm(grad_w, dlogits.t(), h, out_dtype=torch.float32, out=grad_w)
+    else:
+        grad_w.addmm_(dlogits.t().to(torch.float32), h.to(torch.float32))
 
 
 class LinearAIPOLossFunction(torch.autograd.Function):
@@ -374,7 +426,7 @@ class LinearAIPOLossFunction(torch.autograd.Function):
                 if need_h:
                     torch.matmul(dlogits, weight, out=grad_h[rows])
                 if need_w:
-                    grad_w.addmm_(dlogits.t().to(torch.float32), h.to(torch.float32))
+                    _accumulate_weight_grad(grad_w, dlogits, h)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return _outputs(ctx, loss, logp, entropy)

@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from ._launch import next_pow2, serialized, use_interpreter
+from ._launch import KernelLaunch, use_interpreter
 
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -149,58 +149,121 @@ def e4m3_nearest_even_ref64(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- Triton launchers
 
 
-
-
 def _triton_kernels():
     from llamarl_core.kernels import fp8_quant
 
     return fp8_quant
 
 
-def _launch_amax(w: torch.Tensor, granularity: str, block_size) -> torch.Tensor:
-    """Per-group amax with the Triton reduction kernel."""
-    kernels = _triton_kernels()
-    n, k = w.shape
-    bn, bk = _tile(n, k, granularity, block_size)
-    grid = (-(-n // bn), -(-k // bk))
-    partial = torch.empty(grid, dtype=torch.float32, device=w.device)
-    rows = torch.empty((n, 1), dtype=torch.float32, device=w.device) if granularity == "channel" else partial
-    with serialized(w.device):
-        kernels.fp8_amax_kernel[grid](
-            w, partial if granularity != "channel" else rows, n, k, w.stride(0), w.stride(1),
-            BLOCK_N=bn, BLOCK_K=bk, PER_ROW=granularity == "channel", num_warps=8,
-        )
-    if granularity == "tensor":
-        return partial.amax() if partial.numel() else torch.zeros((), device=w.device)
-    return rows if granularity == "channel" else partial
+# Sub-tiles a program walks its region in. On a GPU 4096 elements, 16 per thread
+# at 8 warps: 46 registers, no spills on sm_90 (a whole 128 x 128 block took 219);
+# "wide" for rows longer than 512 (every LLM weight), "narrow" otherwise, so short
+# rows do not leave most lanes masked. In the interpreter, where each operation
+# costs the same whatever its size (about 0.5 ms per program instance), whole
+# blocks and 64K-element tiles: the FP8 tests ran 3x longer with the GPU's.
+_GPU_SUBTILES = {"block": (32, 128), "wide": (4, 1024), "narrow": (32, 128)}
+_INTERPRETER_SUBTILES = {"block": (128, 128), "wide": (16, 4096), "narrow": (128, 128)}
+_FP8_NUM_WARPS = 8
 
 
-def _tile(n: int, k: int, granularity: str, block_size) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) of one program: a block is a tile; a channel group is whole
-    rows (one pass per channel), as many as fit in about 16K elements (64 per thread
-    at 8 warps on a GPU); the per-tensor passes use 16K-element tiles too."""
+def _regions(n: int, k: int, granularity: str, block_size, on_gpu: bool) -> tuple[int, int, int, int]:
+    """(GROUP_N, GROUP_K, BLOCK_N, BLOCK_K): what one program owns and the sub-tile
+    it walks it in. A block: its block. A channel group: BLOCK_N whole rows (the
+    row amax is complete within one program). Per tensor: one sub-tile (the scale is given)."""
+    subtiles = _GPU_SUBTILES if on_gpu else _INTERPRETER_SUBTILES
+    bn, bk = subtiles["block" if granularity == "block" else "wide" if k > 512 else "narrow"]
     if granularity == "block":
-        return tuple(block_size)
-    bk = next_pow2(k) if granularity == "channel" else min(next_pow2(k), 1024)
-    return max(1, min(next_pow2(n), 16384 // bk)), bk
+        return block_size[0], block_size[1], bn, bk
+    if granularity == "channel":
+        return bn, max(k, 1), bn, bk
+    return bn, bk, bn, bk
 
 
-def _launch_quantize(w, q_bits, scale_out, granularity: str, block_size, given_scale: torch.Tensor | None) -> None:
-    """One fused pass (amax, scale, cast, both stores) for channel / block groups;
-    with `given_scale`, the cast pass alone (per-tensor, or scales reduced across ranks)."""
-    kernels = _triton_kernels()
+def _amax_shape(n: int, k: int, granularity: str, block_size, on_gpu: bool) -> tuple[int, int]:
+    """What the amax kernel writes: one value per row (channel) or per program's region."""
+    group_n, group_k, _, _ = _regions(n, k, granularity, block_size, on_gpu)
+    return (n, 1) if granularity == "channel" else (-(-n // group_n), -(-k // group_k))
+
+
+def _amax_launch(w: torch.Tensor, out: torch.Tensor, granularity: str, block_size, on_gpu: bool) -> KernelLaunch:
+    """Per-row amax (channel; out (N, 1)) or per-region amax (out: _amax_shape)."""
     n, k = w.shape
-    bn, bk = _tile(n, k, granularity, block_size)
-    grid = (-(-n // bn), -(-k // bk))
-    mode = {"tensor": 0, "channel": 1, "block": 2}[granularity]
-    scale_ptr = given_scale if given_scale is not None else scale_out
-    with serialized(w.device):
-        kernels.fp8_quantize_kernel[grid](
-            w, q_bits, scale_ptr, n, k, w.stride(0), w.stride(1), q_bits.stride(0),
-            scale_ptr.stride(0) if scale_ptr.dim() >= 1 else 0,
-            BLOCK_N=bn, BLOCK_K=bk, SCALE_MODE=mode, COMPUTE_SCALE=given_scale is None,
-            SOFTWARE_FP8=use_interpreter() or w.device.type == "cpu", num_warps=8,
-        )
+    group_n, group_k, bn, bk = _regions(n, k, granularity, block_size, on_gpu)
+    return KernelLaunch(
+        _triton_kernels().fp8_amax_kernel, (-(-n // group_n), -(-k // group_k)),
+        dict(w_ptr=w, out_ptr=out, N=n, K=k, stride_wn=w.stride(0), stride_wk=w.stride(1), GROUP_N=group_n,
+             GROUP_K=group_k),
+        dict(BLOCK_N=bn, BLOCK_K=bk, PER_ROW=granularity == "channel"), _FP8_NUM_WARPS)
+
+
+def _quantize_launch(w, q_bits, scale, granularity: str, block_size, compute_scale: bool, software_fp8: bool,
+                     on_gpu: bool) -> KernelLaunch:
+    """The cast (and, with compute_scale, the fused amax and scale) of `w` into
+    q_bits (uint8, contiguous); `scale` is read, or written when compute_scale."""
+    n, k = w.shape
+    group_n, group_k, bn, bk = _regions(n, k, granularity, block_size, on_gpu)
+    return KernelLaunch(
+        _triton_kernels().fp8_quantize_kernel, (-(-n // group_n), -(-k // group_k)),
+        dict(w_ptr=w, q_ptr=q_bits, scale_ptr=scale, N=n, K=k, stride_wn=w.stride(0), stride_wk=w.stride(1),
+             stride_qn=q_bits.stride(0), stride_sn=scale.stride(0) if scale.dim() >= 1 else 0, GROUP_N=group_n,
+             GROUP_K=group_k),
+        dict(BLOCK_N=bn, BLOCK_K=bk, SCALE_MODE={"tensor": 0, "channel": 1, "block": 2}[granularity],
+             COMPUTE_SCALE=compute_scale, SOFTWARE_FP8=software_fp8), _FP8_NUM_WARPS)
+
+
+def software_fp8_cast(device: torch.device) -> bool:
+    """Whether the kernels cast to e4m3 with integer arithmetic: in the interpreter
+    (its own cast rounds wrongly) and on GPUs before sm_89 (no e4m3 conversion
+    instruction: A100, A10); the hardware cast (round to nearest even, saturating) otherwise."""
+    if device.type != "cuda" or use_interpreter():
+        return True
+    return torch.cuda.get_device_capability(device) < (8, 9)
+
+
+def _launch_amax(w: torch.Tensor, granularity: str, block_size) -> torch.Tensor:
+    """Per-group amax with the Triton reduction kernel (tensor: the max of per-tile amaxes)."""
+    n, k = w.shape
+    if w.numel() == 0:
+        return torch.zeros(scale_shape((n, k), granularity, block_size), dtype=torch.float32, device=w.device)
+    on_gpu = w.device.type == "cuda"
+    out = torch.empty(_amax_shape(n, k, granularity, block_size, on_gpu), dtype=torch.float32, device=w.device)
+    _amax_launch(w, out, granularity, block_size, on_gpu).launch(w.device)
+    return out.amax() if granularity == "tensor" else out
+
+
+def _launch_quantize(w, q_bits, scale, granularity: str, block_size, compute_scale: bool) -> None:
+    """One fused pass (amax, scale, cast, both stores) for channel / block groups
+    with compute_scale; the cast pass alone with a given scale (per tensor, or
+    scales reduced across ranks)."""
+    if w.numel() == 0:
+        if compute_scale:
+            scale.fill_(1.0)  # an empty group is an all-zero group
+        return
+    _quantize_launch(w, q_bits, scale, granularity, block_size, compute_scale, software_fp8_cast(w.device),
+                     w.device.type == "cuda").launch(w.device)
+
+
+def kernel_variants() -> list[tuple[str, KernelLaunch]]:
+    """Every launch the launchers above can make, on small CPU tensors standing in
+    for CUDA ones: what a GPU must compile. Besides dtype, granularity and the
+    cast, the variant depends on the shape only through _regions (K above or
+    below 512)."""
+    variants = []
+    for dtype in INPUT_DTYPES:
+        for k in (1024, 256):
+            w = torch.empty((256, k), dtype=dtype)
+            q = torch.empty((256, k), dtype=torch.uint8)
+            for granularity in GRANULARITIES:
+                tag = f"{granularity}, {str(dtype).removeprefix('torch.')}, K {'> 512' if k > 512 else '<= 512'}"
+                amax = torch.empty(_amax_shape(256, k, granularity, DEFAULT_BLOCK, True), dtype=torch.float32)
+                variants.append((f"amax {tag}", _amax_launch(w, amax, granularity, DEFAULT_BLOCK, True)))
+                scale = torch.empty(scale_shape((256, k), granularity), dtype=torch.float32)
+                for compute in (False, True) if granularity != "tensor" else (False,):
+                    for software in (False, True):
+                        name = f"quantize {tag}{'' if compute else ', scale given'}{', software cast' if software else ''}"
+                        variants.append((name, _quantize_launch(w, q, scale, granularity, DEFAULT_BLOCK, compute,
+                                                                software, on_gpu=True)))
+    return variants
 
 
 # ----------------------------------------------------------------------------- CPU path
@@ -273,7 +336,7 @@ def cast_to_fp8(w, scale, granularity: str, block_size, out: torch.Tensor, backe
     """The cast pass into `out` with a per-group `scale`, no checks: for callers
     that already ran fp8_amax (which refuses NaN / inf) on `w`."""
     if _triton_path(w, backend):
-        _launch_quantize(w, out.view(torch.uint8), None, granularity, block_size, scale.contiguous())
+        _launch_quantize(w, out.view(torch.uint8), scale.contiguous(), granularity, block_size, compute_scale=False)
     else:
         _cpu_quantize_into(w, out, scale, granularity, block_size)
     return out
@@ -311,7 +374,7 @@ def quantize_fp8(w: torch.Tensor, granularity: str, block_size=DEFAULT_BLOCK, *,
         scale = scale_from_amax(fp8_amax(w, granularity, block_size, name=name, backend=backend))
         return cast_to_fp8(w, scale, granularity, block_size, q, backend), scale
     scale = torch.empty(scale_shape(tuple(w.shape), granularity, block_size), dtype=torch.float32, device=w.device)
-    _launch_quantize(w, q.view(torch.uint8), scale, granularity, block_size, None)
+    _launch_quantize(w, q.view(torch.uint8), scale, granularity, block_size, compute_scale=True)
     raise_if_not_finite(scale, name)  # a group holding NaN / inf gets an inf scale
     return q, scale
 
