@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..models.llama_generator import LlamaGenerator
 from ..sync import SyncError, WeightReceiver, WeightSender, hf_llama_fsdp, vllm_llama_tp
 from .config import TrainConfig
-from .learner import collate, policy_loss, supervised_warmup
+from .learner import check_packed_rows_attend_within_samples, collate, policy_loss, supervised_warmup
 from .rollout import RolloutEngine, Sample
 from .task import load_task
 
@@ -242,6 +242,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
     _process_group(store, TRAINER, rank, world, config.timeout_s)
     torch.manual_seed(config.seed)
     model = transformers.LlamaForCausalLM(model_config)
+    check_packed_rows_attend_within_samples(model)  # before any step trains on packed rows
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

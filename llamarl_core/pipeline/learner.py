@@ -82,6 +82,35 @@ def _logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[:, :-1]
 
 
+def check_packed_rows_attend_within_samples(model) -> None:
+    """Raise unless `model`'s class, with its attention implementation, keeps the
+    samples of a packed row apart. Packed rows rely on transformers detecting
+    packing from position ids that restart (with use_cache=False): 4.53.1 and
+    later do; 4.51 to 4.53.0 let the samples attend to each other (logits off by
+    0.13 on a tiny Llama), which would train on wrong log-probs without a sign.
+    Checked once at trainer start on a tiny model of the same class: two samples
+    packed in one row against each run alone."""
+    config = model.config.__class__(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    config._attn_implementation = model.config._attn_implementation
+    prompts, completions = [[1, 5, 6], [1, 7]], [[8, 9, 10], [11, 12, 13, 14]]
+    packed = _pack(prompts, completions, pad_token_id=0)
+    with torch.random.fork_rng(), torch.no_grad():  # the caller's random stream stays as it was
+        torch.manual_seed(0)
+        tiny = model.__class__(config).eval()
+        logits = _logits(tiny, torch.from_numpy(packed.input_ids), torch.from_numpy(packed.position_ids))
+        alone = torch.cat([tiny(input_ids=torch.tensor([p + c]), use_cache=False).logits[0, len(p) - 1: -1]
+                           for p, c in zip(prompts, completions)])
+    error = (logits[packed.predicted_at] - alone).abs().max().item()
+    if packed.input_ids.shape[0] != 1 or error > 1e-4:
+        import transformers
+
+        raise RuntimeError(
+            f"transformers {transformers.__version__} ({config._attn_implementation} attention) lets packed samples "
+            f"attend to each other (logits off by {error:.3g}); the trainer packs samples into rows: install "
+            "transformers>=4.53.1")
+
+
 def collate(samples: list[Sample], pad_token_id: int) -> Batch:
     """Samples with rewards -> a packed Batch; advantages are rewards centred over
     the samples of the same prompt (group), as AIPO does."""
