@@ -14,6 +14,10 @@ run it measures, on the same bytes:
                   any hand-shake)
 GB/s = model bytes (the Hugging Face parameters in the generator dtype) / time
 of one sync, from the first rank starting to the last one finishing.
+
+With --device cuda every rank holds its tensors on GPU 0 (one process per rank,
+so the engine goes over CUDA IPC) and the limit is a device-to-device copy of
+the same bytes in one process (cudaMemcpy); the host-only peers are skipped.
 """
 
 from __future__ import annotations
@@ -65,13 +69,14 @@ def _timed_rounds(store: dist.Store, method: str, who: str, rounds: int, step) -
         store.set(f"{method}/time/{i}/{who}", f"{start},{time.perf_counter()}")
 
 
-def _random_shards(layout, rank: int, seed: int) -> dict[str, torch.Tensor]:
+def _random_shards(layout, rank: int, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    return {n: torch.randn(layout.local_shape(n, rank), generator=gen).to(s.dtype) for n, s in layout.params.items()}
+    return {n: torch.randn(layout.local_shape(n, rank), generator=gen).to(s.dtype).to(device)
+            for n, s in layout.params.items()}
 
 
-def _zeros(layout, rank: int) -> dict[str, torch.Tensor]:
-    return {n: torch.zeros(layout.local_shape(n, rank), dtype=s.dtype) for n, s in layout.params.items()}
+def _zeros(layout, rank: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    return {n: torch.zeros(layout.local_shape(n, rank), dtype=s.dtype, device=device) for n, s in layout.params.items()}
 
 
 def _engine_rank(port, role, rank, spec, transport, rounds, threads) -> None:
@@ -80,12 +85,13 @@ def _engine_rank(port, role, rank, spec, transport, rounds, threads) -> None:
     method = f"engine_{transport}"
     if role == "src":
         layout = hf_llama_fsdp(config, spec.fsdp, DTYPES[spec.src_dtype])
-        ep = WeightSender(store, layout, rank, _random_shards(layout, rank, 0), name=method, transport=transport,
-                          timeout=300, num_threads=threads)
+        ep = WeightSender(store, layout, rank, _random_shards(layout, rank, 0, spec.device), name=method,
+                          transport=transport, timeout=300, num_threads=threads)
         _timed_rounds(store, method, f"src{rank}", rounds, lambda i: ep.send(i))
     else:
         layout = vllm_llama_tp(config, spec.tp, torch.bfloat16)
-        ep = WeightReceiver(store, layout, rank, _zeros(layout, rank), name=method, transport=transport, timeout=300)
+        ep = WeightReceiver(store, layout, rank, _zeros(layout, rank, spec.device), name=method, transport=transport,
+                            timeout=300)
         _timed_rounds(store, method, f"dst{rank}", rounds, lambda i: ep.receive())
     store.wait([f"{method}/finish"], _WAIT)
     ep.close()
@@ -187,16 +193,21 @@ def _run_method(store, method: str, procs: list, who: list[str], rounds: int, wa
     return times[warmup:]
 
 
-def measure_memcpy(nbytes: int, repeats: int) -> list[float]:
-    """One flat copy of `nbytes` in this process with every core (torch copy_)."""
+def measure_memcpy(nbytes: int, repeats: int, device: str = "cpu") -> list[float]:
+    """One flat copy of `nbytes` in this process (torch copy_): with every core on
+    the host, cudaMemcpy device to device on a GPU."""
     torch.set_num_threads(os.cpu_count() or 1)
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.zeros_like(src)
     dst.copy_(src)  # touch every page first
     samples = []
     for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
         samples.append(time.perf_counter() - start)
     return samples
 
@@ -207,7 +218,7 @@ def run(spec) -> dict:
     rounds = spec.warmup + spec.repeats
     # The limit is sampled before and after the other methods and pooled, so that
     # drift of this shared machine during the run hits both sides alike.
-    memcpy = measure_memcpy(nbytes, rounds)[spec.warmup:]
+    memcpy = measure_memcpy(nbytes, rounds, spec.device)[spec.warmup:]
     results = {}
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=_WAIT)
     ctx = tmp.get_context("spawn")
@@ -220,30 +231,34 @@ def run(spec) -> dict:
                   for r in range(spec.tp)]
         who = [f"src{r}" for r in range(spec.fsdp)] + [f"dst{r}" for r in range(spec.tp)]
         results[method] = _run_method(store, method, procs, who, rounds, spec.warmup)
-    procs = [ctx.Process(target=_broadcast_rank, args=(store.port, r, spec, rounds)) for r in range(1 + spec.tp)]
-    results["gloo_broadcast"] = _run_method(store, "bcast", procs, [f"rank{r}" for r in range(1 + spec.tp)], rounds,
-                                            spec.warmup)
-    queues = [ctx.Queue() for _ in range(spec.tp)]
-    procs = [ctx.Process(target=_mp_shared_rank, args=(store.port, "src", r, spec, rounds, queues)) for r in range(spec.fsdp)]
-    procs += [ctx.Process(target=_mp_shared_rank, args=(store.port, "dst", r, spec, rounds, queues)) for r in range(spec.tp)]
-    results["mp_shared"] = _run_method(store, "mp", procs, [f"dst{r}" for r in range(spec.tp)], rounds, spec.warmup)
-    results = {"memcpy": memcpy + measure_memcpy(nbytes, rounds)[spec.warmup:], **results}
+    if spec.device == "cpu":  # host-side peers
+        procs = [ctx.Process(target=_broadcast_rank, args=(store.port, r, spec, rounds)) for r in range(1 + spec.tp)]
+        results["gloo_broadcast"] = _run_method(store, "bcast", procs, [f"rank{r}" for r in range(1 + spec.tp)],
+                                                rounds, spec.warmup)
+        queues = [ctx.Queue() for _ in range(spec.tp)]
+        procs = [ctx.Process(target=_mp_shared_rank, args=(store.port, "src", r, spec, rounds, queues))
+                 for r in range(spec.fsdp)]
+        procs += [ctx.Process(target=_mp_shared_rank, args=(store.port, "dst", r, spec, rounds, queues))
+                  for r in range(spec.tp)]
+        results["mp_shared"] = _run_method(store, "mp", procs, [f"dst{r}" for r in range(spec.tp)], rounds,
+                                           spec.warmup)
+    results = {"memcpy": memcpy + measure_memcpy(nbytes, rounds, spec.device)[spec.warmup:], **results}
     stats = {name: summarize(samples) for name, samples in results.items()}
     gbps = {name: nbytes / s["median"] / 1e9 for name, s in stats.items()}
-    engine = gbps.get("engine_auto", gbps.get("engine_shm"))
+    engine = next((gbps[m] for m in ("engine_auto", "engine_shm", "engine_cuda_ipc") if m in gbps), None)
     ratios = {}
     if engine is not None:
-        ratios = {
-            "engine_vs_memcpy": engine / gbps["memcpy"],
-            "engine_vs_gloo_broadcast": engine / gbps["gloo_broadcast"],
-            "engine_vs_mp_shared": engine / gbps["mp_shared"],
-        }
+        ratios["engine_vs_memcpy"] = engine / gbps["memcpy"]
+        for peer in ("gloo_broadcast", "mp_shared"):
+            if peer in gbps:
+                ratios[f"engine_vs_{peer}"] = engine / gbps[peer]
     if "engine_p2p" in gbps:
         ratios["p2p_vs_gloo_broadcast"] = gbps["engine_p2p"] / gbps["gloo_broadcast"]
     return {
         "model_bytes": nbytes,
         "config": {k: v for k, v in vars(config).items()},
         "fsdp": spec.fsdp, "tp": spec.tp, "src_dtype": spec.src_dtype, "copy_threads_per_sender": threads,
+        "device": spec.device, "repeats": spec.repeats,
         "seconds": stats, "gbps": gbps, "ratios": ratios,
     }
 
@@ -252,6 +267,7 @@ LABELS = {
     "memcpy": "memcpy, one process (limit)",
     "engine_auto": "llamarl engine (shared memory)",
     "engine_shm": "llamarl engine (shared memory)",
+    "engine_cuda_ipc": "llamarl engine (CUDA IPC)",
     "engine_p2p": "llamarl engine (gloo point-to-point)",
     "gloo_broadcast": "gloo broadcast of full tensors",
     "mp_shared": "torch.multiprocessing shared tensors",
@@ -261,11 +277,15 @@ LABELS = {
 def report(result: dict) -> str:
     rows = [["method", "GB/s", "median s", "min s", "max s"]]
     for name, s in result["seconds"].items():
-        rows.append([LABELS[name], f"{result['gbps'][name]:.2f}", f"{s['median']:.4f}", f"{s['min']:.4f}", f"{s['max']:.4f}"])
+        label = LABELS[name]
+        if result["device"] == "cuda":  # what the same methods are on a GPU
+            label = {"memcpy": "cudaMemcpy device to device, one process (limit)",
+                     "engine_auto": LABELS["engine_cuda_ipc"]}.get(name, label)
+        rows.append([label, f"{result['gbps'][name]:.2f}", f"{s['median']:.4f}", f"{s['min']:.4f}", f"{s['max']:.4f}"])
     ratios = "\n".join(f"- {k.replace('_', ' ')}: {v:.2f}x" for k, v in result["ratios"].items())
     head = (f"Model {result['model_bytes'] / 2**30:.3f} GiB bf16 ({result['config']['num_hidden_layers']} layers, "
             f"hidden {result['config']['hidden_size']}), FSDP {result['fsdp']} ({result['src_dtype']}) -> TP {result['tp']} (bf16), "
-            f"{result['seconds']['engine_auto' if 'engine_auto' in result['seconds'] else 'gloo_broadcast']['n']} timed syncs each "
+            f"tensors on {result['device']}, {result['repeats']} timed syncs each "
             f"(memcpy: {result['seconds']['memcpy']['n']}, before and after).")
     return f"{head}\n\n{table(rows)}\n\n{ratios}\n"
 
@@ -282,7 +302,9 @@ def parse_args(argv):
     p.add_argument("--fsdp", type=int, default=2, help="trainer ranks")
     p.add_argument("--tp", type=int, default=2, help="generator tensor-parallel ranks")
     p.add_argument("--src-dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--transports", nargs="+", default=["auto", "p2p"], choices=["auto", "shm", "p2p"])
+    p.add_argument("--transports", nargs="+", default=["auto", "p2p"], choices=["auto", "shm", "cuda_ipc", "p2p"])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where every rank holds its tensors (cuda: GPU 0, one process per rank)")
     p.add_argument("--threads", type=int, default=0, help="copy threads per sender (default: cores / senders)")
     p.add_argument("--warmup", type=int, default=2, help="untimed syncs first (the first ones run 30-50%% slower)")
     p.add_argument("--repeats", type=int, default=5)
@@ -292,6 +314,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     spec = parse_args(sys.argv[1:] if argv is None else argv)
+    if spec.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA device")
     result = run(spec)
     if not spec.no_record:
         append_csv("sync", {f"{k}_gbps": v for k, v in result["gbps"].items()} | result["ratios"],

@@ -5,6 +5,8 @@
     llamarl bench fp8 [options]     FP8 weight quantization throughput
     llamarl bench aipo [options]    AIPO loss time and peak memory
     llamarl bench pipeline [options] RL throughput and reward beside TRL's GRPOTrainer
+    llamarl bench gpu [options]     the GPU kernels and CUDA copy engine beside the copy bandwidth
+    llamarl check gpu [options]     every GPU test and bench in one table (the compile check without a GPU)
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ commands:
                 Liger-Kernel's chunked GRPO loss (llamarl bench aipo --help)
   bench pipeline  completion tokens/s and reward of our async and sync modes
                 beside TRL's GRPOTrainer (llamarl bench pipeline --help)
+  bench gpu     FP8 quantization, the AIPO kernels and weight sync over CUDA
+                IPC beside the GPU's copy bandwidth (llamarl bench gpu --help)
+  check gpu     every `gpu` test, the GPU benches and compute-sanitizer, one
+                table; without a GPU, every Triton kernel compiled for
+                sm_80 / 90 / 100 (llamarl check gpu --help)
 """
 
 BENCHES = {
@@ -32,6 +39,7 @@ BENCHES = {
     "fp8": "llamarl_core.bench.bench_fp8",
     "aipo": "llamarl_core.bench.bench_aipo",
     "pipeline": "llamarl_core.bench.bench_pipeline",
+    "gpu": "llamarl_core.bench.bench_gpu",
 }
 
 
@@ -41,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         from .pipeline.train_cli import main as train_main
 
         return train_main(argv[1:])
+    if argv and argv[0] == "check":
+        from .check import main as check_main
+
+        return check_main(argv[1:])
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
         import importlib
 

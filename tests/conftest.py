@@ -14,6 +14,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        # The Triton cases run on CUDA tensors there: `pytest -m gpu` (llamarl check gpu) takes them too.
+        for item in items:
+            if "triton-cuda" in item.name:
+                item.add_marker(pytest.mark.gpu)
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -4,6 +4,7 @@ bounds. The interpreter the other tests run in checks almost nothing the GPU
 compiler does (it ran an FP8 kernel that no GPU compiler accepts)."""
 
 import ast
+import re
 import os
 import subprocess
 import sys
@@ -90,3 +91,16 @@ def test_the_check_catches_what_the_interpreter_lets_through(tmp_path):
     compiled = subprocess.run([sys.executable, "-c", probe, str(tmp_path), "compile"], capture_output=True, text=True,
                               timeout=120, env=env)
     assert "Cannot access global variable LIMIT" in compiled.stdout, compiled.stdout + compiled.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="with a GPU, llamarl check gpu runs the GPU tests")
+def test_check_gpu_without_a_gpu_says_so_and_runs_the_compile_check():
+    import tempfile
+
+    out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "check", "gpu"], capture_output=True, text=True,
+                         timeout=900, cwd=tempfile.gettempdir())
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "No CUDA device is visible" in out.stdout
+    compiled = re.search(r"Compile check: (\d+) of (\d+) compiled \(passed\)", out.stdout)
+    assert compiled and compiled.group(1) == compiled.group(2) and int(compiled.group(1)) > 100, out.stdout[-2000:]
+    assert re.search(r"\| fp8_quantize_kernel \| \d+ of \d+ \| \d+ \| 0 \|", out.stdout)

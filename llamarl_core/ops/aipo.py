@@ -173,9 +173,9 @@ def kernel_variants() -> list[tuple[str, KernelLaunch]]:
         lse, logp, ent = (torch.empty(4, dtype=torch.float32) for _ in range(3))
         for entropy in (False, True):
             launch = _forward_launch(logits, targets, lse, logp, ent if entropy else None, 0.7, on_gpu=True)
-            variants.append((f"logprob forward, {dtype}{', entropy' if entropy else ''}", launch))
+            variants.append((f"logprob forward, {str(dtype).removeprefix('torch.')}{', entropy' if entropy else ''}", launch))
         launch = _backward_launch(logits, torch.empty_like(logits), targets, lse, logp, 0.7, on_gpu=True)
-        variants.append((f"logprob backward, {dtype}", launch))
+        variants.append((f"logprob backward, {str(dtype).removeprefix('torch.')}", launch))
     return variants
 
 

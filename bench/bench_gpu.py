@@ -1,0 +1,152 @@
+"""`llamarl bench gpu`: the Triton kernels and the CUDA copy engine beside the
+GPU's own copy bandwidth and the naive torch ops, measured in one run.
+
+  copy           a 1 GiB device-to-device copy (torch copy_, cudaMemcpy): the
+                 limit. GB/s counts bytes read + written.
+  fp8 quantize   quantize_fp8 (Triton) of a 14336 x 4096 bf16 weight per tensor,
+                 channel and 128 x 128 block: 2 bytes read + 1 written per
+                 element (+ scales); beside a copy of the same weight.
+  aipo           aipo_loss forward + backward on bf16 logits (4096 tokens x vocab
+                 128256): logits read twice, dlogits written once (6 bytes per
+                 element); beside the naive torch loss (float32 log_softmax +
+                 gather + autograd) on the same logits: time and peak memory.
+  weight sync    `llamarl bench sync --device cuda`: WeightSender -> WeightReceiver
+                 in two processes on GPU 0 over CUDA IPC, beside cudaMemcpy of the
+                 same bytes in one process.
+Times are medians of CUDA-synchronized repeats after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from llamarl_core.bench import bench_sync
+from llamarl_core.bench.harness import add_output_args, append_csv, summarize, table, update_results_md
+
+
+def _time_cuda(fn, repeats: int, warmup: int = 2) -> dict:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    return summarize(samples)
+
+
+def copy_bandwidth(nbytes: int, repeats: int) -> float:
+    """Bytes read + written per second by a device-to-device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _time_cuda(lambda: dst.copy_(src), repeats)["median"]
+
+
+def fp8_rows(copy_bps: float, repeats: int, shape=(14336, 4096)) -> list[dict]:
+    from llamarl_core.ops.fp8 import quantize_fp8, scale_shape
+
+    n, k = shape
+    w = torch.randn(shape, device="cuda").to(torch.bfloat16)
+    rows = []
+    for granularity in ("tensor", "channel", "block"):
+        nbytes = n * k * 3 + 4 * torch.Size(scale_shape(shape, granularity)).numel()
+        stats = _time_cuda(lambda: quantize_fp8(w, granularity), repeats)
+        rows.append({"what": f"fp8 quantize {n}x{k} bf16, {granularity}", "seconds": stats["median"],
+                     "gbps": nbytes / stats["median"] / 1e9, "vs_copy": nbytes / stats["median"] / copy_bps})
+    return rows
+
+
+def aipo_rows(copy_bps: float, repeats: int, tokens: int = 4096, vocab: int = 128256) -> list[dict]:
+    from llamarl_core.ops.aipo import aipo_loss, aipo_loss_ref
+
+    logits = (torch.randn(tokens, vocab, device="cuda") * 2).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (tokens,), device="cuda")
+    behavior, advantages = -torch.rand(tokens, device="cuda") * 9, torch.randn(tokens, device="cuda")
+
+    def fused():
+        x = logits.detach().requires_grad_()
+        aipo_loss(x, targets, behavior, advantages)[0].backward()
+
+    def naive():
+        x = logits.detach().requires_grad_()
+        aipo_loss_ref(x, targets, behavior, advantages, compute_dtype=torch.float32).backward()
+
+    rows, results = [], {}
+    for name, fn in (("fused", fused), ("naive", naive)):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        stats = _time_cuda(fn, repeats)
+        results[name] = (stats["median"], (torch.cuda.max_memory_allocated() - base) / 2**20)
+    nbytes = tokens * vocab * 6
+    (fused_s, fused_mib), (naive_s, naive_mib) = results["fused"], results["naive"]
+    rows.append({"what": f"aipo_loss fwd + bwd, {tokens} x {vocab} bf16", "seconds": fused_s,
+                 "gbps": nbytes / fused_s / 1e9, "vs_copy": nbytes / fused_s / copy_bps,
+                 "peak_mib": fused_mib, "vs_naive": naive_s / fused_s})
+    rows.append({"what": "naive torch loss (float32 log_softmax, autograd), same logits", "seconds": naive_s,
+                 "gbps": nbytes / naive_s / 1e9, "vs_copy": nbytes / naive_s / copy_bps, "peak_mib": naive_mib})
+    return rows
+
+
+def sync_rows(repeats: int) -> list[dict]:
+    """`llamarl bench sync --device cuda --transports cuda_ipc --fsdp 1 --tp 1`: about 1 GiB of bf16."""
+    spec = bench_sync.parse_args(["--device", "cuda", "--transports", "cuda_ipc", "--fsdp", "1", "--tp", "1",
+                                  "--repeats", str(repeats), "--no-record"])
+    result = bench_sync.run(spec)
+    engine, limit = result["gbps"]["engine_cuda_ipc"], result["gbps"]["memcpy"]
+    return [{"what": f"weight sync over CUDA IPC, 2 processes, {result['model_bytes'] / 2**30:.2f} GiB bf16",
+             "seconds": result["seconds"]["engine_cuda_ipc"]["median"], "gbps": engine, "vs_copy": engine / limit},
+            {"what": "cudaMemcpy of the same bytes, one process", "seconds": result["seconds"]["memcpy"]["median"],
+             "gbps": limit, "vs_copy": 1.0}]
+
+
+def run(spec) -> dict:
+    copy_bps = copy_bandwidth(1 << 30, spec.repeats)
+    rows = [{"what": "device-to-device copy, 1 GiB (read + write)", "seconds": None, "gbps": copy_bps / 1e9,
+             "vs_copy": 1.0}]
+    rows += fp8_rows(copy_bps, spec.repeats)
+    rows += aipo_rows(copy_bps, spec.repeats)
+    if not spec.no_sync:
+        rows += sync_rows(spec.repeats)
+    return {"device": torch.cuda.get_device_name(), "rows": rows}
+
+
+def report(result: dict) -> str:
+    lines = [["what", "GB/s", "x copy bandwidth", "median ms", "peak MiB", "x naive"]]
+    for r in result["rows"]:
+        lines.append([r["what"], f"{r['gbps']:.0f}", f"{r['vs_copy']:.2f}",
+                      "" if r["seconds"] is None else f"{r['seconds'] * 1e3:.2f}",
+                      f"{r['peak_mib']:.0f}" if "peak_mib" in r else "", f"{r['vs_naive']:.2f}" if "vs_naive" in r else ""])
+    return f"{result['device']}.\n\n{table(lines)}\n"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="llamarl bench gpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--no-sync", action="store_true", help="skip the weight sync between processes")
+    add_output_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    spec = parse_args(sys.argv[1:] if argv is None else argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("llamarl bench gpu needs a CUDA device")
+    result = run(spec)
+    if not spec.no_record:
+        append_csv("gpu", {r["what"]: r["vs_copy"] for r in result["rows"]}, {"device": result["device"]})
+        update_results_md("GPU kernels and copy engine (`llamarl bench gpu`)", report(result))
+    print(json.dumps(result, indent=2) if spec.json else report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""`llamarl check gpu`: everything that needs a GPU, in one command and one table.
+
+With a CUDA device: every test marked `gpu` (the Triton kernels on CUDA tensors,
+the CUDA copy engine, weight sync over CUDA IPC between processes), the GPU
+benches (`llamarl bench gpu`: FP8 quantization and the AIPO kernels beside the
+device's copy bandwidth and naive torch, weight sync beside cudaMemcpy), and
+`compute-sanitizer --tool memcheck` on the sync test where it is installed.
+Without one it says so and runs what needs no GPU: every Triton kernel variant
+compiled for sm_80 / sm_90 / sm_100 (llamarl_core.ops.kernel_check).
+Exit status 0 when everything it ran passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+# The one test that moves weights between processes over CUDA IPC: what memcheck watches.
+SANITIZED_TEST = ("test_gpu.py", "test_sync_between_processes_over_cuda_ipc")
+_PYTEST_SUMMARY = re.compile(r"^=*\s*(.*\d+ (passed|failed|skipped|error).*?)\s*=*$", re.MULTILINE)
+_SANITIZER_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+
+
+def find_tests(given: str | None) -> Path | None:
+    """The repository's tests/ folder: --tests, else ./tests, else beside the package (a source checkout)."""
+    candidates = [Path(given)] if given else [Path.cwd() / "tests", Path(__file__).resolve().parents[1] / "tests"]
+    return next((p for p in candidates if (p / "conftest.py").exists()), None)
+
+
+def run_gpu_tests(tests: Path, timeout_s: float) -> tuple[bool, str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", str(tests)],
+                         capture_output=True, text=True, timeout=timeout_s, cwd=tests.parent)
+    print(out.stdout[-6000:], out.stderr[-2000:], sep="\n", flush=True)
+    summary = _PYTEST_SUMMARY.findall(out.stdout)
+    return out.returncode == 0, summary[-1][0] if summary else f"pytest exited {out.returncode}"
+
+
+def run_sanitizer(tests: Path, timeout_s: float) -> tuple[bool | None, str]:
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        return None, "compute-sanitizer not installed: skipped"
+    test_file, test_name = SANITIZED_TEST
+    out = subprocess.run([sanitizer, "--tool", "memcheck", "--target-processes", "all", sys.executable, "-m", "pytest",
+                          "-q", "-p", "no:cacheprovider", f"{tests / test_file}::{test_name}"],
+                         capture_output=True, text=True, timeout=timeout_s, cwd=tests.parent)
+    errors = [int(n) for n in _SANITIZER_SUMMARY.findall(out.stdout + out.stderr)]
+    ok = out.returncode == 0 and not any(errors)
+    return ok, f"memcheck on {test_name}: {sum(errors)} errors in {len(errors)} processes, exit {out.returncode}"
+
+
+def check_without_gpu() -> int:
+    from llamarl_core.ops.kernel_check import compile_all
+
+    print("No CUDA device is visible (torch.cuda.is_available() is False): the GPU tests and benches need one.\n"
+          "Running what needs no GPU: every Triton kernel variant compiled for sm_80, sm_90 and sm_100.", flush=True)
+    rows = compile_all()
+    failed = [r for r in rows if r.error is not None]
+    by_kernel: dict[str, list] = {}
+    for r in rows:
+        by_kernel.setdefault(r.kernel, []).append(r)
+    print("\n| kernel | variants x archs compiled | max registers / thread | spill bytes |\n|---|---|---|---|")
+    for kernel, group in by_kernel.items():
+        ok = [r for r in group if r.error is None]
+        print(f"| {kernel} | {len(ok)} of {len(group)} | {max((r.registers for r in ok), default='-')} | "
+              f"{sum(r.spill_bytes for r in ok)} |")
+    for r in failed:
+        print(f"FAILED {r.name} on sm_{r.arch}: {r.error}")
+    print(f"\nCompile check: {len(rows) - len(failed)} of {len(rows)} compiled "
+          f"({'passed' if not failed else 'FAILED'}). Full table: python -m llamarl_core.ops.kernel_check")
+    return 1 if failed else 0
+
+
+def check_gpu(args) -> int:
+    from llamarl_core.bench import bench_gpu
+
+    print(f"CUDA device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    lines, ok = [], True
+    tests = find_tests(args.tests)
+    if tests is None:
+        lines.append(("gpu tests", "tests/ not found: run from a source checkout or pass --tests DIR"))
+        ok = False
+    else:
+        passed, summary = run_gpu_tests(tests, args.timeout)
+        ok &= passed
+        lines.append(("gpu tests (pytest -m gpu)", summary))
+    if not args.no_bench:
+        result = bench_gpu.run(bench_gpu.parse_args(["--repeats", str(args.repeats), "--no-record"]))
+        print(bench_gpu.report(result), flush=True)
+        for r in result["rows"]:
+            lines.append((r["what"], f"{r['gbps']:.0f} GB/s, {r['vs_copy']:.2f}x copy bandwidth"
+                          + (f", {r['vs_naive']:.2f}x faster than naive" if "vs_naive" in r else "")))
+    if tests is not None and not args.no_sanitizer:
+        clean, summary = run_sanitizer(tests, args.timeout)
+        ok &= clean is not False
+        lines.append(("compute-sanitizer", summary))
+    print("\n| check | result |\n|---|---|")
+    for name, result in lines:
+        print(f"| {name} | {result} |")
+    print(f"\nllamarl check gpu: {'passed' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llamarl check gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["gpu"], help="what to check")
+    parser.add_argument("--tests", help="the repository's tests/ folder (default: ./tests, or beside the package)")
+    parser.add_argument("--no-bench", action="store_true", help="skip the GPU benches")
+    parser.add_argument("--no-sanitizer", action="store_true", help="skip compute-sanitizer")
+    parser.add_argument("--repeats", type=int, default=10, help="timed repeats of each bench (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed to each test run")
+    args = parser.parse_args(argv)
+    return check_gpu(args) if torch.cuda.is_available() else check_without_gpu()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
