@@ -26,6 +26,7 @@ from llamarl_core.pipeline import (
     load_task,
 )
 from llamarl_core.pipeline.learner import collate, policy_loss
+from llamarl_core.pipeline.scheduler import Scheduler
 from llamarl_core.pipeline.task import positional_match, reverse_task
 from llamarl_core.sync import hf_llama_fsdp, plan_transfer, vllm_llama_tp
 
@@ -229,27 +230,29 @@ class _Inbox(list):
 
 
 def test_controller_drops_stale_groups_and_counts_them():
+    """The controller hands the trainer its scheduler's batch, stale groups dropped
+    wherever they wait (tests/test_scheduler.py checks the scheduler alone)."""
     config = TrainConfig(prompts_per_step=2, samples_per_prompt=2, max_staleness=2)
     ctl = Controller.__new__(Controller)
     ctl.config = config
     ctl._reset_state()
     ctl.inboxes = {("trainer", 0): _Inbox()}
-    ctl.step, ctl.data_position = 5, 0
+    ctl.scheduler = Scheduler(config, step=5)
 
     def group(g, versions):
         return [Sample(g, [1], [3] * len(v), [0.0] * len(v), v, True, 0.0) for v in versions]
 
-    # Oldest tokens of versions 2 (stale at step 5: 5 - 2 > 2), 3, 4 and 5.
-    for g, v in enumerate([[[2, 5], [4]], [[3], [3, 4]], [[4], [5]], [[5], [5]]]):
-        ctl.outstanding.add(g)
-        ctl.ready.append(group(g, v))
+    # Oldest tokens of versions 2 (stale at step 5: 5 - 2 > 2), 3, 2 (stale, behind a fresh group) and 4.
+    assert ctl.scheduler.issue(weights_landed=True) == [0, 1, 2, 3]
+    for g, v in enumerate([[[2, 5], [4]], [[3], [3, 4]], [[5], [2, 3]], [[4], [5]]]):
+        ctl.scheduler.add_samples(group(g, v))
     ctl._maybe_train()
     (kind, payload), = ctl.inboxes[("trainer", 0)]
     assert kind == "train" and payload["step"] == 5
-    assert sorted({s.group for s in payload["samples"]}) == [1, 2]
+    assert sorted({s.group for s in payload["samples"]}) == [1, 3]
     assert all(5 - s.oldest_version <= 2 for s in payload["samples"])
-    assert ctl.dropped == 2 and 0 not in ctl.outstanding
-    assert ctl.data_position == 3
+    assert ctl.scheduler.training.dropped == 4 and not ctl.scheduler.outstanding & {0, 2}
+    assert ctl.scheduler.data_position == 4
 
 
 # ----------------------------------------------------------------------------- whole runs
