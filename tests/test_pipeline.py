@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from collections import deque
 from pathlib import Path
 
@@ -328,6 +329,38 @@ def test_fsdp2_trainer_and_tensor_parallel_generator(tmp_path):
     assert len(metrics) == 12
     assert all(abs(m["mismatch_kl"]) < 1e-5 and abs(m["mean_ratio"] - 1) < 1e-4 for m in metrics), metrics
     assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 12
+
+
+class _UnstartedProcess:
+    def __init__(self, target, name, args, daemon):
+        self.args, self.pid = args, None
+
+    def start(self):
+        pass
+
+
+def test_generator_commands_go_to_rank_0_alone(tmp_path, monkeypatch):
+    """Generator rank 0 reads the commands and broadcasts them to the other ranks, so
+    only it gets an inbox (one nobody reads fills its pipe and hangs the controller at
+    exit: the next test)."""
+    ctl = Controller(TrainConfig(generator_tp=2), tmp_path)
+    ctl.store = types.SimpleNamespace(port=0)
+    monkeypatch.setattr(ctl.ctx, "Process", _UnstartedProcess)
+    ctl._start_generator()
+    assert list(ctl.inboxes) == [("generator", 0)]
+    assert ctl.procs[("generator", 1)].args[4] is None  # rank 1's inbox
+
+
+def test_tensor_parallel_generator_runs_past_a_pipe_of_commands(tmp_path):
+    """Before, every generator rank's inbox got the commands and only rank 0 read its
+    own: at 96 prompts a step about 2.8 KB a step went into rank 1's pipe, full (64 KiB)
+    after 22 steps, and the controller hung at exit flushing it. 30 steps put 86 KB of
+    commands through rank 0 here (measured)."""
+    out = tmp_path / "tp2"
+    proc = llamarl("--generator-tp", "2", "--steps", "30", "--prompts-per-step", "96", "--samples-per-prompt", "2",
+                   "--warmup-steps", "0", "--checkpoint-every", "30", "--quiet", "--out", str(out), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(read_metrics(out)) == 30
 
 
 def test_bad_arguments_fail_before_anything_runs(tmp_path):

@@ -78,18 +78,25 @@ class Controller:
 
     # -- processes ------------------------------------------------------------------------
     def _start(self, role: str, rank: int, **extra) -> None:
-        inbox = self.ctx.Queue()
+        # Only generator rank 0 reads commands; it broadcasts them to the other ranks
+        # (executors._CommandFeed), which get no inbox. An inbox that nobody reads fills
+        # its pipe (64 KiB: about 160 steps of the default run at --generator-tp 2), and
+        # the controller then hangs at exit, flushing it.
+        inbox = self.ctx.Queue() if role != GENERATOR or rank == 0 else None
         proc = self.ctx.Process(
             target=executor_main, name=f"llamarl-{role}-{rank}",
             args=(role, rank, self.config.to_dict(), self.store.port, inbox, self.events, extra),
             daemon=True,
         )
         proc.start()
-        self.procs[(role, rank)], self.inboxes[(role, rank)] = proc, inbox
+        self.procs[(role, rank)] = proc
+        if inbox is not None:
+            self.inboxes[(role, rank)] = inbox
         pids = {f"{r}/{k}": p.pid for (r, k), p in self.procs.items()}
         (self.out / "executors.json").write_text(json.dumps(pids, indent=2) + "\n")  # for monitoring
 
     def _tell(self, role: str, kind: str, **payload) -> None:
+        """Put a command in the inbox of every rank of `role` that has one."""
         for (r, _), inbox in self.inboxes.items():
             if r == role:
                 inbox.put((kind, payload))
@@ -119,7 +126,7 @@ class Controller:
         self.on_event(f"{why}: restarting it and re-syncing weights v{self.scheduler.step}")
         for key in [k for k in self.procs if k[0] == GENERATOR]:
             proc = self.procs.pop(key)
-            self.inboxes.pop(key)
+            self.inboxes.pop(key, None)
             proc.kill()
             proc.join(timeout=5)
         self.scheduler.generator_lost()
