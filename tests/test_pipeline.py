@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from collections import deque
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from llamarl_core.pipeline import (
     load_task,
 )
 from llamarl_core.pipeline.learner import collate, policy_loss
+from llamarl_core.pipeline.scheduler import Scheduler
 from llamarl_core.pipeline.task import positional_match, reverse_task
 from llamarl_core.sync import hf_llama_fsdp, plan_transfer, vllm_llama_tp
 
@@ -229,27 +231,29 @@ class _Inbox(list):
 
 
 def test_controller_drops_stale_groups_and_counts_them():
+    """The controller hands the trainer its scheduler's batch, stale groups dropped
+    wherever they wait (tests/test_scheduler.py checks the scheduler alone)."""
     config = TrainConfig(prompts_per_step=2, samples_per_prompt=2, max_staleness=2)
     ctl = Controller.__new__(Controller)
     ctl.config = config
     ctl._reset_state()
     ctl.inboxes = {("trainer", 0): _Inbox()}
-    ctl.step, ctl.data_position = 5, 0
+    ctl.scheduler = Scheduler(config, step=5)
 
     def group(g, versions):
         return [Sample(g, [1], [3] * len(v), [0.0] * len(v), v, True, 0.0) for v in versions]
 
-    # Oldest tokens of versions 2 (stale at step 5: 5 - 2 > 2), 3, 4 and 5.
-    for g, v in enumerate([[[2, 5], [4]], [[3], [3, 4]], [[4], [5]], [[5], [5]]]):
-        ctl.outstanding.add(g)
-        ctl.ready.append(group(g, v))
+    # Oldest tokens of versions 2 (stale at step 5: 5 - 2 > 2), 3, 2 (stale, behind a fresh group) and 4.
+    assert ctl.scheduler.issue(weights_landed=True) == [0, 1, 2, 3]
+    for g, v in enumerate([[[2, 5], [4]], [[3], [3, 4]], [[5], [2, 3]], [[4], [5]]]):
+        ctl.scheduler.add_samples(group(g, v))
     ctl._maybe_train()
     (kind, payload), = ctl.inboxes[("trainer", 0)]
     assert kind == "train" and payload["step"] == 5
-    assert sorted({s.group for s in payload["samples"]}) == [1, 2]
+    assert sorted({s.group for s in payload["samples"]}) == [1, 3]
     assert all(5 - s.oldest_version <= 2 for s in payload["samples"])
-    assert ctl.dropped == 2 and 0 not in ctl.outstanding
-    assert ctl.data_position == 3
+    assert ctl.scheduler.training.dropped == 4 and not ctl.scheduler.outstanding & {0, 2}
+    assert ctl.scheduler.data_position == 4
 
 
 # ----------------------------------------------------------------------------- whole runs
@@ -325,6 +329,38 @@ def test_fsdp2_trainer_and_tensor_parallel_generator(tmp_path):
     assert len(metrics) == 12
     assert all(abs(m["mismatch_kl"]) < 1e-5 and abs(m["mean_ratio"] - 1) < 1e-4 for m in metrics), metrics
     assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 12
+
+
+class _UnstartedProcess:
+    def __init__(self, target, name, args, daemon):
+        self.args, self.pid = args, None
+
+    def start(self):
+        pass
+
+
+def test_generator_commands_go_to_rank_0_alone(tmp_path, monkeypatch):
+    """Generator rank 0 reads the commands and broadcasts them to the other ranks, so
+    only it gets an inbox (one nobody reads fills its pipe and hangs the controller at
+    exit: the next test)."""
+    ctl = Controller(TrainConfig(generator_tp=2), tmp_path)
+    ctl.store = types.SimpleNamespace(port=0)
+    monkeypatch.setattr(ctl.ctx, "Process", _UnstartedProcess)
+    ctl._start_generator()
+    assert list(ctl.inboxes) == [("generator", 0)]
+    assert ctl.procs[("generator", 1)].args[4] is None  # rank 1's inbox
+
+
+def test_tensor_parallel_generator_runs_past_a_pipe_of_commands(tmp_path):
+    """Before, every generator rank's inbox got the commands and only rank 0 read its
+    own: at 96 prompts a step about 2.8 KB a step went into rank 1's pipe, full (64 KiB)
+    after 22 steps, and the controller hung at exit flushing it. 30 steps put 86 KB of
+    commands through rank 0 here (measured)."""
+    out = tmp_path / "tp2"
+    proc = llamarl("--generator-tp", "2", "--steps", "30", "--prompts-per-step", "96", "--samples-per-prompt", "2",
+                   "--warmup-steps", "0", "--checkpoint-every", "30", "--quiet", "--out", str(out), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(read_metrics(out)) == 30
 
 
 def test_bad_arguments_fail_before_anything_runs(tmp_path):

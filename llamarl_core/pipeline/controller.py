@@ -1,7 +1,8 @@
 """The single controller: starts the executors, runs the event loop, routes
-rollouts (generator -> reward -> trainer), enforces the staleness bound and
-triggers the DDMA weight syncs. It holds no tensors of the model: only token
-ids, rewards and timings pass through it.
+rollouts (generator -> reward -> trainer) and triggers the DDMA weight syncs. What
+to sample and what to train (the staleness bound included) is decided by its
+Scheduler (scheduler.py). It holds no tensors of the model: only token ids,
+rewards and timings pass through it.
 
 Step s of the trainer trains the weights of version s on samples whose oldest
 token was sampled with version v >= s - max_staleness (older ones are dropped
@@ -18,7 +19,7 @@ import datetime
 import json
 import queue
 import time
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from ..sync import hf_llama_fsdp, vllm_llama_tp
 from .config import TrainConfig
 from .executors import GENERATOR, REWARD, TRAINER, executor_main
 from .report import cpu_times, plot_reward, steal_fraction, summarize, write_trace
+from .scheduler import Scheduler
 from .task import load_task
 
 EVENT_POLL_S = 0.05
@@ -76,18 +78,25 @@ class Controller:
 
     # -- processes ------------------------------------------------------------------------
     def _start(self, role: str, rank: int, **extra) -> None:
-        inbox = self.ctx.Queue()
+        # Only generator rank 0 reads commands; it broadcasts them to the other ranks
+        # (executors._CommandFeed), which get no inbox. An inbox that nobody reads fills
+        # its pipe (64 KiB: about 160 steps of the default run at --generator-tp 2), and
+        # the controller then hangs at exit, flushing it.
+        inbox = self.ctx.Queue() if role != GENERATOR or rank == 0 else None
         proc = self.ctx.Process(
             target=executor_main, name=f"llamarl-{role}-{rank}",
             args=(role, rank, self.config.to_dict(), self.store.port, inbox, self.events, extra),
             daemon=True,
         )
         proc.start()
-        self.procs[(role, rank)], self.inboxes[(role, rank)] = proc, inbox
+        self.procs[(role, rank)] = proc
+        if inbox is not None:
+            self.inboxes[(role, rank)] = inbox
         pids = {f"{r}/{k}": p.pid for (r, k), p in self.procs.items()}
         (self.out / "executors.json").write_text(json.dumps(pids, indent=2) + "\n")  # for monitoring
 
     def _tell(self, role: str, kind: str, **payload) -> None:
+        """Put a command in the inbox of every rank of `role` that has one."""
         for (r, _), inbox in self.inboxes.items():
             if r == role:
                 inbox.put((kind, payload))
@@ -114,17 +123,13 @@ class Controller:
         if self.generator_restarts > MAX_GENERATOR_RESTARTS:
             raise PipelineError(f"{why}; restarted {MAX_GENERATOR_RESTARTS} times already, stopping "
                                 f"(the last checkpoint is in {self.out / 'checkpoint'})")
-        self.on_event(f"{why}: restarting it and re-syncing weights v{self.step}")
+        self.on_event(f"{why}: restarting it and re-syncing weights v{self.scheduler.step}")
         for key in [k for k in self.procs if k[0] == GENERATOR]:
             proc = self.procs.pop(key)
-            self.inboxes.pop(key)
+            self.inboxes.pop(key, None)
             proc.kill()
             proc.join(timeout=5)
-        # Every group it held is sampled again from scratch by the new generator.
-        self.partial.clear()
-        lost = self.outstanding - {g[0].group for g in self.ready}
-        self.outstanding -= lost
-        self.to_issue = deque(sorted(set(self.to_issue) | lost))
+        self.scheduler.generator_lost()
         self.ready_ranks = {k for k in self.ready_ranks if k[0] != GENERATOR}
         self.generator_incarnation += 1
         self.gen_version = None
@@ -149,8 +154,8 @@ class Controller:
             raise PipelineError(f"{role} rank {rank} failed: {payload['message']}\n{payload['traceback']}")
         if kind == "ready":
             self.ready_ranks.add((role, rank))
-            if role == TRAINER:
-                self.step, self.data_position = payload["step"], payload["data_position"]
+            if role == TRAINER:  # where a resumed run goes on (every rank reports the same)
+                self.scheduler = Scheduler(self.config, payload["step"], payload["data_position"])
         elif kind == "samples":
             self.gen_busy += payload["busy"]
             self.inboxes[(REWARD, 0)].put(("score", {"samples": payload["samples"],
@@ -162,13 +167,7 @@ class Controller:
         elif kind == "scored":
             if payload["incarnation"] != self.generator_incarnation:
                 return  # sampled by a generator that has since been replaced; its groups were re-issued
-            for sample in payload["samples"]:
-                if sample.group not in self.outstanding:
-                    continue
-                group = self.partial.setdefault(sample.group, [])
-                group.append(sample)
-                if len(group) == self.config.samples_per_prompt:
-                    self.ready.append(self.partial.pop(sample.group))
+            self.scheduler.add_samples(payload["samples"])
         elif kind == "trained":
             self.trained.append(payload)
             if len(self.trained) == self.config.trainer_world:
@@ -200,26 +199,23 @@ class Controller:
         self._tell(TRAINER, "sync", version=version)
 
     def _step_trained(self) -> None:
-        s = self.step
         reports, self.trained = self.trained, []
-        self.train_pending = False
-        samples = self.batches.pop(s)
+        batch = self.scheduler.trained()
+        s, samples = batch.step, batch.samples
         self.records[s] = {
             "step": s,
             "reward": sum(x.reward for x in samples) / len(samples),
             "samples": len(samples),
             "completion_tokens": sum(len(x.tokens) for x in samples),
             "staleness": dict(Counter(str(s - x.oldest_version) for x in samples)),
-            "dropped": self.dropped,
+            "dropped": batch.dropped,
             "train_time_s": max(r["seconds"] for r in reports),
             "loss": sum(r["loss"] for r in reports) / len(reports),
             "mismatch_kl": sum(r["mismatch_kl"] for r in reports) / len(reports),
             "truncated_fraction": sum(r["truncated_fraction"] for r in reports) / len(reports),
             "mean_ratio": sum(r["mean_ratio"] for r in reports) / len(reports),
         }
-        self.dropped = 0
-        self.step = s + 1
-        self._begin_sync(self.step)
+        self._begin_sync(self.scheduler.step)
 
     def _finish_step(self, step: int, version: int) -> None:
         now = time.monotonic()
@@ -236,23 +232,12 @@ class Controller:
     # -- scheduling --------------------------------------------------------------------
     def _issue_prompts(self) -> None:
         if self.gen_version is None:
-            return
-        if self.config.mode == "sync":
-            trainer_busy = self.train_pending or self.records
-            if self.outstanding or trainer_busy or self.syncs or self.gen_version != self.step:
-                return
-        groups = []
-        while len(self.outstanding) < self.config.groups_in_flight:
-            group = self.to_issue.popleft() if self.to_issue else self._next_group()
-            self.outstanding.add(group)
-            groups.append((group, self.tokenizer.encode(self.task.prompt(group))))
+            return  # no generator holding weights yet
+        # Every sync reported, no trained step waiting for its weights to land.
+        landed = self.gen_version == self.scheduler.step and not self.syncs and not self.records
+        groups = self.scheduler.issue(weights_landed=landed)
         if groups:
-            self._tell(GENERATOR, "prompts", groups=groups)
-
-    def _next_group(self) -> int:
-        group = self.next_group
-        self.next_group += 1
-        return group
+            self._tell(GENERATOR, "prompts", groups=[(g, self.tokenizer.encode(self.task.prompt(g))) for g in groups])
 
     def _maybe_train(self) -> None:
         """Hand the next batch to the trainer. In async mode it is queued right behind
@@ -262,30 +247,21 @@ class Controller:
         mode only once the sync has landed and the batch was generated with the new
         weights."""
         cfg = self.config
-        if self.train_pending or self.step >= cfg.steps or self.resync_pending:
+        if self.scheduler.step >= cfg.steps or self.resync_pending:
             return
         if cfg.mode == "sync" and (self.syncs or self.records or self.checkpointing):
             return
-        while self.ready and self.step - min(x.oldest_version for x in self.ready[0]) > cfg.max_staleness:
-            stale = self.ready.popleft()
-            self.outstanding.discard(stale[0].group)
-            self.dropped += len(stale)
-        if len(self.ready) < cfg.prompts_per_step:
+        batch = self.scheduler.take_batch()
+        if batch is None:
             return
-        groups = [self.ready.popleft() for _ in range(cfg.prompts_per_step)]
-        for g in groups:
-            self.outstanding.discard(g[0].group)
-        self.data_position = max(self.data_position, max(g[0].group for g in groups) + 1)
-        self.batches[self.step] = [x for g in groups for x in g]
         per_rank = cfg.prompts_per_step // cfg.trainer_world
         for rank in range(cfg.trainer_world):
-            part = [x for g in groups[rank * per_rank:(rank + 1) * per_rank] for x in g]
-            self.inboxes[(TRAINER, rank)].put(("train", {"step": self.step, "samples": part}))
-        self.train_pending = True
-        done = self.step + 1
+            part = [x for g in batch.groups[rank * per_rank:(rank + 1) * per_rank] for x in g]
+            self.inboxes[(TRAINER, rank)].put(("train", {"step": batch.step, "samples": part}))
+        done = batch.step + 1
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             # Queued right behind the step it saves, with the data position after its batch.
-            self._tell(TRAINER, "checkpoint", data_position=self.data_position)
+            self._tell(TRAINER, "checkpoint", data_position=self.scheduler.data_position)
             self.checkpointing += cfg.trainer_world
 
     # -- the run -------------------------------------------------------------------------
@@ -333,9 +309,8 @@ class Controller:
             (GENERATOR, r) for r in range(self.config.generator_tp)}
         while not everyone <= self.ready_ranks:
             self._next_event("the executors to start")
-        self.next_group = self.data_position
         self.resumed_wall, self.resumed_rl = self._previous_times()
-        self._begin_sync(self.step)  # the trainer's weights (fresh, warmed up or resumed) go to the generator
+        self._begin_sync(self.scheduler.step)  # the trainer's weights (fresh, warmed up or resumed) go to the generator
         self.last_step_end = self.rl_start = time.monotonic()
 
     def _previous_times(self) -> tuple[float, float]:
@@ -345,40 +320,33 @@ class Controller:
         if not path.exists():
             return 0.0, 0.0
         kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        kept = [m for m in kept if m["step"] < self.step]
+        kept = [m for m in kept if m["step"] < self.scheduler.step]
         path.write_text("".join(json.dumps(m) + "\n" for m in kept))
         self.metrics = kept
         return (kept[-1]["wall_s"], kept[-1]["rl_s"]) if kept else (0.0, 0.0)
 
     def _reset_state(self) -> None:
         self.ready_ranks: set[tuple[str, int]] = set()
-        self.step = self.data_position = 0
-        self.outstanding: set[int] = set()
-        self.to_issue: deque[int] = deque()
-        self.partial: dict[int, list] = {}
-        self.ready: deque[list] = deque()
-        self.trained: list[dict] = []
-        self.batches: dict[int, list] = {}  # step -> the samples handed to the trainer
-        self.train_pending = False
+        self.scheduler = Scheduler(self.config)
+        self.trained: list[dict] = []  # the trainer ranks' reports of the step in training
         self.records: dict[int, dict] = {}  # trained steps whose new weights have not landed yet
         self.syncs: dict[int, dict[str, int]] = {}  # version -> ranks yet to report, per side
         self.sync_seconds: dict[int, float] = {}
         self.resync_pending = False
         self.gen_version = None
         self.gen_busy = 0.0
-        self.dropped = 0
         self.checkpointing = 0
         self.resumed_wall = self.resumed_rl = 0.0
 
     def _loop(self) -> None:
         cfg = self.config
         # Until the last step's weights have landed (its record written) and its checkpoint is saved.
-        while self.step < cfg.steps or self.records or self.syncs or self.checkpointing:
-            self._next_event(f"trainer step {self.step}")
+        while self.scheduler.step < cfg.steps or self.records or self.syncs or self.checkpointing:
+            self._next_event(f"trainer step {self.scheduler.step}")
             generator_up = {(GENERATOR, r) for r in range(cfg.generator_tp)} <= self.ready_ranks
             if self.resync_pending and generator_up and not self.syncs:
                 self.resync_pending = False
-                self._begin_sync(self.step)
+                self._begin_sync(self.scheduler.step)
             self._maybe_train()
             self._issue_prompts()  # after: a batch just handed to the trainer frees room for the next
 

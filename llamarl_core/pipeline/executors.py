@@ -39,7 +39,8 @@ _ALL_CORES = os.sched_getaffinity(0)  # at import, before any pinning
 
 
 class Link:
-    """An executor's end of the queues, with the spans it has not reported yet."""
+    """An executor's end of the queues, with the spans it has not reported yet. inbox is
+    None on generator ranks other than 0: rank 0 reads the commands for all of them."""
 
     def __init__(self, role: str, rank: int, inbox, events, tags: dict):
         self.role, self.rank, self.inbox, self.events = role, rank, inbox, events
