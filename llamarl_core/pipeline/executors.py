@@ -175,9 +175,11 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
     tp = config.generator_tp
     _process_group(store, f"{GENERATOR}/{incarnation}", rank, tp, config.timeout_s)
     model = LlamaGenerator(model_config, tp, rank, group=dist.group.WORLD if tp > 1 else None)
+    # Set-up waits for the trainer as long as any executor may take to start (its
+    # supervised warm-up comes first); each sync then has sync_timeout_s.
     receiver = WeightReceiver(store, vllm_llama_tp(model_config, tp, torch.float32), rank,
                               dict(model.named_parameters()), name=f"weights/{incarnation}",
-                              timeout=config.sync_timeout_s, num_threads=1)
+                              timeout=config.timeout_s, num_threads=1)
     engine = RolloutEngine(
         model, max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=task.max_new_tokens, segment_tokens=config.segment_tokens, temperature=config.temperature,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -196,7 +198,7 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
                                for _ in range(config.samples_per_prompt)])
             elif kind == "receive":
                 start = time.monotonic()
-                version = receiver.receive()
+                version = receiver.receive(timeout=config.sync_timeout_s)
                 engine.invalidate()  # unfinished sequences are re-prefilled under the new weights
                 link.span(f"receive v{version}", start, time.monotonic())
                 if rank == 0:
@@ -267,10 +269,11 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
                        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     def connect(generator: int) -> WeightSender:
-        """This rank's sender to generator incarnation `generator` (its own Store namespace)."""
+        """This rank's sender to generator incarnation `generator` (its own Store namespace);
+        set-up waits as long as a generator may take to start, each send sync_timeout_s."""
         return WeightSender(store, hf_llama_fsdp(model_config, world, torch.float32), rank,
                             {n: _local(p) for n, p in model.named_parameters()}, name=f"weights/{generator}",
-                            timeout=config.sync_timeout_s, num_threads=1)
+                            timeout=config.timeout_s, num_threads=1)
 
     if step == 0 and config.warmup_steps and task.reference is not None:
         start = time.monotonic()
@@ -285,7 +288,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
         start = time.monotonic()
         if kind == "sync":
             try:
-                sender.send(payload["version"])
+                sender.send(payload["version"], timeout=config.sync_timeout_s)
             except SyncError as exc:  # e.g. the generator died mid-sync: the controller decides
                 link.send("sync_failed", version=payload["version"], message=str(exc), generator=generator)
                 continue
