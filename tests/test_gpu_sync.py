@@ -50,59 +50,56 @@ def _client(store) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=60))
 
 
-def _in_threads(store, name: str, fsdp: int, tp: int, seed: int, transport: str = "auto"):
-    """Every sender and receiver of one sync registered in this process, one thread
-    each, on GPU 0. Returns (senders, receivers, receiver params, reference of `seed`)."""
-    config = small_config("llama_gqa_bias")
-    src_layout, dst_layout = hf_llama_fsdp(config, fsdp, torch.float32), vllm_llama_tp(config, tp, torch.bfloat16)
-    shards = reference_fsdp_shards(hf_state_dict(config, seed), fsdp, torch.float32)
-    params = {r: {n: t.cuda() for n, t in poisoned_destination(dst_layout, r).items()} for r in range(tp)}
-    senders, receivers, errors = {}, {}, []
+def _start(calls: dict):
+    """Run each zero-argument call in a thread of its own; returns join(), which
+    waits for them and returns key -> result, raising the first error."""
+    results, errors = {}, []
 
-    def register(side, rank):
+    def run(key, call):
         try:
-            if side == "src":
-                tensors = {n: t.cuda() for n, t in shards[rank].items()}
-                senders[rank] = WeightSender(_client(store), src_layout, rank, tensors, name=name,
-                                             transport=transport, timeout=60)
-            else:
-                receivers[rank] = WeightReceiver(_client(store), dst_layout, rank, params[rank], name=name,
-                                                 transport=transport, timeout=60)
-        except Exception as exc:  # reported by the main thread
+            results[key] = call()
+        except Exception as exc:  # re-raised by join()
             errors.append(exc)
 
-    threads = [threading.Thread(target=register, args=("src", r)) for r in range(fsdp)]
-    threads += [threading.Thread(target=register, args=("dst", r)) for r in range(tp)]
+    threads = [threading.Thread(target=run, args=item) for item in calls.items()]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
+
+    def join() -> dict:
+        for t in threads:
+            t.join(timeout=120)
+        if errors:
+            raise errors[0]
+        return results
+
+    return join
+
+
+def _in_threads(store, name: str, fsdp: int, tp: int, seed: int):
+    """Every sender and receiver of one sync registered in this process (one thread
+    each: registration waits for the other side), on GPU 0, transport 'auto'.
+    Returns (senders, receivers, receiver params, reference of `seed`)."""
+    config = small_config("llama_gqa_bias")
+    src_layout, dst_layout = hf_llama_fsdp(config, fsdp, torch.float32), vllm_llama_tp(config, tp, torch.bfloat16)
+    shards = {r: {n: t.cuda() for n, t in d.items()}
+              for r, d in reference_fsdp_shards(hf_state_dict(config, seed), fsdp, torch.float32).items()}
+    params = {r: {n: t.cuda() for n, t in poisoned_destination(dst_layout, r).items()} for r in range(tp)}
+    calls = {("src", r): (lambda r=r: WeightSender(_client(store), src_layout, r, shards[r], name=name, timeout=60))
+             for r in range(fsdp)}
+    calls.update({("dst", r): (lambda r=r: WeightReceiver(_client(store), dst_layout, r, params[r], name=name,
+                                                          timeout=60))
+                  for r in range(tp)})
+    made = _start(calls)()
+    senders = {r: made[("src", r)] for r in range(fsdp)}
+    receivers = {r: made[("dst", r)] for r in range(tp)}
     expected = reference_vllm_tp_shards(hf_state_dict(config, seed), config, tp, torch.bfloat16)
     return senders, receivers, params, expected
 
 
-def _send_in_threads(senders, version: int) -> list:
-    errors = []
-
-    def send(sender):
-        try:
-            sender.send(version)
-        except Exception as exc:  # reported by the caller
-            errors.append(exc)
-
-    threads = [threading.Thread(target=send, args=(s,)) for s in senders.values()]
-    for t in threads:
-        t.start()
-    return threads, errors
-
-
-def _join(threads, errors) -> None:
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
+def _send(senders, version: int):
+    """Every sender's send(version), each in its own thread (a sender waits for its
+    receivers' tickets); returns join()."""
+    return _start({r: (lambda s=s: s.send(version)) for r, s in senders.items()})
 
 
 # ----------------------------------------------------------------------------- e: same process
@@ -114,9 +111,10 @@ def test_same_process_sync_on_gpu_auto_equals_reference(store, fsdp, tp):
     receiver's process copy to its addresses directly, on 'auto'."""
     senders, receivers, params, expected = _in_threads(store, f"same-{fsdp}-{tp}", fsdp, tp, seed=41)
     assert {s.transport for s in senders.values()} == {"cuda_ipc"}
-    threads, errors = _send_in_threads(senders, 1)
-    versions = {r: receivers[r].receive(timeout=60) for r in range(tp)}
-    _join(threads, errors)
+    sent = _send(senders, 1)
+    # Receivers in threads too: a sender may serve receiver 1 before receiver 0.
+    versions = _start({r: (lambda rc=rc: rc.receive(timeout=60)) for r, rc in receivers.items()})()
+    sent()
     assert versions == {r: 1 for r in range(tp)}
     for r in range(tp):
         assert mismatches(expected[r], {n: t.cpu() for n, t in params[r].items()}) == []
@@ -135,9 +133,9 @@ def test_receive_waits_for_kernels_queued_on_the_generator_stream(store):
     with torch.cuda.stream(generator):
         torch.cuda._sleep(SLEEP_CYCLES)  # the tail of a long decode step
         read_by_step = {n: t.clone() for n, t in params[0].items()}  # what the step reads, after the sleep
-        threads, errors = _send_in_threads(senders, 1)
+        sent = _send(senders, 1)
         assert receivers[0].receive(timeout=60) == 1
-    _join(threads, errors)
+    sent()
     assert generator.query()  # receive() returned only after the step's kernels
     generator.synchronize()
     assert mismatches(before, {n: t.cpu() for n, t in read_by_step.items()}) == []
