@@ -74,6 +74,9 @@ void register_cuda(py::module_& m) {
       "cuda_ipc_open", [](int device, py::bytes handle) { return cuda_ipc_open(device, std::string(handle)); },
       py::arg("device"), py::arg("handle"));
   m.def("cuda_ipc_close", &cuda_ipc_close, py::arg("device"), py::arg("base"));
+  m.def("cuda_ipc_capable", &cuda_ipc_capable, py::arg("device"), py::arg("ptr"));
+  m.def("cuda_can_access_peer", &cuda_can_access_peer, py::arg("device"), py::arg("peer"));
+  m.def("cuda_enable_peer_access", &cuda_enable_peer_access, py::arg("device"), py::arg("peer"));
   m.def(
       "execute_segments_cuda",
       [](const SegmentArray& segs, int device, int64_t stream, double timeout_s) {
@@ -91,7 +94,9 @@ void register_cuda(py::module_& m) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "llamarl native copy engine (host shared memory, CUDA IPC)";
-  py::register_exception<llamarl::Error>(m, "EngineError", PyExc_RuntimeError);
+  auto& engine_error = py::register_exception<llamarl::Error>(m, "EngineError", PyExc_RuntimeError);
+  // Registered after its base: pybind11 tries the latest translator first.
+  py::register_exception<llamarl::TimeoutError>(m, "EngineTimeoutError", engine_error.ptr());
   m.attr("build_summary") = LLAMARL_BUILD_SUMMARY;
   llamarl::register_host(m);
 #ifdef LLAMARL_WITH_CUDA

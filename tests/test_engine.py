@@ -4,13 +4,15 @@ import multiprocessing as mp
 import os
 import shutil
 import stat
+import struct
 
 import numpy as np
 import pytest
 import torch
 
 from llamarl_core._native import native, native_cuda
-from llamarl_core.sync.engine import KIND_COPY, KIND_F32_TO_BF16, run_segment_table
+from llamarl_core.sync import SyncError, SyncTimeoutError
+from llamarl_core.sync.engine import KIND_COPY, KIND_F32_TO_BF16, _engine_call, run_segment_table
 from helpers import llamarl_shm_entries
 
 
@@ -172,3 +174,62 @@ def test_cuda_backend_is_built_and_fails_clearly_without_a_device():
 def test_run_segment_table_refuses_unknown_devices():
     with pytest.raises(ValueError, match="no copy engine"):
         run_segment_table(np.zeros((1, 7), dtype=np.int64), torch.device("meta"))
+
+
+def test_engine_errors_reach_callers_as_sync_errors():
+    """The executors catch SyncError: a failing copy must be one, a late one a SyncTimeoutError."""
+    dst = torch.zeros(16, dtype=torch.uint8)
+    bad = np.array([(0, 0, dst.data_ptr(), 16, 16, 1, KIND_COPY)], dtype=np.int64)
+    with pytest.raises(SyncError, match="segment 0: null address") as raised:
+        run_segment_table(bad, torch.device("cpu"), 1)
+    assert not isinstance(raised.value, SyncTimeoutError)
+    assert isinstance(raised.value.__cause__, native().EngineError)
+    assert issubclass(native().EngineTimeoutError, native().EngineError)
+
+    def late():
+        raise native().EngineTimeoutError("CUDA copy of 8 bytes on device 0 did not complete within 0.1 s")
+
+    with pytest.raises(SyncTimeoutError, match="did not complete within 0.1 s"):
+        _engine_call(late)
+
+
+# What `CMAKE_CUDA_ARCHITECTURES` defaults to (A100, A10, L40S, H100, B200): machine code for each.
+DEFAULT_CUDA_ARCHS = (80, 86, 89, 90, 100)
+
+
+def _fatbin_entries(path: str) -> list[tuple[int, int, bytes]]:
+    """(kind, sm, payload) of each image in the module's .nv_fatbin section: kind 1
+    is PTX, 2 is a cubin (the fatbin layout cuobjdump reads; headers are little-endian)."""
+    data = open(path, "rb").read()
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names_at = sections[shstrndx][4]
+    entries = []
+    for name_off, _, _, _, offset, size in sections:
+        name = data[names_at + name_off : data.index(b"\0", names_at + name_off)]
+        if name != b".nv_fatbin":
+            continue
+        pos, end = offset, offset + size
+        while pos + 16 <= end:
+            magic, _, header_size, fat_size = struct.unpack_from("<IHHQ", data, pos)
+            assert magic == 0xBA55ED50, hex(magic)
+            entry = pos + header_size
+            while entry < pos + header_size + fat_size:
+                kind, _, entry_header, payload_size, _, _, _, _, sm = struct.unpack_from("<HHIQIIHHI", data, entry)
+                entries.append((kind, sm, data[entry + entry_header : entry + entry_header + payload_size]))
+                entry += entry_header + payload_size
+            pos = -(-(pos + header_size + fat_size) // 8) * 8
+    return entries
+
+
+def test_cuda_build_holds_the_cast_kernel_for_every_default_architecture():
+    mod = native()
+    if not mod.built_with_cuda:
+        pytest.skip("built without the CUDA backend")
+    if "CUDAARCHS" in os.environ:
+        pytest.skip(f"built for CUDAARCHS={os.environ['CUDAARCHS']}")
+    entries = _fatbin_entries(mod.__file__)
+    cubins = {sm for kind, sm, payload in entries if kind == 2 and b"cast_f32_to_bf16_kernel" in payload}
+    assert cubins == set(DEFAULT_CUDA_ARCHS), sorted(cubins)
+    assert {sm for kind, sm, _ in entries if kind == 1} == {max(DEFAULT_CUDA_ARCHS)}  # PTX for newer GPUs

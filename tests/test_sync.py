@@ -4,16 +4,38 @@ import datetime
 import itertools
 import multiprocessing as mp
 import os
+import re
 import signal
+import threading
 import time
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import sync_workers as workers
-from helpers import CONFIG_KINDS, _child, llamarl_shm_entries, poisoned_destination, run_processes, small_config
-from llamarl_core.sync import SyncTimeoutError, WeightReceiver, WeightSender, hf_llama_fsdp, vllm_llama_tp
+from helpers import (
+    CONFIG_KINDS,
+    _child,
+    hf_state_dict,
+    llamarl_shm_entries,
+    poisoned_destination,
+    run_processes,
+    small_config,
+)
+from llamarl_core.sync import (
+    SyncError,
+    SyncTimeoutError,
+    WeightReceiver,
+    WeightSender,
+    hf_llama_fsdp,
+    reference_fsdp_shards,
+    reference_vllm_tp_shards,
+    vllm_llama_tp,
+)
+from llamarl_core.sync import transports
+from llamarl_core.sync.transports import choose_transport, device_info
 
 
 @pytest.fixture
@@ -70,7 +92,11 @@ def test_sync_through_a_file_store(tmp_path):
 def test_killed_sender_leaves_receiver_consistent_and_restart_completes(store):
     scenario = dict(config="llama_gqa_bias", fsdp=2, tp=2, src_dtype="fp32", transport="auto", seed=7,
                     bucket_bytes=4096)  # many small buckets, so the kill lands mid-sync
-    torn_timeout = 8.0
+    # The restarted sender must register before the receivers give up on version 2 and
+    # open version 3's ticket (it serves from the next ticket on). A spawned child takes
+    # 8.5 s to import torch + transformers on this machine when 2 cores are shared by
+    # 4 users: with 8 s it failed every time (before and after the engine changes).
+    torn_timeout = 20.0
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
 
@@ -143,27 +169,142 @@ def test_transport_request_is_validated(store):
     config = small_config("mistral")
     layout = hf_llama_fsdp(config, 1, torch.float32)
     shards = {n: torch.zeros(layout.local_shape(n, 0)) for n in layout.params}
-    from llamarl_core.sync.transports import choose_transport
-
-    infos = [{"host": "a", "device": "cpu"}, {"host": "a", "device": "cpu"}]
-    assert choose_transport("auto", infos) == "shm"
-    assert choose_transport("auto", [{"host": "a", "device": "cpu"}, {"host": "b", "device": "cpu"}]) == "p2p"
+    a, b = {"host": "a", "device": "cpu", "process": "1/x"}, {"host": "b", "device": "cpu", "process": "2/y"}
+    assert choose_transport("auto", [a], [a]) == "shm"
+    assert choose_transport("auto", [a], [b]) == "p2p"
+    assert choose_transport("p2p", [a], [a]) == "p2p"
     with pytest.raises(ValueError, match="needs CUDA tensors"):
-        choose_transport("cuda_ipc", infos)
+        choose_transport("cuda_ipc", [a], [a])
     with pytest.raises(ValueError, match="one machine"):
-        choose_transport("shm", [{"host": "a", "device": "cpu"}, {"host": "b", "device": "cpu"}])
+        choose_transport("shm", [a], [b])
+    with pytest.raises(ValueError, match="one device type"):
+        choose_transport("auto", [a], [_gpu(1, "g0")])
     with pytest.raises(ValueError, match="transport must be"):
         WeightSender(store, layout, 0, shards, name="t", transport="rdma", timeout=1.0)
+    assert "ipc_error" not in device_info(torch.device("cpu"), shards)
+
+
+def _gpu(process: int, uuid: str, gpus: dict | None = None, ipc_error: str | None = None, host: str = "h") -> dict:
+    """A CUDA rank's device_info: `gpus` maps the UUIDs it sees to peer access."""
+    return {"host": host, "process": f"{process}/token", "device": "cuda", "uuid": uuid,
+            "gpus": gpus or {uuid: True}, "ipc_error": ipc_error}
+
+
+_EXPANDABLE = "'w' is not in memory from cudaMalloc (PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True' here"
+_BOTH = {"g0": True, "g1": True}
+_NO_PEER = {"g0": True, "g1": False}
+
+# (senders, receivers, pairs, what 'auto' picks, the obstacle 'cuda_ipc' raises with, if any)
+_CUDA_CASES = [
+    # one process, one GPU: copied directly, even from memory CUDA IPC cannot export
+    ([_gpu(1, "g0")], [_gpu(1, "g0", ipc_error=_EXPANDABLE)], None, "cuda_ipc", None),
+    # one process, two GPUs: direct copies need peer access
+    ([_gpu(1, "g0", _BOTH)], [_gpu(1, "g1", _BOTH)], None, "cuda_ipc", None),
+    ([_gpu(1, "g0", _NO_PEER)], [_gpu(1, "g1", _NO_PEER)], None, "p2p", "cudaDeviceCanAccessPeer is 0"),
+    # two processes: IPC needs exportable memory, peer access and the GPU visible
+    ([_gpu(1, "g0", _BOTH)], [_gpu(2, "g1", _BOTH)], None, "cuda_ipc", None),
+    ([_gpu(1, "g0")], [_gpu(2, "g0", ipc_error=_EXPANDABLE)], None, "p2p", "expandable_segments:True"),
+    ([_gpu(1, "g0", _NO_PEER)], [_gpu(2, "g1")], None, "p2p", "sender 0's GPU g0 cannot access receiver 0's GPU g1"),
+    ([_gpu(1, "g0")], [_gpu(2, "g1")], None, "p2p", "receiver 0's GPU g1 is not visible to sender 0"),
+    # several ranks: only pairs that exchange bytes count
+    ([_gpu(1, "g0", _NO_PEER), _gpu(2, "g1", _BOTH)], [_gpu(3, "g0", _BOTH), _gpu(4, "g1", _BOTH)],
+     [(0, 0), (1, 0), (1, 1)], "cuda_ipc", None),
+    ([_gpu(1, "g0", _NO_PEER), _gpu(2, "g1", _BOTH)], [_gpu(3, "g0", _BOTH), _gpu(4, "g1", _BOTH)],
+     None, "p2p", "sender 0's GPU g0 cannot access receiver 1's GPU g1"),
+    # a receiver in a sender's process: that pair is direct, the other sender needs IPC
+    ([_gpu(1, "g0"), _gpu(2, "g0")], [_gpu(1, "g0", ipc_error=_EXPANDABLE)], [(0, 0)], "cuda_ipc", None),
+    ([_gpu(1, "g0"), _gpu(2, "g0")], [_gpu(1, "g0", ipc_error=_EXPANDABLE)], None, "p2p", "receiver 0: 'w' is not"),
+]
+
+
+@pytest.mark.parametrize("senders, receivers, pairs, auto, obstacle", _CUDA_CASES)
+def test_cuda_transport_choice(senders, receivers, pairs, auto, obstacle):
+    transports._warn_once.cache_clear()
+    if obstacle is None:
+        assert choose_transport("auto", senders, receivers, pairs) == "cuda_ipc"
+        assert choose_transport("cuda_ipc", senders, receivers, pairs) == "cuda_ipc"
+    else:
+        with pytest.warns(UserWarning, match="falling back to 'p2p'") as caught:
+            assert choose_transport("auto", senders, receivers, pairs) == auto
+        assert obstacle in str(caught[0].message)
+        with pytest.raises(ValueError, match="transport 'cuda_ipc' cannot work here") as raised:
+            choose_transport("cuda_ipc", senders, receivers, pairs)
+        assert obstacle in str(raised.value)
+    assert choose_transport("p2p", senders, receivers, pairs) == "p2p"
+    on_two_hosts = [{**r, "host": "elsewhere"} for r in receivers]
+    assert choose_transport("auto", senders, on_two_hosts, pairs) == "p2p"
+    with pytest.raises(ValueError, match="one machine"):
+        choose_transport("cuda_ipc", senders, on_two_hosts, pairs)
+    with pytest.raises(ValueError, match="needs CPU tensors"):
+        choose_transport("shm", senders, receivers, pairs)
+
+
+def test_cuda_ipc_fallback_warns_once():
+    transports._warn_once.cache_clear()
+    senders, receivers = [_gpu(1, "g0")], [_gpu(2, "g0", ipc_error=_EXPANDABLE)]
+    with pytest.warns(UserWarning, match="falling back"):
+        choose_transport("auto", senders, receivers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choose_transport("auto", senders, receivers) == "p2p"
+
+
+def _threaded_pair(store, name: str, transport: str, device: str = "cpu"):
+    """A sender (FSDP 1) and a receiver (TP 1) registered from two threads of this
+    process, each with its own Store client; returns (sender, receiver, params, reference v1)."""
+    config = small_config("llama_gqa_bias")
+    src_layout, dst_layout = hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.bfloat16)
+    shards = {n: t.to(device) for n, t in reference_fsdp_shards(hf_state_dict(config, 31), 1, torch.float32)[0].items()}
+    params = {n: t.to(device) for n, t in poisoned_destination(dst_layout, 0).items()}
+    made = {}
+
+    def receiver():
+        made["receiver"] = WeightReceiver(_client(store), dst_layout, 0, params, name=name, transport=transport,
+                                          timeout=30)
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    sender = WeightSender(_client(store), src_layout, 0, shards, name=name, transport=transport, timeout=30)
+    thread.join(timeout=60)
+    expected = reference_vllm_tp_shards(hf_state_dict(config, 31), config, 1, torch.bfloat16)[0]
+    return sender, made["receiver"], params, expected
+
+
+def _client(store) -> dist.TCPStore:
+    """One Store client per thread: a client blocks while it waits."""
+    return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+
+
+@pytest.mark.parametrize("transport", ["shm", "p2p"])
+def test_receiver_refuses_storage_moved_since_registration(store, transport):
+    sender, receiver, params, _ = _threaded_pair(store, f"moved-{transport}", transport)
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    registered = params[name].data
+    params[name].data = torch.zeros_like(registered)  # as vLLM's post-processing or a reload does
+    with pytest.raises(SyncError, match=rf"receiver rank 0: parameter '{re.escape(name)}' moved since registration"):
+        receiver.receive(timeout=5)
+    assert receiver.torn is False and receiver.version is None
+    if transport == "shm":  # no ticket was opened: the sender has nothing to write into
+        with pytest.raises(SyncTimeoutError, match="receiver 0 to ask for a version"):
+            sender.send(1, timeout=0.5)
+    assert torch.isnan(registered.float()).any() and not params[name].any()  # neither storage was written
+    sender.close()
+    receiver.close()
+
+
+def test_sender_rechecks_tensors_whose_storage_moved(store):
+    sender, receiver, _, _ = _threaded_pair(store, "sender-moved", "shm")
+    name = "model.layers.0.mlp.up_proj.weight"
+    sender.tensors[name].data = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=rf"sender rank 0: '{re.escape(name)}' has shape \(3, 3\)"):
+        sender.send(1, timeout=1)
+    sender.close()
+    receiver.close()
 
 
 def test_fp8_sync_refuses_nonfinite_weights_on_every_rank(store):
     """Threads in one process (the shared-memory transport works within a process
     too): a NaN reaching receiver 0 fails both receivers at once, both torn."""
-    import threading
-
-    from llamarl_core.sync import SyncError, reference_fsdp_shards
-    from helpers import hf_state_dict
-
     config = small_config("llama_gqa_bias")
     state = hf_state_dict(config, 21)
     state["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")  # rows of TP rank 0 only
@@ -171,12 +312,9 @@ def test_fp8_sync_refuses_nonfinite_weights_on_every_rank(store):
     dst_layout = vllm_llama_tp(config, 2, torch.bfloat16, fp8="tensor")
     outcome = {}
 
-    def client():  # one Store client per thread: a client blocks while it waits
-        return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
-
     def receiver(rank):
         params = poisoned_destination(dst_layout, rank)
-        with WeightReceiver(client(), dst_layout, rank, params, name="nan", timeout=30) as r:
+        with WeightReceiver(_client(store), dst_layout, rank, params, name="nan", timeout=30) as r:
             try:
                 r.receive()
                 outcome[rank] = "received"
@@ -187,7 +325,7 @@ def test_fp8_sync_refuses_nonfinite_weights_on_every_rank(store):
     for t in threads:
         t.start()
     shards = reference_fsdp_shards(state, 1, torch.float32)[0]
-    with WeightSender(client(), src_layout, 0, shards, name="nan", timeout=30) as sender:
+    with WeightSender(_client(store), src_layout, 0, shards, name="nan", timeout=30) as sender:
         sender.send(1)
     for t in threads:
         t.join(timeout=60)

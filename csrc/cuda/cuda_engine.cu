@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <sstream>
+#include <string>
 #include <thread>
 
 namespace llamarl {
@@ -18,26 +20,114 @@ namespace {
                         << cudaGetErrorString(llamarl_err_));                              \
   } while (0)
 
-// Restores the calling thread's current device on scope exit, so that a copy on
-// device d does not move the caller (torch keeps its own notion of the device).
+#define LLAMARL_CU_CHECK(expr)                                                      \
+  do {                                                                              \
+    const CUresult llamarl_res_ = (expr);                                           \
+    LLAMARL_CHECK(llamarl_res_ == CUDA_SUCCESS, #expr << " failed with CUresult " << llamarl_res_); \
+  } while (0)
+
+// A driver function fetched through the runtime, so that the module never links
+// libcuda (absent on machines without a driver). Callers keep the result in a
+// function-local static: one lookup per process.
+template <typename Fn>
+Fn driver_fn(const char* name, int version) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult status;
+  LLAMARL_CUDA_CHECK(cudaGetDriverEntryPointByVersion(name, &fn, version, cudaEnableDefault, &status));
+  LLAMARL_CHECK(fn != nullptr && status == cudaDriverEntryPointSuccess, "the CUDA driver lacks " << name);
+  return reinterpret_cast<Fn>(fn);
+}
+
+// Makes `device` current for one engine call, then gives the calling thread back
+// its own driver context, whatever it was, none included. The driver context is the
+// one piece of state this module's static cudart shares with torch's. Restoring a
+// runtime device instead (cudaSetDevice(previous)) made a thread that had never used
+// CUDA create GPU 0's primary context on the way out: about 500 MiB of GPU 0 per
+// process on an 8-GPU node.
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
-    LLAMARL_CUDA_CHECK(cudaGetDevice(&previous_));
+    // Both looked up here: the destructor must not throw.
+    static const auto get_current = driver_fn<PFN_cuCtxGetCurrent_v4000>("cuCtxGetCurrent", 4000);
+    static const auto set_current = driver_fn<PFN_cuCtxSetCurrent_v4000>("cuCtxSetCurrent", 4000);
+    set_current_ = set_current;
+    LLAMARL_CU_CHECK(get_current(&previous_));
     LLAMARL_CUDA_CHECK(cudaSetDevice(device));
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
+  ~DeviceGuard() { set_current_(previous_); }  // NULL unbinds: a thread that had no context is left with none
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
-  int previous_ = 0;
+  PFN_cuCtxSetCurrent_v4000 set_current_ = nullptr;
+  CUcontext previous_ = nullptr;
 };
 
 void require_device(int device) {
   const int count = cuda_device_count();
   LLAMARL_CHECK(count > 0, "no CUDA device: the driver is missing or no GPU is visible");
   LLAMARL_CHECK(device >= 0 && device < count, "CUDA device " << device << " out of range [0, " << count << ")");
+}
+
+using Clock = std::chrono::steady_clock;
+
+// How long a failed or late call still waits for the copies it queued before it
+// reports: a copy left running could land old bytes after a newer version is
+// reported, or read a source the optimizer is already overwriting. 140 GB (a 70B
+// model in bf16) takes 0.05 s at HBM speed (3 TB/s) and 6 s over PCIe without peer
+// access (25 GB/s); 60 s is ten times the slowest.
+constexpr double kDrainTimeoutS = 60.0;
+
+Clock::duration seconds(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
+
+// A completion marker for the work queued on a stream, polled with a deadline.
+class Event {
+ public:
+  Event() { LLAMARL_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
+  ~Event() { cudaEventDestroy(event_); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  // Marks what is queued on `stream` now (on the first call only) and polls it until
+  // `deadline`: cudaSuccess when it has completed, cudaErrorNotReady when it is still
+  // running at the deadline, or the error the stream reported. If the marker cannot
+  // be recorded (a broken context) the whole stream is polled instead.
+  cudaError_t wait(cudaStream_t stream, Clock::time_point deadline) {
+    if (!recorded_) {
+      recorded_ = true;
+      record_error_ = cudaEventRecord(event_, stream);
+      if (record_error_ != cudaSuccess) cudaGetLastError();
+    }
+    cudaError_t state;
+    while ((state = record_error_ == cudaSuccess ? cudaEventQuery(event_) : cudaStreamQuery(stream)) ==
+           cudaErrorNotReady) {
+      if (Clock::now() > deadline) return cudaErrorNotReady;
+      // 50 us between polls: at most 14% on top of a 1 GiB copy (0.36 ms at 3 TB/s).
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    return state;
+  }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+  bool recorded_ = false;
+  cudaError_t record_error_ = cudaSuccess;
+};
+
+// The tail of an error message: what became of the `num_queued` segments queued before it.
+std::string drained_note(cudaError_t drained, int64_t num_queued) {
+  std::ostringstream out;
+  if (drained == cudaSuccess)
+    out << "the " << num_queued << " segments queued before have completed; nothing is left running";
+  else if (drained == cudaErrorNotReady)
+    out << "the " << num_queued << " segments queued are still running after a further " << kDrainTimeoutS
+        << " s (the GPU seems hung): they may still write the destination and read the source, so neither "
+           "may be reused; restart the process";
+  else
+    out << "the stream reported " << cudaGetErrorName(drained) << " (a broken CUDA context: nothing runs on it)";
+  return out.str();
 }
 
 // One thread per output element, grid-striding over the rectangle; rows are
@@ -86,20 +176,49 @@ int cuda_device_by_uuid(const std::string& uuid) {
   return -1;
 }
 
-IpcExport cuda_ipc_export(int device, int64_t ptr) {
+bool cuda_ipc_capable(int device, int64_t ptr) {
   require_device(device);
   DeviceGuard guard(device);
-  // The allocation base comes from the driver; fetched through the runtime so the
-  // module never links libcuda (absent on machines without a driver).
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult status;
-  LLAMARL_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
-                                                      &status));
-  LLAMARL_CHECK(fn != nullptr && status == cudaDriverEntryPointSuccess, "driver lacks cuMemGetAddressRange");
+  static const auto get_attribute = driver_fn<PFN_cuPointerGetAttribute_v4000>("cuPointerGetAttribute", 4000);
+  int capable = 0;  // the driver writes a boolean
+  LLAMARL_CU_CHECK(get_attribute(&capable, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                                 static_cast<CUdeviceptr>(ptr)));
+  return capable != 0;
+}
+
+bool cuda_can_access_peer(int device, int peer) {
+  require_device(device);
+  require_device(peer);
+  if (device == peer) return true;
+  int can = 0;
+  LLAMARL_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, peer));
+  return can != 0;
+}
+
+void cuda_enable_peer_access(int device, int peer) {
+  LLAMARL_CHECK(cuda_can_access_peer(device, peer), "CUDA device " << device << " cannot access device " << peer
+                                                                  << " peer to peer (cudaDeviceCanAccessPeer is 0)");
+  if (device == peer) return;
+  DeviceGuard guard(device);
+  const cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
+  if (err == cudaErrorPeerAccessAlreadyEnabled) {
+    cudaGetLastError();  // enabled before (by torch or an earlier call): not an error
+    return;
+  }
+  LLAMARL_CUDA_CHECK(err);
+}
+
+IpcExport cuda_ipc_export(int device, int64_t ptr) {
+  LLAMARL_CHECK(cuda_ipc_capable(device, ptr),
+                "address " << ptr << " on CUDA device " << device
+                           << " is not from cudaMalloc (a VMM or memory-pool allocation: "
+                              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or backend:cudaMallocAsync); "
+                              "cudaIpcGetMemHandle cannot export it");
+  DeviceGuard guard(device);
+  static const auto get_range = driver_fn<PFN_cuMemGetAddressRange_v3020>("cuMemGetAddressRange", 12000);
   CUdeviceptr base = 0;
   size_t size = 0;
-  const CUresult res =
-      reinterpret_cast<PFN_cuMemGetAddressRange_v3020>(fn)(&base, &size, static_cast<CUdeviceptr>(ptr));
+  const CUresult res = get_range(&base, &size, static_cast<CUdeviceptr>(ptr));
   LLAMARL_CHECK(res == CUDA_SUCCESS, "cuMemGetAddressRange(" << ptr << ") failed with CUresult " << res);
   cudaIpcMemHandle_t handle;
   LLAMARL_CUDA_CHECK(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base)));
@@ -131,10 +250,18 @@ void cuda_ipc_close(int device, int64_t base) {
 int64_t execute_segments_cuda(const CopySegment* segs, int64_t count, int device, int64_t stream_handle,
                               double timeout_s) {
   require_device(device);
+  LLAMARL_CHECK(timeout_s > 0, "timeout_s must be positive, got " << timeout_s);
   const int64_t total = validate_segments(segs, count);
   DeviceGuard guard(device);
+  // Ordering: the caller made `stream` wait for whatever must precede the copies (the
+  // writers of the sources); `done`, recorded on `stream` after the last segment,
+  // marks exactly these copies (a pool stream may carry later work of other threads).
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  for (int64_t i = 0; i < count; ++i) {
+  Event done;
+  const auto start = Clock::now();
+  int64_t failed = -1;
+  cudaError_t queue_error = cudaSuccess;
+  for (int64_t i = 0; i < count && queue_error == cudaSuccess; ++i) {
     const CopySegment& seg = segs[i];
     if (seg.width == 0 || seg.height == 0) continue;
     auto* src = reinterpret_cast<unsigned char*>(seg.src);
@@ -142,8 +269,7 @@ int64_t execute_segments_cuda(const CopySegment* segs, int64_t count, int device
     if (seg.kind == kCopyBytes) {
       const int64_t spitch = seg.height == 1 ? seg.width : seg.src_pitch;
       const int64_t dpitch = seg.height == 1 ? seg.width : seg.dst_pitch;
-      LLAMARL_CUDA_CHECK(cudaMemcpy2DAsync(dst, dpitch, src, spitch, seg.width, seg.height, cudaMemcpyDefault,
-                                           stream));
+      queue_error = cudaMemcpy2DAsync(dst, dpitch, src, spitch, seg.width, seg.height, cudaMemcpyDefault, stream);
     } else {
       // 256 threads x up to 4096 blocks: enough to saturate HBM on sm_90 for the
       // large rows of a weight matrix; the kernel grid-strides over the rest.
@@ -151,22 +277,31 @@ int64_t execute_segments_cuda(const CopySegment* segs, int64_t count, int device
       const int64_t blocks = (total_elems + 255) / 256;
       cast_f32_to_bf16_kernel<<<blocks < 4096 ? blocks : 4096, 256, 0, stream>>>(
           src, seg.src_pitch, dst, seg.dst_pitch, seg.width, seg.height);
-      LLAMARL_CUDA_CHECK(cudaGetLastError());
+      queue_error = cudaGetLastError();
     }
+    if (queue_error != cudaSuccess) failed = i;
   }
-  cudaEvent_t done;
-  LLAMARL_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-  LLAMARL_CUDA_CHECK(cudaEventRecord(done, stream));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  cudaError_t state;
-  while ((state = cudaEventQuery(done)) == cudaErrorNotReady) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      cudaEventDestroy(done);
-      LLAMARL_CHECK(false, "CUDA copy of " << total << " bytes did not complete within " << timeout_s << " s");
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  // Copies cannot be cancelled: an error or a missed deadline is reported only once
+  // the segments already queued have finished, or after kDrainTimeoutS if they do
+  // not (then the message says so: the GPU is hung).
+  if (queue_error != cudaSuccess) {
+    const cudaError_t drained = done.wait(stream, Clock::now() + seconds(kDrainTimeoutS));
+    LLAMARL_THROW(Error, "queuing segment " << failed << " of " << count << " on CUDA device " << device
+                                            << " failed: " << cudaGetErrorName(queue_error) << ": "
+                                            << cudaGetErrorString(queue_error) << "; "
+                                            << drained_note(drained, failed));
   }
-  cudaEventDestroy(done);
+  const cudaError_t state = done.wait(stream, start + seconds(timeout_s));
+  if (state == cudaErrorNotReady) {
+    const cudaError_t drained = done.wait(stream, Clock::now() + seconds(kDrainTimeoutS));
+    const double late_s = std::chrono::duration<double>(Clock::now() - start).count() - timeout_s;
+    if (drained == cudaSuccess)
+      LLAMARL_THROW(TimeoutError, "CUDA copy of " << total << " bytes on device " << device
+                                                  << " did not complete within " << timeout_s
+                                                  << " s (it completed " << late_s << " s later; nothing is left running)");
+    LLAMARL_THROW(Error, "CUDA copy of " << total << " bytes on device " << device << " did not complete within "
+                                         << timeout_s << " s; " << drained_note(drained, count));
+  }
   LLAMARL_CUDA_CHECK(state);
   return total;
 }

@@ -6,12 +6,15 @@ infos and memory handles are exchanged through a torch.distributed Store
 same plan and the transport all ranks agree on (transports.py).
 
 Every sync, one call on each side:
-- `receiver.receive()` opens a ticket (the generator is now paused between
-  decode steps: its tensors may change), waits until every sender that writes
-  to it reports the ticket done, and only then reports the version. On a
-  timeout or a disagreement on the version it raises, keeps the last complete
-  version, and refuses to serve the torn tensors (`weights()` raises
-  TornWeightsError) until a complete version lands.
+- `receiver.receive()` checks that its tensors still own the storage registered
+  (else raises, before any byte moves), waits until the kernels already queued
+  on its device's current stream (the generator's last decode step, which may
+  still read the weights) have completed, then opens a ticket (the generator is
+  now paused between decode steps: its tensors may change), waits until every
+  sender that writes to it reports the ticket done, and only then reports the
+  version. On a timeout or a disagreement on the version it raises, keeps the
+  last complete version, and refuses to serve the torn tensors (`weights()`
+  raises TornWeightsError) until a complete version lands.
 - `sender.send(version)` writes its segments straight into each receiver's
   parameter storage (shared memory or CUDA IPC) or sends packed buckets over
   the process group (p2p), and returns only once every byte it reads from its
@@ -19,7 +22,9 @@ Every sync, one call on each side:
   optimizer step, which runs after send() returns, can never tear a copy, so no
   snapshot of the trainer's weights is needed.
 
-Every wait has a timeout that raises SyncTimeoutError.
+Every wait has a timeout that raises SyncTimeoutError; every failure raises a
+SyncError, and only once no copy this process queued is still running (a GPU
+that stays hung 60 s past the deadline is the exception, and the error says so).
 """
 
 from __future__ import annotations
@@ -33,7 +38,16 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from .engine import DEFAULT_COPY_TIMEOUT_S, check_local_tensors, run_segment_table, segment_table, tensors_device
+from .engine import (
+    DEFAULT_COPY_TIMEOUT_S,
+    check_local_tensors,
+    run_segment_table,
+    segment_table,
+    storage_key,
+    tensors_device,
+    wait_for_queued_work,
+)
+from .errors import SyncError, SyncTimeoutError, TornWeightsError
 from .fp8 import Fp8Destinations, reduce_max
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES, Segment, TransferPlan, plan_transfer
@@ -54,18 +68,6 @@ from .transports import (
 
 DEFAULT_TIMEOUT_S = 120.0
 _SRC, _DST = "src", "dst"
-
-
-class SyncError(RuntimeError):
-    """A weight sync failed."""
-
-
-class SyncTimeoutError(SyncError, TimeoutError):
-    """A peer did not answer within the timeout."""
-
-
-class TornWeightsError(SyncError):
-    """The receiver's tensors hold a partly written version and must not be used."""
 
 
 class _Channel:
@@ -142,7 +144,8 @@ class _Endpoint:
 
         deadline = time.monotonic() + timeout
         me = _SRC if self.side == "sender" else _DST
-        self.channel.set(f"{me}/{rank}/info", {**device_info(self.device), "transport": transport})
+        exported = self.tensors if me == _DST else None  # receivers' memory is what CUDA IPC exports
+        self.channel.set(f"{me}/{rank}/info", {**device_info(self.device, exported), "transport": transport})
         if rank == 0:
             self.channel.set(f"{me}/layout", layout.to_dict())
             if me == _SRC:
@@ -162,7 +165,9 @@ class _Endpoint:
         requested = {i["transport"] for i in infos}
         if len(requested) > 1:
             raise ValueError(f"ranks asked for different transports {sorted(requested)}; pass the same to every rank")
-        self.transport = choose_transport(transport, infos)
+        self._src_infos, self._dst_infos = infos[: src_layout.world_size], infos[src_layout.world_size :]
+        pairs = [(s, d) for s in range(src_layout.world_size) for d in self.plan.receivers_of(s)]
+        self.transport = choose_transport(transport, self._src_infos, self._dst_infos, pairs)
         self.group = None
         if self.transport == P2P:
             num_src = src_layout.world_size
@@ -224,8 +229,8 @@ class WeightSender(_Endpoint):
 
     tensors: local parameter name -> shard tensor, shapes and dtypes as `layout`
     says for `rank`, contiguous, all on one device. They are read in place (no
-    copy is kept); if their storage moves between sends, addresses are resolved
-    again.
+    copy is kept); if their storage moves between sends, they are checked and
+    their addresses resolved again.
     """
 
     side = "sender"
@@ -262,8 +267,8 @@ class WeightSender(_Endpoint):
         self._build_tables()
 
     def _build_tables(self) -> None:
-        self._src_ptrs = {name: t.data_ptr() for name, t in self.tensors.items()}
-        src_base = lambda seg: self._src_ptrs[seg.src_name]  # noqa: E731
+        self._src_keys = {name: storage_key(t) for name, t in self.tensors.items()}
+        src_base = lambda seg: self._src_keys[seg.src_name][0]  # noqa: E731
         self._tables: dict[int, list] = {}
         for dst in self.receivers:
             buckets = self.plan.buckets[(self.rank, dst)]
@@ -297,7 +302,8 @@ class WeightSender(_Endpoint):
         deadline = self._deadline(timeout)
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
-        if any(t.data_ptr() != self._src_ptrs[n] for n, t in self.tensors.items()):
+        if any(storage_key(t) != self._src_keys[n] for n, t in self.tensors.items()):
+            check_local_tensors(self.layout, self.rank, self.tensors, self.side)
             self._build_tables()
         copy_timeout = self._copy_timeout(deadline)
         written = 0
@@ -354,7 +360,9 @@ class WeightReceiver(_Endpoint):
             region, offsets = rehome_into_shared_memory(self.landing)
             self.channel.set(f"{_DST}/{self.rank}/handle", shm_handle(region, offsets))
         elif self.transport == CUDA_IPC:
-            self.channel.set(f"{_DST}/{self.rank}/handle", cuda_ipc_handle(self.landing, self.device))
+            # Senders in this process write to the addresses; the others need IPC handles.
+            remote = any(self._src_infos[s]["process"] != self._dst_infos[self.rank]["process"] for s in self.senders)
+            self.channel.set(f"{_DST}/{self.rank}/handle", cuda_ipc_handle(self.landing, self.device, remote))
         else:
             buckets = [b for s in self.senders for b in self.plan.buckets[(s, self.rank)]]
             self._staging_buf = self._staging(buckets)
@@ -369,13 +377,22 @@ class WeightReceiver(_Endpoint):
                 ]
                 for s in self.senders
             }
+        # Where the senders' segments (and the unpack tables) write: checked before every receive().
+        self._landing_keys = {name: storage_key(t) for name, t in self.landing.items()}
 
     def receive(self, timeout: float | None = None) -> int:
         """Take the next version from the senders; returns it once every segment
-        has landed. Raises SyncTimeoutError (tensors torn, version unchanged)."""
+        has landed. Raises SyncTimeoutError (tensors torn, version unchanged), or
+        SyncError before anything is written if a tensor's storage moved since
+        registration."""
         deadline = self._deadline(timeout)
+        self._check_storage()
         if self.transport == P2P:
+            # The unpack copies run on a stream that waits for the current one: the GPU orders them.
             return self._receive_p2p(deadline)
+        # Senders write from other processes and streams, ordered by nothing but the
+        # ticket: open it only once the generator's queued kernels have stopped reading.
+        wait_for_queued_work(self.device, deadline, f"the kernels queued on {self.device} (receiver {self.rank})")
         key = f"{_DST}/{self.rank}"
         ticket = self.channel.counter(f"{key}/ticket", 1)
         self.torn = True  # from here on senders may be writing into the tensors
@@ -387,6 +404,19 @@ class WeightReceiver(_Endpoint):
         finally:
             self.channel.set(f"{key}/closed/{ticket}", 1)
         return self._complete(versions, deadline)
+
+    def _check_storage(self) -> None:
+        """Refuse to sync into a tensor whose storage moved since registration: the
+        senders' tables (and the unpack tables) hold the registered addresses."""
+        for name, t in self.landing.items():
+            now, then = storage_key(t), self._landing_keys[name]
+            if now != then:
+                raise SyncError(
+                    f"receiver rank {self.rank}: parameter {name!r} moved since registration (data_ptr "
+                    f"{then[0]:#x} -> {now[0]:#x}, storage {then[1]} -> {now[1]} bytes, shape {then[2]} -> "
+                    f"{now[2]}, {then[3]} -> {now[3]}); the senders write to the registered storage, so nothing "
+                    "was written: register a new WeightReceiver after the generator re-allocates its weights"
+                )
 
     def _receive_p2p(self, deadline: float) -> int:
         versions = set()

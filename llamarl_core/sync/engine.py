@@ -7,12 +7,14 @@ csrc/copy_segments.h `CopySegment`); each execution is then one native call.
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 
 from .._native import native, native_cuda
+from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
 
 KIND_COPY, KIND_F32_TO_BF16 = 0, 1
@@ -77,6 +79,14 @@ def tensors_device(tensors: Mapping[str, torch.Tensor], what: str) -> torch.devi
     return devices.pop() if devices else torch.device("cpu")
 
 
+def storage_key(tensor: torch.Tensor) -> tuple:
+    """What a segment table baked in about a tensor: its address, the size of its
+    storage, shape and dtype. A different key means the table writes or reads
+    memory the tensor no longer owns (vLLM's post-processing and weight reloads
+    replace `param.data`; FSDP resizes storages to 0)."""
+    return (tensor.data_ptr(), tensor.untyped_storage().nbytes(), tuple(tensor.shape), tensor.dtype)
+
+
 def run_segment_table(
     table: np.ndarray,
     device: torch.device,
@@ -87,16 +97,49 @@ def run_segment_table(
 
     CPU: memcpy threads. CUDA: a side stream that first waits for the current
     stream (so pending optimizer kernels finish writing the source), then
-    cudaMemcpy2DAsync / the cast kernel, waited for with `timeout_s`.
+    cudaMemcpy2DAsync / the cast kernel, waited for with `timeout_s`. Returns or
+    raises only once nothing it queued is running (see execute_segments_cuda).
+    Raises SyncTimeoutError past `timeout_s`, SyncError when the engine fails.
     """
     if len(table) == 0:
         return 0
     if device.type == "cpu":
-        return native().execute_segments_host(table, num_threads or default_num_threads())
+        return _engine_call(native().execute_segments_host, table, num_threads or default_num_threads())
     if device.type == "cuda":
         mod = native_cuda()
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.Stream(device=index)
         stream.wait_stream(torch.cuda.current_stream(index))
-        return mod.execute_segments_cuda(table, index, stream.cuda_stream, timeout_s)
+        return _engine_call(mod.execute_segments_cuda, table, index, stream.cuda_stream, timeout_s)
     raise ValueError(f"no copy engine for device {device}")
+
+
+def _engine_call(fn: Callable, *args):
+    """`fn(*args)` with the native engine's errors as the sync's own, so that callers
+    catching SyncError (the executors) see them."""
+    mod = native()
+    try:
+        return fn(*args)
+    except mod.EngineTimeoutError as exc:
+        raise SyncTimeoutError(str(exc)) from exc
+    except mod.EngineError as exc:
+        raise SyncError(str(exc)) from exc
+
+
+def wait_for_queued_work(device: torch.device, deadline: float, what: str) -> None:
+    """Wait, until `deadline` (time.monotonic), for the kernels queued so far on
+    `device`'s current stream: an event recorded there now, polled. Raises
+    SyncTimeoutError naming `what`. No-op on CPU, where nothing is queued."""
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(index))
+    # Polls 50 us apart, doubling up to 1 ms: a decode step takes 5-50 ms, so the
+    # wait overshoots the step's end by at most 1 ms (under 20% of the shortest).
+    pause = 50e-6
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise SyncTimeoutError(f"timed out waiting for {what}")
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)

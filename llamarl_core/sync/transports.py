@@ -4,6 +4,8 @@
   region (values kept, same tensor objects); senders map it and write into it.
 - cuda_ipc: the receiver exports the CUDA allocations holding its parameters
   (cudaIpcGetMemHandle, keyed by GPU UUID); senders open them on their device.
+  A sender in the receiver's own process cannot open the receiver's handles (the
+  exporting process never can): it writes to the published addresses directly.
 - p2p: a torch.distributed process group (gloo on CPU, NCCL on GPU) spanning
   senders and receivers, made from the same Store; buckets are packed, sent,
   and unpacked into the parameters.
@@ -12,9 +14,12 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
-from typing import Mapping
+import uuid
+import warnings
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,12 +44,48 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def device_info(device: torch.device) -> dict:
-    info = {"host": host_identity(), "pid": os.getpid(), "device": device.type}
+# Told apart from the pid: containers on one host (one hostname and boot id) can
+# run processes with equal pids, and a pid alone would make them one process.
+_PROCESS_TOKEN = uuid.uuid4().hex
+
+
+def process_identity() -> str:
+    """Equal only within one process (a forked child has another pid)."""
+    return f"{os.getpid()}/{_PROCESS_TOKEN}"
+
+
+def device_info(device: torch.device, tensors: Mapping[str, torch.Tensor] | None = None) -> dict:
+    """What choose_transport needs to know of one rank: host, process, device type;
+    on CUDA also its GPU's UUID, the GPUs visible here (UUID -> whether this GPU can
+    address them peer to peer), and, given the tensors the rank exports, why CUDA IPC
+    cannot export them (`ipc_error`, None when it can)."""
+    info = {"host": host_identity(), "process": process_identity(), "device": device.type}
     if device.type == "cuda":
+        mod = native_cuda()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        info["uuid"] = native_cuda().cuda_device_uuid(index)
+        info["uuid"] = mod.cuda_device_uuid(index)
+        info["gpus"] = {mod.cuda_device_uuid(d): mod.cuda_can_access_peer(index, d)
+                        for d in range(mod.cuda_device_count())}
+        if tensors is not None:
+            info["ipc_error"] = cuda_ipc_error(tensors, index)
     return info
+
+
+def cuda_ipc_error(tensors: Mapping[str, torch.Tensor], index: int) -> str | None:
+    """Why cudaIpcGetMemHandle cannot export `tensors` (naming the first that it
+    cannot), or None. It exports only cudaMalloc allocations: PyTorch's
+    expandable segments (VMM) and its cudaMallocAsync backend allocate otherwise."""
+    mod = native_cuda()
+    for name, t in tensors.items():
+        if t.numel() and not mod.cuda_ipc_capable(index, t.data_ptr()):
+            setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+            return (
+                f"{name!r} is not in memory from cudaMalloc, which CUDA IPC needs "
+                f"(PYTORCH_CUDA_ALLOC_CONF={setting!r} here; expandable_segments:True and "
+                "backend:cudaMallocAsync allocate otherwise, as do VMM allocators): unset those "
+                "in the receiving process"
+            )
+    return None
 
 
 def check_transport_name(requested: str) -> None:
@@ -52,23 +93,64 @@ def check_transport_name(requested: str) -> None:
         raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got {requested!r}")
 
 
-def choose_transport(requested: str, infos: list[dict]) -> str:
-    """Pick the transport every rank agrees on, from all ranks' `device_info`."""
+def cuda_ipc_obstacle(senders: Sequence[dict], receivers: Sequence[dict], pairs) -> str | None:
+    """Why the cuda_ipc transport cannot move bytes for every (sender, receiver)
+    pair in `pairs` (ranks on one host, `device_info` dicts), or None. A pair in
+    one process needs no IPC (the sender writes to the receiver's addresses); a
+    pair on two GPUs needs peer access either way (the cast kernel writes remote
+    memory)."""
+    for s, d in pairs:
+        src, dst = senders[s], receivers[d]
+        if src["uuid"] != dst["uuid"]:
+            access = src["gpus"].get(dst["uuid"])
+            if access is None:
+                return (f"receiver {d}'s GPU {dst['uuid']} is not visible to sender {s} "
+                        "(CUDA_VISIBLE_DEVICES must include both GPUs)")
+            if not access:
+                return (f"sender {s}'s GPU {src['uuid']} cannot access receiver {d}'s GPU {dst['uuid']} "
+                        "peer to peer (cudaDeviceCanAccessPeer is 0)")
+        if src["process"] != dst["process"] and dst.get("ipc_error"):
+            return f"receiver {d}: {dst['ipc_error']}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=5)  # the line that made the WeightSender / WeightReceiver
+
+
+def choose_transport(requested: str, senders: Sequence[dict], receivers: Sequence[dict], pairs=None) -> str:
+    """Pick the transport every rank agrees on, from all ranks' `device_info`.
+    pairs: the (sender, receiver) ranks that exchange bytes (default: all).
+    'auto' takes shared memory (CPU) or CUDA IPC (GPU) when every rank is on one
+    host and, on GPU, CUDA IPC can serve every pair; else point-to-point, warning
+    once when one host could not use CUDA IPC. A transport named explicitly that
+    cannot work raises ValueError with the reason."""
     check_transport_name(requested)
+    infos = [*senders, *receivers]
     device_types = {i["device"] for i in infos}
     if len(device_types) != 1:
         raise ValueError(f"all sender and receiver tensors must be on one device type, got {sorted(device_types)}")
     device_type = device_types.pop()
     one_host = len({i["host"] for i in infos}) == 1
     local = SHM if device_type == "cpu" else CUDA_IPC
-    if requested == "auto":
-        return local if one_host else P2P
     if requested in (SHM, CUDA_IPC):
         if requested != local:
             raise ValueError(f"transport {requested!r} needs {'CPU' if requested == SHM else 'CUDA'} tensors")
         if not one_host:
             raise ValueError(f"transport {requested!r} needs every rank on one machine; use 'p2p'")
-    return requested
+    if requested == P2P or not one_host:
+        return P2P
+    if local == CUDA_IPC:
+        if pairs is None:
+            pairs = [(s, d) for s in range(len(senders)) for d in range(len(receivers))]
+        obstacle = cuda_ipc_obstacle(senders, receivers, pairs)
+        if obstacle is not None:
+            if requested == CUDA_IPC:
+                raise ValueError(f"transport 'cuda_ipc' cannot work here: {obstacle}; or use transport='p2p'")
+            _warn_once(f"weight sync: CUDA IPC cannot be used ({obstacle}); falling back to 'p2p' (NCCL)")
+            return P2P
+    return local
 
 
 # ----------------------------------------------------------------------------- shm
@@ -105,33 +187,44 @@ def open_shm_handle(handle: dict):
 # ----------------------------------------------------------------------------- cuda ipc
 
 
-def cuda_ipc_handle(tensors: Mapping[str, torch.Tensor], device: torch.device) -> dict:
-    """Export the allocations holding `tensors`: one IPC handle per allocation."""
+def cuda_ipc_handle(tensors: Mapping[str, torch.Tensor], device: torch.device, export: bool) -> dict:
+    """Publish the addresses of `tensors` (for senders in this process) and, when
+    `export`, the allocations holding them: one IPC handle per allocation."""
     mod = native_cuda()
     index = device.index if device.index is not None else torch.cuda.current_device()
+    addresses = {name: t.data_ptr() for name, t in tensors.items() if t.numel()}
     handles: list[str] = []
     params: dict[str, list[int]] = {}
-    for name, t in tensors.items():
-        if t.numel() == 0:
-            continue
-        handle, offset, _ = mod.cuda_ipc_export(index, t.data_ptr())
+    for name, ptr in addresses.items() if export else ():
+        handle, offset, _ = mod.cuda_ipc_export(index, ptr)
         if handle.hex() not in handles:
             handles.append(handle.hex())
         params[name] = [handles.index(handle.hex()), offset]
-    return {"uuid": mod.cuda_device_uuid(index), "handles": handles, "params": params}
+    return {
+        "uuid": mod.cuda_device_uuid(index), "process": process_identity(),
+        "addresses": addresses, "handles": handles, "params": params,
+    }
 
 
 class OpenedCudaHandles:
-    """A receiver's allocations mapped on this process's device; closed once."""
+    """A receiver's allocations mapped on this process's device; closed once. For a
+    receiver in this very process, its published addresses (nothing opened)."""
 
     def __init__(self, handle: dict, device: torch.device):
         self.mod = native_cuda()
-        if self.mod.cuda_device_by_uuid(handle["uuid"]) < 0:
+        peer = self.mod.cuda_device_by_uuid(handle["uuid"])
+        if peer < 0:
             raise ValueError(
                 f"the receiver's GPU {handle['uuid']} is not visible in this process "
                 "(set CUDA_VISIBLE_DEVICES to include it, or use transport='p2p')"
             )
         self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.bases: list[int] = []
+        if handle["process"] == process_identity():
+            # cudaIpcOpenMemHandle fails in the process that exported the handle.
+            self.mod.cuda_enable_peer_access(self.index, peer)
+            self.addresses = dict(handle["addresses"])
+            return
         self.bases = [self.mod.cuda_ipc_open(self.index, bytes.fromhex(h)) for h in handle["handles"]]
         self.addresses = {name: self.bases[i] + off for name, (i, off) in handle["params"].items()}
 
