@@ -2,8 +2,10 @@
 
 import datetime
 import itertools
+import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import time
 
@@ -12,7 +14,15 @@ import torch
 import torch.distributed as dist
 
 import sync_workers as workers
-from helpers import CONFIG_KINDS, _child, llamarl_shm_entries, poisoned_destination, run_processes, small_config
+from helpers import (
+    CONFIG_KINDS,
+    _child,
+    llamarl_shm_entries,
+    poisoned_destination,
+    run_processes,
+    run_with_small_dev_shm,
+    small_config,
+)
 from llamarl_core.sync import SyncTimeoutError, WeightReceiver, WeightSender, hf_llama_fsdp, vllm_llama_tp
 
 
@@ -193,3 +203,60 @@ def test_fp8_sync_refuses_nonfinite_weights_on_every_rank(store):
         t.join(timeout=60)
     assert "qkv_proj.weight: contains NaN or inf" in outcome[0][0] and outcome[0][1:] == (True, None)
     assert "another rank received NaN or inf" in outcome[1][0] and outcome[1][1:] == (True, None)
+
+
+_RECEIVER_ON_SMALL_DEV_SHM = """
+import datetime, json, os, threading
+import torch, torch.distributed as dist
+from helpers import hf_state_dict, poisoned_destination, small_config
+from llamarl_core.sync import SyncError, WeightReceiver, WeightSender, hf_llama_fsdp, reference_fsdp_shards, vllm_llama_tp
+
+config = small_config("llama_tied")
+layout = vllm_llama_tp(config, 1, torch.float32)
+master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+client = lambda: dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=60))
+out = {}
+
+def sender():  # set-up needs both sides; this one waits for a memory handle that never comes
+    shards = reference_fsdp_shards(hf_state_dict(config, 0), 1, torch.float32)[0]
+    try:
+        WeightSender(client(), hf_llama_fsdp(config, 1, torch.float32), 0, shards, name="small", timeout=3)
+    except SyncError as exc:
+        out["sender"] = str(exc)
+
+thread = threading.Thread(target=sender)
+thread.start()
+params = poisoned_destination(layout, 0)
+for t in params.values():
+    t.copy_(torch.randn(t.shape).to(t.dtype))
+before = {n: (t.data_ptr(), t.clone()) for n, t in params.items()}
+out["param_bytes"] = sum(t.numel() * t.element_size() for t in params.values())
+try:
+    WeightReceiver(client(), layout, 0, params, name="small", timeout=30)
+except RuntimeError as exc:
+    out["error"] = str(exc)
+thread.join()
+out["changed"] = [n for n, (ptr, copy) in before.items()
+                  if params[n].data_ptr() != ptr or not torch.equal(params[n].view(torch.uint8), copy.view(torch.uint8))]
+fs = os.statvfs("/dev/shm")
+out["free_after"] = fs.f_bavail * fs.f_frsize
+print(json.dumps(out))
+"""
+
+
+def test_receiver_larger_than_dev_shm_fails_cleanly_with_tensors_unchanged():
+    """A receiver whose CPU parameters (float32, ~1.9 MB) exceed a 1 MiB /dev/shm:
+    registration raises naming the rank and the bytes needed and free, with every
+    tensor where and as it was and nothing left in /dev/shm. Before posix_fallocate
+    the process died with SIGBUS while copying the parameters in."""
+    proc = run_with_small_dev_shm(_RECEIVER_ON_SMALL_DEV_SHM, "1M")
+    assert proc.returncode == 0, f"child exited with {proc.returncode} ({-signal.SIGBUS} is SIGBUS): {proc.stderr[-2000:]}"
+    out = json.loads(proc.stdout)
+    assert out["param_bytes"] > 1 << 20
+    needed = re.search(r"receiver rank 0: cannot move its \d+ tensors into shared memory, none moved: "
+                       r"shared memory region needs (\d+) bytes, /dev/shm has 1048576 bytes free", out.get("error", ""))
+    assert needed, out
+    assert int(needed.group(1)) >= out["param_bytes"]
+    assert out["changed"] == []
+    assert out["free_after"] == 1 << 20
+    assert "receiver 0's memory handle" in out["sender"]  # the failed receiver published no handle

@@ -351,7 +351,7 @@ class WeightReceiver(_Endpoint):
         self.landing = self.fp8.landing(self.tensors, self.device)
         if self.transport == SHM:
             # The region stays mapped for as long as the tensors viewing it live.
-            region, offsets = rehome_into_shared_memory(self.landing)
+            region, offsets = rehome_into_shared_memory(self.landing, f"receiver rank {self.rank}")
             self.channel.set(f"{_DST}/{self.rank}/handle", shm_handle(region, offsets))
         elif self.transport == CUDA_IPC:
             self.channel.set(f"{_DST}/{self.rank}/handle", cuda_ipc_handle(self.landing, self.device))
