@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import traceback
 from typing import Callable, Mapping
 
+import pytest
 import torch
 import transformers
 
@@ -117,3 +121,19 @@ def run_processes(jobs: list[tuple[Callable, dict]], timeout: float) -> list:
 
 def llamarl_shm_entries() -> list[str]:
     return sorted(e for e in os.listdir("/dev/shm") if e.startswith("llamarl"))
+
+
+def run_with_small_dev_shm(code: str, size: str = "1M") -> subprocess.CompletedProcess:
+    """Run `python -c code` (cwd tests/) in a mount namespace of its own with a
+    `size` tmpfs over /dev/shm: a small /dev/shm for real (Docker's default is
+    64 MiB), the machine's own untouched. Skips where that is not permitted."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: mounts a tmpfs over /dev/shm in a mount namespace of its own")
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) for a mount namespace of its own")
+    script = f'mount -t tmpfs -o size={size} tmpfs /dev/shm || exit 97; exec "$0" -c "$1"'
+    proc = subprocess.run(["unshare", "--mount", "sh", "-c", script, sys.executable, code],
+                          cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True, timeout=300)
+    if proc.returncode == 97 or proc.stderr.startswith("unshare:"):
+        pytest.skip(f"cannot mount a small /dev/shm in a mount namespace here: {proc.stderr.strip()}")
+    return proc

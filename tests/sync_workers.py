@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
 
 from helpers import hf_state_dict, mismatches, poisoned_destination, small_config
 from llamarl_core.sync import (
+    SyncError,
     WeightReceiver,
     WeightSender,
     hf_llama_fsdp,
@@ -36,19 +38,28 @@ def scenario_name(s: dict) -> str:
 
 def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) -> dict:
     """For each scenario this rank belongs to: register FSDP shards, send each version
-    (the shards updated in place between versions, as an optimizer step does)."""
-    store, out = connect(port), {}
+    (the shards updated in place between versions, as an optimizer step does).
+    A scenario may override `port` (a Store of its own) and `versions`; sends whose
+    index is in its "poisoned" carry a NaN in rows only TP rank 0 holds; its
+    "send_after" maps a send's index to a Store key to wait for first."""
+    out = {}
     torch.set_num_threads(1)
     for s in scenarios:
         if rank >= s["fsdp"]:
             continue
+        store = connect(s.get("port", port))
         config, dtype = small_config(s["config"]), DTYPES[s["src_dtype"]]
         device = s.get("device", "cpu")
         shards = {n: t.to(device) for n, t in reference_fsdp_shards(hf_state_dict(config, s["seed"]), s["fsdp"], dtype)[rank].items()}
         with WeightSender(store, hf_llama_fsdp(config, s["fsdp"], dtype), rank, shards,
                           name=scenario_name(s), transport=s["transport"], timeout=60) as sender:
-            for v in versions:
-                fresh = reference_fsdp_shards(hf_state_dict(config, s["seed"] + v), s["fsdp"], dtype)[rank]
+            for step, v in enumerate(s.get("versions", versions)):
+                if step in s.get("send_after", {}):
+                    store.wait([s["send_after"][step]], datetime.timedelta(seconds=60))
+                state = hf_state_dict(config, s["seed"] + v)
+                if step in s.get("poisoned", ()):
+                    state["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
+                fresh = reference_fsdp_shards(state, s["fsdp"], dtype)[rank]
                 for name, t in shards.items():
                     t.copy_(fresh[name])
                 sender.send(v)
@@ -59,12 +70,23 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) ->
 def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) -> dict:
     """For each scenario: register NaN-poisoned parameters (as nn.Parameters of a
     module, the generator's own storage), receive each version and compare it
-    bitwise with the plain-torch reference. Returns scenario -> mismatch lines."""
-    store, out = connect(port), {}
+    bitwise with the plain-torch reference. Returns scenario -> mismatch lines.
+    A scenario may override `port` and `versions`; receives whose index is in its
+    "failing" must raise SyncError and leave the weights torn (recorded as a line
+    "step i: <message>"); "stall_amax" = (rank, step, seconds) delays that rank's
+    FP8 amax computation in that receive, so the other ranks reach the exchange
+    first; with "amax_group" the receivers reduce FP8 amaxes over a gloo group
+    of their own."""
+    out = {}
     torch.set_num_threads(1)
     for s in scenarios:
         if rank >= s["tp"]:
             continue
+        store = connect(s.get("port", port))
+        group = None
+        if s.get("amax_group"):
+            group = dist.ProcessGroupGloo(dist.PrefixStore(f"test/amax-group/{scenario_name(s)}/", store), rank, s["tp"],
+                                          datetime.timedelta(seconds=60))
         config = small_config(s["config"])
         layout = vllm_llama_tp(config, s["tp"], torch.bfloat16, fp8=s.get("fp8"))
         module = torch.nn.ParameterDict(
@@ -74,9 +96,29 @@ def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) 
         params = {n.replace("/", "."): p for n, p in module.items()}
         problems = []
         with WeightReceiver(store, layout, rank, params, name=scenario_name(s), transport=s["transport"],
-                            timeout=60) as receiver:
-            for v in versions:
-                got = receiver.receive()
+                            timeout=60, group=group) as receiver:
+            local_amax = receiver.fp8.local_amax
+            stall_rank, stall_step, stall_s = s.get("stall_amax", (None, None, 0))
+
+            def stalled(landing):
+                time.sleep(stall_s)
+                return local_amax(landing)
+
+            failing = s.get("failing", ())
+            for step, v in enumerate(s.get("versions", versions)):
+                if (rank, step) == (stall_rank, stall_step):
+                    receiver.fp8.local_amax = stalled
+                try:
+                    got = receiver.receive()
+                except SyncError as exc:
+                    if step not in failing or not receiver.torn:
+                        raise
+                    problems.append(f"step {step}: {exc}")
+                    continue
+                finally:
+                    receiver.fp8.local_amax = local_amax
+                if step in failing:
+                    problems.append(f"step {step}: received version {got}, expected SyncError")
                 if got != v:
                     problems.append(f"version {got} reported, expected {v}")
                 state = hf_state_dict(config, s["seed"] + v)
@@ -93,8 +135,6 @@ def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) 
 def stalling_sender_body(port: int, rank: int, scenario: dict, stall_in_version: int) -> None:
     """Send version 1, then stall inside version `stall_in_version` after its first
     bucket has landed (and say so in the Store), waiting to be SIGKILLed."""
-    import time
-
     import llamarl_core.sync.endpoints as endpoints
 
     store, real_run = connect(port), endpoints.run_segment_table
@@ -124,8 +164,6 @@ def stalling_sender_body(port: int, rank: int, scenario: dict, stall_in_version:
 def torn_receiver_body(port: int, rank: int, scenario: dict, torn_timeout: float) -> dict:
     """Receive version 1; then a receive that must time out (a sender dies); then
     the next complete version. Reports what it saw at each step."""
-    import time
-
     from llamarl_core.sync import SyncTimeoutError, TornWeightsError
 
     store = connect(port)
@@ -159,4 +197,46 @@ def torn_receiver_body(port: int, rank: int, scenario: dict, torn_timeout: float
                                         torch.bfloat16)[rank]
     report["v3_mismatches"] = mismatches(expected, receiver.weights())
     receiver.close()
+    return report
+
+
+def late_rank_receiver_body(port: int, rank: int, scenario: dict) -> dict:
+    """After version 1: receiver 1 gives up on version 2 (1 s) before the sender,
+    which waits for that, serves it; receiver 0 takes version 2 and waits in its
+    FP8 amax exchange until it times out; only then does receiver 1 ask again
+    (and is served version 2). Then both take version 3. Reports each receive's
+    outcome, the version 3 mismatches and any amax key of versions 1-3 left."""
+    store = connect(port)
+    config = small_config(scenario["config"])
+    layout = vllm_llama_tp(config, scenario["tp"], torch.bfloat16, fp8=scenario["fp8"])
+    params = poisoned_destination(layout, rank)
+    gave_up, timed_out = f"test/{scenario_name(scenario)}/1-gave-up", f"test/{scenario_name(scenario)}/0-timed-out"
+    report = {}
+
+    def wait(key: str) -> None:
+        store.wait([key], datetime.timedelta(seconds=120))
+
+    def attempt(key: str, timeout: float | None = None) -> None:
+        try:
+            report[key] = receiver.receive(timeout=timeout)
+        except SyncError as exc:
+            report[key] = f"{type(exc).__name__}: {exc}"
+
+    with WeightReceiver(store, layout, rank, params, name=scenario_name(scenario), timeout=60) as receiver:
+        attempt("v1")
+        if rank == 0:
+            wait(gave_up)
+            attempt("v2", timeout=15.0)  # ample to land version 2, then spent waiting for receiver 1
+            store.set(timed_out, "1")
+        else:
+            attempt("v2 early", timeout=1.0)
+            store.set(gave_up, "1")
+            wait(timed_out)
+            attempt("v2")
+        attempt("v3")
+        expected = reference_vllm_fp8_shards(hf_state_dict(config, scenario["seed"] + 3), config, scenario["tp"],
+                                             scenario["fp8"])[rank]
+        report["v3_mismatches"] = mismatches(expected, params)
+    prefixed = dist.PrefixStore(f"llamarl/sync/{scenario_name(scenario)}/dst/amax/", store)
+    report["amax_keys_left"] = [f"{v}/0/{k}" for v in (1, 2, 3) for k in ("0", "1", "done") if prefixed.check([f"{v}/0/{k}"])]
     return report

@@ -1,8 +1,11 @@
 """The native copy engine: segments, the fp32 -> bf16 cast, shared memory regions."""
 
+import json
 import multiprocessing as mp
 import os
+import re
 import shutil
+import signal
 import stat
 import struct
 
@@ -13,7 +16,7 @@ import torch
 from llamarl_core._native import native, native_cuda
 from llamarl_core.sync import SyncError, SyncTimeoutError
 from llamarl_core.sync.engine import KIND_COPY, KIND_F32_TO_BF16, _engine_call, run_segment_table
-from helpers import llamarl_shm_entries
+from helpers import llamarl_shm_entries, run_with_small_dev_shm
 
 
 def _rect_table(src: torch.Tensor, dst: torch.Tensor, rects, kind: int) -> np.ndarray:
@@ -152,6 +155,40 @@ def test_open_refuses_a_wrong_name_or_size():
     with pytest.raises(RuntimeError, match="cannot read"):
         native().SharedMemoryRegion.open(2**22 + 12345, 3, region.name, 4096)
     assert llamarl_shm_entries() == []
+
+
+_REGION_ON_SMALL_DEV_SHM = """
+import json, os, torch
+from llamarl_core._native import native
+out = {}
+try:
+    region = native().SharedMemoryRegion.create(8 << 20)
+    torch.frombuffer(region, dtype=torch.uint8).fill_(1)  # what a sender does next (SIGBUS before the fix)
+    out["created"] = region.nbytes
+except native().EngineError as exc:
+    out["error"] = str(exc)
+fs = os.statvfs("/dev/shm")
+out["free_after"] = fs.f_bavail * fs.f_frsize
+small = native().SharedMemoryRegion.create(512 << 10)  # what fits still works
+out["small_sum"] = int(torch.frombuffer(small, dtype=torch.uint8).fill_(3).to(torch.int64).sum())
+print(json.dumps(out))
+"""
+
+
+def test_region_larger_than_dev_shm_raises_naming_needed_and_free_bytes():
+    """An 8 MiB region on a 1 MiB /dev/shm: a clean EngineError at creation, nothing
+    left allocated; before posix_fallocate the region was created and the first
+    write killed the process with SIGBUS."""
+    proc = run_with_small_dev_shm(_REGION_ON_SMALL_DEV_SHM, "1M")
+    assert proc.returncode == 0, (
+        f"child exited with {proc.returncode} ({-signal.SIGBUS} is SIGBUS): {proc.stderr[-2000:]}"
+    )
+    out = json.loads(proc.stdout)
+    assert "created" not in out, out
+    assert re.search(r"needs 8388608 bytes, /dev/shm has 1048576 bytes free", out["error"]), out["error"]
+    assert "--shm-size" in out["error"] and "p2p" in out["error"]
+    assert out["free_after"] == 1 << 20  # the failed allocation left nothing behind
+    assert out["small_sum"] == 3 * (512 << 10)
 
 
 def test_cuda_backend_is_built_and_fails_clearly_without_a_device():

@@ -2,6 +2,7 @@
 
 import datetime
 import itertools
+import json
 import multiprocessing as mp
 import os
 import re
@@ -22,6 +23,7 @@ from helpers import (
     llamarl_shm_entries,
     poisoned_destination,
     run_processes,
+    run_with_small_dev_shm,
     small_config,
 )
 from llamarl_core.sync import (
@@ -76,6 +78,99 @@ def test_sync_between_processes_equals_reference(store):
         for r in range(s["tp"]):
             assert receivers[r][name] == [], (name, r)
     assert llamarl_shm_entries() == []
+
+
+def _amax_scenarios() -> dict[str, dict]:
+    """FP8 syncs at FSDP 2 -> TP 2 whose scales need amaxes from both receiver
+    ranks (channel: o_proj / down_proj split on dim 1; tensor: every scale), each
+    on a Store of its own (its "port", set by the fixture); plain twins count the
+    keys the rest of the protocol leaves. "nan-*": the 2nd send of version 2 has a
+    NaN in rows of TP rank 0, the 3rd sends version 2 again with finite weights,
+    and receiver 0 reaches that retry's exchange 2 s after receiver 1."""
+    base = dict(fsdp=2, tp=2, src_dtype="fp32", versions=(1, 2, 3, 4))
+    nan = dict(versions=(1, 2, 2, 3), poisoned=(1,), failing=(1,), stall_amax=(0, 2, 2.0))
+    return {
+        "channel-shm": dict(base, config="llama_gqa_bias", transport="auto", fp8="channel", seed=3000),
+        "tensor-shm": dict(base, config="qwen2", transport="auto", fp8="tensor", seed=3010),
+        "tensor-p2p": dict(base, config="mistral", transport="p2p", fp8="tensor", seed=3020),
+        "plain-shm": dict(base, config="llama_gqa_bias", transport="auto", seed=3030),
+        "plain-p2p": dict(base, config="mistral", transport="p2p", seed=3040),
+        "nan-channel-shm": dict(base, config="llama_gqa_bias", transport="auto", fp8="channel", seed=3050, **nan),
+        "nan-tensor-p2p": dict(base, config="qwen2", transport="p2p", fp8="tensor", seed=3060, **nan),
+        "nan-channel-shm-group": dict(base, config="llama_tied", transport="auto", fp8="channel", seed=3070,
+                                      amax_group=True, **nan),
+        "channel-p2p-group": dict(base, config="mistral", transport="p2p", fp8="channel", seed=3080, amax_group=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def amax_runs():
+    """Every _amax_scenarios() scenario in one set of processes: (scenario -> [its
+    receivers' results], scenario -> its Store's number of keys afterwards)."""
+    stores = {k: dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+              for k in _amax_scenarios()}
+    scenarios = {k: dict(s, port=stores[k].port) for k, s in _amax_scenarios().items()}
+    jobs = [(workers.sender_body, dict(port=0, rank=r, scenarios=list(scenarios.values()))) for r in range(2)]
+    jobs += [(workers.receiver_body, dict(port=0, rank=r, scenarios=list(scenarios.values()))) for r in range(2)]
+    results = run_processes(jobs, timeout=600)
+    received = {k: [results[2 + r][workers.scenario_name(s)] for r in range(2)] for k, s in scenarios.items()}
+    return received, {k: store.num_keys() for k, store in stores.items()}
+
+
+def test_fp8_syncs_leave_no_amax_keys_in_the_store(amax_runs):
+    """Four FP8 syncs leave their Store with exactly the keys of the same syncs
+    without FP8: every amax key is deleted once both ranks have read it (before:
+    one key per sync and rank, never deleted), and the weights equal the reference."""
+    received, num_keys = amax_runs
+    for fp8, plain in [("channel-shm", "plain-shm"), ("tensor-shm", "plain-shm"), ("tensor-p2p", "plain-p2p")]:
+        assert received[fp8] == [[], []], fp8
+        assert num_keys[fp8] == num_keys[plain], (fp8, num_keys)
+    assert received["plain-shm"] == received["plain-p2p"] == [[], []]
+
+
+def test_fp8_version_retried_after_nan_on_one_rank_equals_reference(amax_runs):
+    """A NaN reaching receiver 0 fails version 2 on both ranks; the retry of version 2
+    (same number, finite weights) then succeeds on both and equals the reference,
+    though receiver 1 reaches its exchange first: it waits for receiver 0's fresh
+    amaxes instead of reading the failed attempt's "nonfinite" (before: it failed
+    again). The failed attempt's keys are deleted too."""
+    received, num_keys = amax_runs
+    for name in ["nan-channel-shm", "nan-tensor-p2p", "nan-channel-shm-group"]:
+        rank0, rank1 = received[name]
+        assert len(rank0) == 1 and re.match(r"step 1: receiver rank 0, version 2: .*contains NaN or inf", rank0[0]), (name, rank0)
+        assert rank1 == ["step 1: receiver rank 1, version 2: another rank received NaN or inf; weights torn"], (name, rank1)
+    assert num_keys["nan-channel-shm"] == num_keys["plain-shm"]
+    assert num_keys["nan-tensor-p2p"] == num_keys["plain-p2p"]
+
+
+def test_fp8_amaxes_reduced_over_the_receivers_group_equal_reference(amax_runs):
+    """group=: the amaxes go through an all-reduce over the receivers' own gloo group
+    (no Store keys), bitwise equal to the reference; the NaN scenario above runs
+    over a group too."""
+    received, _ = amax_runs
+    assert received["channel-p2p-group"] == [[], []]
+
+
+def test_fp8_rank_that_missed_an_exchange_puts_only_that_version_out_of_step(store):
+    """Receiver 1 gives up on version 2 before the sender serves it, and takes it on
+    its next receive, after receiver 0 (served) timed out waiting for its amaxes.
+    Receiver 1 fails at once on receiver 0's "timed-out" marker instead of
+    waiting; version 3 then lands on both, equal to the reference, and no amax
+    key is left. (Keyed by receive ticket, receiver 1's tickets would trail
+    receiver 0's from here on and every later FP8 sync would fail.)"""
+    scenario = dict(config="llama_gqa_bias", fsdp=1, tp=2, src_dtype="fp32", transport="auto", fp8="channel",
+                    seed=3100, versions=(1, 2, 3))
+    scenario["send_after"] = {1: f"test/{workers.scenario_name(scenario)}/1-gave-up"}
+    jobs = [(workers.sender_body, dict(port=store.port, rank=0, scenarios=[scenario]))]
+    jobs += [(workers.late_rank_receiver_body, dict(port=store.port, rank=r, scenario=scenario)) for r in range(2)]
+    _, rank0, rank1 = run_processes(jobs, timeout=300)
+    assert rank0["v1"] == rank1["v1"] == 1
+    assert rank0["v2"].startswith("SyncTimeoutError: timed out waiting for the FP8 amaxes of sync (2, 0)"), rank0
+    assert rank1["v2 early"].startswith("SyncTimeoutError: timed out waiting for senders to finish"), rank1
+    assert rank1["v2"].startswith("SyncTimeoutError: receiver rank 0 timed out in the FP8 amax exchange of sync (2, 0)"), rank1
+    assert rank0["v3"] == rank1["v3"] == 3
+    assert rank0["v3_mismatches"] == rank1["v3_mismatches"] == []
+    assert rank0["amax_keys_left"] == rank1["amax_keys_left"] == []
 
 
 def test_sync_through_a_file_store(tmp_path):
@@ -331,3 +426,60 @@ def test_fp8_sync_refuses_nonfinite_weights_on_every_rank(store):
         t.join(timeout=60)
     assert "qkv_proj.weight: contains NaN or inf" in outcome[0][0] and outcome[0][1:] == (True, None)
     assert "another rank received NaN or inf" in outcome[1][0] and outcome[1][1:] == (True, None)
+
+
+_RECEIVER_ON_SMALL_DEV_SHM = """
+import datetime, json, os, threading
+import torch, torch.distributed as dist
+from helpers import hf_state_dict, poisoned_destination, small_config
+from llamarl_core.sync import SyncError, WeightReceiver, WeightSender, hf_llama_fsdp, reference_fsdp_shards, vllm_llama_tp
+
+config = small_config("llama_tied")
+layout = vllm_llama_tp(config, 1, torch.float32)
+master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+client = lambda: dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=60))
+out = {}
+
+def sender():  # set-up needs both sides; this one waits for a memory handle that never comes
+    shards = reference_fsdp_shards(hf_state_dict(config, 0), 1, torch.float32)[0]
+    try:
+        WeightSender(client(), hf_llama_fsdp(config, 1, torch.float32), 0, shards, name="small", timeout=3)
+    except SyncError as exc:
+        out["sender"] = str(exc)
+
+thread = threading.Thread(target=sender)
+thread.start()
+params = poisoned_destination(layout, 0)
+for t in params.values():
+    t.copy_(torch.randn(t.shape).to(t.dtype))
+before = {n: (t.data_ptr(), t.clone()) for n, t in params.items()}
+out["param_bytes"] = sum(t.numel() * t.element_size() for t in params.values())
+try:
+    WeightReceiver(client(), layout, 0, params, name="small", timeout=30)
+except RuntimeError as exc:
+    out["error"] = str(exc)
+thread.join()
+out["changed"] = [n for n, (ptr, copy) in before.items()
+                  if params[n].data_ptr() != ptr or not torch.equal(params[n].view(torch.uint8), copy.view(torch.uint8))]
+fs = os.statvfs("/dev/shm")
+out["free_after"] = fs.f_bavail * fs.f_frsize
+print(json.dumps(out))
+"""
+
+
+def test_receiver_larger_than_dev_shm_fails_cleanly_with_tensors_unchanged():
+    """A receiver whose CPU parameters (float32, ~1.9 MB) exceed a 1 MiB /dev/shm:
+    registration raises naming the rank and the bytes needed and free, with every
+    tensor where and as it was and nothing left in /dev/shm. Before posix_fallocate
+    the process died with SIGBUS while copying the parameters in."""
+    proc = run_with_small_dev_shm(_RECEIVER_ON_SMALL_DEV_SHM, "1M")
+    assert proc.returncode == 0, f"child exited with {proc.returncode} ({-signal.SIGBUS} is SIGBUS): {proc.stderr[-2000:]}"
+    out = json.loads(proc.stdout)
+    assert out["param_bytes"] > 1 << 20
+    needed = re.search(r"receiver rank 0: cannot move its \d+ tensors into shared memory, none moved: "
+                       r"shared memory region needs (\d+) bytes, /dev/shm has 1048576 bytes free", out.get("error", ""))
+    assert needed, out
+    assert int(needed.group(1)) >= out["param_bytes"]
+    assert out["changed"] == []
+    assert out["free_after"] == 1 << 20
+    assert "receiver 0's memory handle" in out["sender"]  # the failed receiver published no handle

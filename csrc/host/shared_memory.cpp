@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -31,6 +32,13 @@ std::string random_shm_name() {
   return name;
 }
 
+// Free bytes of the file system holding `fd` (what an unprivileged user may still take).
+std::string free_bytes(int fd) {
+  struct statvfs fs {};
+  if (fstatvfs(fd, &fs) != 0) return std::string("an unknown number of bytes (") + std::strerror(errno) + ")";
+  return std::to_string(static_cast<unsigned long long>(fs.f_bavail) * fs.f_frsize) + " bytes";
+}
+
 }  // namespace
 
 // On failure the half-built region's destructor closes the descriptor.
@@ -44,6 +52,23 @@ void SharedMemoryRegion::map(int64_t nbytes) {
   nbytes_ = nbytes;
 }
 
+// Allocate every page now, not on first touch: with ftruncate alone an 8 MiB region
+// on a 1 MiB /dev/shm (Docker's default is 64 MiB) is created and mapped without
+// complaint, MAP_POPULATE silently stops at the first page it cannot get, and the
+// first write past it kills the process with SIGBUS.
+void SharedMemoryRegion::reserve(int64_t nbytes) {
+  int err = 0;
+  // tmpfs gives up with EINTR when a signal arrives during a large allocation
+  // (and frees what it took): retry, the caller asked for the whole region.
+  do {
+    err = posix_fallocate(fd_, 0, static_cast<off_t>(nbytes));  // returns the error, leaves errno alone
+  } while (err == EINTR);
+  LLAMARL_CHECK(err != ENOSPC, "shared memory region needs " << nbytes << " bytes, /dev/shm has " << free_bytes(fd_)
+                                << " free (statvfs): enlarge it (e.g. docker run --shm-size=...) or use "
+                                   "transport='p2p'");
+  LLAMARL_CHECK(err == 0, "posix_fallocate of " << nbytes << " bytes of shared memory failed: " << std::strerror(err));
+}
+
 SharedMemoryRegion SharedMemoryRegion::create(int64_t nbytes) {
   LLAMARL_CHECK(nbytes > 0, "shared memory region size must be positive, got " << nbytes);
   SharedMemoryRegion region;
@@ -53,8 +78,7 @@ SharedMemoryRegion SharedMemoryRegion::create(int64_t nbytes) {
   // Unlink at once: the descriptor keeps the memory alive, and no crash can leak the name.
   shm_unlink(region.name_.c_str());
   region.owner_ = true;
-  LLAMARL_CHECK(ftruncate(region.fd_, nbytes) == 0,
-                "ftruncate of shared memory to " << nbytes << " bytes failed: " << std::strerror(errno));
+  region.reserve(nbytes);
   region.map(nbytes);
   return region;
 }

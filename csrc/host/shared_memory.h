@@ -14,7 +14,8 @@ namespace llamarl {
 
 class SharedMemoryRegion {
  public:
-  // Owner side: a new zero-filled region of `nbytes` bytes.
+  // Owner side: a new zero-filled region of `nbytes` bytes, every page allocated
+  // up front: throws naming the bytes needed and free if /dev/shm lacks them.
   static SharedMemoryRegion create(int64_t nbytes);
   // Peer side: map a region exported by process `owner_pid` as descriptor `owner_fd`.
   static SharedMemoryRegion open(int64_t owner_pid, int64_t owner_fd, const std::string& name,
@@ -36,6 +37,7 @@ class SharedMemoryRegion {
 
  private:
   SharedMemoryRegion() = default;
+  void reserve(int64_t nbytes);  // allocate every page of the descriptor, or throw
   void map(int64_t nbytes);
   void* data_ = nullptr;
   int64_t nbytes_ = 0;

@@ -343,12 +343,23 @@ class WeightReceiver(_Endpoint):
     region at registration, values kept: the same tensor objects (and
     nn.Parameters) then live in memory the senders write, so register them
     before anything caches their data pointers.
+    group: optional torch.distributed group spanning exactly the receiver ranks
+    in rank order (the generator's tensor-parallel group); FP8 amaxes that span
+    ranks are then reduced over it, on the tensors' device, instead of through
+    Store keys. As with any collective every rank must take part: a NaN on one
+    rank fails all at once, but a rank whose receive fails before the exchange
+    leaves the others' all-reduce to time out.
     """
 
     side = "receiver"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, group: dist.ProcessGroup | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        if group is not None and (group.size(), group.rank()) != (self.layout.world_size, self.rank):
+            raise ValueError(f"receiver rank {self.rank}: group= must span the {self.layout.world_size} receiver ranks "
+                             f"in rank order, got rank {group.rank()} of {group.size()}")
+        self._amax_group = group
+        self._amax_attempt: tuple[int | None, int] = (None, 0)  # see _amax_sync_id
         self.version: int | None = None
         self.torn = False
         self.senders = self.plan.senders_of(self.rank)
@@ -357,7 +368,7 @@ class WeightReceiver(_Endpoint):
         self.landing = self.fp8.landing(self.tensors, self.device)
         if self.transport == SHM:
             # The region stays mapped for as long as the tensors viewing it live.
-            region, offsets = rehome_into_shared_memory(self.landing)
+            region, offsets = rehome_into_shared_memory(self.landing, f"receiver rank {self.rank}")
             self.channel.set(f"{_DST}/{self.rank}/handle", shm_handle(region, offsets))
         elif self.transport == CUDA_IPC:
             # Senders in this process write to the addresses; the others need IPC handles.
@@ -447,23 +458,102 @@ class WeightReceiver(_Endpoint):
 
     def _quantize_fp8(self, version: int, deadline: float) -> None:
         """Quantize the landed rows of FP8 weights, with the amaxes that span ranks
-        reduced (MAX) through the Store under this version's key."""
+        reduced (MAX) over every receiver rank: an all-reduce over `group` when the
+        receiver was given one, else through the Store under this receive's sync id
+        (`_amax_sync_id`). A rank that received NaN or inf still takes part, so the
+        others fail at once instead of timing out."""
         try:
             amaxes, flat = self.fp8.local_amax(self.landing)
+            error = None
         except ValueError as exc:
-            if self.fp8.num_reduced:
-                self.channel.store.set(f"{_DST}/amax/{version}/{self.rank}", b"nonfinite")  # let the other ranks fail fast
-            raise SyncError(f"receiver rank {self.rank}, version {version}: {exc}; weights torn") from exc
+            amaxes, flat, error = None, None, exc
         reduced = flat
         if self.fp8.num_reduced and self.layout.world_size > 1:
-            self.channel.store.set(f"{_DST}/amax/{version}/{self.rank}", flat.numpy().tobytes())
-            keys = [f"{_DST}/amax/{version}/{r}" for r in range(self.layout.world_size)]
-            self.channel.wait(keys, deadline, f"the FP8 amaxes of version {version} from every receiver")
-            values = [self.channel.store.get(k) for k in keys]
-            if b"nonfinite" in values:
-                raise SyncError(f"receiver rank {self.rank}, version {version}: another rank received NaN or inf; weights torn")
-            reduced = reduce_max([torch.frombuffer(bytearray(v), dtype=torch.float32) for v in values])
+            sync_id = self._amax_sync_id(version)
+            exchange = self._amax_over_group if self._amax_group is not None else self._amax_through_store
+            reduced = exchange(flat, sync_id, deadline)
+        if error is not None:
+            raise SyncError(f"receiver rank {self.rank}, version {version}: {error}; weights torn") from error
+        if reduced is None:
+            raise SyncError(f"receiver rank {self.rank}, version {version}: another rank received NaN or inf; weights torn")
         self.fp8.finish(self.landing, self.tensors, amaxes, reduced)
+
+    def _amax_sync_id(self, version: int) -> tuple[int, int]:
+        """(version, n), n = how many FP8 exchanges of `version` this rank has begun
+        before: equal on every receiver rank for one send of a version, never equal
+        for two attempts of one rank, so a retried version never reads a failed
+        attempt's values.
+
+        Why not the receive ticket: tickets count receive() calls per rank, and a
+        receive that times out before any sender served it (a short timeout, a slow
+        trainer) costs that rank a ticket the others spent on a real sync: its
+        tickets then trail theirs at every later sync, forever. The version is what
+        all ranks of one sync agree on with no extra message (the p2p transport has
+        no tickets at all). A rank that missed an exchange (its receive failed
+        before it) puts at most the later attempts of that same version out of
+        step: they fail (on a peer's "timed-out" marker, or a timeout); the next
+        version starts again at n = 0 on every rank. The one pairing this cannot
+        tell apart: one version number sent again with other weights while a peer
+        still waits in the exchange of the send this rank missed; telling sends
+        apart exactly needs an id written by the senders.
+        """
+        last, n = self._amax_attempt
+        self._amax_attempt = (version, n + 1 if last == version else 0)
+        return self._amax_attempt
+
+    def _amax_over_group(self, flat: torch.Tensor | None, sync_id: tuple[int, int], deadline: float) -> torch.Tensor | None:
+        """MAX all-reduce over the receivers' own group of [amaxes, nonfinite flag,
+        sync id, -sync id] (float64: exact for amaxes and ids below 2**53); None if
+        a rank received NaN or inf. Ranks at different sync ids (one missed an
+        exchange) raise instead of mixing two syncs' amaxes."""
+        count = self.fp8.num_reduced
+        buf = torch.zeros(count + 5, dtype=torch.float64)
+        if flat is None:
+            buf[count] = 1
+        else:
+            buf[:count] = flat
+        buf[count + 1 :] = torch.tensor([*sync_id, -sync_id[0], -sync_id[1]], dtype=torch.float64)
+        buf = buf.to(self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        what = f"the FP8 amax all-reduce (receiver rank {self.rank}, sync {sync_id})"
+        self._wait_work(self._amax_group.allreduce([buf], options), deadline, what)
+        buf = buf.cpu()
+        highest, lowest = buf[count + 1 : count + 3], -buf[count + 3 :]
+        if not torch.equal(highest, lowest):
+            raise SyncError(f"{what}: the receiver ranks were at different syncs, from {lowest.tolist()} "
+                            f"to {highest.tolist()} (a rank missed an exchange); weights torn")
+        return None if buf[count] else buf[:count].to(torch.float32)
+
+    def _amax_through_store(self, flat: torch.Tensor | None, sync_id: tuple[int, int], deadline: float) -> torch.Tensor | None:
+        """MAX of every rank's amaxes through the Store keys of this sync id; None if
+        a rank received NaN or inf. The last rank done with the keys deletes them:
+        a 70B model at TP 8 posts ~42 MB of channel amaxes per sync."""
+        prefix = f"{_DST}/amax/{sync_id[0]}/{sync_id[1]}"
+        keys = [f"{prefix}/{r}" for r in range(self.layout.world_size)]
+        store = self.channel.store
+        # Markers are 9 bytes, a vector a multiple of 4: they cannot be confused.
+        store.set(keys[self.rank], b"nonfinite" if flat is None else flat.numpy().tobytes())
+        try:
+            if flat is None:
+                return None  # the others need this rank's marker, not the other way round
+            try:
+                self.channel.wait(keys, deadline, f"the FP8 amaxes of sync {sync_id} from every receiver")
+            except SyncTimeoutError:
+                # A rank that never comes leaves the keys behind: shrink this rank's to a marker.
+                store.set(keys[self.rank], b"timed-out")
+                raise
+            values = [store.get(k) for k in keys]
+        finally:
+            if self.channel.counter(f"{prefix}/done", 1) == len(keys):
+                for key in [*keys, f"{prefix}/done"]:
+                    store.delete_key(key)
+        if b"timed-out" in values:
+            raise SyncTimeoutError(f"receiver rank {values.index(b'timed-out')} timed out in the FP8 amax exchange "
+                                   f"of sync {sync_id}; weights torn")
+        if b"nonfinite" in values:
+            return None
+        return reduce_max([torch.frombuffer(bytearray(v), dtype=torch.float32) for v in values])
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The registered tensors, for sampling; raises TornWeightsError while torn."""

@@ -156,15 +156,22 @@ def choose_transport(requested: str, senders: Sequence[dict], receivers: Sequenc
 # ----------------------------------------------------------------------------- shm
 
 
-def rehome_into_shared_memory(tensors: Mapping[str, torch.Tensor]):
+def rehome_into_shared_memory(tensors: Mapping[str, torch.Tensor], owner: str | None = None):
     """Move CPU tensors into one new shared region, keeping their values and the
     tensor objects (their `.data` now points into the region). Returns the region
-    and each tensor's byte offset in it."""
+    and each tensor's byte offset in it. If the region cannot be allocated
+    (/dev/shm too small) raises RuntimeError naming `owner` (who registers the
+    tensors; default this process) and the bytes needed and free, before any
+    tensor is moved."""
     offsets, total = {}, 0
     for name, t in tensors.items():
         offsets[name] = total
         total += -(-t.numel() * t.element_size() // _SHM_ALIGN) * _SHM_ALIGN
-    region = native().SharedMemoryRegion.create(max(total, _SHM_ALIGN))
+    try:
+        region = native().SharedMemoryRegion.create(max(total, _SHM_ALIGN))
+    except native().EngineError as exc:
+        owner = owner or f"process {os.getpid()}"
+        raise RuntimeError(f"{owner}: cannot move its {len(tensors)} tensors into shared memory, none moved: {exc}") from exc
     flat = torch.frombuffer(region, dtype=torch.uint8)
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
