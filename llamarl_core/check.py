@@ -13,6 +13,7 @@ Exit status 0 when everything it ran passed.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -41,10 +42,17 @@ def run_gpu_tests(tests: Path, timeout_s: float) -> tuple[bool, str]:
     return out.returncode == 0, summary[-1][0] if summary else f"pytest exited {out.returncode}"
 
 
+def find_sanitizer() -> str | None:
+    """compute-sanitizer on PATH, else in the CUDA toolkit ($CUDA_HOME, /usr/local/cuda), which is often not on PATH."""
+    homes = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
+    toolkit_bins = os.pathsep.join(str(Path(home) / "bin") for home in homes if home)
+    return shutil.which("compute-sanitizer") or shutil.which("compute-sanitizer", path=toolkit_bins)
+
+
 def run_sanitizer(tests: Path, timeout_s: float) -> tuple[bool | None, str]:
-    sanitizer = shutil.which("compute-sanitizer")
+    sanitizer = find_sanitizer()
     if sanitizer is None:
-        return None, "compute-sanitizer not installed: skipped"
+        return None, "SKIPPED: compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)"
     test_file, test_name = SANITIZED_TEST
     out = subprocess.run([sanitizer, "--tool", "memcheck", "--target-processes", "all", sys.executable, "-m", "pytest",
                           "-q", "-p", "no:cacheprovider", f"{tests / test_file}::{test_name}"],
@@ -80,7 +88,7 @@ def check_gpu(args) -> int:
     from llamarl_core.bench import bench_gpu
 
     print(f"CUDA device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    lines, ok = [], True
+    lines, ok, skipped = [], True, []
     tests = find_tests(args.tests)
     if tests is None:
         lines.append(("gpu tests", "tests/ not found: run from a source checkout or pass --tests DIR"))
@@ -98,11 +106,16 @@ def check_gpu(args) -> int:
     if tests is not None and not args.no_sanitizer:
         clean, summary = run_sanitizer(tests, args.timeout)
         ok &= clean is not False
+        if clean is None:
+            skipped.append("compute-sanitizer")
         lines.append(("compute-sanitizer", summary))
     print("\n| check | result |\n|---|---|")
     for name, result in lines:
         print(f"| {name} | {result} |")
-    print(f"\nllamarl check gpu: {'passed' if ok else 'FAILED'}")
+    verdict = "passed" if ok else "FAILED"
+    if skipped:
+        verdict += f" ({', '.join(skipped)} skipped)"
+    print(f"\nllamarl check gpu: {verdict}")
     return 0 if ok else 1
 
 

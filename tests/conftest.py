@@ -5,7 +5,8 @@ import pytest
 import torch
 
 # Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter. The
-# variable must be set before any @triton.jit decorator runs (shared/MACHINE.md).
+# variable must be set before any @triton.jit decorator runs (set later, launches
+# fail with "0 active drivers").
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

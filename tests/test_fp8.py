@@ -190,15 +190,16 @@ def test_input_is_left_untouched(backend, granularity):
     ("channel", (70, 200), (128, 128)),  # narrow rows: 32-row sub-tiles
     ("tensor", (97, 1030), (128, 128)),
 ])
-def test_gpu_subtiles_walked_in_the_interpreter(monkeypatch, granularity, shape, block_size):
+@pytest.mark.parametrize("subtiles", ["_GPU_SUBTILES", "_GPU_UNALIGNED_SUBTILES"])
+def test_gpu_subtiles_walked_in_the_interpreter(monkeypatch, granularity, shape, block_size, subtiles):
     """The interpreter normally walks whole blocks at once (it is slow per
-    operation); here it walks the GPU's sub-tiles, so the loops a GPU runs are
-    checked bit for bit too."""
+    operation); here it walks a GPU's sub-tiles (for aligned and for unaligned
+    weights), so the loops a GPU runs are checked bit for bit too."""
     from llamarl_core.ops import fp8
 
     if not fp8.use_interpreter():
         pytest.skip("checks the interpreter's walk of the GPU sub-tiles")
-    monkeypatch.setattr(fp8, "_INTERPRETER_SUBTILES", fp8._GPU_SUBTILES)
+    monkeypatch.setattr(fp8, "_INTERPRETER_SUBTILES", getattr(fp8, subtiles))
     w = _inputs("outliers", shape, torch.bfloat16, 17)
     q, scale = quantize_fp8(w, granularity, block_size, backend="triton")
     _assert_same(q, scale, *quantize_fp8_ref(w, granularity, block_size))

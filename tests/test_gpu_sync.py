@@ -2,7 +2,7 @@
 kernels, error paths that leave no copy running, the calling thread's CUDA
 context, same-process senders, memory CUDA IPC cannot export, storage that moved.
 Skipped without a CUDA device (see conftest.py). Each test fails on the engine as
-it was before these guarantees (git 98f42e7)."""
+it was before these guarantees."""
 
 import ctypes
 import datetime

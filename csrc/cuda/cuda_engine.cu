@@ -190,6 +190,7 @@ bool cuda_can_access_peer(int device, int peer) {
   require_device(device);
   require_device(peer);
   if (device == peer) return true;
+  DeviceGuard guard(device);  // a query, but through the runtime: leave the caller's context as it was
   int can = 0;
   LLAMARL_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, peer));
   return can != 0;

@@ -35,7 +35,9 @@ def next_pow2(x: int) -> int:
 class KernelLaunch:
     """One Triton launch, fully described. Launchers build it and `launch()` it;
     llamarl_core.ops.kernel_check compiles the same description for a GPU target
-    without a GPU, so what is compiled in the tests is what the launchers run."""
+    without a GPU, so the tests compile the launchers' own variants (on sizes that
+    are multiples of 16 and on sizes that are not; specializations the JIT makes
+    for other argument values, such as a size of 1, are compiled at first launch)."""
 
     kernel: object  # a @triton.jit function
     grid: tuple[int, ...]

@@ -129,7 +129,7 @@ def _block_v(vocab: int, on_gpu: bool) -> int:
     """Vocabulary block: 4096 on a GPU (16 fp32 values per thread at 8 warps; a
     smaller vocabulary only masks lanes, and one block size is one compiled
     variant); in the interpreter one block per row where possible, as each
-    program instance costs about 0.5 ms there (shared/MACHINE.md: V=32000 takes
+    program instance costs about 0.5 ms there (measured here: V=32000 takes
     0.16 s at 32768, 2.8 s at 1024)."""
     if on_gpu:
         return 4096
@@ -167,15 +167,18 @@ def kernel_variants() -> list[tuple[str, KernelLaunch]]:
     """Every (kernel, constexprs, argument types) the launchers can launch on a
     GPU, on small CPU tensors standing in for CUDA ones: what a GPU must compile."""
     variants = []
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        logits = torch.empty((4, 32000), dtype=dtype)
+    # Vocabularies a multiple of 16 (the JIT's divisibility hint on the row stride)
+    # in every dtype, and for bf16 one that is not.
+    for dtype, vocab in [(torch.bfloat16, 32000), (torch.float16, 32000), (torch.float32, 32000), (torch.bfloat16, 32001)]:
+        logits = torch.empty((4, vocab), dtype=dtype)
         targets = torch.empty(4, dtype=torch.int64)
         lse, logp, ent = (torch.empty(4, dtype=torch.float32) for _ in range(3))
         for entropy in (False, True):
             launch = _forward_launch(logits, targets, lse, logp, ent if entropy else None, 0.7, on_gpu=True)
-            variants.append((f"logprob forward, {str(dtype).removeprefix('torch.')}{', entropy' if entropy else ''}", launch))
+            variants.append((f"logprob forward, {str(dtype).removeprefix('torch.')}, vocab {vocab}"
+                             f"{', entropy' if entropy else ''}", launch))
         launch = _backward_launch(logits, torch.empty_like(logits), targets, lse, logp, 0.7, on_gpu=True)
-        variants.append((f"logprob backward, {str(dtype).removeprefix('torch.')}", launch))
+        variants.append((f"logprob backward, {str(dtype).removeprefix('torch.')}, vocab {vocab}", launch))
     return variants
 
 

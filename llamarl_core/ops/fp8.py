@@ -155,22 +155,33 @@ def _triton_kernels():
     return fp8_quant
 
 
-# Sub-tiles a program walks its region in. On a GPU 4096 elements, 16 per thread
-# at 8 warps: 46 registers, no spills on sm_90 (a whole 128 x 128 block took 219);
-# "wide" for rows longer than 512 (every LLM weight), "narrow" otherwise, so short
-# rows do not leave most lanes masked. In the interpreter, where each operation
-# costs the same whatever its size (about 0.5 ms per program instance), whole
-# blocks and 64K-element tiles: the FP8 tests ran 3x longer with the GPU's.
+# Sub-tiles a program walks its region in. On a GPU, for sizes, strides and
+# addresses that are multiples of 16 (every LLM weight: the JIT then vectorizes),
+# 4096 elements, 16 per thread at 8 warps: at most 59 registers, no spills (a whole
+# 128 x 128 block held at once took 92); otherwise 1024 elements (4096 took up to
+# 254 registers unvectorized, 1024 at most 61). "wide" for rows longer than 512,
+# "narrow" otherwise, so short rows do not leave most lanes masked. In the
+# interpreter, where each operation costs the same whatever its size (about 0.5 ms
+# per program instance), whole blocks and 64K-element tiles: the FP8 tests ran 3x
+# longer with the GPU's.
 _GPU_SUBTILES = {"block": (32, 128), "wide": (4, 1024), "narrow": (32, 128)}
+_GPU_UNALIGNED_SUBTILES = {"block": (8, 128), "wide": (1, 1024), "narrow": (8, 128)}
 _INTERPRETER_SUBTILES = {"block": (128, 128), "wide": (16, 4096), "narrow": (128, 128)}
 _FP8_NUM_WARPS = 8
 
 
-def _regions(n: int, k: int, granularity: str, block_size, on_gpu: bool) -> tuple[int, int, int, int]:
+def _aligned(w: torch.Tensor) -> bool:
+    """Whether the JIT gets its divisibility-by-16 hint on w's address, sizes and
+    row stride, with a unit column stride (a constant to it): loads are then vectorized."""
+    return w.data_ptr() % 16 == 0 and w.stride(1) == 1 and all(x % 16 == 0 for x in (*w.shape, w.stride(0)))
+
+
+def _regions(w: torch.Tensor, granularity: str, block_size, on_gpu: bool) -> tuple[int, int, int, int]:
     """(GROUP_N, GROUP_K, BLOCK_N, BLOCK_K): what one program owns and the sub-tile
     it walks it in. A block: its block. A channel group: BLOCK_N whole rows (the
     row amax is complete within one program). Per tensor: one sub-tile (the scale is given)."""
-    subtiles = _GPU_SUBTILES if on_gpu else _INTERPRETER_SUBTILES
+    k = w.shape[1]
+    subtiles = (_GPU_SUBTILES if _aligned(w) else _GPU_UNALIGNED_SUBTILES) if on_gpu else _INTERPRETER_SUBTILES
     bn, bk = subtiles["block" if granularity == "block" else "wide" if k > 512 else "narrow"]
     if granularity == "block":
         return block_size[0], block_size[1], bn, bk
@@ -179,16 +190,17 @@ def _regions(n: int, k: int, granularity: str, block_size, on_gpu: bool) -> tupl
     return bn, bk, bn, bk
 
 
-def _amax_shape(n: int, k: int, granularity: str, block_size, on_gpu: bool) -> tuple[int, int]:
+def _amax_shape(w: torch.Tensor, granularity: str, block_size, on_gpu: bool) -> tuple[int, int]:
     """What the amax kernel writes: one value per row (channel) or per program's region."""
-    group_n, group_k, _, _ = _regions(n, k, granularity, block_size, on_gpu)
+    n, k = w.shape
+    group_n, group_k, _, _ = _regions(w, granularity, block_size, on_gpu)
     return (n, 1) if granularity == "channel" else (-(-n // group_n), -(-k // group_k))
 
 
 def _amax_launch(w: torch.Tensor, out: torch.Tensor, granularity: str, block_size, on_gpu: bool) -> KernelLaunch:
     """Per-row amax (channel; out (N, 1)) or per-region amax (out: _amax_shape)."""
     n, k = w.shape
-    group_n, group_k, bn, bk = _regions(n, k, granularity, block_size, on_gpu)
+    group_n, group_k, bn, bk = _regions(w, granularity, block_size, on_gpu)
     return KernelLaunch(
         _triton_kernels().fp8_amax_kernel, (-(-n // group_n), -(-k // group_k)),
         dict(w_ptr=w, out_ptr=out, N=n, K=k, stride_wn=w.stride(0), stride_wk=w.stride(1), GROUP_N=group_n,
@@ -201,7 +213,7 @@ def _quantize_launch(w, q_bits, scale, granularity: str, block_size, compute_sca
     """The cast (and, with compute_scale, the fused amax and scale) of `w` into
     q_bits (uint8, contiguous); `scale` is read, or written when compute_scale."""
     n, k = w.shape
-    group_n, group_k, bn, bk = _regions(n, k, granularity, block_size, on_gpu)
+    group_n, group_k, bn, bk = _regions(w, granularity, block_size, on_gpu)
     return KernelLaunch(
         _triton_kernels().fp8_quantize_kernel, (-(-n // group_n), -(-k // group_k)),
         dict(w_ptr=w, q_ptr=q_bits, scale_ptr=scale, N=n, K=k, stride_wn=w.stride(0), stride_wk=w.stride(1),
@@ -211,13 +223,17 @@ def _quantize_launch(w, q_bits, scale, granularity: str, block_size, compute_sca
              COMPUTE_SCALE=compute_scale, SOFTWARE_FP8=software_fp8), _FP8_NUM_WARPS)
 
 
+# The first compute capability with an e4m3 conversion instruction (Ada, sm_89).
+HARDWARE_E4M3_CAPABILITY = (8, 9)
+
+
 def software_fp8_cast(device: torch.device) -> bool:
     """Whether the kernels cast to e4m3 with integer arithmetic: in the interpreter
     (its own cast rounds wrongly) and on GPUs before sm_89 (no e4m3 conversion
     instruction: A100, A10); the hardware cast (round to nearest even, saturating) otherwise."""
     if device.type != "cuda" or use_interpreter():
         return True
-    return torch.cuda.get_device_capability(device) < (8, 9)
+    return torch.cuda.get_device_capability(device) < HARDWARE_E4M3_CAPABILITY
 
 
 def _launch_amax(w: torch.Tensor, granularity: str, block_size) -> torch.Tensor:
@@ -226,7 +242,7 @@ def _launch_amax(w: torch.Tensor, granularity: str, block_size) -> torch.Tensor:
     if w.numel() == 0:
         return torch.zeros(scale_shape((n, k), granularity, block_size), dtype=torch.float32, device=w.device)
     on_gpu = w.device.type == "cuda"
-    out = torch.empty(_amax_shape(n, k, granularity, block_size, on_gpu), dtype=torch.float32, device=w.device)
+    out = torch.empty(_amax_shape(w, granularity, block_size, on_gpu), dtype=torch.float32, device=w.device)
     _amax_launch(w, out, granularity, block_size, on_gpu).launch(w.device)
     return out.amax() if granularity == "tensor" else out
 
@@ -249,20 +265,24 @@ def kernel_variants() -> list[tuple[str, KernelLaunch]]:
     cast, the variant depends on the shape only through _regions (K above or
     below 512)."""
     variants = []
-    for dtype in INPUT_DTYPES:
-        for k in (1024, 256):
-            w = torch.empty((256, k), dtype=dtype)
-            q = torch.empty((256, k), dtype=torch.uint8)
-            for granularity in GRANULARITIES:
-                tag = f"{granularity}, {str(dtype).removeprefix('torch.')}, K {'> 512' if k > 512 else '<= 512'}"
-                amax = torch.empty(_amax_shape(256, k, granularity, DEFAULT_BLOCK, True), dtype=torch.float32)
-                variants.append((f"amax {tag}", _amax_launch(w, amax, granularity, DEFAULT_BLOCK, True)))
-                scale = torch.empty(scale_shape((256, k), granularity), dtype=torch.float32)
-                for compute in (False, True) if granularity != "tensor" else (False,):
-                    for software in (False, True):
-                        name = f"quantize {tag}{'' if compute else ', scale given'}{', software cast' if software else ''}"
-                        variants.append((name, _quantize_launch(w, q, scale, granularity, DEFAULT_BLOCK, compute,
-                                                                software, on_gpu=True)))
+    # Sizes multiples of 16 (the JIT's divisibility hint on sizes and strides, every
+    # LLM weight), and for bf16 also sizes that are not (vectorized loads off).
+    shapes = [(dtype, n, k) for dtype in INPUT_DTYPES for n, k in ((256, 1024), (256, 256))]
+    shapes += [(torch.bfloat16, 250, 1030), (torch.bfloat16, 250, 200)]
+    for dtype, n, k in shapes:
+        w = torch.empty((n, k), dtype=dtype)
+        q = torch.empty((n, k), dtype=torch.uint8)
+        for granularity in GRANULARITIES:
+            tag = (f"{granularity}, {str(dtype).removeprefix('torch.')}, K {'> 512' if k > 512 else '<= 512'}"
+                   f"{'' if n % 16 == 0 else ', sizes not multiples of 16'}")
+            amax = torch.empty(_amax_shape(w, granularity, DEFAULT_BLOCK, True), dtype=torch.float32)
+            variants.append((f"amax {tag}", _amax_launch(w, amax, granularity, DEFAULT_BLOCK, True)))
+            scale = torch.empty(scale_shape((n, k), granularity), dtype=torch.float32)
+            for compute in (False, True) if granularity != "tensor" else (False,):
+                for software in (False, True):
+                    name = f"quantize {tag}{'' if compute else ', scale given'}{', software cast' if software else ''}"
+                    variants.append((name, _quantize_launch(w, q, scale, granularity, DEFAULT_BLOCK, compute,
+                                                            software, on_gpu=True)))
     return variants
 
 
@@ -387,7 +407,7 @@ def _check_out(out: torch.Tensor | None, w: torch.Tensor, name: str) -> torch.Te
     return out
 
 
-# The interpreter runs about 0.5 ms per program instance (shared/MACHINE.md): past
+# The interpreter runs about 0.5 ms per program instance (measured on a 2-core CPU): past
 # this many elements a CPU tensor goes to the torch path even when interpreting.
 INTERPRETER_MAX_ELEMS = 1 << 22
 _warned_fallback = False

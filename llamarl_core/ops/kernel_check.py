@@ -30,7 +30,6 @@ from dataclasses import asdict, dataclass
 # sm_90 (H100 / H200) and sm_100 (B200) run the hardware e4m3 cast; sm_80 (A100,
 # and A10 / sm_86 with the same code) the software cast: see fp8.software_fp8_cast.
 DEFAULT_ARCHS = (80, 90, 100)
-HARDWARE_FP8_MIN_ARCH = 89
 
 
 @dataclass
@@ -58,9 +57,11 @@ def _uses_software_fp8(launch) -> bool:
 def _arch_runs(launch, arch: int) -> bool:
     """Whether a launcher would pick this variant on `arch`: the FP8 cast variants
     split by arch (software before sm_89); everything else runs everywhere."""
+    from .fp8 import HARDWARE_E4M3_CAPABILITY
+
     if "SOFTWARE_FP8" not in launch.constexprs:
         return True
-    return _uses_software_fp8(launch) == (arch < HARDWARE_FP8_MIN_ARCH)
+    return _uses_software_fp8(launch) == (divmod(arch, 10) < HARDWARE_E4M3_CAPABILITY)
 
 
 _TORCH_TO_TRITON = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "uint8": "u8", "int64": "i64",
@@ -106,14 +107,19 @@ _PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
     """(registers, spill bytes, stack bytes) of a kernel's PTX, from `ptxas -v`
     with the ptxas Triton itself uses for `arch`."""
-    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.backends.nvidia import compiler
 
+    try:  # Triton 3.9 picks a ptxas per arch; earlier 3.x releases have one, get_ptxas()
+        ptxas = compiler.get_ptxas(arch)
+    except TypeError:
+        ptxas = compiler.get_ptxas()
+    ptxas = getattr(ptxas, "path", ptxas)
     gpu_name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        out = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu_name}", path, "-o",
+        out = subprocess.run([ptxas, "-v", f"--gpu-name={gpu_name}", path, "-o",
                               os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True)
     text = out.stdout + out.stderr
     registers = _PTXAS_REGISTERS.search(text)

