@@ -9,7 +9,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import traceback
+from queue import Empty
 from typing import Callable, Mapping
 
 import pytest
@@ -101,12 +103,20 @@ def run_processes(jobs: list[tuple[Callable, dict]], timeout: float) -> list:
     for p in procs:
         p.start()
     by_pid = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in procs:
-            pid, status, value = queue.get(timeout=timeout)
-            by_pid[pid] = (status, value)
-    except Exception as exc:
-        raise TimeoutError(f"processes did not finish within {timeout} s: {exc!r}") from exc
+        while len(by_pid) < len(procs):
+            try:
+                pid, status, value = queue.get(timeout=0.5)
+                by_pid[pid] = (status, value)
+                continue
+            except Empty:
+                pass
+            for p in procs:  # died without a word (killed, os._exit): no result will come
+                if p.pid not in by_pid and p.exitcode not in (None, 0):
+                    by_pid[p.pid] = ("error", f"process {p.pid} exited with code {p.exitcode} and no result")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"processes did not finish within {timeout} s")
     finally:
         for p in procs:
             p.join(timeout=10)

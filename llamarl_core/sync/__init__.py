@@ -11,6 +11,7 @@ generator rank (see endpoints.py for versions, timeouts and torn weights).
 """
 
 from .endpoints import SyncError, SyncTimeoutError, TornWeightsError, WeightReceiver, WeightSender
+from .fsdp import fsdp_sender, local_shard
 from .layout import Fragment, Fused, FusedPart, Layout, ParamSpec, Replicate, Shard
 from .plan import DEFAULT_BUCKET_BYTES, Segment, TransferPlan, plan_transfer
 from .presets import hf_llama_fsdp, hf_llama_shapes, vllm_llama_tp
@@ -19,6 +20,6 @@ from .reference import reference_fsdp_shards, reference_vllm_tp_shards
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "Fragment", "Fused", "FusedPart", "Layout", "ParamSpec", "Replicate", "Segment",
     "Shard", "SyncError", "SyncTimeoutError", "TornWeightsError", "TransferPlan", "WeightReceiver",
-    "WeightSender", "hf_llama_fsdp", "hf_llama_shapes", "plan_transfer", "reference_fsdp_shards",
+    "WeightSender", "fsdp_sender", "hf_llama_fsdp", "local_shard", "hf_llama_shapes", "plan_transfer", "reference_fsdp_shards",
     "reference_vllm_tp_shards", "vllm_llama_tp",
 ]

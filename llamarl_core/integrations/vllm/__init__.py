@@ -1,0 +1,64 @@
+"""DDMA as a vLLM weight-transfer backend, `llamarl_ddma`.
+
+Installed with llamarl-core, the backend registers itself through vLLM's
+`vllm.general_plugins` entry point in every vLLM process, so an engine started
+with
+
+    LLM(model=DIR, load_format="dummy",
+        weight_transfer_config=WeightTransferConfig(backend="llamarl_ddma"))
+    vllm serve DIR --weight-transfer-config '{"backend": "llamarl_ddma"}'
+
+takes its weights from trainer ranks running `WeightSender`s, straight into its
+own parameters. One sync, with `info = ddma_init_info(...)` built on the trainer:
+
+    trainer ranks (each)                     vLLM (the engine's RLHF API)
+    sender = fsdp_sender(store, model, ...)  llm.init_weight_transfer_engine({"init_info": info})
+    ... optimizer step ...                   (pause generation)
+    sender.send(version)                     llm.start_weight_update()
+                                             llm.update_weights({"update_info": {"version": version}})
+                                             llm.finish_weight_update(weight_version=str(version))
+
+The two columns run at once (set-up and each sync wait for the other side, up
+to `timeout_s`). What each vLLM worker does is in `engine.py`.
+
+`init_info` (JSON, so it also travels over `vllm serve`'s HTTP routes):
+- store_host, store_port: a torch.distributed TCPStore every trainer rank and
+  vLLM worker reaches (the trainer usually hosts it);
+- trainer_layout: the trainer's `Layout.to_dict()`, checked against the
+  engine's own layout before anything connects;
+- name: namespaces the Store keys (one per sync pairing);
+- timeout_s: set-up, and the default of every update;
+- transport: "auto", "shm", "cuda_ipc" or "p2p", the same on both sides.
+`update_info`: {"version": int or None (the version the trainer sends; checked),
+"timeout_s": float or None}.
+"""
+
+from __future__ import annotations
+
+from ...sync.endpoints import DEFAULT_TIMEOUT_S
+from ...sync.layout import Layout
+
+BACKEND = "llamarl_ddma"
+
+
+def ddma_init_info(store_host: str, store_port: int, trainer_layout: Layout, *, name: str = "weights",
+                   timeout_s: float = DEFAULT_TIMEOUT_S, transport: str = "auto") -> dict:
+    """The `init_info` of `llm.init_weight_transfer_engine({"init_info": ...})` for
+    trainer ranks whose WeightSenders use this Store, layout, name and transport
+    (`fsdp_sender(...).layout` is the layout)."""
+    if not isinstance(trainer_layout, Layout):
+        raise TypeError(f"trainer_layout must be a llamarl_core.sync.Layout, got {type(trainer_layout).__name__}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    return {"store_host": store_host, "store_port": int(store_port), "trainer_layout": trainer_layout.to_dict(),
+            "name": name, "timeout_s": float(timeout_s), "transport": transport}
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: registers the backend (idempotent)."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, f"{__name__}.engine", "DdmaWeightTransferEngine")
+    except ValueError:  # already registered in this process (plugins load once per engine / worker)
+        pass

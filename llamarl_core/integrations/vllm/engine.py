@@ -1,0 +1,243 @@
+"""The worker side of `llamarl_ddma`: one DdmaWeightTransferEngine per vLLM
+worker (tensor-parallel rank), created by vLLM once the model is loaded.
+
+`init_transfer_engine` derives the worker's destination tensors from the live
+model (names, local shapes and dtypes, TP rank and size, the padded vocabulary,
+a tied `lm_head`, FP8 weights and their scales), checks them against
+`vllm_llama_tp` of the engine's config, checks the trainer's layout against
+that, and only then connects a WeightReceiver: a mismatch is refused before any
+byte moves, naming the parameter. `receive_weights` takes one version.
+
+Where the bytes land:
+- GPU: in the parameters themselves (kernel format: fused q/k/v and gate/up, TP
+  slices, padded vocabulary; FP8 weights with their scales, written together),
+  no layer-by-layer reload. A failed sync leaves them torn: `update_weights`
+  raises, and generation must stay paused until a sync completes.
+- CPU: vLLM computes every linear layer (lm_head and a tied embedding too) from
+  a oneDNN-packed copy of its weight and frees the weight itself, so bytes
+  written into parameters change nothing. The sync lands in full-size buffers
+  of this worker's own; once a version is complete, the norms and embeddings
+  are copied from them and the linears re-packed (`commit`). A failed sync
+  leaves the engine serving the last complete version, untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ...sync.endpoints import WeightReceiver
+from ...sync.errors import SyncError
+from ...sync.layout import Layout, fp8_scale_name
+from ...sync.plan import plan_transfer
+from ...sync.presets import vllm_llama_tp
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+_FP8_SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
+
+
+@dataclasses.dataclass
+class DdmaInitInfo(WeightTransferInitInfo):
+    """See the package docstring (`ddma_init_info` builds it)."""
+
+    store_host: str
+    store_port: int
+    trainer_layout: dict
+    name: str = "weights"
+    timeout_s: float = 120.0
+    transport: str = "auto"
+
+
+@dataclasses.dataclass
+class DdmaUpdateInfo(WeightTransferUpdateInfo):
+    version: int | None = None
+    timeout_s: float | None = None
+
+
+# ----------------------------------------------------------------------------- the live model
+
+
+def _packed_on_cpu(module: torch.nn.Module) -> bool:
+    """vLLM's CPU backend computes this layer from a packed copy of its weight."""
+    return hasattr(module, "cpu_linear")
+
+
+def live_parameters(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
+    """name -> (parameter, the local shape it holds). A CPU linear whose weight vLLM
+    freed after packing it (an empty tensor) holds its partition's shape."""
+    modules = dict(model.named_modules())
+    out = {}
+    for name, param in model.named_parameters():
+        module = modules[name.rpartition(".")[0]]
+        shape = tuple(param.shape)
+        if name.endswith(".weight") and param.numel() == 0 and _packed_on_cpu(module):
+            shape = (module.output_size_per_partition, module.input_size_per_partition)
+        out[name] = (param, shape)
+    return out
+
+
+def fp8_granularity(live: dict[str, tuple[torch.Tensor, tuple[int, ...]]]) -> str | None:
+    """The granularity of the live model's FP8 weights (None: no FP8 weights). Raises,
+    naming it, on an FP8 weight without a scale, or on mixed granularities."""
+    found = {}
+    for name, (param, shape) in live.items():
+        if not name.endswith(".weight") or param.dtype != torch.float8_e4m3fn:
+            continue
+        base = name[: -len("weight")]
+        if base + "weight_scale_inv" in live:
+            found[name] = "block"
+        elif base + "weight_scale" in live:
+            found[name] = "channel" if live[base + "weight_scale"][1][:1] == shape[:1] and shape[0] > 1 else "tensor"
+        else:
+            raise ValueError(f"FP8 destination {name!r} has no scale ({base}weight_scale or {base}weight_scale_inv): "
+                             "an FP8 weight is written with its scale, never without")
+    kinds = set(found.values())
+    if len(kinds) > 1:
+        raise ValueError(f"the engine's FP8 weights mix granularities {sorted(kinds)}: " + ", ".join(
+            f"{n} ({g})" for n, g in list(found.items())[:4]))
+    return kinds.pop() if kinds else None
+
+
+def engine_layout(hf_config, tp_size: int, dtype: torch.dtype, fp8: str | None) -> Layout:
+    """The layout vLLM gives a Llama-family model (vllm_llama_tp); ValueError for a
+    model type there is none for."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"llamarl_ddma has no layout for model type {model_type!r} "
+                         f"(architectures {getattr(hf_config, 'architectures', None)}); supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    return vllm_llama_tp(hf_config, tp_size, dtype, fp8=fp8)
+
+
+def check_live_model(layout: Layout, rank: int, live: dict[str, tuple[torch.Tensor, tuple[int, ...]]]) -> None:
+    """The live model holds exactly the tensors `layout` gives `rank`: ValueError
+    naming the first one missing, extra, or of another shape or dtype."""
+    expected = layout.local_tensor_specs(rank)
+    for name, (shape, dtype) in expected.items():
+        if name not in live:
+            raise ValueError(f"vLLM worker {rank}: the engine's model has no parameter {name!r}, which the "
+                             f"{layout.world_size}-way vLLM layout of its config has")
+        param, live_shape = live[name]
+        if live_shape != shape or param.dtype != dtype:
+            raise ValueError(f"vLLM worker {rank}: parameter {name!r} is {live_shape} {param.dtype} in the engine, "
+                             f"the layout of its config says {shape} {dtype}")
+    extra = sorted(set(live) - set(expected))
+    if extra:
+        raise ValueError(f"vLLM worker {rank}: the engine's model has parameter {extra[0]!r} that no layout "
+                         f"covers ({len(extra)} such); a sync would leave it stale")
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo]):
+    init_info_cls = DdmaInitInfo
+    update_info_cls = DdmaUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        self.receiver: WeightReceiver | None = None
+        self.version: int | None = None
+        self._commit = None
+
+    def init_transfer_engine(self, init_info: DdmaInitInfo) -> None:
+        if self.receiver is not None:
+            raise SyncError("llamarl_ddma: init_weight_transfer_engine was already called on this worker; "
+                            "call shutdown_weight_transfer_engine first")
+        rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        live = live_parameters(self.model)
+        layout = engine_layout(self.model_config.hf_config, tp_size, self.model_config.dtype, fp8_granularity(live))
+        check_live_model(layout, rank, live)
+        trainer_layout = Layout.from_dict(init_info.trainer_layout)
+        try:
+            plan_transfer(trainer_layout, layout)
+        except ValueError as exc:
+            raise ValueError(f"the trainer's model does not match the vLLM engine's ({self.model_config.model}): "
+                             f"{exc}") from exc
+        on_cpu = self.device.type == "cpu"
+        if on_cpu:
+            tensors, self._commit = _cpu_destinations(self.model, layout, rank, live)
+        else:
+            tensors = {name: live[name][0].data for name in layout.local_tensor_specs(rank)}
+        store = dist.TCPStore(init_info.store_host, init_info.store_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=init_info.timeout_s))
+        self.receiver = WeightReceiver(store, layout, rank, tensors, name=init_info.name,
+                                       transport=init_info.transport, timeout=init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        if self.receiver is None:
+            raise SyncError("llamarl_ddma: call init_weight_transfer_engine before a weight update")
+
+    def receive_weights(self, update_info: DdmaUpdateInfo) -> None:
+        """One version from the trainer ranks, complete, then (CPU) committed."""
+        if self.receiver is None:
+            raise SyncError("llamarl_ddma: call init_weight_transfer_engine before update_weights")
+        version = self.receiver.receive(timeout=update_info.timeout_s)
+        if update_info.version is not None and version != update_info.version:
+            raise SyncError(f"llamarl_ddma: the trainer sent version {version}, update_weights asked for "
+                            f"{update_info.version}; not applied")
+        if self._commit is not None:
+            self._commit()
+        self.version = version
+
+    def finish_weight_update(self) -> None:
+        pass  # the bytes are in place once receive_weights returns
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+        self._commit = None
+
+
+def _cpu_destinations(model: torch.nn.Module, layout: Layout, rank: int, live: dict):
+    """Landing tensors of this worker's own (initialised from the live values, so
+    the vocabulary's padding rows keep theirs), and the commit that applies a
+    complete version: copy into live parameters, then re-pack every packed layer."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    landing = {}
+    for name, (shape, dtype) in layout.local_tensor_specs(rank).items():
+        param = live[name][0]
+        landing[name] = param.detach().clone() if param.numel() else torch.zeros(shape, dtype=dtype)
+    name_of = {id(p): n for n, (p, _) in live.items()}
+    copies = [(live[n][0], t) for n, t in landing.items() if live[n][0].numel()]
+    packed = []  # (module, landing weight or None when the module keeps its weight)
+    for module_name, module in model.named_modules():
+        if not _packed_on_cpu(module) or not isinstance(getattr(module, "weight", None), torch.Tensor):
+            continue
+        name = name_of.get(id(module.weight))
+        if name is None:
+            raise ValueError(f"vLLM worker {rank}: packed layer {module_name!r} has a weight no parameter name holds")
+        packed.append((module, None if module.weight.numel() else landing[name]))
+
+    def commit() -> None:
+        start = time.monotonic()
+        with torch.no_grad():
+            for param, src in copies:
+                param.copy_(src)
+            for module, weight in packed:
+                if weight is None:
+                    dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+                    continue
+                freed = module.weight
+                module.weight = torch.nn.Parameter(weight, requires_grad=False)
+                try:
+                    dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+                finally:
+                    module.weight = freed
+        commit.seconds = time.monotonic() - start
+
+    commit.seconds = 0.0
+    return landing, commit

@@ -1,0 +1,188 @@
+"""Real processes for the vLLM tests: a vLLM engine (in-process engine core, in a
+spawned process of its own: the CPU worker pins threads and replaces
+torch.set_num_threads in the process it runs in) and FSDP2 trainer ranks."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import traceback
+
+import torch
+import torch.distributed as dist
+import transformers
+
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def tiny_config(kind: str):
+    """Llama-family configs vLLM's CPU attention takes (head_dim 32), a vocabulary
+    vLLM pads (1000 -> 1024), weights large enough that greedy tokens are clear."""
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256, initializer_range=0.2,
+                  torch_dtype="float32", bos_token_id=1, eos_token_id=2)
+    if kind == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=False)
+    if kind == "llama_tied":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    if kind == "qwen2_tied":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=False)
+    raise ValueError(kind)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def _host(conn, model_dir: str, engine_kwargs: dict) -> None:
+    os.environ.update(VLLM_ENV)
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.config import WeightTransferConfig
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
+                  enforce_eager=True, max_model_len=128, seed=0,
+                  weight_transfer_config=WeightTransferConfig(backend="llamarl_ddma"), **engine_kwargs)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", None))
+
+    def generate(prompts, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False,
+                                ignore_eos=True)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids),
+                 [next(iter(lp.values())).logprob if len(lp) == 1 else lp[t].logprob
+                  for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]) for o in outs]
+
+    def sync(version, timeout_s):
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"version": version, "timeout_s": timeout_s}})
+        llm.finish_weight_update(weight_version=str(version))
+
+    handlers = {
+        "init": lambda info: llm.init_weight_transfer_engine({"init_info": info}),
+        "shutdown_transfer": llm.shutdown_weight_transfer_engine,
+        "sync": sync,
+        "generate": generate,
+        "weight_version": llm.get_weight_version,
+    }
+    while True:
+        kind, args = conn.recv()
+        if kind == "stop":
+            return
+        try:
+            conn.send(("ok", handlers[kind](*args)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+class VllmHost:
+    """A real vLLM engine (dummy weights, llamarl_ddma backend) in a process of its own."""
+
+    def __init__(self, model_dir: str, start_timeout: float = 240.0, **engine_kwargs):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_host, args=(child, model_dir, engine_kwargs), daemon=True)
+        self.proc.start()
+        self._reply(start_timeout, "start")
+
+    def _reply(self, timeout: float, what: str):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"vLLM host: no reply to {what} within {timeout} s")
+        status, value = self.conn.recv()
+        if status == "error":
+            raise RemoteError(value)
+        return value
+
+    def call(self, kind: str, *args, timeout: float = 120.0):
+        self.conn.send((kind, args))
+        return self._reply(timeout, kind)
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("stop", ()))
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.join()
+
+
+class RemoteError(RuntimeError):
+    """An exception raised in the vLLM host process (its traceback is the message)."""
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def trainer_rank(port: int, rank: int, world: int, kind: str, seed: int, versions: list[int], name: str,
+                 die_before_send: int | None = None, timeout_s: float = 60.0) -> list[dict] | None:
+    """One FSDP2 trainer rank (world > 1: fully_shard over gloo): registers its shards
+    with fsdp_sender, sends each version (an AdamW step on a random batch between
+    versions), and returns the full state dict of every version sent (rank 0).
+    die_before_send: the index of a send this rank never makes (it exits at once)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from llamarl_core.sync import fsdp_sender
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    if world > 1:
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"pg/{name}/", store), rank=rank, world_size=world)
+    torch.manual_seed(seed)
+    config = tiny_config(kind)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    states = []
+    try:
+        with fsdp_sender(store, model, rank, world, name=name, timeout=timeout_s) as sender:
+            for i, version in enumerate(versions):
+                if i:
+                    ids = torch.randint(3, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed + i))
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+                if i == die_before_send:
+                    os._exit(1)  # killed mid-sync: the other ranks' shards have landed, not this one's
+                sender.send(version, timeout=timeout_s)
+                states.append({k: v.numpy().copy() for k, v in state.items()})  # numpy: outlives this process
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+    return states if rank == 0 else None
+
+
+@torch.no_grad()
+def reference_greedy(kind: str, state: dict, prompts: list[list[int]], max_tokens: int):
+    """transformers' greedy tokens and their log-probs (fp32)."""
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), torch_dtype=torch.float32)
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+    model.eval()
+    out = []
+    for prompt in prompts:
+        ids, tokens, logprobs = list(prompt), [], []
+        for _ in range(max_tokens):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+            lp = torch.log_softmax(logits, dim=-1)
+            token = int(torch.argmax(lp))
+            tokens.append(token)
+            logprobs.append(float(lp[token]))
+            ids.append(token)
+        out.append((tokens, logprobs))
+    return out
