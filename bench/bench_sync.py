@@ -293,6 +293,8 @@ def report(result: dict) -> str:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="llamarl bench sync", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--into", choices=["vllm"],
+                   help="into a running vLLM engine instead, beside vLLM's own paths (llamarl bench sync --into vllm --help)")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--intermediate", type=int, default=5632)
     p.add_argument("--layers", type=int, default=9, help="9 layers of the default shape: 1.00 GiB in bf16")
@@ -313,7 +315,12 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    spec = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--into" in argv or any(a.startswith("--into=") for a in argv):
+        from llamarl_core.bench.bench_sync_vllm import main as into_main
+
+        return into_main(argv)
+    spec = parse_args(argv)
     if spec.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA device")
     result = run(spec)

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from helpers import run_processes
-from vllm_workers import RemoteError, VllmHost, reference_greedy, tiny_config, trainer_rank
+from llamarl_core.integrations.vllm.host import EngineError, EngineProcess
+from vllm_workers import reference_greedy, tiny_config, trainer_rank
 
 pytestmark = [
     pytest.mark.vllm,
@@ -36,7 +37,7 @@ def store():
 def engine_for(kind: str, tmp_path_factory):
     path = tmp_path_factory.mktemp(kind)
     tiny_config(kind).save_pretrained(path)
-    return VllmHost(str(path))
+    return EngineProcess(str(path), dtype="float32", max_model_len=128, seed=0)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2_tied"])
@@ -47,7 +48,7 @@ def engine(request, tmp_path_factory):
     host.close()
 
 
-def sync_from_trainer(host: VllmHost, store, kind: str, world: int, versions: list[int], name: str, seed: int = 0,
+def sync_from_trainer(host: EngineProcess, store, kind: str, world: int, versions: list[int], name: str, seed: int = 0,
                       update_timeout: float = 60.0, **trainer_kwargs):
     """Trainer ranks (real processes) and the engine's init + one update per
     version, at once; returns (trainer states, engine outputs after each version)."""
@@ -64,8 +65,8 @@ def sync_from_trainer(host: VllmHost, store, kind: str, world: int, versions: li
         try:
             host.call("init", info)
             for version in versions:
-                host.call("sync", version, update_timeout)
-                outputs.append(host.call("generate", PROMPTS, MAX_TOKENS))
+                host.call("ddma_update", version, update_timeout)
+                outputs.append(host.call("greedy", PROMPTS, MAX_TOKENS))
         finally:
             host.call("shutdown_transfer")
         states = trainers.result()[0]
@@ -111,13 +112,13 @@ def test_trainer_killed_mid_sync_keeps_last_version(engine, store):
         trainers = pool.submit(run_processes, jobs, 300)
         try:
             engine.call("init", info)
-            engine.call("sync", 1, 60.0)
-            before = engine.call("generate", PROMPTS, MAX_TOKENS)
+            engine.call("ddma_update", 1, 60.0)
+            before = engine.call("greedy", PROMPTS, MAX_TOKENS)
             start = time.monotonic()
-            with pytest.raises(RemoteError, match="SyncTimeoutError"):
-                engine.call("sync", 2, 3.0)
+            with pytest.raises(EngineError, match="SyncTimeoutError"):
+                engine.call("ddma_update", 2, 3.0)
             assert time.monotonic() - start < 3.0 + 10.0
-            assert engine.call("generate", PROMPTS, MAX_TOKENS) == before
+            assert engine.call("greedy", PROMPTS, MAX_TOKENS) == before
             assert engine.call("weight_version") == "1"
         finally:
             engine.call("shutdown_transfer")
@@ -143,6 +144,33 @@ def test_mismatched_trainer_refused_before_connecting(engine, store, change, cul
         setattr(config, key, value)
     info = ddma_init_info("127.0.0.1", store.port, hf_llama_fsdp(config, 1, torch.float32), name="mismatch",
                           timeout_s=5)
-    with pytest.raises(RemoteError, match=f"does not match the vLLM engine.*{culprit}"):
+    with pytest.raises(EngineError, match=f"does not match the vLLM engine.*{culprit}"):
         engine.call("init", info)
     assert not store.check(["llamarl/sync/mismatch/dst/layout"]), "the engine connected before checking"
+
+
+def test_model_type_without_layout_refused():
+    from transformers import GPT2Config
+
+    from llamarl_core.integrations.vllm.engine import engine_layout
+
+    with pytest.raises(ValueError, match="no layout for model type 'gpt2'"):
+        engine_layout(GPT2Config(), 1, torch.float32, None)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_fp8_destinations_derived_with_their_scales(granularity):
+    """The FP8 tensors vLLM would hold (weight + weight_scale / weight_scale_inv, TP 2
+    rank 1): the granularity is read off the scales and the live model passes the
+    check; one weight without its scale is refused, naming it, before any sync."""
+    from llamarl_core.integrations.vllm.engine import check_live_model, fp8_granularity
+    from llamarl_core.sync import vllm_llama_tp
+
+    layout = vllm_llama_tp(tiny_config("llama"), 2, torch.bfloat16, fp8=granularity)
+    live = {name: (torch.zeros(shape, dtype=dtype), shape) for name, (shape, dtype) in layout.local_tensor_specs(1).items()}
+    assert fp8_granularity(live) == granularity
+    check_live_model(layout, 1, live)
+    scale = next(n for n in live if n.startswith("model.layers.1.mlp.down_proj.weight_scale"))
+    del live[scale]
+    with pytest.raises(ValueError, match="FP8 destination 'model.layers.1.mlp.down_proj.weight' has no scale"):
+        fp8_granularity(live)

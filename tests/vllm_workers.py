@@ -1,21 +1,14 @@
-"""Real processes for the vLLM tests: a vLLM engine (in-process engine core, in a
-spawned process of its own: the CPU worker pins threads and replaces
-torch.set_num_threads in the process it runs in) and FSDP2 trainer ranks."""
+"""Real processes for the vLLM tests: FSDP2 trainer ranks, and transformers'
+greedy decoding as the reference (the engine: integrations.vllm.host)."""
 
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
-import signal
-import traceback
 
 import torch
 import torch.distributed as dist
 import transformers
-
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-
 
 def tiny_config(kind: str):
     """Llama-family configs vLLM's CPU attention takes (head_dim 32), a vocabulary
@@ -32,91 +25,6 @@ def tiny_config(kind: str):
     if kind == "qwen2":
         return transformers.Qwen2Config(**common, tie_word_embeddings=False)
     raise ValueError(kind)
-
-
-# ----------------------------------------------------------------------------- the engine
-
-
-def _host(conn, model_dir: str, engine_kwargs: dict) -> None:
-    os.environ.update(VLLM_ENV)
-    try:
-        from vllm import LLM, SamplingParams
-        from vllm.config import WeightTransferConfig
-        from vllm.inputs import TokensPrompt
-
-        llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
-                  enforce_eager=True, max_model_len=128, seed=0,
-                  weight_transfer_config=WeightTransferConfig(backend="llamarl_ddma"), **engine_kwargs)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        return
-    conn.send(("ok", None))
-
-    def generate(prompts, max_tokens):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False,
-                                ignore_eos=True)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return [(list(o.outputs[0].token_ids),
-                 [next(iter(lp.values())).logprob if len(lp) == 1 else lp[t].logprob
-                  for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]) for o in outs]
-
-    def sync(version, timeout_s):
-        llm.start_weight_update()
-        llm.update_weights({"update_info": {"version": version, "timeout_s": timeout_s}})
-        llm.finish_weight_update(weight_version=str(version))
-
-    handlers = {
-        "init": lambda info: llm.init_weight_transfer_engine({"init_info": info}),
-        "shutdown_transfer": llm.shutdown_weight_transfer_engine,
-        "sync": sync,
-        "generate": generate,
-        "weight_version": llm.get_weight_version,
-    }
-    while True:
-        kind, args = conn.recv()
-        if kind == "stop":
-            return
-        try:
-            conn.send(("ok", handlers[kind](*args)))
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
-
-
-class VllmHost:
-    """A real vLLM engine (dummy weights, llamarl_ddma backend) in a process of its own."""
-
-    def __init__(self, model_dir: str, start_timeout: float = 240.0, **engine_kwargs):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_host, args=(child, model_dir, engine_kwargs), daemon=True)
-        self.proc.start()
-        self._reply(start_timeout, "start")
-
-    def _reply(self, timeout: float, what: str):
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"vLLM host: no reply to {what} within {timeout} s")
-        status, value = self.conn.recv()
-        if status == "error":
-            raise RemoteError(value)
-        return value
-
-    def call(self, kind: str, *args, timeout: float = 120.0):
-        self.conn.send((kind, args))
-        return self._reply(timeout, kind)
-
-    def close(self) -> None:
-        try:
-            self.conn.send(("stop", ()))
-        except (BrokenPipeError, OSError):
-            pass
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.join()
-
-
-class RemoteError(RuntimeError):
-    """An exception raised in the vLLM host process (its traceback is the message)."""
 
 
 # ----------------------------------------------------------------------------- the trainer

@@ -194,6 +194,11 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
     def finish_weight_update(self) -> None:
         pass  # the bytes are in place once receive_weights returns
 
+    @property
+    def commit_seconds(self) -> float:
+        """How long the last commit (CPU: copies and re-packing) took; 0 on GPU."""
+        return self._commit.seconds if self._commit is not None else 0.0
+
     def shutdown(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
@@ -206,6 +211,7 @@ def _cpu_destinations(model: torch.nn.Module, layout: Layout, rank: int, live: d
     the vocabulary's padding rows keep theirs), and the commit that applies a
     complete version: copy into live parameters, then re-pack every packed layer."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     landing = {}
     for name, (shape, dtype) in layout.local_tensor_specs(rank).items():
@@ -216,6 +222,11 @@ def _cpu_destinations(model: torch.nn.Module, layout: Layout, rank: int, live: d
     packed = []  # (module, landing weight or None when the module keeps its weight)
     for module_name, module in model.named_modules():
         if not _packed_on_cpu(module) or not isinstance(getattr(module, "weight", None), torch.Tensor):
+            continue
+        if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
+            # vLLM packs the input embedding too, but only lm_head (tied or not: a module
+            # of its own) computes from a packed copy. Skipping it: 0.24 s instead of
+            # 0.65 s to re-pack a 0.58 GiB fp32 model with a 32000-row vocabulary.
             continue
         name = name_of.get(id(module.weight))
         if name is None:

@@ -1,0 +1,158 @@
+"""A vLLM engine (`vllm.LLM`, dummy weights, the llamarl_ddma backend) in a
+process of its own, driven over a pipe: what the tests and `llamarl bench sync
+--into vllm` run against.
+
+Its own process because vLLM's CPU worker pins the threads of the process it
+runs in and replaces `torch.set_num_threads` there; the engine core runs inside
+that process too (VLLM_ENABLE_V1_MULTIPROCESSING=0: 12 s to start here instead
+of 37 s with an engine-core process of its own), so tensors handed to
+`collective_rpc` reach the worker as they are.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # vLLM's CPU backend refuses to start without a KV-cache size; 1 GiB holds
+    # thousands of 128-token sequences of the small models run here.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+class EngineError(RuntimeError):
+    """An exception raised in the engine's process; its traceback is the message."""
+
+
+def _greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their log-probs for token-id prompts."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outs]
+
+
+def _ddma_update(llm, version: int, timeout_s: float | None) -> tuple[float, float]:
+    """One version through llamarl_ddma; returns the seconds generation was paused
+    and, of those, the seconds the workers spent committing it (the slowest worker)."""
+    start = time.monotonic()
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": version, "timeout_s": timeout_s}})
+    llm.finish_weight_update(weight_version=str(version))
+    paused = time.monotonic() - start
+    return paused, max(llm.collective_rpc(lambda worker: worker.weight_transfer_engine.commit_seconds))
+
+
+def _random_hf_weights(llm, seed: int) -> list[tuple[str, "torch.Tensor"]]:
+    """Hugging Face-named full tensors of the engine's model, random, in this process."""
+    import torch
+
+    from ...sync.presets import hf_llama_shapes
+
+    config = llm.llm_engine.model_config.hf_config
+    gen = torch.Generator().manual_seed(seed)
+    return [(name, torch.randn(shape, generator=gen) * 0.02) for name, shape in hf_llama_shapes(config).items()]
+
+
+def _reload_weights(llm, weights) -> float:
+    """vLLM's own path: `reload_weights` with Hugging Face-named tensors (a layer-by-layer
+    reload that re-fuses, re-shards and re-processes, re-packing on CPU)."""
+    start = time.monotonic()
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    return time.monotonic() - start
+
+
+def _load_weights(llm, weights) -> float:
+    """What verl / TRL / PipelineRL do: `model.load_weights` with Hugging Face-named
+    tensors, through the worker."""
+    start = time.monotonic()
+    llm.apply_model(lambda model: model.load_weights(weights=iter(weights)))
+    return time.monotonic() - start
+
+
+def _serve(conn, model_dir: str, engine_kwargs: dict) -> None:
+    os.environ.update(ENGINE_ENV)
+    try:
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+                  weight_transfer_config=WeightTransferConfig(backend="llamarl_ddma"), **engine_kwargs)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", None))
+    held = {}  # tensors made in this process, by key (the native paths' inputs)
+    handlers = {
+        "init": lambda info: llm.init_weight_transfer_engine({"init_info": info}),
+        "shutdown_transfer": llm.shutdown_weight_transfer_engine,
+        "ddma_update": lambda version, timeout_s=None: _ddma_update(llm, version, timeout_s),
+        "greedy": lambda prompts, max_tokens: _greedy(llm, prompts, max_tokens),
+        "weight_version": llm.get_weight_version,
+        "make_hf_weights": lambda key, seed: held.__setitem__(key, _random_hf_weights(llm, seed)),
+        "reload_weights": lambda key: _reload_weights(llm, held[key]),
+        "load_weights": lambda key: _load_weights(llm, held[key]),
+        "drop": lambda key: held.pop(key, None) and None,
+    }
+    while True:
+        kind, args = conn.recv()
+        if kind == "stop":
+            return
+        try:
+            conn.send(("ok", handlers[kind](*args)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+class EngineProcess:
+    """A vLLM engine for the model config in `model_dir` (weights: dummy until a
+    sync), started in a spawned process. `call(kind, *args)` runs one of the
+    handlers in `_serve` there and returns its result (EngineError on failure)."""
+
+    def __init__(self, model_dir: str, start_timeout: float = 300.0, **engine_kwargs):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, model_dir, engine_kwargs), daemon=True,
+                                name="llamarl-vllm-engine")
+        self.proc.start()
+        self._reply(start_timeout, "start")
+
+    def _reply(self, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(0.5):
+            if not self.proc.is_alive():
+                raise EngineError(f"the vLLM engine process exited (code {self.proc.exitcode}) during {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the vLLM engine did not answer {what} within {timeout} s")
+        status, value = self.conn.recv()
+        if status == "error":
+            raise EngineError(value)
+        return value
+
+    def call(self, kind: str, *args, timeout: float = 300.0):
+        self.conn.send((kind, args))
+        return self._reply(timeout, kind)
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("stop", ()))
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
