@@ -24,7 +24,6 @@ import math
 import multiprocessing as mp
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist

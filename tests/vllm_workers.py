@@ -31,11 +31,13 @@ def tiny_config(kind: str):
 
 
 def trainer_rank(port: int, rank: int, world: int, kind: str, seed: int, versions: list[int], name: str,
-                 die_before_send: int | None = None, timeout_s: float = 60.0) -> list[dict] | None:
+                 die_before_send: int | None = None, send_after: dict[int, str] | None = None,
+                 timeout_s: float = 60.0) -> list[dict] | None:
     """One FSDP2 trainer rank (world > 1: fully_shard over gloo): registers its shards
     with fsdp_sender, sends each version (an AdamW step on a random batch between
     versions), and returns the full state dict of every version sent (rank 0).
-    die_before_send: the index of a send this rank never makes (it exits at once)."""
+    die_before_send: the index of a send this rank never makes (it exits at once).
+    send_after: send index -> a Store key to wait for before that version's step."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from llamarl_core.sync import fsdp_sender
@@ -60,6 +62,8 @@ def trainer_rank(port: int, rank: int, world: int, kind: str, seed: int, version
     try:
         with fsdp_sender(store, model, rank, world, name=name, timeout=timeout_s) as sender:
             for i, version in enumerate(versions):
+                if i in (send_after or {}):
+                    store.wait([send_after[i]], datetime.timedelta(seconds=timeout_s))
                 if i:
                     ids = torch.randint(3, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed + i))
                     model(input_ids=ids, labels=ids).loss.backward()
@@ -74,6 +78,18 @@ def trainer_rank(port: int, rank: int, world: int, kind: str, seed: int, version
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
     return states if rank == 0 else None
+
+
+@torch.no_grad()
+def reference_logprobs(kind: str, state: dict, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
+    """transformers' log-prob of each of `tokens` after `prompt` and the tokens before
+    it, under softmax(logits / temperature) (fp32 model, float64 softmax)."""
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), torch_dtype=torch.float32)
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+    model.eval()
+    logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].double()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    return lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
 
 
 @torch.no_grad()

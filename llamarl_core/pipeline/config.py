@@ -10,11 +10,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MODES = ("async", "sync")
+GENERATORS = ("llama", "vllm")
+# What `llamarl train --generator vllm` changes when not given: vLLM's CPU attention
+# takes head sizes of 32, 64, ... (not the default model's 24), and its engine takes
+# about 40 s to start here (its own processes; vLLM imported in each).
+VLLM_DEFAULTS = {"hidden_size": 128, "intermediate_size": 256, "timeout_s": 180.0}
 
 
 @dataclass
 class TrainConfig:
     mode: str = "async"  # "async": generation and training overlap; "sync": they take turns
+    generator: str = "llama"  # "llama": our LlamaGenerator; "vllm": a vLLM engine (llamarl_core.integrations.vllm)
+    recompute_kv: bool = True  # vLLM: after a weight update, recompute running requests' KV cache (else keep it)
     steps: int = 400  # trainer steps (weight versions) to run
     task: str = "llamarl_core.pipeline.task:reverse_task"  # module:attribute of a Task
     prompts_per_step: int = 12  # prompt groups per trainer step
@@ -41,6 +48,11 @@ class TrainConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.generator not in GENERATORS:
+            raise ValueError(f"generator must be one of {GENERATORS}, got {self.generator!r}")
+        if not self.recompute_kv and self.generator != "vllm":
+            raise ValueError("recompute_kv=False (keep the KV cache across weight updates) needs generator 'vllm'; "
+                             "our generator always re-prefills")
         positive = ("steps", "prompts_per_step", "samples_per_prompt", "segment_tokens", "hidden_size",
                     "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "trainer_world",
                     "generator_tp", "checkpoint_every", "warmup_batch")

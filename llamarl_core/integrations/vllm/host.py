@@ -51,7 +51,7 @@ def _ddma_update(llm, version: int, timeout_s: float | None) -> tuple[float, flo
     return paused, max(llm.collective_rpc(lambda worker: worker.weight_transfer_engine.commit_seconds))
 
 
-def _random_hf_weights(llm, seed: int) -> list[tuple[str, "torch.Tensor"]]:
+def _random_hf_weights(llm, seed: int) -> list:
     """Hugging Face-named full tensors of the engine's model, random, in this process."""
     import torch
 

