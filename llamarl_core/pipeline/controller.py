@@ -15,9 +15,12 @@ trainer waits for them.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import os
 import queue
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -65,11 +68,11 @@ class Controller:
         # (it starts its own tensor-parallel workers).
         self.generator_ranks = config.generator_tp
         if config.generator == "vllm":
-            from ..integrations.vllm.generator import check_model_for_vllm, missing_vllm_message
+            from ..integrations.vllm.generator import check_cpu_vllm, missing_vllm_message
 
             if missing_vllm_message():
-                raise ValueError(missing_vllm_message())
-            check_model_for_vllm(model_config, on_gpu=torch.cuda.is_available())
+                raise ValueError(f"--generator vllm {missing_vllm_message()}")
+            check_cpu_vllm(model_config)
             self.generator_ranks = 1
         # Executors are forked from a server process that has imported torch and
         # transformers once (a single-threaded process that never ran an op, so forking
@@ -139,8 +142,7 @@ class Controller:
         for key in [k for k in self.procs if k[0] == GENERATOR]:
             proc = self.procs.pop(key)
             self.inboxes.pop(key, None)
-            proc.kill()
-            proc.join(timeout=5)
+            self._kill(key[0], proc)
         self.scheduler.generator_lost()
         self.ready_ranks = {k for k in self.ready_ranks if k[0] != GENERATOR}
         self.generator_incarnation += 1
@@ -362,13 +364,25 @@ class Controller:
             self._maybe_train()
             self._issue_prompts()  # after: a batch just handed to the trainer frees room for the next
 
+    def _kill(self, role: str, proc) -> None:
+        """SIGKILL an executor. A vLLM generator leads a process group of its own
+        (executor_main), which holds vLLM's engine-core and worker processes: they
+        watch for no parent, so the whole group goes."""
+        if role == GENERATOR and self.config.generator == "vllm":
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+        proc.join(timeout=5)
+
     def _shutdown(self) -> None:
         for inbox in self.inboxes.values():
             inbox.put(("stop", {}))
-        deadline = time.monotonic() + 10
+        # A vLLM generator shuts its engine down on "stop" (several seconds here).
+        deadline = time.monotonic() + (30 if self.config.generator == "vllm" else 10)
         for proc in self.procs.values():
             proc.join(timeout=max(deadline - time.monotonic(), 0.1))
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        vllm = self.config.generator == "vllm"
+        for (role, _), proc in self.procs.items():
+            if proc.is_alive() or (role == GENERATOR and vllm):  # a dead vLLM executor may leave its engine behind
+                self._kill(role, proc)

@@ -122,6 +122,8 @@ def executor_main(role: str, rank: int, config_dict: dict, store_port: int, inbo
     link = Link(role, rank, inbox, events, {"incarnation": extra["incarnation"]} if role == GENERATOR else {})
     try:
         config = TrainConfig.from_dict(config_dict)
+        if role == GENERATOR and config.generator == "vllm":
+            os.setsid()  # a process group for vLLM's processes too, which the controller kills as one
         _setup_threads(config, role, rank)
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=config.timeout_s))

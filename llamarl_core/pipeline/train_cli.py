@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         from ..integrations.vllm.generator import missing_vllm_message
 
         if missing_vllm_message():
-            raise SystemExit(f"llamarl train: {missing_vllm_message()}")
+            raise SystemExit(f"llamarl train: --generator vllm {missing_vllm_message()}")
     if args.resume and args.out is None:
         raise SystemExit("--resume needs --out: the folder of the run to continue")
     if args.resume and not (args.out / "config.json").exists():

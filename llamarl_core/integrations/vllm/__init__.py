@@ -6,7 +6,10 @@ with
 
     LLM(model=DIR, load_format="dummy",
         weight_transfer_config=WeightTransferConfig(backend="llamarl_ddma"))
-    vllm serve DIR --weight-transfer-config '{"backend": "llamarl_ddma"}'
+    VLLM_SERVER_DEV_MODE=1 vllm serve DIR --load-format dummy \
+        --weight-transfer-config '{"backend": "llamarl_ddma"}'
+
+(vLLM serves its weight-transfer routes only with VLLM_SERVER_DEV_MODE=1.)
 
 takes its weights from trainer ranks running `WeightSender`s, straight into its
 own parameters. One sync, with `info = ddma_init_info(...)` built on the trainer:
@@ -28,7 +31,9 @@ to `timeout_s`). What each vLLM worker does is in `engine.py`.
   engine's own layout before anything connects;
 - name: namespaces the Store keys (one per sync pairing);
 - timeout_s: set-up, and the default of every update;
-- transport: "auto", "shm", "cuda_ipc" or "p2p", the same on both sides.
+- transport: "auto", "shm", "cuda_ipc" or "p2p", the same on both sides (trainer
+  and engine tensors on one device type: a CPU trainer and a GPU engine do not
+  pair).
 `update_info`: {"version": int or None (the version the trainer sends; checked),
 "timeout_s": float or None}.
 """

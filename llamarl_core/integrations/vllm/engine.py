@@ -12,7 +12,9 @@ Where the bytes land:
 - GPU: in the parameters themselves (kernel format: fused q/k/v and gate/up, TP
   slices, padded vocabulary; FP8 weights with their scales, written together),
   no layer-by-layer reload. A failed sync leaves them torn: `update_weights`
-  raises, and generation must stay paused until a sync completes.
+  raises, and generation must stay paused until a sync completes. Not yet run on
+  a GPU: FP8 scales that vLLM rewrites for DeepGEMM (block FP8 on Hopper) are not
+  in the layout's format.
 - CPU: vLLM computes every linear layer (lm_head and a tied embedding too) from
   a oneDNN-packed copy of its weight and frees the weight itself, so bytes
   written into parameters change nothing. The sync lands in full-size buffers
@@ -73,16 +75,24 @@ def _packed_on_cpu(module: torch.nn.Module) -> bool:
 
 
 def live_parameters(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
-    """name -> (parameter, the local shape it holds). A CPU linear whose weight vLLM
-    freed after packing it (an empty tensor) holds its partition's shape."""
+    """name -> (the tensor a sync writes, the local shape it holds).
+    - A CPU linear whose weight vLLM freed after packing it (an empty tensor)
+      holds its partition's shape (the tensor is then that empty one).
+    - An FP8 weight that vLLM keeps as the transposed view of an (N, K) tensor
+      (its per-tensor and per-channel FP8 GEMMs read it so) is written through
+      that (N, K) tensor: the same storage, in the layout's row order."""
     modules = dict(model.named_modules())
     out = {}
     for name, param in model.named_parameters():
         module = modules[name.rpartition(".")[0]]
-        shape = tuple(param.shape)
-        if name.endswith(".weight") and param.numel() == 0 and _packed_on_cpu(module):
+        tensor = param.data
+        if tensor.dtype == torch.float8_e4m3fn and tensor.dim() == 2 and not tensor.is_contiguous() \
+                and tensor.t().is_contiguous():
+            tensor = tensor.t()
+        shape = tuple(tensor.shape)
+        if name.endswith(".weight") and tensor.numel() == 0 and _packed_on_cpu(module):
             shape = (module.output_size_per_partition, module.input_size_per_partition)
-        out[name] = (param, shape)
+        out[name] = (tensor, shape)
     return out
 
 
@@ -155,6 +165,10 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
         if self.receiver is not None:
             raise SyncError("llamarl_ddma: init_weight_transfer_engine was already called on this worker; "
                             "call shutdown_weight_transfer_engine first")
+        for what, size in (("data", self.parallel_config.data_parallel_size),
+                           ("pipeline", self.parallel_config.pipeline_parallel_size)):
+            if size > 1:  # every replica / stage would register as the same receiver ranks
+                raise ValueError(f"llamarl_ddma supports tensor parallelism only, not {what} parallel size {size}")
         rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         live = live_parameters(self.model)
         layout = engine_layout(self.model_config.hf_config, tp_size, self.model_config.dtype, fp8_granularity(live))
@@ -169,7 +183,7 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
         if on_cpu:
             tensors, self._commit = _cpu_destinations(self.model, layout, rank, live)
         else:
-            tensors = {name: live[name][0].data for name in layout.local_tensor_specs(rank)}
+            tensors = {name: live[name][0] for name in layout.local_tensor_specs(rank)}
         store = dist.TCPStore(init_info.store_host, init_info.store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=init_info.timeout_s))
         self.receiver = WeightReceiver(store, layout, rank, tensors, name=init_info.name,
@@ -185,8 +199,12 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
             raise SyncError("llamarl_ddma: call init_weight_transfer_engine before update_weights")
         version = self.receiver.receive(timeout=update_info.timeout_s)
         if update_info.version is not None and version != update_info.version:
+            if self._commit is None:  # in place: the bytes are the live weights already
+                self.version = version
+                raise SyncError(f"llamarl_ddma: the trainer sent version {version}, update_weights asked for "
+                                f"{update_info.version}; the engine now holds version {version}")
             raise SyncError(f"llamarl_ddma: the trainer sent version {version}, update_weights asked for "
-                            f"{update_info.version}; not applied")
+                            f"{update_info.version}; not committed, the engine keeps version {self.version}")
         if self._commit is not None:
             self._commit()
         self.version = version
@@ -217,7 +235,7 @@ def _cpu_destinations(model: torch.nn.Module, layout: Layout, rank: int, live: d
     for name, (shape, dtype) in layout.local_tensor_specs(rank).items():
         param = live[name][0]
         landing[name] = param.detach().clone() if param.numel() else torch.zeros(shape, dtype=dtype)
-    name_of = {id(p): n for n, (p, _) in live.items()}
+    name_of = {id(p): n for n, p in model.named_parameters()}
     copies = [(live[n][0], t) for n, t in landing.items() if live[n][0].numel()]
     packed = []  # (module, landing weight or None when the module keeps its weight)
     for module_name, module in model.named_modules():
