@@ -95,7 +95,8 @@ def run(spec) -> dict:
     return {"model_bytes": nbytes, "config": {k: getattr(config, k) for k in (
                 "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "vocab_size")},
-            "repeats": spec.repeats, "ddma_commit_seconds": commit, "seconds": stats, "gbps": gbps, "ratios": ratios, "failures": failures}
+            "repeats": spec.repeats, "ddma_commit_seconds": commit, "seconds": stats, "gbps": gbps, "ratios": ratios,
+            "failures": failures}
 
 
 LABELS = {
@@ -118,7 +119,8 @@ def report(result: dict) -> str:
             f"running vLLM engine (trainer world 1, engine TP 1), {result['repeats']} timed syncs per path.")
     ratios = "\n".join(f"- {k.replace('_', ' ')}: {v:.2f}x faster" for k, v in result["ratios"].items())
     commit = (f"- of llamarl_ddma's pause, committing the landed version (CPU: copying embeddings and norms, "
-              f"re-packing every linear and lm_head for oneDNN): median {result['ddma_commit_seconds']['median']:.3f} s")
+              f"re-packing every linear and lm_head for oneDNN): median "
+              f"{result['ddma_commit_seconds']['median']:.3f} s")
     return f"{head}\n\n{table(rows)}\n\n{ratios}\n{commit}\n"
 
 

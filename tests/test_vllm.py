@@ -182,7 +182,8 @@ def test_fp8_destinations_derived_with_their_scales(granularity):
     from llamarl_core.sync import vllm_llama_tp
 
     layout = vllm_llama_tp(tiny_config("llama"), 2, torch.bfloat16, fp8=granularity)
-    live = {name: (torch.zeros(shape, dtype=dtype), shape) for name, (shape, dtype) in layout.local_tensor_specs(1).items()}
+    live = {name: (torch.zeros(shape, dtype=dtype), shape)
+            for name, (shape, dtype) in layout.local_tensor_specs(1).items()}
     assert fp8_granularity(live) == granularity
     check_live_model(layout, 1, live)
     scale = next(n for n in live if n.startswith("model.layers.1.mlp.down_proj.weight_scale"))

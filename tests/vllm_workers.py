@@ -65,7 +65,8 @@ def trainer_rank(port: int, rank: int, world: int, kind: str, seed: int, version
                 if i in (send_after or {}):
                     store.wait([send_after[i]], datetime.timedelta(seconds=timeout_s))
                 if i:
-                    ids = torch.randint(3, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed + i))
+                    gen = torch.Generator().manual_seed(seed + i)
+                    ids = torch.randint(3, config.vocab_size, (2, 12), generator=gen)
                     model(input_ids=ids, labels=ids).loss.backward()
                     optimizer.step()
                     optimizer.zero_grad()

@@ -16,7 +16,8 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
 
 
 def fsdp_sender(store: dist.Store, model: torch.nn.Module, rank: int, world_size: int, *, name: str = "weights",
-                transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S, num_threads: int | None = None) -> WeightSender:
+                transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
+                num_threads: int | None = None) -> WeightSender:
     """A WeightSender over `model`'s local shards, in place: `model` is a
     transformers Llama / Qwen2 / Mistral causal LM whose parameters are plain
     tensors (world_size 1) or FSDP2 shards over `world_size` ranks, all of one

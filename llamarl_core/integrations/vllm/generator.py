@@ -94,8 +94,9 @@ class VllmGenerator(Generator):
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         args = AsyncEngineArgs(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype="float32",
-                               enforce_eager=True, max_model_len=model_config.max_position_embeddings, tensor_parallel_size=tp, seed=seed,
-                               logprobs_mode="processed_logprobs", disable_log_stats=True,
+                               enforce_eager=True, max_model_len=model_config.max_position_embeddings,
+                               tensor_parallel_size=tp, seed=seed, logprobs_mode="processed_logprobs",
+                               disable_log_stats=True,
                                weight_transfer_config=WeightTransferConfig(backend="llamarl_ddma"))
         self.llm = AsyncLLM.from_engine_args(args)
         info = ddma_init_info("127.0.0.1", store_port, hf_llama_fsdp(model_config, trainer_world, torch.float32),

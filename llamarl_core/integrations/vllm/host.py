@@ -36,8 +36,8 @@ def _greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[i
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outs]
+    completions = [o.outputs[0] for o in outs]
+    return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]) for c in completions]
 
 
 def _ddma_update(llm, version: int, timeout_s: float | None) -> tuple[float, float]:
