@@ -81,13 +81,18 @@ def trainer_rank(port: int, rank: int, world: int, kind: str, seed: int, version
     return states if rank == 0 else None
 
 
+def reference_model(kind: str, state: dict):
+    """The transformers model of `kind` (fp32) with a trainer's state dict."""
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), torch_dtype=torch.float32)
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+    return model.eval()
+
+
 @torch.no_grad()
 def reference_logprobs(kind: str, state: dict, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
     """transformers' log-prob of each of `tokens` after `prompt` and the tokens before
     it, under softmax(logits / temperature) (fp32 model, float64 softmax)."""
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), torch_dtype=torch.float32)
-    model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
-    model.eval()
+    model = reference_model(kind, state)
     logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].double()
     lp = torch.log_softmax(logits / temperature, dim=-1)
     return lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
@@ -96,9 +101,7 @@ def reference_logprobs(kind: str, state: dict, prompt: list[int], tokens: list[i
 @torch.no_grad()
 def reference_greedy(kind: str, state: dict, prompts: list[list[int]], max_tokens: int):
     """transformers' greedy tokens and their log-probs (fp32)."""
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), torch_dtype=torch.float32)
-    model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
-    model.eval()
+    model = reference_model(kind, state)
     out = []
     for prompt in prompts:
         ids, tokens, logprobs = list(prompt), [], []

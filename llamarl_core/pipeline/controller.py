@@ -378,11 +378,11 @@ class Controller:
     def _shutdown(self) -> None:
         for inbox in self.inboxes.values():
             inbox.put(("stop", {}))
+        vllm = self.config.generator == "vllm"
         # A vLLM generator shuts its engine down on "stop" (several seconds here).
-        deadline = time.monotonic() + (30 if self.config.generator == "vllm" else 10)
+        deadline = time.monotonic() + (30 if vllm else 10)
         for proc in self.procs.values():
             proc.join(timeout=max(deadline - time.monotonic(), 0.1))
-        vllm = self.config.generator == "vllm"
         for (role, _), proc in self.procs.items():
             if proc.is_alive() or (role == GENERATOR and vllm):  # a dead vLLM executor may leave its engine behind
                 self._kill(role, proc)

@@ -127,8 +127,6 @@ def executor_main(role: str, rank: int, config_dict: dict, store_port: int, inbo
         _setup_threads(config, role, rank)
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=config.timeout_s))
-        if role == GENERATOR:
-            extra = {**extra, "store_port": store_port}
         {GENERATOR: run_generator, TRAINER: run_trainer, REWARD: run_reward}[role](link, config, store, rank, **extra)
     except SystemExit:
         raise
@@ -171,7 +169,7 @@ class _CommandFeed:
         return any(kind in ("receive", "stop") for kind, _ in self.pending)
 
 
-def _make_generator(config: TrainConfig, store, store_port: int, rank: int, incarnation: int, out_dir: str):
+def _make_generator(config: TrainConfig, store, rank: int, incarnation: int, out_dir: str):
     """This rank's generator (generators.py): ours, one process per tensor-parallel
     rank in its own process group; or a vLLM engine, whose tensor-parallel workers
     vLLM starts itself (this executor is its only rank). Set-up waits for the
@@ -180,15 +178,15 @@ def _make_generator(config: TrainConfig, store, store_port: int, rank: int, inca
     task = load_task(config.task)
     tokenizer = task.tokenizer()
     model_config = config.model_config(tokenizer.vocab_size)
-    tp, sync_name = config.generator_tp, f"weights/{incarnation}"
+    tp, sync_name, seed = config.generator_tp, f"weights/{incarnation}", config.seed * 1000 + incarnation
     if config.generator == "vllm":
         from ..integrations.vllm.generator import VllmGenerator
 
         pinned = config.mode == "async" and tp + config.trainer_world <= len(_ALL_CORES)
-        return VllmGenerator(model_config, tp=tp, store_port=store_port, sync_name=sync_name,
+        return VllmGenerator(model_config, tp=tp, store_port=store.port, sync_name=sync_name,
                              trainer_world=config.trainer_world, timeout_s=config.timeout_s,
                              max_new_tokens=task.max_new_tokens, temperature=config.temperature,
-                             eos_token_id=tokenizer.eos_token_id, seed=config.seed * 1000 + incarnation,
+                             eos_token_id=tokenizer.eos_token_id, seed=seed,
                              recompute_kv=config.recompute_kv, model_dir=Path(out_dir) / f"vllm-model-{incarnation}",
                              # vLLM's workers bind their threads: to the generator's cores, as ours are pinned.
                              cpus="|".join(str(c) for c in sorted(_ALL_CORES)[:tp]) if pinned else None)
@@ -197,12 +195,11 @@ def _make_generator(config: TrainConfig, store, store_port: int, rank: int, inca
         model_config, tp=tp, rank=rank, store=store, sync_name=sync_name, timeout_s=config.timeout_s,
         max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=task.max_new_tokens,
         segment_tokens=config.segment_tokens, temperature=config.temperature, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, seed=config.seed * 1000 + incarnation)
+        pad_token_id=tokenizer.pad_token_id, seed=seed)
 
 
-def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation: int, store_port: int,
-                  out_dir: str) -> None:
-    generator = _make_generator(config, store, store_port, rank, incarnation, out_dir)
+def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str) -> None:
+    generator = _make_generator(config, store, rank, incarnation, out_dir)
     feed = _CommandFeed(link, 1 if config.generator == "vllm" else config.generator_tp)
     busy = 0.0
     link.send("ready")

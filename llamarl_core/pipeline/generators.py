@@ -24,7 +24,6 @@ from ..sync import SyncError, WeightReceiver, vllm_llama_tp
 from .rollout import RolloutEngine, Sample
 
 
-
 class Generator(ABC):
     """version: the weights' version (None until the first one lands)."""
 

@@ -117,11 +117,6 @@ def main(argv=None) -> int:
         import transformers  # noqa: F401
     except ImportError as exc:
         raise SystemExit(f"llamarl train needs the 'train' extra: pip install 'llamarl-core[train]' ({exc})") from None
-    if args.generator == "vllm":
-        from ..integrations.vllm.generator import missing_vllm_message
-
-        if missing_vllm_message():
-            raise SystemExit(f"llamarl train: --generator vllm {missing_vllm_message()}")
     if args.resume and args.out is None:
         raise SystemExit("--resume needs --out: the folder of the run to continue")
     if args.resume and not (args.out / "config.json").exists():
