@@ -46,34 +46,6 @@ from llamarl_core.bench.harness import (
 from llamarl_core.pipeline import Controller, TrainConfig, load_task
 from llamarl_core.pipeline.learner import supervised_warmup
 from llamarl_core.pipeline.report import cpu_times, steal_fraction, tenth_means
-from llamarl_core.pipeline.task import BOS, EOS, PAD
-
-
-def char_tokenizer_for_transformers(task):
-    """A PreTrainedTokenizerFast with exactly CharTokenizer's ids: one token per
-    character, bos prepended, decoding concatenates."""
-    from tokenizers import (
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
-    from transformers import PreTrainedTokenizerFast
-
-    ours = task.tokenizer()
-    vocab = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **ours.ids}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
-    tok.decoder = decoders.Fuse()
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                 padding_side="left")
-    probe = task.prompt(0)
-    if hf(probe)["input_ids"] != ours.encode(probe):
-        raise AssertionError(f"tokenizers disagree on {probe!r}")
-    return hf
 
 
 def run_trl(config: TrainConfig) -> dict:
@@ -85,9 +57,9 @@ def run_trl(config: TrainConfig) -> dict:
 
     torch.set_num_threads(os.cpu_count() or 1)
     task = load_task(config.task)
-    tokenizer = char_tokenizer_for_transformers(task)
+    tokenizer = task.tokenizer().to_transformers()
     torch.manual_seed(config.seed)
-    model = transformers.LlamaForCausalLM(config.model_config(task.tokenizer().vocab_size))
+    model = transformers.LlamaForCausalLM(config.toy_model_config(task.tokenizer().vocab_size))
     if config.warmup_steps and task.reference is not None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=True)  # as our trainer
         supervised_warmup(model, optimizer, task, config.warmup_steps, config.warmup_batch)

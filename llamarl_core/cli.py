@@ -1,6 +1,8 @@
 """The `llamarl` command.
 
     llamarl train [options]         the asynchronous RL pipeline (llamarl train --help)
+    llamarl export RUN_DIR OUT      a run's policy as a transformers model folder
+    llamarl dataset arithmetic OUT  a small arithmetic dataset (JSONL) with exact answers
     llamarl bench sync [options]    weight-sync bandwidth between real processes
     llamarl bench fp8 [options]     FP8 weight quantization throughput
     llamarl bench aipo [options]    AIPO loss time and peak memory
@@ -18,6 +20,10 @@ USAGE = """usage: llamarl <command> ...
 commands:
   train         run the asynchronous RL pipeline on the embedded default task
                 (or --task module:attribute); --compare runs the sync baseline too
+  export        RUN_DIR OUT: the policy of a run (its last checkpoint) as a
+                model folder that transformers and vLLM load
+  dataset arithmetic  OUT.jsonl: short arithmetic word problems with exact
+                answers, for --dataset (llamarl dataset arithmetic --help)
   bench sync    weight-sync bandwidth: FSDP trainer ranks -> TP generator ranks,
                 beside memcpy, gloo broadcast and torch.multiprocessing sharing
                 (llamarl bench sync --help)
@@ -49,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         from .pipeline.train_cli import main as train_main
 
         return train_main(argv[1:])
+    if argv and argv[0] == "export":
+        return _export(argv[1:])
+    if len(argv) >= 2 and argv[0] == "dataset" and argv[1] == "arithmetic":
+        from .pipeline.arithmetic import main as arithmetic_main
+
+        return arithmetic_main(argv[2:])
     if argv and argv[0] == "check":
         from .check import main as check_main
 
@@ -59,6 +71,25 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(BENCHES[argv[1]]).main(argv[2:])
     print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
     return 0 if argv and argv[0] in ("-h", "--help") else 2
+
+
+def _export(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="llamarl export",
+                                     description="Write the policy of a `llamarl train` run (its last checkpoint) as a "
+                                                 "model folder: config.json, model.safetensors, the tokenizer.")
+    parser.add_argument("run_dir", help="the run's --out folder")
+    parser.add_argument("out", help="the model folder to write (replaced if it exists)")
+    args = parser.parse_args(argv)
+    from .pipeline.export import export_run
+
+    try:
+        out = export_run(args.run_dir, args.out)
+    except ValueError as exc:
+        raise SystemExit(f"llamarl export: {exc}") from None
+    print(f"wrote {out}/")
+    return 0
 
 
 if __name__ == "__main__":

@@ -33,6 +33,11 @@ def small_config(kind: str):
         return transformers.Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)
     if kind == "mistral":
         return transformers.MistralConfig(**common, num_key_value_heads=1, tie_word_embeddings=False)
+    if kind == "llama3_rope":  # Llama 3 RoPE scaling; head_dim 12: wavelengths 6 (kept), 29 (blended), 136+ (/ 8)
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        return transformers.LlamaConfig(**common, num_key_value_heads=4, tie_word_embeddings=True,
+                                        rope_parameters=rope)
     raise ValueError(kind)
 
 

@@ -25,3 +25,8 @@ def generator_start_fails_task() -> Task:
     if multiprocessing.current_process().name.startswith("llamarl-generator"):
         raise RuntimeError("a generator-only start-up failure")
     return Task("generator-start-fails", reverse_prompt, reverse_reward, "abcdefgh=", 11, reverse_reference)
+
+
+def length_reward(prompts, completions, answers):
+    """A user's batched rule reward (`--reward pipeline_tasks:length_reward`)."""
+    return [float(len(c)) for c in completions]

@@ -52,12 +52,13 @@ def test_bench_pipeline_reports_both_modes():
     assert all(r["tokens_per_s"] > 0 and r["completion_tokens"] > 0 for r in result.values())
 
 
-def test_trl_tokenizer_has_our_ids():
-    from llamarl_core.bench.bench_pipeline import char_tokenizer_for_transformers
+def test_transformers_char_tokenizer_has_our_ids():
+    """The tokenizer TRL gets in the bench, and exported models carry."""
     from llamarl_core.pipeline import reverse_task
 
     task = reverse_task()
-    ours, theirs = task.tokenizer(), char_tokenizer_for_transformers(task)
+    ours = task.tokenizer()
+    theirs = ours.to_transformers()
     for i in range(50):
         prompt = task.prompt(i)
         assert theirs(prompt)["input_ids"] == ours.encode(prompt)

@@ -12,7 +12,7 @@ from llamarl_core.models.llama_generator import LlamaGenerator
 from llamarl_core.sync import hf_llama_fsdp, vllm_llama_tp
 
 
-@pytest.mark.parametrize("kind", CONFIG_KINDS)
+@pytest.mark.parametrize("kind", [*CONFIG_KINDS, "llama3_rope"])
 def test_tp1_after_sync_matches_transformers(kind):
     config, hf, generator = workers.synced_generator(kind, 3)
     # Its parameters are exactly the generator layout's tensors.

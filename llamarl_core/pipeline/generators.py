@@ -50,6 +50,11 @@ class Generator(ABC):
         cache recomputed (vLLM: unless told to keep it)."""
 
     @abstractmethod
+    def evaluate(self, samples: list[Sample]) -> list[Sample]:
+        """Complete `samples` greedily with the current weights, to their end (eos or
+        budget), before anything else runs; returns them."""
+
+    @abstractmethod
     def segment_stats(self) -> dict:
         """Counts since the last call, for the trace."""
 
@@ -63,14 +68,16 @@ class LlamaGeneratorBackend(Generator):
 
     def __init__(self, model_config, *, tp: int, rank: int, store: dist.Store, sync_name: str, timeout_s: float,
                  max_batch: int, max_new_tokens: int, segment_tokens: int, temperature: float, eos_token_id: int,
-                 pad_token_id: int, seed: int):
-        self.model = LlamaGenerator(model_config, tp, rank, group=dist.group.WORLD if tp > 1 else None)
-        self.receiver = WeightReceiver(store, vllm_llama_tp(model_config, tp, torch.float32), rank,
+                 pad_token_id: int, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        self.model = LlamaGenerator(model_config, tp, rank, group=dist.group.WORLD if tp > 1 else None, dtype=dtype,
+                                    device=device)
+        # The trainer's float32 weights are cast to `dtype` on the way in.
+        self.receiver = WeightReceiver(store, vllm_llama_tp(model_config, tp, dtype), rank,
                                        dict(self.model.named_parameters()), name=sync_name, timeout=timeout_s,
                                        num_threads=1)
-        self.engine = RolloutEngine(self.model, max_batch=max_batch, max_new_tokens=max_new_tokens,
-                                    segment_tokens=segment_tokens, temperature=temperature,
-                                    eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
+        self._engine_args = dict(max_batch=max_batch, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        self.engine = RolloutEngine(self.model, segment_tokens=segment_tokens, seed=seed, **self._engine_args)
         self._reported = dataclasses.replace(self.engine.stats)
 
     @property
@@ -90,6 +97,16 @@ class LlamaGeneratorBackend(Generator):
         self.engine.invalidate()  # unfinished sequences are re-prefilled under the new weights (always)
         self.version = landed
         return landed
+
+    def evaluate(self, samples: list[Sample]) -> list[Sample]:
+        # An engine of its own: the training batch's KV cache stays as it is.
+        engine = RolloutEngine(self.model, segment_tokens=self._engine_args["max_new_tokens"], seed=0,
+                               **self._engine_args)
+        engine.submit(samples)
+        done: list[Sample] = []
+        while engine.busy:
+            done += engine.run_segment(self.version)
+        return done
 
     def segment_stats(self) -> dict:
         stats = self.engine.stats.since(self._reported)

@@ -35,10 +35,12 @@ def tenth_means(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values[:k]), statistics.fmean(values[-k:])
 
 
-def summarize(mode: str, metrics: list[dict], wall_time_s: float, cpu_steal: float) -> dict:
+def summarize(mode: str, metrics: list[dict], wall_time_s: float, cpu_steal: float,
+              evals: list[dict] | None = None) -> dict:
     """summary.json: reward_first / reward_last over the first / last tenth of
     steps; per-step times averaged over all steps but the first (which includes
-    filling the pipeline)."""
+    filling the pipeline); the greedy reward on the held-out prompts at the first
+    and the last evaluation, if there were any."""
     if not metrics:
         raise ValueError("no trainer step finished: nothing to summarize")
     first, last = tenth_means([m["reward"] for m in metrics])
@@ -59,6 +61,10 @@ def summarize(mode: str, metrics: list[dict], wall_time_s: float, cpu_steal: flo
     summary["overlap_efficiency"] = max(summary["gen_time_s"], summary["train_time_s"]) / summary["step_time_s"]
     summary["rl_time_s"] = metrics[-1]["rl_s"]  # from the first weight sync to the last step (no start-up)
     summary["completion_tokens_per_s"] = summary["completion_tokens"] / summary["rl_time_s"]
+    summary["truncated_samples"] = sum(m["truncated"] for m in metrics)
+    if evals:
+        summary.update(eval_reward_first=evals[0]["reward"], eval_version_first=evals[0]["version"],
+                       eval_reward_last=evals[-1]["reward"], eval_version_last=evals[-1]["version"])
     return summary
 
 
@@ -66,7 +72,8 @@ def step_line(m: dict) -> str:
     hist = " ".join(f"{k}:{v}" for k, v in sorted(m["staleness"].items(), key=lambda kv: int(kv[0])))
     return (f"step {m['step']:4d}  reward {m['reward']:.3f}  step {m['step_time_s']:.3f}s  "
             f"gen {m['gen_time_s']:.3f}s  train {m['train_time_s']:.3f}s  sync {m['sync_time_s'] * 1e3:.1f}ms  "
-            f"staleness [{hist}]  kl {m['mismatch_kl']:.2e}  dropped {m['dropped']}")
+            f"staleness [{hist}]  kl {m['mismatch_kl']:.2e}  dropped {m['dropped']}"
+            + (f"  ref-kl {m['ref_kl']:.2e}" if m.get("ref_kl") is not None else ""))
 
 
 def write_trace(path: Path, spans: list[tuple], t0: float) -> None:
@@ -81,8 +88,9 @@ def write_trace(path: Path, spans: list[tuple], t0: float) -> None:
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
-def plot_reward(path: Path, runs: dict[str, list[dict]]) -> None:
-    """PNG: mean reward of each trainer step against wall time, one line per run."""
+def plot_reward(path: Path, runs: dict[str, list[dict]], evals: dict[str, list[dict]] | None = None) -> None:
+    """PNG: mean reward of each trainer step against wall time, one line per run,
+    and each run's greedy reward on the held-out prompts as points (evals)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -90,7 +98,12 @@ def plot_reward(path: Path, runs: dict[str, list[dict]]) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     for label, metrics in runs.items():
-        ax.plot([m["wall_s"] for m in metrics], [m["reward"] for m in metrics], label=label, linewidth=1.2)
+        line, = ax.plot([m["wall_s"] for m in metrics], [m["reward"] for m in metrics], label=f"{label}: train",
+                        linewidth=1.2)
+        held_out = (evals or {}).get(label)
+        if held_out:
+            ax.plot([e["wall_s"] for e in held_out], [e["reward"] for e in held_out], "o--", color=line.get_color(),
+                    label=f"{label}: held-out (greedy)", markersize=4)
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("mean reward per step")
     ax.grid(alpha=0.3)

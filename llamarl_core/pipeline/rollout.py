@@ -24,8 +24,10 @@ from ..models.llama_generator import KVCache, LlamaGenerator, sample_tokens
 @dataclass
 class Sample:
     """One completion of one prompt. group: the prompt's index in the task (its
-    data position); the samples of a group share a prompt. tokens, logprobs,
-    versions: per completion token. finished: ended by eos (else by the budget)."""
+    data position; for an evaluation sample, its index in the held-out split); the
+    samples of a group share a prompt. tokens, logprobs, versions: per completion
+    token. finished: ended by eos (else truncated by the token budget). eval: a
+    greedy completion of a held-out prompt, scored but never trained on."""
 
     group: int
     prompt: list[int]
@@ -34,6 +36,7 @@ class Sample:
     versions: list[int] = field(default_factory=list)
     finished: bool = False
     reward: float | None = None
+    eval: bool = False
 
     @property
     def oldest_version(self) -> int:
@@ -69,7 +72,9 @@ class RolloutEngine:
         self.model = model
         self.max_batch, self.max_new_tokens, self.segment_tokens = max_batch, max_new_tokens, segment_tokens
         self.temperature, self.eos, self.pad = temperature, eos_token_id, pad_token_id
-        self.generator = torch.Generator().manual_seed(seed)
+        # Token ids, masks and the sampling generator live where the model's weights do.
+        self.device = model.model.embed_tokens.weight.device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: deque[Sample] = deque()
         self.active: list[Sample] = []
         self.stats = EngineStats()
@@ -105,12 +110,13 @@ class RolloutEngine:
         for i, r in enumerate(rows):
             ids[i, width - len(r):] = torch.tensor(r)
             mask[i, width - len(r):] = True
+        ids, mask = ids.to(self.device), mask.to(self.device)
         self._cache = self.model.new_cache()
         logits = self.model(ids, self._cache, mask)[:, -1]
         self.stats.prefills += 1
         self.stats.prefill_tokens += int(mask.sum())
         if len(rows) < len(self.active):
-            expand = torch.tensor(row_of)
+            expand = torch.tensor(row_of, device=self.device)
             self._cache.select(expand)
             logits, mask = logits[expand], mask[expand]
         self._logits, self._mask = logits, mask
@@ -129,7 +135,9 @@ class RolloutEngine:
         if self._cache is None:
             self._prefill()
         for _ in range(self.segment_tokens):
-            token, logprob = sample_tokens(self._logits, self.temperature, self.generator)
+            greedy = torch.tensor([s.eval for s in self.active], device=self.device)
+            token, logprob = sample_tokens(self._logits, self.temperature, self.generator,
+                                           greedy if greedy.any() else None)
             self.stats.decode_steps += 1
             self.stats.tokens += len(self.active)
             keep = []
@@ -147,13 +155,13 @@ class RolloutEngine:
                 if not keep:
                     self.invalidate()
                     break
-                rows = torch.tensor(keep)
+                rows = torch.tensor(keep, device=self.device)
                 self._cache.select(rows)
                 self._mask, token = self._mask[rows], token[rows]
             if stop():
                 self.invalidate()
                 break
-            self._mask = torch.cat([self._mask, torch.ones(len(keep), 1, dtype=torch.bool)], dim=1)
+            self._mask = torch.cat([self._mask, torch.ones(len(keep), 1, dtype=torch.bool, device=self.device)], dim=1)
             self._logits = self.model(token[:, None], self._cache, self._mask)[:, -1]
         return finished
 

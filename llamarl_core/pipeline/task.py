@@ -43,6 +43,21 @@ class CharTokenizer:
         except KeyError as exc:
             raise ValueError(f"character {exc.args[0]!r} of {text!r} is not in the task's alphabet {self.alphabet!r}") from None
 
+    def to_transformers(self):
+        """A transformers PreTrainedTokenizerFast with exactly these ids: one token per
+        character, bos prepended, decoding concatenates (for exported models and
+        for peers that take a transformers tokenizer)."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **self.ids}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+        tok.decoder = decoders.Fuse()
+        return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                       padding_side="left")
+
     def decode(self, ids) -> str:
         """Characters up to the first eos; pad and bos are skipped."""
         out = []

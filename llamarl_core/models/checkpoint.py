@@ -1,0 +1,163 @@
+"""Pretrained models from disk: a Hugging Face model folder (config.json and
+safetensors weights) or a single GGUF file, for the Llama family our weight sync
+and generator speak (Llama, Qwen2, Mistral); and the way back out, a folder that
+`transformers` and vLLM load.
+
+Everything here checks before it loads: a path that is not a model, weights
+only as a pickle, an architecture or RoPE variant we do not run, each raise a
+ValueError naming the path and what is wrong, before any process starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .llama_generator import rope_inv_freq
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def check_model_config(config, where: str) -> None:
+    """ValueError unless `config` (a transformers config) is a model we sync and
+    generate with; `where` names it in the message."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        archs = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
+        raise ValueError(f"{where}: model_type {model_type!r} ({archs}) is not supported; llamarl runs the "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)} families")
+    try:
+        rope_inv_freq(config, 2)
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def context_length(config) -> int:
+    """Tokens a sequence may hold: max_position_embeddings, or a sliding attention
+    window if the model uses a smaller one (our generator attends to every token)."""
+    limit = int(config.max_position_embeddings)
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        limit = min(limit, int(window))
+    return limit
+
+
+class ModelSource:
+    """A pretrained model on disk: `path` is a model folder or a `.gguf` file.
+    Construction checks the path (not the weights' contents); `config()` reads the
+    config, `tokenizer()` the tokenizer, `load_model()` the weights."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).expanduser()
+        if not self.path.exists():
+            raise ValueError(f"--model {self.path}: no such file or folder")
+        if self.path.is_file():
+            if self.path.suffix != ".gguf":
+                raise ValueError(f"--model {self.path}: a file must be a .gguf model; otherwise give the folder "
+                                 "that holds config.json and the *.safetensors weights")
+            try:
+                import gguf  # noqa: F401
+            except ImportError:
+                raise ValueError(f"--model {self.path}: reading GGUF needs the gguf package: "
+                                 "pip install 'llamarl-core[gguf]'") from None
+            self.folder, self.gguf_file = self.path.parent, self.path.name
+            return
+        self.folder, self.gguf_file = self.path, None
+        if not (self.folder / "config.json").is_file():
+            raise ValueError(f"--model {self.path}: no config.json (a Hugging Face model folder holds config.json "
+                             "and *.safetensors weights)")
+        if not any(self.folder.glob("*.safetensors")):
+            pickles = sorted(p.name for p in self.folder.glob("*.bin"))
+            found = f" (found {', '.join(pickles)}: pickle checkpoints are not loaded)" if pickles else ""
+            raise ValueError(f"--model {self.path}: no *.safetensors weights{found}")
+
+    def __repr__(self) -> str:
+        return f"ModelSource({str(self.path)!r})"
+
+    def _kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+    def config(self):
+        """The transformers config, checked (architecture, RoPE type); a GGUF file's
+        quantization marker removed, since the weights are dequantized on loading."""
+        import transformers
+
+        try:
+            config = transformers.AutoConfig.from_pretrained(self.folder, **self._kwargs())
+        except (OSError, ValueError, KeyError) as exc:
+            raise ValueError(f"--model {self.path}: cannot read its config: {exc}") from None
+        check_model_config(config, f"--model {self.path}")
+        if getattr(config, "quantization_config", None) is not None and self.gguf_file:
+            del config.quantization_config
+        return config
+
+    def tokenizer(self):
+        import transformers
+
+        try:
+            return transformers.AutoTokenizer.from_pretrained(self.folder, **self._kwargs())
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"--model {self.path}: cannot load its tokenizer: {exc}") from None
+
+    def load_model(self, dtype: torch.dtype = torch.float32):
+        """The causal LM with its pretrained weights, as a plain transformers model
+        in `dtype`. From GGUF, transformers dequantizes the weights but marks the
+        model as quantized (save_pretrained then refuses it): its state goes into a
+        plain model of the same class."""
+        import transformers
+
+        config = self.config()
+        model = transformers.AutoModelForCausalLM.from_pretrained(self.folder, dtype=dtype, **self._kwargs())
+        if self.gguf_file:
+            plain = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+            plain.load_state_dict(model.state_dict())
+            model = plain
+        return model
+
+
+def save_model_folder(model, tokenizer, out: str | Path) -> Path:
+    """`model` (a transformers causal LM) and `tokenizer` (a transformers
+    tokenizer) as a model folder: config.json, model.safetensors, the tokenizer's
+    files. Written into a temporary folder beside `out` and renamed, so `out` is
+    either whole or absent."""
+    import shutil
+    import tempfile
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is not
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+
+def main(argv=None) -> int:
+    """`python -m llamarl_core.models.checkpoint SOURCE OUT`: a model (folder or
+    .gguf file) re-written as a plain float32 model folder."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m llamarl_core.models.checkpoint", description=main.__doc__)
+    parser.add_argument("source", help="a model folder or .gguf file")
+    parser.add_argument("out", help="the model folder to write")
+    args = parser.parse_args(argv)
+    try:
+        source = ModelSource(args.source)
+        out = save_model_folder(source.load_model(torch.float32), source.tokenizer(), args.out)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    print(f"wrote {out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

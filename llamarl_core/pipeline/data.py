@@ -1,0 +1,202 @@
+"""What a run samples from, and with which tokenizer and model shape.
+
+A run's prompts come from a task (`Task.prompt(i)`, the built-in default or a
+user's) or from a JSONL dataset (`--dataset`): one JSON object per line with a
+`prompt` (text) or `messages` (a chat: [{"role": ..., "content": ...}, ...]) and
+an `answer` (what verifiable rewards check; optional with a reward model). The
+last `eval_size` lines are held out for evaluation; the rest are trained on in
+a fresh seeded order every pass. A task's held-out prompts are its prompts at
+indices far beyond any a run reaches.
+
+Tokens come from the task's character tokenizer with the built-in toy model, or
+from the pretrained model's own tokenizer (`--model`), through its chat
+template where it has one. `RunData(config)` builds all of this in any process
+(controller, generator, trainer, reward) and checks it before anything starts:
+every dataset line, every prompt against the model's context, the tokenizer
+against the model's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..models.checkpoint import ModelSource, context_length
+from .config import TrainConfig
+from .task import Task, load_task
+
+# A dataset run's completion budget unless --max-new-tokens says otherwise.
+DATASET_MAX_NEW_TOKENS = 128
+# A task's held-out prompts: indices no run reaches (RL starts at 0, the supervised warm-up at 10**9).
+TASK_EVAL_OFFSET = 2 * 10**9
+# A task has endless prompts: this many are checked against the context before a run starts.
+TASK_PROMPTS_CHECKED = 256
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt: text or chat messages, and the answer rewards check (or None)."""
+
+    prompt: str | list[dict]
+    answer: str | None = None
+
+
+def read_dataset(path: str | Path, need_answer: bool) -> list[Problem]:
+    """The problems of a JSONL file, checked line by line: a line that is not a JSON
+    object, has neither `prompt` nor `messages`, or lacks an `answer` where the
+    reward needs one raises ValueError naming the file and line."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"--dataset {path}: {exc.strerror or exc}") from None
+    problems = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--dataset {path}, line {number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        prompt = row.get("prompt", row.get("messages"))
+        if isinstance(prompt, str) and prompt.strip():
+            pass
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt):
+            pass
+        else:
+            raise ValueError(f"{where}: needs a non-empty \"prompt\" string or a \"messages\" list of "
+                             "{\"role\": ..., \"content\": ...}")
+        answer = row.get("answer")
+        if answer is None and need_answer:
+            raise ValueError(f"{where}: no \"answer\" (the reward checks completions against it)")
+        problems.append(Problem(prompt, None if answer is None else str(answer)))
+    if not problems:
+        raise ValueError(f"--dataset {path}: no lines")
+    return problems
+
+
+def prompt_text(prompt: str | list[dict]) -> str:
+    """A prompt as one string (a chat's messages joined), for rewards and logs."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(m["content"] for m in prompt)
+
+
+class ModelTokenizer:
+    """A pretrained model's transformers tokenizer behind the interface the pipeline
+    uses (CharTokenizer's): encode(prompt) -> ids, decode(ids) -> text up to eos,
+    vocab_size, pad / eos ids. With chat_template (and a tokenizer that has one), a
+    prompt becomes a user message, and a chat is rendered with the generation
+    prompt appended; otherwise text is encoded as is (bos added if the tokenizer
+    adds one)."""
+
+    def __init__(self, tokenizer, chat_template: bool):
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the model's tokenizer has no eos token: completions would never end")
+        self.hf = tokenizer
+        self.use_chat = chat_template and bool(getattr(tokenizer, "chat_template", None))
+        self.vocab_size = len(tokenizer)
+        self.eos_token_id = tokenizer.eos_token_id
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def encode(self, prompt: str | list[dict]) -> list[int]:
+        if isinstance(prompt, list) and not self.use_chat:
+            raise ValueError("a chat prompt (messages) needs a tokenizer with a chat template")
+        if self.use_chat:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            # transformers 5 returns a BatchEncoding here, 4.x a list.
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return list(self.hf(prompt)["input_ids"])
+
+    def decode(self, ids) -> str:
+        ids = list(ids)
+        if self.eos_token_id in ids:
+            ids = ids[: ids.index(self.eos_token_id)]
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+
+def model_and_tokenizer(config: TrainConfig, task: Task | None):
+    """(ModelSource or None, transformers config, tokenizer) of a run: the
+    pretrained model's (--model), its tokenizer checked against its vocabulary; or
+    the built-in model sized for the task's character tokenizer."""
+    if config.model is None:
+        tokenizer = task.tokenizer()
+        return None, config.toy_model_config(tokenizer.vocab_size), tokenizer
+    source = ModelSource(config.model)
+    model_config = source.config()
+    tokenizer = ModelTokenizer(source.tokenizer(), config.chat_template)
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ValueError(f"--model {config.model}: its tokenizer has {tokenizer.vocab_size} tokens, more than the "
+                         f"model's vocab_size {model_config.vocab_size}")
+    return source, model_config, tokenizer
+
+
+class RunData:
+    """See the module docstring. Attributes: task (None with a dataset), tokenizer,
+    model_config (a transformers config), model (a ModelSource or None),
+    max_new_tokens, train_size (None for a task: endless) and eval_size."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.task: Task | None = None if config.dataset else load_task(config.task)
+        self.model, self.model_config, self.tokenizer = model_and_tokenizer(config, self.task)
+        self.max_new_tokens = config.max_new_tokens or (self.task.max_new_tokens if self.task else
+                                                        DATASET_MAX_NEW_TOKENS)
+        self.eval_size = config.eval_size if config.eval_every else 0
+        self.train_size: int | None = None
+        if config.dataset:
+            problems = read_dataset(config.dataset, need_answer=config.reward_model is None)
+            if len(problems) <= self.eval_size:
+                raise ValueError(f"--dataset {config.dataset}: {len(problems)} lines leave none to train on after "
+                                 f"holding out --eval-size {self.eval_size}")
+            cut = len(problems) - self.eval_size
+            self.train_problems, self.eval_problems = problems[:cut], problems[cut:]
+            self.train_size = cut
+
+    # -- problems ----------------------------------------------------------------------
+    def problem(self, index: int) -> Problem:
+        """The index-th training problem: a task's prompt(index), or the dataset's
+        lines in a fresh order each pass (seeded by the run's seed and the pass)."""
+        if self.task is not None:
+            return Problem(self.task.prompt(index))
+        epoch, position = divmod(index, self.train_size)
+        order = list(range(self.train_size))
+        random.Random(f"{self.config.seed}/{epoch}").shuffle(order)
+        return self.train_problems[order[position]]
+
+    def eval_problem(self, index: int) -> Problem:
+        if self.task is not None:
+            return Problem(self.task.prompt(TASK_EVAL_OFFSET + index))
+        return self.eval_problems[index]
+
+    def prompt_ids(self, index: int, eval: bool = False) -> list[int]:
+        problem = self.eval_problem(index) if eval else self.problem(index)
+        return self.tokenizer.encode(problem.prompt)
+
+    # -- checks ------------------------------------------------------------------------
+    def check_prompts_fit(self) -> None:
+        """ValueError naming the first prompt that does not fit the model's context
+        with the completion budget after it (every dataset line; a task's first
+        prompts and its held-out ones), or whose characters a task's tokenizer lacks."""
+        limit = context_length(self.model_config)
+        if self.task is not None:
+            indices = [(i, False) for i in range(TASK_PROMPTS_CHECKED)] + [(i, True) for i in range(self.eval_size)]
+        else:
+            indices = [(i, False) for i in range(self.train_size)] + [(i, True) for i in range(self.eval_size)]
+        for index, held_out in indices:
+            problem = self.eval_problem(index) if held_out else (
+                self.train_problems[index] if self.task is None else self.problem(index))
+            ids = self.tokenizer.encode(problem.prompt)
+            if len(ids) + self.max_new_tokens > limit:
+                what = f"line {index + 1 + (self.train_size if held_out else 0)} of {self.config.dataset}" \
+                    if self.task is None else f"prompt {prompt_text(problem.prompt)!r}"
+                raise ValueError(f"{what}: {len(ids)} prompt tokens + max_new_tokens {self.max_new_tokens} exceed "
+                                 f"the model's context of {limit} tokens")

@@ -1,0 +1,37 @@
+"""A run's policy as a model folder (`llamarl export RUN_DIR OUT`, and `model/` at
+the end of every run): config.json, model.safetensors and the tokenizer, which
+`transformers.AutoModelForCausalLM.from_pretrained` and vLLM load. The weights
+are the trainer's float32 master weights from the run's last checkpoint, read
+with `torch.load(weights_only=True)`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..models.checkpoint import save_model_folder
+from .config import TrainConfig
+from .data import model_and_tokenizer
+from .task import load_task
+
+
+def export_run(run_dir: str | Path, out: str | Path) -> Path:
+    """Write the policy of the run in `run_dir` (its config.json and checkpoint) to
+    the folder `out`; returns `out`. ValueError if `run_dir` holds no run or no
+    checkpoint."""
+    import transformers
+
+    run_dir = Path(run_dir)
+    config_path, checkpoint = run_dir / "config.json", run_dir / "checkpoint" / "trainer.pt"
+    if not config_path.is_file():
+        raise ValueError(f"{run_dir} holds no run (no config.json)")
+    if not checkpoint.is_file():
+        raise ValueError(f"{run_dir} holds no checkpoint ({checkpoint}): nothing trained to export yet")
+    config = TrainConfig.load(config_path)
+    _, model_config, tokenizer = model_and_tokenizer(config, None if config.dataset else load_task(config.task))
+    saved = torch.load(checkpoint, weights_only=True, mmap=True)
+    model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    model.load_state_dict(saved["model"])
+    hf_tokenizer = tokenizer.hf if config.model else tokenizer.to_transformers()
+    return save_model_folder(model, hf_tokenizer, out)

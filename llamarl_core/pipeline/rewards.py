@@ -1,0 +1,242 @@
+"""Rewards: verifiable rule rewards scored in batches, and a reward model.
+
+`--reward` names a sum of weighted terms, `NAME` or `WEIGHT*NAME` joined by `+`:
+    math            1 if the completion's answer equals the problem's answer: the
+                    content of its last \\boxed{...}, else the last number it writes
+                    (numbers compare by value: "1,000" = "1000.0", "3/4" = "0.75")
+    format          1 if the completion gives its answer in a \\boxed{...}
+    module:attr     a function of yours, called with lists:
+                    fn(prompts, completions, answers) -> one float per completion
+e.g. `--reward math+0.1*format`. Without --reward a task's own per-sample
+reward(prompt, completion) scores it.
+
+`--reward-model PATH` instead scores each (prompt, completion) with a
+transformers `AutoModelForSequenceClassification` with one output, in batches,
+in the reward executor's own process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable
+from fractions import Fraction
+from pathlib import Path
+
+from .data import Problem, prompt_text
+
+BatchReward = Callable[[list, list[str], list], list[float]]
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def boxed_answer(text: str) -> str | None:
+    """The content of the last \\boxed{...} in `text` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1: j].strip()
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The answer a completion gives: its last \\boxed{} content, else its last number."""
+    boxed = boxed_answer(text)
+    if boxed is not None:
+        return boxed
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def parse_number(text: str) -> Fraction | None:
+    """A number written as an integer, decimal or fraction (commas, spaces, `$`,
+    `%` and a trailing period ignored), exactly; None if it is not one."""
+    cleaned = text.strip().replace(",", "").replace(" ", "").replace("$", "").rstrip(".%")
+    try:
+        value = Fraction(cleaned)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return value
+
+
+def answers_match(given: str | None, expected: str) -> bool:
+    if given is None:
+        return False
+    a, b = parse_number(given), parse_number(expected)
+    if a is not None and b is not None:
+        return a == b
+    return given.strip() == expected.strip()
+
+
+def math_reward(prompts: list, completions: list[str], answers: list) -> list[float]:
+    return [float(answers_match(extract_answer(c), str(a))) for c, a in zip(completions, answers)]
+
+
+def format_reward(prompts: list, completions: list[str], answers: list) -> list[float]:
+    return [float(bool(boxed_answer(c))) for c in completions]
+
+
+BUILTIN_REWARDS: dict[str, BatchReward] = {"math": math_reward, "format": format_reward}
+NEEDS_ANSWER = {"math"}
+
+
+def _load_function(spec: str) -> BatchReward:
+    module_name, _, attribute = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--reward {spec!r}: cannot load it: {exc}") from None
+    if not callable(fn):
+        raise ValueError(f"--reward {spec!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+class RuleReward:
+    """A `--reward` spec (see the module docstring), parsed and its functions loaded:
+    call it with problems and completions for one float per completion."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        self.terms: list[tuple[float, str, BatchReward]] = []
+        for term in spec.split("+"):
+            weight_text, star, name = term.strip().rpartition("*")
+            name = name.strip()
+            try:
+                weight = float(weight_text) if star else 1.0
+            except ValueError:
+                raise ValueError(f"--reward {spec!r}: {weight_text!r} is not a weight (terms are NAME or "
+                                 "WEIGHT*NAME, joined by +)") from None
+            if name in BUILTIN_REWARDS:
+                fn = BUILTIN_REWARDS[name]
+            elif ":" in name:
+                fn = _load_function(name)
+            else:
+                raise ValueError(f"--reward {spec!r}: unknown reward {name!r} (built in: "
+                                 f"{', '.join(BUILTIN_REWARDS)}; or module:function)")
+            self.terms.append((weight, name, fn))
+
+    @property
+    def needs_answer(self) -> bool:
+        return any(name in NEEDS_ANSWER for _, name, _ in self.terms)
+
+    def __call__(self, problems: list[Problem], completions: list[str]) -> list[float]:
+        prompts = [p.prompt for p in problems]
+        answers = [p.answer for p in problems]
+        total = [0.0] * len(completions)
+        for weight, name, fn in self.terms:
+            scores = list(fn(prompts, completions, answers))
+            if len(scores) != len(completions):
+                raise ValueError(f"reward {name!r} returned {len(scores)} scores for {len(completions)} completions")
+            total = [t + weight * float(s) for t, s in zip(total, scores)]
+        return total
+
+
+def check_rewards(problems: list[Problem], completions: list[str], rewards: list[float], what: str) -> None:
+    """ValueError naming the first completion whose reward is not a finite number."""
+    for problem, completion, reward in zip(problems, completions, rewards):
+        if not math.isfinite(reward):
+            raise ValueError(f"{what} returned {reward} for prompt {prompt_text(problem.prompt)!r}, "
+                             f"completion {completion!r}")
+
+
+class RewardModel:
+    """A sequence-classification model with one output that scores (prompt,
+    completion) pairs: rendered with its tokenizer's chat template (user prompt,
+    assistant completion) where it has one, else the two texts joined. Scores
+    batch_size pairs per forward, in float32 on CPU."""
+
+    def __init__(self, path: str | Path, batch_size: int):
+        import torch
+        import transformers
+
+        self.path, self.batch_size = check_reward_model(path), batch_size
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer.padding_side = "right"
+        self.model = transformers.AutoModelForSequenceClassification.from_pretrained(self.path, dtype=torch.float32)
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model.eval()
+
+    def _text(self, prompt, completion: str) -> str:
+        if getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            return self.tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}],
+                                                      tokenize=False)
+        return prompt_text(prompt) + completion
+
+    def __call__(self, problems: list[Problem], completions: list[str]) -> list[float]:
+        import torch
+
+        texts = [self._text(p.prompt, c) for p, c in zip(problems, completions)]
+        scores: list[float] = []
+        with torch.no_grad():
+            for start in range(0, len(texts), self.batch_size):
+                batch = self.tokenizer(texts[start: start + self.batch_size], return_tensors="pt", padding=True)
+                scores.extend(self.model(**batch).logits[:, 0].tolist())
+        return scores
+
+
+def check_reward_model(path: str | Path) -> Path:
+    """ValueError unless `path` is a model folder of a sequence classifier with one
+    output (read from its config.json, nothing loaded); returns the path."""
+    import json
+
+    path = Path(path).expanduser()
+    where = f"--reward-model {path}"
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{where}: no config.json (give a transformers AutoModelForSequenceClassification folder)")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"{where}: no *.safetensors weights")
+    config = json.loads((path / "config.json").read_text())
+    archs = config.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"{where}: architectures {archs} holds no ...ForSequenceClassification model")
+    labels = config.get("num_labels", len(config.get("id2label") or {}) or 2)
+    if labels != 1:
+        raise ValueError(f"{where}: a reward model has one output (num_labels 1), this one has {labels}")
+    return path
+
+
+def check_reward_config(config, data) -> None:
+    """ValueError, before anything starts, for a reward that cannot run: a --reward
+    spec that does not parse or load, one that checks answers where the prompts
+    have none (a task's), a --reward-model folder that is not a one-output
+    sequence classifier."""
+    if config.reward_model is not None:
+        check_reward_model(config.reward_model)
+    if config.reward is not None and RuleReward(config.reward).needs_answer and data.task is not None:
+        raise ValueError(f"--reward {config.reward!r} checks answers: give a --dataset whose lines have them "
+                         f"(task {data.task.name!r} has none)")
+
+
+def make_scorer(config, data) -> tuple[Callable[[list[Problem], list[str]], list[float]], str]:
+    """The run's reward as score(problems, completions) -> rewards, and its name for
+    messages: the reward model, the --reward spec, or the task's own reward (per
+    sample; an error in it names the prompt and completion)."""
+    if config.reward_model is not None:
+        return RewardModel(config.reward_model, config.reward_batch), f"the reward model {config.reward_model}"
+    if config.reward is not None:
+        return RuleReward(config.reward), f"the reward {config.reward!r}"
+    task = data.task
+    what = f"the reward function of task {task.name!r}"
+
+    def score(problems: list[Problem], completions: list[str]) -> list[float]:
+        rewards = []
+        for problem, completion in zip(problems, completions):
+            prompt = prompt_text(problem.prompt)
+            try:
+                rewards.append(float(task.reward(prompt, completion)))
+            except Exception as exc:
+                raise RuntimeError(f"{what} failed on prompt {prompt!r}, completion {completion!r}: {exc}") from exc
+        return rewards
+
+    return score, what

