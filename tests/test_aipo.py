@@ -303,8 +303,8 @@ def test_linear_variant_kl_penalty_matches_float64_reference(device, loss_type, 
     kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type, reduction=reduction, kl_coef=0.3)
     hx, wx = hidden.to(device).clone().requires_grad_(), weight.to(device).clone().requires_grad_()
     loss, stats = linear_aipo_loss(hx, wx, *(t.to(device) for t in (targets, behavior, advantages, m)),
-                                   old_logprobs=old.to(device), sequence_ids=seq.to(device), ref_logprobs=ref.to(device),
-                                   chunk_size=16, **kw)
+                                   old_logprobs=old.to(device), sequence_ids=seq.to(device),
+                                   ref_logprobs=ref.to(device), chunk_size=16, **kw)
     loss.backward()
     hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
     expected = aipo_loss_ref(hr @ wr.t(), targets, behavior, advantages, m, old_logprobs=old, sequence_ids=seq,
@@ -328,7 +328,8 @@ def test_kl_penalty_vanishes_when_the_reference_is_the_learner(device):
     assert torch.equal(kl_loss, loss) and torch.equal(kl_grad, grad)
 
     gen = torch.Generator().manual_seed(39)
-    hidden, weight = torch.randn(45, 32, generator=gen).to(device), (torch.randn(1001, 32, generator=gen) / 8).to(device)
+    hidden = torch.randn(45, 32, generator=gen).to(device)
+    weight = (torch.randn(1001, 32, generator=gen) / 8).to(device)
     on_device = [t.to(device) for t in (targets, behavior, advantages, m)]
 
     def linear(**extra):
@@ -373,8 +374,8 @@ def test_ref_kl_estimates_kl_of_learner_from_reference(monkeypatch):
     ref = torch.softmax(torch.randn(v, generator=gen, dtype=torch.float64) * 1.5, 0)
     tokens = torch.multinomial(pi, n, replacement=True, generator=gen)
     logits = pi.log().to(torch.float32).expand(n, v)
-    _, stats = aipo_loss(logits, tokens, pi.log()[tokens].float(), torch.zeros(n), ref_logprobs=ref.log()[tokens].float(),
-                         kl_coef=0.1)
+    _, stats = aipo_loss(logits, tokens, pi.log()[tokens].float(), torch.zeros(n),
+                         ref_logprobs=ref.log()[tokens].float(), kl_coef=0.1)
     kl = (pi * (pi / ref).log()).sum().item()
     x = (ref / pi).log()[tokens]
     standard_error = ((x.exp() - x - 1).std() / n**0.5).item()

@@ -412,7 +412,8 @@ class AIPOLossFunction(torch.autograd.Function):
     """loss from logits; the backward writes dlogits in one vocabulary pass."""
 
     @staticmethod
-    def forward(ctx, logits, targets, behavior, advantages, old, ref, weights, cfg: ObjectiveConfig, with_entropy: bool):
+    def forward(ctx, logits, targets, behavior, advantages, old, ref, weights, cfg: ObjectiveConfig,
+                with_entropy: bool):
         lse, logp, entropy = logprob_forward(logits, targets, cfg.temperature, with_entropy)
         loss, coef = _loss_and_coef(logp, behavior, advantages, old, ref, weights, cfg)
         ctx.save_for_backward(logits, targets, lse, coef)
