@@ -5,7 +5,8 @@ a float64 reference, values and gradients."""
 import pytest
 import torch
 
-from llamarl_core.ops.aipo import IGNORE_INDEX, aipo_loss, aipo_loss_ref, group_advantages, linear_aipo_loss
+from llamarl_core.ops.aipo import (IGNORE_INDEX, REDUCTIONS, aipo_loss, aipo_loss_ref, group_advantages,
+                                 linear_aipo_loss)
 
 LOSS_TYPES = ["aipo", "ppo", "ppo_tis"]
 
@@ -233,4 +234,151 @@ def test_mismatch_kl_estimates_kl_of_behaviour_from_learner(monkeypatch):
     standard_error = (per_token.std() / n**0.5).item()
     assert abs(stats.mismatch_kl.item() - kl) <= 4 * standard_error, (stats.mismatch_kl.item(), kl, standard_error)
     inverted_mean = (mu * mu / pi).sum().item() - 1 - kl  # E_mu[mu / pi - 1 - log(mu / pi)]
+    assert abs(inverted_mean - kl) > 20 * standard_error
+
+
+# ----------------------------------------------------------------------------- KL penalty against a reference policy
+
+
+def _ref_logprobs(logits, targets, seed, temperature):
+    """A reference policy's log-probs of the targets: the learner's, displaced both
+    ways (k3 and its derivative are asymmetric in ref - logp)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.double() / temperature, -1).gather(-1, targets[:, None]).squeeze(-1)
+    return (logp + torch.randn(logp.shape, generator=gen, dtype=torch.float64)).float()
+
+
+def _k3_mean(logits, targets, ref, m, temperature):
+    """Mean over the masked tokens of exp(ref - logp) - (ref - logp) - 1, in float64."""
+    logp = torch.log_softmax(logits.double() / temperature, -1).gather(-1, targets[:, None]).squeeze(-1)
+    x = ref.double() - logp
+    return ((torch.exp(x) - x - 1) * m).sum().item() / m.sum().item()
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_kl_penalty_matches_float64_reference(device, loss_type, reduction):
+    n, v = 61, 1001
+    args = _inputs(n, v, torch.float32, 31)
+    logits, targets, m = args[0], args[1], args[4]
+    ref = _ref_logprobs(logits, targets, 32, 0.7)
+    seq = torch.arange(n) // 7
+    kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type, reduction=reduction, kl_coef=0.3)
+    (loss, stats), grad = _run(*args, aipo_loss, device, sequence_ids=seq.to(device), ref_logprobs=ref.to(device), **kw)
+    expected, expected_grad = _run(logits.double(), *args[1:], aipo_loss_ref, sequence_ids=seq, ref_logprobs=ref, **kw)
+    assert max(_errors(loss, grad, expected, expected_grad)) <= 1e-5
+    assert stats.ref_kl.item() == pytest.approx(_k3_mean(logits, targets, ref, m, 0.7), rel=1e-5)
+    without, _ = _run(logits.double(), *args[1:], aipo_loss_ref, sequence_ids=seq, **{**kw, "kl_coef": 0.0})
+    assert abs(expected.item() - without.item()) > 1e-3  # the penalty is really in the loss
+
+
+def test_reference_kl_term_is_its_definition():
+    """The reference's own KL term, checked by hand: with reduction="sum" it adds
+    kl_coef * sum(m * k3) to the loss and kl_coef * (1 - exp(ref - logp)) * m to
+    dl / dlogp, so dlogits gains that times (onehot - softmax)."""
+    logits, targets, behavior, advantages, m, old = _inputs(40, 101, torch.float64, 33)
+    ref = _ref_logprobs(logits, targets, 34, 1.0).double()
+    with_kl, grad_kl = _run(logits, targets, behavior, advantages, m, old, aipo_loss_ref, reduction="sum",
+                            ref_logprobs=ref, kl_coef=0.3)
+    plain, grad_plain = _run(logits, targets, behavior, advantages, m, old, aipo_loss_ref, reduction="sum")
+    p = torch.softmax(logits, -1)
+    x = ref - p.log().gather(-1, targets[:, None]).squeeze(-1)
+    assert (with_kl - plain).item() == pytest.approx(0.3 * ((torch.exp(x) - x - 1) * m).sum().item(), rel=1e-12)
+    dlogp = 0.3 * (1 - torch.exp(x)) * m
+    expected = dlogp[:, None] * (torch.nn.functional.one_hot(targets, 101) - p)
+    assert torch.allclose(grad_kl - grad_plain, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_linear_variant_kl_penalty_matches_float64_reference(device, loss_type, reduction):
+    gen = torch.Generator().manual_seed(35)
+    n, h, v = 53, 48, 1001
+    hidden = torch.randn(n, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen) / 8
+    _, targets, behavior, advantages, m, old = _inputs(n, v, torch.float32, 36)
+    ref = _ref_logprobs(hidden @ weight.t(), targets, 37, 0.7)
+    seq = torch.arange(n) // 6
+    kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type, reduction=reduction, kl_coef=0.3)
+    hx, wx = hidden.to(device).clone().requires_grad_(), weight.to(device).clone().requires_grad_()
+    loss, stats = linear_aipo_loss(hx, wx, *(t.to(device) for t in (targets, behavior, advantages, m)),
+                                   old_logprobs=old.to(device), sequence_ids=seq.to(device),
+                                   ref_logprobs=ref.to(device), chunk_size=16, **kw)
+    loss.backward()
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    expected = aipo_loss_ref(hr @ wr.t(), targets, behavior, advantages, m, old_logprobs=old, sequence_ids=seq,
+                             ref_logprobs=ref, **kw)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+    for got, want in ((hx.grad.cpu(), hr.grad), (wx.grad.cpu(), wr.grad)):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() <= 1e-5
+    assert stats.ref_kl.item() == pytest.approx(_k3_mean(hidden @ weight.t(), targets, ref, m, 0.7), rel=1e-5)
+
+
+def test_kl_penalty_vanishes_when_the_reference_is_the_learner(device):
+    """ref_logprobs = the learner's own log-probs: k3 = 0 and dk3 / dlogp = 0 exactly,
+    so the loss and the gradients are those without the penalty, bit for bit."""
+    logits, targets, behavior, advantages, m, old = _inputs(45, 1001, torch.float32, 38)
+    kw = dict(rho=2.0, temperature=0.7)
+    (loss, stats), grad = _run(logits, targets, behavior, advantages, m, old, aipo_loss, device, **kw)
+    (kl_loss, kl_stats), kl_grad = _run(logits, targets, behavior, advantages, m, old, aipo_loss, device,
+                                        ref_logprobs=stats.logprobs, kl_coef=1.0, **kw)
+    assert stats.ref_kl is None and kl_stats.ref_kl.item() == 0.0
+    assert torch.equal(kl_loss, loss) and torch.equal(kl_grad, grad)
+
+    gen = torch.Generator().manual_seed(39)
+    hidden = torch.randn(45, 32, generator=gen).to(device)
+    weight = (torch.randn(1001, 32, generator=gen) / 8).to(device)
+    on_device = [t.to(device) for t in (targets, behavior, advantages, m)]
+
+    def linear(**extra):
+        hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out, out_stats = linear_aipo_loss(hx, wx, *on_device, chunk_size=16, **kw, **extra)
+        out.backward()
+        return out, out_stats, hx.grad, wx.grad
+
+    plain = linear()
+    with_kl = linear(ref_logprobs=plain[1].logprobs, kl_coef=1.0)
+    assert with_kl[1].ref_kl.item() == 0.0
+    for a, b in zip((plain[0], *plain[2:]), (with_kl[0], *with_kl[2:])):
+        assert torch.equal(a, b)
+
+
+def test_bad_kl_arguments_raise():
+    logits, targets, behavior, advantages, m, old = _inputs(10, 101, torch.float32, 40)
+    weight = torch.randn(101, 8)
+    hidden = torch.randn(10, 8)
+    calls = [lambda **kw: aipo_loss(logits, targets, behavior, advantages, **kw),
+             lambda **kw: linear_aipo_loss(hidden, weight, targets, behavior, advantages, **kw),
+             lambda **kw: aipo_loss_ref(logits, targets, behavior, advantages, **kw)]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"kl_coef=0\.1 needs ref_logprobs"):
+            call(kl_coef=0.1)
+        for bad in (-0.1, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=r"kl_coef must be finite and >= 0"):
+                call(kl_coef=bad, ref_logprobs=behavior)
+    with pytest.raises(ValueError, match="ref_logprobs must have shape"):
+        aipo_loss(logits, targets, behavior, advantages, ref_logprobs=behavior[:-1], kl_coef=0.1)
+
+
+def test_ref_kl_estimates_kl_of_learner_from_reference(monkeypatch):
+    """Tokens sampled from the learner pi (behaviour = learner), scored against a
+    known reference: stats.ref_kl must estimate KL(pi || ref) within 4 standard
+    errors; the estimator with the ratio inverted (pi / ref) has a different mean,
+    far outside that band. On the torch path, as in the mismatch test."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gen = torch.Generator().manual_seed(41)
+    v, n = 40, 20000
+    pi = torch.softmax(torch.randn(v, generator=gen, dtype=torch.float64) * 1.5, 0)
+    ref = torch.softmax(torch.randn(v, generator=gen, dtype=torch.float64) * 1.5, 0)
+    tokens = torch.multinomial(pi, n, replacement=True, generator=gen)
+    logits = pi.log().to(torch.float32).expand(n, v)
+    _, stats = aipo_loss(logits, tokens, pi.log()[tokens].float(), torch.zeros(n),
+                         ref_logprobs=ref.log()[tokens].float(), kl_coef=0.1)
+    kl = (pi * (pi / ref).log()).sum().item()
+    x = (ref / pi).log()[tokens]
+    standard_error = ((x.exp() - x - 1).std() / n**0.5).item()
+    assert abs(stats.ref_kl.item() - kl) <= 4 * standard_error, (stats.ref_kl.item(), kl, standard_error)
+    inverted_mean = (pi * pi / ref).sum().item() - 1 - kl  # E_pi[pi / ref - 1 - log(pi / ref)]
     assert abs(inverted_mean - kl) > 20 * standard_error

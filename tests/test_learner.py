@@ -1,10 +1,17 @@
-"""The trainer's start-up check that packed rows keep their samples apart."""
+"""The trainer: its start-up check that packed rows keep their samples apart,
+train_step (micro-batches, KL penalty, clipping, truncation masking, autocast)
+and the learning-rate schedule."""
+
+import copy
+import functools
+import math
 
 import pytest
 import torch
 import transformers
 
 from llamarl_core.pipeline import learner
+from llamarl_core.pipeline.rollout import Sample
 
 
 def _model():
@@ -38,3 +45,279 @@ def test_check_leaves_the_callers_random_stream_alone():
     torch.manual_seed(3)
     learner.check_packed_rows_attend_within_samples(_model())
     assert torch.equal(torch.rand(4), expected)
+
+
+# ----------------------------------------------------------------------------- train_step
+
+
+@pytest.fixture
+def torch_loss_path(monkeypatch):
+    """The loss on its torch CPU path: test_aipo checks the Triton kernels against
+    the same reference, and here their interpreter would take most of the time
+    (the micro-batch test: 30 s in it, 2.5 s without). The KL test keeps the
+    interpreter: the reference log-probs go through the kernel there."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+class _RecordingSGD(torch.optim.SGD):
+    """SGD that keeps a copy of the gradients it steps on (train_step zeroes them after)."""
+
+    def step(self, closure=None):
+        self.grads = [p.grad.clone() for group in self.param_groups for p in group["params"]]
+        return super().step(closure)
+
+
+def _tiny_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False))
+
+
+def _samples(seed: int, num_groups: int = 4, per_group: int = 3) -> list[Sample]:
+    """Random scored samples: prompts of 2-6 tokens shared by each group, 1-8
+    completion tokens, behaviour log-probs around the tiny model's (about -2.8),
+    about a third truncated (finished False)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(low, high, n=None):
+        return torch.randint(low, high, (n,) if n else (), generator=gen)
+
+    samples = []
+    for group in range(num_groups):
+        prompt = [1] + draw(3, 16, int(draw(1, 6))).tolist()
+        for _ in range(per_group):
+            n = int(draw(1, 9))
+            logprobs = (-1 - 3 * torch.rand(n, generator=gen)).tolist()
+            samples.append(Sample(group, prompt, draw(2, 16, n).tolist(), logprobs, [0] * n,
+                                  finished=bool(torch.rand((), generator=gen) > 0.35),
+                                  reward=float(torch.rand((), generator=gen))))
+    return samples
+
+
+STEP = dict(pad_token_id=0, rho=2.0, temperature=0.9)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp(min=1e-30)).item()
+
+
+def _assert_grads_close(got: list[torch.Tensor], want: list[torch.Tensor], rel: float = 1e-5) -> None:
+    errors = [_relative_error(g, w) for g, w in zip(got, want)]
+    assert len(got) == len(want) and max(errors) <= rel, max(errors)
+
+
+@pytest.mark.usefixtures("torch_loss_path")
+def test_micro_batches_accumulate_the_whole_batch_gradient():
+    """Micro-batches of 1, 2 and 3 samples give the gradient, loss and stats of one
+    batch, and those are policy_loss's token mean over the whole collated batch.
+    Groups of 3 samples straddle micro-batches of 2: advantages centred per
+    micro-batch would differ. lr 0 keeps the model as it is between the runs."""
+    samples = _samples(1)
+    model = _tiny_llama()
+    loss, stats = learner.policy_loss(model, learner.collate(samples, 0), rho=2.0, temperature=0.9)
+    loss.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    expected_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in expected])).item()
+    optimizer = _RecordingSGD(model.parameters(), lr=0.1)
+    for size in (None, 1, 2, 3):
+        step = learner.train_step(model, optimizer, samples, lr=0.0, micro_batch_size=size, **STEP)
+        _assert_grads_close(optimizer.grads, expected)
+        assert step.loss == pytest.approx(loss.item(), rel=1e-5)
+        assert step.grad_norm == pytest.approx(expected_norm, rel=1e-5)
+        for name in ("mismatch_kl", "truncated_fraction", "mean_ratio"):
+            assert getattr(step, name) == pytest.approx(getattr(stats, name).item(), rel=1e-5, abs=1e-7), (size, name)
+        assert step.ref_kl is None and step.lr == 0.0
+        assert step.truncated_samples == sum(not s.finished for s in samples)
+        assert all(p.grad is None for p in model.parameters())  # zeroed after the step
+
+
+@pytest.mark.usefixtures("torch_loss_path")
+def test_step_sets_the_learning_rate_and_updates_by_it():
+    samples = _samples(2)
+    model = _tiny_llama()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = _RecordingSGD([{"params": list(model.parameters())[:3]}, {"params": list(model.parameters())[3:]}],
+                              lr=0.1)
+    step = learner.train_step(model, optimizer, samples, lr=0.25, micro_batch_size=4, **STEP)
+    assert step.lr == 0.25 and [g["lr"] for g in optimizer.param_groups] == [0.25, 0.25]
+    for p, p0, g in zip(model.parameters(), before, optimizer.grads):
+        assert torch.allclose(p.detach(), p0 - 0.25 * g, rtol=0, atol=1e-7)
+
+
+@pytest.mark.usefixtures("torch_loss_path")
+def test_leftover_gradients_do_not_join_the_step():
+    """The supervised warm-up leaves its last gradients behind."""
+    samples = _samples(3)
+    model = _tiny_llama()
+    optimizer = _RecordingSGD(model.parameters(), lr=0.1)
+    learner.train_step(model, optimizer, samples, lr=0.0, **STEP)
+    clean = optimizer.grads
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    learner.train_step(model, optimizer, samples, lr=0.0, **STEP)
+    _assert_grads_close(optimizer.grads, clean, rel=1e-6)
+
+
+def test_kl_penalty_against_a_reference_copy():
+    """reference_model = a copy of the model: ref_kl is 0 and the penalty adds no
+    gradient (dk3 / dlogp = 0 at ref = logp); after a step has moved the model,
+    ref_kl > 0 and the penalty changes the gradient. The reference stays as it was."""
+    samples = _samples(4)
+    model = _tiny_llama()
+    reference = copy.deepcopy(model)
+    frozen = [p.detach().clone() for p in reference.parameters()]
+    optimizer = _RecordingSGD(model.parameters(), lr=0.1)
+    plain = learner.train_step(model, optimizer, samples, lr=0.0, **STEP)
+    plain_grads = optimizer.grads
+    first = learner.train_step(model, optimizer, samples, lr=2.0, micro_batch_size=5, kl_coef=0.5,
+                               reference_model=reference, **STEP)
+    assert abs(first.ref_kl) <= 1e-10
+    assert first.loss == pytest.approx(plain.loss, rel=1e-5)
+    _assert_grads_close(optimizer.grads, plain_grads)
+    kl_step = learner.train_step(model, optimizer, samples, lr=0.0, kl_coef=0.5, reference_model=reference, **STEP)
+    kl_grads = optimizer.grads
+    no_kl_step = learner.train_step(model, optimizer, samples, lr=0.0, **STEP)
+    assert kl_step.ref_kl > 1e-4 and no_kl_step.ref_kl is None
+    assert kl_step.loss > no_kl_step.loss  # k3 >= 0, so the penalty only adds
+    assert max(_relative_error(a, b) for a, b in zip(kl_grads, optimizer.grads)) > 1e-3
+    assert all(torch.equal(p, p0) and p.grad is None for p, p0 in zip(reference.parameters(), frozen))
+
+
+@pytest.mark.usefixtures("torch_loss_path")
+def test_clipping_caps_the_norm_and_reports_the_norm_before():
+    samples = _samples(5)
+    model = _tiny_llama()
+    optimizer = _RecordingSGD(model.parameters(), lr=0.1)
+    free = learner.train_step(model, optimizer, samples, lr=0.0, **STEP)
+    unclipped = optimizer.grads
+    assert free.grad_norm == pytest.approx(torch.linalg.vector_norm(torch.cat([g.flatten() for g in unclipped])).item(),
+                                           rel=1e-5)
+    cap = free.grad_norm / 4
+    clipped = learner.train_step(model, optimizer, samples, lr=0.0, max_grad_norm=cap, **STEP)
+    assert clipped.grad_norm == pytest.approx(free.grad_norm, rel=1e-6)
+    assert torch.linalg.vector_norm(torch.cat([g.flatten() for g in optimizer.grads])).item() <= cap * (1 + 1e-5)
+    _assert_grads_close(optimizer.grads, [g / 4 for g in unclipped])  # the direction kept
+    learner.train_step(model, optimizer, samples, lr=0.0, max_grad_norm=free.grad_norm * 2, **STEP)
+    _assert_grads_close(optimizer.grads, unclipped, rel=1e-6)  # under the cap: untouched
+
+
+@pytest.mark.usefixtures("torch_loss_path")
+def test_mask_truncated_drops_truncated_tokens_but_keeps_their_rewards():
+    samples = _samples(6)
+    truncated = [s for s in samples if not s.finished]
+    assert 0 < len(truncated) < len(samples)
+    plain, masked = learner.collate(samples, 0), learner.collate(samples, 0, mask_truncated=True)
+    assert plain.truncated == masked.truncated == len(truncated)
+    assert torch.equal(masked.advantages, plain.advantages)  # truncated rewards still in the group means
+    kept = masked.targets != learner.IGNORE_INDEX
+    assert int(kept.sum()) == sum(len(s.tokens) for s in samples if s.finished)
+    assert torch.equal(masked.targets[kept], plain.targets[kept])
+
+    # Other tokens and behaviour log-probs for the truncated samples (same lengths, so
+    # the same packing): no effect on the step with mask_truncated, an effect without.
+    gen = torch.Generator().manual_seed(7)
+    changed = [copy.copy(s) for s in samples]
+    for s in changed:
+        if not s.finished:
+            s.tokens = torch.randint(2, 16, (len(s.tokens),), generator=gen).tolist()
+            s.logprobs = (-1 - 3 * torch.rand(len(s.tokens), generator=gen)).tolist()
+    model = _tiny_llama()
+    optimizer = _RecordingSGD(model.parameters(), lr=0.1)
+    grads = {}
+    for mask in (True, False):
+        for name, batch in (("original", samples), ("changed", changed)):
+            step = learner.train_step(model, optimizer, batch, lr=0.0, micro_batch_size=5, mask_truncated=mask, **STEP)
+            assert step.truncated_samples == len(truncated)
+            grads[mask, name] = optimizer.grads
+    _assert_grads_close(grads[True, "changed"], grads[True, "original"], rel=1e-6)
+    assert max(_relative_error(a, b) for a, b in zip(grads[False, "changed"], grads[False, "original"])) > 1e-3
+
+
+@pytest.mark.usefixtures("torch_loss_path")
+def test_autocast_keeps_float32_masters():
+    """bfloat16 autocast: the forward in bf16 (a loss near, not equal to, the float32
+    one), the parameters and their gradients float32."""
+    samples = _samples(8)
+    model = _tiny_llama()
+    optimizer = _RecordingSGD(model.parameters(), lr=0.1)
+    full = learner.train_step(model, optimizer, samples, lr=0.0, **STEP)
+    full_grads = optimizer.grads
+    low = learner.train_step(model, optimizer, samples, lr=0.0, autocast_dtype=torch.bfloat16, **STEP)
+    assert low.loss != full.loss and low.loss == pytest.approx(full.loss, rel=5e-2, abs=1e-2)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in optimizer.grads)
+    assert max(_relative_error(a, b) for a, b in zip(optimizer.grads, full_grads)) < 0.2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(micro_batch_size=0), "micro_batch_size must be >= 1"),
+    (dict(kl_coef=0.1), "kl_coef=0.1 needs reference_model"),
+    (dict(kl_coef=-0.1), "kl_coef must be finite and >= 0"),
+    (dict(max_grad_norm=0.0), "max_grad_norm must be > 0"),
+    (dict(lr=-1.0), "lr must be finite and >= 0"),
+    (dict(samples=[]), "no samples"),
+])
+def test_bad_train_step_arguments_raise_before_acting(kwargs, match):
+    model = _tiny_llama()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = dict(samples=_samples(9), lr=0.1, **STEP) | kwargs
+    with pytest.raises(ValueError, match=match):
+        learner.train_step(model, optimizer, **args)
+    assert all(torch.equal(p, p0) and p.grad is None for p, p0 in zip(model.parameters(), before))
+
+
+# ----------------------------------------------------------------------------- learning_rate
+
+
+def test_warmup_then_constant():
+    lr = functools.partial(learner.learning_rate, base_lr=1e-3, warmup_steps=4, total_steps=10, schedule="constant",
+                           min_lr_ratio=0.1)
+    assert [lr(s) for s in range(4)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3], rel=1e-15)
+    assert [lr(s) for s in (4, 9, 10, 1000)] == [1e-3] * 4
+
+
+def test_warmup_then_cosine_closed_form():
+    lr = functools.partial(learner.learning_rate, base_lr=1e-3, warmup_steps=4, total_steps=10, schedule="cosine",
+                           min_lr_ratio=0.1)
+    assert [lr(s) for s in range(4)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3], rel=1e-15)
+    # From base_lr at the last warm-up step (3) down to 0.1 * base_lr at step 9.
+    expected = [1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 3) / 6))) for s in range(4, 10)]
+    assert [lr(s) for s in range(4, 10)] == pytest.approx(expected, rel=1e-15)
+    assert lr(9) == pytest.approx(1e-4, rel=1e-15) and lr(10) == lr(9) and lr(10**6) == lr(9)
+    assert all(a > b for a, b in zip([lr(s) for s in range(3, 9)], [lr(s) for s in range(4, 10)]))
+
+
+def test_schedule_edges():
+    def lr(step, **kw):
+        return learner.learning_rate(step, **{"base_lr": 2.0, "schedule": "cosine", "min_lr_ratio": 0.0, **kw})
+
+    # No warm-up: base_lr at step 0, the minimum at the last step.
+    assert lr(0, warmup_steps=0, total_steps=5) == 2.0
+    assert lr(2, warmup_steps=0, total_steps=5) == pytest.approx(1.0, rel=1e-15)
+    assert lr(4, warmup_steps=0, total_steps=5) == pytest.approx(0.0, abs=1e-15)
+    # One step in all: base_lr (with or without a one-step warm-up).
+    assert lr(0, warmup_steps=0, total_steps=1) == 2.0 and lr(5, warmup_steps=0, total_steps=1) == 2.0
+    assert lr(0, warmup_steps=1, total_steps=1) == 2.0
+    # Warm-up as long as the run: it ends at base_lr, and later steps stay there.
+    assert [lr(s, warmup_steps=4, total_steps=4) for s in (0, 3, 4, 99)] == [0.5, 2.0, 2.0, 2.0]
+    # Warm-up ending one step before the last: the last step is at the minimum.
+    assert [lr(s, warmup_steps=3, total_steps=4) for s in (2, 3)] == pytest.approx([2.0, 0.0], abs=1e-15)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(step=-1), "step must be >= 0"),
+    (dict(base_lr=0.0), "base_lr must be finite and > 0"),
+    (dict(base_lr=float("nan")), "base_lr must be finite and > 0"),
+    (dict(total_steps=0), "total_steps must be >= 1"),
+    (dict(warmup_steps=-1), "warmup_steps must be in"),
+    (dict(warmup_steps=11), "warmup_steps must be in"),
+    (dict(schedule="linear"), "schedule must be one of"),
+    (dict(min_lr_ratio=1.5), "min_lr_ratio must be in"),
+    (dict(min_lr_ratio=-0.1), "min_lr_ratio must be in"),
+])
+def test_bad_schedule_arguments_raise(kwargs, match):
+    args = dict(step=0, base_lr=1e-3, warmup_steps=2, total_steps=10, schedule="cosine", min_lr_ratio=0.1) | kwargs
+    with pytest.raises(ValueError, match=match):
+        learner.learning_rate(args.pop("step"), **args)

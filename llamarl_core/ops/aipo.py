@@ -7,6 +7,10 @@ b_t (from the generator), advantage A_t, mask m_t.
     ppo      r_t = exp(logp_t - old_t);  l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
     ppo_tis  l_t = min(exp(old_t - b_t), rho) * ppo l_t (token-level truncated IS of the
              trainer's old policy against the generator's behaviour policy)
+    KL penalty (optional): with the frozen reference policy's log-probs ref_t,
+    l_t += kl_coef * k3_t, k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1, the k3
+    estimator of KL(pi || ref) on tokens sampled from (nearly) pi; dk3_t / dlogp_t =
+    1 - exp(ref_t - logp_t).
     loss = sum_t weight_t l_t with weight_t = m_t / sum(m) ("token_mean"), m_t /
     (count(seq_t) * sequences with a token) ("sequence_mean"), m_t ("sum"). With
     every m_t = 0 the loss and the gradients are 0.
@@ -19,6 +23,7 @@ File order: reference -> launchers -> torch CPU path -> autograd -> functional.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +42,7 @@ class ObjectiveConfig:
     eps_low: float = 0.2
     eps_high: float = 0.2
     temperature: float = 1.0
+    kl_coef: float = 0.0
 
 
 @dataclass
@@ -48,6 +54,12 @@ class AIPOStats:
     truncated_fraction: torch.Tensor  # fraction of tokens with exp(logp - b) > rho
     mismatch_kl: torch.Tensor  # k3 estimate of KL(behaviour || learner): r - 1 - log r, r = exp(logp - b)
     entropy: torch.Tensor | None = None  # mean entropy of the learner distribution, if asked for
+    ref_kl: torch.Tensor | None = None  # mean k3 estimate of KL(learner || reference), with ref_logprobs
+
+
+# exp(80) = 5.5e34: clamping log-ratios there keeps ratios, k3 and their products
+# with weights and advantages finite in float32 (max 3.4e38).
+MAX_LOG_RATIO = 80.0
 
 
 # ----------------------------------------------------------------------------- reference
@@ -55,11 +67,12 @@ class AIPOStats:
 
 def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=4.0, temperature=1.0,
                   reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=0.2,
-                  eps_high=0.2, compute_dtype=torch.float64):
+                  eps_high=0.2, ref_logprobs=None, kl_coef=0.0, compute_dtype=torch.float64):
     """Plain torch autograd (log_softmax, gather, the objective), in float64 by
     default: the reference for values and gradients. With compute_dtype=None it
     runs in the logits' own dtype: the naive version users would write. Returns the
     loss; gradients through backward()."""
+    _check_kl(kl_coef, ref_logprobs)
     dtype = logits.dtype if compute_dtype is None else compute_dtype
     x = logits.to(dtype) / temperature
     logp_all = torch.log_softmax(x, dim=-1)
@@ -76,6 +89,12 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
         terms = -torch.minimum(r * a, torch.clamp(r, 1 - eps_low, 1 + eps_high) * a)
         if loss_type == "ppo_tis":
             terms = torch.clamp(torch.exp(old - b), max=rho) * terms
+    if ref_logprobs is not None:
+        x = ref_logprobs.to(dtype) - logp
+        # The value clamped, the gradient passed through the clamp (straight-through),
+        # as token_objective's analytic derivative does.
+        x = x + (x.clamp(max=MAX_LOG_RATIO) - x).detach()
+        terms = terms + kl_coef * (torch.exp(x) - x - 1)
     weights = reduction_weights(m, reduction, sequence_ids)
     return torch.where(weights != 0, weights * terms, 0.0).sum()
 
@@ -99,21 +118,36 @@ def reduction_weights(m: torch.Tensor, reduction: str, sequence_ids: torch.Tenso
     return torch.where(per_token_count > 0, m / (per_token_count.clamp(min=1) * num_sequences), 0.0)
 
 
+def reference_kl(logp: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token k3 = exp(ref - logp) - (ref - logp) - 1 and its derivative
+    dk3 / dlogp = 1 - exp(ref - logp), with ref - logp clamped at MAX_LOG_RATIO. The
+    derivative is taken at the clamped value rather than zeroed beyond it: a token
+    the learner made e^80 times less likely than the reference keeps a (bounded)
+    pull back towards it."""
+    x = (ref - logp).clamp(max=MAX_LOG_RATIO)
+    r = torch.exp(x)
+    return r - x - 1, 1 - r
+
+
 def token_objective(logp: torch.Tensor, behavior: torch.Tensor, advantages: torch.Tensor, old: torch.Tensor | None,
-                    cfg: ObjectiveConfig) -> tuple[torch.Tensor, torch.Tensor]:
+                    ref: torch.Tensor | None, cfg: ObjectiveConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss l_t and its derivative dl_t / dlogp_t, in float32, analytically
     (no autograd): the truncated IS weights are constants; PPO's clipped branch has
-    no gradient."""
+    no gradient; with ref, kl_coef * k3 and its derivative are added."""
     if cfg.loss_type == "aipo":
         w = torch.clamp(torch.exp(logp - behavior), max=cfg.rho)
-        return torch.where(w == 0, 0.0, -w * advantages * logp), -w * advantages
-    r = torch.exp(logp - old)
-    unclipped, clipped = r * advantages, torch.clamp(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * advantages
-    terms = -torch.minimum(unclipped, clipped)
-    grad = torch.where(clipped < unclipped, 0.0, -unclipped)
-    if cfg.loss_type == "ppo_tis":
-        tis = torch.clamp(torch.exp(old - behavior), max=cfg.rho)
-        terms, grad = tis * terms, tis * grad
+        terms, grad = torch.where(w == 0, 0.0, -w * advantages * logp), -w * advantages
+    else:
+        r = torch.exp(logp - old)
+        unclipped, clipped = r * advantages, torch.clamp(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * advantages
+        terms = -torch.minimum(unclipped, clipped)
+        grad = torch.where(clipped < unclipped, 0.0, -unclipped)
+        if cfg.loss_type == "ppo_tis":
+            tis = torch.clamp(torch.exp(old - behavior), max=cfg.rho)
+            terms, grad = tis * terms, tis * grad
+    if ref is not None:
+        k3, dk3 = reference_kl(logp, ref)
+        terms, grad = terms + cfg.kl_coef * k3, grad + cfg.kl_coef * dk3
     return terms, grad
 
 
@@ -292,6 +326,13 @@ def _check_config(cfg: ObjectiveConfig, reduction: str) -> None:
         raise ValueError(f"temperature and rho must be positive, got {cfg.temperature} and {cfg.rho}")
 
 
+def _check_kl(kl_coef: float, ref_logprobs: torch.Tensor | None) -> None:
+    if not (math.isfinite(kl_coef) and kl_coef >= 0):
+        raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs (the reference policy's log-probs, (num_tokens,))")
+
+
 def _flat_logits(logits: torch.Tensor) -> torch.Tensor:
     if logits.dim() < 2:
         raise ValueError(f"logits must be (num_tokens, vocab) or (..., vocab), got shape {tuple(logits.shape)}")
@@ -301,11 +342,12 @@ def _flat_logits(logits: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
-def _prepare(lead: torch.Size, vocab: int, device, targets, behavior, advantages, mask, old, sequence_ids, cfg,
+def _prepare(lead: torch.Size, vocab: int, device, targets, behavior, advantages, mask, old, ref, sequence_ids, cfg,
              reduction):
     """Validate and flatten the per-token inputs (leading shape `lead`); returns
     1-D tensors and the per-token reduction weights."""
     _check_config(cfg, reduction)
+    _check_kl(cfg.kl_coef, ref)
     n = lead.numel()
 
     def vec(t, what, dtype=torch.float32):
@@ -325,26 +367,28 @@ def _prepare(lead: torch.Size, vocab: int, device, targets, behavior, advantages
     if cfg.loss_type != "aipo" and old is None:
         raise ValueError(f'loss_type="{cfg.loss_type}" needs old_logprobs')
     old = vec(old, "old_logprobs")
+    ref = vec(ref, "ref_logprobs")
     m = torch.ones(n, device=device) if mask is None else vec(mask, "mask")
     m = m * (targets != IGNORE_INDEX)
     seq = vec(sequence_ids, "sequence_ids", torch.int64)
     weights = reduction_weights(m, reduction, seq)
-    return targets, behavior, advantages, old, m, weights
+    return targets, behavior, advantages, old, ref, m, weights
 
 
-def _loss_and_coef(logp, behavior, advantages, old, weights, cfg):
-    terms, dterms = token_objective(logp, behavior, advantages, old, cfg)
+def _loss_and_coef(logp, behavior, advantages, old, ref, weights, cfg):
+    terms, dterms = token_objective(logp, behavior, advantages, old, ref, cfg)
     active = weights != 0
     loss = torch.where(active, weights * terms, 0.0).sum()
     return loss, torch.where(active, weights * dterms, 0.0)
 
 
-def _stats(logp, behavior, m, cfg, entropy) -> AIPOStats:
+def _stats(logp, behavior, ref, m, cfg, entropy) -> AIPOStats:
     """Means over the masked tokens. The tokens were sampled from the behaviour
     policy mu, so with r = pi / mu = exp(logp - b), E_mu[r - 1 - log r] =
-    KL(mu || pi): the k3 estimator, unbiased and never negative."""
+    KL(mu || pi): the k3 estimator, unbiased and never negative. Likewise
+    ref_kl estimates KL(pi || ref), as far as mu is pi."""
     count = m.sum().clamp(min=1)
-    log_ratio = (logp - behavior).clamp(max=80.0)  # exp(80) keeps r and the estimate finite
+    log_ratio = (logp - behavior).clamp(max=MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     return AIPOStats(
         logprobs=logp.detach(),
@@ -352,6 +396,7 @@ def _stats(logp, behavior, m, cfg, entropy) -> AIPOStats:
         truncated_fraction=((ratio > cfg.rho).to(torch.float32) * m).sum() / count,
         mismatch_kl=((ratio - 1 - log_ratio) * m).sum() / count,
         entropy=None if entropy is None else (entropy * m).sum() / count,
+        ref_kl=None if ref is None else (reference_kl(logp, ref)[0] * m).sum() / count,
     )
 
 
@@ -367,9 +412,10 @@ class AIPOLossFunction(torch.autograd.Function):
     """loss from logits; the backward writes dlogits in one vocabulary pass."""
 
     @staticmethod
-    def forward(ctx, logits, targets, behavior, advantages, old, weights, cfg: ObjectiveConfig, with_entropy: bool):
+    def forward(ctx, logits, targets, behavior, advantages, old, ref, weights, cfg: ObjectiveConfig,
+                with_entropy: bool):
         lse, logp, entropy = logprob_forward(logits, targets, cfg.temperature, with_entropy)
-        loss, coef = _loss_and_coef(logp, behavior, advantages, old, weights, cfg)
+        loss, coef = _loss_and_coef(logp, behavior, advantages, old, ref, weights, cfg)
         ctx.save_for_backward(logits, targets, lse, coef)
         ctx.temperature = cfg.temperature
         return _outputs(ctx, loss, logp, entropy)
@@ -378,7 +424,7 @@ class AIPOLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         logits, targets, lse, coef = ctx.saved_tensors
         dlogits = logprob_backward(logits, targets, lse, coef * grad_loss, ctx.temperature)
-        return dlogits, None, None, None, None, None, None, None
+        return dlogits, None, None, None, None, None, None, None, None
 
 
 def _accumulate_weight_grad(grad_w: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor) -> None:
@@ -399,7 +445,7 @@ class LinearAIPOLossFunction(torch.autograd.Function):
     naive version does); the backward only scales them by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, behavior, advantages, old, weights, cfg: ObjectiveConfig,
+    def forward(ctx, hidden, weight, targets, behavior, advantages, old, ref, weights, cfg: ObjectiveConfig,
                 chunk_size: int, with_entropy: bool):
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -422,7 +468,9 @@ class LinearAIPOLossFunction(torch.autograd.Function):
             if with_entropy:
                 entropy[rows] = chunk_entropy
             old_rows = None if old is None else old[rows]
-            chunk_loss, coef = _loss_and_coef(logp[rows], behavior[rows], advantages[rows], old_rows, weights[rows], cfg)
+            ref_rows = None if ref is None else ref[rows]
+            chunk_loss, coef = _loss_and_coef(logp[rows], behavior[rows], advantages[rows], old_rows, ref_rows,
+                                              weights[rows], cfg)
             loss += chunk_loss
             if need_h or need_w:
                 dlogits = logprob_backward(logits, targets[rows], lse, coef, cfg.temperature, out=logits)
@@ -441,7 +489,7 @@ class LinearAIPOLossFunction(torch.autograd.Function):
         # at vocab 128256, hidden 2048). The buffers are this call's own.
         dh = None if grad_h is None else grad_h.mul_(grad_loss.to(grad_h.dtype))
         dw = None if grad_w is None else grad_w.mul_(grad_loss).to(ctx.weight_dtype)
-        return dh, dw, None, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- functional
@@ -449,22 +497,25 @@ class LinearAIPOLossFunction(torch.autograd.Function):
 
 def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=4.0, temperature=1.0,
               reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=0.2,
-              eps_high=0.2, entropy=False):
+              eps_high=0.2, entropy=False, ref_logprobs=None, kl_coef=0.0):
     """AIPO (or PPO-clip, PPO-clip + truncated IS) loss from logits.
 
     logits: (num_tokens, vocab) or (..., vocab), bf16 / fp16 / fp32; gradients flow
     to logits only. targets: int (num_tokens,), IGNORE_INDEX (-100) to skip a
     token; any other value outside [0, vocab) raises. behavior_logprobs,
-    advantages, mask, old_logprobs, sequence_ids: (num_tokens,). `-inf` logits
-    (masked vocabulary) are allowed. Returns (loss, AIPOStats).
+    advantages, mask, old_logprobs, sequence_ids, ref_logprobs: (num_tokens,).
+    `-inf` logits (masked vocabulary) are allowed. ref_logprobs, kl_coef: the
+    reference policy's log-probs of the targets (at the same temperature) and the
+    weight of the k3 KL penalty (module docstring); kl_coef > 0 needs ref_logprobs.
+    Returns (loss, AIPOStats).
     """
-    cfg = ObjectiveConfig(loss_type, rho, eps_low, eps_high, temperature)
+    cfg = ObjectiveConfig(loss_type, rho, eps_low, eps_high, temperature, kl_coef)
     flat = _flat_logits(logits)
-    targets, behavior, advantages, old, m, weights = _prepare(
+    targets, behavior, advantages, old, ref, m, weights = _prepare(
         logits.shape[:-1], logits.shape[-1], flat.device, targets, behavior_logprobs, advantages, mask, old_logprobs,
-        sequence_ids, cfg, reduction)
-    loss, logp, ent = AIPOLossFunction.apply(flat, targets, behavior, advantages, old, weights, cfg, entropy)
-    return loss, _stats(logp, behavior, m, cfg, ent)
+        ref_logprobs, sequence_ids, cfg, reduction)
+    loss, logp, ent = AIPOLossFunction.apply(flat, targets, behavior, advantages, old, ref, weights, cfg, entropy)
+    return loss, _stats(logp, behavior, ref, m, cfg, ent)
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = False,
@@ -492,7 +543,7 @@ _LINEAR_CHUNK_ELEMS = 1 << 25
 
 def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mask=None, *, rho=4.0, temperature=1.0,
                      reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=0.2,
-                     eps_high=0.2, entropy=False, chunk_size=None):
+                     eps_high=0.2, entropy=False, chunk_size=None, ref_logprobs=None, kl_coef=0.0):
     """`aipo_loss` of `hidden @ weight.T`, without ever holding the full logits.
 
     hidden: (num_tokens, hidden) or (..., hidden); weight: (vocab, hidden), the
@@ -505,15 +556,15 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden and weight dtypes differ: {hidden.dtype} and {weight.dtype}")
     vocab = weight.shape[0]
-    cfg = ObjectiveConfig(loss_type, rho, eps_low, eps_high, temperature)
-    targets, behavior, advantages, old, m, weights = _prepare(
+    cfg = ObjectiveConfig(loss_type, rho, eps_low, eps_high, temperature, kl_coef)
+    targets, behavior, advantages, old, ref, m, weights = _prepare(
         hidden.shape[:-1], vocab, hidden.device, targets, behavior_logprobs, advantages, mask, old_logprobs,
-        sequence_ids, cfg, reduction)
+        ref_logprobs, sequence_ids, cfg, reduction)
     flat = hidden.reshape(-1, hidden.shape[-1])
     if chunk_size is None:
         chunk_size = max(1, _LINEAR_CHUNK_ELEMS // max(vocab, 1))
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    loss, logp, ent = LinearAIPOLossFunction.apply(flat, weight, targets, behavior, advantages, old, weights, cfg,
+    loss, logp, ent = LinearAIPOLossFunction.apply(flat, weight, targets, behavior, advantages, old, ref, weights, cfg,
                                                    chunk_size, entropy)
-    return loss, _stats(logp, behavior, m, cfg, ent)
+    return loss, _stats(logp, behavior, ref, m, cfg, ent)

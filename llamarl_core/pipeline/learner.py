@@ -1,15 +1,20 @@
 """The trainer's math on a batch of samples: collation, the AIPO policy loss on a
-Hugging Face causal LM, and the supervised warm-up loss. No processes here."""
+Hugging Face causal LM, one optimizer step (micro-batches, KL penalty against a
+reference model, gradient clipping, autocast), the learning-rate schedule, and the
+supervised warm-up loss. No processes here."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
-from ..ops.aipo import IGNORE_INDEX, aipo_loss, group_advantages
+from ..ops.aipo import IGNORE_INDEX, aipo_loss, group_advantages, logprob_forward
 from .rollout import Sample
 
 
@@ -26,6 +31,7 @@ class Batch:
     behavior_logprobs: torch.Tensor  # (rows, width - 1)
     advantages: torch.Tensor  # (rows, width - 1), the sample's advantage on each of its tokens
     rewards: torch.Tensor  # (samples,)
+    truncated: int  # samples that hit the token budget (finished False), whether masked or not
 
 
 @dataclass
@@ -111,32 +117,192 @@ def check_packed_rows_attend_within_samples(model) -> None:
             "transformers>=4.53.1")
 
 
-def collate(samples: list[Sample], pad_token_id: int) -> Batch:
-    """Samples with rewards -> a packed Batch; advantages are rewards centred over
-    the samples of the same prompt (group), as AIPO does."""
+def _sample_advantages(samples: list[Sample]) -> torch.Tensor:
+    """(samples,) float32: each reward centred over the samples of the same prompt
+    (group) among `samples`, as AIPO does."""
     if not samples:
         raise ValueError("collate: no samples")
     missing = [s.group for s in samples if s.reward is None]
     if missing:
         raise ValueError(f"collate: samples of prompt groups {sorted(set(missing))} have no reward")
+    return group_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float32),
+                            torch.tensor([s.group for s in samples], dtype=torch.long))
+
+
+def _collate(samples: list[Sample], advantages: torch.Tensor, pad_token_id: int, mask_truncated: bool) -> Batch:
+    """collate with the per-sample advantages given: a micro-batch's samples take
+    advantages computed over the whole batch's groups."""
     packed = _pack([s.prompt for s in samples], [s.tokens for s in samples], pad_token_id)
     completion_lengths = [len(s.tokens) for s in samples]
     behavior = np.zeros(packed.targets.shape, dtype=np.float32)
     behavior[packed.predicted_at] = np.fromiter((lp for s in samples for lp in s.logprobs), np.float32,
                                                 sum(completion_lengths))
+    per_token_advantages = np.zeros(packed.targets.shape, dtype=np.float32)
+    per_token_advantages[packed.predicted_at] = np.repeat(advantages.numpy(), completion_lengths)
+    truncated = np.array([not s.finished for s in samples])
+    if mask_truncated:
+        dropped = np.repeat(truncated, completion_lengths)
+        packed.targets[packed.predicted_at[0][dropped], packed.predicted_at[1][dropped]] = IGNORE_INDEX
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    groups = torch.tensor([s.group for s in samples], dtype=torch.long)
-    advantages = np.zeros(packed.targets.shape, dtype=np.float32)
-    advantages[packed.predicted_at] = np.repeat(group_advantages(rewards, groups).numpy(), completion_lengths)
     return Batch(torch.from_numpy(packed.input_ids), torch.from_numpy(packed.position_ids),
-                 torch.from_numpy(packed.targets), torch.from_numpy(behavior), torch.from_numpy(advantages), rewards)
+                 torch.from_numpy(packed.targets), torch.from_numpy(behavior), torch.from_numpy(per_token_advantages),
+                 rewards, int(truncated.sum()))
 
 
-def policy_loss(model, batch: Batch, *, rho: float, temperature: float):
-    """AIPO loss (token mean over completion tokens) of `model` on `batch`, from
-    the fused log-prob kernel; returns (loss, AIPOStats)."""
-    return aipo_loss(_logits(model, batch.input_ids, batch.position_ids), batch.targets, batch.behavior_logprobs,
-                     batch.advantages, rho=rho, temperature=temperature)
+def collate(samples: list[Sample], pad_token_id: int, mask_truncated: bool = False) -> Batch:
+    """Samples with rewards -> a packed Batch; advantages are rewards centred over
+    the samples of the same prompt (group), as AIPO does. mask_truncated: the
+    completions of samples that hit the token budget (finished False) leave the
+    loss (targets IGNORE_INDEX; DAPO's overlong filtering: a cut-off answer's
+    reward says where it was cut more than how good it was), while their rewards
+    still count in their groups' means."""
+    return _collate(samples, _sample_advantages(samples), pad_token_id, mask_truncated)
+
+
+def _autocast(model, dtype: torch.dtype | None):
+    """torch.autocast to `dtype` on the model's device type; nothing for None or
+    float32 (the parameters stay float32 masters either way)."""
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
+
+
+def policy_loss(model, batch: Batch, *, rho: float, temperature: float, reduction: str = "token_mean",
+                ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
+                autocast_dtype: torch.dtype | None = None):
+    """AIPO loss of `model` on `batch` (by default the token mean over the
+    completion tokens that count), from the fused log-prob kernel, with the KL
+    penalty against ref_logprobs (rows, width - 1) when given; the forward runs
+    under autocast_dtype, the loss in float32. Returns (loss, AIPOStats)."""
+    with _autocast(model, autocast_dtype):
+        logits = _logits(model, batch.input_ids, batch.position_ids)
+    return aipo_loss(logits, batch.targets, batch.behavior_logprobs, batch.advantages, rho=rho,
+                     temperature=temperature, reduction=reduction, ref_logprobs=ref_logprobs, kl_coef=kl_coef)
+
+
+@torch.no_grad()
+def _reference_logprobs(reference_model, batch: Batch, temperature: float,
+                        autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """(rows, width - 1) float32: log-probs of batch.targets under reference_model
+    at the learner's temperature (0 off the targets), on the same packed rows."""
+    with _autocast(reference_model, autocast_dtype):
+        logits = _logits(reference_model, batch.input_ids, batch.position_ids)
+    _, logp, _ = logprob_forward(logits.reshape(-1, logits.shape[-1]), batch.targets.reshape(-1), temperature,
+                                 entropy=False)
+    return logp.view(batch.targets.shape)
+
+
+@dataclass
+class StepStats:
+    """One optimizer step. The per-token figures are means over the completion
+    tokens that counted in the whole batch (token-weighted across micro-batches)."""
+
+    loss: float  # the token-mean loss (policy term plus KL penalty)
+    grad_norm: float  # total gradient norm before clipping
+    mismatch_kl: float  # k3 estimate of KL(behaviour || learner)
+    truncated_fraction: float  # fraction of tokens whose importance ratio was truncated at rho
+    mean_ratio: float
+    ref_kl: float | None  # k3 estimate of KL(learner || reference); None without the penalty
+    truncated_samples: int  # samples that hit the token budget, masked or not
+    lr: float
+
+
+_TOKEN_STATS = ("mismatch_kl", "truncated_fraction", "mean_ratio", "ref_kl")
+
+
+def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rho: float, temperature: float,
+               lr: float, micro_batch_size: int | None = None, max_grad_norm: float | None = None,
+               mask_truncated: bool = False, kl_coef: float = 0.0, reference_model=None,
+               autocast_dtype: torch.dtype | None = None) -> StepStats:
+    """One optimizer step of the AIPO loss on `samples` (scored), at learning rate `lr`.
+
+    The samples go through in micro-batches of at most micro_batch_size samples
+    (None: all at once), their gradients accumulated so that the step equals one
+    on the token mean over the whole batch: advantages are centred over the whole
+    batch's groups, and each micro-batch's summed loss is divided by the tokens
+    that count in the whole batch. kl_coef > 0: penalty kl_coef * k3 against
+    reference_model's log-probs (computed without gradients on the same rows).
+    max_grad_norm: the gradients clipped to that total norm (FSDP2 DTensor
+    gradients included). autocast_dtype: the forwards run under torch.autocast
+    to it. mask_truncated: see collate. Gradients are zeroed before and after.
+    """
+    if micro_batch_size is not None and micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1 (or None: one micro-batch), got {micro_batch_size}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm}")
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"lr must be finite and >= 0, got {lr}")
+    if not (math.isfinite(kl_coef) and kl_coef >= 0):
+        raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
+    if kl_coef > 0 and reference_model is None:
+        raise ValueError(f"kl_coef={kl_coef} needs reference_model (the frozen reference policy)")
+    advantages = _sample_advantages(samples)
+    size = micro_batch_size or len(samples)
+    batches = [_collate(samples[i:i + size], advantages[i:i + size], pad_token_id, mask_truncated)
+               for i in range(0, len(samples), size)]
+    counts = [int((b.targets != IGNORE_INDEX).sum()) for b in batches]
+    total = max(sum(counts), 1)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    # Leftover gradients (the supervised warm-up leaves its last ones) must not join this step's.
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, stat_sums = 0.0, dict.fromkeys(_TOKEN_STATS, 0.0)
+    for batch, count in zip(batches, counts):
+        ref = None if kl_coef == 0 else _reference_logprobs(reference_model, batch, temperature, autocast_dtype)
+        loss, stats = policy_loss(model, batch, rho=rho, temperature=temperature, reduction="sum", ref_logprobs=ref,
+                                  kl_coef=kl_coef, autocast_dtype=autocast_dtype)
+        # The summed loss scaled here, not through mask = 1 / total: AIPOStats' means
+        # divide by the mask's sum, so a fractional mask would skew them.
+        (loss / total).backward()
+        loss_sum += loss.item()
+        for name in _TOKEN_STATS:
+            value = getattr(stats, name)
+            if value is not None:
+                stat_sums[name] += value.item() * count
+    # max_norm inf: only the norm (the gradients multiplied by 1); one call either way.
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf if max_grad_norm is None else max_grad_norm)
+    if isinstance(norm, DTensor):  # FSDP2: the norm of the sharded gradients, reduced over the ranks
+        norm = norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    means = {name: value / total for name, value in stat_sums.items()}
+    return StepStats(loss=loss_sum / total, grad_norm=norm.item(), mismatch_kl=means["mismatch_kl"],
+                     truncated_fraction=means["truncated_fraction"], mean_ratio=means["mean_ratio"],
+                     ref_kl=None if kl_coef == 0 else means["ref_kl"],
+                     truncated_samples=sum(b.truncated for b in batches), lr=lr)
+
+
+SCHEDULES = ("constant", "cosine")
+
+
+def learning_rate(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, schedule: str,
+                  min_lr_ratio: float) -> float:
+    """The learning rate of optimizer step `step` (from 0): a linear warm-up,
+    base_lr * (step + 1) / warmup_steps for step < warmup_steps, then base_lr
+    ("constant"), or ("cosine") a half cosine from base_lr at the last warm-up step
+    (step 0 without warm-up) down to base_lr * min_lr_ratio at step total_steps - 1.
+    Steps past total_steps - 1 keep that step's rate."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if not (math.isfinite(base_lr) and base_lr > 0):
+        raise ValueError(f"base_lr must be finite and > 0, got {base_lr}")
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    if not 0 <= warmup_steps <= total_steps:
+        raise ValueError(f"warmup_steps must be in [0, total_steps = {total_steps}], got {warmup_steps}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if not 0 <= min_lr_ratio <= 1:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+    step = min(step, total_steps - 1)
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return base_lr
+    start = max(warmup_steps - 1, 0)
+    span = total_steps - 1 - start
+    progress = (step - start) / span if span else 0.0  # span 0: a single step (total_steps 1), at base_lr
+    return base_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def supervised_loss(model, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int):
