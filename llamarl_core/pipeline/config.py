@@ -90,6 +90,8 @@ class TrainConfig:
                      "kl_coef", "micro_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.lr_warmup_steps > self.steps:
+            raise ValueError(f"lr_warmup_steps {self.lr_warmup_steps} is more than the run's steps {self.steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:

@@ -34,7 +34,9 @@ from .rewards import check_rewards, make_scorer
 from .rollout import Sample
 
 GENERATOR, TRAINER, REWARD = "generator", "trainer", "reward"
-TRAINER_STATS = tuple(f.name for f in dataclasses.fields(StepStats))  # what each trainer rank reports per step
+# What the trainer ranks' step reports add to a step's metrics, averaged over the ranks; truncated completions are
+# counted by the controller over every rank's samples.
+TRAINER_STATS = tuple(f.name for f in dataclasses.fields(StepStats) if f.name != "truncated_samples")
 INBOX_POLL_S = 0.2  # how long an idle executor blocks on its inbox before checking on its parent
 _ALL_CORES = os.sched_getaffinity(0)  # at import, before any pinning
 

@@ -6,6 +6,7 @@ supervised warm-up loss. No processes here."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from ..ops.aipo import IGNORE_INDEX, aipo_loss, group_advantages, logprob_forward
+from .config import LR_SCHEDULES
 from .rollout import Sample
 
 
@@ -32,6 +34,11 @@ class Batch:
     advantages: torch.Tensor  # (rows, width - 1), the sample's advantage on each of its tokens
     rewards: torch.Tensor  # (samples,)
     truncated: int  # samples that hit the token budget (finished False), whether masked or not
+
+    def to(self, device) -> Batch:
+        """The batch with its tensors on `device` (the model's)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device)
+                                            for f in dataclasses.fields(self) if f.name != "truncated"})
 
 
 @dataclass
@@ -238,7 +245,8 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rh
         raise ValueError(f"kl_coef={kl_coef} needs reference_model (the frozen reference policy)")
     advantages = _sample_advantages(samples)
     size = micro_batch_size or len(samples)
-    batches = [_collate(samples[i:i + size], advantages[i:i + size], pad_token_id, mask_truncated)
+    device = next(model.parameters()).device
+    batches = [_collate(samples[i:i + size], advantages[i:i + size], pad_token_id, mask_truncated).to(device)
                for i in range(0, len(samples), size)]
     counts = [int((b.targets != IGNORE_INDEX).sum()) for b in batches]
     total = max(sum(counts), 1)
@@ -272,9 +280,6 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rh
                      truncated_samples=sum(b.truncated for b in batches), lr=lr)
 
 
-SCHEDULES = ("constant", "cosine")
-
-
 def learning_rate(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, schedule: str,
                   min_lr_ratio: float) -> float:
     """The learning rate of optimizer step `step` (from 0): a linear warm-up,
@@ -290,8 +295,8 @@ def learning_rate(step: int, *, base_lr: float, warmup_steps: int, total_steps: 
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     if not 0 <= warmup_steps <= total_steps:
         raise ValueError(f"warmup_steps must be in [0, total_steps = {total_steps}], got {warmup_steps}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
     if not 0 <= min_lr_ratio <= 1:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
     step = min(step, total_steps - 1)
