@@ -44,6 +44,7 @@ from llamarl_core.bench.harness import (
 )
 
 from llamarl_core.pipeline import Controller, TrainConfig, load_task
+from llamarl_core.pipeline.arithmetic import arithmetic_problems
 from llamarl_core.pipeline.learner import supervised_warmup
 from llamarl_core.pipeline.report import cpu_times, steal_fraction, tenth_means
 
@@ -72,7 +73,8 @@ def run_trl(config: TrainConfig) -> dict:
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out, use_cpu=True, use_vllm=False, per_device_train_batch_size=batch,
-            num_generations=config.samples_per_prompt, max_completion_length=task.max_new_tokens,
+            num_generations=config.samples_per_prompt,
+            max_completion_length=config.max_new_tokens or task.max_new_tokens,
             max_steps=config.steps, learning_rate=config.lr, lr_scheduler_type="constant", weight_decay=0.0,
             beta=0.0, temperature=config.temperature, logging_steps=1, save_strategy="no", report_to="none",
             seed=config.seed, disable_tqdm=True, bf16=False,
@@ -97,45 +99,73 @@ def run_trl(config: TrainConfig) -> dict:
 def run_ours(config: TrainConfig, out: Path) -> dict:
     s = Controller(config, out).run()
     return {k: s[k] for k in ("completion_tokens", "rl_time_s", "wall_time_s", "reward_first", "reward_last",
-                              "step_time_s", "cpu_steal")}
+                              "step_time_s", "gen_time_s", "train_time_s", "cpu_steal")}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="llamarl bench pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=TrainConfig.steps)
+    p.add_argument("--steps", type=int, default=None, help=f"RL steps (default {TrainConfig.steps}; 10 with --model)")
     p.add_argument("--task", default=TrainConfig.task)
     p.add_argument("--skip-trl", action="store_true", help="only our two modes")
+    p.add_argument("--model", help="a pretrained model folder (e.g. SmolLM2-135M-Instruct from scripts/fetch-smollm2.sh): "
+                                   "our two modes on it, on --dataset with --reward (TRL is not run)")
+    p.add_argument("--dataset", help="with --model: a JSONL dataset (default: `llamarl dataset arithmetic`'s)")
+    p.add_argument("--reward", default="math", help="with --model: the reward (default math)")
+    p.add_argument("--prompts-per-step", type=int, default=None, help="(default: TrainConfig's; 4 with --model)")
+    p.add_argument("--samples-per-prompt", type=int, default=None, help="(default: TrainConfig's; 4 with --model)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="(default: the task's; 48 with --model)")
+    p.add_argument("--lr", type=float, default=None, help="(default: TrainConfig's; 1e-5 with --model)")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs of each system, in rotating order; medians are reported (the machine is noisy)")
     add_output_args(p)
     args = p.parse_args(argv)
-    base = TrainConfig(steps=args.steps, task=args.task)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model:
+            # Small enough that a step of a 135M model takes seconds here, not minutes.
+            given = {"steps": args.steps or 10, "prompts_per_step": args.prompts_per_step or 4,
+                     "samples_per_prompt": args.samples_per_prompt or 4, "max_new_tokens": args.max_new_tokens or 48,
+                     "lr": args.lr or 1e-5}
+            dataset = args.dataset or str(Path(tmp) / "arithmetic.jsonl")
+            if not args.dataset:
+                Path(dataset).write_text("".join(json.dumps(row) + "\n" for row in arithmetic_problems(600)))
+            base = TrainConfig(model=args.model, dataset=dataset, reward=args.reward, warmup_steps=0, **given)
+            args.skip_trl = True
+        else:
+            given = {k: v for k, v in (("steps", args.steps), ("prompts_per_step", args.prompts_per_step),
+                                       ("samples_per_prompt", args.samples_per_prompt),
+                                       ("max_new_tokens", args.max_new_tokens), ("lr", args.lr)) if v is not None}
+            base = TrainConfig(task=args.task, **given)
+        return _run(args, base, tmp)
+
+
+def _run(args, base: TrainConfig, tmp: str) -> int:
+    args.steps = base.steps
     batch = base.prompts_per_step * base.samples_per_prompt
     systems = ["llamarl_async", "llamarl_sync"] + ([] if args.skip_trl else ["trl_grpo"])
     runs: dict[str, list[dict]] = {name: [] for name in systems}
-    with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            for name in systems[repeat % len(systems):] + systems[:repeat % len(systems)]:
-                print(f"run {repeat + 1}/{args.repeats}: {name} ({args.steps} steps)...", file=sys.stderr, flush=True)
-                seeded = {**base.to_dict(), "seed": repeat}
-                if name == "trl_grpo":
-                    r = run_trl(TrainConfig.from_dict(seeded))
-                else:
-                    mode = name.split("_")[1]
-                    r = run_ours(TrainConfig.from_dict({**seeded, "mode": mode}), Path(tmp) / f"{mode}{repeat}")
-                r["tokens_per_s"] = r["completion_tokens"] / r["rl_time_s"]
-                r["tokens_per_s_with_startup"] = r["completion_tokens"] / r["wall_time_s"]
-                r["samples_per_s"] = args.steps * batch / r["rl_time_s"]
-                r["mean_completion_tokens"] = r["completion_tokens"] / (args.steps * batch)
-                runs[name].append(r)
+    for repeat in range(args.repeats):
+        for name in systems[repeat % len(systems):] + systems[:repeat % len(systems)]:
+            print(f"run {repeat + 1}/{args.repeats}: {name} ({args.steps} steps)...", file=sys.stderr, flush=True)
+            seeded = {**base.to_dict(), "seed": repeat}
+            if name == "trl_grpo":
+                r = run_trl(TrainConfig.from_dict(seeded))
+            else:
+                mode = name.split("_")[1]
+                r = run_ours(TrainConfig.from_dict({**seeded, "mode": mode}), Path(tmp) / f"{mode}{repeat}")
+            r["tokens_per_s"] = r["completion_tokens"] / r["rl_time_s"]
+            r["tokens_per_s_with_startup"] = r["completion_tokens"] / r["wall_time_s"]
+            r["samples_per_s"] = args.steps * batch / r["rl_time_s"]
+            r["mean_completion_tokens"] = r["completion_tokens"] / (args.steps * batch)
+            runs[name].append(r)
     results = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
     for name, rs in runs.items():
         results[name]["tokens_per_s_runs"] = [round(r["tokens_per_s"]) for r in rs]
         results[name]["reward_last_runs"] = [round(r["reward_last"], 3) for r in rs]
     peer = results.get("trl_grpo")
     rows = [["system", "completion tok/s (RL loop)", "runs", "vs TRL", "incl. start-up", "vs TRL", "samples/s",
-             "vs TRL", "mean completion", "step", "reward first -> last tenth", "last tenth, runs", "CPU steal"]]
+             "vs TRL", "mean completion", "step", "gen / step", "train / step", "reward first -> last tenth",
+             "last tenth, runs", "CPU steal"]]
 
     def versus(r, key):
         return f"{r[key] / peer[key]:.2f}x" if peer else "-"
@@ -145,11 +175,16 @@ def main(argv=None) -> int:
                      versus(r, "tokens_per_s"), f"{r['tokens_per_s_with_startup']:.0f}",
                      versus(r, "tokens_per_s_with_startup"), f"{r['samples_per_s']:.0f}", versus(r, "samples_per_s"),
                      f"{r['mean_completion_tokens']:.1f} tokens", f"{r['step_time_s'] * 1e3:.1f} ms",
+                     *(f"{r[key] * 1e3:.1f} ms" if key in r else "-" for key in ("gen_time_s", "train_time_s")),
                      f"{r['reward_first']:.3f} -> {r['reward_last']:.3f}", " / ".join(map(str, r["reward_last_runs"])),
                      f"{r['cpu_steal']:.0%}"])
-    body = (f"Medians of {args.repeats} runs each (seeds 0-{args.repeats - 1}, rotating order). {args.steps} steps of {base.prompts_per_step} prompts x {base.samples_per_prompt} samples, "
-            f"task {args.task}, model hidden {base.hidden_size} x {base.num_layers} layers, same warm-up for all.\n\n"
-            + table(rows))
+    what = (f"model {base.model}, dataset {base.dataset}, reward {base.reward}, {base.max_new_tokens} new tokens at most"
+            if base.model else f"task {args.task}, model hidden {base.hidden_size} x {base.num_layers} layers, same "
+                               "warm-up for all")
+    ratio = results["llamarl_async"]["step_time_s"] / results["llamarl_sync"]["step_time_s"]
+    body = (f"Medians of {args.repeats} runs each (seeds 0-{args.repeats - 1}, rotating order). {args.steps} steps of "
+            f"{base.prompts_per_step} prompts x {base.samples_per_prompt} samples, {what}. "
+            f"Async / sync step time: {ratio:.2f}x.\n\n" + table(rows))
     if args.json:
         print(json.dumps(results, indent=2))
     else:
@@ -157,8 +192,10 @@ def main(argv=None) -> int:
     if not args.no_record:
         figures = {f"{name}_tokens_per_s": r["tokens_per_s"] for name, r in results.items()}
         figures.update({f"{name}_reward_last": r["reward_last"] for name, r in results.items()})
-        append_csv("pipeline", figures, {"steps": args.steps, "task": args.task})
-        update_results_md("Pipeline end to end beside TRL GRPOTrainer (`llamarl bench pipeline`)", body)
+        append_csv("pipeline", figures, {"steps": args.steps, "task": args.task, "model": base.model})
+        title = ("Pipeline on a pretrained model, async beside sync (`llamarl bench pipeline --model`)" if base.model
+                 else "Pipeline end to end beside TRL GRPOTrainer (`llamarl bench pipeline`)")
+        update_results_md(title, body)
     return 0
 
 

@@ -309,8 +309,23 @@ def test_train_run_writes_everything_and_respects_staleness(tmp_path, mode):
     trace = json.loads((out / "trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in trace if e["ph"] == "X"}
     assert {"generate", "score", "train step 0", "send v1", "receive v1"} <= names
-    saved = torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)
+    saved = torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)  # tensors and plain values only
     assert saved["step"] == 12 and saved["data_position"] > 0
+    # The policy as a model folder: the checkpoint's weights, loaded by transformers with its tokenizer.
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
+    assert all(torch.equal(p, saved["model"][n]) for n, p in exported.state_dict().items())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out / "model")
+    assert tokenizer("abc=")["input_ids"] == reverse_task().tokenizer().encode("abc=")
+    if mode == "sync":  # `llamarl export` writes the same folder from the run's checkpoint
+        from llamarl_core.cli import main as cli_main
+
+        assert cli_main(["export", str(out), str(tmp_path / "again")]) == 0
+        again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again")
+        assert all(torch.equal(p, saved["model"][n]) for n, p in again.state_dict().items())
+        with pytest.raises(SystemExit, match="holds no checkpoint"):
+            (tmp_path / "empty").mkdir()
+            TrainConfig().save(tmp_path / "empty" / "config.json")
+            cli_main(["export", str(tmp_path / "empty"), str(tmp_path / "x")])
 
 
 def test_fsdp2_trainer_and_tensor_parallel_generator(tmp_path):
@@ -324,7 +339,7 @@ def test_fsdp2_trainer_and_tensor_parallel_generator(tmp_path):
     metrics = read_metrics(out)
     assert len(metrics) == 12
     assert all(abs(m["mismatch_kl"]) < 1e-5 and abs(m["mean_ratio"] - 1) < 1e-4 for m in metrics), metrics
-    assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 12
+    assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)["step"] == 12
 
 
 class _UnstartedProcess:
@@ -442,7 +457,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    saved_step = torch.load(ckpt, weights_only=False)["step"]
+    saved_step = torch.load(ckpt, weights_only=True)["step"]
     assert saved_step % 5 == 0 and saved_step >= 5
     # The record of the step just before the checkpoint is written once that step's
     # weights land, after the checkpoint was queued: a kill in between loses it. Make
@@ -453,7 +468,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     steps = [m["step"] for m in read_metrics(out)]
     assert steps == list(range(saved_step - 1)) + list(range(saved_step, saved_step + 6))  # redone after the checkpoint
-    assert torch.load(ckpt, weights_only=False)["step"] == saved_step + 6
+    assert torch.load(ckpt, weights_only=True)["step"] == saved_step + 6
     assert json.loads((out / "summary.json").read_text())["steps"] == saved_step + 6
 
 
@@ -538,3 +553,16 @@ def test_reward_model_executor_and_trainer_options(tmp_path):
     generating = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e["name"] == "generate"]
     scoring = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e["name"] == "score"]
     assert any(s < g_end and g_start < e for s, e in scoring for g_start, g_end in generating)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, bound", [("float32", 1e-5), ("auto", 5e-2)])
+def test_train_run_on_cuda(tmp_path, dtype, bound):
+    """Trainer and generator on GPUs (CUDA IPC sync), sync mode: the generator's
+    behaviour log-probs match the trainer's (exactly in float32; in bfloat16 the
+    generator holds rounded weights and the trainer computes under autocast)."""
+    out = tmp_path / dtype
+    proc = llamarl("--device", "cuda", "--dtype", dtype, "--mode", "sync", "--out", str(out), *FAST, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert len(metrics) == 12 and all(abs(m["mismatch_kl"]) < bound for m in metrics), metrics

@@ -245,12 +245,14 @@ def test_train_with_vllm_generator(tmp_path):
     """`llamarl train --generator vllm`: the controller, staleness rules, metrics and
     trace with an AsyncLLM as the generator. At step 0 (staleness 0, the trainer's
     own weights) the behaviour log-probs vLLM recorded equal the trainer's: the
-    mismatch KL is 0 and every importance ratio 1."""
+    mismatch KL is 0 and every importance ratio 1. Held-out prompts are evaluated
+    with greedy requests."""
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--generator", "vllm", "--steps", "6",
                            "--warmup-steps", "5", "--prompts-per-step", "4", "--max-staleness", "1", "--quiet",
-                           "--out", str(out)], capture_output=True, text=True, timeout=400, cwd="/", env=env)
+                           "--eval-every", "3", "--eval-size", "4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=400, cwd="/", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(6))
@@ -262,4 +264,7 @@ def test_train_with_vllm_generator(tmp_path):
     assert config["generator"] == "vllm" and config["hidden_size"] == 128
     spans = {e["name"].split(" v")[0] for e in json.loads((out / "trace.json").read_text())["traceEvents"]
              if e.get("ph") == "X"}
-    assert {"generate", "receive", "send"} <= spans
+    assert {"generate", "receive", "send", "evaluate"} <= spans
+    # Held-out prompts completed greedily (temperature 0 requests) at versions 0, 3 and the last.
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [(e["version"], e["samples"]) for e in evals] == [(0, 4), (3, 4), (6, 4)]

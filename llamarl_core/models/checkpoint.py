@@ -10,6 +10,7 @@ ValueError naming the path and what is wrong, before any process starts.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -41,6 +42,21 @@ def context_length(config) -> int:
     if window and getattr(config, "use_sliding_window", True):
         limit = min(limit, int(window))
     return limit
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' progress bars off (loading, de-quantizing, writing shards: a
+    run's log is not a terminal), as they were after."""
+    from transformers.utils import logging
+
+    was_on = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            logging.enable_progress_bar()
 
 
 class ModelSource:
@@ -108,7 +124,8 @@ class ModelSource:
         import transformers
 
         config = self.config()
-        model = transformers.AutoModelForCausalLM.from_pretrained(self.folder, dtype=dtype, **self._kwargs())
+        with _no_progress_bars():
+            model = transformers.AutoModelForCausalLM.from_pretrained(self.folder, dtype=dtype, **self._kwargs())
         if self.gguf_file:
             plain = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
             plain.load_state_dict(model.state_dict())
@@ -129,7 +146,8 @@ def save_model_folder(model, tokenizer, out: str | Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is not
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        with _no_progress_bars():
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)

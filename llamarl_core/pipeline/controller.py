@@ -34,7 +34,7 @@ from .config import TrainConfig
 from .executors import GENERATOR, REWARD, TRAINER, TRAINER_STATS, executor_main
 from .report import cpu_times, plot_reward, steal_fraction, summarize, write_trace
 from .data import RunData
-from .export import export_run
+from .export import checkpoint_path, export_policy
 from .rewards import check_reward_config
 from .scheduler import Scheduler
 
@@ -73,6 +73,8 @@ class Controller:
         # the model folder and tokenizer, every dataset line and its fit in the context,
         # the reward, and the layouts (a model that does not split over the parallel
         # sizes fails naming the sizes, e.g. 9 heads over 2 generator ranks).
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device here")
         self.data = RunData(config)
         self.data.check_prompts_fit()
         check_reward_config(config, self.data)
@@ -356,7 +358,7 @@ class Controller:
             self._loop()
             summary = summarize(cfg.mode, self.metrics, time.monotonic() - self.t0 + self.resumed_wall,
                                 steal_fraction(self.cpu_before, cpu_times()), self.eval_records)
-            export_run(self.out, self.out / "model")
+            export_policy(checkpoint_path(self.out), self.data.model_config, self.data.tokenizer, self.out / "model")
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             return summary
         finally:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..sync import SyncError, fsdp_sender
 from .config import TrainConfig
 from .data import RunData
+from .export import checkpoint_path
 from .generators import LlamaGeneratorBackend
 from .learner import StepStats, check_packed_rows_attend_within_samples, learning_rate, supervised_warmup, train_step
 from .rewards import check_rewards, make_scorer
@@ -115,9 +116,19 @@ def _every_core(world: int):
         torch.set_num_threads(threads)
 
 
-def _process_group(store: dist.Store, name: str, rank: int, world: int, timeout_s: float) -> None:
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"pg/{name}/", store), rank=rank, world_size=world,
-                           timeout=datetime.timedelta(seconds=timeout_s))
+def _process_group(store: dist.Store, name: str, rank: int, world: int, config: TrainConfig) -> None:
+    """This executor's own process group: gloo, and NCCL for CUDA tensors (FSDP2's
+    and tensor parallelism's collectives) when the run is on GPUs."""
+    backend = "cpu:gloo,cuda:nccl" if config.device == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore(f"pg/{name}/", store), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=config.timeout_s))
+
+
+def _select_gpu(config: TrainConfig, role: str, rank: int) -> None:
+    """On GPUs, one device per rank: trainer rank r on GPU r, generator rank r on GPU
+    trainer_world + r (wrapped around when there are fewer)."""
+    index = rank if role == TRAINER else config.trainer_world + rank
+    torch.cuda.set_device(index % torch.cuda.device_count())
 
 
 def executor_main(role: str, rank: int, config_dict: dict, store_port: int, inbox, events, extra: dict) -> None:
@@ -129,6 +140,8 @@ def executor_main(role: str, rank: int, config_dict: dict, store_port: int, inbo
         if role == GENERATOR and config.generator == "vllm":
             os.setsid()  # a process group for vLLM's processes too, which the controller kills as one
         _setup_threads(config, role, rank)
+        if config.device == "cuda" and role != REWARD:
+            _select_gpu(config, role, rank)
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=config.timeout_s))
         {GENERATOR: run_generator, TRAINER: run_trainer, REWARD: run_reward}[role](link, config, store, rank, **extra)
@@ -193,7 +206,7 @@ def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarn
                              recompute_kv=config.recompute_kv, model_dir=Path(out_dir) / f"vllm-model-{incarnation}",
                              # vLLM's workers bind their threads: to the generator's cores, as ours are pinned.
                              cpus="|".join(str(c) for c in sorted(_ALL_CORES)[:tp]) if pinned else None)
-    _process_group(store, f"{GENERATOR}/{incarnation}", rank, tp, config.timeout_s)
+    _process_group(store, f"{GENERATOR}/{incarnation}", rank, tp, config)
     return LlamaGeneratorBackend(
         data.model_config, tp=tp, rank=rank, store=store, sync_name=sync_name, timeout_s=config.timeout_s,
         max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=data.max_new_tokens,
@@ -248,10 +261,6 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
 # ----------------------------------------------------------------------------- trainer
 
 
-def _checkpoint_path(out_dir: str) -> Path:
-    return Path(out_dir) / "checkpoint" / "trainer.pt"
-
-
 def _new_model(data: RunData, seed: int):
     """The trainer's model before any step: the pretrained checkpoint (--model), or
     the built-in Llama initialised from `seed`; float32 (the master weights)."""
@@ -283,7 +292,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
 
     data = RunData(config)
     world, device = config.trainer_world, config.device
-    _process_group(store, TRAINER, rank, world, config.timeout_s)
+    _process_group(store, TRAINER, rank, world, config)
     model = _new_model(data, config.seed).to(device)
     check_packed_rows_attend_within_samples(model)  # before any step trains on packed rows
     if world > 1:
@@ -297,7 +306,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
     # fused: one kernel over all parameters (0.6 vs 1.2 ms a step for the default model).
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=True)
     step, data_position, reference = 0, 0, None
-    checkpoint = _checkpoint_path(out_dir)
+    checkpoint = checkpoint_path(out_dir)
     if checkpoint.exists():
         # Tensors and plain values only: a run folder never runs pickled code.
         saved = torch.load(checkpoint, weights_only=True, mmap=True) if rank == 0 or config.kl_coef else {}
@@ -387,7 +396,7 @@ def run_reward(link: Link, config: TrainConfig, store, rank: int) -> None:
     back on the samples; an error or a non-finite reward names the completion."""
     data = RunData(config)
     score, what = make_scorer(config, data)
-    _process_group(store, REWARD, rank, 1, config.timeout_s)
+    _process_group(store, REWARD, rank, 1, config)
     link.send("ready")
     for kind, payload in link.commands():
         start = time.monotonic()

@@ -12,26 +12,38 @@ import torch
 
 from ..models.checkpoint import save_model_folder
 from .config import TrainConfig
-from .data import model_and_tokenizer
+from .data import ModelTokenizer, model_and_tokenizer
 from .task import load_task
 
 
-def export_run(run_dir: str | Path, out: str | Path) -> Path:
-    """Write the policy of the run in `run_dir` (its config.json and checkpoint) to
-    the folder `out`; returns `out`. ValueError if `run_dir` holds no run or no
-    checkpoint."""
+def checkpoint_path(run_dir: str | Path) -> Path:
+    """Where a run's trainer keeps its checkpoint."""
+    return Path(run_dir) / "checkpoint" / "trainer.pt"
+
+
+def export_policy(checkpoint: str | Path, model_config, tokenizer, out: str | Path) -> Path:
+    """The model weights of the trainer checkpoint `checkpoint`, with `model_config`
+    (a transformers config) and `tokenizer` (the run's: a ModelTokenizer or a
+    CharTokenizer), written to the model folder `out`; returns `out`."""
     import transformers
 
+    saved = torch.load(checkpoint, weights_only=True, mmap=True)
+    model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    model.load_state_dict(saved["model"])
+    hf_tokenizer = tokenizer.hf if isinstance(tokenizer, ModelTokenizer) else tokenizer.to_transformers()
+    return save_model_folder(model, hf_tokenizer, out)
+
+
+def export_run(run_dir: str | Path, out: str | Path) -> Path:
+    """Write the policy of the run in `run_dir` (its config.json and last
+    checkpoint) to the folder `out`; returns `out`. ValueError if `run_dir` holds
+    no run or no checkpoint."""
     run_dir = Path(run_dir)
-    config_path, checkpoint = run_dir / "config.json", run_dir / "checkpoint" / "trainer.pt"
+    config_path, checkpoint = run_dir / "config.json", checkpoint_path(run_dir)
     if not config_path.is_file():
         raise ValueError(f"{run_dir} holds no run (no config.json)")
     if not checkpoint.is_file():
         raise ValueError(f"{run_dir} holds no checkpoint ({checkpoint}): nothing trained to export yet")
     config = TrainConfig.load(config_path)
     _, model_config, tokenizer = model_and_tokenizer(config, None if config.dataset else load_task(config.task))
-    saved = torch.load(checkpoint, weights_only=True, mmap=True)
-    model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    model.load_state_dict(saved["model"])
-    hf_tokenizer = tokenizer.hf if config.model else tokenizer.to_transformers()
-    return save_model_folder(model, hf_tokenizer, out)
+    return export_policy(checkpoint, model_config, tokenizer, out)
