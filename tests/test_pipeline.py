@@ -265,7 +265,8 @@ RUN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 # The test tasks (tests/pipeline_tasks.py) importable by the executors too.
-TASKS_ENV = {**RUN_ENV, "PYTHONPATH": str(Path(__file__).parent)}
+TASKS_ENV = {**RUN_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                     RUN_ENV.get("PYTHONPATH")]))}
 TRAIN = [sys.executable, "-m", "llamarl_core.cli", "train"]
 
 
