@@ -4,6 +4,7 @@ staleness bound, and whole runs of `llamarl train` between real processes
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -398,6 +399,32 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path):
     assert "drop --lr --mode" in message  # not silently ignored
     assert "--keep-kv needs --generator vllm" in train_error("--keep-kv", "--out", str(tmp_path / "k"), "--quiet")
     assert not (tmp_path / "k").exists()
+
+
+def test_bad_models_datasets_and_rewards_fail_before_anything_is_written(tmp_path):
+    """One line each, naming the culprit; no run folder written."""
+    from test_data import tiny_model_folder, write_jsonl
+
+    model = tiny_model_folder(tmp_path)
+    good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": "1+1?", "answer": "2"}] * 3)
+    out = tmp_path / "run"
+    cases = [
+        (["--model", str(tmp_path / "none")], "--model .*none: no such file or folder"),
+        (["--model", str(model), "--hidden-size", "64"], "--hidden-size size or warm the built-in model"),
+        (["--dataset", str(good)], "a dataset needs a model with its own tokenizer"),
+        (["--model", str(model), "--dataset", str(write_jsonl(tmp_path / "b.jsonl", [{"prompt": "1+1?"}]))],
+         "b.jsonl, line 1: no \"answer\""),
+        (["--model", str(model), "--dataset", str(good), "--reward", "maths", "--max-new-tokens", "8"],
+         "unknown reward 'maths'"),
+        (["--reward", "math"], "checks answers: give a --dataset"),
+        (["--reward-model", str(model)], "holds no ...ForSequenceClassification"),
+        (["--model", str(model), "--dataset", str(good), "--max-new-tokens", "60"],
+         "5 prompt tokens \\+ max_new_tokens 60 exceed the model's context of 64 tokens"),
+    ]
+    for args, match in cases:
+        message = train_error(*args, "--out", str(out), "--quiet")
+        assert re.search(match, message) and "\n" not in message, (args, message)
+        assert not out.exists()
 
 
 def test_a_generator_that_fails_while_starting_stops_the_run_with_its_error(tmp_path):
