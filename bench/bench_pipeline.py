@@ -108,8 +108,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help=f"RL steps (default {TrainConfig.steps}; 10 with --model)")
     p.add_argument("--task", default=TrainConfig.task)
     p.add_argument("--skip-trl", action="store_true", help="only our two modes")
-    p.add_argument("--model", help="a pretrained model folder (e.g. SmolLM2-135M-Instruct from scripts/fetch-smollm2.sh): "
-                                   "our two modes on it, on --dataset with --reward (TRL is not run)")
+    p.add_argument("--model", help="a pretrained model folder (e.g. SmolLM2-135M-Instruct from "
+                                   "scripts/fetch-smollm2.sh): our two modes on it, on --dataset with --reward (TRL is "
+                                   "not run)")
     p.add_argument("--dataset", help="with --model: a JSONL dataset (default: `llamarl dataset arithmetic`'s)")
     p.add_argument("--reward", default="math", help="with --model: the reward (default math)")
     p.add_argument("--prompts-per-step", type=int, default=None, help="(default: TrainConfig's; 4 with --model)")
@@ -178,7 +179,8 @@ def _run(args, base: TrainConfig, tmp: str) -> int:
                      *(f"{r[key] * 1e3:.1f} ms" if key in r else "-" for key in ("gen_time_s", "train_time_s")),
                      f"{r['reward_first']:.3f} -> {r['reward_last']:.3f}", " / ".join(map(str, r["reward_last_runs"])),
                      f"{r['cpu_steal']:.0%}"])
-    what = (f"model {base.model}, dataset {base.dataset}, reward {base.reward}, {base.max_new_tokens} new tokens at most"
+    what = (f"model {base.model}, dataset {base.dataset}, reward {base.reward}, at most {base.max_new_tokens} new "
+            "tokens"
             if base.model else f"task {args.task}, model hidden {base.hidden_size} x {base.num_layers} layers, same "
                                "warm-up for all")
     ratio = results["llamarl_async"]["step_time_s"] / results["llamarl_sync"]["step_time_s"]

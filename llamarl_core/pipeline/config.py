@@ -29,7 +29,7 @@ class TrainConfig:
     task: str = "llamarl_core.pipeline.task:reverse_task"  # module:attribute of a Task
     model: str | None = None  # a pretrained model folder or .gguf file (None: the built-in toy Llama below)
     dataset: str | None = None  # a JSONL file of prompts (or chat messages) and answers, instead of the task's prompts
-    eval_size: int = 32  # prompts held out for evaluation (the last lines of the dataset; for a task, beyond its prompts)
+    eval_size: int = 32  # prompts held out for evaluation (a dataset's last lines; a task's beyond any run reaches)
     eval_every: int = 0  # evaluate (greedy, on the held-out prompts) every this many versions (0: never)
     reward: str | None = None  # e.g. "math", "math+0.1*format", "mymod:reward_fn" (None: the task's own reward)
     reward_model: str | None = None  # a sequence-classification model folder that scores completions instead

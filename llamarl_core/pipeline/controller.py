@@ -31,10 +31,10 @@ import torch.multiprocessing as mp
 
 from ..sync import hf_llama_fsdp, vllm_llama_tp
 from .config import TrainConfig
-from .executors import GENERATOR, REWARD, TRAINER, TRAINER_STATS, executor_main
-from .report import cpu_times, plot_reward, steal_fraction, summarize, write_trace
 from .data import RunData
+from .executors import GENERATOR, REWARD, TRAINER, TRAINER_STATS, executor_main
 from .export import checkpoint_path, export_policy
+from .report import cpu_times, plot_reward, steal_fraction, summarize, write_trace
 from .rewards import check_reward_config
 from .scheduler import Scheduler
 

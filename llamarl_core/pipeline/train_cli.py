@@ -65,7 +65,7 @@ def parse_args(argv):
                         help="vLLM: keep running requests' KV cache across a weight update (default: recompute it "
                              "under the new weights)")
     parser.add_argument("--mask-truncated", action="store_true",
-                        help="leave completions that hit --max-new-tokens out of the loss (they are counted either way)")
+                        help="leave completions that hit --max-new-tokens out of the loss (counted either way)")
     parser.add_argument("--log-rollouts", action="store_true",
                         help="write every trained sample (prompt, completion, reward, versions) to rollouts.jsonl")
     parser.add_argument("--no-chat-template", action="store_true",
@@ -149,8 +149,8 @@ def _print_summary(s: dict) -> None:
           f"{s['reward_last']:.3f} (last tenth); step {s['step_time_s']:.3f}s = gen {s['gen_time_s']:.3f}s, "
           f"train {s['train_time_s']:.3f}s, sync {s['sync_time_s'] * 1e3:.1f}ms; overlap efficiency "
           f"{s['overlap_efficiency']:.2f}; {s['completion_tokens_per_s']:.0f} completion tokens/s; "
-          f"dropped {s['dropped_samples']}; truncated {s['truncated_samples']}; wall {s['wall_time_s']:.1f}s; CPU steal "
-          f"{s['cpu_steal']:.0%}")
+          f"dropped {s['dropped_samples']}; truncated {s['truncated_samples']}; wall {s['wall_time_s']:.1f}s; "
+          f"CPU steal {s['cpu_steal']:.0%}")
     if "eval_reward_first" in s:
         print(f"  held-out greedy reward: {s['eval_reward_first']:.3f} (v{s['eval_version_first']}) -> "
               f"{s['eval_reward_last']:.3f} (v{s['eval_version_last']})")
