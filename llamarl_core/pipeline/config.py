@@ -1,6 +1,6 @@
 """The run's configuration: one dataclass, saved as config.json beside the run's
 outputs (a resumed run reads it back). Defaults are the embedded demo: a small
-Llama learns to reverse strings on 2 CPU cores in well under a minute."""
+Llama learns to reverse strings on 2 CPU cores in about a minute."""
 
 from __future__ import annotations
 
@@ -22,15 +22,15 @@ class TrainConfig:
     mode: str = "async"  # "async": generation and training overlap; "sync": they take turns
     generator: str = "llama"  # "llama": our LlamaGenerator; "vllm": a vLLM engine (llamarl_core.integrations.vllm)
     recompute_kv: bool = True  # vLLM: after a weight update, recompute running requests' KV cache (else keep it)
-    steps: int = 400  # trainer steps (weight versions) to run
+    steps: int = 1200  # trainer steps (weight versions) to run
     task: str = "llamarl_core.pipeline.task:reverse_task"  # module:attribute of a Task
-    prompts_per_step: int = 12  # prompt groups per trainer step
-    samples_per_prompt: int = 4  # completions per prompt (the AIPO / GRPO group)
+    prompts_per_step: int = 8  # prompt groups per trainer step
+    samples_per_prompt: int = 8  # completions per prompt (the AIPO / GRPO group)
     max_staleness: int = 1  # async: a sample whose oldest token is version v trains at step s only if s - v <= this
     segment_tokens: int = 4  # K: decode steps per generation segment (partial rollouts)
     temperature: float = 1.0
     rho: float = 4.0  # AIPO truncation of the importance weight
-    lr: float = 2e-3
+    lr: float = 1e-3
     warmup_steps: int = 100  # supervised steps on the task's reference answers before RL (0: none)
     warmup_batch: int = 32
     hidden_size: int = 96
