@@ -1,6 +1,6 @@
 """The run's configuration: one dataclass, saved as config.json beside the run's
 outputs (a resumed run reads it back). Defaults are the embedded demo: a small
-Llama learns to reverse strings on 2 CPU cores in well under a minute."""
+Llama learns to reverse strings on 2 CPU cores in about a minute."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class TrainConfig:
     mode: str = "async"  # "async": generation and training overlap; "sync": they take turns
     generator: str = "llama"  # "llama": our LlamaGenerator; "vllm": a vLLM engine (llamarl_core.integrations.vllm)
     recompute_kv: bool = True  # vLLM: after a weight update, recompute running requests' KV cache (else keep it)
-    steps: int = 400  # trainer steps (weight versions) to run
+    steps: int = 1200  # trainer steps (weight versions) to run
     task: str = "llamarl_core.pipeline.task:reverse_task"  # module:attribute of a Task
     model: str | None = None  # a pretrained model folder or .gguf file (None: the built-in toy Llama below)
     dataset: str | None = None  # a JSONL file of prompts (or chat messages) and answers, instead of the task's prompts
@@ -38,13 +38,13 @@ class TrainConfig:
     max_new_tokens: int | None = None  # completion budget (None: the task's; 128 with --dataset)
     mask_truncated: bool = False  # leave completions that hit max_new_tokens out of the loss (counted either way)
     log_rollouts: bool = False  # write every trained sample (prompt, completion, reward, versions) to rollouts.jsonl
-    prompts_per_step: int = 12  # prompt groups per trainer step
-    samples_per_prompt: int = 4  # completions per prompt (the AIPO / GRPO group)
+    prompts_per_step: int = 8  # prompt groups per trainer step
+    samples_per_prompt: int = 8  # completions per prompt (the AIPO / GRPO group)
     max_staleness: int = 1  # async: a sample whose oldest token is version v trains at step s only if s - v <= this
     segment_tokens: int = 4  # K: decode steps per generation segment (partial rollouts)
     temperature: float = 1.0
     rho: float = 4.0  # AIPO truncation of the importance weight
-    lr: float = 2e-3
+    lr: float = 1e-3
     lr_warmup_steps: int = 0  # linear learning-rate warm-up over this many RL steps
     lr_schedule: str = "constant"  # after warm-up: "constant" or "cosine" (down to min_lr_ratio * lr at the last step)
     min_lr_ratio: float = 0.1

@@ -102,7 +102,7 @@ def load_task(spec: str) -> Task:
 # ----------------------------------------------------------------------------- default task
 
 REVERSE_LETTERS = "abcdefgh"
-REVERSE_MIN_LEN, REVERSE_MAX_LEN = 5, 10
+REVERSE_MIN_LEN, REVERSE_MAX_LEN = 3, 6
 
 
 def reverse_prompt(index: int, seed: int = 0) -> str:
