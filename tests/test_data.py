@@ -87,6 +87,7 @@ def write_jsonl(path, rows):
     ({"prompt": "   ", "answer": "3"}, "line 2: needs a non-empty"),
     ({"messages": [{"role": "user"}], "answer": "3"}, "line 2: needs a non-empty"),
     ({"prompt": "1+2?"}, "line 2: no \"answer\""),
+    ({"prompt": "1+2?", "answer": " "}, "line 2: no \"answer\""),
 ])
 def test_bad_dataset_lines_are_named(tmp_path, row, match):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": "2"}, row])
@@ -96,7 +97,8 @@ def test_bad_dataset_lines_are_named(tmp_path, row, match):
 
 def test_dataset_without_answers_for_a_reward_model_and_empty_files(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}, "", {"prompt": "x"}])
-    assert read_dataset(path, need_answer=False) == [Problem([{"role": "user", "content": "hi"}]), Problem("x")]
+    assert read_dataset(path, need_answer=False) == [Problem([{"role": "user", "content": "hi"}], line=1),
+                                                     Problem("x", line=3)]  # file lines, blank ones counted
     with pytest.raises(ValueError, match="no lines"):
         read_dataset(write_jsonl(tmp_path / "e.jsonl", []), need_answer=False)
     with pytest.raises(ValueError, match="No such file"):

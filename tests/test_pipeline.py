@@ -324,6 +324,13 @@ def test_train_run_writes_everything_and_respects_staleness(tmp_path, mode):
         assert cli_main(["export", str(out), str(tmp_path / "again")]) == 0
         again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again")
         assert all(torch.equal(p, saved["model"][n]) for n, p in again.state_dict().items())
+        for unsafe in (out, out.parent, tmp_path / "unrelated"):  # never replaces what is not a model folder
+            (tmp_path / "unrelated").mkdir(exist_ok=True)
+            (tmp_path / "unrelated" / "notes.txt").write_text("mine")
+            with pytest.raises(SystemExit, match="is the run folder|is not a model folder"):
+                cli_main(["export", str(out), str(unsafe)])
+        assert (tmp_path / "unrelated" / "notes.txt").read_text() == "mine" and (out / "config.json").exists()
+        assert cli_main(["export", str(out), str(tmp_path / "again")]) == 0  # a model folder is replaced
         with pytest.raises(SystemExit, match="holds no checkpoint"):
             (tmp_path / "empty").mkdir()
             TrainConfig().save(tmp_path / "empty" / "config.json")

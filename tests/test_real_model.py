@@ -72,7 +72,8 @@ def test_generator_after_the_first_sync_equals_transformers(smollm2):
             assert (ours - theirs).abs().max().item() <= 1e-4
     # Greedy continuations, ours batched (left-padded, partial rollouts) against transformers one by one.
     engine = RolloutEngine(generator, max_batch=3, max_new_tokens=16, segment_tokens=5, temperature=1.0,
-                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=0)
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=0,
+                           greedy=True)
     samples = [Sample(i, ids, eval=True) for i, ids in enumerate(prompts)]
     engine.submit(samples)
     while engine.busy:

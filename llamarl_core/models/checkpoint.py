@@ -30,7 +30,7 @@ def check_model_config(config, where: str) -> None:
                          f"{', '.join(SUPPORTED_MODEL_TYPES)} families")
     try:
         rope_inv_freq(config, 2)
-    except (KeyError, ValueError) as exc:
+    except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
 
 
@@ -137,11 +137,16 @@ def save_model_folder(model, tokenizer, out: str | Path) -> Path:
     """`model` (a transformers causal LM) and `tokenizer` (a transformers
     tokenizer) as a model folder: config.json, model.safetensors, the tokenizer's
     files. Written into a temporary folder beside `out` and renamed, so `out` is
-    either whole or absent."""
+    either whole or absent. An existing `out` is replaced only if it is a model
+    folder (it holds a config.json and nothing but files): anything else raises
+    ValueError before a byte is written."""
     import shutil
     import tempfile
 
-    out = Path(out)
+    out = Path(out).resolve()
+    if out.exists() and not (out.is_dir() and (out / "config.json").is_file()
+                             and all(p.is_file() for p in out.iterdir())):
+        raise ValueError(f"{out} exists and is not a model folder: give a new folder (nothing was written)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is not

@@ -22,6 +22,7 @@ from torch import nn
 from ..sync.presets import llama_dims, vllm_llama_tp
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def rope_parameters(config) -> dict:
@@ -48,8 +49,10 @@ def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / (float(params["rope_theta"]) ** exponents)
     if params["rope_type"] == "default":
         return inv_freq
-    factor, low, high = float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"])
-    original = float(params["original_max_position_embeddings"])
+    missing = [k for k in LLAMA3_ROPE_KEYS if k not in params]
+    if missing:
+        raise ValueError(f"rope_type 'llama3' needs {', '.join(missing)} in the config's rope parameters")
+    factor, low, high, original = (float(params[k]) for k in LLAMA3_ROPE_KEYS)
     wavelength = 2 * math.pi / inv_freq
     blend = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long wavelengths, 1: short ones
     return (1 - blend) * inv_freq / factor + blend * inv_freq
@@ -107,15 +110,14 @@ class Rollout:
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
-                  greedy: torch.Tensor | None = None):
-    """One token per row from softmax(logits / temperature), and its log-prob under
-    that same distribution (float32). greedy: optional bool (rows,); those rows take
-    their most likely token instead (a draw is still made for every row, so ranks
-    that share a generator state stay in step)."""
+                  greedy: bool = False):
+    """One token per row from softmax(logits / temperature) (greedy: the most
+    likely one), and its log-prob under that same distribution (float32)."""
     logp = torch.log_softmax(logits.to(torch.float32) / temperature, dim=-1)
-    token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-    if greedy is not None:
-        token = torch.where(greedy, logp.argmax(-1), token)
+    if greedy:
+        token = logp.argmax(-1)
+    else:
+        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 

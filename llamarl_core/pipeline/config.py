@@ -31,7 +31,8 @@ class TrainConfig:
     dataset: str | None = None  # a JSONL file of prompts (or chat messages) and answers, instead of the task's prompts
     eval_size: int = 32  # prompts held out for evaluation (a dataset's last lines; a task's beyond any run reaches)
     eval_every: int = 0  # evaluate (greedy, on the held-out prompts) every this many versions (0: never)
-    reward: str | None = None  # e.g. "math", "math+0.1*format", "mymod:reward_fn" (None: the task's own reward)
+    # e.g. "math", "math+0.1*format", "mymod:reward_fn"; None: the task's own reward, or "math" with a dataset
+    reward: str | None = None
     reward_model: str | None = None  # a sequence-classification model folder that scores completions instead
     reward_batch: int = 32  # completions per reward-model forward
     chat_template: bool = True  # wrap prompts in the model tokenizer's chat template, where it has one
@@ -105,6 +106,8 @@ class TrainConfig:
             raise ValueError("eval_every needs held-out prompts: eval_size must be >= 1")
         if self.reward is not None and self.reward_model is not None:
             raise ValueError("give a rule reward (--reward) or a reward model (--reward-model), not both")
+        if self.dataset is not None and self.reward is None and self.reward_model is None:
+            self.reward = "math"  # a dataset has answers, and no task reward
         if self.mode == "sync":
             self.max_staleness = 0
         elif self.max_staleness < 1:

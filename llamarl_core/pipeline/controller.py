@@ -73,14 +73,21 @@ class Controller:
         # the model folder and tokenizer, every dataset line and its fit in the context,
         # the reward, and the layouts (a model that does not split over the parallel
         # sizes fails naming the sizes, e.g. 9 heads over 2 generator ranks).
-        if config.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device here")
+        if config.device == "cuda":
+            ranks = max(config.trainer_world, config.generator_tp)  # NCCL needs a GPU per rank of a group
+            if torch.cuda.device_count() < ranks:
+                raise ValueError(f"--device cuda: {torch.cuda.device_count()} CUDA devices here, {ranks} needed "
+                                 f"(--trainer-world {config.trainer_world}, --generator-tp {config.generator_tp})")
         self.data = RunData(config)
         self.data.check_prompts_fit()
         check_reward_config(config, self.data)
         model_config = self.data.model_config
-        hf_llama_fsdp(model_config, config.trainer_world, torch.float32)
-        vllm_llama_tp(model_config, config.generator_tp, config.torch_dtype)
+        for flag, size, layout in (("--trainer-world", config.trainer_world, hf_llama_fsdp),
+                                   ("--generator-tp", config.generator_tp, vllm_llama_tp)):
+            try:
+                layout(model_config, size, torch.float32)
+            except ValueError as exc:
+                raise ValueError(f"{flag} {size}: {exc}") from None
         # Generator executor processes: ours, one per tensor-parallel rank; vLLM, one
         # (it starts its own tensor-parallel workers).
         self.generator_ranks = config.generator_tp
@@ -165,7 +172,7 @@ class Controller:
             self._kill(key[0], proc)
         self.scheduler.generator_lost()
         for version in [v for v, done in self.evals.items() if len(done) < self.data.eval_size]:
-            del self.evals[version]  # lost with the generator; the next due version is evaluated
+            del self.evals[version]  # lost with the generator; the re-sync evaluates its own version if due
         self.ready_ranks = {k for k in self.ready_ranks if k[0] != GENERATOR}
         self.generator_incarnation += 1
         self.gen_version = None
@@ -199,7 +206,6 @@ class Controller:
         elif kind == "received":
             self.gen_busy += payload["busy"]
             self.gen_version = payload["version"]
-            self._maybe_evaluate(payload["version"])
             self._sync_part_done(GENERATOR, payload["version"])
         elif kind == "scored":
             if payload["incarnation"] != self.generator_incarnation:
@@ -236,7 +242,9 @@ class Controller:
 
     def _begin_sync(self, version: int) -> None:
         self.syncs[version] = {TRAINER: self.config.trainer_world, GENERATOR: 1}
-        self._tell(GENERATOR, "receive", version=version)
+        # An evaluation rides on the sync it evaluates: the generator runs it as soon as
+        # these weights land, before anything else (a later version cannot overtake it).
+        self._tell(GENERATOR, "receive", version=version, evaluate=self._eval_prompts(version))
         self._tell(TRAINER, "sync", version=version)
 
     def _step_trained(self) -> None:
@@ -268,19 +276,20 @@ class Controller:
                                     "completion": self.data.tokenizer.decode(x.tokens), "reward": x.reward,
                                     "finished": x.finished, "versions": [min(x.versions), max(x.versions)]}) + "\n")
 
-    def _maybe_evaluate(self, version: int) -> None:
-        """Weights `version` just landed: every eval_every versions, and at the last, the
-        generator completes the held-out prompts greedily with them."""
+    def _eval_prompts(self, version: int) -> list | None:
+        """The held-out prompts (index, token ids) the generator completes greedily with
+        weights `version`: every eval_every versions and at the last, once each; else None."""
         every = self.config.eval_every
         if not every or (version % every and version != self.config.steps) or version in self.evals:
-            return
+            return None
         self.evals[version] = []
-        prompts = [(i, self.data.prompt_ids(i, eval=True)) for i in range(self.data.eval_size)]
-        self._tell(GENERATOR, "evaluate", prompts=prompts)
+        return [(i, self.data.prompt_ids(i, eval=True)) for i in range(self.data.eval_size)]
 
     def _evaluated(self, samples: list) -> None:
         version = samples[0].versions[0]
-        done = self.evals[version]
+        done = self.evals.get(version)
+        if done is None:
+            return  # asked of a generator since replaced (its evaluation is asked again)
         done.extend(samples)
         if len(done) < self.data.eval_size:
             return
@@ -391,12 +400,13 @@ class Controller:
         self.last_step_end = self.rl_start = time.monotonic()
 
     def _previous_times(self) -> tuple[float, float]:
-        """On resume: keep the metrics of the steps before the checkpoint (and the
-        evaluations of the versions up to it), drop the rest; returns the (wall, RL)
-        seconds the kept steps took."""
+        """On resume: keep the metrics and rollouts of the steps before the checkpoint
+        (and the evaluations of the versions up to it), drop the rest; returns the
+        (wall, RL) seconds the kept steps took."""
         step = self.scheduler.step
         self.metrics = _keep_lines(self.out / "metrics.jsonl", lambda m: m["step"] < step)
         self.eval_records = _keep_lines(self.out / "eval.jsonl", lambda e: e["version"] < step)
+        _keep_lines(self.out / "rollouts.jsonl", lambda r: r["step"] < step)
         kept = self.metrics
         return (kept[-1]["wall_s"], kept[-1]["rl_s"]) if kept else (0.0, 0.0)
 

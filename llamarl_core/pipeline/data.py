@@ -37,10 +37,12 @@ TASK_PROMPTS_CHECKED = 256
 
 @dataclass(frozen=True)
 class Problem:
-    """One prompt: text or chat messages, and the answer rewards check (or None)."""
+    """One prompt: text or chat messages, the answer rewards check (or None), and
+    the line of the dataset file it came from (None for a task's prompt)."""
 
     prompt: str | list[dict]
     answer: str | None = None
+    line: int | None = None
 
 
 def read_dataset(path: str | Path, need_answer: bool) -> list[Problem]:
@@ -74,12 +76,20 @@ def read_dataset(path: str | Path, need_answer: bool) -> list[Problem]:
             raise ValueError(f"{where}: needs a non-empty \"prompt\" string or a \"messages\" list of "
                              "{\"role\": ..., \"content\": ...}")
         answer = row.get("answer")
-        if answer is None and need_answer:
+        if need_answer and (answer is None or not str(answer).strip()):
             raise ValueError(f"{where}: no \"answer\" (the reward checks completions against it)")
-        problems.append(Problem(prompt, None if answer is None else str(answer)))
+        problems.append(Problem(prompt, None if answer is None else str(answer), number))
     if not problems:
         raise ValueError(f"--dataset {path}: no lines")
     return problems
+
+
+def reward_needs_answer(config: TrainConfig) -> bool:
+    """Whether the run's reward checks completions against answers: a rule reward
+    that does (math); a reward model, or rewards of your own, do not."""
+    from .rewards import RuleReward
+
+    return config.reward_model is None and (config.reward is None or RuleReward(config.reward).needs_answer)
 
 
 def prompt_text(prompt: str | list[dict]) -> str:
@@ -152,8 +162,9 @@ class RunData:
                                                         DATASET_MAX_NEW_TOKENS)
         self.eval_size = config.eval_size if config.eval_every else 0
         self.train_size: int | None = None
+        self._order: tuple[int, list[int]] = (-1, [])  # (pass, the dataset's order in it)
         if config.dataset:
-            problems = read_dataset(config.dataset, need_answer=config.reward_model is None)
+            problems = read_dataset(config.dataset, need_answer=reward_needs_answer(config))
             if len(problems) <= self.eval_size:
                 raise ValueError(f"--dataset {config.dataset}: {len(problems)} lines leave none to train on after "
                                  f"holding out --eval-size {self.eval_size}")
@@ -168,9 +179,11 @@ class RunData:
         if self.task is not None:
             return Problem(self.task.prompt(index))
         epoch, position = divmod(index, self.train_size)
-        order = list(range(self.train_size))
-        random.Random(f"{self.config.seed}/{epoch}").shuffle(order)
-        return self.train_problems[order[position]]
+        if self._order[0] != epoch:  # one shuffle per pass, not per look-up (47 ms at 100k lines)
+            order = list(range(self.train_size))
+            random.Random(f"{self.config.seed}/{epoch}").shuffle(order)
+            self._order = (epoch, order)
+        return self.train_problems[self._order[1][position]]
 
     def eval_problem(self, index: int) -> Problem:
         if self.task is not None:
@@ -188,15 +201,16 @@ class RunData:
         prompts and its held-out ones), or whose characters a task's tokenizer lacks."""
         limit = context_length(self.model_config)
         if self.task is not None:
-            indices = [(i, False) for i in range(TASK_PROMPTS_CHECKED)] + [(i, True) for i in range(self.eval_size)]
+            problems = [self.problem(i) for i in range(TASK_PROMPTS_CHECKED)]
         else:
-            indices = [(i, False) for i in range(self.train_size)] + [(i, True) for i in range(self.eval_size)]
-        for index, held_out in indices:
-            problem = self.eval_problem(index) if held_out else (
-                self.train_problems[index] if self.task is None else self.problem(index))
-            ids = self.tokenizer.encode(problem.prompt)
+            problems = list(self.train_problems)
+        for problem in problems + [self.eval_problem(i) for i in range(self.eval_size)]:
+            what = (f"line {problem.line} of {self.config.dataset}" if problem.line is not None
+                    else f"prompt {prompt_text(problem.prompt)!r}")
+            try:
+                ids = self.tokenizer.encode(problem.prompt)
+            except Exception as exc:  # a chat template refusing a message (jinja2's TemplateError), a bad character
+                raise ValueError(f"{what}: cannot be encoded: {type(exc).__name__}: {exc}") from None
             if len(ids) + self.max_new_tokens > limit:
-                what = f"line {index + 1 + (self.train_size if held_out else 0)} of {self.config.dataset}" \
-                    if self.task is None else f"prompt {prompt_text(problem.prompt)!r}"
                 raise ValueError(f"{what}: {len(ids)} prompt tokens + max_new_tokens {self.max_new_tokens} exceed "
                                  f"the model's context of {limit} tokens")

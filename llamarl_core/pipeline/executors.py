@@ -235,14 +235,12 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
                     if rank == 0:
                         link.send("received", version=version, busy=busy)
                         busy = 0.0
-                elif kind == "evaluate":
-                    # Greedy, to the end, on the weights of this version alone: weight
-                    # updates wait behind this command.
-                    start = time.monotonic()
-                    done = generator.evaluate([Sample(index, ids, eval=True) for index, ids in payload["prompts"]])
-                    link.span(f"evaluate v{generator.version}", start, time.monotonic(), prompts=len(done))
-                    if rank == 0:
-                        link.send("samples", samples=done, busy=0.0)
+                    if payload["evaluate"]:  # greedy, to the end, on these weights alone, before anything else
+                        start = time.monotonic()
+                        done = generator.evaluate([Sample(i, ids, eval=True) for i, ids in payload["evaluate"]])
+                        link.span(f"evaluate v{version}", start, time.monotonic(), prompts=len(done))
+                        if rank == 0:
+                            link.send("samples", samples=done, busy=0.0)
             if generator.version is None or not generator.busy:
                 feed.poll(block_s=INBOX_POLL_S)
                 continue
@@ -272,14 +270,15 @@ def _new_model(data: RunData, seed: int):
     return transformers.LlamaForCausalLM(data.model_config)
 
 
-def _reference_model(data: RunData, state: dict, device: str):
+def _reference_model(data: RunData, state: dict, config: TrainConfig):
     """A frozen, unsharded copy of the policy from a full state dict: the KL
-    penalty's reference, on every trainer rank."""
+    penalty's reference, on every trainer rank, held in the run's compute dtype
+    (it only ever runs forward)."""
     import transformers
 
-    reference = transformers.AutoModelForCausalLM.from_config(data.model_config, dtype=torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_config(data.model_config, dtype=config.torch_dtype)
     reference.load_state_dict(state)
-    return reference.to(device).eval().requires_grad_(False)
+    return reference.to(config.device).eval().requires_grad_(False)
 
 
 def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str) -> None:
@@ -306,7 +305,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
     # fused: one kernel over all parameters (0.6 vs 1.2 ms a step for the default model).
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=True)
     step, data_position, reference = 0, 0, None
-    checkpoint = checkpoint_path(out_dir)
+    checkpoint, reference_path = checkpoint_path(out_dir), checkpoint_path(out_dir).with_name("reference.pt")
     if checkpoint.exists():
         # Tensors and plain values only: a run folder never runs pickled code.
         saved = torch.load(checkpoint, weights_only=True, mmap=True) if rank == 0 or config.kl_coef else {}
@@ -318,7 +317,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
                        optim_state_dict=saved.get("optimizer", {}) if rank == 0 else {},
                        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         if config.kl_coef:
-            reference = _reference_model(data, saved["reference"], device)
+            reference = _reference_model(data, torch.load(reference_path, weights_only=True, mmap=True), config)
         del saved
 
     def connect(generator: int):
@@ -333,9 +332,13 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
             loss = supervised_warmup(model, optimizer, data.task, config.warmup_steps, config.warmup_batch, rank,
                                      world)
         link.span("supervised warm-up", start, time.monotonic(), steps=config.warmup_steps, loss=loss)
-    if config.kl_coef and reference is None:  # the weights RL starts from
+    if config.kl_coef and reference is None:  # the weights RL starts from, saved once beside the checkpoint
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        reference = _reference_model(data, full, device)
+        reference = _reference_model(data, full, config)
+        if rank == 0:
+            reference_path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({k: v.cpu() for k, v in full.items()}, reference_path.with_suffix(".tmp"))
+            os.replace(reference_path.with_suffix(".tmp"), reference_path)
     autocast = config.torch_dtype if config.torch_dtype != torch.float32 else None
     generator = incarnation  # the generator incarnation the sender serves
     sender = connect(generator)
@@ -372,8 +375,6 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
                 tmp = checkpoint.with_suffix(".tmp")
                 state = {"model": model_state, "optimizer": optim_state, "step": step,
                          "data_position": payload["data_position"]}
-                if reference is not None:
-                    state["reference"] = {k: v.cpu() for k, v in reference.state_dict().items()}
                 torch.save(state, tmp)
                 os.replace(tmp, checkpoint)  # a crash mid-save leaves the previous checkpoint whole
             end = time.monotonic()

@@ -40,6 +40,8 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
     no run or no checkpoint."""
     run_dir = Path(run_dir)
     config_path, checkpoint = run_dir / "config.json", checkpoint_path(run_dir)
+    if Path(out).resolve() in (run_dir.resolve(), *run_dir.resolve().parents):
+        raise ValueError(f"{out} is the run folder {run_dir} or holds it: give a folder of its own")
     if not config_path.is_file():
         raise ValueError(f"{run_dir} holds no run (no config.json)")
     if not checkpoint.is_file():

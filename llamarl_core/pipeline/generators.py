@@ -100,7 +100,7 @@ class LlamaGeneratorBackend(Generator):
 
     def evaluate(self, samples: list[Sample]) -> list[Sample]:
         # An engine of its own: the training batch's KV cache stays as it is.
-        engine = RolloutEngine(self.model, segment_tokens=self._engine_args["max_new_tokens"], seed=0,
+        engine = RolloutEngine(self.model, segment_tokens=self._engine_args["max_new_tokens"], seed=0, greedy=True,
                                **self._engine_args)
         engine.submit(samples)
         done: list[Sample] = []

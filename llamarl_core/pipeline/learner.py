@@ -121,7 +121,7 @@ def check_packed_rows_attend_within_samples(model) -> None:
         raise RuntimeError(
             f"transformers {transformers.__version__} ({config._attn_implementation} attention) lets packed samples "
             f"attend to each other (logits off by {error:.3g}); the trainer packs samples into rows: install "
-            "transformers>=4.53.1")
+            "transformers>=4.56 (llamarl-core's floor)")
 
 
 def _sample_advantages(samples: list[Sample]) -> torch.Tensor:
@@ -225,7 +225,8 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rh
 
     The samples go through in micro-batches of at most micro_batch_size samples
     (None: all at once), their gradients accumulated so that the step equals one
-    on the token mean over the whole batch: advantages are centred over the whole
+    on the token mean over the whole batch (this rank's samples: with FSDP the
+    ranks' gradients are averaged, i.e. the mean of the ranks' token means): advantages are centred over the whole
     batch's groups, and each micro-batch's summed loss is divided by the tokens
     that count in the whole batch. kl_coef > 0: penalty kl_coef * k3 against
     reference_model's log-probs (computed without gradients on the same rows).

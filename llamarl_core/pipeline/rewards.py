@@ -162,12 +162,13 @@ class RewardModel:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.padding_side = "right"
+        self.use_chat = bool(getattr(self.tokenizer, "chat_template", None))
         self.model = transformers.AutoModelForSequenceClassification.from_pretrained(self.path, dtype=torch.float32)
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.eval()
 
     def _text(self, prompt, completion: str) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
+        if self.use_chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             return self.tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}],
                                                       tokenize=False)
@@ -180,7 +181,9 @@ class RewardModel:
         scores: list[float] = []
         with torch.no_grad():
             for start in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer(texts[start: start + self.batch_size], return_tensors="pt", padding=True)
+                # A rendered chat template already holds its special tokens (bos): none added twice.
+                batch = self.tokenizer(texts[start: start + self.batch_size], return_tensors="pt", padding=True,
+                                       add_special_tokens=not self.use_chat)
                 scores.extend(self.model(**batch).logits[:, 0].tolist())
         return scores
 

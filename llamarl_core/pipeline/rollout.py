@@ -62,7 +62,7 @@ class RolloutEngine:
     with the same seed and the same calls, so they sample the same tokens."""
 
     def __init__(self, model: LlamaGenerator, *, max_batch: int, max_new_tokens: int, segment_tokens: int,
-                 temperature: float, eos_token_id: int, pad_token_id: int, seed: int):
+                 temperature: float, eos_token_id: int, pad_token_id: int, seed: int, greedy: bool = False):
         for name, value in (("max_batch", max_batch), ("max_new_tokens", max_new_tokens),
                             ("segment_tokens", segment_tokens)):
             if value < 1:
@@ -71,7 +71,7 @@ class RolloutEngine:
             raise ValueError(f"temperature must be positive, got {temperature}")
         self.model = model
         self.max_batch, self.max_new_tokens, self.segment_tokens = max_batch, max_new_tokens, segment_tokens
-        self.temperature, self.eos, self.pad = temperature, eos_token_id, pad_token_id
+        self.temperature, self.eos, self.pad, self.greedy = temperature, eos_token_id, pad_token_id, greedy
         # Token ids, masks and the sampling generator live where the model's weights do.
         self.device = model.model.embed_tokens.weight.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -135,9 +135,7 @@ class RolloutEngine:
         if self._cache is None:
             self._prefill()
         for _ in range(self.segment_tokens):
-            greedy = torch.tensor([s.eval for s in self.active], device=self.device)
-            token, logprob = sample_tokens(self._logits, self.temperature, self.generator,
-                                           greedy if greedy.any() else None)
+            token, logprob = sample_tokens(self._logits, self.temperature, self.generator, self.greedy)
             self.stats.decode_steps += 1
             self.stats.tokens += len(self.active)
             keep = []

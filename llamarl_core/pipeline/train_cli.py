@@ -33,7 +33,7 @@ NAMED_FLAGS = {
     "dataset": (str, "JSONL with a \"prompt\" (or chat \"messages\") and an \"answer\" per line; the last "
                      "--eval-size lines are held out (needs --model)"),
     "reward": (str, "verifiable reward: math, format, module:function, or a weighted sum such as "
-                    "math+0.1*format (default: the task's own reward)"),
+                    "math+0.1*format (default: the task's own reward; math with --dataset)"),
     "reward_model": (str, "a transformers AutoModelForSequenceClassification folder (one output) that scores "
                           "completions in the reward executor"),
     "max_new_tokens": (int, "completion budget (default: the task's, 128 with --dataset)"),
@@ -80,6 +80,9 @@ def parse_args(argv):
 
 def _config(args, mode: str) -> TrainConfig:
     values = {name: getattr(args, name) for name in (*FLAGS, *NAMED_FLAGS) if getattr(args, name) is not None}
+    for name in ("model", "dataset", "reward_model"):  # absolute: config.json is read again on --resume and export
+        if name in values:
+            values[name] = str(Path(values[name]).expanduser().resolve())
     if args.task:
         values["task"] = args.task
     if args.model:
