@@ -32,7 +32,7 @@ def test_check_fails_when_packed_samples_attend_to_each_other(monkeypatch):
                      use_cache=False).logits[:, :-1]
 
     monkeypatch.setattr(learner, "_logits", unmasked_logits)
-    with pytest.raises(RuntimeError, match=r"lets packed samples attend to each other .* transformers>=4\.53\.1"):
+    with pytest.raises(RuntimeError, match=r"lets packed samples attend to each other .* transformers>=4\.56"):
         learner.check_packed_rows_attend_within_samples(_model())
 
 
