@@ -116,6 +116,16 @@ class ModelSource:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"--model {self.path}: cannot load its tokenizer: {exc}") from None
 
+    def generation_config(self):
+        """The model's transformers GenerationConfig (eos ids, sampling defaults), or
+        None where it ships none."""
+        import transformers
+
+        try:
+            return transformers.GenerationConfig.from_pretrained(self.folder, **self._kwargs())
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def load_model(self, dtype: torch.dtype = torch.float32):
         """The causal LM with its pretrained weights, as a plain transformers model
         in `dtype`. From GGUF, transformers dequantizes the weights but marks the

@@ -367,7 +367,8 @@ class Controller:
             self._loop()
             summary = summarize(cfg.mode, self.metrics, time.monotonic() - self.t0 + self.resumed_wall,
                                 steal_fraction(self.cpu_before, cpu_times()), self.eval_records)
-            export_policy(checkpoint_path(self.out), self.data.model_config, self.data.tokenizer, self.out / "model")
+            export_policy(checkpoint_path(self.out), self.data.model_config, self.data.tokenizer, self.out / "model",
+                          self.data.model)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             return summary
         finally:

@@ -21,15 +21,19 @@ def checkpoint_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoint" / "trainer.pt"
 
 
-def export_policy(checkpoint: str | Path, model_config, tokenizer, out: str | Path) -> Path:
+def export_policy(checkpoint: str | Path, model_config, tokenizer, out: str | Path, source=None) -> Path:
     """The model weights of the trainer checkpoint `checkpoint`, with `model_config`
     (a transformers config) and `tokenizer` (the run's: a ModelTokenizer or a
-    CharTokenizer), written to the model folder `out`; returns `out`."""
+    CharTokenizer), written to the model folder `out`, with the generation config
+    of `source` (the ModelSource it started from) where it has one; returns `out`."""
     import transformers
 
     saved = torch.load(checkpoint, weights_only=True, mmap=True)
     model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
     model.load_state_dict(saved["model"])
+    generation = source.generation_config() if source is not None else None
+    if generation is not None:
+        model.generation_config = generation
     hf_tokenizer = tokenizer.hf if isinstance(tokenizer, ModelTokenizer) else tokenizer.to_transformers()
     return save_model_folder(model, hf_tokenizer, out)
 
@@ -47,5 +51,5 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
     if not checkpoint.is_file():
         raise ValueError(f"{run_dir} holds no checkpoint ({checkpoint}): nothing trained to export yet")
     config = TrainConfig.load(config_path)
-    _, model_config, tokenizer = model_and_tokenizer(config, None if config.dataset else load_task(config.task))
-    return export_policy(checkpoint, model_config, tokenizer, out)
+    source, model_config, tokenizer = model_and_tokenizer(config, None if config.dataset else load_task(config.task))
+    return export_policy(checkpoint, model_config, tokenizer, out, source)
