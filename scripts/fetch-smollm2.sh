@@ -7,7 +7,7 @@
 # (config.json, model.safetensors, tokenizer) by llamarl's own GGUF loader,
 # weights dequantized to float32.
 #   usage: scripts/fetch-smollm2.sh PYTHON [OUT_DIR]   (default OUT_DIR: models/SmolLM2-135M-Instruct)
-# PYTHON: an interpreter with llamarl-core and its [gguf] extra installed.
+# PYTHON: an interpreter with llamarl-core and its [train] (or [gguf]) extra installed.
 # Nothing is done if OUT_DIR already holds the model.
 set -euo pipefail
 python=${1:?usage: scripts/fetch-smollm2.sh PYTHON [OUT_DIR]}
