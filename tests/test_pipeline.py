@@ -33,7 +33,8 @@ from llamarl_core.pipeline.task import positional_match, reverse_task
 from llamarl_core.sync import hf_llama_fsdp, plan_transfer, vllm_llama_tp
 
 # Small and fast: every run below takes a few seconds of RL after start-up.
-FAST = ["--steps", "12", "--warmup-steps", "5", "--prompts-per-step", "4", "--checkpoint-every", "5", "--quiet"]
+FAST = ["--steps", "12", "--warmup-steps", "5", "--prompts-per-step", "4", "--samples-per-prompt", "4",
+        "--checkpoint-every", "5", "--quiet"]
 
 
 def tiny_config(vocab=12):

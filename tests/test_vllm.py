@@ -250,7 +250,8 @@ def test_train_with_vllm_generator(tmp_path):
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--generator", "vllm", "--steps", "6",
-                           "--warmup-steps", "5", "--prompts-per-step", "4", "--max-staleness", "1", "--quiet",
+                           "--warmup-steps", "5", "--prompts-per-step", "4", "--samples-per-prompt", "4",
+                           "--max-staleness", "1", "--quiet",
                            "--eval-every", "3", "--eval-size", "4", "--out", str(out)],
                           capture_output=True, text=True, timeout=400, cwd="/", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

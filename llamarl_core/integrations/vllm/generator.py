@@ -153,7 +153,9 @@ class VllmGenerator(Generator):
         return sample
 
     async def _train_request(self, sample: Sample) -> None:
-        self._finished.append(await self._request(sample))
+        done = await self._request(sample)
+        # Looked up after the await: run_segment swaps _finished for a new list meanwhile.
+        self._finished.append(done)
 
     def run_segment(self, stop: Callable[[], bool]) -> list[Sample]:
         async def segment():
