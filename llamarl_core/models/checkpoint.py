@@ -66,6 +66,7 @@ class ModelSource:
 
     def __init__(self, path: str | Path):
         self.path = Path(path).expanduser()
+        self._config = None
         if not self.path.exists():
             raise ValueError(f"--model {self.path}: no such file or folder")
         if self.path.is_file():
@@ -96,9 +97,12 @@ class ModelSource:
 
     def config(self):
         """The transformers config, checked (architecture, RoPE type); a GGUF file's
-        quantization marker removed, since the weights are dequantized on loading."""
+        quantization marker removed, since the weights are dequantized on loading.
+        Read once (from GGUF, reading it takes seconds)."""
         import transformers
 
+        if self._config is not None:
+            return self._config
         try:
             config = transformers.AutoConfig.from_pretrained(self.folder, **self._kwargs())
         except (OSError, ValueError, KeyError) as exc:
@@ -106,13 +110,15 @@ class ModelSource:
         check_model_config(config, f"--model {self.path}")
         if getattr(config, "quantization_config", None) is not None and self.gguf_file:
             del config.quantization_config
+        self._config = config
         return config
 
     def tokenizer(self):
         import transformers
 
         try:
-            return transformers.AutoTokenizer.from_pretrained(self.folder, **self._kwargs())
+            with _no_progress_bars():
+                return transformers.AutoTokenizer.from_pretrained(self.folder, **self._kwargs())
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"--model {self.path}: cannot load its tokenizer: {exc}") from None
 
@@ -135,7 +141,8 @@ class ModelSource:
 
         config = self.config()
         with _no_progress_bars():
-            model = transformers.AutoModelForCausalLM.from_pretrained(self.folder, dtype=dtype, **self._kwargs())
+            model = transformers.AutoModelForCausalLM.from_pretrained(self.folder, config=config, dtype=dtype,
+                                                                      **self._kwargs())
         if self.gguf_file:
             plain = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
             plain.load_state_dict(model.state_dict())
