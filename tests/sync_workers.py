@@ -18,6 +18,7 @@ from llamarl_core.sync import (
     reference_vllm_tp_shards,
     vllm_llama_tp,
 )
+from llamarl_core.sync.plan import DEFAULT_BUCKET_BYTES
 from llamarl_core.sync.reference import reference_vllm_fp8_shards
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -52,7 +53,8 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) ->
         device = s.get("device", "cpu")
         shards = {n: t.to(device) for n, t in reference_fsdp_shards(hf_state_dict(config, s["seed"]), s["fsdp"], dtype)[rank].items()}
         with WeightSender(store, hf_llama_fsdp(config, s["fsdp"], dtype), rank, shards,
-                          name=scenario_name(s), transport=s["transport"], timeout=60) as sender:
+                          name=scenario_name(s), transport=s["transport"], timeout=60,
+                          bucket_bytes=s.get("bucket_bytes", DEFAULT_BUCKET_BYTES)) as sender:
             for step, v in enumerate(s.get("versions", versions)):
                 if step in s.get("send_after", {}):
                     store.wait([s["send_after"][step]], datetime.timedelta(seconds=60))

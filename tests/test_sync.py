@@ -37,7 +37,7 @@ from llamarl_core.sync import (
     vllm_llama_tp,
 )
 from llamarl_core.sync import transports
-from llamarl_core.sync.transports import choose_transport, device_info
+from llamarl_core.sync.transports import choose_transports, device_info
 
 
 @pytest.fixture
@@ -48,14 +48,16 @@ def store():
 
 def _matrix():
     """Every FSDP world x TP size, both dtype pairs on the default transport and
-    fp32 -> bf16 on the point-to-point transport; model configs rotated; FP8
-    destinations."""
+    fp32 -> bf16 on the point-to-point transport (in small buckets); model configs
+    rotated; FP8 destinations."""
     scenarios = []
     combos = list(itertools.product([1, 2, 3], [1, 2, 4]))
     for i, (fsdp, tp) in enumerate(combos):
         for j, (dtype, transport) in enumerate([("fp32", "auto"), ("bf16", "auto"), ("fp32", "p2p")]):
+            # Point-to-point in buckets of 8 KiB: hundreds per pair, through both staging buffers.
             scenarios.append(dict(config=CONFIG_KINDS[(i + j) % len(CONFIG_KINDS)], fsdp=fsdp, tp=tp,
-                                  src_dtype=dtype, transport=transport, seed=100 * i + 10 * j))
+                                  src_dtype=dtype, transport=transport, seed=100 * i + 10 * j,
+                                  **({"bucket_bytes": 8192} if transport == "p2p" else {})))
     # FP8 generator weights: every granularity at TP 1 and 2, and once over p2p.
     for k, (granularity, tp) in enumerate(itertools.product(["tensor", "channel", "block"], [1, 2])):
         scenarios.append(dict(config=CONFIG_KINDS[k % len(CONFIG_KINDS)], fsdp=2, tp=tp, src_dtype="fp32",
@@ -260,6 +262,13 @@ def test_registration_refuses_bad_tensors_before_publishing(store):
     assert not prefixed.check(["src/0/info"])  # nothing was published
 
 
+def choose_transport(requested, senders, receivers, pairs=None) -> str:
+    """The one transport every pair gets (these cases put all ranks on one host, or none)."""
+    chosen = set(choose_transports(requested, senders, receivers, pairs).values())
+    assert len(chosen) == 1, chosen
+    return chosen.pop()
+
+
 def test_transport_request_is_validated(store):
     config = small_config("mistral")
     layout = hf_llama_fsdp(config, 1, torch.float32)
@@ -270,13 +279,28 @@ def test_transport_request_is_validated(store):
     assert choose_transport("p2p", [a], [a]) == "p2p"
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         choose_transport("cuda_ipc", [a], [a])
-    with pytest.raises(ValueError, match="one machine"):
+    with pytest.raises(ValueError, match="one machine, but sender 0 and receiver 0 are on different hosts"):
         choose_transport("shm", [a], [b])
     with pytest.raises(ValueError, match="one device type"):
         choose_transport("auto", [a], [_gpu(1, "g0")])
     with pytest.raises(ValueError, match="transport must be"):
         WeightSender(store, layout, 0, shards, name="t", transport="rdma", timeout=1.0)
     assert "ipc_error" not in device_info(torch.device("cpu"), shards)
+
+
+def test_transport_per_pair_across_hosts():
+    """'auto' shares memory within a host and goes point-to-point between hosts, pair by pair."""
+    h1 = [{"host": "h1", "device": "cpu", "process": f"{p}/x"} for p in range(2)]
+    h2 = [{"host": "h2", "device": "cpu", "process": f"{p}/y"} for p in range(2)]
+    senders, receivers = [h1[0], h2[0]], [h1[1], h2[1]]
+    assert choose_transports("auto", senders, receivers) == {(0, 0): "shm", (0, 1): "p2p", (1, 0): "p2p", (1, 1): "shm"}
+    assert choose_transports("auto", senders, receivers, [(0, 0), (1, 0)]) == {(0, 0): "shm", (1, 0): "p2p"}
+    assert set(choose_transports("p2p", senders, receivers).values()) == {"p2p"}
+    with pytest.raises(ValueError, match="sender 0 and receiver 1 are on different hosts"):
+        choose_transports("shm", senders, receivers)
+    gpus = [_gpu(1, "g0", host="h1"), _gpu(2, "g1", _BOTH, host="h2")], [_gpu(3, "g0", host="h1"), _gpu(4, "g1", host="h2")]
+    assert choose_transports("auto", *gpus, [(0, 0), (0, 1), (1, 1)]) == {(0, 0): "cuda_ipc", (0, 1): "p2p",
+                                                                          (1, 1): "cuda_ipc"}
 
 
 def _gpu(process: int, uuid: str, gpus: dict | None = None, ipc_error: str | None = None, host: str = "h") -> dict:

@@ -50,14 +50,14 @@ from .engine import (
 from .errors import SyncError, SyncTimeoutError, TornWeightsError
 from .fp8 import Fp8Destinations, reduce_max
 from .layout import Layout
-from .plan import DEFAULT_BUCKET_BYTES, Segment, TransferPlan, plan_transfer
+from .plan import DEFAULT_BUCKET_BYTES, Segment, TransferPlan, bipartite_rounds, plan_transfer
 from .transports import (
     CUDA_IPC,
     P2P,
     SHM,
     OpenedCudaHandles,
     check_transport_name,
-    choose_transport,
+    choose_transports,
     cuda_ipc_handle,
     device_info,
     make_process_group,
@@ -166,10 +166,14 @@ class _Endpoint:
         if len(requested) > 1:
             raise ValueError(f"ranks asked for different transports {sorted(requested)}; pass the same to every rank")
         self._src_infos, self._dst_infos = infos[: src_layout.world_size], infos[src_layout.world_size :]
-        pairs = [(s, d) for s in range(src_layout.world_size) for d in self.plan.receivers_of(s)]
-        self.transport = choose_transport(transport, self._src_infos, self._dst_infos, pairs)
+        # One transport per (sender, receiver) pair; every rank computes the same.
+        self.transports = choose_transports(transport, self._src_infos, self._dst_infos, self.plan.pairs)
+        # What the sync uses, e.g. "shm", or "p2p+shm" where some pairs span hosts.
+        self.transport = "+".join(sorted(set(self.transports.values())))
+        # Point-to-point pairs run round by round, each round a matching (no rank in two pairs).
+        self._p2p_rounds = bipartite_rounds(pair for pair, t in self.transports.items() if t == P2P)
         self.group = None
-        if self.transport == P2P:
+        if self._p2p_rounds:
             num_src = src_layout.world_size
             self.group = make_process_group(
                 dist.PrefixStore("pg/", self.channel.store),
@@ -199,10 +203,12 @@ class _Endpoint:
                 raise
             raise SyncError(f"{what} failed (a peer died or its connection broke): {exc}") from exc
 
-    def _staging(self, buckets) -> torch.Tensor:
-        """One bucket's worth of bytes for the p2p transport."""
+    def _staging(self, buckets) -> list[torch.Tensor]:
+        """Two buffers of the largest bucket's bytes for the p2p transport: bucket i
+        goes through buffer i % 2, so packing (or unpacking) one bucket overlaps the
+        transfer of the next; a second bucket of memory (256 MiB by default) per rank."""
         largest = max((sum(seg.nbytes for seg in bucket) for bucket in buckets), default=0)
-        return torch.empty(largest, dtype=torch.uint8, device=self.device)
+        return [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(2)]
 
     def __enter__(self):
         return self
@@ -238,52 +244,50 @@ class WeightSender(_Endpoint):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.receivers = self.plan.receivers_of(self.rank)
+        local = [d for d in self.receivers if self.transports[(self.rank, d)] != P2P]
         # Start with a different receiver on each sender so they do not all queue on one.
-        shift = self.rank % len(self.receivers) if self.receivers else 0
-        self.receivers = self.receivers[shift:] + self.receivers[:shift]
+        shift = self.rank % len(local) if local else 0
+        self._local_receivers = local[shift:] + local[:shift]
+        self._p2p_receivers = [d for pairs in self._p2p_rounds for s, d in pairs if s == self.rank]
         self._served: dict[int, int] = {}
-        if self.transport != P2P and self.channel.counter(f"{_SRC}/{self.rank}/incarnation", 1) > 1:
+        if local and self.channel.counter(f"{_SRC}/{self.rank}/incarnation", 1) > 1:
             # A restarted sender: a receive() open now may hold a predecessor's partial
             # writes and the other senders' previous version; joining it would mix
             # versions. Serve from the next ticket on.
-            self._served = {dst: self.channel.counter(f"{_DST}/{dst}/ticket") for dst in self.receivers}
+            self._served = {dst: self.channel.counter(f"{_DST}/{dst}/ticket") for dst in local}
         self._opened: list = []
         self._dst_addresses: dict[int, dict[str, int]] = {}
         deadline = time.monotonic() + self.timeout
-        if self.transport in (SHM, CUDA_IPC):
-            for dst in self.receivers:
-                self.channel.wait([f"{_DST}/{dst}/handle"], deadline, f"receiver {dst}'s memory handle")
-                handle = self.channel.get(f"{_DST}/{dst}/handle")
-                if self.transport == SHM:
-                    region, addresses = open_shm_handle(handle)
-                    self._opened.append(region)
-                else:
-                    opened = OpenedCudaHandles(handle, self.device)
-                    self._opened.append(opened)
-                    addresses = opened.addresses
-                self._dst_addresses[dst] = addresses
-        else:
-            self._staging_buf = self._staging([b for d in self.receivers for b in self.plan.buckets[(self.rank, d)]])
+        for dst in self._local_receivers:
+            self.channel.wait([f"{_DST}/{dst}/handle"], deadline, f"receiver {dst}'s memory handle")
+            handle = self.channel.get(f"{_DST}/{dst}/handle")
+            if self.transports[(self.rank, dst)] == SHM:
+                region, addresses = open_shm_handle(handle)
+                self._opened.append(region)
+            else:
+                opened = OpenedCudaHandles(handle, self.device)
+                self._opened.append(opened)
+                addresses = opened.addresses
+            self._dst_addresses[dst] = addresses
+        self._staging_bufs = self._staging([b for d in self._p2p_receivers for b in self.plan.buckets[(self.rank, d)]])
         self._build_tables()
 
     def _build_tables(self) -> None:
         self._src_keys = {name: storage_key(t) for name, t in self.tensors.items()}
         src_base = lambda seg: self._src_keys[seg.src_name][0]  # noqa: E731
         self._tables: dict[int, list] = {}
-        for dst in self.receivers:
-            buckets = self.plan.buckets[(self.rank, dst)]
-            if self.transport == P2P:
-                staging = self._staging_buf.data_ptr()
-                self._tables[dst] = [
-                    (segment_table(_packed(b)[0], src_base, lambda seg: staging), sum(s.nbytes for s in b))
-                    for b in buckets
-                ]
-            else:
-                addresses = self._dst_addresses[dst]
-                self._tables[dst] = [
-                    (segment_table(b, src_base, lambda seg: addresses[seg.dst_name]), sum(s.nbytes for s in b))
-                    for b in buckets
-                ]
+        for dst in self._local_receivers:
+            addresses = self._dst_addresses[dst]
+            self._tables[dst] = [
+                (segment_table(b, src_base, lambda seg: addresses[seg.dst_name]), sum(s.nbytes for s in b))
+                for b in self.plan.buckets[(self.rank, dst)]
+            ]
+        for dst in self._p2p_receivers:
+            self._tables[dst] = []
+            for i, bucket in enumerate(self.plan.buckets[(self.rank, dst)]):
+                staging = self._staging_bufs[i % 2].data_ptr()
+                table = segment_table(_packed(bucket)[0], src_base, lambda seg: staging)
+                self._tables[dst].append((table, sum(seg.nbytes for seg in bucket)))
 
     def _await_ticket(self, dst: int, deadline: float) -> int:
         """The ticket of receiver `dst`'s open receive() that this sender has not served."""
@@ -307,21 +311,38 @@ class WeightSender(_Endpoint):
             self._build_tables()
         copy_timeout = self._copy_timeout(deadline)
         written = 0
-        for dst in self.receivers:
-            if self.transport == P2P:
-                header = torch.tensor([version, len(self._tables[dst])], dtype=torch.int64, device=self.device)
-                self._wait_work(self.group.send([header], self.plan.src_layout.world_size + dst, 0), deadline,
-                                f"sending the header of version {version} to receiver {dst}")
-                for table, nbytes in self._tables[dst]:
-                    written += run_segment_table(table, self.device, self.num_threads, copy_timeout)
-                    work = self.group.send([self._staging_buf[:nbytes]], self.plan.src_layout.world_size + dst, 1)
-                    self._wait_work(work, deadline, f"sending version {version} to receiver {dst}")
-                continue
+        # Receivers on this host first: their receive() opens its ticket before it
+        # waits on any point-to-point peer, so these copies never wait on a round.
+        for dst in self._local_receivers:
             ticket = self._await_ticket(dst, deadline)
             for table, _ in self._tables[dst]:
                 written += run_segment_table(table, self.device, self.num_threads, copy_timeout)
             self.channel.set(f"{_DST}/{dst}/done/{ticket}/{self.rank}", version)
             self._served[dst] = ticket
+        for dst in self._p2p_receivers:  # in round order
+            written += self._send_p2p(dst, version, deadline, copy_timeout)
+        return written
+
+    def _send_p2p(self, dst: int, version: int, deadline: float, copy_timeout: float) -> int:
+        """Pack each bucket into staging buffer i % 2 and send it (tag 1 + i); the
+        packing of bucket i + 1 overlaps the send of bucket i. Packing is done when
+        run_segment_table returns (on GPU its stream waited for the current one, so
+        the optimizer's pending writes came first), so what is in flight reads the
+        staging buffers only, never the trainer's tensors."""
+        peer = self.plan.src_layout.world_size + dst
+        tables = self._tables[dst]
+        header = torch.tensor([version, len(tables)], dtype=torch.int64, device=self.device)
+        self._wait_work(self.group.send([header], peer, 0), deadline, f"sending the header of version {version} to receiver {dst}")
+        in_flight = [None, None]  # the send reading each staging buffer
+        written = 0
+        for i, (table, nbytes) in enumerate(tables):
+            if in_flight[i % 2] is not None:  # the buffer is free once the send reading it is done
+                self._wait_work(in_flight[i % 2], deadline, f"sending version {version} to receiver {dst}")
+            written += run_segment_table(table, self.device, self.num_threads, copy_timeout)
+            in_flight[i % 2] = self.group.send([self._staging_bufs[i % 2][:nbytes]], peer, 1 + i)
+        for work in in_flight:
+            if work is not None:
+                self._wait_work(work, deadline, f"sending version {version} to receiver {dst}")
         return written
 
     def close(self) -> None:
@@ -363,31 +384,30 @@ class WeightReceiver(_Endpoint):
         self.version: int | None = None
         self.torn = False
         self.senders = self.plan.senders_of(self.rank)
+        self._local_senders = [src for src in self.senders if self.transports[(src, self.rank)] != P2P]
+        self._p2p_senders = [src for pairs in self._p2p_rounds for src, d in pairs if d == self.rank]
         # What the senders write: the registered tensors, and landing rows for FP8 weights.
         self.fp8 = Fp8Destinations(self.layout, self.rank)
         self.landing = self.fp8.landing(self.tensors, self.device)
-        if self.transport == SHM:
+        local_transports = {self.transports[(src, self.rank)] for src in self._local_senders}
+        if SHM in local_transports:
             # The region stays mapped for as long as the tensors viewing it live.
             region, offsets = rehome_into_shared_memory(self.landing, f"receiver rank {self.rank}")
             self.channel.set(f"{_DST}/{self.rank}/handle", shm_handle(region, offsets))
-        elif self.transport == CUDA_IPC:
+        elif CUDA_IPC in local_transports:
             # Senders in this process write to the addresses; the others need IPC handles.
-            remote = any(self._src_infos[s]["process"] != self._dst_infos[self.rank]["process"] for s in self.senders)
+            me = self._dst_infos[self.rank]["process"]
+            remote = any(self._src_infos[src]["process"] != me for src in self._local_senders)
             self.channel.set(f"{_DST}/{self.rank}/handle", cuda_ipc_handle(self.landing, self.device, remote))
-        else:
-            buckets = [b for s in self.senders for b in self.plan.buckets[(s, self.rank)]]
-            self._staging_buf = self._staging(buckets)
-            staging = self._staging_buf.data_ptr()
-            self._unpack = {
-                s: [
-                    (
-                        segment_table(_packed(b)[1], lambda seg: staging, lambda seg: self.landing[seg.dst_name].data_ptr()),
-                        sum(seg.nbytes for seg in b),
-                    )
-                    for b in self.plan.buckets[(s, self.rank)]
-                ]
-                for s in self.senders
-            }
+        self._staging_bufs = self._staging([b for src in self._p2p_senders for b in self.plan.buckets[(src, self.rank)]])
+        self._unpack: dict[int, list] = {}
+        for src in self._p2p_senders:
+            self._unpack[src] = []
+            for i, bucket in enumerate(self.plan.buckets[(src, self.rank)]):
+                staging = self._staging_bufs[i % 2].data_ptr()
+                table = segment_table(_packed(bucket)[1], lambda seg: staging,
+                                      lambda seg: self.landing[seg.dst_name].data_ptr())
+                self._unpack[src].append((table, sum(seg.nbytes for seg in bucket)))
         # Where the senders' segments (and the unpack tables) write: checked before every receive().
         self._landing_keys = {name: storage_key(t) for name, t in self.landing.items()}
 
@@ -398,20 +418,22 @@ class WeightReceiver(_Endpoint):
         registration."""
         deadline = self._deadline(timeout)
         self._check_storage()
-        if self.transport == P2P:
+        if not self._local_senders:
             # The unpack copies run on a stream that waits for the current one: the GPU orders them.
-            return self._receive_p2p(deadline)
-        # Senders write from other processes and streams, ordered by nothing but the
-        # ticket: open it only once the generator's queued kernels have stopped reading.
+            return self._complete(self._receive_p2p(deadline), deadline)
+        # Senders on this host write from other processes and streams, ordered by
+        # nothing but the ticket: open it only once the generator's queued kernels
+        # have stopped reading.
         wait_for_queued_work(self.device, deadline, f"the kernels queued on {self.device} (receiver {self.rank})")
         key = f"{_DST}/{self.rank}"
         ticket = self.channel.counter(f"{key}/ticket", 1)
         self.torn = True  # from here on senders may be writing into the tensors
         self.channel.set(f"{key}/open/{ticket}", 1)
-        done = [f"{key}/done/{ticket}/{s}" for s in self.senders]
+        done = [f"{key}/done/{ticket}/{src}" for src in self._local_senders]
         try:
+            versions = self._receive_p2p(deadline)  # senders on other hosts, meanwhile
             self.channel.wait(done, deadline, f"senders to finish (receiver {self.rank}, ticket {ticket})")
-            versions = {self.channel.get(k) for k in done}
+            versions |= {self.channel.get(k) for k in done}
         finally:
             self.channel.set(f"{key}/closed/{ticket}", 1)
         return self._complete(versions, deadline)
@@ -429,21 +451,28 @@ class WeightReceiver(_Endpoint):
                     "was written: register a new WeightReceiver after the generator re-allocates its weights"
                 )
 
-    def _receive_p2p(self, deadline: float) -> int:
+    def _receive_p2p(self, deadline: float) -> set[int]:
+        """The point-to-point senders' buckets, in round order; returns their
+        versions. Bucket i arrives in staging buffer i % 2 (tag 1 + i): the receive
+        of bucket i + 1 is posted before bucket i is unpacked, and the receive of
+        bucket i + 2 into the same buffer only after that unpack has completed."""
         versions = set()
         self.torn = True
-        for src in self.senders:
+        for src in self._p2p_senders:
             header = torch.empty(2, dtype=torch.int64, device=self.device)
             self._wait_work(self.group.recv([header], src, 0), deadline, f"the header from sender {src}")
             version, num_buckets = (int(x) for x in header.tolist())
-            if num_buckets != len(self._unpack[src]):
-                raise SyncError(f"sender {src} sends {num_buckets} buckets, the plan has {len(self._unpack[src])}")
+            tables = self._unpack[src]
+            if num_buckets != len(tables):
+                raise SyncError(f"sender {src} sends {num_buckets} buckets, the plan has {len(tables)}")
             versions.add(version)
-            for table, nbytes in self._unpack[src]:
-                work = self.group.recv([self._staging_buf[:nbytes]], src, 1)
-                self._wait_work(work, deadline, f"version {version} from sender {src}")
+            pending = self.group.recv([self._staging_bufs[0][: tables[0][1]]], src, 1) if tables else None
+            for i, (table, _) in enumerate(tables):
+                self._wait_work(pending, deadline, f"version {version} from sender {src}")
+                if i + 1 < len(tables):
+                    pending = self.group.recv([self._staging_bufs[(i + 1) % 2][: tables[i + 1][1]]], src, 2 + i)
                 run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
-        return self._complete(versions, deadline)
+        return versions
 
     def _complete(self, versions: set[int], deadline: float) -> int:
         """Every segment has landed: adopt the senders' common version."""

@@ -78,6 +78,46 @@ def _split(seg: Segment, max_bytes: int) -> list[Segment]:
     ]
 
 
+def bipartite_rounds(pairs) -> list[list[tuple[int, int]]]:
+    """Order (sender, receiver) pairs into rounds in which no rank appears twice (a
+    matching), in as few rounds as any schedule can: the most pairs one rank takes
+    part in (Koenig's edge-colouring theorem; 8 senders x 8 receivers: 8 rounds,
+    64 x 8: 64). Point-to-point transfers run round by round, so no rank waits for
+    a peer busy with a third. Deterministic: every rank computes the same rounds.
+
+    Each pair, in sorted order, takes the lowest round free at its sender, `a`;
+    when `a` is taken at its receiver while `b` (the lowest free there) is free at
+    the sender, the chain of pairs from the receiver alternating rounds a and b
+    swaps the two, which frees `a` at the receiver and keeps every round a matching
+    (the chain cannot reach the sender: it would close an odd cycle in a bipartite
+    graph)."""
+    pairs = sorted(set(pairs))
+    at_src: dict[int, dict[int, int]] = defaultdict(dict)  # sender -> round -> receiver
+    at_dst: dict[int, dict[int, int]] = defaultdict(dict)  # receiver -> round -> sender
+
+    def lowest_free(taken: dict[int, int]) -> int:
+        return next(r for r in range(len(taken) + 1) if r not in taken)
+
+    for src, dst in pairs:
+        a, b = lowest_free(at_src[src]), lowest_free(at_dst[dst])
+        chain, receiver = [], dst  # (sender, receiver, round): a from receivers, b from senders
+        while a in at_dst[receiver]:
+            sender = at_dst[receiver][a]
+            chain.append((sender, receiver, a))
+            if b not in at_src[sender]:
+                break
+            receiver = at_src[sender][b]
+            chain.append((sender, receiver, b))
+        for sender, receiver, taken in chain:
+            del at_src[sender][taken], at_dst[receiver][taken]
+        for sender, receiver, taken in chain:
+            swapped = b if taken == a else a
+            at_src[sender][swapped], at_dst[receiver][swapped] = receiver, sender
+        at_src[src][a], at_dst[dst][a] = dst, src
+    num_rounds = 1 + max((r for taken in at_src.values() for r in taken), default=-1)
+    return [sorted((s, d) for s, taken in at_src.items() for r, d in taken.items() if r == k) for k in range(num_rounds)]
+
+
 class TransferPlan:
     """Copy segments from a source layout to a destination layout, grouped per
     (source rank, destination rank) pair and bucketed."""

@@ -8,7 +8,10 @@
   exporting process never can): it writes to the published addresses directly.
 - p2p: a torch.distributed process group (gloo on CPU, NCCL on GPU) spanning
   senders and receivers, made from the same Store; buckets are packed, sent,
-  and unpacked into the parameters.
+  and unpacked into the parameters, round by round (`bipartite_rounds`).
+
+The transport is chosen per (sender, receiver) pair: ranks of one host share
+memory, ranks on two hosts go point-to-point (`choose_transports`).
 """
 
 from __future__ import annotations
@@ -34,14 +37,25 @@ TRANSPORTS = (SHM, CUDA_IPC, P2P)
 _SHM_ALIGN = 64
 
 
+def _namespace(kind: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/ns/{kind}")
+    except OSError:
+        return f"{kind}:unknown"
+
+
 def host_identity() -> str:
-    """Hostname plus kernel boot id: equal only for processes on one running machine."""
+    """Equal only for processes that can share memory by /dev/shm and /proc/PID/fd:
+    one running kernel (the boot id), one network namespace and one PID namespace.
+    The hostname, /dev/shm and the boot id alone do not tell hosts apart: processes
+    in two network namespaces (containers, or the test hosts of this repository's
+    tests) share all three, and must still talk over the network as two hosts do."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = "unknown-boot"
-    return f"{socket.gethostname()}/{boot}"
+    return f"{socket.gethostname()}/{boot}/{_namespace('net')}/{_namespace('pid')}"
 
 
 # Told apart from the pid: containers on one host (one hostname and boot id) can
@@ -55,7 +69,7 @@ def process_identity() -> str:
 
 
 def device_info(device: torch.device, tensors: Mapping[str, torch.Tensor] | None = None) -> dict:
-    """What choose_transport needs to know of one rank: host, process, device type;
+    """What choose_transports needs to know of one rank: host, process, device type;
     on CUDA also its GPU's UUID, the GPUs visible here (UUID -> whether this GPU can
     address them peer to peer), and, given the tensors the rank exports, why CUDA IPC
     cannot export them (`ipc_error`, None when it can)."""
@@ -119,38 +133,43 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, stacklevel=5)  # the line that made the WeightSender / WeightReceiver
 
 
-def choose_transport(requested: str, senders: Sequence[dict], receivers: Sequence[dict], pairs=None) -> str:
-    """Pick the transport every rank agrees on, from all ranks' `device_info`.
-    pairs: the (sender, receiver) ranks that exchange bytes (default: all).
-    'auto' takes shared memory (CPU) or CUDA IPC (GPU) when every rank is on one
-    host and, on GPU, CUDA IPC can serve every pair; else point-to-point, warning
-    once when one host could not use CUDA IPC. A transport named explicitly that
-    cannot work raises ValueError with the reason."""
+def choose_transports(
+    requested: str, senders: Sequence[dict], receivers: Sequence[dict], pairs=None
+) -> dict[tuple[int, int], str]:
+    """The transport of each (sender, receiver) pair that exchanges bytes (`pairs`,
+    default all), from every rank's `device_info`; every rank computes the same.
+    'auto': shared memory (CPU) or CUDA IPC (GPU) between ranks of one host,
+    point-to-point between hosts; on GPU, when CUDA IPC cannot serve every pair of
+    one host, those pairs go point-to-point too, with a warning (once). A
+    transport named explicitly that cannot serve every pair raises ValueError with
+    the reason."""
     check_transport_name(requested)
-    infos = [*senders, *receivers]
-    device_types = {i["device"] for i in infos}
+    if pairs is None:
+        pairs = [(s, d) for s in range(len(senders)) for d in range(len(receivers))]
+    pairs = sorted(pairs)
+    device_types = {i["device"] for i in [*senders, *receivers]}
     if len(device_types) != 1:
         raise ValueError(f"all sender and receiver tensors must be on one device type, got {sorted(device_types)}")
-    device_type = device_types.pop()
-    one_host = len({i["host"] for i in infos}) == 1
-    local = SHM if device_type == "cpu" else CUDA_IPC
-    if requested in (SHM, CUDA_IPC):
-        if requested != local:
-            raise ValueError(f"transport {requested!r} needs {'CPU' if requested == SHM else 'CUDA'} tensors")
-        if not one_host:
-            raise ValueError(f"transport {requested!r} needs every rank on one machine; use 'p2p'")
-    if requested == P2P or not one_host:
-        return P2P
+    local = SHM if device_types.pop() == "cpu" else CUDA_IPC
+    if requested in (SHM, CUDA_IPC) and requested != local:
+        raise ValueError(f"transport {requested!r} needs {'CPU' if requested == SHM else 'CUDA'} tensors")
+    if requested == P2P:
+        return {pair: P2P for pair in pairs}
+    remote = {(s, d) for s, d in pairs if senders[s]["host"] != receivers[d]["host"]}
+    if remote and requested != "auto":
+        s, d = min(remote)
+        raise ValueError(f"transport {requested!r} needs every rank on one machine, but sender {s} and receiver {d} "
+                         "are on different hosts; use 'p2p' (or 'auto': point-to-point between hosts only)")
+    one_host = [pair for pair in pairs if pair not in remote]
+    chosen = local
     if local == CUDA_IPC:
-        if pairs is None:
-            pairs = [(s, d) for s in range(len(senders)) for d in range(len(receivers))]
-        obstacle = cuda_ipc_obstacle(senders, receivers, pairs)
+        obstacle = cuda_ipc_obstacle(senders, receivers, one_host)
         if obstacle is not None:
             if requested == CUDA_IPC:
                 raise ValueError(f"transport 'cuda_ipc' cannot work here: {obstacle}; or use transport='p2p'")
             _warn_once(f"weight sync: CUDA IPC cannot be used ({obstacle}); falling back to 'p2p' (NCCL)")
-            return P2P
-    return local
+            chosen = P2P
+    return {pair: P2P if pair in remote else chosen for pair in pairs}
 
 
 # ----------------------------------------------------------------------------- shm
