@@ -28,9 +28,11 @@ and the pytest fixtures below skip with that reason.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import secrets
+import selectors
 import signal
 import subprocess
 import threading
@@ -230,6 +232,18 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
         os.killpg(proc.pid, signum)
     except ProcessLookupError:
         pass
+
+
+def read_report(proc: subprocess.Popen, timeout_s: float) -> dict:
+    """The next JSON line `proc` prints, waiting at most `timeout_s`."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout_s):
+            raise TimeoutError(f"no report from {proc.args} within {timeout_s} s")
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"{proc.args} exited ({proc.wait()}) without a report: {proc.stderr.read()}")
+    return json.loads(line)
 
 
 class NetnsHosts:

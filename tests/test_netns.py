@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ from netns_hosts import (  # noqa: F401 (make_netns_hosts, netns_hosts: pytest f
     make_netns_hosts,
     netns_hosts,
     parse_rate_bits,
+    read_report,
     remove_stale_namespaces,
 )
 
@@ -33,18 +33,6 @@ WORKERS = os.path.join(TESTS_DIR, "netns_workers.py")
 PORT = 29500
 # Collectives across the cut link must fail within this (plus start-up), never hang.
 GLOO_TIMEOUT_S = 3.0
-
-
-def read_report(proc: subprocess.Popen, timeout_s: float) -> dict:
-    """The next JSON line `proc` prints, waiting at most `timeout_s`."""
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        if not selector.select(timeout_s):
-            raise TimeoutError(f"no report from {proc.args} within {timeout_s} s")
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"{proc.args} exited ({proc.wait()}) without a report: {proc.stderr.read()}")
-    return json.loads(line)
 
 
 def start_worker(host, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:

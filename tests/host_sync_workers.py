@@ -1,0 +1,65 @@
+"""A weight-sync rank run inside a namespace host by tests/test_hosts.py:
+`python host_sync_workers.py ROLE RANK STORE_ADDR STORE_PORT SCENARIO_JSON`.
+Sender 0 serves the Store (port 0: it reports the port it got). Each rank reports
+JSON lines: its host identity and the transport of each of its pairs, then, for
+a receiver, the mismatches against the plain-torch reference of every version."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from helpers import hf_state_dict, mismatches, poisoned_destination, small_config
+from llamarl_core.sync import (
+    WeightReceiver,
+    WeightSender,
+    hf_llama_fsdp,
+    reference_fsdp_shards,
+    reference_vllm_tp_shards,
+    vllm_llama_tp,
+)
+from llamarl_core.sync.transports import host_identity
+
+TIMEOUT_S = 60
+
+
+def report(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def main(role: str, rank: int, addr: str, port: int, scenario: dict) -> None:
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    store = dist.TCPStore(addr, port, is_master=(role, rank) == ("sender", 0), timeout=timeout)
+    if (role, rank) == ("sender", 0):
+        report(port=store.port)
+    config = small_config(scenario["config"])
+    fsdp, tp, versions = scenario["fsdp"], scenario["tp"], scenario["versions"]
+    states = {v: hf_state_dict(config, scenario["seed"] + v) for v in versions}
+    if role == "sender":
+        shards = reference_fsdp_shards(states[versions[0]], fsdp, torch.float32)[rank]
+        with WeightSender(store, hf_llama_fsdp(config, fsdp, torch.float32), rank, shards, name="hosts",
+                          timeout=TIMEOUT_S, bucket_bytes=scenario["bucket_bytes"]) as sender:
+            report(host=host_identity(), transports={f"{s}->{d}": t for (s, d), t in sender.transports.items()})
+            for v in versions:
+                for name, t in reference_fsdp_shards(states[v], fsdp, torch.float32)[rank].items():
+                    shards[name].copy_(t)
+                sender.send(v)
+        return
+    layout = vllm_llama_tp(config, tp, torch.bfloat16)
+    params = poisoned_destination(layout, rank)
+    with WeightReceiver(store, layout, rank, params, name="hosts", timeout=TIMEOUT_S) as receiver:
+        report(host=host_identity(), transports={f"{s}->{d}": t for (s, d), t in receiver.transports.items()})
+        for v in versions:
+            got = receiver.receive()
+            expected = reference_vllm_tp_shards(states[v], config, tp, torch.bfloat16)[rank]
+            report(version=got, mismatches=mismatches(expected, receiver.weights()))
+
+
+if __name__ == "__main__":
+    role, rank, addr, port, scenario = sys.argv[1:]
+    main(role, int(rank), addr, int(port), json.loads(scenario))

@@ -1,0 +1,67 @@
+"""Weight sync between namespace hosts (tests/netns_hosts.py), which share /dev/shm,
+the hostname and the boot id but not a network: shared memory is never chosen
+across them, and a plan whose pairs are partly on one host and partly across
+hosts uses both transports in one sync, bitwise equal to the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from netns_hosts import make_netns_hosts, netns_hosts, read_report  # noqa: F401 (pytest fixtures)
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_sync_workers.py")
+VERSIONS = [1, 2]
+
+
+def start_rank(host, role: str, rank: int, store_addr: str, port: int, scenario: dict) -> subprocess.Popen:
+    return host.popen([sys.executable, WORKER, role, str(rank), store_addr, str(port), json.dumps(scenario)],
+                      env={"GLOO_SOCKET_IFNAME": host.ifname}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True)
+
+
+def run_sync(placement: dict[tuple[str, int], object], scenario: dict) -> dict[tuple[str, int], list[dict]]:
+    """Start every (role, rank) on its host, sender 0 first (it serves the Store);
+    return each rank's reports, after every rank exited 0."""
+    first = placement[("sender", 0)]
+    procs = {("sender", 0): start_rank(first, "sender", 0, first.addr, 0, scenario)}
+    port = read_report(procs[("sender", 0)], 60)["port"]
+    for (role, rank), host in placement.items():
+        if (role, rank) != ("sender", 0):
+            procs[(role, rank)] = start_rank(host, role, rank, first.addr, port, scenario)
+    reports = {}
+    for key, proc in procs.items():
+        count = 1 + (len(VERSIONS) if key[0] == "receiver" else 0)
+        reports[key] = [read_report(proc, 120) for _ in range(count)]
+        assert proc.wait(60) == 0, (key, proc.stderr.read()[-3000:])
+    return reports
+
+
+def test_no_shared_memory_across_hosts(netns_hosts):
+    """One sender and one receiver on two hosts that share /dev/shm: point-to-point,
+    and every version lands bitwise."""
+    a, b = netns_hosts
+    scenario = dict(config="llama_gqa_bias", fsdp=1, tp=1, versions=VERSIONS, seed=7, bucket_bytes=16384)
+    reports = run_sync({("sender", 0): a, ("receiver", 0): b}, scenario)
+    sender, receiver = reports[("sender", 0)][0], reports[("receiver", 0)][0]
+    assert sender["host"] != receiver["host"]
+    assert sender["host"].split("/")[:2] == receiver["host"].split("/")[:2]  # same hostname and boot id
+    assert sender["transports"] == receiver["transports"] == {"0->0": "p2p"}
+    assert [r["version"] for r in reports[("receiver", 0)][1:]] == VERSIONS
+    assert [r["mismatches"] for r in reports[("receiver", 0)][1:]] == [[], []]
+
+
+def test_shared_memory_within_a_host_and_p2p_across(netns_hosts):
+    """FSDP 2 -> TP 2 with a sender and a receiver on each host: the pairs within a
+    host share memory, the pairs across hosts go point-to-point, in one sync."""
+    a, b = netns_hosts
+    scenario = dict(config="qwen2", fsdp=2, tp=2, versions=VERSIONS, seed=11, bucket_bytes=16384)
+    placement = {("sender", 0): a, ("receiver", 0): a, ("sender", 1): b, ("receiver", 1): b}
+    reports = run_sync(placement, scenario)
+    expected = {"0->0": "shm", "0->1": "p2p", "1->0": "p2p", "1->1": "shm"}
+    assert all(r[0]["transports"] == expected for r in reports.values())
+    for rank in range(2):
+        assert [r["version"] for r in reports[("receiver", rank)][1:]] == VERSIONS
+        assert [r["mismatches"] for r in reports[("receiver", rank)][1:]] == [[], []], rank
