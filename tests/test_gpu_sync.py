@@ -271,13 +271,13 @@ def test_engine_calls_for_gpu_1_create_no_context_on_gpu_0():
 _EXPANDABLE_PROBE = """
 import json, torch
 from llamarl_core._native import native
-from llamarl_core.sync.transports import choose_transport, device_info
+from llamarl_core.sync.transports import choose_transports, device_info
 w = torch.empty(1 << 20, device="cuda")
 receiver = device_info(w.device, {"w": w})
 sender = {**device_info(w.device), "process": "another"}
-out = {"ipc_error": receiver["ipc_error"], "same_process": choose_transport("cuda_ipc", [device_info(w.device)], [receiver])}
+out = {"ipc_error": receiver["ipc_error"], "same_process": choose_transports("cuda_ipc", [device_info(w.device)], [receiver])[(0, 0)]}
 try:
-    choose_transport("cuda_ipc", [sender], [receiver])
+    choose_transports("cuda_ipc", [sender], [receiver])
     out["explicit"] = "accepted"
 except ValueError as exc:
     out["explicit"] = str(exc)
