@@ -411,6 +411,24 @@ def test_receiver_refuses_storage_moved_since_registration(store, transport):
     receiver.close()
 
 
+def test_point_to_point_timeout_and_rejoin_are_sync_errors(store):
+    """Over gloo a receive nobody sends to raises SyncTimeoutError (gloo reports its
+    own timeout as a bare RuntimeError); a rank registered again under the same name
+    with point-to-point pairs is refused before it joins the group's rendezvous."""
+    sender, receiver, _, _ = _threaded_pair(store, "p2p-timeout", "p2p")
+    start = time.monotonic()
+    with pytest.raises(SyncTimeoutError, match="receiving from sender 0 did not complete in time"):
+        receiver.receive(timeout=1)
+    assert time.monotonic() - start < 5 and receiver.torn
+    config = small_config("llama_gqa_bias")
+    layout = hf_llama_fsdp(config, 1, torch.float32)
+    shards = reference_fsdp_shards(hf_state_dict(config, 31), 1, torch.float32)[0]
+    with pytest.raises(ValueError, match="sender rank 0 registered again under the name 'p2p-timeout'"):
+        WeightSender(_client(store), layout, 0, shards, name="p2p-timeout", transport="p2p", timeout=5)
+    sender.close()
+    receiver.close()
+
+
 def test_sender_rechecks_tensors_whose_storage_moved(store):
     sender, receiver, _, _ = _threaded_pair(store, "sender-moved", "shm")
     name = "model.layers.0.mlp.up_proj.weight"

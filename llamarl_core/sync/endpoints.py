@@ -172,6 +172,15 @@ class _Endpoint:
         self.transport = "+".join(sorted(set(self.transports.values())))
         # Point-to-point pairs run round by round, each round a matching (no rank in two pairs).
         self._p2p_rounds = bipartite_rounds(pair for pair, t in self.transports.items() if t == P2P)
+        # A rank registered again under the same name (a restarted process) gets a
+        # higher incarnation; point-to-point pairs cannot take it back: the process
+        # group's rendezvous keys in the Store serve one group once.
+        self._incarnation = self.channel.counter(f"{me}/{rank}/incarnation", 1)
+        mine = (lambda pair: pair[0] == rank) if me == _SRC else (lambda pair: pair[1] == rank)
+        if self._incarnation > 1 and any(mine(pair) for rnd in self._p2p_rounds for pair in rnd):
+            raise ValueError(f"{self.side} rank {rank} registered again under the name {name!r}, but it has "
+                             "point-to-point pairs, which cannot be rejoined: register every sender and receiver "
+                             "again under a new name")
         self.group = None
         if self._p2p_rounds:
             num_src = src_layout.world_size
@@ -201,20 +210,38 @@ class _Endpoint:
         except RuntimeError as exc:
             if isinstance(exc, SyncError):
                 raise
-            raise SyncError(f"{what} failed (a peer died or its connection broke): {exc}") from exc
+            raise _p2p_failure(what, exc) from exc
 
-    def _staging(self, buckets) -> list[torch.Tensor]:
-        """Two buffers of the largest bucket's bytes for the p2p transport: bucket i
-        goes through buffer i % 2, so packing (or unpacking) one bucket overlaps the
-        transfer of the next; a second bucket of memory (256 MiB by default) per rank."""
-        largest = max((sum(seg.nbytes for seg in bucket) for bucket in buckets), default=0)
-        return [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(2)]
+    def _post(self, op: str, tensor: torch.Tensor, peer: int, tag: int, what: str):
+        """Post a point-to-point `op` ("send" / "recv") on the group; returns its work.
+        Gloo may refuse already at posting (a pair closed by an earlier timeout)."""
+        try:
+            return getattr(self.group, op)([tensor], peer, tag)
+        except RuntimeError as exc:
+            raise _p2p_failure(what, exc) from exc
+
+    def _staging(self, pair_buckets) -> list[torch.Tensor]:
+        """Staging for the p2p transport, from each p2p pair's buckets: bucket i goes
+        through buffer i % 2, so packing (or unpacking) one bucket overlaps the
+        transfer of the next. The second buffer, one more bucket of memory (256 MiB by
+        default), only where some pair has more than one bucket."""
+        largest = max((sum(seg.nbytes for seg in b) for buckets in pair_buckets for b in buckets), default=0)
+        count = 2 if any(len(buckets) > 1 for buckets in pair_buckets) else 1
+        return [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(count)]
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _p2p_failure(what: str, exc: RuntimeError) -> SyncError:
+    """The sync's error for a failed point-to-point op: gloo reports its own timeouts
+    as RuntimeError ("Timed out waiting ..."), which is a SyncTimeoutError here."""
+    if "Timed out" in str(exc):
+        return SyncTimeoutError(f"{what} did not complete in time: {exc}")
+    return SyncError(f"{what} failed (a peer died or its connection broke): {exc}")
 
 
 def _packed(bucket: tuple[Segment, ...]) -> tuple[list[Segment], list[Segment]]:
@@ -250,7 +277,7 @@ class WeightSender(_Endpoint):
         self._local_receivers = local[shift:] + local[:shift]
         self._p2p_receivers = [d for pairs in self._p2p_rounds for s, d in pairs if s == self.rank]
         self._served: dict[int, int] = {}
-        if local and self.channel.counter(f"{_SRC}/{self.rank}/incarnation", 1) > 1:
+        if self._incarnation > 1:
             # A restarted sender: a receive() open now may hold a predecessor's partial
             # writes and the other senders' previous version; joining it would mix
             # versions. Serve from the next ticket on.
@@ -269,7 +296,7 @@ class WeightSender(_Endpoint):
                 self._opened.append(opened)
                 addresses = opened.addresses
             self._dst_addresses[dst] = addresses
-        self._staging_bufs = self._staging([b for d in self._p2p_receivers for b in self.plan.buckets[(self.rank, d)]])
+        self._staging_bufs = self._staging([self.plan.buckets[(self.rank, d)] for d in self._p2p_receivers])
         self._build_tables()
 
     def _build_tables(self) -> None:
@@ -309,21 +336,20 @@ class WeightSender(_Endpoint):
         if any(storage_key(t) != self._src_keys[n] for n, t in self.tensors.items()):
             check_local_tensors(self.layout, self.rank, self.tensors, self.side)
             self._build_tables()
-        copy_timeout = self._copy_timeout(deadline)
         written = 0
         # Receivers on this host first: their receive() opens its ticket before it
         # waits on any point-to-point peer, so these copies never wait on a round.
         for dst in self._local_receivers:
             ticket = self._await_ticket(dst, deadline)
             for table, _ in self._tables[dst]:
-                written += run_segment_table(table, self.device, self.num_threads, copy_timeout)
+                written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
             self.channel.set(f"{_DST}/{dst}/done/{ticket}/{self.rank}", version)
             self._served[dst] = ticket
         for dst in self._p2p_receivers:  # in round order
-            written += self._send_p2p(dst, version, deadline, copy_timeout)
+            written += self._send_p2p(dst, version, deadline)
         return written
 
-    def _send_p2p(self, dst: int, version: int, deadline: float, copy_timeout: float) -> int:
+    def _send_p2p(self, dst: int, version: int, deadline: float) -> int:
         """Pack each bucket into staging buffer i % 2 and send it (tag 1 + i); the
         packing of bucket i + 1 overlaps the send of bucket i. Packing is done when
         run_segment_table returns (on GPU its stream waited for the current one, so
@@ -332,17 +358,18 @@ class WeightSender(_Endpoint):
         peer = self.plan.src_layout.world_size + dst
         tables = self._tables[dst]
         header = torch.tensor([version, len(tables)], dtype=torch.int64, device=self.device)
-        self._wait_work(self.group.send([header], peer, 0), deadline, f"sending the header of version {version} to receiver {dst}")
+        what = f"sending version {version} to receiver {dst}"
+        self._wait_work(self._post("send", header, peer, 0, what), deadline, what)
         in_flight = [None, None]  # the send reading each staging buffer
         written = 0
         for i, (table, nbytes) in enumerate(tables):
             if in_flight[i % 2] is not None:  # the buffer is free once the send reading it is done
-                self._wait_work(in_flight[i % 2], deadline, f"sending version {version} to receiver {dst}")
-            written += run_segment_table(table, self.device, self.num_threads, copy_timeout)
-            in_flight[i % 2] = self.group.send([self._staging_bufs[i % 2][:nbytes]], peer, 1 + i)
+                self._wait_work(in_flight[i % 2], deadline, what)
+            written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
+            in_flight[i % 2] = self._post("send", self._staging_bufs[i % 2][:nbytes], peer, 1 + i, what)
         for work in in_flight:
             if work is not None:
-                self._wait_work(work, deadline, f"sending version {version} to receiver {dst}")
+                self._wait_work(work, deadline, what)
         return written
 
     def close(self) -> None:
@@ -399,7 +426,7 @@ class WeightReceiver(_Endpoint):
             me = self._dst_infos[self.rank]["process"]
             remote = any(self._src_infos[src]["process"] != me for src in self._local_senders)
             self.channel.set(f"{_DST}/{self.rank}/handle", cuda_ipc_handle(self.landing, self.device, remote))
-        self._staging_bufs = self._staging([b for src in self._p2p_senders for b in self.plan.buckets[(src, self.rank)]])
+        self._staging_bufs = self._staging([self.plan.buckets[(src, self.rank)] for src in self._p2p_senders])
         self._unpack: dict[int, list] = {}
         for src in self._p2p_senders:
             self._unpack[src] = []
@@ -460,17 +487,19 @@ class WeightReceiver(_Endpoint):
         self.torn = True
         for src in self._p2p_senders:
             header = torch.empty(2, dtype=torch.int64, device=self.device)
-            self._wait_work(self.group.recv([header], src, 0), deadline, f"the header from sender {src}")
+            what = f"receiving from sender {src}"
+            self._wait_work(self._post("recv", header, src, 0, what), deadline, what)
             version, num_buckets = (int(x) for x in header.tolist())
             tables = self._unpack[src]
             if num_buckets != len(tables):
                 raise SyncError(f"sender {src} sends {num_buckets} buckets, the plan has {len(tables)}")
             versions.add(version)
-            pending = self.group.recv([self._staging_bufs[0][: tables[0][1]]], src, 1) if tables else None
+            what = f"version {version} from sender {src}"
+            pending = self._post("recv", self._staging_bufs[0][: tables[0][1]], src, 1, what) if tables else None
             for i, (table, _) in enumerate(tables):
-                self._wait_work(pending, deadline, f"version {version} from sender {src}")
+                self._wait_work(pending, deadline, what)
                 if i + 1 < len(tables):
-                    pending = self.group.recv([self._staging_bufs[(i + 1) % 2][: tables[i + 1][1]]], src, 2 + i)
+                    pending = self._post("recv", self._staging_bufs[(i + 1) % 2][: tables[i + 1][1]], src, 2 + i, what)
                 run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
         return versions
 

@@ -38,10 +38,12 @@ _SHM_ALIGN = 64
 
 
 def _namespace(kind: str) -> str:
+    """This process's namespace of `kind`; where it cannot be read, a value no other
+    process has, so that two processes are never taken for one host by default."""
     try:
         return os.readlink(f"/proc/self/ns/{kind}")
     except OSError:
-        return f"{kind}:unknown"
+        return f"{kind}:unreadable:{process_identity()}"
 
 
 def host_identity() -> str:
@@ -140,7 +142,7 @@ def choose_transports(
     default all), from every rank's `device_info`; every rank computes the same.
     'auto': shared memory (CPU) or CUDA IPC (GPU) between ranks of one host,
     point-to-point between hosts; on GPU, when CUDA IPC cannot serve every pair of
-    one host, those pairs go point-to-point too, with a warning (once). A
+    one host, that host's pairs go point-to-point too, with a warning (once). A
     transport named explicitly that cannot serve every pair raises ValueError with
     the reason."""
     check_transport_name(requested)
@@ -160,16 +162,18 @@ def choose_transports(
         s, d = min(remote)
         raise ValueError(f"transport {requested!r} needs every rank on one machine, but sender {s} and receiver {d} "
                          "are on different hosts; use 'p2p' (or 'auto': point-to-point between hosts only)")
-    one_host = [pair for pair in pairs if pair not in remote]
-    chosen = local
-    if local == CUDA_IPC:
-        obstacle = cuda_ipc_obstacle(senders, receivers, one_host)
-        if obstacle is not None:
+    chosen = {pair: P2P for pair in remote}
+    for host in sorted({senders[s]["host"] for s, _ in pairs}):
+        here = [(s, d) for s, d in pairs if (s, d) not in remote and senders[s]["host"] == host]
+        transport = local
+        if local == CUDA_IPC and (obstacle := cuda_ipc_obstacle(senders, receivers, here)) is not None:
             if requested == CUDA_IPC:
                 raise ValueError(f"transport 'cuda_ipc' cannot work here: {obstacle}; or use transport='p2p'")
-            _warn_once(f"weight sync: CUDA IPC cannot be used ({obstacle}); falling back to 'p2p' (NCCL)")
-            chosen = P2P
-    return {pair: P2P if pair in remote else chosen for pair in pairs}
+            _warn_once(f"weight sync: CUDA IPC cannot be used ({obstacle}); "
+                       f"falling back to 'p2p' (NCCL) between the GPUs of host {host}")
+            transport = P2P
+        chosen.update({pair: transport for pair in here})
+    return chosen
 
 
 # ----------------------------------------------------------------------------- shm
