@@ -165,6 +165,30 @@ def test_partial_rollout_switches_weights_between_decode_steps():
     assert switched >= 1  # at least one sample spans both versions
 
 
+def test_any_stop_id_ends_a_sample():
+    """eos_token_id may list several ids (a chat model's end of turn besides its
+    eos): a sample finishes at the first of any of them."""
+    _, gen = generator_from_hf(tiny_config(), 3)
+
+    def complete(eos_token_id):
+        engine = RolloutEngine(gen, max_batch=2, max_new_tokens=8, segment_tokens=8, temperature=1.0,
+                               eos_token_id=eos_token_id, pad_token_id=0, seed=0, greedy=True)
+        engine.submit([Sample(0, [1, 3, 4]), Sample(1, [1, 5])])
+        return {s.group: s for s in engine.run_segment(0)}
+
+    never = 12  # beyond tiny_config's vocabulary: never sampled
+    free = complete(never)
+    assert all(not s.finished and len(s.tokens) == 8 for s in free.values())
+    stop = free[0].tokens[2]  # sample 0's third token
+    cut = free[0].tokens.index(stop) + 1
+    ended = complete([never, stop])
+    assert ended[0].finished and ended[0].tokens == free[0].tokens[:cut]
+    assert ended[1].tokens == free[1].tokens[:len(ended[1].tokens)]  # a greedy sample ends at its first stop id
+    assert ended[1].finished == (stop in free[1].tokens)
+    with pytest.raises(ValueError, match="eos_token_id: expected an id or a non-empty sequence"):
+        complete([])
+
+
 def test_collate_packs_samples_and_aligns_targets_behaviour_and_advantages():
     samples = [Sample(0, [1, 3], [4, 2], [-0.5, -0.25], [0, 0], True, 1.0),
                Sample(0, [1, 3], [5, 6, 7], [-1.0, -2.0, -3.0], [0, 1, 1], False, 0.0),
