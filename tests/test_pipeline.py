@@ -433,6 +433,15 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path):
     assert not (tmp_path / "k").exists()
 
 
+def test_a_pretrained_model_defaults_to_a_pretrained_learning_rate(tmp_path):
+    from llamarl_core.pipeline.train_cli import PRETRAINED_LR, _config, parse_args
+
+    model = str(tmp_path / "model")  # the config builder only records the path
+    assert _config(parse_args(["--model", model]), "async").lr == PRETRAINED_LR == 1e-6
+    assert _config(parse_args(["--model", model, "--lr", "3e-5"]), "async").lr == 3e-5  # a given --lr wins
+    assert _config(parse_args([]), "async").lr == TrainConfig().lr == 1e-3  # the toy keeps its own
+
+
 def test_bad_models_datasets_and_rewards_fail_before_anything_is_written(tmp_path):
     """One line each, naming the culprit; no run folder written."""
     from test_data import tiny_model_folder, write_jsonl

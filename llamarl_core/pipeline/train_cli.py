@@ -44,6 +44,11 @@ NAMED_FLAGS = {
 }
 # The built-in model's sizes: a pretrained model (--model) brings its own.
 TOY_MODEL_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "warmup_steps")
+# --model's learning rate unless --lr is given: the toy's 1e-3 wrecks a pretrained model within a few steps;
+# 1e-6 is the usual rate for RL on a pretrained LLM (GRPO / PPO recipes use 1e-6 to 3e-6).
+PRETRAINED_LR = 1e-6
+FLAG_HELP = {"lr": f"AdamW learning rate (default: {TrainConfig.lr:g}; {PRETRAINED_LR:g} with --model)",
+             "steps": "RL steps (with --resume: the run's new total)"}
 
 
 def parse_args(argv):
@@ -72,7 +77,8 @@ def parse_args(argv):
                         help="encode prompts as plain text even where the model's tokenizer has a chat template")
     defaults = TrainConfig()
     for name in FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)), default=None)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)), default=None,
+                            help=FLAG_HELP.get(name))
     for name, (kind, help_text) in NAMED_FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
     return parser.parse_args(argv)
@@ -91,6 +97,7 @@ def _config(args, mode: str) -> TrainConfig:
             raise SystemExit(f"llamarl train: {' '.join(given)} size or warm the built-in model; --model brings its "
                              "own")
         values["warmup_steps"] = 0
+        values.setdefault("lr", PRETRAINED_LR)
     if args.mask_truncated:
         values["mask_truncated"] = True
     if args.log_rollouts:
