@@ -442,6 +442,18 @@ def test_a_pretrained_model_defaults_to_a_pretrained_learning_rate(tmp_path):
     assert _config(parse_args([]), "async").lr == TrainConfig().lr == 1e-3  # the toy keeps its own
 
 
+def test_resumed_steps_are_checked_like_any_config(tmp_path):
+    from llamarl_core.pipeline.train_cli import _resumed_config
+
+    TrainConfig(steps=10, lr_warmup_steps=5).save(tmp_path / "config.json")
+    resume = ("--resume", "--out", str(tmp_path), "--steps")
+    assert "steps must be >= 1, got 0" in train_error(*resume, "0")  # not ignored as falsy
+    assert "steps must be >= 1, got -3" in train_error(*resume, "-3")
+    assert "lr_warmup_steps 5 is more than the run's steps 3" in train_error(*resume, "3")
+    assert _resumed_config(tmp_path, 20) == TrainConfig(steps=20, lr_warmup_steps=5)
+    assert _resumed_config(tmp_path, None) == TrainConfig(steps=10, lr_warmup_steps=5)
+
+
 def test_bad_models_datasets_and_rewards_fail_before_anything_is_written(tmp_path):
     """One line each, naming the culprit; no run folder written."""
     from test_data import tiny_model_folder, write_jsonl
