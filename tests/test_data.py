@@ -3,7 +3,9 @@ split, verifiable rewards, the arithmetic dataset, model folders checked at the
 door, and the model tokenizer's chat template. No processes here."""
 
 import json
+import os
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import transformers
 from llamarl_core.models.checkpoint import ModelSource, context_length, save_model_folder
 from llamarl_core.pipeline import TrainConfig
 from llamarl_core.pipeline.arithmetic import arithmetic_problems
-from llamarl_core.pipeline.data import ModelTokenizer, Problem, RunData, read_dataset
+from llamarl_core.pipeline.data import ModelTokenizer, Problem, RunData, chat_end_of_turn, read_dataset
 from llamarl_core.pipeline.rewards import (
     RuleReward,
     answers_match,
@@ -189,6 +191,40 @@ def test_chat_template_and_plain_prompts():
     assert chat.encode("ab") == chat.encode([{"role": "user", "content": "ab"}])
     assert not ModelTokenizer(tokenizer, chat_template=False).use_chat
     assert chat.decode([3, 4, 2, 5]) == "ab"  # up to eos
+
+
+SMOLLM2 = Path(os.environ.get("LLAMARL_SMOLLM2", Path(__file__).parents[1] / "models" / "SmolLM2-135M-Instruct"))
+
+
+@pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(),
+                    reason=f"no SmolLM2-135M-Instruct in {SMOLLM2} (scripts/fetch-smollm2.sh fetches it)")
+def test_completions_stop_at_the_end_of_the_chat_turn_too(tmp_path):
+    smol = transformers.AutoTokenizer.from_pretrained(SMOLLM2)
+    im_end, endoftext = smol.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    # SmolLM2-Instruct's eos is <|im_end|>, the token its template ends turns with.
+    assert smol.eos_token_id == im_end and chat_end_of_turn(smol) == im_end
+    assert ModelTokenizer(smol, chat_template=True).stop_token_ids == (im_end,)
+    # The same tokenizer with eos <|endoftext|>, as Qwen2.5 base ships it: its turns still end with <|im_end|>.
+    smol.save_pretrained(tmp_path / "tok")
+    base = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok", eos_token="<|endoftext|>")
+    assert base.eos_token_id == endoftext and chat_end_of_turn(base) == im_end
+    chat = ModelTokenizer(base, chat_template=True)
+    assert chat.stop_token_ids == (endoftext, im_end)
+    made_up_turn = base("The answer is 4.<|im_end|>\n<|im_start|>user\nAnd 5+7? 12", add_special_tokens=False)
+    assert chat.decode(made_up_turn["input_ids"]) == "The answer is 4."
+    assert ModelTokenizer(base, chat_template=False).stop_token_ids == (endoftext,)  # no template, no turns
+    # A generation config's eos id(s) join them (an int or a list), each once.
+    assert ModelTokenizer(base, chat_template=False, generation_eos=im_end).stop_token_ids == (endoftext, im_end)
+    assert ModelTokenizer(base, chat_template=True, generation_eos=[endoftext, 7]).stop_token_ids == \
+        (endoftext, 7, im_end)
+
+
+def test_the_model_folders_generation_config_adds_stop_ids(tmp_path):
+    folder = tiny_model_folder(tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert RunData(TrainConfig(model=str(folder))).tokenizer.stop_token_ids == (2, 7)
+    (folder / "generation_config.json").unlink()
+    assert RunData(TrainConfig(model=str(folder))).tokenizer.stop_token_ids == (2,)
 
 
 def test_dataset_order_and_held_out_split(tmp_path):

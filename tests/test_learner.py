@@ -3,6 +3,7 @@ train_step (micro-batches, KL penalty, clipping, truncation masking, autocast)
 and the learning-rate schedule."""
 
 import copy
+import dataclasses
 import functools
 import math
 
@@ -232,6 +233,27 @@ def test_mask_truncated_drops_truncated_tokens_but_keeps_their_rewards():
             grads[mask, name] = optimizer.grads
     _assert_grads_close(grads[True, "changed"], grads[True, "original"], rel=1e-6)
     assert max(_relative_error(a, b) for a, b in zip(grads[False, "changed"], grads[False, "original"])) > 1e-3
+
+
+@pytest.mark.usefixtures("torch_loss_path")
+def test_a_step_where_no_token_counts_leaves_the_weights_alone():
+    """Every sample truncated and masked: zero gradients, and AdamW (momentum from
+    an earlier step, weight decay) must not step on them."""
+    samples = _samples(8)
+    model = _tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    first = learner.train_step(model, optimizer, samples, lr=1e-3, **STEP)  # momentum to move weights with
+    assert first.counted_tokens == sum(len(s.tokens) for s in samples)
+    before = [p.detach().clone() for p in model.parameters()]
+    steps_taken = [optimizer.state[p]["step"].clone() for p in model.parameters()]
+    truncated = [dataclasses.replace(s, finished=False) for s in samples]
+    step = learner.train_step(model, optimizer, truncated, lr=1e-3, mask_truncated=True, **STEP)
+    assert step.counted_tokens == 0 and step.grad_norm == 0.0 and step.truncated_samples == len(samples)
+    assert all(torch.equal(p.detach(), p0) for p, p0 in zip(model.parameters(), before))
+    assert all(torch.equal(optimizer.state[p]["step"], n) for p, n in zip(model.parameters(), steps_taken))
+    assert all(p.grad is None for p in model.parameters())
+    learner.train_step(model, optimizer, truncated, lr=1e-3, **STEP)  # unmasked, they count: it steps
+    assert not all(torch.equal(p.detach(), p0) for p, p0 in zip(model.parameters(), before))
 
 
 @pytest.mark.usefixtures("torch_loss_path")

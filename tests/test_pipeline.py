@@ -165,6 +165,30 @@ def test_partial_rollout_switches_weights_between_decode_steps():
     assert switched >= 1  # at least one sample spans both versions
 
 
+def test_any_stop_id_ends_a_sample():
+    """eos_token_id may list several ids (a chat model's end of turn besides its
+    eos): a sample finishes at the first of any of them."""
+    _, gen = generator_from_hf(tiny_config(), 3)
+
+    def complete(eos_token_id):
+        engine = RolloutEngine(gen, max_batch=2, max_new_tokens=8, segment_tokens=8, temperature=1.0,
+                               eos_token_id=eos_token_id, pad_token_id=0, seed=0, greedy=True)
+        engine.submit([Sample(0, [1, 3, 4]), Sample(1, [1, 5])])
+        return {s.group: s for s in engine.run_segment(0)}
+
+    never = 12  # beyond tiny_config's vocabulary: never sampled
+    free = complete(never)
+    assert all(not s.finished and len(s.tokens) == 8 for s in free.values())
+    stop = free[0].tokens[2]  # sample 0's third token
+    cut = free[0].tokens.index(stop) + 1
+    ended = complete([never, stop])
+    assert ended[0].finished and ended[0].tokens == free[0].tokens[:cut]
+    assert ended[1].tokens == free[1].tokens[:len(ended[1].tokens)]  # a greedy sample ends at its first stop id
+    assert ended[1].finished == (stop in free[1].tokens)
+    with pytest.raises(ValueError, match="eos_token_id: expected an id or a non-empty sequence"):
+        complete([])
+
+
 def test_collate_packs_samples_and_aligns_targets_behaviour_and_advantages():
     samples = [Sample(0, [1, 3], [4, 2], [-0.5, -0.25], [0, 0], True, 1.0),
                Sample(0, [1, 3], [5, 6, 7], [-1.0, -2.0, -3.0], [0, 1, 1], False, 0.0),
@@ -407,6 +431,27 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path):
     assert "drop --lr --mode" in message  # not silently ignored
     assert "--keep-kv needs --generator vllm" in train_error("--keep-kv", "--out", str(tmp_path / "k"), "--quiet")
     assert not (tmp_path / "k").exists()
+
+
+def test_a_pretrained_model_defaults_to_a_pretrained_learning_rate(tmp_path):
+    from llamarl_core.pipeline.train_cli import PRETRAINED_LR, _config, parse_args
+
+    model = str(tmp_path / "model")  # the config builder only records the path
+    assert _config(parse_args(["--model", model]), "async").lr == PRETRAINED_LR == 1e-6
+    assert _config(parse_args(["--model", model, "--lr", "3e-5"]), "async").lr == 3e-5  # a given --lr wins
+    assert _config(parse_args([]), "async").lr == TrainConfig().lr == 1e-3  # the toy keeps its own
+
+
+def test_resumed_steps_are_checked_like_any_config(tmp_path):
+    from llamarl_core.pipeline.train_cli import _resumed_config
+
+    TrainConfig(steps=10, lr_warmup_steps=5).save(tmp_path / "config.json")
+    resume = ("--resume", "--out", str(tmp_path), "--steps")
+    assert "steps must be >= 1, got 0" in train_error(*resume, "0")  # not ignored as falsy
+    assert "steps must be >= 1, got -3" in train_error(*resume, "-3")
+    assert "lr_warmup_steps 5 is more than the run's steps 3" in train_error(*resume, "3")
+    assert _resumed_config(tmp_path, 20) == TrainConfig(steps=20, lr_warmup_steps=5)
+    assert _resumed_config(tmp_path, None) == TrainConfig(steps=10, lr_warmup_steps=5)
 
 
 def test_bad_models_datasets_and_rewards_fail_before_anything_is_written(tmp_path):

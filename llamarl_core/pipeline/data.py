@@ -99,15 +99,43 @@ def prompt_text(prompt: str | list[dict]) -> str:
     return "\n".join(m["content"] for m in prompt)
 
 
+def chat_end_of_turn(tokenizer) -> int | None:
+    """The special token a chat template puts right after an assistant's message
+    (Qwen's <|im_end|>, Llama 3's <|eot_id|>), or None where it puts none: a
+    [user, assistant] exchange rendered, and the first token after the assistant's
+    content taken if it is a special one."""
+    import jinja2
+
+    content = "llamarl-probe"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": content}], tokenize=False)
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError):
+        return None  # a template that renders no such exchange has no end of turn to learn from it
+    at = text.rfind(content)
+    if at < 0:
+        return None
+    after = tokenizer(text[at + len(content):], add_special_tokens=False)["input_ids"]
+    added = tokenizer.added_tokens_decoder.get(after[0]) if after else None
+    return after[0] if added is not None and added.special else None
+
+
 class ModelTokenizer:
     """A pretrained model's transformers tokenizer behind the interface the pipeline
-    uses (CharTokenizer's): encode(prompt) -> ids, decode(ids) -> text up to eos,
-    vocab_size, pad / eos ids. With chat_template (and a tokenizer that has one), a
-    prompt becomes a user message, and a chat is rendered with the generation
-    prompt appended; otherwise text is encoded as is (bos added if the tokenizer
-    adds one)."""
+    uses (CharTokenizer's): encode(prompt) -> ids, decode(ids) -> text up to the
+    first stop token, vocab_size, pad / eos ids. With chat_template (and a
+    tokenizer that has one), a prompt becomes a user message, and a chat is
+    rendered with the generation prompt appended; otherwise text is encoded as is
+    (bos added if the tokenizer adds one).
 
-    def __init__(self, tokenizer, chat_template: bool):
+    stop_token_ids: what ends a completion, eos first: the tokenizer's eos, the
+    model's generation config eos id(s) (`generation_eos`: an int, a list or
+    None), and with the chat template its end-of-turn token. They differ on
+    many models (Qwen2.5 base: eos <|endoftext|>, turns end with <|im_end|>;
+    Llama 3: <|end_of_text|> and <|eot_id|>); stopping at eos alone runs past the
+    answer into a made-up next turn."""
+
+    def __init__(self, tokenizer, chat_template: bool, generation_eos: int | list[int] | None = None):
         if tokenizer.eos_token_id is None:
             raise ValueError("the model's tokenizer has no eos token: completions would never end")
         self.hf = tokenizer
@@ -115,6 +143,12 @@ class ModelTokenizer:
         self.vocab_size = len(tokenizer)
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        stops = [self.eos_token_id]
+        stops += [generation_eos] if isinstance(generation_eos, int) else list(generation_eos or ())
+        end_of_turn = chat_end_of_turn(tokenizer) if self.use_chat else None
+        if end_of_turn is not None:
+            stops.append(end_of_turn)
+        self.stop_token_ids = tuple(dict.fromkeys(stops))  # unique, in that order
 
     def encode(self, prompt: str | list[dict]) -> list[int]:
         if isinstance(prompt, list) and not self.use_chat:
@@ -128,9 +162,8 @@ class ModelTokenizer:
 
     def decode(self, ids) -> str:
         ids = list(ids)
-        if self.eos_token_id in ids:
-            ids = ids[: ids.index(self.eos_token_id)]
-        return self.hf.decode(ids, skip_special_tokens=True)
+        cut = next((i for i, t in enumerate(ids) if t in self.stop_token_ids), len(ids))
+        return self.hf.decode(ids[:cut], skip_special_tokens=True)
 
 
 def model_and_tokenizer(config: TrainConfig, task: Task | None):
@@ -142,7 +175,9 @@ def model_and_tokenizer(config: TrainConfig, task: Task | None):
         return None, config.toy_model_config(tokenizer.vocab_size), tokenizer
     source = ModelSource(config.model)
     model_config = source.config()
-    tokenizer = ModelTokenizer(source.tokenizer(), config.chat_template)
+    generation = source.generation_config()
+    tokenizer = ModelTokenizer(source.tokenizer(), config.chat_template,
+                               generation.eos_token_id if generation is not None else None)
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ValueError(f"--model {config.model}: its tokenizer has {tokenizer.vocab_size} tokens, more than the "
                          f"model's vocab_size {model_config.vocab_size}")

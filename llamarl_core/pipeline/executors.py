@@ -202,7 +202,7 @@ def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarn
         return VllmGenerator(data.model_config, tp=tp, store_port=store.port, sync_name=sync_name,
                              trainer_world=config.trainer_world, timeout_s=config.timeout_s,
                              max_new_tokens=data.max_new_tokens, temperature=config.temperature,
-                             eos_token_id=tokenizer.eos_token_id, seed=seed,
+                             eos_token_id=tokenizer.stop_token_ids, seed=seed,
                              recompute_kv=config.recompute_kv, model_dir=Path(out_dir) / f"vllm-model-{incarnation}",
                              # vLLM's workers bind their threads: to the generator's cores, as ours are pinned.
                              cpus="|".join(str(c) for c in sorted(_ALL_CORES)[:tp]) if pinned else None)
@@ -210,7 +210,7 @@ def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarn
     return LlamaGeneratorBackend(
         data.model_config, tp=tp, rank=rank, store=store, sync_name=sync_name, timeout_s=config.timeout_s,
         max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=data.max_new_tokens,
-        segment_tokens=config.segment_tokens, temperature=config.temperature, eos_token_id=tokenizer.eos_token_id,
+        segment_tokens=config.segment_tokens, temperature=config.temperature, eos_token_id=tokenizer.stop_token_ids,
         pad_token_id=tokenizer.pad_token_id, seed=seed, dtype=config.torch_dtype, device=config.device)
 
 

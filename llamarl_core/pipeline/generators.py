@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,8 +67,8 @@ class LlamaGeneratorBackend(Generator):
     rollouts (RolloutEngine), its parameters registered with a WeightReceiver."""
 
     def __init__(self, model_config, *, tp: int, rank: int, store: dist.Store, sync_name: str, timeout_s: float,
-                 max_batch: int, max_new_tokens: int, segment_tokens: int, temperature: float, eos_token_id: int,
-                 pad_token_id: int, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+                 max_batch: int, max_new_tokens: int, segment_tokens: int, temperature: float,
+                 eos_token_id: int | Sequence[int], pad_token_id: int, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         self.model = LlamaGenerator(model_config, tp, rank, group=dist.group.WORLD if tp > 1 else None, dtype=dtype,
                                     device=device)
         # The trainer's float32 weights are cast to `dtype` on the way in.

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -212,6 +213,8 @@ class StepStats:
     ref_kl: float | None  # k3 estimate of KL(learner || reference); None without the penalty
     truncated_samples: int  # samples that hit the token budget, masked or not
     lr: float
+    # Completion tokens in the loss, over every trainer rank; 0 (every sample masked as truncated): no optimizer step.
+    counted_tokens: int = 0
 
 
 _TOKEN_STATS = ("mismatch_kl", "truncated_fraction", "mean_ratio", "ref_kl")
@@ -233,6 +236,8 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rh
     max_grad_norm: the gradients clipped to that total norm (FSDP2 DTensor
     gradients included). autocast_dtype: the forwards run under torch.autocast
     to it. mask_truncated: see collate. Gradients are zeroed before and after.
+    When no token counts on any rank, the optimizer does not step: AdamW's
+    momentum and weight decay would move the weights on zero gradients.
     """
     if micro_batch_size is not None and micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 (or None: one micro-batch), got {micro_batch_size}")
@@ -251,6 +256,7 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rh
                for i in range(0, len(samples), size)]
     counts = [int((b.targets != IGNORE_INDEX).sum()) for b in batches]
     total = max(sum(counts), 1)
+    counted = _sum_over_ranks(model, sum(counts))
     for group in optimizer.param_groups:
         group["lr"] = lr
     # Leftover gradients (the supervised warm-up leaves its last ones) must not join this step's.
@@ -272,13 +278,26 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rh
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf if max_grad_norm is None else max_grad_norm)
     if isinstance(norm, DTensor):  # FSDP2: the norm of the sharded gradients, reduced over the ranks
         norm = norm.full_tensor()
-    optimizer.step()
+    if counted:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     means = {name: value / total for name, value in stat_sums.items()}
     return StepStats(loss=loss_sum / total, grad_norm=norm.item(), mismatch_kl=means["mismatch_kl"],
                      truncated_fraction=means["truncated_fraction"], mean_ratio=means["mean_ratio"],
                      ref_kl=None if kl_coef == 0 else means["ref_kl"],
-                     truncated_samples=sum(b.truncated for b in batches), lr=lr)
+                     truncated_samples=sum(b.truncated for b in batches), lr=lr, counted_tokens=counted)
+
+
+def _sum_over_ranks(model, count: int) -> int:
+    """`count` summed over the data-parallel ranks of an FSDP2 model (its
+    parameters are DTensors on one mesh), or `count` for a plain one. The ranks
+    step on averaged gradients: whether to step is decided on all of them."""
+    param = next(model.parameters())
+    if not isinstance(param, DTensor):
+        return count
+    total = torch.tensor([count], device=param.device)
+    dist.all_reduce(total, group=param.device_mesh.get_group())
+    return int(total.item())
 
 
 def learning_rate(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, schedule: str,

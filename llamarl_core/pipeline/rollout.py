@@ -13,7 +13,7 @@ batch is re-prefilled then, left-padded, so sequences of any length share it).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +26,7 @@ class Sample:
     """One completion of one prompt. group: the prompt's index in the task (its
     data position; for an evaluation sample, its index in the held-out split); the
     samples of a group share a prompt. tokens, logprobs, versions: per completion
-    token. finished: ended by eos (else truncated by the token budget). eval: a
+    token. finished: ended by a stop token (else truncated by the token budget). eval: a
     greedy completion of a held-out prompt, scored but never trained on."""
 
     group: int
@@ -57,12 +57,23 @@ class EngineStats:
         return {name: getattr(self, name) - getattr(earlier, name) for name in self.__dataclass_fields__}
 
 
+def stop_token_set(eos_token_id: int | Sequence[int]) -> frozenset[int]:
+    """The ids that end a completion: one eos id, or several (a chat model's
+    end-of-turn token besides its tokenizer's eos, a generation config's list)."""
+    ids = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+    if not ids:
+        raise ValueError("eos_token_id: expected an id or a non-empty sequence of ids, got an empty one")
+    return ids
+
+
 class RolloutEngine:
     """See the module docstring. Every rank of a tensor-parallel generator runs one
-    with the same seed and the same calls, so they sample the same tokens."""
+    with the same seed and the same calls, so they sample the same tokens.
+    eos_token_id: the id, or ids, that end a completion."""
 
     def __init__(self, model: LlamaGenerator, *, max_batch: int, max_new_tokens: int, segment_tokens: int,
-                 temperature: float, eos_token_id: int, pad_token_id: int, seed: int, greedy: bool = False):
+                 temperature: float, eos_token_id: int | Sequence[int], pad_token_id: int, seed: int,
+                 greedy: bool = False):
         for name, value in (("max_batch", max_batch), ("max_new_tokens", max_new_tokens),
                             ("segment_tokens", segment_tokens)):
             if value < 1:
@@ -71,7 +82,8 @@ class RolloutEngine:
             raise ValueError(f"temperature must be positive, got {temperature}")
         self.model = model
         self.max_batch, self.max_new_tokens, self.segment_tokens = max_batch, max_new_tokens, segment_tokens
-        self.temperature, self.eos, self.pad, self.greedy = temperature, eos_token_id, pad_token_id, greedy
+        self.temperature, self.pad, self.greedy = temperature, pad_token_id, greedy
+        self.stop_ids = stop_token_set(eos_token_id)
         # Token ids, masks and the sampling generator live where the model's weights do.
         self.device = model.model.embed_tokens.weight.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -124,7 +136,7 @@ class RolloutEngine:
     @torch.no_grad()
     def run_segment(self, version: int, stop: Callable[[], bool] = lambda: False) -> list[Sample]:
         """Up to `segment_tokens` decode steps with weights `version`; returns the
-        samples that finished (eos or budget). `stop()` is asked between decode
+        samples that finished (a stop token or the budget). `stop()` is asked between decode
         steps; True ends the segment there (the in-flight samples are kept and
         re-prefilled by the next segment)."""
         finished: list[Sample] = []
@@ -143,8 +155,8 @@ class RolloutEngine:
                 sample.tokens.append(t)
                 sample.logprobs.append(lp)
                 sample.versions.append(version)
-                if t == self.eos or len(sample.tokens) >= self.max_new_tokens:
-                    sample.finished = t == self.eos
+                if t in self.stop_ids or len(sample.tokens) >= self.max_new_tokens:
+                    sample.finished = t in self.stop_ids
                     finished.append(sample)
                 else:
                     keep.append(i)

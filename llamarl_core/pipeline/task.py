@@ -35,6 +35,7 @@ class CharTokenizer:
         self.ids = {c: i + SPECIAL_TOKENS for i, c in enumerate(alphabet)}
         self.vocab_size = len(alphabet) + SPECIAL_TOKENS
         self.pad_token_id, self.bos_token_id, self.eos_token_id = PAD, BOS, EOS
+        self.stop_token_ids = (EOS,)  # what ends a completion (ModelTokenizer's may hold more)
 
     def encode(self, text: str) -> list[int]:
         """bos, then one id per character; a character outside the alphabet raises."""

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -44,6 +45,11 @@ NAMED_FLAGS = {
 }
 # The built-in model's sizes: a pretrained model (--model) brings its own.
 TOY_MODEL_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "warmup_steps")
+# --model's learning rate unless --lr is given: the toy's 1e-3 wrecks a pretrained model within a few steps;
+# 1e-6 is the usual rate for RL on a pretrained LLM (GRPO / PPO recipes use 1e-6 to 3e-6).
+PRETRAINED_LR = 1e-6
+FLAG_HELP = {"lr": f"AdamW learning rate (default: {TrainConfig.lr:g}; {PRETRAINED_LR:g} with --model)",
+             "steps": "RL steps (with --resume: the run's new total)"}
 
 
 def parse_args(argv):
@@ -72,7 +78,8 @@ def parse_args(argv):
                         help="encode prompts as plain text even where the model's tokenizer has a chat template")
     defaults = TrainConfig()
     for name in FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)), default=None)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)), default=None,
+                            help=FLAG_HELP.get(name))
     for name, (kind, help_text) in NAMED_FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
     return parser.parse_args(argv)
@@ -91,6 +98,7 @@ def _config(args, mode: str) -> TrainConfig:
             raise SystemExit(f"llamarl train: {' '.join(given)} size or warm the built-in model; --model brings its "
                              "own")
         values["warmup_steps"] = 0
+        values.setdefault("lr", PRETRAINED_LR)
     if args.mask_truncated:
         values["mask_truncated"] = True
     if args.log_rollouts:
@@ -103,10 +111,26 @@ def _config(args, mode: str) -> TrainConfig:
         raise SystemExit("llamarl train: --keep-kv needs --generator vllm (our generator always recomputes)")
     if mode == "sync":
         values.pop("max_staleness", None)
-    try:
+    with _one_line_errors():
         return TrainConfig(mode=mode, **values)
+
+
+@contextlib.contextmanager
+def _one_line_errors():
+    """A bad configuration (a ValueError, checked before anything is written) as
+    one line, not a traceback."""
+    try:
+        yield
     except ValueError as exc:
         raise SystemExit(f"llamarl train: {exc}") from None
+
+
+def _resumed_config(out: Path, steps: int | None) -> TrainConfig:
+    """The saved config of the run in `out`, with `steps` (if given) as its new
+    total, checked again as a whole (steps against lr_warmup_steps, among others)."""
+    with _one_line_errors():
+        config = TrainConfig.load(out / "config.json")
+        return config if steps is None else dataclasses.replace(config, steps=steps)
 
 
 def run_one(config: TrainConfig, out: Path, quiet: bool) -> tuple[dict, list[dict]]:
@@ -124,10 +148,8 @@ def run_one(config: TrainConfig, out: Path, quiet: bool) -> tuple[dict, list[dic
 
             bar.write(step_line(m), file=sys.stderr)
 
-    try:  # checks the task and the model's shapes against the parallel sizes; nothing written yet
+    with _one_line_errors():  # checks the task and the model's shapes against the parallel sizes; nothing written yet
         controller = Controller(config, out, on_step=on_step, on_event=lambda msg: bar.write(msg, file=sys.stderr))
-    except ValueError as exc:
-        raise SystemExit(f"llamarl train: {exc}") from None
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "config.json"
     if saved.exists():
@@ -186,9 +208,7 @@ def main(argv=None) -> int:
     mode = args.mode or "async"
     out = args.out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{'compare' if args.compare else mode}")
     if not args.compare:
-        config = TrainConfig.load(out / "config.json") if args.resume else _config(args, mode)
-        if args.resume and args.steps:
-            config.steps = args.steps
+        config = _resumed_config(out, args.steps) if args.resume else _config(args, mode)
         summary, _ = run_one(config, out, args.quiet)
         _print_summary(summary)
         print(f"wrote {out}/: metrics.jsonl summary.json reward.png trace.json checkpoint/ model/ (the trained policy, "

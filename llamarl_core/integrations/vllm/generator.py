@@ -18,11 +18,11 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ...pipeline.generators import Generator
-from ...pipeline.rollout import Sample
+from ...pipeline.rollout import Sample, stop_token_set
 from ...sync import SyncTimeoutError, hf_llama_fsdp
 from . import ddma_init_info
 
@@ -67,11 +67,13 @@ def check_cpu_vllm(model_config) -> None:
 class VllmGenerator(Generator):
     """See the module docstring. model_dir: where the model's config.json is
     written for vLLM (the weights come by sync); cpus: the CPU ids each worker
-    binds its threads to ("|"-separated per TP rank), or None (no binding)."""
+    binds its threads to ("|"-separated per TP rank), or None (no binding);
+    eos_token_id: the id, or ids, that end a completion."""
 
     def __init__(self, model_config, *, tp: int, store_port: int, sync_name: str, trainer_world: int,
-                 timeout_s: float, max_new_tokens: int, temperature: float, eos_token_id: int, seed: int,
-                 recompute_kv: bool, model_dir: Path, cpus: str | None):
+                 timeout_s: float, max_new_tokens: int, temperature: float, eos_token_id: int | Sequence[int],
+                 seed: int, recompute_kv: bool, model_dir: Path, cpus: str | None):
+        self.stop_ids = stop_token_set(eos_token_id)
         # Before vLLM is imported: its INFO lines (one per pause and resume) would drown the run's own.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         import torch
@@ -104,9 +106,9 @@ class VllmGenerator(Generator):
         self._run(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
                   timeout_s + ENGINE_CALL_MARGIN_S, "connecting the engine to the trainer")
         self.params = dict(max_tokens=max_new_tokens, temperature=temperature, logprobs=0, detokenize=False,
-                           stop_token_ids=[eos_token_id], output_kind=RequestOutputKind.DELTA)
+                           stop_token_ids=sorted(self.stop_ids), output_kind=RequestOutputKind.DELTA)
         self._sampling_params = SamplingParams
-        self.eos, self.recompute_kv, self.seed, self.timeout_s = eos_token_id, recompute_kv, seed, timeout_s
+        self.recompute_kv, self.seed, self.timeout_s = recompute_kv, seed, timeout_s
         self.version: int | None = None
         self._ids = itertools.count()
         self._running: set[asyncio.Task] = set()
@@ -149,7 +151,7 @@ class VllmGenerator(Generator):
             raise RuntimeError(f"vLLM recorded no weight version for token {versions.index(None)} of request "
                                f"s{request} (spans {final.weight_versions})")
         sample.versions = versions
-        sample.finished = bool(sample.tokens) and sample.tokens[-1] == self.eos
+        sample.finished = bool(sample.tokens) and sample.tokens[-1] in self.stop_ids
         return sample
 
     async def _train_request(self, sample: Sample) -> None:
