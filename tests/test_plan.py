@@ -290,3 +290,21 @@ def test_point_to_point_schedule_of_a_plan(num_src, num_dst):
     rounds = bipartite_rounds(plan.pairs)
     _check_rounds(plan.pairs, rounds)
     assert len(rounds) == max(num_src, num_dst)
+
+
+def test_replicas_cost_the_trainer_ranks_nothing_and_relay_rank_to_rank():
+    """The bytes each trainer rank sends are the same for 1, 2 and 4 replicas; every
+    replica but 0 gets exactly one copy of each rank's tensors from its parent."""
+    config = small_config("llama_gqa_bias")
+    src, dst = hf_llama_fsdp(config, 3, torch.float32), vllm_llama_tp(config, 2, torch.bfloat16)
+    plans = {r: plan_transfer(src, dst, num_replicas=r) for r in (1, 2, 4)}
+    assert plans[1].bytes_sent_by_src_rank() == plans[2].bytes_sent_by_src_rank() == plans[4].bytes_sent_by_src_rank()
+    per_rank = {d: sum(torch.Size(s).numel() * t.itemsize for s, t in dst.local_tensor_specs(d).values()) for d in range(2)}
+    for num_replicas, plan in plans.items():
+        relayed = [row for row in plan.summary() if row["src_replica"] is not None]
+        assert sorted((row["dst_replica"], row["dst_rank"]) for row in relayed) == [
+            (rep, d) for rep in range(1, num_replicas) for d in range(2)]
+        assert all(row["src_rank"] == row["dst_rank"] and row["bytes"] <= per_rank[row["dst_rank"]] for row in relayed)
+        fed = [row for row in plan.summary() if row["src_replica"] is None]
+        assert {row["dst_replica"] for row in fed} == {0}
+    assert plans[4].relays == {0: [1, 2], 1: [3], 2: [], 3: []}

@@ -21,6 +21,7 @@ from helpers import (
     _child,
     hf_state_dict,
     llamarl_shm_entries,
+    mismatches,
     poisoned_destination,
     run_processes,
     run_with_small_dev_shm,
@@ -427,6 +428,62 @@ def test_point_to_point_timeout_and_rejoin_are_sync_errors(store):
         WeightSender(_client(store), layout, 0, shards, name="p2p-timeout", transport="p2p", timeout=5)
     sender.close()
     receiver.close()
+
+
+@pytest.mark.parametrize("num_replicas, fsdp, tp", [(2, 1, 1), (2, 2, 2), (4, 2, 1)])
+def test_replicas_each_equal_the_reference_after_every_sync(store, num_replicas, fsdp, tp):
+    """Generator replicas x TP ranks, one thread each (their own Store clients): the
+    trainer ranks send to replica 0, the others get each version by relay; every
+    replica's tensors equal the plain-torch reference after each of three syncs."""
+    config, versions = small_config("llama_gqa_bias"), (1, 2, 3)
+    name = f"replicas-{num_replicas}-{fsdp}-{tp}"
+    src_layout, dst_layout = hf_llama_fsdp(config, fsdp, torch.float32), vllm_llama_tp(config, tp, torch.bfloat16)
+    states = {v: hf_state_dict(config, 500 + v) for v in versions}
+    problems, errors = {}, []
+
+    def sender(rank):
+        try:
+            shards = {n: t.clone() for n, t in reference_fsdp_shards(states[1], fsdp, torch.float32)[rank].items()}
+            with WeightSender(_client(store), src_layout, rank, shards, name=name, timeout=60) as endpoint:
+                for v in versions:
+                    for n, t in reference_fsdp_shards(states[v], fsdp, torch.float32)[rank].items():
+                        shards[n].copy_(t)
+                    endpoint.send(v)
+        except Exception as exc:  # reported below: a thread's exception would vanish
+            errors.append(f"sender {rank}: {exc!r}")
+
+    def receiver(replica, rank):
+        try:
+            params = poisoned_destination(dst_layout, rank)
+            with WeightReceiver(_client(store), dst_layout, rank, params, name=name, timeout=60, replica=replica,
+                                num_replicas=num_replicas) as endpoint:
+                for v in versions:
+                    assert endpoint.receive() == v
+                    expected = reference_vllm_tp_shards(states[v], config, tp, torch.bfloat16)[rank]
+                    problems[(replica, rank, v)] = mismatches(expected, endpoint.weights())
+        except Exception as exc:
+            errors.append(f"replica {replica} rank {rank}: {exc!r}")
+
+    threads = [threading.Thread(target=sender, args=(r,)) for r in range(fsdp)]
+    threads += [threading.Thread(target=receiver, args=(rep, r)) for rep in range(num_replicas) for r in range(tp)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert errors == [] and not any(thread.is_alive() for thread in threads)
+    assert sorted(problems) == sorted((rep, r, v) for rep in range(num_replicas) for r in range(tp) for v in versions)
+    assert all(lines == [] for lines in problems.values()), {k: v for k, v in problems.items() if v}
+    assert llamarl_shm_entries() == []
+
+
+def test_replica_arguments_are_checked_before_registering(store):
+    config = small_config("mistral")
+    plain, fp8 = vllm_llama_tp(config, 1, torch.bfloat16), vllm_llama_tp(config, 1, torch.bfloat16, fp8="block")
+    with pytest.raises(ValueError, match=r"replica must be in \[0, 2\), got 2"):
+        WeightReceiver(store, plain, 0, poisoned_destination(plain, 0), name="rep-bad", replica=2, num_replicas=2)
+    with pytest.raises(ValueError, match="is an FP8 destination"):
+        WeightReceiver(store, fp8, 0, poisoned_destination(fp8, 0), name="rep-bad", num_replicas=2)
+    assert not dist.PrefixStore("llamarl/sync/rep-bad/", store).check(["dst/0/info"])  # nothing was published
 
 
 def test_sender_rechecks_tensors_whose_storage_moved(store):

@@ -50,7 +50,15 @@ from .engine import (
 from .errors import SyncError, SyncTimeoutError, TornWeightsError
 from .fp8 import Fp8Destinations, reduce_max
 from .layout import Layout
-from .plan import DEFAULT_BUCKET_BYTES, Segment, TransferPlan, bipartite_rounds, plan_transfer
+from .plan import (
+    DEFAULT_BUCKET_BYTES,
+    Segment,
+    TransferPlan,
+    bipartite_rounds,
+    check_replicas,
+    plan_transfer,
+    relay_tree,
+)
 from .transports import (
     CUDA_IPC,
     P2P,
@@ -236,6 +244,11 @@ class _Endpoint:
         self.close()
 
 
+def relay_name(name: str, replica: int) -> str:
+    """The Store namespace of the sync that fills `replica` (replica 0: the trainer's)."""
+    return f"{name}/replica{replica}" if replica else name
+
+
 def _p2p_failure(what: str, exc: RuntimeError) -> SyncError:
     """The sync's error for a failed point-to-point op: gloo reports its own timeouts
     as RuntimeError ("Timed out waiting ..."), which is a SyncTimeoutError here."""
@@ -397,12 +410,24 @@ class WeightReceiver(_Endpoint):
     Store keys. As with any collective every rank must take part: a NaN on one
     rank fails all at once, but a rank whose receive fails before the exchange
     leaves the others' all-reduce to time out.
+    replica / num_replicas: this rank's generator replica, of that many
+    data-parallel copies of `layout` (each a tensor-parallel group). The trainer
+    ranks send to replica 0 only; a version then goes down the replicas'
+    `relay_tree`, rank to same rank, each a sync of its own under the Store names
+    `<name>/replica<r>`: receive() returns once the version has landed here and
+    has been copied to the replicas this one feeds (a relay that fails raises,
+    saying this replica's version landed).
     """
 
     side = "receiver"
 
-    def __init__(self, *args, group: dist.ProcessGroup | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, store: dist.Store, layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor], *,
+                 group: dist.ProcessGroup | None = None, replica: int = 0, num_replicas: int = 1, **kwargs):
+        check_replicas(layout, num_replicas)
+        if not 0 <= replica < num_replicas:
+            raise ValueError(f"replica must be in [0, {num_replicas}), got {replica}")
+        name = kwargs.pop("name", "weights")
+        super().__init__(store, layout, rank, tensors, name=relay_name(name, replica), **kwargs)
         if group is not None and (group.size(), group.rank()) != (self.layout.world_size, self.rank):
             raise ValueError(f"receiver rank {self.rank}: group= must span the {self.layout.world_size} receiver ranks "
                              f"in rank order, got rank {group.rank()} of {group.size()}")
@@ -437,13 +462,30 @@ class WeightReceiver(_Endpoint):
                 self._unpack[src].append((table, sum(seg.nbytes for seg in bucket)))
         # Where the senders' segments (and the unpack tables) write: checked before every receive().
         self._landing_keys = {name: storage_key(t) for name, t in self.landing.items()}
+        # Registered last: a relay waits for its child's receiver, which waits for this one.
+        self.replica = replica
+        self._relays = {
+            child: WeightSender(store, layout, rank, self.tensors, name=relay_name(name, child), timeout=self.timeout,
+                                **{k: kwargs[k] for k in ("transport", "bucket_bytes", "num_threads") if k in kwargs})
+            for child in relay_tree(num_replicas)[replica]
+        }
 
     def receive(self, timeout: float | None = None) -> int:
         """Take the next version from the senders; returns it once every segment
-        has landed. Raises SyncTimeoutError (tensors torn, version unchanged), or
-        SyncError before anything is written if a tensor's storage moved since
-        registration."""
+        has landed (and been relayed to the replicas this one feeds). Raises
+        SyncTimeoutError (tensors torn, version unchanged), or SyncError before
+        anything is written if a tensor's storage moved since registration."""
         deadline = self._deadline(timeout)
+        version = self._receive(deadline)
+        for child, relay in self._relays.items():
+            try:
+                relay.send(version, timeout=max(deadline - time.monotonic(), 1e-3))
+            except SyncError as exc:
+                raise type(exc)(f"receiver rank {self.rank} of replica {self.replica}: version {version} landed here, "
+                                f"but relaying it to replica {child} failed: {exc}") from exc
+        return version
+
+    def _receive(self, deadline: float) -> int:
         self._check_storage()
         if not self._local_senders:
             # The unpack copies run on a stream that waits for the current one: the GPU orders them.
@@ -624,3 +666,5 @@ class WeightReceiver(_Endpoint):
 
     def close(self) -> None:
         self._closed = True
+        for relay in self._relays.values():
+            relay.close()

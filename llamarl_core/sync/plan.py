@@ -118,15 +118,41 @@ def bipartite_rounds(pairs) -> list[list[tuple[int, int]]]:
     return [sorted((s, d) for s, taken in at_src.items() for r, d in taken.items() if r == k) for k in range(num_rounds)]
 
 
+def relay_tree(num_replicas: int) -> dict[int, list[int]]:
+    """replica -> the replicas it relays each version to. The trainer ranks send to
+    replica 0 only, so the bytes a trainer rank sends do not grow with the number
+    of replicas; each version then spreads down a binary tree (replica r feeds 2r + 1
+    and 2r + 2), rank d of a replica to rank d of the next: R replicas hold it
+    after ceil(log2(R + 1)) - 1 relay hops, no replica sending more than twice."""
+    return {r: [c for c in (2 * r + 1, 2 * r + 2) if c < num_replicas] for r in range(num_replicas)}
+
+
+def check_replicas(dst_layout: Layout, num_replicas: int) -> None:
+    """Refuse, naming the reason, a destination that cannot be relayed to `num_replicas` replicas."""
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    fp8 = [name for name, spec in dst_layout.params.items() if spec.fp8]
+    if num_replicas > 1 and fp8:
+        raise ValueError(f"{fp8[0]!r} is an FP8 destination, which each receiver quantizes from bfloat16 rows; "
+                         "relaying FP8 weights to replicas is not supported yet: one sync per replica instead")
+
+
 class TransferPlan:
     """Copy segments from a source layout to a destination layout, grouped per
-    (source rank, destination rank) pair and bucketed."""
+    (source rank, destination rank) pair and bucketed. With `num_replicas` > 1
+    the destination is that many data-parallel copies of `dst_layout`: the
+    segments fill replica 0, and `relay` (a plan from `dst_layout` to itself, one
+    run per tensor) copies each replica into its children in `relays`."""
 
-    def __init__(self, src_layout: Layout, dst_layout: Layout, segments: list[Segment], bucket_bytes: int):
+    def __init__(self, src_layout: Layout, dst_layout: Layout, segments: list[Segment], bucket_bytes: int,
+                 num_replicas: int = 1):
         self.src_layout = src_layout
         self.dst_layout = dst_layout
         self.segments = tuple(segments)
         self.bucket_bytes = bucket_bytes
+        self.num_replicas = num_replicas
+        self.relays = relay_tree(num_replicas)
+        self.relay = plan_transfer(dst_layout, dst_layout, bucket_bytes) if num_replicas > 1 else None
         pairs: dict[tuple[int, int], list[Segment]] = defaultdict(list)
         for seg in segments:
             pairs[(seg.src_rank, seg.dst_rank)].append(seg)
@@ -163,17 +189,32 @@ class TransferPlan:
         return sum(seg.nbytes for seg in self.segments)
 
     def summary(self) -> list[dict]:
-        """Per (source rank, destination rank): bytes written, segments, buckets."""
+        """One row per link that carries bytes: from trainer rank `src_rank` to rank
+        `dst_rank` of replica 0 ("src_replica" None), then from rank d of each
+        replica to rank d of the replicas it relays to; bytes written, segments and
+        buckets of each."""
+        links = [(None, s, 0, d, buckets) for (s, d), buckets in self.buckets.items()]
+        for parent, children in self.relays.items():
+            links += [(parent, s, child, d, buckets) for child in children for (s, d), buckets in self.relay.buckets.items()]
         return [
             {
+                "src_replica": src_replica,
                 "src_rank": s,
+                "dst_replica": dst_replica,
                 "dst_rank": d,
                 "bytes": sum(seg.nbytes for b in buckets for seg in b),
                 "segments": sum(len(b) for b in buckets),
                 "buckets": len(buckets),
             }
-            for (s, d), buckets in self.buckets.items()
+            for src_replica, s, dst_replica, d, buckets in links
         ]
+
+    def bytes_sent_by_src_rank(self) -> dict[int, int]:
+        """Trainer rank -> bytes it sends per sync (the same whatever `num_replicas`)."""
+        sent: dict[int, int] = defaultdict(int)
+        for (s, _), buckets in self.buckets.items():
+            sent[s] += sum(seg.nbytes for b in buckets for seg in b)
+        return dict(sent)
 
     def execute_local(
         self,
@@ -296,8 +337,10 @@ def _decompose(frag: Fragment, holders: list[_Holder], dst_rank: int, dst_name: 
     return [rect for band in bands for rect in band]
 
 
-def plan_transfer(src_layout: Layout, dst_layout: Layout, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> TransferPlan:
-    """Plan the copy of every destination parameter from the source layout.
+def plan_transfer(src_layout: Layout, dst_layout: Layout, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                  num_replicas: int = 1) -> TransferPlan:
+    """Plan the copy of every destination parameter from the source layout, into
+    `num_replicas` data-parallel copies of the destination (see TransferPlan).
 
     Raises ValueError, naming the parameter, for: a destination reading a logical
     tensor the source does not have; a source parameter no destination uses; a
@@ -306,6 +349,7 @@ def plan_transfer(src_layout: Layout, dst_layout: Layout, bucket_bytes: int = DE
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    check_replicas(dst_layout, num_replicas)
     src_shapes = src_layout.logical_shapes()
     dst_shapes = dst_layout.logical_shapes()
     src_dtypes = {src: spec.dtype for spec in src_layout.params.values() for src in spec.logical_shapes()}
@@ -360,4 +404,4 @@ def plan_transfer(src_layout: Layout, dst_layout: Layout, bucket_bytes: int = DE
                             width, height, dst_item, cast,
                         )
                     )
-    return TransferPlan(src_layout, dst_layout, segments, bucket_bytes)
+    return TransferPlan(src_layout, dst_layout, segments, bucket_bytes, num_replicas)
