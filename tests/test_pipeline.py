@@ -376,6 +376,27 @@ def test_fsdp2_trainer_and_tensor_parallel_generator(tmp_path):
     assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)["step"] == 12
 
 
+def test_generator_replicas_sample_with_the_trainers_weights(tmp_path):
+    """Two generator replicas, sync mode: both generate (the trace), each receives every
+    version (replica 1's relayed by replica 0), and every sample's behaviour
+    log-probs equal the trainer's, whichever replica sampled it."""
+    out = tmp_path / "replicas"
+    proc = llamarl("--mode", "sync", "--generator-replicas", "2", "--out", str(out), *FAST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert len(metrics) == 12
+    assert all(abs(m["mismatch_kl"]) < 1e-5 and abs(m["mean_ratio"] - 1) < 1e-4 for m in metrics), metrics
+    spans = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    names = json.loads((out / "executors.json").read_text())
+    assert {k for k in names if k.startswith("generator/")} == {"generator/0", "generator/1"}
+    generator_pid = {e["pid"] for e in spans if e["name"] == "generate"}
+    assert len(generator_pid) == 1
+    for rank in (0, 1):
+        mine = [e for e in spans if e["pid"] in generator_pid and e["tid"] == rank]
+        assert any(e["name"] == "generate" for e in mine), rank
+        assert sorted(int(e["name"].split("v")[-1]) for e in mine if e["name"].startswith("receive")) == list(range(13))
+
+
 class _UnstartedProcess:
     def __init__(self, target, name, args, daemon):
         self.args, self.pid = args, None
@@ -385,8 +406,8 @@ class _UnstartedProcess:
 
 
 def test_generator_commands_go_to_rank_0_alone(tmp_path, monkeypatch):
-    """Generator rank 0 reads the commands and broadcasts them to the other ranks, so
-    only it gets an inbox (one nobody reads fills its pipe and hangs the controller at
+    """Generator rank 0 (of each replica) reads the commands and broadcasts them to the
+    other ranks, so only it gets an inbox (one nobody reads fills its pipe and hangs the controller at
     exit: the next test)."""
     ctl = Controller(TrainConfig(generator_tp=2), tmp_path)
     ctl.store = types.SimpleNamespace(port=0)
@@ -394,6 +415,11 @@ def test_generator_commands_go_to_rank_0_alone(tmp_path, monkeypatch):
     ctl._start_generator()
     assert list(ctl.inboxes) == [("generator", 0)]
     assert ctl.procs[("generator", 1)].args[4] is None  # rank 1's inbox
+    replicas = Controller(TrainConfig(generator_tp=2, generator_replicas=2), tmp_path)  # ranks 0-1, 2-3
+    replicas.store = types.SimpleNamespace(port=0)
+    monkeypatch.setattr(replicas.ctx, "Process", _UnstartedProcess)
+    replicas._start_generator()
+    assert list(replicas.inboxes) == [("generator", 0), ("generator", 2)]
 
 
 def test_tensor_parallel_generator_runs_past_a_pipe_of_commands(tmp_path):

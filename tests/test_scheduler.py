@@ -20,12 +20,12 @@ def group(g, versions):
 
 def test_stale_groups_are_dropped_wherever_they_wait_and_counted_in_the_next_batch():
     sched = Scheduler(TrainConfig(prompts_per_step=2, samples_per_prompt=2, max_staleness=2), step=3)
-    assert sched.issue(weights_landed=True) == [0, 1, 2, 3]  # groups_in_flight: 2 steps x 2 prompts
+    assert sched.issue({0: True}) == {0: [0, 1, 2, 3]}  # groups_in_flight: 2 steps x 2 prompts
     sched.add_samples(group(0, [[3], [1, 2]]))  # fresh at step 3: 3 - 1 <= 2
     sched.add_samples(group(1, [[3], [0]]))  # stale, behind a fresh group
     assert sched.take_batch() is None and sched.dropped == 2  # one fresh group: not enough
     assert sched.outstanding == {0, 2, 3}
-    assert sched.issue(weights_landed=True) == [4]
+    assert sched.issue({0: True}) == {0: [4]}
     sched.add_samples(group(4, [[3], [3]]))
     batch = sched.take_batch()
     assert batch.step == 3 and [g[0].group for g in batch.groups] == [0, 4] and len(batch.samples) == 4
@@ -38,33 +38,33 @@ def test_stale_groups_are_dropped_wherever_they_wait_and_counted_in_the_next_bat
 
 def test_lost_generator_groups_are_reissued_first_and_complete_groups_kept():
     sched = Scheduler(TrainConfig(prompts_per_step=2, samples_per_prompt=2, max_staleness=1))
-    assert sched.issue(weights_landed=True) == [0, 1]
+    assert sched.issue({0: True}) == {0: [0, 1]}
     sched.add_samples(group(1, [[0], [0]]))
     sched.add_samples(group(0, [[0]]))  # half of group 0
     sched.generator_lost()
     assert sched.to_reissue == [0] and sched.outstanding == {1}
     with pytest.raises(ValueError, match="group 0, which is not being sampled"):
         sched.add_samples(group(0, [[0]]))  # the controller discards a lost generator's samples
-    assert sched.issue(weights_landed=True) == [0]
+    assert sched.issue({0: True}) == {0: [0]}
     sched.add_samples(group(0, [[0], [0]]))
     assert [g[0].group for g in sched.take_batch().groups] == [1, 0]
 
 
 def test_sync_mode_issues_a_step_only_when_its_weights_have_landed():
     sched = Scheduler(TrainConfig(mode="sync", prompts_per_step=2, samples_per_prompt=2))
-    assert sched.issue(weights_landed=False) == []
-    assert sched.issue(weights_landed=True) == [0, 1]
+    assert sched.issue({0: False}) == {}
+    assert sched.issue({0: True}) == {0: [0, 1]}
     sched.add_samples(group(0, [[0], [0]]) + group(1, [[0], [0]]))
     sched.take_batch()
-    assert sched.issue(weights_landed=True) == []  # step 0 in training
+    assert sched.issue({0: True}) == {}  # step 0 in training
     sched.trained()
-    assert sched.issue(weights_landed=False) == []  # version 1 not on the generator yet
-    assert sched.issue(weights_landed=True) == [2, 3]
+    assert sched.issue({0: False}) == {}  # version 1 not on the generator yet
+    assert sched.issue({0: True}) == {0: [2, 3]}
 
 
 def test_resumed_scheduler_issues_from_its_data_position():
     sched = Scheduler(TrainConfig(prompts_per_step=2, samples_per_prompt=2, max_staleness=1), 10, 37)
-    assert sched.issue(weights_landed=True) == [37, 38] and sched.step == 10
+    assert sched.issue({0: True}) == {0: [37, 38]} and sched.step == 10
 
 
 # ----------------------------------------------------------------------------- random runs
@@ -76,11 +76,12 @@ EVENT_CUM_WEIGHTS = tuple(itertools.accumulate([2, 6, 4, 3, 4, 3, 3, 3, 0.1]))
 
 class _Run:
     """One random run against a Scheduler, checking every decision it takes. The
-    generator samples the issued groups token by token with the version it holds,
-    any sample at any time; finished samples are scored in random subsets and the
-    scorings reach the scheduler in random order (a lost generator's are discarded,
-    as the controller does); trained versions land on the generator in order, each
-    at a random later time; the generator is lost at random moments."""
+    generator (1 to 3 replicas) samples the issued groups token by token, each
+    replica with the version it holds, any sample at any time; finished samples are
+    scored in random subsets and the scorings reach the scheduler in random order (a
+    lost generator's are discarded, as the controller does); trained versions land on
+    each replica in order, each at a random later time; the generator (every
+    replica) is lost at random moments."""
 
     def __init__(self, seed: int):
         self.rng = rng = random.Random(seed)
@@ -88,9 +89,10 @@ class _Run:
         self.config = TrainConfig(mode=mode, prompts_per_step=rng.randint(1, 4), samples_per_prompt=rng.randint(2, 3),
                                   max_staleness=rng.randint(1, 3))
         self.sched = Scheduler(self.config)
-        self.generator_version: int | None = 0  # None: a new generator waiting for its weights
+        self.num_replicas = rng.randint(1, 3)
+        self.versions: list[int | None] = [0] * self.num_replicas  # per replica; None: waiting for its weights
         self.incarnation = 0
-        self.sampling: list[Sample] = []  # the generator's unfinished samples
+        self.sampling: list[tuple[int, Sample]] = []  # the generator's unfinished samples, with their replica
         self.scorings: list[tuple[int, list[Sample]]] = []  # (incarnation, samples) on their way
         self.finished: list[Sample] = []  # finished, not yet in a scoring
         self.issued: set[int] = set()
@@ -102,12 +104,15 @@ class _Run:
 
     # -- the scheduler's calls, each checked --------------------------------------------
     def issue(self):
-        if self.generator_version is None:
-            return
+        holding = {r: v == self.sched.step for r, v in enumerate(self.versions) if v is not None}
         before = len(self.sched.outstanding)
-        groups = self.sched.issue(weights_landed=self.generator_version == self.sched.step)
-        if self.config.mode == "sync" and groups:
-            assert self.sched.training is None and self.generator_version == self.sched.step
+        issued = self.sched.issue(holding)
+        groups = sorted(g for gs in issued.values() for g in gs)
+        for replica, gs in issued.items():
+            assert replica in holding and gs == sorted(gs), (replica, gs, holding)
+            if self.config.mode == "sync":
+                assert self.sched.training is None and self.versions[replica] == self.sched.step
+            self.sampling += [(replica, Sample(g, [1])) for g in gs for _ in range(self.config.samples_per_prompt)]
         for g in groups:
             if g in self.lost:
                 self.lost.remove(g)
@@ -116,7 +121,6 @@ class _Run:
                 self.next_fresh += 1
             self.issued.add(g)
             self.delivered[g] = []
-            self.sampling += [Sample(g, [1]) for _ in range(self.config.samples_per_prompt)]
         assert len(self.sched.outstanding) == before + len(groups) <= self.config.groups_in_flight
 
     def take(self):
@@ -159,24 +163,24 @@ class _Run:
         assert set(self.sched.to_reissue) == self.lost
         self.sampling, self.finished = [], []
         self.incarnation += 1
-        self.generator_version = None
+        self.versions = [None] * self.num_replicas
 
     # -- the world around it ---------------------------------------------------------------
-    def land(self):
-        """The next trained version lands on the generator (a new one gets the latest)."""
-        if self.generator_version is None:
-            self.generator_version = self.sched.step
-        elif self.generator_version < self.sched.step:
-            self.generator_version += 1
+    def land(self, replica):
+        """The next trained version lands on a replica (a new one gets the latest)."""
+        if self.versions[replica] is None:
+            self.versions[replica] = self.sched.step
+        elif self.versions[replica] < self.sched.step:
+            self.versions[replica] += 1
 
-    def decode(self, sample):
+    def decode(self, replica, sample):
         sample.tokens.append(3)
         sample.logprobs.append(0.0)
-        sample.versions.append(self.generator_version)
+        sample.versions.append(self.versions[replica])
 
-    def finish(self, sample):
-        self.sampling.remove(sample)
-        self.finished.append(sample)
+    def finish(self, entry):
+        self.sampling.remove(entry)
+        self.finished.append(entry[1])
 
     def score(self, count):
         self.rng.shuffle(self.finished)
@@ -188,13 +192,13 @@ class _Run:
         event = rng.choices(EVENTS, cum_weights=EVENT_CUM_WEIGHTS)[0]
         if event == "issue":
             self.issue()
-        elif event == "decode" and self.sampling and self.generator_version is not None:
-            for sample in rng.sample(self.sampling, rng.randint(1, len(self.sampling))):
-                self.decode(sample)
+        elif event == "decode" and self.sampling:
+            for replica, sample in rng.sample(self.sampling, rng.randint(1, len(self.sampling))):
+                self.decode(replica, sample)  # a replica samples only once it holds weights: it was issued then
         elif event == "finish":
-            started = [x for x in self.sampling if x.tokens]
-            for sample in rng.sample(started, rng.randint(0, len(started))):
-                self.finish(sample)
+            started = [entry for entry in self.sampling if entry[1].tokens]
+            for entry in rng.sample(started, rng.randint(0, len(started))):
+                self.finish(entry)
         elif event == "score" and self.finished:
             self.score(rng.randint(1, len(self.finished)))
         elif event == "deliver" and self.scorings:
@@ -204,18 +208,19 @@ class _Run:
         elif event == "train":
             self.train()
         elif event == "land":
-            self.land()
+            self.land(rng.randrange(self.num_replicas))
         elif event == "lose":
             self.lose_generator()
 
     def drain_round(self):
         """Everything in order, no generator lost: what is in flight gets trained or dropped."""
-        while self.generator_version != self.sched.step:
-            self.land()
+        for replica in range(self.num_replicas):
+            while self.versions[replica] != self.sched.step:
+                self.land(replica)
         self.issue()
-        for sample in list(self.sampling):
-            self.decode(sample)
-            self.finish(sample)
+        for entry in list(self.sampling):
+            self.decode(*entry)
+            self.finish(entry)
         self.score(len(self.finished))
         while self.scorings:
             self.deliver(self.scorings.pop())

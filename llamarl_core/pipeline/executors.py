@@ -95,9 +95,10 @@ def _setup_threads(config: TrainConfig, role: str, rank: int) -> None:
         torch.set_num_threads(len(cores))
         return
     torch.set_num_threads(1)
-    pinned = config.generator_tp + config.trainer_world
+    generator_ranks = config.generator_tp * config.generator_replicas
+    pinned = generator_ranks + config.trainer_world
     if role != REWARD and pinned <= len(cores):
-        index = rank if role == GENERATOR else config.generator_tp + rank
+        index = rank if role == GENERATOR else generator_ranks + rank
         os.sched_setaffinity(0, {cores[index]})
 
 
@@ -159,17 +160,18 @@ def executor_main(role: str, rank: int, config_dict: dict, store_port: int, inbo
 
 
 class _CommandFeed:
-    """The generator ranks' shared view of the controller's commands: rank 0 reads
-    the inbox and broadcasts what it read over the tensor-parallel group, so every
-    rank takes the same decisions at the same decode step."""
+    """A replica's generator ranks' shared view of the controller's commands: its
+    rank 0 (the leader) reads the inbox and broadcasts what it read over the
+    replica's tensor-parallel group, so every rank takes the same decisions at the
+    same decode step."""
 
-    def __init__(self, link: Link, tp_size: int):
-        self.link, self.tp_size = link, tp_size
+    def __init__(self, link: Link, tp_size: int, leader: bool):
+        self.link, self.tp_size, self.leader = link, tp_size, leader
         self.pending: deque = deque()
 
     def poll(self, block_s: float = 0.0) -> None:
         new = []
-        if self.link.rank == 0:
+        if self.leader:
             first = self.link.get(block_s) if block_s > 0 else self.link.get_nowait()
             while first is not None:
                 new.append(first)
@@ -186,10 +188,12 @@ class _CommandFeed:
         return any(kind in ("receive", "stop") for kind, _ in self.pending)
 
 
-def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarnation: int, out_dir: str):
+def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarnation: int, out_dir: str,
+                    replica: int = 0):
     """This rank's generator (generators.py): ours, one process per tensor-parallel
-    rank in its own process group; or a vLLM engine, whose tensor-parallel workers
-    vLLM starts itself (this executor is its only rank). It starts with no weights
+    rank, each replica's ranks in a process group of their own, the weights relayed
+    from replica to replica; or a vLLM engine, whose tensor-parallel workers vLLM
+    starts itself (this executor is its only rank). It starts with no weights
     (zeros, or vLLM's dummy ones): the first sync brings the trainer's. Set-up waits
     for the trainer as long as any executor may take to start (its supervised
     warm-up or checkpoint loading comes first)."""
@@ -206,17 +210,22 @@ def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarn
                              recompute_kv=config.recompute_kv, model_dir=Path(out_dir) / f"vllm-model-{incarnation}",
                              # vLLM's workers bind their threads: to the generator's cores, as ours are pinned.
                              cpus="|".join(str(c) for c in sorted(_ALL_CORES)[:tp]) if pinned else None)
-    _process_group(store, f"{GENERATOR}/{incarnation}", rank, tp, config)
+    _process_group(store, f"{GENERATOR}/{incarnation}/{replica}", rank, tp, config)
     return LlamaGeneratorBackend(
         data.model_config, tp=tp, rank=rank, store=store, sync_name=sync_name, timeout_s=config.timeout_s,
+        replica=replica, num_replicas=config.generator_replicas,
         max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=data.max_new_tokens,
         segment_tokens=config.segment_tokens, temperature=config.temperature, eos_token_id=tokenizer.stop_token_ids,
         pad_token_id=tokenizer.pad_token_id, seed=seed, dtype=config.torch_dtype, device=config.device)
 
 
 def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str) -> None:
-    generator = _make_generator(config, RunData(config), store, rank, incarnation, out_dir)
-    feed = _CommandFeed(link, 1 if config.generator == "vllm" else config.generator_tp)
+    """Generator rank `rank` of all replicas': rank `tp_rank` of replica `replica`."""
+    tp = 1 if config.generator == "vllm" else config.generator_tp
+    replica, tp_rank = divmod(rank, tp)
+    generator = _make_generator(config, RunData(config), store, tp_rank, incarnation, out_dir, replica)
+    leader = tp_rank == 0  # reads the replica's commands and reports for it
+    feed = _CommandFeed(link, tp, leader)
     busy = 0.0
     link.send("ready")
     try:
@@ -232,14 +241,14 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
                     start = time.monotonic()
                     version = generator.update_weights(payload["version"], config.sync_timeout_s)
                     link.span(f"receive v{version}", start, time.monotonic())
-                    if rank == 0:
+                    if leader:
                         link.send("received", version=version, busy=busy)
                         busy = 0.0
                     if payload["evaluate"]:  # greedy, to the end, on these weights alone, before anything else
                         start = time.monotonic()
                         done = generator.evaluate([Sample(i, ids, eval=True) for i, ids in payload["evaluate"]])
                         link.span(f"evaluate v{version}", start, time.monotonic(), prompts=len(done))
-                        if rank == 0:
+                        if leader:
                             link.send("samples", samples=done, busy=0.0)
             if generator.version is None or not generator.busy:
                 feed.poll(block_s=INBOX_POLL_S)
@@ -249,7 +258,7 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
             end = time.monotonic()
             busy += end - start
             link.span("generate", start, end, version=generator.version, **generator.segment_stats())
-            if done and rank == 0:
+            if done and leader:
                 link.send("samples", samples=done, busy=busy)
                 busy = 0.0
     finally:

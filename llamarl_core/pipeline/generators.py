@@ -67,14 +67,14 @@ class LlamaGeneratorBackend(Generator):
     rollouts (RolloutEngine), its parameters registered with a WeightReceiver."""
 
     def __init__(self, model_config, *, tp: int, rank: int, store: dist.Store, sync_name: str, timeout_s: float,
-                 max_batch: int, max_new_tokens: int, segment_tokens: int, temperature: float,
+                 replica: int = 0, num_replicas: int = 1, max_batch: int, max_new_tokens: int, segment_tokens: int, temperature: float,
                  eos_token_id: int | Sequence[int], pad_token_id: int, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         self.model = LlamaGenerator(model_config, tp, rank, group=dist.group.WORLD if tp > 1 else None, dtype=dtype,
                                     device=device)
         # The trainer's float32 weights are cast to `dtype` on the way in.
         self.receiver = WeightReceiver(store, vllm_llama_tp(model_config, tp, dtype), rank,
                                        dict(self.model.named_parameters()), name=sync_name, timeout=timeout_s,
-                                       num_threads=1)
+                                       num_threads=1, replica=replica, num_replicas=num_replicas)
         self._engine_args = dict(max_batch=max_batch, max_new_tokens=max_new_tokens, temperature=temperature,
                                  eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         self.engine = RolloutEngine(self.model, segment_tokens=segment_tokens, seed=seed, **self._engine_args)

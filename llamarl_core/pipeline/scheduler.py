@@ -6,9 +6,10 @@ decides; tests/test_scheduler.py drives it through thousands of random completio
 orders.
 
 A group is a data position: group g is the task's prompt g, sampled
-samples_per_prompt times. It is outstanding from the moment it is issued to the
-generator until the trainer takes it or it is dropped; at most groups_in_flight are
-outstanding at once. Step s trains weight version s on prompts_per_step complete
+samples_per_prompt times by one generator replica. It is outstanding from the
+moment it is issued to a replica until the trainer takes it or it is dropped; at
+most groups_in_flight are outstanding at once, each new one dealt to the replica
+sampling the fewest. Step s trains weight version s on prompts_per_step complete
 groups, and every sample it trains has s - oldest_version <= max_staleness (the
 oldest version among its tokens: a partial rollout's tokens may span versions).
 """
@@ -51,6 +52,7 @@ class Scheduler:
         self._next_group = data_position
         self._to_reissue: deque[int] = deque()  # a lost generator's groups, lowest first
         self._sampling: dict[int, list[Sample]] = {}  # issued, not complete: group -> samples so far
+        self._replica_of: dict[int, int] = {}  # issued, not complete: group -> the replica sampling it
         self._ready: deque[list[Sample]] = deque()  # complete groups, in completion order
 
     @property
@@ -63,23 +65,35 @@ class Scheduler:
         """Groups a lost generator held, not issued again yet."""
         return list(self._to_reissue)
 
-    def issue(self, weights_landed: bool) -> list[int]:
-        """The groups to hand to the generator now: first those a lost generator held
-        (lowest first), then new data positions, until groups_in_flight are outstanding.
-        Sync mode (max_staleness 0) takes turns: nothing is issued while a batch is in
-        training or before the generator holds version `step` (weights_landed), so every
-        token of step s is sampled with version s."""
-        if self.config.max_staleness == 0 and (self.training is not None or not weights_landed):
-            return []
-        groups = []
+    def issue(self, replicas: dict[int, bool]) -> dict[int, list[int]]:
+        """The groups to hand to each replica now (replica -> groups, lowest first):
+        first those a lost generator held (lowest first), then new data positions,
+        until groups_in_flight are outstanding, each to the replica sampling the fewest
+        (the lowest-numbered of equals). `replicas`: the replicas that hold weights,
+        each with whether it holds version `step` with no sync or step pending. Sync
+        mode (max_staleness 0) takes turns: nothing is issued while a batch is in
+        training, nor to a replica without version `step`, so every token of step s is
+        sampled with version s."""
+        if self.config.max_staleness == 0:
+            replicas = {r: landed for r, landed in replicas.items() if landed and self.training is None}
+        issued: dict[int, list[int]] = {}
+        if not replicas:
+            return issued
+        load = {r: 0 for r in replicas}
+        for replica in self._replica_of.values():
+            if replica in load:
+                load[replica] += 1
         while len(self._sampling) + len(self._ready) < self.config.groups_in_flight:
             if self._to_reissue:
                 group = self._to_reissue.popleft()
             else:
                 group, self._next_group = self._next_group, self._next_group + 1
+            replica = min(load, key=lambda r: (load[r], r))
+            load[replica] += 1
             self._sampling[group] = []
-            groups.append(group)
-        return groups
+            self._replica_of[group] = replica
+            issued.setdefault(replica, []).append(group)
+        return issued
 
     def add_samples(self, samples: list[Sample]) -> None:
         """Scored samples from the current generator (the caller discards those of a
@@ -93,6 +107,7 @@ class Scheduler:
             group.append(sample)
             if len(group) == self.config.samples_per_prompt:
                 self._ready.append(self._sampling.pop(sample.group))
+                del self._replica_of[sample.group]
 
     def take_batch(self) -> Batch | None:
         """Drop every complete group with a sample too stale for `step` (counted in
@@ -127,7 +142,9 @@ class Scheduler:
         return batch
 
     def generator_lost(self) -> None:
-        """The generator died or was replaced: the groups it was sampling are issued
-        again from scratch (their samples so far are discarded; complete groups stay)."""
+        """The generator (every replica) died or was replaced: the groups it was
+        sampling are issued again from scratch (their samples so far are discarded;
+        complete groups stay)."""
         self._to_reissue = deque(sorted(set(self._to_reissue) | set(self._sampling)))
         self._sampling.clear()
+        self._replica_of.clear()

@@ -24,7 +24,7 @@ from .config import GENERATORS, VLLM_DEFAULTS, TrainConfig
 
 FLAGS = ("steps", "prompts_per_step", "samples_per_prompt", "max_staleness", "segment_tokens", "temperature", "rho",
          "lr", "warmup_steps", "hidden_size", "intermediate_size", "num_layers", "trainer_world", "generator_tp",
-         "seed", "checkpoint_every", "timeout_s", "sync_timeout_s", "eval_size", "eval_every", "reward_batch",
+         "generator_replicas", "seed", "checkpoint_every", "timeout_s", "sync_timeout_s", "eval_size", "eval_every", "reward_batch",
          "lr_warmup_steps", "min_lr_ratio", "max_grad_norm", "kl_coef", "micro_batch_size")
 # Options whose default is None or a name (the type of the default cannot say how to parse them), with their help.
 NAMED_FLAGS = {
