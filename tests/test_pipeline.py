@@ -397,6 +397,31 @@ def test_generator_replicas_sample_with_the_trainers_weights(tmp_path):
         assert sorted(int(e["name"].split("v")[-1]) for e in mine if e["name"].startswith("receive")) == list(range(13))
 
 
+def test_heartbeat_reports_while_working_and_stops_after(tmp_path):
+    """A trainer step longer than timeout_s is not silence: its executor's heartbeat
+    reports every timeout_s / 4 while it works, and nothing once the work is done;
+    the controller counts a beat as progress and nothing else."""
+    import queue
+
+    from llamarl_core.pipeline.executors import Link
+
+    events = queue.Queue()
+    link = Link("trainer", 0, None, events, {})
+    with link.heartbeat(0.05):
+        time.sleep(0.5)
+    beats = []
+    while not events.empty():
+        beats.append(events.get())
+    assert 5 <= len(beats) <= 11 and all(b == ("trainer", 0, "working", {}) for b in beats), beats
+    time.sleep(0.2)
+    assert events.empty()
+    ctl = Controller(TrainConfig(), tmp_path)
+    ctl._reset_state()
+    ctl.last_progress = 0.0
+    ctl._handle(*beats[0])
+    assert ctl.last_progress > 0 and ctl.scheduler.step == 0 and not ctl.ready_ranks
+
+
 class _UnstartedProcess:
     def __init__(self, target, name, args, daemon):
         self.args, self.pid = args, None

@@ -192,6 +192,8 @@ class Controller:
         for name, start, end, args in payload.pop("spans", []):
             self.spans.append((role, rank, name, start, end, args))
         self.last_progress = time.monotonic()
+        if kind == "working":
+            return  # a heartbeat of an executor in a long computation: progress is all it says
         if role == GENERATOR and payload["incarnation"] != self.generator_incarnation:
             return  # from a generator that has been replaced
         if kind in ("synced", "sync_failed") and payload["generator"] != self.generator_incarnation:

@@ -17,6 +17,7 @@ import datetime
 import multiprocessing
 import os
 import queue
+import threading
 import time
 import traceback
 from collections import deque
@@ -58,6 +59,27 @@ class Link:
 
     def span(self, name: str, start: float, end: float, **args) -> None:
         self.spans.append((name, start, end, args))
+
+    @contextlib.contextmanager
+    def heartbeat(self, every_s: float):
+        """While inside, tell the controller every `every_s` seconds that this executor
+        is alive (a "working" message, from a thread of its own: no spans taken). The
+        controller stops a run after timeout_s of silence; a trainer step of a real
+        model can be longer than that (SmolLM2-135M: 20-25 s a step on one busy core
+        here; a larger model, or a checkpoint of its AdamW state, takes minutes)."""
+        stop = threading.Event()
+
+        def beat():
+            while not stop.wait(every_s):
+                self.events.put((self.role, self.rank, "working", dict(self.tags)))
+
+        thread = threading.Thread(target=beat, name=f"{self.role}-{self.rank}-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     def get(self, timeout: float):
         """The next command (kind, payload), or None after `timeout` seconds."""
@@ -145,7 +167,14 @@ def executor_main(role: str, rank: int, config_dict: dict, store_port: int, inbo
             _select_gpu(config, role, rank)
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=config.timeout_s))
-        {GENERATOR: run_generator, TRAINER: run_trainer, REWARD: run_reward}[role](link, config, store, rank, **extra)
+        # Silence from the trainer (or a reward model) never signals a hang: every wait of
+        # theirs has a timeout of its own (process groups, weight syncs), and their work
+        # (loading, a step, a checkpoint, scoring a batch) may outlast timeout_s. A rule
+        # reward and the generator report often; silence there stays an error.
+        beats = role == TRAINER or (role == REWARD and config.reward_model is not None)
+        with link.heartbeat(config.timeout_s / 4) if beats else contextlib.nullcontext():
+            {GENERATOR: run_generator, TRAINER: run_trainer, REWARD: run_reward}[role](link, config, store, rank,
+                                                                                      **extra)
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the controller
