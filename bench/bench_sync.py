@@ -15,6 +15,12 @@ run it measures, on the same bytes:
 GB/s = model bytes (the Hugging Face parameters in the generator dtype) / time
 of one sync, from the first rank starting to the last one finishing.
 
+With --replicas R1 R2 .. it syncs one version into R generator replicas instead
+(the trainer ranks send to replica 0, which relays down a binary tree), beside
+R x the one-replica time of the same run (the naive per-replica send) and a
+memcpy of R x the model's bytes by as many processes and threads as the engine
+copies with, its rounds interleaved with the engine's (see run_replicas).
+
 With --device cuda every rank holds its tensors on GPU 0 (one process per rank,
 so the engine goes over CUDA IPC) and the limit is a device-to-device copy of
 the same bytes in one process (cudaMemcpy); the host-only peers are skipped.
@@ -79,10 +85,14 @@ def _zeros(layout, rank: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     return {n: torch.zeros(layout.local_shape(n, rank), dtype=s.dtype, device=device) for n, s in layout.params.items()}
 
 
-def _engine_rank(port, role, rank, spec, transport, rounds, threads) -> None:
+def _engine_rank(port, role, rank, spec, transport, rounds, threads, replica=0, num_replicas=1, method=None,
+                 relay_threads=None) -> None:
+    """One trainer ("src") or generator ("dst") rank of the engine. With
+    `num_replicas` > 1 the generator rank belongs to `replica` and relays each
+    version it receives with `relay_threads` copy threads."""
     torch.set_num_threads(1)
     store, config = _connect(port), model_config(spec)
-    method = f"engine_{transport}"
+    method = method or f"engine_{transport}"
     if role == "src":
         layout = hf_llama_fsdp(config, spec.fsdp, DTYPES[spec.src_dtype])
         ep = WeightSender(store, layout, rank, _random_shards(layout, rank, 0, spec.device), name=method,
@@ -90,9 +100,10 @@ def _engine_rank(port, role, rank, spec, transport, rounds, threads) -> None:
         _timed_rounds(store, method, f"src{rank}", rounds, lambda i: ep.send(i))
     else:
         layout = vllm_llama_tp(config, spec.tp, torch.bfloat16)
+        relay = {} if relay_threads is None else {"num_threads": relay_threads}
         ep = WeightReceiver(store, layout, rank, _zeros(layout, rank, spec.device), name=method, transport=transport,
-                            timeout=300)
-        _timed_rounds(store, method, f"dst{rank}", rounds, lambda i: ep.receive())
+                            timeout=300, replica=replica, num_replicas=num_replicas, **relay)
+        _timed_rounds(store, method, f"dst{replica}.{rank}", rounds, lambda i: ep.receive())
     store.wait([f"{method}/finish"], _WAIT)
     ep.close()
 
@@ -168,19 +179,25 @@ def _wait_for_ranks(store, keys: list[str], procs: list, what: str) -> None:
                 raise RuntimeError(f"{what}: ranks exited with {dead} or timed out") from None
 
 
-def _run_method(store, method: str, procs: list, who: list[str], rounds: int, warmup: int) -> list[float]:
-    """Start the ranks, drive the rounds, return the sync times after warm-up."""
+def _run_methods(store, methods: dict[str, tuple[list, list[str]]], rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Start every method's ranks, then drive round i of each method in turn before
+    round i + 1 of any: methods sampled in the same stretch of this shared
+    machine's drift. `methods`: name -> (processes, the names they post times
+    under). Returns name -> the sync times after warm-up."""
+    procs = [p for ps, _ in methods.values() for p in ps]
     for p in procs:
         p.start()
-    times = []
+    times = {method: [] for method in methods}
     try:
         for i in range(rounds):
-            store.set(f"{method}/go/{i}", "1")
-            keys = [f"{method}/time/{i}/{w}" for w in who]
-            _wait_for_ranks(store, keys, procs, method)
-            spans = [tuple(map(float, store.get(k).decode().split(","))) for k in keys]
-            times.append(max(e for _, e in spans) - min(s for s, _ in spans))
-        store.set(f"{method}/finish", "1")
+            for method, (_, who) in methods.items():
+                store.set(f"{method}/go/{i}", "1")
+                keys = [f"{method}/time/{i}/{w}" for w in who]
+                _wait_for_ranks(store, keys, procs, method)
+                spans = [tuple(map(float, store.get(k).decode().split(","))) for k in keys]
+                times[method].append(max(e for _, e in spans) - min(s for s, _ in spans))
+        for method in methods:
+            store.set(f"{method}/finish", "1")
     finally:
         for p in procs:
             p.join(timeout=120)
@@ -189,17 +206,28 @@ def _run_method(store, method: str, procs: list, who: list[str], rounds: int, wa
                 p.join()
     failed = [p.exitcode for p in procs if p.exitcode != 0]
     if failed:
-        raise RuntimeError(f"{method}: a rank exited with {failed}")
-    return times[warmup:]
+        raise RuntimeError(f"{', '.join(methods)}: a rank exited with {failed}")
+    return {method: samples[warmup:] for method, samples in times.items()}
+
+
+def _run_method(store, method: str, procs: list, who: list[str], rounds: int, warmup: int) -> list[float]:
+    """Start the ranks, drive the rounds, return the sync times after warm-up."""
+    return _run_methods(store, {method: (procs, who)}, rounds, warmup)[method]
+
+
+def _copy_buffers(nbytes: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """A random source and a destination of `nbytes`, every page already touched."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.zeros_like(src)
+    dst.copy_(src)
+    return src, dst
 
 
 def measure_memcpy(nbytes: int, repeats: int, device: str = "cpu") -> list[float]:
     """One flat copy of `nbytes` in this process (torch copy_): with every core on
     the host, cudaMemcpy device to device on a GPU."""
     torch.set_num_threads(os.cpu_count() or 1)
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.zeros_like(src)
-    dst.copy_(src)  # touch every page first
+    src, dst = _copy_buffers(nbytes, device)
     samples = []
     for _ in range(repeats):
         if device == "cuda":
@@ -212,6 +240,21 @@ def measure_memcpy(nbytes: int, repeats: int, device: str = "cpu") -> list[float
     return samples
 
 
+def _memcpy_rank(port, rank, nbytes, threads, rounds, method) -> None:
+    """One process of a multi-process memcpy limit: copies its `nbytes` with
+    `threads` torch threads on each round the parent starts."""
+    torch.set_num_threads(threads)
+    store = _connect(port)
+    src, dst = _copy_buffers(nbytes)
+    _timed_rounds(store, method, f"rank{rank}", rounds, lambda i: dst.copy_(src))
+    store.wait([f"{method}/finish"], _WAIT)
+
+
+def _sender_threads(spec) -> int:
+    """Copy threads per trainer rank: --threads, else the cores shared among the senders."""
+    return spec.threads or max(1, (os.cpu_count() or 1) // spec.fsdp)
+
+
 def run(spec) -> dict:
     config = model_config(spec)
     nbytes = model_bytes(config, torch.bfloat16)
@@ -222,14 +265,14 @@ def run(spec) -> dict:
     results = {}
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=_WAIT)
     ctx = tmp.get_context("spawn")
-    threads = spec.threads or max(1, (os.cpu_count() or 1) // spec.fsdp)
+    threads = _sender_threads(spec)
     for transport in spec.transports:
         method = f"engine_{transport}"
         procs = [ctx.Process(target=_engine_rank, args=(store.port, "src", r, spec, transport, rounds, threads))
                  for r in range(spec.fsdp)]
         procs += [ctx.Process(target=_engine_rank, args=(store.port, "dst", r, spec, transport, rounds, threads))
                   for r in range(spec.tp)]
-        who = [f"src{r}" for r in range(spec.fsdp)] + [f"dst{r}" for r in range(spec.tp)]
+        who = [f"src{r}" for r in range(spec.fsdp)] + [f"dst0.{r}" for r in range(spec.tp)]
         results[method] = _run_method(store, method, procs, who, rounds, spec.warmup)
     if spec.device == "cpu":  # host-side peers
         procs = [ctx.Process(target=_broadcast_rank, args=(store.port, r, spec, rounds)) for r in range(1 + spec.tp)]
@@ -263,6 +306,67 @@ def run(spec) -> dict:
     }
 
 
+def run_replicas(spec) -> dict:
+    """One version into R generator replicas (each a TP group) for every R of
+    --replicas, 1 always among them: the naive per-replica send is R x that time.
+
+    Beside each, the limit: a memcpy of R x the model's bytes split over `fsdp`
+    processes of the senders' thread count, the copy concurrency of every stage of
+    the engine (the senders: fsdp x threads; a relay: tp ranks x cores // tp).
+    Every method's processes live through the whole run and its rounds are
+    interleaved with the others', so drift hits engine and limit alike (the
+    one-process copy_ sampled before and after came out at 0.74x and 1.44x of the
+    engine in two runs of the same code)."""
+    config = model_config(spec)
+    nbytes = model_bytes(config, torch.bfloat16)
+    counts = sorted({1, *spec.replicas})
+    transport = spec.transports[0]
+    rounds = spec.warmup + spec.repeats
+    threads = _sender_threads(spec)
+    relay_threads = max(1, (os.cpu_count() or 1) // spec.tp)  # the tp ranks of a replica relay at once
+    src_layout = hf_llama_fsdp(config, spec.fsdp, DTYPES[spec.src_dtype])
+    dst_layout = vllm_llama_tp(config, spec.tp, torch.bfloat16)
+    # The claim under test: trainer ranks send to replica 0 only, whatever R.
+    sent = {r: plan_transfer(src_layout, dst_layout, num_replicas=r).bytes_sent_by_src_rank() for r in counts}
+    if any(per_rank != sent[1] for per_rank in sent.values()):
+        raise RuntimeError(f"bytes sent per trainer rank differ with the number of replicas: {sent}")
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=_WAIT)
+    ctx = tmp.get_context("spawn")
+    methods = {}
+    for r in counts:
+        engine, limit = f"replicas{r}", f"memcpy{r}"
+        kwargs = {"num_replicas": r, "method": engine, "relay_threads": relay_threads}
+        procs = [ctx.Process(target=_engine_rank, args=(store.port, "src", rank, spec, transport, rounds, threads),
+                             kwargs=kwargs) for rank in range(spec.fsdp)]
+        procs += [ctx.Process(target=_engine_rank, args=(store.port, "dst", rank, spec, transport, rounds, threads),
+                              kwargs={**kwargs, "replica": replica})
+                  for replica in range(r) for rank in range(spec.tp)]
+        methods[engine] = (procs, [f"src{rank}" for rank in range(spec.fsdp)]
+                           + [f"dst{replica}.{rank}" for replica in range(r) for rank in range(spec.tp)])
+        share = -(-r * nbytes // spec.fsdp)
+        methods[limit] = ([ctx.Process(target=_memcpy_rank, args=(store.port, rank, share, threads, rounds, limit))
+                           for rank in range(spec.fsdp)], [f"rank{rank}" for rank in range(spec.fsdp)])
+    times = _run_methods(store, methods, rounds, spec.warmup)
+
+    single = summarize(times["replicas1"])["median"]
+    rows = []
+    for r in counts:
+        sync, limit = summarize(times[f"replicas{r}"]), summarize(times[f"memcpy{r}"])
+        rows.append({
+            "replicas": r, "seconds": sync, "gbps": r * nbytes / sync["median"] / 1e9,
+            "naive_seconds": r * single, "speedup_vs_naive": r * single / sync["median"],
+            "memcpy_seconds": limit, "memcpy_gbps": r * nbytes / limit["median"] / 1e9,
+            "fraction_of_memcpy": limit["median"] / sync["median"],
+        })
+    return {
+        "model_bytes": nbytes, "config": dict(vars(config)), "fsdp": spec.fsdp, "tp": spec.tp,
+        "src_dtype": spec.src_dtype, "transport": transport, "copy_threads_per_sender": threads,
+        "copy_threads_per_relay": relay_threads, "memcpy_processes": spec.fsdp, "repeats": spec.repeats,
+        "bytes_sent_by_src_rank": {str(r): per_rank for r, per_rank in sent.items()}, "rows": rows,
+    }
+
+
 LABELS = {
     "memcpy": "memcpy, one process (limit)",
     "engine_auto": "llamarl engine (shared memory)",
@@ -290,6 +394,27 @@ def report(result: dict) -> str:
     return f"{head}\n\n{table(rows)}\n\n{ratios}\n"
 
 
+def report_replicas(result: dict) -> str:
+    rows = [["R", "sync median s", "min s", "max s", "R x single s", "R x single / sync", "memcpy R x bytes s (limit)",
+             "limit / sync"]]
+    for row in result["rows"]:
+        s, m = row["seconds"], row["memcpy_seconds"]
+        rows.append([str(row["replicas"]), f"{s['median']:.4f}", f"{s['min']:.4f}", f"{s['max']:.4f}",
+                     f"{row['naive_seconds']:.4f}", f"{row['speedup_vs_naive']:.2f}x", f"{m['median']:.4f}",
+                     f"{row['fraction_of_memcpy']:.2f}"])
+    sent = result["bytes_sent_by_src_rank"]
+    head = (f"Model {result['model_bytes'] / 2**20:.1f} MiB bf16 ({result['config']['num_hidden_layers']} layers, "
+            f"hidden {result['config']['hidden_size']}), FSDP {result['fsdp']} ({result['src_dtype']}) -> R replicas x "
+            f"TP {result['tp']} (bf16), transport {result['transport']}, {result['repeats']} timed syncs each. "
+            f"Copy threads: {result['copy_threads_per_sender']} per sender, {result['copy_threads_per_relay']} per "
+            f"relaying rank; the limit is {result['memcpy_processes']} processes x "
+            f"{result['copy_threads_per_sender']} threads copying R x the model's bytes, its rounds interleaved with "
+            f"the engine's.")
+    per_rank = ", ".join(f"rank {k}: {v}" for k, v in sent["1"].items())
+    return (f"{head}\n\n{table(rows)}\n\nBytes sent per trainer rank per sync: {per_rank}, the same for R = "
+            f"{', '.join(sent)}.\n")
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="llamarl bench sync", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -304,7 +429,11 @@ def parse_args(argv):
     p.add_argument("--fsdp", type=int, default=2, help="trainer ranks")
     p.add_argument("--tp", type=int, default=2, help="generator tensor-parallel ranks")
     p.add_argument("--src-dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--transports", nargs="+", default=["auto", "p2p"], choices=["auto", "shm", "cuda_ipc", "p2p"])
+    p.add_argument("--transports", nargs="+", choices=["auto", "shm", "cuda_ipc", "p2p"],
+                   help="default: auto p2p; with --replicas one transport, default auto")
+    p.add_argument("--replicas", nargs="+", type=int,
+                   help="sync one version into each number R of generator replicas instead, beside R x one replica "
+                        "and the memcpy of R x the model's bytes (1 is always measured)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where every rank holds its tensors (cuda: GPU 0, one process per rank)")
     p.add_argument("--threads", type=int, default=0, help="copy threads per sender (default: cores / senders)")
@@ -312,6 +441,28 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=5)
     add_output_args(p)
     return p.parse_args(argv)
+
+
+def _main_replicas(spec) -> int:
+    if spec.device != "cpu":
+        raise SystemExit("--replicas measures host tensors only: its limit is a host memcpy (got --device cuda)")
+    if min(spec.replicas) < 1:
+        raise SystemExit(f"--replicas: every count must be >= 1, got {spec.replicas}")
+    spec.transports = spec.transports or ["auto"]
+    if len(spec.transports) != 1:
+        raise SystemExit(f"--replicas takes one transport, got --transports {' '.join(spec.transports)}")
+    result = run_replicas(spec)
+    if not spec.no_record:
+        params = {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype}
+        for row in result["rows"]:
+            append_csv("sync_replicas", {"gbps": row["gbps"], "speedup_vs_naive": row["speedup_vs_naive"],
+                                         "fraction_of_memcpy": row["fraction_of_memcpy"]},
+                       params | {"replicas": row["replicas"]})
+        section = (f"Weight sync into generator replicas: {result['model_bytes'] / 2**20:.0f} MiB, FSDP {spec.fsdp} "
+                   f"{spec.src_dtype} -> R x TP {spec.tp} bf16 (`llamarl bench sync --replicas`)")
+        update_results_md(section, report_replicas(result))
+    print(json.dumps(result, indent=2) if spec.json else report_replicas(result))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -323,6 +474,9 @@ def main(argv=None) -> int:
     spec = parse_args(argv)
     if spec.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA device")
+    if spec.replicas is not None:
+        return _main_replicas(spec)
+    spec.transports = spec.transports or ["auto", "p2p"]
     result = run(spec)
     if not spec.no_record:
         append_csv("sync", {f"{k}_gbps": v for k, v in result["gbps"].items()} | result["ratios"],

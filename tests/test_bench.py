@@ -25,6 +25,20 @@ def test_bench_sync_reports_every_method():
                                      "p2p_vs_gloo_broadcast"}
 
 
+def test_bench_sync_replicas_reports_each_count_beside_naive_and_limit():
+    # --replicas 2 also measures R = 1 (the naive send is R x its time); FSDP 1 -> TP 1 keeps it to 7 processes.
+    result = _run("sync", "--replicas", "2", "--fsdp", "1", "--tp", "1", "--hidden", "64", "--intermediate", "128",
+                  "--layers", "1", "--heads", "4", "--kv-heads", "2", "--vocab", "256", "--warmup", "0", "--repeats", "1")
+    assert [row["replicas"] for row in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert set(row) == {"replicas", "seconds", "gbps", "naive_seconds", "speedup_vs_naive", "memcpy_seconds",
+                            "memcpy_gbps", "fraction_of_memcpy"}
+        assert row["seconds"]["median"] > 0 and row["memcpy_seconds"]["median"] > 0
+    assert result["rows"][1]["naive_seconds"] == 2 * result["rows"][0]["seconds"]["median"]
+    sent = result["bytes_sent_by_src_rank"]
+    assert set(sent) == {"1", "2"} and sent["1"] == sent["2"] and sum(sent["1"].values()) == result["model_bytes"]
+
+
 def test_bench_fp8_reports_cpu_path_and_peers():
     result = _run("fp8", "--shapes", "64x96", "--repeats", "1")
     methods = {(r["granularity"], r["method"]) for r in result["rows"]}
