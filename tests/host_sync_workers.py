@@ -2,19 +2,24 @@
 `python host_sync_workers.py ROLE RANK STORE_ADDR STORE_PORT SCENARIO_JSON`.
 Sender 0 serves the Store (port 0: it reports the port it got). Each rank reports
 JSON lines: its host identity and the transport of each of its pairs, then, for
-a receiver, the mismatches against the plain-torch reference of every version."""
+a receiver, the mismatches against the plain-torch reference of every version.
+With "cut_timeout_s" in the scenario, after the versions each rank reports
+"ready", waits for a line on stdin (the test cuts the link meanwhile), tries one
+more version with that timeout and reports the error it got and when."""
 
 from __future__ import annotations
 
 import datetime
 import json
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 from helpers import hf_state_dict, mismatches, poisoned_destination, small_config
 from llamarl_core.sync import (
+    SyncError,
     WeightReceiver,
     WeightSender,
     hf_llama_fsdp,
@@ -49,6 +54,7 @@ def main(role: str, rank: int, addr: str, port: int, scenario: dict) -> None:
                 for name, t in reference_fsdp_shards(states[v], fsdp, torch.float32)[rank].items():
                     shards[name].copy_(t)
                 sender.send(v)
+            after_cut(scenario, lambda timeout: sender.send(versions[-1] + 1, timeout=timeout))
         return
     layout = vllm_llama_tp(config, tp, torch.bfloat16)
     params = poisoned_destination(layout, rank)
@@ -58,6 +64,20 @@ def main(role: str, rank: int, addr: str, port: int, scenario: dict) -> None:
             got = receiver.receive()
             expected = reference_vllm_tp_shards(states[v], config, tp, torch.bfloat16)[rank]
             report(version=got, mismatches=mismatches(expected, receiver.weights()))
+        after_cut(scenario, lambda timeout: receiver.receive(timeout=timeout))
+
+
+def after_cut(scenario: dict, attempt) -> None:
+    if "cut_timeout_s" not in scenario:
+        return
+    report(event="ready")
+    sys.stdin.readline()
+    start = time.monotonic()
+    try:
+        attempt(scenario["cut_timeout_s"])
+        report(error=None, elapsed_s=time.monotonic() - start)
+    except SyncError as exc:
+        report(error=type(exc).__name__, message=str(exc)[:300], elapsed_s=time.monotonic() - start)
 
 
 if __name__ == "__main__":
