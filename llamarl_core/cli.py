@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 USAGE = """usage: llamarl <command> ...
@@ -51,6 +52,12 @@ BENCHES = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # A module in the working folder loads as with `python -m` (--task mymod:my_task, --reward
+    # mymod:fn, --resume and export of such a run); the console script alone would not see it.
+    # Appended, not prepended: a source checkout as the working folder must not shadow the
+    # installed package and its built native module. The executors inherit sys.path (forkserver).
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     if argv and argv[0] == "train":
         from .pipeline.train_cli import main as train_main
 
@@ -86,7 +93,7 @@ def _export(argv: list[str]) -> int:
 
     try:
         out = export_run(args.run_dir, args.out)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # TypeError: the run's task is no longer a Task
         raise SystemExit(f"llamarl export: {exc}") from None
     print(f"wrote {out}/")
     return 0

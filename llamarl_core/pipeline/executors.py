@@ -326,7 +326,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
         return fsdp_sender(store, model, rank, world, name=f"weights/{generator}", timeout=config.timeout_s,
                            num_threads=1)
 
-    if step == 0 and config.warmup_steps and data.model is None and data.task.reference is not None:
+    if step == 0 and data.supervised_warmup:
         start = time.monotonic()
         with _every_core(world):
             loss = supervised_warmup(model, optimizer, data.task, config.warmup_steps, config.warmup_batch, rank,

@@ -126,7 +126,7 @@ def run_one(config: TrainConfig, out: Path, quiet: bool) -> tuple[dict, list[dic
 
     try:  # checks the task and the model's shapes against the parallel sizes; nothing written yet
         controller = Controller(config, out, on_step=on_step, on_event=lambda msg: bar.write(msg, file=sys.stderr))
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # TypeError: a --task attribute that is not a Task
         raise SystemExit(f"llamarl train: {exc}") from None
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "config.json"
@@ -142,9 +142,24 @@ def run_one(config: TrainConfig, out: Path, quiet: bool) -> tuple[dict, list[dic
         summary = controller.run()
     except PipelineError as exc:
         raise SystemExit(f"llamarl train: the run stopped: {exc}") from None
+    except KeyboardInterrupt:  # Controller.run has stopped the executors and written what it has
+        raise SystemExit(f"llamarl train: interrupted; {_resume_hint(out)}") from None
     finally:
         bar.close()
     return summary, controller.metrics
+
+
+def _resume_hint(out: Path) -> str:
+    """What an interrupted run in `out` kept, and how to continue it."""
+    import torch
+
+    from .export import checkpoint_path
+
+    checkpoint = checkpoint_path(out)
+    if not checkpoint.exists():
+        return f"no checkpoint yet in {out} (the first comes after --checkpoint-every steps): nothing to resume"
+    step = torch.load(checkpoint, weights_only=True, mmap=True)["step"]
+    return f"{checkpoint} holds step {step}: continue with `llamarl train --out {out} --resume`"
 
 
 def _print_summary(s: dict) -> None:
