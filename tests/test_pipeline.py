@@ -87,6 +87,8 @@ def test_load_task_errors():
 @pytest.mark.parametrize("bad, match", [
     ({"mode": "eager"}, "mode"), ({"max_staleness": 0}, "max_staleness"), ({"samples_per_prompt": 1}, "samples_per_prompt"),
     ({"prompts_per_step": 3, "trainer_world": 2}, "split evenly"), ({"lr": 0.0}, "lr"), ({"steps": 0}, "steps"),
+    ({"num_heads": 5}, "num_heads 5 must divide hidden_size 96"),
+    ({"num_kv_heads": 3}, "num_kv_heads 3 must divide num_heads 4"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):

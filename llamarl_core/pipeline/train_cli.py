@@ -21,10 +21,39 @@ from pathlib import Path
 
 from .config import GENERATORS, VLLM_DEFAULTS, TrainConfig
 
-FLAGS = ("steps", "prompts_per_step", "samples_per_prompt", "max_staleness", "segment_tokens", "temperature", "rho",
-         "lr", "warmup_steps", "hidden_size", "intermediate_size", "num_layers", "trainer_world", "generator_tp",
-         "seed", "checkpoint_every", "timeout_s", "sync_timeout_s", "eval_size", "eval_every", "reward_batch",
-         "lr_warmup_steps", "min_lr_ratio", "max_grad_norm", "kl_coef", "micro_batch_size")
+# Options named after TrainConfig fields, parsed with the type of the field's default, with their help.
+FLAGS = {
+    "steps": "trainer steps (weight versions) to run",
+    "prompts_per_step": "prompt groups per trainer step",
+    "samples_per_prompt": "completions per prompt: the group whose mean reward is the baseline (>= 2)",
+    "max_staleness": "async: a sample whose oldest token is version v trains at step s only if s - v <= this",
+    "segment_tokens": "decode steps per generation segment; sequences unfinished at a weight update go on under the "
+                      "new weights (partial rollouts)",
+    "temperature": "sampling temperature",
+    "rho": "AIPO: truncation of the importance weight exp(logp - behaviour logp)",
+    "lr": "AdamW learning rate (after --lr-warmup-steps; decayed by --lr-schedule)",
+    "lr_warmup_steps": "linear learning-rate warm-up over this many RL steps",
+    "min_lr_ratio": "cosine schedule: the last step's learning rate as a fraction of --lr",
+    "max_grad_norm": "clip the gradient norm to this (0: no clipping)",
+    "kl_coef": "weight of the k3 KL penalty towards the weights RL starts from (0: none)",
+    "micro_batch_size": "samples per forward / backward, gradients accumulated (0: the whole batch at once)",
+    "warmup_steps": "built-in model: supervised steps on the task's reference answers before RL (0: none)",
+    "warmup_batch": "built-in model: prompts per supervised warm-up step",
+    "hidden_size": "built-in model: hidden size",
+    "intermediate_size": "built-in model: MLP size",
+    "num_layers": "built-in model: decoder layers",
+    "num_heads": "built-in model: attention heads (they divide --hidden-size)",
+    "num_kv_heads": "built-in model: key / value heads (they divide --num-heads)",
+    "trainer_world": "data-parallel trainer ranks (FSDP2 fully_shard when > 1)",
+    "generator_tp": "tensor-parallel generator ranks",
+    "seed": "random seed (model initialisation, sampling, data order)",
+    "checkpoint_every": "trainer steps between checkpoints (and one at the end)",
+    "timeout_s": "seconds without any executor reporting before the run stops with an error",
+    "sync_timeout_s": "seconds a weight sync may take",
+    "eval_size": "held-out prompts for --eval-every",
+    "eval_every": "every this many versions (and at the last), the held-out prompts' greedy reward (0: never)",
+    "reward_batch": "--reward-model: completions per forward",
+}
 # Options whose default is None or a name (the type of the default cannot say how to parse them), with their help.
 NAMED_FLAGS = {
     "model": (str, "a pretrained model: a Hugging Face folder (config.json + *.safetensors; Llama, Qwen2, Mistral) or "
@@ -37,18 +66,21 @@ NAMED_FLAGS = {
     "reward_model": (str, "a transformers AutoModelForSequenceClassification folder (one output) that scores "
                           "completions in the reward executor"),
     "max_new_tokens": (int, "completion budget (default: the task's, 128 with --dataset)"),
-    "lr_schedule": (str, "after --lr-warmup-steps: constant or cosine (to --min-lr-ratio x --lr)"),
+    "lr_schedule": (str, "after --lr-warmup-steps: constant, or cosine (down to --min-lr-ratio x --lr at the last "
+                         "step)"),
     "dtype": (str, "auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16: the generator's weights and the "
                    "trainer's compute (master weights stay float32)"),
     "device": (str, "cpu or cuda: where the trainer and our generator run"),
 }
-# The built-in model's sizes: a pretrained model (--model) brings its own.
-TOY_MODEL_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "warmup_steps")
+# The built-in model's sizes and warm-up: a pretrained model (--model) brings its own (and is not warmed up).
+TOY_MODEL_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "warmup_steps",
+                   "warmup_batch")
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="llamarl train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="llamarl train", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--mode", choices=("async", "sync"), help="default: async")
     parser.add_argument("--compare", action="store_true", help="run sync then async on the same budget")
     parser.add_argument("--out", type=Path, help="output folder (default: a fresh folder under runs/)")
@@ -70,11 +102,17 @@ def parse_args(argv):
                         help="write every trained sample (prompt, completion, reward, versions) to rollouts.jsonl")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="encode prompts as plain text even where the model's tokenizer has a chat template")
+    # Parsed as None when not given (so that --resume and --model can tell what was given); the help says the
+    # default that TrainConfig then applies.
     defaults = TrainConfig()
-    for name in FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)), default=None)
+    for name, help_text in FLAGS.items():
+        default = getattr(defaults, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=None,
+                            help=f"{help_text} (default: {default:g})")
     for name, (kind, help_text) in NAMED_FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
+        default = getattr(defaults, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                            help=help_text if default is None else f"{help_text} (default: {default})")
     return parser.parse_args(argv)
 
 
