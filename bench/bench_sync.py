@@ -37,7 +37,8 @@ import torch.multiprocessing as tmp
 
 from llamarl_core.sync import WeightReceiver, WeightSender, hf_llama_fsdp, hf_llama_shapes, plan_transfer, vllm_llama_tp
 
-from llamarl_core.bench.harness import add_output_args, append_csv, summarize, table, update_results_md
+from llamarl_core.bench.harness import add_output_args, record, summarize, table
+from llamarl_core.cli import HelpFormatter
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Each rank of every method waits at most this long for a signal.
@@ -292,24 +293,25 @@ def report(result: dict) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="llamarl bench sync", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--into", choices=["vllm"],
                    help="into a running vLLM engine instead, beside vLLM's own paths (llamarl bench sync --into vllm --help)")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=5632)
-    p.add_argument("--layers", type=int, default=9, help="9 layers of the default shape: 1.00 GiB in bf16")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--hidden", type=int, default=2048, help="the model's hidden size")
+    p.add_argument("--intermediate", type=int, default=5632, help="the model's MLP size")
+    p.add_argument("--layers", type=int, default=9, help="decoder layers (default 9: 1.00 GiB in bf16 at the default shape)")
+    p.add_argument("--heads", type=int, default=16, help="attention heads")
+    p.add_argument("--kv-heads", type=int, default=4, help="key / value heads")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     p.add_argument("--fsdp", type=int, default=2, help="trainer ranks")
     p.add_argument("--tp", type=int, default=2, help="generator tensor-parallel ranks")
-    p.add_argument("--src-dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--transports", nargs="+", default=["auto", "p2p"], choices=["auto", "shm", "cuda_ipc", "p2p"])
+    p.add_argument("--src-dtype", choices=sorted(DTYPES), default="bf16", help="the trainer's dtype (generator: bf16)")
+    p.add_argument("--transports", nargs="+", default=["auto", "p2p"], choices=["auto", "shm", "cuda_ipc", "p2p"],
+                   help="the transports to time, one run each")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where every rank holds its tensors (cuda: GPU 0, one process per rank)")
     p.add_argument("--threads", type=int, default=0, help="copy threads per sender (default: cores / senders)")
     p.add_argument("--warmup", type=int, default=2, help="untimed syncs first (the first ones run 30-50%% slower)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed syncs of each method")
     add_output_args(p)
     return p.parse_args(argv)
 
@@ -324,12 +326,11 @@ def main(argv=None) -> int:
     if spec.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA device")
     result = run(spec)
-    if not spec.no_record:
-        append_csv("sync", {f"{k}_gbps": v for k, v in result["gbps"].items()} | result["ratios"],
-                   {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype})
-        section = (f"Weight sync: {result['model_bytes'] / 2**30:.2f} GiB, FSDP {spec.fsdp} {spec.src_dtype} -> "
-                   f"TP {spec.tp} bf16 (`llamarl bench sync`)")
-        update_results_md(section, report(result))
+    section = (f"Weight sync: {result['model_bytes'] / 2**30:.2f} GiB, FSDP {spec.fsdp} {spec.src_dtype} -> "
+               f"TP {spec.tp} bf16 (`llamarl bench sync`)")
+    record(spec.record, "sync", {f"{k}_gbps": v for k, v in result["gbps"].items()} | result["ratios"],
+           {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype}, section,
+           report(result))
     print(json.dumps(result, indent=2) if spec.json else report(result))
     return 0
 
