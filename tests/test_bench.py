@@ -14,6 +14,7 @@ def _run(*args: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "bench", *args, "--json"],
                          capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "[c10d]" not in out.stderr, out.stderr[-3000:]  # a successful run logs no store timeouts
     return json.loads(out.stdout)
 
 
