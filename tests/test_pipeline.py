@@ -296,6 +296,7 @@ def test_train_run_writes_everything_and_respects_staleness(tmp_path, mode):
         proc = subprocess.run([str(script), "train", "--mode", mode, "--out", str(out), *FAST], check=False,
                               capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[1], env=RUN_ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "\r" not in proc.stderr  # output that is not a terminal gets no progress-bar redraws
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mode"] == mode and summary["steps"] == 12 and summary["samples"] == 12 * 16
     for key in ("reward_first", "reward_last", "step_time_s", "gen_time_s", "train_time_s", "sync_time_s"):

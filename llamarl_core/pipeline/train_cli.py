@@ -174,8 +174,10 @@ def run_one(config: TrainConfig, out: Path, quiet: bool) -> tuple[dict, list[dic
             raise SystemExit(f"{out} holds a run with a different configuration ({saved}); "
                              f"resume it with the same options or pick another --out")
     config.save(saved)
+    # A bar only on a terminal: into a log file its redraws were 179 KB for the default run (the per-step lines, and
+    # the events, still go there: tqdm.write prints with the bar disabled).
     bar = tqdm(total=config.steps, desc=f"{config.mode} RL steps", unit="step", file=sys.stderr,
-               dynamic_ncols=True, leave=True)
+               dynamic_ncols=True, leave=True, disable=not sys.stderr.isatty())
     try:
         summary = controller.run()
     except PipelineError as exc:
