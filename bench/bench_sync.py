@@ -37,7 +37,7 @@ import torch.multiprocessing as tmp
 
 from llamarl_core.sync import WeightReceiver, WeightSender, hf_llama_fsdp, hf_llama_shapes, plan_transfer, vllm_llama_tp
 
-from llamarl_core.bench.harness import add_output_args, record, summarize, table
+from llamarl_core.bench.harness import add_model_args, add_output_args, record, summarize, table
 from llamarl_core.cli import HelpFormatter
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -296,12 +296,7 @@ def parse_args(argv):
                                 formatter_class=HelpFormatter)
     p.add_argument("--into", choices=["vllm"],
                    help="into a running vLLM engine instead, beside vLLM's own paths (llamarl bench sync --into vllm --help)")
-    p.add_argument("--hidden", type=int, default=2048, help="the model's hidden size")
-    p.add_argument("--intermediate", type=int, default=5632, help="the model's MLP size")
-    p.add_argument("--layers", type=int, default=9, help="decoder layers (default 9: 1.00 GiB in bf16 at the default shape)")
-    p.add_argument("--heads", type=int, default=16, help="attention heads")
-    p.add_argument("--kv-heads", type=int, default=4, help="key / value heads")
-    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    add_model_args(p, hidden=2048, intermediate=5632, layers=9, size="1.00 GiB in bf16")
     p.add_argument("--fsdp", type=int, default=2, help="trainer ranks")
     p.add_argument("--tp", type=int, default=2, help="generator tensor-parallel ranks")
     p.add_argument("--src-dtype", choices=sorted(DTYPES), default="bf16", help="the trainer's dtype (generator: bf16)")

@@ -28,7 +28,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from llamarl_core.bench.harness import add_output_args, record, summarize, table
+from llamarl_core.bench.harness import add_model_args, add_output_args, record, summarize, table
 from llamarl_core.cli import HelpFormatter
 from llamarl_core.sync import WeightSender, hf_llama_fsdp, hf_llama_shapes
 
@@ -129,12 +129,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="llamarl bench sync --into vllm", description=__doc__,
                                 formatter_class=HelpFormatter)
     p.add_argument("--into", choices=["vllm"], default="vllm", help="the engine to sync into")
-    p.add_argument("--hidden", type=int, default=1024, help="the model's hidden size")
-    p.add_argument("--intermediate", type=int, default=2816, help="the model's MLP size")
-    p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8: 0.58 GiB in fp32 at the default shape)")
-    p.add_argument("--heads", type=int, default=16, help="attention heads")
-    p.add_argument("--kv-heads", type=int, default=4, help="key / value heads")
-    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    add_model_args(p, hidden=1024, intermediate=2816, layers=8, size="0.58 GiB in fp32")
     p.add_argument("--warmup", type=int, default=1, help="untimed syncs first")
     p.add_argument("--repeats", type=int, default=3, help="timed syncs of each method")
     add_output_args(p)

@@ -90,6 +90,18 @@ def record(folder: Path | None, bench: str, figures: dict[str, float], params: d
     update_results_md(folder / "RESULTS.md", section, body)
 
 
+def add_model_args(parser, hidden: int, intermediate: int, layers: int, size: str) -> None:
+    """The Llama-shaped model a sync bench moves (16 heads, 4 KV heads, vocabulary 32000 unless told); `size`:
+    what the default shape weighs, for the help."""
+    parser.add_argument("--hidden", type=int, default=hidden, help="the model's hidden size")
+    parser.add_argument("--intermediate", type=int, default=intermediate, help="the model's MLP size")
+    parser.add_argument("--layers", type=int, default=layers,
+                        help=f"decoder layers (default {layers}: {size} at the default shape)")
+    parser.add_argument("--heads", type=int, default=16, help="attention heads")
+    parser.add_argument("--kv-heads", type=int, default=4, help="key / value heads")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+
+
 def add_output_args(parser) -> None:
     """--json and --record, the same for every benchmark."""
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")

@@ -74,6 +74,13 @@ def test_reverse_task_reward():
     assert task.prompt(7) == prompt  # the data position fixes the prompt
 
 
+def test_moving_mean_is_trailing():
+    from llamarl_core.pipeline.report import moving_mean
+
+    assert moving_mean([1.0, 2.0, 3.0, 4.0, 10.0], 2) == [1.0, 1.5, 2.5, 3.5, 7.0]
+    assert moving_mean([3.0, 5.0], 1) == [3.0, 5.0] and moving_mean([], 4) == []
+
+
 def test_load_task_errors():
     assert load_task("llamarl_core.pipeline.task:reverse_task").name == "reverse"
     with pytest.raises(ValueError, match="module:attribute"):
@@ -314,7 +321,10 @@ def test_train_run_writes_everything_and_respects_staleness(tmp_path, mode):
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads((out / "trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in trace if e["ph"] == "X"}
-    assert {"generate", "score", "train step 0", "send v1", "receive v1"} <= names
+    # Stable names, so that Perfetto groups them; the step or version in args.
+    assert names == {"supervised warm-up", "generate", "score", "train step", "send weights", "receive weights",
+                     "checkpoint"}, names
+    assert sorted(e["args"]["step"] for e in trace if e["name"] == "train step") == list(range(12))
     saved = torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)  # tensors and plain values only
     assert saved["step"] == 12 and saved["data_position"] > 0
     # The policy as a model folder: the checkpoint's weights, loaded by transformers with its tokenizer.
