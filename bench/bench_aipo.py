@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from llamarl_core.bench.harness import add_output_args, append_csv, summarize, table, update_results_md
+from llamarl_core.bench.harness import add_output_args, record, summarize, table
+from llamarl_core.cli import HelpFormatter
 
 VARIANTS = ["aipo_loss", "naive_logits", "linear_aipo_loss", "naive_linear", "liger_grpo"]
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -175,11 +176,11 @@ def report(result: dict) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="llamarl bench aipo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256])
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+                                formatter_class=HelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096, help="tokens in the batch")
+    p.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256], help="vocabulary sizes, one run each")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size (the linear variants' lm-head input)")
+    p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS, help="the losses to time")
     p.add_argument("--repeats", type=int, default=1, help="timed calls after one warm-up call")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     add_output_args(p)
@@ -192,14 +193,13 @@ def main(argv=None) -> int:
         print(json.dumps(worker(spec.worker, spec.tokens, spec.vocabs[0], spec.hidden, spec.repeats)))
         return 0
     result = run(spec)
-    if not spec.no_record:
-        figures = {}
-        for r in result["rows"]:
-            key = f"{r['variant']}@{r['vocab']}"
-            figures[f"{key}_s"] = r["seconds"]["median"]
-            figures[f"{key}_peak_mib"] = r["peak_bytes"] / 2**20
-        append_csv("aipo", figures, {"tokens": spec.tokens, "hidden": spec.hidden})
-        update_results_md("AIPO loss (`llamarl bench aipo`)", report(result))
+    figures = {}
+    for r in result["rows"]:
+        key = f"{r['variant']}@{r['vocab']}"
+        figures[f"{key}_s"] = r["seconds"]["median"]
+        figures[f"{key}_peak_mib"] = r["peak_bytes"] / 2**20
+    record(spec.record, "aipo", figures, {"tokens": spec.tokens, "hidden": spec.hidden},
+           "AIPO loss (`llamarl bench aipo`)", report(result))
     print(json.dumps(result, indent=2) if spec.json else report(result))
     return 0
 

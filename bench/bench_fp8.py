@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from llamarl_core.bench.harness import add_output_args, append_csv, summarize, table, update_results_md
+from llamarl_core.bench.harness import add_output_args, record, summarize, table
+from llamarl_core.cli import HelpFormatter
 from llamarl_core.ops.fp8 import quantize_fp8, quantize_fp8_ref, scale_shape
 
 # Llama-3-8B-shaped projections: q/o (4096 x 4096), gate/up (14336 x 4096), down (4096 x 14336).
@@ -85,10 +86,10 @@ def report(result: dict) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="llamarl bench fp8", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="NxK weight shapes")
-    p.add_argument("--granularities", nargs="+", default=["tensor", "channel", "block"])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--granularities", nargs="+", default=["tensor", "channel", "block"], help="FP8 scale granularities")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls of each method")
     p.add_argument("--gpu", action="store_true", help="also time the Triton kernel against a d2d copy")
     add_output_args(p)
     return p.parse_args(argv)
@@ -99,10 +100,9 @@ def main(argv=None) -> int:
     if spec.gpu and not torch.cuda.is_available():
         raise SystemExit("--gpu needs a CUDA device")
     result = run(spec)
-    if not spec.no_record:
-        figures = {f"{r['shape']}_{r['granularity']}_{r['method'].replace(' ', '_')}_gbps": r["gbps"] for r in result["rows"]}
-        append_csv("fp8", figures, {"threads": result["threads"]})
-        update_results_md("FP8 weight quantization (`llamarl bench fp8`)", report(result))
+    figures = {f"{r['shape']}_{r['granularity']}_{r['method'].replace(' ', '_')}_gbps": r["gbps"] for r in result["rows"]}
+    record(spec.record, "fp8", figures, {"threads": result["threads"]}, "FP8 weight quantization (`llamarl bench fp8`)",
+           report(result))
     print(json.dumps(result, indent=2) if spec.json else report(result))
     return 0
 

@@ -26,7 +26,8 @@ import time
 import torch
 
 from llamarl_core.bench import bench_sync
-from llamarl_core.bench.harness import add_output_args, append_csv, summarize, table, update_results_md
+from llamarl_core.bench.harness import add_output_args, record, summarize, table
+from llamarl_core.cli import HelpFormatter
 
 
 def _time_cuda(fn, repeats: int, warmup: int = 2) -> dict:
@@ -98,7 +99,7 @@ def aipo_rows(copy_bps: float, repeats: int, tokens: int = 4096, vocab: int = 12
 def sync_rows(repeats: int) -> list[dict]:
     """`llamarl bench sync --device cuda --transports cuda_ipc --fsdp 1 --tp 1`: about 1 GiB of bf16."""
     spec = bench_sync.parse_args(["--device", "cuda", "--transports", "cuda_ipc", "--fsdp", "1", "--tp", "1",
-                                  "--repeats", str(repeats), "--no-record"])
+                                  "--repeats", str(repeats)])
     result = bench_sync.run(spec)
     engine, limit = result["gbps"]["engine_cuda_ipc"], result["gbps"]["memcpy"]
     return [{"what": f"weight sync over CUDA IPC, 2 processes, {result['model_bytes'] / 2**30:.2f} GiB bf16",
@@ -129,8 +130,8 @@ def report(result: dict) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="llamarl bench gpu", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=10)
+                                formatter_class=HelpFormatter)
+    p.add_argument("--repeats", type=int, default=10, help="timed calls of each kernel and copy")
     p.add_argument("--no-sync", action="store_true", help="skip the weight sync between processes")
     add_output_args(p)
     return p.parse_args(argv)
@@ -141,9 +142,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("llamarl bench gpu needs a CUDA device")
     result = run(spec)
-    if not spec.no_record:
-        append_csv("gpu", {r["what"]: r["vs_copy"] for r in result["rows"]}, {"device": result["device"]})
-        update_results_md("GPU kernels and copy engine (`llamarl bench gpu`)", report(result))
+    record(spec.record, "gpu", {r["what"]: r["vs_copy"] for r in result["rows"]}, {"device": result["device"]},
+           "GPU kernels and copy engine (`llamarl bench gpu`)", report(result))
     print(json.dumps(result, indent=2) if spec.json else report(result))
     return 0
 

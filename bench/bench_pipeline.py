@@ -36,12 +36,8 @@ import time
 from pathlib import Path
 
 import torch
-from llamarl_core.bench.harness import (
-    add_output_args,
-    append_csv,
-    table,
-    update_results_md,
-)
+from llamarl_core.bench.harness import add_output_args, record, table
+from llamarl_core.cli import HelpFormatter
 
 from llamarl_core.pipeline import Controller, TrainConfig, load_task
 from llamarl_core.pipeline.arithmetic import arithmetic_problems
@@ -104,19 +100,22 @@ def run_ours(config: TrainConfig, out: Path) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="llamarl bench pipeline", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--steps", type=int, default=None, help=f"RL steps (default {TrainConfig.steps}; 10 with --model)")
-    p.add_argument("--task", default=TrainConfig.task)
+    p.add_argument("--task", default=TrainConfig.task, help="module:attribute of a llamarl_core.pipeline.Task")
     p.add_argument("--skip-trl", action="store_true", help="only our two modes")
     p.add_argument("--model", help="a pretrained model folder (e.g. SmolLM2-135M-Instruct from "
                                    "scripts/fetch-smollm2.sh): our two modes on it, on --dataset with --reward (TRL is "
                                    "not run)")
     p.add_argument("--dataset", help="with --model: a JSONL dataset (default: `llamarl dataset arithmetic`'s)")
     p.add_argument("--reward", default="math", help="with --model: the reward (default math)")
-    p.add_argument("--prompts-per-step", type=int, default=None, help="(default: TrainConfig's; 4 with --model)")
-    p.add_argument("--samples-per-prompt", type=int, default=None, help="(default: TrainConfig's; 4 with --model)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="(default: the task's; 48 with --model)")
-    p.add_argument("--lr", type=float, default=None, help="(default: TrainConfig's; 1e-5 with --model)")
+    p.add_argument("--prompts-per-step", type=int, default=None, help="prompt groups per step (default: "
+                   f"{TrainConfig.prompts_per_step}; 4 with --model)")
+    p.add_argument("--samples-per-prompt", type=int, default=None,
+                   help=f"completions per prompt (default: {TrainConfig.samples_per_prompt}; 4 with --model)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="completion budget (default: the task's; 48 with --model)")
+    p.add_argument("--lr", type=float, default=None, help=f"learning rate (default: {TrainConfig.lr:g}; 1e-5 with --model)")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs of each system, in rotating order; medians are reported (the machine is noisy)")
     add_output_args(p)
@@ -191,13 +190,11 @@ def _run(args, base: TrainConfig, tmp: str) -> int:
         print(json.dumps(results, indent=2))
     else:
         print(body)
-    if not args.no_record:
-        figures = {f"{name}_tokens_per_s": r["tokens_per_s"] for name, r in results.items()}
-        figures.update({f"{name}_reward_last": r["reward_last"] for name, r in results.items()})
-        append_csv("pipeline", figures, {"steps": args.steps, "task": args.task, "model": base.model})
-        title = ("Pipeline on a pretrained model, async beside sync (`llamarl bench pipeline --model`)" if base.model
-                 else "Pipeline end to end beside TRL GRPOTrainer (`llamarl bench pipeline`)")
-        update_results_md(title, body)
+    figures = {f"{name}_tokens_per_s": r["tokens_per_s"] for name, r in results.items()}
+    figures.update({f"{name}_reward_last": r["reward_last"] for name, r in results.items()})
+    title = ("Pipeline on a pretrained model, async beside sync (`llamarl bench pipeline --model`)" if base.model
+             else "Pipeline end to end beside TRL GRPOTrainer (`llamarl bench pipeline`)")
+    record(args.record, "pipeline", figures, {"steps": args.steps, "task": args.task, "model": base.model}, title, body)
     return 0
 
 

@@ -43,7 +43,8 @@ import torch.multiprocessing as tmp
 
 from llamarl_core.sync import WeightReceiver, WeightSender, hf_llama_fsdp, hf_llama_shapes, plan_transfer, vllm_llama_tp
 
-from llamarl_core.bench.harness import add_output_args, append_csv, summarize, table, update_results_md
+from llamarl_core.bench.harness import add_model_args, add_output_args, record, summarize, table
+from llamarl_core.cli import HelpFormatter
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Each rank of every method waits at most this long for a signal.
@@ -169,14 +170,14 @@ def _mp_shared_rank(port, role, rank, spec, rounds, queues) -> None:
 def _wait_for_ranks(store, keys: list[str], procs: list, what: str) -> None:
     """Wait for `keys`, failing at once if a rank dies (and after _WAIT at most)."""
     deadline = time.monotonic() + _WAIT.total_seconds()
-    while True:
-        try:
-            store.wait(keys, datetime.timedelta(seconds=1))
-            return
-        except dist.DistStoreError:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"{what}: ranks exited with {dead} or timed out") from None
+    # Polled with check(), not a short store.wait(): each wait that times out logs a
+    # "[c10d] ... timed out" warning (46 in a default run, every one expected). The
+    # figures come from the ranks' own timestamps, so a 20 ms poll does not touch them.
+    while not store.check(keys):
+        dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: ranks exited with {dead} or timed out")
+        time.sleep(0.02)
 
 
 def _run_methods(store, methods: dict[str, tuple[list, list[str]]], rounds: int, warmup: int) -> dict[str, list[float]]:
@@ -417,20 +418,15 @@ def report_replicas(result: dict) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="llamarl bench sync", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--into", choices=["vllm"],
                    help="into a running vLLM engine instead, beside vLLM's own paths (llamarl bench sync --into vllm --help)")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=5632)
-    p.add_argument("--layers", type=int, default=9, help="9 layers of the default shape: 1.00 GiB in bf16")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_args(p, hidden=2048, intermediate=5632, layers=9, size="1.00 GiB in bf16")
     p.add_argument("--fsdp", type=int, default=2, help="trainer ranks")
     p.add_argument("--tp", type=int, default=2, help="generator tensor-parallel ranks")
-    p.add_argument("--src-dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--src-dtype", choices=sorted(DTYPES), default="bf16", help="the trainer's dtype (generator: bf16)")
     p.add_argument("--transports", nargs="+", choices=["auto", "shm", "cuda_ipc", "p2p"],
-                   help="default: auto p2p; with --replicas one transport, default auto")
+                   help="the transports to time, one run each (default: auto p2p; with --replicas one, default auto)")
     p.add_argument("--replicas", nargs="+", type=int,
                    help="sync one version into each number R of generator replicas instead, beside R x one replica "
                         "and the memcpy of R x the model's bytes (1 is always measured)")
@@ -438,7 +434,7 @@ def parse_args(argv):
                    help="where every rank holds its tensors (cuda: GPU 0, one process per rank)")
     p.add_argument("--threads", type=int, default=0, help="copy threads per sender (default: cores / senders)")
     p.add_argument("--warmup", type=int, default=2, help="untimed syncs first (the first ones run 30-50%% slower)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed syncs of each method")
     add_output_args(p)
     return p.parse_args(argv)
 
@@ -452,15 +448,13 @@ def _main_replicas(spec) -> int:
     if len(spec.transports) != 1:
         raise SystemExit(f"--replicas takes one transport, got --transports {' '.join(spec.transports)}")
     result = run_replicas(spec)
-    if not spec.no_record:
-        params = {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype}
-        for row in result["rows"]:
-            append_csv("sync_replicas", {"gbps": row["gbps"], "speedup_vs_naive": row["speedup_vs_naive"],
-                                         "fraction_of_memcpy": row["fraction_of_memcpy"]},
-                       params | {"replicas": row["replicas"]})
-        section = (f"Weight sync into generator replicas: {result['model_bytes'] / 2**20:.0f} MiB, FSDP {spec.fsdp} "
-                   f"{spec.src_dtype} -> R x TP {spec.tp} bf16 (`llamarl bench sync --replicas`)")
-        update_results_md(section, report_replicas(result))
+    params = {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype}
+    section = (f"Weight sync into generator replicas: {result['model_bytes'] / 2**20:.0f} MiB, FSDP {spec.fsdp} "
+               f"{spec.src_dtype} -> R x TP {spec.tp} bf16 (`llamarl bench sync --replicas`)")
+    for row in result["rows"]:  # a CSV row per R; the section is the whole table
+        record(spec.record, "sync_replicas", {"gbps": row["gbps"], "speedup_vs_naive": row["speedup_vs_naive"],
+                                              "fraction_of_memcpy": row["fraction_of_memcpy"]},
+               params | {"replicas": row["replicas"]}, section, report_replicas(result))
     print(json.dumps(result, indent=2) if spec.json else report_replicas(result))
     return 0
 
@@ -478,12 +472,11 @@ def main(argv=None) -> int:
         return _main_replicas(spec)
     spec.transports = spec.transports or ["auto", "p2p"]
     result = run(spec)
-    if not spec.no_record:
-        append_csv("sync", {f"{k}_gbps": v for k, v in result["gbps"].items()} | result["ratios"],
-                   {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype})
-        section = (f"Weight sync: {result['model_bytes'] / 2**30:.2f} GiB, FSDP {spec.fsdp} {spec.src_dtype} -> "
-                   f"TP {spec.tp} bf16 (`llamarl bench sync`)")
-        update_results_md(section, report(result))
+    section = (f"Weight sync: {result['model_bytes'] / 2**30:.2f} GiB, FSDP {spec.fsdp} {spec.src_dtype} -> "
+               f"TP {spec.tp} bf16 (`llamarl bench sync`)")
+    record(spec.record, "sync", {f"{k}_gbps": v for k, v in result["gbps"].items()} | result["ratios"],
+           {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype}, section,
+           report(result))
     print(json.dumps(result, indent=2) if spec.json else report(result))
     return 0
 

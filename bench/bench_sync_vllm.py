@@ -28,7 +28,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from llamarl_core.bench.harness import add_output_args, append_csv, summarize, table, update_results_md
+from llamarl_core.bench.harness import add_model_args, add_output_args, record, summarize, table
+from llamarl_core.cli import HelpFormatter
 from llamarl_core.sync import WeightSender, hf_llama_fsdp, hf_llama_shapes
 
 _WAIT = datetime.timedelta(seconds=600)
@@ -126,16 +127,11 @@ def report(result: dict) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="llamarl bench sync --into vllm", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--into", choices=["vllm"], default="vllm")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=2816)
-    p.add_argument("--layers", type=int, default=8, help="8 layers of the default shape: 0.58 GiB in fp32")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+                                formatter_class=HelpFormatter)
+    p.add_argument("--into", choices=["vllm"], default="vllm", help="the engine to sync into")
+    add_model_args(p, hidden=1024, intermediate=2816, layers=8, size="0.58 GiB in fp32")
+    p.add_argument("--warmup", type=int, default=1, help="untimed syncs first")
+    p.add_argument("--repeats", type=int, default=3, help="timed syncs of each method")
     add_output_args(p)
     return p.parse_args(argv)
 
@@ -151,10 +147,9 @@ def main(argv=None) -> int:
     except ValueError as exc:
         raise SystemExit(f"llamarl bench sync --into vllm: {exc}") from None
     result = run(spec)
-    if not spec.no_record:
-        append_csv("sync_vllm", {f"{k}_s": v["median"] for k, v in result["seconds"].items()} | result["ratios"],
-                   {"bytes": result["model_bytes"]})
-        update_results_md("Weight sync into a running vLLM engine (`llamarl bench sync --into vllm`)", report(result))
+    record(spec.record, "sync_vllm", {f"{k}_s": v["median"] for k, v in result["seconds"].items()} | result["ratios"],
+           {"bytes": result["model_bytes"]}, "Weight sync into a running vLLM engine (`llamarl bench sync --into vllm`)",
+           report(result))
     print(json.dumps(result, indent=2) if spec.json else report(result))
     return 0
 

@@ -1,13 +1,16 @@
 """Shared benchmark harness: statistics, machine info, the CSV log and RESULTS.md.
 
 Every benchmark prints its figures beside a limit or a peer measured in the same
-run, appends one CSV row per figure (machine, timestamp, version, git SHA) to
-bench/results.csv, and rewrites its own section of bench/RESULTS.md with the
-latest figures and the command that produced them.
+run. With `--record DIR` (and only then: an installed package's folder is never
+written to) it appends one CSV row per figure (machine, timestamp, version, git
+SHA) to DIR/results.csv and rewrites its own section of DIR/RESULTS.md with the
+latest figures and the command that produced them; `--record bench` from the
+repository's root keeps the repository's bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime
 import os
@@ -20,9 +23,6 @@ from pathlib import Path
 
 import llamarl_core
 
-BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_MD = BENCH_DIR / "RESULTS.md"
-RESULTS_CSV = BENCH_DIR / "results.csv"
 
 
 def summarize(samples: list[float]) -> dict:
@@ -30,9 +30,10 @@ def summarize(samples: list[float]) -> dict:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
 
 
-def git_sha() -> str:
+def git_sha(folder: Path) -> str:
+    """The commit of the repository holding `folder` (where the figures are recorded), or "unknown"."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH_DIR, capture_output=True, text=True,
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=folder, capture_output=True, text=True,
                              timeout=10)
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
@@ -51,38 +52,65 @@ def command_line() -> str:
     return "python " + shlex.join([os.path.relpath(sys.argv[0]), *argv])
 
 
-def append_csv(bench: str, figures: dict[str, float], params: dict) -> None:
+def append_csv(path: Path, bench: str, figures: dict[str, float], params: dict) -> None:
     """One row per figure: timestamp, machine, version, git SHA, bench, name, value, params."""
-    new = not RESULTS_CSV.exists()
+    new = not path.exists()
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    with RESULTS_CSV.open("a", newline="") as f:
+    with path.open("a", newline="") as f:
         writer = csv.writer(f)
         if new:
             writer.writerow(["timestamp", "machine", "version", "git_sha", "bench", "figure", "value", "params"])
         for name, value in figures.items():
-            writer.writerow([stamp, machine(), llamarl_core.__version__, git_sha(), bench, name, f"{value:.6g}",
-                             " ".join(f"{k}={v}" for k, v in params.items())])
+            writer.writerow([stamp, machine(), llamarl_core.__version__, git_sha(path.parent), bench, name,
+                             f"{value:.6g}", " ".join(f"{k}={v}" for k, v in params.items())])
 
 
-def update_results_md(section: str, body: str) -> None:
-    """Replace (or add) the section `## {section}` of bench/RESULTS.md."""
-    text = RESULTS_MD.read_text() if RESULTS_MD.exists() else "# Benchmark results\n\nLatest figures, with the command that produced them.\n"
+def update_results_md(path: Path, section: str, body: str) -> None:
+    """Replace (or add) the section `## {section}` of the Markdown file `path`."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n\nLatest figures, with the command that produced them.\n"
     header = f"## {section}\n"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    block = f"{header}\n`{command_line()}` on {machine()}, {stamp}, git {git_sha()}\n\n{body.strip()}\n\n"
+    block = f"{header}\n`{command_line()}` on {machine()}, {stamp}, git {git_sha(path.parent)}\n\n{body.strip()}\n\n"
     if header in text:
         start = text.index(header)
         nxt = text.find("\n## ", start + len(header))
         text = text[:start] + block + (text[nxt + 1 :] if nxt >= 0 else "")
     else:
         text = text.rstrip() + "\n\n" + block
-    RESULTS_MD.write_text(text.rstrip() + "\n")
+    path.write_text(text.rstrip() + "\n")
+
+
+def record(folder: Path | None, bench: str, figures: dict[str, float], params: dict, section: str, body: str) -> None:
+    """With --record DIR: the figures appended to DIR/results.csv and `body` as the
+    section `section` of DIR/RESULTS.md. Without (None): nothing is written."""
+    if folder is None:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    append_csv(folder / "results.csv", bench, figures, params)
+    update_results_md(folder / "RESULTS.md", section, body)
+
+
+def add_model_args(parser, hidden: int, intermediate: int, layers: int, size: str) -> None:
+    """The Llama-shaped model a sync bench moves (16 heads, 4 KV heads, vocabulary 32000 unless told); `size`:
+    what the default shape weighs, for the help."""
+    parser.add_argument("--hidden", type=int, default=hidden, help="the model's hidden size")
+    parser.add_argument("--intermediate", type=int, default=intermediate, help="the model's MLP size")
+    parser.add_argument("--layers", type=int, default=layers,
+                        help=f"decoder layers (default {layers}: {size} at the default shape)")
+    parser.add_argument("--heads", type=int, default=16, help="attention heads")
+    parser.add_argument("--kv-heads", type=int, default=4, help="key / value heads")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
 
 
 def add_output_args(parser) -> None:
-    """--json and --no-record, the same for every benchmark."""
+    """--json and --record, the same for every benchmark."""
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    parser.add_argument("--no-record", action="store_true", help="do not append to results.csv nor update RESULTS.md")
+    parser.add_argument("--record", type=Path, metavar="DIR",
+                        help="append the figures to DIR/results.csv and rewrite this bench's section of "
+                             "DIR/RESULTS.md (--record bench from the repository's root: its own); without it nothing "
+                             "is written")
+    # Recording is off unless asked for since --record; scripts that still say --no-record keep running.
+    parser.add_argument("--no-record", action="store_true", help=argparse.SUPPRESS)
 
 
 def table(rows: list[list[str]]) -> str:

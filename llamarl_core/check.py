@@ -98,7 +98,7 @@ def check_gpu(args) -> int:
         ok &= passed
         lines.append(("gpu tests (pytest -m gpu)", summary))
     if not args.no_bench:
-        result = bench_gpu.run(bench_gpu.parse_args(["--repeats", str(args.repeats), "--no-record"]))
+        result = bench_gpu.run(bench_gpu.parse_args(["--repeats", str(args.repeats)]))
         print(bench_gpu.report(result), flush=True)
         for r in result["rows"]:
             lines.append((r["what"], f"{r['gbps']:.0f} GB/s, {r['vs_copy']:.2f}x copy bandwidth"
@@ -120,8 +120,10 @@ def check_gpu(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .cli import HelpFormatter
+
     parser = argparse.ArgumentParser(prog="llamarl check gpu", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("what", choices=["gpu"], help="what to check")
     parser.add_argument("--tests", help="the repository's tests/ folder (default: ./tests, or beside the package)")
     parser.add_argument("--no-bench", action="store_true", help="skip the GPU benches")

@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 
-USAGE = """usage: llamarl <command> ...
+USAGE = """usage: llamarl <command> ...   (llamarl --version: the version)
 
 commands:
   train         run the asynchronous RL pipeline on the embedded default task
@@ -40,6 +42,19 @@ commands:
                 sm_80 / 90 / 100 (llamarl check gpu --help)
 """
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every command's --help: its docstring as written, and each option's default
+    after its help (unless the help says it already, or there is none: None, a flag)."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return help_text
+        if "default" in help_text:
+            return help_text
+        return f"{help_text} (default: %(default)s)".strip()
+
+
 BENCHES = {
     "sync": "llamarl_core.bench.bench_sync",
     "fp8": "llamarl_core.bench.bench_fp8",
@@ -51,6 +66,17 @@ BENCHES = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["--version"], ["-V"]):
+        from . import __version__
+
+        print(f"llamarl {__version__}")
+        return 0
+    # A module in the working folder loads as with `python -m` (--task mymod:my_task, --reward
+    # mymod:fn, --resume and export of such a run); the console script alone would not see it.
+    # Appended, not prepended: a source checkout as the working folder must not shadow the
+    # installed package and its built native module. The executors inherit sys.path (forkserver).
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     if argv and argv[0] == "train":
         from .pipeline.train_cli import main as train_main
 
@@ -74,9 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="llamarl export",
+    parser = argparse.ArgumentParser(prog="llamarl export", formatter_class=HelpFormatter,
                                      description="Write the policy of a `llamarl train` run (its last checkpoint) as a "
                                                  "model folder: config.json, model.safetensors, the tokenizer.")
     parser.add_argument("run_dir", help="the run's --out folder")
@@ -86,7 +110,7 @@ def _export(argv: list[str]) -> int:
 
     try:
         out = export_run(args.run_dir, args.out)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # TypeError: the run's task is no longer a Task
         raise SystemExit(f"llamarl export: {exc}") from None
     print(f"wrote {out}/")
     return 0

@@ -30,3 +30,8 @@ def generator_start_fails_task() -> Task:
 def length_reward(prompts, completions, answers):
     """A user's batched rule reward (`--reward pipeline_tasks:length_reward`)."""
     return [float(len(c)) for c in completions]
+
+
+def upper_reference_task() -> Task:
+    """Its reference answers use characters its alphabet lacks (found by the warm-up check)."""
+    return Task("upper-reference", reverse_prompt, reverse_reward, "abcdefgh=", 11, lambda p: p[:-1].upper())

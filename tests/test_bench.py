@@ -6,13 +6,15 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 
 def _run(*args: str) -> dict:
     # Run outside the repository so the installed package is imported, not the sources.
-    out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "bench", *args, "--no-record", "--json"],
+    out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "bench", *args, "--json"],
                          capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "[c10d]" not in out.stderr, out.stderr[-3000:]  # a successful run logs no store timeouts
     return json.loads(out.stdout)
 
 
@@ -39,8 +41,25 @@ def test_bench_sync_replicas_reports_each_count_beside_naive_and_limit():
     assert set(sent) == {"1", "2"} and sent["1"] == sent["2"] and sum(sent["1"].values()) == result["model_bytes"]
 
 
-def test_bench_fp8_reports_cpu_path_and_peers():
-    result = _run("fp8", "--shapes", "64x96", "--repeats", "1")
+def _files(folder: Path) -> dict[str, int]:
+    """Every file under `folder` (Python's byte-code caches aside) and its modification time."""
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
+def test_bench_fp8_reports_cpu_path_and_peers(tmp_path):
+    """Also: the installed package's folder is never written to; --record DIR writes there alone."""
+    import llamarl_core.bench
+
+    # The package and its bench module (one folder installed; two in an editable install: bench/ is mapped).
+    before = {Path(m.__file__).parent: None for m in (llamarl_core, llamarl_core.bench)}
+    before = {folder: _files(folder) for folder in before}
+    result = _run("fp8", "--shapes", "64x96", "--repeats", "1", "--record", str(tmp_path / "rec"))
+    assert {folder: _files(folder) for folder in before} == before
+    assert sorted(_files(tmp_path / "rec")) == ["RESULTS.md", "results.csv"]
+    assert "## FP8 weight quantization (`llamarl bench fp8`)" in (tmp_path / "rec" / "RESULTS.md").read_text()
+    rows = (tmp_path / "rec" / "results.csv").read_text().splitlines()
+    assert rows[0].startswith("timestamp,machine,version,git_sha,bench") and len(rows) == 1 + len(result["rows"])
     methods = {(r["granularity"], r["method"]) for r in result["rows"]}
     assert methods == {(g, m) for g in ("tensor", "channel", "block") for m in ("torch copy", "CPU path", "torch reference")}
     assert set(result["ratios"]) == {"64x96 tensor", "64x96 channel", "64x96 block"}
@@ -58,7 +77,7 @@ def test_bench_pipeline_reports_both_modes():
     # TRL is an optional bench dependency, not installed for the tests: our two modes only.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "bench", "pipeline", "--steps", "3", "--skip-trl", "--repeats", "1",
-                          "--no-record", "--json"], capture_output=True, text=True, timeout=300,
+                          "--json"], capture_output=True, text=True, timeout=300,
                          cwd=tempfile.gettempdir(), env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)

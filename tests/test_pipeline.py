@@ -74,6 +74,13 @@ def test_reverse_task_reward():
     assert task.prompt(7) == prompt  # the data position fixes the prompt
 
 
+def test_moving_mean_is_trailing():
+    from llamarl_core.pipeline.report import moving_mean
+
+    assert moving_mean([1.0, 2.0, 3.0, 4.0, 10.0], 2) == [1.0, 1.5, 2.5, 3.5, 7.0]
+    assert moving_mean([3.0, 5.0], 1) == [3.0, 5.0] and moving_mean([], 4) == []
+
+
 def test_load_task_errors():
     assert load_task("llamarl_core.pipeline.task:reverse_task").name == "reverse"
     with pytest.raises(ValueError, match="module:attribute"):
@@ -87,6 +94,8 @@ def test_load_task_errors():
 @pytest.mark.parametrize("bad, match", [
     ({"mode": "eager"}, "mode"), ({"max_staleness": 0}, "max_staleness"), ({"samples_per_prompt": 1}, "samples_per_prompt"),
     ({"prompts_per_step": 3, "trainer_world": 2}, "split evenly"), ({"lr": 0.0}, "lr"), ({"steps": 0}, "steps"),
+    ({"num_heads": 5}, "num_heads 5 must divide hidden_size 96"),
+    ({"num_kv_heads": 3}, "num_kv_heads 3 must divide num_heads 4"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -318,6 +327,7 @@ def test_train_run_writes_everything_and_respects_staleness(tmp_path, mode):
         proc = subprocess.run([str(script), "train", "--mode", mode, "--out", str(out), *FAST], check=False,
                               capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[1], env=RUN_ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "\r" not in proc.stderr  # output that is not a terminal gets no progress-bar redraws
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mode"] == mode and summary["steps"] == 12 and summary["samples"] == 12 * 16
     for key in ("reward_first", "reward_last", "step_time_s", "gen_time_s", "train_time_s", "sync_time_s"):
@@ -335,7 +345,10 @@ def test_train_run_writes_everything_and_respects_staleness(tmp_path, mode):
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads((out / "trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in trace if e["ph"] == "X"}
-    assert {"generate", "score", "train step 0", "send v1", "receive v1"} <= names
+    # Stable names, so that Perfetto groups them; the step or version in args.
+    assert names == {"supervised warm-up", "generate", "score", "train step", "send weights", "receive weights",
+                     "checkpoint"}, names
+    assert sorted(e["args"]["step"] for e in trace if e["name"] == "train step") == list(range(12))
     saved = torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)  # tensors and plain values only
     assert saved["step"] == 12 and saved["data_position"] > 0
     # The policy as a model folder: the checkpoint's weights, loaded by transformers with its tokenizer.
@@ -482,6 +495,14 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path):
     assert "drop --lr --mode" in message  # not silently ignored
     assert "--keep-kv needs --generator vllm" in train_error("--keep-kv", "--out", str(tmp_path / "k"), "--quiet")
     assert not (tmp_path / "k").exists()
+    # A task that is not a Task, and reference answers outside the task's alphabet (met by the
+    # trainer's warm-up otherwise): one line each, nothing written.
+    for task, match in (("llamarl_core.pipeline.task:REVERSE_LETTERS", "gave str, not a llamarl_core.pipeline.Task"),
+                        ("pipeline_tasks:upper_reference_task",
+                         "warm-up prompt '.*=' or its reference answer: ValueError: character '[A-H]' of")):
+        message = train_error("--task", task, "--out", str(tmp_path / "t"), "--quiet")
+        assert re.search(match, message) and "\n" not in message, message
+        assert not (tmp_path / "t").exists()
 
 
 def test_a_pretrained_model_defaults_to_a_pretrained_learning_rate(tmp_path):
@@ -533,10 +554,14 @@ def test_bad_models_datasets_and_rewards_fail_before_anything_is_written(tmp_pat
 
 def test_a_generator_that_fails_while_starting_stops_the_run_with_its_error(tmp_path):
     """Not restarted (a new one would fail alike), and not hidden behind the trainer's
-    timeout waiting for it: the run stops at once with the generator's own error."""
+    timeout waiting for it: the run stops at once with the generator's own error. Run
+    as the README says, by the console script from the folder that holds the task's
+    module (no PYTHONPATH): the controller and every executor import it from there."""
     start = time.monotonic()
-    proc = llamarl("--task", "pipeline_tasks:generator_start_fails_task", "--out", str(tmp_path / "run"), *FAST,
-                   timeout=120, env=TASKS_ENV)
+    script = Path(sys.executable).with_name("llamarl")
+    proc = subprocess.run([str(script), "train", "--task", "pipeline_tasks:generator_start_fails_task", "--out",
+                           str(tmp_path / "run"), *FAST], check=False, capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parent, env=RUN_ENV)
     assert proc.returncode == 1
     assert "generator rank 0 failed" in proc.stderr and "a generator-only start-up failure" in proc.stderr
     assert "while starting; not restarting it" in proc.stderr and "restarting it and" not in proc.stderr
@@ -602,6 +627,28 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert steps == list(range(saved_step - 1)) + list(range(saved_step, saved_step + 6))  # redone after the checkpoint
     assert torch.load(ckpt, weights_only=True)["step"] == saved_step + 6
     assert json.loads((out / "summary.json").read_text())["steps"] == saved_step + 6
+
+
+def test_ctrl_c_says_in_one_line_what_was_saved_and_how_to_resume(tmp_path):
+    """Ctrl-C in a terminal interrupts the whole process group: no traceback, one
+    line naming the checkpoint's step and the --resume command; no executor left."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*TRAIN, "--out", str(out), "--steps", "400", "--warmup-steps", "5", "--prompts-per-step",
+                             "4", "--checkpoint-every", "5", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd="/", start_new_session=True, env=RUN_ENV)
+    try:
+        _wait_for(lambda: (out / "checkpoint" / "trainer.pt").exists(), 120, "the run to reach a checkpoint")
+        executors = json.loads((out / "executors.json").read_text()).values()
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    step = torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)["step"]
+    assert stderr.strip().splitlines()[-1] == (f"llamarl train: interrupted; {out}/checkpoint/trainer.pt holds step "
+                                               f"{step}: continue with `llamarl train --out {out} --resume`")
+    _wait_for(lambda: not any(_alive(pid) for pid in executors), 30, "the executors to exit")
 
 
 def test_generator_killed_mid_run_is_restarted_and_resynced(tmp_path):

@@ -241,7 +241,12 @@ def test_killed_sender_leaves_receiver_consistent_and_restart_completes(store):
     assert llamarl_shm_entries() == []
 
 
-def test_receiver_without_senders_times_out(store):
+@pytest.mark.parametrize("kind", ["tcp", "file"])
+def test_receiver_without_senders_times_out(store, tmp_path, kind):
+    """SyncTimeoutError from every Store the README names: FileStore's own wait
+    timeout is a plain RuntimeError, not TCPStore's DistStoreError."""
+    if kind == "file":
+        store = dist.FileStore(str(tmp_path / "store"), 1)
     config = small_config("mistral")
     layout = vllm_llama_tp(config, 1, torch.bfloat16)
     start = time.monotonic()

@@ -71,8 +71,10 @@ def arithmetic_problems(lines: int, seed: int = 0) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    from ..cli import HelpFormatter
+
     parser = argparse.ArgumentParser(prog="llamarl dataset arithmetic", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("out", type=Path, help="the JSONL file to write")
     parser.add_argument("--lines", type=int, default=600, help="problems to write (default 600)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")

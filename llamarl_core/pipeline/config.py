@@ -96,6 +96,10 @@ class TrainConfig:
                      "kl_coef", "micro_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads {self.num_heads} must divide hidden_size {self.hidden_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads {self.num_kv_heads} must divide num_heads {self.num_heads}")
         if self.lr_warmup_steps > self.steps:
             raise ValueError(f"lr_warmup_steps {self.lr_warmup_steps} is more than the run's steps {self.steps}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -229,12 +229,30 @@ class RunData:
         problem = self.eval_problem(index) if eval else self.problem(index)
         return self.tokenizer.encode(problem.prompt)
 
+    @property
+    def supervised_warmup(self) -> bool:
+        """Whether the trainer warms the built-in model up on the task's reference answers."""
+        return bool(self.config.warmup_steps) and self.model is None and self.task.reference is not None
+
     # -- checks ------------------------------------------------------------------------
     def check_prompts_fit(self) -> None:
         """ValueError naming the first prompt that does not fit the model's context
         with the completion budget after it (every dataset line; a task's first
-        prompts and its held-out ones), or whose characters a task's tokenizer lacks."""
+        prompts and its held-out ones), or whose characters a task's tokenizer lacks;
+        with the supervised warm-up, the first warm-up prompts and their reference
+        answers too (found in the trainer otherwise, after every executor started)."""
         limit = context_length(self.model_config)
+        if self.supervised_warmup:
+            from .learner import WARMUP_PROMPT_OFFSET
+
+            for index in range(WARMUP_PROMPT_OFFSET, WARMUP_PROMPT_OFFSET + TASK_PROMPTS_CHECKED):
+                prompt = self.task.prompt(index)
+                try:
+                    self.tokenizer.encode(prompt)
+                    self.tokenizer.encode(self.task.reference(prompt))
+                except Exception as exc:  # a bad character, or the user's reference failing
+                    raise ValueError(f"task {self.task.name!r}, warm-up prompt {prompt!r} or its reference answer: "
+                                     f"{type(exc).__name__}: {exc}") from None
         if self.task is not None:
             problems = [self.problem(i) for i in range(TASK_PROMPTS_CHECKED)]
         else:

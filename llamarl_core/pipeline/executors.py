@@ -58,6 +58,8 @@ class Link:
         self.events.put((self.role, self.rank, kind, payload))
 
     def span(self, name: str, start: float, end: float, **args) -> None:
+        """A trace event. `name` is fixed per kind of work (Perfetto groups events by name); what varies (the
+        step, the version) goes into `args`."""
         self.spans.append((name, start, end, args))
 
     @contextlib.contextmanager
@@ -269,14 +271,14 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
                 elif kind == "receive":
                     start = time.monotonic()
                     version = generator.update_weights(payload["version"], config.sync_timeout_s)
-                    link.span(f"receive v{version}", start, time.monotonic())
+                    link.span("receive weights", start, time.monotonic(), version=version)
                     if leader:
                         link.send("received", version=version, busy=busy)
                         busy = 0.0
                     if payload["evaluate"]:  # greedy, to the end, on these weights alone, before anything else
                         start = time.monotonic()
                         done = generator.evaluate([Sample(i, ids, eval=True) for i, ids in payload["evaluate"]])
-                        link.span(f"evaluate v{version}", start, time.monotonic(), prompts=len(done))
+                        link.span("evaluate", start, time.monotonic(), version=version, prompts=len(done))
                         if leader:
                             link.send("samples", samples=done, busy=0.0)
             if generator.version is None or not generator.busy:
@@ -364,7 +366,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
         return fsdp_sender(store, model, rank, world, name=f"weights/{generator}", timeout=config.timeout_s,
                            num_threads=1)
 
-    if step == 0 and config.warmup_steps and data.model is None and data.task.reference is not None:
+    if step == 0 and data.supervised_warmup:
         start = time.monotonic()
         with _every_core(world):
             loss = supervised_warmup(model, optimizer, data.task, config.warmup_steps, config.warmup_batch, rank,
@@ -391,7 +393,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
                 link.send("sync_failed", version=payload["version"], message=str(exc), generator=generator)
                 continue
             end = time.monotonic()
-            link.span(f"send v{payload['version']}", start, end)
+            link.span("send weights", start, end, version=payload["version"])
             link.send("synced", version=payload["version"], seconds=end - start, generator=generator)
         elif kind == "train":
             lr = learning_rate(payload["step"], base_lr=config.lr, warmup_steps=config.lr_warmup_steps,
@@ -403,7 +405,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
                                kl_coef=config.kl_coef, reference_model=reference, autocast_dtype=autocast)
             step = payload["step"] + 1
             end = time.monotonic()
-            link.span(f"train step {payload['step']}", start, end, samples=len(payload["samples"]))
+            link.span("train step", start, end, step=payload["step"], samples=len(payload["samples"]))
             link.send("trained", step=payload["step"], seconds=end - start, **dataclasses.asdict(stats))
         elif kind == "checkpoint":
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -416,7 +418,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
                 torch.save(state, tmp)
                 os.replace(tmp, checkpoint)  # a crash mid-save leaves the previous checkpoint whole
             end = time.monotonic()
-            link.span(f"checkpoint at step {step}", start, end)
+            link.span("checkpoint", start, end, step=step)
             link.send("checkpointed", step=step)
         elif kind == "reconnect":
             sender.close()

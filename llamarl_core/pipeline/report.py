@@ -1,5 +1,5 @@
 """What a run writes: metrics.jsonl (a line per trainer step), summary.json, a PNG
-of reward against wall time, and a Chrome-trace / Perfetto timeline."""
+of reward against time, and a Chrome-trace / Perfetto timeline."""
 
 from __future__ import annotations
 
@@ -88,23 +88,43 @@ def write_trace(path: Path, spans: list[tuple], t0: float) -> None:
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
+def moving_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the up to window - 1 before it (a trailing window: the
+    line at a step uses no later step)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_reward(path: Path, runs: dict[str, list[dict]], evals: dict[str, list[dict]] | None = None) -> None:
-    """PNG: mean reward of each trainer step against wall time, one line per run,
-    and each run's greedy reward on the held-out prompts as points (evals)."""
+    """PNG: mean reward of each trainer step (faint points) and its moving mean
+    (line) against the seconds since that run's RL began, one colour per run, and
+    each run's greedy reward on the held-out prompts as points (evals). Each run
+    starts at 0 from its own first step: start-up and the supervised warm-up are
+    left out, so a cold first run and a warm second one (--compare) line up."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    # About 20 windows over the run: 60 steps for the default 1200, steady enough to compare runs.
+    window = max(1, max(len(metrics) for metrics in runs.values()) // 20)
     for label, metrics in runs.items():
-        line, = ax.plot([m["wall_s"] for m in metrics], [m["reward"] for m in metrics], label=f"{label}: train",
-                        linewidth=1.2)
+        start = metrics[0]["wall_s"] - metrics[0]["rl_s"]  # the wall time at which this run's RL began
+        seconds = [m["wall_s"] - start for m in metrics]
+        rewards = [m["reward"] for m in metrics]
+        line, = ax.plot(seconds, moving_mean(rewards, window), label=f"{label}: train (mean of {window} steps)",
+                        linewidth=1.6)
+        ax.plot(seconds, rewards, ".", color=line.get_color(), alpha=0.25, markersize=2)
         held_out = (evals or {}).get(label)
         if held_out:
-            ax.plot([e["wall_s"] for e in held_out], [e["reward"] for e in held_out], "o--", color=line.get_color(),
-                    label=f"{label}: held-out (greedy)", markersize=4)
-    ax.set_xlabel("wall time (s)")
+            ax.plot([e["wall_s"] - start for e in held_out], [e["reward"] for e in held_out], "o--",
+                    color=line.get_color(), label=f"{label}: held-out (greedy)", markersize=4)
+    ax.set_title(f"{' vs '.join(runs)}: mean reward per trainer step")
+    ax.set_xlabel("seconds since RL began (start-up and warm-up left out)")
     ax.set_ylabel("mean reward per step")
     ax.grid(alpha=0.3)
     ax.legend()

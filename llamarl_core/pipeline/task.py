@@ -93,7 +93,8 @@ def load_task(spec: str) -> Task:
     try:
         obj = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load task {spec!r}: {exc}") from exc
+        raise ValueError(f"cannot load task {spec!r}: {exc} (modules load from the installed packages and the "
+                         "working folder)") from exc
     task = obj() if callable(obj) and not isinstance(obj, Task) else obj
     if not isinstance(task, Task):
         raise TypeError(f"task {spec!r} gave {type(task).__name__}, not a llamarl_core.pipeline.Task")

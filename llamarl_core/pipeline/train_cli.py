@@ -22,10 +22,42 @@ from pathlib import Path
 
 from .config import GENERATORS, VLLM_DEFAULTS, TrainConfig
 
-FLAGS = ("steps", "prompts_per_step", "samples_per_prompt", "max_staleness", "segment_tokens", "temperature", "rho",
-         "lr", "warmup_steps", "hidden_size", "intermediate_size", "num_layers", "trainer_world", "generator_tp",
-         "generator_replicas", "seed", "checkpoint_every", "timeout_s", "sync_timeout_s", "eval_size", "eval_every", "reward_batch",
-         "lr_warmup_steps", "min_lr_ratio", "max_grad_norm", "kl_coef", "micro_batch_size")
+# Options named after TrainConfig fields, parsed with the type of the field's default, with their help.
+FLAGS = {
+    "steps": "trainer steps (weight versions) to run (with --resume: the run's new total)",
+    "prompts_per_step": "prompt groups per trainer step",
+    "samples_per_prompt": "completions per prompt: the group whose mean reward is the baseline (>= 2)",
+    "max_staleness": "async: a sample whose oldest token is version v trains at step s only if s - v <= this",
+    "segment_tokens": "decode steps per generation segment; sequences unfinished at a weight update go on under the "
+                      "new weights (partial rollouts)",
+    "temperature": "sampling temperature",
+    "rho": "AIPO: truncation of the importance weight exp(logp - behaviour logp)",
+    "lr": "AdamW learning rate (after --lr-warmup-steps; decayed by --lr-schedule; 1e-06 with --model unless "
+          "given)",
+    "lr_warmup_steps": "linear learning-rate warm-up over this many RL steps",
+    "min_lr_ratio": "cosine schedule: the last step's learning rate as a fraction of --lr",
+    "max_grad_norm": "clip the gradient norm to this (0: no clipping)",
+    "kl_coef": "weight of the k3 KL penalty towards the weights RL starts from (0: none)",
+    "micro_batch_size": "samples per forward / backward, gradients accumulated (0: the whole batch at once)",
+    "warmup_steps": "built-in model: supervised steps on the task's reference answers before RL (0: none)",
+    "warmup_batch": "built-in model: prompts per supervised warm-up step",
+    "hidden_size": "built-in model: hidden size",
+    "intermediate_size": "built-in model: MLP size",
+    "num_layers": "built-in model: decoder layers",
+    "num_heads": "built-in model: attention heads (they divide --hidden-size)",
+    "num_kv_heads": "built-in model: key / value heads (they divide --num-heads)",
+    "trainer_world": "data-parallel trainer ranks (FSDP2 fully_shard when > 1)",
+    "generator_tp": "tensor-parallel generator ranks (of each replica)",
+    "generator_replicas": "data-parallel generator replicas; the trainer sends each version to replica 0, which "
+                          "relays it to the others",
+    "seed": "random seed (model initialisation, sampling, data order)",
+    "checkpoint_every": "trainer steps between checkpoints (and one at the end)",
+    "timeout_s": "seconds without any executor reporting before the run stops with an error",
+    "sync_timeout_s": "seconds a weight sync may take",
+    "eval_size": "held-out prompts for --eval-every",
+    "eval_every": "every this many versions (and at the last), the held-out prompts' greedy reward (0: never)",
+    "reward_batch": "--reward-model: completions per forward",
+}
 # Options whose default is None or a name (the type of the default cannot say how to parse them), with their help.
 NAMED_FLAGS = {
     "model": (str, "a pretrained model: a Hugging Face folder (config.json + *.safetensors; Llama, Qwen2, Mistral) or "
@@ -38,23 +70,24 @@ NAMED_FLAGS = {
     "reward_model": (str, "a transformers AutoModelForSequenceClassification folder (one output) that scores "
                           "completions in the reward executor"),
     "max_new_tokens": (int, "completion budget (default: the task's, 128 with --dataset)"),
-    "lr_schedule": (str, "after --lr-warmup-steps: constant or cosine (to --min-lr-ratio x --lr)"),
+    "lr_schedule": (str, "after --lr-warmup-steps: constant, or cosine (down to --min-lr-ratio x --lr at the last "
+                         "step)"),
     "dtype": (str, "auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16: the generator's weights and the "
                    "trainer's compute (master weights stay float32)"),
     "device": (str, "cpu or cuda: where the trainer and our generator run"),
 }
-# The built-in model's sizes: a pretrained model (--model) brings its own.
-TOY_MODEL_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "warmup_steps")
+# The built-in model's sizes and warm-up: a pretrained model (--model) brings its own (and is not warmed up).
+TOY_MODEL_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "warmup_steps",
+                   "warmup_batch")
 # --model's learning rate unless --lr is given: the toy's 1e-3 wrecks a pretrained model within a few steps;
 # 1e-6 is the usual rate for RL on a pretrained LLM (GRPO / PPO recipes use 1e-6 to 3e-6).
 PRETRAINED_LR = 1e-6
-FLAG_HELP = {"lr": f"AdamW learning rate (default: {TrainConfig.lr:g}; {PRETRAINED_LR:g} with --model)",
-             "steps": "RL steps (with --resume: the run's new total)"}
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="llamarl train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="llamarl train", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--mode", choices=("async", "sync"), help="default: async")
     parser.add_argument("--compare", action="store_true", help="run sync then async on the same budget")
     parser.add_argument("--out", type=Path, help="output folder (default: a fresh folder under runs/)")
@@ -76,12 +109,17 @@ def parse_args(argv):
                         help="write every trained sample (prompt, completion, reward, versions) to rollouts.jsonl")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="encode prompts as plain text even where the model's tokenizer has a chat template")
+    # Parsed as None when not given (so that --resume and --model can tell what was given); the help says the
+    # default that TrainConfig then applies.
     defaults = TrainConfig()
-    for name in FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)), default=None,
-                            help=FLAG_HELP.get(name))
+    for name, help_text in FLAGS.items():
+        default = getattr(defaults, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=None,
+                            help=f"{help_text} (default: {default:g})")
     for name, (kind, help_text) in NAMED_FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
+        default = getattr(defaults, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                            help=help_text if default is None else f"{help_text} (default: {default})")
     return parser.parse_args(argv)
 
 
@@ -121,7 +159,7 @@ def _one_line_errors():
     one line, not a traceback."""
     try:
         yield
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # TypeError: a --task attribute that is not a Task
         raise SystemExit(f"llamarl train: {exc}") from None
 
 
@@ -158,15 +196,32 @@ def run_one(config: TrainConfig, out: Path, quiet: bool) -> tuple[dict, list[dic
             raise SystemExit(f"{out} holds a run with a different configuration ({saved}); "
                              f"resume it with the same options or pick another --out")
     config.save(saved)
+    # A bar only on a terminal: into a log file its redraws were 179 KB for the default run (the per-step lines, and
+    # the events, still go there: tqdm.write prints with the bar disabled).
     bar = tqdm(total=config.steps, desc=f"{config.mode} RL steps", unit="step", file=sys.stderr,
-               dynamic_ncols=True, leave=True)
+               dynamic_ncols=True, leave=True, disable=not sys.stderr.isatty())
     try:
         summary = controller.run()
     except PipelineError as exc:
         raise SystemExit(f"llamarl train: the run stopped: {exc}") from None
+    except KeyboardInterrupt:  # Controller.run has stopped the executors and written what it has
+        raise SystemExit(f"llamarl train: interrupted; {_resume_hint(out)}") from None
     finally:
         bar.close()
     return summary, controller.metrics
+
+
+def _resume_hint(out: Path) -> str:
+    """What an interrupted run in `out` kept, and how to continue it."""
+    import torch
+
+    from .export import checkpoint_path
+
+    checkpoint = checkpoint_path(out)
+    if not checkpoint.exists():
+        return f"no checkpoint yet in {out} (the first comes after --checkpoint-every steps): nothing to resume"
+    step = torch.load(checkpoint, weights_only=True, mmap=True)["step"]
+    return f"{checkpoint} holds step {step}: continue with `llamarl train --out {out} --resume`"
 
 
 def _print_summary(s: dict) -> None:

@@ -96,7 +96,12 @@ class _Channel:
             if remaining <= 0:
                 raise dist.DistStoreError("deadline passed")
             self.store.wait(keys, datetime.timedelta(seconds=remaining))
-        except dist.DistStoreError as exc:
+        except RuntimeError as exc:
+            # A timeout is a DistStoreError from TCPStore and HashStore but a plain
+            # RuntimeError("Wait timeout") from FileStore; other DistErrors (a lost
+            # connection: DistNetworkError) are not timeouts and pass through.
+            if isinstance(exc, dist.DistError) and not isinstance(exc, dist.DistStoreError):
+                raise
             missing = [k for k in keys if not self.store.check([k])]
             raise SyncTimeoutError(f"timed out waiting for {what} (missing {missing})") from exc
 

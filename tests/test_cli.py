@@ -1,0 +1,66 @@
+"""The `llamarl` command explains itself: --version, and --help on every command
+lists each option with its help and its default."""
+
+import re
+
+import pytest
+
+from llamarl_core import __version__
+from llamarl_core.cli import BENCHES, main
+
+
+def help_text(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as stopped:
+        main([*argv, "--help"])
+    assert stopped.value.code == 0
+    return capsys.readouterr().out
+
+
+def option_entries(text: str) -> dict[str, str]:
+    """'--option METAVAR' (or '--flag') -> its help, from argparse's options section."""
+    entries, current = {}, None
+    for line in text.split("options:\n", 1)[1].splitlines():
+        match = re.match(r"  (-\S+(?: \S+)*?)(?:  +(.*))?$", line)
+        if match and not line.startswith("   "):
+            current = match.group(1)
+            entries[current] = match.group(2) or ""
+        elif current is not None:
+            entries[current] += " " + line.strip()
+    return entries
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"llamarl {__version__}\n"
+
+
+# Options whose absence means "none": there is no default to state.
+NO_DEFAULT = {"--dataset", "--reward-model", "--into", "--record", "--model"}
+
+
+@pytest.mark.parametrize("command", [["train"], ["export"], ["dataset", "arithmetic"], ["check", "gpu"],
+                                     *(["bench", name] for name in BENCHES)])
+def test_every_option_has_help_and_its_default(capsys, command):
+    entries = option_entries(help_text(capsys, *command))
+    assert "-h, --help" in entries, entries
+    for option, text in entries.items():
+        if option.startswith("-h"):
+            continue
+        takes_value = " " in option.split(", ")[-1]  # '--steps STEPS'; a flag ('--quiet') has no metavar
+        assert text.strip(), f"{command}: {option} has no help"
+        if takes_value and option.split()[0] not in NO_DEFAULT:
+            assert "default" in text, f"{command}: {option} does not say its default: {text!r}"
+
+
+
+def test_train_help_states_the_config_defaults(capsys):
+    from llamarl_core.pipeline import TrainConfig
+
+    entries = option_entries(help_text(capsys, "train"))
+    defaults = TrainConfig()
+    for option, value in (("--steps STEPS", defaults.steps), ("--max-staleness MAX_STALENESS", defaults.max_staleness),
+                          ("--segment-tokens SEGMENT_TOKENS", defaults.segment_tokens), ("--rho RHO", defaults.rho),
+                          ("--lr LR", defaults.lr), ("--num-heads NUM_HEADS", defaults.num_heads),
+                          ("--num-kv-heads NUM_KV_HEADS", defaults.num_kv_heads),
+                          ("--warmup-batch WARMUP_BATCH", defaults.warmup_batch)):
+        assert f"(default: {value:g})" in entries[option], (option, entries[option])
