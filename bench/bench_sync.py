@@ -429,7 +429,8 @@ def parse_args(argv):
                    help="the transports to time, one run each (default: auto p2p; with --replicas one, default auto)")
     p.add_argument("--replicas", nargs="+", type=int,
                    help="sync one version into each number R of generator replicas instead, beside R x one replica "
-                        "and the memcpy of R x the model's bytes (1 is always measured)")
+                        "and the memcpy of R x the model's bytes (1 is always measured; default: no replicas, "
+                        "the transports' comparison)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where every rank holds its tensors (cuda: GPU 0, one process per rank)")
     p.add_argument("--threads", type=int, default=0, help="copy threads per sender (default: cores / senders)")
