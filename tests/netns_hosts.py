@@ -31,8 +31,8 @@ import atexit
 import json
 import os
 import re
+import queue
 import secrets
-import selectors
 import signal
 import subprocess
 import threading
@@ -235,12 +235,24 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
 
 
 def read_report(proc: subprocess.Popen, timeout_s: float) -> dict:
-    """The next JSON line `proc` prints, waiting at most `timeout_s`."""
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        if not selector.select(timeout_s):
-            raise TimeoutError(f"no report from {proc.args} within {timeout_s} s")
-    line = proc.stdout.readline()
+    """The next JSON line `proc` prints, waiting at most `timeout_s`. Lines come
+    through a reader thread per process: a select() on the pipe misses lines that
+    an earlier readline() already pulled into the stream's buffer (two reports
+    written back to back arrive in one read)."""
+    lines = getattr(proc, "report_lines", None)
+    if lines is None:
+        lines = proc.report_lines = queue.Queue()
+
+        def pump():
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put("")  # end of output
+
+        threading.Thread(target=pump, name=f"reports-{proc.pid}", daemon=True).start()
+    try:
+        line = lines.get(timeout=timeout_s)
+    except queue.Empty:
+        raise TimeoutError(f"no report from {proc.args} within {timeout_s} s") from None
     if not line:
         raise RuntimeError(f"{proc.args} exited ({proc.wait()}) without a report: {proc.stderr.read()}")
     return json.loads(line)

@@ -270,7 +270,7 @@ def test_controller_drops_stale_groups_and_counts_them():
     wherever they wait (tests/test_scheduler.py checks the scheduler alone)."""
     config = TrainConfig(prompts_per_step=2, samples_per_prompt=2, max_staleness=2)
     ctl = Controller.__new__(Controller)
-    ctl.config = config
+    ctl.config, ctl.num_replicas = config, 1
     ctl._reset_state()
     ctl.inboxes = {("trainer", 0): _Inbox()}
     ctl.scheduler = Scheduler(config, step=5)
@@ -279,7 +279,7 @@ def test_controller_drops_stale_groups_and_counts_them():
         return [Sample(g, [1], [3] * len(v), [0.0] * len(v), v, True, 0.0) for v in versions]
 
     # Oldest tokens of versions 2 (stale at step 5: 5 - 2 > 2), 3, 2 (stale, behind a fresh group) and 4.
-    assert ctl.scheduler.issue(weights_landed=True) == [0, 1, 2, 3]
+    assert ctl.scheduler.issue({0: True}) == {0: [0, 1, 2, 3]}
     for g, v in enumerate([[[2, 5], [4]], [[3], [3, 4]], [[5], [2, 3]], [[4], [5]]]):
         ctl.scheduler.add_samples(group(g, v))
     ctl._maybe_train()
@@ -407,7 +407,7 @@ def test_generator_replicas_sample_with_the_trainers_weights(tmp_path):
     for rank in (0, 1):
         mine = [e for e in spans if e["pid"] in generator_pid and e["tid"] == rank]
         assert any(e["name"] == "generate" for e in mine), rank
-        assert sorted(int(e["name"].split("v")[-1]) for e in mine if e["name"].startswith("receive")) == list(range(13))
+        assert sorted(e["args"]["version"] for e in mine if e["name"] == "receive weights") == list(range(13))
 
 
 def test_heartbeat_reports_while_working_and_stops_after(tmp_path):
