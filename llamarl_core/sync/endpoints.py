@@ -185,12 +185,14 @@ class _Endpoint:
         self.transport = "+".join(sorted(set(self.transports.values())))
         # Point-to-point pairs run round by round, each round a matching (no rank in two pairs).
         self._p2p_rounds = bipartite_rounds(pair for pair, t in self.transports.items() if t == P2P)
+        # This rank's point-to-point peers (receivers of a sender, senders of a receiver), in round order.
+        own, peer = (0, 1) if me == _SRC else (1, 0)
+        self._p2p_peers = [pair[peer] for pairs in self._p2p_rounds for pair in pairs if pair[own] == rank]
         # A rank registered again under the same name (a restarted process) gets a
         # higher incarnation; point-to-point pairs cannot take it back: the process
         # group's rendezvous keys in the Store serve one group once.
         self._incarnation = self.channel.counter(f"{me}/{rank}/incarnation", 1)
-        mine = (lambda pair: pair[0] == rank) if me == _SRC else (lambda pair: pair[1] == rank)
-        if self._incarnation > 1 and any(mine(pair) for rnd in self._p2p_rounds for pair in rnd):
+        if self._incarnation > 1 and self._p2p_peers:
             raise ValueError(f"{self.side} rank {rank} registered again under the name {name!r}, but it has "
                              "point-to-point pairs, which cannot be rejoined: register every sender and receiver "
                              "again under a new name")
@@ -293,7 +295,6 @@ class WeightSender(_Endpoint):
         # Start with a different receiver on each sender so they do not all queue on one.
         shift = self.rank % len(local) if local else 0
         self._local_receivers = local[shift:] + local[:shift]
-        self._p2p_receivers = [d for pairs in self._p2p_rounds for s, d in pairs if s == self.rank]
         self._served: dict[int, int] = {}
         if self._incarnation > 1:
             # A restarted sender: a receive() open now may hold a predecessor's partial
@@ -314,7 +315,7 @@ class WeightSender(_Endpoint):
                 self._opened.append(opened)
                 addresses = opened.addresses
             self._dst_addresses[dst] = addresses
-        self._staging_bufs = self._staging([self.plan.buckets[(self.rank, d)] for d in self._p2p_receivers])
+        self._staging_bufs = self._staging([self.plan.buckets[(self.rank, d)] for d in self._p2p_peers])
         self._build_tables()
 
     def _build_tables(self) -> None:
@@ -327,7 +328,7 @@ class WeightSender(_Endpoint):
                 (segment_table(b, src_base, lambda seg: addresses[seg.dst_name]), sum(s.nbytes for s in b))
                 for b in self.plan.buckets[(self.rank, dst)]
             ]
-        for dst in self._p2p_receivers:
+        for dst in self._p2p_peers:
             self._tables[dst] = []
             for i, bucket in enumerate(self.plan.buckets[(self.rank, dst)]):
                 staging = self._staging_bufs[i % 2].data_ptr()
@@ -363,7 +364,7 @@ class WeightSender(_Endpoint):
                 written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
             self.channel.set(f"{_DST}/{dst}/done/{ticket}/{self.rank}", version)
             self._served[dst] = ticket
-        for dst in self._p2p_receivers:  # in round order
+        for dst in self._p2p_peers:  # in round order
             written += self._send_p2p(dst, version, deadline)
         return written
 
@@ -442,7 +443,6 @@ class WeightReceiver(_Endpoint):
         self.torn = False
         self.senders = self.plan.senders_of(self.rank)
         self._local_senders = [src for src in self.senders if self.transports[(src, self.rank)] != P2P]
-        self._p2p_senders = [src for pairs in self._p2p_rounds for src, d in pairs if d == self.rank]
         # What the senders write: the registered tensors, and landing rows for FP8 weights.
         self.fp8 = Fp8Destinations(self.layout, self.rank)
         self.landing = self.fp8.landing(self.tensors, self.device)
@@ -456,9 +456,9 @@ class WeightReceiver(_Endpoint):
             me = self._dst_infos[self.rank]["process"]
             remote = any(self._src_infos[src]["process"] != me for src in self._local_senders)
             self.channel.set(f"{_DST}/{self.rank}/handle", cuda_ipc_handle(self.landing, self.device, remote))
-        self._staging_bufs = self._staging([self.plan.buckets[(src, self.rank)] for src in self._p2p_senders])
+        self._staging_bufs = self._staging([self.plan.buckets[(src, self.rank)] for src in self._p2p_peers])
         self._unpack: dict[int, list] = {}
-        for src in self._p2p_senders:
+        for src in self._p2p_peers:
             self._unpack[src] = []
             for i, bucket in enumerate(self.plan.buckets[(src, self.rank)]):
                 staging = self._staging_bufs[i % 2].data_ptr()
@@ -532,7 +532,7 @@ class WeightReceiver(_Endpoint):
         bucket i + 2 into the same buffer only after that unpack has completed."""
         versions = set()
         self.torn = True
-        for src in self._p2p_senders:
+        for src in self._p2p_peers:  # in round order
             header = torch.empty(2, dtype=torch.int64, device=self.device)
             what = f"receiving from sender {src}"
             self._wait_work(self._post("recv", header, src, 0, what), deadline, what)

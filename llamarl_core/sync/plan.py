@@ -212,8 +212,9 @@ class TransferPlan:
     def bytes_sent_by_src_rank(self) -> dict[int, int]:
         """Trainer rank -> bytes it sends per sync (the same whatever `num_replicas`)."""
         sent: dict[int, int] = defaultdict(int)
-        for (s, _), buckets in self.buckets.items():
-            sent[s] += sum(seg.nbytes for b in buckets for seg in b)
+        for row in self.summary():
+            if row["src_replica"] is None:
+                sent[row["src_rank"]] += row["bytes"]
         return dict(sent)
 
     def execute_local(
