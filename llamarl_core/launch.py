@@ -20,6 +20,7 @@ reach each other through.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _control(store, world: int, controller: int, spec: str | None, train_argv: list[str]) -> int:
     """The controller's rank: `llamarl train` with the job's other ranks as executors."""
+    import torch.distributed as dist
+
     from .pipeline.messages import Heartbeat, StoreQueue
     from .pipeline.placement import Placement
     from .pipeline.processes import LaunchedExecutors, assignment_queue
@@ -109,16 +112,18 @@ def _control(store, world: int, controller: int, spec: str | None, train_argv: l
         return LaunchedExecutors(store, placement)
 
     beat = Heartbeat(store, LAUNCH_BEAT)
+    assignments = [StoreQueue(store, assignment_queue(rank)) for rank in range(world) if rank != controller]
     code = 1
     try:
         code = train_main(train_argv, executors_for=executors_for)
         return code
     finally:
         # Every other rank waits for an assignment: tell each to return, with this rank's outcome
-        # (also when the run was refused before any assignment).
-        for rank in range(world):
-            if rank != controller:
-                StoreQueue(store, assignment_queue(rank)).put(("exit", {"code": code}))
+        # (also when the run was refused before any assignment). A Store already gone (torchrun's
+        # agent ended) must not hide the run's own error.
+        for queue in assignments:
+            with contextlib.suppress(dist.DistError):
+                queue.put(("exit", {"code": code}))
         beat.stop()
 
 

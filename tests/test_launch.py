@@ -108,3 +108,16 @@ def test_run_across_two_hosts_learns(netns_hosts, tmp_path):
     received = [e["args"]["version"] for e in spans if e["name"] == "receive weights"]
     assert sorted(received) == list(range(1201))
     assert Path(out / "model" / "config.json").exists()
+
+
+def test_a_run_folder_the_trainer_cannot_see_is_refused_at_once(tmp_path):
+    """Under torchrun --out must be on a filesystem the controller and trainer rank 0
+    share: a trainer host without the folder says so before its first step, not at the
+    end of the run when the controller exports the checkpoint it cannot find."""
+    import pytest
+
+    from llamarl_core.pipeline.config import TrainConfig
+    from llamarl_core.pipeline.executors import run_trainer
+
+    with pytest.raises(ValueError, match="is not on trainer rank 0's host .* a filesystem both share"):
+        run_trainer(None, TrainConfig(), None, 0, incarnation=0, out_dir=str(tmp_path / "elsewhere"))

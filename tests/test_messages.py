@@ -97,6 +97,26 @@ def test_a_slot_whose_producer_died_is_skipped(store, monkeypatch):
     assert 0.5 <= time.monotonic() - start < 3
 
 
+def test_a_stalled_producer_writes_again_after_the_tombstone(store, monkeypatch):
+    """A producer stalled between numbering and writing for longer than LOST_SLOT_S:
+    its slot has been given up (tombstone), so its message goes under a new number
+    and arrives after the others; nothing is lost."""
+    monkeypatch.setattr(messages, "LOST_SLOT_S", 0.3)
+    queue = StoreQueue(store, "stalled")
+    stalled = StoreQueue(store, "stalled")
+    raw = stalled._store  # the queue's namespace, on the stalled producer's connection
+    taken = raw.add("tail", 1)  # the stalled producer's number
+    StoreQueue(store, "stalled").put("other")
+    got = None
+    while got is None:
+        got = queue.get(0.1)
+    assert got == "other"
+    # The stalled producer wakes and writes its slot as put() does: the tombstone answers.
+    assert raw.compare_set(str(taken), "", b"late") == messages._TOMBSTONE
+    stalled.put("late")  # the protocol's retry: a new number
+    assert queue.get(5) == "late"
+
+
 def test_a_late_message_is_not_skipped(store, monkeypatch):
     """A slot written late (its producer slow, not dead) is read, never replaced by
     the tombstone: compare_set writes only into an empty slot."""

@@ -59,7 +59,8 @@ class Controller:
     given (torchrun ranks, from llamarl_core.launch)."""
 
     def __init__(self, config: TrainConfig, out_dir: Path, on_step=None, on_event=None, executors=None):
-        self.config, self.out = config, Path(out_dir)
+        # Absolute: the executors (under torchrun, on other hosts too) get it as a string.
+        self.config, self.out = config, Path(out_dir).resolve()
         self.on_step = on_step or (lambda m: None)
         self.on_event = on_event or (lambda msg: None)
         # Everything an executor will load is checked here, before any process starts:
@@ -137,15 +138,17 @@ class Controller:
         if not all((GENERATOR, r) in self.ready_ranks for r in range(self.generator_ranks)):
             # It failed while starting (before it was ever ready): a new one would fail the same way.
             raise PipelineError(f"{why} while starting; not restarting it\n{detail}")
+        if not self.executors.restartable:
+            raise PipelineError(f"{why}; executors on torchrun ranks are not restarted: stopping (the last "
+                                f"checkpoint is in {self.out / 'checkpoint'}; the same torchrun command with "
+                                f"`train --out {self.out} --resume` continues it)\n{detail}")
         self.generator_restarts += 1
         if self.generator_restarts > MAX_GENERATOR_RESTARTS:
             raise PipelineError(f"{why}; restarted {MAX_GENERATOR_RESTARTS} times already, stopping "
                                 f"(the last checkpoint is in {self.out / 'checkpoint'})")
         self.on_event(f"{why}: restarting it and re-syncing weights v{self.scheduler.step}")
         for rank in range(self.generator_ranks):
-            inbox = self.inboxes.pop((GENERATOR, rank), None)
-            if inbox is not None:
-                inbox.put(("stop", {}))  # a rank that still runs (under torchrun: not killed) returns
+            self.inboxes.pop((GENERATOR, rank), None)
             self.executors.stop(GENERATOR, rank)
         self.scheduler.generator_lost()
         for version in [v for v, done in self.evals.items() if len(done) < self.data.eval_size]:

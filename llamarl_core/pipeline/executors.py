@@ -138,12 +138,7 @@ class Link:
             self.inbox.close()
 
 
-def _launched() -> bool:
-    """Started by torchrun (a rank of `llamarl_core.launch`), not forked by the controller."""
-    return "LOCAL_WORLD_SIZE" in os.environ
-
-
-def _setup_threads(config: TrainConfig, role: str, rank: int) -> None:
+def _setup_threads(config: TrainConfig, role: str, rank: int, launched: bool) -> None:
     """Async mode: one thread per executor and, with enough cores, the generator
     and trainer ranks pinned to cores of their own (the two phases run at once;
     measured on a 2-core machine: one core each beats sharing both). Sync
@@ -151,7 +146,7 @@ def _setup_threads(config: TrainConfig, role: str, rank: int) -> None:
     cores are shared evenly by its ranks (torchrun's own OMP_NUM_THREADS is 1),
     unpinned: which roles share a host is the placement's choice."""
     cores = sorted(os.sched_getaffinity(0))
-    if _launched():
+    if launched:
         torch.set_num_threads(max(1, len(cores) // int(os.environ["LOCAL_WORLD_SIZE"])))
         return
     if config.mode == "sync":
@@ -188,29 +183,36 @@ def _process_group(store: dist.Store, name: str, rank: int, world: int, config: 
                             timeout=datetime.timedelta(seconds=config.timeout_s))
 
 
-def _select_gpu(config: TrainConfig, role: str, rank: int) -> None:
-    """On GPUs, one device per rank: under torchrun the rank's LOCAL_RANK; else trainer
-    rank r on GPU r, generator rank r on GPU trainer_world + r (wrapped around when
-    there are fewer)."""
+def _select_gpu(config: TrainConfig, role: str, rank: int, launched: bool) -> None:
+    """On GPUs, one device per rank: under torchrun GPU LOCAL_RANK (the controller's and
+    the reward's ranks hold a local rank, and a GPU, too); else trainer rank r on GPU
+    r, generator rank r on GPU trainer_world + r (wrapped around when there are fewer)."""
+    if launched:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"{role} rank {rank} is torchrun local rank {local_rank}, and this host has "
+                             f"{torch.cuda.device_count()} CUDA devices: one per local rank (--nproc-per-node)")
+        torch.cuda.set_device(local_rank)
+        return
     index = rank if role == TRAINER else config.trainer_world + rank
-    if _launched():
-        index = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(index % torch.cuda.device_count())
 
 
 def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, extra: dict) -> bool:
     """Run executor rank `rank` of `role` until the controller says stop; False when
     it failed (the failure, with its traceback, is reported to the controller).
-    extra: "inbox" and the role's own arguments (the incarnation, the run folder)."""
+    extra: "inbox", "launched" and the role's own arguments (the incarnation, the run
+    folder)."""
     config = TrainConfig.from_dict(config_dict)
     extra = dict(extra)
     inbox = extra.pop("inbox")  # the queue it reads its commands from (None: its replica's rank 0 reads them)
+    launched = extra.pop("launched", False)  # a torchrun rank (llamarl_core.launch), not forked by the controller
     tags = {"incarnation": extra["incarnation"]} if role == GENERATOR else {}
     link = Link(store, role, rank, tags, inbox, config.timeout_s)
     try:
-        _setup_threads(config, role, rank)
+        _setup_threads(config, role, rank, launched)
         if config.device == "cuda" and role != REWARD:
-            _select_gpu(config, role, rank)
+            _select_gpu(config, role, rank, launched)
         # Silence from the trainer (or a reward model) never signals a hang: every wait of
         # theirs has a timeout of its own (process groups, weight syncs), and their work
         # (loading, a step, a checkpoint, scoring a batch) may outlast timeout_s. A rule
@@ -390,6 +392,10 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
 
     data = RunData(config)
     world, device = config.trainer_world, config.device
+    if rank == 0 and not Path(out_dir).is_dir():  # the controller made it: a host of its own sees no such folder
+        raise ValueError(f"the run folder {out_dir} is not on trainer rank 0's host ({host_identity()}): under "
+                         "torchrun, give --out a folder on a filesystem both share, or place the controller and "
+                         "trainer rank 0 on one host")
     _process_group(store, TRAINER, rank, world, config)
     model = _new_model(data, config.seed).to(device)
     check_packed_rows_attend_within_samples(model)  # before any step trains on packed rows

@@ -5,7 +5,10 @@ process is still there.
 
 A queue is a counter and one key per message in a namespace of the Store:
 `put` takes the next number from the counter (`add`) and writes the message under
-it; the one consumer reads the numbers in order. Each end talks to the Store
+it (`compare_set` into the empty slot); the one consumer reads the numbers in
+order. A slot numbered but never written (its producer died in between) is
+skipped after LOST_SLOT_S by writing a tombstone into it; a producer that was
+only slow finds the tombstone and writes its message under a new number. Each end talks to the Store
 through a connection of its own (`Store.clone`): a TCPStore client serves one
 request at a time, and a consumer blocked in `wait` would hold up every other
 request of its process (measured: an `add` issued during a 5 s `wait` on the same
@@ -32,9 +35,9 @@ import torch.distributed as dist
 # woken by the next message (or by `close`), never by this timeout in a live run.
 READER_WAIT_S = 3600.0
 # A slot the counter handed out but nobody wrote this long after later ones were
-# written: its producer died between `add` and `set` (a window of microseconds).
-# The consumer writes a tombstone into it (compare_set: never over a real message)
-# and goes on with the next.
+# written: its producer died between `add` and `compare_set` (a window of
+# microseconds in a live process). The consumer writes a tombstone into it
+# (compare_set: never over a real message) and goes on with the next.
 LOST_SLOT_S = 5.0
 _TOMBSTONE = b"llamarl:lost-message"
 _CLOSE = b"llamarl:close-queue"
@@ -64,6 +67,9 @@ class StoreQueue:
         self.name = name
         self._store = dist.PrefixStore(f"llamarl/queue/{name}/", store.clone())
         self._lock = threading.Lock()  # producers' threads share the one connection
+        # The reader's advance (read, delete, count) and the consumer's tombstone are one
+        # or the other: a tombstone never goes into a slot just read.
+        self._read_lock = threading.Lock()
         self._items: queue.Queue | None = None  # filled by the reader thread, once someone reads
         self._reader: threading.Thread | None = None
         self._head = 0  # the last message number read (the consumer's side)
@@ -75,8 +81,12 @@ class StoreQueue:
 
     def _put_bytes(self, data: bytes) -> None:
         with self._lock:
-            number = self._store.add("tail", 1)
-            self._store.set(str(number), data)
+            while True:
+                number = self._store.add("tail", 1)
+                # compare_set answers with the slot's value after it: ours, or a tombstone when the
+                # consumer gave the slot up (this producer was stalled for LOST_SLOT_S).
+                if self._store.compare_set(str(number), "", data) != _TOMBSTONE:
+                    return
 
     # -- the consumer ------------------------------------------------------------------
     def get(self, timeout: float):
@@ -131,9 +141,11 @@ class StoreQueue:
                     connection.wait([key], datetime.timedelta(seconds=READER_WAIT_S))
                 except dist.DistStoreError:
                     continue  # nothing for an hour: wait again
-                data = connection.get(key)
-                connection.delete_key(key)
-                self._head += 1
+                with self._read_lock:
+                    data = connection.get(key)
+                    if data != _TOMBSTONE:  # kept: a stalled producer must still find it there
+                        connection.delete_key(key)
+                    self._head += 1
                 if data == _CLOSE:
                     return
                 if data != _TOMBSTONE:
@@ -145,7 +157,7 @@ class StoreQueue:
         """Called when the consumer found nothing: if the slot the reader waits for
         has stayed empty for LOST_SLOT_S while later slots were handed out, its
         producer died between numbering and writing it; fill it with a tombstone."""
-        with self._lock:
+        with self._lock, self._read_lock:
             slot = self._head + 1
             if self._store.add("tail", 0) <= slot or self._store.check([str(slot)]):
                 self._missing = None  # nothing after it yet, or it is written and being read
@@ -165,7 +177,7 @@ class Heartbeat:
     def __init__(self, store: dist.Store, key: str, every_s: float = 1.0):
         self._store, self._key, self._every_s = store.clone(), key, every_s
         self._stop = threading.Event()
-        self._store.add(key, 1)  # the first beat before start() returns: a watcher can count from it
+        self._store.add(key, 1)  # the first beat before the constructor returns: a watcher can count from it
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{key}", daemon=True)
         self._thread.start()
 

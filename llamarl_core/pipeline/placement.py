@@ -35,26 +35,12 @@ class Placement:
     ranks: dict[str, tuple[int, ...]]
 
     @property
-    def controller(self) -> int:
-        return self.ranks[CONTROLLER][0]
-
-    @property
     def world_size(self) -> int:
         return sum(len(r) for r in self.ranks.values())
 
     def global_rank(self, role: str, rank: int) -> int:
         """The job rank that runs executor rank `rank` of `role`."""
         return self.ranks[role][rank]
-
-    def role_of(self, global_rank: int) -> tuple[str, int]:
-        """(role, executor rank) of job rank `global_rank`."""
-        for role, ranks in self.ranks.items():
-            if global_rank in ranks:
-                return role, ranks.index(global_rank)
-        raise KeyError(f"rank {global_rank} has no role in the placement")
-
-    def to_spec(self) -> str:
-        return ",".join(f"{role}:{rank}" for role in ROLES for rank in self.ranks[role])
 
     @classmethod
     def parse(cls, spec: str, world_size: int, counts: dict[str, int]) -> Placement:

@@ -8,7 +8,7 @@ controller talks to it through the same queues in that Store either way.
     store = executors.open_store(timeout_s)           # the run's Store
     executors.start(GENERATOR, 0, config_dict, extra)
     executors.exited()                                # [(role, rank, why)] of the dead
-    executors.stop(GENERATOR, 0)                      # SIGKILL / abandon a generator rank
+    executors.stop(GENERATOR, 0)                      # SIGKILL a generator rank (if restartable)
     executors.shutdown(grace_s)
 """
 
@@ -36,12 +36,14 @@ EXECUTOR_MODULES = ["torch.distributed", "transformers.models.llama.modeling_lla
 
 
 class LocalExecutors:
-    """Executor processes forked on this host. They are forked from a server
+    """Executor processes forked on this host; a dead one can be replaced. They are forked from a server
     process that has imported torch and transformers once (a single-threaded
     process that never ran an op, so forking it is safe): a cold run's trainer
     starts its warm-up about 3 s in instead of 5.5 s (three processes no longer
     import the same modules at once on 2 cores), and later runs in the same
     process start their executors at once."""
+
+    restartable = True
 
     def __init__(self, out_dir: Path, vllm: bool = False):
         self.out, self.vllm = Path(out_dir), vllm
@@ -108,13 +110,18 @@ class LaunchedExecutors:
     """torchrun ranks that run `llamarl_core.launch`'s serve loop: each waits on its
     assignment queue and runs the executor it is given in its own process, then
     waits again. The ranks' processes belong to torchrun: a rank that dies ends the
-    job through torchrun's agent, so `exited` has nothing to say, and `stop` can only
-    abandon an executor (its inbox is told to stop; its replacement starts on that
-    rank once it returns)."""
+    job through torchrun's agent, so `exited` has nothing to say. An executor is not
+    replaced (not restartable): a failed generator rank is back in its serve loop at
+    once while its tensor-parallel peers may wait in a collective with it until the
+    process group's timeout (NCCL's watchdog then aborts their process), so a new
+    incarnation could not form its group in time."""
+
+    restartable = False
 
     def __init__(self, store: dist.Store, placement):
         self.job_store, self.placement = store, placement
-        self.assignments = {rank: StoreQueue(store, assignment_queue(rank)) for rank in range(placement.world_size)}
+        self.assignments = {rank: StoreQueue(store, assignment_queue(rank)) for rank in range(placement.world_size)
+                            if rank not in placement.ranks["controller"]}
         self.prefix: str | None = None
 
     def open_store(self, timeout_s: float) -> dist.Store:
@@ -125,13 +132,11 @@ class LaunchedExecutors:
 
     def start(self, role: str, rank: int, config_dict: dict, extra: dict) -> None:
         self.assignments[self.placement.global_rank(role, rank)].put(
-            ("run", {"role": role, "rank": rank, "config": config_dict, "extra": extra, "prefix": self.prefix}))
+            ("run", {"role": role, "rank": rank, "config": config_dict, "extra": {**extra, "launched": True},
+                     "prefix": self.prefix}))
 
     def exited(self) -> list[tuple[str, int, str]]:
         return []
-
-    def stop(self, role: str, rank: int) -> None:
-        """Nothing to kill from here; the controller has told its inbox to stop."""
 
     def shutdown(self, grace_s: float) -> None:
         """The ranks return to their serve loop on "stop" (and end on the launcher's "exit")."""
