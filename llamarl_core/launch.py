@@ -109,10 +109,10 @@ def _control(store, world: int, controller: int, spec: str | None, train_argv: l
             raise ValueError("--generator vllm runs on one host (llamarl train), not under torchrun")
         counts = {"trainer": config.trainer_world, "generator": config.generator_tp * config.generator_replicas}
         placement = Placement.parse(spec, world, counts) if spec else Placement.default(world, counts)
-        return LaunchedExecutors(store, placement)
+        return LaunchedExecutors(store, placement, assignments)
 
     beat = Heartbeat(store, LAUNCH_BEAT)
-    assignments = [StoreQueue(store, assignment_queue(rank)) for rank in range(world) if rank != controller]
+    assignments = {rank: StoreQueue(store, assignment_queue(rank)) for rank in range(world) if rank != controller}
     code = 1
     try:
         code = train_main(train_argv, executors_for=executors_for)
@@ -121,7 +121,7 @@ def _control(store, world: int, controller: int, spec: str | None, train_argv: l
         # Every other rank waits for an assignment: tell each to return, with this rank's outcome
         # (also when the run was refused before any assignment). A Store already gone (torchrun's
         # agent ended) must not hide the run's own error.
-        for queue in assignments:
+        for queue in assignments.values():
             with contextlib.suppress(dist.DistError):
                 queue.put(("exit", {"code": code}))
         beat.stop()

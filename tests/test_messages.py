@@ -36,7 +36,7 @@ def test_random_interleavings_keep_each_producers_order(store):
     of the others' next request here, so a round of fresh ones would take seconds."""
     rng = random.Random(0)
     consumer = StoreQueue(store, "q")
-    producers = [StoreQueue(store, "q") for _ in range(5)]
+    producers = [StoreQueue(store.clone(), "q") for _ in range(5)]
     total = 0
     for round_ in range(ROUNDS):
         counts = [rng.randint(1, 40) for _ in range(rng.randint(1, 5))]

@@ -70,9 +70,12 @@ class Link:
 
     def __init__(self, store: dist.Store, role: str, rank: int, tags: dict, inbox: str | None, timeout_s: float):
         self.role, self.rank = role, rank
-        self.events = StoreQueue(store, EVENTS)
-        self.inbox = StoreQueue(store, inbox) if inbox is not None else None
-        self.controller = HeartbeatWatch(store, CONTROLLER_BEAT, grace_s=timeout_s)
+        # A connection for the messages alone: the executor's weight syncs wait on `store` for
+        # up to their timeout, and the heartbeat thread's reports must not queue behind them.
+        messages = store.clone()
+        self.events = StoreQueue(messages, EVENTS)
+        self.inbox = StoreQueue(messages, inbox) if inbox is not None else None
+        self.controller = HeartbeatWatch(messages, CONTROLLER_BEAT, grace_s=timeout_s)
         self.tags = tags  # added to every message (the generator's incarnation)
         self.spans: list[tuple[str, float, float, dict]] = []
 

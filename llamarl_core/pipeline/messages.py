@@ -8,11 +8,15 @@ A queue is a counter and one key per message in a namespace of the Store:
 it (`compare_set` into the empty slot); the one consumer reads the numbers in
 order. A slot numbered but never written (its producer died in between) is
 skipped after LOST_SLOT_S by writing a tombstone into it; a producer that was
-only slow finds the tombstone and writes its message under a new number. Each end talks to the Store
-through a connection of its own (`Store.clone`): a TCPStore client serves one
-request at a time, and a consumer blocked in `wait` would hold up every other
-request of its process (measured: an `add` issued during a 5 s `wait` on the same
-client returned after 4.8 s).
+only slow finds the tombstone and writes its message under a new number.
+
+A TCPStore client serves one request at a time: a `wait` on it holds up every
+other request of its process (measured: an `add` issued during a 5 s `wait` on the
+same client returned after 4.8 s). So a consumer's reader waits on a connection of
+its own (`Store.clone`), and everything else here makes short requests on the
+connection it is given: give one that nothing blocks in a long `wait`. Connections
+are not made per queue: each new one stalled the others' next request by about
+200 ms here (100 x (clone + add + add on another connection): 20 s).
 
 Messages are pickled: the Store is the run's own (its address is known to its
 ranks only), as torch.distributed's own object collectives trust it.
@@ -65,8 +69,8 @@ class StoreQueue:
 
     def __init__(self, store: dist.Store, name: str):
         self.name = name
-        self._store = dist.PrefixStore(f"llamarl/queue/{name}/", store.clone())
-        self._lock = threading.Lock()  # producers' threads share the one connection
+        self._store = dist.PrefixStore(f"llamarl/queue/{name}/", store)
+        self._lock = threading.Lock()  # a put's requests in a row, whichever thread puts
         # The reader's advance (read, delete, count) and the consumer's tombstone are one
         # or the other: a tombstone never goes into a slot just read.
         self._read_lock = threading.Lock()
@@ -175,7 +179,7 @@ class Heartbeat:
     while the process lives; `HeartbeatWatch` on the other side tells when it stopped."""
 
     def __init__(self, store: dist.Store, key: str, every_s: float = 1.0):
-        self._store, self._key, self._every_s = store.clone(), key, every_s
+        self._store, self._key, self._every_s = store, key, every_s
         self._stop = threading.Event()
         self._store.add(key, 1)  # the first beat before the constructor returns: a watcher can count from it
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{key}", daemon=True)
@@ -198,7 +202,7 @@ class HeartbeatWatch:
     seconds (a process that never beat gets `grace_s` from the watch's creation)."""
 
     def __init__(self, store: dist.Store, key: str, grace_s: float):
-        self._store, self._key, self._grace_s = store.clone(), key, grace_s
+        self._store, self._key, self._grace_s = store, key, grace_s
         self._last_count, self._last_change = self._store.add(key, 0), time.monotonic()
 
     def silent_for(self) -> float:

@@ -73,14 +73,14 @@ class Placement:
     def default(cls, world_size: int, counts: dict[str, int]) -> Placement:
         """Controller, reward, trainer, generator, in rank order."""
         ranks, next_rank = {}, 0
-        for role in ROLES:
-            ranks[role] = list(range(next_rank, next_rank + counts.get(role, 1)))
-            next_rank += len(ranks[role])
+        for role, count in _needed(counts).items():
+            ranks[role] = list(range(next_rank, next_rank + count))
+            next_rank += count
         return cls._checked(ranks, world_size, counts)
 
     @classmethod
     def _checked(cls, ranks: dict[str, list[int]], world_size: int, counts: dict[str, int]) -> Placement:
-        needed = {CONTROLLER: 1, "reward": 1, **counts}
+        needed = _needed(counts)
         for role in ROLES:
             if len(ranks[role]) != needed[role]:
                 raise ValueError(f"--placement: {role} has {len(ranks[role])} ranks, the run needs {needed[role]}"
@@ -91,6 +91,11 @@ class Placement:
                              f"generator {needed['generator']}); torchrun started {world_size} (--nnodes x "
                              "--nproc-per-node)")
         return cls({role: tuple(r) for role, r in ranks.items()})
+
+
+def _needed(counts: dict[str, int]) -> dict[str, int]:
+    """Ranks per role, in ROLES order: one controller, one reward, and `counts`."""
+    return {role: {CONTROLLER: 1, "reward": 1, **counts}[role] for role in ROLES}
 
 
 def _why(role: str) -> str:

@@ -118,10 +118,9 @@ class LaunchedExecutors:
 
     restartable = False
 
-    def __init__(self, store: dist.Store, placement):
-        self.job_store, self.placement = store, placement
-        self.assignments = {rank: StoreQueue(store, assignment_queue(rank)) for rank in range(placement.world_size)
-                            if rank not in placement.ranks["controller"]}
+    def __init__(self, store: dist.Store, placement, assignments: dict[int, StoreQueue]):
+        """assignments: the assignment queue of every rank but the controller's."""
+        self.job_store, self.placement, self.assignments = store, placement, assignments
         self.prefix: str | None = None
 
     def open_store(self, timeout_s: float) -> dist.Store:
