@@ -133,26 +133,32 @@ def _serve(store, rank: int, controller: int) -> int:
     import torch.distributed as dist
 
     from .pipeline.executors import run_executor
-    from .pipeline.messages import HeartbeatWatch, QueueClosed, StoreQueue
-    from .pipeline.processes import assignment_queue
+    from .pipeline.messages import Heartbeat, HeartbeatWatch, QueueClosed, StoreQueue
+    from .pipeline.processes import assignment_queue, rank_beat
 
     assignments = StoreQueue(store, assignment_queue(rank))
     controller_alive = HeartbeatWatch(store, LAUNCH_BEAT, grace_s=LAUNCH_GRACE_S)
-    while True:
-        try:
-            assignment = assignments.get(ASSIGNMENT_POLL_S)
-        except QueueClosed:
-            raise SystemExit(f"llamarl_core.launch rank {rank}: the job's Store is gone") from None
-        if assignment is None:
-            if not controller_alive.alive():
-                raise SystemExit(f"llamarl_core.launch rank {rank}: no heartbeat from the controller (rank "
-                                 f"{controller}) for {LAUNCH_GRACE_S:.0f} s")
-            continue
-        kind, payload = assignment
-        if kind == "exit":
-            return payload["code"]
-        run_executor(payload["role"], payload["rank"], payload["config"],
-                     dist.PrefixStore(payload["prefix"], store), payload["extra"])
+    # The controller's sign that this rank (and its host) is there; a connection of its own,
+    # as an executor's weight-sync waits hold the rank's main one.
+    beat = Heartbeat(store.clone(), rank_beat(rank))
+    try:
+        while True:
+            try:
+                assignment = assignments.get(ASSIGNMENT_POLL_S)
+            except QueueClosed:
+                raise SystemExit(f"llamarl_core.launch rank {rank}: the job's Store is gone") from None
+            if assignment is None:
+                if not controller_alive.alive():
+                    raise SystemExit(f"llamarl_core.launch rank {rank}: no heartbeat from the controller (rank "
+                                     f"{controller}) for {LAUNCH_GRACE_S:.0f} s")
+                continue
+            kind, payload = assignment
+            if kind == "exit":
+                return payload["code"]
+            run_executor(payload["role"], payload["rank"], payload["config"],
+                         dist.PrefixStore(payload["prefix"], store), payload["extra"])
+    finally:
+        beat.stop()
 
 
 if __name__ == "__main__":

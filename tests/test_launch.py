@@ -70,6 +70,27 @@ def test_bad_placement_stops_every_rank(tmp_path):
     assert not (tmp_path / "r").exists()  # refused before anything was written
 
 
+def _agents_on_two_hosts(hosts, tmp_path: Path, rdzv_id: str, train_args: list[str]) -> list[subprocess.Popen]:
+    """A torchrun agent on each namespace host, 2 ranks each, c10d rendezvous on host 0,
+    placement controller:0,trainer:1 (host 0), reward:2,generator:3 (host 1); each
+    host's output in tmp_path/host<n>.log."""
+    procs = []
+    for node, host in enumerate(hosts):
+        argv = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{hosts[0].addr}:29400", "--rdzv-id", rdzv_id,
+                "--rdzv-conf", f"is_host={int(node == 0)}",
+                # The hosts' shared hostname resolves to 127.0.0.1: each agent names its own address.
+                "--local-addr", host.addr, "--max-restarts", "0",
+                *LAUNCH, "--placement", "controller:0,trainer:1,reward:2,generator:3", *train_args]
+        # Into files: read one after the other, pipes would fill while the other host's are drained.
+        with open(tmp_path / f"host{node}.log", "w") as log:
+            # popen adds to this process's environment: TRITON_INTERPRET (conftest's) is overridden, not
+            # dropped; under the interpreter the trainer's steps took 1.9 s instead of 22 ms.
+            env = {"GLOO_SOCKET_IFNAME": host.ifname, "TRITON_INTERPRET": "0"}
+            procs.append(host.popen(argv, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
 def test_run_across_two_hosts_learns(netns_hosts, tmp_path):
     """torchrun agents on two namespace hosts (2 ranks each, c10d rendezvous on host
     0): the controller and trainer on one host, the reward and generator on the
@@ -77,21 +98,7 @@ def test_run_across_two_hosts_learns(netns_hosts, tmp_path):
     well above its first; 0.537 -> 0.914 here), every weight version reaching the
     generator point-to-point."""
     out = tmp_path / "run"
-    a = netns_hosts[0]
-    procs = []
-    for node, host in enumerate(netns_hosts):
-        argv = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{a.addr}:29400", "--rdzv-id", "learns", "--rdzv-conf", f"is_host={int(node == 0)}",
-                # The hosts' shared hostname resolves to 127.0.0.1: each agent names its own address.
-                "--local-addr", host.addr, "--max-restarts", "0",
-                *LAUNCH, "--placement", "controller:0,trainer:1,reward:2,generator:3", "--quiet", "--out", str(out)]
-        # Into files: read one after the other, pipes would fill while the other host's are drained.
-        with open(tmp_path / f"host{node}.log", "w") as log:
-            # popen adds to this process's environment: TRITON_INTERPRET (conftest's) is overridden, not
-            # dropped; under the interpreter the trainer's steps took 1.9 s instead of 22 ms.
-            env = {"GLOO_SOCKET_IFNAME": host.ifname, "TRITON_INTERPRET": "0"}
-            procs.append(host.popen(argv, env=env, cwd=tmp_path,
-                                    stdout=log, stderr=subprocess.STDOUT))
+    procs = _agents_on_two_hosts(netns_hosts, tmp_path, "learns", ["--quiet", "--out", str(out)])
     for node, proc in enumerate(procs):
         assert proc.wait(timeout=300) == 0, (tmp_path / f"host{node}.log").read_text()[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -108,6 +115,42 @@ def test_run_across_two_hosts_learns(netns_hosts, tmp_path):
     received = [e["args"]["version"] for e in spans if e["name"] == "receive weights"]
     assert sorted(received) == list(range(1201))
     assert Path(out / "model" / "config.json").exists()
+
+
+def test_a_link_cut_mid_run_stops_it_naming_its_checkpoint(netns_hosts, tmp_path):
+    """The generator host's link cut mid-run (its switch port down: silence, no
+    error): the trainer's weight sync times out (--sync-timeout-s 3) and the run stops
+    on the controller's host, naming the sync that failed and the checkpoint to
+    resume from; that host's agent exits instead of hanging."""
+    out = tmp_path / "run"
+    procs = _agents_on_two_hosts(netns_hosts, tmp_path, "cut", [
+        "--steps", "100000", "--checkpoint-every", "20", "--sync-timeout-s", "3", "--timeout-s", "30", "--quiet",
+        "--out", str(out)])
+    metrics = out / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 150
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 45):
+            assert time.monotonic() < deadline and procs[0].poll() is None, (tmp_path / "host0.log").read_text()[-3000:]
+            time.sleep(0.2)
+        cut_at = time.monotonic()
+        netns_hosts[1].link_down()
+        code = procs[0].wait(timeout=90)
+        stopped_s = time.monotonic() - cut_at
+    finally:
+        netns_hosts[1].link_up()
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait(timeout=30)
+    log = (tmp_path / "host0.log").read_text()
+    print(f"link cut -> the controller's host stopped in {stopped_s:.1f} s")
+    assert code != 0
+    assert "llamarl train: the run stopped: weight sync of version" in log, log[-3000:]
+    assert f"the last checkpoint is in {out / 'checkpoint'}" in log, log[-3000:]
+    assert stopped_s < 60
+    import torch
+
+    assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)["step"] >= 40
 
 
 def test_a_run_folder_the_trainer_cannot_see_is_refused_at_once(tmp_path):

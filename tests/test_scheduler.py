@@ -41,7 +41,7 @@ def test_lost_generator_groups_are_reissued_first_and_complete_groups_kept():
     assert sched.issue({0: True}) == {0: [0, 1]}
     sched.add_samples(group(1, [[0], [0]]))
     sched.add_samples(group(0, [[0]]))  # half of group 0
-    sched.generator_lost()
+    sched.replicas_lost({0})
     assert sched.to_reissue == [0] and sched.outstanding == {1}
     with pytest.raises(ValueError, match="group 0, which is not being sampled"):
         sched.add_samples(group(0, [[0]]))  # the controller discards a lost generator's samples
@@ -91,10 +91,11 @@ class _Run:
         self.sched = Scheduler(self.config)
         self.num_replicas = rng.randint(1, 3)
         self.versions: list[int | None] = [0] * self.num_replicas  # per replica; None: waiting for its weights
-        self.incarnation = 0
+        self.incarnation = [0] * self.num_replicas
+        self.replica_of: dict[int, int] = {}  # group -> the replica it was last issued to
         self.sampling: list[tuple[int, Sample]] = []  # the generator's unfinished samples, with their replica
-        self.scorings: list[tuple[int, list[Sample]]] = []  # (incarnation, samples) on their way
-        self.finished: list[Sample] = []  # finished, not yet in a scoring
+        self.scorings: list[tuple[int, int, list[Sample]]] = []  # (replica, incarnation, samples) on their way
+        self.finished: list[tuple[int, Sample]] = []  # finished, not yet in a scoring, with their replica
         self.issued: set[int] = set()
         self.lost: set[int] = set()  # groups a lost generator held, not issued again yet
         self.delivered: dict[int, list[Sample]] = {}  # group -> samples of its current issue delivered
@@ -113,6 +114,7 @@ class _Run:
             if self.config.mode == "sync":
                 assert self.sched.training is None and self.versions[replica] == self.sched.step
             self.sampling += [(replica, Sample(g, [1])) for g in gs for _ in range(self.config.samples_per_prompt)]
+            self.replica_of.update({g: replica for g in gs})
         for g in groups:
             if g in self.lost:
                 self.lost.remove(g)
@@ -149,21 +151,23 @@ class _Run:
             assert self.sched.trained() is batch and self.sched.step == batch.step + 1
 
     def deliver(self, scoring):
-        incarnation, samples = scoring
-        if incarnation != self.incarnation:
-            return  # sampled by a lost generator: the controller discards it
+        replica, incarnation, samples = scoring
+        if incarnation != self.incarnation[replica]:
+            return  # sampled by a lost replica: the controller discards it
         for x in samples:
             self.delivered[x.group].append(x)
         self.sched.add_samples(samples)
 
-    def lose_generator(self):
-        self.lost |= {g for g, got in self.delivered.items()
-                      if g in self.sched.outstanding and len(got) < self.config.samples_per_prompt}
-        self.sched.generator_lost()
+    def lose_replicas(self, replicas: set[int]):
+        self.lost |= {g for g, got in self.delivered.items() if g in self.sched.outstanding
+                      and len(got) < self.config.samples_per_prompt and self.replica_of[g] in replicas}
+        self.sched.replicas_lost(replicas)
         assert set(self.sched.to_reissue) == self.lost
-        self.sampling, self.finished = [], []
-        self.incarnation += 1
-        self.versions = [None] * self.num_replicas
+        self.sampling = [entry for entry in self.sampling if entry[0] not in replicas]
+        self.finished = [entry for entry in self.finished if entry[0] not in replicas]
+        for replica in replicas:
+            self.incarnation[replica] += 1
+            self.versions[replica] = None
 
     # -- the world around it ---------------------------------------------------------------
     def land(self, replica):
@@ -180,12 +184,15 @@ class _Run:
 
     def finish(self, entry):
         self.sampling.remove(entry)
-        self.finished.append(entry[1])
+        self.finished.append(entry)
 
-    def score(self, count):
-        self.rng.shuffle(self.finished)
-        self.scorings.append((self.incarnation, self.finished[:count]))
-        del self.finished[:count]
+    def score(self, replica, count):
+        """Up to `count` of one replica's finished samples go to scoring (one message of its)."""
+        mine = [entry for entry in self.finished if entry[0] == replica]
+        self.rng.shuffle(mine)
+        self.scorings.append((replica, self.incarnation[replica], [sample for _, sample in mine[:count]]))
+        for entry in mine[:count]:
+            self.finished.remove(entry)
 
     def random_event(self):
         rng = self.rng
@@ -200,7 +207,7 @@ class _Run:
             for entry in rng.sample(started, rng.randint(0, len(started))):
                 self.finish(entry)
         elif event == "score" and self.finished:
-            self.score(rng.randint(1, len(self.finished)))
+            self.score(rng.choice(self.finished)[0], rng.randint(1, len(self.finished)))
         elif event == "deliver" and self.scorings:
             self.deliver(self.scorings.pop(rng.randrange(len(self.scorings))))
         elif event == "take":
@@ -210,7 +217,7 @@ class _Run:
         elif event == "land":
             self.land(rng.randrange(self.num_replicas))
         elif event == "lose":
-            self.lose_generator()
+            self.lose_replicas(set(rng.sample(range(self.num_replicas), rng.randint(1, self.num_replicas))))
 
     def drain_round(self):
         """Everything in order, no generator lost: what is in flight gets trained or dropped."""
@@ -221,7 +228,8 @@ class _Run:
         for entry in list(self.sampling):
             self.decode(*entry)
             self.finish(entry)
-        self.score(len(self.finished))
+        for replica in range(self.num_replicas):
+            self.score(replica, len(self.finished))
         while self.scorings:
             self.deliver(self.scorings.pop())
         self.take()

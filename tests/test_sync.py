@@ -28,10 +28,12 @@ from helpers import (
     small_config,
 )
 from llamarl_core.sync import (
+    RelayError,
     SyncError,
     SyncTimeoutError,
     WeightReceiver,
     WeightSender,
+    abandon_receivers,
     hf_llama_fsdp,
     reference_fsdp_shards,
     reference_vllm_tp_shards,
@@ -478,6 +480,80 @@ def test_replicas_each_equal_the_reference_after_every_sync(store, num_replicas,
     assert errors == [] and not any(thread.is_alive() for thread in threads)
     assert sorted(problems) == sorted((rep, r, v) for rep in range(num_replicas) for r in range(tp) for v in versions)
     assert all(lines == [] for lines in problems.values()), {k: v for k, v in problems.items() if v}
+    assert llamarl_shm_entries() == []
+
+
+def _in_threads(*calls):
+    """Run each call in a thread of its own; returns their results (or exceptions)."""
+    results = [None] * len(calls)
+
+    def run(i, call):
+        try:
+            results[i] = call()
+        except Exception as exc:  # returned, checked by the caller
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, call)) for i, call in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    return results
+
+
+def test_a_lost_replica_is_abandoned_at_once_and_its_replacement_fed_by_replace_relay(store):
+    """Replica 1 dies: its parent's relay, waiting for it to ask for a version, fails
+    at once when the receivers are abandoned (RelayError: the version landed on the
+    parent); a new replica 1 under a new name is fed once the parent replaces its
+    relay, and both equal the reference."""
+    config = small_config("llama_gqa_bias")
+    src_layout, dst_layout = hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.bfloat16)
+    states = {v: hf_state_dict(config, 700 + v) for v in (1, 2, 3)}
+    shards = {n: t.clone() for n, t in reference_fsdp_shards(states[1], 1, torch.float32)[0].items()}
+
+    def receiver(name, replica):
+        return WeightReceiver(_client(store), dst_layout, 0, poisoned_destination(dst_layout, 0), name=name,
+                              timeout=30, replica=replica, num_replicas=2)
+
+    def send(version):
+        for n, t in reference_fsdp_shards(states[version], 1, torch.float32)[0].items():
+            shards[n].copy_(t)
+        return sender.send(version)
+
+    def check(endpoint, version):
+        expected = reference_vllm_tp_shards(states[version], config, 1, torch.bfloat16)[0]
+        assert mismatches(expected, endpoint.weights()) == []
+
+    sender, parent, child = _in_threads(
+        lambda: WeightSender(_client(store), src_layout, 0, shards, name="lost", timeout=30),
+        lambda: receiver("lost", 0), lambda: receiver("lost", 1))
+    assert _in_threads(lambda: send(1), parent.receive, child.receive)[1:] == [1, 1]
+    check(parent, 1)
+    check(child, 1)
+    with pytest.raises(ValueError, match=r"relay_to=\[3\]: replica 0 feeds replicas \[1\]"):
+        parent.receive(relay_to=[3])
+    child.close()  # its process died: it asks for no version again
+
+    def abandon_soon():
+        time.sleep(0.5)
+        abandon_receivers(_client(store), "lost/replica1", "replica 1 was lost")
+
+    start = time.monotonic()
+    _, landed, _ = _in_threads(lambda: send(2), lambda: parent.receive(timeout=20), abandon_soon)
+    assert isinstance(landed, RelayError) and time.monotonic() - start < 5, landed
+    assert landed.version == 2 and list(landed.failed) == [1] and "replica 1 was lost" in landed.failed[1]
+    assert parent.version == 2 and not parent.torn
+    check(parent, 2)
+
+    parent.replace_relay(1, "lost-2/replica1")  # set up in a thread: waits for the new child to register
+    child = receiver("lost-2", 1)
+    results = _in_threads(lambda: send(3), parent.receive, child.receive)
+    assert results[1:] == [3, 3], results
+    check(parent, 3)
+    check(child, 3)
+    for endpoint in (sender, parent, child):
+        endpoint.close()
     assert llamarl_shm_entries() == []
 
 

@@ -22,13 +22,25 @@ from pathlib import Path
 
 import torch
 
-from ..sync import hf_llama_fsdp, vllm_llama_tp
+from ..sync import abandon_receivers, hf_llama_fsdp, vllm_llama_tp
+from ..sync.endpoints import relay_name
 from .config import TrainConfig
 from .data import RunData
-from .executors import CONTROLLER_BEAT, EVENTS, GENERATOR, REWARD, TRAINER, TRAINER_STATS, has_inbox, inbox_name
+from .executors import (
+    CONTROLLER_BEAT,
+    EVENTS,
+    GENERATOR,
+    REWARD,
+    TRAINER,
+    TRAINER_STATS,
+    has_inbox,
+    inbox_name,
+    sync_name_of,
+)
 from .export import checkpoint_path, export_policy
 from .messages import Heartbeat, StoreQueue
 from .processes import LocalExecutors
+from .replicas import ReplicaSyncs
 from .report import cpu_times, plot_reward, steal_fraction, summarize, write_trace
 from .rewards import check_reward_config
 from .scheduler import Scheduler
@@ -102,7 +114,6 @@ class Controller:
         self.inboxes: dict[tuple[str, int], StoreQueue] = {}
         self.spans: list[tuple] = []
         self.metrics: list[dict] = []
-        self.generator_incarnation = 0
         self.generator_restarts = 0
 
     # -- processes ------------------------------------------------------------------------
@@ -123,19 +134,32 @@ class Controller:
     def _tell_replica(self, replica: int, kind: str, **payload) -> None:
         self.inboxes[(GENERATOR, replica * self.generator_tp)].put((kind, payload))
 
-    def _start_generator(self) -> None:
-        for rank in range(self.generator_ranks):
-            self._start(GENERATOR, rank, incarnation=self.generator_incarnation, out_dir=str(self.out))
+    def _replica_ranks(self, replica: int) -> range:
+        return range(replica * self.generator_tp, (replica + 1) * self.generator_tp)
+
+    def _start_replica(self, replica: int) -> None:
+        """Start replica `replica`'s ranks, under its current incarnation; its relays
+        feed its children under theirs."""
+        incarnations = self.replicas.incarnation
+        children = {child: incarnations[child] for child in self.replicas.tree[replica]}
+        for rank in self._replica_ranks(replica):
+            self._start(GENERATOR, rank, incarnation=incarnations[replica], children=children, out_dir=str(self.out))
 
     def _check_alive(self) -> None:
+        lost: dict[int, str] = {}
         for role, rank, why in self.executors.exited():
-            if role == GENERATOR:
-                self._restart_generator(f"generator rank {rank} {why}")
-                return
-            raise PipelineError(f"{role} rank {rank} {why}; the last checkpoint is in {self.out / 'checkpoint'}")
+            if role != GENERATOR:
+                raise PipelineError(f"{role} rank {rank} {why}; the last checkpoint is in {self.out / 'checkpoint'}")
+            lost.setdefault(rank // self.generator_tp, f"generator rank {rank} {why}")
+        if lost:
+            self._restart_replicas(lost)
 
-    def _restart_generator(self, why: str, detail: str = "") -> None:
-        if not all((GENERATOR, r) in self.ready_ranks for r in range(self.generator_ranks)):
+    def _restart_replicas(self, lost: dict[int, str], detail: str = "") -> None:
+        """Replace the generator replicas in `lost` (replica -> why), alone: the others
+        go on sampling (replicas.py says how each is fed again)."""
+        why = "; ".join(lost.values())
+        starting = [r for r in lost if not all((GENERATOR, k) in self.ready_ranks for k in self._replica_ranks(r))]
+        if starting:
             # It failed while starting (before it was ever ready): a new one would fail the same way.
             raise PipelineError(f"{why} while starting; not restarting it\n{detail}")
         if not self.executors.restartable:
@@ -146,20 +170,35 @@ class Controller:
         if self.generator_restarts > MAX_GENERATOR_RESTARTS:
             raise PipelineError(f"{why}; restarted {MAX_GENERATOR_RESTARTS} times already, stopping "
                                 f"(the last checkpoint is in {self.out / 'checkpoint'})")
-        self.on_event(f"{why}: restarting it and re-syncing weights v{self.scheduler.step}")
-        for rank in range(self.generator_ranks):
-            self.inboxes.pop((GENERATOR, rank), None)
-            self.executors.stop(GENERATOR, rank)
-        self.scheduler.generator_lost()
-        for version in [v for v, done in self.evals.items() if len(done) < self.data.eval_size]:
-            del self.evals[version]  # lost with the generator; the re-sync evaluates its own version if due
-        self.ready_ranks = {k for k in self.ready_ranks if k[0] != GENERATOR}
-        self.generator_incarnation += 1
-        self.gen_versions = [None] * self.num_replicas
-        self._start_generator()
-        self._tell(TRAINER, "reconnect", incarnation=self.generator_incarnation)
-        self.resync_pending = True  # the current weights go to the new generator once it is up
-        self.syncs.clear()
+        names = ", ".join(str(r) for r in sorted(lost))
+        if 0 in lost:
+            self.on_event(f"{why}: restarting it and re-syncing weights v{self.scheduler.step} (replicas {names})")
+        else:
+            self.on_event(f"{why}: restarting it and re-syncing it with the next version (replicas {names}; the "
+                          "others go on)")
+        for replica in lost:
+            for rank in self._replica_ranks(replica):
+                self.inboxes.pop((GENERATOR, rank), None)
+                self.executors.stop(GENERATOR, rank)
+                self.ready_ranks.discard((GENERATOR, rank))
+        for replica in lost:
+            # A parent (or the trainer) waiting for the dead replica to ask for a version stops
+            # waiting now, not at its timeout (its new incarnation registers under a new name).
+            abandon_receivers(self.store, relay_name(sync_name_of(self.replicas.incarnation[replica]), replica),
+                              f"generator replica {replica} was lost")
+        self.scheduler.replicas_lost(set(lost))
+        for version in self.replicas.lost(set(lost)):
+            self._sync_complete(version)
+        for replica in sorted(lost):
+            self._start_replica(replica)
+            parent = self.replicas.parent.get(replica)
+            if parent is not None and parent not in lost:  # a new parent feeds it from the start
+                self._tell_replica(parent, "relay", child=replica, incarnation=self.replicas.incarnation[replica])
+        if 0 in lost:
+            for version in [v for v, done in self.evals.items() if len(done) < self.data.eval_size]:
+                del self.evals[version]  # lost with replica 0; the re-sync evaluates its own version if due
+            self._tell(TRAINER, "reconnect", incarnation=self.replicas.incarnation[0])
+            self.resync_pending = True  # the current weights go to the new replica 0 once it is up
 
     # -- event handling ----------------------------------------------------------------
     def _handle(self, role: str, rank: int, kind: str, payload: dict) -> None:
@@ -168,17 +207,21 @@ class Controller:
         self.last_progress = time.monotonic()
         if kind == "working":
             return  # a heartbeat of an executor in a long computation: progress is all it says
-        if role == GENERATOR and payload["incarnation"] != self.generator_incarnation:
-            return  # from a generator that has been replaced
-        if kind in ("synced", "sync_failed") and payload["generator"] != self.generator_incarnation:
-            return  # a sync to a generator that has been replaced
+        replica = rank // self.generator_tp if role == GENERATOR else None
+        if role == GENERATOR and payload["incarnation"] != self.replicas.incarnation[replica]:
+            return  # from a replica that has been replaced
+        if kind in ("synced", "sync_failed") and payload["generator"] != self.replicas.incarnation[0]:
+            return  # a sync to a replica 0 that has been replaced
         if kind == "error" and role == GENERATOR:
-            self._restart_generator(f"generator rank {rank} failed: {payload['message']}", payload["traceback"])
+            self._restart_replicas({replica: f"generator rank {rank} failed: {payload['message']}"},
+                                   payload["traceback"])
             return
         if kind == "error":
             raise PipelineError(f"{role} rank {rank} failed: {payload['message']}\n{payload['traceback']}")
         if kind == "ready":
             self.ready_ranks.add((role, rank))
+            if role == GENERATOR and all((GENERATOR, k) in self.ready_ranks for k in self._replica_ranks(replica)):
+                self.replicas.ready(replica)
             self.hosts["executors"][f"{role} {rank}"] = payload["host"]
             self.hosts["weight_transports"].update(payload.get("transports", {}))
             (self.out / "hosts.json").write_text(json.dumps(self.hosts, indent=2, sort_keys=True) + "\n")
@@ -186,15 +229,25 @@ class Controller:
                 self.scheduler = Scheduler(self.config, payload["step"], payload["data_position"])
         elif kind == "samples":
             self.gen_busy += payload["busy"]
-            self.inboxes[(REWARD, 0)].put(("score", {"samples": payload["samples"],
-                                                      "incarnation": self.generator_incarnation}))
+            self.inboxes[(REWARD, 0)].put(("score", {"samples": payload["samples"], "replica": replica,
+                                                      "incarnation": payload["incarnation"]}))
         elif kind == "received":
             self.gen_busy += payload["busy"]
-            self.gen_versions[rank // self.generator_tp] = payload["version"]
-            self._sync_part_done(GENERATOR, payload["version"])
+            if payload["relay_failed"]:
+                self.on_event(f"generator replica {replica}: version {payload['version']} landed, relaying it "
+                              f"failed: {payload['relay_failed']}")
+            if self.replicas.landed(payload["version"], replica):
+                self._sync_complete(payload["version"])
+        elif kind == "receive_failed":
+            excused, done = self.replicas.receive_failed(payload["version"], replica)
+            if not excused:
+                self._restart_replicas({replica: f"generator replica {replica} failed to receive version "
+                                                 f"{payload['version']}: {payload['message']}"})
+            elif done:
+                self._sync_complete(payload["version"])
         elif kind == "scored":
-            if payload["incarnation"] != self.generator_incarnation:
-                return  # sampled by a generator that has since been replaced; its groups were re-issued
+            if payload["incarnation"] != self.replicas.incarnation[payload["replica"]]:
+                return  # sampled by a replica that has since been replaced; its groups were re-issued
             train = [x for x in payload["samples"] if not x.eval]
             if train:
                 self.scheduler.add_samples(train)
@@ -206,34 +259,29 @@ class Controller:
                 self._step_trained()
         elif kind == "synced":
             self.sync_seconds[payload["version"]] = max(self.sync_seconds.get(payload["version"], 0.0), payload["seconds"])
-            self._sync_part_done(TRAINER, payload["version"])
+            if self.replicas.sent(payload["version"]):
+                self._sync_complete(payload["version"])
         elif kind == "checkpointed":
             self.checkpointing -= 1
         elif kind == "sync_failed":
-            self._check_alive()  # a dead generator is restarted (and the sync redone) here
-            if payload["generator"] == self.generator_incarnation:
-                raise PipelineError(f"weight sync of version {payload['version']} failed: {payload['message']}")
+            self._check_alive()  # a dead replica 0 is restarted (and the sync redone) here
+            if payload["generator"] == self.replicas.incarnation[0]:
+                raise PipelineError(f"weight sync of version {payload['version']} failed: {payload['message']}; "
+                                    f"the last checkpoint is in {self.out / 'checkpoint'}")
 
-    def _sync_part_done(self, role: str, version: int) -> None:
-        waiting = self.syncs.get(version)
-        if waiting is None:
-            return
-        waiting[role] -= 1
-        if any(waiting.values()):
-            return
-        del self.syncs[version]
+    def _sync_complete(self, version: int) -> None:
         for step in sorted(s for s in self.records if s < version):  # steps whose weights have now landed
             self._finish_step(step, version)
 
     def _begin_sync(self, version: int) -> None:
-        # Every replica reports the version landed (replica 0 from the trainer ranks, the
-        # others relayed down the replicas' tree).
-        self.syncs[version] = {TRAINER: self.config.trainer_world, GENERATOR: self.num_replicas}
+        # Replica 0 gets the version from the trainer ranks, the others relayed down the
+        # replicas' tree; each reports it landed (replicas.py: which replicas a sync includes).
         # An evaluation rides on the sync it evaluates: replica 0 runs it as soon as
         # these weights land, before anything else (a later version cannot overtake it).
         evaluate = self._eval_prompts(version)
-        for replica in range(self.num_replicas):
-            self._tell_replica(replica, "receive", version=version, evaluate=evaluate if replica == 0 else None)
+        for replica, children in self.replicas.begin(version).items():
+            self._tell_replica(replica, "receive", version=version, evaluate=evaluate if replica == 0 else None,
+                               relay_to=children)
         self._tell(TRAINER, "sync", version=version)
 
     def _step_trained(self) -> None:
@@ -308,8 +356,7 @@ class Controller:
     def _issue_prompts(self) -> None:
         # The replicas holding weights; landed: version `step`, every sync reported, no
         # trained step waiting for its weights to land.
-        pending = bool(self.syncs or self.records)
-        holding = {r: v == self.scheduler.step and not pending for r, v in enumerate(self.gen_versions) if v is not None}
+        holding = self.replicas.holding(self.scheduler.step, settled=not self.records)
         for replica, groups in self.scheduler.issue(holding).items():
             self._tell_replica(replica, "prompts", groups=[(g, self.data.prompt_ids(g)) for g in groups])
 
@@ -323,7 +370,7 @@ class Controller:
         cfg = self.config
         if self.scheduler.step >= cfg.steps or self.resync_pending:
             return
-        if cfg.mode == "sync" and (self.syncs or self.records or self.checkpointing):
+        if cfg.mode == "sync" and (self.replicas.pending or self.records or self.checkpointing):
             return
         batch = self.scheduler.take_batch()
         if batch is None:
@@ -353,7 +400,8 @@ class Controller:
             self._start(REWARD, 0)
             for rank in range(cfg.trainer_world):
                 self._start(TRAINER, rank, incarnation=0, out_dir=str(self.out))
-            self._start_generator()
+            for replica in range(self.num_replicas):
+                self._start_replica(replica)
             self._wait_ready()
             self._loop()
             summary = summarize(cfg.mode, self.metrics, time.monotonic() - self.t0 + self.resumed_wall,
@@ -408,10 +456,9 @@ class Controller:
         self.scheduler = Scheduler(self.config)
         self.trained: list[dict] = []  # the trainer ranks' reports of the step in training
         self.records: dict[int, dict] = {}  # trained steps whose new weights have not landed yet
-        self.syncs: dict[int, dict[str, int]] = {}  # version -> ranks yet to report, per side
+        self.replicas = ReplicaSyncs(self.num_replicas, self.config.trainer_world)  # and the syncs in flight
         self.sync_seconds: dict[int, float] = {}
         self.resync_pending = False
-        self.gen_versions: list[int | None] = [None] * self.num_replicas  # the version each replica holds
         self.gen_busy = 0.0
         self.checkpointing = 0
         self.resumed_wall = self.resumed_rl = 0.0
@@ -421,11 +468,10 @@ class Controller:
     def _loop(self) -> None:
         cfg = self.config
         # Until the last step's weights have landed (its record written) and its checkpoint is saved.
-        while (self.scheduler.step < cfg.steps or self.records or self.syncs or self.checkpointing
+        while (self.scheduler.step < cfg.steps or self.records or self.replicas.pending or self.checkpointing
                or self._evals_pending()):
             self._next_event(f"trainer step {self.scheduler.step}")
-            generator_up = {(GENERATOR, r) for r in range(self.generator_ranks)} <= self.ready_ranks
-            if self.resync_pending and generator_up and not self.syncs:
+            if self.resync_pending and self.replicas.up[0] and not self.replicas.pending:
                 self.resync_pending = False
                 self._begin_sync(self.scheduler.step)
             self._maybe_train()

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..sync import SyncError, fsdp_sender
+from ..sync.endpoints import relay_name
 from ..sync.transports import host_identity
 from .config import TrainConfig
 from .data import RunData
@@ -283,16 +284,23 @@ class _CommandFeed:
         return any(kind in ("receive", "stop") for kind, _ in self.pending)
 
 
+def sync_name_of(incarnation: int) -> str:
+    """The base name of the syncs feeding a generator replica of this incarnation (replica r's own:
+    relay_name(base, r)); the trainer's sender to replica 0 is under the same name."""
+    return f"weights/{incarnation}"
+
+
 def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarnation: int, out_dir: str,
-                    replica: int = 0):
+                    replica: int = 0, children: dict[int, int] | None = None):
     """This rank's generator (generators.py): ours, one process per tensor-parallel
     rank, each replica's ranks in a process group of their own, the weights relayed
     from replica to replica; or a vLLM engine, whose tensor-parallel workers vLLM
     starts itself (this executor is its only rank). It starts with no weights
     (zeros, or vLLM's dummy ones): the first sync brings the trainer's. Set-up waits
     for the trainer as long as any executor may take to start (its supervised
-    warm-up or checkpoint loading comes first)."""
-    tp, sync_name, seed = config.generator_tp, f"weights/{incarnation}", config.seed * 1000 + incarnation
+    warm-up or checkpoint loading comes first). children: the incarnation of each replica this
+    one relays to (their syncs' names)."""
+    tp, sync_name, seed = config.generator_tp, sync_name_of(incarnation), config.seed * 1000 + incarnation
     tokenizer = data.tokenizer
     if config.generator == "vllm":
         from ..integrations.vllm.generator import VllmGenerator
@@ -309,16 +317,36 @@ def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarn
     return LlamaGeneratorBackend(
         data.model_config, tp=tp, rank=rank, store=store, sync_name=sync_name, timeout_s=config.timeout_s,
         replica=replica, num_replicas=config.generator_replicas,
+        relay_names={child: relay_name(sync_name_of(k), child) for child, k in (children or {}).items()},
         max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=data.max_new_tokens,
         segment_tokens=config.segment_tokens, temperature=config.temperature, eos_token_id=tokenizer.stop_token_ids,
         pad_token_id=tokenizer.pad_token_id, seed=seed, dtype=config.torch_dtype, device=config.device)
 
 
-def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str) -> None:
+def _update_weights(generator, payload: dict, timeout_s: float, tp: int) -> tuple[int | None, str]:
+    """Take the version `payload` announces; returns (version, "") or, when it did not
+    land on every rank of the replica, (None, why) on all of them: a replica whose
+    ranks disagree would sample with torn weights or split its collectives."""
+    try:
+        outcome = (generator.update_weights(payload["version"], timeout_s, relay_to=payload["relay_to"]), "")
+    except SyncError as exc:
+        outcome = (None, f"{type(exc).__name__}: {exc}")
+    if tp > 1:
+        outcomes = [None] * tp
+        dist.all_gather_object(outcomes, outcome)
+        failed = [(rank, why) for rank, (_, why) in enumerate(outcomes) if why]
+        if failed:
+            generator.version = None
+            outcome = (None, "; ".join(f"rank {rank}: {why}" for rank, why in failed))
+    return outcome
+
+
+def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str,
+                  children: dict[int, int]) -> None:
     """Generator rank `rank` of all replicas': rank `tp_rank` of replica `replica`."""
     tp = 1 if config.generator == "vllm" else config.generator_tp
     replica, tp_rank = divmod(rank, tp)
-    generator = _make_generator(config, RunData(config), store, tp_rank, incarnation, out_dir, replica)
+    generator = _make_generator(config, RunData(config), store, tp_rank, incarnation, out_dir, replica, children)
     leader = tp_rank == 0  # reads the replica's commands and reports for it
     feed = _CommandFeed(link, tp, leader)
     busy = 0.0
@@ -332,12 +360,21 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
                 if kind == "prompts":
                     generator.submit([Sample(group, ids) for group, ids in payload["groups"]
                                       for _ in range(config.samples_per_prompt)])
+                elif kind == "relay":  # the child replica was restarted: feed its new incarnation
+                    generator.replace_relay(payload["child"], relay_name(sync_name_of(payload["incarnation"]),
+                                                                         payload["child"]))
                 elif kind == "receive":
                     start = time.monotonic()
-                    version = generator.update_weights(payload["version"], config.sync_timeout_s)
+                    version, why = _update_weights(generator, payload, config.sync_timeout_s, tp)
+                    if version is None:  # torn (e.g. the replica feeding this one died mid-relay)
+                        link.span("receive weights failed", start, time.monotonic(), version=payload["version"])
+                        if leader:
+                            link.send("receive_failed", version=payload["version"], message=why)
+                        continue
                     link.span("receive weights", start, time.monotonic(), version=version)
                     if leader:
-                        link.send("received", version=version, busy=busy)
+                        link.send("received", version=version, busy=busy,
+                                  relay_failed=generator.relay_failures)
                         busy = 0.0
                     if payload["evaluate"]:  # greedy, to the end, on these weights alone, before anything else
                         start = time.monotonic()
@@ -518,4 +555,4 @@ def run_reward(link: Link, config: TrainConfig, store, rank: int) -> None:
         for sample, reward in zip(samples, rewards):
             sample.reward = reward
         link.span("score", start, time.monotonic(), samples=len(samples))
-        link.send("scored", samples=samples, incarnation=payload["incarnation"])
+        link.send("scored", samples=samples, replica=payload["replica"], incarnation=payload["incarnation"])

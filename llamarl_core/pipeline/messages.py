@@ -202,7 +202,7 @@ class HeartbeatWatch:
     seconds (a process that never beat gets `grace_s` from the watch's creation)."""
 
     def __init__(self, store: dist.Store, key: str, grace_s: float):
-        self._store, self._key, self._grace_s = store, key, grace_s
+        self._store, self._key, self.grace_s = store, key, grace_s
         self._last_count, self._last_change = self._store.add(key, 0), time.monotonic()
 
     def silent_for(self) -> float:
@@ -214,4 +214,4 @@ class HeartbeatWatch:
         return now - self._last_change
 
     def alive(self) -> bool:
-        return self.silent_for() <= self._grace_s
+        return self.silent_for() <= self.grace_s

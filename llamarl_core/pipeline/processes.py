@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .executors import GENERATOR, executor_main
-from .messages import StoreQueue
+from .messages import HeartbeatWatch, StoreQueue
 
 # Third-party modules only: the forkserver imports them with the working directory
 # first on sys.path, so from a source checkout it would import this package's
@@ -106,11 +106,21 @@ def assignment_queue(global_rank: int) -> str:
     return f"launch/rank/{global_rank}"
 
 
+def rank_beat(global_rank: int) -> str:
+    """The heartbeat rank `global_rank` keeps in the job's Store for as long as it runs."""
+    return f"launch/beat/{global_rank}"
+
+
+BEAT_CHECK_S = 1.0  # how often the controller reads the ranks' heartbeats (one Store request per rank)
+
+
 class LaunchedExecutors:
     """torchrun ranks that run `llamarl_core.launch`'s serve loop: each waits on its
     assignment queue and runs the executor it is given in its own process, then
     waits again. The ranks' processes belong to torchrun: a rank that dies ends the
-    job through torchrun's agent, so `exited` has nothing to say. An executor is not
+    job through torchrun's agent, but a host that is cut off cannot tell it; so each
+    rank keeps a heartbeat in the job's Store, and `exited` names the executors of a
+    rank silent for the run's timeout_s. An executor is not
     replaced (not restartable): a failed generator rank is back in its serve loop at
     once while its tensor-parallel peers may wait in a collective with it until the
     process group's timeout (NCCL's watchdog then aborts their process), so a new
@@ -122,6 +132,8 @@ class LaunchedExecutors:
         """assignments: the assignment queue of every rank but the controller's."""
         self.job_store, self.placement, self.assignments = store, placement, assignments
         self.prefix: str | None = None
+        self.watches: dict[tuple[str, int], HeartbeatWatch] = {}
+        self._next_check = 0.0
 
     def open_store(self, timeout_s: float) -> dist.Store:
         """The job's Store, in a namespace of this run's own (--compare runs two runs
@@ -130,12 +142,25 @@ class LaunchedExecutors:
         return dist.PrefixStore(self.prefix, self.job_store)
 
     def start(self, role: str, rank: int, config_dict: dict, extra: dict) -> None:
-        self.assignments[self.placement.global_rank(role, rank)].put(
+        global_rank = self.placement.global_rank(role, rank)
+        self.assignments[global_rank].put(
             ("run", {"role": role, "rank": rank, "config": config_dict, "extra": {**extra, "launched": True},
                      "prefix": self.prefix}))
+        self.watches[(role, rank)] = HeartbeatWatch(self.job_store, rank_beat(global_rank),
+                                                    grace_s=config_dict["timeout_s"])
 
     def exited(self) -> list[tuple[str, int, str]]:
-        return []
+        now = time.monotonic()
+        if now < self._next_check:
+            return []
+        self._next_check = now + BEAT_CHECK_S
+        silent = []
+        for (role, rank), watch in self.watches.items():
+            seconds = watch.silent_for()
+            if seconds > watch.grace_s:
+                silent.append((role, rank, f"is silent: torchrun rank {self.placement.global_rank(role, rank)} has "
+                                           f"not beaten for {seconds:.0f} s (its host, or the link to it, is down)"))
+        return silent
 
     def shutdown(self, grace_s: float) -> None:
         """The ranks return to their serve loop on "stop" (and end on the launcher's "exit")."""

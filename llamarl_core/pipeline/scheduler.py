@@ -141,10 +141,11 @@ class Scheduler:
         self.step += 1
         return batch
 
-    def generator_lost(self) -> None:
-        """The generator (every replica) died or was replaced: the groups it was
+    def replicas_lost(self, replicas: set[int]) -> None:
+        """These generator replicas died or were replaced: the groups they were
         sampling are issued again from scratch (their samples so far are discarded;
-        complete groups stay)."""
-        self._to_reissue = deque(sorted(set(self._to_reissue) | set(self._sampling)))
-        self._sampling.clear()
-        self._replica_of.clear()
+        complete groups, and the other replicas' groups, stay)."""
+        lost = {group for group, replica in self._replica_of.items() if replica in replicas}
+        self._to_reissue = deque(sorted(set(self._to_reissue) | lost))
+        for group in lost:
+            del self._sampling[group], self._replica_of[group]

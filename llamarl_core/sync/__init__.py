@@ -10,7 +10,15 @@ trainer rank, `WeightReceiver(store, dst, rank, params).receive()` on each
 generator rank (see endpoints.py for versions, timeouts and torn weights).
 """
 
-from .endpoints import SyncError, SyncTimeoutError, TornWeightsError, WeightReceiver, WeightSender
+from .endpoints import (
+    RelayError,
+    SyncError,
+    SyncTimeoutError,
+    TornWeightsError,
+    WeightReceiver,
+    WeightSender,
+    abandon_receivers,
+)
 from .fsdp import fsdp_sender, local_shard
 from .layout import Fragment, Fused, FusedPart, Layout, ParamSpec, Replicate, Shard
 from .plan import DEFAULT_BUCKET_BYTES, Segment, TransferPlan, plan_transfer
@@ -19,7 +27,7 @@ from .reference import reference_fsdp_shards, reference_vllm_tp_shards
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "Fragment", "Fused", "FusedPart", "Layout", "ParamSpec", "Replicate", "Segment",
-    "Shard", "SyncError", "SyncTimeoutError", "TornWeightsError", "TransferPlan", "WeightReceiver",
-    "WeightSender", "fsdp_sender", "hf_llama_fsdp", "local_shard", "hf_llama_shapes", "plan_transfer", "reference_fsdp_shards",
+    "RelayError", "Shard", "SyncError", "SyncTimeoutError", "TornWeightsError", "TransferPlan", "WeightReceiver",
+    "WeightSender", "abandon_receivers", "fsdp_sender", "hf_llama_fsdp", "local_shard", "hf_llama_shapes", "plan_transfer", "reference_fsdp_shards",
     "reference_vllm_tp_shards", "vllm_llama_tp",
 ]

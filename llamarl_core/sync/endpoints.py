@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -47,7 +50,7 @@ from .engine import (
     tensors_device,
     wait_for_queued_work,
 )
-from .errors import SyncError, SyncTimeoutError, TornWeightsError
+from .errors import RelayError, SyncError, SyncTimeoutError, TornWeightsError
 from .fp8 import Fp8Destinations, reduce_max
 from .layout import Layout
 from .plan import (
@@ -76,6 +79,7 @@ from .transports import (
 
 DEFAULT_TIMEOUT_S = 120.0
 _SRC, _DST = "src", "dst"
+_ABANDONED = "abandoned"  # set by abandon_receivers
 
 
 class _Channel:
@@ -251,6 +255,20 @@ class _Endpoint:
         self.close()
 
 
+def abandon_receivers(store: dist.Store, name: str, reason: str) -> None:
+    """The receivers of sync `name` are gone for good (their processes died; new
+    ones register under another name): a send waiting for one of them to ask for a
+    version raises SyncError naming `reason` at once instead of at its timeout.
+    Called by whoever watches the receivers' processes (the pipeline's controller)."""
+    channel = _Channel(store, name)
+    channel.set(_ABANDONED, reason)
+    if not channel.has(f"{_DST}/layout"):
+        return  # never registered: no sender can be waiting for a ticket
+    for rank in range(Layout.from_dict(channel.get(f"{_DST}/layout")).world_size):
+        # Wake the senders waiting for the next ticket; they find the mark above.
+        channel.set(f"{_DST}/{rank}/open/{channel.counter(f'{_DST}/{rank}/ticket') + 1}", 1)
+
+
 def relay_name(name: str, replica: int) -> str:
     """The Store namespace of the sync that fills `replica` (replica 0: the trainer's)."""
     return f"{name}/replica{replica}" if replica else name
@@ -336,14 +354,18 @@ class WeightSender(_Endpoint):
                 self._tables[dst].append((table, sum(seg.nbytes for seg in bucket)))
 
     def _await_ticket(self, dst: int, deadline: float) -> int:
-        """The ticket of receiver `dst`'s open receive() that this sender has not served."""
-        last = self._served.get(dst, 0)
+        """The ticket of receiver `dst`'s open receive() that this sender has not served.
+        Raises SyncError at once if the receivers were abandoned (abandon_receivers)."""
+        last, woken = self._served.get(dst, 0), False
         while True:
             current = self.channel.counter(f"{_DST}/{dst}/ticket")
             if current > last and not self.channel.has(f"{_DST}/{dst}/closed/{current}"):
                 return current
+            if woken and self.channel.has(_ABANDONED):  # checked only after a wait: no cost when the ticket is open
+                raise SyncError(f"sender rank {self.rank}: receiver {dst} is gone ({self.channel.get(_ABANDONED)})")
             nxt = max(current, last) + 1
             self.channel.wait([f"{_DST}/{dst}/open/{nxt}"], deadline, f"receiver {dst} to ask for a version")
+            woken = True
 
     def send(self, version: int, timeout: float | None = None) -> int:
         """Move `version` of this rank's shards to every receiver that needs them;
@@ -420,19 +442,26 @@ class WeightReceiver(_Endpoint):
     data-parallel copies of `layout` (each a tensor-parallel group). The trainer
     ranks send to replica 0 only; a version then goes down the replicas'
     `relay_tree`, rank to same rank, each a sync of its own under the Store names
-    `<name>/replica<r>`: receive() returns once the version has landed here and
-    has been copied to the replicas this one feeds (a relay that fails raises,
-    saying this replica's version landed).
+    `<name>/replica<r>` (or `relay_names[r]`): receive() returns once the version
+    has landed here and has been copied to the replicas this one feeds. A relay
+    that fails raises RelayError once the others are done: the version landed here.
+    A child replica restarted under a new name is fed through `replace_relay`.
     """
 
     side = "receiver"
 
     def __init__(self, store: dist.Store, layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor], *,
-                 group: dist.ProcessGroup | None = None, replica: int = 0, num_replicas: int = 1, **kwargs):
+                 group: dist.ProcessGroup | None = None, replica: int = 0, num_replicas: int = 1,
+                 relay_names: Mapping[int, str] | None = None, **kwargs):
         check_replicas(layout, num_replicas)
         if not 0 <= replica < num_replicas:
             raise ValueError(f"replica must be in [0, {num_replicas}), got {replica}")
         name = kwargs.pop("name", "weights")
+        children = relay_tree(num_replicas)[replica]
+        relay_names = {child: relay_name(name, child) for child in children} | dict(relay_names or {})
+        if sorted(relay_names) != children:
+            raise ValueError(f"relay_names: replica {replica} feeds replicas {children}, got names for "
+                             f"{sorted(relay_names)}")
         super().__init__(store, layout, rank, tensors, name=relay_name(name, replica), **kwargs)
         if group is not None and (group.size(), group.rank()) != (self.layout.world_size, self.rank):
             raise ValueError(f"receiver rank {self.rank}: group= must span the {self.layout.world_size} receiver ranks "
@@ -469,26 +498,80 @@ class WeightReceiver(_Endpoint):
         self._landing_keys = {name: storage_key(t) for name, t in self.landing.items()}
         # Registered last: a relay waits for its child's receiver, which waits for this one.
         self.replica = replica
-        self._relays = {
-            child: WeightSender(store, layout, rank, self.tensors, name=relay_name(name, child), timeout=self.timeout,
-                                **{k: kwargs[k] for k in ("transport", "bucket_bytes", "num_threads") if k in kwargs})
-            for child in relay_tree(num_replicas)[replica]
-        }
+        self._store = store
+        self._relay_kwargs = {k: kwargs[k] for k in ("transport", "bucket_bytes", "num_threads") if k in kwargs}
+        self._relays: dict[int, WeightSender | Future] = {
+            child: self._relay_sender(store, relay_names[child]) for child in children}
 
-    def receive(self, timeout: float | None = None) -> int:
-        """Take the next version from the senders; returns it once every segment
-        has landed (and been relayed to the replicas this one feeds). Raises
-        SyncTimeoutError (tensors torn, version unchanged), or SyncError before
-        anything is written if a tensor's storage moved since registration."""
-        deadline = self._deadline(timeout)
-        version = self._receive(deadline)
-        for child, relay in self._relays.items():
+    def _relay_sender(self, store: dist.Store, name: str) -> WeightSender:
+        return WeightSender(store, self.layout, self.rank, self.tensors, name=name, timeout=self.timeout,
+                            **self._relay_kwargs)
+
+    def replace_relay(self, child: int, name: str) -> None:
+        """Feed replica `child` through the sync `name` from now on (a restarted child
+        registers its receiver under a new name); the old relay is closed. The new
+        one is set up in a thread of its own, on a Store connection of its own: set-up
+        waits for the child's receiver to register (seconds, while a new process
+        starts), and this rank goes on meanwhile. The next receive() that relays to
+        `child` waits for it, within its own timeout."""
+        if child not in self._relays:
+            raise ValueError(f"replica {self.replica} feeds replicas {sorted(self._relays)}, not {child}")
+        self._close_relay(self._relays.pop(child))
+        future, store = Future(), self._store.clone()
+
+        def set_up():
             try:
-                relay.send(version, timeout=max(deadline - time.monotonic(), 1e-3))
-            except SyncError as exc:
-                raise type(exc)(f"receiver rank {self.rank} of replica {self.replica}: version {version} landed here, "
-                                f"but relaying it to replica {child} failed: {exc}") from exc
+                future.set_result(self._relay_sender(store, name))
+            except BaseException as exc:  # noqa: BLE001 - receive() reports it as this child's relay failure
+                future.set_exception(exc)
+
+        # A daemon: a set-up still waiting for a child that never comes must not hold the process at exit.
+        threading.Thread(target=set_up, name=f"relay-setup-{self.replica}-{child}", daemon=True).start()
+        self._relays[child] = future
+
+    @staticmethod
+    def _close_relay(relay: WeightSender | Future) -> None:
+        if isinstance(relay, Future):  # closed once its set-up ends (it cannot be interrupted)
+            relay.add_done_callback(lambda f: f.exception() is None and f.result().close())
+        else:
+            relay.close()
+
+    def receive(self, timeout: float | None = None, relay_to: Iterable[int] | None = None) -> int:
+        """Take the next version from the senders; returns it once every segment
+        has landed and been relayed to the replicas in `relay_to` (default: every
+        replica this one feeds; one left out misses this version). Raises
+        SyncTimeoutError (tensors torn, version unchanged), or SyncError before
+        anything is written if a tensor's storage moved since registration; a relay
+        that fails raises RelayError after the other relays, this replica holding
+        the version."""
+        deadline = self._deadline(timeout)
+        children = sorted(self._relays) if relay_to is None else sorted(set(relay_to))
+        if not set(children) <= set(self._relays):
+            raise ValueError(f"relay_to={children}: replica {self.replica} feeds replicas {sorted(self._relays)}")
+        version = self._receive(deadline)
+        failed = {}
+        for child in children:
+            try:
+                self._ready_relay(child, deadline).send(version, timeout=max(deadline - time.monotonic(), 1e-3))
+            except (SyncError, ValueError, RuntimeError) as exc:  # set-up's errors too; the other children go on
+                failed[child] = f"{type(exc).__name__}: {exc}"
+        if failed:
+            raise RelayError(f"receiver rank {self.rank} of replica {self.replica}: version {version} landed here, but "
+                             "relaying it failed: " + "; ".join(f"to replica {c}: {m}" for c, m in failed.items()),
+                             version, failed)
         return version
+
+    def _ready_relay(self, child: int, deadline: float) -> WeightSender:
+        """The relay to `child`, waiting for its set-up (replace_relay) until `deadline`."""
+        relay = self._relays[child]
+        if isinstance(relay, Future):
+            try:
+                relay = relay.result(timeout=max(deadline - time.monotonic(), 0.0))
+            except FutureTimeout:
+                raise SyncTimeoutError(f"the relay to replica {child} was not set up in time (its receiver has "
+                                       "not registered)") from None
+            self._relays[child] = relay
+        return relay
 
     def _receive(self, deadline: float) -> int:
         self._check_storage()
@@ -672,4 +755,4 @@ class WeightReceiver(_Endpoint):
     def close(self) -> None:
         self._closed = True
         for relay in self._relays.values():
-            relay.close()
+            self._close_relay(relay)

@@ -12,3 +12,13 @@ class SyncTimeoutError(SyncError, TimeoutError):
 
 class TornWeightsError(SyncError):
     """The receiver's tensors hold a partly written version and must not be used."""
+
+
+class RelayError(SyncError):
+    """A version landed on this generator replica, but relaying it to some of the
+    replicas it feeds failed. version: the version that landed here (the receiver
+    holds it, not torn); failed: child replica -> what went wrong."""
+
+    def __init__(self, message: str, version: int, failed: dict[int, str]):
+        super().__init__(message)
+        self.version, self.failed = version, failed

@@ -179,7 +179,8 @@ class VllmGenerator(Generator):
 
         return list(self._run(run(), self.timeout_s, f"evaluating {len(samples)} prompts"))
 
-    def update_weights(self, version: int, timeout_s: float) -> int:
+    def update_weights(self, version: int, timeout_s: float, relay_to: Sequence[int] | None = None) -> int:
+        # One replica (a vLLM engine is never relayed from): relay_to is empty.
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         async def update():

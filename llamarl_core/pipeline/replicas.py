@@ -1,0 +1,146 @@
+"""The controller's view of the generator replicas and the weight syncs in flight, as
+a plain class with no processes and no queues (tests/test_replicas.py drives it
+through thousands of random orders of syncs, reports, losses and restarts).
+
+The trainer ranks send each version to replica 0; it reaches the others down the
+relay tree (replica r feeds 2r + 1 and 2r + 2). A replica that dies is replaced
+alone, under a new incarnation, while the others go on sampling:
+- replica r != 0: its parent relays to the new one (under the new incarnation's
+  sync name) from the first sync begun once the new one is up;
+- replica 0: the trainer reconnects to the new one, which is re-synced with the
+  current version before the trainer trains again (the caller's resync).
+The new replica's relays to its children take over their senders' place: the
+children keep their receivers.
+
+A sync includes replica 0 and every replica that is up and whose parent is
+included (a replica still starting, or cut off from the trainer by one, misses
+the version and gets the next). A sync is complete once the trainer ranks have
+sent it and every replica it includes has reported it landed or is gone. A
+replica fed by one that died during the sync may report its receive failed (its
+parent stopped mid-relay; or a replica above it did): excused, it holds no weights
+until the next version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..sync.plan import relay_tree
+
+
+@dataclass
+class PendingSync:
+    """A version on its way: trainer ranks yet to report it sent, replicas yet to
+    report it landed, and the replicas excused from it (their feed died)."""
+
+    trainer: int
+    replicas: set[int]
+    excused: set[int] = field(default_factory=set)
+
+
+class ReplicaSyncs:
+    """See the module docstring. incarnation[r]: replica r's current incarnation (its
+    processes, inbox and sync name); up[r]: every rank of it reported ready;
+    version[r]: the version it holds (None: none yet, or torn by a failed receive)."""
+
+    def __init__(self, num_replicas: int, trainer_world: int):
+        self.tree = relay_tree(num_replicas)
+        self.parent = {child: r for r, children in self.tree.items() for child in children}
+        self.trainer_world = trainer_world
+        self.incarnation = [0] * num_replicas
+        self.up = [False] * num_replicas
+        self.version: list[int | None] = [None] * num_replicas
+        self.pending: dict[int, PendingSync] = {}
+
+    def descendants(self, replica: int) -> list[int]:
+        below, stack = [], list(self.tree[replica])
+        while stack:
+            r = stack.pop()
+            below.append(r)
+            stack.extend(self.tree[r])
+        return sorted(below)
+
+    def targets(self) -> dict[int, list[int]]:
+        """The replicas a sync begun now includes, each with the children it relays to."""
+        included = [0]
+        for r in range(1, len(self.tree)):  # a parent's index is below its children's
+            if self.up[r] and self.parent[r] in included:
+                included.append(r)
+        return {r: [c for c in self.tree[r] if c in included] for r in included}
+
+    def begin(self, version: int) -> dict[int, list[int]]:
+        """Record a sync of `version` to targets(); returns them."""
+        if version in self.pending:
+            raise ValueError(f"a sync of version {version} is already in flight")
+        targets = self.targets()
+        self.pending[version] = PendingSync(self.trainer_world, set(targets))
+        return targets
+
+    def ready(self, replica: int) -> None:
+        self.up[replica] = True
+
+    def sent(self, version: int) -> bool:
+        """A trainer rank reports `version` sent; True when that completes the sync."""
+        sync = self.pending.get(version)
+        if sync is None:
+            return False  # a sync abandoned when replica 0 was lost
+        sync.trainer -= 1
+        return self._maybe_done(version)
+
+    def landed(self, version: int, replica: int) -> bool:
+        """Replica `replica` reports `version` landed; True when that completes the sync."""
+        self.version[replica] = version
+        sync = self.pending.get(version)
+        if sync is None:
+            return False
+        sync.replicas.discard(replica)
+        return self._maybe_done(version)
+
+    def receive_failed(self, version: int, replica: int) -> tuple[bool, bool]:
+        """Replica `replica`'s receive of `version` failed (it holds no weights now).
+        Returns (excused, completes the sync): excused when its feed died during the
+        sync (or the sync was abandoned); not excused, the replica itself is at fault
+        and the caller replaces it."""
+        self.version[replica] = None
+        sync = self.pending.get(version)
+        if sync is None:
+            return True, False
+        if replica not in sync.excused:
+            return False, False
+        sync.replicas.discard(replica)
+        return True, self._maybe_done(version)
+
+    def lost(self, replicas: set[int]) -> list[int]:
+        """These replicas died: each gets a new incarnation and counts as down until
+        ready(). Replica 0 among them abandons every sync in flight (the trainer
+        reconnects and the caller re-syncs); else the lost leave the syncs they
+        were in and their descendants are excused from them. Returns the syncs this
+        completes, in order."""
+        for r in replicas:
+            self.incarnation[r] += 1
+            self.up[r] = False
+            self.version[r] = None
+        if 0 in replicas:
+            self.pending.clear()
+            return []
+        done = []
+        for version, sync in list(self.pending.items()):
+            sync.replicas -= replicas
+            sync.excused |= {d for r in replicas for d in self.descendants(r)}
+            if self._maybe_done(version):
+                done.append(version)
+        return done
+
+    def holding(self, step: int, settled: bool) -> dict[int, bool]:
+        """The replicas holding weights, each with whether it holds version `step`,
+        with no sync in flight and `settled` (the caller's: no trained step waiting
+        for its weights): the scheduler's `issue` argument."""
+        landed = settled and not self.pending
+        return {r: landed and v == step for r, v in enumerate(self.version) if v is not None}
+
+    def _maybe_done(self, version: int) -> bool:
+        sync = self.pending[version]
+        if sync.trainer > 0 or sync.replicas:
+            return False
+        del self.pending[version]
+        return True
