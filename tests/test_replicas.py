@@ -12,21 +12,26 @@ from llamarl_core.sync.plan import relay_tree
 
 def test_a_restarted_replica_misses_syncs_until_up_and_its_descendants_with_it():
     syncs = ReplicaSyncs(5, trainer_world=1)  # 0 -> 1, 2; 1 -> 3, 4
-    assert syncs.targets() == {0: []}  # none up yet: replica 0 is the trainer's, always included
+    assert syncs.targets(0) == {0: []}  # none up yet: replica 0 is the trainer's, always included
     for r in range(5):
         syncs.ready(r)
     assert syncs.begin(1) == {0: [1, 2], 1: [3, 4], 2: [], 3: [], 4: []}
     assert syncs.lost({1}) == []
     assert syncs.incarnation == [0, 1, 0, 0, 0]
-    assert syncs.pending[1].replicas == {0, 2, 3, 4} and syncs.pending[1].excused == {3, 4}
-    assert syncs.receive_failed(1, 3) == (True, False)  # its feed died mid-relay
-    assert not syncs.landed(1, 0) and not syncs.landed(1, 2) and not syncs.sent(1)
-    assert syncs.receive_failed(1, 4) == (True, True)
-    assert syncs.begin(2) == {0: [2], 2: []}  # 1 is down, and 3 and 4 are fed by it
+    assert syncs.pending[1].replicas == {0, 2}  # 3 and 4 are cut off with their feed
+    assert syncs.receive_failed(1, 3, attempt=1)  # excused: its feed died mid-relay (the caller replaces it)
+    assert not syncs.landed(1, 0) and not syncs.sent(1)
+    assert syncs.landed(1, 2) and not syncs.pending
+    assert syncs.begin(2) == {0: [2], 2: []}  # 1 is down, 3 and 4 are fed by it (and 4 waits for version 1)
     syncs.ready(1)
-    assert syncs.targets() == {0: [1, 2], 1: [3, 4], 2: [], 3: [], 4: []}
-    assert syncs.receive_failed(2, 2) == (False, False)  # its feed is alive: its own fault
+    assert syncs.targets(3) == {0: [1], 1: [3], 3: []}  # 4 and 2 still wait for versions 1 and 2
+    assert not syncs.receive_failed(2, 0, attempt=2)  # fed by the trainer, which is alive: its own fault
     assert syncs.lost({0}) == [] and not syncs.pending  # the trainer reconnects; the caller re-syncs
+    syncs.ready(0)
+    assert syncs.begin(2) and syncs.pending[2].attempt == 3  # the re-sync of version 2
+    assert syncs.pending[2].told == {0, 1, 3}  # 2 already waits for version 2: the re-sync's relay answers it
+    assert syncs.receive_failed(2, 1, attempt=2)  # from the abandoned sync of version 2
+    assert not syncs.receive_failed(2, 3, attempt=3)
 
 
 def test_holding_lists_the_replicas_with_weights():
@@ -41,8 +46,7 @@ def test_holding_lists_the_replicas_with_weights():
     syncs.sent(0)
     assert syncs.sent(0) and syncs.holding(0, settled=True) == {0: True, 1: True, 2: True}
     assert syncs.holding(0, settled=False) == {0: False, 1: False, 2: False}
-    assert syncs.begin(1) and syncs.receive_failed(1, 2) == (False, False)
-    assert syncs.holding(1, settled=True) == {0: False, 1: False}
+    syncs.begin(1)
     with pytest.raises(ValueError, match="a sync of version 1 is already in flight"):
         syncs.begin(1)
 
@@ -97,6 +101,7 @@ class _World:
         assert 0 in targets
         for r, children in targets.items():
             assert r == 0 or (self.syncs.up[r] and self.parent[r] in targets), (r, targets)
+            assert r == 0 or all(v >= self.version for v in self.syncs.receiving[r] - {self.version}), r
             assert children == [c for c in relay_tree(self.n)[r] if c in targets]
         self.flight[self.version] = {"trainer": self.trainer_world,
                                      "state": {r: (self.syncs.incarnation[r], "waiting") for r in targets}}
@@ -130,10 +135,8 @@ class _World:
             assert self.syncs.version[r] == version
         else:
             r = move[2]
-            sync["state"][r] = (sync["state"][r][0], "failed")
-            excused, done = self.syncs.receive_failed(version, r)
-            assert excused, (version, r)  # its feed broke: never the replica's own fault
-            self._check_done(version, done)
+            assert self.syncs.receive_failed(version, r, self.syncs.pending[version].attempt), (version, r)
+            self.lose({r})  # its feed broke: excused, and replaced (its weights may be torn)
 
     def own_failure(self):
         """A replica fails on its own: not excused; the controller replaces it."""
@@ -142,8 +145,7 @@ class _World:
         if not waiting:
             return
         version, r = self.rng.choice(waiting)
-        assert self.syncs.receive_failed(version, r) == (False, False)
-        assert self.syncs.version[r] is None
+        assert not self.syncs.receive_failed(version, r, self.syncs.pending[version].attempt)
         self.lose({r})
 
     def lose(self, replicas: set[int]):
@@ -154,9 +156,10 @@ class _World:
             assert done == [] and not self.syncs.pending
             self.flight.clear()  # abandoned: the controller re-syncs replica 0 and everything below it
             return
+        cut_off = set(replicas) | {d for r in replicas for d in self.syncs.descendants(r)}
         for version, sync in self.flight.items():
-            for r in replicas:
-                if r in sync["state"]:
+            for r in cut_off:
+                if r in sync["state"] and sync["state"][r][1] == "waiting":
                     sync["state"][r] = (sync["state"][r][0], "gone")
         for version in done:
             self._check_done(version, True)

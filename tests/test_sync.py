@@ -506,7 +506,8 @@ def test_a_lost_replica_is_abandoned_at_once_and_its_replacement_fed_by_replace_
     """Replica 1 dies: its parent's relay, waiting for it to ask for a version, fails
     at once when the receivers are abandoned (RelayError: the version landed on the
     parent); a new replica 1 under a new name is fed once the parent replaces its
-    relay, and both equal the reference."""
+    relay (a receive asking for an older version than the parent holds is refused
+    untouched), and both equal the reference."""
     config = small_config("llama_gqa_bias")
     src_layout, dst_layout = hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.bfloat16)
     states = {v: hf_state_dict(config, 700 + v) for v in (1, 2, 3)}
@@ -548,7 +549,15 @@ def test_a_lost_replica_is_abandoned_at_once_and_its_replacement_fed_by_replace_
 
     parent.replace_relay(1, "lost-2/replica1")  # set up in a thread: waits for the new child to register
     child = receiver("lost-2", 1)
-    results = _in_threads(lambda: send(3), parent.receive, child.receive)
+
+    def stale_then_current():
+        """A receive still asking for version 2 (queued before its feed died) is told it
+        will not come, untouched; the next one gets version 3."""
+        with pytest.raises(SyncError, match="version 2 will not come"):
+            child.receive(expect=2)
+        return child.receive(expect=3)
+
+    results = _in_threads(lambda: send(3), parent.receive, stale_then_current)
     assert results[1:] == [3, 3], results
     check(parent, 3)
     check(child, 3)

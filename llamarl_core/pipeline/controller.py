@@ -154,9 +154,10 @@ class Controller:
         if lost:
             self._restart_replicas(lost)
 
-    def _restart_replicas(self, lost: dict[int, str], detail: str = "") -> None:
+    def _restart_replicas(self, lost: dict[int, str], detail: str = "", counted: bool = True) -> None:
         """Replace the generator replicas in `lost` (replica -> why), alone: the others
-        go on sampling (replicas.py says how each is fed again)."""
+        go on sampling (replicas.py says how each is fed again). counted: towards
+        MAX_GENERATOR_RESTARTS (not a replica cut off by another's loss)."""
         why = "; ".join(lost.values())
         starting = [r for r in lost if not all((GENERATOR, k) in self.ready_ranks for k in self._replica_ranks(r))]
         if starting:
@@ -166,7 +167,7 @@ class Controller:
             raise PipelineError(f"{why}; executors on torchrun ranks are not restarted: stopping (the last "
                                 f"checkpoint is in {self.out / 'checkpoint'}; the same torchrun command with "
                                 f"`train --out {self.out} --resume` continues it)\n{detail}")
-        self.generator_restarts += 1
+        self.generator_restarts += counted
         if self.generator_restarts > MAX_GENERATOR_RESTARTS:
             raise PipelineError(f"{why}; restarted {MAX_GENERATOR_RESTARTS} times already, stopping "
                                 f"(the last checkpoint is in {self.out / 'checkpoint'})")
@@ -239,12 +240,12 @@ class Controller:
             if self.replicas.landed(payload["version"], replica):
                 self._sync_complete(payload["version"])
         elif kind == "receive_failed":
-            excused, done = self.replicas.receive_failed(payload["version"], replica)
-            if not excused:
-                self._restart_replicas({replica: f"generator replica {replica} failed to receive version "
-                                                 f"{payload['version']}: {payload['message']}"})
-            elif done:
-                self._sync_complete(payload["version"])
+            # Its weights may be torn and its unfinished samples were sampled with them: replaced
+            # either way, its groups going to the others (counted as a restart only at its own fault).
+            excused = self.replicas.receive_failed(payload["version"], replica, payload["attempt"])
+            why = (f"generator replica {replica} failed to receive version {payload['version']}"
+                   + (" (the replica feeding it was lost)" if excused else f": {payload['message']}"))
+            self._restart_replicas({replica: why}, counted=not excused)
         elif kind == "scored":
             if payload["incarnation"] != self.replicas.incarnation[payload["replica"]]:
                 return  # sampled by a replica that has since been replaced; its groups were re-issued
@@ -279,9 +280,12 @@ class Controller:
         # An evaluation rides on the sync it evaluates: replica 0 runs it as soon as
         # these weights land, before anything else (a later version cannot overtake it).
         evaluate = self._eval_prompts(version)
-        for replica, children in self.replicas.begin(version).items():
-            self._tell_replica(replica, "receive", version=version, evaluate=evaluate if replica == 0 else None,
-                               relay_to=children)
+        targets = self.replicas.begin(version)
+        sync = self.replicas.pending[version]
+        for replica, children in targets.items():
+            if replica in sync.told:
+                self._tell_replica(replica, "receive", version=version, evaluate=evaluate if replica == 0 else None,
+                                   relay_to=children, attempt=sync.attempt)
         self._tell(TRAINER, "sync", version=version)
 
     def _step_trained(self) -> None:

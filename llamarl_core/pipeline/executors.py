@@ -369,7 +369,8 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
                     if version is None:  # torn (e.g. the replica feeding this one died mid-relay)
                         link.span("receive weights failed", start, time.monotonic(), version=payload["version"])
                         if leader:
-                            link.send("receive_failed", version=payload["version"], message=why)
+                            link.send("receive_failed", version=payload["version"], attempt=payload["attempt"],
+                                      message=why)
                         continue
                     link.span("receive weights", start, time.monotonic(), version=version)
                     if leader:

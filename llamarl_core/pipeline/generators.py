@@ -99,13 +99,14 @@ class LlamaGeneratorBackend(Generator):
     def update_weights(self, version: int, timeout_s: float, relay_to: Sequence[int] | None = None) -> int:
         self.relay_failures = {}
         try:
-            landed = self.receiver.receive(timeout=timeout_s, relay_to=relay_to)
+            landed = self.receiver.receive(timeout=timeout_s, relay_to=relay_to, expect=version)
         except RelayError as exc:  # landed here; a replica this one feeds missed it (the controller sees to it)
             landed, self.relay_failures = exc.version, exc.failed
         except SyncError:
             self.version = None  # torn: nothing is sampled until a version lands
             raise
         if landed != version:
+            self.version = None  # the tensors hold `landed`: no sample may carry another version
             raise SyncError(f"the trainer sent version {landed}, the controller announced {version}")
         self.engine.invalidate()  # unfinished sequences are re-prefilled under the new weights (always)
         self.version = landed

@@ -12,13 +12,12 @@ alone, under a new incarnation, while the others go on sampling:
 The new replica's relays to its children take over their senders' place: the
 children keep their receivers.
 
-A sync includes replica 0 and every replica that is up and whose parent is
-included (a replica still starting, or cut off from the trainer by one, misses
-the version and gets the next). A sync is complete once the trainer ranks have
-sent it and every replica it includes has reported it landed or is gone. A
-replica fed by one that died during the sync may report its receive failed (its
-parent stopped mid-relay; or a replica above it did): excused, it holds no weights
-until the next version.
+A sync includes replica 0 and every replica that is up, whose parent is included
+and that waits for no older version (a replica still starting, or cut off from
+the trainer by one, misses the version and gets the next). A sync is complete
+once the trainer ranks have sent it and every replica it includes has reported it
+landed or is cut off (it, or a replica above it, died). A replica whose receive
+failed may hold torn weights: it is replaced too (excused when its feed died).
 """
 
 from __future__ import annotations
@@ -31,17 +30,21 @@ from ..sync.plan import relay_tree
 @dataclass
 class PendingSync:
     """A version on its way: trainer ranks yet to report it sent, replicas yet to
-    report it landed, and the replicas excused from it (their feed died)."""
+    report it landed, the replicas told to receive it (the others of the sync were
+    already waiting for this version), and the id that tells this sync from an
+    abandoned one of the same version (a re-sync)."""
 
     trainer: int
     replicas: set[int]
-    excused: set[int] = field(default_factory=set)
+    told: set[int]
+    attempt: int
 
 
 class ReplicaSyncs:
     """See the module docstring. incarnation[r]: replica r's current incarnation (its
     processes, inbox and sync name); up[r]: every rank of it reported ready;
-    version[r]: the version it holds (None: none yet, or torn by a failed receive)."""
+    version[r]: the version it holds (None: none yet); receiving[r]: the versions it
+    was told to receive and has not reported."""
 
     def __init__(self, num_replicas: int, trainer_world: int):
         self.tree = relay_tree(num_replicas)
@@ -50,7 +53,9 @@ class ReplicaSyncs:
         self.incarnation = [0] * num_replicas
         self.up = [False] * num_replicas
         self.version: list[int | None] = [None] * num_replicas
+        self.receiving: list[set[int]] = [set() for _ in range(num_replicas)]
         self.pending: dict[int, PendingSync] = {}
+        self.attempts = 0
 
     def descendants(self, replica: int) -> list[int]:
         below, stack = [], list(self.tree[replica])
@@ -60,20 +65,29 @@ class ReplicaSyncs:
             stack.extend(self.tree[r])
         return sorted(below)
 
-    def targets(self) -> dict[int, list[int]]:
-        """The replicas a sync begun now includes, each with the children it relays to."""
+    def targets(self, version: int) -> dict[int, list[int]]:
+        """The replicas a sync of `version` begun now includes, each with the children
+        it relays to: replica 0, and each replica that is up, whose parent is included
+        and that waits for no older version (a receive its parent's relay would
+        answer first)."""
         included = [0]
         for r in range(1, len(self.tree)):  # a parent's index is below its children's
-            if self.up[r] and self.parent[r] in included:
+            if self.up[r] and self.parent[r] in included and all(v >= version for v in self.receiving[r]):
                 included.append(r)
         return {r: [c for c in self.tree[r] if c in included] for r in included}
 
     def begin(self, version: int) -> dict[int, list[int]]:
-        """Record a sync of `version` to targets(); returns them."""
+        """Record a sync of `version` to targets(version); returns them. Those already
+        waiting for this version (told by a sync abandoned with replica 0) are not
+        told again (pending[version].told): the relay of this sync answers them."""
         if version in self.pending:
             raise ValueError(f"a sync of version {version} is already in flight")
-        targets = self.targets()
-        self.pending[version] = PendingSync(self.trainer_world, set(targets))
+        targets = self.targets(version)
+        told = {r for r in targets if version not in self.receiving[r]}
+        for r in told:
+            self.receiving[r].add(version)
+        self.attempts += 1
+        self.pending[version] = PendingSync(self.trainer_world, set(targets), told, self.attempts)
         return targets
 
     def ready(self, replica: int) -> None:
@@ -90,43 +104,40 @@ class ReplicaSyncs:
     def landed(self, version: int, replica: int) -> bool:
         """Replica `replica` reports `version` landed; True when that completes the sync."""
         self.version[replica] = version
+        self.receiving[replica].discard(version)
         sync = self.pending.get(version)
         if sync is None:
             return False
         sync.replicas.discard(replica)
         return self._maybe_done(version)
 
-    def receive_failed(self, version: int, replica: int) -> tuple[bool, bool]:
-        """Replica `replica`'s receive of `version` failed (it holds no weights now).
-        Returns (excused, completes the sync): excused when its feed died during the
-        sync (or the sync was abandoned); not excused, the replica itself is at fault
-        and the caller replaces it."""
-        self.version[replica] = None
+    def receive_failed(self, version: int, replica: int, attempt: int) -> bool:
+        """Replica `replica`'s receive of `version` (sync `attempt`) failed: its weights
+        may be torn, and the caller replaces it (lost). Returns whether it is excused:
+        its feed died during the sync, or the sync was abandoned; else the replica
+        itself is at fault."""
+        self.receiving[replica].discard(version)
         sync = self.pending.get(version)
-        if sync is None:
-            return True, False
-        if replica not in sync.excused:
-            return False, False
-        sync.replicas.discard(replica)
-        return True, self._maybe_done(version)
+        return sync is None or sync.attempt != attempt or replica not in sync.replicas
 
     def lost(self, replicas: set[int]) -> list[int]:
-        """These replicas died: each gets a new incarnation and counts as down until
-        ready(). Replica 0 among them abandons every sync in flight (the trainer
-        reconnects and the caller re-syncs); else the lost leave the syncs they
-        were in and their descendants are excused from them. Returns the syncs this
-        completes, in order."""
+        """These replicas died (or are being replaced): each gets a new incarnation and
+        counts as down until ready(). Replica 0 among them abandons every sync in
+        flight (the trainer reconnects and the caller re-syncs); else the lost and
+        their descendants (whose feed is gone) leave the syncs they were in. Returns
+        the syncs this completes, in order."""
         for r in replicas:
             self.incarnation[r] += 1
             self.up[r] = False
             self.version[r] = None
+            self.receiving[r] = set()
         if 0 in replicas:
             self.pending.clear()
             return []
         done = []
+        cut_off = set(replicas) | {d for r in replicas for d in self.descendants(r)}
         for version, sync in list(self.pending.items()):
-            sync.replicas -= replicas
-            sync.excused |= {d for r in replicas for d in self.descendants(r)}
+            sync.replicas -= cut_off
             if self._maybe_done(version):
                 done.append(version)
         return done

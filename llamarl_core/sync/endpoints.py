@@ -266,7 +266,7 @@ def abandon_receivers(store: dist.Store, name: str, reason: str) -> None:
         return  # never registered: no sender can be waiting for a ticket
     for rank in range(Layout.from_dict(channel.get(f"{_DST}/layout")).world_size):
         # Wake the senders waiting for the next ticket; they find the mark above.
-        channel.set(f"{_DST}/{rank}/open/{channel.counter(f'{_DST}/{rank}/ticket') + 1}", 1)
+        channel.set(f"{_DST}/{rank}/open/{channel.counter(f'{_DST}/{rank}/ticket') + 1}", None)
 
 
 def relay_name(name: str, replica: int) -> str:
@@ -315,10 +315,13 @@ class WeightSender(_Endpoint):
         self._local_receivers = local[shift:] + local[:shift]
         self._served: dict[int, int] = {}
         if self._incarnation > 1:
-            # A restarted sender: a receive() open now may hold a predecessor's partial
-            # writes and the other senders' previous version; joining it would mix
-            # versions. Serve from the next ticket on.
-            self._served = {dst: self.channel.counter(f"{_DST}/{dst}/ticket") for dst in local}
+            # A restarted sender: a receive() open now, where other senders write too, may
+            # hold their previous version beside the predecessor's partial writes; joining
+            # it would mix versions: serve from the next ticket on. A receiver this rank
+            # alone writes (a relay's child rank) is served at once: all of it is written
+            # again, and it may be waiting for exactly the version the predecessor died on.
+            self._served = {dst: self.channel.counter(f"{_DST}/{dst}/ticket") for dst in local
+                            if len(self.plan.senders_of(dst)) > 1}
         self._opened: list = []
         self._dst_addresses: dict[int, dict[str, int]] = {}
         deadline = time.monotonic() + self.timeout
@@ -353,6 +356,13 @@ class WeightSender(_Endpoint):
                 table = segment_table(_packed(bucket)[0], src_base, lambda seg: staging)
                 self._tables[dst].append((table, sum(seg.nbytes for seg in bucket)))
 
+    def _wanted(self, dst: int, ticket: int, deadline: float) -> int | None:
+        """The version receiver `dst`'s receive `ticket` asks for (None: any). Its key is
+        set just after the ticket is taken: waited for, within the deadline."""
+        key = f"{_DST}/{dst}/open/{ticket}"
+        self.channel.wait([key], deadline, f"receiver {dst} to open ticket {ticket}")
+        return self.channel.get(key)
+
     def _await_ticket(self, dst: int, deadline: float) -> int:
         """The ticket of receiver `dst`'s open receive() that this sender has not served.
         Raises SyncError at once if the receivers were abandoned (abandon_receivers)."""
@@ -382,6 +392,13 @@ class WeightSender(_Endpoint):
         # waits on any point-to-point peer, so these copies never wait on a round.
         for dst in self._local_receivers:
             ticket = self._await_ticket(dst, deadline)
+            while (wanted := self._wanted(dst, ticket, deadline)) is not None and wanted < version:
+                # The receive asks for an older version, which nobody will send now (its sender
+                # died): tell it so, untouched, rather than fill it with this one, then serve the
+                # receive that follows.
+                self.channel.set(f"{_DST}/{dst}/done/{ticket}/{self.rank}", {"abandoned": wanted, "holds": version})
+                self._served[dst] = ticket
+                ticket = self._await_ticket(dst, deadline)
             for table, _ in self._tables[dst]:
                 written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
             self.channel.set(f"{_DST}/{dst}/done/{ticket}/{self.rank}", version)
@@ -536,10 +553,14 @@ class WeightReceiver(_Endpoint):
         else:
             relay.close()
 
-    def receive(self, timeout: float | None = None, relay_to: Iterable[int] | None = None) -> int:
+    def receive(self, timeout: float | None = None, relay_to: Iterable[int] | None = None,
+                expect: int | None = None) -> int:
         """Take the next version from the senders; returns it once every segment
         has landed and been relayed to the replicas in `relay_to` (default: every
-        replica this one feeds; one left out misses this version). Raises
+        replica this one feeds; one left out misses this version). expect: the
+        version asked for; a sender on this host that already holds a newer one
+        (the one that was to send it died, and a restarted one took its place)
+        makes this receive raise SyncError instead of filling it with another. Raises
         SyncTimeoutError (tensors torn, version unchanged), or SyncError before
         anything is written if a tensor's storage moved since registration; a relay
         that fails raises RelayError after the other relays, this replica holding
@@ -548,7 +569,7 @@ class WeightReceiver(_Endpoint):
         children = sorted(self._relays) if relay_to is None else sorted(set(relay_to))
         if not set(children) <= set(self._relays):
             raise ValueError(f"relay_to={children}: replica {self.replica} feeds replicas {sorted(self._relays)}")
-        version = self._receive(deadline)
+        version = self._receive(deadline, expect)
         failed = {}
         for child in children:
             try:
@@ -573,7 +594,7 @@ class WeightReceiver(_Endpoint):
             self._relays[child] = relay
         return relay
 
-    def _receive(self, deadline: float) -> int:
+    def _receive(self, deadline: float, expect: int | None) -> int:
         self._check_storage()
         if not self._local_senders:
             # The unpack copies run on a stream that waits for the current one: the GPU orders them.
@@ -585,15 +606,19 @@ class WeightReceiver(_Endpoint):
         key = f"{_DST}/{self.rank}"
         ticket = self.channel.counter(f"{key}/ticket", 1)
         self.torn = True  # from here on senders may be writing into the tensors
-        self.channel.set(f"{key}/open/{ticket}", 1)
+        self.channel.set(f"{key}/open/{ticket}", expect)
         done = [f"{key}/done/{ticket}/{src}" for src in self._local_senders]
         try:
             versions = self._receive_p2p(deadline)  # senders on other hosts, meanwhile
             self.channel.wait(done, deadline, f"senders to finish (receiver {self.rank}, ticket {ticket})")
-            versions |= {self.channel.get(k) for k in done}
+            answers = [self.channel.get(k) for k in done]
         finally:
             self.channel.set(f"{key}/closed/{ticket}", 1)
-        return self._complete(versions, deadline)
+        for answer in answers:
+            if isinstance(answer, dict):
+                raise SyncError(f"receiver rank {self.rank}: version {answer['abandoned']} will not come (its sender "
+                                f"holds version {answer['holds']}); weights torn")
+        return self._complete(versions | set(answers), deadline)
 
     def _check_storage(self) -> None:
         """Refuse to sync into a tensor whose storage moved since registration: the
