@@ -655,14 +655,6 @@ def test_ctrl_c_says_in_one_line_what_was_saved_and_how_to_resume(tmp_path):
     _wait_for(lambda: not any(_alive(pid) for pid in executors), 30, "the executors to exit")
 
 
-def _restart_window(spans: list[dict], rank: int) -> tuple[float, float]:
-    """(end of the last span before, start of the first after) the longest pause in a
-    generator rank's trace: where it was killed and its replacement started (seconds
-    here; its spans are otherwise milliseconds apart)."""
-    mine = sorted((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in spans if e["tid"] == rank)
-    return max(((end, nxt[0]) for (_, end), nxt in zip(mine, mine[1:])), key=lambda w: w[1] - w[0])
-
-
 def test_killed_replicas_are_restarted_alone_while_the_other_generates(tmp_path):
     """Two replicas (replica 0 relays to replica 1). Replica 1 killed: replaced alone,
     it misses the versions synced while it restarted, which replica 0 generates with,
@@ -707,8 +699,13 @@ def test_killed_replicas_are_restarted_alone_while_the_other_generates(tmp_path)
     # Replica 0 generated while replica 1 restarted and never paused for the lost child: a
     # relay to it (a sync begun before the controller saw the death) fails at once, not at
     # the 5 s sync timeout.
-    start, end = _restart_window(spans, 1)
-    print(f"replica 1 restarting: {end - start:.2f} s without spans")
+    # Replica 1's restart: from the old one's last version before the first it missed to the
+    # new one's first version.
+    spans_1 = {e["args"]["version"]: e for e in spans if e["tid"] == 1 and e["name"] == "receive weights"}
+    last_old = spans_1[max(v for v in spans_1 if v < missed[0])]
+    start = (last_old["ts"] + last_old["dur"]) / 1e6
+    end = spans_1[min(v for v in spans_1 if v > missed[0])]["ts"] / 1e6
+    print(f"replica 1 restarting: {end - start:.2f} s from its last version to its replacement's first")
     assert any(e["tid"] == 0 and e["name"] == "generate" and start <= e["ts"] / 1e6 <= end for e in spans)
     mine = sorted((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in spans if e["tid"] == 0)
     assert max(b[0] - a[1] for a, b in zip(mine, mine[1:]) if start - 1 <= a[1] <= end) < 1.0

@@ -243,6 +243,8 @@ class Controller:
             # Its weights may be torn and its unfinished samples were sampled with them: replaced
             # either way, its groups going to the others (counted as a restart only at its own fault).
             excused = self.replicas.receive_failed(payload["version"], replica, payload["attempt"])
+            if excused and payload["stale"]:
+                return  # that version will not come, and nothing was written: its weights stay
             why = (f"generator replica {replica} failed to receive version {payload['version']}"
                    + (" (the replica feeding it was lost)" if excused else f": {payload['message']}"))
             self._restart_replicas({replica: why}, counted=not excused)

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..sync import SyncError, fsdp_sender
+from ..sync import StaleReceiveError, SyncError, fsdp_sender
 from ..sync.endpoints import relay_name
 from ..sync.transports import host_identity
 from .config import TrainConfig
@@ -323,21 +323,25 @@ def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarn
         pad_token_id=tokenizer.pad_token_id, seed=seed, dtype=config.torch_dtype, device=config.device)
 
 
-def _update_weights(generator, payload: dict, timeout_s: float, tp: int) -> tuple[int | None, str]:
-    """Take the version `payload` announces; returns (version, "") or, when it did not
-    land on every rank of the replica, (None, why) on all of them: a replica whose
-    ranks disagree would sample with torn weights or split its collectives."""
+def _update_weights(generator, payload: dict, timeout_s: float, tp: int) -> tuple[int | None, str, bool]:
+    """Take the version `payload` announces; returns (version, "", False) or, when it
+    did not land on every rank of the replica, (None, why, stale) on all of them
+    (stale: no rank's weights were touched, the version asked for will not come): a
+    replica whose ranks disagree would sample with torn weights or split its
+    collectives."""
     try:
-        outcome = (generator.update_weights(payload["version"], timeout_s, relay_to=payload["relay_to"]), "")
+        outcome = (generator.update_weights(payload["version"], timeout_s, relay_to=payload["relay_to"]), "", False)
     except SyncError as exc:
-        outcome = (None, f"{type(exc).__name__}: {exc}")
+        outcome = (None, f"{type(exc).__name__}: {exc}", isinstance(exc, StaleReceiveError))
     if tp > 1:
         outcomes = [None] * tp
         dist.all_gather_object(outcomes, outcome)
-        failed = [(rank, why) for rank, (_, why) in enumerate(outcomes) if why]
+        failed = [(rank, why) for rank, (_, why, _) in enumerate(outcomes) if why]
         if failed:
-            generator.version = None
-            outcome = (None, "; ".join(f"rank {rank}: {why}" for rank, why in failed))
+            stale = all(was_stale for _, why, was_stale in outcomes if why)
+            if not stale:
+                generator.version = None
+            outcome = (None, "; ".join(f"rank {rank}: {why}" for rank, why in failed), stale)
     return outcome
 
 
@@ -365,12 +369,12 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
                                                                          payload["child"]))
                 elif kind == "receive":
                     start = time.monotonic()
-                    version, why = _update_weights(generator, payload, config.sync_timeout_s, tp)
-                    if version is None:  # torn (e.g. the replica feeding this one died mid-relay)
+                    version, why, stale = _update_weights(generator, payload, config.sync_timeout_s, tp)
+                    if version is None:  # the replica feeding this one died: torn, or (stale) untouched
                         link.span("receive weights failed", start, time.monotonic(), version=payload["version"])
                         if leader:
                             link.send("receive_failed", version=payload["version"], attempt=payload["attempt"],
-                                      message=why)
+                                      message=why, stale=stale)
                         continue
                     link.span("receive weights", start, time.monotonic(), version=version)
                     if leader:

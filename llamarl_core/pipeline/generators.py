@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.llama_generator import LlamaGenerator
-from ..sync import RelayError, SyncError, WeightReceiver, vllm_llama_tp
+from ..sync import RelayError, StaleReceiveError, SyncError, WeightReceiver, vllm_llama_tp
 from .rollout import RolloutEngine, Sample
 
 
@@ -102,6 +102,8 @@ class LlamaGeneratorBackend(Generator):
             landed = self.receiver.receive(timeout=timeout_s, relay_to=relay_to, expect=version)
         except RelayError as exc:  # landed here; a replica this one feeds missed it (the controller sees to it)
             landed, self.relay_failures = exc.version, exc.failed
+        except StaleReceiveError:
+            raise  # nothing was written: the weights and their version stay
         except SyncError:
             self.version = None  # torn: nothing is sampled until a version lands
             raise

@@ -12,12 +12,13 @@ alone, under a new incarnation, while the others go on sampling:
 The new replica's relays to its children take over their senders' place: the
 children keep their receivers.
 
-A sync includes replica 0 and every replica that is up, whose parent is included
-and that waits for no older version (a replica still starting, or cut off from
-the trainer by one, misses the version and gets the next). A sync is complete
+A sync includes replica 0 and every replica that is up and whose parent is
+included (a replica still starting, or cut off from the trainer by one, misses
+the version and gets the next). A sync is complete
 once the trainer ranks have sent it and every replica it includes has reported it
 landed or is cut off (it, or a replica above it, died). A replica whose receive
-failed may hold torn weights: it is replaced too (excused when its feed died).
+failed may hold torn weights: it is replaced too (excused when its feed died),
+unless nothing was written (the version it waited for will not come).
 """
 
 from __future__ import annotations
@@ -65,24 +66,24 @@ class ReplicaSyncs:
             stack.extend(self.tree[r])
         return sorted(below)
 
-    def targets(self, version: int) -> dict[int, list[int]]:
-        """The replicas a sync of `version` begun now includes, each with the children
-        it relays to: replica 0, and each replica that is up, whose parent is included
-        and that waits for no older version (a receive its parent's relay would
-        answer first)."""
+    def targets(self) -> dict[int, list[int]]:
+        """The replicas a sync begun now includes, each with the children it relays
+        to: replica 0, and each replica that is up and whose parent is included. (A
+        replica still waiting for an older version that will not come, its feed
+        replaced, is told so by the new feed's relay, untouched, before this one.)"""
         included = [0]
         for r in range(1, len(self.tree)):  # a parent's index is below its children's
-            if self.up[r] and self.parent[r] in included and all(v >= version for v in self.receiving[r]):
+            if self.up[r] and self.parent[r] in included:
                 included.append(r)
         return {r: [c for c in self.tree[r] if c in included] for r in included}
 
     def begin(self, version: int) -> dict[int, list[int]]:
-        """Record a sync of `version` to targets(version); returns them. Those already
+        """Record a sync of `version` to targets(); returns them. Those already
         waiting for this version (told by a sync abandoned with replica 0) are not
         told again (pending[version].told): the relay of this sync answers them."""
         if version in self.pending:
             raise ValueError(f"a sync of version {version} is already in flight")
-        targets = self.targets(version)
+        targets = self.targets()
         told = {r for r in targets if version not in self.receiving[r]}
         for r in told:
             self.receiving[r].add(version)

@@ -12,6 +12,7 @@ generator rank (see endpoints.py for versions, timeouts and torn weights).
 
 from .endpoints import (
     RelayError,
+    StaleReceiveError,
     SyncError,
     SyncTimeoutError,
     TornWeightsError,
@@ -27,7 +28,7 @@ from .reference import reference_fsdp_shards, reference_vllm_tp_shards
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "Fragment", "Fused", "FusedPart", "Layout", "ParamSpec", "Replicate", "Segment",
-    "RelayError", "Shard", "SyncError", "SyncTimeoutError", "TornWeightsError", "TransferPlan", "WeightReceiver",
+    "RelayError", "Shard", "StaleReceiveError", "SyncError", "SyncTimeoutError", "TornWeightsError", "TransferPlan", "WeightReceiver",
     "WeightSender", "abandon_receivers", "fsdp_sender", "hf_llama_fsdp", "local_shard", "hf_llama_shapes", "plan_transfer", "reference_fsdp_shards",
     "reference_vllm_tp_shards", "vllm_llama_tp",
 ]

@@ -50,7 +50,7 @@ from .engine import (
     tensors_device,
     wait_for_queued_work,
 )
-from .errors import RelayError, SyncError, SyncTimeoutError, TornWeightsError
+from .errors import RelayError, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
 from .fp8 import Fp8Destinations, reduce_max
 from .layout import Layout
 from .plan import (
@@ -513,12 +513,14 @@ class WeightReceiver(_Endpoint):
                 self._unpack[src].append((table, sum(seg.nbytes for seg in bucket)))
         # Where the senders' segments (and the unpack tables) write: checked before every receive().
         self._landing_keys = {name: storage_key(t) for name, t in self.landing.items()}
-        # Registered last: a relay waits for its child's receiver, which waits for this one.
+        # Set up in the background (see replace_relay): a relay waits for its child's receiver,
+        # which may still be starting, or be gone (a child that died as this replica started
+        # fails that relay at the first receive, naming it, instead of this replica's start).
         self.replica = replica
         self._store = store
         self._relay_kwargs = {k: kwargs[k] for k in ("transport", "bucket_bytes", "num_threads") if k in kwargs}
         self._relays: dict[int, WeightSender | Future] = {
-            child: self._relay_sender(store, relay_names[child]) for child in children}
+            child: self._relay_in_background(child, relay_names[child]) for child in children}
 
     def _relay_sender(self, store: dist.Store, name: str) -> WeightSender:
         return WeightSender(store, self.layout, self.rank, self.tensors, name=name, timeout=self.timeout,
@@ -534,6 +536,9 @@ class WeightReceiver(_Endpoint):
         if child not in self._relays:
             raise ValueError(f"replica {self.replica} feeds replicas {sorted(self._relays)}, not {child}")
         self._close_relay(self._relays.pop(child))
+        self._relays[child] = self._relay_in_background(child, name)
+
+    def _relay_in_background(self, child: int, name: str) -> Future:
         future, store = Future(), self._store.clone()
 
         def set_up():
@@ -544,7 +549,7 @@ class WeightReceiver(_Endpoint):
 
         # A daemon: a set-up still waiting for a child that never comes must not hold the process at exit.
         threading.Thread(target=set_up, name=f"relay-setup-{self.replica}-{child}", daemon=True).start()
-        self._relays[child] = future
+        return future
 
     @staticmethod
     def _close_relay(relay: WeightSender | Future) -> None:
@@ -614,10 +619,14 @@ class WeightReceiver(_Endpoint):
             answers = [self.channel.get(k) for k in done]
         finally:
             self.channel.set(f"{key}/closed/{ticket}", 1)
-        for answer in answers:
-            if isinstance(answer, dict):
-                raise SyncError(f"receiver rank {self.rank}: version {answer['abandoned']} will not come (its sender "
-                                f"holds version {answer['holds']}); weights torn")
+        stale = [answer for answer in answers if isinstance(answer, dict)]
+        if stale:
+            message = (f"receiver rank {self.rank}: version {stale[0]['abandoned']} will not come (its sender holds "
+                       f"version {stale[0]['holds']})")
+            if len(stale) == len(answers) and not versions:
+                self.torn = False  # no sender wrote
+                raise StaleReceiveError(message)
+            raise SyncError(f"{message}; weights torn")
         return self._complete(versions | set(answers), deadline)
 
     def _check_storage(self) -> None:

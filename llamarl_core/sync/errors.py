@@ -14,6 +14,12 @@ class TornWeightsError(SyncError):
     """The receiver's tensors hold a partly written version and must not be used."""
 
 
+class StaleReceiveError(SyncError):
+    """The version a receive asked for will not come (its sender died and a restarted
+    one holds a newer version); no sender wrote: the receiver's weights are as
+    they were."""
+
+
 class RelayError(SyncError):
     """A version landed on this generator replica, but relaying it to some of the
     replicas it feeds failed. version: the version that landed here (the receiver
