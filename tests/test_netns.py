@@ -147,9 +147,14 @@ def test_cut_link_times_out_instead_of_hanging(netns_hosts):
         assert [proc.wait(10) for proc in ranks] == [0, 0]
     finally:
         b.link_up()
-    # Restored: the module's other tests get a working link.
+    # Restored: the module's other tests get a working link. Under load the first attempt
+    # right after the cut can still fail (the neighbour entry that failed during the cut is
+    # resolved again): a few tries, the server waiting for the one that connects.
     server = serve_on(a)
-    assert connect_from(b, a.addr)["ok"]
+    attempts = [connect_from(b, a.addr)]
+    while not attempts[-1]["ok"] and len(attempts) < 4:
+        attempts.append(connect_from(b, a.addr))
+    assert attempts[-1]["ok"], attempts
     assert server.wait(5) == 0
 
 
