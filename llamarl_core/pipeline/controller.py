@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from ..sync import abandon_receivers, hf_llama_fsdp, vllm_llama_tp
-from ..sync.endpoints import relay_name
 from .config import TrainConfig
 from .data import RunData
 from .executors import (
@@ -159,7 +158,7 @@ class Controller:
         go on sampling (replicas.py says how each is fed again). counted: towards
         MAX_GENERATOR_RESTARTS (not a replica cut off by another's loss)."""
         why = "; ".join(lost.values())
-        starting = [r for r in lost if not all((GENERATOR, k) in self.ready_ranks for k in self._replica_ranks(r))]
+        starting = [r for r in lost if not self.replicas.up[r]]
         if starting:
             # It failed while starting (before it was ever ready): a new one would fail the same way.
             raise PipelineError(f"{why} while starting; not restarting it\n{detail}")
@@ -185,7 +184,7 @@ class Controller:
         for replica in lost:
             # A parent (or the trainer) waiting for the dead replica to ask for a version stops
             # waiting now, not at its timeout (its new incarnation registers under a new name).
-            abandon_receivers(self.store, relay_name(sync_name_of(self.replicas.incarnation[replica]), replica),
+            abandon_receivers(self.store, sync_name_of(self.replicas.incarnation[replica], replica),
                               f"generator replica {replica} was lost")
         self.scheduler.replicas_lost(set(lost))
         for version in self.replicas.lost(set(lost)):

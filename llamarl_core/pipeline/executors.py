@@ -284,10 +284,10 @@ class _CommandFeed:
         return any(kind in ("receive", "stop") for kind, _ in self.pending)
 
 
-def sync_name_of(incarnation: int) -> str:
-    """The base name of the syncs feeding a generator replica of this incarnation (replica r's own:
-    relay_name(base, r)); the trainer's sender to replica 0 is under the same name."""
-    return f"weights/{incarnation}"
+def sync_name_of(incarnation: int, replica: int = 0) -> str:
+    """The name of the sync that fills generator replica `replica` of this incarnation: the
+    trainer's for replica 0, which is also the base its receiver derives the others' from."""
+    return relay_name(f"weights/{incarnation}", replica)
 
 
 def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarnation: int, out_dir: str,
@@ -317,7 +317,7 @@ def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarn
     return LlamaGeneratorBackend(
         data.model_config, tp=tp, rank=rank, store=store, sync_name=sync_name, timeout_s=config.timeout_s,
         replica=replica, num_replicas=config.generator_replicas,
-        relay_names={child: relay_name(sync_name_of(k), child) for child, k in (children or {}).items()},
+        relay_names={child: sync_name_of(k, child) for child, k in (children or {}).items()},
         max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=data.max_new_tokens,
         segment_tokens=config.segment_tokens, temperature=config.temperature, eos_token_id=tokenizer.stop_token_ids,
         pad_token_id=tokenizer.pad_token_id, seed=seed, dtype=config.torch_dtype, device=config.device)
@@ -365,8 +365,7 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
                     generator.submit([Sample(group, ids) for group, ids in payload["groups"]
                                       for _ in range(config.samples_per_prompt)])
                 elif kind == "relay":  # the child replica was restarted: feed its new incarnation
-                    generator.replace_relay(payload["child"], relay_name(sync_name_of(payload["incarnation"]),
-                                                                         payload["child"]))
+                    generator.replace_relay(payload["child"], sync_name_of(payload["incarnation"], payload["child"]))
                 elif kind == "receive":
                     start = time.monotonic()
                     version, why, stale = _update_weights(generator, payload, config.sync_timeout_s, tp)
@@ -473,7 +472,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
     def connect(generator: int):
         """This rank's sender to generator incarnation `generator` (its own Store namespace);
         set-up waits as long as a generator may take to start, each send sync_timeout_s."""
-        return fsdp_sender(store, model, rank, world, name=f"weights/{generator}", timeout=config.timeout_s,
+        return fsdp_sender(store, model, rank, world, name=sync_name_of(generator), timeout=config.timeout_s,
                            num_threads=1)
 
     if step == 0 and data.supervised_warmup:

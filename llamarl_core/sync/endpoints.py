@@ -579,7 +579,7 @@ class WeightReceiver(_Endpoint):
         for child in children:
             try:
                 self._ready_relay(child, deadline).send(version, timeout=max(deadline - time.monotonic(), 1e-3))
-            except (SyncError, ValueError, RuntimeError) as exc:  # set-up's errors too; the other children go on
+            except (ValueError, RuntimeError) as exc:  # SyncError, and set-up's errors too; the other children go on
                 failed[child] = f"{type(exc).__name__}: {exc}"
         if failed:
             raise RelayError(f"receiver rank {self.rank} of replica {self.replica}: version {version} landed here, but "
