@@ -1,6 +1,7 @@
 """Tasks for the pipeline tests, imported by the executors (tests/ on PYTHONPATH)."""
 
 import multiprocessing
+import time
 
 from llamarl_core.pipeline import Task
 from llamarl_core.pipeline.task import reverse_prompt, reverse_reference, reverse_reward
@@ -35,3 +36,20 @@ def length_reward(prompts, completions, answers):
 def upper_reference_task() -> Task:
     """Its reference answers use characters its alphabet lacks (found by the warm-up check)."""
     return Task("upper-reference", reverse_prompt, reverse_reward, "abcdefgh=", 11, lambda p: p[:-1].upper())
+
+
+_scored = 0
+
+
+def _hanging_reward(prompt: str, completion: str) -> float:
+    global _scored
+    _scored += 1
+    if _scored > 120 and multiprocessing.current_process().name.startswith("llamarl-reward"):
+        time.sleep(3600)
+    return reverse_reward(prompt, completion)
+
+
+def hanging_reward_task() -> Task:
+    """A reward that stops answering (a verifier that hangs) from the reward executor's
+    121st completion on: the generators wait for prompts, the trainer for a batch."""
+    return Task("hanging-reward", reverse_prompt, _hanging_reward, "abcdefgh=", 11, reverse_reference)

@@ -582,6 +582,26 @@ def test_a_bad_reward_function_stops_the_run_with_the_culprit(tmp_path, task, me
     assert "prompt '" in proc.stderr  # names the input it failed on
 
 
+def test_a_stalled_reward_stops_the_run_naming_what_it_waited_for(tmp_path):
+    """The reward function hangs mid-run: the generators wait for prompts and the
+    trainer for a batch, and the trainer's heartbeats (it beats for its whole life) are
+    no progress while it waits. The run stops after --timeout-s naming what was
+    outstanding, and no executor is left."""
+    out = tmp_path / "run"
+    start = time.monotonic()
+    proc = llamarl("--task", "pipeline_tasks:hanging_reward_task", "--out", str(out), *FAST, "--timeout-s", "6",
+                   timeout=120, env=TASKS_ENV)
+    took = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "no executor reported anything for 6 s while waiting for trainer step" in proc.stderr, proc.stderr[-3000:]
+    assert "the reward executor scoring" in proc.stderr and f"the last checkpoint is in {out}" in proc.stderr
+    steps = len(read_metrics(out))
+    assert 0 < steps < 12  # it hangs from the 121st completion scored, 16 a step
+    print(f"a stalled reward: run stopped {took:.1f} s after it started, after {steps} steps")
+    executors = json.loads((out / "executors.json").read_text()).values()
+    _wait_for(lambda: not any(_alive(pid) for pid in executors), 30, "the executors to exit")
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

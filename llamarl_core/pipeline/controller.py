@@ -204,9 +204,16 @@ class Controller:
     def _handle(self, role: str, rank: int, kind: str, payload: dict) -> None:
         for name, start, end, args in payload.pop("spans", []):
             self.spans.append((role, rank, name, start, end, args))
-        self.last_progress = time.monotonic()
         if kind == "working":
-            return  # a heartbeat of an executor in a long computation: progress is all it says
+            # A heartbeat of an executor in a long computation: progress only while this run
+            # waits on that computation. The trainer beats for its whole life, so counting every
+            # beat would let a run whose generators never fill a batch wait forever.
+            if self._waiting_on(role, rank):
+                self.last_progress = time.monotonic()
+            return
+        self.last_progress = time.monotonic()
+        if kind == "scored":
+            self.scoring -= 1
         replica = rank // self.generator_tp if role == GENERATOR else None
         if role == GENERATOR and payload["incarnation"] != self.replicas.incarnation[replica]:
             return  # from a replica that has been replaced
@@ -231,6 +238,7 @@ class Controller:
             self.gen_busy += payload["busy"]
             self.inboxes[(REWARD, 0)].put(("score", {"samples": payload["samples"], "replica": replica,
                                                       "incarnation": payload["incarnation"]}))
+            self.scoring += 1
         elif kind == "received":
             self.gen_busy += payload["busy"]
             if payload["relay_failed"]:
@@ -270,6 +278,17 @@ class Controller:
             if payload["generator"] == self.replicas.incarnation[0]:
                 raise PipelineError(f"weight sync of version {payload['version']} failed: {payload['message']}; "
                                     f"the last checkpoint is in {self.out / 'checkpoint'}")
+
+    def _waiting_on(self, role: str, rank: int) -> bool:
+        """Whether the run waits on this executor's work: it is starting, or (the
+        trainer) training a batch, saving a checkpoint or sending a version, or (the
+        reward) scoring samples."""
+        if (role, rank) not in self.ready_ranks:
+            return True
+        if role == TRAINER:
+            return (self.scheduler.training is not None or self.checkpointing > 0
+                    or any(sync.trainer > 0 for sync in self.replicas.pending.values()))
+        return role == REWARD and self.scoring > 0
 
     def _sync_complete(self, version: int) -> None:
         for step in sorted(s for s in self.records if s < version):  # steps whose weights have now landed
@@ -428,10 +447,19 @@ class Controller:
         if event is None:
             if time.monotonic() - self.last_progress > self.config.timeout_s:
                 raise PipelineError(f"no executor reported anything for {self.config.timeout_s:.0f} s while "
-                                    f"waiting for {deadline_what}; stopping")
+                                    f"waiting for {deadline_what}{self._outstanding()}; stopping (the last "
+                                    f"checkpoint is in {self.out / 'checkpoint'})")
         else:
             self._handle(*event)
         self._check_alive()
+
+    def _outstanding(self) -> str:
+        """What the run was waiting on, for the error of a stalled run."""
+        parts = [f"{n} groups issued to generator replica {r} and not complete"
+                 for r, n in sorted(Counter(self.scheduler.sampling_replicas().values()).items())]
+        if self.scoring:
+            parts.append(f"the reward executor scoring {self.scoring} bunches of samples")
+        return f" ({'; '.join(parts)})" if parts else ""
 
     def _wait_ready(self) -> None:
         self.last_progress = time.monotonic()
@@ -466,6 +494,7 @@ class Controller:
         self.resync_pending = False
         self.gen_busy = 0.0
         self.checkpointing = 0
+        self.scoring = 0  # batches of samples sent to the reward executor and not scored yet
         self.resumed_wall = self.resumed_rl = 0.0
         self.evals: dict[int, list] = {}  # version -> its evaluated samples so far
         self.eval_records: list[dict] = []

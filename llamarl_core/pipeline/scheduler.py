@@ -65,6 +65,10 @@ class Scheduler:
         """Groups a lost generator held, not issued again yet."""
         return list(self._to_reissue)
 
+    def sampling_replicas(self) -> dict[int, int]:
+        """Groups issued and not complete, each with the replica sampling it."""
+        return dict(self._replica_of)
+
     def issue(self, replicas: dict[int, bool]) -> dict[int, list[int]]:
         """The groups to hand to each replica now (replica -> groups, lowest first):
         first those a lost generator held (lowest first), then new data positions,
