@@ -3,7 +3,8 @@
 One process per rank on this machine: FSDP trainer ranks -> TP generator ranks of
 a Llama-shaped model (default about 1 GiB in bf16, FSDP 2 -> TP 2). In the same
 run it measures, on the same bytes:
-  memcpy          one flat copy of the model's bytes in one process (the limit)
+  memcpy          the model's bytes copied by as many processes and threads as
+                  the senders copy with (the limit)
   engine (shm)    WeightSender / WeightReceiver over shared memory (the default)
   engine (p2p)    the same plan over torch.distributed gloo point-to-point
   gloo broadcast  trainer rank 0 broadcasts each full tensor to the generator
@@ -13,7 +14,10 @@ run it measures, on the same bytes:
                   torch (receiver-side copies only: the peer is not charged for
                   any hand-shake)
 GB/s = model bytes (the Hugging Face parameters in the generator dtype) / time
-of one sync, from the first rank starting to the last one finishing.
+of one sync, from the first rank starting to the last one finishing. Every
+method's processes live through the whole run and their rounds are interleaved
+(round i of each before round i + 1 of any): this shared machine's drift hits
+them alike.
 
 With --replicas R1 R2 .. it syncs one version into R generator replicas instead
 (the trainer ranks send to replica 0, which relays down a binary tree), beside
@@ -24,6 +28,10 @@ copies with, its rounds interleaved with the engine's (see run_replicas).
 With --device cuda every rank holds its tensors on GPU 0 (one process per rank,
 so the engine goes over CUDA IPC) and the limit is a device-to-device copy of
 the same bytes in one process (cudaMemcpy); the host-only peers are skipped.
+
+With --hosts it syncs across network-namespace hosts over links shaped to
+--link-rate instead, beside the line rate and a gloo broadcast
+(llamarl_core.bench.bench_sync_hosts).
 """
 
 from __future__ import annotations
@@ -63,8 +71,10 @@ def model_bytes(config, dtype: torch.dtype) -> int:
     return sum(math.prod(s) for s in hf_llama_shapes(config).values()) * dtype.itemsize
 
 
-def _connect(port: int) -> dist.Store:
-    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_WAIT)
+def _connect(store_at: str) -> dist.Store:
+    """A client of the parent's Store at "HOST:PORT"."""
+    host, port = store_at.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=_WAIT)
 
 
 def _timed_rounds(store: dist.Store, method: str, who: str, rounds: int, step) -> None:
@@ -86,13 +96,13 @@ def _zeros(layout, rank: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     return {n: torch.zeros(layout.local_shape(n, rank), dtype=s.dtype, device=device) for n, s in layout.params.items()}
 
 
-def _engine_rank(port, role, rank, spec, transport, rounds, threads, replica=0, num_replicas=1, method=None,
+def _engine_rank(store_at, role, rank, spec, transport, rounds, threads, replica=0, num_replicas=1, method=None,
                  relay_threads=None) -> None:
     """One trainer ("src") or generator ("dst") rank of the engine. With
     `num_replicas` > 1 the generator rank belongs to `replica` and relays each
     version it receives with `relay_threads` copy threads."""
     torch.set_num_threads(1)
-    store, config = _connect(port), model_config(spec)
+    store, config = _connect(store_at), model_config(spec)
     method = method or f"engine_{transport}"
     if role == "src":
         layout = hf_llama_fsdp(config, spec.fsdp, DTYPES[spec.src_dtype])
@@ -109,11 +119,12 @@ def _engine_rank(port, role, rank, spec, transport, rounds, threads, replica=0, 
     ep.close()
 
 
-def _broadcast_rank(port, rank, spec, rounds) -> None:
-    """Rank 0 holds the full Hugging Face tensors; ranks 1.. are generator ranks."""
+def _broadcast_rank(store_at, rank, spec, rounds, receivers=None, method="bcast") -> None:
+    """Rank 0 holds the full Hugging Face tensors; ranks 1.. are the generator ranks
+    (`receivers` of them: spec.tp unless told)."""
     torch.set_num_threads(1)
-    store, config = _connect(port), model_config(spec)
-    group = dist.ProcessGroupGloo(dist.PrefixStore("bcast/pg/", store), rank, 1 + spec.tp, _WAIT)
+    store, config = _connect(store_at), model_config(spec)
+    group = dist.ProcessGroupGloo(dist.PrefixStore(f"{method}/pg/", store), rank, 1 + (receivers or spec.tp), _WAIT)
     gen = torch.Generator().manual_seed(rank)
     tensors = [torch.randn(shape, generator=gen).to(torch.bfloat16) if rank == 0 else torch.empty(shape, dtype=torch.bfloat16)
                for shape in hf_llama_shapes(config).values()]
@@ -122,8 +133,8 @@ def _broadcast_rank(port, rank, spec, rounds) -> None:
         for t in tensors:
             group.broadcast(t, 0).wait()
 
-    _timed_rounds(store, "bcast", f"rank{rank}", rounds, step)
-    store.wait(["bcast/finish"], _WAIT)
+    _timed_rounds(store, method, f"rank{rank}", rounds, step)
+    store.wait([f"{method}/finish"], _WAIT)
 
 
 def _shared_views(plan, shared: dict[int, dict[str, torch.Tensor]], params: dict[str, torch.Tensor], rank: int):
@@ -142,9 +153,9 @@ def _shared_views(plan, shared: dict[int, dict[str, torch.Tensor]], params: dict
     return pairs
 
 
-def _mp_shared_rank(port, role, rank, spec, rounds, queues) -> None:
+def _mp_shared_rank(store_at, role, rank, spec, rounds, queues) -> None:
     torch.set_num_threads(1)
-    store, config = _connect(port), model_config(spec)
+    store, config = _connect(store_at), model_config(spec)
     src_layout = hf_llama_fsdp(config, spec.fsdp, DTYPES[spec.src_dtype])
     if role == "src":
         shards = _random_shards(src_layout, rank, 0)
@@ -211,11 +222,6 @@ def _run_methods(store, methods: dict[str, tuple[list, list[str]]], rounds: int,
     return {method: samples[warmup:] for method, samples in times.items()}
 
 
-def _run_method(store, method: str, procs: list, who: list[str], rounds: int, warmup: int) -> list[float]:
-    """Start the ranks, drive the rounds, return the sync times after warm-up."""
-    return _run_methods(store, {method: (procs, who)}, rounds, warmup)[method]
-
-
 def _copy_buffers(nbytes: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """A random source and a destination of `nbytes`, every page already touched."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
@@ -241,11 +247,11 @@ def measure_memcpy(nbytes: int, repeats: int, device: str = "cpu") -> list[float
     return samples
 
 
-def _memcpy_rank(port, rank, nbytes, threads, rounds, method) -> None:
+def _memcpy_rank(store_at, rank, nbytes, threads, rounds, method) -> None:
     """One process of a multi-process memcpy limit: copies its `nbytes` with
     `threads` torch threads on each round the parent starts."""
     torch.set_num_threads(threads)
-    store = _connect(port)
+    store = _connect(store_at)
     src, dst = _copy_buffers(nbytes)
     _timed_rounds(store, method, f"rank{rank}", rounds, lambda i: dst.copy_(src))
     store.wait([f"{method}/finish"], _WAIT)
@@ -257,36 +263,46 @@ def _sender_threads(spec) -> int:
 
 
 def run(spec) -> dict:
+    """Every method's rounds interleaved (round i of each before round i + 1 of any).
+    On the host the limit is a memcpy of the model's bytes by as many processes and
+    threads as the senders copy with (fsdp x threads), its rounds among the
+    engine's: a one-process copy_ sampled before and after came out at 0.74x and
+    1.44x of the engine in two runs of the same code, and below the
+    torch.multiprocessing peer, which copies from tp processes at once. On a GPU
+    it is one cudaMemcpy device to device, sampled before and after."""
     config = model_config(spec)
     nbytes = model_bytes(config, torch.bfloat16)
     rounds = spec.warmup + spec.repeats
-    # The limit is sampled before and after the other methods and pooled, so that
-    # drift of this shared machine during the run hits both sides alike.
-    memcpy = measure_memcpy(nbytes, rounds, spec.device)[spec.warmup:]
-    results = {}
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=_WAIT)
+    local = f"127.0.0.1:{store.port}"
     ctx = tmp.get_context("spawn")
     threads = _sender_threads(spec)
+    methods = {}
     for transport in spec.transports:
-        method = f"engine_{transport}"
-        procs = [ctx.Process(target=_engine_rank, args=(store.port, "src", r, spec, transport, rounds, threads))
+        procs = [ctx.Process(target=_engine_rank, args=(local, "src", r, spec, transport, rounds, threads))
                  for r in range(spec.fsdp)]
-        procs += [ctx.Process(target=_engine_rank, args=(store.port, "dst", r, spec, transport, rounds, threads))
+        procs += [ctx.Process(target=_engine_rank, args=(local, "dst", r, spec, transport, rounds, threads))
                   for r in range(spec.tp)]
-        who = [f"src{r}" for r in range(spec.fsdp)] + [f"dst0.{r}" for r in range(spec.tp)]
-        results[method] = _run_method(store, method, procs, who, rounds, spec.warmup)
-    if spec.device == "cpu":  # host-side peers
-        procs = [ctx.Process(target=_broadcast_rank, args=(store.port, r, spec, rounds)) for r in range(1 + spec.tp)]
-        results["gloo_broadcast"] = _run_method(store, "bcast", procs, [f"rank{r}" for r in range(1 + spec.tp)],
-                                                rounds, spec.warmup)
+        methods[f"engine_{transport}"] = (procs, [f"src{r}" for r in range(spec.fsdp)]
+                                          + [f"dst0.{r}" for r in range(spec.tp)])
+    if spec.device == "cpu":  # the limit and the host-side peers
+        share = -(-nbytes // spec.fsdp)
+        methods["memcpy"] = ([ctx.Process(target=_memcpy_rank, args=(local, r, share, threads, rounds, "memcpy"))
+                              for r in range(spec.fsdp)], [f"rank{r}" for r in range(spec.fsdp)])
+        procs = [ctx.Process(target=_broadcast_rank, args=(local, r, spec, rounds)) for r in range(1 + spec.tp)]
+        methods["bcast"] = (procs, [f"rank{r}" for r in range(1 + spec.tp)])
         queues = [ctx.Queue() for _ in range(spec.tp)]
-        procs = [ctx.Process(target=_mp_shared_rank, args=(store.port, "src", r, spec, rounds, queues))
+        procs = [ctx.Process(target=_mp_shared_rank, args=(local, "src", r, spec, rounds, queues))
                  for r in range(spec.fsdp)]
-        procs += [ctx.Process(target=_mp_shared_rank, args=(store.port, "dst", r, spec, rounds, queues))
+        procs += [ctx.Process(target=_mp_shared_rank, args=(local, "dst", r, spec, rounds, queues))
                   for r in range(spec.tp)]
-        results["mp_shared"] = _run_method(store, "mp", procs, [f"dst{r}" for r in range(spec.tp)], rounds,
-                                           spec.warmup)
-    results = {"memcpy": memcpy + measure_memcpy(nbytes, rounds, spec.device)[spec.warmup:], **results}
+        methods["mp"] = (procs, [f"dst{r}" for r in range(spec.tp)])
+    gpu_before = [] if spec.device == "cpu" else measure_memcpy(nbytes, rounds, spec.device)[spec.warmup:]
+    times = _run_methods(store, methods, rounds, spec.warmup)
+    if spec.device != "cpu":
+        times["memcpy"] = gpu_before + measure_memcpy(nbytes, rounds, spec.device)[spec.warmup:]
+    names = {"bcast": "gloo_broadcast", "mp": "mp_shared"}
+    results = {"memcpy": times.pop("memcpy"), **{names.get(m, m): samples for m, samples in times.items()}}
     stats = {name: summarize(samples) for name, samples in results.items()}
     gbps = {name: nbytes / s["median"] / 1e9 for name, s in stats.items()}
     engine = next((gbps[m] for m in ("engine_auto", "engine_shm", "engine_cuda_ipc") if m in gbps), None)
@@ -333,20 +349,21 @@ def run_replicas(spec) -> dict:
         raise RuntimeError(f"bytes sent per trainer rank differ with the number of replicas: {sent}")
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=_WAIT)
+    local = f"127.0.0.1:{store.port}"
     ctx = tmp.get_context("spawn")
     methods = {}
     for r in counts:
         engine, limit = f"replicas{r}", f"memcpy{r}"
         kwargs = {"num_replicas": r, "method": engine, "relay_threads": relay_threads}
-        procs = [ctx.Process(target=_engine_rank, args=(store.port, "src", rank, spec, transport, rounds, threads),
+        procs = [ctx.Process(target=_engine_rank, args=(local, "src", rank, spec, transport, rounds, threads),
                              kwargs=kwargs) for rank in range(spec.fsdp)]
-        procs += [ctx.Process(target=_engine_rank, args=(store.port, "dst", rank, spec, transport, rounds, threads),
+        procs += [ctx.Process(target=_engine_rank, args=(local, "dst", rank, spec, transport, rounds, threads),
                               kwargs={**kwargs, "replica": replica})
                   for replica in range(r) for rank in range(spec.tp)]
         methods[engine] = (procs, [f"src{rank}" for rank in range(spec.fsdp)]
                            + [f"dst{replica}.{rank}" for replica in range(r) for rank in range(spec.tp)])
         share = -(-r * nbytes // spec.fsdp)
-        methods[limit] = ([ctx.Process(target=_memcpy_rank, args=(store.port, rank, share, threads, rounds, limit))
+        methods[limit] = ([ctx.Process(target=_memcpy_rank, args=(local, rank, share, threads, rounds, limit))
                            for rank in range(spec.fsdp)], [f"rank{rank}" for rank in range(spec.fsdp)])
     times = _run_methods(store, methods, rounds, spec.warmup)
 
@@ -369,7 +386,6 @@ def run_replicas(spec) -> dict:
 
 
 LABELS = {
-    "memcpy": "memcpy, one process (limit)",
     "engine_auto": "llamarl engine (shared memory)",
     "engine_shm": "llamarl engine (shared memory)",
     "engine_cuda_ipc": "llamarl engine (CUDA IPC)",
@@ -382,16 +398,20 @@ LABELS = {
 def report(result: dict) -> str:
     rows = [["method", "GB/s", "median s", "min s", "max s"]]
     for name, s in result["seconds"].items():
-        label = LABELS[name]
-        if result["device"] == "cuda":  # what the same methods are on a GPU
-            label = {"memcpy": "cudaMemcpy device to device, one process (limit)",
-                     "engine_auto": LABELS["engine_cuda_ipc"]}.get(name, label)
+        if name == "memcpy":
+            label = ("cudaMemcpy device to device, one process (limit)" if result["device"] == "cuda" else
+                     f"memcpy, {result['fsdp']} processes x {result['copy_threads_per_sender']} thread(s) (limit)")
+        elif result["device"] == "cuda" and name == "engine_auto":  # what it is on a GPU
+            label = LABELS["engine_cuda_ipc"]
+        else:
+            label = LABELS[name]
         rows.append([label, f"{result['gbps'][name]:.2f}", f"{s['median']:.4f}", f"{s['min']:.4f}", f"{s['max']:.4f}"])
     ratios = "\n".join(f"- {k.replace('_', ' ')}: {v:.2f}x" for k, v in result["ratios"].items())
     head = (f"Model {result['model_bytes'] / 2**30:.3f} GiB bf16 ({result['config']['num_hidden_layers']} layers, "
             f"hidden {result['config']['hidden_size']}), FSDP {result['fsdp']} ({result['src_dtype']}) -> TP {result['tp']} (bf16), "
-            f"tensors on {result['device']}, {result['repeats']} timed syncs each "
-            f"(memcpy: {result['seconds']['memcpy']['n']}, before and after).")
+            f"tensors on {result['device']}, {result['repeats']} timed syncs each, "
+            + ("the methods' rounds interleaved." if result["device"] == "cpu" else
+               f"cudaMemcpy {result['seconds']['memcpy']['n']} times, before and after."))
     return f"{head}\n\n{table(rows)}\n\n{ratios}\n"
 
 
@@ -431,6 +451,12 @@ def parse_args(argv):
                    help="sync one version into each number R of generator replicas instead, beside R x one replica "
                         "and the memcpy of R x the model's bytes (1 is always measured; default: no replicas, "
                         "the transports' comparison)")
+    p.add_argument("--hosts", action="store_true",
+                   help="across network-namespace hosts instead (root and iproute2): trainer ranks on one, each "
+                        "replica of --replicas on its own, every link shaped to --link-rate; beside the line rate "
+                        "and a gloo broadcast (see llamarl_core.bench.bench_sync_hosts)")
+    p.add_argument("--link-rate", default="1gbit",
+                   help="with --hosts: every host's sending rate, in tc's syntax (1gbit, 500mbit)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where every rank holds its tensors (cuda: GPU 0, one process per rank)")
     p.add_argument("--threads", type=int, default=0, help="copy threads per sender (default: cores / senders)")
@@ -460,6 +486,32 @@ def _main_replicas(spec) -> int:
     return 0
 
 
+def _main_hosts(spec) -> int:
+    from llamarl_core.bench.bench_sync_hosts import report_hosts, run_hosts
+    from llamarl_core.bench.netns import parse_rate_bits
+
+    if spec.device != "cpu" or spec.transports:
+        raise SystemExit("--hosts times host tensors with the transports a run picks: no --device cuda, no --transports")
+    spec.replicas = spec.replicas or [1]
+    if min(spec.replicas) < 1:
+        raise SystemExit(f"--replicas: every count must be >= 1, got {spec.replicas}")
+    try:
+        parse_rate_bits(spec.link_rate)
+    except ValueError as error:
+        raise SystemExit(f"--link-rate: {error}") from None
+    result = run_hosts(spec)
+    section = (f"Weight sync across hosts: {result['model_bytes'] / 2**20:.0f} MiB, FSDP {spec.fsdp} {spec.src_dtype} "
+               f"-> R x TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench sync --hosts`)")
+    for row in result["rows"]:
+        record(spec.record, "sync_hosts", {"seconds": row["seconds"]["median"],
+                                           "fraction_of_line_rate": row["fraction_of_line_rate"],
+                                           "speedup_vs_broadcast": row["speedup_vs_broadcast"]},
+               {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype,
+                "link_rate": spec.link_rate, "replicas": row["replicas"]}, section, report_hosts(result))
+    print(json.dumps(result, indent=2) if spec.json else report_hosts(result))
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--into" in argv or any(a.startswith("--into=") for a in argv):
@@ -469,6 +521,8 @@ def main(argv=None) -> int:
     spec = parse_args(argv)
     if spec.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA device")
+    if spec.hosts:
+        return _main_hosts(spec)
     if spec.replicas is not None:
         return _main_replicas(spec)
     spec.transports = spec.transports or ["auto", "p2p"]

@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 
 def _run(*args: str) -> dict:
     # Run outside the repository so the installed package is imported, not the sources.
@@ -39,6 +41,22 @@ def test_bench_sync_replicas_reports_each_count_beside_naive_and_limit():
     assert result["rows"][1]["naive_seconds"] == 2 * result["rows"][0]["seconds"]["median"]
     sent = result["bytes_sent_by_src_rank"]
     assert set(sent) == {"1", "2"} and sent["1"] == sent["2"] and sum(sent["1"].values()) == result["model_bytes"]
+
+
+def test_bench_sync_hosts_reports_each_count_beside_line_rate_and_broadcast():
+    if os.geteuid() != 0:
+        pytest.skip("network namespace hosts need root")
+    result = _run("sync", "--hosts", "--replicas", "2", "--fsdp", "1", "--tp", "1", "--link-rate", "1gbit",
+                  "--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "4", "--kv-heads", "2",
+                  "--vocab", "256", "--warmup", "0", "--repeats", "1")
+    assert [row["replicas"] for row in result["rows"]] == [1, 2]
+    line_rate_s = result["model_bytes"] * 8 / 1e9
+    for row in result["rows"]:
+        assert row["line_rate_seconds"] == pytest.approx(line_rate_s)
+        assert row["seconds"]["median"] > 0 and row["broadcast_seconds"]["median"] > 0
+    assert result["rows"][1]["naive_seconds"] == 2 * result["rows"][0]["seconds"]["median"]
+    sent = result["bytes_sent_by_src_rank"]
+    assert sent["1"] == sent["2"] and sum(sent["1"].values()) == result["model_bytes"]
 
 
 def _files(folder: Path) -> dict[str, int]:

@@ -1,0 +1,191 @@
+"""`llamarl bench sync --hosts`: the weight sync between hosts, over links shaped to
+a fixed rate.
+
+The hosts are network namespaces on this machine (llamarl_core.bench.netns; needs
+root and iproute2): the trainer ranks on host 0, generator replica r on host 1 + r,
+every host's link shaped to --link-rate by a token bucket (tc tbf), so the figure
+depends on the rate asked for and not on this machine's loopback speed. The
+engine picks its transports by host identity as in a real run: gloo
+point-to-point across hosts (shared memory between ranks of one host). Beside
+it, in the same run and on the same bytes:
+  line rate        the model's bytes / --link-rate: every generator host must
+                   take in the whole model over its link (the limit)
+  R x single       R x the one-replica sync time (a trainer sending to each
+                   replica in turn)
+  gloo broadcast   trainer rank 0 broadcasts each full tensor to the R x tp
+                   generator ranks over the hosts' links
+The driver runs inside host 0 (the hosts reach each other, not the root
+namespace), holds the Store and starts every rank through `ip netns exec`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from llamarl_core.bench.bench_sync import (
+    DTYPES,
+    _broadcast_rank,
+    _engine_rank,
+    _run_methods,
+    _sender_threads,
+    _WAIT,
+    model_bytes,
+    model_config,
+)
+from llamarl_core.bench.harness import summarize, table
+from llamarl_core.bench.netns import NetnsHosts, NetnsUnavailable, parse_rate_bits
+from llamarl_core.sync import hf_llama_fsdp, plan_transfer, vllm_llama_tp
+
+# The whole measurement, start-up included, may take this long (a 1 GiB model at
+# 1 Gbit/s: 9 s a sync, 2 syncs of the engine and 4 of the broadcast a round at R = 2).
+DRIVE_TIMEOUT_S = 3600
+# What the driver and the ranks run (`python -m`; this file is __main__ in them).
+MODULE = "llamarl_core.bench.bench_sync_hosts"
+
+
+class _HostRank:
+    """A rank run in a namespace host, with the handle _run_methods expects of a
+    multiprocessing.Process (start, exitcode, join, is_alive, kill)."""
+
+    def __init__(self, host: dict, call: dict):
+        self.host, self.call, self.proc = host, call, None
+
+    def start(self) -> None:
+        argv = ["ip", "netns", "exec", self.host["name"], sys.executable, "-m", MODULE, "rank", json.dumps(self.call)]
+        # gloo binds the interface the hosts share (its default would be the hostname's address).
+        self.proc = subprocess.Popen(argv, env={**os.environ, "GLOO_SOCKET_IFNAME": self.host["ifname"]},
+                                     stdin=subprocess.DEVNULL)
+
+    @property
+    def exitcode(self):
+        return None if self.proc is None else self.proc.poll()
+
+    def join(self, timeout=None) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+def _rank_main(call: dict) -> None:
+    """One rank (the `rank` command): an engine rank or a broadcast rank."""
+    spec = SimpleNamespace(**call["spec"])
+    if call["kind"] == "engine":
+        _engine_rank(call["store_at"], call["role"], call["rank"], spec, "auto", call["rounds"], call["threads"],
+                     replica=call["replica"], num_replicas=call["num_replicas"], method=call["method"])
+    else:
+        _broadcast_rank(call["store_at"], call["rank"], spec, call["rounds"], receivers=call["receivers"],
+                        method=call["method"])
+
+
+def _drive(spec: SimpleNamespace, hosts: list[dict]) -> dict:
+    """Inside host 0: time every method, rounds interleaved (the `drive` command)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(hosts[0]["addr"], 0, is_master=True, timeout=_WAIT)
+    store_at = f"{hosts[0]['addr']}:{store.port}"
+    rounds = spec.warmup + spec.repeats
+    threads = _sender_threads(spec)
+    common = {"store_at": store_at, "spec": vars(spec), "rounds": rounds}
+    methods = {}
+    for r in spec.counts:
+        method = f"engine{r}"
+        ranks = [_HostRank(hosts[0], {**common, "kind": "engine", "method": method, "role": "src", "rank": rank,
+                                      "threads": threads, "replica": 0, "num_replicas": r})
+                 for rank in range(spec.fsdp)]
+        ranks += [_HostRank(hosts[1 + replica], {**common, "kind": "engine", "method": method, "role": "dst",
+                                                 "rank": rank, "threads": threads, "replica": replica,
+                                                 "num_replicas": r})
+                  for replica in range(r) for rank in range(spec.tp)]
+        methods[method] = (ranks, [f"src{rank}" for rank in range(spec.fsdp)]
+                           + [f"dst{replica}.{rank}" for replica in range(r) for rank in range(spec.tp)])
+        method = f"bcast{r}"
+        receivers = r * spec.tp
+        ranks = [_HostRank(hosts[0 if rank == 0 else 1 + (rank - 1) // spec.tp],
+                           {**common, "kind": "bcast", "method": method, "rank": rank, "receivers": receivers})
+                 for rank in range(1 + receivers)]
+        methods[method] = (ranks, [f"rank{rank}" for rank in range(1 + receivers)])
+    return _run_methods(store, methods, rounds, spec.warmup)
+
+
+def run_hosts(spec) -> dict:
+    """Make 1 + max(R) namespace hosts, shape their links, drive the methods from
+    host 0 and return the figures (SystemExit when namespaces cannot be made)."""
+    config = model_config(spec)
+    nbytes = model_bytes(config, torch.bfloat16)
+    counts = sorted({1, *spec.replicas})
+    src_layout = hf_llama_fsdp(config, spec.fsdp, DTYPES[spec.src_dtype])
+    dst_layout = vllm_llama_tp(config, spec.tp, torch.bfloat16)
+    sent = {r: plan_transfer(src_layout, dst_layout, num_replicas=r).bytes_sent_by_src_rank() for r in counts}
+    rate_bits = parse_rate_bits(spec.link_rate)
+    drive = {key: value for key, value in vars(spec).items() if key in (
+        "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "fsdp", "tp", "src_dtype", "threads",
+        "warmup", "repeats")}
+    drive.update(counts=counts, device="cpu")
+    try:
+        hosts = NetnsHosts(1 + max(counts)).start()
+    except NetnsUnavailable as error:
+        raise SystemExit(f"--hosts: network namespace hosts cannot be made here: {error}") from None
+    with hosts:
+        for host in hosts:
+            host.shape(spec.link_rate)
+        described = [{"name": h.name, "addr": h.addr, "ifname": h.ifname} for h in hosts]
+        done = hosts[0].run([sys.executable, "-m", MODULE, "drive", json.dumps(drive), json.dumps(described)],
+                            timeout=DRIVE_TIMEOUT_S, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"--hosts: the measurement failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    times = json.loads(done.stdout.strip().splitlines()[-1])
+    line_rate_s = nbytes * 8 / rate_bits
+    single = summarize(times["engine1"])["median"]
+    rows = []
+    for r in counts:
+        engine, bcast = summarize(times[f"engine{r}"]), summarize(times[f"bcast{r}"])
+        rows.append({"replicas": r, "seconds": engine, "naive_seconds": r * single,
+                     "broadcast_seconds": bcast, "line_rate_seconds": line_rate_s,
+                     "fraction_of_line_rate": line_rate_s / engine["median"],
+                     "speedup_vs_broadcast": bcast["median"] / engine["median"]})
+    return {"model_bytes": nbytes, "config": dict(vars(config)), "fsdp": spec.fsdp, "tp": spec.tp,
+            "src_dtype": spec.src_dtype, "link_rate": spec.link_rate, "link_rate_bits": rate_bits,
+            "repeats": spec.repeats, "bytes_sent_by_src_rank": {str(r): b for r, b in sent.items()}, "rows": rows}
+
+
+def report_hosts(result: dict) -> str:
+    rows = [["R", "sync median s", "min s", "max s", "R x single s", "gloo broadcast s", "line rate s (limit)",
+             "limit / sync", "broadcast / sync"]]
+    for row in result["rows"]:
+        s, b = row["seconds"], row["broadcast_seconds"]
+        rows.append([str(row["replicas"]), f"{s['median']:.3f}", f"{s['min']:.3f}", f"{s['max']:.3f}",
+                     f"{row['naive_seconds']:.3f}", f"{b['median']:.3f}", f"{row['line_rate_seconds']:.3f}",
+                     f"{row['fraction_of_line_rate']:.2f}", f"{row['speedup_vs_broadcast']:.2f}x"])
+    sent = result["bytes_sent_by_src_rank"]
+    per_rank = ", ".join(f"rank {k}: {v}" for k, v in sent["1"].items())
+    head = (f"Model {result['model_bytes'] / 2**20:.1f} MiB bf16 ({result['config']['num_hidden_layers']} layers, "
+            f"hidden {result['config']['hidden_size']}), FSDP {result['fsdp']} ({result['src_dtype']}) on host 0 -> "
+            f"replica r (TP {result['tp']}, bf16) on host 1 + r; network-namespace hosts, every link shaped to "
+            f"{result['link_rate']} (tc tbf); {result['repeats']} timed syncs each, methods interleaved. The line "
+            f"rate is the model's bytes over one link; the gloo broadcast sends every full tensor from trainer "
+            f"rank 0 to each generator rank.")
+    return (f"{head}\n\n{table(rows)}\n\nBytes sent per trainer rank per sync: {per_rank}, the same for R = "
+            f"{', '.join(sent)}.\n")
+
+
+if __name__ == "__main__":
+    command, *arguments = sys.argv[1:]
+    if command == "rank":
+        _rank_main(json.loads(arguments[0]))
+    elif command == "drive":
+        print(json.dumps(_drive(SimpleNamespace(**json.loads(arguments[0])), json.loads(arguments[1]))), flush=True)
+    else:
+        raise SystemExit(f"unknown command {command!r} (rank, drive: run by `llamarl bench sync --hosts`)")
