@@ -210,6 +210,11 @@ def _run_methods(store, methods: dict[str, tuple[list, list[str]]], rounds: int,
                 times[method].append(max(e for _, e in spans) - min(s for s, _ in spans))
         for method in methods:
             store.set(f"{method}/finish", "1")
+    except BaseException:
+        for p in procs:  # the others would wait out their timeouts for a round that will not come
+            if p.is_alive():
+                p.kill()
+        raise
     finally:
         for p in procs:
             p.join(timeout=120)

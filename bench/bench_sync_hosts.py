@@ -8,8 +8,9 @@ depends on the rate asked for and not on this machine's loopback speed. The
 engine picks its transports by host identity as in a real run: gloo
 point-to-point across hosts (shared memory between ranks of one host). Beside
 it, in the same run and on the same bytes:
-  line rate        the model's bytes / --link-rate: every generator host must
-                   take in the whole model over its link (the limit)
+  line rate        the bytes the busiest link carries / --link-rate (the
+                   limit): the model once at R <= 2, twice from R = 3 (replica
+                   0 feeds two replicas down the binary relay tree)
   R x single       R x the one-replica sync time (a trainer sending to each
                    replica in turn)
   gloo broadcast   trainer rank 0 broadcasts each full tensor to the R x tp
@@ -41,10 +42,15 @@ from llamarl_core.bench.bench_sync import (
 from llamarl_core.bench.harness import summarize, table
 from llamarl_core.bench.netns import NetnsHosts, NetnsUnavailable, parse_rate_bits
 from llamarl_core.sync import hf_llama_fsdp, plan_transfer, vllm_llama_tp
+from llamarl_core.sync.plan import relay_tree
 
-# The whole measurement, start-up included, may take this long (a 1 GiB model at
-# 1 Gbit/s: 9 s a sync, 2 syncs of the engine and 4 of the broadcast a round at R = 2).
+# The whole measurement, start-up included, may take this long.
 DRIVE_TIMEOUT_S = 3600
+# What a round of every method may take at most, of the ranks' wait for their next
+# round (_WAIT): the others' rounds run meanwhile.
+ROUND_SHARE_OF_WAIT = 0.8
+# What the ranks' tensors may take of the memory available (the processes take more).
+MEMORY_SHARE = 0.6
 # What the driver and the ranks run (`python -m`; this file is __main__ in them).
 MODULE = "llamarl_core.bench.bench_sync_hosts"
 
@@ -59,8 +65,10 @@ class _HostRank:
     def start(self) -> None:
         argv = ["ip", "netns", "exec", self.host["name"], sys.executable, "-m", MODULE, "rank", json.dumps(self.call)]
         # gloo binds the interface the hosts share (its default would be the hostname's address).
+        # From /: the installed package is imported, never the sources of the current folder;
+        # stdout to stderr: the driver's stdout carries its figures alone.
         self.proc = subprocess.Popen(argv, env={**os.environ, "GLOO_SOCKET_IFNAME": self.host["ifname"]},
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(), cwd="/")
 
     @property
     def exitcode(self):
@@ -120,9 +128,46 @@ def _drive(spec: SimpleNamespace, hosts: list[dict]) -> dict:
     return _run_methods(store, methods, rounds, spec.warmup)
 
 
+def _busiest_link(replicas: int) -> int:
+    """How many copies of the model the busiest link carries per sync: the trainer
+    host's one, or a replica's feeding its children down the relay tree."""
+    return max(1, *(len(children) for children in relay_tree(replicas).values()))
+
+
+def _relay_depth(replicas: int) -> int:
+    """Links in a row from the trainer host to the deepest replica."""
+    depth = {0: 1}
+    for parent, children in sorted(relay_tree(replicas).items()):
+        depth.update({child: depth[parent] + 1 for child in children})
+    return max(depth.values())
+
+
+def _check_fits(spec, counts: list[int], nbytes: int, rate_bits: int) -> None:
+    """Refuse, before any host is made, a run whose rounds would outlast the ranks'
+    waits or whose tensors would not fit in memory, naming the figures."""
+    line_s = nbytes * 8 / rate_bits
+    # Per round: each R's engine sync (a version goes down the tree whole, link after link) and
+    # its broadcast (the full model to each of the R x tp ranks from one link).
+    round_s = sum(_relay_depth(r) * line_s + r * spec.tp * line_s for r in counts)
+    if round_s > ROUND_SHARE_OF_WAIT * _WAIT.total_seconds():
+        raise SystemExit(f"--hosts: one round of every method would take about {round_s:.0f} s at {spec.link_rate} "
+                         f"({nbytes / 2**20:.0f} MiB model, R = {counts}), past the ranks' "
+                         f"{_WAIT.total_seconds():.0f} s wait: a smaller model, fewer --replicas or a higher "
+                         "--link-rate")
+    # Trainer shards, each replica's tensors, the broadcast's full copies on every rank.
+    src_bytes = nbytes * DTYPES[spec.src_dtype].itemsize // torch.bfloat16.itemsize
+    needed = sum(src_bytes + r * nbytes + (1 + r * spec.tp) * nbytes for r in counts)
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    if needed > MEMORY_SHARE * available:
+        raise SystemExit(f"--hosts: the ranks' tensors would take {needed / 2**30:.1f} GiB, "
+                         f"{available / 2**30:.1f} GiB is available: a smaller model or fewer --replicas")
+
+
 def run_hosts(spec) -> dict:
     """Make 1 + max(R) namespace hosts, shape their links, drive the methods from
-    host 0 and return the figures (SystemExit when namespaces cannot be made)."""
+    host 0 and return the figures (SystemExit when namespaces cannot be made or
+    the measurement fails)."""
     config = model_config(spec)
     nbytes = model_bytes(config, torch.bfloat16)
     counts = sorted({1, *spec.replicas})
@@ -130,6 +175,7 @@ def run_hosts(spec) -> dict:
     dst_layout = vllm_llama_tp(config, spec.tp, torch.bfloat16)
     sent = {r: plan_transfer(src_layout, dst_layout, num_replicas=r).bytes_sent_by_src_rank() for r in counts}
     rate_bits = parse_rate_bits(spec.link_rate)
+    _check_fits(spec, counts, nbytes, rate_bits)
     drive = {key: value for key, value in vars(spec).items() if key in (
         "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "fsdp", "tp", "src_dtype", "threads",
         "warmup", "repeats")}
@@ -139,18 +185,25 @@ def run_hosts(spec) -> dict:
     except NetnsUnavailable as error:
         raise SystemExit(f"--hosts: network namespace hosts cannot be made here: {error}") from None
     with hosts:
-        for host in hosts:
-            host.shape(spec.link_rate)
+        try:
+            for host in hosts:
+                host.shape(spec.link_rate)
+        except subprocess.CalledProcessError as error:
+            raise SystemExit(f"--hosts: the links cannot be shaped (tc's tbf): {error.stderr.strip()}") from None
         described = [{"name": h.name, "addr": h.addr, "ifname": h.ifname} for h in hosts]
-        done = hosts[0].run([sys.executable, "-m", MODULE, "drive", json.dumps(drive), json.dumps(described)],
-                            timeout=DRIVE_TIMEOUT_S, check=False)
+        try:
+            done = hosts[0].run([sys.executable, "-m", MODULE, "drive", json.dumps(drive), json.dumps(described)],
+                                timeout=DRIVE_TIMEOUT_S, check=False, cwd="/")
+        except subprocess.TimeoutExpired as error:
+            raise SystemExit(f"--hosts: the measurement took over {DRIVE_TIMEOUT_S} s:\n"
+                             f"{(error.stderr or '')[-4000:]}") from None
     if done.returncode != 0:
         raise SystemExit(f"--hosts: the measurement failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    times = json.loads(done.stdout.strip().splitlines()[-1])
-    line_rate_s = nbytes * 8 / rate_bits
+    times = json.loads(done.stdout)
     single = summarize(times["engine1"])["median"]
     rows = []
     for r in counts:
+        line_rate_s = _busiest_link(r) * nbytes * 8 / rate_bits
         engine, bcast = summarize(times[f"engine{r}"]), summarize(times[f"bcast{r}"])
         rows.append({"replicas": r, "seconds": engine, "naive_seconds": r * single,
                      "broadcast_seconds": bcast, "line_rate_seconds": line_rate_s,
@@ -175,8 +228,9 @@ def report_hosts(result: dict) -> str:
             f"hidden {result['config']['hidden_size']}), FSDP {result['fsdp']} ({result['src_dtype']}) on host 0 -> "
             f"replica r (TP {result['tp']}, bf16) on host 1 + r; network-namespace hosts, every link shaped to "
             f"{result['link_rate']} (tc tbf); {result['repeats']} timed syncs each, methods interleaved. The line "
-            f"rate is the model's bytes over one link; the gloo broadcast sends every full tensor from trainer "
-            f"rank 0 to each generator rank.")
+            f"rate is the bytes of the busiest link (the model once, twice from R = 3: replica 0 feeds two "
+            f"replicas) at the link's rate; the gloo broadcast sends every full tensor from trainer rank 0 to "
+            f"each generator rank.")
     return (f"{head}\n\n{table(rows)}\n\nBytes sent per trainer rank per sync: {per_rank}, the same for R = "
             f"{', '.join(sent)}.\n")
 

@@ -163,12 +163,13 @@ class NetnsHost:
         return proc
 
     def run(self, argv: Sequence[str], timeout: float = 30.0, env: Mapping[str, str] | None = None,
-            check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
-        """Run `argv` in this host to completion, text stdout/stderr captured. After
-        `timeout` seconds the process group is killed and TimeoutExpired raised; a
-        non-zero exit raises CalledProcessError (with stderr) when `check`."""
+            check: bool = True, input: str | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
+        """Run `argv` in this host (in folder `cwd`) to completion, text stdout/stderr
+        captured. After `timeout` seconds the process group is killed and
+        TimeoutExpired raised; a non-zero exit raises CalledProcessError (with
+        stderr) when `check`."""
         proc = self.popen(argv, env=env, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
         try:
             stdout, stderr = proc.communicate(input, timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -232,8 +232,9 @@ def test_teardown_when_the_creator_is_killed(netns_hosts, signum):
     """SIGTERM: the creator's handler cleans up, then it dies of SIGTERM. SIGKILL:
     nothing can run; the next instance's start (here: remove_stale_namespaces)
     finds the dead creator's namespaces by the pid in their names."""
+    # Run from / so that the installed llamarl_core is imported, not the sources of the current folder.
     child = subprocess.Popen([sys.executable, "-c", CHILD_MAKING_HOSTS], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, text=True, cwd="/")
     try:
         made = read_report(child, 20)
         assert [name for name in list_namespaces() if name.startswith(made["prefix"])]

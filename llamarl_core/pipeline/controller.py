@@ -167,6 +167,7 @@ class Controller:
                                 f"checkpoint is in {self.out / 'checkpoint'}; the same torchrun command with "
                                 f"`train --out {self.out} --resume` continues it)\n{detail}")
         self.generator_restarts += counted
+        self.last_progress = time.monotonic()  # the new replicas' start-up begins now
         if self.generator_restarts > MAX_GENERATOR_RESTARTS:
             raise PipelineError(f"{why}; restarted {MAX_GENERATOR_RESTARTS} times already, stopping "
                                 f"(the last checkpoint is in {self.out / 'checkpoint'})")
@@ -177,6 +178,7 @@ class Controller:
             self.on_event(f"{why}: restarting it and re-syncing it with the next version (replicas {names}; the "
                           "others go on)")
         for replica in lost:
+            self.generating[replica] = 0  # its groups are issued again
             for rank in self._replica_ranks(replica):
                 self.inboxes.pop((GENERATOR, rank), None)
                 self.executors.stop(GENERATOR, rank)
@@ -204,19 +206,19 @@ class Controller:
     def _handle(self, role: str, rank: int, kind: str, payload: dict) -> None:
         for name, start, end, args in payload.pop("spans", []):
             self.spans.append((role, rank, name, start, end, args))
+        replica = rank // self.generator_tp if role == GENERATOR else None
+        if role == GENERATOR and payload["incarnation"] != self.replicas.incarnation[replica]:
+            return  # from a replica that has been replaced
         if kind == "working":
             # A heartbeat of an executor in a long computation: progress only while this run
-            # waits on that computation. The trainer beats for its whole life, so counting every
-            # beat would let a run whose generators never fill a batch wait forever.
+            # waits on that computation. Executors beat for their whole life, so counting every
+            # beat would let a run whose reward never answers wait forever.
             if self._waiting_on(role, rank):
                 self.last_progress = time.monotonic()
             return
         self.last_progress = time.monotonic()
         if kind == "scored":
             self.scoring -= 1
-        replica = rank // self.generator_tp if role == GENERATOR else None
-        if role == GENERATOR and payload["incarnation"] != self.replicas.incarnation[replica]:
-            return  # from a replica that has been replaced
         if kind in ("synced", "sync_failed") and payload["generator"] != self.replicas.incarnation[0]:
             return  # a sync to a replica 0 that has been replaced
         if kind == "error" and role == GENERATOR:
@@ -236,6 +238,7 @@ class Controller:
                 self.scheduler = Scheduler(self.config, payload["step"], payload["data_position"])
         elif kind == "samples":
             self.gen_busy += payload["busy"]
+            self.generating[replica] -= sum(not x.eval for x in payload["samples"])
             self.inboxes[(REWARD, 0)].put(("score", {"samples": payload["samples"], "replica": replica,
                                                       "incarnation": payload["incarnation"]}))
             self.scoring += 1
@@ -281,14 +284,21 @@ class Controller:
 
     def _waiting_on(self, role: str, rank: int) -> bool:
         """Whether the run waits on this executor's work: it is starting, or (the
-        trainer) training a batch, saving a checkpoint or sending a version, or (the
-        reward) scoring samples."""
+        trainer) training a batch, saving a checkpoint, sending a version or waiting
+        for a new replica 0; (a generator) sampling what it was given, receiving a
+        version or (replica 0) evaluating; (the reward) scoring samples. A beat says
+        the process is alive, not that its computation advances: a hang inside a
+        step or a sync is caught by the timeouts of its collectives and syncs."""
         if (role, rank) not in self.ready_ranks:
             return True
         if role == TRAINER:
-            return (self.scheduler.training is not None or self.checkpointing > 0
+            return (self.scheduler.training is not None or self.checkpointing > 0 or self.resync_pending
                     or any(sync.trainer > 0 for sync in self.replicas.pending.values()))
-        return role == REWARD and self.scoring > 0
+        if role == GENERATOR:
+            replica = rank // self.generator_tp
+            return (self.generating[replica] > 0 or bool(self.replicas.receiving[replica])
+                    or (replica == 0 and self._evals_pending()))
+        return self.scoring > 0
 
     def _sync_complete(self, version: int) -> None:
         for step in sorted(s for s in self.records if s < version):  # steps whose weights have now landed
@@ -383,6 +393,7 @@ class Controller:
         holding = self.replicas.holding(self.scheduler.step, settled=not self.records)
         for replica, groups in self.scheduler.issue(holding).items():
             self._tell_replica(replica, "prompts", groups=[(g, self.data.prompt_ids(g)) for g in groups])
+            self.generating[replica] += len(groups) * self.config.samples_per_prompt
 
     def _maybe_train(self) -> None:
         """Hand the next batch to the trainer. In async mode it is queued right behind
@@ -495,6 +506,7 @@ class Controller:
         self.gen_busy = 0.0
         self.checkpointing = 0
         self.scoring = 0  # batches of samples sent to the reward executor and not scored yet
+        self.generating = [0] * self.num_replicas  # samples each replica was given and has not returned
         self.resumed_wall = self.resumed_rl = 0.0
         self.evals: dict[int, list] = {}  # version -> its evaluated samples so far
         self.eval_records: list[dict] = []

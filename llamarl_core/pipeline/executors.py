@@ -217,11 +217,12 @@ def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, ext
         _setup_threads(config, role, rank, launched)
         if config.device == "cuda" and role != REWARD:
             _select_gpu(config, role, rank, launched)
-        # Silence from the trainer (or a reward model) never signals a hang: every wait of
-        # theirs has a timeout of its own (process groups, weight syncs), and their work
-        # (loading, a step, a checkpoint, scoring a batch) may outlast timeout_s. A rule
-        # reward and the generator report often; silence there stays an error.
-        beats = role == TRAINER or (role == REWARD and config.reward_model is not None)
+        # Their work may outlast timeout_s with nothing to report (loading, a trainer step or
+        # checkpoint, a long generation or evaluation, scoring a batch with a reward model):
+        # they beat, and the controller counts a beat only while it waits on that work. Every
+        # wait of theirs has a timeout of its own (process groups, weight syncs). A rule
+        # reward answers at once; silence there stays an error.
+        beats = role != REWARD or config.reward_model is not None
         with link.heartbeat(config.timeout_s / 4) if beats else contextlib.nullcontext():
             {GENERATOR: run_generator, TRAINER: run_trainer, REWARD: run_reward}[role](link, config, store, rank,
                                                                                       **extra)
