@@ -273,7 +273,7 @@ class NetnsHosts:
 
     def start(self) -> NetnsHosts:
         """Create the namespaces and links (once: a started instance is returned as
-        is, so `with make_netns_hosts(2) as hosts:` works); NetnsUnavailable (with
+        is, so one started already can still open a `with` block); NetnsUnavailable (with
         the reason) when this machine cannot, after removing whatever was made."""
         if self.closed:
             raise RuntimeError(f"{self.prefix}: closed hosts cannot be started again")
