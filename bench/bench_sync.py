@@ -119,6 +119,17 @@ def _engine_rank(store_at, role, rank, spec, transport, rounds, threads, replica
     ep.close()
 
 
+def _engine_ranks(spec, num_replicas: int, make) -> tuple[list, list[str]]:
+    """One engine method: its processes and the names they post times under, the
+    fsdp trainer ranks then each replica's tp generator ranks. make(role, rank,
+    replica) creates the process of one rank (not started)."""
+    procs = [make("src", rank, 0) for rank in range(spec.fsdp)]
+    procs += [make("dst", rank, replica) for replica in range(num_replicas) for rank in range(spec.tp)]
+    who = [f"src{rank}" for rank in range(spec.fsdp)]
+    who += [f"dst{replica}.{rank}" for replica in range(num_replicas) for rank in range(spec.tp)]
+    return procs, who
+
+
 def _broadcast_rank(store_at, rank, spec, rounds, receivers=None, method="bcast") -> None:
     """Rank 0 holds the full Hugging Face tensors; ranks 1.. are the generator ranks
     (`receivers` of them: spec.tp unless told)."""
@@ -262,6 +273,14 @@ def _memcpy_rank(store_at, rank, nbytes, threads, rounds, method) -> None:
     store.wait([f"{method}/finish"], _WAIT)
 
 
+def _memcpy_ranks(ctx, store_at: str, spec, nbytes: int, threads: int, rounds: int, method: str):
+    """The limit as a method: `nbytes` copied by fsdp processes of `threads` threads
+    each, the copy concurrency of the senders."""
+    share = -(-nbytes // spec.fsdp)
+    return ([ctx.Process(target=_memcpy_rank, args=(store_at, rank, share, threads, rounds, method))
+             for rank in range(spec.fsdp)], [f"rank{rank}" for rank in range(spec.fsdp)])
+
+
 def _sender_threads(spec) -> int:
     """Copy threads per trainer rank: --threads, else the cores shared among the senders."""
     return spec.threads or max(1, (os.cpu_count() or 1) // spec.fsdp)
@@ -284,16 +303,10 @@ def run(spec) -> dict:
     threads = _sender_threads(spec)
     methods = {}
     for transport in spec.transports:
-        procs = [ctx.Process(target=_engine_rank, args=(local, "src", r, spec, transport, rounds, threads))
-                 for r in range(spec.fsdp)]
-        procs += [ctx.Process(target=_engine_rank, args=(local, "dst", r, spec, transport, rounds, threads))
-                  for r in range(spec.tp)]
-        methods[f"engine_{transport}"] = (procs, [f"src{r}" for r in range(spec.fsdp)]
-                                          + [f"dst0.{r}" for r in range(spec.tp)])
+        methods[f"engine_{transport}"] = _engine_ranks(spec, 1, lambda role, rank, _: ctx.Process(
+            target=_engine_rank, args=(local, role, rank, spec, transport, rounds, threads)))
     if spec.device == "cpu":  # the limit and the host-side peers
-        share = -(-nbytes // spec.fsdp)
-        methods["memcpy"] = ([ctx.Process(target=_memcpy_rank, args=(local, r, share, threads, rounds, "memcpy"))
-                              for r in range(spec.fsdp)], [f"rank{r}" for r in range(spec.fsdp)])
+        methods["memcpy"] = _memcpy_ranks(ctx, local, spec, nbytes, threads, rounds, "memcpy")
         procs = [ctx.Process(target=_broadcast_rank, args=(local, r, spec, rounds)) for r in range(1 + spec.tp)]
         methods["bcast"] = (procs, [f"rank{r}" for r in range(1 + spec.tp)])
         queues = [ctx.Queue() for _ in range(spec.tp)]
@@ -360,16 +373,10 @@ def run_replicas(spec) -> dict:
     for r in counts:
         engine, limit = f"replicas{r}", f"memcpy{r}"
         kwargs = {"num_replicas": r, "method": engine, "relay_threads": relay_threads}
-        procs = [ctx.Process(target=_engine_rank, args=(local, "src", rank, spec, transport, rounds, threads),
-                             kwargs=kwargs) for rank in range(spec.fsdp)]
-        procs += [ctx.Process(target=_engine_rank, args=(local, "dst", rank, spec, transport, rounds, threads),
-                              kwargs={**kwargs, "replica": replica})
-                  for replica in range(r) for rank in range(spec.tp)]
-        methods[engine] = (procs, [f"src{rank}" for rank in range(spec.fsdp)]
-                           + [f"dst{replica}.{rank}" for replica in range(r) for rank in range(spec.tp)])
-        share = -(-r * nbytes // spec.fsdp)
-        methods[limit] = ([ctx.Process(target=_memcpy_rank, args=(local, rank, share, threads, rounds, limit))
-                           for rank in range(spec.fsdp)], [f"rank{rank}" for rank in range(spec.fsdp)])
+        methods[engine] = _engine_ranks(spec, r, lambda role, rank, replica: ctx.Process(
+            target=_engine_rank, args=(local, role, rank, spec, transport, rounds, threads),
+            kwargs={**kwargs, "replica": replica}))
+        methods[limit] = _memcpy_ranks(ctx, local, spec, r * nbytes, threads, rounds, limit)
     times = _run_methods(store, methods, rounds, spec.warmup)
 
     single = summarize(times["replicas1"])["median"]

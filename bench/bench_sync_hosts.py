@@ -28,11 +28,13 @@ import sys
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 from llamarl_core.bench.bench_sync import (
     DTYPES,
     _broadcast_rank,
     _engine_rank,
+    _engine_ranks,
     _run_methods,
     _sender_threads,
     _WAIT,
@@ -100,8 +102,6 @@ def _rank_main(call: dict) -> None:
 
 def _drive(spec: SimpleNamespace, hosts: list[dict]) -> dict:
     """Inside host 0: time every method, rounds interleaved (the `drive` command)."""
-    import torch.distributed as dist
-
     store = dist.TCPStore(hosts[0]["addr"], 0, is_master=True, timeout=_WAIT)
     store_at = f"{hosts[0]['addr']}:{store.port}"
     rounds = spec.warmup + spec.repeats
@@ -110,15 +110,10 @@ def _drive(spec: SimpleNamespace, hosts: list[dict]) -> dict:
     methods = {}
     for r in spec.counts:
         method = f"engine{r}"
-        ranks = [_HostRank(hosts[0], {**common, "kind": "engine", "method": method, "role": "src", "rank": rank,
-                                      "threads": threads, "replica": 0, "num_replicas": r})
-                 for rank in range(spec.fsdp)]
-        ranks += [_HostRank(hosts[1 + replica], {**common, "kind": "engine", "method": method, "role": "dst",
-                                                 "rank": rank, "threads": threads, "replica": replica,
-                                                 "num_replicas": r})
-                  for replica in range(r) for rank in range(spec.tp)]
-        methods[method] = (ranks, [f"src{rank}" for rank in range(spec.fsdp)]
-                           + [f"dst{replica}.{rank}" for replica in range(r) for rank in range(spec.tp)])
+        methods[method] = _engine_ranks(spec, r, lambda role, rank, replica: _HostRank(
+            hosts[0] if role == "src" else hosts[1 + replica],
+            {**common, "kind": "engine", "method": method, "role": role, "rank": rank, "threads": threads,
+             "replica": replica, "num_replicas": r}))
         method = f"bcast{r}"
         receivers = r * spec.tp
         ranks = [_HostRank(hosts[0 if rank == 0 else 1 + (rank - 1) // spec.tp],

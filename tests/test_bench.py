@@ -20,9 +20,13 @@ def _run(*args: str) -> dict:
     return json.loads(out.stdout)
 
 
+# A one-layer model and a single timed sync: every bench sync mode runs in seconds.
+TINY_SYNC = ["--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "4", "--kv-heads", "2",
+             "--vocab", "256", "--warmup", "0", "--repeats", "1"]
+
+
 def test_bench_sync_reports_every_method():
-    result = _run("sync", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "4",
-                  "--kv-heads", "2", "--vocab", "256", "--warmup", "0", "--repeats", "1")
+    result = _run("sync", *TINY_SYNC)
     assert set(result["gbps"]) == {"memcpy", "engine_auto", "engine_p2p", "gloo_broadcast", "mp_shared"}
     assert all(v > 0 for v in result["gbps"].values())
     assert set(result["ratios"]) == {"engine_vs_memcpy", "engine_vs_gloo_broadcast", "engine_vs_mp_shared",
@@ -31,8 +35,7 @@ def test_bench_sync_reports_every_method():
 
 def test_bench_sync_replicas_reports_each_count_beside_naive_and_limit():
     # --replicas 2 also measures R = 1 (the naive send is R x its time); FSDP 1 -> TP 1 keeps it to 7 processes.
-    result = _run("sync", "--replicas", "2", "--fsdp", "1", "--tp", "1", "--hidden", "64", "--intermediate", "128",
-                  "--layers", "1", "--heads", "4", "--kv-heads", "2", "--vocab", "256", "--warmup", "0", "--repeats", "1")
+    result = _run("sync", "--replicas", "2", "--fsdp", "1", "--tp", "1", *TINY_SYNC)
     assert [row["replicas"] for row in result["rows"]] == [1, 2]
     for row in result["rows"]:
         assert set(row) == {"replicas", "seconds", "gbps", "naive_seconds", "speedup_vs_naive", "memcpy_seconds",
@@ -47,8 +50,7 @@ def test_bench_sync_hosts_reports_each_count_beside_line_rate_and_broadcast():
     if os.geteuid() != 0:
         pytest.skip("network namespace hosts need root")
     result = _run("sync", "--hosts", "--replicas", "2", "--fsdp", "1", "--tp", "1", "--link-rate", "1gbit",
-                  "--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "4", "--kv-heads", "2",
-                  "--vocab", "256", "--warmup", "0", "--repeats", "1")
+                  *TINY_SYNC)
     assert [row["replicas"] for row in result["rows"]] == [1, 2]
     line_rate_s = result["model_bytes"] * 8 / 1e9
     for row in result["rows"]:

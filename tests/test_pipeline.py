@@ -584,8 +584,8 @@ def test_a_bad_reward_function_stops_the_run_with_the_culprit(tmp_path, task, me
 
 def test_a_stalled_reward_stops_the_run_naming_what_it_waited_for(tmp_path):
     """The reward function hangs mid-run: the generators wait for prompts and the
-    trainer for a batch, and the trainer's heartbeats (it beats for its whole life) are
-    no progress while it waits. The run stops after --timeout-s naming what was
+    trainer for a batch, and their heartbeats (they beat for their whole life) are no
+    progress while they wait. The run stops after --timeout-s naming what was
     outstanding, and no executor is left."""
     out = tmp_path / "run"
     start = time.monotonic()
