@@ -502,12 +502,14 @@ def _in_threads(*calls):
     return results
 
 
-def test_a_lost_replica_is_abandoned_at_once_and_its_replacement_fed_by_replace_relay(store):
+@pytest.mark.parametrize("killed_opening", [False, True], ids=["between-receives", "ticket-taken-not-opened"])
+def test_a_lost_replica_is_abandoned_at_once_and_its_replacement_fed_by_replace_relay(store, killed_opening):
     """Replica 1 dies: its parent's relay, waiting for it to ask for a version, fails
     at once when the receivers are abandoned (RelayError: the version landed on the
-    parent); a new replica 1 under a new name is fed once the parent replaces its
-    relay (a receive asking for an older version than the parent holds is refused
-    untouched), and both equal the reference."""
+    parent), also when it died between taking a receive's ticket and opening it; a
+    new replica 1 under a new name is fed once the parent replaces its relay (a
+    receive asking for an older version than the parent holds is refused untouched),
+    and both equal the reference."""
     config = small_config("llama_gqa_bias")
     src_layout, dst_layout = hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.bfloat16)
     states = {v: hf_state_dict(config, 700 + v) for v in (1, 2, 3)}
@@ -535,6 +537,8 @@ def test_a_lost_replica_is_abandoned_at_once_and_its_replacement_fed_by_replace_
     with pytest.raises(ValueError, match=r"relay_to=\[3\]: replica 0 feeds replicas \[1\]"):
         parent.receive(relay_to=[3])
     child.close()  # its process died: it asks for no version again
+    if killed_opening:  # as a receive killed between its two Store requests leaves it
+        dist.PrefixStore("llamarl/sync/lost/replica1/", _client(store)).add("dst/0/ticket", 1)
 
     def abandon_soon():
         time.sleep(0.5)

@@ -79,7 +79,8 @@ from .transports import (
 
 DEFAULT_TIMEOUT_S = 120.0
 _SRC, _DST = "src", "dst"
-_ABANDONED = "abandoned"  # set by abandon_receivers
+# Set by abandon_receivers: the reason under this key, and this value in the tickets it opens.
+_ABANDONED = "abandoned"
 
 
 class _Channel:
@@ -265,8 +266,13 @@ def abandon_receivers(store: dist.Store, name: str, reason: str) -> None:
     if not channel.has(f"{_DST}/layout"):
         return  # never registered: no sender can be waiting for a ticket
     for rank in range(Layout.from_dict(channel.get(f"{_DST}/layout")).world_size):
-        # Wake the senders waiting for the next ticket; they find the mark above.
-        channel.set(f"{_DST}/{rank}/open/{channel.counter(f'{_DST}/{rank}/ticket') + 1}", None)
+        # Wake the senders waiting for a ticket to open: the next one, and the last one taken,
+        # which a receiver killed between taking it and opening it never opened. The mark in
+        # its place makes them raise; a ticket opened already is left as it is.
+        last = channel.counter(f"{_DST}/{rank}/ticket")
+        for ticket in (last, last + 1):
+            if ticket and not channel.has(f"{_DST}/{rank}/open/{ticket}"):
+                channel.set(f"{_DST}/{rank}/open/{ticket}", _ABANDONED)
 
 
 def relay_name(name: str, replica: int) -> str:
@@ -358,10 +364,17 @@ class WeightSender(_Endpoint):
 
     def _wanted(self, dst: int, ticket: int, deadline: float) -> int | None:
         """The version receiver `dst`'s receive `ticket` asks for (None: any). Its key is
-        set just after the ticket is taken: waited for, within the deadline."""
+        set just after the ticket is taken: waited for, within the deadline. Raises
+        SyncError if the receivers were abandoned before it was opened."""
         key = f"{_DST}/{dst}/open/{ticket}"
         self.channel.wait([key], deadline, f"receiver {dst} to open ticket {ticket}")
-        return self.channel.get(key)
+        wanted = self.channel.get(key)
+        if wanted == _ABANDONED:
+            raise self._receiver_gone(dst)
+        return wanted
+
+    def _receiver_gone(self, dst: int) -> SyncError:
+        return SyncError(f"sender rank {self.rank}: receiver {dst} is gone ({self.channel.get(_ABANDONED)})")
 
     def _await_ticket(self, dst: int, deadline: float) -> int:
         """The ticket of receiver `dst`'s open receive() that this sender has not served.
@@ -372,7 +385,7 @@ class WeightSender(_Endpoint):
             if current > last and not self.channel.has(f"{_DST}/{dst}/closed/{current}"):
                 return current
             if woken and self.channel.has(_ABANDONED):  # checked only after a wait: no cost when the ticket is open
-                raise SyncError(f"sender rank {self.rank}: receiver {dst} is gone ({self.channel.get(_ABANDONED)})")
+                raise self._receiver_gone(dst)
             nxt = max(current, last) + 1
             self.channel.wait([f"{_DST}/{dst}/open/{nxt}"], deadline, f"receiver {dst} to ask for a version")
             woken = True
