@@ -1,5 +1,6 @@
 """The native build without CUDA: with LLAMARL_SKIP_CUDA and with no nvcc on PATH,
-CMake builds the host backend alone, says so, and the module imports."""
+CMake builds the host backend alone, says so, and the module imports; with
+libstdc++ linked statically it still raises its errors intact beside torch."""
 
 import os
 import shutil
@@ -38,10 +39,25 @@ def _import_summary(out_dir: Path) -> str:
                           timeout=60, check=True).stdout.strip()
 
 
-def test_build_with_cuda_skipped(tmp_path):
-    stdout, out = _build(tmp_path, ["-DLLAMARL_SKIP_CUDA=ON"], dict(os.environ))
+def test_build_with_cuda_skipped_and_libstdcxx_static(tmp_path):
+    """-static-libstdc++ stands in for toolchains that link it statically by default
+    (a CUDA image's GCC 13 did): unless the module keeps that copy's symbols to
+    itself, the loader binds part of them to the libstdc++.so that torch loaded and
+    an error message formatting a number comes out garbled ("segment  (") or
+    segfaults (it did on an H100 machine)."""
+    stdout, out = _build(tmp_path, ["-DLLAMARL_SKIP_CUDA=ON", "-DCMAKE_MODULE_LINKER_FLAGS=-static-libstdc++"],
+                         dict(os.environ))
     assert "llamarl_core._C: host backend only (CUDA skipped: LLAMARL_SKIP_CUDA=1)" in stdout
     assert _import_summary(out) == "False host backend only (CUDA skipped: LLAMARL_SKIP_CUDA=1)"
+    probe = ("import importlib.util, sys; import numpy as np; import torch; "
+             "spec = importlib.util.spec_from_file_location('_C', sys.argv[1]); "
+             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+             "t = np.zeros((2, 7), np.int64); t[:, 4] = 16; t[:, 5] = 1; t[0, 0] = t[0, 2] = 4096\n"
+             "try: m.execute_segments_host(t, 1)\nexcept m.EngineError as exc: print(exc)")
+    module = next(out.glob("_C*.so"))
+    proc = subprocess.run([sys.executable, "-c", probe, str(module)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("segment 1: null address ("), proc.stdout
 
 
 def test_build_without_nvcc_on_path(tmp_path):

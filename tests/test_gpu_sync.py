@@ -164,6 +164,9 @@ def test_copy_timeout_raises_only_once_the_copies_completed():
     src = torch.randn(1 << 20, device="cuda")
     dst = torch.full_like(src, float("nan"))
     table = np.array([[src.data_ptr(), 0, dst.data_ptr(), 0, src.numel() * 4, 1, KIND_COPY]], dtype=np.int64)
+    # The process's first engine call initialises its CUDA runtime, which waited for the
+    # device's queued work on an H100 (the call returned after the sleep, untimed out).
+    run_segment_table(table, src.device)
     torch.cuda._sleep(SLEEP_CYCLES)  # the copy stream waits for the current stream: the copy starts late
     start = time.monotonic()
     with pytest.raises(SyncTimeoutError, match="did not complete within 0.05 s .*nothing is left running"):

@@ -56,8 +56,12 @@ def scale_shape(shape: tuple[int, int], granularity: str, block_size: tuple[int,
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448 in float32; 1.0 where that is 0."""
-    scale = amax.to(torch.float32) / FP8_MAX
+    """amax / 448 in float32, correctly rounded; 1.0 where that is 0. The quotient
+    is taken in float64 and rounded once (the float64 quotient of a float32 by 448 =
+    7 x 64 never sits on a float32 rounding midpoint, so no double rounding): a float32 tensor divided by a Python number on CUDA is a multiplication by its
+    reciprocal, one unit in the last place off for some amaxes (an H100 gave
+    932.5715 for 932.5714), which the Triton kernels' div_rn would not match."""
+    scale = (amax.to(torch.float64) / FP8_MAX).to(torch.float32)
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 

@@ -333,9 +333,11 @@ def learning_rate(step: int, *, base_lr: float, warmup_steps: int, total_steps: 
 def supervised_loss(model, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int):
     """Mean cross-entropy of `completions` (eos included) after `prompts`."""
     packed = _pack(prompts, completions, pad_token_id)
-    logits = _logits(model, torch.from_numpy(packed.input_ids), torch.from_numpy(packed.position_ids))
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), torch.from_numpy(packed.targets).reshape(-1),
-                           ignore_index=IGNORE_INDEX)
+    device = next(model.parameters()).device
+    ids, positions, targets = (torch.from_numpy(a).to(device) for a in (packed.input_ids, packed.position_ids,
+                                                                       packed.targets))
+    logits = _logits(model, ids, positions)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
 # Warm-up prompts come from far beyond the RL prompts' indices, so RL never sees them.

@@ -100,6 +100,9 @@ def run_segment_table(
     cudaMemcpy2DAsync / the cast kernel, waited for with `timeout_s`. Returns or
     raises only once nothing it queued is running (see execute_segments_cuda).
     Raises SyncTimeoutError past `timeout_s`, SyncError when the engine fails.
+    A process's first CUDA call initialises the engine's CUDA runtime, which can
+    wait for work already queued on the device (it did on an H100) whatever
+    `timeout_s` says.
     """
     if len(table) == 0:
         return 0
