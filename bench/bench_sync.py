@@ -59,6 +59,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _WAIT = datetime.timedelta(seconds=300)
 
 
+def _replica_count(text: str) -> int:
+    count = int(text)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"a replica count must be >= 1, got {count}")
+    return count
+
+
 def model_config(args) -> SimpleNamespace:
     return SimpleNamespace(
         hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
@@ -459,7 +466,7 @@ def parse_args(argv):
     p.add_argument("--src-dtype", choices=sorted(DTYPES), default="bf16", help="the trainer's dtype (generator: bf16)")
     p.add_argument("--transports", nargs="+", choices=["auto", "shm", "cuda_ipc", "p2p"],
                    help="the transports to time, one run each (default: auto p2p; with --replicas one, default auto)")
-    p.add_argument("--replicas", nargs="+", type=int,
+    p.add_argument("--replicas", nargs="+", type=_replica_count,
                    help="sync one version into each number R of generator replicas instead, beside R x one replica "
                         "and the memcpy of R x the model's bytes (1 is always measured; default: no replicas, "
                         "the transports' comparison)")
@@ -481,8 +488,6 @@ def parse_args(argv):
 def _main_replicas(spec) -> int:
     if spec.device != "cpu":
         raise SystemExit("--replicas measures host tensors only: its limit is a host memcpy (got --device cuda)")
-    if min(spec.replicas) < 1:
-        raise SystemExit(f"--replicas: every count must be >= 1, got {spec.replicas}")
     spec.transports = spec.transports or ["auto"]
     if len(spec.transports) != 1:
         raise SystemExit(f"--replicas takes one transport, got --transports {' '.join(spec.transports)}")
@@ -505,8 +510,6 @@ def _main_hosts(spec) -> int:
     if spec.device != "cpu" or spec.transports:
         raise SystemExit("--hosts times host tensors with the transports a run picks: no --device cuda, no --transports")
     spec.replicas = spec.replicas or [1]
-    if min(spec.replicas) < 1:
-        raise SystemExit(f"--replicas: every count must be >= 1, got {spec.replicas}")
     try:
         parse_rate_bits(spec.link_rate)
     except ValueError as error:

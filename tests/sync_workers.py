@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import multiprocessing as mp
+import os
 import time
 
 import torch
@@ -10,6 +12,7 @@ import torch.distributed as dist
 
 from helpers import hf_state_dict, mismatches, poisoned_destination, small_config
 from llamarl_core.sync import (
+    RelayError,
     SyncError,
     WeightReceiver,
     WeightSender,
@@ -242,3 +245,92 @@ def late_rank_receiver_body(port: int, rank: int, scenario: dict) -> dict:
     prefixed = dist.PrefixStore(f"llamarl/sync/{scenario_name(scenario)}/dst/amax/", store)
     report["amax_keys_left"] = [f"{v}/0/{k}" for v in (1, 2, 3) for k in ("0", "1", "done") if prefixed.check([f"{v}/0/{k}"])]
     return report
+
+
+# ----------------------------------------------------------------------------- a relay that breaks off
+
+RELAY = dict(name="broken-relay", transport="p2p", bucket_bytes=4096)  # many buckets: forwarded one by one
+
+
+def _relay_model():
+    config = small_config("llama_gqa_bias")
+    return config, hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.bfloat16)
+
+
+def _relay_state(version: int):
+    return hf_state_dict(_relay_model()[0], 900 + version)
+
+
+def _relay_mismatches(version: int, weights) -> list:
+    config = _relay_model()[0]
+    return mismatches(reference_vllm_tp_shards(_relay_state(version), config, 1, torch.bfloat16)[0], weights)
+
+
+def relay_trainer_body(port: int, versions: tuple[int, ...]) -> str:
+    _, src, _ = _relay_model()
+    shards = {n: t.clone() for n, t in reference_fsdp_shards(_relay_state(versions[0]), 1, torch.float32)[0].items()}
+    with WeightSender(connect(port), src, 0, shards, timeout=60, **RELAY) as sender:
+        for v in versions:
+            for n, t in reference_fsdp_shards(_relay_state(v), 1, torch.float32)[0].items():
+                shards[n].copy_(t)
+            sender.send(v)
+    return "sent"
+
+
+def relay_parent_body(port: int, new_child: str) -> dict:
+    """Replica 0: version 1 reaches replica 1; replica 1 dies in the middle of version
+    2; version 3 lands, its relay failing at once; replace_relay feeds version 4 to
+    the new replica 1 registered under `new_child`."""
+    _, _, dst = _relay_model()
+    out = {}
+    with WeightReceiver(connect(port), dst, 0, poisoned_destination(dst, 0), timeout=60, replica=0, num_replicas=2,
+                        **RELAY) as parent:
+        out["1"] = parent.receive()
+        for v in (2, 3):
+            start = time.monotonic()
+            try:
+                parent.receive(timeout=10)
+                out[str(v)] = "relayed"
+            except RelayError as exc:
+                out[str(v)] = {"version": exc.version, "failed": exc.failed, "seconds": time.monotonic() - start}
+            out[f"mismatches{v}"] = _relay_mismatches(v, parent.weights())
+        parent.replace_relay(1, f"{new_child}/replica1")
+        out["4"] = parent.receive(timeout=60)
+        out["mismatches4"] = _relay_mismatches(4, parent.weights())
+    return out
+
+
+def _receive_then_die_mid_version(port: int) -> None:
+    _, _, dst = _relay_model()
+    child = WeightReceiver(connect(port), dst, 0, poisoned_destination(dst, 0), timeout=60, replica=1, num_replicas=2,
+                           **RELAY)
+    assert child.receive() == 1 and _relay_mismatches(1, child.weights()) == []
+    from llamarl_core.sync import endpoints
+
+    unpack, unpacked = endpoints.run_segment_table, []
+
+    def unpack_then_die(*args, **kwargs):
+        unpacked.append(1)
+        if len(unpacked) > 3:
+            os._exit(17)  # killed in the middle of version 2: its sockets close with it
+        return unpack(*args, **kwargs)
+
+    endpoints.run_segment_table = unpack_then_die
+    child.receive()
+
+
+def dying_relay_child_body(port: int) -> int:
+    """Replica 1, in a process of its own that dies mid-version; returns its exit code."""
+    proc = mp.get_context("spawn").Process(target=_receive_then_die_mid_version, args=(port,))
+    proc.start()
+    proc.join(timeout=120)
+    return proc.exitcode
+
+
+def relay_child_body(port: int, name: str) -> dict:
+    """The new replica 1, registered under `name`: fed version 4 once its parent replaces the relay."""
+    _, _, dst = _relay_model()
+    with WeightReceiver(connect(port), dst, 0, poisoned_destination(dst, 0), timeout=60, replica=1, num_replicas=2,
+                        **{**RELAY, "name": name}) as child:
+        version = child.receive(timeout=60)
+        return {"version": version, "mismatches": _relay_mismatches(version, child.weights())}

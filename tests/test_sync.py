@@ -437,13 +437,17 @@ def test_point_to_point_timeout_and_rejoin_are_sync_errors(store):
     receiver.close()
 
 
-@pytest.mark.parametrize("num_replicas, fsdp, tp", [(2, 1, 1), (2, 2, 2), (4, 2, 1)])
-def test_replicas_each_equal_the_reference_after_every_sync(store, num_replicas, fsdp, tp):
+@pytest.mark.parametrize("num_replicas, fsdp, tp, transport", [(2, 1, 1, "auto"), (2, 2, 2, "auto"),
+                                                                (4, 2, 1, "auto"), (4, 2, 2, "p2p")])
+def test_replicas_each_equal_the_reference_after_every_sync(store, num_replicas, fsdp, tp, transport):
     """Generator replicas x TP ranks, one thread each (their own Store clients): the
     trainer ranks send to replica 0, the others get each version by relay; every
-    replica's tensors equal the plain-torch reference after each of three syncs."""
+    replica's tensors equal the plain-torch reference after each of three syncs.
+    Point to point, with small buckets, each relay forwards every bucket as it lands
+    (relay buckets mirror the received ones), down two levels of the relay tree."""
     config, versions = small_config("llama_gqa_bias"), (1, 2, 3)
-    name = f"replicas-{num_replicas}-{fsdp}-{tp}"
+    name = f"replicas-{num_replicas}-{fsdp}-{tp}-{transport}"
+    options = dict(transport=transport, **({"bucket_bytes": 4096} if transport == "p2p" else {}))
     src_layout, dst_layout = hf_llama_fsdp(config, fsdp, torch.float32), vllm_llama_tp(config, tp, torch.bfloat16)
     states = {v: hf_state_dict(config, 500 + v) for v in versions}
     problems, errors = {}, []
@@ -451,7 +455,7 @@ def test_replicas_each_equal_the_reference_after_every_sync(store, num_replicas,
     def sender(rank):
         try:
             shards = {n: t.clone() for n, t in reference_fsdp_shards(states[1], fsdp, torch.float32)[rank].items()}
-            with WeightSender(_client(store), src_layout, rank, shards, name=name, timeout=60) as endpoint:
+            with WeightSender(_client(store), src_layout, rank, shards, name=name, timeout=60, **options) as endpoint:
                 for v in versions:
                     for n, t in reference_fsdp_shards(states[v], fsdp, torch.float32)[rank].items():
                         shards[n].copy_(t)
@@ -463,7 +467,7 @@ def test_replicas_each_equal_the_reference_after_every_sync(store, num_replicas,
         try:
             params = poisoned_destination(dst_layout, rank)
             with WeightReceiver(_client(store), dst_layout, rank, params, name=name, timeout=60, replica=replica,
-                                num_replicas=num_replicas) as endpoint:
+                                num_replicas=num_replicas, **options) as endpoint:
                 for v in versions:
                     assert endpoint.receive() == v
                     expected = reference_vllm_tp_shards(states[v], config, tp, torch.bfloat16)[rank]
@@ -568,6 +572,25 @@ def test_a_lost_replica_is_abandoned_at_once_and_its_replacement_fed_by_replace_
     for endpoint in (sender, parent, child):
         endpoint.close()
     assert llamarl_shm_entries() == []
+
+
+def test_a_relay_that_breaks_off_mid_version_fails_at_once_until_replaced(store):
+    """Point to point, replica 0 forwards each bucket to replica 1 as it lands. Replica
+    1's process dies after unpacking 3 buckets of version 2: replica 0 still lands
+    version 2 and says the relay failed (RelayError); at version 3 that relay fails at
+    once, the pair holding part of a version; replace_relay then feeds version 4 to a
+    new replica 1, and every copy equals the reference."""
+    jobs = [(workers.relay_trainer_body, dict(port=store.port, versions=(1, 2, 3, 4))),
+            (workers.relay_parent_body, dict(port=store.port, new_child="broken-relay-2")),
+            (workers.dying_relay_child_body, dict(port=store.port)),
+            (workers.relay_child_body, dict(port=store.port, name="broken-relay-2"))]
+    _, parent, exit_code, child = run_processes(jobs, timeout=240)
+    assert exit_code == 17  # died where it was meant to
+    assert parent["1"] == 1 and parent["4"] == 4 and child == {"version": 4, "mismatches": []}
+    assert parent["2"]["version"] == 2 and list(parent["2"]["failed"]) == [1], parent["2"]
+    assert parent["3"]["version"] == 3 and "broke off in the middle of a version" in parent["3"]["failed"][1]
+    assert parent["3"]["seconds"] < 5, parent["3"]  # not a wait on the dead child
+    assert parent["mismatches2"] == parent["mismatches3"] == parent["mismatches4"] == []
 
 
 def test_replica_arguments_are_checked_before_registering(store):

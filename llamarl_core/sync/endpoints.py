@@ -78,6 +78,12 @@ from .transports import (
 )
 
 DEFAULT_TIMEOUT_S = 120.0
+# The largest bucket of a sync into generator replicas. A replica forwards a bucket
+# to the next one once all of it has landed, so a relay level adds about one
+# bucket's transfer: 16 MiB is 0.13 s at 1 Gbit/s, 1.3 ms at 100. With the default
+# 256 MiB a 129 MiB model crossed 1 Gbit hosts in one large bucket per rank pair,
+# and one relay level added 0.8 s to a 1.1 s sync.
+RELAY_BUCKET_BYTES = 16 << 20
 _SRC, _DST = "src", "dst"
 # Set by abandon_receivers: the reason under this key, and this value in the tickets it opens.
 _ABANDONED = "abandoned"
@@ -126,8 +132,11 @@ class _Endpoint:
     several syncs can share one Store. transport: 'auto', 'shm', 'cuda_ipc' or
     'p2p' (torch.distributed, the path used across machines). timeout: seconds,
     for set-up and the default of every call. bucket_bytes: see plan_transfer;
-    sender rank 0's value is used by every rank.
+    every rank uses the smaller of sender rank 0's and receiver rank 0's values.
     num_threads: host copy threads (default: LLAMARL_COPY_THREADS or all cores).
+    relay_buckets: set by a WeightReceiver on the sender that relays to the next
+    replica: that pair's buckets, mirroring the ones it receives, in arrival
+    order; the receiving replica reads them from the Store.
     """
 
     side = ""
@@ -144,6 +153,7 @@ class _Endpoint:
         timeout: float = DEFAULT_TIMEOUT_S,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         num_threads: int | None = None,
+        relay_buckets: list | None = None,
     ):
         if not 0 <= rank < layout.world_size:
             raise ValueError(f"{self.side} rank {rank} is outside the layout's world size {layout.world_size}")
@@ -163,13 +173,15 @@ class _Endpoint:
         deadline = time.monotonic() + timeout
         me = _SRC if self.side == "sender" else _DST
         exported = self.tensors if me == _DST else None  # receivers' memory is what CUDA IPC exports
+        if me == _SRC:  # before the info key, which receivers wait for
+            self.channel.set(f"{_SRC}/{rank}/relay_buckets", relay_buckets)
         self.channel.set(f"{me}/{rank}/info", {**device_info(self.device, exported), "transport": transport})
         if rank == 0:
+            self.channel.set(f"{me}/bucket_bytes", bucket_bytes)  # before the layout, which the other side waits for
             self.channel.set(f"{me}/layout", layout.to_dict())
-            if me == _SRC:
-                self.channel.set(f"{_SRC}/bucket_bytes", bucket_bytes)
-        self.channel.wait([f"{_SRC}/layout", f"{_DST}/layout", f"{_SRC}/bucket_bytes"], deadline, "both sides' layouts")
-        bucket_bytes = self.channel.get(f"{_SRC}/bucket_bytes")  # both sides must bucket alike (p2p)
+        self.channel.wait([f"{_SRC}/layout", f"{_DST}/layout"], deadline, "both sides' layouts")
+        # Both sides must bucket alike (p2p).
+        bucket_bytes = min(self.channel.get(f"{_SRC}/bucket_bytes"), self.channel.get(f"{_DST}/bucket_bytes"))
         if Layout.from_dict(self.channel.get(f"{me}/layout")) != layout:
             raise ValueError(f"{self.side} rank {rank}: its layout differs from the one rank 0 registered")
         other = _DST if me == _SRC else _SRC
@@ -180,6 +192,12 @@ class _Endpoint:
         info_keys += [f"{_DST}/{r}/info" for r in range(dst_layout.world_size)]
         self.channel.wait(info_keys, deadline, "every rank's device info")
         infos = [self.channel.get(k) for k in info_keys]
+        own_pairs = [(rank, d) for d in self.plan.receivers_of(rank)] if me == _SRC else [
+            (s, rank) for s in self.plan.senders_of(rank)]
+        for pair in own_pairs:
+            relayed = relay_buckets if me == _SRC else self.channel.get(f"{_SRC}/{pair[0]}/relay_buckets")
+            if relayed is not None:
+                self.plan.buckets[pair] = self._relayed_buckets(relayed, pair)
         requested = {i["transport"] for i in infos}
         if len(requested) > 1:
             raise ValueError(f"ranks asked for different transports {sorted(requested)}; pass the same to every rank")
@@ -211,6 +229,35 @@ class _Endpoint:
                 self.device.type,
                 timeout,
             )
+
+    def _relayed_buckets(self, relayed: list, pair: tuple[int, int]) -> list[tuple[Segment, ...]]:
+        """The buckets of a relay pair (rank r of one replica to rank r of the next, one
+        layout) in its sender's order: each segment copies a region of a tensor to the
+        same region of the same tensor. Checked to stay inside the tensors and to
+        write as many bytes as the plan's own buckets (the sender cut them from a
+        validated plan's regions)."""
+        src, dst = pair
+        where = f"{self.side} rank {self.rank}: the relay buckets of pair {src} -> {dst}"
+        if src != dst or self.plan.src_layout != self.plan.dst_layout:
+            raise ValueError(f"{where}: not a relay between replicas of one layout")
+        buckets = []
+        for bucket in relayed:
+            segments = []
+            for name, offset, pitch, width, height in bucket:
+                tensor = self.tensors.get(name)
+                itemsize = tensor.element_size() if tensor is not None else 0
+                row = width * itemsize  # the pitch of a single row is unused
+                if tensor is None or not (0 <= offset and 0 < row and height > 0 and (height == 1 or row <= pitch)
+                                          and offset + (height - 1) * pitch + row <= tensor.nbytes):
+                    raise ValueError(f"{where}: segment {name!r} at byte {offset} ({height} x {width}, pitch {pitch}) "
+                                     "is not inside a tensor of this rank")
+                segments.append(Segment(src, name, offset, pitch, dst, name, offset, pitch, width, height, itemsize,
+                                        False))
+            buckets.append(tuple(segments))
+        planned = sum(s.nbytes for b in self.plan.buckets[pair] for s in b)
+        if sum(s.nbytes for b in buckets for s in b) != planned:
+            raise ValueError(f"{where} write {sum(s.nbytes for b in buckets for s in b)} bytes, the plan {planned}")
+        return buckets
 
     def _deadline(self, timeout: float | None) -> float:
         if self._closed:
@@ -417,30 +464,7 @@ class WeightSender(_Endpoint):
             self.channel.set(f"{_DST}/{dst}/done/{ticket}/{self.rank}", version)
             self._served[dst] = ticket
         for dst in self._p2p_peers:  # in round order
-            written += self._send_p2p(dst, version, deadline)
-        return written
-
-    def _send_p2p(self, dst: int, version: int, deadline: float) -> int:
-        """Pack each bucket into staging buffer i % 2 and send it (tag 1 + i); the
-        packing of bucket i + 1 overlaps the send of bucket i. Packing is done when
-        run_segment_table returns (on GPU its stream waited for the current one, so
-        the optimizer's pending writes came first), so what is in flight reads the
-        staging buffers only, never the trainer's tensors."""
-        peer = self.plan.src_layout.world_size + dst
-        tables = self._tables[dst]
-        header = torch.tensor([version, len(tables)], dtype=torch.int64, device=self.device)
-        what = f"sending version {version} to receiver {dst}"
-        self._wait_work(self._post("send", header, peer, 0, what), deadline, what)
-        in_flight = [None, None]  # the send reading each staging buffer
-        written = 0
-        for i, (table, nbytes) in enumerate(tables):
-            if in_flight[i % 2] is not None:  # the buffer is free once the send reading it is done
-                self._wait_work(in_flight[i % 2], deadline, what)
-            written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
-            in_flight[i % 2] = self._post("send", self._staging_bufs[i % 2][:nbytes], peer, 1 + i, what)
-        for work in in_flight:
-            if work is not None:
-                self._wait_work(work, deadline, what)
+            written += _P2PStream(self, dst, version, deadline).finish()
         return written
 
     def close(self) -> None:
@@ -450,6 +474,118 @@ class WeightSender(_Endpoint):
         for opened in self._opened:
             opened.close()
         self._opened = []
+
+
+class _P2PStream:
+    """One version from a sender to one point-to-point receiver: a header (tag 0:
+    version, bucket count), then bucket i packed into staging buffer i % 2 and sent
+    (tag 1 + i), so that packing bucket i + 1 overlaps the send of bucket i.
+    Packing is done when run_segment_table returns (on GPU its stream waited for
+    the current one, so the optimizer's pending writes came first): what is in
+    flight reads the staging buffers only, never the sender's tensors. `forward`
+    sends the buckets one at a time (a relay sends each as it lands on its own
+    rank); `finish` sends the rest and waits for every send."""
+
+    def __init__(self, sender: WeightSender, dst: int, version: int, deadline: float):
+        self.sender, self.deadline = sender, deadline
+        self.peer = sender.plan.src_layout.world_size + dst
+        self.tables = sender._tables[dst]
+        self.what = f"sending version {version} to receiver {dst}"
+        self.header = torch.tensor([version, len(self.tables)], dtype=torch.int64, device=sender.device)
+        self.in_flight = [sender._post("send", self.header, self.peer, 0, self.what), None, None]
+        self.sent = 0  # buckets posted
+        self.written = 0
+
+    def forward(self) -> None:
+        """Pack and post the next bucket, once the send still reading its buffer is done."""
+        s, i = self.sender, self.sent
+        table, nbytes = self.tables[i]
+        if self.in_flight[1 + i % 2] is not None:
+            s._wait_work(self.in_flight[1 + i % 2], self.deadline, self.what)
+        self.written += run_segment_table(table, s.device, s.num_threads, s._copy_timeout(self.deadline))
+        self.in_flight[1 + i % 2] = s._post("send", s._staging_bufs[i % 2][:nbytes], self.peer, 1 + i, self.what)
+        self.sent += 1
+
+    def finish(self) -> int:
+        """Send the buckets not sent yet, wait for every send; returns the bytes packed."""
+        while self.sent < len(self.tables):
+            self.forward()
+        for work in self.in_flight:
+            if work is not None:
+                self.sender._wait_work(work, self.deadline, self.what)
+        return self.written
+
+
+class _Forwarding:
+    """The relays one receive() feeds bucket by bucket (relay buckets mirror the
+    receiver's point-to-point buckets, in arrival order: relay bucket k holds the
+    regions of received bucket k). Each relay's stream starts at the first header
+    (its version) and runs in a thread of its own, which sends every bucket once
+    it has landed here, waiting on its own sends: the receive never waits on a
+    child (gloo's is_completed() stays False until someone waits on the work, so
+    the receiving thread cannot tell a finished send without blocking). A slow or
+    dead child only falls behind; `finish`, once the version has landed here,
+    waits for the threads until the deadline. A stream that fails stops, its
+    error kept in `failed`; `abort` stops them all at their next bucket."""
+
+    def __init__(self, relays: dict[int, WeightSender], deadline: float):
+        self.relays, self.deadline = relays, deadline
+        self.streams: dict[int, _P2PStream] = {}
+        self.failed: dict[int, str] = {}
+        self._threads: dict[int, threading.Thread] = {}
+        self._changed = threading.Condition()
+        self._landed = 0
+        self._all_landed = self._aborted = False
+
+    def start(self, version: int) -> None:
+        if self.streams or self.failed:
+            return  # started at the first sender's header
+        for child, relay in self.relays.items():
+            try:
+                self.streams[child] = _P2PStream(relay, relay.rank, version, self.deadline)
+            except (ValueError, RuntimeError) as exc:
+                self.failed[child] = f"{type(exc).__name__}: {exc}"
+                continue
+            self._threads[child] = threading.Thread(target=self._feed, args=(child, self.streams[child]), daemon=True,
+                                                    name=f"relay-{relay.rank}-to-replica-{child}")
+            self._threads[child].start()
+
+    def landed(self) -> None:
+        with self._changed:
+            self._landed += 1
+            self._changed.notify_all()
+
+    def finish(self) -> None:
+        """Everything has landed here: let the streams send the rest; wait for them."""
+        with self._changed:
+            self._all_landed = True
+            self._changed.notify_all()
+        for child, thread in self._threads.items():
+            thread.join(timeout=max(self.deadline - time.monotonic(), 0.0) + 1.0)
+            if thread.is_alive():
+                self.failed.setdefault(child, "SyncTimeoutError: the relay's sends did not complete in time")
+
+    def abort(self) -> None:
+        with self._changed:
+            self._aborted = True
+            self._changed.notify_all()
+
+    def _feed(self, child: int, stream: _P2PStream) -> None:
+        try:
+            while True:
+                with self._changed:
+                    self._changed.wait_for(lambda: self._aborted or self._all_landed or stream.sent < self._landed,
+                                           timeout=max(self.deadline - time.monotonic(), 0.0))
+                    if self._aborted:
+                        return
+                    if stream.sent >= self._landed:
+                        if self._all_landed:
+                            break
+                        raise SyncTimeoutError("the relay waited past the deadline for buckets to land")
+                stream.forward()
+            stream.finish()
+        except (ValueError, RuntimeError) as exc:  # SyncError included; the other relays go on
+            self.failed[child] = f"{type(exc).__name__}: {exc}"
 
 
 class WeightReceiver(_Endpoint):
@@ -473,9 +609,15 @@ class WeightReceiver(_Endpoint):
     ranks send to replica 0 only; a version then goes down the replicas'
     `relay_tree`, rank to same rank, each a sync of its own under the Store names
     `<name>/replica<r>` (or `relay_names[r]`): receive() returns once the version
-    has landed here and has been copied to the replicas this one feeds. A relay
-    that fails raises RelayError once the others are done: the version landed here.
-    A child replica restarted under a new name is fed through `replace_relay`.
+    has landed here and has been copied to the replicas this one feeds. Where this
+    rank receives point to point only (its senders on other hosts), a child it
+    reaches point to point gets each bucket as soon as it has landed here (the
+    relay's buckets mirror the received ones), so a version crosses the relay tree
+    in about the time of one link, not one link per level; otherwise the relay
+    starts once everything has landed. A relay that fails raises RelayError once
+    the others are done: the version landed here; one that broke off in the middle
+    of a version fails every later receive at once until `replace_relay`. A child
+    replica restarted under a new name is fed through `replace_relay`.
     """
 
     side = "receiver"
@@ -487,6 +629,8 @@ class WeightReceiver(_Endpoint):
         if not 0 <= replica < num_replicas:
             raise ValueError(f"replica must be in [0, {num_replicas}), got {replica}")
         name = kwargs.pop("name", "weights")
+        if num_replicas > 1:
+            kwargs["bucket_bytes"] = min(kwargs.get("bucket_bytes", DEFAULT_BUCKET_BYTES), RELAY_BUCKET_BYTES)
         children = relay_tree(num_replicas)[replica]
         relay_names = {child: relay_name(name, child) for child in children} | dict(relay_names or {})
         if sorted(relay_names) != children:
@@ -532,12 +676,49 @@ class WeightReceiver(_Endpoint):
         self.replica = replica
         self._store = store
         self._relay_kwargs = {k: kwargs[k] for k in ("transport", "bucket_bytes", "num_threads") if k in kwargs}
+        self._relay_regions = self._regions_in_arrival_order()
         self._relays: dict[int, WeightSender | Future] = {
             child: self._relay_in_background(child, relay_names[child]) for child in children}
 
     def _relay_sender(self, store: dist.Store, name: str) -> WeightSender:
         return WeightSender(store, self.layout, self.rank, self.tensors, name=name, timeout=self.timeout,
-                            **self._relay_kwargs)
+                            relay_buckets=self._relay_regions, **self._relay_kwargs)
+
+    def _regions_in_arrival_order(self) -> list | None:
+        """What a relay from this rank sends, bucket by bucket: the regions of the
+        buckets this rank receives point to point, in the order they arrive, so each
+        goes on to the child replica as soon as it has landed (see receive). None (the
+        relay plan's own buckets, sent once everything has landed) where a sender on
+        this host writes too: its regions land all at once, at the end."""
+        if self._local_senders or not self._p2p_peers:
+            return None
+        return [[[seg.dst_name, seg.dst_offset, seg.dst_pitch, seg.width, seg.height] for seg in bucket]
+                for src in self._p2p_peers for bucket in self.plan.buckets[(src, self.rank)]]
+
+    def _forwarded_relays(self, children: list[int]) -> dict[int, WeightSender]:
+        """The relays among `children` that receive() feeds bucket by bucket: this rank
+        receives point to point only, and the relay is set up and point to point too
+        (through shared memory a child is filled after landing, at memory speed)."""
+        if self._relay_regions is None:
+            return {}
+        ready = {}
+        for child in children:
+            relay = self._relays[child]
+            if isinstance(relay, Future) and relay.done() and relay.exception() is None:
+                relay = self._relays[child] = relay.result()
+            if isinstance(relay, WeightSender) and relay._p2p_peers:
+                ready[child] = relay
+        return ready
+
+    def _break_relay(self, child: int, reason: str) -> None:
+        """The relay to `child` stopped in the middle of a version: the child holds part
+        of it, and sends of that version may still wait in the pair. Every later
+        receive fails that relay at once, until replace_relay feeds the child anew."""
+        self._close_relay(self._relays[child])
+        broken = Future()
+        broken.set_exception(SyncError(f"the relay to replica {child} broke off in the middle of a version "
+                                       f"({reason}); replace_relay feeds the replica again"))
+        self._relays[child] = broken
 
     def replace_relay(self, child: int, name: str) -> None:
         """Feed replica `child` through the sync `name` from now on (a restarted child
@@ -587,9 +768,21 @@ class WeightReceiver(_Endpoint):
         children = sorted(self._relays) if relay_to is None else sorted(set(relay_to))
         if not set(children) <= set(self._relays):
             raise ValueError(f"relay_to={children}: replica {self.replica} feeds replicas {sorted(self._relays)}")
-        version = self._receive(deadline, expect)
-        failed = {}
+        forwarding = _Forwarding(self._forwarded_relays(children), deadline)
+        try:
+            version = self._receive(deadline, expect, forwarding)
+        except BaseException as exc:
+            forwarding.abort()
+            for child in [*forwarding.streams, *forwarding.failed]:
+                self._break_relay(child, f"this replica's receive failed: {type(exc).__name__}: {exc}")
+            raise
+        forwarding.finish()
+        for child in forwarding.failed:
+            self._break_relay(child, forwarding.failed[child])
+        failed = dict(forwarding.failed)
         for child in children:
+            if child in forwarding.relays:
+                continue
             try:
                 self._ready_relay(child, deadline).send(version, timeout=max(deadline - time.monotonic(), 1e-3))
             except (ValueError, RuntimeError) as exc:  # SyncError, and set-up's errors too; the other children go on
@@ -612,11 +805,11 @@ class WeightReceiver(_Endpoint):
             self._relays[child] = relay
         return relay
 
-    def _receive(self, deadline: float, expect: int | None) -> int:
+    def _receive(self, deadline: float, expect: int | None, forwarding: _Forwarding) -> int:
         self._check_storage()
         if not self._local_senders:
             # The unpack copies run on a stream that waits for the current one: the GPU orders them.
-            return self._complete(self._receive_p2p(deadline), deadline)
+            return self._complete(self._receive_p2p(deadline, forwarding), deadline)
         # Senders on this host write from other processes and streams, ordered by
         # nothing but the ticket: open it only once the generator's queued kernels
         # have stopped reading.
@@ -627,7 +820,7 @@ class WeightReceiver(_Endpoint):
         self.channel.set(f"{key}/open/{ticket}", expect)
         done = [f"{key}/done/{ticket}/{src}" for src in self._local_senders]
         try:
-            versions = self._receive_p2p(deadline)  # senders on other hosts, meanwhile
+            versions = self._receive_p2p(deadline, forwarding)  # senders on other hosts, meanwhile
             self.channel.wait(done, deadline, f"senders to finish (receiver {self.rank}, ticket {ticket})")
             answers = [self.channel.get(k) for k in done]
         finally:
@@ -655,11 +848,12 @@ class WeightReceiver(_Endpoint):
                     "was written: register a new WeightReceiver after the generator re-allocates its weights"
                 )
 
-    def _receive_p2p(self, deadline: float) -> set[int]:
+    def _receive_p2p(self, deadline: float, forwarding: _Forwarding) -> set[int]:
         """The point-to-point senders' buckets, in round order; returns their
         versions. Bucket i arrives in staging buffer i % 2 (tag 1 + i): the receive
         of bucket i + 1 is posted before bucket i is unpacked, and the receive of
-        bucket i + 2 into the same buffer only after that unpack has completed."""
+        bucket i + 2 into the same buffer only after that unpack has completed.
+        Each bucket, once unpacked, goes on to the relays `forwarding` feeds."""
         versions = set()
         self.torn = True
         for src in self._p2p_peers:  # in round order
@@ -671,6 +865,7 @@ class WeightReceiver(_Endpoint):
             if num_buckets != len(tables):
                 raise SyncError(f"sender {src} sends {num_buckets} buckets, the plan has {len(tables)}")
             versions.add(version)
+            forwarding.start(version)
             what = f"version {version} from sender {src}"
             pending = self._post("recv", self._staging_bufs[0][: tables[0][1]], src, 1, what) if tables else None
             for i, (table, _) in enumerate(tables):
@@ -678,6 +873,7 @@ class WeightReceiver(_Endpoint):
                 if i + 1 < len(tables):
                     pending = self._post("recv", self._staging_bufs[(i + 1) % 2][: tables[i + 1][1]], src, 2 + i, what)
                 run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
+                forwarding.landed()
         return versions
 
     def _complete(self, versions: set[int], deadline: float) -> int:
