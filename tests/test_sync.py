@@ -31,6 +31,7 @@ from llamarl_core.sync import (
     RelayError,
     SyncError,
     SyncTimeoutError,
+    TornWeightsError,
     WeightReceiver,
     WeightSender,
     abandon_receivers,
@@ -572,6 +573,52 @@ def test_a_lost_replica_is_abandoned_at_once_and_its_replacement_fed_by_replace_
     for endpoint in (sender, parent, child):
         endpoint.close()
     assert llamarl_shm_entries() == []
+
+
+def test_a_child_never_completes_a_version_its_parent_got_mixed(store):
+    """After a good sync, two point-to-point trainer ranks send different versions:
+    replica 0 refuses them (torn), and replica 1, fed bucket by bucket from the
+    first sender's header, must not take what it was forwarded as a complete
+    version either: it times out, torn; replica 0's relay to it fails at once
+    afterwards."""
+    config = small_config("llama_gqa_bias")
+    src_layout, dst_layout = hf_llama_fsdp(config, 2, torch.float32), vllm_llama_tp(config, 1, torch.bfloat16)
+    shards = reference_fsdp_shards(hf_state_dict(config, 800), 2, torch.float32)
+    options = dict(name="mixed", transport="p2p", bucket_bytes=4096)
+
+    def sender(rank):
+        with WeightSender(_client(store), src_layout, rank, shards[rank], timeout=30, **options) as endpoint:
+            endpoint.send(1)
+            endpoint.send(2 + rank)  # rank 0 sends version 2, rank 1 version 3
+
+    def receiver(replica):
+        return WeightReceiver(_client(store), dst_layout, 0, poisoned_destination(dst_layout, 0), timeout=30,
+                              replica=replica, num_replicas=2, **options)
+
+    endpoints = {}
+
+    def receive(replica, timeout):
+        endpoints[replica] = receiver(replica)
+        assert endpoints[replica].receive() == 1
+        return endpoints[replica].receive(timeout=timeout)
+
+    results = _in_threads(lambda: sender(0), lambda: sender(1), lambda: receive(0, 20), lambda: receive(1, 10))
+    parent, child = results[2:]
+    assert isinstance(parent, SyncError) and "senders sent different versions [2, 3]" in str(parent), parent
+    assert isinstance(child, SyncTimeoutError) and endpoints[1].torn and endpoints[1].version == 1, child
+    with pytest.raises(TornWeightsError):
+        endpoints[1].weights()
+    assert "broke off in the middle of a version" in _relay_failure(endpoints[0])
+    for endpoint in endpoints.values():
+        endpoint.close()
+
+
+def _relay_failure(parent: WeightReceiver) -> str:
+    try:
+        parent._ready_relay(1, time.monotonic() + 1)
+    except SyncError as exc:
+        return str(exc)
+    return "the relay is ready"
 
 
 def test_a_relay_that_breaks_off_mid_version_fails_at_once_until_replaced(store):

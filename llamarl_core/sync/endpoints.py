@@ -34,10 +34,12 @@ import json
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import nullcontext
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import Iterable, Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -78,7 +80,8 @@ from .transports import (
 )
 
 DEFAULT_TIMEOUT_S = 120.0
-# The largest bucket of a sync into generator replicas. A replica forwards a bucket
+# The largest point-to-point bucket of a sync into generator replicas (shared memory
+# and CUDA IPC keep theirs: there a bucket is a unit of work). A replica forwards a bucket
 # to the next one once all of it has landed, so a relay level adds about one
 # bucket's transfer: 16 MiB is 0.13 s at 1 Gbit/s, 1.3 ms at 100. With the default
 # 256 MiB a 129 MiB model crossed 1 Gbit hosts in one large bucket per rank pair,
@@ -132,7 +135,8 @@ class _Endpoint:
     several syncs can share one Store. transport: 'auto', 'shm', 'cuda_ipc' or
     'p2p' (torch.distributed, the path used across machines). timeout: seconds,
     for set-up and the default of every call. bucket_bytes: see plan_transfer;
-    every rank uses the smaller of sender rank 0's and receiver rank 0's values.
+    sender rank 0's value is used by every rank. p2p_bucket_bytes (receivers): a
+    cap on the buckets of point-to-point pairs; receiver rank 0's applies.
     num_threads: host copy threads (default: LLAMARL_COPY_THREADS or all cores).
     relay_buckets: set by a WeightReceiver on the sender that relays to the next
     replica: that pair's buckets, mirroring the ones it receives, in arrival
@@ -154,6 +158,7 @@ class _Endpoint:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         num_threads: int | None = None,
         relay_buckets: list | None = None,
+        p2p_bucket_bytes: int | None = None,
     ):
         if not 0 <= rank < layout.world_size:
             raise ValueError(f"{self.side} rank {rank} is outside the layout's world size {layout.world_size}")
@@ -176,12 +181,12 @@ class _Endpoint:
         if me == _SRC:  # before the info key, which receivers wait for
             self.channel.set(f"{_SRC}/{rank}/relay_buckets", relay_buckets)
         self.channel.set(f"{me}/{rank}/info", {**device_info(self.device, exported), "transport": transport})
-        if rank == 0:
-            self.channel.set(f"{me}/bucket_bytes", bucket_bytes)  # before the layout, which the other side waits for
+        if rank == 0:  # before the layout, which the other side waits for
+            self.channel.set(f"{me}/bucket_bytes", bucket_bytes if me == _SRC else p2p_bucket_bytes)
             self.channel.set(f"{me}/layout", layout.to_dict())
         self.channel.wait([f"{_SRC}/layout", f"{_DST}/layout"], deadline, "both sides' layouts")
-        # Both sides must bucket alike (p2p).
-        bucket_bytes = min(self.channel.get(f"{_SRC}/bucket_bytes"), self.channel.get(f"{_DST}/bucket_bytes"))
+        bucket_bytes = self.channel.get(f"{_SRC}/bucket_bytes")  # both sides must bucket alike (p2p)
+        p2p_cap = self._get_if_set(f"{_DST}/bucket_bytes")  # absent where the receivers run an older version
         if Layout.from_dict(self.channel.get(f"{me}/layout")) != layout:
             raise ValueError(f"{self.side} rank {rank}: its layout differs from the one rank 0 registered")
         other = _DST if me == _SRC else _SRC
@@ -192,12 +197,6 @@ class _Endpoint:
         info_keys += [f"{_DST}/{r}/info" for r in range(dst_layout.world_size)]
         self.channel.wait(info_keys, deadline, "every rank's device info")
         infos = [self.channel.get(k) for k in info_keys]
-        own_pairs = [(rank, d) for d in self.plan.receivers_of(rank)] if me == _SRC else [
-            (s, rank) for s in self.plan.senders_of(rank)]
-        for pair in own_pairs:
-            relayed = relay_buckets if me == _SRC else self.channel.get(f"{_SRC}/{pair[0]}/relay_buckets")
-            if relayed is not None:
-                self.plan.buckets[pair] = self._relayed_buckets(relayed, pair)
         requested = {i["transport"] for i in infos}
         if len(requested) > 1:
             raise ValueError(f"ranks asked for different transports {sorted(requested)}; pass the same to every rank")
@@ -206,6 +205,14 @@ class _Endpoint:
         self.transports = choose_transports(transport, self._src_infos, self._dst_infos, self.plan.pairs)
         # What the sync uses, e.g. "shm", or "p2p+shm" where some pairs span hosts.
         self.transport = "+".join(sorted(set(self.transports.values())))
+        own_pairs = [(rank, d) for d in self.plan.receivers_of(rank)] if me == _SRC else [
+            (s, rank) for s in self.plan.senders_of(rank)]
+        for pair in own_pairs:
+            if p2p_cap is not None and self.transports[pair] == P2P:
+                self.plan.cap_buckets(pair, p2p_cap)
+            relayed = relay_buckets if me == _SRC else self._get_if_set(f"{_SRC}/{pair[0]}/relay_buckets")
+            if relayed is not None:
+                self.plan.buckets[pair] = self._relayed_buckets(relayed, pair)
         # Point-to-point pairs run round by round, each round a matching (no rank in two pairs).
         self._p2p_rounds = bipartite_rounds(pair for pair, t in self.transports.items() if t == P2P)
         # This rank's point-to-point peers (receivers of a sender, senders of a receiver), in round order.
@@ -229,6 +236,10 @@ class _Endpoint:
                 self.device.type,
                 timeout,
             )
+
+    def _get_if_set(self, key: str):
+        """The key's value, None if it was never set (a get would wait out the Store's timeout)."""
+        return self.channel.get(key) if self.channel.has(key) else None
 
     def _relayed_buckets(self, relayed: list, pair: tuple[int, int]) -> list[tuple[Segment, ...]]:
         """The buckets of a relay pair (rank r of one replica to rank r of the next, one
@@ -254,9 +265,11 @@ class _Endpoint:
                 segments.append(Segment(src, name, offset, pitch, dst, name, offset, pitch, width, height, itemsize,
                                         False))
             buckets.append(tuple(segments))
-        planned = sum(s.nbytes for b in self.plan.buckets[pair] for s in b)
-        if sum(s.nbytes for b in buckets for s in b) != planned:
-            raise ValueError(f"{where} write {sum(s.nbytes for b in buckets for s in b)} bytes, the plan {planned}")
+        given, planned = (_written_runs([s for b in bs for s in b]) for bs in (buckets, self.plan.buckets[pair]))
+        if given is None:
+            raise ValueError(f"{where} write some bytes twice")
+        if given.keys() != planned.keys() or any(not np.array_equal(given[n], planned[n]) for n in given):
+            raise ValueError(f"{where} do not write the bytes the plan writes")
         return buckets
 
     def _deadline(self, timeout: float | None) -> float:
@@ -291,7 +304,8 @@ class _Endpoint:
         """Staging for the p2p transport, from each p2p pair's buckets: bucket i goes
         through buffer i % 2, so packing (or unpacking) one bucket overlaps the
         transfer of the next. The second buffer, one more bucket of memory (256 MiB by
-        default), only where some pair has more than one bucket."""
+        default, 16 MiB into generator replicas), only where some pair has more than
+        one bucket."""
         largest = max((sum(seg.nbytes for seg in b) for buckets in pair_buckets for b in buckets), default=0)
         count = 2 if any(len(buckets) > 1 for buckets in pair_buckets) else 1
         return [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(count)]
@@ -333,6 +347,24 @@ def _p2p_failure(what: str, exc: RuntimeError) -> SyncError:
     if "Timed out" in str(exc):
         return SyncTimeoutError(f"{what} did not complete in time: {exc}")
     return SyncError(f"{what} failed (a peer died or its connection broke): {exc}")
+
+
+def _written_runs(segments: list[Segment]) -> dict[str, np.ndarray] | None:
+    """Destination tensor -> the byte runs the segments write, merged: rows of
+    [start, end), sorted; None if two segments write a byte twice."""
+    rows: dict[str, list] = {}
+    for seg in segments:
+        starts = seg.dst_offset + seg.dst_pitch * np.arange(seg.height, dtype=np.int64)
+        rows.setdefault(seg.dst_name, []).append(np.stack([starts, starts + seg.width * seg.itemsize], axis=1))
+    runs = {}
+    for name, parts in rows.items():
+        spans = np.concatenate(parts)
+        spans = spans[np.argsort(spans[:, 0], kind="stable")]
+        if (spans[1:, 0] < spans[:-1, 1]).any():
+            return None
+        joined = np.flatnonzero(spans[1:, 0] != spans[:-1, 1]) + 1  # where a new run begins
+        runs[name] = np.stack([spans[np.r_[0, joined], 0], spans[np.r_[joined - 1, len(spans) - 1], 1]], axis=1)
+    return runs
 
 
 def _packed(bucket: tuple[Segment, ...]) -> tuple[list[Segment], list[Segment]]:
@@ -519,34 +551,41 @@ class _P2PStream:
 class _Forwarding:
     """The relays one receive() feeds bucket by bucket (relay buckets mirror the
     receiver's point-to-point buckets, in arrival order: relay bucket k holds the
-    regions of received bucket k). Each relay's stream starts at the first header
-    (its version) and runs in a thread of its own, which sends every bucket once
-    it has landed here, waiting on its own sends: the receive never waits on a
-    child (gloo's is_completed() stays False until someone waits on the work, so
-    the receiving thread cannot tell a finished send without blocking). A slow or
-    dead child only falls behind; `finish`, once the version has landed here,
-    waits for the threads until the deadline. A stream that fails stops, its
-    error kept in `failed`; `abort` stops them all at their next bucket."""
+    regions of received bucket k). At the first header each relay gets a thread of
+    its own, which posts the header with that version and sends every bucket once
+    it has landed here, waiting on its own sends (on a GPU under a CUDA stream of
+    its own, so that no wait of a relay's lands on the stream the receive's copies
+    follow); the receiving thread never waits on a child (and could not poll: gloo's
+    is_completed() stays False until someone waits on the work). A slow or dead
+    child only falls behind; `finish`, once the version has landed here, waits for
+    the threads until the deadline. A relay that fails stops, its error kept in
+    `failed`; `abort` stops them all at their next bucket, as does a second header
+    with another version (the receive fails then: no child may complete it)."""
 
     def __init__(self, relays: dict[int, WeightSender], deadline: float):
         self.relays, self.deadline = relays, deadline
-        self.streams: dict[int, _P2PStream] = {}
-        self.failed: dict[int, str] = {}
+        self.started: list[int] = []  # the children a stream was started for
+        self._version: int | None = None
+        self._failed: dict[int, str] = {}
         self._threads: dict[int, threading.Thread] = {}
         self._changed = threading.Condition()
         self._landed = 0
         self._all_landed = self._aborted = False
 
+    @property
+    def failed(self) -> dict[int, str]:
+        with self._changed:
+            return dict(self._failed)
+
     def start(self, version: int) -> None:
-        if self.streams or self.failed:
-            return  # started at the first sender's header
+        if self._version is not None:
+            if version != self._version:
+                self.abort()
+            return
+        self._version = version
         for child, relay in self.relays.items():
-            try:
-                self.streams[child] = _P2PStream(relay, relay.rank, version, self.deadline)
-            except (ValueError, RuntimeError) as exc:
-                self.failed[child] = f"{type(exc).__name__}: {exc}"
-                continue
-            self._threads[child] = threading.Thread(target=self._feed, args=(child, self.streams[child]), daemon=True,
+            self.started.append(child)
+            self._threads[child] = threading.Thread(target=self._feed, args=(child, relay, version), daemon=True,
                                                     name=f"relay-{relay.rank}-to-replica-{child}")
             self._threads[child].start()
 
@@ -556,36 +595,43 @@ class _Forwarding:
             self._changed.notify_all()
 
     def finish(self) -> None:
-        """Everything has landed here: let the streams send the rest; wait for them."""
+        """Everything has landed here: let the relays send the rest; wait for them."""
         with self._changed:
             self._all_landed = True
             self._changed.notify_all()
         for child, thread in self._threads.items():
             thread.join(timeout=max(self.deadline - time.monotonic(), 0.0) + 1.0)
             if thread.is_alive():
-                self.failed.setdefault(child, "SyncTimeoutError: the relay's sends did not complete in time")
+                self._fail(child, "SyncTimeoutError: the relay's sends did not complete in time")
 
     def abort(self) -> None:
         with self._changed:
             self._aborted = True
             self._changed.notify_all()
 
-    def _feed(self, child: int, stream: _P2PStream) -> None:
+    def _fail(self, child: int, message: str) -> None:
+        with self._changed:
+            self._failed.setdefault(child, message)
+
+    def _feed(self, child: int, relay: WeightSender, version: int) -> None:
         try:
-            while True:
-                with self._changed:
-                    self._changed.wait_for(lambda: self._aborted or self._all_landed or stream.sent < self._landed,
-                                           timeout=max(self.deadline - time.monotonic(), 0.0))
-                    if self._aborted:
-                        return
-                    if stream.sent >= self._landed:
-                        if self._all_landed:
-                            break
-                        raise SyncTimeoutError("the relay waited past the deadline for buckets to land")
-                stream.forward()
-            stream.finish()
-        except (ValueError, RuntimeError) as exc:  # SyncError included; the other relays go on
-            self.failed[child] = f"{type(exc).__name__}: {exc}"
+            with torch.cuda.stream(torch.cuda.Stream(relay.device)) if relay.device.type == "cuda" else nullcontext():
+                stream = _P2PStream(relay, relay.rank, version, self.deadline)
+                while True:
+                    with self._changed:
+                        self._changed.wait_for(lambda: self._aborted or self._all_landed or stream.sent < self._landed,
+                                               timeout=max(self.deadline - time.monotonic(), 0.0))
+                        if self._aborted:
+                            self._failed.setdefault(child, "SyncError: stopped in the middle of the version")
+                            return
+                        if stream.sent >= self._landed:
+                            if self._all_landed:
+                                break
+                            raise SyncTimeoutError("the relay waited past the deadline for buckets to land")
+                    stream.forward()
+                stream.finish()
+        except BaseException as exc:  # noqa: BLE001 - any failure is this relay's; receive() reports it
+            self._fail(child, f"{type(exc).__name__}: {exc}")
 
 
 class WeightReceiver(_Endpoint):
@@ -630,7 +676,7 @@ class WeightReceiver(_Endpoint):
             raise ValueError(f"replica must be in [0, {num_replicas}), got {replica}")
         name = kwargs.pop("name", "weights")
         if num_replicas > 1:
-            kwargs["bucket_bytes"] = min(kwargs.get("bucket_bytes", DEFAULT_BUCKET_BYTES), RELAY_BUCKET_BYTES)
+            kwargs["p2p_bucket_bytes"] = RELAY_BUCKET_BYTES
         children = relay_tree(num_replicas)[replica]
         relay_names = {child: relay_name(name, child) for child in children} | dict(relay_names or {})
         if sorted(relay_names) != children:
@@ -773,13 +819,13 @@ class WeightReceiver(_Endpoint):
             version = self._receive(deadline, expect, forwarding)
         except BaseException as exc:
             forwarding.abort()
-            for child in [*forwarding.streams, *forwarding.failed]:
+            for child in forwarding.started:
                 self._break_relay(child, f"this replica's receive failed: {type(exc).__name__}: {exc}")
             raise
         forwarding.finish()
-        for child in forwarding.failed:
-            self._break_relay(child, forwarding.failed[child])
-        failed = dict(forwarding.failed)
+        failed = forwarding.failed
+        for child, message in failed.items():
+            self._break_relay(child, message)
         for child in children:
             if child in forwarding.relays:
                 continue

@@ -78,6 +78,21 @@ def _split(seg: Segment, max_bytes: int) -> list[Segment]:
     ]
 
 
+def _bucketed(segments: list[Segment], bucket_bytes: int) -> list[tuple[Segment, ...]]:
+    """Segments, in order, grouped into buckets of at most `bucket_bytes` (a segment cut where it does not fit)."""
+    buckets, current, size = [], [], 0
+    for seg in segments:
+        for piece in _split(seg, bucket_bytes):
+            if current and size + piece.nbytes > bucket_bytes:
+                buckets.append(tuple(current))
+                current, size = [], 0
+            current.append(piece)
+            size += piece.nbytes
+    if current:
+        buckets.append(tuple(current))
+    return buckets
+
+
 def bipartite_rounds(pairs) -> list[list[tuple[int, int]]]:
     """Order (sender, receiver) pairs into rounds in which no rank appears twice (a
     matching), in as few rounds as any schedule can: the most pairs one rank takes
@@ -156,19 +171,13 @@ class TransferPlan:
         pairs: dict[tuple[int, int], list[Segment]] = defaultdict(list)
         for seg in segments:
             pairs[(seg.src_rank, seg.dst_rank)].append(seg)
-        self.buckets: dict[tuple[int, int], list[tuple[Segment, ...]]] = {}
-        for pair in sorted(pairs):
-            buckets, current, size = [], [], 0
-            for seg in pairs[pair]:
-                for piece in _split(seg, bucket_bytes):
-                    if current and size + piece.nbytes > bucket_bytes:
-                        buckets.append(tuple(current))
-                        current, size = [], 0
-                    current.append(piece)
-                    size += piece.nbytes
-            if current:
-                buckets.append(tuple(current))
-            self.buckets[pair] = buckets
+        self.buckets: dict[tuple[int, int], list[tuple[Segment, ...]]] = {
+            pair: _bucketed(pairs[pair], bucket_bytes) for pair in sorted(pairs)}
+
+    def cap_buckets(self, pair: tuple[int, int], bucket_bytes: int) -> None:
+        """Cut the buckets of `pair` again, at most `bucket_bytes` each (no-op if they already are)."""
+        if any(sum(seg.nbytes for seg in bucket) > bucket_bytes for bucket in self.buckets[pair]):
+            self.buckets[pair] = _bucketed([seg for bucket in self.buckets[pair] for seg in bucket], bucket_bytes)
 
     @property
     def pairs(self) -> list[tuple[int, int]]:
