@@ -82,10 +82,9 @@ def test_objects_round_trip(store):
     assert queue.get(5) == payload
 
 
-def test_a_slot_whose_producer_died_is_skipped(store, monkeypatch):
+def test_a_slot_whose_producer_died_is_skipped(store):
     """A producer that took a number and died before writing it: the consumer waits
     LOST_SLOT_S after later messages came, then goes on with them."""
-    monkeypatch.setattr(messages, "LOST_SLOT_S", 0.5)
     queue = StoreQueue(store, "lost")
     dist.PrefixStore("llamarl/queue/lost/", store).add("tail", 1)  # numbered, never written
     StoreQueue(store, "lost").put("after")

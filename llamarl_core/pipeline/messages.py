@@ -39,10 +39,14 @@ import torch.distributed as dist
 # woken by the next message (or by `close`), never by this timeout in a live run.
 READER_WAIT_S = 3600.0
 # A slot the counter handed out but nobody wrote this long after later ones were
-# written: its producer died between `add` and `compare_set` (a window of
-# microseconds in a live process). The consumer writes a tombstone into it
-# (compare_set: never over a real message) and goes on with the next.
-LOST_SLOT_S = 5.0
+# written: its producer died between `add` and `compare_set`. A SIGKILL lands
+# there more often than that window suggests (the kill comes while the process waits
+# for the add's answer): with 5 s here, a generator killed while putting samples
+# stopped a whole run for 5 s, the reward executor's queue waiting on its slot. A
+# producer that is only slow loses nothing (it writes again under a new number), so
+# the bound is short. The consumer writes a tombstone into the slot (compare_set:
+# never over a real message) and goes on with the next.
+LOST_SLOT_S = 0.5
 _TOMBSTONE = b"llamarl:lost-message"
 _CLOSE = b"llamarl:close-queue"
 

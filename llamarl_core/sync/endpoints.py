@@ -165,8 +165,9 @@ class _Endpoint:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         check_transport_name(transport)
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if bucket_bytes <= 0 or (p2p_bucket_bytes is not None and p2p_bucket_bytes <= 0):
+            raise ValueError(f"bucket sizes must be positive, got bucket_bytes={bucket_bytes}, "
+                             f"p2p_bucket_bytes={p2p_bucket_bytes}")
         check_local_tensors(layout, rank, tensors, self.side)
         self.layout, self.rank, self.timeout = layout, rank, timeout
         self.tensors = dict(tensors)
@@ -183,10 +184,12 @@ class _Endpoint:
         self.channel.set(f"{me}/{rank}/info", {**device_info(self.device, exported), "transport": transport})
         if rank == 0:  # before the layout, which the other side waits for
             self.channel.set(f"{me}/bucket_bytes", bucket_bytes if me == _SRC else p2p_bucket_bytes)
+            if me == _SRC:  # the receivers' cap applies only where the senders know it too (not older senders)
+                self.channel.set(f"{_SRC}/reads_p2p_cap", True)
             self.channel.set(f"{me}/layout", layout.to_dict())
         self.channel.wait([f"{_SRC}/layout", f"{_DST}/layout"], deadline, "both sides' layouts")
         bucket_bytes = self.channel.get(f"{_SRC}/bucket_bytes")  # both sides must bucket alike (p2p)
-        p2p_cap = self._get_if_set(f"{_DST}/bucket_bytes")  # absent where the receivers run an older version
+        p2p_cap = self._get_if_set(f"{_DST}/bucket_bytes") if self.channel.has(f"{_SRC}/reads_p2p_cap") else None
         if Layout.from_dict(self.channel.get(f"{me}/layout")) != layout:
             raise ValueError(f"{self.side} rank {rank}: its layout differs from the one rank 0 registered")
         other = _DST if me == _SRC else _SRC
@@ -245,8 +248,7 @@ class _Endpoint:
         """The buckets of a relay pair (rank r of one replica to rank r of the next, one
         layout) in its sender's order: each segment copies a region of a tensor to the
         same region of the same tensor. Checked to stay inside the tensors and to
-        write as many bytes as the plan's own buckets (the sender cut them from a
-        validated plan's regions)."""
+        write exactly the bytes the plan's own buckets write, none twice."""
         src, dst = pair
         where = f"{self.side} rank {self.rank}: the relay buckets of pair {src} -> {dst}"
         if src != dst or self.plan.src_layout != self.plan.dst_layout:
@@ -266,7 +268,7 @@ class _Endpoint:
                                         False))
             buckets.append(tuple(segments))
         given, planned = (_written_runs([s for b in bs for s in b]) for bs in (buckets, self.plan.buckets[pair]))
-        if given is None:
+        if given is None or planned is None:
             raise ValueError(f"{where} write some bytes twice")
         if given.keys() != planned.keys() or any(not np.array_equal(given[n], planned[n]) for n in given):
             raise ValueError(f"{where} do not write the bytes the plan writes")
@@ -676,7 +678,7 @@ class WeightReceiver(_Endpoint):
             raise ValueError(f"replica must be in [0, {num_replicas}), got {replica}")
         name = kwargs.pop("name", "weights")
         if num_replicas > 1:
-            kwargs["p2p_bucket_bytes"] = RELAY_BUCKET_BYTES
+            kwargs["p2p_bucket_bytes"] = min(kwargs.get("p2p_bucket_bytes") or RELAY_BUCKET_BYTES, RELAY_BUCKET_BYTES)
         children = relay_tree(num_replicas)[replica]
         relay_names = {child: relay_name(name, child) for child in children} | dict(relay_names or {})
         if sorted(relay_names) != children:
