@@ -602,7 +602,7 @@ def test_a_child_never_completes_a_version_its_parent_got_mixed(store):
         assert endpoints[replica].receive() == 1
         return endpoints[replica].receive(timeout=timeout)
 
-    results = _in_threads(lambda: sender(0), lambda: sender(1), lambda: receive(0, 20), lambda: receive(1, 10))
+    results = _in_threads(lambda: sender(0), lambda: sender(1), lambda: receive(0, 20), lambda: receive(1, 3))
     parent, child = results[2:]
     assert isinstance(parent, SyncError) and "senders sent different versions [2, 3]" in str(parent), parent
     assert isinstance(child, SyncTimeoutError) and endpoints[1].torn and endpoints[1].version == 1, child
