@@ -34,8 +34,8 @@ import json
 import threading
 import time
 from concurrent.futures import Future
-from contextlib import nullcontext
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Iterable, Mapping
 
@@ -566,13 +566,17 @@ class _Forwarding:
 
     def __init__(self, relays: dict[int, WeightSender], deadline: float):
         self.relays, self.deadline = relays, deadline
-        self.started: list[int] = []  # the children a stream was started for
         self._version: int | None = None
         self._failed: dict[int, str] = {}
         self._threads: dict[int, threading.Thread] = {}
         self._changed = threading.Condition()
         self._landed = 0
         self._all_landed = self._aborted = False
+
+    @property
+    def started(self) -> list[int]:
+        """The children a relay thread was started for."""
+        return list(self._threads)
 
     @property
     def failed(self) -> dict[int, str]:
@@ -586,7 +590,6 @@ class _Forwarding:
             return
         self._version = version
         for child, relay in self.relays.items():
-            self.started.append(child)
             self._threads[child] = threading.Thread(target=self._feed, args=(child, relay, version), daemon=True,
                                                     name=f"relay-{relay.rank}-to-replica-{child}")
             self._threads[child].start()
@@ -624,7 +627,7 @@ class _Forwarding:
                         self._changed.wait_for(lambda: self._aborted or self._all_landed or stream.sent < self._landed,
                                                timeout=max(self.deadline - time.monotonic(), 0.0))
                         if self._aborted:
-                            self._failed.setdefault(child, "SyncError: stopped in the middle of the version")
+                            self._fail(child, "SyncError: stopped in the middle of the version")  # the lock is an RLock
                             return
                         if stream.sent >= self._landed:
                             if self._all_landed:
