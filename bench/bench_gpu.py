@@ -11,8 +11,10 @@ GPU's own copy bandwidth and the naive torch ops, measured in one run.
                  element); beside the naive torch loss (float32 log_softmax +
                  gather + autograd) on the same logits: time and peak memory.
   weight sync    `llamarl bench sync --device cuda`: WeightSender -> WeightReceiver
-                 in two processes on GPU 0 over CUDA IPC, beside cudaMemcpy of the
-                 same bytes in one process.
+                 in two processes on GPU 0 over CUDA IPC, about 1 GiB and 8 GiB,
+                 from bf16 and from fp32 (cast on the way), beside cudaMemcpy of
+                 the same bytes (torch's cast of the same values for fp32) in one
+                 process, with the generator's stall (its receive()).
 Times are medians of CUDA-synchronized repeats after a warm-up.
 """
 
@@ -96,16 +98,33 @@ def aipo_rows(copy_bps: float, repeats: int, tokens: int = 4096, vocab: int = 12
     return rows
 
 
+# The sync's sizes: the default bench model (about 1 GiB in bf16) and an 8B-shaped
+# Llama of 19 layers (8.2 GiB in bf16: "8 GiB per GPU").
+SYNC_MODELS = {"1 GiB": [], "8 GiB": ["--hidden", "4096", "--intermediate", "14336", "--layers", "19", "--heads", "32",
+                                      "--kv-heads", "8"]}
+
+
 def sync_rows(repeats: int) -> list[dict]:
-    """`llamarl bench sync --device cuda --transports cuda_ipc --fsdp 1 --tp 1`: about 1 GiB of bf16."""
-    spec = bench_sync.parse_args(["--device", "cuda", "--transports", "cuda_ipc", "--fsdp", "1", "--tp", "1",
-                                  "--repeats", str(repeats)])
-    result = bench_sync.run(spec)
-    engine, limit = result["gbps"]["engine_cuda_ipc"], result["gbps"]["memcpy"]
-    return [{"what": f"weight sync over CUDA IPC, 2 processes, {result['model_bytes'] / 2**30:.2f} GiB bf16",
-             "seconds": result["seconds"]["engine_cuda_ipc"]["median"], "gbps": engine, "vs_copy": engine / limit},
-            {"what": "cudaMemcpy of the same bytes, one process", "seconds": result["seconds"]["memcpy"]["median"],
-             "gbps": limit, "vs_copy": 1.0}]
+    """`llamarl bench sync --device cuda --transports cuda_ipc --fsdp 1 --tp 1` at each
+    size of SYNC_MODELS, from a bf16 and from an fp32 trainer (the cast path), each
+    beside its limit in the same run: cudaMemcpy of the same bytes (bf16), torch's
+    cast of the same values (fp32); with the generator's stall (its receive())."""
+    rows = []
+    for size, model in SYNC_MODELS.items():
+        for src_dtype in ("bf16", "fp32"):
+            spec = bench_sync.parse_args(["--device", "cuda", "--transports", "cuda_ipc", "--fsdp", "1", "--tp", "1",
+                                          "--src-dtype", src_dtype, "--repeats", str(repeats), *model])
+            result = bench_sync.run(spec)
+            engine, limit = result["gbps"]["engine_cuda_ipc"], result["gbps"]["memcpy"]
+            gib = result["model_bytes"] / 2**30
+            limit_name = "torch cast fp32 -> bf16 of the same values" if src_dtype == "fp32" else "cudaMemcpy of the same bytes"
+            rows.append({"what": f"weight sync over CUDA IPC, {gib:.1f} GiB, {src_dtype} -> bf16",
+                         "seconds": result["seconds"]["engine_cuda_ipc"]["median"], "gbps": engine,
+                         "vs_copy": engine / limit,
+                         "stall_s": result["stall_seconds"]["engine_cuda_ipc"]["median"]})
+            rows.append({"what": f"{limit_name}, one process ({gib:.1f} GiB; the limit)",
+                         "seconds": result["seconds"]["memcpy"]["median"], "gbps": limit, "vs_copy": 1.0})
+    return rows
 
 
 def run(spec) -> dict:
@@ -120,10 +139,11 @@ def run(spec) -> dict:
 
 
 def report(result: dict) -> str:
-    lines = [["what", "GB/s", "x copy bandwidth", "median ms", "peak MiB", "x naive"]]
+    lines = [["what", "GB/s", "x limit", "median ms", "stall ms", "peak MiB", "x naive"]]
     for r in result["rows"]:
         lines.append([r["what"], f"{r['gbps']:.0f}", f"{r['vs_copy']:.2f}",
                       "" if r["seconds"] is None else f"{r['seconds'] * 1e3:.2f}",
+                      f"{r['stall_s'] * 1e3:.2f}" if "stall_s" in r else "",
                       f"{r['peak_mib']:.0f}" if "peak_mib" in r else "", f"{r['vs_naive']:.2f}" if "vs_naive" in r else ""])
     return f"{result['device']}.\n\n{table(lines)}\n"
 

@@ -95,7 +95,12 @@ def run_trl(config: TrainConfig) -> dict:
 def run_ours(config: TrainConfig, out: Path) -> dict:
     s = Controller(config, out).run()
     return {k: s[k] for k in ("completion_tokens", "rl_time_s", "wall_time_s", "reward_first", "reward_last",
-                              "step_time_s", "gen_time_s", "train_time_s", "cpu_steal")}
+                              "step_time_s", "gen_time_s", "train_time_s", "sync_time_s", "stall_time_s", "cpu_steal")}
+
+
+# `--device cuda`: a Llama of about 1B parameters (16 layers of hidden 2048, MLP 8192,
+# 32 heads over 8 KV heads: 0.97B besides the task's small vocabulary), random weights.
+GPU_MODEL = {"hidden_size": 2048, "intermediate_size": 8192, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8}
 
 
 def main(argv=None) -> int:
@@ -116,10 +121,19 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="completion budget (default: the task's; 48 with --model)")
     p.add_argument("--lr", type=float, default=None, help=f"learning rate (default: {TrainConfig.lr:g}; 1e-5 with --model)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="runs of each system, in rotating order; medians are reported (the machine is noisy)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs of each system, in rotating order; medians are reported (the machine is noisy) "
+                        "(default 3; 1 with --device cuda)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: our two modes on one GPU (trainer and generator processes sharing it) with a Llama of "
+                        "about 1B parameters and random weights (unless --model), no warm-up; the table adds "
+                        "generation and training throughput, sync time and the generator's stall per step")
     add_output_args(p)
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA device")
+    args.repeats = args.repeats or (1 if args.device == "cuda" else 3)
+    on_gpu = {"device": "cuda"} if args.device == "cuda" else {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
             # Small enough that a step of a 135M model takes seconds here, not minutes.
@@ -129,12 +143,15 @@ def main(argv=None) -> int:
             dataset = args.dataset or str(Path(tmp) / "arithmetic.jsonl")
             if not args.dataset:
                 Path(dataset).write_text("".join(json.dumps(row) + "\n" for row in arithmetic_problems(600)))
-            base = TrainConfig(model=args.model, dataset=dataset, reward=args.reward, warmup_steps=0, **given)
+            base = TrainConfig(model=args.model, dataset=dataset, reward=args.reward, warmup_steps=0, **given, **on_gpu)
             args.skip_trl = True
         else:
             given = {k: v for k, v in (("steps", args.steps), ("prompts_per_step", args.prompts_per_step),
                                        ("samples_per_prompt", args.samples_per_prompt),
                                        ("max_new_tokens", args.max_new_tokens), ("lr", args.lr)) if v is not None}
+            if on_gpu:  # TRL runs on the CPU: not a peer here
+                given = {"steps": 20, "lr": 1e-5, **given, **GPU_MODEL, **on_gpu, "warmup_steps": 0}
+                args.skip_trl = True
             base = TrainConfig(task=args.task, **given)
         return _run(args, base, tmp)
 
@@ -182,10 +199,14 @@ def _run(args, base: TrainConfig, tmp: str) -> int:
             "tokens"
             if base.model else f"task {args.task}, model hidden {base.hidden_size} x {base.num_layers} layers, same "
                                "warm-up for all")
+    if base.device == "cuda":
+        what += f", on {torch.cuda.get_device_name()} (trainer and generator processes sharing it)"
     ratio = results["llamarl_async"]["step_time_s"] / results["llamarl_sync"]["step_time_s"]
     body = (f"Medians of {args.repeats} runs each (seeds 0-{args.repeats - 1}, rotating order). {args.steps} steps of "
             f"{base.prompts_per_step} prompts x {base.samples_per_prompt} samples, {what}. "
             f"Async / sync step time: {ratio:.2f}x.\n\n" + table(rows))
+    if base.device == "cuda":
+        body += "\n\n" + table(_gpu_rows(results, args.steps, batch))
     if args.json:
         print(json.dumps(results, indent=2))
     else:
@@ -196,6 +217,19 @@ def _run(args, base: TrainConfig, tmp: str) -> int:
              else "Pipeline end to end beside TRL GRPOTrainer (`llamarl bench pipeline`)")
     record(args.record, "pipeline", figures, {"steps": args.steps, "task": args.task, "model": base.model}, title, body)
     return 0
+
+
+def _gpu_rows(results: dict, steps: int, batch: int) -> list[list[str]]:
+    """Per step, the throughput of each side and what the weight sync costs: the
+    trainer's send and the generator's stall (its receive(), pause to resume)."""
+    rows = [["system", "step", "generation: completion tok/s while generating", "training: samples/s while training",
+             "sync (send) / step", "generator stall / step"]]
+    for name, r in results.items():
+        tokens_per_step = r["completion_tokens"] / steps
+        rows.append([name, f"{r['step_time_s'] * 1e3:.1f} ms", f"{tokens_per_step / r['gen_time_s']:.0f}",
+                     f"{batch / r['train_time_s']:.1f}", f"{r['sync_time_s'] * 1e3:.1f} ms",
+                     f"{r['stall_time_s'] * 1e3:.1f} ms"])
+    return rows
 
 
 if __name__ == "__main__":

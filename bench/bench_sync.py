@@ -27,7 +27,9 @@ copies with, its rounds interleaved with the engine's (see run_replicas).
 
 With --device cuda every rank holds its tensors on GPU 0 (one process per rank,
 so the engine goes over CUDA IPC) and the limit is a device-to-device copy of
-the same bytes in one process (cudaMemcpy); the host-only peers are skipped.
+the same bytes in one process (cudaMemcpy; with --src-dtype fp32, torch's cast of
+the same values to bf16); the host-only peers are skipped. The table also gives
+each sync's longest receive(), the generator's stall (pause to resume).
 
 With --hosts it syncs across network-namespace hosts over links shaped to
 --link-rate instead, beside the line rate and a gloo broadcast
@@ -209,11 +211,14 @@ def _wait_for_ranks(store, keys: list[str], procs: list, what: str) -> None:
         time.sleep(0.02)
 
 
-def _run_methods(store, methods: dict[str, tuple[list, list[str]]], rounds: int, warmup: int) -> dict[str, list[float]]:
+def _run_methods(store, methods: dict[str, tuple[list, list[str]]], rounds: int, warmup: int,
+                 stalls: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Start every method's ranks, then drive round i of each method in turn before
     round i + 1 of any: methods sampled in the same stretch of this shared
     machine's drift. `methods`: name -> (processes, the names they post times
-    under). Returns name -> the sync times after warm-up."""
+    under). Returns name -> the sync times after warm-up. With `stalls`, also fills
+    stalls[name] with each round's longest receive() (the generator ranks, "dst...",
+    from the call to its return: the time a generator cannot sample)."""
     procs = [p for ps, _ in methods.values() for p in ps]
     for p in procs:
         p.start()
@@ -226,6 +231,9 @@ def _run_methods(store, methods: dict[str, tuple[list, list[str]]], rounds: int,
                 _wait_for_ranks(store, keys, procs, method)
                 spans = [tuple(map(float, store.get(k).decode().split(","))) for k in keys]
                 times[method].append(max(e for _, e in spans) - min(s for s, _ in spans))
+                receives = [e - s for (s, e), w in zip(spans, who) if w.startswith("dst")]
+                if stalls is not None and receives and i >= warmup:
+                    stalls.setdefault(method, []).append(max(receives))
         for method in methods:
             store.set(f"{method}/finish", "1")
     except BaseException:
@@ -253,11 +261,17 @@ def _copy_buffers(nbytes: int, device: str = "cpu") -> tuple[torch.Tensor, torch
     return src, dst
 
 
-def measure_memcpy(nbytes: int, repeats: int, device: str = "cpu") -> list[float]:
+def measure_memcpy(nbytes: int, repeats: int, device: str = "cpu", src_dtype: torch.dtype = torch.bfloat16) -> list[float]:
     """One flat copy of `nbytes` in this process (torch copy_): with every core on
-    the host, cudaMemcpy device to device on a GPU."""
+    the host, cudaMemcpy device to device on a GPU. With an fp32 `src_dtype`, a
+    cast instead: nbytes / 2 fp32 values into bf16 (torch's own cast kernel, the
+    limit of a sync that casts)."""
     torch.set_num_threads(os.cpu_count() or 1)
     src, dst = _copy_buffers(nbytes, device)
+    if src_dtype == torch.float32:
+        src = torch.randn(nbytes // 2, device=device)
+        dst = dst.view(torch.bfloat16)
+        dst.copy_(src)
     samples = []
     for _ in range(repeats):
         if device == "cuda":
@@ -322,10 +336,12 @@ def run(spec) -> dict:
         procs += [ctx.Process(target=_mp_shared_rank, args=(local, "dst", r, spec, rounds, queues))
                   for r in range(spec.tp)]
         methods["mp"] = (procs, [f"dst{r}" for r in range(spec.tp)])
-    gpu_before = [] if spec.device == "cpu" else measure_memcpy(nbytes, rounds, spec.device)[spec.warmup:]
-    times = _run_methods(store, methods, rounds, spec.warmup)
+    src_dtype = DTYPES[spec.src_dtype]
+    gpu_before = [] if spec.device == "cpu" else measure_memcpy(nbytes, rounds, spec.device, src_dtype)[spec.warmup:]
+    stalls: dict[str, list[float]] = {}
+    times = _run_methods(store, methods, rounds, spec.warmup, stalls)
     if spec.device != "cpu":
-        times["memcpy"] = gpu_before + measure_memcpy(nbytes, rounds, spec.device)[spec.warmup:]
+        times["memcpy"] = gpu_before + measure_memcpy(nbytes, rounds, spec.device, src_dtype)[spec.warmup:]
     names = {"bcast": "gloo_broadcast", "mp": "mp_shared"}
     results = {"memcpy": times.pop("memcpy"), **{names.get(m, m): samples for m, samples in times.items()}}
     stats = {name: summarize(samples) for name, samples in results.items()}
@@ -345,6 +361,7 @@ def run(spec) -> dict:
         "fsdp": spec.fsdp, "tp": spec.tp, "src_dtype": spec.src_dtype, "copy_threads_per_sender": threads,
         "device": spec.device, "repeats": spec.repeats,
         "seconds": stats, "gbps": gbps, "ratios": ratios,
+        "stall_seconds": {names.get(m, m): summarize(samples) for m, samples in stalls.items() if m.startswith("engine")},
     }
 
 
@@ -415,22 +432,28 @@ LABELS = {
 
 
 def report(result: dict) -> str:
-    rows = [["method", "GB/s", "median s", "min s", "max s"]]
+    rows = [["method", "GB/s", "median s", "min s", "max s", "receive() (stall) median s"]]
+    cast = result["src_dtype"] == "fp32"
     for name, s in result["seconds"].items():
         if name == "memcpy":
-            label = ("cudaMemcpy device to device, one process (limit)" if result["device"] == "cuda" else
-                     f"memcpy, {result['fsdp']} processes x {result['copy_threads_per_sender']} thread(s) (limit)")
+            if result["device"] == "cuda":
+                label = ("torch cast fp32 -> bf16 of the same values, one process (limit)" if cast else
+                         "cudaMemcpy device to device, one process (limit)")
+            else:
+                label = f"memcpy, {result['fsdp']} processes x {result['copy_threads_per_sender']} thread(s) (limit)"
         elif result["device"] == "cuda" and name == "engine_auto":  # what it is on a GPU
             label = LABELS["engine_cuda_ipc"]
         else:
             label = LABELS[name]
-        rows.append([label, f"{result['gbps'][name]:.2f}", f"{s['median']:.4f}", f"{s['min']:.4f}", f"{s['max']:.4f}"])
+        stall = result.get("stall_seconds", {}).get(name)
+        rows.append([label, f"{result['gbps'][name]:.2f}", f"{s['median']:.4f}", f"{s['min']:.4f}", f"{s['max']:.4f}",
+                     f"{stall['median']:.4f}" if stall else ""])
     ratios = "\n".join(f"- {k.replace('_', ' ')}: {v:.2f}x" for k, v in result["ratios"].items())
     head = (f"Model {result['model_bytes'] / 2**30:.3f} GiB bf16 ({result['config']['num_hidden_layers']} layers, "
             f"hidden {result['config']['hidden_size']}), FSDP {result['fsdp']} ({result['src_dtype']}) -> TP {result['tp']} (bf16), "
             f"tensors on {result['device']}, {result['repeats']} timed syncs each, "
             + ("the methods' rounds interleaved." if result["device"] == "cpu" else
-               f"cudaMemcpy {result['seconds']['memcpy']['n']} times, before and after."))
+               f"the limit {result['seconds']['memcpy']['n']} times, before and after."))
     return f"{head}\n\n{table(rows)}\n\n{ratios}\n"
 
 

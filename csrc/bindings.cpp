@@ -54,6 +54,21 @@ void register_host(py::module_& m) {
       py::arg("segments"), py::arg("num_threads"),
       "Run (n, 7) int64 segments [src, src_pitch, dst, dst_pitch, width, height, kind] "
       "with memcpy threads; returns bytes written.");
+  m.def(
+      "split_pieces",
+      [](const SegmentArray& segs) {
+        int64_t count = 0;
+        const CopySegment* data = segments_of(segs, &count);
+        const int64_t total = validate_segments(data, count);
+        const std::vector<CopyPiece> pieces = split_into_pieces(data, count, piece_bytes_for(total));
+        py::array_t<int64_t> out({static_cast<py::ssize_t>(pieces.size()), static_cast<py::ssize_t>(8)});
+        if (!pieces.empty()) std::memcpy(out.mutable_data(), pieces.data(), pieces.size() * sizeof(CopyPiece));
+        return out;
+      },
+      py::arg("segments"),
+      "The pieces the CUDA copy kernel runs for (n, 7) segments: an int64 array (m, 8) "
+      "[src, src_pitch, dst, dst_pitch, width, height, kind, vec] (copy_segments.h CopyPiece). "
+      "Validates every segment first.");
   m.def("float_to_bf16_bits", &float_to_bf16_rne, py::arg("fp32_bits"),
         "The engine's fp32 -> bf16 rounding of one value's bits (shared with the CUDA kernel).");
 }
@@ -86,6 +101,11 @@ void register_cuda(py::module_& m) {
         return execute_segments_cuda(data, count, device, stream, timeout_s);
       },
       py::arg("segments"), py::arg("device"), py::arg("stream"), py::arg("timeout_s"));
+  m.def("launch_pieces_cuda", &launch_pieces_cuda, py::call_guard<py::gil_scoped_release>(), py::arg("device"),
+        py::arg("stream"), py::arg("pieces"), py::arg("num_pieces"));
+  m.def("wait_stream_cuda", &wait_stream_cuda, py::call_guard<py::gil_scoped_release>(), py::arg("device"),
+        py::arg("stream"), py::arg("timeout_s"), py::arg("total_bytes"));
+  m.def("cuda_num_sms", &cuda_num_sms, py::arg("device"));
 }
 #endif
 

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #include "common.h"
@@ -121,6 +122,90 @@ inline std::vector<std::vector<CopySegment>> split_segments(const CopySegment* s
     }
   }
   return parts;
+}
+
+// A piece of a segment list as the CUDA copy kernel runs it: at most about
+// `piece_bytes` of destination, whole rows where rows fit (rows merged into one
+// where both sides are contiguous), and `vec` the widest access every address,
+// pitch and width of the piece is aligned to: bytes per access for copies (16, 8,
+// 4, 2 or 1), elements per access for casts (4, 2 or 1). width keeps the segment's
+// unit (bytes for copies, elements for casts); width / vec * height < 2**31.
+struct CopyPiece {
+  CopySegment seg;
+  int64_t vec;
+};
+static_assert(sizeof(CopyPiece) == 8 * sizeof(int64_t), "CopyPiece must be 8 packed int64");
+
+// Destination bytes per piece for a table writing `total_bytes`: 64 KiB, so that the
+// last piece a block copies (the tail of a persistent grid) is a few percent of a
+// 1 GiB copy at most; more past 4 GiB, so that a table stays under 65536 pieces (4 MiB).
+inline int64_t piece_bytes_for(int64_t total_bytes) {
+  constexpr int64_t kMinBytes = 64 << 10, kMaxPieces = 65536;
+  const int64_t bytes = ((total_bytes + kMaxPieces - 1) / kMaxPieces + 15) / 16 * 16;
+  return bytes < kMinBytes ? kMinBytes : bytes;
+}
+
+// The largest power of two <= `limit` dividing every value (1 when none is larger).
+inline int64_t common_alignment(std::initializer_list<int64_t> values, int64_t limit) {
+  int64_t align = limit;
+  for (int64_t v : values)
+    while (align > 1 && v % align != 0) align >>= 1;
+  return align;
+}
+
+// Split a validated segment list into pieces of about `piece_bytes` destination
+// bytes (see CopyPiece), covering exactly the bytes the segments write.
+inline std::vector<CopyPiece> split_into_pieces(const CopySegment* segs, int64_t count, int64_t piece_bytes) {
+  LLAMARL_CHECK(piece_bytes >= 16 && piece_bytes <= (int64_t{1} << 30),
+                "piece_bytes must be in [16, 2**30], got " << piece_bytes);
+  validate_segments(segs, count);
+  std::vector<CopyPiece> pieces;
+  for (int64_t i = 0; i < count; ++i) {
+    CopySegment seg = segs[i];
+    if (seg.width == 0 || seg.height == 0) continue;
+    const bool cast = seg.kind == kFloat32ToBF16;
+    const int64_t in_bytes = src_elem_bytes(seg.kind), out_bytes = dst_elem_bytes(seg.kind);
+    if (seg.height > 1 && seg.src_pitch == seg.width * in_bytes && seg.dst_pitch == seg.width * out_bytes) {
+      seg.width *= seg.height;  // both sides contiguous: one long row
+      seg.height = 1;
+    }
+    // Accesses of `vec` units: up to 16-byte loads for copies, 4 fp32 in / 4 bf16 out for casts.
+    const int64_t src_pitch = seg.height > 1 ? seg.src_pitch : 0, dst_pitch = seg.height > 1 ? seg.dst_pitch : 0;
+    int64_t vec = 1;
+    if (cast) {
+      LLAMARL_CHECK(seg.src % 4 == 0 && seg.dst % 2 == 0 && src_pitch % 4 == 0 && dst_pitch % 2 == 0,
+                    "segment " << i << ": an fp32 -> bf16 segment on a GPU needs 4-byte aligned fp32 rows and "
+                               "2-byte aligned bf16 rows (src " << seg.src << ", pitch " << seg.src_pitch << "; dst "
+                               << seg.dst << ", pitch " << seg.dst_pitch << ")");
+      vec = common_alignment({seg.src / 4, seg.dst / 2, seg.width, src_pitch / 4, dst_pitch / 2}, 4);
+    } else {
+      vec = common_alignment({seg.src, seg.dst, seg.width, src_pitch, dst_pitch}, 16);
+    }
+    const int64_t unit_out_bytes = vec * out_bytes;  // destination bytes of one access
+    const int64_t units_per_row = seg.width / vec;
+    const int64_t row_bytes = seg.width * out_bytes;
+    if (row_bytes <= piece_bytes) {
+      // Whole rows per piece.
+      const int64_t rows_per_piece = piece_bytes / row_bytes;
+      for (int64_t row = 0; row < seg.height; row += rows_per_piece) {
+        const int64_t rows = seg.height - row < rows_per_piece ? seg.height - row : rows_per_piece;
+        pieces.push_back({{seg.src + row * seg.src_pitch, seg.src_pitch, seg.dst + row * seg.dst_pitch,
+                           seg.dst_pitch, seg.width, rows, seg.kind}, vec});
+      }
+      continue;
+    }
+    // Rows longer than a piece: each row cut into pieces of whole accesses.
+    const int64_t units_per_piece = piece_bytes / unit_out_bytes > 0 ? piece_bytes / unit_out_bytes : 1;
+    for (int64_t row = 0; row < seg.height; ++row) {
+      for (int64_t unit = 0; unit < units_per_row; unit += units_per_piece) {
+        const int64_t units = units_per_row - unit < units_per_piece ? units_per_row - unit : units_per_piece;
+        pieces.push_back({{seg.src + row * seg.src_pitch + unit * vec * in_bytes, seg.src_pitch,
+                           seg.dst + row * seg.dst_pitch + unit * vec * out_bytes, seg.dst_pitch, units * vec, 1,
+                           seg.kind}, vec});
+      }
+    }
+  }
+  return pieces;
 }
 
 }  // namespace llamarl

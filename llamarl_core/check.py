@@ -3,8 +3,12 @@
 With a CUDA device: every test marked `gpu` (the Triton kernels on CUDA tensors,
 the CUDA copy engine, weight sync over CUDA IPC between processes), the GPU
 benches (`llamarl bench gpu`: FP8 quantization and the AIPO kernels beside the
-device's copy bandwidth and naive torch, weight sync beside cudaMemcpy), and
-`compute-sanitizer --tool memcheck` on the sync test where it is installed.
+device's copy bandwidth and naive torch, weight sync beside cudaMemcpy), each
+ratio beside the figure it should reach (TARGETS), a short `llamarl train
+--device cuda --compare` run of the default task on this one GPU (trainer and
+generator processes sharing it: does the reward rise in both modes, and the
+async / sync step-time ratio), and `compute-sanitizer --tool memcheck` on the
+sync test where it is installed.
 Without one it says so and runs what needs no GPU: every Triton kernel variant
 compiled for sm_80 / sm_90 / sm_100 (llamarl_core.ops.kernel_check).
 Exit status 0 when everything it ran passed.
@@ -62,6 +66,54 @@ def run_sanitizer(tests: Path, timeout_s: float) -> tuple[bool | None, str]:
     return ok, f"memcheck on {test_name}: {sum(errors)} errors in {len(errors)} processes, exit {out.returncode}"
 
 
+# The ratio each bench row should reach (its "x limit" column), by the start of its
+# name: FP8 quantization and the AIPO loss against the device's copy bandwidth, the
+# weight sync against one cudaMemcpy of the same bytes (torch's cast for fp32).
+TARGETS = {
+    "fp8 quantize 14336x4096 bf16, tensor": 0.5,
+    "fp8 quantize 14336x4096 bf16, channel": 0.8,
+    "fp8 quantize 14336x4096 bf16, block": 0.8,
+    "aipo_loss fwd + bwd": 0.75,
+    "weight sync over CUDA IPC, 1.": 0.8,
+    "weight sync over CUDA IPC, 8.": 0.9,
+}
+
+
+def target_of(what: str) -> float | None:
+    return next((t for prefix, t in TARGETS.items() if what.startswith(prefix)), None)
+
+
+# The pipeline run of the check: the default task's supervised warm-up, then this
+# many RL steps in each mode (about a minute each on an H100).
+PIPELINE_STEPS = 200
+# "Learns": the last tenth of steps scores this much more reward than the first.
+LEARNED_MARGIN = 0.1
+
+
+def run_pipeline(timeout_s: float) -> tuple[bool, str]:
+    """`llamarl train --device cuda --compare` on the default task: whether the reward
+    rose by LEARNED_MARGIN in both modes, and the async / sync step-time ratio."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "compare"
+        proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--device", "cuda", "--compare",
+                               "--quiet", "--steps", str(PIPELINE_STEPS), "--out", str(out)],
+                              capture_output=True, text=True, timeout=timeout_s)
+        print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", flush=True)
+        if proc.returncode != 0 or not (out / "compare.json").exists():
+            return False, f"llamarl train --device cuda --compare exited {proc.returncode}"
+        result = json.loads((out / "compare.json").read_text())
+    learned = {mode: result[mode]["reward_last"] - result[mode]["reward_first"] >= LEARNED_MARGIN
+               for mode in ("sync", "async")}
+    rewards = "; ".join(f"{mode} reward {result[mode]['reward_first']:.3f} -> {result[mode]['reward_last']:.3f}, "
+                        f"step {result[mode]['step_time_s'] * 1e3:.1f} ms" for mode in ("sync", "async"))
+    return all(learned.values()), (f"{PIPELINE_STEPS} steps each: {rewards}; async / sync step time "
+                                   f"{result['step_time_ratio']:.2f}x"
+                                   + ("" if all(learned.values()) else f"; did not learn: {learned}"))
+
+
 def check_without_gpu() -> int:
     from llamarl_core.ops.kernel_check import compile_all
 
@@ -97,12 +149,24 @@ def check_gpu(args) -> int:
         passed, summary = run_gpu_tests(tests, args.timeout)
         ok &= passed
         lines.append(("gpu tests (pytest -m gpu)", summary))
+    met, targets = 0, 0
     if not args.no_bench:
         result = bench_gpu.run(bench_gpu.parse_args(["--repeats", str(args.repeats)]))
         print(bench_gpu.report(result), flush=True)
         for r in result["rows"]:
-            lines.append((r["what"], f"{r['gbps']:.0f} GB/s, {r['vs_copy']:.2f}x copy bandwidth"
-                          + (f", {r['vs_naive']:.2f}x faster than naive" if "vs_naive" in r else "")))
+            target = target_of(r["what"])
+            verdict = ""
+            if target is not None:
+                targets += 1
+                met += r["vs_copy"] >= target
+                verdict = f" (target {target:.2f}x: {'met' if r['vs_copy'] >= target else 'MISSED'})"
+            lines.append((r["what"], f"{r['gbps']:.0f} GB/s, {r['vs_copy']:.2f}x its limit{verdict}"
+                          + (f", {r['vs_naive']:.2f}x faster than naive" if "vs_naive" in r else "")
+                          + (f", generator stall {r['stall_s'] * 1e3:.2f} ms" if "stall_s" in r else "")))
+    if not args.no_pipeline:
+        learned, summary = run_pipeline(args.timeout)
+        ok &= learned
+        lines.append(("llamarl train --device cuda --compare (default task)", summary))
     if tests is not None and not args.no_sanitizer:
         clean, summary = run_sanitizer(tests, args.timeout)
         ok &= clean is not False
@@ -115,6 +179,8 @@ def check_gpu(args) -> int:
     verdict = "passed" if ok else "FAILED"
     if skipped:
         verdict += f" ({', '.join(skipped)} skipped)"
+    if targets:
+        verdict += f"; {met} of {targets} bench ratios at their targets"
     print(f"\nllamarl check gpu: {verdict}")
     return 0 if ok else 1
 
@@ -128,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests", help="the repository's tests/ folder (default: ./tests, or beside the package)")
     parser.add_argument("--no-bench", action="store_true", help="skip the GPU benches")
     parser.add_argument("--no-sanitizer", action="store_true", help="skip compute-sanitizer")
+    parser.add_argument("--no-pipeline", action="store_true", help="skip the `llamarl train --device cuda` run")
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats of each bench (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed to each test run")
     args = parser.parse_args(argv)

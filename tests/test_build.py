@@ -1,6 +1,7 @@
 """The native build without CUDA: with LLAMARL_SKIP_CUDA and with no nvcc on PATH,
 CMake builds the host backend alone, says so, and the module imports; with
-libstdc++ linked statically it still raises its errors intact beside torch."""
+libstdc++ linked statically it still raises its errors intact beside torch. With
+nvcc, the default GPU architectures are the ones that nvcc can build."""
 
 import os
 import shutil
@@ -13,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _build(tmp_path: Path, extra_args: list[str], env: dict) -> tuple[str, Path]:
+def _configure(tmp_path: Path, extra_args: list[str], env: dict) -> str:
+    """CMake's configure step in tmp_path; returns what it printed."""
     pybind11 = pytest.importorskip("pybind11")
     cmake = shutil.which("cmake")
     if cmake is None:
@@ -24,10 +26,15 @@ def _build(tmp_path: Path, extra_args: list[str], env: dict) -> tuple[str, Path]
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert configure.returncode == 0, configure.stderr
-    build = subprocess.run([cmake, "--build", ".", "--parallel", "2"], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=600)
+    return configure.stdout
+
+
+def _build(tmp_path: Path, extra_args: list[str], env: dict) -> tuple[str, Path]:
+    stdout = _configure(tmp_path, extra_args, env)
+    build = subprocess.run([shutil.which("cmake"), "--build", ".", "--parallel", "2"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr
-    return configure.stdout, tmp_path / "out"
+    return stdout, tmp_path / "out"
 
 
 def _import_summary(out_dir: Path) -> str:
@@ -66,6 +73,28 @@ def test_build_without_nvcc_on_path(tmp_path):
     stdout, out = _build(tmp_path, [], env)
     assert "host backend only (CUDA skipped: nvcc not found)" in stdout
     assert _import_summary(out).startswith("False host backend only")
+
+
+def test_default_gpu_architectures_follow_the_nvcc_found(tmp_path):
+    """An nvcc that cannot build sm_100 (before CUDA 12.8) is not asked to: stood
+    in for by a wrapper of the real nvcc whose --list-gpu-code leaves sm_100 out."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    wrapper = tmp_path / "bin" / "nvcc"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f"""#!/bin/sh
+if [ "$1" = "--list-gpu-code" ]; then "{nvcc}" "$@" | grep -v '^sm_1[0-9][0-9]'; exit 0; fi
+exec "{nvcc}" "$@"
+""")
+    wrapper.chmod(0o755)
+    build_dir = tmp_path / "build"
+    build_dir.mkdir()
+    stdout = _configure(build_dir, [f"-DCMAKE_CUDA_COMPILER={wrapper}"], {**os.environ})
+    assert "sm 80-real;86-real;89-real;90-real;90-virtual," in stdout, stdout
+    full = tmp_path / "full"
+    full.mkdir()
+    assert "sm 80-real;86-real;89-real;90-real;100-real;100-virtual," in _configure(full, [], {**os.environ})
 
 
 def test_kernels_install_as_a_subpackage_only():

@@ -1,5 +1,6 @@
 """The native copy engine: segments, the fp32 -> bf16 cast, shared memory regions."""
 
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -105,6 +106,82 @@ def test_bad_segments_are_refused_before_any_copy(row, message):
     with pytest.raises(RuntimeError, match=message):
         native().execute_segments_host(table, 1)
     assert int(dst.sum()) == 0  # the good segment before the bad one did not run either
+
+
+def _run_pieces_on_host(pieces: np.ndarray) -> None:
+    """What the CUDA copy kernel does with a piece table, one piece row at a time
+    (copy_segments.h CopyPiece), with the host engine's own rounding for casts."""
+    for src, src_pitch, dst, dst_pitch, width, height, kind, _ in pieces.tolist():
+        for row in range(height):
+            s, d = src + row * src_pitch, dst + row * dst_pitch
+            if kind == KIND_COPY:
+                ctypes.memmove(d, s, width)
+                continue
+            bits = np.frombuffer((ctypes.c_uint8 * (4 * width)).from_address(s), dtype=np.uint32)
+            out = np.frombuffer((ctypes.c_uint8 * (2 * width)).from_address(d), dtype=np.uint16)
+            out[:] = [native().float_to_bf16_bits(int(b)) for b in bits]
+
+
+def _random_rects(gen: torch.Generator, src_shape, dst_shape, count: int, max_side: int):
+    """`count` random rectangles (r0, c0, R0, C0, h, w) inside both shapes, every
+    destination element written at most once (rows of the destination never shared)."""
+    rects, next_row = [], 0
+    for _ in range(count):
+        h = int(torch.randint(1, max_side, (1,), generator=gen))
+        w = int(torch.randint(1, max_side, (1,), generator=gen))
+        if next_row + h > dst_shape[0]:
+            break
+        r0 = int(torch.randint(0, src_shape[0] - h + 1, (1,), generator=gen))
+        c0 = int(torch.randint(0, src_shape[1] - w + 1, (1,), generator=gen))
+        C0 = int(torch.randint(0, dst_shape[1] - w + 1, (1,), generator=gen))
+        rects.append((r0, c0, next_row, C0, h, w))
+        next_row += h
+    return rects
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pieces_write_exactly_what_the_segments_write(seed):
+    """The CUDA copy kernel's pieces, run one by one on the host, leave the
+    destination exactly as the host engine does (every byte, casts bit for bit),
+    on random rectangles at random alignments; each piece keeps the alignment its
+    access width needs and stays within its size."""
+    gen = torch.Generator().manual_seed(seed)
+    kind = KIND_F32_TO_BF16 if seed % 2 else KIND_COPY
+    src_dtype = torch.float32 if kind == KIND_F32_TO_BF16 else [torch.uint8, torch.bfloat16, torch.float32][seed % 3]
+    dst_dtype = torch.bfloat16 if kind == KIND_F32_TO_BF16 else src_dtype
+    # Wide rows (a contiguous rectangle is one long row, cut into 64 KiB pieces) and narrow ones.
+    src = (torch.randn(300, 9000, generator=gen) * 100).to(src_dtype)
+    full_rows = [(0, 0, 0, 0, 8, 9000)]  # whole rows of both: merged into one row
+    rects = full_rows + _random_rects(gen, (300, 9000), (400, 9000), 40, 200)
+    by_engine = torch.full((400, 9000), 7, dtype=dst_dtype)
+    by_pieces = by_engine.clone()
+    engine_table = _rect_table(src, by_engine, rects, kind)
+    native().execute_segments_host(engine_table, 1)
+    pieces = native().split_pieces(_rect_table(src, by_pieces, rects, kind))
+    _run_pieces_on_host(pieces)
+    assert torch.equal(by_pieces.view(torch.uint8), by_engine.view(torch.uint8))
+    out_bytes = np.where(pieces[:, 6] == KIND_F32_TO_BF16, 2, 1)
+    assert (pieces[:, 4] * pieces[:, 5] * out_bytes).sum() == sum(h * w for *_, h, w in rects) * by_engine.element_size()
+    assert (pieces[:, 4] * out_bytes * pieces[:, 5] <= 64 << 10).all()  # every piece within 64 KiB
+    for src_at, src_pitch, dst_at, dst_pitch, width, height, piece_kind, vec in pieces.tolist():
+        in_bytes, out_unit = (4, 2) if piece_kind == KIND_F32_TO_BF16 else (1, 1)
+        assert width % vec == 0
+        assert src_at % (vec * in_bytes) == 0 and dst_at % (vec * out_unit) == 0
+        if height > 1:
+            assert src_pitch % (vec * in_bytes) == 0 and dst_pitch % (vec * out_unit) == 0
+    if kind == KIND_COPY and src_dtype != torch.uint8:
+        assert (pieces[:, 7] > 1).all()  # element-aligned tensors never fall to byte accesses
+
+
+def test_pieces_refuse_bad_segments_and_misaligned_fp32():
+    dst = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="segment 0: null address"):
+        native().split_pieces(np.array([(0, 0, dst.data_ptr(), 16, 16, 1, KIND_COPY)], dtype=np.int64))
+    src = torch.zeros(64, dtype=torch.uint8)
+    misaligned = np.array([(src.data_ptr() + 1, 0, dst.data_ptr(), 0, 4, 1, KIND_F32_TO_BF16)], dtype=np.int64)
+    with pytest.raises(RuntimeError, match="needs 4-byte aligned fp32 rows"):
+        native().split_pieces(misaligned)
+    assert native().split_pieces(np.zeros((0, 7), dtype=np.int64)).shape == (0, 8)
 
 
 def test_table_shape_is_checked():
@@ -260,13 +337,13 @@ def _fatbin_entries(path: str) -> list[tuple[int, int, bytes]]:
     return entries
 
 
-def test_cuda_build_holds_the_cast_kernel_for_every_default_architecture():
+def test_cuda_build_holds_the_copy_kernel_for_every_default_architecture():
     mod = native()
     if not mod.built_with_cuda:
         pytest.skip("built without the CUDA backend")
     if "CUDAARCHS" in os.environ:
         pytest.skip(f"built for CUDAARCHS={os.environ['CUDAARCHS']}")
     entries = _fatbin_entries(mod.__file__)
-    cubins = {sm for kind, sm, payload in entries if kind == 2 and b"cast_f32_to_bf16_kernel" in payload}
+    cubins = {sm for kind, sm, payload in entries if kind == 2 and b"copy_pieces_kernel" in payload}
     assert cubins == set(DEFAULT_CUDA_ARCHS), sorted(cubins)
     assert {sm for kind, sm, _ in entries if kind == 1} == {max(DEFAULT_CUDA_ARCHS)}  # PTX for newer GPUs

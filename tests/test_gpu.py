@@ -41,6 +41,74 @@ def test_cast_kernel_matches_torch_bitwise_on_strided_rows():
     assert torch.isnan(dst[:, :10].float()).all() and torch.isnan(dst[:, 267:].float()).all()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_copy_kernel_writes_random_rectangles_exactly(seed):
+    """Random rectangles at random offsets (every access width from 1 to 16 bytes,
+    rows merged, rows cut into pieces) and fp32 -> bf16 casts: exactly torch's
+    slices and casts, nothing else written; once as a one-off table and once
+    uploaded (CudaSegments) and launched on a stream of the caller's, twice."""
+    from llamarl_core.sync.engine import KIND_COPY, CudaSegments
+
+    gen = torch.Generator().manual_seed(seed)
+    kind = KIND_F32_TO_BF16 if seed % 2 else KIND_COPY
+    dtype = torch.float32 if kind == KIND_F32_TO_BF16 else [torch.uint8, torch.bfloat16][seed // 2]
+    out_dtype = torch.bfloat16 if kind == KIND_F32_TO_BF16 else dtype
+    src = (torch.randn(600, 70000, generator=gen) * 100).to(dtype).cuda()
+    rects, next_row = [(0, 0, 0, 0, 16, 70000)], 16  # whole rows: one row of 4.5 MB, cut into pieces
+    for _ in range(60):
+        h, w = (int(x) for x in torch.randint(1, 100, (2,), generator=gen))
+        r0, c0 = int(torch.randint(0, 600 - h, (1,), generator=gen)), int(torch.randint(0, 70000 - w, (1,), generator=gen))
+        rects.append((r0, c0, next_row, int(torch.randint(0, 70000 - w, (1,), generator=gen)), h, w))
+        next_row += h
+    expected = torch.full((next_row, 70000), 3, dtype=out_dtype, device="cuda")
+    for r0, c0, R0, C0, h, w in rects:
+        expected[R0:R0 + h, C0:C0 + w] = src[r0:r0 + h, c0:c0 + w].to(out_dtype)
+
+    def table_into(dst):
+        unit = src.element_size() if kind == KIND_COPY else 1
+        return np.array([(src[r0, c0:].data_ptr(), src.stride(0) * src.element_size(), dst[R0, C0:].data_ptr(),
+                          dst.stride(0) * dst.element_size(), w * unit, h, kind) for r0, c0, R0, C0, h, w in rects],
+                        dtype=np.int64)
+
+    once = torch.full_like(expected, 3)
+    run_segment_table(table_into(once), once.device)
+    assert torch.equal(once.view(torch.uint8), expected.view(torch.uint8))
+    uploaded = torch.full_like(expected, 3)
+    program = CudaSegments(table_into(uploaded), uploaded.device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    for _ in range(2):
+        program.launch(stream)
+    stream.synchronize()
+    assert torch.equal(uploaded.view(torch.uint8), expected.view(torch.uint8))
+    assert program.run() == sum(h * w for *_, h, w in rects) * expected.element_size()
+
+
+def test_copy_kernel_launch_is_captured_in_a_cuda_graph():
+    """The uploaded table's launch has no host sync and no allocation: a CUDA graph
+    captures it, and each replay copies the source's current values."""
+    from llamarl_core.sync.engine import KIND_COPY, CudaSegments
+
+    src = torch.randn(4096, 1024, device="cuda")
+    dst = torch.zeros(4096, 512, device="cuda")
+    table = np.array([(src.data_ptr(), src.stride(0) * 4, dst.data_ptr(), dst.stride(0) * 4, 512 * 4, 4096,
+                       KIND_COPY)], dtype=np.int64)
+    program = CudaSegments(table, src.device)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        program.launch(stream)  # warm-up outside the capture
+        stream.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            program.launch(torch.cuda.current_stream())
+    for _ in range(2):
+        src.normal_()
+        dst.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(dst, src[:, :512])
+
+
 def test_ipc_export_reports_the_offset_inside_the_allocation():
     mod = native_cuda()
     base = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")

@@ -285,6 +285,10 @@ try:
 except ValueError as exc:
     out["explicit"] = str(exc)
 try:
+    out["auto"] = choose_transports("auto", [sender], [receiver])[(0, 0)]
+except ValueError as exc:
+    out["auto"] = str(exc)
+try:
     native().cuda_ipc_export(w.device.index or 0, w.data_ptr())
     out["export"] = "exported"
 except RuntimeError as exc:
@@ -303,7 +307,10 @@ def test_expandable_segments_are_refused_by_name_for_cuda_ipc():
     assert "expandable_segments:True" in out["ipc_error"]
     assert out["same_process"] == "cuda_ipc"  # copied directly: no IPC needed
     assert out["explicit"].startswith("transport 'cuda_ipc' cannot work here: receiver 0: 'w'")
-    assert "expandable_segments" in out["explicit"]
+    assert "expandable_segments" in out["explicit"] and "p2p" not in out["explicit"]
+    # Never NCCL for two ranks on one GPU (it refuses them): refused, naming the pair and the reason.
+    assert out["auto"].startswith("weight sync: sender 0 and receiver 0 share GPU"), out["auto"]
+    assert "expandable_segments" in out["auto"]
     assert "is not from cudaMalloc" in out["export"] and "expandable_segments" in out["export"]
 
 

@@ -322,7 +322,8 @@ _EXPANDABLE = "'w' is not in memory from cudaMalloc (PYTORCH_CUDA_ALLOC_CONF='ex
 _BOTH = {"g0": True, "g1": True}
 _NO_PEER = {"g0": True, "g1": False}
 
-# (senders, receivers, pairs, what 'auto' picks, the obstacle 'cuda_ipc' raises with, if any)
+# (senders, receivers, pairs, what 'auto' picks: one transport for every pair, a dict
+# per pair, or the error it refuses with; the obstacle 'cuda_ipc' raises with, if any)
 _CUDA_CASES = [
     # one process, one GPU: copied directly, even from memory CUDA IPC cannot export
     ([_gpu(1, "g0")], [_gpu(1, "g0", ipc_error=_EXPANDABLE)], None, "cuda_ipc", None),
@@ -331,17 +332,22 @@ _CUDA_CASES = [
     ([_gpu(1, "g0", _NO_PEER)], [_gpu(1, "g1", _NO_PEER)], None, "p2p", "cudaDeviceCanAccessPeer is 0"),
     # two processes: IPC needs exportable memory, peer access and the GPU visible
     ([_gpu(1, "g0", _BOTH)], [_gpu(2, "g1", _BOTH)], None, "cuda_ipc", None),
-    ([_gpu(1, "g0")], [_gpu(2, "g0", ipc_error=_EXPANDABLE)], None, "p2p", "expandable_segments:True"),
+    # ... and on one GPU nothing else will do: NCCL connects one rank per GPU
+    ([_gpu(1, "g0")], [_gpu(2, "g0", ipc_error=_EXPANDABLE)], None,
+     ValueError("sender 0 and receiver 0 share GPU g0 from two processes, and CUDA IPC cannot serve them"),
+     "expandable_segments:True"),
     ([_gpu(1, "g0", _NO_PEER)], [_gpu(2, "g1")], None, "p2p", "sender 0's GPU g0 cannot access receiver 0's GPU g1"),
     ([_gpu(1, "g0")], [_gpu(2, "g1")], None, "p2p", "receiver 0's GPU g1 is not visible to sender 0"),
-    # several ranks: only pairs that exchange bytes count
+    # several ranks: only pairs that exchange bytes count, each pair on its own
     ([_gpu(1, "g0", _NO_PEER), _gpu(2, "g1", _BOTH)], [_gpu(3, "g0", _BOTH), _gpu(4, "g1", _BOTH)],
      [(0, 0), (1, 0), (1, 1)], "cuda_ipc", None),
     ([_gpu(1, "g0", _NO_PEER), _gpu(2, "g1", _BOTH)], [_gpu(3, "g0", _BOTH), _gpu(4, "g1", _BOTH)],
-     None, "p2p", "sender 0's GPU g0 cannot access receiver 1's GPU g1"),
+     None, {(0, 0): "cuda_ipc", (0, 1): "p2p", (1, 0): "cuda_ipc", (1, 1): "cuda_ipc"},
+     "sender 0's GPU g0 cannot access receiver 1's GPU g1"),
     # a receiver in a sender's process: that pair is direct, the other sender needs IPC
     ([_gpu(1, "g0"), _gpu(2, "g0")], [_gpu(1, "g0", ipc_error=_EXPANDABLE)], [(0, 0)], "cuda_ipc", None),
-    ([_gpu(1, "g0"), _gpu(2, "g0")], [_gpu(1, "g0", ipc_error=_EXPANDABLE)], None, "p2p", "receiver 0: 'w' is not"),
+    ([_gpu(1, "g0"), _gpu(2, "g0")], [_gpu(1, "g0", ipc_error=_EXPANDABLE)], None,
+     ValueError("sender 1 and receiver 0 share GPU g0 from two processes"), "receiver 0: 'w' is not"),
 ]
 
 
@@ -352,14 +358,25 @@ def test_cuda_transport_choice(senders, receivers, pairs, auto, obstacle):
         assert choose_transport("auto", senders, receivers, pairs) == "cuda_ipc"
         assert choose_transport("cuda_ipc", senders, receivers, pairs) == "cuda_ipc"
     else:
-        with pytest.warns(UserWarning, match="falling back to 'p2p'") as caught:
-            assert choose_transport("auto", senders, receivers, pairs) == auto
-        assert obstacle in str(caught[0].message)
-        with pytest.raises(ValueError, match="transport 'cuda_ipc' cannot work here") as raised:
+        if isinstance(auto, ValueError):  # refused, naming the pair and why: never sent to NCCL
+            with pytest.raises(ValueError, match=re.escape(str(auto))) as refused:
+                choose_transports("auto", senders, receivers, pairs)
+            assert obstacle in str(refused.value)
+        else:
+            with pytest.warns(UserWarning, match="falling back to 'p2p'") as caught:
+                chosen = choose_transports("auto", senders, receivers, pairs)
+            assert chosen == auto if isinstance(auto, dict) else set(chosen.values()) == {auto}
+            assert obstacle in str(caught[0].message)
+        with pytest.raises(ValueError, match="cannot") as raised:
             choose_transport("cuda_ipc", senders, receivers, pairs)
         assert obstacle in str(raised.value)
-    assert choose_transport("p2p", senders, receivers, pairs) == "p2p"
-    on_two_hosts = [{**r, "host": "elsewhere"} for r in receivers]
+    if any(s["uuid"] == receivers[d]["uuid"] for i, s in enumerate(senders) for d in range(len(receivers))
+           if pairs is None or (i, d) in pairs):
+        with pytest.raises(ValueError, match="transport 'p2p' cannot connect sender .* NCCL connects one rank per GPU"):
+            choose_transport("p2p", senders, receivers, pairs)
+    else:
+        assert choose_transport("p2p", senders, receivers, pairs) == "p2p"
+    on_two_hosts = [{**r, "host": "elsewhere", "uuid": f"other-{r['uuid']}"} for r in receivers]
     assert choose_transport("auto", senders, on_two_hosts, pairs) == "p2p"
     with pytest.raises(ValueError, match="one machine"):
         choose_transport("cuda_ipc", senders, on_two_hosts, pairs)
@@ -369,7 +386,7 @@ def test_cuda_transport_choice(senders, receivers, pairs, auto, obstacle):
 
 def test_cuda_ipc_fallback_warns_once():
     transports._warn_once.cache_clear()
-    senders, receivers = [_gpu(1, "g0")], [_gpu(2, "g0", ipc_error=_EXPANDABLE)]
+    senders, receivers = [_gpu(1, "g0", _NO_PEER)], [_gpu(2, "g1", _NO_PEER)]
     with pytest.warns(UserWarning, match="falling back"):
         choose_transport("auto", senders, receivers)
     with warnings.catch_warnings():

@@ -1,5 +1,7 @@
 #include "cuda_engine.h"
 
+#include "copy_kernel.cuh"
+
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -100,12 +102,20 @@ class Event {
       record_error_ = cudaEventRecord(event_, stream);
       if (record_error_ != cudaSuccess) cudaGetLastError();
     }
+    // Polled without sleeping for the first 2 ms (a yield between polls): a 1 GiB
+    // copy takes about 0.4 ms at HBM speed, and a 50 us sleep granularity cost up to
+    // 14% of it. Longer waits sleep 50 us between polls, so a slow copy does not
+    // hold a core.
+    const auto spin_until = Clock::now() + std::chrono::milliseconds(2);
     cudaError_t state;
     while ((state = record_error_ == cudaSuccess ? cudaEventQuery(event_) : cudaStreamQuery(stream)) ==
            cudaErrorNotReady) {
-      if (Clock::now() > deadline) return cudaErrorNotReady;
-      // 50 us between polls: at most 14% on top of a 1 GiB copy (0.36 ms at 3 TB/s).
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      const auto now = Clock::now();
+      if (now > deadline) return cudaErrorNotReady;
+      if (now < spin_until)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     return state;
   }
@@ -116,32 +126,18 @@ class Event {
   cudaError_t record_error_ = cudaSuccess;
 };
 
-// The tail of an error message: what became of the `num_queued` segments queued before it.
-std::string drained_note(cudaError_t drained, int64_t num_queued) {
+// The tail of an error message: what became of the copies queued before it.
+std::string drained_note(cudaError_t drained) {
   std::ostringstream out;
   if (drained == cudaSuccess)
-    out << "the " << num_queued << " segments queued before have completed; nothing is left running";
+    out << "the copies queued before have completed; nothing is left running";
   else if (drained == cudaErrorNotReady)
-    out << "the " << num_queued << " segments queued are still running after a further " << kDrainTimeoutS
+    out << "the copies queued are still running after a further " << kDrainTimeoutS
         << " s (the GPU seems hung): they may still write the destination and read the source, so neither "
            "may be reused; restart the process";
   else
     out << "the stream reported " << cudaGetErrorName(drained) << " (a broken CUDA context: nothing runs on it)";
   return out.str();
-}
-
-// One thread per output element, grid-striding over the rectangle; rows are
-// addressed through the pitches so strided views need no staging.
-__global__ void cast_f32_to_bf16_kernel(const unsigned char* src, int64_t src_pitch, unsigned char* dst,
-                                        int64_t dst_pitch, int64_t width, int64_t height) {
-  const int64_t total = width * height;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = i / width;
-    const int64_t col = i - row * width;
-    const uint32_t bits = *reinterpret_cast<const uint32_t*>(src + row * src_pitch + 4 * col);
-    *reinterpret_cast<uint16_t*>(dst + row * dst_pitch + 2 * col) = float_to_bf16_rne(bits);
-  }
 }
 
 }  // namespace
@@ -248,62 +244,97 @@ void cuda_ipc_close(int device, int64_t base) {
   LLAMARL_CUDA_CHECK(cudaIpcCloseMemHandle(reinterpret_cast<void*>(base)));
 }
 
-int64_t execute_segments_cuda(const CopySegment* segs, int64_t count, int device, int64_t stream_handle,
-                              double timeout_s) {
-  require_device(device);
-  LLAMARL_CHECK(timeout_s > 0, "timeout_s must be positive, got " << timeout_s);
-  const int64_t total = validate_segments(segs, count);
-  DeviceGuard guard(device);
-  // Ordering: the caller made `stream` wait for whatever must precede the copies (the
-  // writers of the sources); `done`, recorded on `stream` after the last segment,
-  // marks exactly these copies (a pool stream may carry later work of other threads).
-  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+int cuda_num_sms(int device) {
+  static int cached[64] = {0};
+  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  int sms = 0;
+  LLAMARL_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (device >= 0 && device < 64) cached[device] = sms;
+  return sms;
+}
+
+namespace {
+
+// Enqueue the pieces at `pieces` (device memory) on `stream`; the caller has made
+// `device` current. Returns the launch's error.
+cudaError_t enqueue_pieces(const CopyPiece* pieces, int64_t num_pieces, int device, cudaStream_t stream) {
+  // A persistent grid: every block resident at once, grid-striding over the pieces.
+  const int64_t resident = static_cast<int64_t>(cuda_num_sms(device)) * copy_kernel_blocks_per_sm(device);
+  const int blocks = static_cast<int>(num_pieces < resident ? num_pieces : resident);
+  return launch_copy_pieces(pieces, num_pieces, blocks, stream);
+}
+
+// Waits for what is queued on `stream` until `start + timeout_s`; on a missed deadline
+// or an error it first drains the stream (kDrainTimeoutS), then throws.
+void wait_for_stream(cudaStream_t stream, int device, Clock::time_point start, double timeout_s, int64_t total_bytes) {
   Event done;
-  const auto start = Clock::now();
-  int64_t failed = -1;
-  cudaError_t queue_error = cudaSuccess;
-  for (int64_t i = 0; i < count && queue_error == cudaSuccess; ++i) {
-    const CopySegment& seg = segs[i];
-    if (seg.width == 0 || seg.height == 0) continue;
-    auto* src = reinterpret_cast<unsigned char*>(seg.src);
-    auto* dst = reinterpret_cast<unsigned char*>(seg.dst);
-    if (seg.kind == kCopyBytes) {
-      const int64_t spitch = seg.height == 1 ? seg.width : seg.src_pitch;
-      const int64_t dpitch = seg.height == 1 ? seg.width : seg.dst_pitch;
-      queue_error = cudaMemcpy2DAsync(dst, dpitch, src, spitch, seg.width, seg.height, cudaMemcpyDefault, stream);
-    } else {
-      // 256 threads x up to 4096 blocks: enough to saturate HBM on sm_90 for the
-      // large rows of a weight matrix; the kernel grid-strides over the rest.
-      const int64_t total_elems = seg.width * seg.height;
-      const int64_t blocks = (total_elems + 255) / 256;
-      cast_f32_to_bf16_kernel<<<blocks < 4096 ? blocks : 4096, 256, 0, stream>>>(
-          src, seg.src_pitch, dst, seg.dst_pitch, seg.width, seg.height);
-      queue_error = cudaGetLastError();
-    }
-    if (queue_error != cudaSuccess) failed = i;
-  }
-  // Copies cannot be cancelled: an error or a missed deadline is reported only once
-  // the segments already queued have finished, or after kDrainTimeoutS if they do
-  // not (then the message says so: the GPU is hung).
-  if (queue_error != cudaSuccess) {
-    const cudaError_t drained = done.wait(stream, Clock::now() + seconds(kDrainTimeoutS));
-    LLAMARL_THROW(Error, "queuing segment " << failed << " of " << count << " on CUDA device " << device
-                                            << " failed: " << cudaGetErrorName(queue_error) << ": "
-                                            << cudaGetErrorString(queue_error) << "; "
-                                            << drained_note(drained, failed));
-  }
   const cudaError_t state = done.wait(stream, start + seconds(timeout_s));
   if (state == cudaErrorNotReady) {
     const cudaError_t drained = done.wait(stream, Clock::now() + seconds(kDrainTimeoutS));
     const double late_s = std::chrono::duration<double>(Clock::now() - start).count() - timeout_s;
     if (drained == cudaSuccess)
-      LLAMARL_THROW(TimeoutError, "CUDA copy of " << total << " bytes on device " << device
+      LLAMARL_THROW(TimeoutError, "CUDA copy of " << total_bytes << " bytes on device " << device
                                                   << " did not complete within " << timeout_s
                                                   << " s (it completed " << late_s << " s later; nothing is left running)");
-    LLAMARL_THROW(Error, "CUDA copy of " << total << " bytes on device " << device << " did not complete within "
-                                         << timeout_s << " s; " << drained_note(drained, count));
+    LLAMARL_THROW(Error, "CUDA copy of " << total_bytes << " bytes on device " << device << " did not complete within "
+                                         << timeout_s << " s; " << drained_note(drained));
   }
   LLAMARL_CUDA_CHECK(state);
+}
+
+// A launch that failed queued nothing; work queued on the stream before it may
+// still run: drain it, then report.
+[[noreturn]] void throw_launch_error(cudaError_t error, cudaStream_t stream, int device) {
+  Event queued;
+  const cudaError_t drained = queued.wait(stream, Clock::now() + seconds(kDrainTimeoutS));
+  LLAMARL_THROW(Error, "launching the copy kernel on CUDA device " << device << " failed: " << cudaGetErrorName(error)
+                                                                    << ": " << cudaGetErrorString(error) << "; "
+                                                                    << drained_note(drained));
+}
+
+}  // namespace
+
+void launch_pieces_cuda(int device, int64_t stream_handle, int64_t pieces, int64_t num_pieces) {
+  require_device(device);
+  LLAMARL_CHECK(num_pieces >= 0 && (num_pieces == 0 || pieces != 0), "launch_pieces_cuda: no piece table");
+  DeviceGuard guard(device);
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const cudaError_t error = enqueue_pieces(reinterpret_cast<const CopyPiece*>(pieces), num_pieces, device, stream);
+  if (error != cudaSuccess) throw_launch_error(error, stream, device);
+}
+
+void wait_stream_cuda(int device, int64_t stream_handle, double timeout_s, int64_t total_bytes) {
+  require_device(device);
+  LLAMARL_CHECK(timeout_s > 0, "timeout_s must be positive, got " << timeout_s);
+  const auto start = Clock::now();
+  DeviceGuard guard(device);
+  wait_for_stream(reinterpret_cast<cudaStream_t>(stream_handle), device, start, timeout_s, total_bytes);
+}
+
+int64_t execute_segments_cuda(const CopySegment* segs, int64_t count, int device, int64_t stream_handle,
+                              double timeout_s) {
+  require_device(device);
+  LLAMARL_CHECK(timeout_s > 0, "timeout_s must be positive, got " << timeout_s);
+  const int64_t total = validate_segments(segs, count);
+  const std::vector<CopyPiece> pieces = split_into_pieces(segs, count, piece_bytes_for(total));
+  const auto start = Clock::now();
+  DeviceGuard guard(device);
+  // Ordering: the caller made `stream` wait for whatever must precede the copies (the
+  // writers of the sources). The piece table goes up through stream-ordered memory on
+  // `stream` (its upload from pageable memory returns once the host copy is read),
+  // then the kernel, then its release: all three in stream order.
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  if (!pieces.empty()) {
+    const size_t table_bytes = pieces.size() * sizeof(CopyPiece);
+    void* table = nullptr;
+    LLAMARL_CUDA_CHECK(cudaMallocAsync(&table, table_bytes, stream));
+    cudaError_t error = cudaMemcpyAsync(table, pieces.data(), table_bytes, cudaMemcpyHostToDevice, stream);
+    if (error == cudaSuccess)
+      error = enqueue_pieces(static_cast<const CopyPiece*>(table), static_cast<int64_t>(pieces.size()), device, stream);
+    cudaFreeAsync(table, stream);
+    if (error != cudaSuccess) throw_launch_error(error, stream, device);
+  }
+  wait_for_stream(stream, device, start, timeout_s, total);
   return total;
 }
 

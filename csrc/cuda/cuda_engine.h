@@ -1,6 +1,7 @@
 // CUDA side of the copy engine: IPC export / open of device memory keyed by GPU
-// UUID, and execution of a segment list on a stream (cudaMemcpy2DAsync for
-// copies, a small kernel for fp32 -> bf16 segments) with a completion event.
+// UUID, and execution of a segment list on a stream: its pieces (copy_segments.h)
+// copied by one launch of the copy kernel (copy_kernel.cuh), then waited for
+// through an event with a deadline.
 // Every call that touches a device leaves the calling thread's CUDA context as it
 // found it (none stays none).
 // Compiled only when nvcc is found; never needs a device to be imported.
@@ -41,11 +42,25 @@ IpcExport cuda_ipc_export(int device, int64_t ptr);
 int64_t cuda_ipc_open(int device, const std::string& handle);
 void cuda_ipc_close(int device, int64_t base);
 
-// Enqueue the segments on `stream` (a cudaStream_t as an integer), then wait for
-// them with a deadline of `timeout_s` seconds. Returns the bytes written. Never
-// returns or throws while segments it queued are still running (unless the GPU is
-// hung for a further 60 s, which the message says): a missed deadline throws
-// TimeoutError once they have completed, a queuing error throws Error likewise.
+// Multiprocessors of `device` (cached).
+int cuda_num_sms(int device);
+
+// Enqueue the copy kernel over a piece table already on `device` (`pieces`: the
+// device address of `num_pieces` CopyPiece) on `stream` (a cudaStream_t as an
+// integer). No host synchronisation and no allocation: capturable in a CUDA graph.
+// The table and every address in it must stay valid until the kernel has run.
+void launch_pieces_cuda(int device, int64_t stream, int64_t pieces, int64_t num_pieces);
+
+// Wait for the work queued on `stream` so far, with a deadline of `timeout_s`
+// seconds; `total_bytes` only names the copy in messages. Never returns or throws
+// while that work is still running (unless the GPU is hung for a further 60 s,
+// which the message says): a missed deadline throws TimeoutError once it has
+// completed.
+void wait_stream_cuda(int device, int64_t stream, double timeout_s, int64_t total_bytes);
+
+// One-off: split the segments into pieces, upload the table through stream-ordered
+// memory, launch and wait as the two calls above do. Returns the bytes written.
+// Validates every segment before anything is queued.
 int64_t execute_segments_cuda(const CopySegment* segs, int64_t count, int device, int64_t stream,
                               double timeout_s);
 

@@ -244,6 +244,9 @@ class Controller:
             self.scoring += 1
         elif kind == "received":
             self.gen_busy += payload["busy"]
+            # The generator's stall: its receive(), pause to resume (the slowest replica's).
+            self.stall_seconds[payload["version"]] = max(self.stall_seconds.get(payload["version"], 0.0),
+                                                         payload["seconds"])
             if payload["relay_failed"]:
                 self.on_event(f"generator replica {replica}: version {payload['version']} landed, relaying it "
                               f"failed: {payload['relay_failed']}")
@@ -317,6 +320,14 @@ class Controller:
                 self._tell_replica(replica, "receive", version=version, evaluate=evaluate if replica == 0 else None,
                                    relay_to=children, attempt=sync.attempt)
         self._tell(TRAINER, "sync", version=version)
+        if self.checkpoint_due is not None and self.checkpoint_due[0] == version:
+            # Behind the sync of the step it saves (the trainer runs its commands in
+            # order): the generators get the weights first and sample while the
+            # checkpoint is written, instead of waiting for it (a 1B model's took longer
+            # than the sync timeout on a GPU).
+            self._tell(TRAINER, "checkpoint", data_position=self.checkpoint_due[1])
+            self.checkpointing += self.config.trainer_world
+            self.checkpoint_due = None
 
     def _step_trained(self) -> None:
         reports, self.trained = self.trained, []
@@ -378,7 +389,8 @@ class Controller:
         record = self.records.pop(step)
         # gen_time_s: the replicas' generating seconds since the last step, per replica.
         record.update(step_time_s=now - self.last_step_end, gen_time_s=self.gen_busy / self.num_replicas,
-                      sync_time_s=self.sync_seconds.pop(version, 0.0), wall_s=now - self.t0 + self.resumed_wall,
+                      sync_time_s=self.sync_seconds.pop(version, 0.0), stall_time_s=self.stall_seconds.pop(version, 0.0),
+                      wall_s=now - self.t0 + self.resumed_wall,
                       rl_s=now - self.rl_start + self.resumed_rl)
         self.gen_busy, self.last_step_end = 0.0, now
         self.metrics.append(record)
@@ -416,9 +428,9 @@ class Controller:
             self.inboxes[(TRAINER, rank)].put(("train", {"step": batch.step, "samples": part}))
         done = batch.step + 1
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            # Queued right behind the step it saves, with the data position after its batch.
-            self._tell(TRAINER, "checkpoint", data_position=self.scheduler.data_position)
-            self.checkpointing += cfg.trainer_world
+            # Saved once its step's weights are on their way (see _begin_sync), with the data
+            # position after its batch.
+            self.checkpoint_due = (done, self.scheduler.data_position)
 
     # -- the run -------------------------------------------------------------------------
     def run(self) -> dict:
@@ -501,10 +513,12 @@ class Controller:
         self.trained: list[dict] = []  # the trainer ranks' reports of the step in training
         self.records: dict[int, dict] = {}  # trained steps whose new weights have not landed yet
         self.replicas = ReplicaSyncs(self.num_replicas, self.config.trainer_world)  # and the syncs in flight
-        self.sync_seconds: dict[int, float] = {}
+        self.sync_seconds: dict[int, float] = {}  # version -> the trainer ranks' longest send()
+        self.stall_seconds: dict[int, float] = {}  # version -> the replicas' longest receive()
         self.resync_pending = False
         self.gen_busy = 0.0
         self.checkpointing = 0
+        self.checkpoint_due: tuple[int, int] | None = None  # (version, data position): see _begin_sync
         self.scoring = 0  # batches of samples sent to the reward executor and not scored yet
         self.generating = [0] * self.num_replicas  # samples each replica was given and has not returned
         self.resumed_wall = self.resumed_rl = 0.0

@@ -376,9 +376,10 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
                             link.send("receive_failed", version=payload["version"], attempt=payload["attempt"],
                                       message=why, stale=stale)
                         continue
-                    link.span("receive weights", start, time.monotonic(), version=version)
+                    end = time.monotonic()
+                    link.span("receive weights", start, end, version=version)
                     if leader:
-                        link.send("received", version=version, busy=busy,
+                        link.send("received", version=version, busy=busy, seconds=end - start,
                                   relay_failed=generator.relay_failures)
                         busy = 0.0
                     if payload["evaluate"]:  # greedy, to the end, on these weights alone, before anything else

@@ -7,7 +7,7 @@ import json
 import statistics
 from pathlib import Path
 
-SUMMARY_TIMES = ("step_time_s", "gen_time_s", "train_time_s", "sync_time_s")
+SUMMARY_TIMES = ("step_time_s", "gen_time_s", "train_time_s", "sync_time_s", "stall_time_s")
 
 
 def cpu_times() -> tuple[int, int]:
@@ -72,6 +72,7 @@ def step_line(m: dict) -> str:
     hist = " ".join(f"{k}:{v}" for k, v in sorted(m["staleness"].items(), key=lambda kv: int(kv[0])))
     return (f"step {m['step']:4d}  reward {m['reward']:.3f}  step {m['step_time_s']:.3f}s  "
             f"gen {m['gen_time_s']:.3f}s  train {m['train_time_s']:.3f}s  sync {m['sync_time_s'] * 1e3:.1f}ms  "
+            f"stall {m['stall_time_s'] * 1e3:.1f}ms  "
             f"staleness [{hist}]  kl {m['mismatch_kl']:.2e}  dropped {m['dropped']}"
             + (f"  ref-kl {m['ref_kl']:.2e}" if m.get("ref_kl") is not None else ""))
 

@@ -233,7 +233,8 @@ def _resume_hint(out: Path) -> str:
 def _print_summary(s: dict) -> None:
     print(f"{s['mode']}: {s['steps']} steps, {s['samples']} samples, reward {s['reward_first']:.3f} (first tenth) -> "
           f"{s['reward_last']:.3f} (last tenth); step {s['step_time_s']:.3f}s = gen {s['gen_time_s']:.3f}s, "
-          f"train {s['train_time_s']:.3f}s, sync {s['sync_time_s'] * 1e3:.1f}ms; overlap efficiency "
+          f"train {s['train_time_s']:.3f}s, sync {s['sync_time_s'] * 1e3:.1f}ms (generator stall "
+          f"{s['stall_time_s'] * 1e3:.1f}ms); overlap efficiency "
           f"{s['overlap_efficiency']:.2f}; {s['completion_tokens_per_s']:.0f} completion tokens/s; "
           f"dropped {s['dropped_samples']}; truncated {s['truncated_samples']}; wall {s['wall_time_s']:.1f}s; "
           f"CPU steal {s['cpu_steal']:.0%}")

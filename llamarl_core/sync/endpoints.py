@@ -46,6 +46,7 @@ import torch.distributed as dist
 from .engine import (
     DEFAULT_COPY_TIMEOUT_S,
     check_local_tensors,
+    prepared_table,
     run_segment_table,
     segment_table,
     storage_key,
@@ -90,6 +91,9 @@ RELAY_BUCKET_BYTES = 16 << 20
 _SRC, _DST = "src", "dst"
 # Set by abandon_receivers: the reason under this key, and this value in the tickets it opens.
 _ABANDONED = "abandoned"
+# What a receiver writes over its ticket's `open` value when it closes the ticket: a
+# sender waiting for the ticket after the one it served last reads it in one request.
+_CLOSED = "closed"
 
 
 class _Channel:
@@ -111,13 +115,35 @@ class _Channel:
                 raise dist.DistStoreError("deadline passed")
             self.store.wait(keys, datetime.timedelta(seconds=remaining))
         except RuntimeError as exc:
-            # A timeout is a DistStoreError from TCPStore and HashStore but a plain
-            # RuntimeError("Wait timeout") from FileStore; other DistErrors (a lost
-            # connection: DistNetworkError) are not timeouts and pass through.
-            if isinstance(exc, dist.DistError) and not isinstance(exc, dist.DistStoreError):
-                raise
-            missing = [k for k in keys if not self.store.check([k])]
-            raise SyncTimeoutError(f"timed out waiting for {what} (missing {missing})") from exc
+            raise self._timeout(exc, keys, what) from exc
+
+    def get_all(self, keys: list[str], deadline: float, what: str) -> list:
+        """The values of `keys`, waiting until every one is set (one request: the
+        Store answers once the last is set), within the deadline."""
+        remaining = deadline - time.monotonic()
+        previous = self.store.timeout
+        try:
+            if remaining <= 0:
+                raise dist.DistStoreError("deadline passed")
+            # The client's own timeout bounds a blocking get; it is this client's alone
+            # (each thread that waits has a Store client of its own), and put back after.
+            self.store.set_timeout(datetime.timedelta(seconds=remaining))
+            values = self.store.multi_get(keys)
+        except RuntimeError as exc:
+            raise self._timeout(exc, keys, what) from exc
+        finally:
+            self.store.set_timeout(previous)
+        return [json.loads(v) for v in values]
+
+    def _timeout(self, exc: RuntimeError, keys: list[str], what: str) -> Exception:
+        """The SyncTimeoutError of a wait that failed with `exc`, or `exc` itself when
+        it was not a timeout. A timeout is a DistStoreError from TCPStore and
+        HashStore but a plain RuntimeError ("Wait timeout") from FileStore; other
+        DistErrors (a lost connection: DistNetworkError) are not timeouts."""
+        if isinstance(exc, dist.DistError) and not isinstance(exc, dist.DistStoreError):
+            return exc
+        missing = [k for k in keys if not self.store.check([k])]
+        return SyncTimeoutError(f"timed out waiting for {what} (missing {missing})")
 
     def counter(self, key: str, delta: int = 0) -> int:
         return self.store.add(key, delta)
@@ -432,24 +458,27 @@ class WeightSender(_Endpoint):
         self._tables: dict[int, list] = {}
         for dst in self._local_receivers:
             addresses = self._dst_addresses[dst]
-            self._tables[dst] = [
-                (segment_table(b, src_base, lambda seg: addresses[seg.dst_name]), sum(s.nbytes for s in b))
-                for b in self.plan.buckets[(self.rank, dst)]
-            ]
+            tables = [segment_table(b, src_base, lambda seg: addresses[seg.dst_name])
+                      for b in self.plan.buckets[(self.rank, dst)]]
+            if self.device.type == "cuda":
+                # One launch of the copy kernel for all of them (a bucket is a unit of the
+                # host engine's work): uploaded once, run at every send.
+                tables = [prepared_table(np.concatenate(tables), self.device)] if tables else []
+            self._tables[dst] = tables
         for dst in self._p2p_peers:
             self._tables[dst] = []
             for i, bucket in enumerate(self.plan.buckets[(self.rank, dst)]):
                 staging = self._staging_bufs[i % 2].data_ptr()
-                table = segment_table(_packed(bucket)[0], src_base, lambda seg: staging)
+                table = prepared_table(segment_table(_packed(bucket)[0], src_base, lambda seg: staging), self.device)
                 self._tables[dst].append((table, sum(seg.nbytes for seg in bucket)))
 
-    def _wanted(self, dst: int, ticket: int, deadline: float) -> int | None:
-        """The version receiver `dst`'s receive `ticket` asks for (None: any). Its key is
-        set just after the ticket is taken: waited for, within the deadline. Raises
-        SyncError if the receivers were abandoned before it was opened."""
+    def _wanted(self, dst: int, ticket: int, deadline: float) -> int | str | None:
+        """The version receiver `dst`'s receive `ticket` asks for (None: any; _CLOSED
+        once it is closed). Its key is set just after the ticket is taken: waited for,
+        within the deadline. Raises SyncError if the receivers were abandoned before it
+        was opened."""
         key = f"{_DST}/{dst}/open/{ticket}"
-        self.channel.wait([key], deadline, f"receiver {dst} to open ticket {ticket}")
-        wanted = self.channel.get(key)
+        wanted = self.channel.get_all([key], deadline, f"receiver {dst} to open ticket {ticket}")[0]
         if wanted == _ABANDONED:
             raise self._receiver_gone(dst)
         return wanted
@@ -457,14 +486,29 @@ class WeightSender(_Endpoint):
     def _receiver_gone(self, dst: int) -> SyncError:
         return SyncError(f"sender rank {self.rank}: receiver {dst} is gone ({self.channel.get(_ABANDONED)})")
 
-    def _await_ticket(self, dst: int, deadline: float) -> int:
-        """The ticket of receiver `dst`'s open receive() that this sender has not served.
-        Raises SyncError at once if the receivers were abandoned (abandon_receivers)."""
-        last, woken = self._served.get(dst, 0), False
+    def _await_ticket(self, dst: int, deadline: float) -> tuple[int, int | None]:
+        """(ticket, version asked for) of receiver `dst`'s open receive() that this
+        sender has not served. Raises SyncError at once if the receivers were abandoned
+        (abandon_receivers). Receivers open tickets one after the other, so the next
+        one is usually the one after the ticket served last: its `open` key is read
+        in one blocking request (the Store answers when the receiver opens it). Only
+        when that ticket was closed unserved (a receive that timed out) are the
+        counter and the closed markers read to find the current one."""
+        last = self._served.get(dst, 0)
+        wanted = self.channel.get_all([f"{_DST}/{dst}/open/{last + 1}"], deadline,
+                                      f"receiver {dst} to ask for a version")[0]
+        if wanted == _ABANDONED:
+            raise self._receiver_gone(dst)
+        if wanted != _CLOSED:
+            return last + 1, wanted
+        woken = False
         while True:
             current = self.channel.counter(f"{_DST}/{dst}/ticket")
             if current > last and not self.channel.has(f"{_DST}/{dst}/closed/{current}"):
-                return current
+                wanted = self._wanted(dst, current, deadline)
+                if wanted != _CLOSED:  # else it closed since: its closed marker is set now
+                    return current, wanted
+                continue
             if woken and self.channel.has(_ABANDONED):  # checked only after a wait: no cost when the ticket is open
                 raise self._receiver_gone(dst)
             nxt = max(current, last) + 1
@@ -485,15 +529,15 @@ class WeightSender(_Endpoint):
         # Receivers on this host first: their receive() opens its ticket before it
         # waits on any point-to-point peer, so these copies never wait on a round.
         for dst in self._local_receivers:
-            ticket = self._await_ticket(dst, deadline)
-            while (wanted := self._wanted(dst, ticket, deadline)) is not None and wanted < version:
+            ticket, wanted = self._await_ticket(dst, deadline)
+            while wanted is not None and wanted < version:
                 # The receive asks for an older version, which nobody will send now (its sender
                 # died): tell it so, untouched, rather than fill it with this one, then serve the
                 # receive that follows.
                 self.channel.set(f"{_DST}/{dst}/done/{ticket}/{self.rank}", {"abandoned": wanted, "holds": version})
                 self._served[dst] = ticket
-                ticket = self._await_ticket(dst, deadline)
-            for table, _ in self._tables[dst]:
+                ticket, wanted = self._await_ticket(dst, deadline)
+            for table in self._tables[dst]:
                 written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
             self.channel.set(f"{_DST}/{dst}/done/{ticket}/{self.rank}", version)
             self._served[dst] = ticket
@@ -693,6 +737,8 @@ class WeightReceiver(_Endpoint):
                              f"in rank order, got rank {group.rank()} of {group.size()}")
         self._amax_group = group
         self._amax_attempt: tuple[int | None, int] = (None, 0)  # see _amax_sync_id
+        # The last ticket this rank took (a restarted rank goes on from its predecessor's).
+        self._ticket = self.channel.counter(f"{_DST}/{self.rank}/ticket")
         self.version: int | None = None
         self.torn = False
         self.senders = self.plan.senders_of(self.rank)
@@ -718,7 +764,7 @@ class WeightReceiver(_Endpoint):
                 staging = self._staging_bufs[i % 2].data_ptr()
                 table = segment_table(_packed(bucket)[1], lambda seg: staging,
                                       lambda seg: self.landing[seg.dst_name].data_ptr())
-                self._unpack[src].append((table, sum(seg.nbytes for seg in bucket)))
+                self._unpack[src].append((prepared_table(table, self.device), sum(seg.nbytes for seg in bucket)))
         # Where the senders' segments (and the unpack tables) write: checked before every receive().
         self._landing_keys = {name: storage_key(t) for name, t in self.landing.items()}
         # Set up in the background (see replace_relay): a relay waits for its child's receiver,
@@ -866,16 +912,20 @@ class WeightReceiver(_Endpoint):
         # have stopped reading.
         wait_for_queued_work(self.device, deadline, f"the kernels queued on {self.device} (receiver {self.rank})")
         key = f"{_DST}/{self.rank}"
-        ticket = self.channel.counter(f"{key}/ticket", 1)
+        # This rank alone takes its tickets: counted here and published (a set needs no
+        # answer from the Store), before the ticket is opened.
+        self._ticket += 1
+        ticket = self._ticket
+        self.channel.set(f"{key}/ticket", ticket)
         self.torn = True  # from here on senders may be writing into the tensors
         self.channel.set(f"{key}/open/{ticket}", expect)
         done = [f"{key}/done/{ticket}/{src}" for src in self._local_senders]
         try:
             versions = self._receive_p2p(deadline, forwarding)  # senders on other hosts, meanwhile
-            self.channel.wait(done, deadline, f"senders to finish (receiver {self.rank}, ticket {ticket})")
-            answers = [self.channel.get(k) for k in done]
+            answers = self.channel.get_all(done, deadline, f"senders to finish (receiver {self.rank}, ticket {ticket})")
         finally:
             self.channel.set(f"{key}/closed/{ticket}", 1)
+            self.channel.set(f"{key}/open/{ticket}", _CLOSED)
         stale = [answer for answer in answers if isinstance(answer, dict)]
         if stale:
             message = (f"receiver rank {self.rank}: version {stale[0]['abandoned']} will not come (its sender holds "

@@ -1,7 +1,9 @@
 """Execution of copy segments by the native engine (host threads or CUDA stream).
 
 Python resolves every segment to absolute addresses once (a numpy table matching
-csrc/copy_segments.h `CopySegment`); each execution is then one native call.
+csrc/copy_segments.h `CopySegment`); each execution is then one native call. On a
+GPU a table used more than once is uploaded once (`CudaSegments`): each run is
+then one launch of the copy kernel, which copies (and casts) every segment.
 """
 
 from __future__ import annotations
@@ -87,8 +89,66 @@ def storage_key(tensor: torch.Tensor) -> tuple:
     return (tensor.data_ptr(), tensor.untyped_storage().nbytes(), tuple(tensor.shape), tensor.dtype)
 
 
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def table_bytes(table: np.ndarray) -> int:
+    """Bytes a segment table writes (a cast segment writes 2 per element)."""
+    if len(table) == 0:
+        return 0
+    unit = np.where(table[:, 6] == KIND_F32_TO_BF16, 2, 1)
+    return int((table[:, 4] * table[:, 5] * unit).sum())
+
+
+class CudaSegments:
+    """A segment table resident on one GPU, for copies run many times: split into
+    the copy kernel's pieces (csrc/copy_segments.h `CopyPiece`: at most 64 KiB of
+    destination each, aligned for 16-byte accesses where the tensors allow) and
+    uploaded once, every segment validated first. `launch(stream)` then enqueues
+    one kernel that copies every piece: no host synchronisation, no allocation, so
+    it can be captured in a CUDA graph. The memory the table addresses must stay
+    allocated (and the table alive) until every launch has run. `nbytes`: the
+    bytes one run writes."""
+
+    def __init__(self, table: np.ndarray, device: torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"CudaSegments runs on a CUDA device, got {device}")
+        self.device, self.index = device, _cuda_index(device)
+        self.nbytes = table_bytes(table)
+        pieces = _engine_call(native().split_pieces, np.ascontiguousarray(table, dtype=np.int64))
+        self.num_pieces = len(pieces)
+        self._pieces = torch.from_numpy(pieces).to(torch.device("cuda", self.index))
+        self._stream: torch.cuda.Stream | None = None
+
+    def launch(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Enqueue the copy on `stream` (default: the current stream), after what is
+        queued there already."""
+        stream = torch.cuda.current_stream(self.index) if stream is None else stream
+        _engine_call(native_cuda().launch_pieces_cuda, self.index, stream.cuda_stream, self._pieces.data_ptr(),
+                     self.num_pieces)
+
+    def run(self, timeout_s: float = DEFAULT_COPY_TIMEOUT_S) -> int:
+        """Copy once and wait for it: on a side stream that first waits for the
+        calling thread's current stream (so pending kernels, the optimizer's, finish
+        writing the sources), waited for with `timeout_s`. Returns or raises only once
+        nothing it queued is running. Returns the bytes written."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.index)
+        self._stream.wait_stream(torch.cuda.current_stream(self.index))
+        self.launch(self._stream)
+        _engine_call(native_cuda().wait_stream_cuda, self.index, self._stream.cuda_stream, timeout_s, self.nbytes)
+        return self.nbytes
+
+
+def prepared_table(table: np.ndarray, device: torch.device) -> np.ndarray | CudaSegments:
+    """A table as run_segment_table runs it best when it runs many times: uploaded
+    once on a GPU (CudaSegments), the numpy table itself on the host."""
+    return CudaSegments(table, device) if device.type == "cuda" else table
+
+
 def run_segment_table(
-    table: np.ndarray,
+    table: np.ndarray | CudaSegments,
     device: torch.device,
     num_threads: int | None = None,
     timeout_s: float = DEFAULT_COPY_TIMEOUT_S,
@@ -96,21 +156,24 @@ def run_segment_table(
     """Execute a segment table on `device`'s engine; returns bytes written.
 
     CPU: memcpy threads. CUDA: a side stream that first waits for the current
-    stream (so pending optimizer kernels finish writing the source), then
-    cudaMemcpy2DAsync / the cast kernel, waited for with `timeout_s`. Returns or
+    stream (so pending optimizer kernels finish writing the source), then one
+    launch of the copy kernel (a numpy table is split and uploaded for the call; a
+    CudaSegments was uploaded before), waited for with `timeout_s`. Returns or
     raises only once nothing it queued is running (see execute_segments_cuda).
     Raises SyncTimeoutError past `timeout_s`, SyncError when the engine fails.
     A process's first CUDA call initialises the engine's CUDA runtime, which can
     wait for work already queued on the device (it did on an H100) whatever
     `timeout_s` says.
     """
+    if isinstance(table, CudaSegments):
+        return table.run(timeout_s)
     if len(table) == 0:
         return 0
     if device.type == "cpu":
         return _engine_call(native().execute_segments_host, table, num_threads or default_num_threads())
     if device.type == "cuda":
         mod = native_cuda()
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = _cuda_index(device)
         stream = torch.cuda.Stream(device=index)
         stream.wait_stream(torch.cuda.current_stream(index))
         return _engine_call(mod.execute_segments_cuda, table, index, stream.cuda_stream, timeout_s)
@@ -135,7 +198,7 @@ def wait_for_queued_work(device: torch.device, deadline: float, what: str) -> No
     SyncTimeoutError naming `what`. No-op on CPU, where nothing is queued."""
     if device.type != "cuda":
         return
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(index))
     # Polls 50 us apart, doubling up to 1 ms: a decode step takes 5-50 ms, so the

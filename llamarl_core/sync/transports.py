@@ -11,7 +11,8 @@
   and unpacked into the parameters, round by round (`bipartite_rounds`).
 
 The transport is chosen per (sender, receiver) pair: ranks of one host share
-memory, ranks on two hosts go point-to-point (`choose_transports`).
+memory, ranks on two hosts go point-to-point (`choose_transports`); two ranks on
+one GPU never do (NCCL connects one rank per GPU).
 """
 
 from __future__ import annotations
@@ -135,16 +136,22 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, stacklevel=5)  # the line that made the WeightSender / WeightReceiver
 
 
+def _same_gpu(sender: dict, receiver: dict) -> bool:
+    return sender["device"] == "cuda" and sender["uuid"] == receiver["uuid"]
+
+
 def choose_transports(
     requested: str, senders: Sequence[dict], receivers: Sequence[dict], pairs=None
 ) -> dict[tuple[int, int], str]:
     """The transport of each (sender, receiver) pair that exchanges bytes (`pairs`,
     default all), from every rank's `device_info`; every rank computes the same.
     'auto': shared memory (CPU) or CUDA IPC (GPU) between ranks of one host,
-    point-to-point between hosts; on GPU, when CUDA IPC cannot serve every pair of
-    one host, that host's pairs go point-to-point too, with a warning (once). A
-    transport named explicitly that cannot serve every pair raises ValueError with
-    the reason."""
+    point-to-point between hosts; on GPU, a pair of one host that CUDA IPC cannot
+    serve goes point-to-point (NCCL), with a warning (once), unless its two ranks
+    share a GPU: NCCL connects one rank per GPU, so such a pair is refused, naming
+    it and why CUDA IPC cannot serve it. A transport named explicitly that cannot
+    serve every pair raises ValueError with the reason ('p2p' too, for ranks that
+    share a GPU)."""
     check_transport_name(requested)
     if pairs is None:
         pairs = [(s, d) for s in range(len(senders)) for d in range(len(receivers))]
@@ -156,6 +163,11 @@ def choose_transports(
     if requested in (SHM, CUDA_IPC) and requested != local:
         raise ValueError(f"transport {requested!r} needs {'CPU' if requested == SHM else 'CUDA'} tensors")
     if requested == P2P:
+        shared = [(s, d) for s, d in pairs if _same_gpu(senders[s], receivers[d])]
+        if shared:
+            s, d = shared[0]
+            raise ValueError(f"transport 'p2p' cannot connect sender {s} and receiver {d}: both are on GPU "
+                             f"{senders[s]['uuid']}, and NCCL connects one rank per GPU; use 'auto' or 'cuda_ipc'")
         return {pair: P2P for pair in pairs}
     remote = {(s, d) for s, d in pairs if senders[s]["host"] != receivers[d]["host"]}
     if remote and requested != "auto":
@@ -163,16 +175,28 @@ def choose_transports(
         raise ValueError(f"transport {requested!r} needs every rank on one machine, but sender {s} and receiver {d} "
                          "are on different hosts; use 'p2p' (or 'auto': point-to-point between hosts only)")
     chosen = {pair: P2P for pair in remote}
-    for host in sorted({senders[s]["host"] for s, _ in pairs}):
-        here = [(s, d) for s, d in pairs if (s, d) not in remote and senders[s]["host"] == host]
-        transport = local
-        if local == CUDA_IPC and (obstacle := cuda_ipc_obstacle(senders, receivers, here)) is not None:
-            if requested == CUDA_IPC:
-                raise ValueError(f"transport 'cuda_ipc' cannot work here: {obstacle}; or use transport='p2p'")
-            _warn_once(f"weight sync: CUDA IPC cannot be used ({obstacle}); "
-                       f"falling back to 'p2p' (NCCL) between the GPUs of host {host}")
-            transport = P2P
-        chosen.update({pair: transport for pair in here})
+    fallbacks = []
+    for s, d in pairs:
+        if (s, d) in remote:
+            continue
+        obstacle = cuda_ipc_obstacle(senders, receivers, [(s, d)]) if local == CUDA_IPC else None
+        if obstacle is None:
+            chosen[(s, d)] = local
+            continue
+        shared = _same_gpu(senders[s], receivers[d])
+        if requested == CUDA_IPC:
+            raise ValueError(f"transport 'cuda_ipc' cannot work here: {obstacle}"
+                             + ("" if shared else "; or use transport='p2p'"))
+        if shared:
+            raise ValueError(f"weight sync: sender {s} and receiver {d} share GPU {senders[s]['uuid']} from two "
+                             f"processes, and CUDA IPC cannot serve them ({obstacle}); NCCL connects one rank per "
+                             "GPU, so no transport can: fix what CUDA IPC needs")
+        fallbacks.append((s, d, obstacle))
+        chosen[(s, d)] = P2P
+    if fallbacks:
+        s, d, obstacle = fallbacks[0]
+        _warn_once(f"weight sync: CUDA IPC cannot be used ({obstacle}); falling back to 'p2p' (NCCL) for "
+                   f"{len(fallbacks)} sender -> receiver pair(s) of one host, sender {s} -> receiver {d} first")
     return chosen
 
 
