@@ -102,7 +102,7 @@ def test_fp8_triton_kernel_on_gpu_matches_reference(granularity, shape):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_fp8_triton_kernel_on_gpu_every_dtype_and_layout(granularity, dtype, transposed):
-    for shape in ((1024, 4096), (64, 14336), (300, 200)):
+    for shape in ((1024, 4096), (300, 200)):  # one tile / flat, and unaligned walks
         _assert_fp8_matches_reference(_fp8_weight(shape, dtype, transposed), granularity)
 
 
