@@ -7,6 +7,14 @@ On the same bf16 weights, in the same run:
   (--gpu) Triton kernel vs a device-to-device copy of the same tensor
 GB/s = bytes / time with bytes = numel * (2 read + 1 written) + 4 * number of scales
 (the copy: numel * 4).
+
+--gpu-sweep (a CUDA device): every candidate tiling of ops.fp8.SWEEP_TILINGS per
+granularity, unchecked (no host sync), on a 14336 x 4096 and a 4096 x 14336 bf16
+weight and a 14336 x 4096 float32 one, beside a device copy of the same weight
+in the same run (GB/s: bytes read + written; a float32 weight reads 4 bytes per
+element), each output checked bit for bit against quantize_fp8_ref; medians of
+triton.testing.do_bench (L2 flushed before each call). The best candidate per
+granularity is what GPU_TILINGS should hold.
 """
 
 from __future__ import annotations
@@ -20,10 +28,22 @@ import torch
 
 from llamarl_core.bench.harness import add_output_args, record, summarize, table
 from llamarl_core.cli import HelpFormatter
-from llamarl_core.ops.fp8 import quantize_fp8, quantize_fp8_ref, scale_shape
+from llamarl_core.ops.fp8 import (GRANULARITIES, SWEEP_TILINGS, launch_quantize_fp8, quantize_fp8, quantize_fp8_ref,
+                                  scale_shape)
 
 # Llama-3-8B-shaped projections: q/o (4096 x 4096), gate/up (14336 x 4096), down (4096 x 14336).
 DEFAULT_SHAPES = ["4096x4096", "14336x4096", "4096x14336"]
+
+
+# The sweep's weights: Llama-3-8B's gate / up and down projections, and gate / up in float32.
+SWEEP_WEIGHTS = [((14336, 4096), torch.bfloat16), ((4096, 14336), torch.bfloat16), ((14336, 4096), torch.float32)]
+
+
+def quantize_bytes(shape: tuple[int, int], dtype: torch.dtype, granularity: str) -> int:
+    """Bytes a quantization moves: w read, one byte a code written, the scales written."""
+    n, k = shape
+    num_scales = max(1, torch.Size(scale_shape(shape, granularity)).numel())
+    return n * k * (torch.empty((), dtype=dtype).element_size() + 1) + 4 * num_scales
 
 
 def _time(fn, repeats: int, warmup: int = 1) -> list[float]:
@@ -47,7 +67,7 @@ def run(spec) -> dict:
         n, k = (int(x) for x in text.split("x"))
         w = torch.randn(n, k).to(torch.bfloat16)
         for granularity in spec.granularities:
-            quant_bytes = n * k * 3 + 4 * max(1, torch.Size(scale_shape((n, k), granularity)).numel())
+            quant_bytes = quantize_bytes((n, k), torch.bfloat16, granularity)
             methods = {
                 "torch copy": (lambda: w.clone(), n * k * 4),
                 "CPU path": (lambda: quantize_fp8(w, granularity, backend="torch"), quant_bytes),
@@ -84,6 +104,45 @@ def report(result: dict) -> str:
     return f"bf16 weights, {result['threads']} torch threads.\n\n{table(lines)}\n\n{ratios}\n"
 
 
+def gpu_sweep(granularities=GRANULARITIES, rep_ms: int = 100) -> list[dict]:
+    """Time every SWEEP_TILINGS candidate (launch_quantize_fp8: no check, no host
+    sync) on SWEEP_WEIGHTS beside a device copy of the same weight; check each
+    output bit for bit against the reference. One row per (weight, candidate)."""
+    from triton.testing import do_bench
+
+    rows = []
+    for (n, k), dtype in SWEEP_WEIGHTS:
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)).to(dtype)
+        weight = f"{n}x{k} {str(dtype).removeprefix('torch.')}"
+        wg, copy = w.cuda(), torch.empty((n, k), dtype=dtype, device="cuda")
+        copy_ms = do_bench(lambda: copy.copy_(wg), rep=rep_ms, return_mode="median")
+        rows.append({"weight": weight, "granularity": "", "config": "device copy (read + write)", "ms": copy_ms,
+                     "gbps": 2 * wg.nbytes / copy_ms / 1e6, "vs_copy": 1.0, "exact": True})
+        copy_gbps = rows[-1]["gbps"]
+        for granularity in granularities:
+            q_ref, scale_ref = quantize_fp8_ref(w, granularity)
+            q_ref, scale_ref = q_ref.view(torch.uint8).cuda(), scale_ref.cuda()
+            nbytes = quantize_bytes((n, k), dtype, granularity)
+            for tiling in SWEEP_TILINGS[granularity]:
+                q, scale = launch_quantize_fp8(wg, granularity, tiling=tiling)
+                exact = torch.equal(q.view(torch.uint8), q_ref) and torch.equal(scale, scale_ref)
+                ms = do_bench(lambda: launch_quantize_fp8(wg, granularity, tiling=tiling), rep=rep_ms,
+                              return_mode="median")
+                gbps = nbytes / ms / 1e6
+                rows.append({"weight": weight, "granularity": granularity, "config": tiling.describe(granularity),
+                             "ms": ms, "gbps": gbps, "vs_copy": gbps / copy_gbps, "exact": exact})
+            del q_ref, scale_ref
+    return rows
+
+
+def sweep_report(rows: list[dict]) -> str:
+    lines = [["weight", "granularity", "config", "us", "GB/s", "x copy", "bits"]]
+    for r in rows:
+        lines.append([r["weight"], r["granularity"], r["config"], f"{r['ms'] * 1e3:.1f}", f"{r['gbps']:.0f}",
+                      f"{r['vs_copy']:.2f}", "exact" if r["exact"] else "DIFFER"])
+    return f"{torch.cuda.get_device_name()}: FP8 tilings, unchecked (check=False), do_bench medians.\n\n{table(lines)}\n"
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="llamarl bench fp8", description=__doc__,
                                 formatter_class=HelpFormatter)
@@ -91,14 +150,24 @@ def parse_args(argv):
     p.add_argument("--granularities", nargs="+", default=["tensor", "channel", "block"], help="FP8 scale granularities")
     p.add_argument("--repeats", type=int, default=3, help="timed calls of each method")
     p.add_argument("--gpu", action="store_true", help="also time the Triton kernel against a d2d copy")
+    p.add_argument("--gpu-sweep", action="store_true",
+                   help="time every candidate tiling (ops.fp8.SWEEP_TILINGS) on a CUDA device instead")
+    p.add_argument("--sweep-rep-ms", type=int, default=100, help="do_bench time per candidate in the sweep (ms)")
     add_output_args(p)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     spec = parse_args(sys.argv[1:] if argv is None else argv)
-    if spec.gpu and not torch.cuda.is_available():
-        raise SystemExit("--gpu needs a CUDA device")
+    if (spec.gpu or spec.gpu_sweep) and not torch.cuda.is_available():
+        raise SystemExit(f"{'--gpu-sweep' if spec.gpu_sweep else '--gpu'} needs a CUDA device")
+    if spec.gpu_sweep:
+        rows = gpu_sweep(spec.granularities, spec.sweep_rep_ms)
+        figures = {f"{r['weight']} {r['granularity']} {r['config']}": r["vs_copy"] for r in rows}
+        record(spec.record, "fp8_sweep", figures, {"device": torch.cuda.get_device_name()},
+               "FP8 tiling sweep (`llamarl bench fp8 --gpu-sweep`)", sweep_report(rows))
+        print(json.dumps(rows, indent=2) if spec.json else sweep_report(rows))
+        return 0 if all(r["exact"] for r in rows) else 1
     result = run(spec)
     figures = {f"{r['shape']}_{r['granularity']}_{r['method'].replace(' ', '_')}_gbps": r["gbps"] for r in result["rows"]}
     record(spec.record, "fp8", figures, {"threads": result["threads"]}, "FP8 weight quantization (`llamarl bench fp8`)",

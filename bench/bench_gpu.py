@@ -5,7 +5,11 @@ GPU's own copy bandwidth and the naive torch ops, measured in one run.
                  limit. GB/s counts bytes read + written.
   fp8 quantize   quantize_fp8 (Triton) of a 14336 x 4096 bf16 weight per tensor,
                  channel and 128 x 128 block: 2 bytes read + 1 written per
-                 element (+ scales); beside a copy of the same weight.
+                 element (+ scales); check=False (kernels only, no host sync)
+                 and the default check=True (one host sync that raises on NaN /
+                 inf), in device time (triton.testing.do_bench medians, L2
+                 flushed before each call); beside a copy of the same weight
+                 timed the same way.
   aipo           aipo_loss forward + backward on bf16 logits (4096 tokens x vocab
                  128256): logits read twice, dlogits written once (6 bytes per
                  element); beside the naive torch loss (float32 log_softmax +
@@ -15,7 +19,7 @@ GPU's own copy bandwidth and the naive torch ops, measured in one run.
                  from bf16 and from fp32 (cast on the way), beside cudaMemcpy of
                  the same bytes (torch's cast of the same values for fp32) in one
                  process, with the generator's stall (its receive()).
-Times are medians of CUDA-synchronized repeats after a warm-up.
+Times are medians of CUDA-synchronized repeats after a warm-up (fp8: do_bench).
 """
 
 from __future__ import annotations
@@ -52,17 +56,25 @@ def copy_bandwidth(nbytes: int, repeats: int) -> float:
     return 2 * nbytes / _time_cuda(lambda: dst.copy_(src), repeats)["median"]
 
 
-def fp8_rows(copy_bps: float, repeats: int, shape=(14336, 4096)) -> list[dict]:
-    from llamarl_core.ops.fp8 import quantize_fp8, scale_shape
+def fp8_rows(copy_bps: float, shape=(14336, 4096)) -> list[dict]:
+    from triton.testing import do_bench
+
+    from llamarl_core.bench.bench_fp8 import quantize_bytes
+    from llamarl_core.ops.fp8 import quantize_fp8
 
     n, k = shape
     w = torch.randn(shape, device="cuda").to(torch.bfloat16)
-    rows = []
+    dst = torch.empty_like(w)
+    copy_s = do_bench(lambda: dst.copy_(w), return_mode="median") / 1e3
+    rows = [{"what": f"device copy of the same {n}x{k} bf16 weight (read + write)", "seconds": copy_s,
+             "gbps": 2 * w.nbytes / copy_s / 1e9, "vs_copy": 2 * w.nbytes / copy_s / copy_bps}]
     for granularity in ("tensor", "channel", "block"):
-        nbytes = n * k * 3 + 4 * torch.Size(scale_shape(shape, granularity)).numel()
-        stats = _time_cuda(lambda: quantize_fp8(w, granularity), repeats)
-        rows.append({"what": f"fp8 quantize {n}x{k} bf16, {granularity}", "seconds": stats["median"],
-                     "gbps": nbytes / stats["median"] / 1e9, "vs_copy": nbytes / stats["median"] / copy_bps})
+        nbytes = quantize_bytes(shape, torch.bfloat16, granularity)
+        for check in (False, True):
+            seconds = do_bench(lambda: quantize_fp8(w, granularity, check=check), return_mode="median") / 1e3
+            how = "check=True (one host sync)" if check else "check=False (no host sync)"
+            rows.append({"what": f"fp8 quantize {n}x{k} bf16, {granularity}, {how}", "seconds": seconds,
+                         "gbps": nbytes / seconds / 1e9, "vs_copy": nbytes / seconds / copy_bps})
     return rows
 
 
@@ -131,7 +143,7 @@ def run(spec) -> dict:
     copy_bps = copy_bandwidth(1 << 30, spec.repeats)
     rows = [{"what": "device-to-device copy, 1 GiB (read + write)", "seconds": None, "gbps": copy_bps / 1e9,
              "vs_copy": 1.0}]
-    rows += fp8_rows(copy_bps, spec.repeats)
+    rows += fp8_rows(copy_bps)
     rows += aipo_rows(copy_bps, spec.repeats)
     if not spec.no_sync:
         rows += sync_rows(spec.repeats)

@@ -8,11 +8,17 @@ import pytest
 import torch
 
 from llamarl_core.ops.fp8 import (
+    DEFAULT_BLOCK,
     FP8_MAX,
+    SWEEP_TILINGS,
+    Fp8Tiling,
+    cast_fp8_ref,
     dequantize_fp8,
     e4m3_nearest_even_ref64,
     expand_scale,
+    fp8_amax,
     fp8_amax_ref,
+    launch_quantize_fp8,
     quantize_fp8,
     quantize_fp8_ref,
     quantize_fp8_with_scale,
@@ -183,25 +189,125 @@ def test_input_is_left_untouched(backend, granularity):
     assert torch.equal(w, before)
 
 
-@pytest.mark.parametrize("granularity, shape, block_size", [
-    ("block", (300, 200), (128, 128)),  # several 32-row sub-tiles per block, ragged edge blocks
-    ("block", (250, 130), (100, 60)),  # a block size that is no power of two
-    ("channel", (37, 2500), (128, 128)),  # rows walked in three 1024-wide sub-tiles, the last ragged
-    ("channel", (70, 200), (128, 128)),  # narrow rows: 32-row sub-tiles
-    ("tensor", (97, 1030), (128, 128)),
-])
-@pytest.mark.parametrize("subtiles", ["_GPU_SUBTILES", "_GPU_UNALIGNED_SUBTILES"])
-def test_gpu_subtiles_walked_in_the_interpreter(monkeypatch, granularity, shape, block_size, subtiles):
-    """The interpreter normally walks whole blocks at once (it is slow per
-    operation); here it walks a GPU's sub-tiles (for aligned and for unaligned
-    weights), so the loops a GPU runs are checked bit for bit too."""
+def _weight(shape, dtype=torch.bfloat16, layout="contiguous", seed=17) -> torch.Tensor:
+    """Random weight with outliers; "transposed": a (K, N) tensor's .t() view (strides (1, N))."""
+    if layout == "transposed":
+        return _inputs("outliers", shape[::-1], dtype, seed).t()
+    return _inputs("outliers", shape, dtype, seed)
+
+
+def _assert_nonfinite_exactly_where_the_reference_is(w, granularity, block_size, scale, amax):
+    """check=False: the groups holding NaN / inf get an inf scale and amax, the others the reference's."""
+    ref_amax = fp8_amax_ref(w, granularity, block_size).reshape(scale.shape)
+    bad = ~torch.isfinite(ref_amax)
+    assert bad.any()
+    assert (scale[bad] == float("inf")).all() and (amax[bad] == float("inf")).all()
+    assert torch.equal(scale[~bad], scale_from_amax(ref_amax)[~bad]) and torch.equal(amax[~bad], ref_amax[~bad])
+
+
+# The GPU's tilings as of this test (GPU_TILINGS may move to another SWEEP_TILINGS
+# candidate after a GPU sweep; the cases below state which path these ones take).
+TEST_TILINGS = {"tensor": Fp8Tiling(tile=8192), "channel": Fp8Tiling(tile=8192), "block": Fp8Tiling(tile=16384)}
+# (granularity, shape, block_size, layout, path): what a GPU's tiling makes of it.
+GPU_TILING_CASES = [
+    ("block", (256, 384), (128, 128), "contiguous", "one tile"),  # a 128 x 128 block a program
+    ("block", (256, 160), (100, 60), "contiguous", "one tile"),  # a block size that is no power of two: masked
+    ("block", (140, 130), (128, 128), "contiguous", "walk"),  # unaligned: 8 x 128 sub-tiles, ragged edge blocks
+    ("block", (150, 130), (100, 60), "transposed", "walk"),  # strided
+    ("channel", (5, 4096), (128, 128), "contiguous", "one tile"),  # whole rows, 2 a program
+    ("channel", (70, 208), (128, 128), "contiguous", "one tile"),  # 32 short rows a program
+    ("channel", (3, 12288), (128, 128), "contiguous", "one tile"),  # one row a program, padded to 16384
+    ("channel", (3, 16400), (128, 128), "contiguous", "walk"),  # past max_tile: 4096-wide sub-tiles
+    ("channel", (9, 2500), (128, 128), "contiguous", "walk"),  # unaligned: 1024-wide sub-tiles, the last ragged
+    ("channel", (70, 200), (128, 128), "transposed", "walk"),
+    ("tensor", (96, 1024), (128, 128), "contiguous", "flat"),  # 8192 a program, grid-stride amax, reversed cast
+    ("tensor", (17, 1030), (128, 128), "contiguous", "flat"),  # unvectorized: 1024 a program
+    ("tensor", (32, 1024), (128, 128), "transposed", "walk"),  # atomic amax over row groups, then sub-tiles
+]
+
+
+@pytest.mark.parametrize("granularity, shape, block_size, layout, path", GPU_TILING_CASES)
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")  # the interpreter's inf / inf
+def test_gpu_tilings_in_the_interpreter(monkeypatch, granularity, shape, block_size, layout, path):
+    """The interpreter normally holds whole regions of up to 64K elements (it is
+    slow per operation); here it cuts the weight as a GPU does (one tile or a
+    walk, flat or strided, by size and alignment), so every path a GPU runs is
+    checked bit for bit, and with check=False, for a NaN, too."""
     from llamarl_core.ops import fp8
 
     if not fp8.use_interpreter():
-        pytest.skip("checks the interpreter's walk of the GPU sub-tiles")
-    monkeypatch.setattr(fp8, "_INTERPRETER_SUBTILES", getattr(fp8, subtiles))
-    w = _inputs("outliers", shape, torch.bfloat16, 17)
+        pytest.skip("checks the interpreter's run of the GPU tilings")
+    monkeypatch.setattr(fp8, "_INTERPRETER_TILINGS", TEST_TILINGS)
+    w = _weight(shape, layout=layout)
+    tiling = TEST_TILINGS[granularity]
+    if granularity == "tensor" and fp8._flat(w):
+        assert path == "flat"
+    else:
+        assert path == ("one tile" if fp8._region_plan(w, granularity, block_size, tiling).one_tile else "walk")
     q, scale = quantize_fp8(w, granularity, block_size, backend="triton")
     _assert_same(q, scale, *quantize_fp8_ref(w, granularity, block_size))
     amax = fp8.fp8_amax(w, granularity, block_size, backend="triton")
     assert torch.equal(amax, fp8_amax_ref(w, granularity, block_size).reshape(amax.shape))
+    w[shape[0] // 2, shape[1] - 1] = float("nan")
+    _q, scale = quantize_fp8(w, granularity, block_size, backend="triton", check=False)
+    amax = fp8.fp8_amax(w, granularity, block_size, backend="triton", check=False)
+    _assert_nonfinite_exactly_where_the_reference_is(w, granularity, block_size, scale, amax)
+
+
+@pytest.mark.parametrize("granularity, tiling", [(g, t) for g, ts in SWEEP_TILINGS.items() for t in ts],
+                         ids=lambda x: x if isinstance(x, str) else x.describe("channel").replace(" ", ""))
+def test_sweep_candidates_in_the_interpreter(granularity, tiling):
+    """Every tiling the GPU sweep times gives the reference's bits (K 4096 and
+    14336: the sweep's weights' rows)."""
+    from llamarl_core.ops import fp8
+
+    if not fp8.use_interpreter():
+        pytest.skip("the GPU sweep checks them on a GPU")
+    for shape in ((4, 4096), (2, 14336)) if granularity == "channel" else ((256, 256),):
+        w = _weight(shape, torch.float32 if shape[0] == 2 else torch.bfloat16)
+        q, scale = launch_quantize_fp8(w, granularity, tiling=tiling)
+        _assert_same(q, scale, *quantize_fp8_ref(w, granularity))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_gpu_tilings_every_dtype(monkeypatch, dtype, granularity):
+    """The vectorized one-tile and flat paths of a GPU on each input dtype."""
+    from llamarl_core.ops import fp8
+
+    if not fp8.use_interpreter():
+        pytest.skip("checks the interpreter's run of the GPU tilings")
+    monkeypatch.setattr(fp8, "_INTERPRETER_TILINGS", TEST_TILINGS)
+    w = _weight((256, 256), dtype)
+    q, scale = quantize_fp8(w, granularity, backend="triton")
+    _assert_same(q, scale, *quantize_fp8_ref(w, granularity))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")  # the interpreter's inf / inf
+def test_unchecked_nan_and_inf_give_inf_scales(backend, granularity, layout, bad):
+    """check=False: nothing raises, and exactly the groups holding NaN / inf get
+    an inf scale and amax, on every path (flat and 2-D per tensor, CPU)."""
+    name, device = backend
+    w = _weight((130, 260), layout=layout)
+    w[129, 3] = bad
+    q, scale = quantize_fp8(w.to(device), granularity, backend=name, check=False)
+    amax = fp8_amax(w.to(device), granularity, backend=name, check=False)
+    _assert_nonfinite_exactly_where_the_reference_is(w, granularity, DEFAULT_BLOCK, scale.cpu(), amax.cpu())
+    assert q.shape == w.shape and q.dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match=r"layers\.0\.up: contains NaN or inf"):
+        fp8_amax(w.to(device), granularity, backend=name, name="layers.0.up", check=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unchecked_quantize_with_scale_writes_without_looking(backend):
+    name, device = backend
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    scale = scale_from_amax(fp8_amax_ref(w, "channel")).to(device)
+    w[5, 5] = float("nan")
+    out = quantize_fp8_with_scale(w.to(device), scale, "channel", backend=name, check=False)
+    rows = torch.arange(64) != 5
+    assert torch.equal(out.cpu().view(torch.uint8)[rows], cast_fp8_ref(w, scale.cpu()).view(torch.uint8)[rows])

@@ -133,17 +133,103 @@ def test_sync_between_processes_over_cuda_ipc():
         assert results[2][name] == [] and results[3][name] == []
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
-@pytest.mark.parametrize("shape", [(1, 1), (127, 129), (300, 200), (4096, 1), (1024, 4096)])
-def test_fp8_triton_kernel_on_gpu_matches_reference(granularity, shape):
-    from llamarl_core.ops.fp8 import quantize_fp8, quantize_fp8_ref
+# (1024, 4096): 8 whole rows a program in one tile (per tensor: flat); (64, 14336): one
+# row padded to 16384; (16, 32784): rows past the one-tile limit, walked twice;
+# (256, 160): a ragged edge block held as one tile; the rest unaligned: walked.
+FP8_GPU_SHAPES = [(1, 1), (127, 129), (300, 200), (4096, 1), (1024, 4096), (64, 14336), (16, 32784), (256, 160)]
 
-    w = (torch.randn(shape) * 3).to(torch.bfloat16)
-    w.view(-1)[:: 97] *= 1e3
-    q, scale = quantize_fp8(w.cuda(), granularity)
+
+def _fp8_weight(shape, dtype=torch.bfloat16, transposed=False):
+    gen = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    w = torch.randn(shape[::-1] if transposed else shape, generator=gen) * 3
+    w.view(-1)[::97] *= 1e3
+    return w.to(dtype).t() if transposed else w.to(dtype)
+
+
+def _assert_fp8_matches_reference(w, granularity, **kw):
+    from llamarl_core.ops.fp8 import fp8_amax, fp8_amax_ref, quantize_fp8, quantize_fp8_ref, quantize_fp8_with_scale
+
     q_ref, scale_ref = quantize_fp8_ref(w, granularity)
-    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
-    assert torch.equal(scale.cpu(), scale_ref)
+    for check in (True, False):
+        q, scale = quantize_fp8(w.cuda(), granularity, check=check, **kw)
+        assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)), (granularity, check)
+        assert torch.equal(scale.cpu(), scale_ref), (granularity, check)
+        amax = fp8_amax(w.cuda(), granularity, check=check)
+        assert torch.equal(amax.cpu(), fp8_amax_ref(w, granularity).reshape(amax.shape))
+        q = quantize_fp8_with_scale(w.cuda(), scale_ref.cuda(), granularity, check=check)
+        assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)), (granularity, check, "scale given")
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("shape", FP8_GPU_SHAPES)
+def test_fp8_triton_kernel_on_gpu_matches_reference(granularity, shape):
+    _assert_fp8_matches_reference(_fp8_weight(shape), granularity)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fp8_triton_kernel_on_gpu_every_dtype_and_layout(granularity, dtype, transposed):
+    for shape in ((1024, 4096), (300, 200)):  # one tile / flat, and unaligned walks
+        _assert_fp8_matches_reference(_fp8_weight(shape, dtype, transposed), granularity)
+
+
+def test_fp8_every_sweep_tiling_on_gpu_matches_reference():
+    """Each candidate `llamarl bench fp8 --gpu-sweep` times gives the reference's bits."""
+    from llamarl_core.ops.fp8 import SWEEP_TILINGS, launch_quantize_fp8, quantize_fp8_ref
+
+    for shape, dtype in (((1024, 4096), torch.bfloat16), ((64, 14336), torch.bfloat16), ((256, 4096), torch.float32)):
+        w = _fp8_weight(shape, dtype)
+        for granularity, tilings in SWEEP_TILINGS.items():
+            q_ref, scale_ref = quantize_fp8_ref(w, granularity)
+            for tiling in tilings:
+                q, scale = launch_quantize_fp8(w.cuda(), granularity, tiling=tiling)
+                assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)), tiling
+                assert torch.equal(scale.cpu(), scale_ref), tiling
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fp8_unchecked_nan_and_inf_give_inf_scales_on_gpu(granularity, transposed):
+    from llamarl_core.ops.fp8 import fp8_amax, fp8_amax_ref, quantize_fp8
+
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        w = _fp8_weight((1024, 4096), transposed=transposed)
+        w[700, 3000] = bad
+        _q, scale = quantize_fp8(w.cuda(), granularity, check=False)
+        amax = fp8_amax(w.cuda(), granularity, check=False).cpu()
+        nonfinite = ~torch.isfinite(fp8_amax_ref(w, granularity).reshape(amax.shape))
+        assert nonfinite.any() and torch.equal(~torch.isfinite(scale.cpu()), nonfinite)
+        assert (scale.cpu()[nonfinite] == float("inf")).all() and (amax[nonfinite] == float("inf")).all()
+        with pytest.raises(ValueError, match="layers.1.down: contains NaN or inf"):
+            quantize_fp8(w.cuda(), granularity, name="layers.1.down")
+
+
+def test_fp8_unchecked_calls_never_sync_with_the_host():
+    """check=False: kernels only. torch's sync debug mode raises on any
+    synchronizing CUDA call; the checked default makes exactly such a call."""
+    from llamarl_core.ops.fp8 import fp8_amax, quantize_fp8, quantize_fp8_with_scale, scale_from_amax
+
+    weights = [_fp8_weight((1024, 4096)), _fp8_weight((300, 200), transposed=True)]
+    weights = [w.cuda() for w in weights]
+    scales = {}
+    for w in weights:  # warm-up: compiling and loading the kernels
+        for granularity in ("tensor", "channel", "block"):
+            scales[w.shape, granularity] = scale_from_amax(fp8_amax(w, granularity))
+            quantize_fp8(w, granularity, check=False)
+            quantize_fp8_with_scale(w, scales[w.shape, granularity], granularity, check=False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for w in weights:
+            for granularity in ("tensor", "channel", "block"):
+                quantize_fp8(w, granularity, check=False)
+                fp8_amax(w, granularity, check=False)
+                quantize_fp8_with_scale(w, scales[w.shape, granularity], granularity, check=False)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            quantize_fp8(weights[0], "channel")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -5,12 +5,24 @@ TRITON_INTERPRET=1, the torch CPU path):
     amax  = max |w_fp32| over the group (tensor; a row; a block_size block, ragged
             edge blocks using only their valid elements)
     scale = amax / 448 in float32, or 1.0 where that is 0 (an all-zero group), so
-            a scale is always finite and positive
+            the scale of a finite group is finite and positive
     q     = round_to_nearest_even(w_fp32 / scale), the division correctly rounded
             in float32, saturated to +-448, as float8_e4m3fn
     w    ~= q * scale (dequantize_fp8); `weight_scale_inv` in DeepSeek-V3 / vLLM
             block checkpoints is this same per-block scale.
-A NaN or inf anywhere in `w` raises ValueError naming the tensor.
+
+NaN and inf: with check=True (the default of quantize_fp8, fp8_amax and
+quantize_fp8_with_scale) a NaN or inf anywhere in `w` raises ValueError naming
+the tensor, at the cost of one host sync per call. With check=False no call
+syncs with the host (on a GPU: kernels only, nothing waits), and a group
+holding NaN or inf gets an inf amax and an inf scale (its codes are
+unspecified), on every path. Callers that quantize many tensors pass
+check=False and check their scales (or amaxes) once, e.g.
+`torch.isfinite(torch.cat([s.reshape(-1) for s in scales])).all()`.
+
+Speed (H100, see Fp8Tiling and GPU_TILINGS): per channel and per block one
+pass, reading the weight once; per tensor two kernels, a global amax pass and
+the cast pass, which reads the amax from device memory.
 
 File order: reference -> launchers (Triton kernels in llamarl_core.kernels) ->
 CPU path -> functional API.
@@ -19,10 +31,11 @@ CPU path -> functional API.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
-from ._launch import KernelLaunch, use_interpreter
+from ._launch import KernelLaunch, next_pow2, use_interpreter
 
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -159,72 +172,222 @@ def _triton_kernels():
     return fp8_quant
 
 
-# Sub-tiles a program walks its region in. On a GPU, for sizes, strides and
-# addresses that are multiples of 16 (every LLM weight: the JIT then vectorizes),
-# 4096 elements, 16 per thread at 8 warps: at most 59 registers, no spills (a whole
-# 128 x 128 block held at once took 92); otherwise 1024 elements (4096 took up to
-# 254 registers unvectorized, 1024 at most 61). "wide" for rows longer than 512,
-# "narrow" otherwise, so short rows do not leave most lanes masked. In the
-# interpreter, where each operation costs the same whatever its size (about 0.5 ms
-# per program instance), whole blocks and 64K-element tiles: the FP8 tests ran 3x
-# longer with the GPU's.
-_GPU_SUBTILES = {"block": (32, 128), "wide": (4, 1024), "narrow": (32, 128)}
-_GPU_UNALIGNED_SUBTILES = {"block": (8, 128), "wide": (1, 1024), "narrow": (8, 128)}
-_INTERPRETER_SUBTILES = {"block": (128, 128), "wide": (16, 4096), "narrow": (128, 128)}
-_FP8_NUM_WARPS = 8
+@dataclass(frozen=True)
+class Fp8Tiling:
+    """How the Triton launchers cut one granularity's work (sizes in elements).
+
+    tile: what a program holds at once. Channel: whole rows as one tile,
+        tile // next_pow2(K) of them (at least one), when next_pow2(K) <=
+        max_tile; block: the whole block as one tile when its padded size is <=
+        max_tile; per tensor (contiguous weights): the flat passes' elements per
+        program and amax step. 0: never one tile (every region walked twice).
+    per_thread: elements per thread of a tile, which sets num_warps (1 to 16).
+    max_tile: the largest region held as one tile.
+    walk: elements of a sub-tile where a region is walked instead (a row longer
+        than max_tile; per tensor on a strided weight), at 8 warps.
+    unaligned: the same where loads cannot vectorize (address, row stride or K
+        not a multiple of 16 elements, or a column stride other than 1): such
+        weights always walk (per tensor: flat passes of this many elements).
+    aligned_only: one tile only where loads vectorize (on a GPU: an unvectorized
+        4096-element sub-tile took up to 254 registers a thread).
+    amax_programs_per_sm: programs of the per-tensor flat amax pass per SM.
+    reverse: the per-tensor flat cast takes blocks from the end, so it first
+        reads what the amax pass left in L2.
+    """
+
+    tile: int
+    per_thread: int = 32
+    max_tile: int = 16384
+    walk: int = 4096
+    unaligned: int = 1024
+    aligned_only: bool = True
+    amax_programs_per_sm: int = 8
+    reverse: bool = True
+
+    def holds(self, elements: int) -> bool:
+        """Whether a region of this many elements (padded) is held as one tile."""
+        return self.tile > 0 and elements <= max(self.tile, self.max_tile)
+
+    def describe(self, granularity: str) -> str:
+        """The fields that matter to `granularity`, for tables."""
+        if granularity == "tensor":
+            return (f"flat {self.tile}/program, {self.per_thread}/thread, amax {self.amax_programs_per_sm}/SM"
+                    f"{', reversed cast' if self.reverse else ''}")
+        if self.tile == 0:
+            return f"walk {self.walk} twice"
+        return f"tile {self.tile} (max {self.max_tile}), {self.per_thread}/thread, else walk {self.walk}"
 
 
-def _aligned(w: torch.Tensor) -> bool:
-    """Whether the JIT gets its divisibility-by-16 hint on w's address, sizes and
-    row stride, with a unit column stride (a constant to it): loads are then vectorized."""
-    return w.data_ptr() % 16 == 0 and w.stride(1) == 1 and all(x % 16 == 0 for x in (*w.shape, w.stride(0)))
+# The defaults on a GPU, per granularity; candidates for them in SWEEP_TILINGS.
+# H100 targets (14336 x 4096 bf16): channel and block >= 0.8x of the device copy
+# bandwidth, per tensor >= 0.5x (its two passes read the weight twice).
+# Channel: 2 rows of K = 4096 a program (8192 elements, 8 warps: 60 registers on
+# sm_90); one row of K = 14336 padded to 16384 at 16 warps (51); longer rows
+# walked. Block: the 128 x 128 block at 16 warps (51). Per tensor: 8192 elements a
+# program at 8 warps (amax 55, cast 53). No spills (python -m llamarl_core.ops.kernel_check).
+GPU_TILINGS = {
+    "tensor": Fp8Tiling(tile=8192),
+    "channel": Fp8Tiling(tile=8192),
+    "block": Fp8Tiling(tile=16384),
+}
+# What the GPU session times (bench_fp8 --gpu-sweep) to settle the defaults; each
+# one is in kernel_variants(), so it is known to compile.
+SWEEP_TILINGS = {
+    "tensor": [GPU_TILINGS["tensor"], Fp8Tiling(tile=4096), Fp8Tiling(tile=16384), Fp8Tiling(tile=8192, per_thread=16),
+               Fp8Tiling(tile=8192, reverse=False), Fp8Tiling(tile=8192, amax_programs_per_sm=4),
+               Fp8Tiling(tile=8192, amax_programs_per_sm=16)],
+    "channel": [GPU_TILINGS["channel"], Fp8Tiling(tile=4096), Fp8Tiling(tile=16384),
+                Fp8Tiling(tile=8192, per_thread=16), Fp8Tiling(tile=16384, per_thread=64),
+                Fp8Tiling(tile=8192, max_tile=8192), Fp8Tiling(tile=0)],
+    "block": [GPU_TILINGS["block"], Fp8Tiling(tile=16384, per_thread=64), Fp8Tiling(tile=0)],
+}
+# In the interpreter every operation costs about the same whatever its size (about
+# 0.5 ms per program instance): one tile of up to 64K elements whatever the strides.
+_INTERPRETER_TILING = Fp8Tiling(tile=1 << 16, max_tile=1 << 16, walk=1 << 16, unaligned=1 << 16, aligned_only=False,
+                                amax_programs_per_sm=1)
+_INTERPRETER_TILINGS = {granularity: _INTERPRETER_TILING for granularity in GRANULARITIES}
+# Walked sub-tiles at 8 warps: 4096 elements took at most 43 registers, 1024 unvectorized at most 64 (sm_90).
+_WALK_NUM_WARPS = 8
 
 
-def _regions(w: torch.Tensor, granularity: str, block_size, on_gpu: bool) -> tuple[int, int, int, int]:
-    """(GROUP_N, GROUP_K, BLOCK_N, BLOCK_K): what one program owns and the sub-tile
-    it walks it in. A block: its block. A channel group: BLOCK_N whole rows (the
-    row amax is complete within one program). Per tensor: one sub-tile (the scale is given)."""
-    k = w.shape[1]
-    subtiles = (_GPU_SUBTILES if _aligned(w) else _GPU_UNALIGNED_SUBTILES) if on_gpu else _INTERPRETER_SUBTILES
-    bn, bk = subtiles["block" if granularity == "block" else "wide" if k > 512 else "narrow"]
+def _tiling(w: torch.Tensor, granularity: str, tiling: Fp8Tiling | None) -> Fp8Tiling:
+    if tiling is not None:
+        return tiling
+    return (GPU_TILINGS if w.device.type == "cuda" else _INTERPRETER_TILINGS)[granularity]
+
+
+def _num_warps(elements: int, per_thread: int) -> int:
+    return min(16, next_pow2(max(1, elements // (32 * per_thread))))
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors (1 off a GPU); torch caches the properties: no sync."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _vectorizes(w: torch.Tensor) -> bool:
+    """Whether the JIT vectorizes w's row loads: its address, row stride and K
+    divisible by 16 (the JIT's hint) and a unit column stride (a constant to it)."""
+    return w.data_ptr() % 16 == 0 and w.stride(1) == 1 and w.shape[1] % 16 == 0 and w.stride(0) % 16 == 0
+
+
+def _flat(w: torch.Tensor) -> bool:
+    """Per tensor, w is read as one contiguous 1-D run."""
+    return w.is_contiguous()
+
+
+def _flat_vectorizes(w: torch.Tensor) -> bool:
+    return w.data_ptr() % 16 == 0 and w.numel() % 16 == 0
+
+
+def _fits_int32(w: torch.Tensor, rows: int, cols: int) -> bool:
+    """Whether the int32 offsets of a rows x cols tile from its first element
+    cannot overflow, in w and in q (contiguous, row stride K)."""
+    row_stride = max(abs(w.stride(0)), w.shape[1])
+    return (rows - 1) * row_stride + (cols - 1) * abs(w.stride(1)) < 2**31
+
+
+def _subtile(max_rows: int, max_cols: int, elements: int) -> tuple[int, int]:
+    """(rows, cols) of a walk's sub-tile: as wide as the region (up to `elements`), then as high as fits."""
+    cols = min(max_cols, elements)
+    return min(max_rows, max(1, elements // cols)), cols
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A region kernel's launch: programs own GROUP_N x GROUP_K regions (grid),
+    held as one BLOCK_N x BLOCK_K tile (one_tile) or walked in such sub-tiles."""
+
+    grid: tuple[int, int]
+    group_n: int
+    group_k: int
+    block_n: int
+    block_k: int
+    one_tile: bool
+    num_warps: int
+
+
+def _region_plan(w: torch.Tensor, granularity: str, block_size, tiling: Fp8Tiling, amax_only: bool = False) -> _Plan:
+    """How the region kernels cut w. Channel: whole rows a program; block: a
+    block a program; per tensor (strided weights): a sub-tile a program for the
+    cast, and rows enough for amax_programs_per_sm programs per SM for the amax."""
+    n, k = w.shape
+    vectorizes = _vectorizes(w) or not tiling.aligned_only
+    walk = tiling.walk if vectorizes else tiling.unaligned
     if granularity == "block":
-        return block_size[0], block_size[1], bn, bk
+        group_n, group_k = block_size
+        grid = (-(-n // group_n), -(-k // group_k))
+        bn, bk = next_pow2(group_n), next_pow2(group_k)
+        if vectorizes and tiling.holds(bn * bk) and _fits_int32(w, bn, bk):
+            return _Plan(grid, group_n, group_k, bn, bk, True, _num_warps(bn * bk, tiling.per_thread))
+        bn, bk = _subtile(bn, bk, walk)
+        return _Plan(grid, group_n, group_k, bn, bk, False, _WALK_NUM_WARPS)
     if granularity == "channel":
-        return bn, max(k, 1), bn, bk
-    return bn, bk, bn, bk
+        bk = next_pow2(k)
+        rows = min(max(1, tiling.tile // bk), next_pow2(n))
+        if vectorizes and tiling.holds(bk) and _fits_int32(w, rows, bk):
+            return _Plan((-(-n // rows), 1), rows, k, rows, bk, True, _num_warps(rows * bk, tiling.per_thread))
+        bn, bk = _subtile(next_pow2(n), bk, walk)
+        return _Plan((-(-n // bn), 1), bn, k, bn, bk, False, _WALK_NUM_WARPS)
+    bn, bk = _subtile(next_pow2(n), next_pow2(k), walk)
+    if not amax_only:
+        return _Plan((-(-n // bn), -(-k // bk)), bn, bk, bn, bk, False, _WALK_NUM_WARPS)
+    # One atomic a program: a few programs per SM, each walking whole rows.
+    row_tiles = -(-n // bn)
+    group_n = bn * -(-row_tiles // (tiling.amax_programs_per_sm * _sm_count(w.device)))
+    return _Plan((-(-n // group_n), 1), group_n, k, bn, bk, False, _WALK_NUM_WARPS)
 
 
-def _amax_shape(w: torch.Tensor, granularity: str, block_size, on_gpu: bool) -> tuple[int, int]:
-    """What the amax kernel writes: one value per row (channel) or per program's region."""
+def _flat_block(w: torch.Tensor, tiling: Fp8Tiling) -> tuple[int, int]:
+    """(elements, num_warps) of a per-tensor flat program; unvectorized, the
+    walks' size and warps (1024 elements at 1 warp took 87 registers, at 8 warps 30)."""
+    if tiling.tile and (_flat_vectorizes(w) or not tiling.aligned_only):
+        return tiling.tile, _num_warps(tiling.tile, tiling.per_thread)
+    return tiling.unaligned, _WALK_NUM_WARPS
+
+
+def _amax_launch(w: torch.Tensor, out: torch.Tensor, granularity: str, block_size, tiling: Fp8Tiling) -> KernelLaunch:
+    """max |w| per row (channel; out (N, 1)), per block (out: the scale's shape),
+    or per tensor into out, an int32 scalar holding 0 (float32 bits)."""
+    kernels = _triton_kernels()
+    if granularity == "tensor" and _flat(w):
+        block, num_warps = _flat_block(w, tiling)
+        grid = (min(-(-w.numel() // block), tiling.amax_programs_per_sm * _sm_count(w.device)),)
+        return KernelLaunch(kernels.fp8_flat_amax_kernel, grid, dict(w_ptr=w, amax_ptr=out, numel=w.numel()),
+                            dict(BLOCK=block), num_warps)
     n, k = w.shape
-    group_n, group_k, _, _ = _regions(w, granularity, block_size, on_gpu)
-    return (n, 1) if granularity == "channel" else (-(-n // group_n), -(-k // group_k))
-
-
-def _amax_launch(w: torch.Tensor, out: torch.Tensor, granularity: str, block_size, on_gpu: bool) -> KernelLaunch:
-    """Per-row amax (channel; out (N, 1)) or per-region amax (out: _amax_shape)."""
-    n, k = w.shape
-    group_n, group_k, bn, bk = _regions(w, granularity, block_size, on_gpu)
+    plan = _region_plan(w, granularity, block_size, tiling, amax_only=True)
     return KernelLaunch(
-        _triton_kernels().fp8_amax_kernel, (-(-n // group_n), -(-k // group_k)),
-        dict(w_ptr=w, out_ptr=out, N=n, K=k, stride_wn=w.stride(0), stride_wk=w.stride(1), GROUP_N=group_n,
-             GROUP_K=group_k),
-        dict(BLOCK_N=bn, BLOCK_K=bk, PER_ROW=granularity == "channel"), _FP8_NUM_WARPS)
+        kernels.fp8_amax_kernel, plan.grid,
+        dict(w_ptr=w, out_ptr=out, N=n, K=k, stride_wn=w.stride(0), stride_wk=w.stride(1), GROUP_N=plan.group_n,
+             GROUP_K=plan.group_k),
+        dict(BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, ONE_TILE=plan.one_tile,
+             OUT_MODE={"channel": 0, "block": 1, "tensor": 2}[granularity]), plan.num_warps)
 
 
 def _quantize_launch(w, q_bits, scale, granularity: str, block_size, compute_scale: bool, software_fp8: bool,
-                     on_gpu: bool) -> KernelLaunch:
-    """The cast (and, with compute_scale, the fused amax and scale) of `w` into
-    q_bits (uint8, contiguous); `scale` is read, or written when compute_scale."""
+                     tiling: Fp8Tiling, amax_bits: torch.Tensor | None = None) -> KernelLaunch:
+    """The cast of `w` into q_bits (uint8, contiguous); `scale` is read, or with
+    compute_scale written: per tensor derived from amax_bits (the int32 scalar
+    an amax launch filled), per channel / block from each program's own region."""
+    kernels = _triton_kernels()
+    amax_bits = scale if amax_bits is None else amax_bits  # a placeholder where no per-tensor amax is read
+    if granularity == "tensor" and _flat(w):
+        block, num_warps = _flat_block(w, tiling)
+        return KernelLaunch(kernels.fp8_flat_quantize_kernel, (-(-w.numel() // block),),
+                            dict(w_ptr=w, q_ptr=q_bits, scale_ptr=scale, amax_ptr=amax_bits, numel=w.numel()),
+                            dict(BLOCK=block, COMPUTE_SCALE=compute_scale, REVERSE=tiling.reverse,
+                                 SOFTWARE_FP8=software_fp8), num_warps)
     n, k = w.shape
-    group_n, group_k, bn, bk = _regions(w, granularity, block_size, on_gpu)
+    plan = _region_plan(w, granularity, block_size, tiling)
     return KernelLaunch(
-        _triton_kernels().fp8_quantize_kernel, (-(-n // group_n), -(-k // group_k)),
-        dict(w_ptr=w, q_ptr=q_bits, scale_ptr=scale, N=n, K=k, stride_wn=w.stride(0), stride_wk=w.stride(1),
-             stride_qn=q_bits.stride(0), stride_sn=scale.stride(0) if scale.dim() >= 1 else 0, GROUP_N=group_n,
-             GROUP_K=group_k),
-        dict(BLOCK_N=bn, BLOCK_K=bk, SCALE_MODE={"tensor": 0, "channel": 1, "block": 2}[granularity],
-             COMPUTE_SCALE=compute_scale, SOFTWARE_FP8=software_fp8), _FP8_NUM_WARPS)
+        kernels.fp8_quantize_kernel, plan.grid,
+        dict(w_ptr=w, q_ptr=q_bits, scale_ptr=scale, amax_ptr=amax_bits, N=n, K=k, stride_wn=w.stride(0),
+             stride_wk=w.stride(1), stride_qn=q_bits.stride(0), stride_sn=scale.stride(0) if scale.dim() >= 1 else 0,
+             GROUP_N=plan.group_n, GROUP_K=plan.group_k),
+        dict(BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, ONE_TILE=plan.one_tile,
+             SCALE_MODE={"tensor": 0, "channel": 1, "block": 2}[granularity], COMPUTE_SCALE=compute_scale,
+             SOFTWARE_FP8=software_fp8), plan.num_warps)
 
 
 # The first compute capability with an e4m3 conversion instruction (Ada, sm_89).
@@ -240,53 +403,94 @@ def software_fp8_cast(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) < HARDWARE_E4M3_CAPABILITY
 
 
-def _launch_amax(w: torch.Tensor, granularity: str, block_size) -> torch.Tensor:
-    """Per-group amax with the Triton reduction kernel (tensor: the max of per-tile amaxes)."""
-    n, k = w.shape
+def _launch_amax(w: torch.Tensor, granularity: str, block_size, tiling: Fp8Tiling | None = None) -> torch.Tensor:
+    """Per-group amax (float32, the scale's shape) with the Triton kernels; no host sync."""
     if w.numel() == 0:
-        return torch.zeros(scale_shape((n, k), granularity, block_size), dtype=torch.float32, device=w.device)
-    on_gpu = w.device.type == "cuda"
-    out = torch.empty(_amax_shape(w, granularity, block_size, on_gpu), dtype=torch.float32, device=w.device)
-    _amax_launch(w, out, granularity, block_size, on_gpu).launch(w.device)
-    return out.amax() if granularity == "tensor" else out
+        return torch.zeros(scale_shape(tuple(w.shape), granularity, block_size), dtype=torch.float32, device=w.device)
+    tiling = _tiling(w, granularity, tiling)
+    if granularity == "tensor":
+        bits = torch.zeros((), dtype=torch.int32, device=w.device)
+        _amax_launch(w, bits, granularity, block_size, tiling).launch(w.device)
+        return bits.view(torch.float32)
+    out = torch.empty(scale_shape(tuple(w.shape), granularity, block_size), dtype=torch.float32, device=w.device)
+    _amax_launch(w, out, granularity, block_size, tiling).launch(w.device)
+    return out
 
 
-def _launch_quantize(w, q_bits, scale, granularity: str, block_size, compute_scale: bool) -> None:
-    """One fused pass (amax, scale, cast, both stores) for channel / block groups
-    with compute_scale; the cast pass alone with a given scale (per tensor, or
-    scales reduced across ranks)."""
+def launch_quantize_fp8(w: torch.Tensor, granularity: str, block_size=DEFAULT_BLOCK,
+                        tiling: Fp8Tiling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) of quantize_fp8 with the Triton kernels, unchecked and with no
+    host sync, cut by `tiling` (default: GPU_TILINGS on a GPU): one pass per
+    channel / block, two per tensor (the amax, then the cast, which derives the
+    scale on the device). A group holding NaN / inf gets an inf scale."""
+    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    scale = torch.empty(scale_shape(tuple(w.shape), granularity, block_size), dtype=torch.float32, device=w.device)
     if w.numel() == 0:
-        if compute_scale:
-            scale.fill_(1.0)  # an empty group is an all-zero group
-        return
-    _quantize_launch(w, q_bits, scale, granularity, block_size, compute_scale, software_fp8_cast(w.device),
-                     w.device.type == "cuda").launch(w.device)
+        return q, scale.fill_(1.0)  # an empty group is an all-zero group
+    tiling = _tiling(w, granularity, tiling)
+    amax_bits = None
+    if granularity == "tensor":
+        amax_bits = torch.zeros((), dtype=torch.int32, device=w.device)
+        _amax_launch(w, amax_bits, granularity, block_size, tiling).launch(w.device)
+    _quantize_launch(w, q.view(torch.uint8), scale, granularity, block_size, True, software_fp8_cast(w.device), tiling,
+                     amax_bits).launch(w.device)
+    return q, scale
+
+
+def _launch_cast(w, q_bits, scale, granularity: str, block_size) -> None:
+    """The cast pass alone with a given per-group scale (scales reduced across ranks)."""
+    if w.numel():
+        _quantize_launch(w, q_bits, scale, granularity, block_size, False, software_fp8_cast(w.device),
+                         _tiling(w, granularity, None)).launch(w.device)
 
 
 def kernel_variants() -> list[tuple[str, KernelLaunch]]:
     """Every launch the launchers above can make, on small CPU tensors standing in
     for CUDA ones: what a GPU must compile. Besides dtype, granularity and the
-    cast, the variant depends on the shape only through _regions (K above or
-    below 512)."""
+    cast, a launch depends on the shape only through its plan: one tile or a
+    walk, rows per program (K), aligned or not, flat or strided. Then every
+    candidate of SWEEP_TILINGS on the sweep's shapes (bf16 and float32, the
+    hardware cast an H100 runs)."""
     variants = []
-    # Sizes multiples of 16 (the JIT's divisibility hint on sizes and strides, every
-    # LLM weight), and for bf16 also sizes that are not (vectorized loads off).
-    shapes = [(dtype, n, k) for dtype in INPUT_DTYPES for n, k in ((256, 1024), (256, 256))]
-    shapes += [(torch.bfloat16, 250, 1030), (torch.bfloat16, 250, 200)]
-    for dtype, n, k in shapes:
-        w = torch.empty((n, k), dtype=dtype)
-        q = torch.empty((n, k), dtype=torch.uint8)
+    # K 1024 and 256: several rows a program; 14336: one 16384-wide row; 32784 (past
+    # max_tile): walked. Sizes multiples of 16 (the JIT's divisibility hint on sizes
+    # and strides, every LLM weight), and for bf16 also sizes that are not
+    # (unvectorized walks) and a transposed view (strided walks).
+    shapes = [(dtype, n, k, False) for dtype in INPUT_DTYPES for n, k in ((256, 1024), (256, 256), (64, 14336))]
+    shapes += [(torch.bfloat16, n, k, transposed) for n, k, transposed in
+               ((16, 32784, False), (250, 1030, False), (250, 200, False), (256, 1024, True))]
+    for dtype, n, k, transposed in shapes:
+        w = torch.empty((k, n), dtype=dtype).t() if transposed else torch.empty((n, k), dtype=dtype)
         for granularity in GRANULARITIES:
-            tag = (f"{granularity}, {str(dtype).removeprefix('torch.')}, K {'> 512' if k > 512 else '<= 512'}"
-                   f"{'' if n % 16 == 0 else ', sizes not multiples of 16'}")
-            amax = torch.empty(_amax_shape(w, granularity, DEFAULT_BLOCK, True), dtype=torch.float32)
-            variants.append((f"amax {tag}", _amax_launch(w, amax, granularity, DEFAULT_BLOCK, True)))
-            scale = torch.empty(scale_shape((n, k), granularity), dtype=torch.float32)
-            for compute in (False, True) if granularity != "tensor" else (False,):
-                for software in (False, True):
-                    name = f"quantize {tag}{'' if compute else ', scale given'}{', software cast' if software else ''}"
-                    variants.append((name, _quantize_launch(w, q, scale, granularity, DEFAULT_BLOCK, compute,
-                                                            software, on_gpu=True)))
+            tiling = GPU_TILINGS[granularity]
+            tag = (f"{granularity}, {str(dtype).removeprefix('torch.')}, {n}x{k}"
+                   f"{', transposed' if transposed else ''}{'' if n % 16 == 0 and k % 16 == 0 else ', unaligned'}")
+            variants += _variants_of(w, granularity, tiling, tag, softwares=(False, True), given=(False, True))
+    for dtype in (torch.bfloat16, torch.float32):
+        for n, k in ((64, 4096), (64, 14336)):
+            w = torch.empty((n, k), dtype=dtype)
+            for granularity, candidates in SWEEP_TILINGS.items():
+                for tiling in candidates:
+                    tag = (f"{granularity}, {str(dtype).removeprefix('torch.')}, {n}x{k}, "
+                           f"sweep {tiling.describe(granularity)}")
+                    variants += _variants_of(w, granularity, tiling, tag, softwares=(False,), given=(False,))
+    return variants
+
+
+def _variants_of(w, granularity, tiling, tag, softwares, given) -> list[tuple[str, KernelLaunch]]:
+    """The amax launch and the quantize launches (scale computed, or given) of one weight."""
+    n, k = w.shape
+    bits = torch.empty((), dtype=torch.int32)
+    amax_out = bits if granularity == "tensor" else torch.empty(scale_shape((n, k), granularity), dtype=torch.float32)
+    scale = torch.empty(scale_shape((n, k), granularity), dtype=torch.float32)
+    q = torch.empty((n, k), dtype=torch.uint8)
+    variants = [(f"amax {tag}", _amax_launch(w, amax_out, granularity, DEFAULT_BLOCK, tiling))]
+    for scale_given in given:
+        amax_bits = bits if granularity == "tensor" and not scale_given else None  # as launch_quantize_fp8 passes it
+        for software in softwares:
+            name = f"quantize {tag}{', scale given' if scale_given else ''}{', software cast' if software else ''}"
+            variants.append((name, _quantize_launch(w, q, scale, granularity, DEFAULT_BLOCK, not scale_given, software,
+                                                    tiling, amax_bits)))
     return variants
 
 
@@ -300,19 +504,22 @@ _CPU_CHUNK_ELEMS = 1 << 20
 
 def _cpu_amax(w: torch.Tensor, granularity: str, block_size) -> torch.Tensor:
     """fp8_amax_ref without float32 temporaries: max |w| = max(max w, -min w),
-    taken in w's own dtype (exact: every bf16 / fp16 value is a float32 value)."""
+    taken in w's own dtype (exact: every bf16 / fp16 value is a float32 value).
+    A group holding NaN gets inf, as on the Triton path."""
     n, k = w.shape
     bn, bk = block_size
     if w.numel() == 0 or (granularity == "block" and (n % bn or k % bk)):
-        return fp8_amax_ref(w, granularity, block_size)  # ragged edge blocks: pad like the reference
-    if granularity == "tensor":
-        low, high = torch.aminmax(w)
-    elif granularity == "channel":
-        low, high = torch.aminmax(w, dim=1, keepdim=True)
+        amax = fp8_amax_ref(w, granularity, block_size)  # ragged edge blocks: pad like the reference
     else:
-        blocks = w.reshape(n // bn, bn, k // bk, bk)
-        low, high = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
-    return torch.maximum(high.to(torch.float32), -low.to(torch.float32))
+        if granularity == "tensor":
+            low, high = torch.aminmax(w)
+        elif granularity == "channel":
+            low, high = torch.aminmax(w, dim=1, keepdim=True)
+        else:
+            blocks = w.reshape(n // bn, bn, k // bk, bk)
+            low, high = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
+        amax = torch.maximum(high.to(torch.float32), -low.to(torch.float32))
+    return amax.masked_fill_(amax.isnan(), float("inf"))
 
 
 def _cpu_quantize_into(w, q, scale, granularity, block_size) -> None:
@@ -348,11 +555,14 @@ BACKENDS = ("auto", "triton", "torch")
 
 
 def fp8_amax(w: torch.Tensor, granularity: str, block_size=DEFAULT_BLOCK, *, name: str = "weight",
-             backend: str = "auto") -> torch.Tensor:
-    """max |w| per group (float32, the shape of the scale); raises on NaN / inf."""
+             backend: str = "auto", check: bool = True) -> torch.Tensor:
+    """max |w| per group (float32, the shape of the scale). check: raise
+    ValueError naming `name` on NaN / inf (one host sync); check=False: no sync,
+    and a group holding NaN / inf gets an inf amax."""
     _check_input(w, granularity, block_size, name)
     amax = _launch_amax(w, granularity, block_size) if _triton_path(w, backend) else _cpu_amax(w, granularity, block_size)
-    raise_if_not_finite(amax, name)
+    if check:
+        raise_if_not_finite(amax, name)
     return amax.reshape(scale_shape(tuple(w.shape), granularity, block_size))
 
 
@@ -360,46 +570,52 @@ def cast_to_fp8(w, scale, granularity: str, block_size, out: torch.Tensor, backe
     """The cast pass into `out` with a per-group `scale`, no checks: for callers
     that already ran fp8_amax (which refuses NaN / inf) on `w`."""
     if _triton_path(w, backend):
-        _launch_quantize(w, out.view(torch.uint8), scale.contiguous(), granularity, block_size, compute_scale=False)
+        _launch_cast(w, out.view(torch.uint8), scale.contiguous(), granularity, block_size)
     else:
         _cpu_quantize_into(w, out, scale, granularity, block_size)
     return out
 
 
 def quantize_fp8_with_scale(w, scale, granularity: str, block_size=DEFAULT_BLOCK, *, out: torch.Tensor | None = None,
-                            name: str = "weight", backend: str = "auto") -> torch.Tensor:
+                            name: str = "weight", backend: str = "auto", check: bool = True) -> torch.Tensor:
     """q = sat(RNE(w / scale)) with a given per-group scale (e.g. an amax reduced
-    across tensor-parallel ranks, through scale_from_amax). Checks w for NaN / inf
-    first (one extra read), so `out` is never written with a bad input."""
+    across tensor-parallel ranks, through scale_from_amax). check: w is checked
+    for NaN / inf first (one extra read and a host sync), so `out` is never
+    written with a bad input; check=False: neither, for callers that checked
+    the amaxes the scale came from (NaN / inf in w then give unspecified codes)."""
     _check_input(w, granularity, block_size, name)
     expected = scale_shape(tuple(w.shape), granularity, block_size)
     if tuple(scale.shape) != expected or scale.dtype != torch.float32:
         raise ValueError(f"{name}: scale must be float32 of shape {expected}, got {scale.dtype} {tuple(scale.shape)}")
     out = _check_out(out, w, name)
-    if not bool(torch.isfinite(w).all()):
+    if check and not bool(torch.isfinite(w).all()):
         raise ValueError(f"{name}: contains NaN or inf; refusing to quantize it to FP8")
     return cast_to_fp8(w, scale, granularity, block_size, out, backend)
 
 
 def quantize_fp8(w: torch.Tensor, granularity: str, block_size=DEFAULT_BLOCK, *, name: str = "weight",
-                 backend: str = "auto"):
+                 backend: str = "auto", check: bool = True):
     """Quantize a 2-D weight (bf16, fp16 or fp32; any strides) to float8_e4m3fn.
 
     Returns (q, scale): q of w's shape; scale float32 of shape () per tensor,
     (N, 1) per channel, (ceil(N/128), ceil(K/128)) per block. See the module doc
-    for the exact semantics. Raises ValueError naming `name` on NaN or inf.
+    for the exact semantics. check: raise ValueError naming `name` on NaN or inf
+    (one host sync, after the kernels); check=False: no host sync at all, and a
+    group holding NaN / inf gets an inf scale (its codes are unspecified).
     backend: "auto" (Triton for CUDA tensors and, under TRITON_INTERPRET=1, for
     CPU tensors up to INTERPRETER_MAX_ELEMS; torch otherwise), "triton" or "torch".
     """
     _check_input(w, granularity, block_size, name)
-    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
-    if granularity == "tensor" or not _triton_path(w, backend):
-        # Per tensor needs the global amax first: a reduction pass, then the cast pass.
-        scale = scale_from_amax(fp8_amax(w, granularity, block_size, name=name, backend=backend))
-        return cast_to_fp8(w, scale, granularity, block_size, q, backend), scale
-    scale = torch.empty(scale_shape(tuple(w.shape), granularity, block_size), dtype=torch.float32, device=w.device)
-    _launch_quantize(w, q.view(torch.uint8), scale, granularity, block_size, compute_scale=True)
-    raise_if_not_finite(scale, name)  # a group holding NaN / inf gets an inf scale
+    if _triton_path(w, backend):
+        q, scale = launch_quantize_fp8(w, granularity, block_size)
+        if check:
+            raise_if_not_finite(scale, name)  # the one host sync, after the kernels
+        return q, scale
+    scale = scale_from_amax(_cpu_amax(w, granularity, block_size))
+    if check:
+        raise_if_not_finite(scale, name)  # before the cast: no work spent on a bad input
+    q = torch.empty(w.shape, dtype=FP8_DTYPE)
+    _cpu_quantize_into(w, q, scale, granularity, block_size)
     return q, scale
 
 
@@ -450,6 +666,8 @@ def _triton_path(w: torch.Tensor, backend: str) -> bool:
 
 
 __all__ = [
-    "FP8_MAX", "GRANULARITIES", "INPUT_DTYPES", "cast_fp8_ref", "cast_to_fp8", "dequantize_fp8", "e4m3_nearest_even_ref64", "expand_scale", "fp8_amax",
-    "fp8_amax_ref", "quantize_fp8", "quantize_fp8_ref", "quantize_fp8_with_scale", "scale_from_amax", "scale_shape",
+    "FP8_MAX", "GPU_TILINGS", "GRANULARITIES", "INPUT_DTYPES", "SWEEP_TILINGS", "Fp8Tiling", "cast_fp8_ref",
+    "cast_to_fp8", "dequantize_fp8", "e4m3_nearest_even_ref64", "expand_scale", "fp8_amax", "fp8_amax_ref",
+    "launch_quantize_fp8", "quantize_fp8", "quantize_fp8_ref", "quantize_fp8_with_scale", "scale_from_amax",
+    "scale_shape",
 ]
