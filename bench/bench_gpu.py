@@ -13,7 +13,10 @@ GPU's own copy bandwidth and the naive torch ops, measured in one run.
   aipo           aipo_loss forward + backward on bf16 logits (4096 tokens x vocab
                  128256): logits read twice, dlogits written once (6 bytes per
                  element); beside the naive torch loss (float32 log_softmax +
-                 gather + autograd) on the same logits: time and peak memory.
+                 gather + autograd) on the same logits: time and peak memory;
+                 then each log-prob kernel alone (`python -m
+                 llamarl_core.bench.bench_aipo --gpu-sweep` times every
+                 candidate config and linear_aipo_loss beside its GEMMs).
   weight sync    `llamarl bench sync --device cuda`: WeightSender -> WeightReceiver
                  in two processes on GPU 0 over CUDA IPC, about 1 GiB and 8 GiB,
                  from bf16 and from fp32 (cast on the way), beside cudaMemcpy of
@@ -79,7 +82,7 @@ def fp8_rows(copy_bps: float, shape=(14336, 4096)) -> list[dict]:
 
 
 def aipo_rows(copy_bps: float, repeats: int, tokens: int = 4096, vocab: int = 128256) -> list[dict]:
-    from llamarl_core.ops.aipo import aipo_loss, aipo_loss_ref
+    from llamarl_core.ops.aipo import aipo_loss, aipo_loss_ref, logprob_backward, logprob_forward
 
     logits = (torch.randn(tokens, vocab, device="cuda") * 2).to(torch.bfloat16)
     targets = torch.randint(0, vocab, (tokens,), device="cuda")
@@ -107,6 +110,15 @@ def aipo_rows(copy_bps: float, repeats: int, tokens: int = 4096, vocab: int = 12
                  "peak_mib": fused_mib, "vs_naive": naive_s / fused_s})
     rows.append({"what": "naive torch loss (float32 log_softmax, autograd), same logits", "seconds": naive_s,
                  "gbps": nbytes / naive_s / 1e9, "vs_copy": nbytes / naive_s / copy_bps, "peak_mib": naive_mib})
+    # Each log-prob kernel alone (the default configs): the forward reads the logits
+    # (2 bytes an element), the backward reads them and writes dlogits (4).
+    lse = logprob_forward(logits, targets, 1.0, False)[0]
+    coef = torch.randn(tokens, device="cuda") / tokens
+    for name, fn, moved in (("forward", lambda: logprob_forward(logits, targets, 1.0, False), nbytes / 3),
+                            ("backward", lambda: logprob_backward(logits, targets, lse, coef, 1.0), 2 * nbytes / 3)):
+        seconds = _time_cuda(fn, repeats)["median"]
+        rows.append({"what": f"log-prob {name} kernel alone, same logits", "seconds": seconds,
+                     "gbps": moved / seconds / 1e9, "vs_copy": moved / seconds / copy_bps})
     return rows
 
 

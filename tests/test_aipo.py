@@ -2,11 +2,17 @@
 one, else in Triton's interpreter on CPU tensors) and the torch CPU path against
 a float64 reference, values and gradients."""
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
-from llamarl_core.ops.aipo import (IGNORE_INDEX, REDUCTIONS, aipo_loss, aipo_loss_ref, group_advantages,
-                                 linear_aipo_loss)
+from llamarl_core.ops.aipo import (GPU_CONFIGS, IGNORE_INDEX, REDUCTIONS, LogprobConfig, aipo_loss, aipo_loss_ref,
+                                 group_advantages, linear_aipo_loss, logprob_launches)
 
 LOSS_TYPES = ["aipo", "ppo", "ppo_tis"]
 
@@ -157,6 +163,10 @@ def test_bad_targets_and_arguments_raise():
         t[3] = bad
         with pytest.raises(ValueError, match=rf"targets\[3\] = {bad} is outside \[0, 101\)"):
             aipo_loss(logits, t, behavior, advantages)
+    t = targets.clone()
+    t[[2, 6, 8]] = torch.tensor([IGNORE_INDEX, 500, -7])
+    with pytest.raises(ValueError, match=r"targets\[6\] = 500 is outside"):  # the first bad one
+        linear_aipo_loss(torch.randn(10, 8), torch.randn(101, 8), t, behavior, advantages)
     with pytest.raises(ValueError, match="needs old_logprobs"):
         aipo_loss(logits, targets, behavior, advantages, loss_type="ppo")
     with pytest.raises(ValueError, match="sequence_ids"):
@@ -165,6 +175,158 @@ def test_bad_targets_and_arguments_raise():
         aipo_loss(logits, targets, behavior, advantages[:-1])
     with pytest.raises(ValueError, match="loss_type"):
         aipo_loss(logits, targets, behavior, advantages, loss_type="grpo")
+
+
+@pytest.mark.parametrize("v", [1, 5, 97, 1025])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_odd_vocabularies_masked_columns_and_ignored_tokens(device, v, loss_type):
+    """Vocabularies of one token, a prime, one past a block size; every fourth
+    column -inf but the targets'; ignored tokens; temperature above 1; the entropy."""
+    logits, targets, behavior, advantages, m, old = _inputs(37, v, torch.float32, v)
+    if v >= 5:
+        logits[:, 1::4] = float("-inf")
+        targets -= targets % 4
+    targets[::5] = IGNORE_INDEX
+    kw = dict(rho=2.0, temperature=1.3, loss_type=loss_type)
+    (loss, stats), grad = _run(logits, targets, behavior, advantages, m, old, aipo_loss, device, entropy=True, **kw)
+    ref, ref_grad = _run(logits.double(), targets, behavior, advantages, m, old, aipo_loss_ref, **kw)
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item()) + 1e-7
+    # One token: dl / dlogits is 0, the kernels' p = exp(0) within rounding.
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=0, atol=1e-5 * ref_grad.abs().max().item() + 1e-7)
+    x = logits.double() / 1.3
+    logp_all = torch.log_softmax(x, -1)
+    entropy = -torch.where(logp_all > float("-inf"), logp_all.exp() * logp_all, 0.0).sum(-1)
+    sel = (m * (targets != IGNORE_INDEX)).bool()
+    assert stats.entropy.item() == pytest.approx(entropy[sel].mean().item(), rel=1e-5, abs=1e-6)
+
+
+def test_a_row_of_minus_inf_only_with_an_ignored_token_adds_nothing(device):
+    """A row with no probability mass, its token ignored: no NaN reaches the loss or
+    the other rows, and its own gradient is 0."""
+    logits, targets, behavior, advantages, m, old = _inputs(20, 97, torch.float32, 14)
+    logits[6] = float("-inf")
+    targets[6] = IGNORE_INDEX
+    (loss, stats), grad = _run(logits, targets, behavior, advantages, m, old, aipo_loss, device, temperature=0.7)
+    keep = torch.arange(20) != 6
+    ref, ref_grad = _run(logits[keep].double(), *(t[keep] for t in (targets, behavior, advantages, m, old)),
+                         aipo_loss_ref, temperature=0.7)
+    assert max(_errors(loss, grad[keep], ref, ref_grad)) <= 1e-5
+    assert torch.equal(grad[6], torch.zeros(97)) and stats.logprobs[6].item() == 0.0
+
+
+# ----------------------------------------------------------------------------- log-prob kernels, every config
+
+
+def _logprob_ref(logits, targets, temperature, coef):
+    """float64 (lse, logp, entropy, dlogits = coef * (onehot - softmax) / T). A row of
+    -inf only: lse -inf, entropy NaN, logp NaN (0 if ignored), p = 0."""
+    x = logits.double() / temperature
+    lse = torch.logsumexp(x, -1)
+    p = torch.where(lse[:, None] == float("-inf"), 0.0, torch.exp(x - lse[:, None]))
+    valid = targets != IGNORE_INDEX
+    logp = torch.where(valid, x.gather(-1, targets.clamp(min=0)[:, None]).squeeze(-1) - lse, 0.0)
+    entropy = lse - torch.where(p > 0, p * x, 0.0).sum(-1) / p.sum(-1)
+    onehot = torch.nn.functional.one_hot(targets.clamp(min=0), x.shape[1]) * valid[:, None]
+    return lse, logp, entropy, coef.double()[:, None] / temperature * (onehot - p)
+
+
+# Several blocks a row (16), masked rows (4 a program over 7), the backward's 2-D
+# grid (min_programs), one warp; then each config a GPU launches.
+KERNEL_CONFIGS = [(LogprobConfig(16, 4, 4),) * 2, (LogprobConfig(128, 2, 4), LogprobConfig(128, 2, 4, min_programs=6)),
+                  (LogprobConfig(64, 1, 1), LogprobConfig(64, 1, 1, min_programs=64)),
+                  *(configs for _, *configs in GPU_CONFIGS)]
+
+
+# Launches run straight, not through the launchers' numpy.errstate: numpy warns of
+# the overflows to -inf (and log2(0), 0 / 0 in a row of -inf only) a GPU takes silently.
+IEEE_IN_INTERPRETER = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
+@IEEE_IN_INTERPRETER
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 5, 97, 129, 1001])
+def test_logprob_kernels_match_float64_reference_for_every_config(dtype, vocab):
+    """lse, logp, entropy and dlogits of every config against float64 on fresh
+    inputs with -inf columns, a row of -inf only, ignored tokens, temperature 0.7;
+    outputs poisoned with NaN first."""
+    device = torch.device("cuda" if CUDA else "cpu")
+    n = 7
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(n, vocab, generator=gen) * 3).to(dtype)
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    if vocab >= 5:
+        logits[:, 2::3] = float("-inf")
+        targets -= (targets % 3 == 2).long()
+    logits[5] = float("-inf")
+    targets[[2, 5]] = IGNORE_INDEX
+    coef = torch.randn(n, generator=gen)
+    want = _logprob_ref(logits, targets, 0.7, coef)
+    on = [t.to(device) for t in (logits, targets, coef)]
+    for config in KERNEL_CONFIGS:
+        lse, logp, ent = (torch.full((n,), float("nan"), device=device) for _ in range(3))
+        dlogits = torch.full_like(on[0], float("nan"))
+        forward, backward = logprob_launches(on[0], on[1], lse, logp, ent, on[2], dlogits, 0.7, *config)
+        forward.launch(device)
+        backward.launch(device)
+        # atol: a few float32 ulps of |x / T| (up to about 20 here), which H = lse - E[x / T] cancels.
+        for name, got, expected in zip(("lse", "logp", "entropy"), (lse, logp, ent), want[:3]):
+            torch.testing.assert_close(got.cpu().double(), expected, rtol=2e-6, atol=1e-5, equal_nan=True,
+                                       msg=lambda m: f"{name}, {config}: {m}")
+        expected = want[3].to(dtype).double() if dtype != torch.float32 else want[3]
+        torch.testing.assert_close(dlogits.cpu().double(), expected, rtol=2**-7 if dtype != torch.float32 else 1e-5,
+                                   atol=1e-6, msg=lambda m: f"dlogits, {config}: {m}")
+
+
+def test_gpu_sweep_candidates_compile_for_sm90_without_spills():
+    """Every config `bench_aipo --gpu-sweep` times compiles for an H100, so the GPU
+    run cannot fail on one, and any of them can become a default."""
+    probe = textwrap.dedent("""
+        import json
+        from dataclasses import asdict
+        from llamarl_core.bench import bench_aipo
+        from llamarl_core.ops import kernel_check
+        kernel_check._variants = bench_aipo.sweep_variants
+        print(json.dumps([asdict(r) for r in kernel_check.compile_here((90,))]))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)
+    assert len(rows) == 22
+    assert [(r["name"], r["error"]) for r in rows if r["error"] or r["spill_bytes"]] == []
+
+
+@IEEE_IN_INTERPRETER
+def test_gpu_sweep_runs_end_to_end_on_tiny_inputs(monkeypatch):
+    """The sweep's code path on tiny inputs (CPU tensors in the interpreter without
+    a GPU), every timing one call: a slip in it must not cost a GPU run."""
+    from llamarl_core.bench import bench_aipo
+
+    monkeypatch.setattr(bench_aipo, "_median_ms", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench_aipo, "_SWEEP_LAUNCHES", ((128, 1, 4), (64, 2, 2)))
+    monkeypatch.setattr(bench_aipo, "_SWEEP_MIN_PROGRAMS", (0, 16))
+    spec = bench_aipo.parse_args(["--gpu-sweep", "--sweep-chunks-mib", "1", "4"])
+    result = bench_aipo.gpu_sweep(spec, torch.device("cuda" if CUDA else "cpu"), shapes=((6, 300),),
+                                  linear=(40, 16, 3000))
+    report = bench_aipo.sweep_report(result)
+    assert len(result["kernels"]) == 2 + 2 + 4 + 1 and len(result["linear"]) == 3
+    assert all(r["diff"] < 1e-2 for r in result["kernels"] if "diff" in r), report
+    assert "best backward at 6 x 300" in report and "linear_aipo_loss, chunk 4 MiB" in report
+
+
+def test_gpu_sweep_arguments_parse_and_it_asks_for_a_gpu():
+    from llamarl_core.bench import bench_aipo
+
+    spec = bench_aipo.parse_args(["--gpu-sweep", "--sweep-chunks-mib", "256", "512"])
+    assert spec.gpu_sweep and spec.sweep_chunks_mib == [256, 512]
+    forwards, backwards = bench_aipo.sweep_configs()
+    assert GPU_CONFIGS[-1][1] in forwards and GPU_CONFIGS[-1][2] in backwards  # the defaults beside their rivals
+    if not CUDA:
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            bench_aipo.main(["--gpu-sweep"])
+
+
+# ----------------------------------------------------------------------------- linear variant
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

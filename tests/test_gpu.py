@@ -322,3 +322,42 @@ def test_linear_aipo_weight_gradient_gemm_runs_in_bf16():
     assert mode.seen, "no GEMM was recorded"
     assert all(dtypes == (torch.bfloat16, torch.bfloat16) for _, dtypes in mode.seen), mode.seen
     assert w.grad.dtype == torch.bfloat16 and torch.isfinite(w.grad.float()).all()
+
+
+@pytest.mark.parametrize("linear", [False, True])
+def test_aipo_loss_waits_only_for_its_target_check(linear):
+    """Forward + backward of aipo_loss / linear_aipo_loss (token_mean, entropy)
+    make no synchronizing call torch's sync debug mode sees: under "error" mode
+    any would raise. The one host sync left, the wait for the target check's
+    event, is invisible to that mode; with a bad target it raises the check's
+    ValueError, naming the first bad index."""
+    from llamarl_core.ops.aipo import aipo_loss, linear_aipo_loss
+
+    n, hidden, vocab = 300, 64, 4096
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    targets = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+    targets[::7] = -100
+    per_token = [torch.randn(n, device="cuda", generator=gen) for _ in range(2)]
+    mask = (torch.rand(n, device="cuda", generator=gen) > 0.2).float()
+    h = torch.randn(n, hidden, device="cuda", generator=gen, requires_grad=True)
+    w = torch.randn(vocab, hidden, device="cuda", generator=gen, requires_grad=True)
+    logits = (h @ w.t()).detach().requires_grad_()
+
+    def step(t):
+        if linear:
+            return linear_aipo_loss(h, w, t, *per_token, mask, entropy=True, chunk_size=128)
+        return aipo_loss(logits, t, *per_token, mask, entropy=True)
+
+    step(targets)[0].backward()  # compiles the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, stats = step(targets)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss) and torch.isfinite(stats.entropy)
+    bad = targets.clone()
+    bad[[5, 200]] = torch.tensor([vocab, -3], device="cuda")
+    with pytest.raises(ValueError, match=rf"targets\[5\] = {vocab} is outside \[0, {vocab}\)"):
+        step(bad)

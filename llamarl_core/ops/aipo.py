@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from ._launch import KernelLaunch, next_pow2, use_interpreter
@@ -103,17 +104,16 @@ def reduction_weights(m: torch.Tensor, reduction: str, sequence_ids: torch.Tenso
     """Per-token weights turning per-token losses into the reduced loss."""
     if reduction == "sum":
         return m
+    # Selected on the device (0 / 0 where no token counts), not by a host-side
+    # `if`: no host sync for token_mean, and only torch.unique's own for sequence_mean.
     if reduction == "token_mean":
         total = m.sum()
-        return m / total if total > 0 else torch.zeros_like(m)
+        return torch.where(total > 0, m / total, 0.0)
     if sequence_ids is None:
         raise ValueError('reduction="sequence_mean" needs sequence_ids (num_tokens,)')
-    _, seq_index = torch.unique(sequence_ids, return_inverse=True)
-    counts = torch.zeros(int(seq_index.max()) + 1 if seq_index.numel() else 0, dtype=m.dtype, device=m.device)
-    counts.index_add_(0, seq_index, m)
+    sequences, seq_index = torch.unique(sequence_ids, return_inverse=True)
+    counts = torch.zeros(sequences.numel(), dtype=m.dtype, device=m.device).index_add_(0, seq_index, m)
     num_sequences = (counts > 0).sum()
-    if num_sequences == 0:
-        return torch.zeros_like(m)
     per_token_count = counts[seq_index]
     return torch.where(per_token_count > 0, m / (per_token_count.clamp(min=1) * num_sequences), 0.0)
 
@@ -154,72 +154,145 @@ def token_objective(logp: torch.Tensor, behavior: torch.Tensor, advantages: torc
 # ----------------------------------------------------------------------------- launchers
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _use_triton(logits: torch.Tensor) -> bool:
     """Triton for CUDA tensors, and for CPU tensors under TRITON_INTERPRET=1."""
     return logits.device.type == "cuda" or (logits.device.type == "cpu" and use_interpreter())
 
 
-def _block_v(vocab: int, on_gpu: bool) -> int:
-    """Vocabulary block: 4096 on a GPU (16 fp32 values per thread at 8 warps; a
-    smaller vocabulary only masks lanes, and one block size is one compiled
-    variant); in the interpreter one block per row where possible, as each
-    program instance costs about 0.5 ms there (measured here: V=32000 takes
-    0.16 s at 32768, 2.8 s at 1024)."""
+@dataclass(frozen=True)
+class LogprobConfig:
+    """Launch shape of a log-prob kernel: a program takes `rows` token rows and
+    walks the vocabulary in `block_v` blocks with `num_warps` warps. The backward
+    splits each row's vocabulary over several programs (a second grid axis) until
+    the grid has `min_programs` programs (0: one program per `rows` rows); the
+    forward ignores min_programs."""
+
+    block_v: int
+    rows: int
+    num_warps: int
+    min_programs: int = 0
+
+
+# On a GPU, (largest vocabulary, forward, backward) by vocabulary; each config is
+# one compiled variant per dtype, so kernel_variants() compiles every row. Memory
+# bound: the aim is enough bytes in flight per SM (by Little's law an H100 needs
+# about 16 KiB: 23 GB/s a SM times ~0.7 us of latency) with registers left for
+# 64 warps. Chosen from registers (kernel_check) and that estimate, not yet timed:
+# - Forward: per-lane accumulators cost 2 registers (3 with the entropy) per value
+#   a thread holds; 2048 x 8 warps: 8 bf16 values (one 16-byte load) a thread, 32
+#   registers on sm_90, 8 programs = 64 warps a SM, 32 KiB of loads in flight.
+# - Backward: no accumulators; 4096 x 8 warps: two 16-byte loads a thread, 40
+#   registers, 6 programs = 48 warps a SM, 48 KiB in flight; min_programs 8192,
+#   about 10 waves of 132 SMs x 6 programs, so short batches (a linear_aipo_loss
+#   chunk) still fill the GPU and the last wave is a small part.
+# - Vocabularies up to 8192: 2 or 4 rows a program, 8 values a thread (4 rows of
+#   1024 had ptxas spill a register on sm_80 / sm_90).
+# `python -m llamarl_core.bench.bench_aipo --gpu-sweep` times the large-vocabulary
+# configs beside other candidates.
+GPU_CONFIGS = (
+    (1024, LogprobConfig(block_v=256, rows=4, num_warps=4), LogprobConfig(block_v=256, rows=4, num_warps=4)),
+    (8192, LogprobConfig(block_v=1024, rows=2, num_warps=8), LogprobConfig(block_v=1024, rows=2, num_warps=8)),
+    (None, LogprobConfig(block_v=2048, rows=1, num_warps=8),
+     LogprobConfig(block_v=4096, rows=1, num_warps=8, min_programs=8192)),
+)
+
+
+def logprob_configs(vocab: int, num_rows: int, on_gpu: bool) -> tuple[LogprobConfig, LogprobConfig]:
+    """(forward, backward) configs: the GPU table's row for `vocab`. In the
+    interpreter, where each program instance costs about 0.5 ms (V=32000 over 64
+    rows: 0.16 s at BLOCK_V=32768, 2.8 s at 1024), few large programs: two
+    vocabulary blocks a row (so the loop runs more than once) and up to 32768
+    elements a program."""
     if on_gpu:
-        return 4096
-    return min(32768, max(16, next_pow2(vocab)))
+        return next((fwd, bwd) for limit, fwd, bwd in GPU_CONFIGS if limit is None or vocab <= limit)
+    block = min(16384, max(16, next_pow2(vocab) // 2))
+    config = LogprobConfig(block, min(next_pow2(num_rows), max(1, 32768 // block)), 4)
+    return config, config
 
 
-_LOGPROB_NUM_WARPS = 8
-
-
-def _forward_launch(logits, targets, lse, logp, ent, temperature: float, on_gpu: bool) -> KernelLaunch:
+def _forward_launch(logits, targets, lse, logp, ent, temperature: float, config: LogprobConfig) -> KernelLaunch:
     from llamarl_core.kernels.logprob import logprob_fwd_kernel
 
     n, v = logits.shape
     return KernelLaunch(
-        logprob_fwd_kernel, (n,),
+        logprob_fwd_kernel, (_cdiv(n, config.rows),),
         dict(logits_ptr=logits, targets_ptr=targets, lse_ptr=lse, logp_ptr=logp,
-             entropy_ptr=ent if ent is not None else lse, vocab=v, stride_row=logits.stride(0),
+             entropy_ptr=ent if ent is not None else lse, num_rows=n, vocab=v, stride_row=logits.stride(0),
              inv_temperature=1.0 / temperature),
-        dict(IGNORE_INDEX=IGNORE_INDEX, BLOCK_V=_block_v(v, on_gpu), COMPUTE_ENTROPY=ent is not None),
-        _LOGPROB_NUM_WARPS)
+        dict(IGNORE_INDEX=IGNORE_INDEX, BLOCK_V=config.block_v, ROWS=config.rows, COMPUTE_ENTROPY=ent is not None),
+        config.num_warps)
 
 
-def _backward_launch(logits, dlogits, targets, lse, coef, temperature: float, on_gpu: bool) -> KernelLaunch:
+def _backward_launch(logits, dlogits, targets, lse, coef, temperature: float, config: LogprobConfig) -> KernelLaunch:
     from llamarl_core.kernels.logprob import logprob_bwd_kernel
 
     n, v = logits.shape
+    row_programs = _cdiv(n, config.rows)
+    num_blocks = max(1, _cdiv(v, config.block_v))
+    splits = min(num_blocks, max(1, _cdiv(config.min_programs, row_programs)))
+    cols_per_program = _cdiv(num_blocks, splits) * config.block_v
     return KernelLaunch(
-        logprob_bwd_kernel, (n,),
-        dict(logits_ptr=logits, dlogits_ptr=dlogits, targets_ptr=targets, lse_ptr=lse, coef_ptr=coef, vocab=v,
-             stride_row=logits.stride(0), stride_drow=dlogits.stride(0), inv_temperature=1.0 / temperature),
-        dict(BLOCK_V=_block_v(v, on_gpu)), _LOGPROB_NUM_WARPS)
+        logprob_bwd_kernel, (row_programs, max(1, _cdiv(v, cols_per_program))),
+        dict(logits_ptr=logits, dlogits_ptr=dlogits, targets_ptr=targets, lse_ptr=lse, coef_ptr=coef, num_rows=n,
+             vocab=v, stride_row=logits.stride(0), stride_drow=dlogits.stride(0), inv_temperature=1.0 / temperature,
+             cols_per_program=cols_per_program),
+        dict(BLOCK_V=config.block_v, ROWS=config.rows), config.num_warps)
+
+
+def logprob_launches(logits, targets, lse, logp, ent, coef, dlogits, temperature: float, forward: LogprobConfig,
+                     backward: LogprobConfig) -> tuple[KernelLaunch, KernelLaunch]:
+    """The forward and backward KernelLaunch of these configs on these tensors
+    (CUDA ones to time, CPU ones to compile): how kernel_variants(), the tests and
+    the GPU sweep (bench_aipo --gpu-sweep) reach any config."""
+    return (_forward_launch(logits, targets, lse, logp, ent, temperature, forward),
+            _backward_launch(logits, dlogits, targets, lse, coef, temperature, backward))
 
 
 def kernel_variants() -> list[tuple[str, KernelLaunch]]:
     """Every (kernel, constexprs, argument types) the launchers can launch on a
-    GPU, on small CPU tensors standing in for CUDA ones: what a GPU must compile."""
+    GPU, on small CPU tensors standing in for CUDA ones: what a GPU must compile.
+    Each GPU_CONFIGS row in every dtype, the forward with and without the entropy;
+    for bf16 also a vocabulary that is not a multiple of 16 (the JIT's divisibility
+    hint on the row stride, which gives 16-byte loads)."""
     variants = []
-    # Vocabularies a multiple of 16 (the JIT's divisibility hint on the row stride)
-    # in every dtype, and for bf16 one that is not.
-    for dtype, vocab in [(torch.bfloat16, 32000), (torch.float16, 32000), (torch.float32, 32000), (torch.bfloat16, 32001)]:
+    cases = [(dtype, limit, fwd, bwd) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+             for limit, fwd, bwd in GPU_CONFIGS]
+    cases.append((torch.bfloat16, 32001, *GPU_CONFIGS[-1][1:]))
+    for dtype, limit, fwd, bwd in cases:
+        vocab = limit if limit is not None else 128256
         logits = torch.empty((4, vocab), dtype=dtype)
         targets = torch.empty(4, dtype=torch.int64)
         lse, logp, ent = (torch.empty(4, dtype=torch.float32) for _ in range(3))
+        tag = f"{str(dtype).removeprefix('torch.')}, vocab {vocab}"
         for entropy in (False, True):
-            launch = _forward_launch(logits, targets, lse, logp, ent if entropy else None, 0.7, on_gpu=True)
-            variants.append((f"logprob forward, {str(dtype).removeprefix('torch.')}, vocab {vocab}"
-                             f"{', entropy' if entropy else ''}", launch))
-        launch = _backward_launch(logits, torch.empty_like(logits), targets, lse, logp, 0.7, on_gpu=True)
-        variants.append((f"logprob backward, {str(dtype).removeprefix('torch.')}, vocab {vocab}", launch))
+            forward, backward = logprob_launches(logits, targets, lse, logp, ent if entropy else None, logp,
+                                                 torch.empty_like(logits), 0.7, fwd, bwd)
+            variants.append((f"logprob forward, {tag}{', entropy' if entropy else ''}", forward))
+        variants.append((f"logprob backward, {tag}", backward))
     return variants
+
+
+def _run(launch: KernelLaunch, device: torch.device) -> None:
+    """launch.launch(device); in the interpreter with numpy's floating-point
+    warnings off, as on a GPU: the kernels overflow to -inf and take exp2(-inf) = 0
+    on purpose (kernels/logprob.py)."""
+    if device.type != "cpu":
+        launch.launch(device)
+        return
+    with numpy.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        launch.launch(device)
 
 
 def logprob_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool,
                     scratch: torch.Tensor | None = None):
     """(lse, logp, entropy or None), float32 (num_tokens,), for 2-D contiguous-row
-    logits. scratch: an optional float32 buffer of at least one CPU chunk, reused."""
+    logits. scratch: an optional float32 buffer of at least one CPU chunk, reused.
+    A row of -inf only has lse = -inf, log-prob NaN (0 for an ignored token) and
+    entropy NaN."""
     n, v = logits.shape
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     logp = torch.empty_like(lse)
@@ -227,7 +300,9 @@ def logprob_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     if n == 0:
         return lse, logp, ent
     if _use_triton(logits):
-        _forward_launch(logits, targets, lse, logp, ent, temperature, logits.device.type == "cuda").launch(logits.device)
+        on_gpu = logits.device.type == "cuda"
+        config = logprob_configs(v, n, on_gpu)[0]
+        _run(_forward_launch(logits, targets, lse, logp, ent, temperature, config), logits.device)
         return lse, logp, ent
     _cpu_forward(logits, targets, 1.0 / temperature, lse, logp, ent, scratch)
     return lse, logp, ent
@@ -237,15 +312,17 @@ def logprob_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Ten
                      temperature: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """dlogits = coef_t * (onehot(y_t) - softmax_t) / temperature, in logits' dtype.
     out: where to write it (may be `logits` itself: every element is read before
-    it is written)."""
+    it is written). A row of -inf only (lse = -inf) gets coef_t at its target and 0
+    elsewhere."""
     n, v = logits.shape
     dlogits = torch.empty_like(logits) if out is None else out
     if n == 0:
         return dlogits
     coef = coef.to(torch.float32).contiguous()
     if _use_triton(logits):
-        _backward_launch(logits, dlogits, targets, lse, coef, temperature, logits.device.type == "cuda").launch(
-            logits.device)
+        on_gpu = logits.device.type == "cuda"
+        config = logprob_configs(v, n, on_gpu)[1]
+        _run(_backward_launch(logits, dlogits, targets, lse, coef, temperature, config), logits.device)
         return dlogits
     _cpu_backward(logits, targets, lse, coef, 1.0 / temperature, dlogits)
     return dlogits
@@ -303,10 +380,12 @@ def _cpu_backward(logits, targets, lse, coef, inv_t: float, dlogits) -> None:
     n, v = logits.shape
     direct = dlogits.dtype == torch.float32
     buf_all = None if direct else _scratch(n, v, logits.device, None)
+    # A row of -inf only (lse = -inf): exp(-inf - inf) = 0 rather than exp(-inf + inf) = NaN, as the kernel.
+    neg_lse = torch.where(lse == float("-inf"), float("-inf"), -lse)
     for rows in _row_chunks(n, v):
         x = logits[rows]
         out = dlogits[rows] if direct else buf_all[: x.shape[0]]
-        torch.add(-lse[rows].unsqueeze(-1), x, alpha=inv_t, out=out)
+        torch.add(neg_lse[rows].unsqueeze(-1), x, alpha=inv_t, out=out)
         out.exp_().mul_((-coef[rows] * inv_t).unsqueeze(-1))
         tokens = torch.nonzero(targets[rows] != IGNORE_INDEX).squeeze(-1)
         out[tokens, targets[rows][tokens]] += coef[rows][tokens] * inv_t
@@ -342,10 +421,49 @@ def _flat_logits(logits: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
+class _TargetCheck:
+    """Whether every target is IGNORE_INDEX or in [0, vocab), checked where the
+    targets are; wait() raises ValueError naming the first one that is not.
+
+    On a GPU the check is queued first and its three numbers (bad?, index, value)
+    copied to pinned host memory without blocking; the loss queues its kernels,
+    then wait() waits for that copy alone, while the GPU goes on with the
+    kernels. That wait is the one host sync of a loss call: the error must come
+    from the call that got the bad index, named, not from a later sync. Queuing
+    the kernels first is safe: they never read at a target outside [0, vocab).
+    On CPU the check runs at once (the torch path's gather would fail first)."""
+
+    def __init__(self, targets: torch.Tensor, vocab: int):
+        self.vocab, self.info, self.event = vocab, None, None
+        if targets.numel() == 0:
+            return
+        bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
+        first = bad.to(torch.uint8).argmax()  # the first True (argmax returns the first maximum)
+        info = torch.stack((bad[first].to(torch.int64), first, targets[first]))
+        if info.device.type != "cuda":
+            self.info = info
+            self.wait()
+            return
+        self.info = torch.empty(3, dtype=torch.int64, pin_memory=True)
+        self.info.copy_(info, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(info.device))  # the copy's stream
+
+    def wait(self) -> None:
+        if self.info is None:
+            return
+        if self.event is not None:
+            self.event.synchronize()
+        is_bad, index, value = self.info.tolist()
+        if is_bad:
+            raise ValueError(f"targets[{index}] = {value} is outside [0, {self.vocab}) (ignore index: {IGNORE_INDEX})")
+
+
 def _prepare(lead: torch.Size, vocab: int, device, targets, behavior, advantages, mask, old, ref, sequence_ids, cfg,
              reduction):
     """Validate and flatten the per-token inputs (leading shape `lead`); returns
-    1-D tensors and the per-token reduction weights."""
+    1-D tensors, the per-token reduction weights and the targets' _TargetCheck
+    (to wait() on once the loss's kernels are queued)."""
     _check_config(cfg, reduction)
     _check_kl(cfg.kl_coef, ref)
     n = lead.numel()
@@ -358,10 +476,7 @@ def _prepare(lead: torch.Size, vocab: int, device, targets, behavior, advantages
         return t.reshape(n).to(device=device, dtype=dtype)
 
     targets = vec(targets, "targets", torch.int64)
-    bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(f"targets[{i}] = {int(targets[i])} is outside [0, {vocab}) (ignore index: {IGNORE_INDEX})")
+    check = _TargetCheck(targets, vocab)
     behavior = vec(behavior, "behavior_logprobs")
     advantages = vec(advantages, "advantages")
     if cfg.loss_type != "aipo" and old is None:
@@ -372,7 +487,7 @@ def _prepare(lead: torch.Size, vocab: int, device, targets, behavior, advantages
     m = m * (targets != IGNORE_INDEX)
     seq = vec(sequence_ids, "sequence_ids", torch.int64)
     weights = reduction_weights(m, reduction, seq)
-    return targets, behavior, advantages, old, ref, m, weights
+    return targets, behavior, advantages, old, ref, m, weights, check
 
 
 def _loss_and_coef(logp, behavior, advantages, old, ref, weights, cfg):
@@ -427,15 +542,18 @@ class AIPOLossFunction(torch.autograd.Function):
         return dlogits, None, None, None, None, None, None, None, None
 
 
-def _accumulate_weight_grad(grad_w: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor) -> None:
-    """grad_w (float32) += dlogits^T @ h. On a GPU with bf16 / fp16 inputs the
-    GEMM runs in their dtype (tensor cores) and accumulates in float32 straight
-    into grad_w (addmm's out_dtype): upcasting both operands first would run it
-    in float32, off the tensor cores. On CPU, and for float32 inputs, in float32."""
+def _accumulate_weight_grad(grad_w: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+    """grad_w (float32) += dlogits^T @ h, or = for the first chunk (beta 0: grad_w
+    is neither zero-filled nor read, 2 of the 4 GiB a chunk's accumulation moves at
+    vocab 128256, hidden 4096). On a GPU with bf16 / fp16 inputs the GEMM runs in
+    their dtype (tensor cores) and accumulates in float32 straight into grad_w
+    (addmm's out_dtype): upcasting both operands first would run it in float32,
+    off the tensor cores. On CPU, and for float32 inputs, in float32."""
+    beta = 0.0 if first else 1.0
     if h.device.type == "cuda" and h.dtype != torch.float32:
-        torch.addmm(grad_w, dlogits.t(), h, out_dtype=torch.float32, out=grad_w)
+        torch.addmm(grad_w, dlogits.t(), h, beta=beta, out_dtype=torch.float32, out=grad_w)
     else:
-        grad_w.addmm_(dlogits.t().to(torch.float32), h.to(torch.float32))
+        grad_w.addmm_(dlogits.t().to(torch.float32), h.to(torch.float32), beta=beta)
 
 
 class LinearAIPOLossFunction(torch.autograd.Function):
@@ -450,8 +568,9 @@ class LinearAIPOLossFunction(torch.autograd.Function):
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
-        # Accumulated over chunks in float32 whatever the weight's dtype.
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_w = None
+        if need_w:  # float32 whatever the weight's dtype; the first chunk's GEMM overwrites it (no tokens: zeros)
+            grad_w = (torch.empty if n else torch.zeros)(weight.shape, dtype=torch.float32, device=weight.device)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp) if with_entropy else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -477,7 +596,7 @@ class LinearAIPOLossFunction(torch.autograd.Function):
                 if need_h:
                     torch.matmul(dlogits, weight, out=grad_h[rows])
                 if need_w:
-                    _accumulate_weight_grad(grad_w, dlogits, h)
+                    _accumulate_weight_grad(grad_w, dlogits, h, first=start == 0)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return _outputs(ctx, loss, logp, entropy)
@@ -485,10 +604,17 @@ class LinearAIPOLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         grad_h, grad_w = ctx.saved_tensors
-        # Scaled in place: a second vocab x hidden buffer would double the peak (1 GiB
-        # at vocab 128256, hidden 2048). The buffers are this call's own.
+        # float32 weights: scaled in place, as a second vocab x hidden float32 buffer
+        # would double the peak (2 GiB at vocab 128256, hidden 4096); the buffers are
+        # this call's own. Others: scaled and cast in one pass into the weight's
+        # dtype (read 4 + write 2 bytes an element; scaling in place first read and
+        # wrote the float32 buffer once more).
         dh = None if grad_h is None else grad_h.mul_(grad_loss.to(grad_h.dtype))
-        dw = None if grad_w is None else grad_w.mul_(grad_loss).to(ctx.weight_dtype)
+        dw = grad_w
+        if grad_w is not None and ctx.weight_dtype == torch.float32:
+            dw = grad_w.mul_(grad_loss)
+        elif grad_w is not None:
+            dw = torch.mul(grad_w, grad_loss, out=torch.empty_like(grad_w, dtype=ctx.weight_dtype))
         return dh, dw, None, None, None, None, None, None, None, None, None
 
 
@@ -508,13 +634,18 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
     reference policy's log-probs of the targets (at the same temperature) and the
     weight of the k3 KL penalty (module docstring); kl_coef > 0 needs ref_logprobs.
     Returns (loss, AIPOStats).
+
+    On a GPU, forward and backward synchronize the host once, to raise the bad
+    target's ValueError (see _TargetCheck), after the forward's kernels are
+    queued; reduction="sequence_mean" adds torch.unique's own.
     """
     cfg = ObjectiveConfig(loss_type, rho, eps_low, eps_high, temperature, kl_coef)
     flat = _flat_logits(logits)
-    targets, behavior, advantages, old, ref, m, weights = _prepare(
+    targets, behavior, advantages, old, ref, m, weights, check = _prepare(
         logits.shape[:-1], logits.shape[-1], flat.device, targets, behavior_logprobs, advantages, mask, old_logprobs,
         ref_logprobs, sequence_ids, cfg, reduction)
     loss, logp, ent = AIPOLossFunction.apply(flat, targets, behavior, advantages, old, ref, weights, cfg, entropy)
+    check.wait()
     return loss, _stats(logp, behavior, ref, m, cfg, ent)
 
 
@@ -536,9 +667,20 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_s
     return centered / (var.sqrt()[index] + eps)
 
 
-# Tokens per chunk of linear_aipo_loss: about 32 Mi float32 logits (128 MiB), e.g.
-# 256 tokens at vocab 128256, 1024 at vocab 32000.
-_LINEAR_CHUNK_ELEMS = 1 << 25
+# Tokens per chunk of linear_aipo_loss. On a GPU by bytes of logits in their
+# dtype: every chunk after the first reads and writes the float32 weight gradient
+# once more (4 GiB at vocab 128256, hidden 4096: about 1.4 ms at 3 TB/s beside
+# 6 ms a GEMM at 4096 tokens) and runs about 20 small launches for the objective,
+# so few large chunks; 512 MiB is 2048 tokens at vocab 128256 in bf16. On CPU
+# about 32 Mi logits (256 tokens at vocab 128256), beside the 64 MiB scratch.
+_LINEAR_CHUNK_BYTES_GPU = 512 << 20
+_LINEAR_CHUNK_ELEMS_CPU = 1 << 25
+
+
+def _linear_chunk_tokens(vocab: int, dtype: torch.dtype, device: torch.device) -> int:
+    if device.type == "cuda":
+        return max(1, _LINEAR_CHUNK_BYTES_GPU // max(vocab * dtype.itemsize, 1))
+    return max(1, _LINEAR_CHUNK_ELEMS_CPU // max(vocab, 1))
 
 
 def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mask=None, *, rho=4.0, temperature=1.0,
@@ -548,8 +690,11 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
 
     hidden: (num_tokens, hidden) or (..., hidden); weight: (vocab, hidden), the
     lm-head; gradients flow to both. chunk_size: tokens per chunk (default: about
-    32 Mi logits per chunk). Runs on CPU (torch per chunk) and on GPU (Triton
-    log-prob kernels per chunk). Returns (loss, AIPOStats).
+    512 MiB of logits in their dtype on a GPU, 32 Mi logits on CPU); one chunk's
+    logits buffer and, for the weight's gradient, a vocab x hidden float32
+    accumulator are the memory it holds beyond its inputs and outputs. Runs on CPU
+    (torch per chunk) and on GPU (Triton log-prob kernels per chunk). Returns
+    (loss, AIPOStats). Host syncs as aipo_loss's.
     """
     if hidden.dim() < 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden (..., H) and weight (vocab, H) do not match: {tuple(hidden.shape)} and {tuple(weight.shape)}")
@@ -557,14 +702,15 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
         raise ValueError(f"hidden and weight dtypes differ: {hidden.dtype} and {weight.dtype}")
     vocab = weight.shape[0]
     cfg = ObjectiveConfig(loss_type, rho, eps_low, eps_high, temperature, kl_coef)
-    targets, behavior, advantages, old, ref, m, weights = _prepare(
+    targets, behavior, advantages, old, ref, m, weights, check = _prepare(
         hidden.shape[:-1], vocab, hidden.device, targets, behavior_logprobs, advantages, mask, old_logprobs,
         ref_logprobs, sequence_ids, cfg, reduction)
     flat = hidden.reshape(-1, hidden.shape[-1])
     if chunk_size is None:
-        chunk_size = max(1, _LINEAR_CHUNK_ELEMS // max(vocab, 1))
+        chunk_size = _linear_chunk_tokens(vocab, hidden.dtype, hidden.device)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     loss, logp, ent = LinearAIPOLossFunction.apply(flat, weight, targets, behavior, advantages, old, ref, weights, cfg,
                                                    chunk_size, entropy)
+    check.wait()
     return loss, _stats(logp, behavior, ref, m, cfg, ent)
