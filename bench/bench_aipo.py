@@ -301,7 +301,7 @@ def _peak_mib(fn, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _linear_rows(tokens: int, hidden: int, vocab: int, chunks_mib, device: torch.device) -> list[dict]:
+def linear_rows(tokens: int, hidden: int, vocab: int, chunks_mib, device: torch.device) -> list[dict]:
     """linear_aipo_loss forward + backward for each chunk size beside its three
     GEMMs alone on the same shapes (bf16 outputs, as autograd would give)."""
     from llamarl_core.ops.aipo import linear_aipo_loss
@@ -322,8 +322,8 @@ def _linear_rows(tokens: int, hidden: int, vocab: int, chunks_mib, device: torch
     name = f"{tokens} tokens, hidden {hidden}, vocab {vocab}, bf16"
     rows = [{"what": f"three GEMMs alone, {name}", "ms": gemm_ms, "vs_gemms": 1.0,
              "tflops": 6 * tokens * hidden * vocab / gemm_ms / 1e9}]
-    for mib in chunks_mib:
-        chunk = max(1, (mib << 20) // (vocab * 2))
+    for mib in chunks_mib:  # None: linear_aipo_loss's own default
+        chunk = None if mib is None else max(1, (mib << 20) // (vocab * 2))
 
         def step():
             hx, wx = h.detach().requires_grad_(), w.detach().requires_grad_()
@@ -331,7 +331,8 @@ def _linear_rows(tokens: int, hidden: int, vocab: int, chunks_mib, device: torch
 
         peak_mib = _peak_mib(step, device)  # also the warm-up
         ms = _median_ms(step)
-        rows.append({"what": f"linear_aipo_loss, chunk {mib} MiB ({min(chunk, tokens)} tokens)", "ms": ms,
+        size = "the default chunk" if chunk is None else f"chunk {mib} MiB ({min(chunk, tokens)} tokens)"
+        rows.append({"what": f"linear_aipo_loss, {size}", "ms": ms,
                      "vs_gemms": ms / gemm_ms, "tflops": 6 * tokens * hidden * vocab / ms / 1e9,
                      "peak_mib": peak_mib})
     return rows
@@ -347,7 +348,7 @@ def gpu_sweep(spec, device=torch.device("cuda"), shapes=SWEEP_SHAPES, linear=SWE
     kernels = [row for tokens, vocab in shapes for row in _kernel_rows(tokens, vocab, device)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     return {"device": name, "triton": triton.__version__, "torch": torch.__version__, "kernels": kernels,
-            "linear": _linear_rows(*linear, spec.sweep_chunks_mib, device)}
+            "linear": linear_rows(*linear, spec.sweep_chunks_mib, device)}
 
 
 def sweep_report(result: dict) -> str:

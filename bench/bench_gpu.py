@@ -16,7 +16,8 @@ GPU's own copy bandwidth and the naive torch ops, measured in one run.
                  gather + autograd) on the same logits: time and peak memory;
                  then each log-prob kernel alone (`python -m
                  llamarl_core.bench.bench_aipo --gpu-sweep` times every
-                 candidate config and linear_aipo_loss beside its GEMMs).
+                 candidate config); linear_aipo_loss (4096 tokens, hidden
+                 4096, vocab 128256, bf16) beside its three GEMMs alone.
   weight sync    `llamarl bench sync --device cuda`: WeightSender -> WeightReceiver
                  in two processes on GPU 0 over CUDA IPC, about 1 GiB and 8 GiB,
                  from bf16 and from fp32 (cast on the way), beside cudaMemcpy of
@@ -122,6 +123,20 @@ def aipo_rows(copy_bps: float, repeats: int, tokens: int = 4096, vocab: int = 12
     return rows
 
 
+def linear_aipo_rows(tokens: int = 4096, hidden: int = 4096, vocab: int = 128256) -> list[dict]:
+    """linear_aipo_loss forward + backward (bf16, its default chunking) beside its
+    three GEMMs alone on the same shapes: "x limit" is the GEMMs' time over its own."""
+    from llamarl_core.bench.bench_aipo import linear_rows
+
+    gemms, ours = linear_rows(tokens, hidden, vocab, [None], torch.device("cuda"))
+    flops = 6 * tokens * hidden * vocab
+    return [{"what": f"linear_aipo_loss fwd + bwd, {tokens} tokens, hidden {hidden}, vocab {vocab}, bf16 (vs its GEMMs)",
+             "seconds": ours["ms"] / 1e3, "gbps": flops / ours["ms"] / 1e9, "unit": "TFLOP/s",
+             "vs_copy": gemms["ms"] / ours["ms"], "peak_mib": ours["peak_mib"]},
+            {"what": "its three GEMMs alone (the limit)", "seconds": gemms["ms"] / 1e3, "gbps": flops / gemms["ms"] / 1e9,
+             "unit": "TFLOP/s", "vs_copy": 1.0}]
+
+
 # The sync's sizes: the default bench model (about 1 GiB in bf16) and an 8B-shaped
 # Llama of 19 layers (8.2 GiB in bf16: "8 GiB per GPU").
 SYNC_MODELS = {"1 GiB": [], "8 GiB": ["--hidden", "4096", "--intermediate", "14336", "--layers", "19", "--heads", "32",
@@ -157,6 +172,7 @@ def run(spec) -> dict:
              "vs_copy": 1.0}]
     rows += fp8_rows(copy_bps)
     rows += aipo_rows(copy_bps, spec.repeats)
+    rows += linear_aipo_rows()
     if not spec.no_sync:
         rows += sync_rows(spec.repeats)
     return {"device": torch.cuda.get_device_name(), "rows": rows}
@@ -165,7 +181,7 @@ def run(spec) -> dict:
 def report(result: dict) -> str:
     lines = [["what", "GB/s", "x limit", "median ms", "stall ms", "peak MiB", "x naive"]]
     for r in result["rows"]:
-        lines.append([r["what"], f"{r['gbps']:.0f}", f"{r['vs_copy']:.2f}",
+        lines.append([r["what"], f"{r['gbps']:.0f}" + (f" {r['unit']}" if "unit" in r else ""), f"{r['vs_copy']:.2f}",
                       "" if r["seconds"] is None else f"{r['seconds'] * 1e3:.2f}",
                       f"{r['stall_s'] * 1e3:.2f}" if "stall_s" in r else "",
                       f"{r['peak_mib']:.0f}" if "peak_mib" in r else "", f"{r['vs_naive']:.2f}" if "vs_naive" in r else ""])

@@ -67,13 +67,15 @@ def run_sanitizer(tests: Path, timeout_s: float) -> tuple[bool | None, str]:
 
 
 # The ratio each bench row should reach (its "x limit" column), by the start of its
-# name: FP8 quantization and the AIPO loss against the device's copy bandwidth, the
-# weight sync against one cudaMemcpy of the same bytes (torch's cast for fp32).
+# name: FP8 quantization (no host sync) and the AIPO loss against the device's copy
+# bandwidth, linear_aipo_loss against its three GEMMs, the weight sync against one
+# cudaMemcpy of the same bytes (torch's cast for fp32).
 TARGETS = {
-    "fp8 quantize 14336x4096 bf16, tensor": 0.5,
-    "fp8 quantize 14336x4096 bf16, channel": 0.8,
-    "fp8 quantize 14336x4096 bf16, block": 0.8,
+    "fp8 quantize 14336x4096 bf16, tensor, check=False": 0.5,
+    "fp8 quantize 14336x4096 bf16, channel, check=False": 0.8,
+    "fp8 quantize 14336x4096 bf16, block, check=False": 0.8,
     "aipo_loss fwd + bwd": 0.75,
+    "linear_aipo_loss fwd + bwd": 1 / 1.2,  # within 1.2x of its three GEMMs
     "weight sync over CUDA IPC, 1.": 0.8,
     "weight sync over CUDA IPC, 8.": 0.9,
 }
@@ -160,7 +162,7 @@ def check_gpu(args) -> int:
                 targets += 1
                 met += r["vs_copy"] >= target
                 verdict = f" (target {target:.2f}x: {'met' if r['vs_copy'] >= target else 'MISSED'})"
-            lines.append((r["what"], f"{r['gbps']:.0f} GB/s, {r['vs_copy']:.2f}x its limit{verdict}"
+            lines.append((r["what"], f"{r['gbps']:.0f} {r.get('unit', 'GB/s')}, {r['vs_copy']:.2f}x its limit{verdict}"
                           + (f", {r['vs_naive']:.2f}x faster than naive" if "vs_naive" in r else "")
                           + (f", generator stall {r['stall_s'] * 1e3:.2f} ms" if "stall_s" in r else "")))
     if not args.no_pipeline:

@@ -173,6 +173,17 @@ def test_pieces_write_exactly_what_the_segments_write(seed):
         assert (pieces[:, 7] > 1).all()  # element-aligned tensors never fall to byte accesses
 
 
+def test_pieces_of_a_large_table_stay_few_and_line_aligned():
+    """Past 4 GiB a piece grows (at most 65536 per table) by whole 64 KiB: pieces
+    of a contiguous run start on 128-byte lines (splitting touches no memory, so
+    the addresses need not be real)."""
+    total = int(8.2 * 2**30) // 16 * 16
+    pieces = native().split_pieces(np.array([(1 << 40, 0, 1 << 41, 0, total, 1, KIND_COPY)], dtype=np.int64))
+    assert len(pieces) <= 65536
+    assert (pieces[:-1, 4] % (64 << 10) == 0).all() and (pieces[:, 2] % 128 == 0).all()
+    assert pieces[:, 4].sum() == total
+
+
 def test_pieces_refuse_bad_segments_and_misaligned_fp32():
     dst = torch.zeros(64, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="segment 0: null address"):

@@ -185,10 +185,12 @@ class LogprobConfig:
 # - Forward: per-lane accumulators cost 2 registers (3 with the entropy) per value
 #   a thread holds; 2048 x 8 warps: 8 bf16 values (one 16-byte load) a thread, 32
 #   registers on sm_90, 8 programs = 64 warps a SM, 32 KiB of loads in flight.
-# - Backward: no accumulators; 4096 x 8 warps: two 16-byte loads a thread, 40
-#   registers, 6 programs = 48 warps a SM, 48 KiB in flight; min_programs 8192,
-#   about 10 waves of 132 SMs x 6 programs, so short batches (a linear_aipo_loss
-#   chunk) still fill the GPU and the last wave is a small part.
+# - Backward: no accumulators; 8192 x 16 warps: two 16-byte loads a thread;
+#   min_programs 8192, so short batches (a linear_aipo_loss chunk) still fill the
+#   GPU and the last wave is a small part.
+# On an H100 (`--gpu-sweep`, 4096 x 128256 bf16): forward 2048 x 8 warps 0.97x of
+# a device copy of its bytes, the best of 11 shapes; backward 8192 x 16 warps,
+# >= 8192 programs, 0.96x (the 4096 x 8 warps it replaced: 0.94x).
 # - Vocabularies up to 8192: 2 or 4 rows a program, 8 values a thread (4 rows of
 #   1024 had ptxas spill a register on sm_80 / sm_90).
 # `python -m llamarl_core.bench.bench_aipo --gpu-sweep` times the large-vocabulary
@@ -197,7 +199,7 @@ GPU_CONFIGS = (
     (1024, LogprobConfig(block_v=256, rows=4, num_warps=4), LogprobConfig(block_v=256, rows=4, num_warps=4)),
     (8192, LogprobConfig(block_v=1024, rows=2, num_warps=8), LogprobConfig(block_v=1024, rows=2, num_warps=8)),
     (None, LogprobConfig(block_v=2048, rows=1, num_warps=8),
-     LogprobConfig(block_v=4096, rows=1, num_warps=8, min_programs=8192)),
+     LogprobConfig(block_v=8192, rows=1, num_warps=16, min_programs=8192)),
 )
 
 
@@ -438,8 +440,9 @@ class _TargetCheck:
         if targets.numel() == 0:
             return
         bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
-        first = bad.to(torch.uint8).argmax()  # the first True (argmax returns the first maximum)
-        info = torch.stack((bad[first].to(torch.int64), first, targets[first]))
+        first = bad.to(torch.uint8).argmax().view(1)  # the first True (argmax returns the first maximum)
+        # gather, not bad[first]: indexing with a tensor reads the index on the host (a sync).
+        info = torch.cat((bad.any().to(torch.int64).view(1), first, targets.gather(0, first)))
         if info.device.type != "cuda":
             self.info = info
             self.wait()
@@ -569,8 +572,15 @@ class LinearAIPOLossFunction(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = None
-        if need_w:  # float32 whatever the weight's dtype; the first chunk's GEMM overwrites it (no tokens: zeros)
-            grad_w = (torch.empty if n else torch.zeros)(weight.shape, dtype=torch.float32, device=weight.device)
+        # One chunk: the weight's gradient is that chunk's GEMM, written in the weight's
+        # dtype (float32 accumulation inside the GEMM, one rounding: what autograd's
+        # naive version computes). Several: accumulated over chunks in float32 whatever
+        # the weight's dtype, the first chunk's GEMM overwriting it (no tokens: zeros).
+        one_chunk = n <= chunk_size
+        if need_w and not one_chunk:
+            grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        elif need_w and n == 0:
+            grad_w = torch.zeros_like(weight)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp) if with_entropy else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -595,7 +605,9 @@ class LinearAIPOLossFunction(torch.autograd.Function):
                 dlogits = logprob_backward(logits, targets[rows], lse, coef, cfg.temperature, out=logits)
                 if need_h:
                     torch.matmul(dlogits, weight, out=grad_h[rows])
-                if need_w:
+                if need_w and one_chunk:
+                    grad_w = torch.matmul(dlogits.t(), h)
+                elif need_w:
                     _accumulate_weight_grad(grad_w, dlogits, h, first=start == 0)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
@@ -611,8 +623,8 @@ class LinearAIPOLossFunction(torch.autograd.Function):
         # wrote the float32 buffer once more).
         dh = None if grad_h is None else grad_h.mul_(grad_loss.to(grad_h.dtype))
         dw = grad_w
-        if grad_w is not None and ctx.weight_dtype == torch.float32:
-            dw = grad_w.mul_(grad_loss)
+        if grad_w is not None and grad_w.dtype == ctx.weight_dtype:  # one chunk, or float32 weights
+            dw = grad_w.mul_(grad_loss.to(grad_w.dtype))
         elif grad_w is not None:
             dw = torch.mul(grad_w, grad_loss, out=torch.empty_like(grad_w, dtype=ctx.weight_dtype))
         return dh, dw, None, None, None, None, None, None, None, None, None
@@ -668,12 +680,15 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_s
 
 
 # Tokens per chunk of linear_aipo_loss. On a GPU by bytes of logits in their
-# dtype: every chunk after the first reads and writes the float32 weight gradient
-# once more (4 GiB at vocab 128256, hidden 4096: about 1.4 ms at 3 TB/s beside
-# 6 ms a GEMM at 4096 tokens) and runs about 20 small launches for the objective,
-# so few large chunks; 512 MiB is 2048 tokens at vocab 128256 in bf16. On CPU
-# about 32 Mi logits (256 tokens at vocab 128256), beside the 64 MiB scratch.
-_LINEAR_CHUNK_BYTES_GPU = 512 << 20
+# dtype: a batch of one chunk writes the weight gradient straight from its GEMM;
+# with several, a float32 accumulator is written, read and rewritten chunk after
+# chunk and cast at the end (on an H100, 4096 tokens at vocab 128256, hidden 4096,
+# bf16: 1.30x of the three GEMMs alone in 512 MiB chunks, 1.35x in one 1 GiB chunk
+# through the accumulator), and each chunk runs about 20 small launches for the
+# objective. 1 GiB is 4096 tokens at vocab 128256 in bf16, one micro-batch of a
+# typical trainer. On CPU about 32 Mi logits (256 tokens at vocab 128256), beside
+# the 64 MiB scratch.
+_LINEAR_CHUNK_BYTES_GPU = 1 << 30
 _LINEAR_CHUNK_ELEMS_CPU = 1 << 25
 
 
@@ -690,9 +705,10 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
 
     hidden: (num_tokens, hidden) or (..., hidden); weight: (vocab, hidden), the
     lm-head; gradients flow to both. chunk_size: tokens per chunk (default: about
-    512 MiB of logits in their dtype on a GPU, 32 Mi logits on CPU); one chunk's
-    logits buffer and, for the weight's gradient, a vocab x hidden float32
-    accumulator are the memory it holds beyond its inputs and outputs. Runs on CPU
+    1 GiB of logits in their dtype on a GPU, 32 Mi logits on CPU); one chunk's
+    logits buffer and, when there are several chunks, a vocab x hidden float32
+    accumulator for the weight's gradient are the memory it holds beyond its
+    inputs and outputs. Runs on CPU
     (torch per chunk) and on GPU (Triton log-prob kernels per chunk). Returns
     (loss, AIPOStats). Host syncs as aipo_loss's.
     """

@@ -220,14 +220,15 @@ class Fp8Tiling:
 
 # The defaults on a GPU, per granularity; candidates for them in SWEEP_TILINGS.
 # H100 targets (14336 x 4096 bf16): channel and block >= 0.8x of the device copy
-# bandwidth, per tensor >= 0.5x (its two passes read the weight twice).
-# Channel: 2 rows of K = 4096 a program (8192 elements, 8 warps: 60 registers on
-# sm_90); one row of K = 14336 padded to 16384 at 16 warps (51); longer rows
-# walked. Block: the 128 x 128 block at 16 warps (51). Per tensor: 8192 elements a
-# program at 8 warps (amax 55, cast 53). No spills (python -m llamarl_core.ops.kernel_check).
+# bandwidth, per tensor >= 0.5x (its two passes read the weight twice). Chosen by
+# `bench_fp8 --gpu-sweep` on an H100 (bench/RESULTS.md), x device copy:
+# Channel: one row of K = 4096 a program (0.95x; 2 rows: 0.92x); rows past 8192
+# walked (K = 14336: 0.71x, one padded 16384-wide tile: 0.65x). Block: the 128 x 128
+# block at 16 warps (0.84x; walked twice: 0.76x). Per tensor: 8192 elements a
+# program at 8 warps (0.56x). No spills (python -m llamarl_core.ops.kernel_check).
 GPU_TILINGS = {
     "tensor": Fp8Tiling(tile=8192),
-    "channel": Fp8Tiling(tile=8192),
+    "channel": Fp8Tiling(tile=4096, max_tile=8192),
     "block": Fp8Tiling(tile=16384),
 }
 # What the GPU session times (bench_fp8 --gpu-sweep) to settle the defaults; each

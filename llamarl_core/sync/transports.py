@@ -114,7 +114,7 @@ def cuda_ipc_obstacle(senders: Sequence[dict], receivers: Sequence[dict], pairs)
     """Why the cuda_ipc transport cannot move bytes for every (sender, receiver)
     pair in `pairs` (ranks on one host, `device_info` dicts), or None. A pair in
     one process needs no IPC (the sender writes to the receiver's addresses); a
-    pair on two GPUs needs peer access either way (the cast kernel writes remote
+    pair on two GPUs needs peer access either way (the copy kernel writes remote
     memory)."""
     for s, d in pairs:
         src, dst = senders[s], receivers[d]
