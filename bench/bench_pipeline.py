@@ -197,8 +197,8 @@ def _run(args, base: TrainConfig, tmp: str) -> int:
                      f"{r['cpu_steal']:.0%}"])
     what = (f"model {base.model}, dataset {base.dataset}, reward {base.reward}, at most {base.max_new_tokens} new "
             "tokens"
-            if base.model else f"task {args.task}, model hidden {base.hidden_size} x {base.num_layers} layers, same "
-                               "warm-up for all")
+            if base.model else f"task {args.task}, model hidden {base.hidden_size} x {base.num_layers} layers, "
+                               + ("same warm-up for all" if base.warmup_steps else "random weights, no warm-up"))
     if base.device == "cuda":
         what += f", on {torch.cuda.get_device_name()} (trainer and generator processes sharing it)"
     ratio = results["llamarl_async"]["step_time_s"] / results["llamarl_sync"]["step_time_s"]
