@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -289,7 +290,9 @@ def test_gpu_sweep_candidates_compile_for_sm90_without_spills():
         print(json.dumps([asdict(r) for r in kernel_check.compile_here((90,))]))
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env)
+    # Outside the repository: the installed package (its bench subpackage), not the sources.
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env,
+                         cwd=tempfile.gettempdir())
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout)
     assert len(rows) == 22
