@@ -138,8 +138,9 @@ static_assert(sizeof(CopyPiece) == 8 * sizeof(int64_t), "CopyPiece must be 8 pac
 
 // Destination bytes per piece for a table writing `total_bytes`: 64 KiB, so that the
 // last piece a block copies (the tail of a persistent grid) is a few percent of a
-// 1 GiB copy at most; past 4 GiB the next multiple of 64 KiB that keeps a table under
-// 65536 pieces (4 MiB). A multiple of 64 KiB, not just of 16 bytes: pieces of a
+// 1 GiB copy at most; past 4 GiB the next multiple of 64 KiB that keeps the pieces
+// of its long rows under 65536 (4 MiB of table; every segment and every row shorter
+// than a piece is a piece or more of its own besides). A multiple of 64 KiB, not just of 16 bytes: pieces of a
 // contiguous run then start on 128-byte lines, and a warp's 512 bytes of 16-byte
 // accesses touch 4 lines, not 5 (on an H100 an 8.2 GiB plan in pieces of 134,xxx
 // bytes ran at 0.75x of cudaMemcpy, a flat 8 GiB copy in 128 KiB pieces at 0.95x).

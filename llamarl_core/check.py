@@ -11,7 +11,10 @@ async / sync step-time ratio), and `compute-sanitizer --tool memcheck` on the
 sync test where it is installed.
 Without one it says so and runs what needs no GPU: every Triton kernel variant
 compiled for sm_80 / sm_90 / sm_100 (llamarl_core.ops.kernel_check).
-Exit status 0 when everything it ran passed.
+Exit status 0 when everything it ran passed: the tests, the pipeline run (its
+reward rose in both modes) and the sanitizer. The bench ratios are measurements:
+each is shown beside its target, met or MISSED, and counted in the last line, but
+a missed target does not fail the check.
 """
 
 from __future__ import annotations
@@ -100,9 +103,12 @@ def run_pipeline(timeout_s: float) -> tuple[bool, str]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "compare"
-        proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--device", "cuda", "--compare",
-                               "--quiet", "--steps", str(PIPELINE_STEPS), "--out", str(out)],
-                              capture_output=True, text=True, timeout=timeout_s)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--device", "cuda", "--compare",
+                                   "--quiet", "--steps", str(PIPELINE_STEPS), "--out", str(out)],
+                                  capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False, f"llamarl train --device cuda --compare did not finish in {timeout_s:.0f} s"
         print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", flush=True)
         if proc.returncode != 0 or not (out / "compare.json").exists():
             return False, f"llamarl train --device cuda --compare exited {proc.returncode}"

@@ -415,6 +415,42 @@ def _threaded_pair(store, name: str, transport: str, device: str = "cpu"):
     return sender, made["receiver"], params, expected
 
 
+def test_a_ticket_taken_and_never_opened_does_not_stall_later_syncs(store):
+    """A receive whose ticket was taken but never opened (its Store request to open
+    it failed; a receiver killed between the two requests, then registered again
+    under its name) costs the sender at most one poll of the receiver's counter:
+    the next versions land, each well inside its timeout."""
+    sender, receiver, params, expected = _threaded_pair(store, "unopened", "shm")
+    nbytes, landed = _in_threads(lambda: sender.send(1, timeout=10), lambda: receiver.receive(timeout=10))
+    assert landed == 1 and nbytes > 0
+    real_set = receiver.channel.set
+
+    def failing_open(key, value):
+        if "/open/" in key and value != "closed":
+            raise dist.DistNetworkError("simulated: connection reset while opening the ticket")
+        return real_set(key, value)
+
+    receiver.channel.set = failing_open
+    with pytest.raises(dist.DistNetworkError, match="simulated"):
+        receiver.receive(timeout=2)
+    receiver.channel.set = real_set
+    for version in (2, 3):
+        start = time.monotonic()
+        sent, landed = _in_threads(lambda: sender.send(version, timeout=8), lambda: receiver.receive(timeout=8))
+        assert landed == version and sent == nbytes, (sent, landed)
+        assert time.monotonic() - start < 4  # a poll of _TICKET_POLL_S at most, not a timeout
+    # A receiver killed after taking a ticket (counted, never opened), registered again
+    # under its name: it closes that ticket, and the sender skips it.
+    dist.PrefixStore("llamarl/sync/unopened/", _client(store)).add("dst/0/ticket", 1)
+    config = small_config("llama_gqa_bias")
+    again = WeightReceiver(_client(store), vllm_llama_tp(config, 1, torch.bfloat16), 0, params, name="unopened",
+                           transport="shm", timeout=30)
+    start = time.monotonic()
+    assert _in_threads(lambda: sender.send(4, timeout=8), lambda: again.receive(timeout=8))[1] == 4
+    assert time.monotonic() - start < 4
+    assert mismatches(expected, {n: t.cpu() for n, t in again.weights().items()}) == []
+
+
 def _client(store) -> dist.TCPStore:
     """One Store client per thread: a client blocks while it waits."""
     return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))

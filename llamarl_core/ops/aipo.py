@@ -621,10 +621,12 @@ class LinearAIPOLossFunction(torch.autograd.Function):
         # this call's own. Others: scaled and cast in one pass into the weight's
         # dtype (read 4 + write 2 bytes an element; scaling in place first read and
         # wrote the float32 buffer once more).
-        dh = None if grad_h is None else grad_h.mul_(grad_loss.to(grad_h.dtype))
+        # In place by the float32 0-dim grad_loss: computed in float32 and rounded once
+        # into a bf16 buffer (grad_loss cast to bf16 first would round 1/3 to 0.33398).
+        dh = None if grad_h is None else grad_h.mul_(grad_loss)
         dw = grad_w
         if grad_w is not None and grad_w.dtype == ctx.weight_dtype:  # one chunk, or float32 weights
-            dw = grad_w.mul_(grad_loss.to(grad_w.dtype))
+            dw = grad_w.mul_(grad_loss)
         elif grad_w is not None:
             dw = torch.mul(grad_w, grad_loss, out=torch.empty_like(grad_w, dtype=ctx.weight_dtype))
         return dh, dw, None, None, None, None, None, None, None, None, None

@@ -306,6 +306,9 @@ class Controller:
     def _sync_complete(self, version: int) -> None:
         for step in sorted(s for s in self.records if s < version):  # steps whose weights have now landed
             self._finish_step(step, version)
+        for times in (self.sync_seconds, self.stall_seconds):  # versions no step record will read (the first, re-syncs)
+            for old in [v for v in times if v <= version]:
+                del times[old]
 
     def _begin_sync(self, version: int) -> None:
         # Replica 0 gets the version from the trainer ranks, the others relayed down the
@@ -543,7 +546,10 @@ class Controller:
     def _shutdown(self) -> None:
         for inbox in self.inboxes.values():
             inbox.put(("stop", {}))
-        # A vLLM generator shuts its engine down on "stop" (several seconds here).
-        self.executors.shutdown(grace_s=30 if self.config.generator == "vllm" else 10)
+        # A vLLM generator shuts its engine down on "stop" (several seconds here). A
+        # checkpoint queued before "stop" (behind a sync that failed, say) gets up to
+        # timeout_s more to be written: it is the one a resume needs.
+        grace_s = (30 if self.config.generator == "vllm" else 10) + (self.config.timeout_s if self.checkpointing else 0)
+        self.executors.shutdown(grace_s=grace_s)
         self.beat.stop()
         self.events.close()

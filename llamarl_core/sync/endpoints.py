@@ -92,8 +92,12 @@ _SRC, _DST = "src", "dst"
 # Set by abandon_receivers: the reason under this key, and this value in the tickets it opens.
 _ABANDONED = "abandoned"
 # What a receiver writes over its ticket's `open` value when it closes the ticket: a
-# sender waiting for the ticket after the one it served last reads it in one request.
+# sender waiting for the ticket after the one it served last sees it there.
 _CLOSED = "closed"
+# How long a sender waits for a ticket to open before it reads the receiver's counter
+# again (a ticket taken and never opened, by a receiver killed in between, is skipped
+# once a newer one is taken).
+_TICKET_POLL_S = 1.0
 
 
 class _Channel:
@@ -113,27 +117,17 @@ class _Channel:
         try:
             if remaining <= 0:
                 raise dist.DistStoreError("deadline passed")
-            self.store.wait(keys, datetime.timedelta(seconds=remaining))
+            # At least 1 ms: a timeout that rounds down to 0 ms means "no timeout" to c10d.
+            self.store.wait(keys, datetime.timedelta(seconds=max(remaining, 1e-3)))
         except RuntimeError as exc:
             raise self._timeout(exc, keys, what) from exc
 
     def get_all(self, keys: list[str], deadline: float, what: str) -> list:
-        """The values of `keys`, waiting until every one is set (one request: the
-        Store answers once the last is set), within the deadline."""
-        remaining = deadline - time.monotonic()
-        previous = self.store.timeout
-        try:
-            if remaining <= 0:
-                raise dist.DistStoreError("deadline passed")
-            # The client's own timeout bounds a blocking get; it is this client's alone
-            # (each thread that waits has a Store client of its own), and put back after.
-            self.store.set_timeout(datetime.timedelta(seconds=remaining))
-            values = self.store.multi_get(keys)
-        except RuntimeError as exc:
-            raise self._timeout(exc, keys, what) from exc
-        finally:
-            self.store.set_timeout(previous)
-        return [json.loads(v) for v in values]
+        """The values of `keys` once every one is set, within the deadline: a wait
+        (the Store answers it when the last is set), then one read of them all. The
+        client's own timeout is never touched (it may be shared)."""
+        self.wait(keys, deadline, what)
+        return [json.loads(v) for v in self.store.multi_get(keys)]
 
     def _timeout(self, exc: RuntimeError, keys: list[str], what: str) -> Exception:
         """The SyncTimeoutError of a wait that failed with `exc`, or `exc` itself when
@@ -472,48 +466,37 @@ class WeightSender(_Endpoint):
                 table = prepared_table(segment_table(_packed(bucket)[0], src_base, lambda seg: staging), self.device)
                 self._tables[dst].append((table, sum(seg.nbytes for seg in bucket)))
 
-    def _wanted(self, dst: int, ticket: int, deadline: float) -> int | str | None:
-        """The version receiver `dst`'s receive `ticket` asks for (None: any; _CLOSED
-        once it is closed). Its key is set just after the ticket is taken: waited for,
-        within the deadline. Raises SyncError if the receivers were abandoned before it
-        was opened."""
-        key = f"{_DST}/{dst}/open/{ticket}"
-        wanted = self.channel.get_all([key], deadline, f"receiver {dst} to open ticket {ticket}")[0]
-        if wanted == _ABANDONED:
-            raise self._receiver_gone(dst)
-        return wanted
-
     def _receiver_gone(self, dst: int) -> SyncError:
         return SyncError(f"sender rank {self.rank}: receiver {dst} is gone ({self.channel.get(_ABANDONED)})")
 
     def _await_ticket(self, dst: int, deadline: float) -> tuple[int, int | None]:
         """(ticket, version asked for) of receiver `dst`'s open receive() that this
         sender has not served. Raises SyncError at once if the receivers were abandoned
-        (abandon_receivers). Receivers open tickets one after the other, so the next
-        one is usually the one after the ticket served last: its `open` key is read
-        in one blocking request (the Store answers when the receiver opens it). Only
-        when that ticket was closed unserved (a receive that timed out) are the
-        counter and the closed markers read to find the current one."""
+        (abandon_receivers). Receivers take tickets one after the other, so the one
+        after the ticket served last is usually the next to open: its `open` key is
+        waited for without reading the counter first. When a candidate is closed
+        unserved (a receive that timed out), or not opened within _TICKET_POLL_S (a
+        receiver killed after taking it; a slow one), the receiver's counter names
+        the current ticket: the candidate becomes that ticket if it is still open,
+        else the one after it."""
         last = self._served.get(dst, 0)
-        wanted = self.channel.get_all([f"{_DST}/{dst}/open/{last + 1}"], deadline,
-                                      f"receiver {dst} to ask for a version")[0]
-        if wanted == _ABANDONED:
-            raise self._receiver_gone(dst)
-        if wanted != _CLOSED:
-            return last + 1, wanted
-        woken = False
+        candidate = last + 1
+        what = f"receiver {dst} to ask for a version"
         while True:
-            current = self.channel.counter(f"{_DST}/{dst}/ticket")
-            if current > last and not self.channel.has(f"{_DST}/{dst}/closed/{current}"):
-                wanted = self._wanted(dst, current, deadline)
-                if wanted != _CLOSED:  # else it closed since: its closed marker is set now
-                    return current, wanted
-                continue
-            if woken and self.channel.has(_ABANDONED):  # checked only after a wait: no cost when the ticket is open
+            try:
+                poll = min(deadline, time.monotonic() + _TICKET_POLL_S)
+                wanted = self.channel.get_all([f"{_DST}/{dst}/open/{candidate}"], poll, what)[0]
+            except SyncTimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                wanted = _CLOSED  # not opened yet: look again below
+            if wanted == _ABANDONED or (wanted == _CLOSED and self.channel.has(_ABANDONED)):
                 raise self._receiver_gone(dst)
-            nxt = max(current, last) + 1
-            self.channel.wait([f"{_DST}/{dst}/open/{nxt}"], deadline, f"receiver {dst} to ask for a version")
-            woken = True
+            if wanted != _CLOSED:
+                return candidate, wanted
+            current = self.channel.counter(f"{_DST}/{dst}/ticket")
+            is_open = current > last and not self.channel.has(f"{_DST}/{dst}/closed/{current}")
+            candidate = current if is_open else max(current, last) + 1
 
     def send(self, version: int, timeout: float | None = None) -> int:
         """Move `version` of this rank's shards to every receiver that needs them;
@@ -737,8 +720,11 @@ class WeightReceiver(_Endpoint):
                              f"in rank order, got rank {group.rank()} of {group.size()}")
         self._amax_group = group
         self._amax_attempt: tuple[int | None, int] = (None, 0)  # see _amax_sync_id
-        # The last ticket this rank took (a restarted rank goes on from its predecessor's).
+        # The last ticket this rank took (a restarted rank goes on from its predecessor's,
+        # and closes it: a predecessor killed in a receive left it open, or never opened it).
         self._ticket = self.channel.counter(f"{_DST}/{self.rank}/ticket")
+        if self._ticket and not self.channel.has(f"{_DST}/{self.rank}/closed/{self._ticket}"):
+            self._close_ticket(self._ticket)
         self.version: int | None = None
         self.torn = False
         self.senders = self.plan.senders_of(self.rank)
@@ -913,19 +899,19 @@ class WeightReceiver(_Endpoint):
         wait_for_queued_work(self.device, deadline, f"the kernels queued on {self.device} (receiver {self.rank})")
         key = f"{_DST}/{self.rank}"
         # This rank alone takes its tickets: counted here and published (a set needs no
-        # answer from the Store), before the ticket is opened.
+        # answer from the Store), before the ticket is opened. Whatever happens from
+        # here on, the ticket is closed before receive() returns or raises.
         self._ticket += 1
         ticket = self._ticket
-        self.channel.set(f"{key}/ticket", ticket)
-        self.torn = True  # from here on senders may be writing into the tensors
-        self.channel.set(f"{key}/open/{ticket}", expect)
         done = [f"{key}/done/{ticket}/{src}" for src in self._local_senders]
         try:
+            self.channel.set(f"{key}/ticket", ticket)
+            self.torn = True  # from here on senders may be writing into the tensors
+            self.channel.set(f"{key}/open/{ticket}", expect)
             versions = self._receive_p2p(deadline, forwarding)  # senders on other hosts, meanwhile
             answers = self.channel.get_all(done, deadline, f"senders to finish (receiver {self.rank}, ticket {ticket})")
         finally:
-            self.channel.set(f"{key}/closed/{ticket}", 1)
-            self.channel.set(f"{key}/open/{ticket}", _CLOSED)
+            self._close_ticket(ticket)
         stale = [answer for answer in answers if isinstance(answer, dict)]
         if stale:
             message = (f"receiver rank {self.rank}: version {stale[0]['abandoned']} will not come (its sender holds "
@@ -935,6 +921,13 @@ class WeightReceiver(_Endpoint):
                 raise StaleReceiveError(message)
             raise SyncError(f"{message}; weights torn")
         return self._complete(versions | set(answers), deadline)
+
+    def _close_ticket(self, ticket: int) -> None:
+        """No sender may serve `ticket` from now on: _CLOSED over its `open` value (what
+        a waiting sender reads), then its closed marker (what the counter's readers check)."""
+        key = f"{_DST}/{self.rank}"
+        self.channel.set(f"{key}/open/{ticket}", _CLOSED)
+        self.channel.set(f"{key}/closed/{ticket}", 1)
 
     def _check_storage(self) -> None:
         """Refuse to sync into a tensor whose storage moved since registration: the

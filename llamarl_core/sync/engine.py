@@ -9,6 +9,7 @@ then one launch of the copy kernel, which copies (and casts) every segment.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Callable, Iterable, Mapping
 
@@ -103,8 +104,9 @@ def table_bytes(table: np.ndarray) -> int:
 
 class CudaSegments:
     """A segment table resident on one GPU, for copies run many times: split into
-    the copy kernel's pieces (csrc/copy_segments.h `CopyPiece`: at most 64 KiB of
-    destination each, aligned for 16-byte accesses where the tensors allow) and
+    the copy kernel's pieces (csrc/copy_segments.h `CopyPiece`: 64 KiB of
+    destination each, more past 4 GiB, aligned for 16-byte accesses where the
+    tensors allow) and
     uploaded once, every segment validated first. `launch(stream)` then enqueues
     one kernel that copies every piece: no host synchronisation, no allocation, so
     it can be captured in a CUDA graph. The memory the table addresses must stay
@@ -119,26 +121,42 @@ class CudaSegments:
         pieces = _engine_call(native().split_pieces, np.ascontiguousarray(table, dtype=np.int64))
         self.num_pieces = len(pieces)
         self._pieces = torch.from_numpy(pieces).to(torch.device("cuda", self.index))
-        self._stream: torch.cuda.Stream | None = None
 
     def launch(self, stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue the copy on `stream` (default: the current stream), after what is
-        queued there already."""
+        queued there already. Outside a graph capture the piece table is recorded on
+        `stream`, so the allocator keeps it until the copy has run even if this
+        object is dropped first; a captured launch needs this object alive for as
+        long as the graph is replayed."""
         stream = torch.cuda.current_stream(self.index) if stream is None else stream
+        if not torch.cuda.is_current_stream_capturing():
+            self._pieces.record_stream(stream)
         _engine_call(native_cuda().launch_pieces_cuda, self.index, stream.cuda_stream, self._pieces.data_ptr(),
                      self.num_pieces)
 
     def run(self, timeout_s: float = DEFAULT_COPY_TIMEOUT_S) -> int:
-        """Copy once and wait for it: on a side stream that first waits for the
-        calling thread's current stream (so pending kernels, the optimizer's, finish
-        writing the sources), waited for with `timeout_s`. Returns or raises only once
-        nothing it queued is running. Returns the bytes written."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.index)
-        self._stream.wait_stream(torch.cuda.current_stream(self.index))
-        self.launch(self._stream)
-        _engine_call(native_cuda().wait_stream_cuda, self.index, self._stream.cuda_stream, timeout_s, self.nbytes)
+        """Copy once and wait for it: on this thread's copy stream (side_stream), which
+        first waits for its current stream (so pending kernels, the optimizer's,
+        finish writing the sources), waited for with `timeout_s`. Returns or raises
+        only once nothing it queued is running. Returns the bytes written."""
+        stream = side_stream(self.index)
+        stream.wait_stream(torch.cuda.current_stream(self.index))
+        self.launch(stream)
+        _engine_call(native_cuda().wait_stream_cuda, self.index, stream.cuda_stream, timeout_s, self.nbytes)
         return self.nbytes
+
+
+_SIDE_STREAMS = threading.local()
+
+
+def side_stream(index: int) -> torch.cuda.Stream:
+    """This thread's copy stream on GPU `index`, made once: threads that copy at once
+    (relays) each have their own, and no copy waits on a stream that another
+    thread's kernels keep busy."""
+    streams = _SIDE_STREAMS.__dict__.setdefault("by_device", {})
+    if index not in streams:
+        streams[index] = torch.cuda.Stream(device=index)
+    return streams[index]
 
 
 def prepared_table(table: np.ndarray, device: torch.device) -> np.ndarray | CudaSegments:
@@ -174,7 +192,7 @@ def run_segment_table(
     if device.type == "cuda":
         mod = native_cuda()
         index = _cuda_index(device)
-        stream = torch.cuda.Stream(device=index)
+        stream = side_stream(index)
         stream.wait_stream(torch.cuda.current_stream(index))
         return _engine_call(mod.execute_segments_cuda, table, index, stream.cuda_stream, timeout_s)
     raise ValueError(f"no copy engine for device {device}")
