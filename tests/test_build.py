@@ -91,10 +91,8 @@ exec "{nvcc}" "$@"
     build_dir = tmp_path / "build"
     build_dir.mkdir()
     stdout = _configure(build_dir, [f"-DCMAKE_CUDA_COMPILER={wrapper}"], {**os.environ})
+    # (with the real nvcc, sm_100 is built: test_engine checks the module's cubins)
     assert "sm 80-real;86-real;89-real;90-real;90-virtual," in stdout, stdout
-    full = tmp_path / "full"
-    full.mkdir()
-    assert "sm 80-real;86-real;89-real;90-real;100-real;100-virtual," in _configure(full, [], {**os.environ})
 
 
 def test_kernels_install_as_a_subpackage_only():
