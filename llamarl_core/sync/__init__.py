@@ -21,13 +21,13 @@ from .endpoints import (
     abandon_receivers,
 )
 from .fsdp import fsdp_sender, local_shard
-from .layout import Fragment, Fused, FusedPart, Layout, ParamSpec, Replicate, Shard
+from .layout import Explicit, Fragment, Fused, FusedPart, Layout, ParamSpec, Replicate, Shard
 from .plan import DEFAULT_BUCKET_BYTES, Segment, TransferPlan, plan_transfer
 from .presets import hf_llama_fsdp, hf_llama_shapes, vllm_llama_tp
 from .reference import reference_fsdp_shards, reference_vllm_tp_shards
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "Fragment", "Fused", "FusedPart", "Layout", "ParamSpec", "Replicate", "Segment",
+    "DEFAULT_BUCKET_BYTES", "Explicit", "Fragment", "Fused", "FusedPart", "Layout", "ParamSpec", "Replicate", "Segment",
     "RelayError", "Shard", "StaleReceiveError", "SyncError", "SyncTimeoutError", "TornWeightsError", "TransferPlan", "WeightReceiver",
     "WeightSender", "abandon_receivers", "fsdp_sender", "hf_llama_fsdp", "local_shard", "hf_llama_shapes", "plan_transfer", "reference_fsdp_shards",
     "reference_vllm_tp_shards", "vllm_llama_tp",

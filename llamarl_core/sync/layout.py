@@ -2,18 +2,22 @@
 
 A layout lists parameters (name, global shape, dtype, placement). A placement says
 which part of which *logical* tensor each rank holds. Logical tensors are the
-unsharded, unfused tensors both sides agree on (Hugging Face names for Llama).
+unsharded, unfused tensors both sides agree on (the trainer model's own names:
+Hugging Face names for a transformers model).
 
 Every placement compiles to *fragments*: per rank, rectangles of a logical
-tensor's 2-D view and where they sit in the rank's local tensor. The planner
-only ever sees fragments, so new placements need no planner change.
+tensor's 2-D view and where they sit in the 2-D view of the rank's local tensor.
+The planner only ever sees fragments, so new placements need no planner change.
 
-2-D views: a 1-D tensor of n elements is viewed as (n, 1); an N-D tensor as
-(shape[0], prod(shape[1:])). Splits are on dim 0, or on dim 1 of a 2-D tensor.
+2-D views: a scalar is (1, 1), a 1-D tensor of n elements (n, 1), an N-D tensor
+(prod(shape[:-1]), shape[-1]): its last dim the columns. A box of an N-D tensor
+(a split on any dim, one expert of a stacked parameter, a range inside a fused
+dim) is then a few rectangles: `strided_fragments` cuts any strided view into them.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -48,10 +52,20 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def view_2d(shape: tuple[int, ...]) -> tuple[int, int]:
-    """(rows, cols) of the 2-D view of a tensor of this shape."""
+    """(rows, cols) of the 2-D view of a tensor of this shape (module docstring)."""
     if len(shape) == 0:
         return (1, 1)
-    return (shape[0], math.prod(shape[1:]))
+    if len(shape) == 1:
+        return (shape[0], 1)
+    return (math.prod(shape[:-1]), shape[-1])
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def chunk_bounds(size: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -79,6 +93,79 @@ class Fragment:
     local_col: int
 
 
+# Past this many fragments for one copy, a view is refused rather than listed
+# element by element (a transposed copy, say).
+MAX_FRAGMENTS_PER_VIEW = 1 << 16
+
+
+def strided_fragments(source: str, src_shape: tuple[int, ...], src_offset: int, src_strides: tuple[int, ...],
+                      dst_shape: tuple[int, ...], dst_offset: int, dst_strides: tuple[int, ...],
+                      extent: tuple[int, ...]) -> list[Fragment]:
+    """The fragments of one element-wise copy, `extent`-shaped, from a strided view
+    of the contiguous logical tensor `source` (shape `src_shape`; the view's first
+    element at flat index `src_offset`, `src_strides` in elements) into a strided
+    view of a contiguous local tensor of shape `dst_shape`: rectangles of the two
+    2-D views, a run of columns cut where it crosses a row on either side.
+    ValueError past MAX_FRAGMENTS_PER_VIEW rectangles (a transposed weight)."""
+    if len(extent) != len(src_strides) or len(extent) != len(dst_strides):
+        raise ValueError(f"{source!r}: a copy of extent {extent} with strides {src_strides} -> {dst_strides}")
+    if math.prod(extent) == 0:
+        return []
+    src_cols, dst_cols = view_2d(src_shape)[1], view_2d(dst_shape)[1]
+    # (size, src stride, dst stride), size-1 dims dropped, dims contiguous on both sides merged
+    dims: list[tuple[int, int, int]] = []
+    for size, s, d in zip(extent, src_strides, dst_strides):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == size * s and dims[-1][2] == size * d:
+            dims[-1] = (dims[-1][0] * size, s, d)
+        else:
+            dims.append((size, s, d))
+    width = dims.pop()[0] if dims and dims[-1][1] == dims[-1][2] == 1 else 1
+
+    def whole_rows(offset: int, strides: list[int], cols: int) -> bool:
+        return offset % cols == 0 and all(stride % cols == 0 for stride in strides)
+
+    if width > src_cols and src_cols == dst_cols and width % src_cols == 0 and \
+            whole_rows(src_offset, [s for _, s, _ in dims], src_cols) and \
+            whole_rows(dst_offset, [d for _, _, d in dims], dst_cols):  # a run of whole rows on both sides
+        dims.append((width // src_cols, src_cols, dst_cols))
+        width = src_cols
+
+    def in_one_row(offset: int, strides: list[int], cols: int) -> bool:
+        return offset % cols + width <= cols and all(stride % cols == 0 for stride in strides)
+
+    height = 1
+    if dims and dims[-1][1] == src_cols and dims[-1][2] == dst_cols and \
+            in_one_row(src_offset, [s for _, s, _ in dims], src_cols) and \
+            in_one_row(dst_offset, [d for _, _, d in dims], dst_cols):
+        height = dims.pop()[0]
+    fragments: list[Fragment] = []
+    for index in itertools.product(*(range(size) for size, _, _ in dims)):
+        src = src_offset + sum(i * s for i, (_, s, _) in zip(index, dims))
+        dst = dst_offset + sum(i * d for i, (_, _, d) in zip(index, dims))
+        done = 0
+        while done < width:  # one piece per row the run touches on either side
+            (src_row, src_col), (dst_row, dst_col) = divmod(src + done, src_cols), divmod(dst + done, dst_cols)
+            size = min(width - done, src_cols - src_col, dst_cols - dst_col)
+            fragments.append(Fragment(source, src_row, src_col, height, size, dst_row, dst_col))
+            done += size
+        if len(fragments) > MAX_FRAGMENTS_PER_VIEW:
+            raise ValueError(f"{source!r}: a copy of extent {extent} with strides {src_strides} -> {dst_strides} "
+                             f"takes more than {MAX_FRAGMENTS_PER_VIEW} rectangles (a transpose?)")
+    return fragments
+
+
+def box_fragments(source: str, shape: tuple[int, ...], offset: tuple[int, ...], extent: tuple[int, ...],
+                  local_shape: tuple[int, ...], local_offset: tuple[int, ...] | None = None) -> list[Fragment]:
+    """The fragments of the box `offset` + `extent` of logical tensor `source`
+    (`shape`) held at `local_offset` (default: the origin) of a local tensor."""
+    local_offset = local_offset or (0,) * len(local_shape)
+    src_strides, dst_strides = contiguous_strides(shape), contiguous_strides(local_shape)
+    return strided_fragments(source, shape, sum(o * s for o, s in zip(offset, src_strides)), src_strides,
+                             local_shape, sum(o * s for o, s in zip(local_offset, dst_strides)), dst_strides, extent)
+
+
 # ----------------------------------------------------------------------------- placements
 
 
@@ -89,9 +176,10 @@ class Replicate:
 
 @dataclass(frozen=True)
 class Shard:
-    """Split as `torch.chunk(t, world_size, dim)` splits it: pieces of
+    """Split as `torch.chunk(t, world_size, dim)` splits it, on any dim: pieces of
     ceil(size / world_size), the last ranks smaller or empty (FSDP2's `Shard(0)`
-    local tensors; an even split is the tensor-parallel case).
+    local tensors, a DTensor's `Shard(dim)` on a 1-D mesh; an even split is the
+    tensor-parallel case).
 
     `padded_size`: the tensor is first padded with rows up to this many (dim 0
     only), as vLLM pads the vocabulary; padding rows are never written by a sync.
@@ -119,7 +207,20 @@ class Fused:
     parts: tuple[FusedPart, ...]
 
 
-Placement = Union[Replicate, Shard, Fused]
+@dataclass(frozen=True)
+class Explicit:
+    """Each rank's local shape and fragments, listed: what a live model was seen to
+    hold (a DTensor on a 2-D mesh, a vLLM engine's loaders). `sources`: the logical
+    tensors the fragments read, (name, global shape). `padding[rank]`: local rows
+    [start, stop) no sync writes (vLLM's vocabulary padding), or None."""
+
+    sources: tuple[tuple[str, tuple[int, ...]], ...]
+    local_shapes: tuple[tuple[int, ...], ...]
+    fragments: tuple[tuple[Fragment, ...], ...]
+    padding: tuple[tuple[int, int], ...] | None = None
+
+
+Placement = Union[Replicate, Shard, Fused, Explicit]
 
 
 def fp8_scale_name(name: str, granularity: str) -> str:
@@ -133,7 +234,8 @@ def fp8_scale_name(name: str, granularity: str) -> str:
 class ParamSpec:
     """One parameter of a layout.
 
-    shape: the global (unsharded) shape; for `Fused`, the parts stacked on dim 0.
+    shape: the global (unsharded) shape; for `Fused`, the parts stacked on dim 0;
+    for `Explicit`, rank 0's local shape (the placement lists every rank's).
     dtype: the dtype the sync lands in (for an FP8 parameter: the bf16 rows that
     are then quantized).
     source: the logical tensor it holds (default: its own name); unused by `Fused`,
@@ -158,6 +260,8 @@ class ParamSpec:
         """Logical tensor name -> the global shape this parameter expects it to have."""
         if isinstance(self.placement, Fused):
             return {part.source: tuple(part.source_shape) for part in self.placement.parts}
+        if isinstance(self.placement, Explicit):
+            return {source: tuple(shape) for source, shape in self.placement.sources}
         return {self.source_name: tuple(self.shape)}
 
 
@@ -194,11 +298,8 @@ class Layout:
         if isinstance(placement, Replicate):
             return
         if isinstance(placement, Shard):
-            if placement.dim not in (0, 1) or (placement.dim == 1 and len(spec.shape) != 2):
-                raise ValueError(
-                    f"parameter {name!r}: can split dim 0 of any tensor or dim 1 of a 2-D tensor, "
-                    f"got dim {placement.dim} of shape {spec.shape}"
-                )
+            if not 0 <= placement.dim < len(spec.shape):
+                raise ValueError(f"parameter {name!r}: cannot split dim {placement.dim} of shape {spec.shape}")
             if placement.padded_size is not None:
                 if placement.dim != 0:
                     raise ValueError(f"parameter {name!r}: padding is supported on dim 0 only")
@@ -228,7 +329,34 @@ class Layout:
                             f"[0, {part.source_shape[0]})"
                         )
             return
+        if isinstance(placement, Explicit):
+            self._validate_explicit(spec)
+            return
         raise ValueError(f"parameter {name!r}: unknown placement {placement!r}")
+
+    def _validate_explicit(self, spec: ParamSpec) -> None:
+        name, placement = spec.name, spec.placement
+        if spec.fp8 is not None:
+            raise ValueError(f"parameter {name!r}: an FP8 destination needs a Shard, Fused or Replicate placement")
+        per_rank = [placement.local_shapes, placement.fragments] + ([placement.padding] if placement.padding else [])
+        if any(len(listed) != self.world_size for listed in per_rank):
+            raise ValueError(f"parameter {name!r}: an explicit placement lists {len(placement.local_shapes)} local "
+                             f"shapes, {len(placement.fragments)} fragment lists for world size {self.world_size}")
+        if tuple(placement.local_shapes[0]) != tuple(spec.shape):
+            raise ValueError(f"parameter {name!r}: shape {spec.shape} is not rank 0's local shape "
+                             f"{placement.local_shapes[0]}")
+        sources = dict(placement.sources)
+        for rank, (local_shape, fragments) in enumerate(zip(placement.local_shapes, placement.fragments)):
+            rows, cols = view_2d(tuple(local_shape))
+            for f in fragments:
+                if f.source not in sources:
+                    raise ValueError(f"parameter {name!r} rank {rank}: fragment of {f.source!r}, not a listed source")
+                src_rows, src_cols = view_2d(tuple(sources[f.source]))
+                if min(f.src_row, f.src_col, f.local_row, f.local_col, f.num_rows, f.num_cols) < 0 or \
+                        f.src_row + f.num_rows > src_rows or f.src_col + f.num_cols > src_cols or \
+                        f.local_row + f.num_rows > rows or f.local_col + f.num_cols > cols:
+                    raise ValueError(f"parameter {name!r} rank {rank}: fragment {f} lies outside {f.source!r} "
+                                     f"{sources[f.source]} or the local shape {tuple(local_shape)}")
 
     # -- per-rank views ------------------------------------------------------------
     def local_shape(self, name: str, rank: int) -> tuple[int, ...]:
@@ -242,6 +370,8 @@ class Layout:
             shape = list(spec.shape)
             shape[placement.dim] = stop - start
             return tuple(shape)
+        if isinstance(placement, Explicit):
+            return tuple(placement.local_shapes[rank])
         rows = sum(part.row_ranges[rank][1] - part.row_ranges[rank][0] for part in placement.parts)
         return (rows, *spec.shape[1:])
 
@@ -254,15 +384,17 @@ class Layout:
         if isinstance(placement, Replicate):
             return [Fragment(source, 0, 0, rows, cols, 0, 0)] if rows * cols else []
         if isinstance(placement, Shard):
-            if placement.dim == 1:
-                start, stop = chunk_bounds(cols, self.world_size, rank)
-                return [Fragment(source, 0, start, rows, stop - start, 0, 0)] if rows * (stop - start) else []
-            size = placement.padded_size if placement.padded_size is not None else rows
+            dim, shape = placement.dim, tuple(spec.shape)
+            size = placement.padded_size if placement.padded_size is not None else shape[dim]
             start, stop = chunk_bounds(size, self.world_size, rank)
-            real_stop = min(stop, rows)
-            if real_stop <= start or cols == 0:
+            stop = min(stop, shape[dim])  # padding rows hold nothing
+            if stop <= start:
                 return []
-            return [Fragment(source, start, 0, real_stop - start, cols, 0, 0)]
+            offset = tuple(start if d == dim else 0 for d in range(len(shape)))
+            extent = tuple(stop - start if d == dim else n for d, n in enumerate(shape))
+            return box_fragments(source, shape, offset, extent, self.local_shape(name, rank))
+        if isinstance(placement, Explicit):
+            return list(placement.fragments[rank])
         fragments, local_row = [], 0
         for part in placement.parts:
             start, stop = part.row_ranges[rank]
@@ -274,6 +406,8 @@ class Layout:
     def padding_rows(self, name: str, rank: int) -> tuple[int, int]:
         """Local rows [start, stop) that are padding (never written by a sync)."""
         placement = self.params[name].placement
+        if isinstance(placement, Explicit) and placement.padding is not None:
+            return tuple(placement.padding[rank])
         if not isinstance(placement, Shard) or placement.padded_size is None:
             return (0, 0)
         rows = self.params[name].shape[0]
@@ -318,6 +452,16 @@ class Layout:
                 return {"kind": "replicate"}
             if isinstance(p, Shard):
                 return {"kind": "shard", "dim": p.dim, "padded_size": p.padded_size}
+            if isinstance(p, Explicit):
+                index = {source: i for i, (source, _) in enumerate(p.sources)}
+                return {
+                    "kind": "explicit",
+                    "sources": [[source, list(shape)] for source, shape in p.sources],
+                    "local_shapes": [list(shape) for shape in p.local_shapes],
+                    "fragments": [[[index[f.source], f.src_row, f.src_col, f.num_rows, f.num_cols, f.local_row,
+                                    f.local_col] for f in fragments] for fragments in p.fragments],
+                    "padding": [list(r) for r in p.padding] if p.padding is not None else None,
+                }
             return {
                 "kind": "fused",
                 "parts": [
@@ -354,6 +498,14 @@ class Layout:
                         FusedPart(q["source"], tuple(q["source_shape"]), tuple(tuple(r) for r in q["row_ranges"]))
                         for q in d["parts"]
                     )
+                )
+            if d["kind"] == "explicit":
+                sources = tuple((source, tuple(shape)) for source, shape in d["sources"])
+                return Explicit(
+                    sources,
+                    tuple(tuple(shape) for shape in d["local_shapes"]),
+                    tuple(tuple(Fragment(sources[f[0]][0], *f[1:]) for f in fragments) for fragments in d["fragments"]),
+                    tuple(tuple(r) for r in d["padding"]) if d["padding"] is not None else None,
                 )
             raise ValueError(f"unknown placement kind {d['kind']!r}")
 

@@ -15,6 +15,16 @@ import torch
 
 from .layout import Fused, FusedPart, Layout, ParamSpec, Replicate, Shard
 
+# The families whose parameters the presets describe; every other model_type is
+# refused (its layout is read off the live models instead: see sync/live.py).
+LLAMA_FAMILY = ("llama", "qwen2", "mistral")
+# Config fields that give a model parameters the Llama layout has no place for.
+FOREIGN_FIELDS = {
+    "num_experts": "experts", "num_local_experts": "experts", "n_routed_experts": "experts",
+    "moe_intermediate_size": "experts", "n_shared_experts": "shared experts", "q_lora_rank": "MLA projections",
+    "kv_lora_rank": "MLA projections", "use_qk_norm": "q/k norms", "qk_layernorm": "q/k norms",
+}
+
 # vLLM pads the vocabulary of embed_tokens / lm_head to a multiple of 64
 # (DEFAULT_VOCAB_PADDING_SIZE) before splitting it over tensor-parallel ranks.
 VLLM_VOCAB_PADDING = 64
@@ -35,10 +45,26 @@ class LlamaDims:
     mlp_bias: bool
 
 
+def check_llama_family(config) -> None:
+    """ValueError unless `config` is a Llama-family model whose every parameter the
+    presets describe: a model_type outside LLAMA_FAMILY (Qwen3's q/k norms,
+    Mixtral's experts) or a field that adds parameters is named."""
+    model_type = getattr(config, "model_type", None)
+    if model_type is not None and model_type not in LLAMA_FAMILY:
+        raise ValueError(f"model_type {model_type!r} is not of the Llama family ({', '.join(LLAMA_FAMILY)}) that the "
+                         "Llama layout presets describe; its parameters would be left out or misplaced. Read its "
+                         "layouts off the live models instead (fsdp_layout, the vLLM backend)")
+    foreign = [f"{field} ({what})" for field, what in FOREIGN_FIELDS.items() if getattr(config, field, None)]
+    if foreign:
+        raise ValueError(f"the config sets {', '.join(foreign)}, parameters the Llama layout presets have no place "
+                         "for; read its layouts off the live models instead (fsdp_layout, the vLLM backend)")
+
+
 def llama_dims(config) -> LlamaDims:
     """The dimensions of a Llama-family config, with the family's bias rules:
     Qwen2 has q/k/v bias only; Llama's `attention_bias` puts bias on q, k, v and o;
-    `mlp_bias` on gate, up and down."""
+    `mlp_bias` on gate, up and down. Other families are refused (check_llama_family)."""
+    check_llama_family(config)
     num_heads = config.num_attention_heads
     num_kv = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
