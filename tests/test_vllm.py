@@ -65,15 +65,19 @@ def sync_from_trainer(host: EngineProcess, store, kind: str, world: int, version
                       update_timeout: float = 60.0, **trainer_kwargs):
     """Trainer ranks (real processes) and the engine's init + one update per
     version, at once; returns (trainer states, engine outputs after each version)."""
+    from transformers import AutoModelForCausalLM
+
     from llamarl_core.integrations.vllm import ddma_init_info
-    from llamarl_core.sync import hf_llama_fsdp
+    from llamarl_core.sync import fsdp_layout
 
     jobs = [(trainer_rank, dict(port=store.port, rank=r, world=world, kind=kind, seed=seed, versions=versions,
                                 name=name, **trainer_kwargs)) for r in range(world)]
+    with torch.device("meta"):  # the trainer's layout before any trainer runs
+        meta = AutoModelForCausalLM.from_config(tiny_config(kind))
     with ThreadPoolExecutor(1) as pool:
         trainers = pool.submit(run_processes, jobs, 300)
-        info = ddma_init_info("127.0.0.1", store.port, hf_llama_fsdp(tiny_config(kind), world, torch.float32),
-                              name=name, timeout_s=60)
+        info = ddma_init_info("127.0.0.1", store.port, fsdp_layout(meta, world, torch.float32), name=name,
+                              timeout_s=60)
         outputs = []
         try:
             host.call("init", info)
@@ -94,11 +98,13 @@ def assert_matches_transformers(kind: str, state: dict, outputs) -> None:
         assert worst <= LOGPROB_TOL, f"prompt {prompt}: log-probs differ by {worst:.2e}"
 
 
-@pytest.mark.parametrize("kind, world", [("llama", 1), ("llama", 2)])
+@pytest.mark.parametrize("kind, world", [("llama", 1), ("llama", 2), ("qwen3", 2), ("qwen3_moe", 2), ("mixtral", 2)])
 def test_sync_from_fsdp_trainer_matches_transformers(engines, store, kind, world):
     """Two versions (the second after an AdamW step) from a trainer of 1 and 2
     FSDP2 ranks into an engine started with dummy weights: vLLM's greedy tokens
-    equal transformers' on the trainer's weights, log-probs within 1e-4."""
+    equal transformers' on the trainer's weights, log-probs within 1e-4. The
+    engine's layout is derived from its own loaders (Qwen3's q/k norms, MoE
+    experts stacked from transformers' fused ones, 2 + 1 experts per rank)."""
     engine = engines(kind)
     states, outputs = sync_from_trainer(engine, store, kind, world, [1, 2], f"{kind}-w{world}",
                                         seed=world)
@@ -164,13 +170,13 @@ def test_mismatched_trainer_refused_before_connecting(engines, store, change, cu
     assert not store.check(["llamarl/sync/mismatch/dst/layout"]), "the engine connected before checking"
 
 
-def test_model_type_without_layout_refused():
-    from transformers import GPT2Config
+def test_fp8_engine_of_another_family_refused():
+    from transformers import Qwen3Config
 
     from llamarl_core.integrations.vllm.engine import engine_layout
 
-    with pytest.raises(ValueError, match="no layout for model type 'gpt2'"):
-        engine_layout(GPT2Config(), 1, torch.float32, None)
+    with pytest.raises(ValueError, match="FP8 weights in the Llama-family preset's format only.*'qwen3'"):
+        engine_layout(Qwen3Config(), 1, torch.float32, "channel")
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])

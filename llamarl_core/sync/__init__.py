@@ -5,6 +5,11 @@
     plan = plan_transfer(src, dst)          # validated once; plan.summary()
     plan.execute_local(src_shards, dst_shards)                      # one process
 
+A trainer's layout is read off the live model: `module_layout(model, world)`
+(any family, FSDP2 / TP / HSDP DTensors or a plain model), `fsdp_layout(model,
+world, dtype)` before sharding; `module_sender(store, model, rank, world)`
+(alias `fsdp_sender`) sends its shards in place.
+
 Across processes: `WeightSender(store, src, rank, shards).send(version)` on each
 trainer rank, `WeightReceiver(store, dst, rank, params).receive()` on each
 generator rank (see endpoints.py for versions, timeouts and torn weights).
@@ -20,7 +25,7 @@ from .endpoints import (
     WeightSender,
     abandon_receivers,
 )
-from .fsdp import fsdp_sender, local_shard
+from .live import ModuleSender, checkpoint_views, fsdp_layout, fsdp_sender, local_shard, module_layout, module_sender
 from .layout import Explicit, Fragment, Fused, FusedPart, Layout, ParamSpec, Replicate, Shard
 from .plan import DEFAULT_BUCKET_BYTES, Segment, TransferPlan, plan_transfer
 from .presets import hf_llama_fsdp, hf_llama_shapes, vllm_llama_tp
@@ -29,6 +34,7 @@ from .reference import reference_fsdp_shards, reference_vllm_tp_shards
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "Explicit", "Fragment", "Fused", "FusedPart", "Layout", "ParamSpec", "Replicate", "Segment",
     "RelayError", "Shard", "StaleReceiveError", "SyncError", "SyncTimeoutError", "TornWeightsError", "TransferPlan", "WeightReceiver",
-    "WeightSender", "abandon_receivers", "fsdp_sender", "hf_llama_fsdp", "local_shard", "hf_llama_shapes", "plan_transfer", "reference_fsdp_shards",
+    "WeightSender", "abandon_receivers", "ModuleSender", "checkpoint_views", "fsdp_layout", "module_layout",
+    "module_sender", "fsdp_sender", "hf_llama_fsdp", "local_shard", "hf_llama_shapes", "plan_transfer", "reference_fsdp_shards",
     "reference_vllm_tp_shards", "vllm_llama_tp",
 ]

@@ -1,12 +1,14 @@
 """The worker side of `llamarl_ddma`: one DdmaWeightTransferEngine per vLLM
 worker (tensor-parallel rank), created by vLLM once the model is loaded.
 
-`init_transfer_engine` derives the worker's destination tensors from the live
-model (names, local shapes and dtypes, TP rank and size, the padded vocabulary,
-a tied `lm_head`, FP8 weights and their scales), checks them against
-`vllm_llama_tp` of the engine's config, checks the trainer's layout against
-that, and only then connects a WeightReceiver: a mismatch is refused before any
-byte moves, naming the parameter. `receive_weights` takes one version.
+`init_transfer_engine` derives the worker's destination layout from the
+engine's own loaders, run on probes of the trainer's logical tensors
+(layouts.py: packed q/k/v and gate/up, TP slices, the padded vocabulary,
+stacked experts, tied embeddings; any family vLLM loads), or for FP8 weights
+and their scales from `vllm_llama_tp` (the Llama family); checks the live
+model and the trainer's layout against it, and only then connects a
+WeightReceiver: a mismatch is refused before any byte moves, naming the
+parameter. `receive_weights` takes one version.
 
 Where the bytes land:
 - GPU: in the parameters themselves (kernel format: fused q/k/v and gate/up, TP
@@ -17,9 +19,10 @@ Where the bytes land:
   in the layout's format.
 - CPU: vLLM computes every linear layer (lm_head and a tied embedding too) from
   a oneDNN-packed copy of its weight and frees the weight itself, so bytes
-  written into parameters change nothing. The sync lands in full-size buffers
-  of this worker's own; once a version is complete, the norms and embeddings
-  are copied from them and the linears re-packed (`commit`). A failed sync
+  written into parameters change nothing; its MoE layers hold their experts
+  pre-packed. The sync lands in full-size buffers of this worker's own; once a
+  version is complete, the norms and embeddings are copied from them, the
+  linears re-packed and the experts pre-packed again (`commit`). A failed sync
   leaves the engine serving the last complete version, untouched.
 """
 
@@ -43,8 +46,8 @@ from ...sync.errors import SyncError
 from ...sync.layout import Layout
 from ...sync.plan import plan_transfer
 from ...sync.presets import vllm_llama_tp
+from .layouts import derive_rank_layout, gather_layout, meta_placeholders
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 _FP8_SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
 
 
@@ -82,6 +85,10 @@ def live_parameters(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tup
       (its per-tensor and per-channel FP8 GEMMs read it so) is written through
       that (N, K) tensor: the same storage, in the layout's row order."""
     modules = dict(model.named_modules())
+    initial_shapes = {}
+    if any(p.numel() == 0 for p in model.parameters()):  # the shapes vLLM recorded before packing
+        with meta_placeholders(model) as placeholders:
+            initial_shapes = {n: tuple(p.shape) for n, p in placeholders.values()}
     out = {}
     for name, param in model.named_parameters():
         module = modules[name.rpartition(".")[0]]
@@ -91,7 +98,7 @@ def live_parameters(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tup
             tensor = tensor.t()
         shape = tuple(tensor.shape)
         if name.endswith(".weight") and tensor.numel() == 0 and _packed_on_cpu(module):
-            shape = (module.output_size_per_partition, module.input_size_per_partition)
+            shape = initial_shapes[name]
         out[name] = (tensor, shape)
     return out
 
@@ -118,15 +125,14 @@ def fp8_granularity(live: dict[str, tuple[torch.Tensor, tuple[int, ...]]]) -> st
     return kinds.pop() if kinds else None
 
 
-def engine_layout(hf_config, tp_size: int, dtype: torch.dtype, fp8: str | None) -> Layout:
-    """The layout vLLM gives a Llama-family model (vllm_llama_tp); ValueError for a
-    model type there is none for."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"llamarl_ddma has no layout for model type {model_type!r} "
-                         f"(architectures {getattr(hf_config, 'architectures', None)}); supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    return vllm_llama_tp(hf_config, tp_size, dtype, fp8=fp8)
+def engine_layout(hf_config, tp_size: int, dtype: torch.dtype, fp8: str) -> Layout:
+    """An FP8 engine's layout: the Llama-family preset (vllm_llama_tp), the format
+    whose weights and scales sync/fp8.py writes; ValueError for other families."""
+    try:
+        return vllm_llama_tp(hf_config, tp_size, dtype, fp8=fp8)
+    except ValueError as exc:
+        raise ValueError(f"llamarl_ddma syncs FP8 weights in the Llama-family preset's format only "
+                         f"(architectures {getattr(hf_config, 'architectures', None)}): {exc}") from None
 
 
 def check_live_model(layout: Layout, rank: int, live: dict[str, tuple[torch.Tensor, tuple[int, ...]]]) -> None:
@@ -171,9 +177,22 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
                 raise ValueError(f"llamarl_ddma supports tensor parallelism only, not {what} parallel size {size}")
         rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         live = live_parameters(self.model)
-        layout = engine_layout(self.model_config.hf_config, tp_size, self.model_config.dtype, fp8_granularity(live))
-        check_live_model(layout, rank, live)
         trainer_layout = Layout.from_dict(init_info.trainer_layout)
+        store = dist.TCPStore(init_info.store_host, init_info.store_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=init_info.timeout_s))
+        fp8 = fp8_granularity(live)
+        if fp8 is not None:  # FP8 weights and their scales: the Llama-family preset's format
+            layout = engine_layout(self.model_config.hf_config, tp_size, self.model_config.dtype, fp8)
+        else:
+            logical = trainer_layout.logical_shapes()
+            try:
+                mine = derive_rank_layout(self.model, logical, self.model_config.dtype, rank)
+            except ValueError as exc:
+                raise ValueError(f"the trainer's model does not match the vLLM engine's ({self.model_config.model}): "
+                                 f"{exc}") from exc
+            layout = gather_layout(store, f"{init_info.name}/engine_layout", rank, tp_size, mine, logical,
+                                   init_info.timeout_s)
+        check_live_model(layout, rank, live)
         try:
             plan_transfer(trainer_layout, layout)
         except ValueError as exc:
@@ -183,9 +202,11 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
         if on_cpu:
             tensors, self._commit = _cpu_destinations(self.model, layout, rank, live)
         else:
+            moe = [name for name, module in self.model.named_modules() if _moe_experts(module) is not None]
+            if moe:
+                raise ValueError(f"llamarl_ddma: MoE layer {moe[0]!r} on {self.device}: the format its expert kernel "
+                                 "keeps w13 / w2 in after loading is not yet verified on a GPU; MoE runs on CPU engines")
             tensors = {name: live[name][0] for name in layout.local_tensor_specs(rank)}
-        store = dist.TCPStore(init_info.store_host, init_info.store_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=init_info.timeout_s))
         self.receiver = WeightReceiver(store, layout, rank, tensors, name=init_info.name,
                                        transport=init_info.transport, timeout=init_info.timeout_s)
 
@@ -224,6 +245,12 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
         self._commit = None
 
 
+def _moe_experts(module: torch.nn.Module):
+    """The expert kernel of a vLLM MoE layer (None for any other module)."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    return getattr(kernel, "fused_experts", None) if hasattr(module, "w13_weight") else None
+
+
 def _cpu_destinations(model: torch.nn.Module, layout: Layout, rank: int, live: dict):
     """Landing tensors of this worker's own (initialised from the live values, so
     the vocabulary's padding rows keep theirs), and the commit that applies a
@@ -236,7 +263,22 @@ def _cpu_destinations(model: torch.nn.Module, layout: Layout, rank: int, live: d
         param = live[name][0]
         landing[name] = param.detach().clone() if param.numel() else torch.zeros(shape, dtype=dtype)
     name_of = {id(p): n for n, p in model.named_parameters()}
-    copies = [(live[n][0], t) for n, t in landing.items() if live[n][0].numel()]
+    prepacked = []  # (MoE layer, landing w13, landing w2, the kernel's ISA): re-packed, never copied
+    for module_name, module in model.named_modules():
+        experts = _moe_experts(module)
+        if experts is None:
+            continue
+        if type(experts).__name__ != "CPUUnquantizedExperts" or getattr(experts, "_use_zentorch", False):
+            raise ValueError(f"vLLM worker {rank}: MoE layer {module_name!r} runs {type(experts).__name__}, whose "
+                             "weight format llamarl_ddma does not re-create after a sync")
+        w13, w2 = f"{module_name}.w13_weight", f"{module_name}.w2_weight"
+        if experts._padded_intermediate_size(experts.moe_config) != experts.moe_config.intermediate_size_per_partition:
+            raise ValueError(f"vLLM worker {rank}: MoE layer {module_name!r} pads its intermediate size "
+                             f"{experts.moe_config.intermediate_size_per_partition} per rank after loading, which "
+                             "llamarl_ddma does not re-create (a multiple of 32 per rank is not padded)")
+        prepacked.append((module, landing[w13], landing[w2], experts.isa))
+    repacked = {id(t) for _, w13, w2, _ in prepacked for t in (w13, w2)}
+    copies = [(live[n][0], t) for n, t in landing.items() if live[n][0].numel() and id(t) not in repacked]
     packed = []  # (module, landing weight or None when the module keeps its weight)
     for module_name, module in model.named_modules():
         if not _packed_on_cpu(module) or not isinstance(getattr(module, "weight", None), torch.Tensor):
@@ -256,6 +298,9 @@ def _cpu_destinations(model: torch.nn.Module, layout: Layout, rank: int, live: d
         with torch.no_grad():
             for param, src in copies:
                 param.copy_(src)
+            for module, w13, w2, isa in prepacked:
+                torch.ops._C.prepack_moe_weight(w13, module.w13_weight.data, isa)
+                torch.ops._C.prepack_moe_weight(w2, module.w2_weight.data, isa)
             for module, weight in packed:
                 if weight is None:
                     dispatch_cpu_unquantized_gemm(module, remove_weight=False)

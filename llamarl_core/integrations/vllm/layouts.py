@@ -1,0 +1,162 @@
+"""The engine's destination layout, read off its own loaders.
+
+vLLM's `model.load_weights` knows how each checkpoint tensor lands in the
+engine's parameters for its config and rank: q/k/v and gate/up packed, tensor-
+parallel slices, the padded vocabulary, experts stacked into `w13_weight` /
+`w2_weight`, expert parallelism, tied embeddings. `derive_rank_layout` runs it
+on view probes (llamarl_core/sync/probe.py) of the trainer's logical tensors,
+against the meta placeholders vLLM recorded for its layers at model init (the
+live tensors may be packed, freed or re-laid out by then), and records where
+every copy would land: nothing is written, nothing described again by hand.
+Each tensor-parallel worker derives its own rank; `gather_layout` assembles
+the engine's whole layout through the Store (JSON, never pickles).
+
+A parameter no trainer tensor fills, other than the vocabulary's padding rows,
+is refused by name: a sync would leave it stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+from ...sync.layout import Explicit, Fragment, Layout, ParamSpec, strided_fragments, view_2d
+from ...sync.probe import ProbeError, ViewProbe, recording
+
+
+@contextlib.contextmanager
+def meta_placeholders(model: torch.nn.Module):
+    """Every layer's tensors swapped for the meta placeholders vLLM recorded at
+    model init (their shapes before any post-processing), the live ones put back
+    after. Yields {placeholder storage key: parameter name}."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_tensors
+
+    saved = []
+    try:
+        for layer in model.modules():
+            info = get_layerwise_info(layer)
+            saved.append((layer, get_layer_params_buffers(layer), set(layer._non_persistent_buffers_set)))
+            restore_layer_on_meta(layer, info)
+        found: dict[int, tuple[str, torch.Tensor]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):  # a module under two names: the first
+            found.setdefault(param.untyped_storage()._cdata, (name, param))
+        yield found
+    finally:
+        for layer, (params, buffers), non_persistent in saved:
+            for name in list(get_layer_tensors(layer)):
+                delattr(layer, name)
+            for name, param in params.items():
+                layer.register_parameter(name, param)
+            for name, buffer in buffers.items():
+                layer.register_buffer(name, buffer, persistent=name not in non_persistent)
+
+
+def _padding_rows(model: torch.nn.Module, name: str, local_rows: int) -> tuple[int, int] | None:
+    """Local rows [start, stop) of a vocabulary-parallel embedding that are padding."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    module = model.get_submodule(name.rpartition(".")[0])
+    if not isinstance(module, VocabParallelEmbedding) or name.rpartition(".")[2] != "weight":
+        return None
+    return (module.shard_indices.num_org_elements, local_rows)
+
+
+def derive_rank_layout(model: torch.nn.Module, logical: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                       rank: int) -> dict:
+    """This worker's part of the engine layout, as JSON-able data: parameter name
+    -> {"shape", "dtype", "sources", "fragments", "padding"}, from running the
+    model's own `load_weights` on probes of the trainer's `logical` tensors.
+    ValueError naming the culprit: a loader that computes instead of copying, a
+    trainer tensor the engine does not take, a parameter nothing fills."""
+    live = dict(model.named_parameters())
+    by_param: dict[str, list[Fragment]] = {name: [] for name in live}
+    with meta_placeholders(model) as placeholders:
+        shapes = {name: tuple(p.shape) for _, (name, p) in placeholders.items()}
+        for source, shape in logical.items():
+            with recording() as copies:
+                try:
+                    model.load_weights([(source, ViewProbe.of(source, shape, dtype))])
+                except ProbeError as exc:
+                    raise ValueError(f"vLLM worker {rank}: {exc}") from None
+                except (KeyError, ValueError, AssertionError) as exc:
+                    raise ValueError(f"vLLM worker {rank}: the engine does not take the trainer's {source!r} "
+                                     f"{shape}: {type(exc).__name__}: {exc}") from None
+            for copy in copies:
+                key = copy.dst.untyped_storage()._cdata
+                if key not in placeholders:
+                    raise ValueError(f"vLLM worker {rank}: the loader of {source!r} writes a tensor that is no "
+                                     "parameter of the model")
+                name, param = placeholders[key]
+                if not param.is_contiguous():
+                    raise ValueError(f"vLLM worker {rank}: parameter {name!r} is not contiguous")
+                if name not in by_param:
+                    raise ValueError(f"vLLM worker {rank}: the loader of {source!r} writes {name!r}, which the live "
+                                     "model ties to another parameter")
+                by_param[name].extend(strided_fragments(
+                    source, shape, copy.src_offset, copy.src_strides, tuple(param.shape),
+                    copy.dst.storage_offset() - param.storage_offset(), tuple(copy.dst.stride()), copy.extent))
+    out = {}
+    for name, fragments in by_param.items():
+        shape = shapes.get(name, tuple(live[name].shape))
+        rows, cols = view_2d(shape)
+        written = sum(f.num_rows * f.num_cols for f in fragments)
+        padding = None
+        if written < rows * cols:
+            padding = _padding_rows(model, name, rows)
+            if padding is None or written != padding[0] * cols:
+                raise ValueError(f"vLLM worker {rank}: the engine's parameter {name!r} {shape} gets "
+                                 f"{written} of its {rows * cols} elements from the trainer's tensors; a sync "
+                                 "would leave the rest stale (a trainer of another model or family?)")
+        out[name] = {
+            "shape": list(shape), "dtype": str(live[name].dtype).removeprefix("torch."),
+            "sources": sorted({f.source for f in fragments}),
+            "fragments": [[f.source, f.src_row, f.src_col, f.num_rows, f.num_cols, f.local_row, f.local_col]
+                          for f in fragments],
+            "padding": list(padding) if padding else None,
+        }
+    return out
+
+
+def assemble_layout(ranks: list[dict], logical: dict[str, tuple[int, ...]]) -> Layout:
+    """The engine's Layout from every rank's derive_rank_layout."""
+    from ...sync.layout import dtype_from_name
+
+    specs = []
+    for name, first in ranks[0].items():
+        if any(name not in part for part in ranks):
+            raise ValueError(f"vLLM parameter {name!r} exists on some tensor-parallel ranks only")
+        parts = [part[name] for part in ranks]
+        sources = sorted({s for part in parts for s in part["sources"]})
+        padding = None
+        if any(part["padding"] for part in parts):
+            padding = tuple(tuple(part["padding"]) if part["padding"] else (0, 0) for part in parts)
+        placement = Explicit(
+            tuple((s, tuple(logical[s])) for s in sources),
+            tuple(tuple(part["shape"]) for part in parts),
+            tuple(tuple(Fragment(*f) for f in part["fragments"]) for part in parts),
+            padding,
+        )
+        specs.append(ParamSpec(name, tuple(first["shape"]), dtype_from_name(first["dtype"]), placement))
+    return Layout(len(ranks), specs)
+
+
+def gather_layout(store: dist.Store, key: str, rank: int, world_size: int, mine: dict,
+                  logical: dict[str, tuple[int, ...]], timeout_s: float) -> Layout:
+    """Every tensor-parallel worker publishes its part under `key` and reads the
+    others' (a generation counter per rank keeps an earlier engine's parts apart)."""
+    generation = store.add(f"{key}/generation/{rank}", 1)
+    store.set(f"{key}/{generation}/{rank}", json.dumps(mine))
+    keys = [f"{key}/{generation}/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not all(store.check([k]) for k in keys):
+        if time.monotonic() > deadline:
+            missing = [k for k in keys if not store.check([k])]
+            raise TimeoutError(f"vLLM worker {rank}: no derived layout from {missing} within {timeout_s} s")
+        time.sleep(0.01)
+    return assemble_layout([json.loads(store.get(k)) for k in keys], logical)

@@ -1,0 +1,272 @@
+"""Trainer layouts read off the live model, whatever its family.
+
+Two facts come off the model itself, none is written per family:
+- which checkpoint tensors each parameter holds, and where: transformers 5
+  keeps a MoE's experts fused (`mlp.experts.gate_up_proj` [E, 2I, H]) and
+  renames modules (Mixtral's `block_sparse_moe` is `mlp`), while checkpoints
+  and inference engines speak the per-expert names `save_pretrained` writes.
+  transformers' own `revert_weight_conversion` is run on view probes
+  (sync/probe.py): the checkpoint tensors come out as views of the parameters,
+  so their places are read, not re-derived. Those checkpoint names are the
+  layout's logical tensors.
+- which part of each parameter a rank holds: a DTensor's placements on its
+  device mesh (FSDP2's `Shard(0)`, tensor-parallel `Shard(d)`, HSDP's
+  `Replicate` + `Shard`, 2-D meshes), torch.chunk pieces as DTensor cuts them.
+  A plain tensor is whole on every rank: a single process, or DDP, of which one
+  rank sends (world_size 1).
+
+`module_layout(model, world_size)` gives the layout, `module_sender` (alias
+`fsdp_sender`) a WeightSender over the model's local shards, in place.
+`fsdp_layout(model, world_size, dtype)` gives the layout `fully_shard` will
+produce, from an unsharded (or meta-device) model, for an engine to plan
+against before any trainer connects.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .endpoints import DEFAULT_TIMEOUT_S, WeightSender
+from .errors import SyncError
+from .layout import Explicit, Layout, ParamSpec, Replicate, Shard, chunk_bounds, contiguous_strides, strided_fragments
+from .probe import ProbeError, ViewProbe
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, extent) in a parameter's dims
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's storage on this rank (a DTensor's local shard), no copy."""
+    return (param.to_local() if hasattr(param, "to_local") else param).detach()
+
+
+# ----------------------------------------------------------------------------- checkpoint names
+
+
+def checkpoint_views(model: torch.nn.Module) -> dict[str, list[tuple[str, tuple[int, ...], Box]]]:
+    """Parameter name -> the checkpoint tensors it holds: (checkpoint name, shape,
+    box of the parameter it fills). A model transformers converts nothing for
+    holds its own names, whole. ValueError naming the parameter when a
+    conversion computes rather than slices, or does not cover it exactly once."""
+    params = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    views = {name: [(name, shape, ((0,) * len(shape), shape))] for name, shape in params.items()}
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return views
+    if not isinstance(model, PreTrainedModel):
+        return views
+    probes = {name: ViewProbe.of(name, shape, p.dtype) for (name, shape), p in zip(params.items(), model.parameters())}
+    try:
+        reverted = revert_weight_conversion(model, dict(probes))
+    except ProbeError as exc:
+        raise ValueError(f"transformers' checkpoint conversion of {type(model).__name__}: {exc}") from None
+    views = {name: [] for name in params}
+    for ckpt_name, probe in reverted.items():
+        if not isinstance(probe, ViewProbe):
+            raise ValueError(f"transformers' checkpoint conversion of {type(model).__name__} computes "
+                             f"{ckpt_name!r} instead of slicing a parameter")
+        box = _as_box(probe, params[probe.source])
+        views[probe.source].append((ckpt_name, tuple(probe.shape), box))
+    for name, held in views.items():
+        if sum(math.prod(shape) for _, shape, _ in held) != math.prod(params[name]):
+            raise ValueError(f"parameter {name!r}: transformers' checkpoint conversion maps it to "
+                             f"{[n for n, _, _ in held]}, which do not cover it exactly once")
+    return views
+
+
+def _as_box(probe: ViewProbe, shape: tuple[int, ...]) -> Box:
+    """The box of a parameter (contiguous, `shape`) that a probe's view covers: its
+    dims, in order, must be the parameter's (size-1 dims squeezed away)."""
+    strides = contiguous_strides(shape)
+    offset, coords = probe.meta.storage_offset(), []
+    for stride in strides:
+        coords.append(offset // stride)
+        offset %= stride
+    extent = [1] * len(shape)
+    view_dims = [(n, s) for n, s in zip(probe.shape, probe.meta.stride()) if n != 1]
+    dim = 0
+    for n, s in view_dims:
+        while dim < len(shape) and (strides[dim] != s or shape[dim] == 1):
+            dim += 1
+        if dim == len(shape) or coords[dim] + n > shape[dim]:
+            raise ValueError(f"{probe.source!r}: a checkpoint tensor of shape {tuple(probe.shape)} is a view of it "
+                             f"that is not a box of shape {shape} (a transpose?)")
+        extent[dim] = n
+        dim += 1
+    return tuple(coords), tuple(extent)
+
+
+# ----------------------------------------------------------------------------- placements
+
+
+def _rank_boxes(name: str, param: torch.Tensor, world_size: int) -> list[Box] | None:
+    """Each rank's box of `param` from its DTensor placements (None for a plain
+    tensor). ValueError naming the parameter for a placement we cannot read."""
+    if not hasattr(param, "placements"):
+        return None
+    mesh, placements, shape = param.device_mesh, param.placements, tuple(param.shape)
+    ranks = mesh.mesh.flatten().tolist()
+    if sorted(ranks) != list(range(world_size)):
+        raise ValueError(f"parameter {name!r} lives on a device mesh of ranks {ranks}, not the {world_size} ranks "
+                         "of the layout (a mesh that spans other processes: pass their number as world_size)")
+    boxes: list[Box] = [None] * world_size
+    for position, rank in enumerate(ranks):
+        coords = [int(c) for c in torch.unravel_index(torch.tensor(position), tuple(mesh.mesh.shape))]
+        offset, extent = [0] * len(shape), list(shape)
+        for mesh_dim, placement in enumerate(placements):
+            if placement.is_replicate():
+                continue
+            if type(placement).__name__ != "Shard":  # _StridedShard, Partial: not a torch.chunk box
+                raise ValueError(f"parameter {name!r}: placement {placement} on mesh dim {mesh_dim} is not "
+                                 "supported (Shard and Replicate are); a strided or partial tensor cannot be "
+                                 "sent shard by shard")
+            dim = placement.dim
+            start, stop = chunk_bounds(extent[dim], mesh.mesh.shape[mesh_dim], coords[mesh_dim])
+            offset[dim] += start
+            extent[dim] = stop - start
+        boxes[rank] = (tuple(offset), tuple(extent))
+    return boxes
+
+
+def _one_dim_shard(param: torch.Tensor, boxes: list[Box] | None) -> Shard | Replicate | None:
+    """The compact placement when the boxes are a 1-D mesh's Shard(d) or Replicate."""
+    if boxes is None:
+        return Replicate()
+    if param.device_mesh.ndim != 1:
+        return None
+    placement = param.placements[0]
+    return Replicate() if placement.is_replicate() else Shard(placement.dim)
+
+
+def _params_of(name: str, param: torch.Tensor, dtype: torch.dtype, world_size: int, boxes: list[Box] | None,
+               held: list[tuple[str, tuple[int, ...], Box]]) -> ParamSpec:
+    shape = tuple(param.shape)
+    whole = len(held) == 1 and held[0][1] == shape
+    compact = _one_dim_shard(param, boxes) if whole else None
+    if compact is not None:
+        return ParamSpec(name, shape, dtype, compact, source=held[0][0] if held[0][0] != name else None)
+    boxes = boxes or [((0,) * len(shape), shape)] * world_size
+    local_shapes, fragments = [], []
+    for offset, extent in boxes:
+        local_shapes.append(extent)
+        mine = []
+        for ckpt_name, ckpt_shape, (c_off, c_ext) in held:
+            lo = [max(a, b) for a, b in zip(offset, c_off)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offset, extent, c_off, c_ext)]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            # the checkpoint tensor's strides, per parameter dim (0 on the dims it squeezed away)
+            ckpt_strides = []
+            view_strides = iter(s for n, s in zip(ckpt_shape, contiguous_strides(ckpt_shape)) if n != 1)
+            for n in c_ext:
+                ckpt_strides.append(next(view_strides) if n != 1 else 0)
+            src = sum((l - c) * s for l, c, s in zip(lo, c_off, ckpt_strides))
+            local_strides = contiguous_strides(extent)
+            dst = sum((l - o) * s for l, o, s in zip(lo, offset, local_strides))
+            mine += strided_fragments(ckpt_name, ckpt_shape, src, tuple(ckpt_strides), extent, dst, local_strides,
+                                      tuple(h - l for l, h in zip(lo, hi)))
+        fragments.append(tuple(mine))
+    sources = tuple((ckpt_name, ckpt_shape) for ckpt_name, ckpt_shape, _ in held)
+    return ParamSpec(name, local_shapes[0], dtype, Explicit(sources, tuple(local_shapes), tuple(fragments)))
+
+
+# ----------------------------------------------------------------------------- layouts and senders
+
+
+def module_layout(model: torch.nn.Module, world_size: int) -> Layout:
+    """The layout of `model`'s parameters over `world_size` trainer ranks, read
+    off the live model: checkpoint names (checkpoint_views), each rank's part
+    from its DTensor placements, dtypes of its local shards. ValueError naming
+    the culprit for: a model with no DTensor parameters on several ranks (DDP or
+    a replicated model: rank 0 alone sends, with world_size 1), a placement
+    other than Shard / Replicate, a mesh over other ranks."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    params = dict(model.named_parameters())
+    if world_size > 1 and not any(hasattr(p, "placements") for p in params.values()):
+        raise ValueError(f"{type(model).__name__}'s parameters are plain tensors, whole on every rank (DDP or a "
+                         f"single process), yet world_size is {world_size}: register rank 0 alone, with "
+                         "world_size=1, and let the other ranks skip the sync")
+    views = checkpoint_views(model)
+    return Layout(world_size, [
+        _params_of(name, p, p.dtype, world_size, _rank_boxes(name, p, world_size), views[name])
+        for name, p in params.items()])
+
+
+def fsdp_layout(model: torch.nn.Module, world_size: int, dtype: torch.dtype) -> Layout:
+    """The layout `module_sender` registers for `model` once FSDP2's
+    `fully_shard` splits every parameter on dim 0 over `world_size` ranks, in
+    `dtype`: built from the unsharded model (a meta-device one will do), before
+    any trainer runs; a model already sharded is read as it is (module_layout)
+    with `dtype`."""
+    if any(hasattr(p, "placements") for p in model.parameters()):
+        live = module_layout(model, world_size)
+        return Layout(world_size, [ParamSpec(s.name, s.shape, dtype, s.placement, s.source)
+                                   for s in live.params.values()])
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    views = checkpoint_views(model)
+    specs = []
+    for name, p in model.named_parameters():
+        shape = tuple(p.shape)
+        boxes = None
+        if world_size > 1:
+            boxes = []
+            for rank in range(world_size):
+                start, stop = chunk_bounds(shape[0], world_size, rank) if shape else (0, 0)
+                boxes.append(((start,) + (0,) * (len(shape) - 1), (stop - start,) + shape[1:]))
+        held = views[name]
+        if len(held) == 1 and held[0][1] == shape:
+            placement = Shard(0) if world_size > 1 else Replicate()
+            specs.append(ParamSpec(name, shape, dtype, placement, source=held[0][0] if held[0][0] != name else None))
+        else:
+            specs.append(_params_of(name, p, dtype, world_size, boxes, held))
+    return Layout(world_size, specs)
+
+
+class ModuleSender(WeightSender):
+    """A WeightSender over a live model's local shards (module_sender). Each
+    `send` first checks that every parameter still has the storage it had when
+    registered: one rebound since (`model.to()`, `load_state_dict(assign=True)`,
+    an offload) raises SyncError naming it before a byte moves; build a new
+    sender after such a change."""
+
+    def __init__(self, store: dist.Store, model: torch.nn.Module, rank: int, world_size: int, **kwargs):
+        layout = module_layout(model, world_size)
+        self.model = model
+        shards = {name: local_shard(p) for name, p in model.named_parameters()}
+        self._registered = {name: (t.data_ptr(), tuple(t.shape), t.dtype) for name, t in shards.items()}
+        super().__init__(store, layout, rank, shards, **kwargs)
+
+    def check_storage(self) -> None:
+        """SyncError naming the first parameter whose storage is not the registered one."""
+        live = dict(self.model.named_parameters())
+        for name, registered in self._registered.items():
+            if name not in live:
+                raise SyncError(f"trainer parameter {name!r} is gone from the model since the sender registered it")
+            shard = local_shard(live[name])
+            if (shard.data_ptr(), tuple(shard.shape), shard.dtype) != registered:
+                raise SyncError(f"trainer parameter {name!r} was rebound after the sender registered it (model.to(), "
+                                "load_state_dict(assign=True), an offload): sending would send the old storage; "
+                                "build a new sender for the model as it is now")
+
+    def send(self, version: int, timeout: float | None = None) -> int:
+        self.check_storage()
+        return super().send(version, timeout)
+
+
+def module_sender(store: dist.Store, model: torch.nn.Module, rank: int, world_size: int, *, name: str = "weights",
+                  transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
+                  num_threads: int | None = None) -> ModuleSender:
+    """A sender over any `nn.Module`'s local shards, in place, under the layout
+    `module_layout(model, world_size)` (its `.layout`): plain tensors on one
+    rank, FSDP2 / tensor-parallel / HSDP DTensors on `world_size` ranks."""
+    return ModuleSender(store, model, rank, world_size, name=name, transport=transport, timeout=timeout,
+                        num_threads=num_threads)
+
+
+fsdp_sender = module_sender

@@ -1,0 +1,147 @@
+"""Trainer layouts read off live transformers models past Llama (Qwen3,
+Qwen3-MoE, Mixtral): checkpoint names from transformers' own conversion,
+placements from real FSDP2 and tensor-parallel DTensors over gloo processes;
+every layout executed and compared with the checkpoint tensors
+`revert_weight_conversion` gives (what save_pretrained writes)."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+
+import pytest
+import torch
+from transformers.core_model_loading import revert_weight_conversion
+
+from helpers import run_processes
+from live_workers import sharded, tiny_config, tiny_model
+from llamarl_core.sync import Layout, ParamSpec, SyncError, SyncTimeoutError, WeightReceiver, module_sender, checkpoint_views, fsdp_layout, module_layout, plan_transfer
+
+KINDS = ("qwen3", "qwen3_moe", "mixtral")
+
+
+def checkpoint(model) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors transformers writes for `model` (real values)."""
+    return {n: t.contiguous() for n, t in revert_weight_conversion(
+        model, {n: p.detach() for n, p in model.named_parameters()}).items()}
+
+
+def land(layout: Layout, shards: dict[int, dict[str, torch.Tensor]], expected: dict[str, torch.Tensor]) -> dict:
+    """Execute `layout` -> one rank holding every checkpoint tensor whole."""
+    dst = Layout(1, [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in expected.items()])
+    out = {0: {n: torch.full_like(t, float("nan")) for n, t in expected.items()}}
+    plan_transfer(layout, dst).execute_local(shards, out)
+    return out[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_views_are_transformers_own_conversion(kind):
+    """Each checkpoint tensor is exactly the box of its parameter that
+    checkpoint_views names (Mixtral: block_sparse_moe.experts.N.w1/w3 in the
+    fused mlp.experts.gate_up_proj)."""
+    model = tiny_model(kind, 1)
+    expected = checkpoint(model)
+    params = dict(model.named_parameters())
+    seen = set()
+    for name, held in checkpoint_views(model).items():
+        for ckpt_name, shape, (offset, extent) in held:
+            box = params[name].detach()
+            for d, (o, n) in enumerate(zip(offset, extent)):
+                box = box.narrow(d, o, n)
+            assert torch.equal(box.reshape(shape), expected[ckpt_name]), (name, ckpt_name)
+            seen.add(ckpt_name)
+    assert seen == set(expected)
+    if kind == "mixtral":
+        assert "model.layers.0.block_sparse_moe.experts.2.w3.weight" in seen
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_plain_model_sends_checkpoint_tensors(kind):
+    model = tiny_model(kind, 2)
+    expected = checkpoint(model)
+    shards = {0: {n: p.detach() for n, p in model.named_parameters()}}
+    got = land(module_layout(model, 1), shards, expected)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_a_plain_model_on_several_ranks_is_refused():
+    with pytest.raises(ValueError, match="plain tensors.*DDP.*world_size=1"):
+        module_layout(tiny_model("qwen3", 0), 2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind,mode", [("qwen3_moe", "fsdp"), ("mixtral", "fsdp"), ("qwen3", "tp")])
+def test_sharded_trainers_layouts_land_the_checkpoint(kind, mode):
+    """Two real gloo ranks shard the model (FSDP2, 3 experts over 2 ranks: 2 + 1;
+    or tensor parallel, column and row): module_layout of each rank is the same,
+    executing it from the ranks' local shards gives every checkpoint tensor
+    exactly, and (FSDP2) it equals fsdp_layout of a meta-device copy."""
+    port = free_port()
+    results = run_processes([(sharded, dict(rank=r, world=2, port=port, kind=kind, mode=mode)) for r in range(2)],
+                            timeout=120)
+    layouts = {Layout.from_json(r["layout"]).to_json() for r in results}
+    assert len(layouts) == 1
+    layout = Layout.from_json(layouts.pop())
+    if mode == "fsdp":
+        assert layout == Layout.from_json(results[0]["fsdp_layout"])
+        moe = next(n for n in layout.params if n.endswith("experts.gate_up_proj"))
+        assert [layout.local_shape(moe, r)[0] for r in range(2)] == [2, 1]
+    else:
+        assert layout.local_shape("model.layers.0.self_attn.o_proj.weight", 1) == (64, 32)
+    expected = checkpoint(tiny_model(kind, 0))
+    shards = {r: {n: torch.from_numpy(a) for n, a in res["shards"].items()} for r, res in enumerate(results)}
+    got = land(layout, shards, expected)
+    assert [n for n in expected if not torch.equal(got[n], expected[n])] == []
+
+
+def test_fsdp_layout_of_a_meta_model_plans_before_any_trainer():
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        meta = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    layout = fsdp_layout(meta, 4, torch.bfloat16)
+    moe = "model.layers.1.mlp.experts.down_proj"
+    assert [layout.local_shape(moe, r)[0] for r in range(4)] == [1, 1, 1, 0]
+    assert {s.dtype for s in layout.params.values()} == {torch.bfloat16}
+    assert "model.layers.1.mlp.experts.2.down_proj.weight" in layout.logical_shapes()
+
+
+def test_a_parameter_rebound_after_registration_is_refused_before_a_byte_moves():
+    """load_state_dict(assign=True) gives the model new storage: the next send
+    raises naming a parameter, and the receiver's tensors keep version 1."""
+    model = tiny_model("qwen3", 3)
+    layout = module_layout(model, 1)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+
+    def client():
+        return torch.distributed.TCPStore("127.0.0.1", store.port, is_master=False,
+                                          timeout=datetime.timedelta(seconds=30))
+
+    dst = {n: torch.zeros(shape, dtype=dtype) for n, (shape, dtype) in layout.local_tensor_specs(0).items()}
+    outcome = {}
+
+    def receive():
+        with WeightReceiver(client(), layout, 0, dst, name="rebind", timeout=30) as receiver:
+            outcome["first"] = receiver.receive()
+            outcome["v1"] = {n: t.clone() for n, t in dst.items()}
+            try:
+                receiver.receive(timeout=3)
+            except SyncTimeoutError as exc:
+                outcome["second"] = exc
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    with module_sender(client(), model, 0, 1, name="rebind", timeout=30) as sender:
+        sender.send(1)
+        model.load_state_dict({n: p.detach() + 1 for n, p in model.named_parameters()}, assign=True)
+        with pytest.raises(SyncError, match="'model.embed_tokens.weight' was rebound after the sender registered"):
+            sender.send(2)
+    thread.join(timeout=30)
+    assert outcome["first"] == 1 and isinstance(outcome["second"], SyncTimeoutError)
+    assert all(torch.equal(dst[n], outcome["v1"][n]) for n in dst)
