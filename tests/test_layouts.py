@@ -175,3 +175,30 @@ def test_explicit_placements_are_validated():
             (("a", (2, 2)),), ((2, 2),), (tuple(box_fragments("b", (2, 2), (0, 0), (2, 2), (2, 2))),)))])
     with pytest.raises(ValueError, match="'w'.*2 fragment lists for world size 1"):
         Layout(1, [ParamSpec("w", (2, 2), torch.float32, Explicit((("a", (2, 2)),), ((2, 2),), ((), ())))])
+
+
+@pytest.mark.parametrize("kind, named", [("qwen3", "'qwen3'"), ("qwen3_moe", "'qwen3_moe'"), ("mixtral", "'mixtral'")])
+def test_llama_presets_and_generator_refuse_other_families(kind, named):
+    """A Qwen3 config through the Llama presets once planned a layout without
+    q_norm / k_norm; now every preset and LlamaGenerator refuse it by name."""
+    from live_workers import tiny_config
+
+    from llamarl_core.models.llama_generator import LlamaGenerator
+    from llamarl_core.sync import hf_llama_fsdp, vllm_llama_tp
+
+    config = tiny_config(kind)
+    for build in (lambda: hf_llama_fsdp(config, 2, torch.float32), lambda: vllm_llama_tp(config, 1, torch.float32),
+                  lambda: LlamaGenerator(config)):
+        with pytest.raises(ValueError, match=f"model_type {named} is not of the Llama family"):
+            build()
+
+
+def test_llama_presets_refuse_fields_they_have_no_place_for():
+    from types import SimpleNamespace
+
+    from llamarl_core.sync import hf_llama_shapes
+
+    config = SimpleNamespace(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                             vocab_size=10, num_local_experts=4)
+    with pytest.raises(ValueError, match=r"num_local_experts \(experts\)"):
+        hf_llama_shapes(config)

@@ -145,3 +145,18 @@ def test_a_parameter_rebound_after_registration_is_refused_before_a_byte_moves()
     thread.join(timeout=30)
     assert outcome["first"] == 1 and isinstance(outcome["second"], SyncTimeoutError)
     assert all(torch.equal(dst[n], outcome["v1"][n]) for n in dst)
+
+
+def test_each_trainer_rank_sends_exactly_its_own_shards():
+    """FSDP2 over 2 ranks of a Qwen3-MoE (3 experts: 2 + 1): into one receiver
+    holding every checkpoint tensor, each rank sends its own shard bytes, no
+    gather (bytes_sent_by_src_rank)."""
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        meta = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    src = fsdp_layout(meta, 2, torch.float32)
+    dst = Layout(1, [ParamSpec(n, shape, torch.float32) for n, shape in src.logical_shapes().items()])
+    own = {r: sum(src.local_nbytes(n, r) for n in src.params) for r in range(2)}
+    assert plan_transfer(src, dst).bytes_sent_by_src_rank() == own
+    assert own[0] > own[1] > 0

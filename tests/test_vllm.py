@@ -62,7 +62,7 @@ def engines(tmp_path_factory):
 
 
 def sync_from_trainer(host: EngineProcess, store, kind: str, world: int, versions: list[int], name: str, seed: int = 0,
-                      update_timeout: float = 60.0, **trainer_kwargs):
+                      update_timeout: float = 60.0, prompts=PROMPTS, **trainer_kwargs):
     """Trainer ranks (real processes) and the engine's init + one update per
     version, at once; returns (trainer states, engine outputs after each version)."""
     from transformers import AutoModelForCausalLM
@@ -83,16 +83,16 @@ def sync_from_trainer(host: EngineProcess, store, kind: str, world: int, version
             host.call("init", info)
             for version in versions:
                 host.call("ddma_update", version, update_timeout)
-                outputs.append(host.call("greedy", PROMPTS, MAX_TOKENS))
+                outputs.append(host.call("greedy", prompts, MAX_TOKENS))
         finally:
             host.call("shutdown_transfer")
         states = trainers.result()[0]
     return states, outputs
 
 
-def assert_matches_transformers(kind: str, state: dict, outputs) -> None:
-    expected = reference_greedy(kind, state, PROMPTS, MAX_TOKENS)
-    for prompt, (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(PROMPTS, outputs, expected):
+def assert_matches_transformers(kind: str, state: dict, outputs, prompts=PROMPTS) -> None:
+    expected = reference_greedy(kind, state, prompts, MAX_TOKENS)
+    for prompt, (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(prompts, outputs, expected):
         assert tokens == ref_tokens, f"prompt {prompt}: vLLM {tokens} != transformers {ref_tokens}"
         worst = max(abs(a - b) for a, b in zip(logprobs, ref_logprobs))
         assert worst <= LOGPROB_TOL, f"prompt {prompt}: log-probs differ by {worst:.2e}"
@@ -114,6 +114,25 @@ def test_sync_from_fsdp_trainer_matches_transformers(engines, store, kind, world
     for state, output in zip(states, outputs):
         assert_matches_transformers(kind, state, output)
     assert engine.call("weight_version") == "2"
+
+
+def test_prefix_cache_never_serves_an_older_version(store, tmp_path):
+    """Prefix caching on, blocks of 32 tokens: a 70-token prompt completed under
+    version 1 leaves two full blocks of its KV cached; after version 2 lands the
+    same prompt's tokens and log-probs are transformers' at version 2."""
+    path = tmp_path / "llama"
+    tiny_config("llama").save_pretrained(path)
+    engine = EngineProcess(str(path), dtype="float32", max_model_len=128, seed=0, block_size=32,
+                           enable_prefix_caching=True)
+    prompt = [1] + [(7 * i) % 990 + 3 for i in range(69)]
+    try:
+        states, outputs = sync_from_trainer(engine, store, "llama", 1, [1, 2], "prefix-cache", seed=11,
+                                            prompts=[prompt])
+    finally:
+        engine.close()
+    assert outputs[0] != outputs[1]
+    for state, output in zip(states, outputs):
+        assert_matches_transformers("llama", state, output, prompts=[prompt])
 
 
 def test_trainer_killed_mid_sync_keeps_last_version(engines, store):

@@ -47,6 +47,10 @@ def _ddma_update(llm, version: int, timeout_s: float | None) -> tuple[float, flo
     llm.start_weight_update()
     llm.update_weights({"update_info": {"version": version, "timeout_s": timeout_s}})
     llm.finish_weight_update(weight_version=str(version))
+    # KV the prefix cache computed under the last version must not serve the next
+    # request: the engine forgets it (vLLM's update path does not).
+    if not llm.reset_prefix_cache():
+        raise RuntimeError(f"vLLM did not reset its prefix cache after version {version}")
     paused = time.monotonic() - start
     return paused, max(llm.collective_rpc(lambda worker: worker.weight_transfer_engine.commit_seconds))
 
