@@ -172,6 +172,8 @@ def test_trainer_killed_mid_sync_keeps_last_version(engines, store):
     ({"hidden_size": 64, "intermediate_size": 256}, "model.embed_tokens.weight"),
     ({"vocab_size": 1100}, "model.embed_tokens.weight"),
     ({"num_hidden_layers": 3}, "model.layers.2."),
+    # vLLM's loader would take the first 256 rows of each 512-row tensor and report success
+    ({"intermediate_size": 512}, "reads 32768 of the 65536 elements of the trainer's 'model.layers.0.mlp.gate_proj"),
 ])
 def test_mismatched_trainer_refused_before_connecting(engines, store, change, culprit):
     """A trainer whose config differs from the engine's: init_weight_transfer_engine

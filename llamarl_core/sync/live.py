@@ -122,8 +122,8 @@ def _rank_boxes(name: str, param: torch.Tensor, world_size: int) -> list[Box] | 
                 continue
             if type(placement).__name__ != "Shard":  # _StridedShard, Partial: not a torch.chunk box
                 raise ValueError(f"parameter {name!r}: placement {placement} on mesh dim {mesh_dim} is not "
-                                 "supported (Shard and Replicate are); a strided or partial tensor cannot be "
-                                 "sent shard by shard")
+                                 "supported yet (Shard and Replicate are; FSDP2 over tensor parallelism gives "
+                                 "strided shards); a partial tensor cannot be sent shard by shard")
             dim = placement.dim
             start, stop = chunk_bounds(extent[dim], mesh.mesh.shape[mesh_dim], coords[mesh_dim])
             offset[dim] += start
@@ -136,8 +136,8 @@ def _one_dim_shard(param: torch.Tensor, boxes: list[Box] | None) -> Shard | Repl
     """The compact placement when the boxes are a 1-D mesh's Shard(d) or Replicate."""
     if boxes is None:
         return Replicate()
-    if param.device_mesh.ndim != 1:
-        return None
+    if param.device_mesh.ndim != 1 or param.device_mesh.mesh.tolist() != list(range(len(boxes))):
+        return None  # a 2-D mesh, or ranks in another order: listed
     placement = param.placements[0]
     return Replicate() if placement.is_replicate() else Shard(placement.dim)
 
@@ -198,11 +198,11 @@ def module_layout(model: torch.nn.Module, world_size: int) -> Layout:
 
 
 def fsdp_layout(model: torch.nn.Module, world_size: int, dtype: torch.dtype) -> Layout:
-    """The layout `module_sender` registers for `model` once FSDP2's
-    `fully_shard` splits every parameter on dim 0 over `world_size` ranks, in
-    `dtype`: built from the unsharded model (a meta-device one will do), before
-    any trainer runs; a model already sharded is read as it is (module_layout)
-    with `dtype`."""
+    """The layout FSDP2's `fully_shard` (default placements, one 1-D mesh) gives
+    `model` over `world_size` ranks, in `dtype`: built from the unsharded model
+    (a meta-device one will do), before any trainer runs, for the engine side to
+    plan against; it holds the same fragments as what `module_sender` registers
+    then. A model already sharded is read as it is (module_layout), in `dtype`."""
     if any(hasattr(p, "placements") for p in model.parameters()):
         live = module_layout(model, world_size)
         return Layout(world_size, [ParamSpec(s.name, s.shape, dtype, s.placement, s.source)

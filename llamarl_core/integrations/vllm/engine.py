@@ -46,7 +46,7 @@ from ...sync.errors import SyncError
 from ...sync.layout import Layout
 from ...sync.plan import plan_transfer
 from ...sync.presets import vllm_llama_tp
-from .layouts import derive_rank_layout, gather_layout, meta_placeholders
+from .layouts import derive_rank_layout, gather_layout, meta_placeholders, publish
 
 _FP8_SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
 
@@ -185,13 +185,18 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
             layout = engine_layout(self.model_config.hf_config, tp_size, self.model_config.dtype, fp8)
         else:
             logical = trainer_layout.logical_shapes()
+            key = f"{init_info.name}/engine_layout"
             try:
                 mine = derive_rank_layout(self.model, logical, self.model_config.dtype, rank)
             except ValueError as exc:
+                publish(store, key, rank, {"error": str(exc)})  # the peers raise this, not a timeout
                 raise ValueError(f"the trainer's model does not match the vLLM engine's ({self.model_config.model}): "
                                  f"{exc}") from exc
-            layout = gather_layout(store, f"{init_info.name}/engine_layout", rank, tp_size, mine, logical,
-                                   init_info.timeout_s)
+            try:
+                layout = gather_layout(store, key, rank, tp_size, mine, logical, init_info.timeout_s)
+            except ValueError as exc:
+                raise ValueError(f"the trainer's model does not match the vLLM engine's ({self.model_config.model}): "
+                                 f"{exc}") from exc
         check_live_model(layout, rank, live)
         try:
             plan_transfer(trainer_layout, layout)
@@ -246,9 +251,14 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
 
 
 def _moe_experts(module: torch.nn.Module):
-    """The expert kernel of a vLLM MoE layer (None for any other module)."""
-    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-    return getattr(kernel, "fused_experts", None) if hasattr(module, "w13_weight") else None
+    """The expert kernel of a vLLM MoE layer (one holding `w13_weight`): its
+    `fused_experts` object, or the quant method itself when it has none (never
+    None for a MoE layer, so that no expert weight is copied unrecognised);
+    None for any other module."""
+    if not hasattr(module, "w13_weight"):
+        return None
+    method = getattr(module, "quant_method", None)
+    return getattr(getattr(method, "moe_kernel", None), "fused_experts", None) or method or module
 
 
 def _cpu_destinations(model: torch.nn.Module, layout: Layout, rank: int, live: dict):

@@ -78,29 +78,35 @@ def derive_rank_layout(model: torch.nn.Module, logical: dict[str, tuple[int, ...
     by_param: dict[str, list[Fragment]] = {name: [] for name in live}
     with meta_placeholders(model) as placeholders:
         shapes = {name: tuple(p.shape) for _, (name, p) in placeholders.items()}
-        for source, shape in logical.items():
+        try:  # one call for every tensor (a loader walks the model per call)
             with recording() as copies:
-                try:
-                    model.load_weights([(source, ViewProbe.of(source, shape, dtype))])
-                except ProbeError as exc:
-                    raise ValueError(f"vLLM worker {rank}: {exc}") from None
-                except (KeyError, ValueError, AssertionError) as exc:
-                    raise ValueError(f"vLLM worker {rank}: the engine does not take the trainer's {source!r} "
-                                     f"{shape}: {type(exc).__name__}: {exc}") from None
-            for copy in copies:
-                key = copy.dst.untyped_storage()._cdata
-                if key not in placeholders:
-                    raise ValueError(f"vLLM worker {rank}: the loader of {source!r} writes a tensor that is no "
-                                     "parameter of the model")
-                name, param = placeholders[key]
-                if not param.is_contiguous():
-                    raise ValueError(f"vLLM worker {rank}: parameter {name!r} is not contiguous")
-                if name not in by_param:
-                    raise ValueError(f"vLLM worker {rank}: the loader of {source!r} writes {name!r}, which the live "
-                                     "model ties to another parameter")
-                by_param[name].extend(strided_fragments(
-                    source, shape, copy.src_offset, copy.src_strides, tuple(param.shape),
-                    copy.dst.storage_offset() - param.storage_offset(), tuple(copy.dst.stride()), copy.extent))
+                model.load_weights([(source, ViewProbe.of(source, shape, dtype)) for source, shape in logical.items()])
+        except Exception:  # again one tensor at a time, to name the culprit
+            for source, shape in logical.items():
+                with recording():
+                    try:
+                        model.load_weights([(source, ViewProbe.of(source, shape, dtype))])
+                    except ProbeError as exc:
+                        raise ValueError(f"vLLM worker {rank}: {exc}") from None
+                    except Exception as exc:
+                        raise ValueError(f"vLLM worker {rank}: the engine does not take the trainer's {source!r} "
+                                         f"{shape}: {type(exc).__name__}: {exc}") from None
+            raise
+        for copy in copies:
+            source, shape = copy.source, logical[copy.source]
+            key = copy.dst.untyped_storage()._cdata
+            if key not in placeholders:
+                raise ValueError(f"vLLM worker {rank}: the loader of {source!r} writes a tensor that is no "
+                                 "parameter of the model")
+            name, param = placeholders[key]
+            if not param.is_contiguous():
+                raise ValueError(f"vLLM worker {rank}: parameter {name!r} is not contiguous")
+            if name not in by_param:
+                raise ValueError(f"vLLM worker {rank}: the loader of {source!r} writes {name!r}, which the live "
+                                 "model ties to another parameter")
+            by_param[name].extend(strided_fragments(
+                source, shape, copy.src_offset, copy.src_strides, tuple(param.shape),
+                copy.dst.storage_offset() - param.storage_offset(), tuple(copy.dst.stride()), copy.extent))
     out = {}
     for name, fragments in by_param.items():
         shape = shapes.get(name, tuple(live[name].shape))
@@ -143,20 +149,61 @@ def assemble_layout(ranks: list[dict], logical: dict[str, tuple[int, ...]]) -> L
             padding,
         )
         specs.append(ParamSpec(name, tuple(first["shape"]), dtype_from_name(first["dtype"]), placement))
-    return Layout(len(ranks), specs)
+    layout = Layout(len(ranks), specs)
+    check_sources_read_whole(layout, logical)
+    return layout
+
+
+def check_sources_read_whole(layout: Layout, logical: dict[str, tuple[int, ...]]) -> None:
+    """Every element of every trainer tensor the engine reads is read by some rank
+    (vLLM's loaders cut a tensor to the engine's own shard sizes without checking
+    its whole size: a trainer model larger than the engine's would otherwise
+    leave rows unsent, silently). ValueError naming the tensor."""
+    rects: dict[str, set[tuple[int, int, int, int]]] = {}
+    for name in layout.params:
+        for rank in range(layout.world_size):
+            for f in layout.fragments(name, rank):  # a rectangle several ranks read (replicated KV heads) counts once
+                rects.setdefault(f.source, set()).add((f.src_row, f.src_row + f.num_rows, f.src_col,
+                                                       f.src_col + f.num_cols))
+    for source, read in rects.items():
+        rows, cols = view_2d(tuple(logical[source]))
+        read = sorted(read)
+        for i, a in enumerate(read):
+            for b in read[i + 1:]:
+                if b[0] >= a[1]:
+                    break
+                if a[2] < b[3] and b[2] < a[3]:
+                    raise ValueError(f"the engine reads rows [{max(a[0], b[0])}, {min(a[1], b[1])}) of the trainer's "
+                                     f"{source!r} in two different places")
+        area = sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in read)
+        if area != rows * cols:
+            raise ValueError(f"the engine reads {area} of the {rows * cols} elements of the trainer's {source!r} "
+                             f"{tuple(logical[source])}: the trainer's model is not the engine's (another size?)")
+
+
+def publish(store: dist.Store, key: str, rank: int, part: dict) -> int:
+    """This rank's part (or {"error": reason}) under its next generation; returns it."""
+    generation = store.add(f"{key}/generation/{rank}", 1)
+    store.set(f"{key}/{generation}/{rank}", json.dumps(part))
+    return generation
 
 
 def gather_layout(store: dist.Store, key: str, rank: int, world_size: int, mine: dict,
                   logical: dict[str, tuple[int, ...]], timeout_s: float) -> Layout:
     """Every tensor-parallel worker publishes its part under `key` and reads the
-    others' (a generation counter per rank keeps an earlier engine's parts apart)."""
-    generation = store.add(f"{key}/generation/{rank}", 1)
-    store.set(f"{key}/{generation}/{rank}", json.dumps(mine))
+    others' (a generation counter per rank keeps an earlier engine's parts apart).
+    `mine` may be {"error": reason}: each peer then raises that reason."""
+    generation = publish(store, key, rank, mine)
     keys = [f"{key}/{generation}/{r}" for r in range(world_size)]
     deadline = time.monotonic() + timeout_s
-    while not all(store.check([k]) for k in keys):
-        if time.monotonic() > deadline:
-            missing = [k for k in keys if not store.check([k])]
-            raise TimeoutError(f"vLLM worker {rank}: no derived layout from {missing} within {timeout_s} s")
-        time.sleep(0.01)
-    return assemble_layout([json.loads(store.get(k)) for k in keys], logical)
+    pending = list(keys)
+    while pending:
+        pending = [k for k in pending if not store.check([k])]
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"vLLM worker {rank}: no derived layout from {pending} within {timeout_s} s")
+        time.sleep(0.01 if pending else 0)
+    parts = [json.loads(store.get(k)) for k in keys]
+    failed = [(r, part["error"]) for r, part in enumerate(parts) if "error" in part]
+    if failed:  # a peer could not derive its part: its reason, not a timeout here
+        raise ValueError(f"vLLM worker {failed[0][0]}: {failed[0][1]}")
+    return assemble_layout(parts, logical)
