@@ -142,12 +142,12 @@ def _one_dim_shard(param: torch.Tensor, boxes: list[Box] | None) -> Shard | Repl
     return Replicate() if placement.is_replicate() else Shard(placement.dim)
 
 
-def _params_of(name: str, param: torch.Tensor, dtype: torch.dtype, world_size: int, boxes: list[Box] | None,
-               held: list[tuple[str, tuple[int, ...], Box]]) -> ParamSpec:
-    shape = tuple(param.shape)
-    whole = len(held) == 1 and held[0][1] == shape
-    compact = _one_dim_shard(param, boxes) if whole else None
-    if compact is not None:
+def _params_of(name: str, shape: tuple[int, ...], dtype: torch.dtype, world_size: int, boxes: list[Box] | None,
+               held: list[tuple[str, tuple[int, ...], Box]], compact: Shard | Replicate | None) -> ParamSpec:
+    """The ParamSpec of a parameter whose ranks hold `boxes` of it (None: each the
+    whole) and which holds the checkpoint tensors `held`: `compact` when it holds
+    one of them whole and `compact` is given, else an Explicit listing."""
+    if compact is not None and len(held) == 1 and held[0][1] == shape:
         return ParamSpec(name, shape, dtype, compact, source=held[0][0] if held[0][0] != name else None)
     boxes = boxes or [((0,) * len(shape), shape)] * world_size
     local_shapes, fragments = [], []
@@ -184,17 +184,19 @@ def module_layout(model: torch.nn.Module, world_size: int) -> Layout:
     the culprit for: a model with no DTensor parameters on several ranks (DDP or
     a replicated model: rank 0 alone sends, with world_size 1), a placement
     other than Shard / Replicate, a mesh over other ranks."""
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    _check_world_size(world_size)
     params = dict(model.named_parameters())
     if world_size > 1 and not any(hasattr(p, "placements") for p in params.values()):
         raise ValueError(f"{type(model).__name__}'s parameters are plain tensors, whole on every rank (DDP or a "
                          f"single process), yet world_size is {world_size}: register rank 0 alone, with "
                          "world_size=1, and let the other ranks skip the sync")
     views = checkpoint_views(model)
-    return Layout(world_size, [
-        _params_of(name, p, p.dtype, world_size, _rank_boxes(name, p, world_size), views[name])
-        for name, p in params.items()])
+    specs = []
+    for name, p in params.items():
+        boxes = _rank_boxes(name, p, world_size)
+        specs.append(_params_of(name, tuple(p.shape), p.dtype, world_size, boxes, views[name],
+                                _one_dim_shard(p, boxes)))
+    return Layout(world_size, specs)
 
 
 def fsdp_layout(model: torch.nn.Module, world_size: int, dtype: torch.dtype) -> Layout:
@@ -203,29 +205,28 @@ def fsdp_layout(model: torch.nn.Module, world_size: int, dtype: torch.dtype) -> 
     (a meta-device one will do), before any trainer runs, for the engine side to
     plan against; it holds the same fragments as what `module_sender` registers
     then. A model already sharded is read as it is (module_layout), in `dtype`."""
+    _check_world_size(world_size)
     if any(hasattr(p, "placements") for p in model.parameters()):
         live = module_layout(model, world_size)
         return Layout(world_size, [ParamSpec(s.name, s.shape, dtype, s.placement, s.source)
                                    for s in live.params.values()])
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     views = checkpoint_views(model)
     specs = []
     for name, p in model.named_parameters():
-        shape = tuple(p.shape)
-        boxes = None
-        if world_size > 1:
+        shape, boxes = tuple(p.shape), None
+        if world_size > 1:  # fully_shard's Shard(0): torch.chunk pieces of dim 0
             boxes = []
             for rank in range(world_size):
                 start, stop = chunk_bounds(shape[0], world_size, rank) if shape else (0, 0)
                 boxes.append(((start,) + (0,) * (len(shape) - 1), (stop - start,) + shape[1:]))
-        held = views[name]
-        if len(held) == 1 and held[0][1] == shape:
-            placement = Shard(0) if world_size > 1 else Replicate()
-            specs.append(ParamSpec(name, shape, dtype, placement, source=held[0][0] if held[0][0] != name else None))
-        else:
-            specs.append(_params_of(name, p, dtype, world_size, boxes, held))
+        compact = Shard(0) if world_size > 1 else Replicate()
+        specs.append(_params_of(name, shape, dtype, world_size, boxes, views[name], compact))
     return Layout(world_size, specs)
+
+
+def _check_world_size(world_size: int) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
 
 
 class ModuleSender(WeightSender):

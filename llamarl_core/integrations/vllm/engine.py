@@ -187,12 +187,11 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
             logical = trainer_layout.logical_shapes()
             key = f"{init_info.name}/engine_layout"
             try:
-                mine = derive_rank_layout(self.model, logical, self.model_config.dtype, rank)
-            except ValueError as exc:
-                publish(store, key, rank, {"error": str(exc)})  # the peers raise this, not a timeout
-                raise ValueError(f"the trainer's model does not match the vLLM engine's ({self.model_config.model}): "
-                                 f"{exc}") from exc
-            try:
+                try:
+                    mine = derive_rank_layout(self.model, logical, self.model_config.dtype, rank)
+                except ValueError as exc:
+                    publish(store, key, rank, {"error": str(exc)})  # the peers raise this, not a timeout
+                    raise
                 layout = gather_layout(store, key, rank, tp_size, mine, logical, init_info.timeout_s)
             except ValueError as exc:
                 raise ValueError(f"the trainer's model does not match the vLLM engine's ({self.model_config.model}): "

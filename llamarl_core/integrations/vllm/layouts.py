@@ -68,10 +68,10 @@ def _padding_rows(model: torch.nn.Module, name: str, local_rows: int) -> tuple[i
 
 
 def derive_rank_layout(model: torch.nn.Module, logical: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                       rank: int) -> dict:
-    """This worker's part of the engine layout, as JSON-able data: parameter name
-    -> {"shape", "dtype", "sources", "fragments", "padding"}, from running the
-    model's own `load_weights` on probes of the trainer's `logical` tensors.
+                       rank: int) -> Layout:
+    """This worker's part of the engine layout, a one-rank Layout of Explicit
+    placements, from running the model's own `load_weights` on probes of the
+    trainer's `logical` tensors.
     ValueError naming the culprit: a loader that computes instead of copying, a
     trainer tensor the engine does not take, a parameter nothing fills."""
     live = dict(model.named_parameters())
@@ -107,7 +107,7 @@ def derive_rank_layout(model: torch.nn.Module, logical: dict[str, tuple[int, ...
             by_param[name].extend(strided_fragments(
                 source, shape, copy.src_offset, copy.src_strides, tuple(param.shape),
                 copy.dst.storage_offset() - param.storage_offset(), tuple(copy.dst.stride()), copy.extent))
-    out = {}
+    specs = []
     for name, fragments in by_param.items():
         shape = shapes.get(name, tuple(live[name].shape))
         rows, cols = view_2d(shape)
@@ -119,36 +119,27 @@ def derive_rank_layout(model: torch.nn.Module, logical: dict[str, tuple[int, ...
                 raise ValueError(f"vLLM worker {rank}: the engine's parameter {name!r} {shape} gets "
                                  f"{written} of its {rows * cols} elements from the trainer's tensors; a sync "
                                  "would leave the rest stale (a trainer of another model or family?)")
-        out[name] = {
-            "shape": list(shape), "dtype": str(live[name].dtype).removeprefix("torch."),
-            "sources": sorted({f.source for f in fragments}),
-            "fragments": [[f.source, f.src_row, f.src_col, f.num_rows, f.num_cols, f.local_row, f.local_col]
-                          for f in fragments],
-            "padding": list(padding) if padding else None,
-        }
-    return out
+        sources = tuple((source, tuple(logical[source])) for source in sorted({f.source for f in fragments}))
+        placement = Explicit(sources, (shape,), (tuple(fragments),), (padding,) if padding else None)
+        specs.append(ParamSpec(name, shape, live[name].dtype, placement))
+    return Layout(1, specs)
 
 
-def assemble_layout(ranks: list[dict], logical: dict[str, tuple[int, ...]]) -> Layout:
+def assemble_layout(ranks: list[Layout], logical: dict[str, tuple[int, ...]]) -> Layout:
     """The engine's Layout from every rank's derive_rank_layout."""
-    from ...sync.layout import dtype_from_name
-
     specs = []
-    for name, first in ranks[0].items():
-        if any(name not in part for part in ranks):
+    for name, first in ranks[0].params.items():
+        if any(name not in part.params for part in ranks):
             raise ValueError(f"vLLM parameter {name!r} exists on some tensor-parallel ranks only")
-        parts = [part[name] for part in ranks]
-        sources = sorted({s for part in parts for s in part["sources"]})
+        parts = [part.params[name].placement for part in ranks]
+        sources = sorted({source for part in parts for source, _ in part.sources})
         padding = None
-        if any(part["padding"] for part in parts):
-            padding = tuple(tuple(part["padding"]) if part["padding"] else (0, 0) for part in parts)
-        placement = Explicit(
-            tuple((s, tuple(logical[s])) for s in sources),
-            tuple(tuple(part["shape"]) for part in parts),
-            tuple(tuple(Fragment(*f) for f in part["fragments"]) for part in parts),
-            padding,
-        )
-        specs.append(ParamSpec(name, tuple(first["shape"]), dtype_from_name(first["dtype"]), placement))
+        if any(part.padding for part in parts):
+            padding = tuple(part.padding[0] if part.padding else (0, 0) for part in parts)
+        placement = Explicit(tuple((source, tuple(logical[source])) for source in sources),
+                             tuple(part.local_shapes[0] for part in parts),
+                             tuple(part.fragments[0] for part in parts), padding)
+        specs.append(ParamSpec(name, first.shape, first.dtype, placement))
     layout = Layout(len(ranks), specs)
     check_sources_read_whole(layout, logical)
     return layout
@@ -182,18 +173,19 @@ def check_sources_read_whole(layout: Layout, logical: dict[str, tuple[int, ...]]
 
 
 def publish(store: dist.Store, key: str, rank: int, part: dict) -> int:
-    """This rank's part (or {"error": reason}) under its next generation; returns it."""
+    """This rank's part ({"layout": its Layout's dict}, or {"error": reason}) under
+    its next generation; returns the generation."""
     generation = store.add(f"{key}/generation/{rank}", 1)
     store.set(f"{key}/{generation}/{rank}", json.dumps(part))
     return generation
 
 
-def gather_layout(store: dist.Store, key: str, rank: int, world_size: int, mine: dict,
+def gather_layout(store: dist.Store, key: str, rank: int, world_size: int, mine: Layout,
                   logical: dict[str, tuple[int, ...]], timeout_s: float) -> Layout:
     """Every tensor-parallel worker publishes its part under `key` and reads the
     others' (a generation counter per rank keeps an earlier engine's parts apart).
-    `mine` may be {"error": reason}: each peer then raises that reason."""
-    generation = publish(store, key, rank, mine)
+    A peer that published {"error": reason} (publish) has that reason raised."""
+    generation = publish(store, key, rank, {"layout": mine.to_dict()})
     keys = [f"{key}/{generation}/{r}" for r in range(world_size)]
     deadline = time.monotonic() + timeout_s
     pending = list(keys)
@@ -206,4 +198,4 @@ def gather_layout(store: dist.Store, key: str, rank: int, world_size: int, mine:
     failed = [(r, part["error"]) for r, part in enumerate(parts) if "error" in part]
     if failed:  # a peer could not derive its part: its reason, not a timeout here
         raise ValueError(f"vLLM worker {failed[0][0]}: {failed[0][1]}")
-    return assemble_layout(parts, logical)
+    return assemble_layout([Layout.from_dict(part["layout"]) for part in parts], logical)
