@@ -1,9 +1,11 @@
-"""`llamarl bench sync --into vllm`: one version of a Llama-shaped model into a
-running vLLM engine, by DDMA beside the paths vLLM offers, same engine, same run.
+"""`llamarl bench sync --into vllm`: one version of a model (Llama-shaped, or a
+Qwen3-MoE with --model-type qwen3_moe) into a running vLLM engine, by DDMA
+beside the paths vLLM offers, same engine, same run.
 
-  llamarl_ddma    a trainer process (WeightSender over its fp32 tensors) -> the
-                  engine's llamarl_ddma backend: start_weight_update,
-                  update_weights, finish_weight_update
+  llamarl_ddma    --trainer-world trainer processes, each holding its FSDP2
+                  shards (fsdp_layout of the model) -> the engine's llamarl_ddma
+                  backend, whose layout vLLM's own loaders give:
+                  start_weight_update, update_weights, finish_weight_update
   reload_weights  vLLM's layer-by-layer reload from Hugging Face-named tensors
                   (re-fused, re-sharded, re-processed: re-packed on CPU)
   load_weights    `model.load_weights` with Hugging Face-named tensors through
@@ -11,8 +13,10 @@ running vLLM engine, by DDMA beside the paths vLLM offers, same engine, same run
 
 Each figure is the time generation is paused, from the first call to the last
 one returning. The two vLLM paths are handed tensors already in the engine's
-process (no transfer counted: their best case); DDMA's time includes moving
-every byte out of the trainer's process. GB/s = model bytes / that time.
+process (no transfer counted, no gather of shards: their best case); DDMA's time
+includes moving every byte out of the trainer processes. GB/s = model bytes /
+that time. The bytes each trainer rank sends (from the plan) are printed beside
+the bytes of its own shards: no rank sends more than it holds.
 """
 
 from __future__ import annotations
@@ -30,30 +34,43 @@ import torch.distributed as dist
 
 from llamarl_core.bench.harness import add_model_args, add_output_args, record, summarize, table
 from llamarl_core.cli import HelpFormatter
-from llamarl_core.sync import WeightSender, hf_llama_fsdp, hf_llama_shapes
+from llamarl_core.sync import Layout, WeightSender, fsdp_layout, plan_transfer
 
 _WAIT = datetime.timedelta(seconds=600)
 
 
-def llama_config(spec):
+def model_config(spec):
+    """The benchmarked model's transformers config (fp32)."""
     import transformers
 
-    return transformers.LlamaConfig(
-        hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, vocab_size=spec.vocab,
-        max_position_embeddings=512, tie_word_embeddings=False, torch_dtype="float32")
+    common = dict(hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_hidden_layers=spec.layers,
+                  num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, vocab_size=spec.vocab,
+                  max_position_embeddings=512, tie_word_embeddings=False, torch_dtype="float32")
+    if spec.model_type == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, head_dim=spec.hidden // spec.heads, num_experts=spec.experts,
+                                           num_experts_per_tok=spec.top_k, moe_intermediate_size=spec.expert_intermediate,
+                                           decoder_sparse_step=1, architectures=["Qwen3MoeForCausalLM"])
+    return transformers.LlamaConfig(**common, architectures=["LlamaForCausalLM"])
 
 
-def _trainer(port: int, config_dict: dict, versions: list[int], name: str) -> None:
-    """The trainer: random fp32 tensors, one send per version (each waits for the engine)."""
+def trainer_layout(config, world: int) -> Layout:
+    """The layout FSDP2 trainer ranks register for `config` (read off a meta model)."""
     import transformers
 
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return fsdp_layout(model, world, torch.float32)
+
+
+def _trainer(port: int, layout_dict: dict, rank: int, versions: list[int], name: str) -> None:
+    """One trainer rank: random fp32 tensors shaped as its FSDP2 shards, one send per
+    version (each waits for the engine)."""
     torch.set_num_threads(1)
-    config = transformers.LlamaConfig.from_dict(config_dict)
+    layout = Layout.from_dict(layout_dict)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_WAIT)
-    gen = torch.Generator().manual_seed(0)
-    shards = {n: torch.randn(s, generator=gen) * 0.02 for n, s in hf_llama_shapes(config).items()}
-    with WeightSender(store, hf_llama_fsdp(config, 1, torch.float32), 0, shards, name=name, timeout=600) as sender:
+    gen = torch.Generator().manual_seed(rank)
+    shards = {n: torch.randn(shape, generator=gen) * 0.02 for n, (shape, _) in layout.local_tensor_specs(rank).items()}
+    with WeightSender(store, layout, rank, shards, name=name, timeout=600) as sender:
         for version in versions:
             sender.send(version)
 
@@ -62,8 +79,12 @@ def run(spec) -> dict:
     from llamarl_core.integrations.vllm import ddma_init_info
     from llamarl_core.integrations.vllm.host import EngineError, EngineProcess
 
-    config = llama_config(spec)
-    nbytes = sum(math.prod(s) for s in hf_llama_shapes(config).values()) * 4
+    config = model_config(spec)
+    layout = trainer_layout(config, spec.trainer_world)
+    logical = layout.logical_shapes()
+    nbytes = sum(math.prod(s) for s in logical.values()) * 4
+    shard_bytes = [sum(math.prod(shape) * 4 for shape, _ in layout.local_tensor_specs(r).values())
+                   for r in range(spec.trainer_world)]
     rounds = spec.warmup + spec.repeats
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=_WAIT)
     seconds, failures = {}, {}
@@ -71,18 +92,22 @@ def run(spec) -> dict:
         config.save_pretrained(model_dir)
         with EngineProcess(model_dir, dtype="float32", max_model_len=256, seed=0) as engine:
             ctx = mp.get_context("spawn")
-            trainer = ctx.Process(target=_trainer, args=(store.port, config.to_dict(), list(range(1, rounds + 1)),
-                                                         "bench"), daemon=True)
-            trainer.start()
-            info = ddma_init_info("127.0.0.1", store.port, hf_llama_fsdp(config, 1, torch.float32), name="bench",
-                                  timeout_s=600)
+            trainers = [ctx.Process(target=_trainer, args=(store.port, layout.to_dict(), rank,
+                                                           list(range(1, rounds + 1)), "bench"), daemon=True)
+                        for rank in range(spec.trainer_world)]
+            for trainer in trainers:
+                trainer.start()
+            info = ddma_init_info("127.0.0.1", store.port, layout, name="bench", timeout_s=600)
             engine.call("init", info, timeout=600)
+            sent = engine.call("planned_bytes_by_src_rank")
+            sent_bytes = [sent.get(rank, 0) for rank in range(spec.trainer_world)]
             ddma = [engine.call("ddma_update", v, 600.0, timeout=600) for v in range(1, rounds + 1)]
-            trainer.join(timeout=60)
+            for trainer in trainers:
+                trainer.join(timeout=60)
             engine.call("shutdown_transfer")
             seconds["llamarl_ddma"] = [paused for paused, _ in ddma[spec.warmup:]]
             commit = summarize([c for _, c in ddma[spec.warmup:]])
-            engine.call("make_hf_weights", "hf", 1, timeout=600)
+            engine.call("make_hf_weights", "hf", logical, 1, timeout=600)
             for path in ("reload_weights", "load_weights"):
                 try:
                     seconds[path] = [engine.call(path, "hf", timeout=600) for _ in range(rounds)][spec.warmup:]
@@ -93,11 +118,12 @@ def run(spec) -> dict:
     gbps = {path: nbytes / s["median"] / 1e9 for path, s in stats.items()}
     native = [p for p in ("reload_weights", "load_weights") if p in stats]
     ratios = {f"ddma_vs_{p}": stats[p]["median"] / stats["llamarl_ddma"]["median"] for p in native}
-    return {"model_bytes": nbytes, "config": {k: getattr(config, k) for k in (
-                "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size")},
-            "repeats": spec.repeats, "ddma_commit_seconds": commit, "seconds": stats, "gbps": gbps, "ratios": ratios,
-            "failures": failures}
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    return {"model_bytes": nbytes, "config": {k: getattr(config, k) for k in keys if hasattr(config, k)},
+            "trainer_world": spec.trainer_world, "shard_bytes_by_rank": shard_bytes,
+            "sent_bytes_by_rank": sent_bytes, "repeats": spec.repeats, "ddma_commit_seconds": commit,
+            "seconds": stats, "gbps": gbps, "ratios": ratios, "failures": failures}
 
 
 LABELS = {
@@ -115,21 +141,33 @@ def report(result: dict) -> str:
     for path, error in result["failures"].items():
         rows.append([LABELS[path], f"fails: {error}", "", "", ""])
     c = result["config"]
-    head = (f"One version of a Llama-shaped model ({result['model_bytes'] / 2**30:.2f} GiB fp32: "
-            f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, vocabulary {c['vocab_size']}) into a "
-            f"running vLLM engine (trainer world 1, engine TP 1), {result['repeats']} timed syncs per path.")
+    experts = (f", {c['num_experts']} experts of width {c['moe_intermediate_size']} per layer"
+               if "num_experts" in c else "")
+    head = (f"One version of a {c['model_type']} model ({result['model_bytes'] / 2**30:.2f} GiB fp32: "
+            f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}{experts}, vocabulary {c['vocab_size']}) "
+            f"into a running vLLM engine (trainer: {result['trainer_world']} FSDP2 rank(s), engine TP 1), "
+            f"{result['repeats']} timed syncs per path.")
     ratios = "\n".join(f"- {k.replace('_', ' ')}: {v:.2f}x faster" for k, v in result["ratios"].items())
+    sent = "\n".join(f"- trainer rank {r}: sends {sent} bytes per version, its own shards are {own} bytes"
+                     for r, (sent, own) in enumerate(zip(result["sent_bytes_by_rank"], result["shard_bytes_by_rank"])))
     commit = (f"- of llamarl_ddma's pause, committing the landed version (CPU: copying embeddings and norms, "
-              f"re-packing every linear and lm_head for oneDNN): median "
+              f"re-packing every linear and lm_head for oneDNN, pre-packing experts again): median "
               f"{result['ddma_commit_seconds']['median']:.3f} s")
-    return f"{head}\n\n{table(rows)}\n\n{ratios}\n{commit}\n"
+    return f"{head}\n\n{table(rows)}\n\n{ratios}\n{sent}\n{commit}\n"
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="llamarl bench sync --into vllm", description=__doc__,
                                 formatter_class=HelpFormatter)
     p.add_argument("--into", choices=["vllm"], default="vllm", help="the engine to sync into")
-    add_model_args(p, hidden=1024, intermediate=2816, layers=8, size="0.58 GiB in fp32")
+    p.add_argument("--model-type", choices=["llama", "qwen3_moe"], default="llama",
+                   help="the model's family: a Llama, or a Qwen3-MoE (every layer's MLP a mixture of experts)")
+    add_model_args(p, hidden=1024, intermediate=2816, layers=8, size="0.58 GiB in fp32 for llama")
+    p.add_argument("--experts", type=int, default=8, help="qwen3_moe: experts per layer")
+    p.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts per token")
+    p.add_argument("--expert-intermediate", type=int, default=768,
+                   help="qwen3_moe: each expert's MLP size (a multiple of 32: vLLM's CPU kernel pads others)")
+    p.add_argument("--trainer-world", type=int, default=1, help="FSDP2 trainer ranks (processes) sending")
     p.add_argument("--warmup", type=int, default=1, help="untimed syncs first")
     p.add_argument("--repeats", type=int, default=3, help="timed syncs of each method")
     add_output_args(p)
@@ -143,12 +181,18 @@ def main(argv=None) -> int:
     if missing_vllm_message():
         raise SystemExit(f"llamarl bench sync --into vllm: {missing_vllm_message()}")
     try:
-        check_cpu_vllm(llama_config(spec))
+        if spec.trainer_world < 1:
+            raise ValueError(f"--trainer-world must be >= 1, got {spec.trainer_world}")
+        check_cpu_vllm(model_config(spec))
     except ValueError as exc:
         raise SystemExit(f"llamarl bench sync --into vllm: {exc}") from None
     result = run(spec)
-    record(spec.record, "sync_vllm", {f"{k}_s": v["median"] for k, v in result["seconds"].items()} | result["ratios"],
-           {"bytes": result["model_bytes"]}, "Weight sync into a running vLLM engine (`llamarl bench sync --into vllm`)",
+    moe = spec.model_type != "llama"
+    record(spec.record, "sync_vllm_moe" if moe else "sync_vllm",
+           {f"{k}_s": v["median"] for k, v in result["seconds"].items()} | result["ratios"],
+           {"bytes": result["model_bytes"], "trainer_world": spec.trainer_world},
+           "Weight sync of a MoE model into a running vLLM engine (`llamarl bench sync --into vllm --model-type "
+           "qwen3_moe`)" if moe else "Weight sync into a running vLLM engine (`llamarl bench sync --into vllm`)",
            report(result))
     print(json.dumps(result, indent=2) if spec.json else report(result))
     return 0

@@ -35,8 +35,9 @@ def tiny_model(kind: str, seed: int):
 
 
 def sharded(rank: int, world: int, port: int, kind: str, mode: str) -> dict:
-    """Shard `kind`'s tiny model ("fsdp": fully_shard per layer and root; "tp":
-    q/k/v/gate/up column-parallel, o/down row-parallel) and return
+    """Shard `kind`'s tiny model ("fsdp": fully_shard per layer and root; "hsdp":
+    the same on a 2-D mesh, replicated over its first dim and sharded over its
+    second; "tp": q/k/v/gate/up column-parallel, o/down row-parallel) and return
     module_layout's JSON, the local shards, and fsdp_layout of a meta-device copy."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -48,8 +49,11 @@ def sharded(rank: int, world: int, port: int, kind: str, mode: str) -> dict:
         model = tiny_model(kind, 0)
         with torch.device("meta"):
             meta = transformers.AutoModelForCausalLM.from_config(tiny_config(kind))
-        mesh = init_device_mesh("cpu", (world,))
-        if mode == "fsdp":
+        if mode == "hsdp":
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world,))
+        if mode in ("fsdp", "hsdp"):
             from torch.distributed.fsdp import fully_shard
 
             for layer in model.model.layers:

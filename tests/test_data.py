@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from llamarl_core.models.checkpoint import ModelSource, context_length, save_model_folder
+from llamarl_core.models.checkpoint import ModelSource, check_generator_config, context_length, save_model_folder
 from llamarl_core.pipeline import TrainConfig
 from llamarl_core.pipeline.arithmetic import arithmetic_problems
 from llamarl_core.pipeline.data import ModelTokenizer, Problem, RunData, chat_end_of_turn, read_dataset
@@ -123,16 +123,18 @@ def test_arithmetic_dataset_answers_are_exact():
 # ----------------------------------------------------------------------------- model folders
 
 
-def tiny_model_folder(tmp_path, name="tiny", **overrides):
-    """A real model folder: a random 1-layer Llama and the character tokenizer of the
-    digits, letters and punctuation (ids as CharTokenizer's)."""
+def tiny_model_folder(tmp_path, name="tiny", family=transformers.LlamaConfig, **overrides):
+    """A real model folder: a random 1-layer causal LM of `family` (a transformers
+    config class; Llama by default) and the character tokenizer of the digits,
+    letters and punctuation (ids as CharTokenizer's)."""
     chars = CharTokenizer("0123456789abcdefghijklmnopqrstuvwxyz +-*/=?.,")
-    config = transformers.LlamaConfig(**{**dict(vocab_size=chars.vocab_size, hidden_size=32, intermediate_size=64,
-                                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                                 max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
-                                                 pad_token_id=0), **overrides})
+    config = family(**{**dict(vocab_size=chars.vocab_size, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+                       **overrides})
     torch.manual_seed(0)
-    return save_model_folder(transformers.LlamaForCausalLM(config), chars.to_transformers(), tmp_path / name)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return save_model_folder(model, chars.to_transformers(), tmp_path / name)
 
 
 def test_model_folder_round_trip_and_checks(tmp_path):
@@ -155,15 +157,21 @@ def test_model_folder_round_trip_and_checks(tmp_path):
     (tmp_path / "weights.txt").write_text("")
     with pytest.raises(ValueError, match="must be a .gguf model"):
         ModelSource(tmp_path / "weights.txt")
-    gpt2 = tmp_path / "gpt2"
-    gpt2.mkdir()
-    transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(gpt2)
-    (gpt2 / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ValueError, match="model_type 'gpt2' \\(GPT2LMHeadModel\\) is not supported"):
-        ModelSource(gpt2).config()
+    vit = tmp_path / "vit"
+    vit.mkdir()
+    transformers.ViTConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=2).save_pretrained(vit)
+    (vit / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="model_type 'vit' .* is not a causal language model"):
+        ModelSource(vit).config()
+    # Any causal LM is a model for the trainer and vLLM; the built-in generator takes the Llama family only.
+    config = ModelSource(tiny_model_folder(tmp_path, "qwen3", transformers.Qwen3Config, head_dim=8)).config()
+    check_generator_config(config, "vllm", "--model q")
+    with pytest.raises(ValueError, match="--model q: model_type 'qwen3' \\(Qwen3ForCausalLM\\): the built-in "
+                                         "generator runs the Llama family .* only; run this model with --generator vllm"):
+        check_generator_config(config, "llama", "--model q")
     yarn = tiny_model_folder(tmp_path, "yarn", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
-        ModelSource(yarn).config()
+        check_generator_config(ModelSource(yarn).config(), "llama", "--model yarn")
 
 
 def test_reward_model_folder_checks(tmp_path):

@@ -94,17 +94,17 @@ def _agents_on_two_hosts(hosts, tmp_path: Path, rdzv_id: str, train_args: list[s
 def test_run_across_two_hosts_learns(netns_hosts, tmp_path):
     """torchrun agents on two namespace hosts (2 ranks each, c10d rendezvous on host
     0): the controller and trainer on one host, the reward and generator on the
-    other. The default task's 1200 steps complete and learn (its reward's last tenth
-    well above its first; 0.537 -> 0.914 here), every weight version reaching the
-    generator point-to-point."""
+    other. 600 steps of the default task complete and learn (its reward's last
+    tenth well above its first; 0.486 -> 0.808 on one host here), every weight
+    version reaching the generator point-to-point."""
     out = tmp_path / "run"
-    procs = _agents_on_two_hosts(netns_hosts, tmp_path, "learns", ["--quiet", "--out", str(out)])
+    procs = _agents_on_two_hosts(netns_hosts, tmp_path, "learns", ["--steps", "600", "--quiet", "--out", str(out)])
     for node, proc in enumerate(procs):
         assert proc.wait(timeout=300) == 0, (tmp_path / f"host{node}.log").read_text()[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     print(f"across two hosts: reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f}, "
           f"wall {summary['wall_time_s']:.1f} s, sync {summary['sync_time_s'] * 1e3:.1f} ms")
-    assert summary["steps"] == 1200
+    assert summary["steps"] == 600
     assert summary["reward_last"] > summary["reward_first"] + 0.2
     hosts = json.loads((out / "hosts.json").read_text())["executors"]
     trainer, generator = _host_parts(hosts["trainer 0"]), _host_parts(hosts["generator 0"])
@@ -113,7 +113,7 @@ def test_run_across_two_hosts_learns(netns_hosts, tmp_path):
     assert json.loads((out / "hosts.json").read_text())["weight_transports"] == {"trainer 0 -> generator 0": "p2p"}
     spans = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
     received = [e["args"]["version"] for e in spans if e["name"] == "receive weights"]
-    assert sorted(received) == list(range(1201))
+    assert sorted(received) == list(range(601))
     assert Path(out / "model" / "config.json").exists()
 
 

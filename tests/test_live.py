@@ -65,6 +65,38 @@ def test_a_plain_model_sends_checkpoint_tensors(kind):
     assert all(torch.equal(got[n], expected[n]) for n in expected)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_transformers_model_is_a_destination_too(kind):
+    """A generator that is a plain transformers model: module_layout gives its
+    layout as a receiver (fused experts filled from per-expert checkpoint
+    tensors); after the plan runs, every parameter and the logits equal the
+    trainer model's exactly."""
+    src, dst = tiny_model(kind, 4), tiny_model(kind, 5)
+    plan = plan_transfer(module_layout(src, 1), module_layout(dst, 1))
+    with torch.no_grad():
+        plan.execute_local({0: {n: p.detach() for n, p in src.named_parameters()}},
+                           {0: {n: p.data for n, p in dst.named_parameters()}})
+    assert [n for n, p in src.named_parameters() if not torch.equal(p, dst.get_parameter(n))] == []
+    ids = torch.tensor([[5, 17, 42, 7, 99]])
+    with torch.no_grad():
+        assert torch.equal(src.eval()(input_ids=ids).logits, dst.eval()(input_ids=ids).logits)
+
+
+def test_wrapped_models_are_read_through():
+    """DDP and torch.compile wrappers (parameter names prefixed `module.` /
+    `_orig_mod.`, which no checkpoint has): the layout is the model's own."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = tiny_model("qwen3_moe", 0)
+    expected = module_layout(model, 1)
+    assert module_layout(torch.compile(model), 1) == expected
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        assert module_layout(DistributedDataParallel(model), 1) == expected
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_a_plain_model_on_several_ranks_is_refused():
     with pytest.raises(ValueError, match="plain tensors.*DDP.*world_size=1"):
         module_layout(tiny_model("qwen3", 0), 2)
@@ -76,15 +108,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("kind,mode", [("qwen3_moe", "fsdp"), ("mixtral", "fsdp"), ("qwen3", "tp")])
-def test_sharded_trainers_layouts_land_the_checkpoint(kind, mode):
-    """Two real gloo ranks shard the model (FSDP2, 3 experts over 2 ranks: 2 + 1;
-    or tensor parallel, column and row): module_layout of each rank is the same,
-    executing it from the ranks' local shards gives every checkpoint tensor
-    exactly, and (FSDP2) it equals fsdp_layout of a meta-device copy."""
+@pytest.mark.parametrize("kind,mode,world", [("qwen3_moe", "fsdp", 2), ("mixtral", "fsdp", 2), ("qwen3", "tp", 2),
+                                             ("qwen3_moe", "hsdp", 4)])
+def test_sharded_trainers_layouts_land_the_checkpoint(kind, mode, world):
+    """Real gloo ranks shard the model (FSDP2, 3 experts over 2 ranks: 2 + 1;
+    HSDP, the same shards held by 2 replicas; or tensor parallel, column and
+    row): module_layout of each rank is the same, executing it from the ranks'
+    local shards gives every checkpoint tensor exactly, and (FSDP2) it equals
+    fsdp_layout of a meta-device copy. HSDP: one replica's worth of shards is
+    sent, nothing twice, no rank sending more than its own."""
     port = free_port()
-    results = run_processes([(sharded, dict(rank=r, world=2, port=port, kind=kind, mode=mode)) for r in range(2)],
-                            timeout=120)
+    results = run_processes([(sharded, dict(rank=r, world=world, port=port, kind=kind, mode=mode))
+                             for r in range(world)], timeout=120)
     layouts = {Layout.from_json(r["layout"]).to_json() for r in results}
     assert len(layouts) == 1
     layout = Layout.from_json(layouts.pop())
@@ -92,6 +127,13 @@ def test_sharded_trainers_layouts_land_the_checkpoint(kind, mode):
         assert layout == Layout.from_json(results[0]["fsdp_layout"])
         moe = next(n for n in layout.params if n.endswith("experts.gate_up_proj"))
         assert [layout.local_shape(moe, r)[0] for r in range(2)] == [2, 1]
+    elif mode == "hsdp":  # mesh [[0, 1], [2, 3]]: ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1
+        moe = next(n for n in layout.params if n.endswith("experts.gate_up_proj"))
+        assert [layout.local_shape(moe, r)[0] for r in range(4)] == [2, 1, 2, 1]
+        whole = Layout(1, [ParamSpec(n, s, torch.float32) for n, s in layout.logical_shapes().items()])
+        sent = plan_transfer(layout, whole).bytes_sent_by_src_rank()
+        own = {r: sum(layout.local_nbytes(n, r) for n in layout.params) for r in range(4)}
+        assert sum(sent.values()) == own[0] + own[1] and all(sent.get(r, 0) <= own[r] for r in range(4)), (sent, own)
     else:
         assert layout.local_shape("model.layers.0.self_attn.o_proj.weight", 1) == (64, 32)
     expected = checkpoint(tiny_model(kind, 0))

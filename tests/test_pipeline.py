@@ -549,6 +549,9 @@ def test_bad_models_datasets_and_rewards_fail_before_anything_is_written(tmp_pat
         (["--reward-model", str(model)], "holds no ...ForSequenceClassification"),
         (["--model", str(model), "--dataset", str(good), "--max-new-tokens", "60"],
          "5 prompt tokens \\+ max_new_tokens 60 exceed the model's context of 64 tokens"),
+        (["--model", str(tiny_model_folder(tmp_path, "qwen3", transformers.Qwen3Config, head_dim=8))],
+         "--model .*qwen3: model_type 'qwen3' \\(Qwen3ForCausalLM\\): the built-in generator runs the Llama "
+         "family \\(llama, qwen2, mistral\\) only; run this model with --generator vllm"),
     ]
     for args, match in cases:
         message = train_error(*args, "--out", str(out), "--quiet")

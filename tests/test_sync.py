@@ -51,17 +51,18 @@ def store():
 
 
 def _matrix():
-    """Every FSDP world x TP size, both dtype pairs on the default transport and
-    fp32 -> bf16 on the point-to-point transport (in small buckets); model configs
-    rotated; FP8 destinations."""
+    """Every FSDP world x TP size, each with one of: fp32 or bf16 sources on the
+    default transport, fp32 -> bf16 on the point-to-point transport (in small
+    buckets), each once per FSDP world and once per TP size; model configs
+    rotated; FP8 destinations. (The plans themselves: test_plan.py, thousands.)"""
     scenarios = []
     combos = list(itertools.product([1, 2, 3], [1, 2, 4]))
+    kinds = [("fp32", "auto"), ("bf16", "auto"), ("fp32", "p2p")]
     for i, (fsdp, tp) in enumerate(combos):
-        for j, (dtype, transport) in enumerate([("fp32", "auto"), ("bf16", "auto"), ("fp32", "p2p")]):
-            # Point-to-point in buckets of 8 KiB: hundreds per pair, through both staging buffers.
-            scenarios.append(dict(config=CONFIG_KINDS[(i + j) % len(CONFIG_KINDS)], fsdp=fsdp, tp=tp,
-                                  src_dtype=dtype, transport=transport, seed=100 * i + 10 * j,
-                                  **({"bucket_bytes": 8192} if transport == "p2p" else {})))
+        dtype, transport = kinds[(i + i // 3) % 3]  # a Latin square over (FSDP world, TP size)
+        # Point-to-point in buckets of 8 KiB: hundreds per pair, through both staging buffers.
+        scenarios.append(dict(config=CONFIG_KINDS[i % len(CONFIG_KINDS)], fsdp=fsdp, tp=tp, src_dtype=dtype,
+                              transport=transport, seed=100 * i, **({"bucket_bytes": 8192} if transport == "p2p" else {})))
     # FP8 generator weights: every granularity at TP 1 and 2, and once over p2p.
     for k, (granularity, tp) in enumerate(itertools.product(["tensor", "channel", "block"], [1, 2])):
         scenarios.append(dict(config=CONFIG_KINDS[k % len(CONFIG_KINDS)], fsdp=2, tp=tp, src_dtype="fp32",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,10 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 
 from helpers import run_processes
 from llamarl_core.integrations.vllm.host import EngineError, EngineProcess
-from vllm_workers import reference_greedy, reference_logprobs, tiny_config, trainer_rank
+from llamarl_core.sync import Layout
+from vllm_workers import checkpoint_tensors, reference_greedy, reference_logprobs, tiny_config, trainer_rank
 
 pytestmark = [
     pytest.mark.vllm,
@@ -39,32 +42,56 @@ def store():
     yield store
 
 
+# Engines of these configs run tensor-parallel (2 worker processes), the others on one worker;
+# Qwen2's caches prefixes in blocks of 32 tokens, so that LONG_PROMPT leaves two full blocks cached.
+ENGINE_KWARGS = {"qwen3": dict(tensor_parallel_size=2), "qwen3_moe": dict(tensor_parallel_size=2),
+                 "qwen2_tied": dict(block_size=32, enable_prefix_caching=True)}
+LONG_PROMPT = [1] + [(7 * i) % 990 + 3 for i in range(69)]
+
+
 def engine_for(kind: str, tmp_path_factory):
     path = tmp_path_factory.mktemp(kind)
     tiny_config(kind).save_pretrained(path)
-    return EngineProcess(str(path), dtype="float32", max_model_len=128, seed=0)
+    return EngineProcess(str(path), dtype="float32", max_model_len=128, seed=0, **ENGINE_KWARGS.get(kind, {}))
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    """kind -> its engine, started on first use and kept for the module."""
-    started = {}
+def llama_engine(tmp_path_factory):
+    """The Llama engine the module's tests share (the other configs' engines live for one test)."""
+    with engine_for("llama", tmp_path_factory) as engine:
+        yield engine
 
-    def get(kind: str) -> EngineProcess:
-        if kind not in started:
-            started[kind] = engine_for(kind, tmp_path_factory)
-            started[kind].kind = kind
-        return started[kind]
 
-    yield get
-    for host in started.values():
-        host.close()
+# Llama-family configs, which the presets (vllm_llama_tp) also describe.
+PRESET_KINDS = ("llama", "qwen2_tied")
+
+
+def assert_preset_equals_derived(kind: str, trainer: Layout, derived: Layout) -> None:
+    """The Llama-family preset of the engine's config and the layout derived from
+    vLLM's loaders land random trainer shards identically, bit for bit."""
+    from llamarl_core.sync import plan_transfer, vllm_llama_tp
+
+    preset = vllm_llama_tp(tiny_config(kind), derived.world_size, torch.float32)
+    assert set(preset.params) == set(derived.params)
+    gen = torch.Generator().manual_seed(5)
+    shards = {r: {n: torch.randn(shape, generator=gen) for n, (shape, _) in trainer.local_tensor_specs(r).items()}
+              for r in range(trainer.world_size)}
+    landed = []
+    for dst in (preset, derived):
+        out = {r: {n: torch.zeros(shape) for n, (shape, _) in dst.local_tensor_specs(r).items()}
+               for r in range(dst.world_size)}
+        plan_transfer(trainer, dst).execute_local(shards, out)
+        landed.append(out)
+    assert [(r, n) for r in landed[0] for n in landed[0][r] if not torch.equal(landed[0][r][n], landed[1][r][n])] == []
 
 
 def sync_from_trainer(host: EngineProcess, store, kind: str, world: int, versions: list[int], name: str, seed: int = 0,
-                      update_timeout: float = 60.0, prompts=PROMPTS, **trainer_kwargs):
+                      update_timeout: float = 60.0, prompts=PROMPTS, loader_check=None, **trainer_kwargs):
     """Trainer ranks (real processes) and the engine's init + one update per
-    version, at once; returns (trainer states, engine outputs after each version)."""
+    version, at once; returns (trainer states, engine outputs after each version).
+    loader_check: a folder; the last version's tensors are then checked bit for
+    bit against what vLLM's own load_weights writes from the same weights, on
+    every engine worker (differences_from_loader)."""
     from transformers import AutoModelForCausalLM
 
     from llamarl_core.integrations.vllm import ddma_init_info
@@ -76,17 +103,31 @@ def sync_from_trainer(host: EngineProcess, store, kind: str, world: int, version
         meta = AutoModelForCausalLM.from_config(tiny_config(kind))
     with ThreadPoolExecutor(1) as pool:
         trainers = pool.submit(run_processes, jobs, 300)
-        info = ddma_init_info("127.0.0.1", store.port, fsdp_layout(meta, world, torch.float32), name=name,
-                              timeout_s=60)
+        layout = fsdp_layout(meta, world, torch.float32)
+        info = ddma_init_info("127.0.0.1", store.port, layout, name=name, timeout_s=60)
         outputs = []
         try:
             host.call("init", info)
+            # No gather: each trainer rank sends the bytes of its own shards, once per engine worker
+            # holding them: its matrices once (split over the workers; these configs replicate no KV
+            # head), its norms and MoE routers (which every worker holds whole) to each worker.
+            tp = ENGINE_KWARGS.get(kind, {}).get("tensor_parallel_size", 1)
+            expected = {r: sum(math.prod(shape) * 4 * (tp if len(shape) == 1 or name.endswith("mlp.gate.weight") else 1)
+                               for name, (shape, _) in layout.local_tensor_specs(r).items()) for r in range(world)}
+            assert host.call("planned_bytes_by_src_rank") == expected
+            if kind in PRESET_KINDS:
+                assert_preset_equals_derived(kind, layout, Layout.from_json(host.call("engine_layout")))
             for version in versions:
                 host.call("ddma_update", version, update_timeout)
                 outputs.append(host.call("greedy", prompts, MAX_TOKENS))
+            states = trainers.result()[0]
+            if loader_check is not None:
+                differences = host.call("loader_differences", checkpoint_tensors(kind, states[-1], loader_check))
+                assert not differences, "\n".join(differences)
+                # The check can fail: the version before differs from what the engine holds.
+                assert host.call("loader_differences", checkpoint_tensors(kind, states[0], loader_check))
         finally:
             host.call("shutdown_transfer")
-        states = trainers.result()[0]
     return states, outputs
 
 
@@ -98,44 +139,39 @@ def assert_matches_transformers(kind: str, state: dict, outputs, prompts=PROMPTS
         assert worst <= LOGPROB_TOL, f"prompt {prompt}: log-probs differ by {worst:.2e}"
 
 
-@pytest.mark.parametrize("kind, world", [("llama", 1), ("llama", 2), ("qwen3", 2), ("qwen3_moe", 2), ("mixtral", 2)])
-def test_sync_from_fsdp_trainer_matches_transformers(engines, store, kind, world):
-    """Two versions (the second after an AdamW step) from a trainer of 1 and 2
-    FSDP2 ranks into an engine started with dummy weights: vLLM's greedy tokens
-    equal transformers' on the trainer's weights, log-probs within 1e-4. The
-    engine's layout is derived from its own loaders (Qwen3's q/k norms, MoE
-    experts stacked from transformers' fused ones, 2 + 1 experts per rank)."""
-    engine = engines(kind)
-    states, outputs = sync_from_trainer(engine, store, kind, world, [1, 2], f"{kind}-w{world}",
-                                        seed=world)
+@pytest.mark.parametrize("kind, world", [("llama", 2), ("qwen2_tied", 2), ("qwen3", 2), ("qwen3_moe", 2), ("mixtral", 2)])
+def test_sync_from_fsdp_trainer_matches_transformers(llama_engine, store, kind, world, tmp_path, tmp_path_factory):
+    """Two versions (the second after an AdamW step) from a trainer of 2 FSDP2
+    ranks into an engine started with dummy weights (Qwen3 and Qwen3-MoE: 2
+    tensor-parallel workers): vLLM's greedy tokens equal transformers' on the
+    trainer's weights, log-probs within 1e-4. The engine's layout is derived from
+    its own loaders (Qwen2's tied embedding, Qwen3's q/k norms, MoE experts
+    stacked from transformers' fused ones, 2 + 1 experts per trainer rank), and
+    what the sync wrote equals, bit for bit, what vLLM's load_weights writes from
+    the same weights. No KV of version 1 serves version 2: with Qwen2's prefix
+    cache on, a 70-token prompt completed under version 1 leaves two blocks of
+    its KV cached, and the same prompt after version 2 gets version 2's tokens
+    and log-probs (the engine host resets the cache; without that it did not)."""
+    # The Llama engine serves the tests below too; the others stop here (an idle tensor-parallel
+    # engine's workers poll for work, taking the cores the next tests need).
+    engine = llama_engine if kind == "llama" else engine_for(kind, tmp_path_factory)
+    prompts = PROMPTS + [LONG_PROMPT] if ENGINE_KWARGS.get(kind, {}).get("enable_prefix_caching") else PROMPTS
+    try:
+        states, outputs = sync_from_trainer(engine, store, kind, world, [1, 2], f"{kind}-w{world}", seed=world,
+                                            prompts=prompts, loader_check=tmp_path / "checkpoint")
+        version = engine.call("weight_version")
+    finally:
+        if kind != "llama":
+            engine.close()
     assert len(states) == 2
     assert any((states[0][k] != states[1][k]).any() for k in states[0]), "the step changed nothing"
     assert outputs[0] != outputs[1]
     for state, output in zip(states, outputs):
-        assert_matches_transformers(kind, state, output)
-    assert engine.call("weight_version") == "2"
+        assert_matches_transformers(kind, state, output, prompts)
+    assert version == "2"
 
 
-def test_prefix_cache_never_serves_an_older_version(store, tmp_path):
-    """Prefix caching on, blocks of 32 tokens: a 70-token prompt completed under
-    version 1 leaves two full blocks of its KV cached; after version 2 lands the
-    same prompt's tokens and log-probs are transformers' at version 2."""
-    path = tmp_path / "llama"
-    tiny_config("llama").save_pretrained(path)
-    engine = EngineProcess(str(path), dtype="float32", max_model_len=128, seed=0, block_size=32,
-                           enable_prefix_caching=True)
-    prompt = [1] + [(7 * i) % 990 + 3 for i in range(69)]
-    try:
-        states, outputs = sync_from_trainer(engine, store, "llama", 1, [1, 2], "prefix-cache", seed=11,
-                                            prompts=[prompt])
-    finally:
-        engine.close()
-    assert outputs[0] != outputs[1]
-    for state, output in zip(states, outputs):
-        assert_matches_transformers("llama", state, output, prompts=[prompt])
-
-
-def test_trainer_killed_mid_sync_keeps_last_version(engines, store):
+def test_trainer_killed_mid_sync_keeps_last_version(llama_engine, store):
     """Rank 0 of a 2-rank trainer dies before sending version 2 (rank 1's shards
     have landed): update_weights raises within its timeout, the engine keeps
     generating with version 1, and a new trainer's version then lands whole."""
@@ -143,7 +179,7 @@ def test_trainer_killed_mid_sync_keeps_last_version(engines, store):
     from llamarl_core.sync import hf_llama_fsdp
 
     kind, name = "llama", "llama-killed"  # the engine-side path is the same for every config
-    engine = engines(kind)
+    engine = llama_engine
     jobs = [(trainer_rank, dict(port=store.port, rank=r, world=2, kind=kind, seed=7, versions=[1, 2], name=name,
                                 die_before_send=1 if r == 0 else None, timeout_s=20)) for r in range(2)]
     info = ddma_init_info("127.0.0.1", store.port, hf_llama_fsdp(tiny_config(kind), 2, torch.float32), name=name,
@@ -175,13 +211,13 @@ def test_trainer_killed_mid_sync_keeps_last_version(engines, store):
     # vLLM's loader would take the first 256 rows of each 512-row tensor and report success
     ({"intermediate_size": 512}, "reads 32768 of the 65536 elements of the trainer's 'model.layers.0.mlp.gate_proj"),
 ])
-def test_mismatched_trainer_refused_before_connecting(engines, store, change, culprit):
+def test_mismatched_trainer_refused_before_connecting(llama_engine, store, change, culprit):
     """A trainer whose config differs from the engine's: init_weight_transfer_engine
     raises naming the parameter, before it connects (no trainer runs at all)."""
     from llamarl_core.integrations.vllm import ddma_init_info
     from llamarl_core.sync import hf_llama_fsdp
 
-    engine, config = engines("llama"), tiny_config("llama")
+    engine, config = llama_engine, tiny_config("llama")
     for key, value in change.items():
         setattr(config, key, value)
     info = ddma_init_info("127.0.0.1", store.port, hf_llama_fsdp(config, 1, torch.float32), name="mismatch",
@@ -189,6 +225,27 @@ def test_mismatched_trainer_refused_before_connecting(engines, store, change, cu
     with pytest.raises(EngineError, match=f"does not match the vLLM engine.*{culprit}"):
         engine.call("init", info)
     assert not store.check(["llamarl/sync/mismatch/dst/layout"]), "the engine connected before checking"
+
+
+def test_parameter_the_engine_computes_after_loading_refused(store, tmp_path):
+    """DeepSeek-V2's MLA: vLLM computes W_UK_T and W_UV from kv_b_proj after loading,
+    which a sync does not recompute; init_weight_transfer_engine refuses the model
+    naming them, before it connects."""
+    from transformers import AutoModelForCausalLM
+
+    from llamarl_core.integrations.vllm import ddma_init_info
+    from llamarl_core.sync import fsdp_layout
+
+    path = tmp_path / "deepseek_v2"
+    tiny_config("deepseek_v2").save_pretrained(path)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny_config("deepseek_v2"))
+    info = ddma_init_info("127.0.0.1", store.port, fsdp_layout(meta, 1, torch.float32), name="mla", timeout_s=5)
+    with EngineProcess(str(path), dtype="float32", max_model_len=128, seed=0) as engine:
+        with pytest.raises(EngineError, match="computes parameter 'model.layers.0.self_attn.*W_(UK_T|UV)' from "
+                                              "loaded weights after loading"):
+            engine.call("init", info)
+    assert not store.check(["llamarl/sync/mla/dst/layout"]), "the engine connected before checking"
 
 
 def test_fp8_engine_of_another_family_refused():
@@ -268,30 +325,39 @@ def test_sync_while_requests_in_flight(store, tmp_path):
             assert worst <= LOGPROB_TOL, f"prompt {s.prompt}, version {version}: log-probs differ by {worst:.2e}"
 
 
-def test_train_with_vllm_generator(tmp_path):
-    """`llamarl train --generator vllm`: the controller, staleness rules, metrics and
-    trace with an AsyncLLM as the generator. At step 0 (staleness 0, the trainer's
-    own weights) the behaviour log-probs vLLM recorded equal the trainer's: the
-    mismatch KL is 0 and every importance ratio 1. Held-out prompts are evaluated
-    with greedy requests."""
+def test_train_qwen3_moe_with_vllm_generator(tmp_path):
+    """`llamarl train --generator vllm --model <a Qwen3-MoE folder with a tokenizer>`
+    for 20 steps: the trainer (transformers' Qwen3MoeForCausalLM under FSDP2) syncs
+    into an AsyncLLM whose layout vLLM's own loaders give (experts stacked from
+    transformers' fused ones). At step 0 (staleness 0, the trainer's own weights)
+    the behaviour log-probs vLLM recorded equal the trainer's: the mismatch KL is 0
+    and every importance ratio 1. Held-out prompts are evaluated with greedy requests."""
+    from test_data import tiny_model_folder
+
+    model = tiny_model_folder(tmp_path, "qwen3-moe", transformers.Qwen3MoeConfig, hidden_size=64, head_dim=32,
+                              num_hidden_layers=2, moe_intermediate_size=32, num_experts=3, num_experts_per_tok=2,
+                              decoder_sparse_step=1, max_position_embeddings=128, initializer_range=0.1)
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--generator", "vllm", "--steps", "6",
-                           "--warmup-steps", "5", "--prompts-per-step", "4", "--samples-per-prompt", "4",
-                           "--max-staleness", "1", "--quiet",
-                           "--eval-every", "3", "--eval-size", "4", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--generator", "vllm", "--model",
+                           str(model), "--steps", "20", "--prompts-per-step", "4", "--samples-per-prompt", "4",
+                           "--max-staleness", "1", "--quiet", "--eval-every", "10", "--eval-size", "4",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=400, cwd="/", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(6))
+    assert [m["step"] for m in metrics] == list(range(20))
     assert all(set(m["staleness"]) <= {"0", "1"} and sum(m["staleness"].values()) == 16 for m in metrics)
     first = metrics[0]
     assert first["staleness"] == {"0": 16}
     assert abs(first["mismatch_kl"]) < 1e-5 and abs(first["mean_ratio"] - 1) < 1e-4, first
     config = json.loads((out / "config.json").read_text())
-    assert config["generator"] == "vllm" and config["hidden_size"] == 128
+    assert config["generator"] == "vllm" and config["model"] == str(model)
     spans = {e["name"] for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"}
     assert {"generate", "receive weights", "send weights", "evaluate"} <= spans
-    # Held-out prompts completed greedily (temperature 0 requests) at versions 0, 3 and the last.
+    # Held-out prompts completed greedily (temperature 0 requests) at versions 0, 10 and the last.
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
-    assert [(e["version"], e["samples"]) for e in evals] == [(0, 4), (3, 4), (6, 4)]
+    assert [(e["version"], e["samples"]) for e in evals] == [(0, 4), (10, 4), (20, 4)]
+    # The policy written at the end is a Qwen3-MoE model folder transformers loads.
+    policy = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
+    assert type(policy).__name__ == "Qwen3MoeForCausalLM"

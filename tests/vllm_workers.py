@@ -10,11 +10,13 @@ import torch
 import torch.distributed as dist
 import transformers
 
+
 def tiny_config(kind: str):
     """Configs vLLM's CPU attention takes (head_dim 32), a vocabulary vLLM pads
     (1000 -> 1024), weights large enough that greedy tokens are clear; past the
     Llama family, Qwen3 (q/k norms) and two MoE models with 3 experts (uneven
-    over 2 FSDP ranks) whose expert width vLLM's CPU kernel does not pad."""
+    over 2 FSDP ranks) whose expert width vLLM's CPU kernel does not pad (a
+    multiple of 32 per tensor-parallel rank)."""
     common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256, initializer_range=0.2,
                   torch_dtype="float32", bos_token_id=1, eos_token_id=2)
@@ -29,13 +31,20 @@ def tiny_config(kind: str):
     if kind == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
     if kind == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, head_dim=32, moe_intermediate_size=32, num_experts=3,
+        return transformers.Qwen3MoeConfig(**common, head_dim=32, moe_intermediate_size=64, num_experts=3,
                                            num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=False,
                                            architectures=["Qwen3MoeForCausalLM"])
     if kind == "mixtral":
         return transformers.MixtralConfig(**{**common, "intermediate_size": 64}, num_local_experts=3,
                                           num_experts_per_tok=2, tie_word_embeddings=False,
                                           architectures=["MixtralForCausalLM"])
+    if kind == "deepseek_v2":  # MLA: vLLM computes W_UK_T / W_UV from kv_b_proj after loading
+        return transformers.DeepseekV2Config(**{**common, "num_key_value_heads": 4}, moe_intermediate_size=64,
+                                             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                             first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=64,
+                                             qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+                                             topk_method="greedy", n_group=1, topk_group=1,
+                                             tie_word_embeddings=False, architectures=["DeepseekV2ForCausalLM"])
     raise ValueError(kind)
 
 
@@ -47,7 +56,8 @@ def trainer_rank(port: int, rank: int, world: int, kind: str, seed: int, version
                  timeout_s: float = 60.0) -> list[dict] | None:
     """One FSDP2 trainer rank (world > 1: fully_shard over gloo): registers its shards
     with fsdp_sender, sends each version (an AdamW step on a random batch between
-    versions), and returns the full state dict of every version sent (rank 0).
+    versions, and a forward with no backward just before each send), and returns
+    the full state dict of every version sent (rank 0).
     die_before_send: the index of a send this rank never makes (it exits at once).
     send_after: send index -> a Store key to wait for before that version's step."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -85,6 +95,8 @@ def trainer_rank(port: int, rank: int, world: int, kind: str, seed: int, version
                 state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
                 if i == die_before_send:
                     os._exit(1)  # killed mid-sync: the other ranks' shards have landed, not this one's
+                # A forward with no backward (FSDP2 leaves the root unsharded): the sender reshards.
+                model(input_ids=torch.tensor([[5, 6, 7]]))
                 sender.send(version, timeout=timeout_s)
                 states.append({k: v.numpy().copy() for k, v in state.items()})  # numpy: outlives this process
     finally:
@@ -98,6 +110,18 @@ def reference_model(kind: str, state: dict):
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), torch_dtype=torch.float32)
     model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
     return model.eval()
+
+
+def checkpoint_tensors(kind: str, state: dict, folder) -> list[tuple[str, torch.Tensor]]:
+    """A trainer's state dict as the checkpoint tensors vLLM loads: what
+    transformers' save_pretrained writes (MoE experts one tensor each)."""
+    from safetensors.torch import load_file
+
+    reference_model(kind, state).save_pretrained(folder)
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return sorted(tensors.items())
 
 
 @torch.no_grad()

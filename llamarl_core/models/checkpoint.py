@@ -1,11 +1,13 @@
 """Pretrained models from disk: a Hugging Face model folder (config.json and
-safetensors weights) or a single GGUF file, for the Llama family our weight sync
-and generator speak (Llama, Qwen2, Mistral); and the way back out, a folder that
-`transformers` and vLLM load.
+safetensors weights) or a single GGUF file, of any causal LM transformers builds
+(the trainer's model; which generator runs it is checked by
+`check_generator_config`); and the way back out, a folder that `transformers`
+and vLLM load.
 
 Everything here checks before it loads: a path that is not a model, weights
-only as a pickle, an architecture or RoPE variant we do not run, each raise a
-ValueError naming the path and what is wrong, before any process starts.
+only as a pickle, a model transformers has no causal LM for, a family or RoPE
+variant the chosen generator does not run, each raise a ValueError naming the
+path and what is wrong, before any process starts.
 """
 
 from __future__ import annotations
@@ -15,19 +17,37 @@ from pathlib import Path
 
 import torch
 
+from ..sync.presets import LLAMA_FAMILY, check_llama_family
 from .llama_generator import rope_inv_freq
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+def _family(config) -> str:
+    archs = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
+    return f"model_type {getattr(config, 'model_type', None)!r} ({archs})"
 
 
-def check_model_config(config, where: str) -> None:
-    """ValueError unless `config` (a transformers config) is a model we sync and
-    generate with; `where` names it in the message."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        archs = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
-        raise ValueError(f"{where}: model_type {model_type!r} ({archs}) is not supported; llamarl runs the "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)} families")
+def check_causal_lm(config, where: str) -> None:
+    """ValueError unless transformers builds a causal LM of `config` (the trainer's
+    model, through AutoModelForCausalLM); `where` names it in the message."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"{where}: {_family(config)} is not a causal language model transformers builds "
+                         "(AutoModelForCausalLM)")
+
+
+def check_generator_config(config, generator: str, where: str) -> None:
+    """ValueError unless `generator` runs `config`: vLLM ("vllm") any causal LM
+    (its own loaders place the weights); ours ("llama") the Llama family
+    (LLAMA_FAMILY, no experts or q/k norms) with a RoPE variant it computes."""
+    check_causal_lm(config, where)
+    if generator != "llama":
+        return
+    try:
+        check_llama_family(config)
+    except ValueError:
+        raise ValueError(f"{where}: {_family(config)}: the built-in generator runs the Llama family "
+                         f"({', '.join(LLAMA_FAMILY)}) only; run this model with --generator vllm") from None
     try:
         rope_inv_freq(config, 2)
     except ValueError as exc:
@@ -107,7 +127,7 @@ class ModelSource:
             config = transformers.AutoConfig.from_pretrained(self.folder, **self._kwargs())
         except (OSError, ValueError, KeyError) as exc:
             raise ValueError(f"--model {self.path}: cannot read its config: {exc}") from None
-        check_model_config(config, f"--model {self.path}")
+        check_causal_lm(config, f"--model {self.path}")
         if getattr(config, "quantization_config", None) is not None and self.gguf_file:
             del config.quantization_config
         self._config = config

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..sync import abandon_receivers, hf_llama_fsdp, vllm_llama_tp
+from ..models.checkpoint import check_generator_config
+from ..sync import abandon_receivers, vllm_llama_tp
 from .config import TrainConfig
 from .data import RunData
 from .executors import (
@@ -87,12 +88,13 @@ class Controller:
         self.data.check_prompts_fit()
         check_reward_config(config, self.data)
         model_config = self.data.model_config
-        for flag, size, layout in (("--trainer-world", config.trainer_world, hf_llama_fsdp),
-                                   ("--generator-tp", config.generator_tp, vllm_llama_tp)):
+        check_generator_config(model_config, config.generator,
+                               f"--model {config.model}" if config.model else "the built-in model")
+        if config.generator == "llama":  # vLLM checks its own tensor-parallel split
             try:
-                layout(model_config, size, torch.float32)
+                vllm_llama_tp(model_config, config.generator_tp, torch.float32)
             except ValueError as exc:
-                raise ValueError(f"{flag} {size}: {exc}") from None
+                raise ValueError(f"--generator-tp {config.generator_tp}: {exc}") from None
         # Generator executor processes: ours, one per tensor-parallel rank of each
         # replica (replica r's rank t is generator rank r * tp + t); vLLM, one (it
         # starts its own tensor-parallel workers).

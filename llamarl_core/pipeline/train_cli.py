@@ -63,9 +63,10 @@ FLAGS = {
 }
 # Options whose default is None or a name (the type of the default cannot say how to parse them), with their help.
 NAMED_FLAGS = {
-    "model": (str, "a pretrained model: a Hugging Face folder (config.json + *.safetensors; Llama, Qwen2, Mistral) or "
-                   "a .gguf file; the trainer loads it, the generator gets its weights by the first sync (default: "
-                   "the built-in toy Llama)"),
+    "model": (str, "a pretrained model: a Hugging Face folder (config.json + *.safetensors) or a .gguf file; the "
+                   "built-in generator runs Llama, Qwen2, Mistral, --generator vllm any causal LM vLLM runs (Qwen3, "
+                   "Qwen3-MoE, Mixtral); the trainer loads it, the generator gets its weights by the first sync "
+                   "(default: the built-in toy Llama)"),
     "dataset": (str, "JSONL with a \"prompt\" (or chat \"messages\") and an \"answer\" per line; the last "
                      "--eval-size lines are held out (needs --model)"),
     "reward": (str, "verifiable reward: math, format, module:function, or a weighted sum such as "
@@ -104,8 +105,8 @@ def parse_args(argv):
                              "tensor parallelism for --generator-tp (unless given: " +
                              ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in VLLM_DEFAULTS.items()) + ")")
     parser.add_argument("--keep-kv", action="store_true",
-                        help="vLLM: keep running requests' KV cache across a weight update (default: recompute it "
-                             "under the new weights)")
+                        help="vLLM: keep the KV cache across a weight update, running requests' and the prefix "
+                             "cache's (default: drop both, recomputed under the new weights)")
     parser.add_argument("--mask-truncated", action="store_true",
                         help="leave completions that hit --max-new-tokens out of the loss (counted either way)")
     parser.add_argument("--log-rollouts", action="store_true",

@@ -14,6 +14,9 @@ Two facts come off the model itself, none is written per family:
   `Replicate` + `Shard`, 2-D meshes), torch.chunk pieces as DTensor cuts them.
   A plain tensor is whole on every rank: a single process, or DDP, of which one
   rank sends (world_size 1).
+DDP and torch.compile wrappers are looked through, FSDP1 is refused, and FSDP2
+modules are resharded before their shards are read (FSDP2 leaves the root
+unsharded after a forward with no backward).
 
 `module_layout(model, world_size)` gives the layout, `module_sender` (alias
 `fsdp_sender`) a WeightSender over the model's local shards, in place.
@@ -185,6 +188,7 @@ def module_layout(model: torch.nn.Module, world_size: int) -> Layout:
     a replicated model: rank 0 alone sends, with world_size 1), a placement
     other than Shard / Replicate, a mesh over other ranks."""
     _check_world_size(world_size)
+    model = _resharded(_unwrapped(model))
     params = dict(model.named_parameters())
     if world_size > 1 and not any(hasattr(p, "placements") for p in params.values()):
         raise ValueError(f"{type(model).__name__}'s parameters are plain tensors, whole on every rank (DDP or a "
@@ -204,8 +208,11 @@ def fsdp_layout(model: torch.nn.Module, world_size: int, dtype: torch.dtype) -> 
     `model` over `world_size` ranks, in `dtype`: built from the unsharded model
     (a meta-device one will do), before any trainer runs, for the engine side to
     plan against; it holds the same fragments as what `module_sender` registers
-    then. A model already sharded is read as it is (module_layout), in `dtype`."""
+    then when `fully_shard` covers every parameter on one 1-D mesh (senders and
+    receivers plan again from the layouts they register when they connect). A
+    model already sharded is read as it is (module_layout), in `dtype`."""
     _check_world_size(world_size)
+    model = _unwrapped(model)
     if any(hasattr(p, "placements") for p in model.parameters()):
         live = module_layout(model, world_size)
         return Layout(world_size, [ParamSpec(s.name, s.shape, dtype, s.placement, s.source)
@@ -224,6 +231,37 @@ def fsdp_layout(model: torch.nn.Module, world_size: int, dtype: torch.dtype) -> 
     return Layout(world_size, specs)
 
 
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP and torch.compile wrappers (their parameter names carry
+    `module.` / `_orig_mod.`, which no checkpoint has); FSDP1 is refused by name."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        elif type(model).__name__ == "FullyShardedDataParallel":
+            raise ValueError("FSDP1 (FullyShardedDataParallel) flattens parameters into one buffer per unit; "
+                             "shard the model with FSDP2's fully_shard instead")
+        else:
+            return model
+
+
+def _resharded(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every FSDP2 module holding its shards: FSDP2 leaves the root's
+    parameters unsharded after a forward with grad enabled and no backward (a
+    log-prob pass outside no_grad), and the shards are what a sync reads."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return model
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
 def _check_world_size(world_size: int) -> None:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -237,6 +275,7 @@ class ModuleSender(WeightSender):
     sender after such a change."""
 
     def __init__(self, store: dist.Store, model: torch.nn.Module, rank: int, world_size: int, **kwargs):
+        model = _unwrapped(model)
         layout = module_layout(model, world_size)
         self.model = model
         shards = {name: local_shard(p) for name, p in model.named_parameters()}
@@ -244,8 +283,9 @@ class ModuleSender(WeightSender):
         super().__init__(store, layout, rank, shards, **kwargs)
 
     def check_storage(self) -> None:
-        """SyncError naming the first parameter whose storage is not the registered one."""
-        live = dict(self.model.named_parameters())
+        """SyncError naming the first parameter whose storage is not the registered
+        one (FSDP2 modules resharded first: their shards are the registered storage)."""
+        live = dict(_resharded(self.model).named_parameters())
         for name, registered in self._registered.items():
             if name not in live:
                 raise SyncError(f"trainer parameter {name!r} is gone from the model since the sender registered it")

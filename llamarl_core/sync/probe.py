@@ -10,6 +10,10 @@ and at `dst.copy_(probe)` writes nothing but records which elements of the
 logical tensor `dst` would receive (`ProbeCopy`). Any other op on a probe
 (arithmetic, `torch.cat`, an in-place write into it) raises `ProbeError` naming
 the op and the tensor: what a loader computes cannot be replayed as a copy.
+`recording(targets)` also guards the tensors being loaded into: a write into
+one that is not a copy from a probe or a constant fill (a loader that copies
+and then transforms the parameter in place, `param.copy_(fn(param))`) raises
+`ProbeError` naming it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import threading
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 aten = torch.ops.aten
 
@@ -60,12 +65,47 @@ class _Recorder(threading.local):
 _recorder = _Recorder()
 
 
+# Writes the guard lets through: a constant (vLLM zeroes a vocabulary's padding rows).
+_CONSTANT_FILLS = {aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
+
+
+class _Guard(TorchDispatchMode):
+    """Raises ProbeError on a write into a guarded storage other than a copy from
+    a probe or a constant fill."""
+
+    def __init__(self, targets: dict[int, str]):
+        super().__init__()
+        self.targets = targets
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        allowed = func in _CONSTANT_FILLS or (func is aten.copy_.default and isinstance(args[1], ViewProbe))
+        if func._schema.is_mutable and not allowed:
+            schema_args = func._schema.arguments
+            values = list(args) + [kwargs.get(a.name) for a in schema_args[len(args):]]
+            for arg, value in zip(schema_args, values):
+                if arg.alias_info is None or not arg.alias_info.is_write or not isinstance(value, torch.Tensor) \
+                        or isinstance(value, ViewProbe):
+                    continue
+                name = self.targets.get(value.untyped_storage()._cdata)
+                if name is not None:
+                    raise ProbeError(f"the loading code writes into {name!r} with {func}, a value it computes rather "
+                                     "than a copy of a checkpoint tensor; it cannot be replayed as a weight sync")
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
-def recording():
-    """Collect the ProbeCopy of every `copy_` from a probe in this thread."""
+def recording(targets: dict[int, str] | None = None):
+    """Collect the ProbeCopy of every `copy_` from a probe in this thread.
+    targets: {untyped storage `_cdata`: name} of the tensors loaded into, guarded
+    (see the module docstring)."""
     outer, _recorder.copies = _recorder.copies, []
     try:
-        yield _recorder.copies
+        if targets:
+            with _Guard(targets):
+                yield _recorder.copies
+        else:
+            yield _recorder.copies
     finally:
         _recorder.copies = outer
 
@@ -101,7 +141,7 @@ class ViewProbe(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        probes = [a for a in args if isinstance(a, ViewProbe)]
+        probes = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, ViewProbe)]  # torch.cat's list too
         if func is aten.copy_.default and isinstance(args[1], ViewProbe) and not isinstance(args[0], ViewProbe):
             dst, src = args[0], args[1]
             if tuple(dst.shape) != tuple(src.shape):

@@ -25,7 +25,11 @@ own parameters. One sync, with `info = ddma_init_info(...)` built on the trainer
                                              llm.finish_weight_update(weight_version=str(version))
 
 The two columns run at once (set-up and each sync wait for the other side, up
-to `timeout_s`). What each vLLM worker does is in `engine.py`.
+to `timeout_s`). Then, still paused, `llm.reset_prefix_cache()` (`POST
+/reset_prefix_cache` on a server): vLLM's prefix cache lives in its scheduler,
+which the backend's workers cannot reach, and its KV was computed under the
+last version (an AsyncLLM paused with `pause_generation(clear_cache=True)`
+drops it too). What each vLLM worker does is in `engine.py`.
 
 `init_info` (JSON, so it also travels over `vllm serve`'s HTTP routes):
 - store_host, store_port: a torch.distributed TCPStore every trainer rank and

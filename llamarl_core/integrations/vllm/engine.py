@@ -46,7 +46,7 @@ from ...sync.errors import SyncError
 from ...sync.layout import Layout
 from ...sync.plan import plan_transfer
 from ...sync.presets import vllm_llama_tp
-from .layouts import derive_rank_layout, gather_layout, meta_placeholders, publish
+from .layouts import derive_rank_layout, gather_layout, loader_writes, meta_placeholders, publish
 
 _FP8_SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
 
@@ -146,7 +146,7 @@ def check_live_model(layout: Layout, rank: int, live: dict[str, tuple[torch.Tens
         param, live_shape = live[name]
         if live_shape != shape or param.dtype != dtype:
             raise ValueError(f"vLLM worker {rank}: parameter {name!r} is {live_shape} {param.dtype} in the engine, "
-                             f"the layout of its config says {shape} {dtype}")
+                             f"its layout says {shape} {dtype}")
     extra = sorted(set(live) - set(expected))
     if extra:
         raise ValueError(f"vLLM worker {rank}: the engine's model has parameter {extra[0]!r} that no layout "
@@ -181,23 +181,20 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
         store = dist.TCPStore(init_info.store_host, init_info.store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=init_info.timeout_s))
         fp8 = fp8_granularity(live)
-        if fp8 is not None:  # FP8 weights and their scales: the Llama-family preset's format
-            layout = engine_layout(self.model_config.hf_config, tp_size, self.model_config.dtype, fp8)
-        else:
-            logical = trainer_layout.logical_shapes()
-            key = f"{init_info.name}/engine_layout"
-            try:
+        try:
+            if fp8 is not None:  # FP8 weights and their scales: the Llama-family preset's format
+                layout = engine_layout(self.model_config.hf_config, tp_size, self.model_config.dtype, fp8)
+            else:
+                logical = trainer_layout.logical_shapes()
+                key = f"{init_info.name}/engine_layout"
                 try:
                     mine = derive_rank_layout(self.model, logical, self.model_config.dtype, rank)
-                except ValueError as exc:
-                    publish(store, key, rank, {"error": str(exc)})  # the peers raise this, not a timeout
+                except Exception as exc:  # published, so the peers raise this rather than time out
+                    reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                    publish(store, key, rank, {"error": reason})
                     raise
                 layout = gather_layout(store, key, rank, tp_size, mine, logical, init_info.timeout_s)
-            except ValueError as exc:
-                raise ValueError(f"the trainer's model does not match the vLLM engine's ({self.model_config.model}): "
-                                 f"{exc}") from exc
-        check_live_model(layout, rank, live)
-        try:
+            check_live_model(layout, rank, live)
             plan_transfer(trainer_layout, layout)
         except ValueError as exc:
             raise ValueError(f"the trainer's model does not match the vLLM engine's ({self.model_config.model}): "
@@ -213,6 +210,7 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
             tensors = {name: live[name][0] for name in layout.local_tensor_specs(rank)}
         self.receiver = WeightReceiver(store, layout, rank, tensors, name=init_info.name,
                                        transport=init_info.transport, timeout=init_info.timeout_s)
+        self.layout, self.rank, self.destinations = layout, rank, tensors
 
     def start_weight_update(self) -> None:
         if self.receiver is None:
@@ -241,6 +239,31 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
     def commit_seconds(self) -> float:
         """How long the last commit (CPU: copies and re-packing) took; 0 on GPU."""
         return self._commit.seconds if self._commit is not None else 0.0
+
+    def differences_from_loader(self, weights) -> list[str]:
+        """The synced tensors of this worker against what vLLM's own `load_weights`
+        writes from `weights` (checkpoint-named tensors; layouts.loader_writes),
+        compared bit for bit before any post-processing (CPU: the landing tensors
+        the commit packs from; the vocabulary's padding rows left out, which the
+        loader zeroes and a sync keeps). Returns one line per parameter that
+        differs (empty: the derived layout is what the loader does)."""
+        if self.receiver is None:
+            raise SyncError("llamarl_ddma: call init_weight_transfer_engine first")
+        if any(spec.fp8 is not None for spec in self.layout.params.values()):
+            raise SyncError("llamarl_ddma: an FP8 engine's weights are quantized on the way; there is no loader "
+                            "output to compare them with bit for bit")
+        expected = loader_writes(self.model, weights)
+        differences = []
+        for name, synced in self.destinations.items():
+            want, got = expected[name], synced
+            pad_start, pad_stop = self.layout.padding_rows(name, self.rank)
+            if pad_stop > pad_start:
+                want, got = want[:pad_start], got[:pad_start]
+            if not torch.equal(got.cpu(), want.cpu()):
+                worst = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else "shape"
+                differences.append(f"worker {self.rank}: {name} {tuple(want.shape)} differs from the loader's "
+                                   f"(max |difference| {worst})")
+        return differences
 
     def shutdown(self) -> None:
         if self.receiver is not None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ...pipeline.generators import Generator
 from ...pipeline.rollout import Sample, stop_token_set
-from ...sync import SyncTimeoutError, hf_llama_fsdp
+from ...sync import SyncTimeoutError, fsdp_layout
 from . import ddma_init_info
 
 # vLLM's CPU attention takes these head sizes only (CPUAttentionBackend).
@@ -77,6 +77,7 @@ class VllmGenerator(Generator):
         # Before vLLM is imported: its INFO lines (one per pause and resume) would drown the run's own.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         import torch
+        import transformers
         from vllm import AsyncEngineArgs, SamplingParams
         from vllm.config import WeightTransferConfig
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -101,7 +102,9 @@ class VllmGenerator(Generator):
                                disable_log_stats=True,
                                weight_transfer_config=WeightTransferConfig(backend="llamarl_ddma"))
         self.llm = AsyncLLM.from_engine_args(args)
-        info = ddma_init_info("127.0.0.1", store_port, hf_llama_fsdp(model_config, trainer_world, torch.float32),
+        with torch.device("meta"):  # the trainer's layout, read off its model's class (any family)
+            trainer_model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+        info = ddma_init_info("127.0.0.1", store_port, fsdp_layout(trainer_model, trainer_world, torch.float32),
                               name=sync_name, timeout_s=timeout_s)
         self._run(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
                   timeout_s + ENGINE_CALL_MARGIN_S, "connecting the engine to the trainer")

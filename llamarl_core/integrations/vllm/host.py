@@ -55,15 +55,12 @@ def _ddma_update(llm, version: int, timeout_s: float | None) -> tuple[float, flo
     return paused, max(llm.collective_rpc(lambda worker: worker.weight_transfer_engine.commit_seconds))
 
 
-def _random_hf_weights(llm, seed: int) -> list:
-    """Hugging Face-named full tensors of the engine's model, random, in this process."""
+def _random_weights(shapes: dict, seed: int) -> list:
+    """Random tensors of the given checkpoint names and shapes, made in this process."""
     import torch
 
-    from ...sync.presets import hf_llama_shapes
-
-    config = llm.llm_engine.model_config.hf_config
     gen = torch.Generator().manual_seed(seed)
-    return [(name, torch.randn(shape, generator=gen) * 0.02) for name, shape in hf_llama_shapes(config).items()]
+    return [(name, torch.randn(shape, generator=gen) * 0.02) for name, shape in shapes.items()]
 
 
 def _reload_weights(llm, weights) -> float:
@@ -84,6 +81,10 @@ def _load_weights(llm, weights) -> float:
 
 def _serve(conn, model_dir: str, engine_kwargs: dict) -> None:
     os.environ.update(ENGINE_ENV)
+    if engine_kwargs.get("tensor_parallel_size", 1) > 1:
+        # vLLM's CPU workers bind their threads to a NUMA node each by default, and
+        # refuse to start with fewer nodes than workers; unbound unless told.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     try:
         from vllm import LLM
         from vllm.config import WeightTransferConfig
@@ -101,13 +102,22 @@ def _serve(conn, model_dir: str, engine_kwargs: dict) -> None:
         "ddma_update": lambda version, timeout_s=None: _ddma_update(llm, version, timeout_s),
         "greedy": lambda prompts, max_tokens: _greedy(llm, prompts, max_tokens),
         "weight_version": llm.get_weight_version,
-        "make_hf_weights": lambda key, seed: held.__setitem__(key, _random_hf_weights(llm, seed)),
+        "make_hf_weights": lambda key, shapes, seed: held.__setitem__(key, _random_weights(shapes, seed)),
+        # The bytes each trainer rank sends per version, by the plan every worker holds.
+        "planned_bytes_by_src_rank": lambda: llm.collective_rpc(
+            lambda worker: worker.weight_transfer_engine.receiver.plan.bytes_sent_by_src_rank())[0],
         "reload_weights": lambda key: _reload_weights(llm, held[key]),
         "load_weights": lambda key: _load_weights(llm, held[key]),
         "drop": lambda key: held.pop(key, None) and None,
+        "engine_layout": lambda: llm.collective_rpc(lambda worker: worker.weight_transfer_engine.layout.to_json())[0],
+        "loader_differences": lambda weights: [line for lines in llm.collective_rpc(
+            lambda worker: worker.weight_transfer_engine.differences_from_loader(weights)) for line in lines],
     }
     while True:
-        kind, args = conn.recv()
+        try:
+            kind, args = conn.recv()
+        except EOFError:  # the driving process is gone
+            return
         if kind == "stop":
             return
         try:
@@ -124,7 +134,10 @@ class EngineProcess:
     def __init__(self, model_dir: str, start_timeout: float = 300.0, **engine_kwargs):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, model_dir, engine_kwargs), daemon=True,
+        # Daemonic unless it starts worker processes of its own (tensor parallelism), which a
+        # daemonic process may not; either way it ends when this process's end of the pipe closes.
+        daemon = engine_kwargs.get("tensor_parallel_size", 1) == 1
+        self.proc = ctx.Process(target=_serve, args=(child, model_dir, engine_kwargs), daemon=daemon,
                                 name="llamarl-vllm-engine")
         self.proc.start()
         self._reply(start_timeout, "start")

@@ -12,7 +12,8 @@ Each tensor-parallel worker derives its own rank; `gather_layout` assembles
 the engine's whole layout through the Store (JSON, never pickles).
 
 A parameter no trainer tensor fills, other than the vocabulary's padding rows,
-is refused by name: a sync would leave it stale.
+and one the engine computes from loaded weights after loading (MLA's absorbed
+`W_UK_T` / `W_UV`), are refused by name: a sync would leave them stale.
 """
 
 from __future__ import annotations
@@ -29,20 +30,39 @@ from ...sync.probe import ProbeError, ViewProbe, recording
 
 
 @contextlib.contextmanager
-def meta_placeholders(model: torch.nn.Module):
+def meta_placeholders(model: torch.nn.Module, materialize: bool = False):
     """Every layer's tensors swapped for the meta placeholders vLLM recorded at
     model init (their shapes before any post-processing), the live ones put back
-    after. Yields {placeholder storage key: parameter name}."""
+    after. Yields {placeholder storage key: (parameter name, placeholder)}.
+    materialize: the placeholders made real (zeros on the device vLLM loads on),
+    for a `load_weights` that writes (loader_writes)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.meta import (
+        materialize_layer,
+        materialize_meta_tensor,
+        restore_layer_on_meta,
+        to_meta_tensor,
+    )
     from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_tensors
 
     saved = []
+    live_ptrs = {t.data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()} if materialize else set()
     try:
         for layer in model.modules():
             info = get_layerwise_info(layer)
             saved.append((layer, get_layer_params_buffers(layer), set(layer._non_persistent_buffers_set)))
             restore_layer_on_meta(layer, info)
+            if materialize:
+                materialize_layer(layer, info)
+                with info.restore_device:
+                    for name, tensor in get_layer_tensors(layer).items():
+                        # Tensors vLLM keeps live rather than on meta (biases) are written
+                        # through copies, so the live ones stay untouched.
+                        fresh = tensor if tensor.data_ptr() not in live_ptrs else \
+                            materialize_meta_tensor(to_meta_tensor(tensor))
+                        fresh.data.zero_()
+                        if fresh is not tensor:
+                            setattr(layer, name, fresh)
         found: dict[int, tuple[str, torch.Tensor]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):  # a module under two names: the first
             found.setdefault(param.untyped_storage()._cdata, (name, param))
@@ -55,6 +75,16 @@ def meta_placeholders(model: torch.nn.Module):
                 layer.register_parameter(name, param)
             for name, buffer in buffers.items():
                 layer.register_buffer(name, buffer, persistent=name not in non_persistent)
+
+
+def loader_writes(model: torch.nn.Module, weights) -> dict[str, torch.Tensor]:
+    """What the model's own `load_weights` writes from `weights` ((checkpoint name,
+    tensor) pairs), into zeroed copies of vLLM's placeholders: parameter name ->
+    tensor (its shape before any post-processing). The live parameters are
+    untouched. The reference a derived layout is checked against."""
+    with meta_placeholders(model, materialize=True) as placeholders:
+        model.load_weights(iter(weights))
+        return {name: param.detach().clone() for name, param in placeholders.values()}
 
 
 def _padding_rows(model: torch.nn.Module, name: str, local_rows: int) -> tuple[int, int] | None:
@@ -78,12 +108,13 @@ def derive_rank_layout(model: torch.nn.Module, logical: dict[str, tuple[int, ...
     by_param: dict[str, list[Fragment]] = {name: [] for name in live}
     with meta_placeholders(model) as placeholders:
         shapes = {name: tuple(p.shape) for _, (name, p) in placeholders.items()}
+        targets = {key: name for key, (name, _) in placeholders.items()}  # written only by copies from probes
         try:  # one call for every tensor (a loader walks the model per call)
-            with recording() as copies:
+            with recording(targets) as copies:
                 model.load_weights([(source, ViewProbe.of(source, shape, dtype)) for source, shape in logical.items()])
         except Exception:  # again one tensor at a time, to name the culprit
             for source, shape in logical.items():
-                with recording():
+                with recording(targets):
                     try:
                         model.load_weights([(source, ViewProbe.of(source, shape, dtype))])
                     except ProbeError as exc:
@@ -107,9 +138,14 @@ def derive_rank_layout(model: torch.nn.Module, logical: dict[str, tuple[int, ...
             by_param[name].extend(strided_fragments(
                 source, shape, copy.src_offset, copy.src_strides, tuple(param.shape),
                 copy.dst.storage_offset() - param.storage_offset(), tuple(copy.dst.stride()), copy.extent))
+    derived = [name for name in by_param if name not in shapes]
+    if derived:  # created by process_weights_after_loading from loaded weights (MLA's absorbed W_UK_T / W_UV)
+        raise ValueError(f"vLLM worker {rank}: the engine computes parameter {derived[0]!r} from loaded weights after "
+                         f"loading ({len(derived)} such: {', '.join(derived[:3])}); llamarl_ddma does not recompute it, "
+                         "and a sync would leave it stale")
     specs = []
     for name, fragments in by_param.items():
-        shape = shapes.get(name, tuple(live[name].shape))
+        shape = shapes[name]
         rows, cols = view_2d(shape)
         written = sum(f.num_rows * f.num_cols for f in fragments)
         padding = None
@@ -146,16 +182,21 @@ def assemble_layout(ranks: list[Layout], logical: dict[str, tuple[int, ...]]) ->
 
 
 def check_sources_read_whole(layout: Layout, logical: dict[str, tuple[int, ...]]) -> None:
-    """Every element of every trainer tensor the engine reads is read by some rank
-    (vLLM's loaders cut a tensor to the engine's own shard sizes without checking
-    its whole size: a trainer model larger than the engine's would otherwise
-    leave rows unsent, silently). ValueError naming the tensor."""
+    """Every element of every trainer tensor is read by some rank (vLLM's loaders
+    cut a tensor to the engine's own shard sizes without checking its whole size,
+    and skip names they do not know: a trainer model larger than the engine's, or
+    with tensors it has not, would otherwise leave them unsent, silently).
+    ValueError naming the tensor."""
     rects: dict[str, set[tuple[int, int, int, int]]] = {}
     for name in layout.params:
         for rank in range(layout.world_size):
             for f in layout.fragments(name, rank):  # a rectangle several ranks read (replicated KV heads) counts once
                 rects.setdefault(f.source, set()).add((f.src_row, f.src_row + f.num_rows, f.src_col,
                                                        f.src_col + f.num_cols))
+    unread = sorted(set(logical) - set(rects))
+    if unread:
+        raise ValueError(f"the engine reads nothing of the trainer's {unread[0]!r} ({len(unread)} such tensors): the "
+                         "trainer's model is not the engine's, or the engine's loader drops it")
     for source, read in rects.items():
         rows, cols = view_2d(tuple(logical[source]))
         read = sorted(read)
