@@ -37,7 +37,8 @@ def tiny_model(kind: str, seed: int):
 def sharded(rank: int, world: int, port: int, kind: str, mode: str) -> dict:
     """Shard `kind`'s tiny model ("fsdp": fully_shard per layer and root; "hsdp":
     the same on a 2-D mesh, replicated over its first dim and sharded over its
-    second; "tp": q/k/v/gate/up column-parallel, o/down row-parallel) and return
+    second; "tp": q/k/v/gate/up column-parallel, o/down row-parallel; "fsdp_tp":
+    tensor parallel over a 2-D mesh's second dim, FSDP2 over its first) and return
     module_layout's JSON, the local shards, and fsdp_layout of a meta-device copy."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -51,6 +52,9 @@ def sharded(rank: int, world: int, port: int, kind: str, mode: str) -> dict:
             meta = transformers.AutoModelForCausalLM.from_config(tiny_config(kind))
         if mode == "hsdp":
             mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        elif mode == "fsdp_tp":
+            mesh_2d = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+            mesh = mesh_2d["tp"]
         else:
             mesh = init_device_mesh("cpu", (world,))
         if mode in ("fsdp", "hsdp"):
@@ -59,7 +63,7 @@ def sharded(rank: int, world: int, port: int, kind: str, mode: str) -> dict:
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
-        elif mode == "tp":
+        if mode in ("tp", "fsdp_tp"):
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
             plan = {}
@@ -71,6 +75,12 @@ def sharded(rank: int, world: int, port: int, kind: str, mode: str) -> dict:
                     plan[f"model.layers.{i}.mlp.{proj}"] = ColwiseParallel()
                 plan[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
             parallelize_module(model, mesh, plan)
+        if mode == "fsdp_tp":  # FSDP2 over the tensor-parallel model: colwise weights get _StridedShard
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh_2d["dp"])
+            fully_shard(model, mesh=mesh_2d["dp"])
         layout = module_layout(model, world)
         return {"layout": layout.to_json(), "fsdp_layout": fsdp_layout(meta, world, torch.float32).to_json(),
                 "shards": {n: local_shard(p).numpy().copy() for n, p in model.named_parameters()}}  # numpy: no shared memory

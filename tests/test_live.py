@@ -7,6 +7,7 @@ every layout executed and compared with the checkpoint tensors
 from __future__ import annotations
 
 import datetime
+import random
 import socket
 import threading
 
@@ -109,11 +110,11 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize("kind,mode,world", [("qwen3_moe", "fsdp", 2), ("mixtral", "fsdp", 2), ("qwen3", "tp", 2),
-                                             ("qwen3_moe", "hsdp", 4)])
+                                             ("qwen3_moe", "hsdp", 4), ("qwen3", "fsdp_tp", 4)])
 def test_sharded_trainers_layouts_land_the_checkpoint(kind, mode, world):
     """Real gloo ranks shard the model (FSDP2, 3 experts over 2 ranks: 2 + 1;
-    HSDP, the same shards held by 2 replicas; or tensor parallel, column and
-    row): module_layout of each rank is the same, executing it from the ranks'
+    HSDP, the same shards held by 2 replicas; tensor parallel, column and row;
+    FSDP2 over tensor parallel on 4 ranks, the strided shards): module_layout of each rank is the same, executing it from the ranks'
     local shards gives every checkpoint tensor exactly, and (FSDP2) it equals
     fsdp_layout of a meta-device copy. HSDP: one replica's worth of shards is
     sent, nothing twice, no rank sending more than its own."""
@@ -134,12 +135,37 @@ def test_sharded_trainers_layouts_land_the_checkpoint(kind, mode, world):
         sent = plan_transfer(layout, whole).bytes_sent_by_src_rank()
         own = {r: sum(layout.local_nbytes(n, r) for n in layout.params) for r in range(4)}
         assert sum(sent.values()) == own[0] + own[1] and all(sent.get(r, 0) <= own[r] for r in range(4)), (sent, own)
+    elif mode == "fsdp_tp":  # mesh [[0, 1], [2, 3]] (dp, tp): q_proj's 64 rows cut by tp first, then by dp
+        assert [layout.local_shape("model.layers.0.self_attn.q_proj.weight", r) for r in range(4)] == [(16, 64)] * 4
+        assert [layout.fragments("model.layers.0.self_attn.q_proj.weight", r)[0].src_row for r in range(4)] == \
+            [0, 32, 16, 48]
     else:
         assert layout.local_shape("model.layers.0.self_attn.o_proj.weight", 1) == (64, 32)
     expected = checkpoint(tiny_model(kind, 0))
     shards = {r: {n: torch.from_numpy(a) for n, a in res["shards"].items()} for r, res in enumerate(results)}
     got = land(layout, shards, expected)
     assert [n for n in expected if not torch.equal(got[n], expected[n])] == []
+
+
+def test_shard_runs_match_dtensors_own_indices():
+    """Shard and _StridedShard (FSDP2 over tensor parallelism) cut a dim as DTensor
+    does: the indices torch's own placements give, on random sizes."""
+    from torch.distributed.tensor.placement_types import Shard as DShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from llamarl_core.sync.live import _shard_runs
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        size, split_factor, chunks = rng.randint(0, 40), rng.randint(1, 5), rng.randint(1, 5)
+        strided = _StridedShard(0, split_factor=split_factor)
+        for coord in range(chunks):
+            _, expected = strided.local_shard_size_and_offset(size, chunks, coord, 1)  # 1: every offset
+            got = [i for a, b in _shard_runs([(0, size)] if size else [], strided, chunks, coord) for i in range(a, b)]
+            assert got == (expected or []), (size, split_factor, chunks, coord)
+            pieces = torch.arange(size).chunk(chunks) if size else ()
+            got = [i for a, b in _shard_runs([(0, size)] if size else [], DShard(0), chunks, coord) for i in range(a, b)]
+            assert got == (pieces[coord].tolist() if coord < len(pieces) else []), (size, chunks, coord)
 
 
 def test_fsdp_layout_of_a_meta_model_plans_before_any_trainer():

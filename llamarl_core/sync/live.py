@@ -11,7 +11,8 @@ Two facts come off the model itself, none is written per family:
   layout's logical tensors.
 - which part of each parameter a rank holds: a DTensor's placements on its
   device mesh (FSDP2's `Shard(0)`, tensor-parallel `Shard(d)`, HSDP's
-  `Replicate` + `Shard`, 2-D meshes), torch.chunk pieces as DTensor cuts them.
+  `Replicate` + `Shard`, FSDP2 over tensor parallelism's `_StridedShard`, 2-D
+  meshes), torch.chunk pieces as DTensor cuts them.
   A plain tensor is whole on every rank: a single process, or DDP, of which one
   rank sends (world_size 1).
 DDP and torch.compile wrappers are looked through, FSDP1 is refused, and FSDP2
@@ -106,32 +107,88 @@ def _as_box(probe: ViewProbe, shape: tuple[int, ...]) -> Box:
 # ----------------------------------------------------------------------------- placements
 
 
-def _rank_boxes(name: str, param: torch.Tensor, world_size: int) -> list[Box] | None:
-    """Each rank's box of `param` from its DTensor placements (None for a plain
-    tensor). ValueError naming the parameter for a placement we cannot read."""
-    if not hasattr(param, "placements"):
-        return None
-    mesh, placements, shape = param.device_mesh, param.placements, tuple(param.shape)
-    ranks = mesh.mesh.flatten().tolist()
+Runs = list[tuple[int, int]]  # [start, stop) ranges of one dim's indices, in the local order
+
+
+def _take(runs: Runs, start: int, stop: int) -> Runs:
+    """Positions [start, stop) of the indices `runs` list, as runs (adjacent ones merged)."""
+    out: Runs = []
+    position = 0
+    for a, b in runs:
+        lo, hi = max(start - position, 0), min(stop - position, b - a)
+        if lo < hi:
+            if out and out[-1][1] == a + lo:
+                out[-1] = (out[-1][0], a + hi)
+            else:
+                out.append((a + lo, a + hi))
+        position += b - a
+    return out
+
+
+def _shard_runs(runs: Runs, placement, num_chunks: int, coord: int) -> Runs:
+    """The indices a mesh coordinate keeps of `runs` under a Shard (torch.chunk's
+    piece) or a _StridedShard (FSDP2 over tensor parallelism: the indices cut into
+    `split_factor` torch.chunk pieces first, and this coordinate's piece of each)."""
+    size = sum(b - a for a, b in runs)
+    split_factor = int(getattr(placement, "split_factor", 1)) if type(placement).__name__ == "_StridedShard" else 1
+    out: Runs = []
+    for split in range(split_factor):
+        a, b = chunk_bounds(size, split_factor, split)
+        lo, hi = chunk_bounds(b - a, num_chunks, coord)
+        for run in _take(runs, a + lo, a + hi):
+            out = _take(out + [run], 0, size)  # merged with the last run when adjacent
+    return out
+
+
+def _mesh_coordinates(name: str, mesh, world_size: int) -> list[tuple[int, list[int], list[int]]]:
+    """(rank, its coordinate on `mesh`'s dims, their sizes) for every rank of the
+    layout. A submesh (FSDP2 over tensor parallelism puts the parameters that are
+    not tensor-parallel on the data-parallel dim alone) is placed in its root mesh
+    by dim name: the ranks it leaves out hold what their peers on it hold."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    if root is not mesh and (not mesh.mesh_dim_names or not root.mesh_dim_names
+                             or not set(mesh.mesh_dim_names) <= set(root.mesh_dim_names)):
+        raise ValueError(f"parameter {name!r} lives on a submesh (dims {mesh.mesh_dim_names}) that is not a set of "
+                         f"its root mesh's named dims {root.mesh_dim_names} (a flattened one?)")
+    dims = [root.mesh_dim_names.index(n) for n in mesh.mesh_dim_names] if root is not mesh else \
+        list(range(root.mesh.ndim))
+    ranks = root.mesh.flatten().tolist()
     if sorted(ranks) != list(range(world_size)):
         raise ValueError(f"parameter {name!r} lives on a device mesh of ranks {ranks}, not the {world_size} ranks "
                          "of the layout (a mesh that spans other processes: pass their number as world_size)")
-    boxes: list[Box] = [None] * world_size
+    shape = tuple(root.mesh.shape)
+    out = []
     for position, rank in enumerate(ranks):
-        coords = [int(c) for c in torch.unravel_index(torch.tensor(position), tuple(mesh.mesh.shape))]
-        offset, extent = [0] * len(shape), list(shape)
+        coords = [int(c) for c in torch.unravel_index(torch.tensor(position), shape)]
+        out.append((rank, [coords[d] for d in dims], [shape[d] for d in dims]))
+    return out
+
+
+def _rank_boxes(name: str, param: torch.Tensor, world_size: int) -> list[Box] | None:
+    """Each rank's box of `param` from its DTensor placements (None for a plain
+    tensor), placements applied left to right as DTensor does. ValueError naming
+    the parameter for a placement we cannot read, or a rank's shard that is not
+    one box."""
+    if not hasattr(param, "placements"):
+        return None
+    placements, shape = param.placements, tuple(param.shape)
+    boxes: list[Box] = [None] * world_size
+    for rank, coords, sizes in _mesh_coordinates(name, param.device_mesh, world_size):
+        runs: list[Runs] = [[(0, n)] if n else [] for n in shape]
         for mesh_dim, placement in enumerate(placements):
             if placement.is_replicate():
                 continue
-            if type(placement).__name__ != "Shard":  # _StridedShard, Partial: not a torch.chunk box
+            if type(placement).__name__ not in ("Shard", "_StridedShard"):
                 raise ValueError(f"parameter {name!r}: placement {placement} on mesh dim {mesh_dim} is not "
-                                 "supported yet (Shard and Replicate are; FSDP2 over tensor parallelism gives "
-                                 "strided shards); a partial tensor cannot be sent shard by shard")
+                                 "supported (Shard, _StridedShard and Replicate are); a partial tensor cannot be "
+                                 "sent shard by shard")
             dim = placement.dim
-            start, stop = chunk_bounds(extent[dim], mesh.mesh.shape[mesh_dim], coords[mesh_dim])
-            offset[dim] += start
-            extent[dim] = stop - start
-        boxes[rank] = (tuple(offset), tuple(extent))
+            runs[dim] = _shard_runs(runs[dim], placement, sizes[mesh_dim], coords[mesh_dim])
+        split = [d for d, r in enumerate(runs) if len(r) > 1]
+        if split:
+            raise ValueError(f"parameter {name!r}: rank {rank} holds indices {runs[split[0]]} of dim {split[0]} "
+                             f"(placements {placements}), not one box")
+        boxes[rank] = (tuple(r[0][0] if r else 0 for r in runs), tuple(r[0][1] - r[0][0] if r else 0 for r in runs))
     return boxes
 
 
@@ -186,7 +243,8 @@ def module_layout(model: torch.nn.Module, world_size: int) -> Layout:
     from its DTensor placements, dtypes of its local shards. ValueError naming
     the culprit for: a model with no DTensor parameters on several ranks (DDP or
     a replicated model: rank 0 alone sends, with world_size 1), a placement
-    other than Shard / Replicate, a mesh over other ranks."""
+    other than Shard / _StridedShard / Replicate (Partial), a rank's shard that
+    is not one box, a mesh over other ranks."""
     _check_world_size(world_size)
     model = _resharded(_unwrapped(model))
     params = dict(model.named_parameters())
