@@ -131,13 +131,12 @@ def _shard_runs(runs: Runs, placement, num_chunks: int, coord: int) -> Runs:
     `split_factor` torch.chunk pieces first, and this coordinate's piece of each)."""
     size = sum(b - a for a, b in runs)
     split_factor = int(getattr(placement, "split_factor", 1)) if type(placement).__name__ == "_StridedShard" else 1
-    out: Runs = []
+    pieces: Runs = []
     for split in range(split_factor):
         a, b = chunk_bounds(size, split_factor, split)
         lo, hi = chunk_bounds(b - a, num_chunks, coord)
-        for run in _take(runs, a + lo, a + hi):
-            out = _take(out + [run], 0, size)  # merged with the last run when adjacent
-    return out
+        pieces += _take(runs, a + lo, a + hi)
+    return _take(pieces, 0, size)  # adjacent pieces merged
 
 
 def _mesh_coordinates(name: str, mesh, world_size: int) -> list[tuple[int, list[int], list[int]]]:

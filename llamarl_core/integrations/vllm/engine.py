@@ -210,7 +210,6 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
             tensors = {name: live[name][0] for name in layout.local_tensor_specs(rank)}
         self.receiver = WeightReceiver(store, layout, rank, tensors, name=init_info.name,
                                        transport=init_info.transport, timeout=init_info.timeout_s)
-        self.layout, self.rank, self.destinations = layout, rank, tensors
 
     def start_weight_update(self) -> None:
         if self.receiver is None:
@@ -247,21 +246,22 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
         the commit packs from; the vocabulary's padding rows left out, which the
         loader zeroes and a sync keeps). Returns one line per parameter that
         differs (empty: the derived layout is what the loader does)."""
-        if self.receiver is None:
+        receiver = self.receiver
+        if receiver is None:
             raise SyncError("llamarl_ddma: call init_weight_transfer_engine first")
-        if any(spec.fp8 is not None for spec in self.layout.params.values()):
+        if any(spec.fp8 is not None for spec in receiver.layout.params.values()):
             raise SyncError("llamarl_ddma: an FP8 engine's weights are quantized on the way; there is no loader "
                             "output to compare them with bit for bit")
         expected = loader_writes(self.model, weights)
         differences = []
-        for name, synced in self.destinations.items():
+        for name, synced in receiver.tensors.items():
             want, got = expected[name], synced
-            pad_start, pad_stop = self.layout.padding_rows(name, self.rank)
+            pad_start, pad_stop = receiver.layout.padding_rows(name, receiver.rank)
             if pad_stop > pad_start:
                 want, got = want[:pad_start], got[:pad_start]
             if not torch.equal(got.cpu(), want.cpu()):
                 worst = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else "shape"
-                differences.append(f"worker {self.rank}: {name} {tuple(want.shape)} differs from the loader's "
+                differences.append(f"worker {receiver.rank}: {name} {tuple(want.shape)} differs from the loader's "
                                    f"(max |difference| {worst})")
         return differences
 

@@ -109,7 +109,7 @@ def _serve(conn, model_dir: str, engine_kwargs: dict) -> None:
         "reload_weights": lambda key: _reload_weights(llm, held[key]),
         "load_weights": lambda key: _load_weights(llm, held[key]),
         "drop": lambda key: held.pop(key, None) and None,
-        "engine_layout": lambda: llm.collective_rpc(lambda worker: worker.weight_transfer_engine.layout.to_json())[0],
+        "engine_layout": lambda: llm.collective_rpc(lambda worker: worker.weight_transfer_engine.receiver.layout.to_json())[0],
         "loader_differences": lambda weights: [line for lines in llm.collective_rpc(
             lambda worker: worker.weight_transfer_engine.differences_from_loader(weights)) for line in lines],
     }

@@ -38,7 +38,6 @@ def meta_placeholders(model: torch.nn.Module, materialize: bool = False):
     for a `load_weights` that writes (loader_writes)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import (
-        materialize_layer,
         materialize_meta_tensor,
         restore_layer_on_meta,
         to_meta_tensor,
@@ -46,23 +45,19 @@ def meta_placeholders(model: torch.nn.Module, materialize: bool = False):
     from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_tensors
 
     saved = []
-    live_ptrs = {t.data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()} if materialize else set()
     try:
         for layer in model.modules():
             info = get_layerwise_info(layer)
             saved.append((layer, get_layer_params_buffers(layer), set(layer._non_persistent_buffers_set)))
             restore_layer_on_meta(layer, info)
             if materialize:
-                materialize_layer(layer, info)
                 with info.restore_device:
                     for name, tensor in get_layer_tensors(layer).items():
-                        # Tensors vLLM keeps live rather than on meta (biases) are written
-                        # through copies, so the live ones stay untouched.
-                        fresh = tensor if tensor.data_ptr() not in live_ptrs else \
-                            materialize_meta_tensor(to_meta_tensor(tensor))
+                        # A zeroed tensor of the placeholder's class and attributes; those vLLM
+                        # keeps live rather than on meta (biases) copied too, never written.
+                        fresh = materialize_meta_tensor(tensor if tensor.is_meta else to_meta_tensor(tensor))
                         fresh.data.zero_()
-                        if fresh is not tensor:
-                            setattr(layer, name, fresh)
+                        setattr(layer, name, fresh)
         found: dict[int, tuple[str, torch.Tensor]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):  # a module under two names: the first
             found.setdefault(param.untyped_storage()._cdata, (name, param))
