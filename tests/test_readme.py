@@ -1,40 +1,71 @@
 """Every complete Python block of README.md runs as written, so that an example can
-never rot. A block that cannot run here (a running vLLM engine) is marked by an
-HTML comment on the line before its fence, `<!-- fragment: why -->`, and skipped."""
+never rot. Markers, an HTML comment on the line before a ```python fence:
+- none: the block runs in this process (exec);
+- `<!-- file: NAME.py -->`: a module the other blocks import, written as NAME.py
+  into the folder where every block runs;
+- `<!-- script: NAME.py -->`: a program, written as NAME.py there and run as
+  `python NAME.py` (its own `__main__`, as a user runs it: examples that start
+  processes, which import the script again);
+- `<!-- fragment: why -->`: cannot run here (a running vLLM engine): skipped."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 README = Path(__file__).parents[1] / "README.md"
-FRAGMENT = "<!-- fragment:"
+FRAGMENT, FILE, SCRIPT = "<!-- fragment:", "<!-- file:", "<!-- script:"
 
 
-def python_blocks() -> list[tuple[int, str, bool]]:
-    """(line of the opening fence, the code, whether it is marked a fragment) per ```python block."""
+def python_blocks() -> list[tuple[int, str, str, str]]:
+    """(line of the opening fence, the code, its marker kind, the marker's argument) per ```python block;
+    kind is "", "fragment", "file" or "script"."""
     lines = README.read_text().splitlines()
     blocks = []
     for idx, line in enumerate(lines):
         if line.strip() == "```python":
             end = lines.index("```", idx + 1)
-            fragment = idx > 0 and lines[idx - 1].startswith(FRAGMENT)
-            blocks.append((idx + 1, "\n".join(lines[idx + 1:end]) + "\n", fragment))
+            before = lines[idx - 1].strip() if idx > 0 else ""
+            kind, argument = "", ""
+            for marker in (FRAGMENT, FILE, SCRIPT):
+                if before.startswith(marker):
+                    kind, argument = marker[5:-1], before[len(marker):].split("-->")[0].strip()
+            blocks.append((idx + 1, "\n".join(lines[idx + 1:end]) + "\n", kind, argument))
     return blocks
 
 
 BLOCKS = python_blocks()
-COMPLETE = [(line, code) for line, code, fragment in BLOCKS if not fragment]
+COMPLETE = [(line, code) for line, code, kind, _ in BLOCKS if kind == ""]
+SCRIPTS = [(line, code, name) for line, code, kind, name in BLOCKS if kind == "script"]
+
+
+@pytest.fixture
+def readme_folder(tmp_path, monkeypatch):
+    """The folder every block runs in, holding the README's file blocks."""
+    for _, code, kind, name in BLOCKS:
+        if kind == "file":
+            (tmp_path / name).write_text(code)
+    monkeypatch.chdir(tmp_path)  # a block that writes files writes them here
+    return tmp_path
 
 
 @pytest.mark.parametrize("line, code", COMPLETE, ids=[f"README.md:{line}" for line, _ in COMPLETE])
-def test_readme_block_runs_as_written(line, code, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # a block that writes files writes them here
+def test_readme_block_runs_as_written(line, code, readme_folder):
     exec(compile(code, f"README.md:{line}", "exec"), {"__name__": f"readme_{line}"})
 
 
-def test_readme_fragments_say_why_and_stay_few():
-    fragments = [line for line, _, fragment in BLOCKS if fragment]
-    reasons = README.read_text().split(FRAGMENT)[1:]
-    assert all(reason.split("-->")[0].strip() for reason in reasons), "a fragment marker gives no reason"
+@pytest.mark.parametrize("line, code, name", SCRIPTS, ids=[f"README.md:{line}" for line, _, _ in SCRIPTS])
+def test_readme_script_runs_as_written(line, code, name, readme_folder):
+    (readme_folder / name).write_text(code)
+    done = subprocess.run([sys.executable, name], cwd=readme_folder, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"README.md:{line} ({name}) exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+
+
+def test_readme_markers_say_why_and_fragments_stay_few():
+    kinds = [kind for _, _, kind, _ in BLOCKS]
+    assert all(argument for _, _, kind, argument in BLOCKS if kind), "a marker names no file / gives no reason"
+    names = [argument for _, _, kind, argument in BLOCKS if kind in ("file", "script")]
+    assert len(names) == len(set(names)), f"two blocks write the same file: {names}"
     # The sync, sender / receiver, task, FP8 and AIPO examples run; only the vLLM engine's is a fragment.
-    assert len(COMPLETE) >= 5 and len(fragments) <= 1, (len(COMPLETE), fragments)
+    assert len(COMPLETE) >= 5 and kinds.count("fragment") <= 1, (len(COMPLETE), kinds)
