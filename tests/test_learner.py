@@ -186,12 +186,17 @@ def test_kl_penalty_against_a_reference_copy():
 
 
 @pytest.mark.usefixtures("torch_loss_path")
-def test_clipping_caps_the_norm_and_reports_the_norm_before():
-    samples = _samples(5)
+def _plain_step(seed: int):
+    """(samples, model, optimizer, StepStats, gradients) of one plain AIPO step at lr 0 on random samples."""
+    samples = _samples(seed)
     model = _tiny_llama()
     optimizer = _RecordingSGD(model.parameters(), lr=0.1)
-    free = learner.train_step(model, optimizer, samples, lr=0.0, **STEP)
-    unclipped = optimizer.grads
+    stats = learner.train_step(model, optimizer, samples, lr=0.0, **STEP)
+    return samples, model, optimizer, stats, optimizer.grads
+
+
+def test_clipping_caps_the_norm_and_reports_the_norm_before():
+    samples, model, optimizer, free, unclipped = _plain_step(5)
     assert free.grad_norm == pytest.approx(torch.linalg.vector_norm(torch.cat([g.flatten() for g in unclipped])).item(),
                                            rel=1e-5)
     cap = free.grad_norm / 4
@@ -343,3 +348,122 @@ def test_bad_schedule_arguments_raise(kwargs, match):
     args = dict(step=0, base_lr=1e-3, warmup_steps=2, total_steps=10, schedule="cosine", min_lr_ratio=0.1) | kwargs
     with pytest.raises(ValueError, match=match):
         learner.learning_rate(args.pop("step"), **args)
+
+
+# ----------------------------------------------------------------------------- plug-ins: advantages, losses, hooks
+
+
+def _advantages_float64(name: str, rewards: list[float], groups: list[int]) -> list[float]:
+    """The estimators from their definitions, one group at a time, in float64."""
+    out = []
+    for r, g in zip(rewards, groups):
+        mine = [x for x, h in zip(rewards, groups) if h == g]
+        n, mean = len(mine), math.fsum(mine) / len(mine)
+        if name == "group_mean":
+            out.append(r - mean)
+        elif name == "group_mean_std":
+            std = math.sqrt(math.fsum((x - mean) ** 2 for x in mine) / (n - 1))
+            out.append((r - mean) / (std + 1e-6))
+        else:  # rloo: the mean of the others
+            out.append(r - (math.fsum(mine) - r) / (n - 1))
+    return out
+
+
+@pytest.mark.parametrize("name", ["group_mean", "group_mean_std", "rloo"])
+def test_advantage_estimators_equal_their_float64_definitions(name):
+    from llamarl_core.pipeline.advantages import ADVANTAGES
+
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(200):
+        sizes = torch.randint(2, 9, (int(torch.randint(1, 6, (), generator=gen)),), generator=gen).tolist()
+        groups = [g * 13 + 5 for g, n in enumerate(sizes) for _ in range(n)]  # any ids, not 0..G-1
+        order = torch.randperm(len(groups), generator=gen).tolist()  # samples of a group need not be adjacent
+        groups = [groups[i] for i in order]
+        rewards = (torch.rand(len(groups), generator=gen, dtype=torch.float64) * 4 - 2)
+        if trial % 10 == 0:
+            rewards = rewards.round()  # ties, and groups with all rewards equal
+        got = ADVANTAGES[name](rewards.float(), torch.tensor(groups))
+        want = torch.tensor(_advantages_float64(name, rewards.float().double().tolist(), groups), dtype=torch.float64)
+        if name == "group_mean_std":  # a group of equal rewards: 0 / (0 + eps) = 0
+            assert torch.isfinite(got).all()
+        assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-5), (name, trial)
+
+
+def test_an_advantage_function_of_yours_drives_the_step_and_bad_ones_are_refused():
+    from llamarl_core.pipeline.advantages import compute_advantages
+
+    samples, model, optimizer, _, once = _plain_step(2)
+    twice = lambda rewards, groups: 2 * learner.group_mean(rewards, groups)  # noqa: E731
+    learner.train_step(model, optimizer, samples, lr=0.0, advantage=twice, **STEP)  # the loss is linear in A
+    _assert_grads_close(optimizer.grads, [2 * g for g in once])
+    rewards, groups = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
+    for bad, match in ((lambda r, g: r.tolist(), "returned a list"), (lambda r, g: r[:1], r"shape \(1,\)"),
+                       (lambda r, g: r / 0 * 0, "non-finite"), (lambda r, g: g, "int64")):
+        with pytest.raises(ValueError, match=match):
+            compute_advantages(bad, rewards, groups, "mine")
+
+
+def _aipo_by_hand(logprobs, batch):
+    """AIPO written in torch by a user: -min(exp(logp - b), rho) A logp, the weight a constant."""
+    weight = torch.exp(logprobs.detach() - batch.behavior_logprobs).clamp(max=STEP["rho"])
+    return -weight * batch.advantages * logprobs
+
+
+@pytest.mark.usefixtures("torch_loss_path")
+@pytest.mark.parametrize("micro_batch_size", [None, 2])
+def test_a_loss_function_of_yours_drives_the_trainer_like_the_built_in_one(micro_batch_size):
+    """A user's AIPO on the per-token log-probs gives the built-in AIPO's loss,
+    gradients and stats (micro-batches included); PPO (old log-probs from the
+    policy itself: ratio 1) gives the plain policy gradient -A dlogp."""
+    samples = _samples(3)
+    model = _tiny_llama()
+    optimizer = _RecordingSGD(model.parameters(), lr=0.1)
+    # PPO at ratio 1: the value -A, the gradient -A dlogp.
+    ppo_at_one = lambda logp, batch: -batch.advantages * torch.exp(logp - logp.detach())  # noqa: E731
+    for builtin, mine in (("aipo", _aipo_by_hand), ("ppo", ppo_at_one)):
+        want = learner.train_step(model, optimizer, samples, lr=0.0, micro_batch_size=micro_batch_size, loss=builtin,
+                                  **STEP)
+        expected = optimizer.grads
+        got = learner.train_step(model, optimizer, samples, lr=0.0, micro_batch_size=micro_batch_size, loss=mine,
+                                 **STEP)
+        _assert_grads_close(optimizer.grads, expected, rel=1e-4)
+        assert got.loss == pytest.approx(want.loss, rel=1e-4, abs=1e-6)
+        assert got.mismatch_kl == pytest.approx(want.mismatch_kl, rel=1e-4, abs=1e-7)
+        assert got.mean_ratio == pytest.approx(want.mean_ratio, rel=1e-5)
+    for bad, match in ((lambda logp, batch: (logp * batch.mask).sum(), "per-token losses"),
+                       (lambda logp, batch: batch.advantages.clone(), "no gradient")):
+        with pytest.raises(ValueError, match=match):
+            learner.train_step(model, optimizer, samples, lr=0.0, loss=bad, **STEP)
+
+
+@pytest.mark.usefixtures("torch_loss_path")
+def test_dr_grpo_normaliser_divides_the_summed_loss_by_a_constant():
+    samples, model, optimizer, mean, per_token = _plain_step(4)
+    tokens = sum(len(s.tokens) for s in samples)
+    constant = learner.train_step(model, optimizer, samples, lr=0.0, normalizer=len(samples) * 8.0, **STEP)
+    _assert_grads_close(optimizer.grads, [g * tokens / (len(samples) * 8.0) for g in per_token])
+    assert constant.loss == pytest.approx(mean.loss * tokens / (len(samples) * 8.0), rel=1e-5)
+    with pytest.raises(ValueError, match="normalizer must be finite and > 0"):
+        learner.train_step(model, optimizer, samples, lr=0.0, normalizer=0.0, **STEP)
+
+
+def test_step_hook_runs_around_the_step_once_and_its_numbers_come_back():
+    context = learner.StepContext(3, None, None, [], 0, 1, 0.1)
+    stats = learner.StepStats(1.0, 2.0, 0.0, 0.0, 1.0, None, 0, 0.1)
+    seen = []
+
+    def hook(ctx, step):
+        seen.append(("before", ctx.step))
+        result = step()
+        seen.append(("after", result.loss))
+        return {"grad_norm_x2": 2 * result.grad_norm}
+
+    assert learner.run_with_hook(hook, context, lambda: stats) == (stats, {"grad_norm_x2": 4.0})
+    assert seen == [("before", 3), ("after", 1.0)]
+    assert learner.run_with_hook(None, context, lambda: stats) == (stats, {})
+    with pytest.raises(ValueError, match="without running the step"):
+        learner.run_with_hook(lambda ctx, step: None, context, lambda: stats)
+    with pytest.raises(RuntimeError, match="ran the step twice"):
+        learner.run_with_hook(lambda ctx, step: (step(), step()), context, lambda: stats)
+    with pytest.raises(ValueError, match="dict of finite numbers"):
+        learner.run_with_hook(lambda ctx, step: step() and {"x": float("nan")}, context, lambda: stats)

@@ -9,8 +9,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .plugins import spec_of
+
 MODES = ("async", "sync")
-GENERATORS = ("llama", "vllm")
+GENERATORS = ("llama", "vllm")  # built in; or module:Class of a Generator of yours
+LOSS_NORMALIZERS = ("tokens", "dr_grpo")
+# Fields that take a plug-in: given as an object in Python, kept as its module:attribute name.
+PLUGIN_FIELDS = ("generator", "advantage", "loss", "step_hook", "reward")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
 LR_SCHEDULES = ("constant", "cosine")
@@ -23,7 +28,9 @@ VLLM_DEFAULTS = {"hidden_size": 128, "intermediate_size": 256, "timeout_s": 180.
 @dataclass
 class TrainConfig:
     mode: str = "async"  # "async": generation and training overlap; "sync": they take turns
-    generator: str = "llama"  # "llama": our LlamaGenerator; "vllm": a vLLM engine (llamarl_core.integrations.vllm)
+    # "llama": our LlamaGenerator; "vllm": a vLLM engine (llamarl_core.integrations.vllm); "module:Class" (or the
+    # class): a Generator of yours (llamarl_core.pipeline.generators), built with a GeneratorContext
+    generator: str = "llama"
     recompute_kv: bool = True  # vLLM: after a weight update, recompute running requests' KV cache (else keep it)
     steps: int = 1200  # trainer steps (weight versions) to run
     task: str = "llamarl_core.pipeline.task:reverse_task"  # module:attribute of a Task
@@ -31,7 +38,8 @@ class TrainConfig:
     dataset: str | None = None  # a JSONL file of prompts (or chat messages) and answers, instead of the task's prompts
     eval_size: int = 32  # prompts held out for evaluation (a dataset's last lines; a task's beyond any run reaches)
     eval_every: int = 0  # evaluate (greedy, on the held-out prompts) every this many versions (0: never)
-    # e.g. "math", "math+0.1*format", "mymod:reward_fn"; None: the task's own reward, or "math" with a dataset
+    # e.g. "math", "math+0.1*format", "mymod:reward_fn" (or the function): fn(prompts, completions, answers) -> one
+    # float per completion; None: the task's own reward, or "math" with a dataset
     reward: str | None = None
     reward_model: str | None = None  # a sequence-classification model folder that scores completions instead
     reward_batch: int = 32  # completions per reward-model forward
@@ -45,6 +53,18 @@ class TrainConfig:
     segment_tokens: int = 4  # K: decode steps per generation segment (partial rollouts)
     temperature: float = 1.0
     rho: float = 4.0  # AIPO truncation of the importance weight
+    # "group_mean", "group_mean_std" (GRPO), "rloo", or module:function (or the function): fn(rewards, group_ids)
+    # -> advantages, see llamarl_core.pipeline.advantages
+    advantage: str = "group_mean"
+    # "aipo", "ppo", "ppo_tis" (the fused loss op's objectives) or module:function (or the function):
+    # fn(logprobs, batch) -> per-token losses, see llamarl_core.pipeline.learner
+    loss: str = "aipo"
+    # What a step's summed loss is divided by: "tokens" (its completion tokens: a token mean) or "dr_grpo" (a constant,
+    # samples x max_new_tokens, as Dr.GRPO does; with advantage "group_mean" that is Dr.GRPO)
+    loss_normalizer: str = "tokens"
+    # module:function (or the function) run around every trainer step: hook(StepContext, step) -> None or a dict of
+    # numbers logged with the step (llamarl_core.pipeline.learner.run_with_hook)
+    step_hook: str | None = None
     lr: float = 1e-3
     lr_warmup_steps: int = 0  # linear learning-rate warm-up over this many RL steps
     # After the warm-up: "cosine" (down to min_lr_ratio * lr at the last step) or "constant". Cosine is what lets the
@@ -72,14 +92,21 @@ class TrainConfig:
     sync_timeout_s: float = 20.0  # longest weight sync
 
     def __post_init__(self):
+        for name in PLUGIN_FIELDS:
+            if getattr(self, name) is not None:
+                setattr(self, name, spec_of(getattr(self, name), name))
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        for name, allowed in (("generator", GENERATORS), ("device", DEVICES), ("dtype", DTYPES),
-                              ("lr_schedule", LR_SCHEDULES)):
+        for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("lr_schedule", LR_SCHEDULES),
+                              ("loss_normalizer", LOSS_NORMALIZERS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.generator_replicas > 1 and self.generator == "vllm":
-            raise ValueError("generator_replicas > 1 runs replicas of our generator; a vLLM engine is one replica")
+        if self.generator not in GENERATORS and ":" not in self.generator:
+            raise ValueError(f"generator must be one of {GENERATORS} or module:Class of a Generator, got "
+                             f"{self.generator!r}")
+        if self.generator_replicas > 1 and self.generator != "llama":
+            raise ValueError(f"generator_replicas > 1 runs replicas of our generator; generator {self.generator!r} "
+                             "is one replica")
         if not self.recompute_kv and self.generator != "vllm":
             raise ValueError("recompute_kv=False (keep the KV cache across weight updates) needs generator 'vllm'; "
                              "our generator always re-prefills")
@@ -124,6 +151,11 @@ class TrainConfig:
         if self.prompts_per_step % self.trainer_world:
             raise ValueError(f"prompts_per_step {self.prompts_per_step} must split evenly over "
                              f"trainer_world {self.trainer_world} ranks")
+
+    @property
+    def plugin_generator(self) -> bool:
+        """A Generator of the user's (module:Class), not one of ours."""
+        return self.generator not in GENERATORS
 
     @property
     def groups_in_flight(self) -> int:

@@ -15,6 +15,7 @@ trainer waits for them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import Counter
@@ -24,7 +25,7 @@ import torch
 
 from ..models.checkpoint import check_generator_config
 from ..sync import abandon_receivers, vllm_llama_tp
-from .config import TrainConfig
+from .config import PLUGIN_FIELDS, TrainConfig
 from .data import RunData
 from .executors import (
     CONTROLLER_BEAT,
@@ -38,7 +39,10 @@ from .executors import (
     sync_name_of,
 )
 from .export import checkpoint_path, export_policy
+from .generators import evaluates, plugin_generator
+from .learner import trainer_plugins
 from .messages import Heartbeat, StoreQueue
+from .plugins import check_main_guard
 from .processes import LocalExecutors
 from .replicas import ReplicaSyncs
 from .report import cpu_times, plot_reward, steal_fraction, summarize, write_trace
@@ -46,6 +50,7 @@ from .rewards import check_reward_config
 from .scheduler import Scheduler
 
 EVENT_POLL_S = 0.05
+DEAD_REPORT_S = 1.0  # how long the report of an executor found dead may still take to arrive
 MAX_GENERATOR_RESTARTS = 3
 
 
@@ -86,7 +91,18 @@ class Controller:
                                  f"(--trainer-world {config.trainer_world}, --generator-tp {config.generator_tp})")
         self.data = RunData(config)
         self.data.check_prompts_fit()
-        check_reward_config(config, self.data)
+        check_reward_config(config, self.data)  # the reward function tried on the first prompts
+        trainer_plugins(config)  # the loss, advantage estimator (tried) and step hook load and take their arguments
+        if config.plugin_generator:
+            generator_class = plugin_generator(config.generator)
+            if config.eval_every and not evaluates(generator_class):
+                raise ValueError(f"eval_every {config.eval_every}: generator {config.generator!r} does not implement "
+                                 "evaluate() (greedy completions of the held-out prompts)")
+        from_main = [f"{name} {getattr(config, name)!r}" for name in PLUGIN_FIELDS
+                     if "__main__:" in (getattr(config, name) or "")]
+        if executors is not None and from_main:  # torchrun ranks run llamarl_core.launch, not this script
+            raise ValueError(f"{', '.join(from_main)}: executors on other hosts cannot import the controller's "
+                             "script; define it in a module every host imports")
         model_config = self.data.model_config
         check_generator_config(model_config, config.generator,
                                f"--model {config.model}" if config.model else "the built-in model")
@@ -99,6 +115,8 @@ class Controller:
         # replica (replica r's rank t is generator rank r * tp + t); vLLM, one (it
         # starts its own tensor-parallel workers).
         self.generator_tp = config.generator_tp
+        if config.plugin_generator:
+            self.generator_tp = 1  # its executor is one process (an engine may start workers of its own)
         if config.generator == "vllm":
             from ..integrations.vllm.generator import check_cpu_vllm, missing_vllm_message
 
@@ -150,6 +168,14 @@ class Controller:
         lost: dict[int, str] = {}
         for role, rank, why in self.executors.exited():
             if role != GENERATOR:
+                # Its error report, sent before it exited, names the cause (_handle raises it).
+                deadline = time.monotonic() + DEAD_REPORT_S
+                while (event := self.events.get(max(deadline - time.monotonic(), 0.0))) is not None:
+                    self._handle(*event)
+                if (role, rank) not in self.ready_ranks:
+                    why += (" before it started, reporting nothing: it died before running any of llamarl's code "
+                            "(while multiprocessing imported the main script again in it, or unpickled its "
+                            "arguments); the error is on this process's stderr")
                 raise PipelineError(f"{role} rank {rank} {why}; the last checkpoint is in {self.out / 'checkpoint'}")
             lost.setdefault(rank // self.generator_tp, f"generator rank {rank} {why}")
         if lost:
@@ -239,6 +265,7 @@ class Controller:
             if role == TRAINER:  # where a resumed run goes on (every rank reports the same)
                 self.scheduler = Scheduler(self.config, payload["step"], payload["data_position"])
         elif kind == "samples":
+            self._check_samples(payload["samples"])
             self.gen_busy += payload["busy"]
             self.generating[replica] -= sum(not x.eval for x in payload["samples"])
             self.inboxes[(REWARD, 0)].put(("score", {"samples": payload["samples"], "replica": replica,
@@ -286,6 +313,20 @@ class Controller:
             if payload["generator"] == self.replicas.incarnation[0]:
                 raise PipelineError(f"weight sync of version {payload['version']} failed: {payload['message']}; "
                                     f"the last checkpoint is in {self.out / 'checkpoint'}")
+
+    def _check_samples(self, samples: list) -> None:
+        """PipelineError naming the generator for a sample that breaks the Generator
+        contract (a generator of the user's): no tokens, or a token without its
+        log-prob or the version that sampled it, or a version not sent yet."""
+        newest = self.scheduler.step  # the last version sent (or being sent)
+        for x in samples:
+            if not (len(x.tokens) == len(x.logprobs) == len(x.versions) > 0) or not all(
+                    isinstance(v, int) and 0 <= v <= newest for v in x.versions):
+                raise PipelineError(
+                    f"generator {self.config.generator!r} returned a sample of prompt group {x.group} with "
+                    f"{len(x.tokens)} tokens, {len(x.logprobs)} log-probs and versions {sorted(set(x.versions))}: "
+                    f"every sample needs tokens, each with its log-prob and the version (0 to {newest}) that "
+                    "sampled it")
 
     def _waiting_on(self, role: str, rank: int) -> bool:
         """Whether the run waits on this executor's work: it is starting, or (the
@@ -352,6 +393,10 @@ class Controller:
             **{key: None if reports[0][key] is None else sum(r[key] for r in reports) / len(reports)
                for key in TRAINER_STATS},
         }
+        hooked = {key for r in reports for key in r["hook"]}
+        if hooked:  # what the step hook returned, averaged over the ranks that returned it
+            self.records[s]["hook"] = {key: sum(r["hook"][key] for r in reports if key in r["hook"]) /
+                                       sum(key in r["hook"] for r in reports) for key in sorted(hooked)}
         if self.config.log_rollouts:
             self._log_rollouts(s, samples)
         self._begin_sync(self.scheduler.step)
@@ -439,8 +484,20 @@ class Controller:
 
     # -- the run -------------------------------------------------------------------------
     def run(self) -> dict:
+        """Run to the last step; returns the summary (also in summary.json). Saves
+        config.json into the run folder first (a folder holding another run's
+        config, other than in `steps`, is refused): a run stopped for any reason
+        goes on with `Controller(TrainConfig.load(out / "config.json"), out).run()`
+        or `llamarl train --out OUT --resume`, from its last checkpoint."""
         cfg = self.config
+        if isinstance(self.executors, LocalExecutors):
+            check_main_guard()
         self.out.mkdir(parents=True, exist_ok=True)
+        saved = self.out / "config.json"
+        if saved.exists() and dataclasses.replace(TrainConfig.load(saved), steps=cfg.steps) != cfg:
+            raise ValueError(f"{self.out} holds a run with a different configuration ({saved}); resume it with the "
+                             "same configuration or pick another folder")
+        cfg.save(saved)
         self.store = self.executors.open_store(cfg.timeout_s)
         self.events = StoreQueue(self.store, EVENTS)
         # The executors' idle waits check this beat: without it for timeout_s, they exit.

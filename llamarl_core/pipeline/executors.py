@@ -36,8 +36,17 @@ from ..sync.transports import host_identity
 from .config import TrainConfig
 from .data import RunData
 from .export import checkpoint_path
-from .generators import LlamaGeneratorBackend
-from .learner import StepStats, check_packed_rows_attend_within_samples, learning_rate, supervised_warmup, train_step
+from .generators import GeneratorContext, LlamaGeneratorBackend, plugin_generator
+from .learner import (
+    StepContext,
+    StepStats,
+    check_packed_rows_attend_within_samples,
+    learning_rate,
+    run_with_hook,
+    supervised_warmup,
+    train_step,
+    trainer_plugins,
+)
 from .messages import HeartbeatWatch, QueueClosed, StoreQueue
 from .rewards import check_rewards, make_scorer
 from .rollout import Sample
@@ -303,6 +312,13 @@ def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarn
     one relays to (their syncs' names)."""
     tp, sync_name, seed = config.generator_tp, sync_name_of(incarnation), config.seed * 1000 + incarnation
     tokenizer = data.tokenizer
+    if config.plugin_generator:
+        return plugin_generator(config.generator)(GeneratorContext(
+            model_config=data.model_config, model_path=config.model, dtype=config.torch_dtype, device=config.device,
+            tp=tp, max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=data.max_new_tokens,
+            segment_tokens=config.segment_tokens, temperature=config.temperature,
+            eos_token_ids=tuple(tokenizer.stop_token_ids), pad_token_id=tokenizer.pad_token_id, seed=seed,
+            store=store, sync_name=sync_name, timeout_s=config.timeout_s))
     if config.generator == "vllm":
         from ..integrations.vllm.generator import VllmGenerator
 
@@ -349,7 +365,7 @@ def _update_weights(generator, payload: dict, timeout_s: float, tp: int) -> tupl
 def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str,
                   children: dict[int, int]) -> None:
     """Generator rank `rank` of all replicas': rank `tp_rank` of replica `replica`."""
-    tp = 1 if config.generator == "vllm" else config.generator_tp
+    tp = config.generator_tp if config.generator == "llama" else 1  # an engine's workers are its own
     replica, tp_rank = divmod(rank, tp)
     generator = _make_generator(config, RunData(config), store, tp_rank, incarnation, out_dir, replica, children)
     leader = tp_rank == 0  # reads the replica's commands and reports for it
@@ -438,6 +454,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
 
     data = RunData(config)
     world, device = config.trainer_world, config.device
+    objective, advantage, step_hook = trainer_plugins(config)
     if rank == 0 and not Path(out_dir).is_dir():  # the controller made it: a host of its own sees no such folder
         raise ValueError(f"the run folder {out_dir} is not on trainer rank 0's host ({host_identity()}): under "
                          "torchrun, give --out a folder on a filesystem both share, or place the controller and "
@@ -510,15 +527,21 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
         elif kind == "train":
             lr = learning_rate(payload["step"], base_lr=config.lr, warmup_steps=config.lr_warmup_steps,
                                total_steps=config.steps, schedule=config.lr_schedule, min_lr_ratio=config.min_lr_ratio)
-            stats = train_step(model, optimizer, payload["samples"], pad_token_id=data.tokenizer.pad_token_id,
-                               rho=config.rho, temperature=config.temperature, lr=lr,
-                               micro_batch_size=config.micro_batch_size or None,
-                               max_grad_norm=config.max_grad_norm or None, mask_truncated=config.mask_truncated,
-                               kl_coef=config.kl_coef, reference_model=reference, autocast_dtype=autocast)
+            samples = payload["samples"]
+            normalizer = len(samples) * data.max_new_tokens if config.loss_normalizer == "dr_grpo" else None
+            stats, hook_metrics = run_with_hook(
+                step_hook, StepContext(payload["step"], model, optimizer, samples, rank, world, lr),
+                lambda: train_step(model, optimizer, samples, pad_token_id=data.tokenizer.pad_token_id,
+                                   rho=config.rho, temperature=config.temperature, lr=lr,
+                                   micro_batch_size=config.micro_batch_size or None,
+                                   max_grad_norm=config.max_grad_norm or None, mask_truncated=config.mask_truncated,
+                                   kl_coef=config.kl_coef, reference_model=reference, autocast_dtype=autocast,
+                                   loss=objective, advantage=advantage, normalizer=normalizer))
             step = payload["step"] + 1
             end = time.monotonic()
-            link.span("train step", start, end, step=payload["step"], samples=len(payload["samples"]))
-            link.send("trained", step=payload["step"], seconds=end - start, **dataclasses.asdict(stats))
+            link.span("train step", start, end, step=payload["step"], samples=len(samples))
+            link.send("trained", step=payload["step"], seconds=end - start, hook=hook_metrics,
+                      **dataclasses.asdict(stats))
         elif kind == "checkpoint":
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             model_state, optim_state = get_state_dict(model, optimizer, options=options)

@@ -1,5 +1,6 @@
 """The generator behind one small interface, served by our LlamaGenerator (the
-default) and by vLLM (`--generator vllm`, llamarl_core.integrations.vllm).
+default), by vLLM (`--generator vllm`, llamarl_core.integrations.vllm), and by
+any Generator of yours (`--generator module:Class`, TrainConfig(generator=Class)).
 
 The generator executor only ever calls these: submit samples, run a segment
 (generation with the current weights until a segment's budget, a finished
@@ -8,25 +9,50 @@ meanwhile), and read the version and per-segment counts. Every token a
 generator produces records the version of the weights that sampled it and its
 behaviour log-prob (from the distribution it was sampled from: after
 temperature).
+
+A Generator of yours is built in the generator executor's process as
+`Class(context)`, context a GeneratorContext (the model's config, the sampling
+settings, and `context.weight_receiver(model)`, through which the trainer's
+versions land in its model's parameters). The controller around it is the same
+as around ours: the staleness bound on the versions its tokens carry, partial
+rollouts (a sample unfinished when `stop()` says a version waits goes on under
+the new weights: append to its tokens / logprobs / versions). It runs as one
+replica of one executor process (an engine with tensor parallelism of its own
+reads context.tp).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..models.llama_generator import LlamaGenerator
-from ..sync import RelayError, StaleReceiveError, SyncError, WeightReceiver, vllm_llama_tp
+from ..sync import RelayError, StaleReceiveError, SyncError, WeightReceiver, module_layout, vllm_llama_tp
+from .plugins import load
 from .rollout import RolloutEngine, Sample
 
 
 class Generator(ABC):
     """version: the weights' version (None until the first one lands); relay_failures:
-    the replicas the last update did not reach, each with why (ours relays)."""
+    the replicas the last update did not reach, each with why (ours relays).
+
+    Contract of every method, for a Generator of yours too: submit() takes
+    samples (prompt ids, no tokens yet) without generating; run_segment() samples
+    at most a segment's worth of tokens for what was submitted, appending to each
+    Sample's tokens, logprobs (log-prob of the token under the distribution it was
+    sampled from, after temperature) and versions (self.version), setting
+    `finished` when a stop token (context.eos_token_ids) ends it, and returns the
+    samples done (finished, or at max_new_tokens tokens) once each; busy says
+    whether any submitted sample is not returned yet; update_weights() lands a
+    version (context.weight_receiver(...).receive(timeout=timeout_s,
+    expect=version)) and sets self.version."""
 
     version: int | None = None
     relay_failures: dict[int, str] = {}  # never mutated: an update assigns a new dict
@@ -53,17 +79,68 @@ class Generator(ABC):
         one relays the version to (None: all it feeds). Raises SyncError when it did
         not land (version None: no weights to sample with until one does)."""
 
-    @abstractmethod
     def evaluate(self, samples: list[Sample]) -> list[Sample]:
         """Complete `samples` greedily with the current weights, to their end (eos or
-        budget), before anything else runs; returns them."""
+        budget), before anything else runs; returns them. Needed for eval_every
+        (the controller refuses eval_every with a generator that lacks it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not evaluate (greedy completions)")
 
-    @abstractmethod
     def segment_stats(self) -> dict:
-        """Counts since the last call, for the trace."""
+        """Counts since the last call (numbers by name), for the trace."""
+        return {}
 
     def close(self) -> None:
         pass
+
+
+def plugin_generator(spec: str) -> type[Generator]:
+    """The Generator class `spec` ("module:Class") names; ValueError naming it
+    unless it is a Generator subclass that implements every abstract method."""
+    cls = load(spec, "generator", "class")
+    if not issubclass(cls, Generator):
+        raise ValueError(f"generator {spec!r}: {cls.__qualname__} is not a subclass of llamarl_core.pipeline.Generator")
+    if inspect.isabstract(cls):
+        raise ValueError(f"generator {spec!r}: {cls.__qualname__} does not implement "
+                         f"{', '.join(sorted(cls.__abstractmethods__))}")
+    return cls
+
+
+def evaluates(generator_class: type) -> bool:
+    """Whether `generator_class` implements Generator.evaluate."""
+    return generator_class.evaluate is not Generator.evaluate
+
+
+@dataclass
+class GeneratorContext:
+    """What a Generator of yours is built with (`Class(context)`), in the
+    generator executor's process. Its model starts with any weights (the first
+    sync brings the trainer's, before anything is sampled)."""
+
+    model_config: Any  # the model's transformers config: the built-in toy Llama's, or --model's
+    model_path: str | None  # --model (a folder or .gguf file); None for the built-in model
+    dtype: Any  # torch.dtype of the generator's weights (the trainer's float32 weights are cast on the way)
+    device: str  # "cpu" or "cuda"
+    tp: int  # generator_tp: tensor parallelism, for an engine that runs its own workers
+    max_batch: int  # samples submitted and not yet returned, at most
+    max_new_tokens: int  # a completion's budget: a sample with this many tokens is done, finished False
+    segment_tokens: int  # decode steps per run_segment at most (partial rollouts)
+    temperature: float
+    eos_token_ids: tuple[int, ...]  # tokens that end a completion (finished True; the token is kept)
+    pad_token_id: int
+    seed: int
+    store: Any  # the run's torch.distributed Store (the weight sync's handshake)
+    sync_name: str  # the sync's name in it
+    timeout_s: float  # how long the sync's set-up may wait for the trainer
+
+    def weight_receiver(self, model: torch.nn.Module) -> WeightReceiver:
+        """A WeightReceiver over `model`'s parameters, in place (module_layout:
+        checkpoint names read off the live model, e.g. a transformers model of the
+        trainer's class); the trainer's versions land there through
+        `.receive(timeout=timeout_s, expect=version)`. Register before anything
+        caches the parameters' data pointers (CPU tensors move into shared memory)."""
+        # The parameters themselves: shared memory is swapped in under their `.data`.
+        return WeightReceiver(self.store, module_layout(model, 1), 0, dict(model.named_parameters()),
+                              name=self.sync_name, timeout=self.timeout_s)
 
 
 class LlamaGeneratorBackend(Generator):

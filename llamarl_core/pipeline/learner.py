@@ -1,13 +1,26 @@
-"""The trainer's math on a batch of samples: collation, the AIPO policy loss on a
-Hugging Face causal LM, one optimizer step (micro-batches, KL penalty against a
-reference model, gradient clipping, autocast), the learning-rate schedule, and the
-supervised warm-up loss. No processes here."""
+"""The trainer's math on a batch of samples: collation, the policy loss on a
+Hugging Face causal LM (AIPO / PPO by name from the fused loss op, or a loss
+function of yours on per-token log-probs), one optimizer step (advantages from
+an estimator, micro-batches, KL penalty against a reference model, gradient
+clipping, autocast), the learning-rate schedule, and the supervised warm-up
+loss. No processes here.
+
+A loss function of yours (TrainConfig.loss = "module:function", or
+train_step(loss=fn)): `fn(logprobs, batch) -> per-token losses`. logprobs:
+(rows, width - 1) float32, differentiable, log pi(y_t) at the run's temperature
+of each completion token of `batch` (a Batch: packed rows; 0 off the
+completions, where batch.mask is 0); the result: a tensor of the same shape
+whose gradient reaches logprobs. The trainer keeps the masked entries, adds the
+KL penalty if asked, sums and divides by the step's normaliser (the token count
+of the whole step by default) so that micro-batches add up to one batch.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,9 +29,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ..ops.aipo import IGNORE_INDEX, aipo_loss, group_advantages, logprob_forward
+from ..ops.aipo import IGNORE_INDEX, LOSS_TYPES, ObjectiveConfig, aipo_loss, logprob_backward, logprob_forward, reference_kl
+from ..ops.aipo import _stats as token_stats
+from .advantages import AdvantageFn, advantage_function, check_advantage, compute_advantages, group_mean
 from .config import LR_SCHEDULES
+from .plugins import check_arity, load, name_of
 from .rollout import Sample
+
+LossFn = Callable[[torch.Tensor, "Batch"], torch.Tensor]
 
 
 @dataclass
@@ -35,6 +53,11 @@ class Batch:
     advantages: torch.Tensor  # (rows, width - 1), the sample's advantage on each of its tokens
     rewards: torch.Tensor  # (samples,)
     truncated: int  # samples that hit the token budget (finished False), whether masked or not
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(rows, width - 1) float32: 1 on the completion tokens that count in the loss."""
+        return (self.targets != IGNORE_INDEX).to(torch.float32)
 
     def to(self, device) -> Batch:
         """The batch with its tensors on `device` (the model's)."""
@@ -125,16 +148,17 @@ def check_packed_rows_attend_within_samples(model) -> None:
             "transformers>=4.56 (llamarl-core's floor)")
 
 
-def _sample_advantages(samples: list[Sample]) -> torch.Tensor:
-    """(samples,) float32: each reward centred over the samples of the same prompt
-    (group) among `samples`, as AIPO does."""
+def _sample_advantages(samples: list[Sample], advantage: AdvantageFn = group_mean) -> torch.Tensor:
+    """(samples,) float32: advantage(rewards, group ids) over `samples` (default:
+    each reward centred over the samples of the same prompt, as AIPO does)."""
     if not samples:
         raise ValueError("collate: no samples")
     missing = [s.group for s in samples if s.reward is None]
     if missing:
         raise ValueError(f"collate: samples of prompt groups {sorted(set(missing))} have no reward")
-    return group_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float32),
-                            torch.tensor([s.group for s in samples], dtype=torch.long))
+    return compute_advantages(advantage, torch.tensor([s.reward for s in samples], dtype=torch.float32),
+                              torch.tensor([s.group for s in samples], dtype=torch.long),
+                              name_of(advantage))
 
 
 def _collate(samples: list[Sample], advantages: torch.Tensor, pad_token_id: int, mask_truncated: bool) -> Batch:
@@ -177,15 +201,63 @@ def _autocast(model, dtype: torch.dtype | None):
 
 def policy_loss(model, batch: Batch, *, rho: float, temperature: float, reduction: str = "token_mean",
                 ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
-                autocast_dtype: torch.dtype | None = None):
-    """AIPO loss of `model` on `batch` (by default the token mean over the
-    completion tokens that count), from the fused log-prob kernel, with the KL
-    penalty against ref_logprobs (rows, width - 1) when given; the forward runs
-    under autocast_dtype, the loss in float32. Returns (loss, AIPOStats)."""
+                autocast_dtype: torch.dtype | None = None, loss: str = "aipo",
+                old_logprobs: torch.Tensor | None = None):
+    """The policy loss `loss` (aipo, ppo, ppo_tis: the fused loss op's objectives;
+    PPO's take old_logprobs (rows, width - 1)) of `model` on `batch` (by default the
+    token mean over the completion tokens that count), with the KL penalty against
+    ref_logprobs (rows, width - 1) when given; the forward runs under
+    autocast_dtype, the loss in float32. Returns (loss, AIPOStats)."""
     with _autocast(model, autocast_dtype):
         logits = _logits(model, batch.input_ids, batch.position_ids)
     return aipo_loss(logits, batch.targets, batch.behavior_logprobs, batch.advantages, rho=rho,
-                     temperature=temperature, reduction=reduction, ref_logprobs=ref_logprobs, kl_coef=kl_coef)
+                     temperature=temperature, reduction=reduction, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
+                     loss_type=loss, old_logprobs=old_logprobs)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log_softmax(logits / T)[y_t] per token (0 where y_t is IGNORE_INDEX), from the
+    fused log-prob kernels: the forward keeps one log-sum-exp per token, the
+    backward turns dL/dlogp into dlogits in one vocabulary pass (no float32
+    (tokens, vocab) buffer beyond the logits' own gradient)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float):
+        flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        lse, logp, _ = logprob_forward(flat, flat_targets, temperature, entropy=False)
+        ctx.save_for_backward(flat, flat_targets, lse)
+        ctx.temperature, ctx.shape = temperature, logits.shape
+        return logp.view(targets.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp):
+        flat, flat_targets, lse = ctx.saved_tensors
+        coef = torch.where(flat_targets != IGNORE_INDEX, grad_logp.reshape(-1), 0.0)
+        return logprob_backward(flat, flat_targets, lse, coef, ctx.temperature).view(ctx.shape), None, None
+
+
+def _user_loss(model, batch: Batch, loss_fn: LossFn, *, rho: float, temperature: float,
+               ref_logprobs: torch.Tensor | None, kl_coef: float, autocast_dtype: torch.dtype | None):
+    """(summed loss, AIPOStats) of a loss function of yours (the module docstring
+    says its contract) on `batch`; ValueError naming it when it breaks the contract."""
+    with _autocast(model, autocast_dtype):
+        logits = _logits(model, batch.input_ids, batch.position_ids)
+    logp = _TokenLogprobs.apply(logits, batch.targets, temperature)
+    per_token = loss_fn(logp, batch)
+    name = name_of(loss_fn)
+    if not isinstance(per_token, torch.Tensor) or per_token.shape != logp.shape:
+        got = tuple(per_token.shape) if isinstance(per_token, torch.Tensor) else type(per_token).__name__
+        raise ValueError(f"loss {name} returned {got}; per-token losses of the log-probs' shape {tuple(logp.shape)} "
+                         "expected")
+    if not per_token.requires_grad:
+        raise ValueError(f"loss {name} returned losses with no gradient: they must be computed from the log-probs")
+    if ref_logprobs is not None:
+        per_token = per_token + kl_coef * reference_kl(logp, ref_logprobs)[0]
+    mask = batch.mask
+    summed = torch.where(mask > 0, per_token.float(), 0.0).sum()
+    # The fused op's stats, on the same log-probs.
+    stats = token_stats(logp.detach(), batch.behavior_logprobs, ref_logprobs, mask, ObjectiveConfig(rho=rho), None)
+    return summed, stats
 
 
 @torch.no_grad()
@@ -205,7 +277,7 @@ class StepStats:
     """One optimizer step. The per-token figures are means over the completion
     tokens that counted in the whole batch (token-weighted across micro-batches)."""
 
-    loss: float  # the token-mean loss (policy term plus KL penalty)
+    loss: float  # the loss (policy term plus KL penalty) summed over the tokens, over the normaliser
     grad_norm: float  # total gradient norm before clipping
     mismatch_kl: float  # k3 estimate of KL(behaviour || learner)
     truncated_fraction: float  # fraction of tokens whose importance ratio was truncated at rho
@@ -223,8 +295,16 @@ _TOKEN_STATS = ("mismatch_kl", "truncated_fraction", "mean_ratio", "ref_kl")
 def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rho: float, temperature: float,
                lr: float, micro_batch_size: int | None = None, max_grad_norm: float | None = None,
                mask_truncated: bool = False, kl_coef: float = 0.0, reference_model=None,
-               autocast_dtype: torch.dtype | None = None) -> StepStats:
-    """One optimizer step of the AIPO loss on `samples` (scored), at learning rate `lr`.
+               autocast_dtype: torch.dtype | None = None, loss: str | LossFn = "aipo",
+               advantage: AdvantageFn = group_mean, normalizer: float | None = None) -> StepStats:
+    """One optimizer step of the policy loss on `samples` (scored), at learning rate `lr`.
+
+    loss: "aipo" (default), "ppo" or "ppo_tis" (the fused loss op's objectives;
+    PPO's old log-probs come from a forward without gradients before the step, so
+    their ratio is 1 up to rounding: one optimizer step per batch), or a loss
+    function (the module docstring). advantage: the estimator (advantages.py).
+    normalizer: what the summed loss of this rank's step is divided by (None: the
+    completion tokens that count, a token mean; a constant: Dr.GRPO's).
 
     The samples go through in micro-batches of at most micro_batch_size samples
     (None: all at once), their gradients accumulated so that the step equals one
@@ -249,13 +329,18 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rh
         raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
     if kl_coef > 0 and reference_model is None:
         raise ValueError(f"kl_coef={kl_coef} needs reference_model (the frozen reference policy)")
-    advantages = _sample_advantages(samples)
+    if not callable(loss) and loss not in LOSS_TYPES:
+        raise ValueError(f"loss must be one of {LOSS_TYPES} or a function, got {loss!r}")
+    if normalizer is not None and not (math.isfinite(normalizer) and normalizer > 0):
+        raise ValueError(f"normalizer must be finite and > 0 (or None: the token count), got {normalizer}")
+    advantages = _sample_advantages(samples, advantage)
     size = micro_batch_size or len(samples)
     device = next(model.parameters()).device
     batches = [_collate(samples[i:i + size], advantages[i:i + size], pad_token_id, mask_truncated).to(device)
                for i in range(0, len(samples), size)]
     counts = [int((b.targets != IGNORE_INDEX).sum()) for b in batches]
     total = max(sum(counts), 1)
+    divisor = total if normalizer is None else normalizer
     counted = _sum_over_ranks(model, sum(counts))
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -264,12 +349,18 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rh
     loss_sum, stat_sums = 0.0, dict.fromkeys(_TOKEN_STATS, 0.0)
     for batch, count in zip(batches, counts):
         ref = None if kl_coef == 0 else _reference_logprobs(reference_model, batch, temperature, autocast_dtype)
-        loss, stats = policy_loss(model, batch, rho=rho, temperature=temperature, reduction="sum", ref_logprobs=ref,
-                                  kl_coef=kl_coef, autocast_dtype=autocast_dtype)
+        if callable(loss):
+            summed, stats = _user_loss(model, batch, loss, rho=rho, temperature=temperature, ref_logprobs=ref,
+                                       kl_coef=kl_coef, autocast_dtype=autocast_dtype)
+        else:
+            old = None if loss == "aipo" else _reference_logprobs(model, batch, temperature, autocast_dtype)
+            summed, stats = policy_loss(model, batch, rho=rho, temperature=temperature, reduction="sum",
+                                        ref_logprobs=ref, kl_coef=kl_coef, autocast_dtype=autocast_dtype, loss=loss,
+                                        old_logprobs=old)
         # The summed loss scaled here, not through mask = 1 / total: AIPOStats' means
         # divide by the mask's sum, so a fractional mask would skew them.
-        (loss / total).backward()
-        loss_sum += loss.item()
+        (summed / divisor).backward()
+        loss_sum += summed.item()
         for name in _TOKEN_STATS:
             value = getattr(stats, name)
             if value is not None:
@@ -282,10 +373,72 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rh
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     means = {name: value / total for name, value in stat_sums.items()}
-    return StepStats(loss=loss_sum / total, grad_norm=norm.item(), mismatch_kl=means["mismatch_kl"],
+    return StepStats(loss=loss_sum / divisor, grad_norm=norm.item(), mismatch_kl=means["mismatch_kl"],
                      truncated_fraction=means["truncated_fraction"], mean_ratio=means["mean_ratio"],
                      ref_kl=None if kl_coef == 0 else means["ref_kl"],
                      truncated_samples=sum(b.truncated for b in batches), lr=lr, counted_tokens=counted)
+
+
+@dataclass
+class StepContext:
+    """What a step hook (TrainConfig.step_hook) is given, on every trainer rank."""
+
+    step: int  # the RL step (it trains weights version `step` into version step + 1)
+    model: torch.nn.Module  # the policy (FSDP2-sharded with several trainer ranks)
+    optimizer: torch.optim.Optimizer
+    samples: list[Sample]  # this rank's scored samples
+    rank: int
+    world: int
+    lr: float
+
+
+StepHook = Callable[[StepContext, Callable[[], StepStats]], "dict | None"]
+
+
+def run_with_hook(hook: StepHook | None, context: StepContext, step: Callable[[], StepStats]) -> tuple[StepStats, dict]:
+    """Run `step` (train_step with its arguments bound) through `hook(context,
+    step)`: the hook may do anything before and after, must call step() exactly
+    once, and may return a dict of numbers, logged with the step's metrics
+    (averaged over the trainer ranks). Returns (the step's StepStats, that dict).
+    ValueError naming the hook when it breaks that contract."""
+    if hook is None:
+        return step(), {}
+    name = name_of(hook)
+    done: list[StepStats] = []
+
+    def once() -> StepStats:
+        if done:
+            raise RuntimeError(f"step hook {name} ran the step twice")
+        done.append(step())
+        return done[0]
+
+    extra = hook(context, once)
+    if not done:
+        raise ValueError(f"step hook {name} returned without running the step (call the step function it is given)")
+    extra = {} if extra is None else extra
+    if not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and
+                                              math.isfinite(v) for k, v in extra.items()):
+        raise ValueError(f"step hook {name} returned {extra!r}; None or a dict of finite numbers by name expected")
+    return done[0], {k: float(v) for k, v in extra.items()}
+
+
+def trainer_plugins(config) -> tuple[str | LossFn, AdvantageFn, StepHook | None]:
+    """A TrainConfig's loss (a built-in name or the function), advantage estimator
+    and step hook (or None), loaded; ValueError naming the one that does not load
+    or cannot take the arguments it is called with. The advantage estimator is
+    also tried on a probe (advantages.check_advantage)."""
+    loss = config.loss
+    if loss not in LOSS_TYPES:
+        if ":" not in loss:
+            raise ValueError(f"loss {loss!r}: not one of {LOSS_TYPES}, nor module:function")
+        loss = load(loss, "loss", "function")
+        check_arity(loss, (None, None), "loss")
+    check_advantage(config.advantage)
+    hook = None
+    if config.step_hook is not None:
+        hook = load(config.step_hook, "step_hook", "function")
+        check_arity(hook, (None, None), "step_hook")
+    return loss, advantage_function(config.advantage), hook
 
 
 def _sum_over_ranks(model, count: int) -> int:

@@ -5,10 +5,17 @@
                     content of its last \\boxed{...}, else the last number it writes
                     (numbers compare by value: "1,000" = "1000.0", "3/4" = "0.75")
     format          1 if the completion gives its answer in a \\boxed{...}
-    module:attr     a function of yours, called with lists:
-                    fn(prompts, completions, answers) -> one float per completion
+    module:attr     a function of yours (in Python, the function itself)
 e.g. `--reward math+0.1*format`. Without --reward a task's own per-sample
-reward(prompt, completion) scores it.
+reward(prompt, completion) scores it, through `per_sample`.
+
+Every reward has one signature, on a batch of lists:
+    fn(prompts, completions, answers) -> one float per completion
+(prompts: str or chat messages; answers: the dataset's, None for a task's
+prompts). Before any executor starts, each reward function is called once on a
+probe (the run's first two prompts, an empty completion and a short one): a
+function that cannot take those arguments, or returns anything but one real
+number per completion, is refused naming it.
 
 `--reward-model PATH` instead scores each (prompt, completion) with a
 transformers `AutoModelForSequenceClassification` with one output, in batches,
@@ -17,14 +24,15 @@ in the reward executor's own process.
 
 from __future__ import annotations
 
-import importlib
 import math
+import numbers
 import re
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
 from .data import Problem, prompt_text
+from .plugins import check_arity, load
 
 BatchReward = Callable[[list, list[str], list], list[float]]
 
@@ -88,15 +96,36 @@ BUILTIN_REWARDS: dict[str, BatchReward] = {"math": math_reward, "format": format
 NEEDS_ANSWER = {"math"}
 
 
-def _load_function(spec: str) -> BatchReward:
-    module_name, _, attribute = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"--reward {spec!r}: cannot load it: {exc}") from None
-    if not callable(fn):
-        raise ValueError(f"--reward {spec!r} is a {type(fn).__name__}, not a function")
-    return fn
+def per_sample(reward: Callable[[str, str], float], what: str) -> BatchReward:
+    """A per-sample reward(prompt text, completion) -> float (a Task's) as a batched
+    reward; an error in it names `what`, the prompt and the completion."""
+
+    def batched(prompts: list, completions: list[str], answers: list) -> list[float]:
+        rewards = []
+        for prompt, completion in zip(map(prompt_text, prompts), completions):
+            try:
+                rewards.append(float(reward(prompt, completion)))
+            except Exception as exc:
+                raise RuntimeError(f"{what} failed on prompt {prompt!r}, completion {completion!r}: {exc}") from exc
+        return rewards
+
+    batched.__qualname__ = getattr(reward, "__qualname__", "reward")
+    return batched
+
+
+def check_scores(scores, count: int, what: str) -> list[float]:
+    """`scores` as a list of `count` floats; ValueError naming `what` unless it is a
+    sequence (list, tuple, 1-D array or tensor) of that many real numbers."""
+    if isinstance(scores, (str, bytes, dict)) or not hasattr(scores, "__len__"):
+        raise ValueError(f"{what} returned a {type(scores).__name__}; a list of one float per completion expected")
+    if getattr(scores, "ndim", 1) != 1 or len(scores) != count:
+        shape = tuple(scores.shape) if hasattr(scores, "shape") else len(scores)
+        raise ValueError(f"{what} returned {shape} scores for {count} completions; one float per completion expected")
+    values = [s.item() if hasattr(s, "item") else s for s in scores]
+    bad = [v for v in values if isinstance(v, complex) or not isinstance(v, numbers.Real)]
+    if bad:
+        raise ValueError(f"{what} returned {bad[0]!r} ({type(bad[0]).__name__}) among its scores; real numbers expected")
+    return [float(v) for v in values]
 
 
 class RuleReward:
@@ -117,7 +146,7 @@ class RuleReward:
             if name in BUILTIN_REWARDS:
                 fn = BUILTIN_REWARDS[name]
             elif ":" in name:
-                fn = _load_function(name)
+                fn = load(name, "--reward", "function")
             else:
                 raise ValueError(f"--reward {spec!r}: unknown reward {name!r} (built in: "
                                  f"{', '.join(BUILTIN_REWARDS)}; or module:function)")
@@ -132,10 +161,8 @@ class RuleReward:
         answers = [p.answer for p in problems]
         total = [0.0] * len(completions)
         for weight, name, fn in self.terms:
-            scores = list(fn(prompts, completions, answers))
-            if len(scores) != len(completions):
-                raise ValueError(f"reward {name!r} returned {len(scores)} scores for {len(completions)} completions")
-            total = [t + weight * float(s) for t, s in zip(total, scores)]
+            scores = check_scores(fn(prompts, completions, answers), len(completions), f"reward {name!r}")
+            total = [t + weight * score for t, score in zip(total, scores)]
         return total
 
 
@@ -219,6 +246,32 @@ def check_reward_config(config, data) -> None:
     if config.reward is not None and RuleReward(config.reward).needs_answer and data.task is not None:
         raise ValueError(f"--reward {config.reward!r} checks answers: give a --dataset whose lines have them "
                          f"(task {data.task.name!r} has none)")
+    if config.reward_model is None:
+        probe_reward(config, data)
+
+
+def probe_reward(config, data) -> None:
+    """Call each function of the run's rule reward (or its task's reward) once, on
+    the first two training prompts with an empty and a one-word completion;
+    ValueError naming the function unless it takes (prompts, completions,
+    answers) (a task's: (prompt, completion)) and returns one real number each."""
+    problems = [data.problem(0), data.problem(1)]
+    prompts, answers, completions = [p.prompt for p in problems], [p.answer for p in problems], ["", "probe"]
+    if config.reward is not None:
+        terms = [(f"--reward term {name!r}", fn) for _, name, fn in RuleReward(config.reward).terms]
+    else:
+        what = f"the reward function of task {data.task.name!r}"
+        check_arity(data.task.reward, (prompts[0], completions[0]), what)
+        terms = [(what, per_sample(data.task.reward, what))]
+    for what, fn in terms:
+        check_arity(fn, (prompts, completions, answers), what)
+        try:
+            scores = fn(prompts, completions, answers)
+        except Exception as exc:
+            raise ValueError(f"{what} failed on a probe (the run's first two prompts, completions {completions}): "
+                             f"{type(exc).__name__}: {exc}") from exc
+        check_scores(scores, len(completions), what)
+
 
 
 def make_scorer(config, data) -> tuple[Callable[[list[Problem], list[str]], list[float]], str]:
@@ -229,17 +282,6 @@ def make_scorer(config, data) -> tuple[Callable[[list[Problem], list[str]], list
         return RewardModel(config.reward_model, config.reward_batch), f"the reward model {config.reward_model}"
     if config.reward is not None:
         return RuleReward(config.reward), f"the reward {config.reward!r}"
-    task = data.task
-    what = f"the reward function of task {task.name!r}"
-
-    def score(problems: list[Problem], completions: list[str]) -> list[float]:
-        rewards = []
-        for problem, completion in zip(problems, completions):
-            prompt = prompt_text(problem.prompt)
-            try:
-                rewards.append(float(task.reward(prompt, completion)))
-            except Exception as exc:
-                raise RuntimeError(f"{what} failed on prompt {prompt!r}, completion {completion!r}: {exc}") from exc
-        return rewards
-
-    return score, what
+    what = f"the reward function of task {data.task.name!r}"
+    reward = per_sample(data.task.reward, what)
+    return lambda problems, completions: reward([p.prompt for p in problems], completions, [None] * len(problems)), what

