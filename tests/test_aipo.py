@@ -2,8 +2,10 @@
 one, else in Triton's interpreter on CPU tensors) and the torch CPU path against
 a float64 reference, values and gradients."""
 
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -12,8 +14,9 @@ import textwrap
 import pytest
 import torch
 
-from llamarl_core.ops.aipo import (GPU_CONFIGS, IGNORE_INDEX, REDUCTIONS, LogprobConfig, aipo_loss, aipo_loss_ref,
-                                 group_advantages, linear_aipo_loss, logprob_launches)
+from llamarl_core.ops.aipo import (GPU_CONFIGS, IGNORE_INDEX, LogprobConfig, aipo_loss, aipo_loss_ref, group_advantages,
+                                 linear_aipo_loss, logprob_launches)
+from llamarl_core.ops.aipo_inputs import REDUCTIONS
 
 LOSS_TYPES = ["aipo", "ppo", "ppo_tis"]
 
@@ -121,7 +124,8 @@ def test_stats_match_their_definitions(device):
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     sel = m.bool()
     log_ratio = logp - behavior.double()  # log(pi / mu) of tokens sampled from mu
-    assert torch.allclose(stats.logprobs.cpu().double(), logp, atol=1e-5)
+    assert torch.allclose(stats.logprobs.cpu().double()[sel], logp[sel], atol=1e-5)
+    assert torch.count_nonzero(stats.logprobs.cpu()[~sel]) == 0  # a token whose mask is 0 is never scored
     assert stats.mean_ratio.item() == pytest.approx(torch.exp(log_ratio)[sel].mean().item(), rel=1e-5)
     assert stats.truncated_fraction.item() == pytest.approx((torch.exp(log_ratio) > 2.0)[sel].double().mean().item())
     k3 = torch.exp(log_ratio) - 1 - log_ratio
@@ -547,3 +551,213 @@ def test_ref_kl_estimates_kl_of_learner_from_reference(monkeypatch):
     assert abs(stats.ref_kl.item() - kl) <= 4 * standard_error, (stats.ref_kl.item(), kl, standard_error)
     inverted_mean = (pi * pi / ref).sum().item() - 1 - kl  # E_pi[pi / ref - 1 - log(pi / ref)]
     assert abs(inverted_mean - kl) > 20 * standard_error
+
+
+# ----------------------------------------------------------------------------- batched (B, T) inputs
+
+
+# Each case: the leading shape, the advantages' form ("row": (B,), "row1": (B, 1),
+# "token": (B, T)), the reduction with its sequences ("implied": one a row, "packed":
+# two a row by sequence_ids numbered within each row), how padding is marked ("mask":
+# mask 0 and out-of-range targets there; "ignore": no mask, IGNORE_INDEX targets).
+REDUCTION_CASES = [("token_mean", None), ("sequence_mean", "implied"), ("sequence_mean", "packed"), ("sum", None)]
+
+
+def _batched_cases():
+    """A few dozen random shapes, every combination of the forms above once, then
+    the edges: a lone token, B = 1, nothing counted, leading dims (2, 3, T)."""
+    gen = torch.Generator().manual_seed(123)
+    cases = []
+    for i, ((reduction, seq), adv, pad) in enumerate(itertools.product(REDUCTION_CASES, ("row", "row1", "token"),
+                                                                      ("mask", "ignore"))):
+        lead = (int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 10, (1,), generator=gen)))
+        vocab = [2, 5, 13, 97, 300][i % 5]
+        cases.append(dict(lead=lead, vocab=vocab, adv=adv, reduction=reduction, seq=seq, pad=pad, seed=i,
+                          kl=i % 3 == 0, empty=False))
+    cases += [dict(lead=(1, 1), vocab=7, adv="row", reduction="sequence_mean", seq="implied", pad="mask", seed=100,
+                   kl=True, empty=False),
+              dict(lead=(1, 7), vocab=33, adv="row1", reduction="token_mean", seq=None, pad="mask", seed=101,
+                   kl=False, empty=False),
+              dict(lead=(3, 4), vocab=19, adv="row", reduction="sequence_mean", seq="implied", pad="mask", seed=102,
+                   kl=True, empty=True),
+              dict(lead=(2, 3, 6), vocab=29, adv="row1", reduction="sequence_mean", seq="packed", pad="mask",
+                   seed=103, kl=True, empty=False)]
+    return cases
+
+
+BATCHED_CASES = _batched_cases()
+
+
+def _batched_inputs(case, logits):
+    """Per-token inputs of a case for `logits` (..., T, V): garbage wherever a token
+    does not count (targets -1, V + 7 or huge; NaN / inf in the float inputs), and
+    the same inputs flattened to the tokens that count, with global sequence ids:
+    the flat call the batched one must equal."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    lead, v = case["lead"], case["vocab"]
+    rows, t = lead[:-1], lead[-1]
+    targets = torch.randint(0, v, lead, generator=gen)
+    lengths = torch.zeros(rows, dtype=torch.int64) if case["empty"] else torch.randint(0, t + 1, rows, generator=gen)
+    if not case["empty"]:
+        lengths.view(-1)[0] = t  # at least one full row
+    pad = torch.arange(t) >= lengths.unsqueeze(-1)
+    inside = ~pad & (torch.rand(lead, generator=gen) < 0.1)  # ignored tokens among the counted
+    targets[inside] = IGNORE_INDEX
+    garbage = torch.tensor([-1, v + 7, 10**9])[torch.randint(0, 3, lead, generator=gen)]
+    targets = torch.where(pad, garbage if case["pad"] == "mask" else IGNORE_INDEX, targets)
+    mask = None if case["pad"] == "ignore" else (~pad).float()
+    counted = ~pad & (targets != IGNORE_INDEX)
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.double(), -1).gather(-1, targets.clamp(0, v - 1).unsqueeze(-1)).squeeze(-1)
+
+    def around_logp(scale, padding):
+        return torch.where(pad, padding, logp + torch.randn(lead, generator=gen, dtype=torch.float64) * scale).float()
+
+    behavior, old, ref = around_logp(1.5, float("nan")), around_logp(0.3, float("inf")), around_logp(1.0, -float("inf"))
+    per_row = torch.randn(rows, generator=gen)
+    advantages = {"row": per_row, "row1": per_row.unsqueeze(-1), "token": torch.randn(lead, generator=gen)}[case["adv"]]
+    row_index = torch.arange(per_row.numel()).reshape(*rows, 1).expand(lead)
+    ids = (torch.arange(t) >= torch.randint(0, t + 1, (*rows, 1), generator=gen)).long()  # 0 then 1 in each row
+    batched = dict(targets=targets, behavior_logprobs=behavior, advantages=advantages, mask=mask, old_logprobs=old,
+                   sequence_ids=ids if case["seq"] == "packed" else None)
+    global_ids = row_index * 2 + ids if case["seq"] == "packed" else row_index
+    full_advantages = advantages if case["adv"] == "token" else per_row.unsqueeze(-1).expand(lead)
+    flat = dict(targets=targets[counted], behavior_logprobs=behavior[counted], advantages=full_advantages[counted],
+                mask=None if mask is None else mask[counted], old_logprobs=old[counted],
+                sequence_ids=global_ids[counted])
+    if case["kl"]:
+        batched.update(ref_logprobs=ref, kl_coef=0.3)
+        flat.update(ref_logprobs=ref[counted], kl_coef=0.3)
+    return batched, flat, counted
+
+
+def _assert_close(got, want, what, rel=1e-5):
+    """|got - want| <= rel * max |want| elementwise (exact where want is all 0)."""
+    atol = rel * want.abs().max().item() if want.numel() else 0.0
+    torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _flat_reference_stats(logits, flat, loss_type, rho):
+    """float64 log-probs and stat means over the counted tokens (flat logits (K, V))."""
+    logp_all = torch.log_softmax(logits.double(), -1)
+    logp = logp_all.gather(-1, flat["targets"].unsqueeze(-1)).squeeze(-1)
+    count = max(logp.numel(), 1)
+    log_ratio = logp - flat["behavior_logprobs"].double()
+    r_old = torch.exp(logp - flat["old_logprobs"].double())
+    a = flat["advantages"].double()
+    means = dict(
+        entropy=-torch.where(logp_all > float("-inf"), logp_all.exp() * logp_all, 0.0).sum(-1),
+        mean_ratio=log_ratio.exp(),
+        truncated_fraction=(log_ratio.exp() > rho).double(),
+        mismatch_kl=log_ratio.exp() - 1 - log_ratio,
+        clip_fraction=None if loss_type == "aipo" else (torch.clamp(r_old, 0.8, 1.2) * a < r_old * a).double())
+    if "ref_logprobs" in flat:
+        x = flat["ref_logprobs"].double() - logp
+        means["ref_kl"] = torch.exp(x) - x - 1
+    return logp, {name: None if v is None else v.sum().item() / count for name, v in means.items()}
+
+
+def _check_batched_stats(stats, counted, logits_flat, flat, loss_type, case):
+    """stats.logprobs in the targets' shape, 0 where a token does not count; every
+    mean over the counted tokens alone (NaN / inf in the padding change none)."""
+    logp, means = _flat_reference_stats(logits_flat, flat, loss_type, rho=2.0)
+    assert stats.logprobs.shape == counted.shape, case
+    assert torch.count_nonzero(stats.logprobs.cpu()[~counted]) == 0, case
+    _assert_close(stats.logprobs.cpu()[counted], logp, f"logprobs {case}", rel=1e-5)
+    assert (stats.ref_kl is None) == ("ref_kl" not in means) and (stats.clip_fraction is None) == (loss_type == "aipo")
+    for name, want in means.items():
+        if want is not None:
+            assert getattr(stats, name).item() == pytest.approx(want, rel=1e-5, abs=1e-6), (name, case)
+    return means["clip_fraction"]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_batched_equals_flat_call_on_the_counted_tokens(device, loss_type):
+    """aipo_loss on (B, T) (and (2, 3, T)) batches with per-row advantages, implied or
+    packed sequences and garbage in the padding equals the float64 reference's flat
+    call on the counted tokens alone, values and gradients; the padding gets
+    dlogits exactly 0. The reference's own batched call agrees with its flat one."""
+    clip_fractions = []
+    for case in BATCHED_CASES:
+        gen = torch.Generator().manual_seed(1000 + case["seed"])
+        logits = torch.randn(*case["lead"], case["vocab"], generator=gen) * 2
+        batched, flat, counted = _batched_inputs(case, logits)
+        kw = dict(rho=2.0, temperature=1.0, loss_type=loss_type, reduction=case["reduction"])
+        x = logits.to(device).clone().requires_grad_()
+        on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batched.items()}
+        loss, stats = aipo_loss(x, entropy=True, **on_device, **kw)
+        loss.backward()
+        xr = logits[counted].double().requires_grad_()
+        expected = aipo_loss_ref(xr, **flat, **kw)
+        expected.backward()
+        xb = logits.double().requires_grad_()
+        batched_ref = aipo_loss_ref(xb, **batched, **kw)
+        batched_ref.backward()
+        assert batched_ref.item() == pytest.approx(expected.item(), rel=1e-12, abs=1e-15), case
+        _assert_close(xb.grad[counted], xr.grad, f"reference grad {case}", rel=1e-12)
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7), case
+        grad = x.grad.cpu()
+        _assert_close(grad[counted], xr.grad, f"dlogits {case}")
+        assert torch.count_nonzero(grad[~counted]) == 0 and torch.count_nonzero(xb.grad[~counted]) == 0, case
+        clip_fractions.append(_check_batched_stats(stats, counted, logits[counted], flat, loss_type, case))
+    if loss_type != "aipo":  # the clip acted on some tokens and not on others
+        assert 0 < sum(clip_fractions) / len(clip_fractions) < 1
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_linear_variant_batched_equals_flat_call_on_the_counted_tokens(device, loss_type):
+    """linear_aipo_loss on (B, T, H) hidden states, the same cases, several chunks:
+    loss, hidden and weight gradients equal the float64 flat call on the counted
+    tokens; the padding's hidden gradient is exactly 0."""
+    for case in BATCHED_CASES[::2]:
+        gen = torch.Generator().manual_seed(2000 + case["seed"])
+        hidden = torch.randn(*case["lead"], 24, generator=gen)
+        weight = torch.randn(case["vocab"], 24, generator=gen) / 4
+        batched, flat, counted = _batched_inputs(case, hidden @ weight.t())
+        kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type, reduction=case["reduction"])
+        hx, wx = hidden.to(device).clone().requires_grad_(), weight.to(device).clone().requires_grad_()
+        on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batched.items()}
+        loss, stats = linear_aipo_loss(hx, wx, chunk_size=5, **on_device, **kw)
+        loss.backward()
+        hr, wr = hidden[counted].double().requires_grad_(), weight.double().requires_grad_()
+        expected = aipo_loss_ref(hr @ wr.t(), **flat, **kw)
+        expected.backward()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7), case
+        _assert_close(hx.grad.cpu()[counted], hr.grad, f"hidden grad {case}")
+        assert torch.count_nonzero(hx.grad.cpu()[~counted]) == 0, case
+        _assert_close(wx.grad.cpu(), wr.grad, f"weight grad {case}")
+        assert stats.logprobs.shape == counted.shape and torch.count_nonzero(stats.logprobs.cpu()[~counted]) == 0
+
+
+def test_batched_refusals_name_the_culprit():
+    """Advantages of any other shape, a counted target out of range (named by its
+    (b, t) position), sequence_ids of another shape, and flat sequence_mean
+    without sequence_ids: ValueError naming it."""
+    gen = torch.Generator().manual_seed(7)
+    b, t, v = 3, 5, 11
+    logits = torch.randn(b, t, v, generator=gen, requires_grad=True)
+    targets = torch.randint(0, v, (b, t), generator=gen)
+    behavior, mask = torch.randn(b, t, generator=gen), torch.ones(b, t)
+    hidden, weight = torch.randn(b, t, 8, generator=gen, requires_grad=True), torch.randn(v, 8, requires_grad=True)
+    calls = [lambda tg, adv, **kw: aipo_loss(logits, tg, behavior, adv, mask, **kw),
+             lambda tg, adv, **kw: linear_aipo_loss(hidden, weight, tg, behavior, adv, mask, **kw)]
+    for call in calls:
+        for bad in (torch.randn(b, t + 1), torch.randn(b + 1), torch.randn(t), torch.randn(b, 2), torch.randn(1, b),
+                    torch.randn(b * t)):
+            with pytest.raises(ValueError, match=rf"advantages must have shape \(3, 5\) .*\(3,\) or \(3, 1\).*got "
+                                                 rf"{re.escape(str(tuple(bad.shape)))}"):
+                call(targets, bad)
+        for value in (-1, v, v + 7):
+            bad_targets = targets.clone()
+            bad_targets[1, 2] = value
+            with pytest.raises(ValueError, match=rf"targets\[1, 2\] = {value} is outside \[0, 11\)"):
+                call(bad_targets, torch.randn(b))
+        for ids in (torch.zeros(b * t, dtype=torch.long), torch.zeros(b, t - 1, dtype=torch.long)):
+            with pytest.raises(ValueError, match=rf"sequence_ids must have shape \(3, 5\).*got "
+                                                 rf"{re.escape(str(tuple(ids.shape)))}"):
+                call(targets, torch.randn(b), reduction="sequence_mean", sequence_ids=ids)
+    with pytest.raises(ValueError, match=r"advantages must have shape \(15,\) \(the logits' leading dims\), got \(1,\)$"):
+        aipo_loss(logits.reshape(b * t, v), targets.reshape(-1), behavior.reshape(-1), torch.randn(1))
+    with pytest.raises(ValueError, match=r'sequence_mean" on flat inputs needs sequence_ids'):
+        aipo_loss(logits.reshape(b * t, v), targets.reshape(-1), behavior.reshape(-1), torch.randn(b * t),
+                  reduction="sequence_mean")

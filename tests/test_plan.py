@@ -71,6 +71,45 @@ def test_execute_local_equals_reference(kind, fsdp, tp, src_dtype):
         assert mismatches(ref[rank], dst[rank]) == []
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "llama_tied"])
+def test_reference_shards_of_a_tied_model_keep_the_first_name(kind):
+    """A tied model's own state_dict() (lm_head.weight is model.embed_tokens.weight):
+    sharded once, under the names named_parameters() yields, in its order; the
+    shards go through the tied preset's plan and land as the vLLM reference's."""
+    config = small_config(kind)
+    torch.manual_seed(5)
+    model = MODEL_CLASSES[config.model_type](config)
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()  # really tied
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    shards = reference_fsdp_shards(state, 2, torch.float32)
+    for rank in range(2):
+        assert list(shards[rank]) == list(params)
+        assert mismatches({n: torch.chunk(p, 2)[rank] for n, p in params.items()}, shards[rank]) == []
+    dst_layout = vllm_llama_tp(config, 2, torch.bfloat16)
+    dst = {r: poisoned_destination(dst_layout, r) for r in range(2)}
+    plan_transfer(hf_llama_fsdp(config, 2, torch.float32), dst_layout).execute_local(shards, dst)
+    ref = reference_vllm_tp_shards(params, config, 2, torch.bfloat16)
+    assert all(mismatches(ref[r], dst[r]) == [] for r in range(2))
+
+
+def test_reference_shards_refuse_what_they_cannot_describe():
+    """Views of one buffer that do not overlap are distinct tensors, kept; a tensor
+    overlapping another without being the same view, a 0-dim tensor and a meta
+    tensor raise ValueError naming them."""
+    flat = torch.arange(12.0)
+    shards = reference_fsdp_shards({"a": flat[:6].view(2, 3), "b": flat[6:].view(3, 2)}, 2, torch.float32)
+    assert torch.equal(shards[1]["b"], flat[6:].view(3, 2)[2:])
+    cases = [({"a": flat.view(3, 4), "b": flat[4:].view(2, 4)}, r"'b' overlaps 'a' in memory"),
+             ({"a": flat.view(3, 4), "b": flat.view(4, 3)}, r"'b' overlaps 'a' in memory"),
+             ({"a": flat.view(3, 4), "b": flat.view(3, 4).view(torch.int32)}, r"'b' overlaps 'a' in memory"),
+             ({"w": flat, "scale": torch.tensor(2.0)}, r"'scale' is 0-dim"),
+             ({"w": torch.empty(4, device="meta")}, r"'w' is a meta tensor")]
+    for state, message in cases:
+        with pytest.raises(ValueError, match=message):
+            reference_fsdp_shards(state, 2, torch.float32)
+
+
 def test_small_buckets_split_segments_and_stay_exact():
     config = small_config("llama_gqa_bias")
     state = hf_state_dict(config, 3)

@@ -12,8 +12,10 @@ b_t (from the generator), advantage A_t, mask m_t.
     estimator of KL(pi || ref) on tokens sampled from (nearly) pi; dk3_t / dlogp_t =
     1 - exp(ref_t - logp_t).
     loss = sum_t weight_t l_t with weight_t = m_t / sum(m) ("token_mean"), m_t /
-    (count(seq_t) * sequences with a token) ("sequence_mean"), m_t ("sum"). With
-    every m_t = 0 the loss and the gradients are 0.
+    (sum of m over seq_t * sequences with a token) ("sequence_mean"), m_t ("sum").
+    With every m_t = 0 the loss and the gradients are 0.
+Inputs are flat token lists or batched (B, T) rows: their rules (shapes,
+per-row advantages, tokens that do not count, sequences) are aipo_inputs.py's.
 Every objective is per token, so dl/dlogp_t is known in the forward pass: the
 backward only turns it into dlogits (one vocabulary pass, kernels/logprob.py),
 and the linear variant computes its gradients chunk by chunk during the forward.
@@ -23,17 +25,14 @@ File order: reference -> launchers -> torch CPU path -> autograd -> functional.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy
 import torch
 
 from ._launch import KernelLaunch, next_pow2, use_interpreter
-
-IGNORE_INDEX = -100
-LOSS_TYPES = ("aipo", "ppo", "ppo_tis")
-REDUCTIONS = ("token_mean", "sequence_mean", "sum")
+from .aipo_inputs import (IGNORE_INDEX, TokenInputs, check_kl, flat_logits, per_token_advantages, prepare_inputs,
+                          reduction_weights, sequence_index)
 
 
 @dataclass(frozen=True)
@@ -48,14 +47,22 @@ class ObjectiveConfig:
 
 @dataclass
 class AIPOStats:
-    """Detached diagnostics over the masked tokens."""
+    """Detached diagnostics over the tokens that count (mask not 0, target not
+    IGNORE_INDEX); the means are weighted by the mask (plain means for a 0 / 1
+    mask). Computed on the device, with no host sync."""
 
-    logprobs: torch.Tensor  # (num_tokens,) learner log-probs, float32
+    logprobs: torch.Tensor  # learner log-probs, float32, in the targets' shape; 0 where a token does not count
     mean_ratio: torch.Tensor  # mean exp(logp - b)
     truncated_fraction: torch.Tensor  # fraction of tokens with exp(logp - b) > rho
     mismatch_kl: torch.Tensor  # k3 estimate of KL(behaviour || learner): r - 1 - log r, r = exp(logp - b)
     entropy: torch.Tensor | None = None  # mean entropy of the learner distribution, if asked for
     ref_kl: torch.Tensor | None = None  # mean k3 estimate of KL(learner || reference), with ref_logprobs
+    # "ppo" and "ppo_tis": fraction of tokens where the clipped surrogate is the one
+    # taken, clip(r) A < r A with r = exp(logp - old): the clip is active and the
+    # token gets no gradient from the policy term (verl's pg_clipfrac). "aipo": None,
+    # as it has no clip (its truncation at rho is truncated_fraction); a 0 would
+    # read as "a clip that never acted".
+    clip_fraction: torch.Tensor | None = None
 
 
 # exp(80) = 5.5e34: clamping log-ratios there keeps ratios, k3 and their products
@@ -71,16 +78,21 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
                   eps_high=0.2, ref_logprobs=None, kl_coef=0.0, compute_dtype=torch.float64):
     """Plain torch autograd (log_softmax, gather, the objective), in float64 by
     default: the reference for values and gradients. With compute_dtype=None it
-    runs in the logits' own dtype: the naive version users would write. Returns the
-    loss; gradients through backward()."""
-    _check_kl(kl_coef, ref_logprobs)
+    runs in the logits' own dtype: the naive version users would write. Inputs
+    as aipo_loss's (flat or batched, aipo_inputs.py), unchecked but for the
+    shapes of advantages and sequence_ids: a token that does not count is left
+    out of the gather and of the loss by torch.where. Returns the loss;
+    gradients through backward()."""
+    check_kl(kl_coef, ref_logprobs)
     dtype = logits.dtype if compute_dtype is None else compute_dtype
     x = logits.to(dtype) / temperature
     logp_all = torch.log_softmax(x, dim=-1)
-    valid = targets != IGNORE_INDEX
-    logp = torch.where(valid, logp_all.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
-    m = (torch.ones_like(logp) if mask is None else mask.to(dtype)) * valid
-    b, a = behavior_logprobs.to(dtype), advantages.to(dtype)
+    m = torch.ones(targets.shape, dtype=dtype, device=logits.device) if mask is None else mask.to(dtype)
+    counts = (targets != IGNORE_INDEX) & (m != 0)
+    m = torch.where(counts, m, 0.0)
+    picked = logp_all.gather(-1, torch.where(counts, targets, 0).unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(counts, picked, 0.0)
+    b, a = behavior_logprobs.to(dtype), per_token_advantages(advantages, targets.shape).to(dtype)
     if loss_type == "aipo":
         w = torch.clamp(torch.exp(logp.detach() - b), max=rho)
         terms = torch.where(w == 0, 0.0, -w * a * logp)
@@ -96,26 +108,9 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
         # as token_objective's analytic derivative does.
         x = x + (x.clamp(max=MAX_LOG_RATIO) - x).detach()
         terms = terms + kl_coef * (torch.exp(x) - x - 1)
-    weights = reduction_weights(m, reduction, sequence_ids)
-    return torch.where(weights != 0, weights * terms, 0.0).sum()
-
-
-def reduction_weights(m: torch.Tensor, reduction: str, sequence_ids: torch.Tensor | None) -> torch.Tensor:
-    """Per-token weights turning per-token losses into the reduced loss."""
-    if reduction == "sum":
-        return m
-    # Selected on the device (0 / 0 where no token counts), not by a host-side
-    # `if`: no host sync for token_mean, and only torch.unique's own for sequence_mean.
-    if reduction == "token_mean":
-        total = m.sum()
-        return torch.where(total > 0, m / total, 0.0)
-    if sequence_ids is None:
-        raise ValueError('reduction="sequence_mean" needs sequence_ids (num_tokens,)')
-    sequences, seq_index = torch.unique(sequence_ids, return_inverse=True)
-    counts = torch.zeros(sequences.numel(), dtype=m.dtype, device=m.device).index_add_(0, seq_index, m)
-    num_sequences = (counts > 0).sum()
-    per_token_count = counts[seq_index]
-    return torch.where(per_token_count > 0, m / (per_token_count.clamp(min=1) * num_sequences), 0.0)
+    sequences = sequence_index(sequence_ids, targets.shape, reduction, logits.device)
+    weights = reduction_weights(m.reshape(-1), reduction, sequences)
+    return torch.where(weights != 0, weights * terms.reshape(-1), 0.0).sum()
 
 
 def reference_kl(logp: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +124,15 @@ def reference_kl(logp: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, t
     return r - x - 1, 1 - r
 
 
+def ppo_surrogates(logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
+                   cfg: ObjectiveConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's (r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp - old): the
+    objective takes the smaller; where the clipped one is strictly smaller, the
+    clip is active and the token gets no gradient from it."""
+    r = torch.exp(logp - old)
+    return r * advantages, torch.clamp(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * advantages
+
+
 def token_objective(logp: torch.Tensor, behavior: torch.Tensor, advantages: torch.Tensor, old: torch.Tensor | None,
                     ref: torch.Tensor | None, cfg: ObjectiveConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss l_t and its derivative dl_t / dlogp_t, in float32, analytically
@@ -138,8 +142,7 @@ def token_objective(logp: torch.Tensor, behavior: torch.Tensor, advantages: torc
         w = torch.clamp(torch.exp(logp - behavior), max=cfg.rho)
         terms, grad = torch.where(w == 0, 0.0, -w * advantages * logp), -w * advantages
     else:
-        r = torch.exp(logp - old)
-        unclipped, clipped = r * advantages, torch.clamp(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * advantages
+        unclipped, clipped = ppo_surrogates(logp, old, advantages, cfg)
         terms = -torch.minimum(unclipped, clipped)
         grad = torch.where(clipped < unclipped, 0.0, -unclipped)
         if cfg.loss_type == "ppo_tis":
@@ -398,101 +401,6 @@ def _cpu_backward(logits, targets, lse, coef, inv_t: float, dlogits) -> None:
 # ----------------------------------------------------------------------------- autograd
 
 
-def _check_config(cfg: ObjectiveConfig, reduction: str) -> None:
-    if cfg.loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {cfg.loss_type!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if cfg.temperature <= 0 or cfg.rho <= 0:
-        raise ValueError(f"temperature and rho must be positive, got {cfg.temperature} and {cfg.rho}")
-
-
-def _check_kl(kl_coef: float, ref_logprobs: torch.Tensor | None) -> None:
-    if not (math.isfinite(kl_coef) and kl_coef >= 0):
-        raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
-    if kl_coef > 0 and ref_logprobs is None:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs (the reference policy's log-probs, (num_tokens,))")
-
-
-def _flat_logits(logits: torch.Tensor) -> torch.Tensor:
-    if logits.dim() < 2:
-        raise ValueError(f"logits must be (num_tokens, vocab) or (..., vocab), got shape {tuple(logits.shape)}")
-    if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"logits dtype must be bfloat16, float16 or float32, got {logits.dtype}")
-    flat = logits.reshape(-1, logits.shape[-1])
-    return flat if flat.stride(-1) == 1 else flat.contiguous()
-
-
-class _TargetCheck:
-    """Whether every target is IGNORE_INDEX or in [0, vocab), checked where the
-    targets are; wait() raises ValueError naming the first one that is not.
-
-    On a GPU the check is queued first and its three numbers (bad?, index, value)
-    copied to pinned host memory without blocking; the loss queues its kernels,
-    then wait() waits for that copy alone, while the GPU goes on with the
-    kernels. That wait is the one host sync of a loss call: the error must come
-    from the call that got the bad index, named, not from a later sync. Queuing
-    the kernels first is safe: they never read at a target outside [0, vocab).
-    On CPU the check runs at once (the torch path's gather would fail first)."""
-
-    def __init__(self, targets: torch.Tensor, vocab: int):
-        self.vocab, self.info, self.event = vocab, None, None
-        if targets.numel() == 0:
-            return
-        bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
-        first = bad.to(torch.uint8).argmax().view(1)  # the first True (argmax returns the first maximum)
-        # gather, not bad[first]: indexing with a tensor reads the index on the host (a sync).
-        info = torch.cat((bad.any().to(torch.int64).view(1), first, targets.gather(0, first)))
-        if info.device.type != "cuda":
-            self.info = info
-            self.wait()
-            return
-        self.info = torch.empty(3, dtype=torch.int64, pin_memory=True)
-        self.info.copy_(info, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record(torch.cuda.current_stream(info.device))  # the copy's stream
-
-    def wait(self) -> None:
-        if self.info is None:
-            return
-        if self.event is not None:
-            self.event.synchronize()
-        is_bad, index, value = self.info.tolist()
-        if is_bad:
-            raise ValueError(f"targets[{index}] = {value} is outside [0, {self.vocab}) (ignore index: {IGNORE_INDEX})")
-
-
-def _prepare(lead: torch.Size, vocab: int, device, targets, behavior, advantages, mask, old, ref, sequence_ids, cfg,
-             reduction):
-    """Validate and flatten the per-token inputs (leading shape `lead`); returns
-    1-D tensors, the per-token reduction weights and the targets' _TargetCheck
-    (to wait() on once the loss's kernels are queued)."""
-    _check_config(cfg, reduction)
-    _check_kl(cfg.kl_coef, ref)
-    n = lead.numel()
-
-    def vec(t, what, dtype=torch.float32):
-        if t is None:
-            return None
-        if t.shape != lead:
-            raise ValueError(f"{what} must have shape {tuple(lead)} (the logits' leading dims), got {tuple(t.shape)}")
-        return t.reshape(n).to(device=device, dtype=dtype)
-
-    targets = vec(targets, "targets", torch.int64)
-    check = _TargetCheck(targets, vocab)
-    behavior = vec(behavior, "behavior_logprobs")
-    advantages = vec(advantages, "advantages")
-    if cfg.loss_type != "aipo" and old is None:
-        raise ValueError(f'loss_type="{cfg.loss_type}" needs old_logprobs')
-    old = vec(old, "old_logprobs")
-    ref = vec(ref, "ref_logprobs")
-    m = torch.ones(n, device=device) if mask is None else vec(mask, "mask")
-    m = m * (targets != IGNORE_INDEX)
-    seq = vec(sequence_ids, "sequence_ids", torch.int64)
-    weights = reduction_weights(m, reduction, seq)
-    return targets, behavior, advantages, old, ref, m, weights, check
-
-
 def _loss_and_coef(logp, behavior, advantages, old, ref, weights, cfg):
     terms, dterms = token_objective(logp, behavior, advantages, old, ref, cfg)
     active = weights != 0
@@ -500,21 +408,34 @@ def _loss_and_coef(logp, behavior, advantages, old, ref, weights, cfg):
     return loss, torch.where(active, weights * dterms, 0.0)
 
 
-def _stats(logp, behavior, ref, m, cfg, entropy) -> AIPOStats:
-    """Means over the masked tokens. The tokens were sampled from the behaviour
+def _stats(logp: torch.Tensor, inputs: TokenInputs, cfg: ObjectiveConfig, entropy) -> AIPOStats:
+    """Mask-weighted means over the tokens that count, whatever the per-token
+    values elsewhere (padding) are. The tokens were sampled from the behaviour
     policy mu, so with r = pi / mu = exp(logp - b), E_mu[r - 1 - log r] =
     KL(mu || pi): the k3 estimator, unbiased and never negative. Likewise
     ref_kl estimates KL(pi || ref), as far as mu is pi."""
-    count = m.sum().clamp(min=1)
-    log_ratio = (logp - behavior).clamp(max=MAX_LOG_RATIO)
+    m = inputs.mask
+    counted = m != 0
+    total = m.sum()
+    count = torch.where(total > 0, total, 1.0)
+
+    def mean(per_token: torch.Tensor) -> torch.Tensor:
+        return torch.where(counted, per_token * m, 0.0).sum() / count
+
+    log_ratio = (logp - inputs.behavior).clamp(max=MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
+    clip_fraction = None
+    if cfg.loss_type != "aipo":
+        unclipped, clipped = ppo_surrogates(logp, inputs.old, inputs.advantages, cfg)
+        clip_fraction = mean((clipped < unclipped).to(torch.float32))
     return AIPOStats(
-        logprobs=logp.detach(),
-        mean_ratio=(ratio * m).sum() / count,
-        truncated_fraction=((ratio > cfg.rho).to(torch.float32) * m).sum() / count,
-        mismatch_kl=((ratio - 1 - log_ratio) * m).sum() / count,
-        entropy=None if entropy is None else (entropy * m).sum() / count,
-        ref_kl=None if ref is None else (reference_kl(logp, ref)[0] * m).sum() / count,
+        logprobs=logp.detach().view(inputs.shape),
+        mean_ratio=mean(ratio),
+        truncated_fraction=mean((ratio > cfg.rho).to(torch.float32)),
+        mismatch_kl=mean(ratio - 1 - log_ratio),
+        entropy=None if entropy is None else mean(entropy),
+        ref_kl=None if inputs.ref is None else mean(reference_kl(logp, inputs.ref)[0]),
+        clip_fraction=clip_fraction,
     )
 
 
@@ -640,27 +561,36 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
               eps_high=0.2, entropy=False, ref_logprobs=None, kl_coef=0.0):
     """AIPO (or PPO-clip, PPO-clip + truncated IS) loss from logits.
 
-    logits: (num_tokens, vocab) or (..., vocab), bf16 / fp16 / fp32; gradients flow
-    to logits only. targets: int (num_tokens,), IGNORE_INDEX (-100) to skip a
-    token; any other value outside [0, vocab) raises. behavior_logprobs,
-    advantages, mask, old_logprobs, sequence_ids, ref_logprobs: (num_tokens,).
-    `-inf` logits (masked vocabulary) are allowed. ref_logprobs, kl_coef: the
-    reference policy's log-probs of the targets (at the same temperature) and the
-    weight of the k3 KL penalty (module docstring); kl_coef > 0 needs ref_logprobs.
-    Returns (loss, AIPOStats).
+    logits: (num_tokens, vocab), or batched (B, T, vocab) (any (..., T, vocab)),
+    bf16 / fp16 / fp32; gradients flow to logits only. targets: int, the logits'
+    leading shape; IGNORE_INDEX (-100) or mask 0 to leave a token out (its
+    target then any integer, never read: log-prob 0, no loss, dlogits exactly 0
+    where its logits are finite or -inf); a counted target outside [0, vocab)
+    raises ValueError naming its position. behavior_logprobs, mask,
+    old_logprobs, ref_logprobs, sequence_ids: per token, in the targets' shape.
+    advantages: per token, or batched one per row, (B,) or (B, 1). `-inf` logits
+    (masked vocabulary) are allowed. reduction="sequence_mean": flat inputs need
+    sequence_ids; batched ones without sequence_ids have one sequence a row,
+    with (B, T) sequence_ids (packed rows) a sequence is one row's tokens of one
+    id (aipo_inputs.py has the rules). ref_logprobs, kl_coef: the reference
+    policy's log-probs of the targets (at the same temperature) and the weight
+    of the k3 KL penalty (module docstring); kl_coef > 0 needs ref_logprobs.
+    Returns (loss, AIPOStats), stats.logprobs in the targets' shape,
+    stats.clip_fraction for "ppo" / "ppo_tis" (None for "aipo").
 
     On a GPU, forward and backward synchronize the host once, to raise the bad
-    target's ValueError (see _TargetCheck), after the forward's kernels are
-    queued; reduction="sequence_mean" adds torch.unique's own.
+    target's ValueError (see aipo_inputs.TargetCheck), after the forward's
+    kernels are queued; reduction="sequence_mean" with sequence_ids adds
+    torch.unique's own (batched rows without sequence_ids need none).
     """
     cfg = ObjectiveConfig(loss_type, rho, eps_low, eps_high, temperature, kl_coef)
-    flat = _flat_logits(logits)
-    targets, behavior, advantages, old, ref, m, weights, check = _prepare(
-        logits.shape[:-1], logits.shape[-1], flat.device, targets, behavior_logprobs, advantages, mask, old_logprobs,
-        ref_logprobs, sequence_ids, cfg, reduction)
-    loss, logp, ent = AIPOLossFunction.apply(flat, targets, behavior, advantages, old, ref, weights, cfg, entropy)
-    check.wait()
-    return loss, _stats(logp, behavior, ref, m, cfg, ent)
+    flat = flat_logits(logits)
+    inputs = prepare_inputs(logits.shape[:-1], logits.shape[-1], flat.device, targets, behavior_logprobs, advantages,
+                            mask, old_logprobs, ref_logprobs, sequence_ids, cfg, reduction)
+    loss, logp, ent = AIPOLossFunction.apply(flat, inputs.targets, inputs.behavior, inputs.advantages, inputs.old,
+                                             inputs.ref, inputs.weights, cfg, entropy)
+    inputs.check.wait()
+    return loss, _stats(logp, inputs, cfg, ent)
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = False,
@@ -705,14 +635,15 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
                      eps_high=0.2, entropy=False, chunk_size=None, ref_logprobs=None, kl_coef=0.0):
     """`aipo_loss` of `hidden @ weight.T`, without ever holding the full logits.
 
-    hidden: (num_tokens, hidden) or (..., hidden); weight: (vocab, hidden), the
-    lm-head; gradients flow to both. chunk_size: tokens per chunk (default: about
-    1 GiB of logits in their dtype on a GPU, 32 Mi logits on CPU); one chunk's
-    logits buffer and, when there are several chunks, a vocab x hidden float32
-    accumulator for the weight's gradient are the memory it holds beyond its
-    inputs and outputs. Runs on CPU
-    (torch per chunk) and on GPU (Triton log-prob kernels per chunk). Returns
-    (loss, AIPOStats). Host syncs as aipo_loss's.
+    hidden: (num_tokens, hidden), or batched (B, T, hidden) (any (..., T,
+    hidden)); weight: (vocab, hidden), the lm-head; gradients flow to both. The
+    other inputs as aipo_loss's, in hidden's leading shape. chunk_size: tokens
+    per chunk (default: about 1 GiB of logits in their dtype on a GPU, 32 Mi
+    logits on CPU); one chunk's logits buffer and, when there are several
+    chunks, a vocab x hidden float32 accumulator for the weight's gradient are
+    the memory it holds beyond its inputs and outputs. Runs on CPU (torch per
+    chunk) and on GPU (Triton log-prob kernels per chunk). Returns (loss,
+    AIPOStats) as aipo_loss does. Host syncs as aipo_loss's.
     """
     if hidden.dim() < 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden (..., H) and weight (vocab, H) do not match: {tuple(hidden.shape)} and {tuple(weight.shape)}")
@@ -720,15 +651,14 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
         raise ValueError(f"hidden and weight dtypes differ: {hidden.dtype} and {weight.dtype}")
     vocab = weight.shape[0]
     cfg = ObjectiveConfig(loss_type, rho, eps_low, eps_high, temperature, kl_coef)
-    targets, behavior, advantages, old, ref, m, weights, check = _prepare(
-        hidden.shape[:-1], vocab, hidden.device, targets, behavior_logprobs, advantages, mask, old_logprobs,
-        ref_logprobs, sequence_ids, cfg, reduction)
+    inputs = prepare_inputs(hidden.shape[:-1], vocab, hidden.device, targets, behavior_logprobs, advantages, mask,
+                            old_logprobs, ref_logprobs, sequence_ids, cfg, reduction)
     flat = hidden.reshape(-1, hidden.shape[-1])
     if chunk_size is None:
         chunk_size = _linear_chunk_tokens(vocab, hidden.dtype, hidden.device)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    loss, logp, ent = LinearAIPOLossFunction.apply(flat, weight, targets, behavior, advantages, old, ref, weights, cfg,
-                                                   chunk_size, entropy)
-    check.wait()
-    return loss, _stats(logp, behavior, ref, m, cfg, ent)
+    loss, logp, ent = LinearAIPOLossFunction.apply(flat, weight, inputs.targets, inputs.behavior, inputs.advantages,
+                                                   inputs.old, inputs.ref, inputs.weights, cfg, chunk_size, entropy)
+    inputs.check.wait()
+    return loss, _stats(logp, inputs, cfg, ent)

@@ -18,14 +18,58 @@ VOCAB_PADDING = 64
 def reference_fsdp_shards(
     state_dict: Mapping[str, torch.Tensor], world_size: int, dtype: torch.dtype
 ) -> dict[int, dict[str, torch.Tensor]]:
-    """rank -> name -> `torch.chunk(t, world_size)[rank]` (empty where chunk gives fewer pieces)."""
+    """rank -> name -> `torch.chunk(t, world_size)[rank]` (empty where chunk gives fewer pieces).
+
+    Tied parameters are sharded once: a model's state_dict() names a tensor that
+    several modules share under each of them (with tie_word_embeddings=True,
+    `lm_head.weight` is `model.embed_tokens.weight`); only the first name that
+    holds it is kept, the one named_parameters() yields, and its later aliases
+    (the same memory, dtype, shape and strides) are left out. ValueError, before
+    anything is copied, for what this cannot describe: a tensor that overlaps
+    another's memory without being the same view of it, a 0-dim tensor (FSDP
+    shards dim 0), a meta tensor (no memory to tell an alias by).
+    """
+    distinct = _without_tied_aliases(state_dict)
     shards: dict[int, dict[str, torch.Tensor]] = {r: {} for r in range(world_size)}
-    for name, full in state_dict.items():
+    for name, full in distinct.items():
         pieces = torch.chunk(full.detach().to(dtype), world_size, dim=0)
         for rank in range(world_size):
             piece = pieces[rank] if rank < len(pieces) else full.new_empty((0, *full.shape[1:]), dtype=dtype)
             shards[rank][name] = piece.contiguous().clone()
     return shards
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype, a.shape, a.stride(), a.storage_offset()) == (b.dtype, b.shape, b.stride(), b.storage_offset())
+
+
+def _without_tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """state_dict in its order without the later names of a tensor (see
+    reference_fsdp_shards). Memory is compared by byte span within one storage."""
+    kept: dict[str, torch.Tensor] = {}
+    spans: dict[tuple, list[tuple[int, int, str]]] = {}  # (device, storage address) -> (first byte, end, name)
+    for name, t in state_dict.items():
+        if t.dim() == 0:
+            raise ValueError(f"{name!r} is 0-dim: FSDP shards parameters on dim 0")
+        if t.device.type == "meta":
+            raise ValueError(f"{name!r} is a meta tensor: no memory to tell a tied alias by")
+        alias = None
+        if t.numel():  # an empty tensor has no bytes to share
+            start = t.storage_offset() * t.element_size()
+            end = start + (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
+            storage = spans.setdefault((t.device, t.untyped_storage().data_ptr()), [])
+            for other_start, other_end, other in storage:
+                if start < other_end and other_start < end:
+                    if not _same_view(t, kept[other]):
+                        raise ValueError(f"{name!r} overlaps {other!r} in memory without being the same tensor: "
+                                         "it cannot be sharded on its own")
+                    alias = other
+                    break
+            if alias is None:
+                storage.append((start, end, name))
+        if alias is None:
+            kept[name] = t
+    return kept
 
 
 def _kv_rows(t: torch.Tensor, num_kv_heads: int, tp_size: int, rank: int) -> torch.Tensor:

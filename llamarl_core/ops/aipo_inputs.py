@@ -1,0 +1,214 @@
+"""The inputs of the AIPO losses (ops/aipo.py): their rules, checked before any
+kernel runs, and what they become: flat per-token tensors and the weight of each
+token in the reduced loss.
+
+Shapes. The targets have the leading shape of the logits (or hidden states):
+- flat, (num_tokens,): a token list;
+- batched, (..., T) with two or more dims, typically (B, T): each row (an index
+  of the dims before T) is one sample, padded to T tokens.
+behavior_logprobs, mask, old_logprobs, ref_logprobs and sequence_ids are per
+token, in the targets' shape. advantages too, or, batched, one per row: shape
+(B,) or (B, 1) (in general lead[:-1] or (*lead[:-1], 1)), broadcast over the
+row's tokens. Any other shape raises ValueError naming it.
+
+Which tokens count. A token counts where its mask is not 0 and its target is
+not IGNORE_INDEX. Elsewhere its target is never checked nor read (any integer,
+out of range included: the pad id of another vocabulary, -1), its log-prob is
+0, and whatever its behaviour, old and reference log-probs and advantage hold
+(NaN and inf included) it adds nothing to the loss, the gradients or the stats:
+its dlogits are exactly 0 wherever its logits are finite or -inf. A counted
+token's target outside [0, vocab) raises ValueError naming its position.
+
+Sequences, for reduction="sequence_mean": flat inputs need sequence_ids (tokens
+with one id are one sequence); batched inputs without sequence_ids have one
+sequence a row; batched sequence_ids (packed rows) make a sequence of the tokens
+of one row with one id (ids need only be unique within a row; a sequence never
+spans rows).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy
+import torch
+
+if TYPE_CHECKING:
+    from .aipo import ObjectiveConfig
+
+IGNORE_INDEX = -100
+LOSS_TYPES = ("aipo", "ppo", "ppo_tis")
+REDUCTIONS = ("token_mean", "sequence_mean", "sum")
+
+
+def check_config(cfg: ObjectiveConfig, reduction: str) -> None:
+    if cfg.loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {cfg.loss_type!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if cfg.temperature <= 0 or cfg.rho <= 0:
+        raise ValueError(f"temperature and rho must be positive, got {cfg.temperature} and {cfg.rho}")
+
+
+def check_kl(kl_coef: float, ref_logprobs: torch.Tensor | None) -> None:
+    if not (math.isfinite(kl_coef) and kl_coef >= 0):
+        raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs (the reference policy's log-probs, per token)")
+
+
+def flat_logits(logits: torch.Tensor) -> torch.Tensor:
+    """logits (num_tokens, vocab) or (..., vocab) as 2-D rows with unit column stride."""
+    if logits.dim() < 2:
+        raise ValueError(f"logits must be (num_tokens, vocab) or (..., vocab), got shape {tuple(logits.shape)}")
+    if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"logits dtype must be bfloat16, float16 or float32, got {logits.dtype}")
+    flat = logits.reshape(-1, logits.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def _per_token(t: torch.Tensor | None, what: str, shape: torch.Size, device, dtype=torch.float32):
+    """t (of the targets' shape) as a flat (num_tokens,) tensor of `dtype` on `device`; None stays None."""
+    if t is None:
+        return None
+    if t.shape != shape:
+        raise ValueError(f"{what} must have shape {tuple(shape)} (the logits' leading dims), got {tuple(t.shape)}")
+    return t.reshape(shape.numel()).to(device=device, dtype=dtype)
+
+
+def per_token_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """advantages in the targets' shape: as given when they have it; batched
+    (shape (..., T), 2+ dims), one per row, of shape shape[:-1] or
+    (*shape[:-1], 1), expanded over the row's T tokens. ValueError otherwise."""
+    if advantages.shape == shape:
+        return advantages
+    rows = shape[:-1]
+    if len(shape) >= 2 and advantages.shape in (rows, (*rows, 1)):
+        return advantages.reshape(*rows, 1).expand(shape)
+    per_row = f", {tuple(rows)} or {(*rows, 1)} (one per row)" if len(shape) >= 2 else ""
+    raise ValueError(f"advantages must have shape {tuple(shape)} (the logits' leading dims){per_row}, "
+                     f"got {tuple(advantages.shape)}")
+
+
+def sequence_index(sequence_ids: torch.Tensor | None, shape: torch.Size, reduction: str,
+                   device) -> tuple[torch.Tensor, int] | None:
+    """Each token's sequence for reduction="sequence_mean": (index, num_sequences),
+    index (num_tokens,) int64 in [0, num_sequences); None for the other
+    reductions. sequence_ids, when given, must have the targets' shape (checked
+    whatever the reduction). Flat: tokens with one id are one sequence. Batched
+    (..., T): one sequence a row without sequence_ids (no host sync); with them,
+    the tokens of one row with one id. Grouping ids costs torch.unique's host
+    sync on a GPU."""
+    ids = _per_token(sequence_ids, "sequence_ids", shape, device, torch.int64)
+    if reduction != "sequence_mean":
+        return None
+    if len(shape) < 2:
+        if ids is None:
+            raise ValueError('reduction="sequence_mean" on flat inputs needs sequence_ids (num_tokens,); '
+                             "batched (B, T) inputs have one sequence a row")
+        sequences, index = torch.unique(ids, return_inverse=True)
+        return index, sequences.shape[0]
+    num_rows, length = shape[:-1].numel(), shape[-1]
+    row = torch.arange(num_rows, device=device).repeat_interleave(length)
+    if ids is None:
+        return row, num_rows
+    sequences, index = torch.unique(torch.stack((row, ids), dim=1), dim=0, return_inverse=True)
+    return index, sequences.shape[0]
+
+
+def reduction_weights(m: torch.Tensor, reduction: str, sequences: tuple[torch.Tensor, int] | None) -> torch.Tensor:
+    """Per-token weights (num_tokens,) turning per-token losses into the reduced
+    loss: m ("sum"), m / sum(m) ("token_mean"), m / (the mask's sum over the
+    token's sequence * the number of sequences with a token counted)
+    ("sequence_mean", sequences from sequence_index). 0 where no token counts."""
+    if reduction == "sum":
+        return m
+    # Selected on the device (0 / 0 where no token counts), not by a host-side `if`: no host sync.
+    if reduction == "token_mean":
+        total = m.sum()
+        return torch.where(total > 0, m / total, 0.0)
+    index, num_sequences = sequences
+    counts = torch.zeros(num_sequences, dtype=m.dtype, device=m.device).index_add_(0, index, m)
+    num_counted = (counts > 0).sum()
+    per_token = counts[index]
+    counted = per_token > 0
+    return torch.where(counted, m / (torch.where(counted, per_token, 1.0) * num_counted), 0.0)
+
+
+class TargetCheck:
+    """Whether every target is IGNORE_INDEX or in [0, vocab), checked where the
+    targets are; wait() raises ValueError naming the first one that is not, by
+    its position in `shape` (targets[b, t] for batched inputs).
+
+    On a GPU the check is queued first and its three numbers (bad?, index, value)
+    copied to pinned host memory without blocking; the loss queues its kernels,
+    then wait() waits for that copy alone, while the GPU goes on with the
+    kernels. That wait is the one host sync of a loss call: the error must come
+    from the call that got the bad index, named, not from a later sync. Queuing
+    the kernels first is safe: they never read at a target outside [0, vocab).
+    On CPU the check runs at once (the torch path's gather would fail first)."""
+
+    def __init__(self, targets: torch.Tensor, vocab: int, shape: torch.Size):
+        self.vocab, self.shape, self.info, self.event = vocab, tuple(shape), None, None
+        if targets.numel() == 0:
+            return
+        bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
+        first = bad.to(torch.uint8).argmax().view(1)  # the first True (argmax returns the first maximum)
+        # gather, not bad[first]: indexing with a tensor reads the index on the host (a sync).
+        info = torch.cat((bad.any().to(torch.int64).view(1), first, targets.gather(0, first)))
+        if info.device.type != "cuda":
+            self.info = info
+            self.wait()
+            return
+        self.info = torch.empty(3, dtype=torch.int64, pin_memory=True)
+        self.info.copy_(info, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(info.device))  # the copy's stream
+
+    def wait(self) -> None:
+        if self.info is None:
+            return
+        if self.event is not None:
+            self.event.synchronize()
+        is_bad, index, value = self.info.tolist()
+        if is_bad:
+            position = ", ".join(str(int(i)) for i in numpy.unravel_index(index, self.shape))
+            raise ValueError(f"targets[{position}] = {value} is outside [0, {self.vocab}) "
+                             f"(ignore index: {IGNORE_INDEX}; a token whose mask is 0 is never checked)")
+
+
+@dataclass
+class TokenInputs:
+    """A loss call's inputs, checked: flat (num_tokens,) tensors on the logits' device."""
+
+    targets: torch.Tensor  # int64; IGNORE_INDEX wherever the token does not count
+    behavior: torch.Tensor  # float32, as are the others
+    advantages: torch.Tensor
+    old: torch.Tensor | None
+    ref: torch.Tensor | None
+    mask: torch.Tensor  # the mask, 0 wherever the token does not count
+    weights: torch.Tensor  # reduction_weights
+    check: TargetCheck  # to wait() on once the loss's kernels are queued
+    shape: torch.Size  # the targets' shape, that of per-token outputs
+
+
+def prepare_inputs(shape: torch.Size, vocab: int, device, targets, behavior, advantages, mask, old, ref,
+                   sequence_ids, cfg: ObjectiveConfig, reduction: str) -> TokenInputs:
+    """Check every input against the rules of the module docstring (shape: the
+    logits' leading dims) and flatten them; nothing runs on a bad one."""
+    check_config(cfg, reduction)
+    check_kl(cfg.kl_coef, ref)
+    if cfg.loss_type != "aipo" and old is None:
+        raise ValueError(f'loss_type="{cfg.loss_type}" needs old_logprobs')
+    targets = _per_token(targets, "targets", shape, device, torch.int64)
+    m = torch.ones(shape.numel(), device=device) if mask is None else _per_token(mask, "mask", shape, device)
+    m = torch.where(targets != IGNORE_INDEX, m, 0.0)
+    targets = torch.where(m != 0, targets, IGNORE_INDEX)
+    behavior = _per_token(behavior, "behavior_logprobs", shape, device)
+    advantages = _per_token(per_token_advantages(advantages, shape), "advantages", shape, device)
+    old = _per_token(old, "old_logprobs", shape, device)
+    ref = _per_token(ref, "ref_logprobs", shape, device)
+    weights = reduction_weights(m, reduction, sequence_index(sequence_ids, shape, reduction, device))
+    return TokenInputs(targets, behavior, advantages, old, ref, m, weights, TargetCheck(targets, vocab, shape), shape)
