@@ -430,6 +430,8 @@ def test_a_loss_function_of_yours_drives_the_trainer_like_the_built_in_one(micro
         assert got.loss == pytest.approx(want.loss, rel=1e-4, abs=1e-6)
         assert got.mismatch_kl == pytest.approx(want.mismatch_kl, rel=1e-4, abs=1e-7)
         assert got.mean_ratio == pytest.approx(want.mean_ratio, rel=1e-5)
+        assert got.clip_fraction is None and (want.clip_fraction is None) == (builtin == "aipo")
+        assert want.clip_fraction in (None, 0.0)  # PPO at ratio 1 clips nothing
     for bad, match in ((lambda logp, batch: (logp * batch.mask).sum(), "per-token losses"),
                        (lambda logp, batch: batch.advantages.clone(), "no gradient")):
         with pytest.raises(ValueError, match=match):

@@ -408,7 +408,7 @@ def _loss_and_coef(logp, behavior, advantages, old, ref, weights, cfg):
     return loss, torch.where(active, weights * dterms, 0.0)
 
 
-def _stats(logp: torch.Tensor, inputs: TokenInputs, cfg: ObjectiveConfig, entropy) -> AIPOStats:
+def token_stats(logp: torch.Tensor, inputs: TokenInputs, cfg: ObjectiveConfig, entropy) -> AIPOStats:
     """Mask-weighted means over the tokens that count, whatever the per-token
     values elsewhere (padding) are. The tokens were sampled from the behaviour
     policy mu, so with r = pi / mu = exp(logp - b), E_mu[r - 1 - log r] =
@@ -590,7 +590,7 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
     loss, logp, ent = AIPOLossFunction.apply(flat, inputs.targets, inputs.behavior, inputs.advantages, inputs.old,
                                              inputs.ref, inputs.weights, cfg, entropy)
     inputs.check.wait()
-    return loss, _stats(logp, inputs, cfg, ent)
+    return loss, token_stats(logp, inputs, cfg, ent)
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = False,
@@ -661,4 +661,4 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
     loss, logp, ent = LinearAIPOLossFunction.apply(flat, weight, inputs.targets, inputs.behavior, inputs.advantages,
                                                    inputs.old, inputs.ref, inputs.weights, cfg, chunk_size, entropy)
     inputs.check.wait()
-    return loss, _stats(logp, inputs, cfg, ent)
+    return loss, token_stats(logp, inputs, cfg, ent)

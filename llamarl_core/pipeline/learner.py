@@ -29,8 +29,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ..ops.aipo import IGNORE_INDEX, LOSS_TYPES, ObjectiveConfig, aipo_loss, logprob_backward, logprob_forward, reference_kl
-from ..ops.aipo import _stats as token_stats
+from ..ops.aipo import (
+    IGNORE_INDEX,
+    ObjectiveConfig,
+    aipo_loss,
+    logprob_backward,
+    logprob_forward,
+    reference_kl,
+    token_stats,
+)
+from ..ops.aipo_inputs import LOSS_TYPES, prepare_inputs
 from .advantages import AdvantageFn, advantage_function, check_advantage, compute_advantages, group_mean
 from .config import LR_SCHEDULES
 from .plugins import check_arity, load, name_of
@@ -256,8 +264,10 @@ def _user_loss(model, batch: Batch, loss_fn: LossFn, *, rho: float, temperature:
     mask = batch.mask
     summed = torch.where(mask > 0, per_token.float(), 0.0).sum()
     # The fused op's stats, on the same log-probs.
-    stats = token_stats(logp.detach(), batch.behavior_logprobs, ref_logprobs, mask, ObjectiveConfig(rho=rho), None)
-    return summed, stats
+    cfg = ObjectiveConfig(rho=rho, temperature=temperature, kl_coef=kl_coef)
+    inputs = prepare_inputs(batch.targets.shape, logits.shape[-1], logp.device, batch.targets, batch.behavior_logprobs,
+                            batch.advantages, None, None, ref_logprobs, None, cfg, "sum")
+    return summed, token_stats(logp.detach().reshape(-1), inputs, cfg, None)
 
 
 @torch.no_grad()
@@ -287,9 +297,10 @@ class StepStats:
     lr: float
     # Completion tokens in the loss, over every trainer rank; 0 (every sample masked as truncated): no optimizer step.
     counted_tokens: int = 0
+    clip_fraction: float | None = None  # PPO's: tokens whose clipped term was taken; None for aipo and losses of yours
 
 
-_TOKEN_STATS = ("mismatch_kl", "truncated_fraction", "mean_ratio", "ref_kl")
+_TOKEN_STATS = ("mismatch_kl", "truncated_fraction", "mean_ratio", "ref_kl", "clip_fraction")
 
 
 def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rho: float, temperature: float,
@@ -376,7 +387,8 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rh
     return StepStats(loss=loss_sum / divisor, grad_norm=norm.item(), mismatch_kl=means["mismatch_kl"],
                      truncated_fraction=means["truncated_fraction"], mean_ratio=means["mean_ratio"],
                      ref_kl=None if kl_coef == 0 else means["ref_kl"],
-                     truncated_samples=sum(b.truncated for b in batches), lr=lr, counted_tokens=counted)
+                     truncated_samples=sum(b.truncated for b in batches), lr=lr, counted_tokens=counted,
+                     clip_fraction=None if callable(loss) or loss == "aipo" else means["clip_fraction"])
 
 
 @dataclass
