@@ -469,3 +469,11 @@ def test_step_hook_runs_around_the_step_once_and_its_numbers_come_back():
         learner.run_with_hook(lambda ctx, step: (step(), step()), context, lambda: stats)
     with pytest.raises(ValueError, match="dict of finite numbers"):
         learner.run_with_hook(lambda ctx, step: step() and {"x": float("nan")}, context, lambda: stats)
+
+
+def test_batch_sequence_ids_name_each_completion_tokens_sample():
+    samples = _samples(6)
+    batch = learner.collate(samples, 0)
+    for i, sample in enumerate(samples):  # a sample's completion lies in one row, in order
+        assert batch.targets[batch.sequence_ids == i].tolist() == sample.tokens
+    assert bool((batch.targets[batch.sequence_ids == -1] == learner.IGNORE_INDEX).all())

@@ -163,3 +163,26 @@ def test_plugins_by_name_on_the_command_line(tmp_path):
         assert m["staleness"] == {"0": 16}
         assert abs(m["mismatch_kl"]) < 1e-5 and abs(m["mean_ratio"] - 1) < 1e-4, m
         assert m["hook"]["hook_step"] == m["step"] and m["hook"]["hook_tokens"] == m["completion_tokens"]
+
+
+@pytest.mark.parametrize("test, guarded", [('__name__ == "__main__"', True), ("'__main__' == __name__", True),
+                                           ('__name__ == "__main__" and "--dry" not in sys.argv', True),
+                                           ('__name__ != "__main__"', False), ("True", False),
+                                           ('__name__ == "__main__" or True', False)])
+def test_main_guard_forms(test, guarded):
+    import ast
+
+    from llamarl_core.pipeline.plugins import _is_main_guard
+
+    assert _is_main_guard(ast.parse(f"if {test}:\n    run()\n").body[0]) == guarded
+
+
+def test_a_folder_holding_a_run_is_resumed_only_when_asked(tmp_path):
+    from llamarl_core.pipeline.controller import RunFolderError
+
+    TrainConfig(steps=3).save(tmp_path / "config.json")
+    with pytest.raises(RunFolderError, match="already holds a run .* resume=True"):
+        Controller(TrainConfig(steps=3), tmp_path).run()
+    with pytest.raises(RunFolderError, match="different configuration"):
+        Controller(TrainConfig(steps=3, seed=1), tmp_path, resume=True).run()
+    assert not (tmp_path / "executors.json").exists()  # refused before any executor started

@@ -12,10 +12,9 @@ from .config import TrainConfig
 from .controller import Controller, PipelineError
 from .generators import Generator, GeneratorContext
 from .learner import Batch, StepContext, StepStats
-from .rewards import per_sample
 from .rollout import RolloutEngine, Sample
 from .task import CharTokenizer, Task, load_task, reverse_task
 
 __all__ = ["ADVANTAGES", "Batch", "CharTokenizer", "Controller", "Generator", "GeneratorContext", "PipelineError",
-           "RolloutEngine", "Sample", "StepContext", "StepStats", "Task", "TrainConfig", "load_task", "per_sample",
+           "RolloutEngine", "Sample", "StepContext", "StepStats", "Task", "TrainConfig", "load_task",
            "reverse_task"]

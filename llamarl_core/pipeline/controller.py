@@ -68,6 +68,10 @@ class PipelineError(RuntimeError):
     """The run cannot go on (an executor failed, or nothing happened for too long)."""
 
 
+class RunFolderError(ValueError):
+    """The run folder holds another run, or a run to resume without resume=True."""
+
+
 class Controller:
     """Runs one training run (see the module docstring). out_dir: where everything
     goes; if it holds a checkpoint the run resumes from it. on_step(metrics) is
@@ -75,9 +79,10 @@ class Controller:
     executors: where the executors run (processes.py): forked on this host unless
     given (torchrun ranks, from llamarl_core.launch)."""
 
-    def __init__(self, config: TrainConfig, out_dir: Path, on_step=None, on_event=None, executors=None):
+    def __init__(self, config: TrainConfig, out_dir: Path, on_step=None, on_event=None, executors=None,
+                 resume: bool = False):
         # Absolute: the executors (under torchrun, on other hosts too) get it as a string.
-        self.config, self.out = config, Path(out_dir).resolve()
+        self.config, self.out, self.resume = config, Path(out_dir).resolve(), resume
         self.on_step = on_step or (lambda m: None)
         self.on_event = on_event or (lambda msg: None)
         # Everything an executor will load is checked here, before any process starts:
@@ -129,7 +134,7 @@ class Controller:
             self.generator_tp = 1
         self.num_replicas = config.generator_replicas
         self.generator_ranks = self.generator_tp * self.num_replicas
-        self.executors = executors or LocalExecutors(self.out, vllm=config.generator == "vllm")
+        self.executors = executors or LocalExecutors(self.out, engine=config.generator != "llama")
         self.inboxes: dict[tuple[str, int], StoreQueue] = {}
         self.spans: list[tuple] = []
         self.metrics: list[dict] = []
@@ -319,14 +324,22 @@ class Controller:
         contract (a generator of the user's): no tokens, or a token without its
         log-prob or the version that sampled it, or a version not sent yet."""
         newest = self.scheduler.step  # the last version sent (or being sent)
+        vocab, budget = self.data.model_config.vocab_size, self.data.max_new_tokens
         for x in samples:
+            problem = None
             if not (len(x.tokens) == len(x.logprobs) == len(x.versions) > 0) or not all(
                     isinstance(v, int) and 0 <= v <= newest for v in x.versions):
-                raise PipelineError(
-                    f"generator {self.config.generator!r} returned a sample of prompt group {x.group} with "
-                    f"{len(x.tokens)} tokens, {len(x.logprobs)} log-probs and versions {sorted(set(x.versions))}: "
-                    f"every sample needs tokens, each with its log-prob and the version (0 to {newest}) that "
-                    "sampled it")
+                problem = (f"{len(x.tokens)} tokens, {len(x.logprobs)} log-probs and versions "
+                           f"{sorted(set(x.versions))}: every sample needs tokens, each with its log-prob and the "
+                           f"version (0 to {newest}) that sampled it")
+            elif not 0 <= min(x.tokens) <= max(x.tokens) < vocab:
+                problem = f"token ids from {min(x.tokens)} to {max(x.tokens)}, outside the vocabulary [0, {vocab})"
+            elif len(x.tokens) > budget or (len(x.tokens) < budget and not x.finished):
+                problem = (f"{len(x.tokens)} tokens, finished {x.finished}: a sample is returned finished (a stop "
+                           f"token) or at max_new_tokens {budget}, never past it")
+            if problem:
+                raise PipelineError(f"generator {self.config.generator!r} returned a sample of prompt group "
+                                    f"{x.group} with {problem}")
 
     def _waiting_on(self, role: str, rank: int) -> bool:
         """Whether the run waits on this executor's work: it is starting, or (the
@@ -485,18 +498,23 @@ class Controller:
     # -- the run -------------------------------------------------------------------------
     def run(self) -> dict:
         """Run to the last step; returns the summary (also in summary.json). Saves
-        config.json into the run folder first (a folder holding another run's
-        config, other than in `steps`, is refused): a run stopped for any reason
-        goes on with `Controller(TrainConfig.load(out / "config.json"), out).run()`
-        or `llamarl train --out OUT --resume`, from its last checkpoint."""
+        config.json into the run folder first: a run stopped for any reason goes on
+        from its last checkpoint with `Controller(TrainConfig.load(out /
+        "config.json"), out, resume=True).run()` (or `llamarl train --out OUT
+        --resume`). RunFolderError, before anything starts, for a folder that
+        holds a run and resume=False, or a run of another configuration (other
+        than in `steps`)."""
         cfg = self.config
         if isinstance(self.executors, LocalExecutors):
             check_main_guard()
         self.out.mkdir(parents=True, exist_ok=True)
         saved = self.out / "config.json"
+        if saved.exists() and not self.resume:
+            raise RunFolderError(f"{self.out} already holds a run ({saved}); resume=True (llamarl train --resume) "
+                                 "continues it from its last checkpoint, or pick another folder")
         if saved.exists() and dataclasses.replace(TrainConfig.load(saved), steps=cfg.steps) != cfg:
-            raise ValueError(f"{self.out} holds a run with a different configuration ({saved}); resume it with the "
-                             "same configuration or pick another folder")
+            raise RunFolderError(f"{self.out} holds a run with a different configuration ({saved}); resume it with "
+                                 "the same configuration or pick another folder")
         cfg.save(saved)
         self.store = self.executors.open_store(cfg.timeout_s)
         self.events = StoreQueue(self.store, EVENTS)

@@ -254,8 +254,8 @@ def executor_main(role: str, rank: int, config_dict: dict, store_port: int, extr
     # interrupted on its own would touch the Store after the controller closed it, and
     # each such request makes c10d print a stack trace.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if role == GENERATOR and config_dict["generator"] == "vllm":
-        os.setsid()  # a process group for vLLM's processes too, which the controller kills as one
+    if role == GENERATOR and config_dict["generator"] != "llama":
+        os.setsid()  # a process group for an engine's processes too (vLLM's, a user's), which the controller kills as one
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                           timeout=datetime.timedelta(seconds=config_dict["timeout_s"]))
     if not run_executor(role, rank, config_dict, store, extra):

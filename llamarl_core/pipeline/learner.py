@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,6 +60,9 @@ class Batch:
     targets: torch.Tensor  # (rows, width - 1), IGNORE_INDEX off the completions
     behavior_logprobs: torch.Tensor  # (rows, width - 1)
     advantages: torch.Tensor  # (rows, width - 1), the sample's advantage on each of its tokens
+    # (rows, width - 1) int64: on each completion token the index of its sample in the batch (per-sequence losses,
+    # aipo_loss's packed sequence_ids), -1 elsewhere
+    sequence_ids: torch.Tensor
     rewards: torch.Tensor  # (samples,)
     truncated: int  # samples that hit the token budget (finished False), whether masked or not
 
@@ -183,10 +187,12 @@ def _collate(samples: list[Sample], advantages: torch.Tensor, pad_token_id: int,
     if mask_truncated:
         dropped = np.repeat(truncated, completion_lengths)
         packed.targets[packed.predicted_at[0][dropped], packed.predicted_at[1][dropped]] = IGNORE_INDEX
+    sequence_ids = np.full(packed.targets.shape, -1, dtype=np.int64)
+    sequence_ids[packed.predicted_at] = np.repeat(np.arange(len(samples)), completion_lengths)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     return Batch(torch.from_numpy(packed.input_ids), torch.from_numpy(packed.position_ids),
                  torch.from_numpy(packed.targets), torch.from_numpy(behavior), torch.from_numpy(per_token_advantages),
-                 rewards, int(truncated.sum()))
+                 torch.from_numpy(sequence_ids), rewards, int(truncated.sum()))
 
 
 def collate(samples: list[Sample], pad_token_id: int, mask_truncated: bool = False) -> Batch:
@@ -428,8 +434,10 @@ def run_with_hook(hook: StepHook | None, context: StepContext, step: Callable[[]
     if not done:
         raise ValueError(f"step hook {name} returned without running the step (call the step function it is given)")
     extra = {} if extra is None else extra
-    if not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and
-                                              math.isfinite(v) for k, v in extra.items()):
+    numbers_by_name = isinstance(extra, dict) and all(
+        isinstance(k, str) and (isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1))
+        and math.isfinite(float(v)) for k, v in extra.items())
+    if not numbers_by_name:
         raise ValueError(f"step hook {name} returned {extra!r}; None or a dict of finite numbers by name expected")
     return done[0], {k: float(v) for k, v in extra.items()}
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.machinery
 import inspect
 import sys
 from pathlib import Path
@@ -49,13 +50,17 @@ def spec_of(obj, what: str) -> str:
     if "<" in qualname:  # <lambda>, <locals>
         raise ValueError(f"{what}: {module}.{qualname} is a lambda or defined inside a function; executors import "
                          "plug-ins by name: define it at the top level of a module")
-    if module == "__main__" and not getattr(sys.modules["__main__"], "__file__", None):
-        raise ValueError(f"{what}: {qualname} is defined in an interactive session's __main__, which executors "
-                         "cannot import: define it in a module (a .py file) and import it from there")
-    if module == "__main__" and qualname.split(".")[0] not in _unguarded_names(sys.modules["__main__"].__file__):
+    main = sys.modules["__main__"]
+    if module == "__main__" and (not getattr(main, "__file__", None) or _runs_a_package(main)):
+        raise ValueError(f"{what}: {qualname} is defined in __main__ of an interactive session or of `python -m "
+                         "package`, which executors do not import again: define it in a module of its own")
+    if module != "__main__" and importlib.machinery.PathFinder.find_spec(module.split(".")[0], sys.path) is None:
+        raise ValueError(f"{what}: {module}.{qualname}: module {module!r} is not importable from sys.path (loaded "
+                         "from a file by path?), so executors could not import it: put its folder on the path")
+    if module == "__main__" and qualname.split(".")[0] not in _unguarded_names(main.__file__):
         raise ValueError(f"{what}: {qualname} is defined under `if __name__ == \"__main__\":` in "
-                         f"{sys.modules['__main__'].__file__}, which executors do not run when they import the script: "
-                         "define it above the guard (or in a module of its own)")
+                         f"{main.__file__}, which executors do not run when they import the script: define it above "
+                         "the guard (or in a module of its own)")
     spec = f"{module}:{qualname}"
     if resolve(spec, what) is not obj:
         raise ValueError(f"{what}: {spec} names another object than the one given (redefined or replaced since)")
@@ -90,14 +95,26 @@ def name_of(fn) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
-def _is_main_guard(node: ast.AST) -> bool:
-    """`if __name__ == "__main__":` (either operand order)."""
-    if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1
-            and isinstance(node.test.ops[0], ast.Eq)):
+def _runs_a_package(main) -> bool:
+    """`python -m package` (its __main__.py), which multiprocessing never imports again."""
+    name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    return name == "__main__" or name.endswith(".__main__")
+
+
+def _is_name_check(test: ast.AST) -> bool:
+    """`__name__ == "__main__"` (either operand order), or an `and` holding it."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(_is_name_check(value) for value in test.values)
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
         return False
-    operands = [node.test.left, *node.test.comparators]
+    operands = [test.left, *test.comparators]
     return (any(isinstance(o, ast.Name) and o.id == "__name__" for o in operands)
             and any(isinstance(o, ast.Constant) and o.value == "__main__" for o in operands))
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    """`if __name__ == "__main__":`, possibly with more conditions joined by `and`."""
+    return isinstance(node, ast.If) and _is_name_check(node.test)
 
 
 def _unguarded_names(path: str) -> set[str]:
@@ -132,9 +149,8 @@ def check_main_guard() -> None:
     stack: the main module's top-level frame, its line in the script's syntax tree."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    spec_name = getattr(getattr(main, "__spec__", None), "name", None) or ""
-    if spec_name == "__main__" or spec_name.endswith(".__main__"):
-        return  # `python -m package`: multiprocessing does not run a package's __main__ again
+    if _runs_a_package(main):
+        return  # multiprocessing does not run a package's __main__ again
     frame = inspect.currentframe()
     while frame is not None and not (frame.f_globals is getattr(main, "__dict__", None)
                                      and frame.f_code.co_name == "<module>"):

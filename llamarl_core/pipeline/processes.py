@@ -45,8 +45,9 @@ class LocalExecutors:
 
     restartable = True
 
-    def __init__(self, out_dir: Path, vllm: bool = False):
-        self.out, self.vllm = Path(out_dir), vllm
+    def __init__(self, out_dir: Path, engine: bool = False):
+        # engine: the generator is an engine that starts processes of its own (vLLM, or one of the user's)
+        self.out, self.engine = Path(out_dir), engine
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(EXECUTOR_MODULES)
         self.procs: dict[tuple[str, int], mp.Process] = {}
@@ -62,9 +63,9 @@ class LocalExecutors:
         proc = self.ctx.Process(
             target=executor_main, name=f"llamarl-{role}-{rank}",
             args=(role, rank, config_dict, self.store.port, extra),
-            # A vLLM generator starts processes of its own, which a daemon may not; like
-            # every executor it exits by itself once the controller is gone (Link.get).
-            daemon=not (role == GENERATOR and self.vllm),
+            # An engine (vLLM's, or a user's) starts processes of its own, which a daemon may not;
+            # like every executor it exits by itself once the controller is gone (Link.get).
+            daemon=not (role == GENERATOR and self.engine),
         )
         proc.start()
         self.procs[(role, rank)] = proc
@@ -79,10 +80,10 @@ class LocalExecutors:
         self._kill(role, self.procs.pop((role, rank)))
 
     def _kill(self, role: str, proc) -> None:
-        """SIGKILL an executor. A vLLM generator leads a process group of its own
-        (executor_main), which holds vLLM's engine-core and worker processes: they
-        watch for no parent, so the whole group goes."""
-        if role == GENERATOR and self.vllm:
+        """SIGKILL an executor. An engine generator leads a process group of its own
+        (executor_main), which holds its processes (vLLM's engine core and workers,
+        which watch for no parent): the whole group goes."""
+        if role == GENERATOR and self.engine:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
         else:
@@ -91,13 +92,13 @@ class LocalExecutors:
 
     def shutdown(self, grace_s: float) -> None:
         """After "stop" went to every inbox: wait up to grace_s for the executors
-        to exit, then kill what is left (a vLLM executor's group always: a dead vLLM
-        executor may leave its engine behind)."""
+        to exit, then kill what is left (an engine generator's group always: a dead
+        engine executor may leave its engine's processes behind)."""
         deadline = time.monotonic() + grace_s
         for proc in self.procs.values():
             proc.join(timeout=max(deadline - time.monotonic(), 0.1))
         for (role, _), proc in self.procs.items():
-            if proc.is_alive() or (role == GENERATOR and self.vllm):
+            if proc.is_alive() or (role == GENERATOR and self.engine):
                 self._kill(role, proc)
 
 

@@ -122,7 +122,7 @@ def check_scores(scores, count: int, what: str) -> list[float]:
         shape = tuple(scores.shape) if hasattr(scores, "shape") else len(scores)
         raise ValueError(f"{what} returned {shape} scores for {count} completions; one float per completion expected")
     values = [s.item() if hasattr(s, "item") else s for s in scores]
-    bad = [v for v in values if isinstance(v, complex) or not isinstance(v, numbers.Real)]
+    bad = [v for v in values if not isinstance(v, numbers.Real)]
     if bad:
         raise ValueError(f"{what} returned {bad[0]!r} ({type(bad[0]).__name__}) among its scores; real numbers expected")
     return [float(v) for v in values]
@@ -270,7 +270,10 @@ def probe_reward(config, data) -> None:
         except Exception as exc:
             raise ValueError(f"{what} failed on a probe (the run's first two prompts, completions {completions}): "
                              f"{type(exc).__name__}: {exc}") from exc
-        check_scores(scores, len(completions), what)
+        scores = check_scores(scores, len(completions), what)
+        if not all(math.isfinite(score) for score in scores):
+            raise ValueError(f"{what} returned {scores} on a probe (the run's first two prompts, completions "
+                             f"{completions}); finite numbers expected")
 
 
 

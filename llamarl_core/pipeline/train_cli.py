@@ -187,12 +187,13 @@ def _resumed_config(out: Path, steps: int | None) -> TrainConfig:
         return config if steps is None else dataclasses.replace(config, steps=steps)
 
 
-def run_one(config: TrainConfig, out: Path, quiet: bool, executors_for=None) -> tuple[dict, list[dict]]:
+def run_one(config: TrainConfig, out: Path, quiet: bool, executors_for=None,
+            resume: bool = False) -> tuple[dict, list[dict]]:
     """One run into `out`: (its summary, its per-step metrics). executors_for(config):
     where its executors run (llamarl_core.launch: torchrun ranks); None: forked here."""
     from tqdm import tqdm
 
-    from .controller import Controller, PipelineError
+    from .controller import Controller, PipelineError, RunFolderError
 
     def on_step(m):
         if bar.n < m["step"] + 1:
@@ -206,14 +207,14 @@ def run_one(config: TrainConfig, out: Path, quiet: bool, executors_for=None) -> 
     with _one_line_errors():  # checks the task and the model's shapes against the parallel sizes; nothing written yet
         executors = executors_for(config) if executors_for is not None else None
         controller = Controller(config, out, on_step=on_step, on_event=lambda msg: bar.write(msg, file=sys.stderr),
-                                executors=executors)
+                                executors=executors, resume=resume)
     # A bar only on a terminal: into a log file its redraws were 179 KB for the default run (the per-step lines, and
     # the events, still go there: tqdm.write prints with the bar disabled).
     bar = tqdm(total=config.steps, desc=f"{config.mode} RL steps", unit="step", file=sys.stderr,
                dynamic_ncols=True, leave=True, disable=not sys.stderr.isatty())
     try:
         summary = controller.run()
-    except ValueError as exc:  # a folder holding another run (before anything starts)
+    except RunFolderError as exc:  # before anything starts
         raise SystemExit(f"llamarl train: {exc}") from None
     except PipelineError as exc:
         raise SystemExit(f"llamarl train: the run stopped: {exc}") from None
@@ -279,7 +280,7 @@ def main(argv=None, executors_for=None) -> int:
     out = args.out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{'compare' if args.compare else mode}")
     if not args.compare:
         config = _resumed_config(out, args.steps) if args.resume else _config(args, mode)
-        summary, _ = run_one(config, out, args.quiet, executors_for)
+        summary, _ = run_one(config, out, args.quiet, executors_for, resume=args.resume)
         _print_summary(summary)
         print(f"wrote {out}/: metrics.jsonl summary.json reward.png trace.json checkpoint/ model/ (the trained policy, "
               "a transformers model folder)")
