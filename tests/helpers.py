@@ -3,12 +3,14 @@ destinations, mismatch reports, and real processes with a deadline."""
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from queue import Empty
@@ -16,6 +18,7 @@ from typing import Callable, Mapping
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 
 from llamarl_core.sync import Layout
@@ -132,6 +135,30 @@ def run_processes(jobs: list[tuple[Callable, dict]], timeout: float) -> list:
     if errors:
         raise AssertionError("a rank failed:\n" + "\n".join(errors))
     return [by_pid[p.pid][1] for p in procs]
+
+
+def in_threads(*calls, timeout: float = 60) -> list:
+    """Run each call in a thread of its own; returns their results (or the exceptions they raised)."""
+    results = [None] * len(calls)
+
+    def run(i, call):
+        try:
+            results[i] = call()
+        except Exception as exc:  # returned, checked by the caller
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, call)) for i, call in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)
+    assert not any(thread.is_alive() for thread in threads)
+    return results
+
+
+def store_client(store) -> dist.TCPStore:
+    """A client of the TCPStore `store` serves: one per thread, since a client blocks while it waits."""
+    return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
 
 
 def llamarl_shm_entries() -> list[str]:

@@ -140,9 +140,9 @@ def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) 
 def stalling_sender_body(port: int, rank: int, scenario: dict, stall_in_version: int) -> None:
     """Send version 1, then stall inside version `stall_in_version` after its first
     bucket has landed (and say so in the Store), waiting to be SIGKILLed."""
-    import llamarl_core.sync.endpoints as endpoints
+    import llamarl_core.sync.sender as sender_module
 
-    store, real_run = connect(port), endpoints.run_segment_table
+    store, real_run = connect(port), sender_module.run_segment_table
     state = {"version": None, "calls": 0}
 
     def run_then_stall(*args, **kwargs):
@@ -153,7 +153,7 @@ def stalling_sender_body(port: int, rank: int, scenario: dict, stall_in_version:
             time.sleep(600)
         return written
 
-    endpoints.run_segment_table = run_then_stall
+    sender_module.run_segment_table = run_then_stall
     config, dtype = small_config(scenario["config"]), DTYPES[scenario["src_dtype"]]
     shards = reference_fsdp_shards(hf_state_dict(config, scenario["seed"]), scenario["fsdp"], dtype)[rank]
     sender = WeightSender(store, hf_llama_fsdp(config, scenario["fsdp"], dtype), rank, shards,
@@ -305,9 +305,9 @@ def _receive_then_die_mid_version(port: int) -> None:
     child = WeightReceiver(connect(port), dst, 0, poisoned_destination(dst, 0), timeout=60, replica=1, num_replicas=2,
                            **RELAY)
     assert child.receive() == 1 and _relay_mismatches(1, child.weights()) == []
-    from llamarl_core.sync import endpoints
+    import llamarl_core.sync.receiver as receiver_module
 
-    unpack, unpacked = endpoints.run_segment_table, []
+    unpack, unpacked = receiver_module.run_segment_table, []
 
     def unpack_then_die(*args, **kwargs):
         unpacked.append(1)
@@ -315,7 +315,7 @@ def _receive_then_die_mid_version(port: int) -> None:
             os._exit(17)  # killed in the middle of version 2: its sockets close with it
         return unpack(*args, **kwargs)
 
-    endpoints.run_segment_table = unpack_then_die
+    receiver_module.run_segment_table = unpack_then_die
     child.receive()
 
 

@@ -20,12 +20,14 @@ from helpers import (
     CONFIG_KINDS,
     _child,
     hf_state_dict,
+    in_threads,
     llamarl_shm_entries,
     mismatches,
     poisoned_destination,
     run_processes,
     run_with_small_dev_shm,
     small_config,
+    store_client,
 )
 from llamarl_core.sync import (
     RelayError,
@@ -235,6 +237,7 @@ def test_killed_sender_leaves_receiver_consistent_and_restart_completes(store):
         assert report["v1"] == 1
         assert report["torn_receive"].startswith("SyncTimeoutError"), report
         assert "senders to finish" in report["torn_receive"]
+        assert "no word from sender rank 1 " in report["torn_receive"], report  # the one killed
         assert report["torn_elapsed"] < torn_timeout + 3, report
         assert report["version_after_torn"] == 1
         assert report["torn_flag"] is True
@@ -247,14 +250,15 @@ def test_killed_sender_leaves_receiver_consistent_and_restart_completes(store):
 
 @pytest.mark.parametrize("kind", ["tcp", "file"])
 def test_receiver_without_senders_times_out(store, tmp_path, kind):
-    """SyncTimeoutError from every Store the README names: FileStore's own wait
-    timeout is a plain RuntimeError, not TCPStore's DistStoreError."""
+    """SyncTimeoutError from every Store the README names (FileStore's own wait
+    timeout is a plain RuntimeError, not TCPStore's DistStoreError), naming the
+    rank that never answered."""
     if kind == "file":
         store = dist.FileStore(str(tmp_path / "store"), 1)
     config = small_config("mistral")
     layout = vllm_llama_tp(config, 1, torch.bfloat16)
     start = time.monotonic()
-    with pytest.raises(SyncTimeoutError, match="both sides' layouts"):
+    with pytest.raises(SyncTimeoutError, match="both sides' layouts: no word from sender rank 0 "):
         WeightReceiver(store, layout, 0, poisoned_destination(layout, 0), name="lonely", timeout=1.0)
     assert time.monotonic() - start < 5
 
@@ -405,12 +409,12 @@ def _threaded_pair(store, name: str, transport: str, device: str = "cpu"):
     made = {}
 
     def receiver():
-        made["receiver"] = WeightReceiver(_client(store), dst_layout, 0, params, name=name, transport=transport,
+        made["receiver"] = WeightReceiver(store_client(store), dst_layout, 0, params, name=name, transport=transport,
                                           timeout=30)
 
     thread = threading.Thread(target=receiver)
     thread.start()
-    sender = WeightSender(_client(store), src_layout, 0, shards, name=name, transport=transport, timeout=30)
+    sender = WeightSender(store_client(store), src_layout, 0, shards, name=name, transport=transport, timeout=30)
     thread.join(timeout=60)
     expected = reference_vllm_tp_shards(hf_state_dict(config, 31), config, 1, torch.bfloat16)[0]
     return sender, made["receiver"], params, expected
@@ -422,7 +426,7 @@ def test_a_ticket_taken_and_never_opened_does_not_stall_later_syncs(store):
     under its name) costs the sender at most one poll of the receiver's counter:
     the next versions land, each well inside its timeout."""
     sender, receiver, params, expected = _threaded_pair(store, "unopened", "shm")
-    nbytes, landed = _in_threads(lambda: sender.send(1, timeout=10), lambda: receiver.receive(timeout=10))
+    nbytes, landed = in_threads(lambda: sender.send(1, timeout=10), lambda: receiver.receive(timeout=10))
     assert landed == 1 and nbytes > 0
     real_set = receiver.channel.set
 
@@ -437,24 +441,19 @@ def test_a_ticket_taken_and_never_opened_does_not_stall_later_syncs(store):
     receiver.channel.set = real_set
     for version in (2, 3):
         start = time.monotonic()
-        sent, landed = _in_threads(lambda: sender.send(version, timeout=8), lambda: receiver.receive(timeout=8))
+        sent, landed = in_threads(lambda: sender.send(version, timeout=8), lambda: receiver.receive(timeout=8))
         assert landed == version and sent == nbytes, (sent, landed)
-        assert time.monotonic() - start < 4  # a poll of _TICKET_POLL_S at most, not a timeout
+        assert time.monotonic() - start < 4  # a poll of TICKET_POLL_S at most, not a timeout
     # A receiver killed after taking a ticket (counted, never opened), registered again
     # under its name: it closes that ticket, and the sender skips it.
-    dist.PrefixStore("llamarl/sync/unopened/", _client(store)).add("dst/0/ticket", 1)
+    dist.PrefixStore("llamarl/sync/unopened/", store_client(store)).add("dst/0/ticket", 1)
     config = small_config("llama_gqa_bias")
-    again = WeightReceiver(_client(store), vllm_llama_tp(config, 1, torch.bfloat16), 0, params, name="unopened",
+    again = WeightReceiver(store_client(store), vllm_llama_tp(config, 1, torch.bfloat16), 0, params, name="unopened",
                            transport="shm", timeout=30)
     start = time.monotonic()
-    assert _in_threads(lambda: sender.send(4, timeout=8), lambda: again.receive(timeout=8))[1] == 4
+    assert in_threads(lambda: sender.send(4, timeout=8), lambda: again.receive(timeout=8))[1] == 4
     assert time.monotonic() - start < 4
     assert mismatches(expected, {n: t.cpu() for n, t in again.weights().items()}) == []
-
-
-def _client(store) -> dist.TCPStore:
-    """One Store client per thread: a client blocks while it waits."""
-    return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
 
 
 @pytest.mark.parametrize("transport", ["shm", "p2p"])
@@ -487,7 +486,7 @@ def test_point_to_point_timeout_and_rejoin_are_sync_errors(store):
     layout = hf_llama_fsdp(config, 1, torch.float32)
     shards = reference_fsdp_shards(hf_state_dict(config, 31), 1, torch.float32)[0]
     with pytest.raises(ValueError, match="sender rank 0 registered again under the name 'p2p-timeout'"):
-        WeightSender(_client(store), layout, 0, shards, name="p2p-timeout", transport="p2p", timeout=5)
+        WeightSender(store_client(store), layout, 0, shards, name="p2p-timeout", transport="p2p", timeout=5)
     sender.close()
     receiver.close()
 
@@ -510,7 +509,8 @@ def test_replicas_each_equal_the_reference_after_every_sync(store, num_replicas,
     def sender(rank):
         try:
             shards = {n: t.clone() for n, t in reference_fsdp_shards(states[1], fsdp, torch.float32)[rank].items()}
-            with WeightSender(_client(store), src_layout, rank, shards, name=name, timeout=60, **options) as endpoint:
+            with WeightSender(store_client(store), src_layout, rank, shards, name=name, timeout=60,
+                              **options) as endpoint:
                 for v in versions:
                     for n, t in reference_fsdp_shards(states[v], fsdp, torch.float32)[rank].items():
                         shards[n].copy_(t)
@@ -521,7 +521,7 @@ def test_replicas_each_equal_the_reference_after_every_sync(store, num_replicas,
     def receiver(replica, rank):
         try:
             params = poisoned_destination(dst_layout, rank)
-            with WeightReceiver(_client(store), dst_layout, rank, params, name=name, timeout=60, replica=replica,
+            with WeightReceiver(store_client(store), dst_layout, rank, params, name=name, timeout=60, replica=replica,
                                 num_replicas=num_replicas, **options) as endpoint:
                 for v in versions:
                     assert endpoint.receive() == v
@@ -542,25 +542,6 @@ def test_replicas_each_equal_the_reference_after_every_sync(store, num_replicas,
     assert llamarl_shm_entries() == []
 
 
-def _in_threads(*calls):
-    """Run each call in a thread of its own; returns their results (or exceptions)."""
-    results = [None] * len(calls)
-
-    def run(i, call):
-        try:
-            results[i] = call()
-        except Exception as exc:  # returned, checked by the caller
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i, call)) for i, call in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not any(thread.is_alive() for thread in threads)
-    return results
-
-
 @pytest.mark.parametrize("killed_opening", [False, True], ids=["between-receives", "ticket-taken-not-opened"])
 def test_a_lost_replica_is_abandoned_at_once_and_its_replacement_fed_by_replace_relay(store, killed_opening):
     """Replica 1 dies: its parent's relay, waiting for it to ask for a version, fails
@@ -575,7 +556,7 @@ def test_a_lost_replica_is_abandoned_at_once_and_its_replacement_fed_by_replace_
     shards = {n: t.clone() for n, t in reference_fsdp_shards(states[1], 1, torch.float32)[0].items()}
 
     def receiver(name, replica):
-        return WeightReceiver(_client(store), dst_layout, 0, poisoned_destination(dst_layout, 0), name=name,
+        return WeightReceiver(store_client(store), dst_layout, 0, poisoned_destination(dst_layout, 0), name=name,
                               timeout=30, replica=replica, num_replicas=2)
 
     def send(version):
@@ -587,24 +568,24 @@ def test_a_lost_replica_is_abandoned_at_once_and_its_replacement_fed_by_replace_
         expected = reference_vllm_tp_shards(states[version], config, 1, torch.bfloat16)[0]
         assert mismatches(expected, endpoint.weights()) == []
 
-    sender, parent, child = _in_threads(
-        lambda: WeightSender(_client(store), src_layout, 0, shards, name="lost", timeout=30),
+    sender, parent, child = in_threads(
+        lambda: WeightSender(store_client(store), src_layout, 0, shards, name="lost", timeout=30),
         lambda: receiver("lost", 0), lambda: receiver("lost", 1))
-    assert _in_threads(lambda: send(1), parent.receive, child.receive)[1:] == [1, 1]
+    assert in_threads(lambda: send(1), parent.receive, child.receive)[1:] == [1, 1]
     check(parent, 1)
     check(child, 1)
     with pytest.raises(ValueError, match=r"relay_to=\[3\]: replica 0 feeds replicas \[1\]"):
         parent.receive(relay_to=[3])
     child.close()  # its process died: it asks for no version again
     if killed_opening:  # as a receive killed between its two Store requests leaves it
-        dist.PrefixStore("llamarl/sync/lost/replica1/", _client(store)).add("dst/0/ticket", 1)
+        dist.PrefixStore("llamarl/sync/lost/replica1/", store_client(store)).add("dst/0/ticket", 1)
 
     def abandon_soon():
         time.sleep(0.5)
-        abandon_receivers(_client(store), "lost/replica1", "replica 1 was lost")
+        abandon_receivers(store_client(store), "lost/replica1", "replica 1 was lost")
 
     start = time.monotonic()
-    _, landed, _ = _in_threads(lambda: send(2), lambda: parent.receive(timeout=20), abandon_soon)
+    _, landed, _ = in_threads(lambda: send(2), lambda: parent.receive(timeout=20), abandon_soon)
     assert isinstance(landed, RelayError) and time.monotonic() - start < 5, landed
     assert landed.version == 2 and list(landed.failed) == [1] and "replica 1 was lost" in landed.failed[1]
     assert parent.version == 2 and not parent.torn
@@ -620,7 +601,7 @@ def test_a_lost_replica_is_abandoned_at_once_and_its_replacement_fed_by_replace_
             child.receive(expect=2)
         return child.receive(expect=3)
 
-    results = _in_threads(lambda: send(3), parent.receive, stale_then_current)
+    results = in_threads(lambda: send(3), parent.receive, stale_then_current)
     assert results[1:] == [3, 3], results
     check(parent, 3)
     check(child, 3)
@@ -641,12 +622,12 @@ def test_a_child_never_completes_a_version_its_parent_got_mixed(store):
     options = dict(name="mixed", transport="p2p", bucket_bytes=4096)
 
     def sender(rank):
-        with WeightSender(_client(store), src_layout, rank, shards[rank], timeout=30, **options) as endpoint:
+        with WeightSender(store_client(store), src_layout, rank, shards[rank], timeout=30, **options) as endpoint:
             endpoint.send(1)
             endpoint.send(2 + rank)  # rank 0 sends version 2, rank 1 version 3
 
     def receiver(replica):
-        return WeightReceiver(_client(store), dst_layout, 0, poisoned_destination(dst_layout, 0), timeout=30,
+        return WeightReceiver(store_client(store), dst_layout, 0, poisoned_destination(dst_layout, 0), timeout=30,
                               replica=replica, num_replicas=2, **options)
 
     endpoints = {}
@@ -656,7 +637,7 @@ def test_a_child_never_completes_a_version_its_parent_got_mixed(store):
         assert endpoints[replica].receive() == 1
         return endpoints[replica].receive(timeout=timeout)
 
-    results = _in_threads(lambda: sender(0), lambda: sender(1), lambda: receive(0, 20), lambda: receive(1, 3))
+    results = in_threads(lambda: sender(0), lambda: sender(1), lambda: receive(0, 20), lambda: receive(1, 3))
     parent, child = results[2:]
     assert isinstance(parent, SyncError) and "senders sent different versions [2, 3]" in str(parent), parent
     assert isinstance(child, SyncTimeoutError) and endpoints[1].torn and endpoints[1].version == 1, child
@@ -726,7 +707,7 @@ def test_fp8_sync_refuses_nonfinite_weights_on_every_rank(store):
 
     def receiver(rank):
         params = poisoned_destination(dst_layout, rank)
-        with WeightReceiver(_client(store), dst_layout, rank, params, name="nan", timeout=30) as r:
+        with WeightReceiver(store_client(store), dst_layout, rank, params, name="nan", timeout=30) as r:
             try:
                 r.receive()
                 outcome[rank] = "received"
@@ -737,7 +718,7 @@ def test_fp8_sync_refuses_nonfinite_weights_on_every_rank(store):
     for t in threads:
         t.start()
     shards = reference_fsdp_shards(state, 1, torch.float32)[0]
-    with WeightSender(_client(store), src_layout, 0, shards, name="nan", timeout=30) as sender:
+    with WeightSender(store_client(store), src_layout, 0, shards, name="nan", timeout=30) as sender:
         sender.send(1)
     for t in threads:
         t.join(timeout=60)

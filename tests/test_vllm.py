@@ -363,3 +363,17 @@ def test_train_qwen3_moe_with_vllm_generator(tmp_path):
     # The policy written at the end is a Qwen3-MoE model folder transformers loads.
     policy = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
     assert type(policy).__name__ == "Qwen3MoeForCausalLM"
+
+
+def test_bench_sync_into_vllm_prints_json_alone_on_stdout():
+    """`llamarl bench sync --into vllm --json`: stdout parses as JSON, the engine's
+    logs going to stderr (before, some 90 lines of them came first on stdout)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tiny = ["--hidden", "128", "--intermediate", "256", "--layers", "1", "--heads", "4", "--kv-heads", "2",
+            "--vocab", "256", "--warmup", "0", "--repeats", "1"]
+    proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "bench", "sync", "--into", "vllm", *tiny, "--json"],
+                          capture_output=True, text=True, timeout=300, cwd="/", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["model_bytes"] > 0 and result["seconds"]["llamarl_ddma"]["median"] > 0
+    assert "(llamarl-vllm-engine pid=" in proc.stderr  # vLLM's log, prefixed with the engine process's name

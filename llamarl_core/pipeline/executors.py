@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..sync import StaleReceiveError, SyncError, fsdp_sender
-from ..sync.endpoints import relay_name
+from ..sync.protocol import relay_name
 from ..sync.transports import host_identity
 from .config import TrainConfig
 from .data import RunData

@@ -12,19 +12,17 @@ world, dtype)` before sharding; `module_sender(store, model, rank, world)`
 
 Across processes: `WeightSender(store, src, rank, shards).send(version)` on each
 trainer rank, `WeightReceiver(store, dst, rank, params).receive()` on each
-generator rank (see endpoints.py for versions, timeouts and torn weights).
+generator rank (see receiver.py for the handshake, versions, timeouts and torn
+weights); `send(version, wait=False)` returns a SendHandle, `receiver.pending()`
+says whether a version waits. Modules: protocol.py (the Store keys and the
+decisions on them), endpoint.py (the set-up both sides share), sender.py,
+receiver.py and relay.py (generator replicas).
 """
 
-from .endpoints import (
-    RelayError,
-    StaleReceiveError,
-    SyncError,
-    SyncTimeoutError,
-    TornWeightsError,
-    WeightReceiver,
-    WeightSender,
-    abandon_receivers,
-)
+from .errors import RelayError, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
+from .protocol import abandon_receivers
+from .receiver import WeightReceiver
+from .sender import SendHandle, WeightSender
 from .live import ModuleSender, checkpoint_views, fsdp_layout, fsdp_sender, local_shard, module_layout, module_sender
 from .layout import Explicit, Fragment, Fused, FusedPart, Layout, ParamSpec, Replicate, Shard
 from .plan import DEFAULT_BUCKET_BYTES, Segment, TransferPlan, plan_transfer
@@ -33,7 +31,7 @@ from .reference import reference_fsdp_shards, reference_vllm_tp_shards
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "Explicit", "Fragment", "Fused", "FusedPart", "Layout", "ParamSpec", "Replicate", "Segment",
-    "RelayError", "Shard", "StaleReceiveError", "SyncError", "SyncTimeoutError", "TornWeightsError", "TransferPlan", "WeightReceiver",
+    "RelayError", "SendHandle", "Shard", "StaleReceiveError", "SyncError", "SyncTimeoutError", "TornWeightsError", "TransferPlan", "WeightReceiver",
     "WeightSender", "abandon_receivers", "ModuleSender", "checkpoint_views", "fsdp_layout", "module_layout",
     "module_sender", "fsdp_sender", "hf_llama_fsdp", "local_shard", "hf_llama_shapes", "plan_transfer", "reference_fsdp_shards",
     "reference_vllm_tp_shards", "vllm_llama_tp",

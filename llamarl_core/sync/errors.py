@@ -1,5 +1,5 @@
 """The exceptions of a weight sync, in a module of their own so that the engine
-(engine.py) can raise them without importing the endpoints that use it."""
+(engine.py) can raise them without importing the sender and receiver that use it."""
 
 
 class SyncError(RuntimeError):

@@ -33,10 +33,12 @@ import math
 import torch
 import torch.distributed as dist
 
-from .endpoints import DEFAULT_TIMEOUT_S, WeightSender
+from .endpoint import DEFAULT_TIMEOUT_S
 from .errors import SyncError
 from .layout import Explicit, Layout, ParamSpec, Replicate, Shard, chunk_bounds, contiguous_strides, strided_fragments
+from .plan import DEFAULT_BUCKET_BYTES
 from .probe import ProbeError, ViewProbe
+from .sender import WeightSender
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, extent) in a parameter's dims
 
@@ -329,15 +331,18 @@ class ModuleSender(WeightSender):
     `send` first checks that every parameter still has the storage it had when
     registered: one rebound since (`model.to()`, `load_state_dict(assign=True)`,
     an offload) raises SyncError naming it before a byte moves; build a new
-    sender after such a change."""
+    sender after such a change. The other parameters are WeightSender's."""
 
-    def __init__(self, store: dist.Store, model: torch.nn.Module, rank: int, world_size: int, **kwargs):
+    def __init__(self, store: dist.Store, model: torch.nn.Module, rank: int, world_size: int, *,
+                 name: str = "weights", transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_threads: int | None = None):
         model = _unwrapped(model)
         layout = module_layout(model, world_size)
         self.model = model
-        shards = {name: local_shard(p) for name, p in model.named_parameters()}
-        self._registered = {name: (t.data_ptr(), tuple(t.shape), t.dtype) for name, t in shards.items()}
-        super().__init__(store, layout, rank, shards, **kwargs)
+        shards = {n: local_shard(p) for n, p in model.named_parameters()}
+        self._registered = {n: (t.data_ptr(), tuple(t.shape), t.dtype) for n, t in shards.items()}
+        super().__init__(store, layout, rank, shards, name=name, transport=transport, timeout=timeout,
+                         bucket_bytes=bucket_bytes, num_threads=num_threads)
 
     def check_storage(self) -> None:
         """SyncError naming the first parameter whose storage is not the registered
@@ -352,9 +357,9 @@ class ModuleSender(WeightSender):
                                 "load_state_dict(assign=True), an offload): sending would send the old storage; "
                                 "build a new sender for the model as it is now")
 
-    def send(self, version: int, timeout: float | None = None) -> int:
+    def _check_sources(self) -> None:
         self.check_storage()
-        return super().send(version, timeout)
+        super()._check_sources()
 
 
 def module_sender(store: dist.Store, model: torch.nn.Module, rank: int, world_size: int, *, name: str = "weights",

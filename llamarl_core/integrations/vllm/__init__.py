@@ -47,7 +47,7 @@ drops it too). What each vLLM worker does is in `engine.py`.
 
 from __future__ import annotations
 
-from ...sync.endpoints import DEFAULT_TIMEOUT_S
+from ...sync.endpoint import DEFAULT_TIMEOUT_S
 from ...sync.layout import Layout
 
 BACKEND = "llamarl_ddma"

@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ...sync.endpoints import WeightReceiver
+from ...sync.receiver import WeightReceiver
 from ...sync.errors import SyncError
 from ...sync.layout import Layout
 from ...sync.plan import plan_transfer

@@ -1,6 +1,7 @@
 """A vLLM engine (`vllm.LLM`, dummy weights, the llamarl_ddma backend) in a
 process of its own, driven over a pipe: what the tests and `llamarl bench sync
---into vllm` run against.
+--into vllm` run against. Everything the engine prints, its logs included, goes
+to stderr.
 
 Its own process because vLLM's CPU worker pins the threads of the process it
 runs in and replaces `torch.set_num_threads` there; the engine core runs inside
@@ -14,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import traceback
 
@@ -80,6 +82,11 @@ def _load_weights(llm, weights) -> float:
 
 
 def _serve(conn, model_dir: str, engine_kwargs: dict) -> None:
+    # What this process and its workers print goes to stderr: vLLM logs to stdout
+    # (VLLM_LOGGING_STREAM's default, ext://sys.stdout, resolves to the fd below), and
+    # the driving process's stdout carries its own output alone (`--json`).
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     os.environ.update(ENGINE_ENV)
     if engine_kwargs.get("tensor_parallel_size", 1) > 1:
         # vLLM's CPU workers bind their threads to a NUMA node each by default, and

@@ -1,0 +1,251 @@
+"""The Store side of a weight sync: a namespaced channel with JSON values and waits
+that always time out, the keys senders and receivers exchange, and the small
+decisions taken on them (a sender's reports and offers, a receiver's view of them).
+
+Keys, under `llamarl/sync/<name>/` (values JSON: nothing read is unpickled or run):
+
+    src/layout, src/bucket_bytes, src/reads_p2p_cap   sender rank 0, at set-up
+    dst/layout, dst/bucket_bytes                      receiver rank 0, at set-up
+    src/<s>/info, dst/<d>/info                        every rank: device_info + transport
+    src/<s>/relay_buckets                             a relay's buckets (None: the plan's)
+    src/<s>/incarnation, dst/<d>/incarnation          counters: registrations under this name
+    dst/<d>/handle                                    receiver d's memory handle (shm, CUDA IPC)
+    dst/<d>/ticket                                    the last ticket receiver d took
+    dst/<d>/open/<t>                                  ticket t opened: the version asked for
+                                                      (or null); "closed" once over; "abandoned"
+    dst/<d>/closed/<t>                                ticket t is over
+    dst/<d>/done/<t>/<s>                              sender s served ticket t: the version it
+                                                      wrote; {"abandoned", "holds"} (that version
+                                                      will not come); {"failed", "error"} (a
+                                                      sender failed: see below)
+    src/<s>/offer/<d>                                 [version, n]: sender s's n-th send to
+                                                      receiver d waits for it (or runs); null
+                                                      once over (shm, CUDA IPC pairs)
+    src/<s>/error                                     "Type: message": sender s failed; null
+                                                      again once it sends anew
+    src/failures                                      counter: failure reports ever made
+    abandoned                                         abandon_receivers' reason
+    dst/amax/<version>/<n>/<d>                        FP8 amaxes (raw bytes), deleted once read
+    pg/...                                            the point-to-point group's rendezvous
+
+A sender that fails (its set-up or a send raises, or `abort`) publishes its error
+(`SenderReports.fail`) before it re-raises: the error, the count of failures, then
+a "failed" answer in every slot of the open ticket of each receiver it has not
+served, which ends that receiver's wait at once. A receiver reads the count (one
+request) before it opens a ticket and again after: a failure reported before the
+second read is seen there, one reported after it finds the ticket open and answers
+it. Set-up waits poll the count instead (`Channel.wait` with `failure`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from typing import Callable, Iterable, Mapping
+
+import torch.distributed as dist
+
+from .errors import SyncError, SyncTimeoutError
+from .layout import Layout
+
+SRC, DST = "src", "dst"
+# Set by abandon_receivers: the reason under this key, and this value in the tickets it opens.
+ABANDONED = "abandoned"
+# What a receiver writes over its ticket's `open` value when it closes the ticket: a
+# sender waiting for the ticket after the one it served last sees it there.
+CLOSED = "closed"
+FAILURES = f"{SRC}/failures"
+# The longest pause between two polls of a wait that watches for failures: a failure
+# is seen within this of its report. Every poll is a request to the Store (a check of
+# the keys, a read of the failure count), so a wait that lasts polls about 8 times a second.
+FAILURE_POLL_S = 0.125
+
+
+class Channel:
+    """The Store of one sync (`name`), namespaced, with JSON values and waits that always time out."""
+
+    def __init__(self, store: dist.Store, name: str):
+        self.name = name
+        self.store = dist.PrefixStore(f"llamarl/sync/{name}/", store)
+
+    def set(self, key: str, value) -> None:
+        self.store.set(key, json.dumps(value))
+
+    def get(self, key: str):
+        return json.loads(self.store.get(key))
+
+    def get_if_set(self, key: str):
+        """The key's value, None if it was never set (a get would wait out the Store's timeout)."""
+        return self.get(key) if self.has(key) else None
+
+    def counter(self, key: str, delta: int = 0) -> int:
+        return self.store.add(key, delta)
+
+    def has(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def wait(self, keys: Mapping[str, str], deadline: float, what: str,
+             failure: Callable[[], str | None] | None = None) -> None:
+        """Return once every key of `keys` (key -> who sets it, e.g. "sender rank 1")
+        is set. Past `deadline` (time.monotonic) raises SyncTimeoutError naming `what`
+        and who never answered. failure: called between polls, returns the message of
+        a failure that ends the wait (raised as SyncError) or None; without it the wait
+        is one blocking Store request (no poll: a TCPStore logs every wait that times
+        out), with it the keys are polled, FAILURE_POLL_S apart at most."""
+        names = list(keys)
+        if failure is None:
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    raise dist.DistStoreError("deadline passed")
+                # At least 1 ms: a timeout that rounds down to 0 ms means "no timeout" to c10d.
+                self.store.wait(names, datetime.timedelta(seconds=max(remaining, 1e-3)))
+            except RuntimeError as exc:
+                raise self._timeout(exc, keys, what) from exc
+            return
+        # 1 ms, doubling: a wait overshoots the keys' arrival by at most its own length so far.
+        pause = 1e-3
+        while not self.store.check(names):
+            message = failure()
+            if message is not None:
+                raise SyncError(message)
+            if time.monotonic() >= deadline:
+                raise self._timeout(dist.DistStoreError("deadline passed"), keys, what)
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(2 * pause, FAILURE_POLL_S)
+
+    def get_all(self, keys: Mapping[str, str], deadline: float, what: str) -> list:
+        """The values of `keys` once every one is set, within the deadline: a wait
+        (the Store answers it when the last is set), then one read of them all. The
+        client's own timeout is never touched (it may be shared)."""
+        self.wait(keys, deadline, what)
+        return [json.loads(v) for v in self.store.multi_get(list(keys))]
+
+    def _timeout(self, exc: RuntimeError, keys: Mapping[str, str], what: str) -> Exception:
+        """The SyncTimeoutError of a wait that failed with `exc`, or `exc` itself when
+        it was not a timeout. A timeout is a DistStoreError from TCPStore and
+        HashStore but a plain RuntimeError ("Wait timeout") from FileStore; other
+        DistErrors (a lost connection: DistNetworkError) are not timeouts."""
+        if isinstance(exc, dist.DistError) and not isinstance(exc, dist.DistStoreError):
+            return exc
+        missing = [k for k in keys if not self.store.check([k])]
+        silent = ", ".join(dict.fromkeys(keys[k] for k in missing))
+        return SyncTimeoutError(f"timed out waiting for {what}: no word from {silent or 'nobody'} (missing {missing})")
+
+
+def error_key(rank: int) -> str:
+    return f"{SRC}/{rank}/error"
+
+
+def offer_key(src: int, dst: int) -> str:
+    return f"{SRC}/{src}/offer/{dst}"
+
+
+def done_key(dst: int, ticket: int, src: int) -> str:
+    return f"{DST}/{dst}/done/{ticket}/{src}"
+
+
+class SenderReports:
+    """What sender `rank` tells its receivers beside the bytes: the version each is
+    offered (`offer`, `withdraw`: what WeightReceiver.pending reads) and its failure
+    (`fail`, `clear`)."""
+
+    def __init__(self, channel: Channel, rank: int):
+        self.channel, self.rank = channel, rank
+
+    def offer(self, dst: int, version: int, count: int) -> None:
+        """This rank's `count`-th send to receiver `dst`, of `version`, waits for it."""
+        self.channel.set(offer_key(self.rank, dst), [version, count])
+
+    def withdraw(self, dsts: Iterable[int]) -> None:
+        """No send of this rank waits for these receivers any more. Over shared memory
+        or CUDA IPC, withdrawn before the done answer: a receiver that has its version
+        never sees the offer still standing."""
+        for dst in dsts:
+            self.channel.set(offer_key(self.rank, dst), None)
+
+    def fail(self, message: str, unserved: Mapping[int, tuple[int, Iterable[int]]]) -> None:
+        """Publish this rank's failure, then end the waits it leaves hanging. unserved:
+        receiver -> (the last ticket this rank served it, the ranks that write to it
+        over shared memory or CUDA IPC): an open ticket after that one gets a
+        {"failed", "error"} answer in every slot not answered yet, so its receive()
+        raises at once instead of waiting for senders that may never come (a rank
+        stuck in a collective with this one). Receivers this rank serves point to
+        point wait in the process group: they see the failure at their next receive."""
+        self.channel.set(error_key(self.rank), message)
+        self.channel.counter(FAILURES, 1)
+        answer = {"failed": self.rank, "error": message}
+        for dst, (served, writers) in unserved.items():
+            ticket = self.channel.counter(f"{DST}/{dst}/ticket")
+            if ticket <= served or self.channel.has(f"{DST}/{dst}/closed/{ticket}"):
+                continue
+            for src in writers:
+                if not self.channel.has(done_key(dst, ticket, src)):
+                    self.channel.set(done_key(dst, ticket, src), answer)
+
+    def clear(self) -> None:
+        """This rank sends again (or registered again): its failure no longer stands."""
+        self.channel.set(error_key(self.rank), None)
+
+
+class SenderWatch:
+    """A receiver's view of its senders' reports: `failure` (one standing) and
+    `offered` (the version they offer it)."""
+
+    def __init__(self, channel: Channel, rank: int):
+        self.channel, self.rank = channel, rank
+        self._seen = 0  # the failure count when no sender watched had a failure standing
+
+    def failure(self, senders: Iterable[int]) -> str | None:
+        """"sender rank s failed: <its error>" for the first of `senders` whose failure
+        stands, else None. One request while no failure was reported since the last
+        call that found none; then one more per sender."""
+        count = self.channel.counter(FAILURES)
+        if count == self._seen:
+            return None
+        for src in senders:
+            error = self.channel.get_if_set(error_key(src))
+            if error is not None:
+                return f"sender rank {src} failed: {error}"
+        self._seen = count
+        return None
+
+    def offered(self, received: Mapping[int, int | None]) -> int | None:
+        """The version offered to this receiver by every sender in `received` (sender ->
+        how many point-to-point versions this receiver took from it, None for a pair
+        over shared memory or CUDA IPC, whose offers are withdrawn once served); the
+        highest if they differ (the receive then refuses the mix). None while some
+        sender offers nothing new."""
+        keys = [offer_key(src, self.rank) for src in received]
+        if not keys or not self.channel.store.check(keys):
+            return None
+        offers = [json.loads(v) for v in self.channel.store.multi_get(keys)]
+        if any(offer is None or (taken is not None and offer[1] <= taken)
+               for offer, taken in zip(offers, received.values())):
+            return None
+        return max(version for version, _ in offers)
+
+
+def abandon_receivers(store: dist.Store, name: str, reason: str) -> None:
+    """The receivers of sync `name` are gone for good (their processes died; new
+    ones register under another name): a send waiting for one of them to ask for a
+    version raises SyncError naming `reason` at once instead of at its timeout.
+    Called by whoever watches the receivers' processes (the pipeline's controller)."""
+    channel = Channel(store, name)
+    channel.set(ABANDONED, reason)
+    if not channel.has(f"{DST}/layout"):
+        return  # never registered: no sender can be waiting for a ticket
+    for rank in range(Layout.from_dict(channel.get(f"{DST}/layout")).world_size):
+        # Wake the senders waiting for a ticket to open: the next one, and the last one taken,
+        # which a receiver killed between taking it and opening it never opened. The mark in
+        # its place makes them raise; a ticket opened already is left as it is.
+        last = channel.counter(f"{DST}/{rank}/ticket")
+        for ticket in (last, last + 1):
+            if ticket and not channel.has(f"{DST}/{rank}/open/{ticket}"):
+                channel.set(f"{DST}/{rank}/open/{ticket}", ABANDONED)
+
+
+def relay_name(name: str, replica: int) -> str:
+    """The Store namespace of the sync that fills `replica` (replica 0: the trainer's)."""
+    return f"{name}/replica{replica}" if replica else name

@@ -1,0 +1,528 @@
+"""A generator rank's end of a weight sync: WeightReceiver, with its relays to the
+replicas it feeds and the FP8 scales of what lands."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, packed
+from .engine import prepared_table, run_segment_table, segment_table, storage_key, wait_for_queued_work
+from .errors import RelayError, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
+from .fp8 import Fp8Destinations, reduce_max
+from .layout import Layout
+from .plan import DEFAULT_BUCKET_BYTES, check_replicas, relay_tree
+from .protocol import CLOSED, DST, Channel, SenderWatch, done_key, relay_name
+from .relay import Forwarding
+from .sender import WeightSender
+from .transports import CUDA_IPC, P2P, SHM, cuda_ipc_handle, rehome_into_shared_memory, shm_handle
+
+# The largest point-to-point bucket of a sync into generator replicas (shared memory
+# and CUDA IPC keep theirs: there a bucket is a unit of work). A replica forwards a bucket
+# to the next one once all of it has landed, so a relay level adds about one
+# bucket's transfer: 16 MiB is 0.13 s at 1 Gbit/s, 1.3 ms at 100. With the default
+# 256 MiB a 129 MiB model crossed 1 Gbit hosts in one large bucket per rank pair,
+# and one relay level added 0.8 s to a 1.1 s sync.
+RELAY_BUCKET_BYTES = 16 << 20
+
+
+class WeightReceiver(Endpoint):
+    """A generator rank: registers its own parameter tensors once, then
+    `receive()` per sync. The destination is the tensors' own storage.
+
+    store: a torch.distributed Store every sender and receiver of the sync reaches.
+    layout: the generator's layout (every rank passes the same); rank: this
+    process's rank in it. tensors: vLLM-style local parameter name -> the
+    generator's parameter tensor (shapes and dtypes as `layout` says for `rank`).
+    With the shared-memory transport (CPU tensors on one machine) the tensors are
+    moved into a shared region at registration, values kept: the same tensor
+    objects (and nn.Parameters) then live in memory the senders write, so register
+    them before anything caches their data pointers.
+    name, transport, timeout, num_threads: as WeightSender's (timeout: for set-up
+    and the default of every receive). bucket_bytes: the buckets of the relays
+    this rank sends to the replicas it feeds (the trainer's sender rank 0 sets the
+    sync's own). p2p_bucket_bytes: a cap on the buckets of point-to-point pairs;
+    receiver rank 0's applies (16 MiB at most with replicas).
+    group: optional torch.distributed group spanning exactly the receiver ranks
+    in rank order (the generator's tensor-parallel group); FP8 amaxes that span
+    ranks are then reduced over it, on the tensors' device, instead of through
+    Store keys. As with any collective every rank must take part: a NaN on one
+    rank fails all at once, but a rank whose receive fails before the exchange
+    leaves the others' all-reduce to time out.
+    replica / num_replicas: this rank's generator replica, of that many
+    data-parallel copies of `layout` (each a tensor-parallel group). The trainer
+    ranks send to replica 0 only; a version then goes down the replicas'
+    `relay_tree`, rank to same rank, each a sync of its own under the Store names
+    `<name>/replica<r>` (or `relay_names[r]`): receive() returns once the version
+    has landed here and has been copied to the replicas this one feeds. Where this
+    rank receives point to point only (its senders on other hosts), a child it
+    reaches point to point gets each bucket as soon as it has landed here (the
+    relay's buckets mirror the received ones), so a version crosses the relay tree
+    in about the time of one link, not one link per level; otherwise the relay
+    starts once everything has landed. A relay that fails raises RelayError once
+    the others are done: the version landed here; one that broke off in the middle
+    of a version fails every later receive at once until `replace_relay`. A child
+    replica restarted under a new name is fed through `replace_relay`.
+
+    The handshake, for a generator of one's own (each trainer rank holds a
+    WeightSender of the same `name`):
+    1. Once: register the tensors and the layout (this constructor, on every
+       generator rank; the senders' constructors meanwhile).
+    2. Per version: the trainer's `send(v)` offers v to every receiver it writes
+       and waits for each to ask for a version. `pending()` (no wait: a few Store
+       requests) returns v once every sender of this rank offers it; the
+       generator finishes its decode step, pauses, calls `receive()` (which waits
+       for the kernels queued on the current stream, then lets the senders write
+       into the tensors and returns v once all of it has landed) and resumes
+       sampling with the new weights.
+    3. Who touches what: between receives the tensors are the generator's (read
+       them freely; do not move their storage: a moved tensor is refused by the
+       next receive); during receive() the senders write them, so nothing may read
+       them. The trainer may read its own tensors during a send (forward passes)
+       but changes them (optimizer step) only after send(), or the handle's
+       wait(), has returned.
+    A sender that fails (set-up, a send, `abort`) says so: set-up waits,
+    receive() and pending() raise SyncError naming its rank and its error, a
+    receive waiting over shared memory or CUDA IPC at once, set-up within
+    protocol.FAILURE_POLL_S (0.125 s; point to point: the next receive, before
+    it posts anything), until that sender sends again. A sender killed without
+    a word leaves a timeout, which names the ranks that never answered.
+    """
+
+    side = "receiver"
+
+    def __init__(self, store: dist.Store, layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor], *,
+                 name: str = "weights", transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_threads: int | None = None,
+                 p2p_bucket_bytes: int | None = None, group: dist.ProcessGroup | None = None, replica: int = 0,
+                 num_replicas: int = 1, relay_names: Mapping[int, str] | None = None):
+        check_replicas(layout, num_replicas)
+        if not 0 <= replica < num_replicas:
+            raise ValueError(f"replica must be in [0, {num_replicas}), got {replica}")
+        if num_replicas > 1:
+            p2p_bucket_bytes = min(p2p_bucket_bytes or RELAY_BUCKET_BYTES, RELAY_BUCKET_BYTES)
+        children = relay_tree(num_replicas)[replica]
+        relay_names = {child: relay_name(name, child) for child in children} | dict(relay_names or {})
+        if sorted(relay_names) != children:
+            raise ValueError(f"relay_names: replica {replica} feeds replicas {children}, got names for "
+                             f"{sorted(relay_names)}")
+        channel = Channel(store, relay_name(name, replica))
+        self.watch = SenderWatch(channel, rank)
+        super().__init__(channel, layout, rank, tensors, transport=transport, timeout=timeout,
+                         bucket_bytes=bucket_bytes, num_threads=num_threads, p2p_bucket_bytes=p2p_bucket_bytes,
+                         watch=self.watch)
+        if group is not None and (group.size(), group.rank()) != (self.layout.world_size, self.rank):
+            raise ValueError(f"receiver rank {self.rank}: group= must span the {self.layout.world_size} receiver ranks "
+                             f"in rank order, got rank {group.rank()} of {group.size()}")
+        self._amax_group = group
+        self._amax_attempt: tuple[int | None, int] = (None, 0)  # see _amax_sync_id
+        # The last ticket this rank took (a restarted rank goes on from its predecessor's,
+        # and closes it: a predecessor killed in a receive left it open, or never opened it).
+        self._ticket = self.channel.counter(f"{DST}/{self.rank}/ticket")
+        if self._ticket and not self.channel.has(f"{DST}/{self.rank}/closed/{self._ticket}"):
+            self._close_ticket(self._ticket)
+        self.version: int | None = None
+        self.torn = False
+        self.senders = self.plan.senders_of(self.rank)
+        self._local_senders = [src for src in self.senders if self.transports[(src, self.rank)] != P2P]
+        # Sender -> the versions taken from it point to point (pending() compares its offers
+        # with it); None for a sender that writes through memory (its offers are withdrawn).
+        self._taken: dict[int, int | None] = {src: None if src in self._local_senders else 0 for src in self.senders}
+        # What the senders write: the registered tensors, and landing rows for FP8 weights.
+        self.fp8 = Fp8Destinations(self.layout, self.rank)
+        self.landing = self.fp8.landing(self.tensors, self.device)
+        local_transports = {self.transports[(src, self.rank)] for src in self._local_senders}
+        if SHM in local_transports:
+            # The region stays mapped for as long as the tensors viewing it live.
+            region, offsets = rehome_into_shared_memory(self.landing, f"receiver rank {self.rank}")
+            self.channel.set(f"{DST}/{self.rank}/handle", shm_handle(region, offsets))
+        elif CUDA_IPC in local_transports:
+            # Senders in this process write to the addresses; the others need IPC handles.
+            me = self._dst_infos[self.rank]["process"]
+            remote = any(self._src_infos[src]["process"] != me for src in self._local_senders)
+            self.channel.set(f"{DST}/{self.rank}/handle", cuda_ipc_handle(self.landing, self.device, remote))
+        self._staging_bufs = self._staging([self.plan.buckets[(src, self.rank)] for src in self._p2p_peers])
+        self._unpack: dict[int, list] = {}
+        for src in self._p2p_peers:
+            self._unpack[src] = []
+            for i, bucket in enumerate(self.plan.buckets[(src, self.rank)]):
+                staging = self._staging_bufs[i % 2].data_ptr()
+                table = segment_table(packed(bucket)[1], lambda seg: staging,
+                                      lambda seg: self.landing[seg.dst_name].data_ptr())
+                self._unpack[src].append((prepared_table(table, self.device), sum(seg.nbytes for seg in bucket)))
+        # Where the senders' segments (and the unpack tables) write: checked before every receive().
+        self._landing_keys = {name: storage_key(t) for name, t in self.landing.items()}
+        # Set up in the background (see replace_relay): a relay waits for its child's receiver,
+        # which may still be starting, or be gone (a child that died as this replica started
+        # fails that relay at the first receive, naming it, instead of this replica's start).
+        self.replica = replica
+        self._store = store
+        self._relay_kwargs = dict(transport=transport, bucket_bytes=bucket_bytes, num_threads=num_threads)
+        self._relay_regions = self._regions_in_arrival_order()
+        self._relays: dict[int, WeightSender | Future] = {
+            child: self._relay_in_background(child, relay_names[child]) for child in children}
+
+    def pending(self) -> int | None:
+        """The version the trainer side offers this receiver and it has not received
+        yet, without waiting: not None once every sender that writes to this rank has
+        offered one (its send() started; the highest, should they differ: receive()
+        then refuses the mix). A generator polls it between decode steps and calls
+        receive() when it returns a version (see the handshake above). A few Store
+        requests; raises SyncError naming the sender when one reported a failure that
+        still stands (it failed, or aborted, and has not sent again)."""
+        failure = self.watch.failure(self.senders)
+        if failure is not None:
+            raise SyncError(f"receiver rank {self.rank}: {failure}")
+        return self.watch.offered(self._taken)
+
+    def _raise_if_senders_failed(self) -> None:
+        failure = self.watch.failure(self.senders)
+        if failure is not None:
+            raise SyncError(f"receiver rank {self.rank}: {failure}" + ("; weights torn" if self.torn else ""))
+
+    def _relay_sender(self, store: dist.Store, name: str) -> WeightSender:
+        return WeightSender(store, self.layout, self.rank, self.tensors, name=name, timeout=self.timeout,
+                            relay_buckets=self._relay_regions, **self._relay_kwargs)
+
+    def _regions_in_arrival_order(self) -> list | None:
+        """What a relay from this rank sends, bucket by bucket: the regions of the
+        buckets this rank receives point to point, in the order they arrive, so each
+        goes on to the child replica as soon as it has landed (see receive). None (the
+        relay plan's own buckets, sent once everything has landed) where a sender on
+        this host writes too: its regions land all at once, at the end."""
+        if self._local_senders or not self._p2p_peers:
+            return None
+        return [[[seg.dst_name, seg.dst_offset, seg.dst_pitch, seg.width, seg.height] for seg in bucket]
+                for src in self._p2p_peers for bucket in self.plan.buckets[(src, self.rank)]]
+
+    def _forwarded_relays(self, children: list[int]) -> dict[int, WeightSender]:
+        """The relays among `children` that receive() feeds bucket by bucket: this rank
+        receives point to point only, and the relay is set up and point to point too
+        (through shared memory a child is filled after landing, at memory speed)."""
+        if self._relay_regions is None:
+            return {}
+        ready = {}
+        for child in children:
+            relay = self._relays[child]
+            if isinstance(relay, Future) and relay.done() and relay.exception() is None:
+                relay = self._relays[child] = relay.result()
+            if isinstance(relay, WeightSender) and relay._p2p_peers:
+                ready[child] = relay
+        return ready
+
+    def _break_relay(self, child: int, reason: str) -> None:
+        """The relay to `child` stopped in the middle of a version: the child holds part
+        of it, and sends of that version may still wait in the pair. Every later
+        receive fails that relay at once, until replace_relay feeds the child anew."""
+        self._close_relay(self._relays[child])
+        broken = Future()
+        broken.set_exception(SyncError(f"the relay to replica {child} broke off in the middle of a version "
+                                       f"({reason}); replace_relay feeds the replica again"))
+        self._relays[child] = broken
+
+    def replace_relay(self, child: int, name: str) -> None:
+        """Feed replica `child` through the sync `name` from now on (a restarted child
+        registers its receiver under a new name); the old relay is closed. The new
+        one is set up in a thread of its own, on a Store connection of its own: set-up
+        waits for the child's receiver to register (seconds, while a new process
+        starts), and this rank goes on meanwhile. The next receive() that relays to
+        `child` waits for it, within its own timeout."""
+        if child not in self._relays:
+            raise ValueError(f"replica {self.replica} feeds replicas {sorted(self._relays)}, not {child}")
+        self._close_relay(self._relays.pop(child))
+        self._relays[child] = self._relay_in_background(child, name)
+
+    def _relay_in_background(self, child: int, name: str) -> Future:
+        future, store = Future(), self._store.clone()
+
+        def set_up():
+            try:
+                future.set_result(self._relay_sender(store, name))
+            except BaseException as exc:  # noqa: BLE001 - receive() reports it as this child's relay failure
+                future.set_exception(exc)
+
+        # A daemon: a set-up still waiting for a child that never comes must not hold the process at exit.
+        threading.Thread(target=set_up, name=f"relay-setup-{self.replica}-{child}", daemon=True).start()
+        return future
+
+    @staticmethod
+    def _close_relay(relay: WeightSender | Future) -> None:
+        if isinstance(relay, Future):  # closed once its set-up ends (it cannot be interrupted)
+            relay.add_done_callback(lambda f: f.exception() is None and f.result().close())
+        else:
+            relay.close()
+
+    def receive(self, timeout: float | None = None, relay_to: Iterable[int] | None = None,
+                expect: int | None = None) -> int:
+        """Take the next version from the senders; returns it once every segment
+        has landed and been relayed to the replicas in `relay_to` (default: every
+        replica this one feeds; one left out misses this version). expect: the
+        version asked for; a sender on this host that already holds a newer one
+        (the one that was to send it died, and a restarted one took its place)
+        makes this receive raise SyncError instead of filling it with another. Raises
+        SyncTimeoutError (tensors torn, version unchanged), or SyncError before
+        anything is written if a tensor's storage moved since registration; a relay
+        that fails raises RelayError after the other relays, this replica holding
+        the version."""
+        deadline = self._deadline(timeout)
+        children = sorted(self._relays) if relay_to is None else sorted(set(relay_to))
+        if not set(children) <= set(self._relays):
+            raise ValueError(f"relay_to={children}: replica {self.replica} feeds replicas {sorted(self._relays)}")
+        forwarding = Forwarding(self._forwarded_relays(children), deadline)
+        try:
+            version = self._receive(deadline, expect, forwarding)
+        except BaseException as exc:
+            forwarding.abort()
+            for child in forwarding.started:
+                self._break_relay(child, f"this replica's receive failed: {type(exc).__name__}: {exc}")
+            raise
+        forwarding.finish()
+        failed = forwarding.failed
+        for child, message in failed.items():
+            self._break_relay(child, message)
+        for child in children:
+            if child in forwarding.relays:
+                continue
+            try:
+                self._ready_relay(child, deadline).send(version, timeout=max(deadline - time.monotonic(), 1e-3))
+            except (ValueError, RuntimeError) as exc:  # SyncError, and set-up's errors too; the other children go on
+                failed[child] = f"{type(exc).__name__}: {exc}"
+        if failed:
+            raise RelayError(f"receiver rank {self.rank} of replica {self.replica}: version {version} landed here, but "
+                             "relaying it failed: " + "; ".join(f"to replica {c}: {m}" for c, m in failed.items()),
+                             version, failed)
+        return version
+
+    def _ready_relay(self, child: int, deadline: float) -> WeightSender:
+        """The relay to `child`, waiting for its set-up (replace_relay) until `deadline`."""
+        relay = self._relays[child]
+        if isinstance(relay, Future):
+            try:
+                relay = relay.result(timeout=max(deadline - time.monotonic(), 0.0))
+            except FutureTimeout:
+                raise SyncTimeoutError(f"the relay to replica {child} was not set up in time (its receiver has "
+                                       "not registered)") from None
+            self._relays[child] = relay
+        return relay
+
+    def _receive(self, deadline: float, expect: int | None, forwarding: Forwarding) -> int:
+        self._check_storage()
+        self._raise_if_senders_failed()  # before anything is asked for: the weights stay whole
+        if not self._local_senders:
+            # The unpack copies run on a stream that waits for the current one: the GPU orders them.
+            return self._complete(self._receive_p2p(deadline, forwarding), deadline)
+        # Senders on this host write from other processes and streams, ordered by
+        # nothing but the ticket: open it only once the generator's queued kernels
+        # have stopped reading.
+        wait_for_queued_work(self.device, deadline, f"the kernels queued on {self.device} (receiver {self.rank})")
+        key = f"{DST}/{self.rank}"
+        # This rank alone takes its tickets: counted here and published (a set needs no
+        # answer from the Store), before the ticket is opened. Whatever happens from
+        # here on, the ticket is closed before receive() returns or raises.
+        self._ticket += 1
+        ticket = self._ticket
+        done = {done_key(self.rank, ticket, src): f"sender rank {src}" for src in self._local_senders}
+        try:
+            self.channel.set(f"{key}/ticket", ticket)
+            self.torn = True  # from here on senders may be writing into the tensors
+            self.channel.set(f"{key}/open/{ticket}", expect)
+            # A failure reported since the check above: seen here, or (reported after this
+            # read) its sender finds the ticket open and answers it (SenderReports.fail).
+            self._raise_if_senders_failed()
+            versions = self._receive_p2p(deadline, forwarding)  # senders on other hosts, meanwhile
+            answers = self.channel.get_all(done, deadline, f"senders to finish (receiver {self.rank}, ticket {ticket})")
+        finally:
+            self._close_ticket(ticket)
+        failed = [answer for answer in answers if isinstance(answer, dict) and "failed" in answer]
+        if failed:
+            raise SyncError(f"receiver rank {self.rank}: sender rank {failed[0]['failed']} failed: "
+                            f"{failed[0]['error']}; weights torn")
+        stale = [answer for answer in answers if isinstance(answer, dict)]
+        if stale:
+            message = (f"receiver rank {self.rank}: version {stale[0]['abandoned']} will not come (its sender holds "
+                       f"version {stale[0]['holds']})")
+            if len(stale) == len(answers) and not versions:
+                self.torn = False  # no sender wrote
+                raise StaleReceiveError(message)
+            raise SyncError(f"{message}; weights torn")
+        return self._complete(versions | set(answers), deadline)
+
+    def _close_ticket(self, ticket: int) -> None:
+        """No sender may serve `ticket` from now on: CLOSED over its `open` value (what
+        a waiting sender reads), then its closed marker (what the counter's readers check)."""
+        key = f"{DST}/{self.rank}"
+        self.channel.set(f"{key}/open/{ticket}", CLOSED)
+        self.channel.set(f"{key}/closed/{ticket}", 1)
+
+    def _check_storage(self) -> None:
+        """Refuse to sync into a tensor whose storage moved since registration: the
+        senders' tables (and the unpack tables) hold the registered addresses."""
+        for name, t in self.landing.items():
+            now, then = storage_key(t), self._landing_keys[name]
+            if now != then:
+                raise SyncError(
+                    f"receiver rank {self.rank}: parameter {name!r} moved since registration (data_ptr "
+                    f"{then[0]:#x} -> {now[0]:#x}, storage {then[1]} -> {now[1]} bytes, shape {then[2]} -> "
+                    f"{now[2]}, {then[3]} -> {now[3]}); the senders write to the registered storage, so nothing "
+                    "was written: register a new WeightReceiver after the generator re-allocates its weights"
+                )
+
+    def _receive_p2p(self, deadline: float, forwarding: Forwarding) -> set[int]:
+        """The point-to-point senders' buckets, in round order; returns their
+        versions. Bucket i arrives in staging buffer i % 2 (tag 1 + i): the receive
+        of bucket i + 1 is posted before bucket i is unpacked, and the receive of
+        bucket i + 2 into the same buffer only after that unpack has completed.
+        Each bucket, once unpacked, goes on to the relays `forwarding` feeds."""
+        versions = set()
+        self.torn = True
+        for src in self._p2p_peers:  # in round order
+            header = torch.empty(2, dtype=torch.int64, device=self.device)
+            what = f"receiving from sender {src}"
+            self._wait_work(self._post("recv", header, src, 0, what), deadline, what)
+            version, num_buckets = (int(x) for x in header.tolist())
+            self._taken[src] += 1  # this sender's next version in the pair, whatever comes of it
+            tables = self._unpack[src]
+            if num_buckets != len(tables):
+                raise SyncError(f"sender {src} sends {num_buckets} buckets, the plan has {len(tables)}")
+            versions.add(version)
+            forwarding.start(version)
+            what = f"version {version} from sender {src}"
+            pending = self._post("recv", self._staging_bufs[0][: tables[0][1]], src, 1, what) if tables else None
+            for i, (table, _) in enumerate(tables):
+                self._wait_work(pending, deadline, what)
+                if i + 1 < len(tables):
+                    pending = self._post("recv", self._staging_bufs[(i + 1) % 2][: tables[i + 1][1]], src, 2 + i, what)
+                run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
+                forwarding.landed()
+        return versions
+
+    def _complete(self, versions: set[int], deadline: float) -> int:
+        """Every segment has landed: adopt the senders' common version."""
+        if len(versions) > 1:
+            raise SyncError(f"receiver rank {self.rank}: senders sent different versions {sorted(versions)}; weights torn")
+        version = versions.pop() if versions else self.version
+        if self.fp8.names:
+            self._quantize_fp8(version, deadline)
+        self.version = version
+        self.torn = False
+        return self.version
+
+    def _quantize_fp8(self, version: int, deadline: float) -> None:
+        """Quantize the landed rows of FP8 weights, with the amaxes that span ranks
+        reduced (MAX) over every receiver rank: an all-reduce over `group` when the
+        receiver was given one, else through the Store under this receive's sync id
+        (`_amax_sync_id`). A rank that received NaN or inf still takes part, so the
+        others fail at once instead of timing out."""
+        try:
+            amaxes, flat = self.fp8.local_amax(self.landing)
+            error = None
+        except ValueError as exc:
+            amaxes, flat, error = None, None, exc
+        reduced = flat
+        if self.fp8.num_reduced and self.layout.world_size > 1:
+            sync_id = self._amax_sync_id(version)
+            exchange = self._amax_over_group if self._amax_group is not None else self._amax_through_store
+            reduced = exchange(flat, sync_id, deadline)
+        if error is not None:
+            raise SyncError(f"receiver rank {self.rank}, version {version}: {error}; weights torn") from error
+        if reduced is None:
+            raise SyncError(f"receiver rank {self.rank}, version {version}: another rank received NaN or inf; weights torn")
+        self.fp8.finish(self.landing, self.tensors, amaxes, reduced)
+
+    def _amax_sync_id(self, version: int) -> tuple[int, int]:
+        """(version, n), n = how many FP8 exchanges of `version` this rank has begun
+        before: equal on every receiver rank for one send of a version, never equal
+        for two attempts of one rank, so a retried version never reads a failed
+        attempt's values.
+
+        Why not the receive ticket: tickets count receive() calls per rank, and a
+        receive that times out before any sender served it (a short timeout, a slow
+        trainer) costs that rank a ticket the others spent on a real sync: its
+        tickets then trail theirs at every later sync, forever. The version is what
+        all ranks of one sync agree on with no extra message (the p2p transport has
+        no tickets at all). A rank that missed an exchange (its receive failed
+        before it) puts at most the later attempts of that same version out of
+        step: they fail (on a peer's "timed-out" marker, or a timeout); the next
+        version starts again at n = 0 on every rank. The one pairing this cannot
+        tell apart: one version number sent again with other weights while a peer
+        still waits in the exchange of the send this rank missed; telling sends
+        apart exactly needs an id written by the senders.
+        """
+        last, n = self._amax_attempt
+        self._amax_attempt = (version, n + 1 if last == version else 0)
+        return self._amax_attempt
+
+    def _amax_over_group(self, flat: torch.Tensor | None, sync_id: tuple[int, int], deadline: float) -> torch.Tensor | None:
+        """MAX all-reduce over the receivers' own group of [amaxes, nonfinite flag,
+        sync id, -sync id] (float64: exact for amaxes and ids below 2**53); None if
+        a rank received NaN or inf. Ranks at different sync ids (one missed an
+        exchange) raise instead of mixing two syncs' amaxes."""
+        count = self.fp8.num_reduced
+        buf = torch.zeros(count + 5, dtype=torch.float64)
+        if flat is None:
+            buf[count] = 1
+        else:
+            buf[:count] = flat
+        buf[count + 1 :] = torch.tensor([*sync_id, -sync_id[0], -sync_id[1]], dtype=torch.float64)
+        buf = buf.to(self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        what = f"the FP8 amax all-reduce (receiver rank {self.rank}, sync {sync_id})"
+        self._wait_work(self._amax_group.allreduce([buf], options), deadline, what)
+        buf = buf.cpu()
+        highest, lowest = buf[count + 1 : count + 3], -buf[count + 3 :]
+        if not torch.equal(highest, lowest):
+            raise SyncError(f"{what}: the receiver ranks were at different syncs, from {lowest.tolist()} "
+                            f"to {highest.tolist()} (a rank missed an exchange); weights torn")
+        return None if buf[count] else buf[:count].to(torch.float32)
+
+    def _amax_through_store(self, flat: torch.Tensor | None, sync_id: tuple[int, int], deadline: float) -> torch.Tensor | None:
+        """MAX of every rank's amaxes through the Store keys of this sync id; None if
+        a rank received NaN or inf. The last rank done with the keys deletes them:
+        a 70B model at TP 8 posts ~42 MB of channel amaxes per sync."""
+        prefix = f"{DST}/amax/{sync_id[0]}/{sync_id[1]}"
+        keys = [f"{prefix}/{r}" for r in range(self.layout.world_size)]
+        store = self.channel.store
+        # Markers are 9 bytes, a vector a multiple of 4: they cannot be confused.
+        store.set(keys[self.rank], b"nonfinite" if flat is None else flat.numpy().tobytes())
+        try:
+            if flat is None:
+                return None  # the others need this rank's marker, not the other way round
+            try:
+                self.channel.wait({key: f"receiver rank {r}" for r, key in enumerate(keys)}, deadline,
+                                  f"the FP8 amaxes of sync {sync_id} from every receiver")
+            except SyncTimeoutError:
+                # A rank that never comes leaves the keys behind: shrink this rank's to a marker.
+                store.set(keys[self.rank], b"timed-out")
+                raise
+            values = [store.get(k) for k in keys]
+        finally:
+            if self.channel.counter(f"{prefix}/done", 1) == len(keys):
+                for key in [*keys, f"{prefix}/done"]:
+                    store.delete_key(key)
+        if b"timed-out" in values:
+            raise SyncTimeoutError(f"receiver rank {values.index(b'timed-out')} timed out in the FP8 amax exchange "
+                                   f"of sync {sync_id}; weights torn")
+        if b"nonfinite" in values:
+            return None
+        return reduce_max([torch.frombuffer(bytearray(v), dtype=torch.float32) for v in values])
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The registered tensors, for sampling; raises TornWeightsError while torn."""
+        if self.torn:
+            raise TornWeightsError(
+                f"receiver rank {self.rank}: a sync was interrupted and the weights are torn "
+                f"(last complete version {self.version}); call receive() again"
+            )
+        return self.tensors
+
+    def close(self) -> None:
+        self._closed = True
+        for relay in self._relays.values():
+            self._close_relay(relay)

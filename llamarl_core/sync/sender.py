@@ -1,0 +1,416 @@
+"""A trainer rank's end of a weight sync: WeightSender, the SendHandle of a send
+running in the background, and the point-to-point stream of one version to one
+receiver (P2PStream, which a receiver's relays run too)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from contextlib import nullcontext
+from typing import Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, packed
+from .engine import check_local_tensors, prepared_table, run_segment_table, segment_table, storage_key
+from .errors import SyncError, SyncTimeoutError
+from .layout import Layout
+from .plan import DEFAULT_BUCKET_BYTES
+from .protocol import ABANDONED, CLOSED, DST, Channel, SenderReports, done_key
+from .transports import P2P, SHM, OpenedCudaHandles, open_shm_handle
+
+# How long a sender waits for a ticket to open before it reads the receiver's counter
+# again (a ticket taken and never opened, by a receiver killed in between, is skipped
+# once a newer one is taken); also how long a send waiting for a receiver takes to
+# notice that it is stopped (close, abort).
+TICKET_POLL_S = 1.0
+
+
+class SendHandle:
+    """A send running in its sender's background thread (`send(version, wait=False)`).
+
+    Until `wait()` has returned, the trainer may read the sender's tensors (forward
+    passes) but must not change them (no optimizer step, no `copy_` into them):
+    the send copies from them in place, and a change would tear the version the
+    receivers get. version: the version this send moves."""
+
+    def __init__(self, version: int, future: Future):
+        self.version = version
+        self._future = future
+
+    def done(self) -> bool:
+        """Whether the send has ended (returned or raised); never blocks."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The bytes the send wrote, once it has ended; re-raises its error (a
+        SyncError, its receivers told of it). timeout: seconds to wait (default: until
+        it ends, which the send's own timeout bounds); past it raises
+        SyncTimeoutError, the send going on."""
+        self._wait(timeout)
+        return self._future.result()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The send's error once it has ended, None if it succeeded; `timeout` as in wait()."""
+        self._wait(timeout)
+        return self._future.exception()
+
+    def _wait(self, timeout: float | None) -> None:
+        # Not Future.result(timeout): its timeout is a TimeoutError, as is the send's own SyncTimeoutError.
+        if not wait_futures([self._future], timeout).done:
+            raise SyncTimeoutError(f"the send of version {self.version} is still running after {timeout} s")
+
+
+class WeightSender(Endpoint):
+    """A trainer rank: registers its shard tensors once, then `send(version)` per step.
+
+    store: a torch.distributed Store (TCPStore, FileStore) every sender and receiver
+    of the sync reaches. layout: the trainer's layout (every rank passes the same);
+    rank: this process's rank in it. tensors: local parameter name -> shard tensor,
+    shapes and dtypes as `layout` says for `rank`, contiguous, all on one device.
+    They are read in place (no copy is kept); if their storage moves between sends,
+    they are checked and their addresses resolved again.
+    name: the sync's Store namespace (`llamarl/sync/<name>/`): several syncs can share
+    one Store. transport: 'auto' (shared memory or CUDA IPC within a host,
+    point-to-point across), 'shm', 'cuda_ipc' or 'p2p' (torch.distributed, for every
+    pair); every rank passes the same. timeout: seconds, for set-up and the default
+    of every send. bucket_bytes: the plan's bucket size (see plan_transfer); sender
+    rank 0's is used by every rank. num_threads: host copy threads (default:
+    LLAMARL_COPY_THREADS, else every core). relay_buckets: set by a WeightReceiver
+    on the sender that relays a version to the next replica (that pair's buckets,
+    mirroring the ones it receives, in arrival order); None otherwise.
+
+    Raises ValueError (bad arguments, tensors that do not match the layout) or
+    SyncError / SyncTimeoutError; a set-up that raises is reported to the
+    receivers first (see `abort`). As a context manager, an exception leaving the
+    block is reported (`abort`) and the sender closed.
+    """
+
+    side = "sender"
+
+    def __init__(self, store: dist.Store, layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor], *,
+                 name: str = "weights", transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_threads: int | None = None,
+                 relay_buckets: list | None = None):
+        channel = Channel(store, name)
+        self.reports = SenderReports(channel, rank)
+        self.rank = rank
+        self._served: dict[int, int] = {}  # receiver -> the last ticket this rank served it
+        self._sends: dict[int, int] = {}  # receiver -> how many sends of this rank were offered to it
+        self._offered: set[int] = set()  # receivers whose offer from this rank stands
+        self._reported = False  # whether this rank's failure report stands
+        self._local_receivers: list[int] = []
+        self._opened: list = []
+        self._state = threading.Condition()  # guards _sending, _stop and _closed
+        self._sending: int | None = None  # the version of the send running now
+        self._stop: str | None = None  # why the running send must stop (close, abort)
+        self._worker: ThreadPoolExecutor | None = None  # runs the sends started with wait=False
+        try:
+            # A failure this rank reported before it registered again no longer stands.
+            self.reports.clear()
+            super().__init__(channel, layout, rank, tensors, transport=transport, timeout=timeout,
+                             bucket_bytes=bucket_bytes, num_threads=num_threads, relay_buckets=relay_buckets)
+            self._connect()
+        except BaseException as exc:
+            self._report_raised(exc)
+            for opened in self._opened:
+                opened.close()
+            raise
+
+    def _connect(self) -> None:
+        """Open every receiver this rank writes over shared memory or CUDA IPC, and build the copy tables."""
+        self.receivers = self.plan.receivers_of(self.rank)
+        local = [d for d in self.receivers if self.transports[(self.rank, d)] != P2P]
+        # Start with a different receiver on each sender so they do not all queue on one.
+        shift = self.rank % len(local) if local else 0
+        self._local_receivers = local[shift:] + local[:shift]
+        if self._incarnation > 1:
+            # A restarted sender: a receive() open now, where other senders write too, may
+            # hold their previous version beside the predecessor's partial writes; joining
+            # it would mix versions: serve from the next ticket on. A receiver this rank
+            # alone writes (a relay's child rank) is served at once: all of it is written
+            # again, and it may be waiting for exactly the version the predecessor died on.
+            self._served = {dst: self.channel.counter(f"{DST}/{dst}/ticket") for dst in local
+                            if len(self.plan.senders_of(dst)) > 1}
+            self.reports.withdraw(local)  # what the predecessor offered will not come
+        self._dst_addresses: dict[int, dict[str, int]] = {}
+        deadline = time.monotonic() + self.timeout
+        for dst in self._local_receivers:
+            key = f"{DST}/{dst}/handle"
+            self.channel.wait({key: f"receiver rank {dst}"}, deadline, f"receiver {dst}'s memory handle")
+            handle = self.channel.get(key)
+            if self.transports[(self.rank, dst)] == SHM:
+                region, addresses = open_shm_handle(handle)
+                self._opened.append(region)
+            else:
+                opened = OpenedCudaHandles(handle, self.device)
+                self._opened.append(opened)
+                addresses = opened.addresses
+            self._dst_addresses[dst] = addresses
+        self._staging_bufs = self._staging([self.plan.buckets[(self.rank, d)] for d in self._p2p_peers])
+        self._build_tables()
+
+    def _build_tables(self) -> None:
+        self._src_keys = {name: storage_key(t) for name, t in self.tensors.items()}
+        src_base = lambda seg: self._src_keys[seg.src_name][0]  # noqa: E731
+        self._tables: dict[int, list] = {}
+        for dst in self._local_receivers:
+            addresses = self._dst_addresses[dst]
+            tables = [segment_table(b, src_base, lambda seg: addresses[seg.dst_name])
+                      for b in self.plan.buckets[(self.rank, dst)]]
+            if self.device.type == "cuda":
+                # One launch of the copy kernel for all of them (a bucket is a unit of the
+                # host engine's work): uploaded once, run at every send.
+                tables = [prepared_table(np.concatenate(tables), self.device)] if tables else []
+            self._tables[dst] = tables
+        for dst in self._p2p_peers:
+            self._tables[dst] = []
+            for i, bucket in enumerate(self.plan.buckets[(self.rank, dst)]):
+                staging = self._staging_bufs[i % 2].data_ptr()
+                table = prepared_table(segment_table(packed(bucket)[0], src_base, lambda seg: staging), self.device)
+                self._tables[dst].append((table, sum(seg.nbytes for seg in bucket)))
+
+    def _receiver_gone(self, dst: int) -> SyncError:
+        return SyncError(f"sender rank {self.rank}: receiver {dst} is gone ({self.channel.get(ABANDONED)})")
+
+    def _await_ticket(self, dst: int, deadline: float) -> tuple[int, int | None]:
+        """(ticket, version asked for) of receiver `dst`'s open receive() that this
+        sender has not served. Raises SyncError at once if the receivers were abandoned
+        (abandon_receivers), within TICKET_POLL_S if this send is stopped. Receivers
+        take tickets one after the other, so the one after the ticket served last is
+        usually the next to open: its `open` key is waited for without reading the
+        counter first. When a candidate is closed unserved (a receive that timed
+        out), or not opened within TICKET_POLL_S (a receiver killed after taking it;
+        a slow one), the receiver's counter names the current ticket: the candidate
+        becomes that ticket if it is still open, else the one after it."""
+        last = self._served.get(dst, 0)
+        candidate = last + 1
+        what = f"receiver {dst} to ask for a version"
+        while True:
+            self._check_stop()
+            try:
+                poll = min(deadline, time.monotonic() + TICKET_POLL_S)
+                key = f"{DST}/{dst}/open/{candidate}"
+                wanted = self.channel.get_all({key: f"receiver rank {dst}"}, poll, what)[0]
+            except SyncTimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                wanted = CLOSED  # not opened yet: look again below
+            if wanted == ABANDONED or (wanted == CLOSED and self.channel.has(ABANDONED)):
+                raise self._receiver_gone(dst)
+            if wanted != CLOSED:
+                return candidate, wanted
+            current = self.channel.counter(f"{DST}/{dst}/ticket")
+            is_open = current > last and not self.channel.has(f"{DST}/{dst}/closed/{current}")
+            candidate = current if is_open else max(current, last) + 1
+
+    def send(self, version: int, timeout: float | None = None, *, wait: bool = True) -> int | SendHandle:
+        """Move `version` of this rank's shards to every receiver that needs them.
+
+        wait=True (the default): returns the bytes written once every byte read from
+        the tensors has been copied, so the optimizer step after it cannot tear a copy.
+        wait=False: returns a SendHandle at once, the send running in this sender's
+        background thread (on GPU its copies wait for the kernels queued on the
+        caller's current stream); forward passes may run meanwhile, the tensors must
+        not change until the handle's wait() has returned. One method with a flag, as
+        torch.distributed's `async_op`: the checks, the protocol and the errors are
+        the same, and a blocking send runs in the caller's thread as before.
+
+        Each receiver is offered the version when the send starts (what its
+        `pending()` reads). timeout: seconds (default: the sender's) for a receiver to
+        ask for a version and every transfer to finish; past it SyncTimeoutError.
+        Raises ValueError for a bad version and SyncError while another send is in
+        flight or once closed, before anything changes; any other failure is reported
+        to the receivers (see `abort`) before it is raised (wait=False: by the handle).
+        A send clears the failure this rank reported last."""
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        with self._state:
+            deadline = self._deadline(timeout)  # raises once closed
+            if self._sending is not None:
+                raise SyncError(f"sender rank {self.rank}: the send of version {self._sending} is still in flight; "
+                                "wait for it (its handle's wait()) before the next send")
+            self._sending, self._stop = version, None
+        try:
+            if self._reported:
+                self.reports.clear()
+                self._reported = False
+            self._check_sources()
+        except BaseException as exc:
+            self._end_send(exc)
+            raise
+        if wait:
+            return self._run(version, deadline)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"llamarl-send-{self.rank}")
+        return SendHandle(version, self._worker.submit(self._run, version, deadline, stream))
+
+    def _check_sources(self) -> None:
+        """Tensors whose storage moved since the copy tables were built are checked
+        against the layout (ValueError) and their addresses resolved again."""
+        if any(storage_key(t) != self._src_keys[n] for n, t in self.tensors.items()):
+            check_local_tensors(self.layout, self.rank, self.tensors, self.side)
+            self._build_tables()
+
+    def _run(self, version: int, deadline: float, stream: torch.cuda.Stream | None = None) -> int:
+        try:
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                written = self._send(version, deadline)
+        except BaseException as exc:
+            self._end_send(exc)
+            raise
+        self._end_send(None)
+        return written
+
+    def _send(self, version: int, deadline: float) -> int:
+        for dst in self._local_receivers:
+            self._offer(dst, version)
+        written = 0
+        # Receivers on this host first: their receive() opens its ticket before it
+        # waits on any point-to-point peer, so these copies never wait on a round.
+        for dst in self._local_receivers:
+            ticket, wanted = self._await_ticket(dst, deadline)
+            while wanted is not None and wanted < version:
+                # The receive asks for an older version, which nobody will send now (its sender
+                # died): tell it so, untouched, rather than fill it with this one, then serve the
+                # receive that follows.
+                self.channel.set(done_key(dst, ticket, self.rank), {"abandoned": wanted, "holds": version})
+                self._served[dst] = ticket
+                ticket, wanted = self._await_ticket(dst, deadline)
+            for table in self._tables[dst]:
+                self._check_stop()
+                written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
+            # Withdrawn before the answer: a receiver that has the version never sees the offer stand.
+            self.reports.withdraw([dst])
+            self._offered.discard(dst)
+            self.channel.set(done_key(dst, ticket, self.rank), version)
+            self._served[dst] = ticket
+        for dst in self._p2p_peers:  # in round order
+            self._check_stop()
+            written += P2PStream(self, dst, version, deadline).finish()
+        return written
+
+    def _offer(self, dst: int, version: int) -> None:
+        self._sends[dst] = self._sends.get(dst, 0) + 1
+        self.reports.offer(dst, version, self._sends[dst])
+        self._offered.add(dst)
+
+    def _check_stop(self) -> None:
+        if self._stop is not None:
+            raise SyncError(f"sender rank {self.rank}: {self._stop}")
+
+    def _end_send(self, exc: BaseException | None) -> None:
+        """The send is over: a failure reported to the receivers; the next send may start."""
+        if exc is not None:
+            self._report_raised(exc)
+        with self._state:
+            self._sending = None
+            self._state.notify_all()
+
+    def _report(self, message: str) -> None:
+        """Publish this rank's failure (SenderReports.fail), its offers withdrawn."""
+        self.reports.withdraw(sorted(self._offered))
+        self._offered.clear()
+        unserved = {dst: (self._served.get(dst, 0),
+                          [src for src in self.plan.senders_of(dst) if self.transports[(src, dst)] != P2P])
+                    for dst in self._local_receivers}
+        self.reports.fail(message, unserved)
+        self._reported = True
+
+    def _report_raised(self, exc: BaseException) -> None:
+        try:
+            self._report(f"{type(exc).__name__}: {exc}")
+        except Exception as failure:  # noqa: BLE001 - the Store is unreachable: `exc` says so, and is raised
+            exc.add_note(f"sender rank {self.rank} could not report this failure to its receivers: {failure!r}")
+
+    def abort(self, reason: str) -> None:
+        """Tell the receivers that this rank will not send as they expect (the trainer's
+        own code failed between sends, say): a receive() waiting for this rank over
+        shared memory or CUDA IPC raises SyncError naming this rank and `reason` at
+        once, and every later receive() or pending() of its receivers raises it
+        (point-to-point receivers: from their next receive()), until this sender
+        sends again. A send in flight is stopped at its next step (it raises
+        SyncError, within about TICKET_POLL_S or a bucket's copy); close() waits
+        for it. Raises what the Store raises if the report cannot be published."""
+        with self._state:
+            if self._sending is not None:
+                self._stop = f"aborted: {reason}"
+        self._report(f"aborted: {reason}")
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop using the receivers' memory. A send in flight is stopped first (at its
+        next step: it raises SyncError, reported to the receivers) and waited for,
+        `timeout` seconds at most (default: the sender's timeout); past it raises
+        SyncTimeoutError with everything left mapped (a copy may still be running):
+        call close() again. Closing a closed sender does nothing."""
+        with self._state:
+            if self._closed:
+                return
+            if self._sending is not None:
+                self._stop = f"closed while sending version {self._sending}"
+                if not self._state.wait_for(lambda: self._sending is None,
+                                            timeout=self.timeout if timeout is None else timeout):
+                    raise SyncTimeoutError(f"sender rank {self.rank}: the send of version {self._sending} did not "
+                                           "stop in time; nothing was closed")
+            self._closed = True
+        if self._worker is not None:
+            self._worker.shutdown()  # idle: no send runs
+        for opened in self._opened:
+            opened.close()
+        self._opened = []
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            try:
+                self.abort(f"{exc_type.__name__}: {exc}")
+            except Exception as failure:  # noqa: BLE001 - the block's own exception is the one raised
+                exc.add_note(f"sender rank {self.rank} could not report this failure to its receivers: {failure!r}")
+        self.close()
+
+
+class P2PStream:
+    """One version from a sender to one point-to-point receiver: a header (tag 0:
+    version, bucket count), then bucket i packed into staging buffer i % 2 and sent
+    (tag 1 + i), so that packing bucket i + 1 overlaps the send of bucket i.
+    Packing is done when run_segment_table returns (on GPU its stream waited for
+    the current one, so the optimizer's pending writes came first): what is in
+    flight reads the staging buffers only, never the sender's tensors. `forward`
+    sends the buckets one at a time (a relay sends each as it lands on its own
+    rank); `finish` sends the rest and waits for every send. The receiver is
+    offered the version first: a pair's versions arrive in order, so the receiver
+    counts what it took."""
+
+    def __init__(self, sender: WeightSender, dst: int, version: int, deadline: float):
+        self.sender, self.deadline = sender, deadline
+        sender._offer(dst, version)
+        self.peer = sender.plan.src_layout.world_size + dst
+        self.tables = sender._tables[dst]
+        self.what = f"sending version {version} to receiver {dst}"
+        self.header = torch.tensor([version, len(self.tables)], dtype=torch.int64, device=sender.device)
+        self.in_flight = [sender._post("send", self.header, self.peer, 0, self.what), None, None]
+        self.sent = 0  # buckets posted
+        self.written = 0
+
+    def forward(self) -> None:
+        """Pack and post the next bucket, once the send still reading its buffer is done."""
+        s, i = self.sender, self.sent
+        table, nbytes = self.tables[i]
+        if self.in_flight[1 + i % 2] is not None:
+            s._wait_work(self.in_flight[1 + i % 2], self.deadline, self.what)
+        self.written += run_segment_table(table, s.device, s.num_threads, s._copy_timeout(self.deadline))
+        self.in_flight[1 + i % 2] = s._post("send", s._staging_bufs[i % 2][:nbytes], self.peer, 1 + i, self.what)
+        self.sent += 1
+
+    def finish(self) -> int:
+        """Send the buckets not sent yet, wait for every send; returns the bytes packed."""
+        while self.sent < len(self.tables):
+            self.forward()
+        for work in self.in_flight:
+            if work is not None:
+                self.sender._wait_work(work, self.deadline, self.what)
+        return self.written

@@ -1,0 +1,349 @@
+"""The sync API a framework embeds: real signatures, the non-blocking send (a trainer
+overlapping its forward passes with a sync), `pending()`, and a sender's failure
+reaching its receivers. Threads of this process, each with a TCPStore client of its
+own, over shared memory (and point to point), as test_sync.py's threaded tests."""
+
+import datetime
+import inspect
+import random
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+from helpers import (
+    hf_state_dict,
+    in_threads,
+    llamarl_shm_entries,
+    mismatches,
+    poisoned_destination,
+    small_config,
+    store_client,
+)
+from llamarl_core.sync import (
+    SendHandle,
+    SyncError,
+    SyncTimeoutError,
+    WeightReceiver,
+    WeightSender,
+    hf_llama_fsdp,
+    module_sender,
+    reference_fsdp_shards,
+    reference_vllm_tp_shards,
+    vllm_llama_tp,
+)
+
+CONFIG = small_config("llama_gqa_bias")
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+
+
+def _shards(fsdp: int, rank: int, version: int) -> dict[str, torch.Tensor]:
+    return reference_fsdp_shards(hf_state_dict(CONFIG, 40 + version), fsdp, torch.float32)[rank]
+
+
+def _expected(tp: int, rank: int, version: int) -> dict[str, torch.Tensor]:
+    return reference_vllm_tp_shards(hf_state_dict(CONFIG, 40 + version), CONFIG, tp, torch.bfloat16)[rank]
+
+
+def _pair(store, name: str, transport: str = "shm", fsdp: int = 1, timeout: float = 30):
+    """Senders (FSDP `fsdp`) and one receiver (TP 1) registered from threads: (senders, receiver)."""
+    src, dst = hf_llama_fsdp(CONFIG, fsdp, torch.float32), vllm_llama_tp(CONFIG, 1, torch.bfloat16)
+    made = in_threads(
+        lambda: WeightReceiver(store_client(store), dst, 0, poisoned_destination(dst, 0), name=name,
+                               transport=transport, timeout=timeout),
+        *[lambda r=r: WeightSender(store_client(store), src, r, {n: t.clone() for n, t in _shards(fsdp, r, 1).items()},
+                                   name=name, transport=transport, timeout=timeout) for r in range(fsdp)])
+    assert not any(isinstance(m, Exception) for m in made), made
+    return made[1:], made[0]
+
+
+def _poll(condition, seconds: float = 10.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not within the deadline"
+        time.sleep(0.002)
+
+
+def test_endpoints_show_their_real_parameters():
+    """help() and inspect.signature show the parameters themselves, not (*args, **kwargs)."""
+    common = ["store", "layout", "rank", "tensors", "name", "transport", "timeout", "bucket_bytes", "num_threads"]
+    sender, receiver = inspect.signature(WeightSender), inspect.signature(WeightReceiver)
+    assert list(sender.parameters) == [*common, "relay_buckets"]
+    assert list(receiver.parameters) == [*common, "p2p_bucket_bytes", "group", "replica", "num_replicas",
+                                         "relay_names"]
+    for signature in (sender, receiver):
+        kinds = [p.kind for p in signature.parameters.values()]
+        assert kinds[:4] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 4
+        assert set(kinds[4:]) == {inspect.Parameter.KEYWORD_ONLY}
+        assert signature.parameters["name"].default == "weights" and signature.parameters["transport"].default == "auto"
+    send = inspect.signature(WeightSender.send).parameters
+    assert list(send) == ["self", "version", "timeout", "wait"] and send["wait"].default is True
+    assert send["wait"].kind == inspect.Parameter.KEYWORD_ONLY
+    assert list(inspect.signature(WeightReceiver.pending).parameters) == ["self"]
+    assert list(inspect.signature(SendHandle.wait).parameters) == ["self", "timeout"]
+    for cls, signature in [(WeightSender, sender), (WeightReceiver, receiver)]:  # each documented
+        assert [n for n in signature.parameters if not re.search(rf"\b{n}\b", cls.__doc__)] == [], cls
+
+
+def test_forward_passes_overlap_sends_and_every_version_lands_whole(store):
+    """A transformers trainer sends each version with wait=False and runs a forward
+    pass while the send is in flight (the receivers take the version only once that
+    forward pass is done, so it did overlap); each of three versions lands on both
+    generator ranks bit for bit, pending() having announced it first, and the
+    forward pass read the weights the send left untouched."""
+    tp, versions, name = 2, (1, 2, 3), "overlap"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(CONFIG)
+    inputs = torch.tensor([[1, 17, 230, 5, 999]])
+    dst = vllm_llama_tp(CONFIG, tp, torch.bfloat16)
+
+    def trainer():
+        with module_sender(store_client(store), model, 0, 1, name=name, timeout=30) as sender:
+            for v in versions:
+                with torch.no_grad():  # the optimizer step: the weights change in place
+                    for n, p in model.named_parameters():
+                        p.copy_(hf_state_dict(CONFIG, 40 + v)[n])
+                handle = sender.send(v, wait=False)
+                with torch.no_grad():
+                    logits = model(inputs).logits
+                assert not handle.done()  # the receivers wait for the key below
+                store.set(f"test/forward/{v}", "done")
+                assert handle.wait(timeout=30) > 0
+                with torch.no_grad():
+                    assert torch.equal(model(inputs).logits, logits)
+        return "sent"
+
+    def generator(rank):
+        problems = []
+        with WeightReceiver(store_client(store), dst, rank, poisoned_destination(dst, rank), name=name,
+                            timeout=30) as receiver:
+            assert receiver.pending() is None  # nothing offered yet
+            for v in versions:
+                _poll(lambda: receiver.pending() == v)
+                store_client(store).wait([f"test/forward/{v}"])
+                assert receiver.receive() == v and receiver.pending() is None
+                problems += [f"v{v} {line}" for line in mismatches(_expected(tp, rank, v), receiver.weights())]
+        return problems
+
+    assert in_threads(trainer, lambda: generator(0), lambda: generator(1)) == ["sent", [], []]
+    assert llamarl_shm_entries() == []
+
+
+@pytest.mark.parametrize("transport", ["shm", "p2p"])
+def test_pending_before_an_offer_after_it_and_after_receive(store, transport):
+    """None before any send; the version once the send started (and while it waits);
+    None again once received, the next version after it. Point to point the receiver
+    counts the versions it took from each sender: no offer has to be taken back."""
+    (sender,), receiver = _pair(store, f"pending-{transport}", transport)
+    assert receiver.pending() is None
+    for v in (1, 2):
+        handle = sender.send(v, wait=False)
+        _poll(lambda: receiver.pending() == v)
+        assert receiver.pending() == v  # it stays until received
+        assert receiver.receive(timeout=10) == v
+        assert receiver.pending() is None
+        assert handle.wait(timeout=10) > 0 and handle.done() and handle.exception() is None
+        assert receiver.pending() is None
+    sender.close()
+    receiver.close()
+
+
+def test_a_second_send_in_flight_is_refused(store):
+    (sender,), receiver = _pair(store, "second")
+    first = sender.send(1, wait=False)
+    with pytest.raises(SyncTimeoutError, match="the send of version 1 is still running after 0.1 s"):
+        first.wait(timeout=0.1)
+    for wait in (True, False):
+        with pytest.raises(SyncError, match="sender rank 0: the send of version 1 is still in flight"):
+            sender.send(2, wait=wait)
+    assert receiver.receive(timeout=10) == 1 and first.wait(timeout=10) > 0
+    second = sender.send(2, wait=False)  # the first is over: the next may start
+    assert receiver.receive(timeout=10) == 2 and second.wait(timeout=10) == first.wait()
+    assert mismatches(_expected(1, 0, 1), receiver.weights()) == []  # the shards still hold version 1
+    sender.close()
+    receiver.close()
+
+
+def test_close_stops_a_send_in_flight_and_the_receiver_hears_of_it(store):
+    """A send waiting for a receiver that never asks: close() stops it within a ticket
+    poll, unmaps nothing until it has stopped, and the receiver is told."""
+    (sender,), receiver = _pair(store, "close")
+    handle = sender.send(1, wait=False)
+    _poll(lambda: receiver.pending() == 1)
+    start = time.monotonic()
+    sender.close(timeout=10)
+    assert time.monotonic() - start < 2.5 and handle.done() and sender._opened == []
+    error = handle.exception()
+    assert isinstance(error, SyncError) and "sender rank 0: closed while sending version 1" in str(error)
+    with pytest.raises(SyncError, match="sender rank 0 failed: SyncError: sender rank 0: closed while sending"):
+        receiver.pending()
+    with pytest.raises(SyncError, match="sender rank 0 is closed"):
+        sender.send(2)
+    sender.close()  # once closed, nothing to do
+    receiver.close()
+
+
+def _timed(call):
+    """(the call's exception, time.monotonic() when it began, when it ended)."""
+    began = time.monotonic()
+    try:
+        call()
+    except Exception as exc:  # returned, checked by the caller
+        return exc, began, time.monotonic()
+    return None, began, time.monotonic()
+
+
+def test_a_failed_send_fails_the_waiting_receive_within_2_s(store):
+    """Sender rank 1's send raises (its tensor no longer matches the layout) while
+    the receiver waits for both ranks, rank 0 never sending (stuck, say, in a
+    collective with rank 1): the receive raises SyncError naming rank 1 and quoting
+    its error well within 2 s. A receive after the failure raises at once, the
+    weights untouched; once rank 1 sends again the next version lands."""
+    (good, bad), receiver = _pair(store, "failed-send", fsdp=2)
+    name = "model.layers.0.mlp.up_proj.weight"
+    registered = bad.tensors[name].data
+    bad.tensors[name].data = torch.zeros(3, 3)
+
+    def failing_send():
+        time.sleep(0.3)  # the receive is waiting by now
+        return _timed(lambda: bad.send(1))
+
+    (received, _, received_at), (sent, sent_at, _) = in_threads(
+        lambda: _timed(lambda: receiver.receive(timeout=20)), failing_send)
+    assert isinstance(sent, ValueError) and re.search(rf"sender rank 1: '{re.escape(name)}' has shape", str(sent))
+    assert isinstance(received, SyncError), received
+    quoted = f"receiver rank 0: sender rank 1 failed: ValueError: sender rank 1: '{name}' has shape (3, 3)"
+    assert quoted in str(received), received
+    # From the call of the failing send (its error comes at once) to the receiver's error.
+    print(f"failing send called -> receiver error: {received_at - sent_at:.3f} s (a waiting receive)")
+    assert received_at - sent_at < 2.0
+    assert receiver.torn  # its ticket was open: rank 0 could have been writing
+    start = time.monotonic()
+    with pytest.raises(SyncError, match="sender rank 1 failed: ValueError"):
+        receiver.receive(timeout=20)
+    assert time.monotonic() - start < 2.0
+    bad.tensors[name].data = registered
+    results = in_threads(lambda: good.send(2), lambda: bad.send(2), lambda: receiver.receive(timeout=20))
+    assert results[2] == 2 and mismatches(_expected(1, 0, 1), receiver.weights()) == [], results
+    for endpoint in (good, bad, receiver):
+        endpoint.close()
+
+
+@pytest.mark.parametrize("refused_rank", [0, 1])
+def test_a_sender_refused_at_set_up_fails_the_receivers_set_up_within_2_s(store, refused_rank):
+    """A sender whose tensors the layout refuses raises ValueError and reports it; the
+    receiver waiting in its set-up (for the layouts: rank 0; for every rank's device
+    info: rank 1) raises SyncError naming it within 2 s, not at its 30 s timeout."""
+    src, dst = hf_llama_fsdp(CONFIG, 2, torch.float32), vllm_llama_tp(CONFIG, 1, torch.bfloat16)
+    name = f"refused-{refused_rank}"
+
+    def sender(rank):
+        shards = _shards(2, rank, 1)
+        if rank == refused_rank:
+            time.sleep(0.3)  # the receiver is waiting by now
+            shards["model.norm.weight"] = torch.zeros(5)
+        return _timed(lambda: WeightSender(store_client(store), src, rank, shards, name=name, timeout=2))
+
+    def receiver():
+        return _timed(lambda: WeightReceiver(store_client(store), dst, 0, poisoned_destination(dst, 0), name=name,
+                                             timeout=30))
+
+    results = in_threads(receiver, *[lambda r=r: sender(r) for r in range(2)])
+    (received, _, received_at), (refused, refused_at, _) = results[0], results[1 + refused_rank]
+    assert isinstance(refused, ValueError), refused
+    assert isinstance(received, SyncError) and not isinstance(received, SyncTimeoutError), received
+    assert (f"sender rank {refused_rank} failed: ValueError: sender rank {refused_rank}: 'model.norm.weight' has "
+            "shape (5,)") in str(received)
+    print(f"refused sender called -> receiver error: {received_at - refused_at:.3f} s (set-up)")
+    assert received_at - refused_at < 2.0
+    if refused_rank == 1:  # rank 0 waited for rank 1's device info, which never came
+        assert isinstance(results[1][0], SyncTimeoutError) and "no word from sender rank 1" in str(results[1][0])
+
+
+class _AfterRequest:
+    """A receiver's Store (a real one) that runs `action` once, right after its
+    `at`-th request, or before its first blocking wait if that comes first: a
+    failure reported between two given requests of a receive."""
+
+    def __init__(self, store, at: int, action):
+        self._store, self._at, self._action, self.requests = store, at, action, 0
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def request(*args, **kwargs):
+            if name == "wait" and self.requests < self._at:
+                self._at = self.requests
+                self._action()
+            result = method(*args, **kwargs)
+            self.requests += 1
+            if self.requests == self._at:
+                self._action()
+            return result
+
+        return request
+
+
+def test_abort_reaches_the_receive_whatever_the_order(store):
+    """abort() between any two Store requests of a receive (before it asks for a
+    version, as it opens its ticket, as it checks for failures), and at random times
+    around it: the receive raises SyncError naming the sender and its reason, never
+    waiting for its timeout; the next send clears the report and lands."""
+    (sender,), receiver = _pair(store, "abort")
+    real = receiver.channel.store
+    orders = [("request", at) for at in range(6)] + [("random", i) for i in range(10)]
+    rng = random.Random(0)
+    for v, (kind, at) in enumerate(orders, start=1):
+        receive_after = abort_after = None
+        if kind == "request":  # after request 0 (before the receive), 1, ..., 5 (before its wait, if earlier)
+            receiver.channel.store = _AfterRequest(real, at, lambda: sender.abort(f"step {v} failed"))
+        else:
+            receive_after, abort_after = rng.uniform(0, 0.02), rng.uniform(0, 0.02)
+
+        def receive():
+            if receive_after is not None:
+                time.sleep(receive_after)
+            return _timed(lambda: receiver.receive(timeout=10))
+
+        def abort():
+            if abort_after is not None:
+                time.sleep(abort_after)
+                sender.abort(f"step {v} failed")
+            elif at == 0:
+                sender.abort(f"step {v} failed")
+
+        (received, began, ended), _ = in_threads(receive, abort)
+        receiver.channel.store = real
+        assert isinstance(received, SyncError) and not isinstance(received, SyncTimeoutError), (kind, at, received)
+        assert f"sender rank 0 failed: aborted: step {v} failed" in str(received), received
+        assert ended - began < 2.0, (kind, at, ended - began)
+        sent, landed = in_threads(lambda: sender.send(v), lambda: receiver.receive(timeout=10))
+        assert sent > 0 and landed == v, (kind, at, sent, landed)
+    sender.close()
+    receiver.close()
+
+
+def test_an_exception_leaving_the_sender_block_is_reported(store):
+    """`with WeightSender(...)`: the trainer's own exception reaches the receiver as a SyncError quoting it."""
+    src, dst = hf_llama_fsdp(CONFIG, 1, torch.float32), vllm_llama_tp(CONFIG, 1, torch.bfloat16)
+
+    def trainer():
+        with WeightSender(store_client(store), src, 0, _shards(1, 0, 1), name="with", timeout=30) as sender:
+            sender.send(1)
+            raise RuntimeError("the loss is NaN")
+
+    def generator():
+        with WeightReceiver(store_client(store), dst, 0, poisoned_destination(dst, 0), name="with", timeout=30) as r:
+            return r.receive(), _timed(lambda: r.receive(timeout=20))[0]
+
+    raised, (version, second) = in_threads(trainer, generator)
+    assert isinstance(raised, RuntimeError) and version == 1
+    assert isinstance(second, SyncError), second
+    assert "sender rank 0 failed: aborted: RuntimeError: the loss is NaN" in str(second)
