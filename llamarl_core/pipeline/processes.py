@@ -70,7 +70,10 @@ class LocalExecutors:
         proc.start()
         self.procs[(role, rank)] = proc
         pids = {f"{r}/{k}": p.pid for (r, k), p in self.procs.items()}
-        (self.out / "executors.json").write_text(json.dumps(pids, indent=2) + "\n")  # for monitoring
+        # For monitoring; replaced whole (a reader never sees it half-written).
+        tmp = self.out / "executors.json.tmp"
+        tmp.write_text(json.dumps(pids, indent=2) + "\n")
+        os.replace(tmp, self.out / "executors.json")
 
     def exited(self) -> list[tuple[str, int, str]]:
         return [(role, rank, f"exited (code {proc.exitcode})") for (role, rank), proc in self.procs.items()
