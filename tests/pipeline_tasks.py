@@ -21,8 +21,12 @@ def failing_task() -> Task:
     return Task("failing", reverse_prompt, _failing_reward, "abcdefgh=", 11, reverse_reference)
 
 
+def _nan_reward(prompt: str, completion: str) -> float:
+    return float("nan") if len(completion) > 5 else reverse_reward(prompt, completion)  # past the probe, as above
+
+
 def nan_task() -> Task:
-    return Task("nan", reverse_prompt, lambda prompt, completion: float("nan"), "abcdefgh=", 11, reverse_reference)
+    return Task("nan", reverse_prompt, _nan_reward, "abcdefgh=", 11, reverse_reference)
 
 
 def generator_start_fails_task() -> Task:

@@ -193,7 +193,9 @@ def test_trainer_killed_mid_sync_keeps_last_version(llama_engine, store):
             engine.call("ddma_update", 1, 60.0)
             before = engine.call("greedy", PROMPTS, MAX_TOKENS)
             start = time.monotonic()
-            with pytest.raises(EngineError, match="SyncTimeoutError"):
+            # Rank 1, its collective with rank 0 broken, reports that (or, had it not got that far,
+            # the receive times out): either way within the timeout, and version 1 stays.
+            with pytest.raises(EngineError, match="SyncTimeoutError|sender rank 1 failed"):
                 engine.call("ddma_update", 2, 3.0)
             assert time.monotonic() - start < 3.0 + 10.0
             assert engine.call("greedy", PROMPTS, MAX_TOKENS) == before

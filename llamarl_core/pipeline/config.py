@@ -57,7 +57,10 @@ class TrainConfig:
     # -> advantages, see llamarl_core.pipeline.advantages
     advantage: str = "group_mean"
     # "aipo", "ppo", "ppo_tis" (the fused loss op's objectives) or module:function (or the function):
-    # fn(logprobs, batch) -> per-token losses, see llamarl_core.pipeline.learner
+    # fn(logprobs, batch) -> per-token losses, see llamarl_core.pipeline.learner. PPO's old log-probs cost one more
+    # forward (no gradients) per micro-batch and, at one optimizer step per batch, equal the learner's (ratio 1, no
+    # clipping); "ppo" ignores the generator's log-probs (no off-policy correction of stale samples: "ppo_tis" and
+    # "aipo" correct with them)
     loss: str = "aipo"
     # What a step's summed loss is divided by: "tokens" (its completion tokens: a token mean) or "dr_grpo" (a constant,
     # samples x max_new_tokens, as Dr.GRPO does; with advantage "group_mean" that is Dr.GRPO)

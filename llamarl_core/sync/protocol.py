@@ -172,7 +172,7 @@ class SenderReports:
         {"failed", "error"} answer in every slot not answered yet, so its receive()
         raises at once instead of waiting for senders that may never come (a rank
         stuck in a collective with this one). Receivers this rank serves point to
-        point wait in the process group: they see the failure at their next receive."""
+        point wait in the process group: they see the failure in pending()."""
         self.channel.set(error_key(self.rank), message)
         self.channel.counter(FAILURES, 1)
         answer = {"failed": self.rank, "error": message}

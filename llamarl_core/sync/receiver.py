@@ -90,8 +90,9 @@ class WeightReceiver(Endpoint):
     A sender that fails (set-up, a send, `abort`) says so: set-up waits,
     receive() and pending() raise SyncError naming its rank and its error, a
     receive waiting over shared memory or CUDA IPC at once, set-up within
-    protocol.FAILURE_POLL_S (0.125 s; point to point: the next receive, before
-    it posts anything), until that sender sends again. A sender killed without
+    protocol.FAILURE_POLL_S (0.125 s; a receiver fed only point to point: in
+    pending(), its receive() timing out as before), until that sender sends
+    again. A sender killed without
     a word leaves a timeout, which names the ranks that never answered.
     """
 
@@ -182,6 +183,14 @@ class WeightReceiver(Endpoint):
         return self.watch.offered(self._taken)
 
     def _raise_if_senders_failed(self) -> None:
+        """SyncError for a failure reported by one of this rank's senders. Asked only
+        where a sender writes over shared memory or CUDA IPC (the ticket talks to the
+        Store anyway): a receiver fed only point to point (its senders on other hosts)
+        keeps to the process group and its timeout within receive(), since a Store
+        request over a link that went down waits for the Store's own timeout;
+        pending() reports there."""
+        if not self._local_senders:
+            return
         failure = self.watch.failure(self.senders)
         if failure is not None:
             raise SyncError(f"receiver rank {self.rank}: {failure}" + ("; weights torn" if self.torn else ""))

@@ -333,7 +333,7 @@ class WeightSender(Endpoint):
         own code failed between sends, say): a receive() waiting for this rank over
         shared memory or CUDA IPC raises SyncError naming this rank and `reason` at
         once, and every later receive() or pending() of its receivers raises it
-        (point-to-point receivers: from their next receive()), until this sender
+        (receivers fed only point to point: in pending()), until this sender
         sends again. A send in flight is stopped at its next step (it raises
         SyncError, within about TICKET_POLL_S or a bucket's copy); close() waits
         for it. Raises what the Store raises if the report cannot be published."""
