@@ -245,10 +245,14 @@ class WeightSender(Endpoint):
             raise
         if wait:
             return self._run(version, deadline)
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"llamarl-send-{self.rank}")
-        return SendHandle(version, self._worker.submit(self._run, version, deadline, stream))
+        try:
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"llamarl-send-{self.rank}")
+            return SendHandle(version, self._worker.submit(self._run, version, deadline, stream))
+        except BaseException as exc:  # nothing started: the next send may
+            self._end_send(exc)
+            raise
 
     def _check_sources(self) -> None:
         """Tensors whose storage moved since the copy tables were built are checked
@@ -285,6 +289,7 @@ class WeightSender(Endpoint):
             for table in self._tables[dst]:
                 self._check_stop()
                 written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
+            self._check_stop()  # an abort meanwhile answered this ticket "failed": never "done" after it
             # Withdrawn before the answer: a receiver that has the version never sees the offer stand.
             self.reports.withdraw([dst])
             self._offered.discard(dst)
@@ -314,13 +319,13 @@ class WeightSender(Endpoint):
 
     def _report(self, message: str) -> None:
         """Publish this rank's failure (SenderReports.fail), its offers withdrawn."""
+        self._reported = True  # first: a report published in part is cleared by the next send too
         self.reports.withdraw(sorted(self._offered))
         self._offered.clear()
         unserved = {dst: (self._served.get(dst, 0),
                           [src for src in self.plan.senders_of(dst) if self.transports[(src, dst)] != P2P])
                     for dst in self._local_receivers}
         self.reports.fail(message, unserved)
-        self._reported = True
 
     def _report_raised(self, exc: BaseException) -> None:
         try:
