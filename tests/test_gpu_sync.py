@@ -142,6 +142,31 @@ def test_receive_waits_for_kernels_queued_on_the_generator_stream(store):
     assert mismatches(expected[0], {n: t.cpu() for n, t in params[0].items()}) == []
 
 
+def test_non_blocking_send_waits_for_the_step_before_it_not_the_forward_after(store):
+    """send(wait=False) copies what the caller's stream had queued at the call (an
+    optimizer step still writing the shards behind a long kernel: copies that did not
+    wait would read zeros), and not what it queued after (a forward pass, here a 2 s
+    kernel): the version lands whole while that kernel still runs."""
+    senders, receivers, params, expected = _in_threads(store, "nonblocking", 1, 1, seed=47)
+    shards = senders[0].tensors
+    saved = {n: t.clone() for n, t in shards.items()}
+    trainer = torch.cuda.Stream()  # not the default stream, which the receiver's thread shares
+    received = _start({0: lambda: receivers[0].receive(timeout=60)})
+    with torch.cuda.stream(trainer):
+        for t in shards.values():
+            t.zero_()
+        torch.cuda._sleep(SLEEP_CYCLES // 2)  # the optimizer step, still running at send()
+        for n, t in shards.items():
+            t.copy_(saved[n])
+        handle = senders[0].send(1, wait=False)
+        torch.cuda._sleep(2 * SLEEP_CYCLES)  # the next forward pass, queued after send()
+        assert received() == {0: 1}
+        assert not trainer.query()  # landed while the forward still ran
+        assert handle.wait(timeout=60) > 0
+    trainer.synchronize()
+    assert mismatches(expected[0], {n: t.cpu() for n, t in params[0].items()}) == []
+
+
 def test_receive_times_out_on_kernels_that_do_not_finish_before_opening_a_ticket(store):
     senders, receivers, params, _ = _in_threads(store, "queued-late", 1, 1, seed=44)
     before = {n: t.cpu() for n, t in params[0].items()}

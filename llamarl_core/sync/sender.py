@@ -109,6 +109,7 @@ class WeightSender(Endpoint):
         self._sending: int | None = None  # the version of the send running now
         self._stop: str | None = None  # why the running send must stop (close, abort)
         self._worker: ThreadPoolExecutor | None = None  # runs the sends started with wait=False
+        self._send_stream: torch.cuda.Stream | None = None  # the worker's CUDA stream (see _run)
         try:
             # A failure this rank reported before it registered again no longer stands.
             self.reports.clear()
@@ -215,7 +216,8 @@ class WeightSender(Endpoint):
         the tensors has been copied, so the optimizer step after it cannot tear a copy.
         wait=False: returns a SendHandle at once, the send running in this sender's
         background thread (on GPU its copies wait for the kernels queued on the
-        caller's current stream); forward passes may run meanwhile, the tensors must
+        caller's current stream at this call, not for those queued after: see _run);
+        forward passes may run meanwhile, the tensors must
         not change until the handle's wait() has returned. One method with a flag, as
         torch.distributed's `async_op`: the checks, the protocol and the errors are
         the same, and a blocking send runs in the caller's thread as before.
@@ -246,10 +248,15 @@ class WeightSender(Endpoint):
         if wait:
             return self._run(version, deadline)
         try:
-            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            ready = None
+            if self.device.type == "cuda":
+                # What the copies wait for: the work queued on the caller's stream now (the
+                # optimizer step that wrote the tensors), not forward passes queued after.
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"llamarl-send-{self.rank}")
-            return SendHandle(version, self._worker.submit(self._run, version, deadline, stream))
+            return SendHandle(version, self._worker.submit(self._run, version, deadline, ready))
         except BaseException as exc:  # nothing started: the next send may
             self._end_send(exc)
             raise
@@ -261,8 +268,18 @@ class WeightSender(Endpoint):
             check_local_tensors(self.layout, self.rank, self.tensors, self.side)
             self._build_tables()
 
-    def _run(self, version: int, deadline: float, stream: torch.cuda.Stream | None = None) -> int:
+    def _run(self, version: int, deadline: float, ready: torch.cuda.Event | None = None) -> int:
+        """The send; in the worker thread (ready: the event send() recorded on the
+        caller's stream), on a stream of its own that waits for that event alone: the
+        copies' side streams wait for this stream (run_segment_table), the point-to-point
+        headers and NCCL's work queue on it, so none waits for the caller's later work."""
         try:
+            stream = None
+            if ready is not None:
+                if self._send_stream is None:
+                    self._send_stream = torch.cuda.Stream(self.device)
+                stream = self._send_stream
+                stream.wait_event(ready)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 written = self._send(version, deadline)
         except BaseException as exc:
