@@ -196,6 +196,9 @@ class SenderWatch:
     def __init__(self, channel: Channel, rank: int):
         self.channel, self.rank = channel, rank
         self._seen = 0  # the failure count when no sender watched had a failure standing
+        # The counter's key made now (reading it creates it), whichever waits ask it later: a
+        # sync's keys in the Store are the same whatever path its receives take.
+        channel.counter(FAILURES)
 
     def failure(self, senders: Iterable[int]) -> str | None:
         """"sender rank s failed: <its error>" for the first of `senders` whose failure
