@@ -4,7 +4,6 @@ checked before any executor starts, and a transformers-generate generator
 (tests/pipeline_tasks.py, not ours) running under the controller."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -91,8 +90,7 @@ def _script(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
     script = tmp_path / "my_run.py"
     script.write_text(textwrap.dedent(body))
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={**TASKS_ENV, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
-                                                                          TASKS_ENV.get("PYTHONPATH", "")])})
+                          env=TASKS_ENV)  # tests/ on the path
 
 
 def test_a_run_started_without_the_main_guard_is_refused_naming_the_line(tmp_path):

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ..ops.aipo import group_advantages
-from .plugins import check_arity, load
+from .plugins import builtin_or_load, check_arity
 
 AdvantageFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -47,13 +47,6 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
 ADVANTAGES: dict[str, AdvantageFn] = {"group_mean": group_mean, "group_mean_std": group_mean_std, "rloo": rloo}
 
 
-def advantage_function(spec: str) -> AdvantageFn:
-    """The estimator `spec` names: a built-in name or module:function."""
-    if spec in ADVANTAGES:
-        return ADVANTAGES[spec]
-    if ":" not in spec:
-        raise ValueError(f"advantage {spec!r}: not one of {tuple(ADVANTAGES)}, nor module:function")
-    return load(spec, "advantage", "function")
 
 
 def compute_advantages(fn: AdvantageFn, rewards: torch.Tensor, group_ids: torch.Tensor, what: str) -> torch.Tensor:
@@ -72,11 +65,12 @@ def compute_advantages(fn: AdvantageFn, rewards: torch.Tensor, group_ids: torch.
     return out
 
 
-def check_advantage(spec: str) -> None:
-    """ValueError, before anything starts, unless `spec` loads, takes (rewards,
-    group_ids) and returns one finite float per sample on a probe (two groups of
-    two samples)."""
-    fn = advantage_function(spec)
+def advantage_function(spec: str) -> AdvantageFn:
+    """The estimator `spec` names (a built-in name or module:function), tried on a
+    probe (two groups of two samples); ValueError, before anything starts, unless
+    it loads, takes (rewards, group_ids) and returns one finite float per sample."""
+    fn = builtin_or_load(spec, ADVANTAGES, "advantage")
     rewards, groups = torch.tensor([1.0, 0.0, 0.25, 0.75]), torch.tensor([0, 0, 1, 1])
     check_arity(fn, (rewards, groups), "advantage")
     compute_advantages(fn, rewards, groups, repr(spec))
+    return fn

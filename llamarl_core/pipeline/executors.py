@@ -365,7 +365,7 @@ def _update_weights(generator, payload: dict, timeout_s: float, tp: int) -> tupl
 def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str,
                   children: dict[int, int]) -> None:
     """Generator rank `rank` of all replicas': rank `tp_rank` of replica `replica`."""
-    tp = config.generator_tp if config.generator == "llama" else 1  # an engine's workers are its own
+    tp = config.generator_processes
     replica, tp_rank = divmod(rank, tp)
     generator = _make_generator(config, RunData(config), store, tp_rank, incarnation, out_dir, replica, children)
     leader = tp_rank == 0  # reads the replica's commands and reports for it

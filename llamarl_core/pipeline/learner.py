@@ -40,9 +40,9 @@ from ..ops.aipo import (
     token_stats,
 )
 from ..ops.aipo_inputs import LOSS_TYPES, prepare_inputs
-from .advantages import AdvantageFn, advantage_function, check_advantage, compute_advantages, group_mean
+from .advantages import AdvantageFn, advantage_function, compute_advantages, group_mean
 from .config import LR_SCHEDULES
-from .plugins import check_arity, load, name_of
+from .plugins import builtin_or_load, check_arity, load, name_of
 from .rollout import Sample
 
 LossFn = Callable[[torch.Tensor, "Batch"], torch.Tensor]
@@ -446,14 +446,10 @@ def trainer_plugins(config) -> tuple[str | LossFn, AdvantageFn, StepHook | None]
     """A TrainConfig's loss (a built-in name or the function), advantage estimator
     and step hook (or None), loaded; ValueError naming the one that does not load
     or cannot take the arguments it is called with. The advantage estimator is
-    also tried on a probe (advantages.check_advantage)."""
-    loss = config.loss
-    if loss not in LOSS_TYPES:
-        if ":" not in loss:
-            raise ValueError(f"loss {loss!r}: not one of {LOSS_TYPES}, nor module:function")
-        loss = load(loss, "loss", "function")
+    also tried on a probe (advantages.advantage_function)."""
+    loss = builtin_or_load(config.loss, {name: name for name in LOSS_TYPES}, "loss")
+    if callable(loss):
         check_arity(loss, (None, None), "loss")
-    check_advantage(config.advantage)
     hook = None
     if config.step_hook is not None:
         hook = load(config.step_hook, "step_hook", "function")

@@ -18,6 +18,7 @@ import importlib
 import importlib.machinery
 import inspect
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -50,17 +51,18 @@ def spec_of(obj, what: str) -> str:
     if "<" in qualname:  # <lambda>, <locals>
         raise ValueError(f"{what}: {module}.{qualname} is a lambda or defined inside a function; executors import "
                          "plug-ins by name: define it at the top level of a module")
-    main = sys.modules["__main__"]
-    if module == "__main__" and (not getattr(main, "__file__", None) or _runs_a_package(main)):
-        raise ValueError(f"{what}: {qualname} is defined in __main__ of an interactive session or of `python -m "
-                         "package`, which executors do not import again: define it in a module of its own")
-    if module != "__main__" and importlib.machinery.PathFinder.find_spec(module.split(".")[0], sys.path) is None:
+    if module == "__main__":
+        main = sys.modules["__main__"]
+        if not getattr(main, "__file__", None) or _runs_a_package(main):
+            raise ValueError(f"{what}: {qualname} is defined in __main__ of an interactive session or of `python -m "
+                             "package`, which executors do not import again: define it in a module of its own")
+        if qualname.split(".")[0] not in _unguarded_names(main.__file__):
+            raise ValueError(f"{what}: {qualname} is defined under `if __name__ == \"__main__\":` in "
+                             f"{main.__file__}, which executors do not run when they import the script: define it "
+                             "above the guard (or in a module of its own)")
+    elif importlib.machinery.PathFinder.find_spec(module.split(".")[0], sys.path) is None:
         raise ValueError(f"{what}: {module}.{qualname}: module {module!r} is not importable from sys.path (loaded "
                          "from a file by path?), so executors could not import it: put its folder on the path")
-    if module == "__main__" and qualname.split(".")[0] not in _unguarded_names(main.__file__):
-        raise ValueError(f"{what}: {qualname} is defined under `if __name__ == \"__main__\":` in "
-                         f"{main.__file__}, which executors do not run when they import the script: define it above "
-                         "the guard (or in a module of its own)")
     spec = f"{module}:{qualname}"
     if resolve(spec, what) is not obj:
         raise ValueError(f"{what}: {spec} names another object than the one given (redefined or replaced since)")
@@ -75,6 +77,16 @@ def load(spec: str, what: str, kind: str):
     if kind == "function" and not callable(obj):
         raise ValueError(f"{what} {spec!r} is a {type(obj).__name__}, not a function")
     return obj
+
+
+def builtin_or_load(spec: str, builtins: Mapping, what: str):
+    """builtins[spec] for a built-in name, else the function `spec`
+    ("module:function") names; ValueError naming `what` for anything else."""
+    if spec in builtins:
+        return builtins[spec]
+    if ":" not in spec:
+        raise ValueError(f"{what} {spec!r}: not one of {tuple(builtins)}, nor module:function")
+    return load(spec, what, "function")
 
 
 def check_arity(fn, args: tuple, what: str) -> None:

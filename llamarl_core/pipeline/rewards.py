@@ -109,7 +109,6 @@ def per_sample(reward: Callable[[str, str], float], what: str) -> BatchReward:
                 raise RuntimeError(f"{what} failed on prompt {prompt!r}, completion {completion!r}: {exc}") from exc
         return rewards
 
-    batched.__qualname__ = getattr(reward, "__qualname__", "reward")
     return batched
 
 
@@ -243,22 +242,23 @@ def check_reward_config(config, data) -> None:
     sequence classifier."""
     if config.reward_model is not None:
         check_reward_model(config.reward_model)
-    if config.reward is not None and RuleReward(config.reward).needs_answer and data.task is not None:
+    rule = None if config.reward is None else RuleReward(config.reward)
+    if rule is not None and rule.needs_answer and data.task is not None:
         raise ValueError(f"--reward {config.reward!r} checks answers: give a --dataset whose lines have them "
                          f"(task {data.task.name!r} has none)")
     if config.reward_model is None:
-        probe_reward(config, data)
+        _probe_reward(rule, data)
 
 
-def probe_reward(config, data) -> None:
-    """Call each function of the run's rule reward (or its task's reward) once, on
-    the first two training prompts with an empty and a one-word completion;
+def _probe_reward(rule: RuleReward | None, data) -> None:
+    """Call each function of the run's rule reward (None: its task's reward) once,
+    on the first two training prompts with an empty and a one-word completion;
     ValueError naming the function unless it takes (prompts, completions,
-    answers) (a task's: (prompt, completion)) and returns one real number each."""
+    answers) (a task's: (prompt, completion)) and returns one finite number each."""
     problems = [data.problem(0), data.problem(1)]
     prompts, answers, completions = [p.prompt for p in problems], [p.answer for p in problems], ["", "probe"]
-    if config.reward is not None:
-        terms = [(f"--reward term {name!r}", fn) for _, name, fn in RuleReward(config.reward).terms]
+    if rule is not None:
+        terms = [(f"--reward term {name!r}", fn) for _, name, fn in rule.terms]
     else:
         what = f"the reward function of task {data.task.name!r}"
         check_arity(data.task.reward, (prompts[0], completions[0]), what)
@@ -270,11 +270,7 @@ def probe_reward(config, data) -> None:
         except Exception as exc:
             raise ValueError(f"{what} failed on a probe (the run's first two prompts, completions {completions}): "
                              f"{type(exc).__name__}: {exc}") from exc
-        scores = check_scores(scores, len(completions), what)
-        if not all(math.isfinite(score) for score in scores):
-            raise ValueError(f"{what} returned {scores} on a probe (the run's first two prompts, completions "
-                             f"{completions}); finite numbers expected")
-
+        check_rewards(problems, completions, check_scores(scores, len(completions), what), f"{what} (on a probe)")
 
 
 def make_scorer(config, data) -> tuple[Callable[[list[Problem], list[str]], list[float]], str]:
