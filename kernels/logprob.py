@@ -5,9 +5,12 @@ them. A program takes ROWS token rows and walks the vocabulary in BLOCK_V blocks
 so no float32 (num_tokens, vocab) buffer ever exists:
 - forward: log-sum-exp (saved, float32, one per token), the target's log-prob,
   optionally the entropy, in one read of the logits with one exp2 per element;
-- backward: dlogits = coef * (onehot(target) - softmax) / temperature in the
-  logits' dtype, one read and one write per element; a second grid axis splits
-  each row's vocabulary over several programs when rows are few.
+- backward: dlogits = (coef * (onehot(target) - p) - g_H * p * (log p + H)) / temperature
+  in the logits' dtype (p = softmax(logits / temperature), H its entropy, coef =
+  dL/dlogp and g_H = dL/dH per token; the entropy term only in the ENTROPY_GRAD
+  variant), one read and one write per element; a second grid axis splits each
+  row's vocabulary over several programs when rows are few. dH/dz_j = -p_j (log
+  p_j + H) for z = logits / temperature.
 
 The forward keeps one running max m, sum s = sum exp((x - m) / T) and, for the
 entropy, t = sum exp((x - m) / T) * x per lane of the block, so its loop has no
@@ -82,11 +85,13 @@ def logprob_fwd_kernel(logits_ptr, targets_ptr, lse_ptr, logp_ptr, entropy_ptr, 
     target = tl.load(targets_ptr + rows, mask=row_ok, other=IGNORE_INDEX)
     valid = target != IGNORE_INDEX
     # Never read outside the row, whatever the target (the launcher checks the
-    # targets while this kernel may already run).
+    # targets while this kernel may already run); a target outside the row gets
+    # a NaN log-prob, so that where the launcher's check cannot wait (CUDA graph
+    # capture, torch.compile) the loss says so rather than being quietly wrong.
     in_row = (target >= 0) & (target < vocab)
     x_target = tl.load(logits_ptr + row_offsets + tl.where(in_row, target, 0), mask=row_ok).to(tl.float32)
     # (x - M) <= 0 exactly, so the log-prob is <= 0 however the compiler contracts this into an FMA.
-    logp = (x_target - row_max) * inv_temperature - log_total
+    logp = tl.where(in_row, (x_target - row_max) * inv_temperature - log_total, float("nan"))
     tl.store(logp_ptr + rows, tl.where(valid, logp, 0.0), mask=row_ok)
     if COMPUTE_ENTROPY:
         # H = lse - E_p[x / T]
@@ -95,20 +100,28 @@ def logprob_fwd_kernel(logits_ptr, targets_ptr, lse_ptr, logp_ptr, entropy_ptr, 
 
 
 @triton.jit
-def _grad_block(x, target_lane, coef, lse2, scale, BLOCK_V: tl.constexpr):
-    """coef * (onehot - p) of a block, p = exp2(x * scale - lse2); the one is at
-    lane target_lane (the target's column minus the block's first)."""
+def _grad_block(x, target_lane, coef, lse, lse2, grad_h, entropy, scale, inv_temperature, BLOCK_V: tl.constexpr,
+                ENTROPY_GRAD: tl.constexpr):
+    """coef * (onehot - p) - grad_h * p * (log p + H) of a block (coef and grad_h
+    already divided by the temperature), p = exp2(x * scale - lse2); the one is
+    at lane target_lane (the target's column minus the block's first)."""
     p = tl.exp2(x * scale - lse2[:, None])
-    return tl.where(tl.arange(0, BLOCK_V)[None, :] == target_lane[:, None], coef[:, None], 0.0) - coef[:, None] * p
+    grad = tl.where(tl.arange(0, BLOCK_V)[None, :] == target_lane[:, None], coef[:, None], 0.0) - coef[:, None] * p
+    if ENTROPY_GRAD:
+        # p = 0 (x = -inf) adds 0, not 0 * -inf = NaN.
+        log_p_plus_h = x * inv_temperature - lse[:, None] + entropy[:, None]
+        grad -= tl.where(p > 0, grad_h[:, None] * p * log_p_plus_h, 0.0)
+    return grad
 
 
 @triton.jit
-def logprob_bwd_kernel(logits_ptr, dlogits_ptr, targets_ptr, lse_ptr, coef_ptr, num_rows, vocab, stride_row,
-                       stride_drow, inv_temperature, cols_per_program, BLOCK_V: tl.constexpr, ROWS: tl.constexpr):
+def logprob_bwd_kernel(logits_ptr, dlogits_ptr, targets_ptr, lse_ptr, coef_ptr, entropy_ptr, grad_entropy_ptr, num_rows,
+                       vocab, stride_row, stride_drow, inv_temperature, cols_per_program, BLOCK_V: tl.constexpr,
+                       ROWS: tl.constexpr, ENTROPY_GRAD: tl.constexpr):
     """Program (i, j) writes rows [i * ROWS, (i + 1) * ROWS) over the columns
     [j * cols_per_program, (j + 1) * cols_per_program) (a multiple of BLOCK_V).
     Every element is read before it is written, by the same program: dlogits may
-    be the logits."""
+    be the logits. entropy_ptr and grad_entropy_ptr are read only with ENTROPY_GRAD."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
@@ -117,6 +130,11 @@ def logprob_bwd_kernel(logits_ptr, dlogits_ptr, targets_ptr, lse_ptr, coef_ptr, 
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     scale = inv_temperature * LOG2E
     coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0) * inv_temperature
+    grad_h = coef
+    entropy = coef
+    if ENTROPY_GRAD:
+        grad_h = tl.load(grad_entropy_ptr + rows, mask=row_ok, other=0.0) * inv_temperature
+        entropy = tl.load(entropy_ptr + rows, mask=row_ok, other=0.0)
     # int32: the per-element compare in one instruction (an int64 compare takes
     # four). A target outside [0, vocab) other than IGNORE_INDEX may wrap: the
     # launcher raises for it.
@@ -131,11 +149,13 @@ def logprob_bwd_kernel(logits_ptr, dlogits_ptr, targets_ptr, lse_ptr, coef_ptr, 
     for start in range(col_begin, full_end, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(src + cols[None, :]).to(tl.float32)
-        grad = _grad_block(x, target - start, coef, lse2, scale, BLOCK_V)
+        grad = _grad_block(x, target - start, coef, lse, lse2, grad_h, entropy, scale, inv_temperature, BLOCK_V,
+                           ENTROPY_GRAD)
         tl.store(dst + cols[None, :], grad.to(dlogits_ptr.dtype.element_ty), mask=row_ok[:, None])
     if full_end < col_end:
         cols = full_end + tl.arange(0, BLOCK_V)
         mask = row_ok[:, None] & (cols < col_end)[None, :]
         x = tl.load(src + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        grad = _grad_block(x, target - full_end, coef, lse2, scale, BLOCK_V)
+        grad = _grad_block(x, target - full_end, coef, lse, lse2, grad_h, entropy, scale, inv_temperature, BLOCK_V,
+                           ENTROPY_GRAD)
         tl.store(dst + cols[None, :], grad.to(dlogits_ptr.dtype.element_ty), mask=mask)

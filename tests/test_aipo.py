@@ -14,8 +14,8 @@ import textwrap
 import pytest
 import torch
 
-from llamarl_core.ops.aipo import (GPU_CONFIGS, IGNORE_INDEX, LogprobConfig, aipo_loss, aipo_loss_ref, group_advantages,
-                                 linear_aipo_loss, logprob_launches)
+from llamarl_core.ops.aipo import IGNORE_INDEX, aipo_loss, aipo_loss_ref, group_advantages, linear_aipo_loss
+from llamarl_core.ops.logprob import GPU_CONFIGS, LogprobConfig, logprob_launches
 from llamarl_core.ops.aipo_inputs import REDUCTIONS
 
 LOSS_TYPES = ["aipo", "ppo", "ppo_tis"]

@@ -2,8 +2,11 @@
 
 from .aipo import AIPOStats, aipo_loss, aipo_loss_ref, group_advantages, linear_aipo_loss
 from .fp8 import dequantize_fp8, fp8_amax, quantize_fp8, quantize_fp8_ref, quantize_fp8_with_scale
+from .logprob import linear_token_logprobs, token_logprobs, token_logprobs_ref
+from .objectives import DEFAULTS, LOSS_TYPES
 
 __all__ = [
-    "AIPOStats", "aipo_loss", "aipo_loss_ref", "dequantize_fp8", "fp8_amax", "group_advantages", "linear_aipo_loss",
-    "quantize_fp8", "quantize_fp8_ref", "quantize_fp8_with_scale",
+    "AIPOStats", "DEFAULTS", "LOSS_TYPES", "aipo_loss", "aipo_loss_ref", "dequantize_fp8", "fp8_amax",
+    "group_advantages", "linear_aipo_loss", "linear_token_logprobs", "quantize_fp8", "quantize_fp8_ref",
+    "quantize_fp8_with_scale", "token_logprobs", "token_logprobs_ref",
 ]

@@ -19,37 +19,32 @@ out of range included: the pad id of another vocabulary, -1), its log-prob is
 its dlogits are exactly 0 wherever its logits are finite or -inf. A counted
 token's target outside [0, vocab) raises ValueError naming its position.
 
-Sequences, for reduction="sequence_mean": flat inputs need sequence_ids (tokens
-with one id are one sequence); batched inputs without sequence_ids have one
-sequence a row; batched sequence_ids (packed rows) make a sequence of the tokens
-of one row with one id (ids need only be unique within a row; a sequence never
-spans rows).
+Sequences, for reduction="sequence_mean" and the sequence-level objectives
+(seq_tis, seq_mis, geo_mask, gspo): flat inputs need sequence_ids (tokens with
+one id are one sequence); batched inputs without sequence_ids have one sequence
+a row; batched sequence_ids (packed rows) make a sequence of the tokens of one
+row with one id (ids need only be unique within a row; a sequence never spans
+rows). A sequence's sums (s_i, n_i) run over its counted tokens; the mask's
+value weighs a token in the reduction only.
+
+Normalizer: None (the reduction's own denominator), a positive number
+(Dr.GRPO's constant) or a one-element tensor (a token or sequence count of the
+whole batch, across micro-batches and data-parallel ranks), replacing the token
+count of "token_mean" / "sum" and the sequence count of "sequence_mean".
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy
 import torch
 
-if TYPE_CHECKING:
-    from .aipo import ObjectiveConfig
+from .objectives import OLD_POLICY_TYPES, SEQUENCE_TYPES, ObjectiveConfig, Sequences
 
 IGNORE_INDEX = -100
-LOSS_TYPES = ("aipo", "ppo", "ppo_tis")
 REDUCTIONS = ("token_mean", "sequence_mean", "sum")
-
-
-def check_config(cfg: ObjectiveConfig, reduction: str) -> None:
-    if cfg.loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {cfg.loss_type!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if cfg.temperature <= 0 or cfg.rho <= 0:
-        raise ValueError(f"temperature and rho must be positive, got {cfg.temperature} and {cfg.rho}")
 
 
 def check_kl(kl_coef: float, ref_logprobs: torch.Tensor | None) -> None:
@@ -57,6 +52,23 @@ def check_kl(kl_coef: float, ref_logprobs: torch.Tensor | None) -> None:
         raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs (the reference policy's log-probs, per token)")
+
+
+def check_normalizer(normalizer, device) -> torch.Tensor | float | None:
+    """normalizer as the reductions take it: None, a positive finite number, or a
+    0-dim tensor (moved to `device`; its value is not checked, which would cost a
+    host sync: a global token count all-reduced on the GPU stays there)."""
+    if normalizer is None:
+        return None
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.numel() != 1 or normalizer.dtype == torch.bool:
+            raise ValueError(f"normalizer must be a number or a one-element tensor, got shape "
+                             f"{tuple(normalizer.shape)} {normalizer.dtype}")
+        return normalizer.reshape(()).to(device=device, dtype=torch.float32)
+    if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)) or \
+            not (math.isfinite(normalizer) and normalizer > 0):
+        raise ValueError(f"normalizer must be a positive finite number or a tensor, got {normalizer!r}")
+    return float(normalizer)
 
 
 def flat_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -92,49 +104,53 @@ def per_token_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.T
                      f"got {tuple(advantages.shape)}")
 
 
-def sequence_index(sequence_ids: torch.Tensor | None, shape: torch.Size, reduction: str,
-                   device) -> tuple[torch.Tensor, int] | None:
-    """Each token's sequence for reduction="sequence_mean": (index, num_sequences),
-    index (num_tokens,) int64 in [0, num_sequences); None for the other
-    reductions. sequence_ids, when given, must have the targets' shape (checked
-    whatever the reduction). Flat: tokens with one id are one sequence. Batched
-    (..., T): one sequence a row without sequence_ids (no host sync); with them,
-    the tokens of one row with one id. Grouping ids costs torch.unique's host
-    sync on a GPU."""
+def sequence_index(sequence_ids: torch.Tensor | None, shape: torch.Size, needed: str | None,
+                   device) -> Sequences | None:
+    """Each token's sequence (ops/objectives.Sequences), or None where it cannot
+    be known without sequence_ids (flat inputs) and `needed` is None; `needed`
+    names what needs them, for the error. sequence_ids, when given, must have
+    the targets' shape. Flat: tokens with one id are one sequence. Batched (...,
+    T): one sequence a row without sequence_ids (no host sync); with them, the
+    tokens of one row with one id. Grouping ids costs torch.unique's host sync
+    on a GPU."""
     ids = _per_token(sequence_ids, "sequence_ids", shape, device, torch.int64)
-    if reduction != "sequence_mean":
-        return None
     if len(shape) < 2:
         if ids is None:
-            raise ValueError('reduction="sequence_mean" on flat inputs needs sequence_ids (num_tokens,); '
-                             "batched (B, T) inputs have one sequence a row")
+            if needed is None:
+                return None
+            raise ValueError(f"{needed} on flat inputs needs sequence_ids (num_tokens,); batched (B, T) inputs "
+                             "have one sequence a row")
         sequences, index = torch.unique(ids, return_inverse=True)
-        return index, sequences.shape[0]
+        return Sequences(index, sequences.shape[0])
     num_rows, length = shape[:-1].numel(), shape[-1]
     row = torch.arange(num_rows, device=device).repeat_interleave(length)
     if ids is None:
-        return row, num_rows
+        return Sequences(row, num_rows)
     sequences, index = torch.unique(torch.stack((row, ids), dim=1), dim=0, return_inverse=True)
-    return index, sequences.shape[0]
+    return Sequences(index, sequences.shape[0])
 
 
-def reduction_weights(m: torch.Tensor, reduction: str, sequences: tuple[torch.Tensor, int] | None) -> torch.Tensor:
+def reduction_weights(m: torch.Tensor, reduction: str, sequences: Sequences | None,
+                      normalizer: torch.Tensor | float | None = None) -> torch.Tensor:
     """Per-token weights (num_tokens,) turning per-token losses into the reduced
     loss: m ("sum"), m / sum(m) ("token_mean"), m / (the mask's sum over the
     token's sequence * the number of sequences with a token counted)
-    ("sequence_mean", sequences from sequence_index). 0 where no token counts."""
-    if reduction == "sum":
+    ("sequence_mean"). A normalizer replaces the denominator that is not the
+    sequence's own: m / normalizer ("token_mean", "sum"), m / (the sequence's
+    sum * normalizer) ("sequence_mean"), so that micro-batches each divided by
+    the whole batch's count add up to the whole batch's loss. 0 where no token
+    counts."""
+    if reduction == "sum" and normalizer is None:
         return m
     # Selected on the device (0 / 0 where no token counts), not by a host-side `if`: no host sync.
-    if reduction == "token_mean":
-        total = m.sum()
-        return torch.where(total > 0, m / total, 0.0)
-    index, num_sequences = sequences
-    counts = torch.zeros(num_sequences, dtype=m.dtype, device=m.device).index_add_(0, index, m)
-    num_counted = (counts > 0).sum()
-    per_token = counts[index]
+    if reduction in ("token_mean", "sum"):
+        total = m.sum() if normalizer is None else normalizer
+        return torch.where(m != 0, m / total, 0.0)
+    counts = sequences.sum(m)
+    per_token = counts[sequences.index]
     counted = per_token > 0
-    return torch.where(counted, m / (torch.where(counted, per_token, 1.0) * num_counted), 0.0)
+    denominator = (counts > 0).sum() if normalizer is None else normalizer
+    return torch.where(counted, m / (torch.where(counted, per_token, 1.0) * denominator), 0.0)
 
 
 class TargetCheck:
@@ -148,11 +164,14 @@ class TargetCheck:
     kernels. That wait is the one host sync of a loss call: the error must come
     from the call that got the bad index, named, not from a later sync. Queuing
     the kernels first is safe: they never read at a target outside [0, vocab).
-    On CPU the check runs at once (the torch path's gather would fail first)."""
+    On CPU the check runs at once (the torch path's gather would fail first).
+    Under torch.compile or CUDA graph capture, where no host sync may happen, it
+    does nothing: the kernels give such a target a NaN log-prob instead."""
 
     def __init__(self, targets: torch.Tensor, vocab: int, shape: torch.Size):
         self.vocab, self.shape, self.info, self.event = vocab, tuple(shape), None, None
-        if targets.numel() == 0:
+        capturing = targets.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if targets.numel() == 0 or capturing or torch.compiler.is_compiling():
             return
         bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
         first = bad.to(torch.uint8).argmax().view(1)  # the first True (argmax returns the first maximum)
@@ -181,7 +200,9 @@ class TargetCheck:
 
 @dataclass
 class TokenInputs:
-    """A loss call's inputs, checked: flat (num_tokens,) tensors on the logits' device."""
+    """A loss call's inputs, checked: flat (num_tokens,) tensors on the logits'
+    device. behavior, advantages, old and ref are 0 wherever a token does not
+    count, so that whatever they held there (NaN, inf) reaches no gradient."""
 
     targets: torch.Tensor  # int64; IGNORE_INDEX wherever the token does not count
     behavior: torch.Tensor  # float32, as are the others
@@ -190,25 +211,44 @@ class TokenInputs:
     ref: torch.Tensor | None
     mask: torch.Tensor  # the mask, 0 wherever the token does not count
     weights: torch.Tensor  # reduction_weights
+    sequences: Sequences | None  # each token's sequence, where known
     check: TargetCheck  # to wait() on once the loss's kernels are queued
     shape: torch.Size  # the targets' shape, that of per-token outputs
 
+    @property
+    def counted(self) -> torch.Tensor:
+        return self.mask != 0
+
 
 def prepare_inputs(shape: torch.Size, vocab: int, device, targets, behavior, advantages, mask, old, ref,
-                   sequence_ids, cfg: ObjectiveConfig, reduction: str) -> TokenInputs:
+                   sequence_ids, cfg: ObjectiveConfig, reduction: str, normalizer=None) -> TokenInputs:
     """Check every input against the rules of the module docstring (shape: the
-    logits' leading dims) and flatten them; nothing runs on a bad one."""
-    check_config(cfg, reduction)
+    logits' leading dims; vocab: the whole vocabulary) and flatten them; nothing
+    runs on a bad one."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_kl(cfg.kl_coef, ref)
-    if cfg.loss_type != "aipo" and old is None:
-        raise ValueError(f'loss_type="{cfg.loss_type}" needs old_logprobs')
+    if cfg.loss_type in OLD_POLICY_TYPES and old is None:
+        raise ValueError(f'loss_type="{cfg.loss_type}" needs old_logprobs (the trainer\'s old policy, per token)')
+    normalizer = check_normalizer(normalizer, device)
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
     targets = _per_token(targets, "targets", shape, device, torch.int64)
     m = torch.ones(shape.numel(), device=device) if mask is None else _per_token(mask, "mask", shape, device)
     m = torch.where(targets != IGNORE_INDEX, m, 0.0)
-    targets = torch.where(m != 0, targets, IGNORE_INDEX)
-    behavior = _per_token(behavior, "behavior_logprobs", shape, device)
-    advantages = _per_token(per_token_advantages(advantages, shape), "advantages", shape, device)
-    old = _per_token(old, "old_logprobs", shape, device)
-    ref = _per_token(ref, "ref_logprobs", shape, device)
-    weights = reduction_weights(m, reduction, sequence_index(sequence_ids, shape, reduction, device))
-    return TokenInputs(targets, behavior, advantages, old, ref, m, weights, TargetCheck(targets, vocab, shape), shape)
+    counted = m != 0
+    targets = torch.where(counted, targets, IGNORE_INDEX)
+
+    def per_token(t, what):
+        flat = _per_token(t, what, shape, device)
+        return None if flat is None else torch.where(counted, flat, 0.0)
+
+    behavior = per_token(behavior, "behavior_logprobs")
+    advantages = per_token(per_token_advantages(advantages, shape), "advantages")
+    old, ref = per_token(old, "old_logprobs"), per_token(ref, "ref_logprobs")
+    needed = (f'loss_type="{cfg.loss_type}"' if cfg.loss_type in SEQUENCE_TYPES
+              else 'reduction="sequence_mean"' if reduction == "sequence_mean" else None)
+    sequences = sequence_index(sequence_ids, shape, needed, device)
+    weights = reduction_weights(m, reduction, sequences, normalizer)
+    return TokenInputs(targets, behavior, advantages, old, ref, m, weights, sequences,
+                       TargetCheck(targets, vocab, shape), shape)

@@ -45,9 +45,9 @@ class CompiledVariant:
 
 
 def _variants():
-    from . import aipo, fp8
+    from . import fp8, logprob
 
-    return [*fp8.kernel_variants(), *aipo.kernel_variants()]
+    return [*fp8.kernel_variants(), *logprob.kernel_variants()]
 
 
 def _uses_software_fp8(launch) -> bool:

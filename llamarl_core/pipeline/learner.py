@@ -30,16 +30,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ..ops.aipo import (
-    IGNORE_INDEX,
-    ObjectiveConfig,
-    aipo_loss,
-    logprob_backward,
-    logprob_forward,
-    reference_kl,
-    token_stats,
-)
-from ..ops.aipo_inputs import LOSS_TYPES, prepare_inputs
+from ..ops.aipo import IGNORE_INDEX, aipo_loss
+from ..ops.aipo_inputs import prepare_inputs
+from ..ops.logprob import token_logprobs
+from ..ops.objectives import DEFAULTS, LOSS_TYPES, ObjectiveTerms, objective_config, objective_stats, reference_kl
 from .advantages import AdvantageFn, advantage_function, compute_advantages, group_mean
 from .config import LR_SCHEDULES
 from .plugins import builtin_or_load, check_arity, load, name_of
@@ -224,30 +218,9 @@ def policy_loss(model, batch: Batch, *, rho: float, temperature: float, reductio
     autocast_dtype, the loss in float32. Returns (loss, AIPOStats)."""
     with _autocast(model, autocast_dtype):
         logits = _logits(model, batch.input_ids, batch.position_ids)
-    return aipo_loss(logits, batch.targets, batch.behavior_logprobs, batch.advantages, rho=rho,
-                     temperature=temperature, reduction=reduction, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
+    return aipo_loss(logits, batch.targets, batch.behavior_logprobs, batch.advantages,
+                     rho=rho if "rho" in DEFAULTS[loss] else None, temperature=temperature, reduction=reduction, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
                      loss_type=loss, old_logprobs=old_logprobs)
-
-
-class _TokenLogprobs(torch.autograd.Function):
-    """log_softmax(logits / T)[y_t] per token (0 where y_t is IGNORE_INDEX), from the
-    fused log-prob kernels: the forward keeps one log-sum-exp per token, the
-    backward turns dL/dlogp into dlogits in one vocabulary pass (no float32
-    (tokens, vocab) buffer beyond the logits' own gradient)."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, temperature: float):
-        flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-        lse, logp, _ = logprob_forward(flat, flat_targets, temperature, entropy=False)
-        ctx.save_for_backward(flat, flat_targets, lse)
-        ctx.temperature, ctx.shape = temperature, logits.shape
-        return logp.view(targets.shape)
-
-    @staticmethod
-    def backward(ctx, grad_logp):
-        flat, flat_targets, lse = ctx.saved_tensors
-        coef = torch.where(flat_targets != IGNORE_INDEX, grad_logp.reshape(-1), 0.0)
-        return logprob_backward(flat, flat_targets, lse, coef, ctx.temperature).view(ctx.shape), None, None
 
 
 def _user_loss(model, batch: Batch, loss_fn: LossFn, *, rho: float, temperature: float,
@@ -256,7 +229,7 @@ def _user_loss(model, batch: Batch, loss_fn: LossFn, *, rho: float, temperature:
     says its contract) on `batch`; ValueError naming it when it breaks the contract."""
     with _autocast(model, autocast_dtype):
         logits = _logits(model, batch.input_ids, batch.position_ids)
-    logp = _TokenLogprobs.apply(logits, batch.targets, temperature)
+    logp, _ = token_logprobs(logits, batch.targets, temperature=temperature)
     per_token = loss_fn(logp, batch)
     name = name_of(loss_fn)
     if not isinstance(per_token, torch.Tensor) or per_token.shape != logp.shape:
@@ -270,10 +243,11 @@ def _user_loss(model, batch: Batch, loss_fn: LossFn, *, rho: float, temperature:
     mask = batch.mask
     summed = torch.where(mask > 0, per_token.float(), 0.0).sum()
     # The fused op's stats, on the same log-probs.
-    cfg = ObjectiveConfig(rho=rho, temperature=temperature, kl_coef=kl_coef)
+    cfg = objective_config(rho=rho, temperature=temperature, kl_coef=kl_coef)
     inputs = prepare_inputs(batch.targets.shape, logits.shape[-1], logp.device, batch.targets, batch.behavior_logprobs,
                             batch.advantages, None, None, ref_logprobs, None, cfg, "sum")
-    return summed, token_stats(logp.detach().reshape(-1), inputs, cfg, None)
+    return summed, objective_stats(logp.reshape(-1), None, inputs.behavior, inputs.mask, inputs.ref, inputs.sequences,
+                                   ObjectiveTerms(per_token, None, None, None), inputs.shape)
 
 
 @torch.no_grad()
@@ -283,9 +257,7 @@ def _reference_logprobs(reference_model, batch: Batch, temperature: float,
     at the learner's temperature (0 off the targets), on the same packed rows."""
     with _autocast(reference_model, autocast_dtype):
         logits = _logits(reference_model, batch.input_ids, batch.position_ids)
-    _, logp, _ = logprob_forward(logits.reshape(-1, logits.shape[-1]), batch.targets.reshape(-1), temperature,
-                                 entropy=False)
-    return logp.view(batch.targets.shape)
+    return token_logprobs(logits, batch.targets, temperature=temperature)[0]
 
 
 @dataclass

@@ -1,0 +1,638 @@
+"""The fused log-prob op: per-token log-probabilities, and if asked entropies,
+from logits or from last hidden states and the lm-head, forward and backward,
+on one GPU or with the vocabulary sharded over a process group.
+
+For token t with logits x_t (vocab,), temperature T and target y_t:
+    z = x_t / T,  lse_t = logsumexp(z),  logp_t = z[y_t] - lse_t,
+    H_t = -sum_j p_j log p_j  (p = softmax(z)).
+logp_t is 0 where y_t is IGNORE_INDEX (-100). The backward takes any dL/dlogp_t
+and dL/dH_t and writes dlogits in one vocabulary pass (kernels/logprob.py):
+    dL/dx_tj = (dL/dlogp_t (1[j = y_t] - p_j) - dL/dH_t p_j (log p_j + H_t)) / T.
+Beyond its inputs the op keeps O(tokens) floats (lse_t, and H_t with the
+entropy); the linear form holds one chunk of logits at a time and recomputes it
+in the backward (four GEMMs in all), never the full logits. Every objective of
+ops/aipo.py is torch on these per-token vectors.
+
+No host synchronisation in forward or backward: the kernels run behind
+torch.library custom ops (llamarl::logprob_fwd, llamarl::logprob_bwd), so the
+logits form traces whole under torch.compile and captures into CUDA graphs.
+The functional API's target check (aipo_inputs.TargetCheck) waits once, after
+the kernels are queued, except under torch.compile or graph capture, where a
+counted target outside the vocabulary gets a NaN log-prob instead.
+
+Vocabulary-parallel (process_group=): rank r of the group holds the columns
+[r * V, (r + 1) * V) of the logits (or rows of the lm-head), V the same on
+every rank (Megatron pads the vocabulary to a multiple of the group's size);
+targets are global ids. The forward reduces each token's max and three sums
+over the group (two all-reduces of O(tokens) floats); the backward needs none
+for the logits and one all-reduce of the hidden states' gradient for the linear
+form (the lm-head's input is replicated).
+
+File order: reference -> launchers -> torch CPU path -> custom ops ->
+vocabulary shards -> autograd -> functional.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy
+import torch
+import torch.distributed as dist
+
+from ._launch import KernelLaunch, next_pow2, use_interpreter
+from .aipo_inputs import IGNORE_INDEX, TargetCheck, flat_logits
+
+# ----------------------------------------------------------------------------- reference
+
+
+def token_logprobs_ref(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                       compute_dtype: torch.dtype | None = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy) in the targets' shape by plain torch (log_softmax, gather),
+    differentiable through autograd, in float64 by default (None: the logits'
+    dtype, the naive version users write). logp is 0 where the target is
+    IGNORE_INDEX."""
+    dtype = logits.dtype if compute_dtype is None else compute_dtype
+    logp_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    valid = targets != IGNORE_INDEX
+    picked = logp_all.gather(-1, torch.where(valid, targets, 0).unsqueeze(-1)).squeeze(-1)
+    p = logp_all.exp()
+    entropy = -torch.where(p > 0, p * logp_all, 0.0).sum(-1)
+    return torch.where(valid, picked, 0.0), entropy
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _use_triton(logits: torch.Tensor) -> bool:
+    """Triton for CUDA tensors, and for CPU tensors under TRITON_INTERPRET=1."""
+    return logits.device.type == "cuda" or (logits.device.type == "cpu" and use_interpreter())
+
+
+@dataclass(frozen=True)
+class LogprobConfig:
+    """Launch shape of a log-prob kernel: a program takes `rows` token rows and
+    walks the vocabulary in `block_v` blocks with `num_warps` warps. The backward
+    splits each row's vocabulary over several programs (a second grid axis) until
+    the grid has `min_programs` programs (0: one program per `rows` rows); the
+    forward ignores min_programs."""
+
+    block_v: int
+    rows: int
+    num_warps: int
+    min_programs: int = 0
+
+
+# On a GPU, (largest vocabulary, forward, backward) by vocabulary; each config is
+# one compiled variant per dtype, so kernel_variants() compiles every row. Memory
+# bound: the aim is enough bytes in flight per SM (by Little's law an H100 needs
+# about 16 KiB: 23 GB/s a SM times ~0.7 us of latency) with registers left for
+# 64 warps. Chosen from registers (kernel_check) and that estimate, not yet timed:
+# - Forward: per-lane accumulators cost 2 registers (3 with the entropy) per value
+#   a thread holds; 2048 x 8 warps: 8 bf16 values (one 16-byte load) a thread, 32
+#   registers on sm_90, 8 programs = 64 warps a SM, 32 KiB of loads in flight.
+# - Backward: no accumulators; 8192 x 16 warps: two 16-byte loads a thread;
+#   min_programs 8192, so short batches (a linear_aipo_loss chunk) still fill the
+#   GPU and the last wave is a small part.
+# On an H100 (`--gpu-sweep`, 4096 x 128256 bf16): forward 2048 x 8 warps 0.97x of
+# a device copy of its bytes, the best of 11 shapes; backward 8192 x 16 warps,
+# >= 8192 programs, 0.96x (the 4096 x 8 warps it replaced: 0.94x).
+# - Vocabularies up to 8192: 2 or 4 rows a program, 8 values a thread (4 rows of
+#   1024 had ptxas spill a register on sm_80 / sm_90).
+# `python -m llamarl_core.bench.bench_aipo --gpu-sweep` times the large-vocabulary
+# configs beside other candidates.
+GPU_CONFIGS = (
+    (1024, LogprobConfig(block_v=256, rows=4, num_warps=4), LogprobConfig(block_v=256, rows=4, num_warps=4)),
+    (8192, LogprobConfig(block_v=1024, rows=2, num_warps=8), LogprobConfig(block_v=1024, rows=2, num_warps=8)),
+    (None, LogprobConfig(block_v=2048, rows=1, num_warps=8),
+     LogprobConfig(block_v=8192, rows=1, num_warps=16, min_programs=8192)),
+)
+
+
+def logprob_configs(vocab: int, num_rows: int, on_gpu: bool) -> tuple[LogprobConfig, LogprobConfig]:
+    """(forward, backward) configs: the GPU table's row for `vocab`. In the
+    interpreter, where each program instance costs about 0.5 ms (V=32000 over 64
+    rows: 0.16 s at BLOCK_V=32768, 2.8 s at 1024), few large programs: two
+    vocabulary blocks a row (so the loop runs more than once) and up to 32768
+    elements a program."""
+    if on_gpu:
+        return next((fwd, bwd) for limit, fwd, bwd in GPU_CONFIGS if limit is None or vocab <= limit)
+    block = min(16384, max(16, next_pow2(vocab) // 2))
+    config = LogprobConfig(block, min(next_pow2(num_rows), max(1, 32768 // block)), 4)
+    return config, config
+
+
+def _forward_launch(logits, targets, lse, logp, ent, temperature: float, config: LogprobConfig) -> KernelLaunch:
+    from llamarl_core.kernels.logprob import logprob_fwd_kernel
+
+    n, v = logits.shape
+    return KernelLaunch(
+        logprob_fwd_kernel, (_cdiv(n, config.rows),),
+        dict(logits_ptr=logits, targets_ptr=targets, lse_ptr=lse, logp_ptr=logp,
+             entropy_ptr=ent if ent is not None else lse, num_rows=n, vocab=v, stride_row=logits.stride(0),
+             inv_temperature=1.0 / temperature),
+        dict(IGNORE_INDEX=IGNORE_INDEX, BLOCK_V=config.block_v, ROWS=config.rows, COMPUTE_ENTROPY=ent is not None),
+        config.num_warps)
+
+
+def _backward_launch(logits, dlogits, targets, lse, coef, temperature: float, config: LogprobConfig, entropy=None,
+                     grad_entropy=None) -> KernelLaunch:
+    from llamarl_core.kernels.logprob import logprob_bwd_kernel
+
+    n, v = logits.shape
+    row_programs = _cdiv(n, config.rows)
+    num_blocks = max(1, _cdiv(v, config.block_v))
+    splits = min(num_blocks, max(1, _cdiv(config.min_programs, row_programs)))
+    cols_per_program = _cdiv(num_blocks, splits) * config.block_v
+    return KernelLaunch(
+        logprob_bwd_kernel, (row_programs, max(1, _cdiv(v, cols_per_program))),
+        dict(logits_ptr=logits, dlogits_ptr=dlogits, targets_ptr=targets, lse_ptr=lse, coef_ptr=coef,
+             entropy_ptr=lse if entropy is None else entropy,
+             grad_entropy_ptr=coef if grad_entropy is None else grad_entropy, num_rows=n, vocab=v,
+             stride_row=logits.stride(0), stride_drow=dlogits.stride(0), inv_temperature=1.0 / temperature,
+             cols_per_program=cols_per_program),
+        dict(BLOCK_V=config.block_v, ROWS=config.rows, ENTROPY_GRAD=grad_entropy is not None), config.num_warps)
+
+
+def logprob_launches(logits, targets, lse, logp, ent, coef, dlogits, temperature: float, forward: LogprobConfig,
+                     backward: LogprobConfig, grad_entropy=None) -> tuple[KernelLaunch, KernelLaunch]:
+    """The forward and backward KernelLaunch of these configs on these tensors
+    (CUDA ones to time, CPU ones to compile): how kernel_variants(), the tests and
+    the GPU sweep (bench_aipo --gpu-sweep) reach any config. grad_entropy: the
+    backward takes the entropy's gradient too (with ent, the entropies)."""
+    return (_forward_launch(logits, targets, lse, logp, ent, temperature, forward),
+            _backward_launch(logits, dlogits, targets, lse, coef, temperature, backward, ent if grad_entropy is not None
+                             else None, grad_entropy))
+
+
+def kernel_variants() -> list[tuple[str, KernelLaunch]]:
+    """Every (kernel, constexprs, argument types) the launchers can launch on a
+    GPU, on small CPU tensors standing in for CUDA ones: what a GPU must compile.
+    Each GPU_CONFIGS row in every dtype, forward and backward each with and
+    without the entropy (its value; its gradient);
+    for bf16 also a vocabulary that is not a multiple of 16 (the JIT's divisibility
+    hint on the row stride, which gives 16-byte loads)."""
+    variants = []
+    cases = [(dtype, limit, fwd, bwd) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+             for limit, fwd, bwd in GPU_CONFIGS]
+    cases.append((torch.bfloat16, 32001, *GPU_CONFIGS[-1][1:]))
+    for dtype, limit, fwd, bwd in cases:
+        vocab = limit if limit is not None else 128256
+        logits = torch.empty((4, vocab), dtype=dtype)
+        targets = torch.empty(4, dtype=torch.int64)
+        lse, logp, ent = (torch.empty(4, dtype=torch.float32) for _ in range(3))
+        tag = f"{str(dtype).removeprefix('torch.')}, vocab {vocab}"
+        for entropy in (False, True):
+            forward, backward = logprob_launches(logits, targets, lse, logp, ent if entropy else None, logp,
+                                                 torch.empty_like(logits), 0.7, fwd, bwd, lse if entropy else None)
+            variants.append((f"logprob forward, {tag}{', entropy' if entropy else ''}", forward))
+            variants.append((f"logprob backward, {tag}{', entropy gradient' if entropy else ''}", backward))
+    return variants
+
+
+def _run(launch: KernelLaunch, device: torch.device) -> None:
+    """launch.launch(device); in the interpreter with numpy's floating-point
+    warnings off, as on a GPU: the kernels overflow to -inf and take exp2(-inf) = 0
+    on purpose (kernels/logprob.py)."""
+    if device.type != "cpu":
+        launch.launch(device)
+        return
+    with numpy.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        launch.launch(device)
+
+
+def logprob_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool,
+                    scratch: torch.Tensor | None = None):
+    """(lse, logp, entropy or None), float32 (num_tokens,), for 2-D contiguous-row
+    logits. scratch: an optional float32 buffer of at least one CPU chunk, reused.
+    A row of -inf only has lse = -inf, log-prob NaN (0 for an ignored token) and
+    entropy NaN; a target outside [0, vocab) other than IGNORE_INDEX a NaN
+    log-prob (never a read outside the row)."""
+    n, v = logits.shape
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    logp = torch.empty_like(lse)
+    ent = torch.empty_like(lse) if entropy else None
+    if n == 0:
+        return lse, logp, ent
+    if _use_triton(logits):
+        on_gpu = logits.device.type == "cuda"
+        config = logprob_configs(v, n, on_gpu)[0]
+        _run(_forward_launch(logits, targets, lse, logp, ent, temperature, config), logits.device)
+        return lse, logp, ent
+    _cpu_forward(logits, targets, 1.0 / temperature, lse, logp, ent, scratch)
+    return lse, logp, ent
+
+
+def logprob_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
+                     temperature: float, out: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                     grad_entropy: torch.Tensor | None = None) -> torch.Tensor:
+    """dlogits = (coef_t * (onehot(y_t) - p_t) - g_t * p_t * (log p_t + H_t)) /
+    temperature, in logits' dtype, with p_t = softmax(logits_t / temperature)
+    (from lse), H_t its entropy (`entropy`) and g_t = grad_entropy (that term
+    only when grad_entropy is given). out: where to write it (may be `logits`
+    itself: every element is read before it is written). A row of -inf only (lse
+    = -inf) gets coef_t at its target and 0 elsewhere. A target outside [0,
+    vocab) (IGNORE_INDEX, or another shard's) gets no one-hot term."""
+    n, v = logits.shape
+    dlogits = torch.empty_like(logits) if out is None else out
+    if n == 0:
+        return dlogits
+    coef = coef.to(torch.float32).contiguous()
+    if grad_entropy is not None:
+        grad_entropy = grad_entropy.to(torch.float32).contiguous()
+    if _use_triton(logits):
+        on_gpu = logits.device.type == "cuda"
+        config = logprob_configs(v, n, on_gpu)[1]
+        _run(_backward_launch(logits, dlogits, targets, lse, coef, temperature, config, entropy, grad_entropy),
+             logits.device)
+        return dlogits
+    _cpu_backward(logits, targets, lse, coef, 1.0 / temperature, dlogits, entropy, grad_entropy)
+    return dlogits
+
+
+# ----------------------------------------------------------------------------- torch CPU path
+
+# Rows per chunk: about 16 Mi float32 values (64 MiB) of scratch, reused across
+# chunks: a fresh buffer per chunk costs its page faults every time (a 128 MiB
+# copy into new memory runs at about 3 GB/s here, into reused memory far faster).
+_CHUNK_ELEMS = 1 << 24
+
+
+def _row_chunks(n: int, v: int):
+    step = max(1, _CHUNK_ELEMS // max(v, 1))
+    return [slice(s, min(n, s + step)) for s in range(0, n, step)]
+
+
+def _scratch(n: int, v: int, device, scratch: torch.Tensor | None) -> torch.Tensor:
+    rows = min(n, max(1, _CHUNK_ELEMS // max(v, 1)))
+    if scratch is not None and scratch.dtype == torch.float32 and scratch.numel() >= rows * v:
+        return scratch.view(-1)[: rows * v].view(rows, v)
+    return torch.empty((rows, v), dtype=torch.float32, device=device)
+
+
+def _cpu_forward(logits, targets, inv_t: float, lse, logp, ent, scratch) -> None:
+    """Per chunk: max, exp(x / T - max) into the scratch buffer, sum -> lse; the
+    target's log-prob; optionally the entropy."""
+    n, v = logits.shape
+    buf_all = _scratch(n, v, logits.device, scratch)
+    for rows in _row_chunks(n, v):
+        x = logits[rows]
+        buf = buf_all[: x.shape[0]]
+        if x.dtype == torch.float32:
+            torch.mul(x, inv_t, out=buf)
+        else:  # upcast first: a bf16 tensor times a Python float is computed in bf16
+            buf.copy_(x).mul_(inv_t)
+        row_max = buf.amax(dim=-1)
+        safe_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # rows of -inf only
+        buf.sub_(safe_max.unsqueeze(-1)).exp_()
+        total = buf.sum(dim=-1)
+        chunk_lse = safe_max + total.log()
+        lse[rows] = chunk_lse
+        chunk_targets = targets[rows]
+        valid = chunk_targets != IGNORE_INDEX
+        in_row = (chunk_targets >= 0) & (chunk_targets < v)
+        picked = x.gather(-1, torch.where(in_row, chunk_targets, 0).unsqueeze(-1)).squeeze(-1).to(torch.float32) * inv_t
+        logp[rows] = torch.where(valid, torch.where(in_row, picked - chunk_lse, float("nan")), 0.0)
+        if ent is not None:  # H = lse - sum(p * x / T); p * x is 0 where p is (x = -inf)
+            weighted = torch.where(buf > 0, buf * x.to(torch.float32), 0.0).sum(dim=-1) * inv_t
+            ent[rows] = chunk_lse - weighted / total
+
+
+def _cpu_backward(logits, targets, lse, coef, inv_t: float, dlogits, entropy, grad_entropy) -> None:
+    """Per chunk: p = exp(x / T - lse), -p * (coef + g * (log p + H)) / T (the
+    entropy term with grad_entropy g), plus coef / T at the target, written
+    straight into float32 dlogits (through the scratch buffer otherwise)."""
+    n, v = logits.shape
+    direct = dlogits.dtype == torch.float32
+    buf_all = None if direct else _scratch(n, v, logits.device, None)
+    # A row of -inf only (lse = -inf): exp(-inf - inf) = 0 rather than exp(-inf + inf) = NaN, as the kernel.
+    neg_lse = torch.where(lse == float("-inf"), float("-inf"), -lse)
+    for rows in _row_chunks(n, v):
+        x = logits[rows]
+        out = dlogits[rows] if direct else buf_all[: x.shape[0]]
+        torch.add(neg_lse[rows].unsqueeze(-1), x, alpha=inv_t, out=out)
+        if grad_entropy is None:
+            out.exp_().mul_((-coef[rows] * inv_t).unsqueeze(-1))
+        else:  # log p + H, then coef + g (log p + H), then times -p / T; p = 0 (x = -inf) gives 0
+            factor = (out + entropy[rows].unsqueeze(-1)).mul_(grad_entropy[rows].unsqueeze(-1))
+            factor.add_(coef[rows].unsqueeze(-1))
+            out.exp_()
+            out.mul_(torch.where(out > 0, factor, 0.0)).mul_(-inv_t)
+        chunk_targets = targets[rows]
+        tokens = torch.nonzero((chunk_targets >= 0) & (chunk_targets < v)).squeeze(-1)
+        out[tokens, chunk_targets[tokens]] += coef[rows][tokens] * inv_t
+        if not direct:
+            dlogits[rows] = out
+
+
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("llamarl::logprob_fwd", mutates_args=())
+def _logprob_fwd_op(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lse, logp, entropy) of logprob_forward; the entropy an empty tensor when not asked for."""
+    lse, logp, ent = logprob_forward(logits, targets, temperature, entropy)
+    return lse, logp, ent if ent is not None else lse.new_empty(0)
+
+
+@_logprob_fwd_op.register_fake
+def _(logits, targets, temperature, entropy):
+    n = logits.shape[0]
+    out = logits.new_empty(n, dtype=torch.float32)
+    return out, torch.empty_like(out), logits.new_empty(n if entropy else 0, dtype=torch.float32)
+
+
+@torch.library.custom_op("llamarl::logprob_bwd", mutates_args=())
+def _logprob_bwd_op(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
+                    entropy: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+                    temperature: float) -> torch.Tensor:
+    """logprob_backward into a new tensor."""
+    return logprob_backward(logits, targets, lse, coef, temperature, None, entropy, grad_entropy)
+
+
+@_logprob_bwd_op.register_fake
+def _(logits, targets, lse, coef, entropy, grad_entropy, temperature):
+    return torch.empty_like(logits)
+
+
+# ----------------------------------------------------------------------------- vocabulary shards
+
+
+def vocab_shard(local_vocab: int, group) -> tuple[int, int]:
+    """(first column of this rank's shard, the whole vocabulary) of a group whose
+    ranks hold local_vocab columns each; (0, local_vocab) without a group."""
+    if group is None:
+        return 0, local_vocab
+    return dist.get_rank(group) * local_vocab, dist.get_world_size(group) * local_vocab
+
+
+def _local_targets(targets: torch.Tensor, start: int, local_vocab: int) -> torch.Tensor:
+    """Global target ids as this shard's columns; IGNORE_INDEX for a target in
+    another shard (and for an ignored one)."""
+    local = targets - start
+    return torch.where((targets != IGNORE_INDEX) & (local >= 0) & (local < local_vocab), local, IGNORE_INDEX)
+
+
+def _target_logit(logits: torch.Tensor, local: torch.Tensor, inv_t: float) -> torch.Tensor:
+    """z = x[y] / T of each row whose target is in this shard, 0 elsewhere."""
+    in_shard = local != IGNORE_INDEX
+    picked = logits.gather(1, torch.where(in_shard, local, 0).unsqueeze(1)).squeeze(1).to(torch.float32)
+    return torch.where(in_shard, picked * inv_t, 0.0)
+
+
+def _combine_shards(lse: torch.Tensor, target_logit: torch.Tensor, ent: torch.Tensor | None, targets: torch.Tensor,
+                    vocab: int, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Each shard's (lse_r, z[y] or 0, H_r of its own softmax) -> the whole
+    vocabulary's (lse, logp, H): lse = M + log sum_r exp(lse_r - M), M the max
+    of the lse_r; logp = z[y] - lse; H = lse - sum_r w_r (lse_r - H_r) with w_r
+    = exp(lse_r - lse) (the shard's share of the probability; lse_r - H_r is
+    E[z] under the shard's own softmax). A target outside [0, vocab) gets NaN."""
+    peak = lse.clone()
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    peak = torch.where(peak == float("-inf"), 0.0, peak)  # rows of -inf only: lse stays -inf
+    share = torch.exp(lse - peak)
+    parts = [share, target_logit]
+    if ent is not None:  # a shard of -inf only has share 0 and H_r NaN: it adds 0
+        parts.append(torch.where(share > 0, share * (lse - ent), 0.0))
+    sums = torch.stack(parts)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    total_lse = peak + sums[0].log()
+    valid = targets != IGNORE_INDEX
+    bad = valid & ((targets < 0) | (targets >= vocab))
+    logp = torch.where(valid, torch.where(bad, float("nan"), (sums[1] - total_lse).clamp(max=0.0)), 0.0)
+    total_ent = None if ent is None else total_lse - sums[2] / sums[0]
+    return total_lse, logp, total_ent
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+def _grads_in(valid: torch.Tensor, grad_logp, grad_ent):
+    """(coef, grad_entropy or None) for the backward: dL/dlogp is 0 for ignored
+    tokens (their log-prob is the constant 0); None gradients (outputs unused) as
+    zeros or left out."""
+    coef = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device) if grad_logp is None else \
+        torch.where(valid, grad_logp.reshape(-1).to(torch.float32), 0.0)
+    return coef, None if grad_ent is None or grad_ent.numel() == 0 else grad_ent.reshape(-1)
+
+
+class TokenLogprobsFunction(torch.autograd.Function):
+    """(logp, entropy or an empty tensor) from 2-D logits (rows, local vocab) and
+    flat int64 global targets; group: the vocabulary's process group or None."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float, with_entropy: bool, group):
+        start, vocab = vocab_shard(logits.shape[1], group)
+        local = targets if group is None else _local_targets(targets, start, logits.shape[1])
+        lse, logp, ent = torch.ops.llamarl.logprob_fwd(logits, local, temperature, with_entropy)
+        if group is not None:
+            lse, logp, total_ent = _combine_shards(lse, _target_logit(logits, local, 1.0 / temperature),
+                                                   ent if with_entropy else None, targets, vocab, group)
+            ent = total_ent if with_entropy else ent
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, local, targets != IGNORE_INDEX, lse, ent)
+        ctx.temperature, ctx.with_entropy = temperature, with_entropy
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        logits, local, valid, lse, ent = ctx.saved_tensors
+        coef, grad_h = _grads_in(valid, grad_logp, grad_ent)
+        dlogits = torch.ops.llamarl.logprob_bwd(logits, local, lse, coef, ent if grad_h is not None else None, grad_h,
+                                                ctx.temperature)
+        return dlogits, None, None, None, None
+
+
+def _accumulate_weight_grad(grad_w: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+    """grad_w (float32) += dlogits^T @ h, or = for the first chunk (beta 0: grad_w
+    is neither zero-filled nor read, 2 of the 4 GiB a chunk's accumulation moves at
+    vocab 128256, hidden 4096). On a GPU with bf16 / fp16 inputs the GEMM runs in
+    their dtype (tensor cores) and accumulates in float32 straight into grad_w
+    (addmm's out_dtype): upcasting both operands first would run it in float32,
+    off the tensor cores. On CPU, and for float32 inputs, in float32."""
+    beta = 0.0 if first else 1.0
+    if h.device.type == "cuda" and h.dtype != torch.float32:
+        torch.addmm(grad_w, dlogits.t(), h, beta=beta, out_dtype=torch.float32, out=grad_w)
+    else:
+        grad_w.addmm_(dlogits.t().to(torch.float32), h.to(torch.float32), beta=beta)
+
+
+def _chunks(n: int, chunk_size: int) -> list[slice]:
+    return [slice(start, min(n, start + chunk_size)) for start in range(0, n, chunk_size)]
+
+
+class LinearTokenLogprobsFunction(torch.autograd.Function):
+    """(logp, entropy or an empty tensor) of hidden @ weight.T, chunk_size tokens
+    at a time: one chunk's logits exist at once, in the forward and again in the
+    backward (recomputed, then turned into dlogits in place)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, chunk_size: int, group):
+        n, local_vocab = hidden.shape[0], weight.shape[0]
+        start, vocab = vocab_shard(local_vocab, group)
+        local = targets if group is None else _local_targets(targets, start, local_vocab)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        logp, target_logit = torch.empty_like(lse), torch.empty_like(lse)
+        ent = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
+        logits_buf = torch.empty((min(chunk_size, n), local_vocab), dtype=hidden.dtype, device=hidden.device)
+        for rows in _chunks(n, chunk_size):
+            logits = torch.matmul(hidden[rows], weight.t(), out=logits_buf[: rows.stop - rows.start])
+            lse[rows], logp[rows], chunk_ent = torch.ops.llamarl.logprob_fwd(logits, local[rows], temperature,
+                                                                             with_entropy)
+            if with_entropy:
+                ent[rows] = chunk_ent
+            if group is not None:
+                target_logit[rows] = _target_logit(logits, local[rows], 1.0 / temperature)
+        if group is not None:
+            lse, logp, total_ent = _combine_shards(lse, target_logit, ent if with_entropy else None, targets, vocab,
+                                                   group)
+            ent = total_ent if with_entropy else ent
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, local, targets != IGNORE_INDEX, lse, ent)
+        ctx.temperature, ctx.chunk_size, ctx.group = temperature, chunk_size, group
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, local, valid, lse, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        coef, grad_entropy = _grads_in(valid, grad_logp, grad_ent)
+        n = hidden.shape[0]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # One chunk: the weight's gradient is that chunk's GEMM, in the weight's dtype
+        # (float32 accumulation inside the GEMM, one rounding: what autograd's naive
+        # version computes). Several: accumulated in float32, the first chunk's GEMM
+        # overwriting it, cast at the end. No tokens: zeros.
+        chunks = _chunks(n, ctx.chunk_size)
+        grad_w = None
+        if need_w and len(chunks) > 1:
+            grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        elif need_w and not chunks:
+            grad_w = torch.zeros_like(weight)
+        logits_buf = torch.empty((min(ctx.chunk_size, n), weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+        for index, rows in enumerate(chunks):
+            h = hidden[rows]
+            logits = torch.matmul(h, weight.t(), out=logits_buf[: rows.stop - rows.start])
+            dlogits = logprob_backward(logits, local[rows], lse[rows], coef[rows], ctx.temperature, out=logits,
+                                       entropy=None if grad_entropy is None else ent[rows],
+                                       grad_entropy=None if grad_entropy is None else grad_entropy[rows])
+            if need_h:
+                torch.matmul(dlogits, weight, out=grad_h[rows])
+            if need_w and len(chunks) == 1:
+                grad_w = torch.matmul(dlogits.t(), h)
+            elif need_w:
+                _accumulate_weight_grad(grad_w, dlogits, h, first=index == 0)
+        if need_h and ctx.group is not None:  # the replicated input's gradient: every shard's part
+            dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.group)
+        if grad_w is not None and grad_w.dtype != weight.dtype:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- functional
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+
+
+def _check_targets(targets: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    if targets.shape != shape:
+        raise ValueError(f"targets must have shape {tuple(shape)} (the logits' leading dims), "
+                         f"got {tuple(targets.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
+    return targets.reshape(-1).to(torch.int64)
+
+
+def _outputs(logp, ent, shape, with_entropy):
+    return logp.view(shape), ent.view(shape) if with_entropy else None
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0, entropy: bool = False,
+                   process_group=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp, entropy or None): log_softmax(logits / temperature)[target] and the
+    distribution's entropy, per token, float32, in the targets' shape;
+    differentiable (both) with respect to the logits.
+
+    logits: (num_tokens, vocab) or (..., vocab), bf16 / fp16 / fp32; with
+    process_group, this rank's shard of the vocabulary (module docstring).
+    targets: int, the logits' leading shape, global ids; IGNORE_INDEX (-100) for
+    a token with no target: log-prob 0 and no gradient through it (its entropy
+    is still its row's). A target outside [0, vocab) raises ValueError naming
+    its position (on a GPU after the kernels are queued: one host sync; none
+    under torch.compile or CUDA graph capture, where it gets a NaN log-prob).
+    Memory beyond the inputs: O(tokens) (one lse, and with entropy one H, a
+    token); the backward writes dlogits in one pass."""
+    _check_temperature(temperature)
+    flat = flat_logits(logits)
+    shape = logits.shape[:-1]
+    flat_targets = _check_targets(targets, shape)
+    check = TargetCheck(flat_targets, vocab_shard(logits.shape[-1], process_group)[1], shape)
+    logp, ent = TokenLogprobsFunction.apply(flat, flat_targets, temperature, entropy, process_group)
+    check.wait()
+    return _outputs(logp, ent, shape, entropy)
+
+
+# Tokens per chunk of the linear form. On a GPU by bytes of logits in their
+# dtype (on an H100, 4096 tokens at vocab 128256, hidden 4096, bf16: the eager
+# three-GEMM loss ran at 1.30x of its GEMMs in 512 MiB chunks, 1.35x in one 1 GiB
+# chunk); 1 GiB is 4096 tokens at vocab 128256 in bf16, one micro-batch of a
+# typical trainer. On CPU about 32 Mi logits (256 tokens at vocab 128256), beside
+# the 64 MiB scratch.
+_LINEAR_CHUNK_BYTES_GPU = 1 << 30
+_LINEAR_CHUNK_ELEMS_CPU = 1 << 25
+
+
+def linear_chunk_tokens(vocab: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The default chunk_size of the linear form for this vocabulary, dtype and device."""
+    if device.type == "cuda":
+        return max(1, _LINEAR_CHUNK_BYTES_GPU // max(vocab * dtype.itemsize, 1))
+    return max(1, _LINEAR_CHUNK_ELEMS_CPU // max(vocab, 1))
+
+
+def check_linear(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | None) -> int:
+    """The chunk size to use; ValueError for mismatched hidden / weight or a bad chunk_size."""
+    if hidden.dim() < 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden (..., H) and weight (vocab, H) do not match: {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight dtypes differ: {hidden.dtype} and {weight.dtype}")
+    if hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"hidden dtype must be bfloat16, float16 or float32, got {hidden.dtype}")
+    if chunk_size is None:
+        return linear_chunk_tokens(weight.shape[0], hidden.dtype, hidden.device)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    return chunk_size
+
+
+def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                          temperature: float = 1.0, entropy: bool = False, chunk_size: int | None = None,
+                          process_group=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_logprobs of hidden @ weight.T without ever holding the full logits.
+
+    hidden: (num_tokens, H) or (..., H); weight: (vocab, H), the lm-head (with
+    process_group, this rank's rows of it; hidden the same on every rank);
+    gradients flow to both. chunk_size: tokens per chunk (default: about 1 GiB
+    of logits in their dtype on a GPU, 32 Mi logits on CPU). Memory beyond
+    inputs and outputs: one chunk of logits and, with several chunks, a vocab x
+    H float32 accumulator of the weight's gradient in the backward. Targets and
+    host syncs as token_logprobs'."""
+    _check_temperature(temperature)
+    chunk_size = check_linear(hidden, weight, chunk_size)
+    shape = hidden.shape[:-1]
+    flat_targets = _check_targets(targets, shape)
+    check = TargetCheck(flat_targets, vocab_shard(weight.shape[0], process_group)[1], shape)
+    logp, ent = LinearTokenLogprobsFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets,
+                                                  temperature, entropy, chunk_size, process_group)
+    check.wait()
+    return _outputs(logp, ent, shape, entropy)
