@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from .aipo_inputs import IGNORE_INDEX, TokenInputs, check_kl, check_normalizer, flat_logits, per_token_advantages, \
+from .aipo_inputs import IGNORE_INDEX, TargetCheck, TokenInputs, check_kl, check_normalizer, flat_logits, per_token_advantages, \
     prepare_inputs
-from .logprob import check_linear, linear_token_logprobs, token_logprobs, vocab_shard
-from .objectives import (MAX_LOG_RATIO, AIPOStats, ObjectiveConfig, objective_config, objective_stats,
-                         objective_terms)
+from .logprob import LinearChunkLossFunction, check_linear, linear_token_logprobs, token_logprobs
+from .objectives import (MAX_LOG_RATIO, SEQUENCE_TYPES, AIPOStats, ObjectiveConfig, objective_config,
+                         objective_stats, objective_terms)
 
 __all__ = ["AIPOStats", "IGNORE_INDEX", "aipo_loss", "aipo_loss_ref", "group_advantages", "linear_aipo_loss"]
 
@@ -144,17 +144,32 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
 # ----------------------------------------------------------------------------- functional
 
 
+def _objective(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: TokenInputs, cfg: ObjectiveConfig,
+               rows: slice = slice(None)):
+    """(the loss over the tokens `rows`, their ObjectiveTerms) of cfg's objective
+    on the fused op's flat per-token outputs for those rows; a slice of the
+    tokens only for a token-local objective (no sequences)."""
+    def part(t):
+        return None if t is None else t[rows]
+
+    terms = objective_terms(logp, entropy, inputs.behavior[rows], inputs.advantages[rows], part(inputs.old),
+                            part(inputs.ref), inputs.counted[rows], inputs.sequences, cfg)
+    weights = inputs.weights[rows]
+    return torch.where(weights != 0, weights * terms.terms, 0.0).sum(), terms
+
+
+def _stats(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: TokenInputs, terms) -> AIPOStats:
+    return objective_stats(logp, entropy, inputs.behavior, inputs.mask, inputs.ref, inputs.sequences, terms,
+                           inputs.shape)
+
+
 def _policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: TokenInputs,
                  cfg: ObjectiveConfig) -> tuple[torch.Tensor, AIPOStats]:
     """(loss, stats) of cfg's objective on the fused op's per-token outputs."""
     flat_logp = logp.reshape(-1)
     flat_entropy = None if entropy is None else entropy.reshape(-1)
-    terms = objective_terms(flat_logp, flat_entropy, inputs.behavior, inputs.advantages, inputs.old, inputs.ref,
-                            inputs.counted, inputs.sequences, cfg)
-    loss = torch.where(inputs.weights != 0, inputs.weights * terms.terms, 0.0).sum()
-    stats = objective_stats(flat_logp, flat_entropy, inputs.behavior, inputs.mask, inputs.ref, inputs.sequences,
-                            terms, inputs.shape)
-    return loss, stats
+    loss, terms = _objective(flat_logp, flat_entropy, inputs, cfg)
+    return loss, _stats(flat_logp, flat_entropy, inputs, terms)
 
 
 def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=None, temperature=1.0,
@@ -195,8 +210,7 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
     cfg = objective_config(loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
                            mask_high=mask_high, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)
     flat_logits(logits)  # the logits' own checks first
-    vocab = vocab_shard(logits.shape[-1], process_group)[1]
-    inputs = prepare_inputs(logits.shape[:-1], vocab, logits.device, targets, behavior_logprobs, advantages, mask,
+    inputs = prepare_inputs(logits.shape[:-1], logits.device, targets, behavior_logprobs, advantages, mask,
                             old_logprobs, ref_logprobs, sequence_ids, cfg, reduction, normalizer)
     logp, ent = token_logprobs(logits, inputs.targets.view(inputs.shape), temperature=temperature,
                                entropy=entropy or entropy_coef > 0, process_group=process_group)
@@ -239,11 +253,22 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
     """
     cfg = objective_config(loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
                            mask_high=mask_high, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)
-    check_linear(hidden, weight, chunk_size)
-    vocab = vocab_shard(weight.shape[0], process_group)[1]
-    inputs = prepare_inputs(hidden.shape[:-1], vocab, hidden.device, targets, behavior_logprobs, advantages, mask,
+    chunk_size = check_linear(hidden, weight, chunk_size)
+    inputs = prepare_inputs(hidden.shape[:-1], hidden.device, targets, behavior_logprobs, advantages, mask,
                             old_logprobs, ref_logprobs, sequence_ids, cfg, reduction, normalizer)
-    logp, ent = linear_token_logprobs(hidden, weight, inputs.targets.view(inputs.shape), temperature=temperature,
-                                      entropy=entropy or entropy_coef > 0, chunk_size=chunk_size,
-                                      process_group=process_group)
-    return _policy_loss(logp, ent, inputs, cfg)
+    with_entropy = entropy or entropy_coef > 0
+    if process_group is not None or cfg.loss_type in SEQUENCE_TYPES:
+        logp, ent = linear_token_logprobs(hidden, weight, inputs.targets.view(inputs.shape), temperature=temperature,
+                                          entropy=with_entropy, chunk_size=chunk_size, process_group=process_group)
+        return _policy_loss(logp, ent, inputs, cfg)
+    # A token-local objective: each chunk's gradient known from its own tokens, the
+    # logits computed once (LinearChunkLossFunction).
+    def chunk_loss(rows, chunk_logp, chunk_entropy):
+        return _objective(chunk_logp, chunk_entropy if with_entropy else None, inputs, cfg, rows)[0]
+
+    check = TargetCheck(inputs.targets, weight.shape[0], inputs.shape)
+    loss, logp, ent = LinearChunkLossFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight, inputs.targets,
+                                                    temperature, with_entropy, chunk_size, chunk_loss)
+    check.wait()
+    ent = ent if with_entropy else None
+    return loss, _stats(logp, ent, inputs, _objective(logp, ent, inputs, cfg)[1])

@@ -212,7 +212,6 @@ class TokenInputs:
     mask: torch.Tensor  # the mask, 0 wherever the token does not count
     weights: torch.Tensor  # reduction_weights
     sequences: Sequences | None  # each token's sequence, where known
-    check: TargetCheck  # to wait() on once the loss's kernels are queued
     shape: torch.Size  # the targets' shape, that of per-token outputs
 
     @property
@@ -220,11 +219,11 @@ class TokenInputs:
         return self.mask != 0
 
 
-def prepare_inputs(shape: torch.Size, vocab: int, device, targets, behavior, advantages, mask, old, ref,
+def prepare_inputs(shape: torch.Size, device, targets, behavior, advantages, mask, old, ref,
                    sequence_ids, cfg: ObjectiveConfig, reduction: str, normalizer=None) -> TokenInputs:
     """Check every input against the rules of the module docstring (shape: the
-    logits' leading dims; vocab: the whole vocabulary) and flatten them; nothing
-    runs on a bad one."""
+    logits' leading dims) and flatten them; nothing runs on a bad one. The
+    targets' range is the op's to check (TargetCheck)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_kl(cfg.kl_coef, ref)
@@ -250,5 +249,4 @@ def prepare_inputs(shape: torch.Size, vocab: int, device, targets, behavior, adv
               else 'reduction="sequence_mean"' if reduction == "sequence_mean" else None)
     sequences = sequence_index(sequence_ids, shape, needed, device)
     weights = reduction_weights(m, reduction, sequences, normalizer)
-    return TokenInputs(targets, behavior, advantages, old, ref, m, weights, sequences,
-                       TargetCheck(targets, vocab, shape), shape)
+    return TokenInputs(targets, behavior, advantages, old, ref, m, weights, sequences, shape)

@@ -536,6 +536,77 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None
 
 
+class LinearChunkLossFunction(torch.autograd.Function):
+    """The linear form for a loss whose gradient each chunk knows from its own
+    tokens (a token-local objective with fixed per-token weights): per chunk, the
+    logits, the log-probs, chunk_loss(rows, logp, entropy) and its gradient by
+    autograd on those O(chunk) vectors, dlogits in place, and the gradients of
+    hidden and weight, all in the forward (three GEMMs, not the generic op's
+    four: the logits are never recomputed); the backward scales them by the
+    incoming gradient. Returns (loss, logp, entropy or an empty tensor), the
+    last two without gradient. No vocabulary group (the shards' log-sum-exps
+    are known only after every chunk)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, chunk_size: int, chunk_loss):
+        n = hidden.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        chunks = _chunks(n, chunk_size)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = None
+        if need_w and len(chunks) > 1:  # as LinearTokenLogprobsFunction.backward's
+            grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        elif need_w and not chunks:
+            grad_w = torch.zeros_like(weight)
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        ent = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        logits_buf = torch.empty((min(chunk_size, n), weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+        for index, rows in enumerate(chunks):
+            h = hidden[rows]
+            logits = torch.matmul(h, weight.t(), out=logits_buf[: rows.stop - rows.start])
+            lse, chunk_logp, chunk_ent = logprob_forward(logits, targets[rows], temperature, with_entropy)
+            logp[rows] = chunk_logp
+            if with_entropy:
+                ent[rows] = chunk_ent
+            with torch.enable_grad():
+                leaves = [chunk_logp.requires_grad_()] + ([chunk_ent.requires_grad_()] if with_entropy else [])
+                value = chunk_loss(rows, chunk_logp, chunk_ent)
+                grads = torch.autograd.grad(value, leaves, allow_unused=True) if value.requires_grad else [None] * 2
+            loss += value.detach()
+            coef, grad_entropy = _grads_in(targets[rows] != IGNORE_INDEX, grads[0],
+                                           grads[1] if with_entropy else None)
+            if need_h or need_w:
+                dlogits = logprob_backward(logits, targets[rows], lse, coef, temperature, out=logits,
+                                           entropy=chunk_ent.detach() if grad_entropy is not None else None,
+                                           grad_entropy=grad_entropy)
+                if need_h:
+                    torch.matmul(dlogits, weight, out=grad_h[rows])
+                if need_w and len(chunks) == 1:
+                    grad_w = torch.matmul(dlogits.t(), h)
+                elif need_w:
+                    _accumulate_weight_grad(grad_w, dlogits, h, first=index == 0)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(logp, ent)
+        return loss, logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        grad_h, grad_w = ctx.saved_tensors
+        # In place by the float32 0-dim grad_loss: computed in float32 and rounded once
+        # (grad_loss cast to bf16 first would round 1/3 to 0.33398). float32 weights
+        # scaled in place, as a second vocab x hidden float32 buffer would double the
+        # peak (2 GiB at vocab 128256, hidden 4096); others scaled and cast in one pass.
+        dh = None if grad_h is None else grad_h.mul_(grad_loss)
+        dw = grad_w
+        if grad_w is not None and grad_w.dtype == ctx.weight_dtype:
+            dw = grad_w.mul_(grad_loss)
+        elif grad_w is not None:
+            dw = torch.mul(grad_w, grad_loss, out=torch.empty_like(grad_w, dtype=ctx.weight_dtype))
+        return dh, dw, None, None, None, None, None
+
+
 # ----------------------------------------------------------------------------- functional
 
 

@@ -244,7 +244,7 @@ def _user_loss(model, batch: Batch, loss_fn: LossFn, *, rho: float, temperature:
     summed = torch.where(mask > 0, per_token.float(), 0.0).sum()
     # The fused op's stats, on the same log-probs.
     cfg = objective_config(rho=rho, temperature=temperature, kl_coef=kl_coef)
-    inputs = prepare_inputs(batch.targets.shape, logits.shape[-1], logp.device, batch.targets, batch.behavior_logprobs,
+    inputs = prepare_inputs(batch.targets.shape, logp.device, batch.targets, batch.behavior_logprobs,
                             batch.advantages, None, None, ref_logprobs, None, cfg, "sum")
     return summed, objective_stats(logp.reshape(-1), None, inputs.behavior, inputs.mask, inputs.ref, inputs.sequences,
                                    ObjectiveTerms(per_token, None, None, None), inputs.shape)
