@@ -17,6 +17,7 @@ import torch
 from llamarl_core.ops.aipo import IGNORE_INDEX, aipo_loss, aipo_loss_ref, group_advantages, linear_aipo_loss
 from llamarl_core.ops.logprob import GPU_CONFIGS, LogprobConfig, logprob_launches
 from llamarl_core.ops.aipo_inputs import REDUCTIONS
+from llamarl_core.ops.objectives import DEFAULTS
 
 LOSS_TYPES = ["aipo", "ppo", "ppo_tis"]
 
@@ -56,6 +57,13 @@ def _errors(loss, grad, ref_loss, ref_grad):
     return abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-30), ((grad.double() - ref_grad).abs().max() / scale).item()
 
 
+def _params(**kw):
+    """kw without rho for an objective that does not read it (those refuse it)."""
+    if "rho" not in DEFAULTS[kw.get("loss_type", "aipo")]:
+        kw.pop("rho", None)
+    return kw
+
+
 def _run(logits, targets, behavior, advantages, m, old, fn, device=torch.device("cpu"), **kw):
     """fn on the inputs moved to `device`; returns its output and the logits' gradient on CPU."""
     x = logits.to(device).clone().requires_grad_()
@@ -73,7 +81,7 @@ SHAPES = [(1, 1001), (97, 1001), (300, 1001), (97, 32000), (300, 32000)]
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_fp32_matches_float64_reference(device, n, v, loss_type):
     args = _inputs(n, v, torch.float32, n + v)
-    kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type)
+    kw = _params(rho=2.0, temperature=0.7, loss_type=loss_type)
     (loss, stats), grad = _run(*args, aipo_loss, device, **kw)
     ref, ref_grad = _run(args[0].double(), *args[1:], aipo_loss_ref, **kw)
     loss_err, grad_err = _errors(loss, grad, ref, ref_grad)
@@ -85,7 +93,7 @@ def test_fp32_matches_float64_reference(device, n, v, loss_type):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_bf16_within_twice_the_error_of_plain_torch_bf16(device, n, v, loss_type):
     args = _inputs(n, v, torch.bfloat16, 7 * n + v)
-    kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type)
+    kw = _params(rho=2.0, temperature=0.7, loss_type=loss_type)
     (loss, _), grad = _run(*args, aipo_loss, device, **kw)
     naive, naive_grad = _run(*args, aipo_loss_ref, compute_dtype=None, **kw)
     ref, ref_grad = _run(args[0].double(), *args[1:], aipo_loss_ref, **kw)
@@ -100,7 +108,7 @@ def test_bf16_within_twice_the_error_of_plain_torch_bf16(device, n, v, loss_type
 def test_reductions_ratios_and_masks(device, reduction, ratio, mask):
     args = _inputs(60, 1001, torch.float32, 3, ratio=ratio, mask=mask)
     seq = torch.arange(60) // 9
-    kw = dict(rho=4.0, reduction=reduction)
+    kw = _params(rho=4.0, reduction=reduction)
     (loss, stats), grad = _run(*args, aipo_loss, device, sequence_ids=seq.to(device), **kw)
     ref, ref_grad = _run(args[0].double(), *args[1:], aipo_loss_ref, sequence_ids=seq, **kw)
     assert max(_errors(loss, grad, ref, ref_grad)) <= 1e-5
@@ -192,7 +200,7 @@ def test_odd_vocabularies_masked_columns_and_ignored_tokens(device, v, loss_type
         logits[:, 1::4] = float("-inf")
         targets -= targets % 4
     targets[::5] = IGNORE_INDEX
-    kw = dict(rho=2.0, temperature=1.3, loss_type=loss_type)
+    kw = _params(rho=2.0, temperature=1.3, loss_type=loss_type)
     (loss, stats), grad = _run(logits, targets, behavior, advantages, m, old, aipo_loss, device, entropy=True, **kw)
     ref, ref_grad = _run(logits.double(), targets, behavior, advantages, m, old, aipo_loss_ref, **kw)
     assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item()) + 1e-7
@@ -280,6 +288,18 @@ def test_logprob_kernels_match_float64_reference_for_every_config(dtype, vocab):
         expected = want[3].to(dtype).double() if dtype != torch.float32 else want[3]
         torch.testing.assert_close(dlogits.cpu().double(), expected, rtol=2**-7 if dtype != torch.float32 else 1e-5,
                                    atol=1e-6, msg=lambda m: f"dlogits, {config}: {m}")
+        # The entropy's gradient too: + g * (-p (log p + H)) / T, with the entropies the forward wrote.
+        grad_entropy = torch.randn(n, generator=gen)
+        dlogits.fill_(float("nan"))
+        logprob_launches(on[0], on[1], lse, logp, ent, on[2], dlogits, 0.7, *config,
+                         grad_entropy=grad_entropy.to(device))[1].launch(device)
+        x = logits.double() / 0.7
+        p = torch.where(want[0][:, None] == float("-inf"), 0.0, torch.exp(x - want[0][:, None]))
+        log_p = torch.where(p > 0, x - want[0][:, None], 0.0)
+        with_entropy = want[3] - grad_entropy.double()[:, None] / 0.7 * p * (log_p + torch.nan_to_num(want[2])[:, None])
+        expected = with_entropy.to(dtype).double() if dtype != torch.float32 else with_entropy
+        torch.testing.assert_close(dlogits.cpu().double(), expected, rtol=2**-7 if dtype != torch.float32 else 1e-5,
+                                   atol=1e-5, msg=lambda m: f"dlogits with the entropy's gradient, {config}: {m}")
 
 
 def test_gpu_sweep_candidates_compile_for_sm90_without_spills():
@@ -345,7 +365,7 @@ def test_linear_variant_matches_reference(device, dtype, loss_type, chunk_size):
     hidden = torch.randn(n, h, generator=gen).to(dtype)
     weight = (torch.randn(v, h, generator=gen) / 8).to(dtype)
     _, targets, behavior, advantages, m, old = _inputs(n, v, torch.float32, 12)
-    kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type, reduction="sequence_mean")
+    kw = _params(rho=2.0, temperature=0.7, loss_type=loss_type, reduction="sequence_mean")
     seq = torch.arange(n) // 10
     hx, wx = hidden.to(device).clone().requires_grad_(), weight.to(device).clone().requires_grad_()
     loss, stats = linear_aipo_loss(hx, wx, *(t.to(device) for t in (targets, behavior, advantages, m)),
@@ -433,7 +453,7 @@ def test_kl_penalty_matches_float64_reference(device, loss_type, reduction):
     logits, targets, m = args[0], args[1], args[4]
     ref = _ref_logprobs(logits, targets, 32, 0.7)
     seq = torch.arange(n) // 7
-    kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type, reduction=reduction, kl_coef=0.3)
+    kw = _params(rho=2.0, temperature=0.7, loss_type=loss_type, reduction=reduction, kl_coef=0.3)
     (loss, stats), grad = _run(*args, aipo_loss, device, sequence_ids=seq.to(device), ref_logprobs=ref.to(device), **kw)
     expected, expected_grad = _run(logits.double(), *args[1:], aipo_loss_ref, sequence_ids=seq, ref_logprobs=ref, **kw)
     assert max(_errors(loss, grad, expected, expected_grad)) <= 1e-5
@@ -469,7 +489,7 @@ def test_linear_variant_kl_penalty_matches_float64_reference(device, loss_type, 
     _, targets, behavior, advantages, m, old = _inputs(n, v, torch.float32, 36)
     ref = _ref_logprobs(hidden @ weight.t(), targets, 37, 0.7)
     seq = torch.arange(n) // 6
-    kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type, reduction=reduction, kl_coef=0.3)
+    kw = _params(rho=2.0, temperature=0.7, loss_type=loss_type, reduction=reduction, kl_coef=0.3)
     hx, wx = hidden.to(device).clone().requires_grad_(), weight.to(device).clone().requires_grad_()
     loss, stats = linear_aipo_loss(hx, wx, *(t.to(device) for t in (targets, behavior, advantages, m)),
                                    old_logprobs=old.to(device), sequence_ids=seq.to(device),
@@ -489,7 +509,7 @@ def test_kl_penalty_vanishes_when_the_reference_is_the_learner(device):
     """ref_logprobs = the learner's own log-probs: k3 = 0 and dk3 / dlogp = 0 exactly,
     so the loss and the gradients are those without the penalty, bit for bit."""
     logits, targets, behavior, advantages, m, old = _inputs(45, 1001, torch.float32, 38)
-    kw = dict(rho=2.0, temperature=0.7)
+    kw = _params(rho=2.0, temperature=0.7)
     (loss, stats), grad = _run(logits, targets, behavior, advantages, m, old, aipo_loss, device, **kw)
     (kl_loss, kl_stats), kl_grad = _run(logits, targets, behavior, advantages, m, old, aipo_loss, device,
                                         ref_logprobs=stats.logprobs, kl_coef=1.0, **kw)
@@ -648,7 +668,10 @@ def _flat_reference_stats(logits, flat, loss_type, rho):
     means = dict(
         entropy=-torch.where(logp_all > float("-inf"), logp_all.exp() * logp_all, 0.0).sum(-1),
         mean_ratio=log_ratio.exp(),
-        truncated_fraction=(log_ratio.exp() > rho).double(),
+        # aipo truncates r at rho, ppo_tis exp(old - b), ppo nothing
+        truncated_fraction={"aipo": log_ratio.exp() > rho, "ppo": torch.zeros_like(logp, dtype=torch.bool),
+                            "ppo_tis": torch.exp(flat["old_logprobs"].double() - flat["behavior_logprobs"].double())
+                            > rho}[loss_type].double(),
         mismatch_kl=log_ratio.exp() - 1 - log_ratio,
         clip_fraction=None if loss_type == "aipo" else (torch.clamp(r_old, 0.8, 1.2) * a < r_old * a).double())
     if "ref_logprobs" in flat:
@@ -682,7 +705,7 @@ def test_batched_equals_flat_call_on_the_counted_tokens(device, loss_type):
         gen = torch.Generator().manual_seed(1000 + case["seed"])
         logits = torch.randn(*case["lead"], case["vocab"], generator=gen) * 2
         batched, flat, counted = _batched_inputs(case, logits)
-        kw = dict(rho=2.0, temperature=1.0, loss_type=loss_type, reduction=case["reduction"])
+        kw = _params(rho=2.0, temperature=1.0, loss_type=loss_type, reduction=case["reduction"])
         x = logits.to(device).clone().requires_grad_()
         on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batched.items()}
         loss, stats = aipo_loss(x, entropy=True, **on_device, **kw)
@@ -714,7 +737,7 @@ def test_linear_variant_batched_equals_flat_call_on_the_counted_tokens(device, l
         hidden = torch.randn(*case["lead"], 24, generator=gen)
         weight = torch.randn(case["vocab"], 24, generator=gen) / 4
         batched, flat, counted = _batched_inputs(case, hidden @ weight.t())
-        kw = dict(rho=2.0, temperature=0.7, loss_type=loss_type, reduction=case["reduction"])
+        kw = _params(rho=2.0, temperature=0.7, loss_type=loss_type, reduction=case["reduction"])
         hx, wx = hidden.to(device).clone().requires_grad_(), weight.to(device).clone().requires_grad_()
         on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batched.items()}
         loss, stats = linear_aipo_loss(hx, wx, chunk_size=5, **on_device, **kw)

@@ -57,7 +57,9 @@ def token_logprobs_ref(logits: torch.Tensor, targets: torch.Tensor, *, temperatu
     valid = targets != IGNORE_INDEX
     picked = logp_all.gather(-1, torch.where(valid, targets, 0).unsqueeze(-1)).squeeze(-1)
     p = logp_all.exp()
-    entropy = -torch.where(p > 0, p * logp_all, 0.0).sum(-1)
+    # log p replaced by 0 where p = 0 (x = -inf), before the product: 0 * -inf would
+    # make the value and, through torch.where's other branch, the gradient NaN.
+    entropy = -(p * torch.where(p > 0, logp_all, 0.0)).sum(-1)
     return torch.where(valid, picked, 0.0), entropy
 
 
