@@ -17,7 +17,7 @@ import torch
 from llamarl_core.ops.aipo import IGNORE_INDEX, aipo_loss, aipo_loss_ref, group_advantages, linear_aipo_loss
 from llamarl_core.ops.logprob import GPU_CONFIGS, LogprobConfig, logprob_launches
 from llamarl_core.ops.aipo_inputs import REDUCTIONS
-from llamarl_core.ops.objectives import DEFAULTS
+from llamarl_core.ops.objectives import DEFAULTS, OLD_POLICY_TYPES
 
 LOSS_TYPES = ["aipo", "ppo", "ppo_tis"]
 
@@ -57,6 +57,15 @@ def _errors(loss, grad, ref_loss, ref_grad):
     return abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-30), ((grad.double() - ref_grad).abs().max() / scale).item()
 
 
+def _old(loss_type, old):
+    """old_logprobs as a keyword for the objectives that read them (the others refuse them)."""
+    return {"old_logprobs": old} if loss_type in OLD_POLICY_TYPES else {}
+
+
+def _without_old(inputs, loss_type):
+    return {k: v for k, v in inputs.items() if k != "old_logprobs" or loss_type in OLD_POLICY_TYPES}
+
+
 def _params(**kw):
     """kw without rho for an objective that does not read it (those refuse it)."""
     if "rho" not in DEFAULTS[kw.get("loss_type", "aipo")]:
@@ -68,7 +77,7 @@ def _run(logits, targets, behavior, advantages, m, old, fn, device=torch.device(
     """fn on the inputs moved to `device`; returns its output and the logits' gradient on CPU."""
     x = logits.to(device).clone().requires_grad_()
     on_device = [t.to(device) for t in (targets, behavior, advantages, m, old)]
-    out = fn(x, *on_device[:4], old_logprobs=on_device[4], **kw)
+    out = fn(x, *on_device[:4], **_old(kw.get("loss_type", "aipo"), on_device[4]), **kw)
     loss = out[0] if isinstance(out, tuple) else out
     loss.backward()
     return out, x.grad.cpu()
@@ -369,9 +378,10 @@ def test_linear_variant_matches_reference(device, dtype, loss_type, chunk_size):
     seq = torch.arange(n) // 10
     hx, wx = hidden.to(device).clone().requires_grad_(), weight.to(device).clone().requires_grad_()
     loss, stats = linear_aipo_loss(hx, wx, *(t.to(device) for t in (targets, behavior, advantages, m)),
-                                   chunk_size=chunk_size, old_logprobs=old.to(device), sequence_ids=seq.to(device), **kw)
+                                   chunk_size=chunk_size, **_old(loss_type, old.to(device)), sequence_ids=seq.to(device),
+                                   **kw)
     loss.backward()
-    kw.update(old_logprobs=old, sequence_ids=seq)
+    kw.update(**_old(loss_type, old), sequence_ids=seq)
     grad_h, grad_w = hx.grad.cpu(), wx.grad.cpu()
 
     def reference(compute_dtype, cast):
@@ -492,11 +502,11 @@ def test_linear_variant_kl_penalty_matches_float64_reference(device, loss_type, 
     kw = _params(rho=2.0, temperature=0.7, loss_type=loss_type, reduction=reduction, kl_coef=0.3)
     hx, wx = hidden.to(device).clone().requires_grad_(), weight.to(device).clone().requires_grad_()
     loss, stats = linear_aipo_loss(hx, wx, *(t.to(device) for t in (targets, behavior, advantages, m)),
-                                   old_logprobs=old.to(device), sequence_ids=seq.to(device),
+                                   **_old(loss_type, old.to(device)), sequence_ids=seq.to(device),
                                    ref_logprobs=ref.to(device), chunk_size=16, **kw)
     loss.backward()
     hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    expected = aipo_loss_ref(hr @ wr.t(), targets, behavior, advantages, m, old_logprobs=old, sequence_ids=seq,
+    expected = aipo_loss_ref(hr @ wr.t(), targets, behavior, advantages, m, **_old(loss_type, old), sequence_ids=seq,
                              ref_logprobs=ref, **kw)
     expected.backward()
     assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
@@ -704,7 +714,8 @@ def test_batched_equals_flat_call_on_the_counted_tokens(device, loss_type):
     for case in BATCHED_CASES:
         gen = torch.Generator().manual_seed(1000 + case["seed"])
         logits = torch.randn(*case["lead"], case["vocab"], generator=gen) * 2
-        batched, flat, counted = _batched_inputs(case, logits)
+        batched, flat_all, counted = _batched_inputs(case, logits)
+        batched, flat = _without_old(batched, loss_type), _without_old(flat_all, loss_type)
         kw = _params(rho=2.0, temperature=1.0, loss_type=loss_type, reduction=case["reduction"])
         x = logits.to(device).clone().requires_grad_()
         on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batched.items()}
@@ -722,7 +733,7 @@ def test_batched_equals_flat_call_on_the_counted_tokens(device, loss_type):
         grad = x.grad.cpu()
         _assert_close(grad[counted], xr.grad, f"dlogits {case}")
         assert torch.count_nonzero(grad[~counted]) == 0 and torch.count_nonzero(xb.grad[~counted]) == 0, case
-        clip_fractions.append(_check_batched_stats(stats, counted, logits[counted], flat, loss_type, case))
+        clip_fractions.append(_check_batched_stats(stats, counted, logits[counted], flat_all, loss_type, case))
     if loss_type != "aipo":  # the clip acted on some tokens and not on others
         assert 0 < sum(clip_fractions) / len(clip_fractions) < 1
 
@@ -737,6 +748,7 @@ def test_linear_variant_batched_equals_flat_call_on_the_counted_tokens(device, l
         hidden = torch.randn(*case["lead"], 24, generator=gen)
         weight = torch.randn(case["vocab"], 24, generator=gen) / 4
         batched, flat, counted = _batched_inputs(case, hidden @ weight.t())
+        batched, flat = _without_old(batched, loss_type), _without_old(flat, loss_type)
         kw = _params(rho=2.0, temperature=0.7, loss_type=loss_type, reduction=case["reduction"])
         hx, wx = hidden.to(device).clone().requires_grad_(), weight.to(device).clone().requires_grad_()
         on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batched.items()}

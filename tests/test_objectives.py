@@ -84,6 +84,11 @@ def _on(batch, device, *names):
 INPUTS = ("targets", "behavior_logprobs", "advantages", "mask", "old_logprobs", "sequence_ids")
 
 
+def _old(inputs, kw):
+    """old_logprobs as a keyword for the objectives that read them (the others refuse them)."""
+    return {"old_logprobs": inputs["old_logprobs"]} if kw["loss_type"] in OLD_POLICY_TYPES else {}
+
+
 def _rel(got, want):
     return ((got.double().cpu() - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
 
@@ -102,7 +107,7 @@ def _reference(batch, kw, cast=torch.float64, compute_dtype=torch.float64, hidde
     else:
         h, w = _leaf(hidden, cast), _leaf(weight, cast)
         leaves, logits = [h, w], h @ w.t()
-    loss = aipo_loss_ref(logits, *(batch[n] for n in INPUTS[:4]), old_logprobs=batch["old_logprobs"],
+    loss = aipo_loss_ref(logits, *(batch[n] for n in INPUTS[:4]), **_old(batch, kw),
                          sequence_ids=batch["sequence_ids"], compute_dtype=compute_dtype, **refs, **kw)
     loss.backward()
     return loss, [leaf.grad for leaf in leaves]
@@ -125,12 +130,12 @@ def _ours(batch, kw, device, dtype=torch.float32, hidden=None, weight=None, chun
     inputs = _on(batch, device, *INPUTS)
     if hidden is None:
         x = _leaf(batch["logits"], dtype, device)
-        loss, stats = aipo_loss(x, *(inputs[n] for n in INPUTS[:4]), old_logprobs=inputs["old_logprobs"],
+        loss, stats = aipo_loss(x, *(inputs[n] for n in INPUTS[:4]), **_old(inputs, kw),
                                 sequence_ids=inputs["sequence_ids"], **refs, **kw)
         leaves = [x]
     else:
         h, w = _leaf(hidden, dtype, device), _leaf(weight, dtype, device)
-        loss, stats = linear_aipo_loss(h, w, *(inputs[n] for n in INPUTS[:4]), old_logprobs=inputs["old_logprobs"],
+        loss, stats = linear_aipo_loss(h, w, *(inputs[n] for n in INPUTS[:4]), **_old(inputs, kw),
                                        sequence_ids=inputs["sequence_ids"], chunk_size=chunk_size, **refs, **kw)
         leaves = [h, w]
     loss.backward()
@@ -201,19 +206,20 @@ def test_bf16_within_twice_the_error_of_plain_torch_bf16(device, loss_type):
 
 
 def test_ratios_far_outside_every_window_stay_finite(device):
-    """Log-ratios of +-60 (exp(60) = 1e26, its square past float32): every
-    objective's loss, gradient and stats finite, and equal to the reference."""
+    """Log-ratios of +-60 against the behaviour (exp(60) = 1e26, its square past
+    float32) and of +100 against the old policy, one of them on a row whose
+    advantage is 0 (inf * 0 would be NaN): every objective's loss, gradient and
+    stats finite, and equal to the reference (ratios clamped at exp(80))."""
     batch = _batch(3, spread=40.0)
+    batch["old_logprobs"][1, 0] -= 100.0
+    batch["old_logprobs"][3, 1] -= 100.0
+    batch["advantages"][1] = 0.0
     for loss_type in LOSS_TYPES:
         kw = _params(loss_type, {})
-        if loss_type in ("ppo", "ppo_tis", "gspo"):  # their ratio carries the gradient: keep it in range
-            batch_type = {**batch, "old_logprobs": _batch(3)["old_logprobs"]}
-        else:
-            batch_type = batch
-        loss, (grad,), stats = _ours(batch_type, kw, device)
-        want, (want_grad,) = _reference(batch_type, kw)
+        loss, (grad,), stats = _ours(batch, kw, device)
+        want, (want_grad,) = _reference(batch, kw)
         assert math.isfinite(loss.item()) and torch.isfinite(grad).all(), loss_type
-        _assert_within_float32(loss, [grad], batch_type, kw, want, [want_grad])
+        _assert_within_float32(loss, [grad], batch, kw, want, [want_grad])
         assert math.isfinite(stats.mismatch_kl.item()) and math.isfinite(stats.mean_abs_log_ratio.item())
 
 
@@ -283,11 +289,11 @@ def test_micro_batches_with_the_global_normalizer_add_up_to_the_whole_batch(loss
     total = total_linear = 0.0
     for rows in (slice(0, 2), slice(2, 3), slice(3, 5)):
         part = {name: value[rows] for name, value in batch.items()}
-        loss, _ = aipo_loss(x[rows], *(part[n] for n in INPUTS[:4]), old_logprobs=part["old_logprobs"],
+        loss, _ = aipo_loss(x[rows], *(part[n] for n in INPUTS[:4]), **_old(part, kw),
                             sequence_ids=part["sequence_ids"], normalizer=normalizer, **kw)
         loss.backward()
         total += loss.item()
-        loss_l, _ = linear_aipo_loss(h[rows], w, *(part[n] for n in INPUTS[:4]), old_logprobs=part["old_logprobs"],
+        loss_l, _ = linear_aipo_loss(h[rows], w, *(part[n] for n in INPUTS[:4]), **_old(part, kw),
                                      sequence_ids=part["sequence_ids"], normalizer=normalizer, chunk_size=8, **kw)
         loss_l.backward()
         total_linear += loss_l.item()
@@ -385,6 +391,8 @@ def test_refusals_name_the_culprit():
         aipo_loss(*args, loss_type="ppo", old_logprobs=batch["old_logprobs"], mask_high=2.0)
     with pytest.raises(ValueError, match=r'loss_type="gspo" needs old_logprobs'):
         aipo_loss(*args, loss_type="gspo")
+    with pytest.raises(ValueError, match=r'loss_type="icepop" does not read old_logprobs'):
+        aipo_loss(*args, loss_type="icepop", old_logprobs=batch["old_logprobs"])
     with pytest.raises(ValueError, match=r"mask_low and mask_high must satisfy"):
         aipo_loss(*args, loss_type="icepop", mask_low=2.0, mask_high=1.0)
     with pytest.raises(ValueError, match=r"eps_low must be <= 1"):
@@ -465,7 +473,15 @@ def _vocab_parallel_rank(rank, world, port, results):
                                  process_group=dist.group.WORLD)
         want, _ = token_logprobs_ref(batch["logits"], batch["targets"])
         worst = max(worst, _rel(logp, want))
-        results.put((rank, worst))
+        # Shards of unequal sizes: refused on every rank (none left waiting), before any kernel.
+        uneven = batch["logits"][..., : vocab // world + (rank == 0)].contiguous()
+        try:
+            token_logprobs(uneven, batch["targets"], process_group=dist.group.WORLD)
+            refused = False
+        except ValueError as error:
+            refused = "one size on every rank" in str(error)
+        results.put((rank, worst if refused else float("inf")))
+        dist.barrier()  # every rank done with its sends before any tears the group down
     finally:
         dist.destroy_process_group()
 

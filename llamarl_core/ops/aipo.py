@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .aipo_inputs import IGNORE_INDEX, TargetCheck, TokenInputs, check_kl, check_normalizer, flat_logits, per_token_advantages, \
-    prepare_inputs
+from .aipo_inputs import (IGNORE_INDEX, TargetCheck, TokenInputs, check_kl, check_logits, check_normalizer, check_old,
+                          per_token_advantages, prepare_inputs)
 from .logprob import LinearChunkLossFunction, check_linear, linear_token_logprobs, token_logprobs
 from .objectives import (MAX_LOG_RATIO, SEQUENCE_TYPES, AIPOStats, ObjectiveConfig, objective_config,
                          objective_stats, objective_terms)
@@ -61,6 +61,7 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
     cfg = objective_config(loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
                            mask_high=mask_high, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)
     check_kl(kl_coef, ref_logprobs)
+    check_old(loss_type, old_logprobs)
     dtype = logits.dtype if compute_dtype is None else compute_dtype
     logp_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1).reshape(-1, logits.shape[-1])
     t = targets.reshape(-1)
@@ -91,7 +92,7 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
     if kind == "aipo":
         terms = pg(torch.clamp(torch.exp(log_r.clamp(max=MAX_LOG_RATIO)), max=cfg.rho))
     elif kind in ("ppo", "ppo_tis"):
-        q = torch.exp(logp - old)
+        q = torch.exp((logp - old).clamp(max=MAX_LOG_RATIO))
         terms = -torch.minimum(q * a, clip(q) * a)
         if kind == "ppo_tis":
             terms = torch.clamp(torch.exp((old - b).clamp(max=MAX_LOG_RATIO)), max=cfg.rho) * terms
@@ -113,7 +114,7 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
                 keep = cfg.mask_low <= torch.exp(s / len(idx)) <= cfg.mask_high
                 w[idx] = torch.clamp(torch.exp(log_r[idx].clamp(max=MAX_LOG_RATIO)), max=cfg.rho) * float(keep)
             else:  # gspo: the gradient through g
-                g = torch.exp((logp[idx] - old[idx]).sum() / len(idx))
+                g = torch.exp(((logp[idx] - old[idx]).sum() / len(idx)).clamp(max=MAX_LOG_RATIO))
                 terms = terms.index_put((idx,), -torch.minimum(g * a[idx], clip(g) * a[idx]))
         if kind != "gspo":
             terms = pg(w)
@@ -209,7 +210,7 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
     """
     cfg = objective_config(loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
                            mask_high=mask_high, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)
-    flat_logits(logits)  # the logits' own checks first
+    check_logits(logits)  # the logits' own checks first
     inputs = prepare_inputs(logits.shape[:-1], logits.device, targets, behavior_logprobs, advantages, mask,
                             old_logprobs, ref_logprobs, sequence_ids, cfg, reduction, normalizer)
     logp, ent = token_logprobs(logits, inputs.targets.view(inputs.shape), temperature=temperature,
@@ -257,7 +258,12 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
     inputs = prepare_inputs(hidden.shape[:-1], hidden.device, targets, behavior_logprobs, advantages, mask,
                             old_logprobs, ref_logprobs, sequence_ids, cfg, reduction, normalizer)
     with_entropy = entropy or entropy_coef > 0
-    if process_group is not None or cfg.loss_type in SEQUENCE_TYPES:
+    # The three-GEMM path only where it pays: a token-local objective, gradients
+    # wanted, one rank's whole vocabulary, and eager mode (it runs autograd.grad
+    # per chunk inside its forward, which torch.compile does not trace).
+    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if (process_group is not None or cfg.loss_type in SEQUENCE_TYPES or not wants_grad
+            or torch.compiler.is_compiling()):
         logp, ent = linear_token_logprobs(hidden, weight, inputs.targets.view(inputs.shape), temperature=temperature,
                                           entropy=with_entropy, chunk_size=chunk_size, process_group=process_group)
         return _policy_loss(logp, ent, inputs, cfg)

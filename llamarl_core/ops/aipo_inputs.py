@@ -54,6 +54,17 @@ def check_kl(kl_coef: float, ref_logprobs: torch.Tensor | None) -> None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs (the reference policy's log-probs, per token)")
 
 
+def check_old(loss_type: str, old: torch.Tensor | None) -> None:
+    """old_logprobs given exactly to the objectives that read them: an objective
+    whose weights come from the behaviour log-probs alone would ignore them (verl
+    and TRL users port weights computed from old / rollout)."""
+    if loss_type in OLD_POLICY_TYPES and old is None:
+        raise ValueError(f'loss_type="{loss_type}" needs old_logprobs (the trainer\'s old policy, per token)')
+    if loss_type not in OLD_POLICY_TYPES and old is not None:
+        raise ValueError(f'loss_type="{loss_type}" does not read old_logprobs (its weights come from the learner '
+                         f"and behaviour log-probs; {', '.join(OLD_POLICY_TYPES)} read them)")
+
+
 def check_normalizer(normalizer, device) -> torch.Tensor | float | None:
     """normalizer as the reductions take it: None, a positive finite number, or a
     0-dim tensor (moved to `device`; its value is not checked, which would cost a
@@ -71,12 +82,18 @@ def check_normalizer(normalizer, device) -> torch.Tensor | float | None:
     return float(normalizer)
 
 
-def flat_logits(logits: torch.Tensor) -> torch.Tensor:
-    """logits (num_tokens, vocab) or (..., vocab) as 2-D rows with unit column stride."""
+def check_logits(logits: torch.Tensor) -> None:
+    """ValueError unless logits are (num_tokens, vocab) or (..., vocab) in a float dtype the kernels take."""
     if logits.dim() < 2:
         raise ValueError(f"logits must be (num_tokens, vocab) or (..., vocab), got shape {tuple(logits.shape)}")
     if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"logits dtype must be bfloat16, float16 or float32, got {logits.dtype}")
+
+
+def flat_logits(logits: torch.Tensor) -> torch.Tensor:
+    """logits (num_tokens, vocab) or (..., vocab) as 2-D rows with unit column
+    stride (a copy only where no such view exists, e.g. logits[:, :-1] of (B, T, V))."""
+    check_logits(logits)
     flat = logits.reshape(-1, logits.shape[-1])
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
@@ -227,8 +244,7 @@ def prepare_inputs(shape: torch.Size, device, targets, behavior, advantages, mas
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_kl(cfg.kl_coef, ref)
-    if cfg.loss_type in OLD_POLICY_TYPES and old is None:
-        raise ValueError(f'loss_type="{cfg.loss_type}" needs old_logprobs (the trainer\'s old policy, per token)')
+    check_old(cfg.loss_type, old)
     normalizer = check_normalizer(normalizer, device)
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise ValueError(f"targets must be integer token ids, got {targets.dtype}")

@@ -367,9 +367,29 @@ def _(logits, targets, lse, coef, entropy, grad_entropy, temperature):
 # ----------------------------------------------------------------------------- vocabulary shards
 
 
+def check_equal_shards(local_vocab: int, group, device: torch.device) -> None:
+    """ValueError on every rank (each sees the same sizes: no rank is left
+    waiting) unless the group's ranks all hold local_vocab columns: an all-gather
+    of one integer and its host sync, outside the op, every call (a cache could
+    differ between ranks and leave one waiting in the gather). Skipped under
+    torch.compile and CUDA graph capture."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if group is None or capturing or torch.compiler.is_compiling():
+        return
+    size = torch.tensor([local_vocab], dtype=torch.int64,
+                        device=device if dist.get_backend(group) != "gloo" else "cpu")
+    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    sizes = [int(s.item()) for s in sizes]
+    if len(set(sizes)) != 1:
+        raise ValueError(f"vocabulary shards must have one size on every rank of process_group (Megatron pads the "
+                         f"vocabulary to a multiple of the group's size), got {sizes} columns by rank")
+
+
 def vocab_shard(local_vocab: int, group) -> tuple[int, int]:
     """(first column of this rank's shard, the whole vocabulary) of a group whose
-    ranks hold local_vocab columns each; (0, local_vocab) without a group."""
+    ranks hold local_vocab columns each (check_equal_shards); (0, local_vocab)
+    without a group."""
     if group is None:
         return 0, local_vocab
     return dist.get_rank(group) * local_vocab, dist.get_world_size(group) * local_vocab
@@ -649,6 +669,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     flat = flat_logits(logits)
     shape = logits.shape[:-1]
     flat_targets = _check_targets(targets, shape)
+    check_equal_shards(logits.shape[-1], process_group, logits.device)
     check = TargetCheck(flat_targets, vocab_shard(logits.shape[-1], process_group)[1], shape)
     logp, ent = TokenLogprobsFunction.apply(flat, flat_targets, temperature, entropy, process_group)
     check.wait()
@@ -694,8 +715,10 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     """token_logprobs of hidden @ weight.T without ever holding the full logits.
 
     hidden: (num_tokens, H) or (..., H); weight: (vocab, H), the lm-head (with
-    process_group, this rank's rows of it; hidden the same on every rank);
-    gradients flow to both. chunk_size: tokens per chunk (default: about 1 GiB
+    process_group, this rank's rows of it; hidden the same on every rank, and
+    its gradient all-reduced over the group: with Megatron's sequence
+    parallelism, gather hidden with an op whose backward does not reduce it
+    again); gradients flow to both. chunk_size: tokens per chunk (default: about 1 GiB
     of logits in their dtype on a GPU, 32 Mi logits on CPU). Memory beyond
     inputs and outputs: one chunk of logits and, with several chunks, a vocab x
     H float32 accumulator of the weight's gradient in the backward. Targets and
@@ -704,6 +727,7 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     chunk_size = check_linear(hidden, weight, chunk_size)
     shape = hidden.shape[:-1]
     flat_targets = _check_targets(targets, shape)
+    check_equal_shards(weight.shape[0], process_group, weight.device)
     check = TargetCheck(flat_targets, vocab_shard(weight.shape[0], process_group)[1], shape)
     logp, ent = LinearTokenLogprobsFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets,
                                                   temperature, entropy, chunk_size, process_group)

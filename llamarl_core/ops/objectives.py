@@ -10,7 +10,8 @@ tokens of i of (logp_t - b_t), n_i their count, sg = no gradient.
 
     aipo      l_t = -sg(min(r_t, rho)) A_t logp_t                      (LlamaRL)
     ppo       l_t = -min(q_t A_t, clip(q_t, 1 - eps_low, 1 + eps_high) A_t)
-    ppo_tis   l_t = min(exp(old_t - b_t), rho) * ppo's l_t   (AReaL's decoupled PPO)
+    ppo_tis   l_t = min(exp(old_t - b_t), rho) * ppo's l_t   (decoupled PPO, the behaviour
+              weight truncated)
     icepop    l_t = -sg(r_t 1[mask_low <= r_t <= mask_high]) A_t logp_t
     seq_tis   l_t = -sg(min(exp(s_i), rho)) A_t logp_t
     seq_mis   l_t = -sg(exp(s_i) 1[mask_low <= exp(s_i) <= mask_high]) A_t logp_t
@@ -21,8 +22,10 @@ tokens of i of (logp_t - b_t), n_i their count, sg = no gradient.
     cispo     l_t = -sg(clip(q_t, 1 - eps_low, 1 + eps_high)) A_t logp_t
 
 An IS weight w = 0 gives l_t = 0 (not 0 * logp, which is NaN at logp = -inf).
-exp(s_i) and r_t are evaluated with the log clamped at MAX_LOG_RATIO (80), so
-they stay finite; each is a constant (sg) wherever it is clamped. Around every
+Every ratio (r_t, q_t, exp(old_t - b_t), exp(s_i), g_i) is evaluated with its
+log clamped at MAX_LOG_RATIO (80), so it stays finite (a ratio of inf times an
+advantage of 0 would be NaN); one that carries a gradient (q_t in ppo, g_i) has
+none where it is clamped. Around every
 objective: + kl_coef * k3(ref_t - logp_t) (reference_kl) - entropy_coef * H_t.
 """
 
@@ -46,8 +49,10 @@ DEFAULTS = {
     "aipo": dict(rho=4.0),
     # PPO (Schulman et al. 2017): clip 0.2 on both sides.
     "ppo": dict(eps_low=0.2, eps_high=0.2),
-    # AReaL, PPOActorConfig: behave_imp_weight_cap 5.0; the clip as PPO's.
-    "ppo_tis": dict(rho=5.0, eps_low=0.2, eps_high=0.2),
+    # rho as aipo's (this release's default since ppo_tis came; AReaL's
+    # behave_imp_weight_cap is 5.0, and AReaL masks the tokens above it where
+    # ppo_tis truncates them); the clip as PPO's.
+    "ppo_tis": dict(rho=4.0, eps_low=0.2, eps_high=0.2),
     # verl's token IcePop presets (RolloutCorrectionConfig: threshold_lower 0.5,
     # threshold 5.0), as OpenRLHF's and NeMo-RL's (prorlv2.yaml).
     "icepop": dict(mask_low=0.5, mask_high=5.0),
@@ -195,7 +200,7 @@ def objective_terms(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: 
         on = counted.to(logp.dtype)
         if kind == "gspo":
             n = sequences.sum(on).clamp(min=1.0)
-            g = torch.exp(sequences.sum((logp - old) * on) / n)[sequences.index]
+            g = _exp_clamped(sequences.sum((logp - old) * on) / n)[sequences.index]
             terms, clipped = _clipped_surrogate(g, a, cfg)
         else:
             s = sequences.sum(log_r * on)
@@ -228,7 +233,7 @@ def objective_terms(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: 
         clipped = (q < 1 - cfg.eps_low) | (q > 1 + cfg.eps_high)
         terms = _weighted_pg(torch.clamp(q, 1 - cfg.eps_low, 1 + cfg.eps_high), a, logp)
     else:  # ppo, ppo_tis
-        terms, clipped = _clipped_surrogate(torch.exp(logp - old), a, cfg)
+        terms, clipped = _clipped_surrogate(_exp_clamped(logp - old), a, cfg)
         if kind == "ppo_tis":
             tis = _exp_clamped(old - behavior)
             truncated = tis > cfg.rho
@@ -263,7 +268,7 @@ class AIPOStats:
     mismatch_k1: torch.Tensor | None = None  # k1 estimate of KL(mu || learner): mean(-log r)
     chi_squared: torch.Tensor | None = None  # chi-squared divergence estimate: mean(r^2) - 1
     # Effective sample size of the weights r over the counted tokens, as a fraction of
-    # them: (sum m r)^2 / (sum m * sum m r^2), 1 when every r is equal
+    # them: (sum m r)^2 / (sum m * sum m r^2), 1 when every r is equal, 0 when nothing counts
     ess_fraction: torch.Tensor | None = None
     mean_abs_log_ratio: torch.Tensor | None = None  # mean |log r|
     max_abs_log_ratio: torch.Tensor | None = None  # max |log r| over the counted tokens (0 without one)
@@ -314,8 +319,8 @@ def objective_stats(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: 
         ref_kl=None if ref is None else mean(reference_kl(logp, ref)[0]),
         clip_fraction=None if terms.clipped is None else fraction(terms.clipped),
         mismatch_k1=mean(-log_r),
-        chi_squared=mean(r * r) - 1,
-        ess_fraction=torch.where(weighted_r2 > 0, weighted_r**2 / (count * weighted_r2), 1.0),
+        chi_squared=torch.where(total > 0, mean(r * r) - 1, 0.0),  # 0, not -1, when nothing counts
+        ess_fraction=torch.where(weighted_r2 > 0, weighted_r**2 / (count * weighted_r2), 0.0),
         mean_abs_log_ratio=mean(log_r.abs()),
         max_abs_log_ratio=abs_log_r.max() if abs_log_r.numel() else torch.zeros((), device=mask.device),
         masked_fraction=None if terms.masked is None else fraction(terms.masked),
