@@ -200,7 +200,7 @@ _SWEEP_MIN_PROGRAMS = (0, 8192, 32768)
 
 def sweep_configs() -> tuple[list, list]:
     """(forward candidates, backward candidates), LogprobConfigs."""
-    from llamarl_core.ops.logprob import LogprobConfig
+    from llamarl_core.ops.logprob_launch import LogprobConfig
 
     return ([LogprobConfig(b, r, w) for b, r, w in _SWEEP_LAUNCHES],
             [LogprobConfig(b, r, w, p) for b, r, w in _SWEEP_LAUNCHES for p in _SWEEP_MIN_PROGRAMS])
@@ -210,7 +210,7 @@ def sweep_variants() -> list:
     """Each candidate's forward and backward launch on small CPU bf16 tensors standing
     in for CUDA ones, for llamarl_core.ops.kernel_check (tests/test_aipo.py
     compiles them for sm_90). The backward's grid does not change what compiles."""
-    from llamarl_core.ops.logprob import logprob_launches
+    from llamarl_core.ops.logprob_launch import logprob_launches
 
     logits = torch.empty((4, SWEEP_SHAPES[0][1]), dtype=torch.bfloat16)
     targets = torch.empty(4, dtype=torch.int64)
@@ -240,7 +240,7 @@ def _kernel_rows(tokens: int, vocab: int, device: torch.device) -> list[dict]:
     """Each candidate's forward and backward alone, beside a copy of the logits'
     bytes; `max diff` against the default configs' outputs catches a broken one."""
     from llamarl_core.ops.aipo import aipo_loss
-    from llamarl_core.ops.logprob import logprob_configs, logprob_launches
+    from llamarl_core.ops.logprob_launch import logprob_configs, logprob_launches
 
     gen = torch.Generator(device=device).manual_seed(0)
     logits = (torch.randn(tokens, vocab, device=device, generator=gen) * 2).to(torch.bfloat16)

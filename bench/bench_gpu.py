@@ -87,7 +87,7 @@ def fp8_rows(copy_bps: float, shape=(14336, 4096)) -> list[dict]:
 
 def aipo_rows(copy_bps: float, repeats: int, tokens: int = 4096, vocab: int = 128256) -> list[dict]:
     from llamarl_core.ops.aipo import aipo_loss, aipo_loss_ref
-    from llamarl_core.ops.logprob import logprob_backward, logprob_forward
+    from llamarl_core.ops.logprob_launch import logprob_backward, logprob_forward
 
     logits = (torch.randn(tokens, vocab, device="cuda") * 2).to(torch.bfloat16)
     targets = torch.randint(0, vocab, (tokens,), device="cuda")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llamarl_core.ops.aipo import IGNORE_INDEX, aipo_loss, aipo_loss_ref, group_advantages, linear_aipo_loss
-from llamarl_core.ops.logprob import GPU_CONFIGS, LogprobConfig, logprob_launches
+from llamarl_core.ops.logprob_launch import GPU_CONFIGS, LogprobConfig, logprob_launches
 from llamarl_core.ops.aipo_inputs import REDUCTIONS
 from llamarl_core.ops.objectives import DEFAULTS, OLD_POLICY_TYPES
 

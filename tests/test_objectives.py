@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 
 from llamarl_core.ops.aipo import IGNORE_INDEX, aipo_loss, aipo_loss_ref, linear_aipo_loss
 from llamarl_core.ops.aipo_inputs import REDUCTIONS
-from llamarl_core.ops.logprob import (linear_token_logprobs, logprob_backward, logprob_forward, token_logprobs,
-                                      token_logprobs_ref)
+from llamarl_core.ops.logprob import linear_token_logprobs, token_logprobs, token_logprobs_ref
+from llamarl_core.ops.logprob_launch import logprob_backward, logprob_forward
 from llamarl_core.ops.objectives import DEFAULTS, LOSS_TYPES, OLD_POLICY_TYPES
 
 CUDA = torch.cuda.is_available()

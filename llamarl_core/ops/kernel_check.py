@@ -45,9 +45,9 @@ class CompiledVariant:
 
 
 def _variants():
-    from . import fp8, logprob
+    from . import fp8, logprob_launch
 
-    return [*fp8.kernel_variants(), *logprob.kernel_variants()]
+    return [*fp8.kernel_variants(), *logprob_launch.kernel_variants()]
 
 
 def _uses_software_fp8(launch) -> bool:
