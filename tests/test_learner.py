@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from llamarl_core.ops.objectives import CLIP_TYPES, DEFAULTS, LOSS_TYPES
 from llamarl_core.pipeline import learner
 from llamarl_core.pipeline.rollout import Sample
 
@@ -96,7 +97,8 @@ def _samples(seed: int, num_groups: int = 4, per_group: int = 3) -> list[Sample]
     return samples
 
 
-STEP = dict(pad_token_id=0, rho=2.0, temperature=0.9)
+PLAIN = dict(pad_token_id=0, temperature=0.9)
+STEP = dict(PLAIN, rho=2.0)  # AIPO's
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -108,26 +110,47 @@ def _assert_grads_close(got: list[torch.Tensor], want: list[torch.Tensor], rel: 
     assert len(got) == len(want) and max(errors) <= rel, max(errors)
 
 
+# Every StepStats figure that AIPOStats has too (ess_fraction is combined from mean_ratio and chi_squared).
+STATS = ("mismatch_kl", "truncated_fraction", "mean_ratio", "clip_fraction", "entropy", "mismatch_k1", "chi_squared",
+         "ess_fraction", "mean_abs_log_ratio", "max_abs_log_ratio", "masked_fraction", "sequence_truncated_fraction",
+         "sequence_masked_fraction")
+
+
 @pytest.mark.usefixtures("torch_loss_path")
-def test_micro_batches_accumulate_the_whole_batch_gradient():
+@pytest.mark.parametrize("loss, parameters", [("aipo", dict(rho=2.0)),
+                                              ("geo_mask", dict(rho=1.5, mask_low=0.7, mask_high=1.2)),
+                                              ("gspo", {})])
+def test_micro_batches_accumulate_the_whole_batch_gradient(loss, parameters):
     """Micro-batches of 1, 2 and 3 samples give the gradient, loss and stats of one
-    batch, and those are policy_loss's token mean over the whole collated batch.
-    Groups of 3 samples straddle micro-batches of 2: advantages centred per
-    micro-batch would differ. lr 0 keeps the model as it is between the runs."""
+    batch, and those are policy_loss's token mean over the whole collated batch
+    (the per-sequence fractions over its sequences, the maximum |log r| its
+    maximum). Groups of 3 samples straddle micro-batches of 2: advantages centred
+    per micro-batch would differ. lr 0 keeps the model as it is between the runs.
+    geo_mask: tokens truncated and sequences masked, some not; gspo: the gradient
+    through each sequence's ratio."""
     samples = _samples(1)
     model = _tiny_llama()
-    loss, stats = learner.policy_loss(model, learner.collate(samples, 0), rho=2.0, temperature=0.9)
-    loss.backward()
+    batch = learner.collate(samples, 0)
+    old = learner._reference_logprobs(model, batch, 0.9, None) if loss == "gspo" else None
+    whole, stats = learner.policy_loss(model, batch, temperature=0.9, loss=loss, old_logprobs=old, **parameters)
+    whole.backward()
     expected = [p.grad.clone() for p in model.parameters()]
     expected_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in expected])).item()
+    if loss == "geo_mask":
+        assert 0 < stats.truncated_fraction < 1 and 0 < stats.sequence_masked_fraction < 1, stats
     optimizer = _RecordingSGD(model.parameters(), lr=0.1)
     for size in (None, 1, 2, 3):
-        step = learner.train_step(model, optimizer, samples, lr=0.0, micro_batch_size=size, **STEP)
+        step = learner.train_step(model, optimizer, samples, lr=0.0, micro_batch_size=size, loss=loss, **PLAIN,
+                                  **parameters)
         _assert_grads_close(optimizer.grads, expected)
-        assert step.loss == pytest.approx(loss.item(), rel=1e-5)
+        assert step.loss == pytest.approx(whole.item(), rel=1e-5, abs=1e-7)  # the advantages' sum cancels: a small loss
         assert step.grad_norm == pytest.approx(expected_norm, rel=1e-5)
-        for name in ("mismatch_kl", "truncated_fraction", "mean_ratio"):
-            assert getattr(step, name) == pytest.approx(getattr(stats, name).item(), rel=1e-5, abs=1e-7), (size, name)
+        for name in STATS:
+            want = getattr(stats, name)
+            if want is None:
+                assert getattr(step, name) is None, (size, name)
+            else:
+                assert getattr(step, name) == pytest.approx(want.item(), rel=1e-5, abs=1e-6), (size, name)
         assert step.ref_kl is None and step.lr == 0.0
         assert step.truncated_samples == sum(not s.finished for s in samples)
         assert all(p.grad is None for p in model.parameters())  # zeroed after the step
@@ -284,6 +307,11 @@ def test_autocast_keeps_float32_masters():
     (dict(max_grad_norm=0.0), "max_grad_norm must be > 0"),
     (dict(lr=-1.0), "lr must be finite and >= 0"),
     (dict(samples=[]), "no samples"),
+    (dict(loss="ppo"), 'loss_type="ppo" does not read rho'),  # STEP's rho, AIPO's
+    (dict(loss="aipo", eps_high=0.3), 'loss_type="aipo" does not read eps_high'),
+    (dict(loss=lambda logp, batch: -logp), "a function of yours, is given .* reads none of rho"),
+    (dict(loss="icepop", rho=None, mask_low=2.0, mask_high=1.0), "mask_low and mask_high must satisfy"),
+    (dict(entropy_coef=-0.1), "entropy_coef must be finite and >= 0"),
 ])
 def test_bad_train_step_arguments_raise_before_acting(kwargs, match):
     model = _tiny_llama()
@@ -293,6 +321,72 @@ def test_bad_train_step_arguments_raise_before_acting(kwargs, match):
     with pytest.raises(ValueError, match=match):
         learner.train_step(model, optimizer, **args)
     assert all(torch.equal(p, p0) and p.grad is None for p, p0 in zip(model.parameters(), before))
+
+
+# ----------------------------------------------------------------------------- every loss type
+
+
+def _plain_policy_gradient(logprobs, batch):
+    """-A logp: the gradient of ppo, gspo and cispo at ratio 1 (old log-probs the policy's own)."""
+    return -batch.advantages * logprobs
+
+
+@pytest.mark.usefixtures("torch_loss_path")
+@pytest.mark.parametrize("loss", LOSS_TYPES)
+def test_every_loss_type_trains_a_step_with_its_statistics(loss):
+    """One real step of each built-in loss (micro-batches, the entropy bonus, an
+    SGD update): finite loss and gradient norm, the weights moved, every
+    statistic in its range and None exactly where the loss has no such thing.
+    The losses that ignore the behaviour log-probs (ppo, gspo, cispo) take the
+    plain policy gradient (with the same entropy bonus, a loss of yours) at
+    ratio 1: their old log-probs are the policy's own."""
+    samples = _samples(10)
+    model = _tiny_llama()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = _RecordingSGD(model.parameters(), lr=0.1)
+    step = learner.train_step(model, optimizer, samples, lr=0.1, micro_batch_size=5, loss=loss, entropy_coef=0.01,
+                              **PLAIN)
+    assert math.isfinite(step.loss) and math.isfinite(step.grad_norm) and step.grad_norm > 0, step
+    assert any(not torch.equal(p.detach(), p0) for p, p0 in zip(model.parameters(), before))
+    assert step.counted_tokens == sum(len(s.tokens) for s in samples) and step.ref_kl is None
+    assert (step.clip_fraction is None) == (loss not in CLIP_TYPES)
+    assert (step.masked_fraction is None) == (loss not in ("icepop", "seq_mis", "geo_mask"))
+    fractions = ("truncated_fraction", "clip_fraction", "masked_fraction", "sequence_truncated_fraction",
+                 "sequence_masked_fraction", "ess_fraction")
+    assert all(0 <= getattr(step, name) <= 1 for name in fractions if getattr(step, name) is not None), step
+    assert step.mismatch_kl > 0 and step.mean_ratio > 0 and step.chi_squared >= -1 and step.ess_fraction > 0, step
+    assert 0 < step.mean_abs_log_ratio <= step.max_abs_log_ratio and step.mismatch_k1 <= step.mean_abs_log_ratio
+    assert 0 < step.entropy <= math.log(16)  # the tiny model's vocabulary
+    if loss in ("ppo", "gspo", "cispo"):
+        assert step.clip_fraction == 0.0
+        fresh = _tiny_llama()  # the same weights as the model before its step
+        plain = _RecordingSGD(fresh.parameters(), lr=0.1)
+        learner.train_step(fresh, plain, samples, lr=0.0, micro_batch_size=5, loss=_plain_policy_gradient,
+                           entropy_coef=0.01, **PLAIN)
+        _assert_grads_close(optimizer.grads, plain.grads, rel=1e-4)
+
+
+def test_a_parameter_the_loss_does_not_read_is_refused_naming_both():
+    """Set explicitly, a parameter the loss does not read would do nothing: the
+    config (so the CLI, before any executor starts) and train_step refuse it,
+    naming it and the loss; a loss of yours reads none of them."""
+    from llamarl_core.pipeline import TrainConfig
+    from llamarl_core.pipeline.config import LOSS_PARAMETERS
+
+    model = _tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for loss in LOSS_TYPES:
+        reads = DEFAULTS[loss]
+        assert TrainConfig(loss=loss, **reads).loss_parameters == {**dict.fromkeys(LOSS_PARAMETERS), **reads}
+        for name in set(LOSS_PARAMETERS) - set(reads):
+            match = f'loss_type="{loss}" does not read {name} \\(it reads {", ".join(reads)}\\)'
+            with pytest.raises(ValueError, match=match):
+                TrainConfig(loss=loss, **{name: 0.5})
+            with pytest.raises(ValueError, match=match):
+                learner.train_step(model, optimizer, _samples(9), lr=0.1, loss=loss, **PLAIN, **{name: 0.5})
+    with pytest.raises(ValueError, match="'tests:mine', a function of yours, .* reads none of rho, mask_high"):
+        TrainConfig(loss="tests:mine", rho=4.0, mask_high=2.0)
+    assert TrainConfig().rho is None  # aipo's 4.0 by default, ops.objectives.DEFAULTS
 
 
 # ----------------------------------------------------------------------------- learning_rate
@@ -413,29 +507,35 @@ def _aipo_by_hand(logprobs, batch):
 @pytest.mark.parametrize("micro_batch_size", [None, 2])
 def test_a_loss_function_of_yours_drives_the_trainer_like_the_built_in_one(micro_batch_size):
     """A user's AIPO on the per-token log-probs gives the built-in AIPO's loss,
-    gradients and stats (micro-batches included); PPO (old log-probs from the
-    policy itself: ratio 1) gives the plain policy gradient -A dlogp."""
+    gradients and stats (micro-batches and the entropy bonus included); PPO (old
+    log-probs from the policy itself: ratio 1) gives the plain policy gradient
+    -A dlogp. What a loss of yours truncates, masks or clips is None: the trainer
+    cannot see it."""
     samples = _samples(3)
     model = _tiny_llama()
     optimizer = _RecordingSGD(model.parameters(), lr=0.1)
     # PPO at ratio 1: the value -A, the gradient -A dlogp.
     ppo_at_one = lambda logp, batch: -batch.advantages * torch.exp(logp - logp.detach())  # noqa: E731
-    for builtin, mine in (("aipo", _aipo_by_hand), ("ppo", ppo_at_one)):
+    for builtin, mine, parameters, entropy_coef in (("aipo", _aipo_by_hand, dict(rho=STEP["rho"]), 0.05),
+                                                    ("ppo", ppo_at_one, {}, 0.0)):
         want = learner.train_step(model, optimizer, samples, lr=0.0, micro_batch_size=micro_batch_size, loss=builtin,
-                                  **STEP)
+                                  entropy_coef=entropy_coef, **PLAIN, **parameters)
         expected = optimizer.grads
         got = learner.train_step(model, optimizer, samples, lr=0.0, micro_batch_size=micro_batch_size, loss=mine,
-                                 **STEP)
+                                 entropy_coef=entropy_coef, **PLAIN)
         _assert_grads_close(optimizer.grads, expected, rel=1e-4)
         assert got.loss == pytest.approx(want.loss, rel=1e-4, abs=1e-6)
-        assert got.mismatch_kl == pytest.approx(want.mismatch_kl, rel=1e-4, abs=1e-7)
-        assert got.mean_ratio == pytest.approx(want.mean_ratio, rel=1e-5)
-        assert got.clip_fraction is None and (want.clip_fraction is None) == (builtin == "aipo")
+        for name in ("mismatch_kl", "mean_ratio", "entropy", "mismatch_k1", "chi_squared", "ess_fraction",
+                     "mean_abs_log_ratio", "max_abs_log_ratio"):
+            assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-4, abs=1e-7), name
+        assert all(getattr(got, name) is None for name in ("truncated_fraction", "clip_fraction", "masked_fraction",
+                                                           "sequence_truncated_fraction", "sequence_masked_fraction"))
+        assert (want.clip_fraction is None) == (builtin == "aipo")
         assert want.clip_fraction in (None, 0.0)  # PPO at ratio 1 clips nothing
     for bad, match in ((lambda logp, batch: (logp * batch.mask).sum(), "per-token losses"),
                        (lambda logp, batch: batch.advantages.clone(), "no gradient")):
         with pytest.raises(ValueError, match=match):
-            learner.train_step(model, optimizer, samples, lr=0.0, loss=bad, **STEP)
+            learner.train_step(model, optimizer, samples, lr=0.0, loss=bad, **PLAIN)
 
 
 @pytest.mark.usefixtures("torch_loss_path")

@@ -2,6 +2,7 @@
 staleness bound, and whole runs of `llamarl train` between real processes
 (async, sync, resume after a kill, a generator killed mid-run)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from llamarl_core.pipeline import (
     Controller,
     RolloutEngine,
     Sample,
+    StepStats,
     TrainConfig,
     load_task,
 )
@@ -103,6 +105,24 @@ def test_config_rejects_bad_values(bad, match):
 
 def test_config_sync_mode_forces_staleness_zero():
     assert TrainConfig(mode="sync", max_staleness=3).max_staleness == 0
+
+
+def test_config_json_from_before_the_loss_parameters_still_loads(tmp_path):
+    """config.json files once always held rho (4.0 by default), which only set a
+    statistic's threshold for the losses that do not read it: such a file loads
+    (a run resumes) with rho unset where the loss does not read it or it is the
+    loss's default, and kept where it changes what the loss does. A file of today holds every loss parameter: one set for a loss
+    that does not read it is refused."""
+    old = {k: v for k, v in TrainConfig().to_dict().items()
+           if k not in ("eps_low", "eps_high", "mask_low", "mask_high", "entropy_coef")}
+    for loss, rho, kept in (("aipo", 4.0, None), ("aipo", 2.5, 2.5), ("ppo", 4.0, None), ("ppo_tis", 4.0, None),
+                            ("ppo_tis", 2.0, 2.0),
+                            ("pipeline_tasks:aipo_by_hand", 4.0, None)):
+        (tmp_path / "config.json").write_text(json.dumps({**old, "loss": loss, "rho": rho}))
+        config = TrainConfig.load(tmp_path / "config.json")
+        assert config.loss == loss and config.rho == kept, (loss, rho)
+    with pytest.raises(ValueError, match='loss_type="ppo" does not read rho'):
+        TrainConfig.from_dict({**TrainConfig().to_dict(), "loss": "ppo", "rho": 4.0})
 
 
 # ----------------------------------------------------------------------------- generator with left padding
@@ -499,6 +519,10 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path):
     assert "drop --lr --mode" in message  # not silently ignored
     assert "--keep-kv needs --generator vllm" in train_error("--keep-kv", "--out", str(tmp_path / "k"), "--quiet")
     assert not (tmp_path / "k").exists()
+    # A loss parameter the loss does not read would do nothing: refused, naming both.
+    message = train_error("--loss", "gspo", "--rho", "2", "--out", str(tmp_path / "g"), "--quiet")
+    assert message == 'llamarl train: loss_type="gspo" does not read rho (it reads eps_low, eps_high)', message
+    assert not (tmp_path / "g").exists()
     # A task that is not a Task, and reference answers outside the task's alphabet (met by the
     # trainer's warm-up otherwise): one line each, nothing written.
     for task, match in (("llamarl_core.pipeline.task:REVERSE_LETTERS", "gave str, not a llamarl_core.pipeline.Task"),
@@ -769,14 +793,17 @@ def test_reward_model_executor_and_trainer_options(tmp_path):
     rewards are the reward model's scores of the logged completions; the reward
     executor scores while the generator generates (overlapping spans in the trace);
     the KL to the reference is 0 at step 0 and grows; the learning rate follows its
-    warm-up and cosine decay; micro-batches, clipping and masking run."""
+    warm-up and cosine decay; micro-batches, clipping and masking run; the loss is
+    GSPO with its parameters and an entropy bonus, and metrics.jsonl holds every
+    statistic of the trainer's step (StepStats), None where GSPO has none."""
     from llamarl_core.pipeline.learner import learning_rate
 
     reward_model = _reward_model_folder(tmp_path / "rm")
     out = tmp_path / "run"
     proc = llamarl("--out", str(out), *FAST, "--reward-model", str(reward_model), "--reward-batch", "8",
                    "--kl-coef", "0.05", "--lr-warmup-steps", "3", "--lr-schedule", "cosine", "--micro-batch-size", "5",
-                   "--max-grad-norm", "0.5", "--mask-truncated", "--log-rollouts")
+                   "--max-grad-norm", "0.5", "--mask-truncated", "--log-rollouts", "--loss", "gspo", "--eps-low",
+                   "0.002", "--eps-high", "0.003", "--entropy-coef", "0.001")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert len(rollouts) == 12 * 16
@@ -793,6 +820,16 @@ def test_reward_model_executor_and_trainer_options(tmp_path):
                                  min_lr_ratio=config["min_lr_ratio"]) for s in range(12)]
     assert [m["lr"] for m in metrics] == pytest.approx(expected_lr)
     assert all(m["grad_norm"] >= 0 for m in metrics)
+    config = TrainConfig.load(out / "config.json")
+    assert (config.loss, config.eps_low, config.eps_high, config.entropy_coef, config.rho) == ("gspo", 0.002, 0.003,
+                                                                                                 0.001, None)
+    stats = [f.name for f in dataclasses.fields(StepStats) if f.name != "truncated_samples"]
+    for m in metrics:
+        assert all(name in m for name in stats), m
+        assert m["masked_fraction"] is None and m["truncated_fraction"] == 0 and m["sequence_truncated_fraction"] == 0
+        assert 0 <= m["clip_fraction"] <= 1 and 0 < m["ess_fraction"] <= 1 and m["chi_squared"] >= -1, m
+        assert 0 < m["entropy"] and 0 <= m["mean_abs_log_ratio"] <= m["max_abs_log_ratio"], m
+    assert max(m["max_abs_log_ratio"] for m in metrics) > 0  # async: samples of older weights
     trace = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
     generating = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e["name"] == "generate"]
     scoring = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e["name"] == "score"]

@@ -9,11 +9,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .plugins import spec_of
+from ..ops.objectives import DEFAULTS, LOSS_TYPES, objective_config
+from .plugins import name_of, spec_of
 
 MODES = ("async", "sync")
 GENERATORS = ("llama", "vllm")  # built in; or module:Class of a Generator of yours
 LOSS_NORMALIZERS = ("tokens", "dr_grpo")
+# The built-in losses' parameters (ops/objectives.py: which loss reads which, their defaults and sources).
+LOSS_PARAMETERS = ("rho", "eps_low", "eps_high", "mask_low", "mask_high")
 # Fields that take a plug-in: given as an object in Python, kept as its module:attribute name.
 PLUGIN_FIELDS = ("generator", "advantage", "loss", "step_hook", "reward")
 DEVICES = ("cpu", "cuda")
@@ -23,6 +26,25 @@ LR_SCHEDULES = ("constant", "cosine")
 # takes head sizes of 32, 64, ... (not the default model's 24), and its engine takes
 # about 40 s to start here (its own processes; vLLM imported in each).
 VLLM_DEFAULTS = {"hidden_size": 128, "intermediate_size": 256, "timeout_s": 180.0}
+
+
+def check_loss(loss, parameters: dict, *, temperature: float, kl_coef: float, entropy_coef: float) -> None:
+    """ValueError unless `loss` (a built-in name, module:function, or the
+    function) takes `parameters` (LOSS_PARAMETERS -> value or None: its
+    default): one set that the loss does not read is refused naming both (a
+    loss of yours reads none), and the values, temperature, kl_coef and
+    entropy_coef must be in range (ops.objectives.objective_config's checks)."""
+    builtin = isinstance(loss, str) and loss in LOSS_TYPES
+    if not builtin:
+        if isinstance(loss, str) and ":" not in loss:
+            raise ValueError(f"loss {loss!r}: not one of {LOSS_TYPES}, nor module:function")
+        given = [name for name, value in parameters.items() if value is not None]
+        if given:
+            name = loss if isinstance(loss, str) else name_of(loss)
+            raise ValueError(f"loss {name!r}, a function of yours, is given (logprobs, batch) and reads none of "
+                             f"{', '.join(given)} (the built-in losses' parameters): leave them unset")
+    objective_config(loss if builtin else "aipo", **parameters, temperature=temperature, kl_coef=kl_coef,
+                     entropy_coef=entropy_coef)
 
 
 @dataclass
@@ -52,16 +74,25 @@ class TrainConfig:
     max_staleness: int = 1  # async: a sample whose oldest token is version v trains at step s only if s - v <= this
     segment_tokens: int = 4  # K: decode steps per generation segment (partial rollouts)
     temperature: float = 1.0
-    rho: float = 4.0  # AIPO truncation of the importance weight
     # "group_mean", "group_mean_std" (GRPO), "rloo", or module:function (or the function): fn(rewards, group_ids)
     # -> advantages, see llamarl_core.pipeline.advantages
     advantage: str = "group_mean"
-    # "aipo", "ppo", "ppo_tis" (the fused loss op's objectives) or module:function (or the function):
-    # fn(logprobs, batch) -> per-token losses, see llamarl_core.pipeline.learner. PPO's old log-probs cost one more
-    # forward (no gradients) per micro-batch and, at one optimizer step per batch, equal the learner's (ratio 1, no
-    # clipping); "ppo" ignores the generator's log-probs (no off-policy correction of stale samples: "ppo_tis" and
-    # "aipo" correct with them)
+    # The policy loss: one of ops.objectives.LOSS_TYPES (aipo, ppo, ppo_tis, icepop, seq_tis, seq_mis, geo_mask, gspo,
+    # cispo: the fused loss op's objectives, formulas in llamarl_core/ops/objectives.py) or module:function (or the
+    # function): fn(logprobs, batch) -> per-token losses, see llamarl_core.pipeline.learner. ppo, ppo_tis, gspo and
+    # cispo take old log-probs: one more forward (no gradients) per micro-batch, which at one optimizer step per batch
+    # equal the learner's (ratio 1, no clipping); ppo, gspo and cispo ignore the generator's log-probs (no correction
+    # of stale samples), the others correct with them.
     loss: str = "aipo"
+    # The built-in losses' parameters (LOSS_PARAMETERS), None: the loss's default (ops.objectives.DEFAULTS: aipo's rho
+    # 4.0). A parameter the loss does not read, set, is refused (a loss of yours reads none of them).
+    rho: float | None = None  # truncation of the importance weight: aipo, ppo_tis, seq_tis, geo_mask
+    eps_low: float | None = None  # the clip's lower end 1 - eps_low: ppo, ppo_tis, gspo, cispo
+    eps_high: float | None = None  # the clip's upper end 1 + eps_high: ppo, ppo_tis, gspo, cispo
+    mask_low: float | None = None  # the IS weight masked to 0 below: icepop, seq_mis, geo_mask
+    mask_high: float | None = None  # and above: icepop, seq_mis, geo_mask
+    # Weight of the entropy bonus (- entropy_coef * the mean entropy of the policy, at the temperature), any loss
+    entropy_coef: float = 0.0
     # What a step's summed loss is divided by: "tokens" (its completion tokens: a token mean) or "dr_grpo" (a constant,
     # samples x max_new_tokens, as Dr.GRPO does; with advantage "group_mean" that is Dr.GRPO)
     loss_normalizer: str = "tokens"
@@ -119,7 +150,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("temperature", "rho", "lr", "timeout_s", "sync_timeout_s"):
+        for name in ("temperature", "lr", "timeout_s", "sync_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_staleness", "warmup_steps", "eval_size", "eval_every", "lr_warmup_steps", "max_grad_norm",
@@ -154,6 +185,13 @@ class TrainConfig:
         if self.prompts_per_step % self.trainer_world:
             raise ValueError(f"prompts_per_step {self.prompts_per_step} must split evenly over "
                              f"trainer_world {self.trainer_world} ranks")
+        check_loss(self.loss, self.loss_parameters, temperature=self.temperature, kl_coef=self.kl_coef,
+                   entropy_coef=self.entropy_coef)
+
+    @property
+    def loss_parameters(self) -> dict:
+        """The built-in losses' parameters as given (None: the loss's default)."""
+        return {name: getattr(self, name) for name in LOSS_PARAMETERS}
 
     @property
     def generator_processes(self) -> int:
@@ -183,6 +221,13 @@ class TrainConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown config fields {unknown}")
+        if "rho" in data and not any(name in data for name in (*LOSS_PARAMETERS[1:], "entropy_coef")):
+            # A config.json from before the other loss parameters: it always held rho (4.0 by default), which set
+            # only a statistic's threshold for the losses that do not read it. Kept where the loss reads it and it
+            # differs from the loss's default (ppo_tis at the old 4.0: its default is 5.0 now).
+            reads = DEFAULTS.get(data.get("loss", "aipo"), {})
+            if "rho" not in reads or data["rho"] == reads["rho"]:
+                data = {**data, "rho": None}
         return cls(**data)
 
     def save(self, path: Path) -> None:

@@ -40,7 +40,7 @@ from .executors import (
 )
 from .export import checkpoint_path, export_policy
 from .generators import evaluates, plugin_generator
-from .learner import trainer_plugins
+from .learner import MAX_STATS, trainer_plugins
 from .messages import Heartbeat, StoreQueue
 from .plugins import check_main_guard
 from .processes import LocalExecutors
@@ -396,8 +396,9 @@ class Controller:
             "train_time_s": max(r["seconds"] for r in reports),
             "truncated": sum(not x.finished for x in samples),  # completions that hit max_new_tokens
             # The trainer ranks' statistics (loss, grad norm, learning rate, mismatch KL, KL to the
-            # reference, ...), averaged over the ranks.
-            **{key: None if reports[0][key] is None else sum(r[key] for r in reports) / len(reports)
+            # reference, ...), averaged over the ranks; a maximum (max_abs_log_ratio), the ranks' maximum.
+            **{key: None if reports[0][key] is None else
+               max(r[key] for r in reports) if key in MAX_STATS else sum(r[key] for r in reports) / len(reports)
                for key in TRAINER_STATS},
         }
         hooked = {key for r in reports for key in r["hook"]}

@@ -532,11 +532,12 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
             stats, hook_metrics = run_with_hook(
                 step_hook, StepContext(payload["step"], model, optimizer, samples, rank, world, lr),
                 lambda: train_step(model, optimizer, samples, pad_token_id=data.tokenizer.pad_token_id,
-                                   rho=config.rho, temperature=config.temperature, lr=lr,
+                                   temperature=config.temperature, lr=lr,
                                    micro_batch_size=config.micro_batch_size or None,
                                    max_grad_norm=config.max_grad_norm or None, mask_truncated=config.mask_truncated,
                                    kl_coef=config.kl_coef, reference_model=reference, autocast_dtype=autocast,
-                                   loss=objective, advantage=advantage, normalizer=normalizer))
+                                   loss=objective, advantage=advantage, normalizer=normalizer,
+                                   entropy_coef=config.entropy_coef, **config.loss_parameters))
             step = payload["step"] + 1
             end = time.monotonic()
             link.span("train step", start, end, step=payload["step"], samples=len(samples))

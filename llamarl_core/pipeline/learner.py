@@ -1,7 +1,8 @@
 """The trainer's math on a batch of samples: collation, the policy loss on a
-Hugging Face causal LM (AIPO / PPO by name from the fused loss op, or a loss
-function of yours on per-token log-probs), one optimizer step (advantages from
-an estimator, micro-batches, KL penalty against a reference model, gradient
+Hugging Face causal LM (the fused loss op's objectives by name: AIPO, PPO and
+the off-policy corrections of ops/objectives.py; or a loss function of yours on
+per-token log-probs), one optimizer step (advantages from an estimator,
+micro-batches, KL penalty against a reference model, entropy bonus, gradient
 clipping, autocast), the learning-rate schedule, and the supervised warm-up
 loss. No processes here.
 
@@ -11,8 +12,13 @@ train_step(loss=fn)): `fn(logprobs, batch) -> per-token losses`. logprobs:
 of each completion token of `batch` (a Batch: packed rows; 0 off the
 completions, where batch.mask is 0); the result: a tensor of the same shape
 whose gradient reaches logprobs. The trainer keeps the masked entries, adds the
-KL penalty if asked, sums and divides by the step's normaliser (the token count
-of the whole step by default) so that micro-batches add up to one batch.
+KL penalty and the entropy bonus if asked, sums and divides by the step's
+normaliser (the token count of the whole step by default) so that micro-batches
+add up to one batch. It reads none of the built-in losses' parameters (rho,
+eps_low, ...: refused with it), and the step's statistics of what the loss
+itself does (truncated, masked, clipped fractions) are None: the trainer cannot
+see them; the mismatch statistics (mismatch_kl, ess_fraction, ...) are the
+fused op's on the same log-probs, as for the built-in losses.
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ from torch.distributed.tensor import DTensor
 from ..ops.aipo import IGNORE_INDEX, aipo_loss
 from ..ops.aipo_inputs import prepare_inputs
 from ..ops.logprob import token_logprobs
-from ..ops.objectives import DEFAULTS, LOSS_TYPES, ObjectiveTerms, objective_config, objective_stats, reference_kl
+from ..ops.objectives import (LOSS_TYPES, OLD_POLICY_TYPES, AIPOStats, ObjectiveTerms, objective_config,
+                               objective_stats, reference_kl)
 from .advantages import AdvantageFn, advantage_function, compute_advantages, group_mean
-from .config import LR_SCHEDULES
+from .config import LR_SCHEDULES, check_loss
 from .plugins import builtin_or_load, check_arity, load, name_of
 from .rollout import Sample
 
@@ -207,29 +214,37 @@ def _autocast(model, dtype: torch.dtype | None):
     return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
 
 
-def policy_loss(model, batch: Batch, *, rho: float, temperature: float, reduction: str = "token_mean",
+def policy_loss(model, batch: Batch, *, temperature: float, reduction: str = "token_mean",
                 ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
                 autocast_dtype: torch.dtype | None = None, loss: str = "aipo",
-                old_logprobs: torch.Tensor | None = None):
-    """The policy loss `loss` (aipo, ppo, ppo_tis: the fused loss op's objectives;
-    PPO's take old_logprobs (rows, width - 1)) of `model` on `batch` (by default the
-    token mean over the completion tokens that count), with the KL penalty against
-    ref_logprobs (rows, width - 1) when given; the forward runs under
-    autocast_dtype, the loss in float32. Returns (loss, AIPOStats)."""
+                old_logprobs: torch.Tensor | None = None, entropy_coef: float = 0.0, **parameters):
+    """The policy loss `loss` (a name of ops.objectives.LOSS_TYPES; those of
+    OLD_POLICY_TYPES take old_logprobs (rows, width - 1)) of `model` on `batch`
+    (by default the token mean over the completion tokens that count), with the
+    KL penalty against ref_logprobs (rows, width - 1) when given and the entropy
+    bonus; parameters: the loss's (rho, eps_low, eps_high, mask_low, mask_high;
+    None or left out: its default; one it does not read raises ValueError). Each
+    completion is one sequence (batch.sequence_ids: the sequence-level losses
+    need them; every loss gets the sequence statistics). The forward runs under
+    autocast_dtype, the loss in float32. Returns (loss, AIPOStats), the entropy
+    among them."""
     with _autocast(model, autocast_dtype):
         logits = _logits(model, batch.input_ids, batch.position_ids)
-    return aipo_loss(logits, batch.targets, batch.behavior_logprobs, batch.advantages,
-                     rho=rho if "rho" in DEFAULTS[loss] else None, temperature=temperature, reduction=reduction, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
-                     loss_type=loss, old_logprobs=old_logprobs)
+    return aipo_loss(logits, batch.targets, batch.behavior_logprobs, batch.advantages, temperature=temperature,
+                     reduction=reduction, sequence_ids=batch.sequence_ids, loss_type=loss, old_logprobs=old_logprobs,
+                     entropy=True, ref_logprobs=ref_logprobs, kl_coef=kl_coef, entropy_coef=entropy_coef, **parameters)
 
 
-def _user_loss(model, batch: Batch, loss_fn: LossFn, *, rho: float, temperature: float,
-               ref_logprobs: torch.Tensor | None, kl_coef: float, autocast_dtype: torch.dtype | None):
+def _user_loss(model, batch: Batch, loss_fn: LossFn, *, temperature: float, ref_logprobs: torch.Tensor | None,
+               kl_coef: float, entropy_coef: float, autocast_dtype: torch.dtype | None):
     """(summed loss, AIPOStats) of a loss function of yours (the module docstring
-    says its contract) on `batch`; ValueError naming it when it breaks the contract."""
+    says its contract) on `batch`, with the KL penalty and the entropy bonus;
+    ValueError naming it when it breaks the contract. The stats are the fused
+    op's on the same log-probs (truncated_fraction 0 and no sequence statistics:
+    train_step reports those as None for a loss of yours)."""
     with _autocast(model, autocast_dtype):
         logits = _logits(model, batch.input_ids, batch.position_ids)
-    logp, _ = token_logprobs(logits, batch.targets, temperature=temperature)
+    logp, entropy = token_logprobs(logits, batch.targets, temperature=temperature, entropy=True)
     per_token = loss_fn(logp, batch)
     name = name_of(loss_fn)
     if not isinstance(per_token, torch.Tensor) or per_token.shape != logp.shape:
@@ -240,14 +255,16 @@ def _user_loss(model, batch: Batch, loss_fn: LossFn, *, rho: float, temperature:
         raise ValueError(f"loss {name} returned losses with no gradient: they must be computed from the log-probs")
     if ref_logprobs is not None:
         per_token = per_token + kl_coef * reference_kl(logp, ref_logprobs)[0]
+    if entropy_coef > 0:
+        per_token = per_token - entropy_coef * entropy
     mask = batch.mask
     summed = torch.where(mask > 0, per_token.float(), 0.0).sum()
     # The fused op's stats, on the same log-probs.
-    cfg = objective_config(rho=rho, temperature=temperature, kl_coef=kl_coef)
+    cfg = objective_config(temperature=temperature, kl_coef=kl_coef)
     inputs = prepare_inputs(batch.targets.shape, logp.device, batch.targets, batch.behavior_logprobs,
                             batch.advantages, None, None, ref_logprobs, None, cfg, "sum")
-    return summed, objective_stats(logp.reshape(-1), None, inputs.behavior, inputs.mask, inputs.ref, inputs.sequences,
-                                   ObjectiveTerms(per_token, None, None, None), inputs.shape)
+    return summed, objective_stats(logp.reshape(-1), entropy.reshape(-1), inputs.behavior, inputs.mask, inputs.ref,
+                                   None, ObjectiveTerms(per_token, None, None, None), inputs.shape)
 
 
 @torch.no_grad()
@@ -263,50 +280,124 @@ def _reference_logprobs(reference_model, batch: Batch, temperature: float,
 @dataclass
 class StepStats:
     """One optimizer step. The per-token figures are means over the completion
-    tokens that counted in the whole batch (token-weighted across micro-batches)."""
+    tokens that counted in the whole batch (token-weighted across micro-batches:
+    each micro-batch's mean times its tokens, over the batch's tokens), which
+    makes them the whole batch's means; the per-sequence ones likewise over its
+    sequences (completions with a token that counted); max_abs_log_ratio is the
+    maximum over the micro-batches. r = exp(logp - b): the learner's probability
+    of a token over the generator's (behaviour policy's) that sampled it.
+    None: not defined for this step's loss (the clip fraction of a loss without a
+    clip, the masked fraction of one without a mask; what a loss of yours
+    truncates, masks or clips) or without the KL penalty (ref_kl)."""
 
-    loss: float  # the loss (policy term plus KL penalty) summed over the tokens, over the normaliser
+    # the loss (policy term, plus KL penalty, minus entropy bonus) summed over the tokens, over the normaliser
+    loss: float
     grad_norm: float  # total gradient norm before clipping
-    mismatch_kl: float  # k3 estimate of KL(behaviour || learner)
-    truncated_fraction: float  # fraction of tokens whose importance ratio was truncated at rho
-    mean_ratio: float
+    mismatch_kl: float  # k3 estimate of KL(behaviour || learner): mean(r - 1 - log r)
+    # fraction of tokens whose importance weight was truncated at rho (aipo: r > rho; ppo_tis: exp(old - b) > rho;
+    # seq_tis: their sequence's ratio; geo_mask: r > rho); 0 for the losses without a truncation, None for yours
+    truncated_fraction: float | None
+    mean_ratio: float  # mean r
     ref_kl: float | None  # k3 estimate of KL(learner || reference); None without the penalty
     truncated_samples: int  # samples that hit the token budget, masked or not
     lr: float
     # Completion tokens in the loss, over every trainer rank; 0 (every sample masked as truncated): no optimizer step.
     counted_tokens: int = 0
-    clip_fraction: float | None = None  # PPO's: tokens whose clipped term was taken; None for aipo and losses of yours
+    # Tokens where the clip acted (ppo, ppo_tis, gspo: the clipped term strictly the smaller; cispo: the weight
+    # clipped); None for the losses without a clip and for yours
+    clip_fraction: float | None = None
+    entropy: float | None = None  # mean entropy of the learner's distribution (at the temperature), in nats
+    mismatch_k1: float | None = None  # k1 estimate of KL(behaviour || learner): mean(-log r)
+    chi_squared: float | None = None  # chi-squared divergence estimate: mean(r^2) - 1
+    # Effective sample size of the weights r as a fraction of the tokens: mean(r)^2 / mean(r^2) over the whole batch
+    ess_fraction: float | None = None
+    mean_abs_log_ratio: float | None = None  # mean |log r|
+    max_abs_log_ratio: float | None = None  # max |log r| over the counted tokens
+    masked_fraction: float | None = None  # tokens whose IS weight was masked to 0 (icepop, seq_mis, geo_mask)
+    # Completions with a token truncated / masked (a sequence-level decision is all its tokens')
+    sequence_truncated_fraction: float | None = None
+    sequence_masked_fraction: float | None = None
 
 
-_TOKEN_STATS = ("mismatch_kl", "truncated_fraction", "mean_ratio", "ref_kl", "clip_fraction")
+# AIPOStats' figures that StepStats weighs by tokens, by sequences, and takes the maximum of (over the micro-batches,
+# and the controller over the trainer ranks, whose other figures it averages).
+_TOKEN_STATS = ("mismatch_kl", "truncated_fraction", "mean_ratio", "ref_kl", "clip_fraction", "entropy", "mismatch_k1",
+                "chi_squared", "mean_abs_log_ratio", "masked_fraction")
+_SEQUENCE_STATS = ("sequence_truncated_fraction", "sequence_masked_fraction")
+MAX_STATS = ("max_abs_log_ratio",)
+# What a loss of yours does itself, unknown to the trainer.
+_LOSS_OWN_STATS = ("truncated_fraction", "clip_fraction", "masked_fraction", *_SEQUENCE_STATS)
 
 
-def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rho: float, temperature: float,
-               lr: float, micro_batch_size: int | None = None, max_grad_norm: float | None = None,
-               mask_truncated: bool = False, kl_coef: float = 0.0, reference_model=None,
-               autocast_dtype: torch.dtype | None = None, loss: str | LossFn = "aipo",
-               advantage: AdvantageFn = group_mean, normalizer: float | None = None) -> StepStats:
+class _StatSums:
+    """AIPOStats of the micro-batches, combined as StepStats says: token- or
+    sequence-weighted sums, maxima; None for a figure a micro-batch left None."""
+
+    def __init__(self):
+        self.values: dict[str, float | None] = {}
+
+    def add(self, stats: AIPOStats, tokens: int, sequences: int) -> None:
+        names = (*_TOKEN_STATS, *_SEQUENCE_STATS, *MAX_STATS)
+        given = [name for name in names if getattr(stats, name) is not None]
+        numbers = dict(zip(given, torch.stack([getattr(stats, name).float().reshape(())
+                                               for name in given]).tolist()))  # one host sync
+        for name in names:
+            value, so_far = numbers.get(name), self.values.get(name, 0.0)
+            if value is None or so_far is None:
+                self.values[name] = None
+            elif name in MAX_STATS:
+                self.values[name] = max(so_far, value)
+            else:
+                self.values[name] = so_far + value * (sequences if name in _SEQUENCE_STATS else tokens)
+
+    def means(self, tokens: int, sequences: int) -> dict[str, float | None]:
+        out = {}
+        for name, value in self.values.items():
+            if value is not None and name not in MAX_STATS:
+                value /= max(sequences if name in _SEQUENCE_STATS else tokens, 1)
+            out[name] = value
+        # mean(r)^2 / mean(r^2) over the whole batch: from the token-weighted means, not a mean of the
+        # micro-batches' fractions; 1 without a token (as AIPOStats)
+        second_moment = out["chi_squared"] + 1
+        out["ess_fraction"] = out["mean_ratio"] ** 2 / second_moment if second_moment > 0 else 1.0
+        return out
+
+
+def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, temperature: float, lr: float,
+               micro_batch_size: int | None = None, max_grad_norm: float | None = None, mask_truncated: bool = False,
+               kl_coef: float = 0.0, reference_model=None, autocast_dtype: torch.dtype | None = None,
+               loss: str | LossFn = "aipo", advantage: AdvantageFn = group_mean, normalizer: float | None = None,
+               rho: float | None = None, eps_low: float | None = None, eps_high: float | None = None,
+               mask_low: float | None = None, mask_high: float | None = None, entropy_coef: float = 0.0) -> StepStats:
     """One optimizer step of the policy loss on `samples` (scored), at learning rate `lr`.
 
-    loss: "aipo" (default), "ppo" or "ppo_tis" (the fused loss op's objectives;
-    PPO's old log-probs come from a forward without gradients before the step, so
-    their ratio is 1 up to rounding: one optimizer step per batch), or a loss
-    function (the module docstring). advantage: the estimator (advantages.py).
-    normalizer: what the summed loss of this rank's step is divided by (None: the
-    completion tokens that count, a token mean; a constant: Dr.GRPO's).
+    loss: a name of ops.objectives.LOSS_TYPES (default "aipo"; formulas in
+    ops/objectives.py) or a loss function (the module docstring). The losses of
+    OLD_POLICY_TYPES (ppo, ppo_tis, gspo, cispo) take old log-probs from a
+    forward without gradients before the step, so their ratio is 1 up to
+    rounding: one optimizer step per batch. rho, eps_low, eps_high, mask_low,
+    mask_high: the loss's parameters, None for its default
+    (ops.objectives.DEFAULTS); one the loss does not read (any, for a loss of
+    yours) raises ValueError. entropy_coef: the entropy bonus's weight, any loss.
+    advantage: the estimator (advantages.py). normalizer: what the summed loss
+    of this rank's step is divided by (None: the completion tokens that count, a
+    token mean; a constant: Dr.GRPO's).
 
     The samples go through in micro-batches of at most micro_batch_size samples
     (None: all at once), their gradients accumulated so that the step equals one
     on the token mean over the whole batch (this rank's samples: with FSDP the
     ranks' gradients are averaged, i.e. the mean of the ranks' token means): advantages are centred over the whole
-    batch's groups, and each micro-batch's summed loss is divided by the tokens
-    that count in the whole batch. kl_coef > 0: penalty kl_coef * k3 against
+    batch's groups, and each micro-batch's summed loss (reduction "sum", each
+    completion a sequence of its own) is divided by the tokens that count in the
+    whole batch. kl_coef > 0: penalty kl_coef * k3 against
     reference_model's log-probs (computed without gradients on the same rows).
     max_grad_norm: the gradients clipped to that total norm (FSDP2 DTensor
     gradients included). autocast_dtype: the forwards run under torch.autocast
     to it. mask_truncated: see collate. Gradients are zeroed before and after.
-    When no token counts on any rank, the optimizer does not step: AdamW's
-    momentum and weight decay would move the weights on zero gradients.
+    When no token counts on any rank, or the gradient is exactly 0 (every
+    token's weight masked), the optimizer does not step: AdamW's momentum and
+    weight decay would move the weights on zero gradients.
+    Returns StepStats (its docstring: how micro-batches' statistics combine).
     """
     if micro_batch_size is not None and micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 (or None: one micro-batch), got {micro_batch_size}")
@@ -320,6 +411,8 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rh
         raise ValueError(f"kl_coef={kl_coef} needs reference_model (the frozen reference policy)")
     if not callable(loss) and loss not in LOSS_TYPES:
         raise ValueError(f"loss must be one of {LOSS_TYPES} or a function, got {loss!r}")
+    parameters = dict(rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low, mask_high=mask_high)
+    check_loss(loss, parameters, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)
     if normalizer is not None and not (math.isfinite(normalizer) and normalizer > 0):
         raise ValueError(f"normalizer must be finite and > 0 (or None: the token count), got {normalizer}")
     advantages = _sample_advantages(samples, advantage)
@@ -328,6 +421,8 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rh
     batches = [_collate(samples[i:i + size], advantages[i:i + size], pad_token_id, mask_truncated).to(device)
                for i in range(0, len(samples), size)]
     counts = [int((b.targets != IGNORE_INDEX).sum()) for b in batches]
+    # Completions with a token that counts: a sample's tokens lie in one micro-batch.
+    sequence_counts = [len(torch.unique(b.sequence_ids[b.targets != IGNORE_INDEX])) for b in batches]
     total = max(sum(counts), 1)
     divisor = total if normalizer is None else normalizer
     counted = _sum_over_ranks(model, sum(counts))
@@ -335,38 +430,37 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, rh
         group["lr"] = lr
     # Leftover gradients (the supervised warm-up leaves its last ones) must not join this step's.
     optimizer.zero_grad(set_to_none=True)
-    loss_sum, stat_sums = 0.0, dict.fromkeys(_TOKEN_STATS, 0.0)
-    for batch, count in zip(batches, counts):
+    loss_sum, stat_sums = 0.0, _StatSums()
+    for batch, count, sequences in zip(batches, counts, sequence_counts):
         ref = None if kl_coef == 0 else _reference_logprobs(reference_model, batch, temperature, autocast_dtype)
         if callable(loss):
-            summed, stats = _user_loss(model, batch, loss, rho=rho, temperature=temperature, ref_logprobs=ref,
-                                       kl_coef=kl_coef, autocast_dtype=autocast_dtype)
+            summed, stats = _user_loss(model, batch, loss, temperature=temperature, ref_logprobs=ref,
+                                       kl_coef=kl_coef, entropy_coef=entropy_coef, autocast_dtype=autocast_dtype)
         else:
-            old = None if loss == "aipo" else _reference_logprobs(model, batch, temperature, autocast_dtype)
-            summed, stats = policy_loss(model, batch, rho=rho, temperature=temperature, reduction="sum",
-                                        ref_logprobs=ref, kl_coef=kl_coef, autocast_dtype=autocast_dtype, loss=loss,
-                                        old_logprobs=old)
+            old = _reference_logprobs(model, batch, temperature, autocast_dtype) if loss in OLD_POLICY_TYPES else None
+            summed, stats = policy_loss(model, batch, temperature=temperature, reduction="sum", ref_logprobs=ref,
+                                        kl_coef=kl_coef, autocast_dtype=autocast_dtype, loss=loss, old_logprobs=old,
+                                        entropy_coef=entropy_coef, **parameters)
         # The summed loss scaled here, not through mask = 1 / total: AIPOStats' means
         # divide by the mask's sum, so a fractional mask would skew them.
         (summed / divisor).backward()
         loss_sum += summed.item()
-        for name in _TOKEN_STATS:
-            value = getattr(stats, name)
-            if value is not None:
-                stat_sums[name] += value.item() * count
+        stat_sums.add(stats, count, sequences)
     # max_norm inf: only the norm (the gradients multiplied by 1); one call either way.
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf if max_grad_norm is None else max_grad_norm)
     if isinstance(norm, DTensor):  # FSDP2: the norm of the sharded gradients, reduced over the ranks
         norm = norm.full_tensor()
-    if counted:
+    # No step on a gradient of exactly 0 either (every token's weight masked, as
+    # geo_mask's window does early in a run): the norm is the global one, so every
+    # rank decides alike.
+    if counted and norm.item() > 0:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    means = {name: value / total for name, value in stat_sums.items()}
-    return StepStats(loss=loss_sum / divisor, grad_norm=norm.item(), mismatch_kl=means["mismatch_kl"],
-                     truncated_fraction=means["truncated_fraction"], mean_ratio=means["mean_ratio"],
-                     ref_kl=None if kl_coef == 0 else means["ref_kl"],
-                     truncated_samples=sum(b.truncated for b in batches), lr=lr, counted_tokens=counted,
-                     clip_fraction=None if callable(loss) or loss == "aipo" else means["clip_fraction"])
+    means = stat_sums.means(total, sum(sequence_counts))
+    if callable(loss):
+        means.update(dict.fromkeys(_LOSS_OWN_STATS))
+    return StepStats(loss=loss_sum / divisor, grad_norm=norm.item(),
+                     truncated_samples=sum(b.truncated for b in batches), lr=lr, counted_tokens=counted, **means)
 
 
 @dataclass

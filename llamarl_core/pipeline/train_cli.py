@@ -25,7 +25,16 @@ import sys
 import time
 from pathlib import Path
 
+from ..ops.objectives import DEFAULTS, LOSS_TYPES
 from .config import VLLM_DEFAULTS, TrainConfig
+
+
+
+def _loss_default(name: str) -> str:
+    """The defaults of loss parameter `name`, by loss, for its help; a loss that does not read it refuses it."""
+    by_loss = ", ".join(f"{loss} {reads[name]:g}" for loss, reads in DEFAULTS.items() if name in reads)
+    return f" (default: the loss's own: {by_loss}; the others refuse it)"
+
 
 # Options named after TrainConfig fields, parsed with the type of the field's default, with their help.
 FLAGS = {
@@ -36,13 +45,14 @@ FLAGS = {
     "segment_tokens": "decode steps per generation segment; sequences unfinished at a weight update go on under the "
                       "new weights (partial rollouts)",
     "temperature": "sampling temperature",
-    "rho": "AIPO: truncation of the importance weight exp(logp - behaviour logp)",
     "lr": "AdamW learning rate (after --lr-warmup-steps; decayed by --lr-schedule; 1e-06 with --model unless "
           "given)",
     "lr_warmup_steps": "linear learning-rate warm-up over this many RL steps",
     "min_lr_ratio": "cosine schedule: the last step's learning rate as a fraction of --lr",
     "max_grad_norm": "clip the gradient norm to this (0: no clipping)",
     "kl_coef": "weight of the k3 KL penalty towards the weights RL starts from (0: none)",
+    "entropy_coef": "weight of the entropy bonus (- entropy-coef x the policy's entropy, per token), any --loss "
+                    "(0: none)",
     "micro_batch_size": "samples per forward / backward, gradients accumulated (0: the whole batch at once)",
     "warmup_steps": "built-in model: supervised steps on the task's reference answers before RL (0: none)",
     "warmup_batch": "built-in model: prompts per supervised warm-up step",
@@ -78,7 +88,17 @@ NAMED_FLAGS = {
     "max_new_tokens": (int, "completion budget (default: the task's, 128 with --dataset)"),
     "advantage": (str, "advantage estimator: group_mean, group_mean_std (GRPO), rloo, or module:function "
                        "fn(rewards, group_ids) -> advantages"),
-    "loss": (str, "policy loss: aipo, ppo, ppo_tis, or module:function fn(logprobs, batch) -> per-token losses"),
+    "loss": (str, f"policy loss: {', '.join(LOSS_TYPES)} (formulas and sources: llamarl_core/ops/objectives.py), or "
+                  "module:function fn(logprobs, batch) -> per-token losses"),
+    # The built-in losses' parameters: the default is the loss's own, and a loss that does not read one refuses it.
+    "rho": (float, "truncation of the importance weight (aipo, ppo_tis, seq_tis, geo_mask)" + _loss_default("rho")),
+    "eps_low": (float, "the clip's lower end 1 - eps-low (ppo, ppo_tis, gspo: the ratio's; cispo: the weight's)" +
+                _loss_default("eps_low")),
+    "eps_high": (float, "the clip's upper end 1 + eps-high (ppo, ppo_tis, gspo, cispo)" + _loss_default("eps_high")),
+    "mask_low": (float, "importance weights below this are masked to 0 (icepop: the token's; seq_mis: the sequence's; "
+                        "geo_mask: the sequence's geometric mean)" + _loss_default("mask_low")),
+    "mask_high": (float, "importance weights above this are masked to 0 (icepop, seq_mis, geo_mask)" +
+                  _loss_default("mask_high")),
     "loss_normalizer": (str, "divide a step's summed loss by its tokens (tokens) or by samples x max-new-tokens "
                              "(dr_grpo)"),
     "step_hook": (str, "module:function run around every trainer step: hook(context, step) -> None or a dict of "
