@@ -9,6 +9,12 @@ import torch
 # fail with "0 active drivers").
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] not in ("", "0"):
+        # Decorated now, with the interpreter on: a test that turns it off (the torch
+        # CPU path) and happens to import a kernel module first would leave its
+        # kernels decorated for a GPU, and every later interpreted launch failing.
+        import llamarl_core.kernels.fp8_quant  # noqa: F401
+        import llamarl_core.kernels.logprob  # noqa: F401
 
 sys.path.insert(0, os.path.dirname(__file__))
 
