@@ -5,7 +5,7 @@
     llamarl dataset arithmetic OUT  a small arithmetic dataset (JSONL) with exact answers
     llamarl bench sync [options]    weight-sync bandwidth between real processes
     llamarl bench fp8 [options]     FP8 weight quantization throughput
-    llamarl bench aipo [options]    AIPO loss time and peak memory
+    llamarl bench aipo [options]    each policy loss type's time and peak memory
     llamarl bench pipeline [options] RL throughput and reward beside TRL's GRPOTrainer
     llamarl bench gpu [options]     the GPU kernels and CUDA copy engine beside the copy bandwidth
     llamarl check gpu [options]     every GPU test and bench in one table (the compile check without a GPU)
@@ -31,7 +31,8 @@ commands:
                 (llamarl bench sync --help)
   bench fp8     FP8 weight quantization GB/s beside a copy and the torch reference
                 (llamarl bench fp8 --help)
-  bench aipo    AIPO loss time and peak memory beside the naive torch loss and
+  bench aipo    each policy loss type's time and peak memory (from logits and
+                from hidden states) beside the naive torch loss and
                 Liger-Kernel's chunked GRPO loss (llamarl bench aipo --help)
   bench pipeline  completion tokens/s and reward of our async and sync modes
                 beside TRL's GRPOTrainer (llamarl bench pipeline --help)

@@ -85,12 +85,74 @@ def test_bench_fp8_reports_cpu_path_and_peers(tmp_path):
     assert set(result["ratios"]) == {"64x96 tensor", "64x96 channel", "64x96 block"}
 
 
-def test_bench_aipo_reports_time_and_memory():
-    result = _run("aipo", "--tokens", "64", "--vocabs", "1001", "--hidden", "32",
-                  "--variants", "aipo_loss", "naive_logits", "linear_aipo_loss", "naive_linear")
-    assert {r["variant"] for r in result["rows"]} == {"aipo_loss", "naive_logits", "linear_aipo_loss", "naive_linear"}
-    assert all(r["seconds"]["median"] > 0 and r["peak_bytes"] >= 0 for r in result["rows"])
-    assert set(result["ratios"]) == {"aipo_loss vs naive_logits @ 1001", "linear_aipo_loss vs naive_linear @ 1001"}
+def test_bench_aipo_reports_every_loss_type_beside_its_peers():
+    """Every objective, from logits and from hidden states, beside the naive loss (and Liger's, where installed,
+    else said to be not measured, and why); ours and the naive loss compute the same objective."""
+    from llamarl_core.bench import bench_aipo
+    from llamarl_core.ops.objectives import LOSS_TYPES
+
+    result = _run("aipo", "--batch", "2", "--seq-len", "16", "--vocabs", "1001", "--hidden", "32")
+    ran = [v for v in bench_aipo.VARIANTS if not bench_aipo.unavailable(v)]
+    assert set(ran) >= {"aipo_loss", "naive_logits", "linear_aipo_loss", "naive_linear"}
+    assert sorted((r["variant"], r["loss_type"]) for r in result["rows"]) == sorted(
+        (v, t) for v in ran for t in LOSS_TYPES)
+    assert all(r["seconds"]["median"] > 0 and r["peak_bytes"] >= 0 and r["vocab"] == 1001 for r in result["rows"])
+    assert set(result["skipped"]) == set(bench_aipo.VARIANTS) - set(ran)
+    assert result["ops_path"] == ["CPU torch path"] and result["dtype"] == "float32"
+    peers = [p for p in bench_aipo.PEERS if set(p) <= set(ran)]
+    assert set(result["ratios"]) == {f"{t}: {ours} vs {peer} @ 1001" for t in LOSS_TYPES for ours, peer in peers}
+    for key, ratio in result["ratios"].items():
+        if "naive" in key:
+            assert ratio["loss_diff"] < 1e-4, key
+    text = bench_aipo.report(result)
+    for loss_type in LOSS_TYPES:
+        assert text.count(f"\n| {loss_type} ") == 2, loss_type  # a row in the logits table and the linear one
+    if "liger_grpo" in result["skipped"]:
+        assert "Liger-Kernel not measured: " in text
+
+
+@pytest.mark.parametrize("loss_type", ["aipo", "ppo", "ppo_tis", "icepop", "seq_tis", "seq_mis", "geo_mask", "gspo",
+                                       "cispo"])
+def test_bench_aipo_liger_peer_has_our_gradients(loss_type):
+    """Liger's GRPO loss as the bench sets it up for each objective gives linear_aipo_loss's gradients (the
+    corrections Liger takes precomputed, TRL's way, from old log-probs equal to the learner's); skipped without
+    liger-kernel."""
+    pytest.importorskip("liger_kernel.chunked_loss")
+    import types
+
+    import torch
+
+    from llamarl_core.bench import bench_aipo
+    from llamarl_core.ops.aipo import linear_aipo_loss
+    from llamarl_core.ops.objectives import OLD_POLICY_TYPES
+
+    spec = types.SimpleNamespace(batch=4, seq_len=12, hidden=16, device="cpu", dtype="float32")
+    d = bench_aipo._inputs(spec, 301, linear=True)
+    with torch.no_grad():
+        learner = (d["hidden"] @ d["weight"].t()).log_softmax(-1).gather(-1, d["targets"].unsqueeze(-1)).squeeze(-1)
+    noise = torch.randn((2, *learner.shape), generator=torch.Generator().manual_seed(1))
+    # Rows from near the learner to far, so that every truncation, mask and clip acts: behaviour log-probs
+    # (row 2 shifted: its sequence ratio is large), and old ones for the objectives that read them (the
+    # others' corrections are computed from them: there they are the learner's).
+    behavior = learner - torch.tensor([[0.0], [0.0], [0.3], [0.0]]) + torch.tensor([[2e-4], [0.02], [0.1], [1.5]]) * \
+        noise[0]
+    d["behavior"] = behavior.clamp(max=0.0)
+    old = loss_type in OLD_POLICY_TYPES
+    d["old"] = learner + torch.tensor([[0.0], [1e-3], [0.3], [2.0]]) * noise[1] if old else learner
+    grads = []
+    for liger in (False, True):
+        h, w = d["hidden"].detach().requires_grad_(), d["weight"].detach().requires_grad_()
+        if liger:
+            loss = bench_aipo._liger_loss(loss_type, h, w, d, compiled=False)
+        else:
+            loss, stats = linear_aipo_loss(h, w, d["targets"], d["behavior"], d["advantages"], d["mask"],
+                                           loss_type=loss_type, old_logprobs=d["old"] if old else None)
+        loss.backward()
+        grads.append((h.grad, w.grad))
+    acted = [f for f in (stats.truncated_fraction, stats.masked_fraction, stats.clip_fraction) if f is not None]
+    assert max(acted) > 0 and grads[0][1].abs().max() > 0
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-6)
 
 
 def test_bench_pipeline_reports_both_modes():
