@@ -74,7 +74,7 @@ PEERS = (("aipo_loss", "naive_logits"), ("linear_aipo_loss", "naive_linear"), ("
 LIGER_PEERS = {
     "aipo": "vllm_is_ratio min(exp(old - b), 4); no old_per_token_logps (ratio 1)",
     "ppo": "old_per_token_logps, eps 0.2 / 0.2",
-    "ppo_tis": "old_per_token_logps, eps 0.2 / 0.2, vllm_is_ratio min(exp(old - b), 5)",
+    "ppo_tis": "old_per_token_logps, eps 0.2 / 0.2, vllm_is_ratio min(exp(old - b), 4)",
     "icepop": "vllm_is_ratio exp(old - b), 0 outside [0.5, 5]; ratio 1",
     "seq_tis": "vllm_is_ratio per row min(exp(sum(old - b)), 2); ratio 1",
     "seq_mis": "vllm_is_ratio per row exp(sum(old - b)), 0 above 3; ratio 1",
