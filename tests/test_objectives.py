@@ -495,3 +495,44 @@ def test_vocabulary_parallel_equals_the_single_rank_op(world, monkeypatch):
     mp.spawn(_vocab_parallel_rank, args=(world, _free_port(), results), nprocs=world, join=True)
     errors = dict(results.get() for _ in range(world))
     assert sorted(errors) == list(range(world)) and max(errors.values()) <= 1e-5, errors
+
+
+@pytest.mark.gpu
+def test_the_op_and_an_objective_capture_into_a_cuda_graph():
+    """Forward and backward of token_logprobs and a loss on it captured into one
+    CUDA graph (no host sync anywhere: a sync would fail the capture), replayed
+    on new inputs copied into the static ones: loss and gradient equal eager's."""
+    static = {k: v.cuda() for k, v in _batch(13).items()}
+    x = static["logits"].clone().requires_grad_()
+
+    def step():
+        logp, entropy = token_logprobs(x, static["targets"], temperature=0.8, entropy=True)
+        w = torch.exp(logp.detach() - static["behavior_logprobs"]).clamp(max=2.0)
+        loss = (-(w * static["advantages"][:, None] * logp) - 0.01 * entropy).mean()
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graphs prescribes
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            x.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    x.grad = None
+    with torch.cuda.graph(graph):
+        loss = step()
+    fresh = _batch(14)
+    with torch.no_grad():
+        x.copy_(fresh["logits"].cuda())
+        for name in ("targets", "behavior_logprobs", "advantages"):
+            static[name].copy_(fresh[name].cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    y = fresh["logits"].cuda().requires_grad_()
+    logp, entropy = token_logprobs(y, static["targets"], temperature=0.8, entropy=True)
+    w = torch.exp(logp.detach() - static["behavior_logprobs"]).clamp(max=2.0)
+    eager = (-(w * static["advantages"][:, None] * logp) - 0.01 * entropy).mean()
+    eager.backward()
+    assert torch.equal(loss, eager.detach()) and torch.equal(x.grad, y.grad)
