@@ -317,9 +317,9 @@ def test_gpu_sweep_candidates_compile_for_sm90_without_spills():
     probe = textwrap.dedent("""
         import json
         from dataclasses import asdict
-        from llamarl_core.bench import bench_aipo
+        from llamarl_core.bench import bench_aipo_sweep
         from llamarl_core.ops import kernel_check
-        kernel_check._variants = bench_aipo.sweep_variants
+        kernel_check._variants = bench_aipo_sweep.sweep_variants
         print(json.dumps([asdict(r) for r in kernel_check.compile_here((90,))]))
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -336,26 +336,26 @@ def test_gpu_sweep_candidates_compile_for_sm90_without_spills():
 def test_gpu_sweep_runs_end_to_end_on_tiny_inputs(monkeypatch):
     """The sweep's code path on tiny inputs (CPU tensors in the interpreter without
     a GPU), every timing one call: a slip in it must not cost a GPU run."""
-    from llamarl_core.bench import bench_aipo
+    from llamarl_core.bench import bench_aipo, bench_aipo_sweep
 
-    monkeypatch.setattr(bench_aipo, "_median_ms", lambda fn: (fn(), 1.0)[1])
-    monkeypatch.setattr(bench_aipo, "_SWEEP_LAUNCHES", ((128, 1, 4), (64, 2, 2)))
-    monkeypatch.setattr(bench_aipo, "_SWEEP_MIN_PROGRAMS", (0, 16))
+    monkeypatch.setattr(bench_aipo_sweep, "_median_ms", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench_aipo_sweep, "_SWEEP_LAUNCHES", ((128, 1, 4), (64, 2, 2)))
+    monkeypatch.setattr(bench_aipo_sweep, "_SWEEP_MIN_PROGRAMS", (0, 16))
     spec = bench_aipo.parse_args(["--gpu-sweep", "--sweep-chunks-mib", "1", "4"])
-    result = bench_aipo.gpu_sweep(spec, torch.device("cuda" if CUDA else "cpu"), shapes=((6, 300),),
+    result = bench_aipo_sweep.gpu_sweep(spec, torch.device("cuda" if CUDA else "cpu"), shapes=((6, 300),),
                                   linear=(40, 16, 3000))
-    report = bench_aipo.sweep_report(result)
+    report = bench_aipo_sweep.sweep_report(result)
     assert len(result["kernels"]) == 2 + 2 + 4 + 1 and len(result["linear"]) == 3
     assert all(r["diff"] < 1e-2 for r in result["kernels"] if "diff" in r), report
     assert "best backward at 6 x 300" in report and "linear_aipo_loss, chunk 4 MiB" in report
 
 
 def test_gpu_sweep_arguments_parse_and_it_asks_for_a_gpu():
-    from llamarl_core.bench import bench_aipo
+    from llamarl_core.bench import bench_aipo, bench_aipo_sweep
 
     spec = bench_aipo.parse_args(["--gpu-sweep", "--sweep-chunks-mib", "256", "512"])
     assert spec.gpu_sweep and spec.sweep_chunks_mib == [256, 512]
-    forwards, backwards = bench_aipo.sweep_configs()
+    forwards, backwards = bench_aipo_sweep.sweep_configs()
     assert GPU_CONFIGS[-1][1] in forwards and GPU_CONFIGS[-1][2] in backwards  # the defaults beside their rivals
     if not CUDA:
         with pytest.raises(SystemExit, match="needs a CUDA device"):
