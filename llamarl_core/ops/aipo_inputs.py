@@ -82,6 +82,11 @@ def check_normalizer(normalizer, device) -> torch.Tensor | float | None:
     return float(normalizer)
 
 
+def check_target_ids(targets: torch.Tensor) -> None:
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
+
+
 def check_logits(logits: torch.Tensor) -> None:
     """ValueError unless logits are (num_tokens, vocab) or (..., vocab) in a float dtype the kernels take."""
     if logits.dim() < 2:
@@ -246,8 +251,7 @@ def prepare_inputs(shape: torch.Size, device, targets, behavior, advantages, mas
     check_kl(cfg.kl_coef, ref)
     check_old(cfg.loss_type, old)
     normalizer = check_normalizer(normalizer, device)
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
+    check_target_ids(targets)
     targets = _per_token(targets, "targets", shape, device, torch.int64)
     m = torch.ones(shape.numel(), device=device) if mask is None else _per_token(mask, "mask", shape, device)
     m = torch.where(targets != IGNORE_INDEX, m, 0.0)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .aipo_inputs import IGNORE_INDEX, TargetCheck, flat_logits
+from .aipo_inputs import IGNORE_INDEX, TargetCheck, check_target_ids, flat_logits
 from .logprob_launch import logprob_backward, logprob_forward
 
 # ----------------------------------------------------------------------------- reference
@@ -217,6 +217,32 @@ def _chunks(n: int, chunk_size: int) -> list[slice]:
     return [slice(start, min(n, start + chunk_size)) for start in range(0, n, chunk_size)]
 
 
+class _LinearGrads:
+    """The linear form's gradients of hidden (h) and weight (w), filled chunk by
+    chunk from each chunk's dlogits. w with one chunk: that chunk's GEMM in the
+    weight's dtype (float32 accumulation inside the GEMM, one rounding: what
+    autograd's naive version computes); with several: accumulated in float32,
+    the first chunk's GEMM overwriting it; with none (no tokens): zeros."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, need_h: bool, need_w: bool, num_chunks: int):
+        self.weight, self.need_w, self.one_chunk = weight, need_w, num_chunks == 1
+        self.h = torch.empty_like(hidden) if need_h else None
+        self.w = None
+        if need_w and num_chunks > 1:
+            self.w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        elif need_w and num_chunks == 0:
+            self.w = torch.zeros_like(weight)
+
+    def add(self, index: int, rows: slice, dlogits: torch.Tensor, h: torch.Tensor) -> None:
+        """Chunk `index` (tokens `rows`, hidden states h) with its dlogits."""
+        if self.h is not None:
+            torch.matmul(dlogits, self.weight, out=self.h[rows])
+        if self.need_w and self.one_chunk:
+            self.w = torch.matmul(dlogits.t(), h)
+        elif self.need_w:
+            _accumulate_weight_grad(self.w, dlogits, h, first=index == 0)
+
+
 class LinearTokenLogprobsFunction(torch.autograd.Function):
     """(logp, entropy or an empty tensor) of hidden @ weight.T, chunk_size tokens
     at a time: one chunk's logits exist at once, in the forward and again in the
@@ -251,20 +277,10 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         hidden, weight, local, valid, lse, ent = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         coef, grad_entropy = _grads_in(valid, grad_logp, grad_ent)
         n = hidden.shape[0]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        # One chunk: the weight's gradient is that chunk's GEMM, in the weight's dtype
-        # (float32 accumulation inside the GEMM, one rounding: what autograd's naive
-        # version computes). Several: accumulated in float32, the first chunk's GEMM
-        # overwriting it, cast at the end. No tokens: zeros.
         chunks = _chunks(n, ctx.chunk_size)
-        grad_w = None
-        if need_w and len(chunks) > 1:
-            grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
-        elif need_w and not chunks:
-            grad_w = torch.zeros_like(weight)
+        grads = _LinearGrads(hidden, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1], len(chunks))
         logits_buf = torch.empty((min(ctx.chunk_size, n), weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
         for index, rows in enumerate(chunks):
             h = hidden[rows]
@@ -272,17 +288,11 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
             dlogits = logprob_backward(logits, local[rows], lse[rows], coef[rows], ctx.temperature, out=logits,
                                        entropy=None if grad_entropy is None else ent[rows],
                                        grad_entropy=None if grad_entropy is None else grad_entropy[rows])
-            if need_h:
-                torch.matmul(dlogits, weight, out=grad_h[rows])
-            if need_w and len(chunks) == 1:
-                grad_w = torch.matmul(dlogits.t(), h)
-            elif need_w:
-                _accumulate_weight_grad(grad_w, dlogits, h, first=index == 0)
-        if need_h and ctx.group is not None:  # the replicated input's gradient: every shard's part
-            dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.group)
-        if grad_w is not None and grad_w.dtype != weight.dtype:
-            grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+            grads.add(index, rows, dlogits, h)
+        if grads.h is not None and ctx.group is not None:  # the replicated input's gradient: every shard's part
+            dist.all_reduce(grads.h, op=dist.ReduceOp.SUM, group=ctx.group)
+        grad_w = grads.w if grads.w is None or grads.w.dtype == weight.dtype else grads.w.to(weight.dtype)
+        return grads.h, grad_w, None, None, None, None, None
 
 
 class LinearChunkLossFunction(torch.autograd.Function):
@@ -299,14 +309,8 @@ class LinearChunkLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, chunk_size: int, chunk_loss):
         n = hidden.shape[0]
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         chunks = _chunks(n, chunk_size)
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = None
-        if need_w and len(chunks) > 1:  # as LinearTokenLogprobsFunction.backward's
-            grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
-        elif need_w and not chunks:
-            grad_w = torch.zeros_like(weight)
+        grads = _LinearGrads(hidden, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1], len(chunks))
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -321,21 +325,16 @@ class LinearChunkLossFunction(torch.autograd.Function):
             with torch.enable_grad():
                 leaves = [chunk_logp.requires_grad_()] + ([chunk_ent.requires_grad_()] if with_entropy else [])
                 value = chunk_loss(rows, chunk_logp, chunk_ent)
-                grads = torch.autograd.grad(value, leaves, allow_unused=True) if value.requires_grad else [None] * 2
+                dvalue = torch.autograd.grad(value, leaves, allow_unused=True) if value.requires_grad else [None] * 2
             loss += value.detach()
-            coef, grad_entropy = _grads_in(targets[rows] != IGNORE_INDEX, grads[0],
-                                           grads[1] if with_entropy else None)
-            if need_h or need_w:
+            coef, grad_entropy = _grads_in(targets[rows] != IGNORE_INDEX, dvalue[0],
+                                           dvalue[1] if with_entropy else None)
+            if grads.h is not None or grads.need_w:
                 dlogits = logprob_backward(logits, targets[rows], lse, coef, temperature, out=logits,
                                            entropy=chunk_ent.detach() if grad_entropy is not None else None,
                                            grad_entropy=grad_entropy)
-                if need_h:
-                    torch.matmul(dlogits, weight, out=grad_h[rows])
-                if need_w and len(chunks) == 1:
-                    grad_w = torch.matmul(dlogits.t(), h)
-                elif need_w:
-                    _accumulate_weight_grad(grad_w, dlogits, h, first=index == 0)
-        ctx.save_for_backward(grad_h, grad_w)
+                grads.add(index, rows, dlogits, h)
+        ctx.save_for_backward(grads.h, grads.w)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(logp, ent)
         return loss, logp, ent
@@ -368,8 +367,7 @@ def _check_targets(targets: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     if targets.shape != shape:
         raise ValueError(f"targets must have shape {tuple(shape)} (the logits' leading dims), "
                          f"got {tuple(targets.shape)}")
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
+    check_target_ids(targets)
     return targets.reshape(-1).to(torch.int64)
 
 

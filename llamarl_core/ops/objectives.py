@@ -156,6 +156,17 @@ def _weighted_pg(w: torch.Tensor, advantages: torch.Tensor, logp: torch.Tensor) 
     return torch.where(w == 0, 0.0, -w.detach() * advantages * logp)
 
 
+def _truncate(ratio: torch.Tensor, rho: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(where ratio > rho, the weight min(ratio, rho))."""
+    return ratio > rho, torch.clamp(ratio, max=rho)
+
+
+def _window(ratio: torch.Tensor, cfg: ObjectiveConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(where ratio is outside [mask_low, mask_high], the weight: ratio inside, 0 outside)."""
+    masked = (ratio < cfg.mask_low) | (ratio > cfg.mask_high)
+    return masked, torch.where(masked, 0.0, ratio)
+
+
 def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, cfg: ObjectiveConfig):
     """(-min(ratio A, clip(ratio) A), where the clipped term is strictly the smaller:
     the clip active, no gradient through the ratio there)."""
@@ -196,48 +207,37 @@ def objective_terms(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: 
     kind, a = cfg.loss_type, advantages
     log_r = (logp - behavior).detach()
     truncated = masked = clipped = None
-    if kind in SEQUENCE_TYPES:
-        on = counted.to(logp.dtype)
-        if kind == "gspo":
-            n = sequences.sum(on).clamp(min=1.0)
-            g = _exp_clamped(sequences.sum((logp - old) * on) / n)[sequences.index]
-            terms, clipped = _clipped_surrogate(g, a, cfg)
-        else:
-            s = sequences.sum(log_r * on)
-            if kind == "geo_mask":
-                mean = torch.exp(s / sequences.sum(on).clamp(min=1.0))[sequences.index]
-                masked = (mean < cfg.mask_low) | (mean > cfg.mask_high)
-                r = _exp_clamped(log_r)
-                truncated = r > cfg.rho
-                w = torch.where(masked, 0.0, torch.clamp(r, max=cfg.rho))
-            else:
-                seq_ratio = _exp_clamped(s)[sequences.index]
-                if kind == "seq_tis":
-                    truncated = seq_ratio > cfg.rho
-                    w = torch.clamp(seq_ratio, max=cfg.rho)
-                else:
-                    masked = (seq_ratio < cfg.mask_low) | (seq_ratio > cfg.mask_high)
-                    w = torch.where(masked, 0.0, seq_ratio)
-            terms = _weighted_pg(w, a, logp)
-    elif kind in ("aipo", "icepop"):
-        r = _exp_clamped(log_r)
-        if kind == "aipo":
-            truncated = r > cfg.rho
-            w = torch.clamp(r, max=cfg.rho)
-        else:
-            masked = (r < cfg.mask_low) | (r > cfg.mask_high)
-            w = torch.where(masked, 0.0, r)
-        terms = _weighted_pg(w, a, logp)
+    on = counted.to(logp.dtype)
+    if kind == "gspo":
+        n = sequences.sum(on).clamp(min=1.0)
+        g = _exp_clamped(sequences.sum((logp - old) * on) / n)[sequences.index]
+        terms, clipped = _clipped_surrogate(g, a, cfg)
     elif kind == "cispo":
         q = _exp_clamped((logp - old).detach())
         clipped = (q < 1 - cfg.eps_low) | (q > 1 + cfg.eps_high)
         terms = _weighted_pg(torch.clamp(q, 1 - cfg.eps_low, 1 + cfg.eps_high), a, logp)
-    else:  # ppo, ppo_tis
+    elif kind in ("ppo", "ppo_tis"):
         terms, clipped = _clipped_surrogate(_exp_clamped(logp - old), a, cfg)
         if kind == "ppo_tis":
-            tis = _exp_clamped(old - behavior)
-            truncated = tis > cfg.rho
-            terms = torch.clamp(tis, max=cfg.rho) * terms
+            truncated, tis = _truncate(_exp_clamped(old - behavior), cfg.rho)
+            terms = tis * terms
+    else:  # an IS weight w on the policy gradient: -sg(w) A logp
+        r = _exp_clamped(log_r)
+        if kind == "aipo":
+            truncated, w = _truncate(r, cfg.rho)
+        elif kind == "icepop":
+            masked, w = _window(r, cfg)
+        else:  # from each sequence's sum of log-ratios s_i
+            s = sequences.sum(log_r * on)
+            if kind == "seq_tis":
+                truncated, w = _truncate(_exp_clamped(s)[sequences.index], cfg.rho)
+            elif kind == "seq_mis":
+                masked, w = _window(_exp_clamped(s)[sequences.index], cfg)
+            else:  # geo_mask: the token's truncated weight, 0 where its sequence's geometric mean is outside
+                truncated, w = _truncate(r, cfg.rho)
+                masked, _ = _window(torch.exp(s / sequences.sum(on).clamp(min=1.0))[sequences.index], cfg)
+                w = torch.where(masked, 0.0, w)
+        terms = _weighted_pg(w, a, logp)
     if ref is not None and cfg.kl_coef > 0:
         terms = terms + cfg.kl_coef * _kl_penalty(logp, ref)
     if cfg.entropy_coef > 0:

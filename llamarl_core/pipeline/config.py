@@ -224,7 +224,7 @@ class TrainConfig:
         if "rho" in data and not any(name in data for name in (*LOSS_PARAMETERS[1:], "entropy_coef")):
             # A config.json from before the other loss parameters: it always held rho (4.0 by default), which set
             # only a statistic's threshold for the losses that do not read it. Kept where the loss reads it and it
-            # differs from the loss's default (ppo_tis at the old 4.0: its default is 5.0 now).
+            # differs from the loss's default.
             reads = DEFAULTS.get(data.get("loss", "aipo"), {})
             if "rho" not in reads or data["rho"] == reads["rho"]:
                 data = {**data, "rho": None}
