@@ -4,15 +4,14 @@
 penalty, normalizers, micro-batched accumulation, vocabulary-parallel shards
 over gloo ranks, statistics, torch.compile, and the refusals."""
 
+import datetime
 import math
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from helpers import run_processes
 from llamarl_core.ops.aipo import IGNORE_INDEX, aipo_loss, aipo_loss_ref, linear_aipo_loss
 from llamarl_core.ops.aipo_inputs import REDUCTIONS
 from llamarl_core.ops.logprob import linear_token_logprobs, token_logprobs, token_logprobs_ref
@@ -436,18 +435,13 @@ def test_the_op_and_an_objective_of_yours_compile_whole():
 # ----------------------------------------------------------------------------- vocabulary-parallel
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _vocab_parallel_rank(rank, world, port, results):
+def _vocab_parallel_rank(rank, world, port):
     """Rank `rank` of `world` gloo ranks: the sharded op (logits and linear form)
     against the whole-vocabulary op on the same inputs, its shard of the
-    gradients compared; the worst relative error reported."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+    gradients compared; returns the worst relative error. The Store is the
+    parent's, so no rank's exit takes it away from a rank still tearing down."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         gen = torch.Generator().manual_seed(4)
         vocab = 64
@@ -480,8 +474,8 @@ def _vocab_parallel_rank(rank, world, port, results):
             refused = False
         except ValueError as error:
             refused = "one size on every rank" in str(error)
-        results.put((rank, worst if refused else float("inf")))
         dist.barrier()  # every rank done with its sends before any tears the group down
+        return worst if refused else float("inf")
     finally:
         dist.destroy_process_group()
 
@@ -491,10 +485,10 @@ def test_vocabulary_parallel_equals_the_single_rank_op(world, monkeypatch):
     """Logits (and lm-head rows) sharded over the vocabulary on `world` gloo ranks:
     loss, entropy and every gradient equal the single-rank op's."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the spawned ranks read it: the torch path, whole-vocabulary and sharded
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_vocab_parallel_rank, args=(world, _free_port(), results), nprocs=world, join=True)
-    errors = dict(results.get() for _ in range(world))
-    assert sorted(errors) == list(range(world)) and max(errors.values()) <= 1e-5, errors
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+    errors = run_processes([(_vocab_parallel_rank, dict(rank=r, world=world, port=store.port)) for r in range(world)],
+                           timeout=120)
+    assert max(errors) <= 1e-5, errors
 
 
 @pytest.mark.gpu
