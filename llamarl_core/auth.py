@@ -90,6 +90,12 @@ def secret_from_env(environ: Mapping[str, str] = os.environ) -> bytes | None:
     return None
 
 
+def derive(secret: bytes, label: str) -> bytes:
+    """A secret of its own for `label` (a run's Store namespace): two runs of one job
+    share the job's secret, but a value of one never verifies in the other."""
+    return hmac.new(secret, b"llamarl/derive\0" + label.encode(), hashlib.sha256).digest()
+
+
 def sign(secret: bytes, context: str, body: bytes) -> bytes:
     """`body` with its tag in front: HMAC-SHA256(secret, context NUL body) + body."""
     return _tag(secret, context, body) + body

@@ -16,6 +16,17 @@ and written by trainer rank 0 (its checkpoint): put it on a filesystem both see,
 place them on one host. --model, --dataset and --task must resolve on every host.
 With more than one network interface, set GLOO_SOCKET_IFNAME to the one the hosts
 reach each other through.
+
+The run's secret: every rank needs the same one, from its environment, set for
+torchrun on every host: LLAMARL_SECRET (hex, at least 32 digits) or
+LLAMARL_SECRET_FILE (a file holding it, mode 0600). Make one per job, e.g.
+
+    export LLAMARL_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')
+
+and hand it to the other hosts the way their shells get secrets (never through the
+Store: anyone who reaches torchrun's Store port can read it). Every message the
+ranks exchange through the Store is authenticated with it; one that is not is
+dropped and counted (auth.py).
 """
 
 from __future__ import annotations
@@ -24,6 +35,8 @@ import contextlib
 import datetime
 import os
 import sys
+
+from .auth import SECRET_ENV, SECRET_FILE_ENV, secret_from_env
 
 USAGE = ("usage: torchrun [torchrun options] -m llamarl_core.launch train [--placement SPEC] [llamarl train options]\n"
          "(on one host without torchrun: llamarl train)")
@@ -76,6 +89,15 @@ def main(argv: list[str] | None = None) -> int:
                          + USAGE)
     spec, train_argv = _split_placement(argv[1:])
     controller = controller_rank(spec)
+    try:
+        secret = secret_from_env()
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"llamarl_core.launch: {exc}") from None
+    if secret is None:
+        raise SystemExit(f"llamarl_core.launch: set {SECRET_ENV} (or {SECRET_FILE_ENV}, a file of mode 0600) to the "
+                         f"same secret for every rank on every host, e.g. export {SECRET_ENV}=$(python -c 'import "
+                         f"secrets; print(secrets.token_hex(32))'): the messages through torchrun's Store are "
+                         f"authenticated with it")
     if os.getcwd() not in sys.path:  # --task / --reward modules from the working folder, as `llamarl` does
         sys.path.append(os.getcwd())
 
@@ -91,11 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"llamarl_core.launch: --placement: controller:{controller} is outside the job's {world} "
                          f"ranks (0-{world - 1})")
     if rank == controller:
-        return _control(store, world, controller, spec, train_argv)
-    return _serve(store, rank, controller)
+        return _control(store, world, controller, spec, train_argv, secret)
+    return _serve(store, rank, controller, secret)
 
 
-def _control(store, world: int, controller: int, spec: str | None, train_argv: list[str]) -> int:
+def _control(store, world: int, controller: int, spec: str | None, train_argv: list[str], secret: bytes) -> int:
     """The controller's rank: `llamarl train` with the job's other ranks as executors."""
     import torch.distributed as dist
 
@@ -109,10 +131,11 @@ def _control(store, world: int, controller: int, spec: str | None, train_argv: l
             raise ValueError("--generator vllm runs on one host (llamarl train), not under torchrun")
         counts = {"trainer": config.trainer_world, "generator": config.generator_tp * config.generator_replicas}
         placement = Placement.parse(spec, world, counts) if spec else Placement.default(world, counts)
-        return LaunchedExecutors(store, placement, assignments)
+        return LaunchedExecutors(store, placement, assignments, secret)
 
     beat = Heartbeat(store, LAUNCH_BEAT)
-    assignments = {rank: StoreQueue(store, assignment_queue(rank)) for rank in range(world) if rank != controller}
+    assignments = {rank: StoreQueue(store, assignment_queue(rank), secret) for rank in range(world)
+                   if rank != controller}
     code = 1
     try:
         code = train_main(train_argv, executors_for=executors_for)
@@ -127,16 +150,16 @@ def _control(store, world: int, controller: int, spec: str | None, train_argv: l
         beat.stop()
 
 
-def _serve(store, rank: int, controller: int) -> int:
+def _serve(store, rank: int, controller: int, secret: bytes) -> int:
     """Any other rank: run the executors the controller assigns, one after another,
     until it says exit (its exit code is this rank's)."""
     import torch.distributed as dist
 
     from .pipeline.executors import run_executor
     from .pipeline.messages import Heartbeat, HeartbeatWatch, QueueClosed, StoreQueue
-    from .pipeline.processes import assignment_queue, rank_beat
+    from .pipeline.processes import assignment_queue, rank_beat, run_secret
 
-    assignments = StoreQueue(store, assignment_queue(rank))
+    assignments = StoreQueue(store, assignment_queue(rank), secret)
     controller_alive = HeartbeatWatch(store, LAUNCH_BEAT, grace_s=LAUNCH_GRACE_S)
     # The controller's sign that this rank (and its host) is there; a connection of its own,
     # as an executor's weight-sync waits hold the rank's main one.
@@ -156,7 +179,8 @@ def _serve(store, rank: int, controller: int) -> int:
             if kind == "exit":
                 return payload["code"]
             run_executor(payload["role"], payload["rank"], payload["config"],
-                         dist.PrefixStore(payload["prefix"], store), payload["extra"])
+                         dist.PrefixStore(payload["prefix"], store), payload["extra"],
+                         run_secret(secret, payload["prefix"]))
     finally:
         beat.stop()
 

@@ -3,7 +3,10 @@ controller and executors as `llamarl train`, and across two network-namespace ho
 (tests/netns_hosts.py) with the trainer on one and the generator on the other, the
 weights going point-to-point (the hosts share /dev/shm, the hostname and the boot
 id: shared memory is never chosen across them) and the default task learning. A bad
-placement stops every rank with one line."""
+placement stops every rank with one line. The job's secret reaches every rank
+from its environment (LLAMARL_SECRET on one host, a 0600 LLAMARL_SECRET_FILE on the
+other), and a stranger on the second host who reaches torchrun's Store writes
+forged messages into every queue while the run learns: none runs, all are counted."""
 
 from __future__ import annotations
 
@@ -16,8 +19,12 @@ from pathlib import Path
 
 from netns_hosts import netns_hosts  # noqa: F401 (pytest fixture)
 
-# The executors run the CPU paths of the kernels, as a user's run here does.
-RUN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+from llamarl_core import auth
+
+# The executors run the CPU paths of the kernels, as a user's run here does; every rank
+# gets the job's secret from its environment, as the launcher's docstring says.
+SECRET = auth.new_secret()
+RUN_ENV = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, auth.SECRET_ENV: SECRET.hex()}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 LAUNCH = ["-m", "llamarl_core.launch", "train"]
 SMALL = ["--steps", "12", "--prompts-per-step", "8", "--samples-per-prompt", "4", "--warmup-steps", "20",
@@ -73,7 +80,11 @@ def test_bad_placement_stops_every_rank(tmp_path):
 def _agents_on_two_hosts(hosts, tmp_path: Path, rdzv_id: str, train_args: list[str]) -> list[subprocess.Popen]:
     """A torchrun agent on each namespace host, 2 ranks each, c10d rendezvous on host 0,
     placement controller:0,trainer:1 (host 0), reward:2,generator:3 (host 1); each
-    host's output in tmp_path/host<n>.log."""
+    host's output in tmp_path/host<n>.log. The secret: LLAMARL_SECRET on host 0, a
+    file of mode 0600 named by LLAMARL_SECRET_FILE on host 1."""
+    secret_file = tmp_path / f"{rdzv_id}.secret"
+    auth.write_secret_file(secret_file, SECRET)
+    secrets = [{auth.SECRET_ENV: SECRET.hex()}, {auth.SECRET_FILE_ENV: str(secret_file)}]
     procs = []
     for node, host in enumerate(hosts):
         argv = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
@@ -86,9 +97,25 @@ def _agents_on_two_hosts(hosts, tmp_path: Path, rdzv_id: str, train_args: list[s
         with open(tmp_path / f"host{node}.log", "w") as log:
             # popen adds to this process's environment: TRITON_INTERPRET (conftest's) is overridden, not
             # dropped; under the interpreter the trainer's steps took 1.9 s instead of 22 ms.
-            env = {"GLOO_SOCKET_IFNAME": host.ifname, "TRITON_INTERPRET": "0"}
+            env = {"GLOO_SOCKET_IFNAME": host.ifname, "TRITON_INTERPRET": "0", **secrets[node]}
             procs.append(host.popen(argv, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT))
     return procs
+
+
+def _job_store(rdzv_id: str, deadline: float) -> tuple[str, int]:
+    """The address of the Store torchrun's workers of job `rdzv_id` share (global rank
+    0 serves it at MASTER_PORT, a port anyone can find by scanning host 0): read off
+    that worker's environment once it runs."""
+    while time.monotonic() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+            except OSError:
+                continue
+            if env.get("TORCHELASTIC_RUN_ID") == rdzv_id and env.get("RANK") == "0" and "MASTER_PORT" in env:
+                return env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        time.sleep(0.2)
+    raise TimeoutError(f"no worker of torchrun job {rdzv_id} came up")
 
 
 def test_run_across_two_hosts_learns(netns_hosts, tmp_path):
@@ -96,16 +123,33 @@ def test_run_across_two_hosts_learns(netns_hosts, tmp_path):
     0): the controller and trainer on one host, the reward and generator on the
     other. 600 steps of the default task complete and learn (its reward's last
     tenth well above its first; 0.486 -> 0.808 on one host here), every weight
-    version reaching the generator point-to-point."""
-    out = tmp_path / "run"
+    version reaching the generator point-to-point. Meanwhile a stranger on the
+    generator's host, who reaches the workers' Store on the other (its port found as
+    a port scan would) and lists its keys, forges messages into every queue of the run and of
+    the launcher: the run learns all the same, nothing of theirs runs, and the
+    ranks count what they dropped."""
+    out, marker = tmp_path / "run", tmp_path / "pwned"
     procs = _agents_on_two_hosts(netns_hosts, tmp_path, "learns", ["--steps", "600", "--quiet", "--out", str(out)])
-    for node, proc in enumerate(procs):
-        assert proc.wait(timeout=300) == 0, (tmp_path / f"host{node}.log").read_text()[-3000:]
+    address, port = _job_store("learns", deadline=time.monotonic() + 60)
+    stranger = netns_hosts[1].popen([sys.executable, str(Path(__file__).with_name("stranger.py")),
+                                     address, str(port), str(marker), "280"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for node, proc in enumerate(procs):
+            assert proc.wait(timeout=300) == 0, (tmp_path / f"host{node}.log").read_text()[-3000:]
+        placed_out, placed_err = stranger.communicate(timeout=60)
+    finally:
+        stranger.kill()
+    placed = json.loads(placed_out.splitlines()[-1])
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     print(f"across two hosts: reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f}, "
-          f"wall {summary['wall_time_s']:.1f} s, sync {summary['sync_time_s'] * 1e3:.1f} ms")
+          f"wall {summary['wall_time_s']:.1f} s, sync {summary['sync_time_s'] * 1e3:.1f} ms; a stranger placed "
+          f"{placed}, the run dropped {metrics[-1]['forged_messages']}")
     assert summary["steps"] == 600
     assert summary["reward_last"] > summary["reward_first"] + 0.2
+    assert set(placed) == {"pickle", "wrong_secret", "untagged", "garbage"}, (placed, placed_err[-2000:])
+    assert not marker.exists() and metrics[-1]["forged_messages"] > 0, placed_err[-3000:]
     hosts = json.loads((out / "hosts.json").read_text())["executors"]
     trainer, generator = _host_parts(hosts["trainer 0"]), _host_parts(hosts["generator 0"])
     assert trainer[:2] == generator[:2] and trainer[2] != generator[2]  # one hostname and boot id, two networks

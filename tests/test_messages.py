@@ -2,10 +2,15 @@
 (llamarl_core.pipeline.messages): order per producer and nothing lost or repeated
 under random interleavings of producers and the consumer, a slot whose producer
 died is skipped (and a late one is not), a Store that goes away is reported, and
-the heartbeat tells a live process from a gone one."""
+the heartbeat tells a live process from a gone one. What a stranger writes into a
+queue (a pickle, a message under another secret, one copied from another queue or
+slot, a forged close) is dropped and counted, never run; the data-only encoding
+(wire.py) gives back exactly what was sent and refuses anything else."""
 
 from __future__ import annotations
 
+import math
+import pickle
 import random
 import subprocess
 import sys
@@ -13,13 +18,16 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from llamarl_core.pipeline import messages
+from llamarl_core import auth
+from llamarl_core.pipeline import messages, wire
 from llamarl_core.pipeline.messages import Heartbeat, HeartbeatWatch, QueueClosed, StoreQueue
 from llamarl_core.pipeline.rollout import Sample
 
 ROUNDS = 200
+SECRET = auth.new_secret()
 
 
 @pytest.fixture
@@ -35,8 +43,8 @@ def test_random_interleavings_keep_each_producers_order(store):
     as an executor's do through a run: a new TCPStore connection costs about 200 ms
     of the others' next request here, so a round of fresh ones would take seconds."""
     rng = random.Random(0)
-    consumer = StoreQueue(store, "q")
-    producers = [StoreQueue(store.clone(), "q") for _ in range(5)]
+    consumer = StoreQueue(store, "q", SECRET)
+    producers = [StoreQueue(store.clone(), "q", SECRET) for _ in range(5)]
     total = 0
     for round_ in range(ROUNDS):
         counts = [rng.randint(1, 40) for _ in range(rng.randint(1, 5))]
@@ -75,19 +83,19 @@ def test_random_interleavings_keep_each_producers_order(store):
 
 
 def test_objects_round_trip(store):
-    queue = StoreQueue(store, "objects")
+    queue = StoreQueue(store, "objects", SECRET)
     sample = Sample(3, [1, 2], [5, 6, 7], [-0.5, -1.25, -2.0], [4, 4, 5], True, 0.75)
     payload = ("generator", 1, "samples", {"samples": [sample], "busy": 0.125, "blob": bytes(range(256)) * 300})
-    StoreQueue(store, "objects").put(payload)
+    StoreQueue(store, "objects", SECRET).put(payload)
     assert queue.get(5) == payload
 
 
 def test_a_slot_whose_producer_died_is_skipped(store):
     """A producer that took a number and died before writing it: the consumer waits
     LOST_SLOT_S after later messages came, then goes on with them."""
-    queue = StoreQueue(store, "lost")
+    queue = StoreQueue(store, "lost", SECRET)
     dist.PrefixStore("llamarl/queue/lost/", store).add("tail", 1)  # numbered, never written
-    StoreQueue(store, "lost").put("after")
+    StoreQueue(store, "lost", SECRET).put("after")
     start = time.monotonic()
     got = None
     while got is None and time.monotonic() - start < 10:
@@ -101,11 +109,11 @@ def test_a_stalled_producer_writes_again_after_the_tombstone(store, monkeypatch)
     its slot has been given up (tombstone), so its message goes under a new number
     and arrives after the others; nothing is lost."""
     monkeypatch.setattr(messages, "LOST_SLOT_S", 0.3)
-    queue = StoreQueue(store, "stalled")
-    stalled = StoreQueue(store, "stalled")
+    queue = StoreQueue(store, "stalled", SECRET)
+    stalled = StoreQueue(store, "stalled", SECRET)
     raw = stalled._store  # the queue's namespace, on the stalled producer's connection
     taken = raw.add("tail", 1)  # the stalled producer's number
-    StoreQueue(store, "stalled").put("other")
+    StoreQueue(store, "stalled", SECRET).put("other")
     got = None
     while got is None:
         got = queue.get(0.1)
@@ -120,12 +128,12 @@ def test_a_late_message_is_not_skipped(store, monkeypatch):
     """A slot written late (its producer slow, not dead) is read, never replaced by
     the tombstone: compare_set writes only into an empty slot."""
     monkeypatch.setattr(messages, "LOST_SLOT_S", 0.3)
-    queue = StoreQueue(store, "late")
+    queue = StoreQueue(store, "late", SECRET)
     raw = dist.PrefixStore("llamarl/queue/late/", store)
     number = raw.add("tail", 1)
-    StoreQueue(store, "late").put("second")
+    StoreQueue(store, "late", SECRET).put("second")
     assert queue.get(0.1) is None
-    raw.set(str(number), __import__("pickle").dumps("first"))
+    raw.set(str(number), auth.sign(SECRET, f"llamarl/queue/late/{number}", wire.encode("first")))
     assert [queue.get(5), queue.get(5)] == ["first", "second"]
 
 
@@ -138,7 +146,7 @@ def test_a_store_that_goes_away_is_reported():
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = int(server.stdout.readline())
-        queue = StoreQueue(dist.TCPStore("127.0.0.1", port, is_master=False), "gone")
+        queue = StoreQueue(dist.TCPStore("127.0.0.1", port, is_master=False), "gone", SECRET)
         assert queue.get(0.05) is None
         server.kill()
         server.wait(10)
@@ -163,3 +171,188 @@ def test_heartbeat_watch(store):
     never = HeartbeatWatch(store, "never", grace_s=0.2)
     time.sleep(0.3)
     assert not never.alive()
+
+
+# ----------------------------------------------------------------------------- what a stranger writes
+
+
+class _CreatesAFile:
+    """Unpickling this calls open(path, "w"): the file appears if anything unpickles it."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_forged_messages_are_dropped_counted_and_never_run(store, tmp_path):
+    """A stranger on the Store (its own connection, the source's key names, not the
+    secret) writes into the queue, between real messages: a pickle whose unpickling
+    creates a file, a message tagged under another secret, a real message's bytes
+    copied from another queue and from another slot of this one, a well-tagged body
+    that does not parse (the reader's parser, not the tag, refuses it), the old
+    unsigned close marker and an unsigned empty body (a close must be signed). The
+    consumer gets exactly the real messages in order; the rest are counted and the
+    file never appears."""
+    marker = tmp_path / "pwned"
+    consumer = StoreQueue(store, "inbox/trainer/0/0", SECRET)
+    producer = StoreQueue(store.clone(), "inbox/trainer/0/0", SECRET)
+    stranger = dist.PrefixStore("llamarl/queue/inbox/trainer/0/0/", store.clone())
+    other_secret = auth.new_secret()
+    copied = auth.sign(SECRET, "llamarl/queue/events/1", wire.encode(("train", {"step": 666})))
+
+    def forge(value: bytes) -> None:
+        number = stranger.add("tail", 1)  # the slot a producer would take
+        stranger.compare_set(str(number), "", value)
+
+    forged = [
+        pickle.dumps(_CreatesAFile(marker)),
+        lambda n: auth.sign(other_secret, f"llamarl/queue/inbox/trainer/0/0/{n}", wire.encode(("stop", {}))),
+        copied,
+        lambda n: auth.sign(SECRET, f"llamarl/queue/inbox/trainer/0/0/{n - 1}", wire.encode(("stop", {}))),
+        lambda n: auth.sign(SECRET, f"llamarl/queue/inbox/trainer/0/0/{n}", b"\x00\x00\x00\x05{\"$x\":1}"),
+        b"llamarl:close-queue",
+        b"",
+    ]
+    for i, value in enumerate(forged):
+        producer.put(("train", {"step": i}))
+        if callable(value):
+            value = value(stranger.add("tail", 0) + 1)
+        forge(value)
+    producer.put(("train", {"step": len(forged)}))
+    got = []
+    deadline = time.monotonic() + 20
+    while len(got) < len(forged) + 1 and time.monotonic() < deadline:
+        if (message := consumer.get(0.1)) is not None:
+            got.append(message)
+    assert got == [("train", {"step": i}) for i in range(len(forged) + 1)]
+    assert consumer.dropped == len(forged) and messages.dropped_messages() >= len(forged)
+    assert not marker.exists()
+    consumer.close()
+
+
+def test_a_slot_taken_by_a_stranger_first_costs_nothing(store):
+    """The stranger writes into the next slot before the producer's compare_set: the
+    producer sees a value that is not its own and writes again under a new number;
+    the consumer drops the stranger's and reads the producer's."""
+    consumer = StoreQueue(store, "race", SECRET)
+    raw = dist.PrefixStore("llamarl/queue/race/", store)
+    raw.set("1", b"garbage")  # slot 1, before any producer took it
+    StoreQueue(store.clone(), "race", SECRET).put("real")
+    assert raw.add("tail", 0) == 2  # the producer took 1, found it written, and wrote under 2
+    assert consumer.get(5) == "real" and consumer.dropped == 1
+    consumer.close()
+
+
+def test_a_queue_needs_a_secret(store):
+    for secret in (None, b"", b"short", "0" * 64):
+        with pytest.raises(ValueError, match="secret"):
+            StoreQueue(store, "nosecret", secret)
+
+
+# ----------------------------------------------------------------------------- wire.py
+
+
+def _random_tree(rng: random.Random, depth: int = 0):
+    leaves = [None, True, False, rng.randint(-2**70, 2**70), rng.uniform(-1e6, 1e6), math.inf, -math.inf, math.nan,
+              "".join(rng.choice("ab$\\\"\u00e9\u4e2d\n") for _ in range(rng.randint(0, 6))),
+              bytes(rng.randrange(256) for _ in range(rng.randint(0, 40)))]
+    kind = rng.randrange(8 if depth < 4 else 2)
+    if kind == 0:
+        return rng.choice(leaves)
+    if kind == 1:
+        dtype = rng.choice(list(wire.DTYPES.values()))
+        shape = [rng.randint(0, 3) for _ in range(rng.randint(0, 3))]
+        t = torch.randint(0, 255, shape, dtype=torch.uint8).to(dtype) if dtype != torch.bool else torch.rand(shape) < 0.5
+        return t.transpose(0, -1) if t.dim() > 1 and rng.random() < 0.5 else t  # also non-contiguous
+    if kind == 2:
+        return [_random_tree(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+    if kind == 3:
+        return tuple(_random_tree(rng, depth + 1) for _ in range(rng.randint(0, 4)))
+    if kind == 4:
+        return {rng.choice(["a", "$tuple", "$items", "b", "$", ""]) + str(i): _random_tree(rng, depth + 1)
+                for i in range(rng.randint(0, 3))}
+    if kind == 5:
+        return {rng.choice([1, 2.5, ("t", 1), None, True, b"k", "$data"]): _random_tree(rng, depth + 1)}
+    if kind == 6:
+        return {rng.choice(["$tuple", "$bytes", "$tensor", "$data", "$items", "$other"]): _random_tree(rng, depth + 1)}
+    n = rng.randint(0, 5)
+    return Sample(rng.randint(0, 9), [rng.randint(0, 99) for _ in range(3)], list(range(n)),
+                  [rng.uniform(-5, 0) for _ in range(n)], [rng.randint(0, 3) for _ in range(n)], rng.random() < 0.5,
+                  rng.choice([None, rng.random()]), rng.random() < 0.5)
+
+
+def _same(a, b) -> bool:
+    """Equal as data: same types all the way down, tensors bit-equal with their dtype and shape, NaN equal to NaN."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8) if a.numel()
+                                                                         else a, b.reshape(-1).view(torch.uint8)
+                                                                         if b.numel() else b)
+    if isinstance(a, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return len(a) == len(b) and all(_same(ka, kb) and _same(va, vb)
+                                        for (ka, va), (kb, vb) in zip(a.items(), b.items()))
+    if isinstance(a, Sample):
+        return _same(vars(a), vars(b))
+    return a == b
+
+
+def test_wire_gives_back_exactly_what_was_sent():
+    """2,000 random trees of every type the encoding carries (tensors of every dtype,
+    empty, 0-d and non-contiguous; dicts whose keys look like tags; NaN and huge
+    ints; Samples) come back equal, type for type and bit for bit."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        tree = _random_tree(rng)
+        assert _same(wire.decode(wire.encode(tree)), tree), tree
+
+
+def test_wire_refuses_what_is_not_data(tmp_path):
+    for value, culprit in [(lambda: 0, "function"), (object(), "object"), ({1, 2}, "set"),
+                           ({"a": [1, _CreatesAFile(tmp_path / "x")]}, "_CreatesAFile"),
+                           (torch.zeros(2, dtype=torch.complex64), "complex64")]:
+        with pytest.raises(TypeError, match=culprit) as error:
+            wire.encode(("x", value))
+        assert "the message[1]" in str(error.value)
+    assert wire.encode(("metric", __import__("numpy").float32(0.5))) == wire.encode(("metric", 0.5))
+
+
+def test_wire_decode_refuses_anything_else_with_wire_error(tmp_path):
+    """Malformed input of every kind is a WireError, nothing else: unknown tags,
+    dataclasses and dtypes, spans outside the raw bytes, a size that is not the
+    shape's, fields a Sample does not have, deep nesting, a pickle; and 3,000 random
+    corruptions of real messages either decode to data or raise WireError."""
+    def header(obj, raw: bytes = b"") -> bytes:
+        text = __import__("json").dumps(obj).encode()
+        return len(text).to_bytes(4, "big") + text + raw
+
+    bad = [b"", b"\x00\x00", b"\x00\x00\x00\x09{}", header(None)[:-1] + b"x", pickle.dumps(_CreatesAFile(tmp_path / "y")),
+           header({"$nope": 1}), header({"$tuple": 5}), header({"$bytes": [0, 5]}, b"abc"), header({"$bytes": [-1, 1]}, b"a"),
+           header({"$bytes": [True, 1]}, b"a"), header({"$tensor": ["complex64", [1], 0, 8]}, bytes(8)),
+           header({"$tensor": ["float32", [2], 0, 4]}, bytes(8)), header({"$tensor": ["float32", [-1], 0, 4]}, bytes(4)),
+           header({"$tensor": ["float32", [1.5], 0, 4]}, bytes(4)), header({"$data": ["Popen", {}]}),
+           header({"$data": ["Sample", {"group": 1}]}), header({"$items": [[1]]}), b"\x00\x00\x00\x02[" + b"[" * 5000,
+           header({"$data": ["Sample", {f.name: 0 for f in __import__("dataclasses").fields(Sample)} | {"x": 1}]})]
+    for data in bad:
+        with pytest.raises(wire.WireError):
+            wire.decode(data)
+    rng = random.Random(1)
+    corpus = [wire.encode(_random_tree(rng)) for _ in range(100)]
+    for _ in range(3000):
+        data = bytearray(rng.choice(corpus))
+        for _ in range(rng.randint(1, 4)):
+            if data and rng.random() < 0.7:
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            else:
+                del data[rng.randrange(len(data) + 1):]
+        try:
+            wire.decode(bytes(data))
+        except wire.WireError:
+            pass
+    assert not (tmp_path / "y").exists()

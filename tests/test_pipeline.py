@@ -438,9 +438,12 @@ def test_heartbeat_reports_while_working_and_stops_after(tmp_path):
     from llamarl_core.pipeline.executors import EVENTS, Link
     from llamarl_core.pipeline.messages import StoreQueue
 
+    from llamarl_core.auth import new_secret
+
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    events = StoreQueue(store, EVENTS)
-    link = Link(store, "trainer", 0, {}, None, timeout_s=60)
+    secret = new_secret()
+    events = StoreQueue(store, EVENTS, secret)
+    link = Link(store, "trainer", 0, {}, None, timeout_s=60, secret=secret)
     with link.heartbeat(0.05):
         time.sleep(0.5)
     beats = []

@@ -41,7 +41,7 @@ from .executors import (
 from .export import checkpoint_path, export_policy
 from .generators import evaluates, plugin_generator
 from .learner import MAX_STATS, trainer_plugins
-from .messages import Heartbeat, StoreQueue
+from .messages import Heartbeat, StoreQueue, dropped_messages
 from .plugins import check_main_guard
 from .processes import LocalExecutors
 from .replicas import ReplicaSyncs
@@ -140,7 +140,7 @@ class Controller:
         inbox = None
         if has_inbox(role, rank, self.generator_tp):
             inbox = inbox_name(role, rank, extra.get("incarnation", 0))
-            self.inboxes[(role, rank)] = StoreQueue(self.store, inbox)
+            self.inboxes[(role, rank)] = StoreQueue(self.store, inbox, self.executors.secret)
         self.executors.start(role, rank, self.config.to_dict(), {**extra, "inbox": inbox})
 
     def _tell(self, role: str, kind: str, **payload) -> None:
@@ -233,6 +233,7 @@ class Controller:
     def _handle(self, role: str, rank: int, kind: str, payload: dict) -> None:
         for name, start, end, args in payload.pop("spans", []):
             self.spans.append((role, rank, name, start, end, args))
+        self.dropped_by[(role, rank, payload.get("incarnation"))] = payload.pop("dropped_messages", 0)
         replica = rank // self.generator_tp if role == GENERATOR else None
         if role == GENERATOR and payload["incarnation"] != self.replicas.incarnation[replica]:
             return  # from a replica that has been replaced
@@ -449,7 +450,9 @@ class Controller:
         record.update(step_time_s=now - self.last_step_end, gen_time_s=self.gen_busy / self.num_replicas,
                       sync_time_s=self.sync_seconds.pop(version, 0.0), stall_time_s=self.stall_seconds.pop(version, 0.0),
                       wall_s=now - self.t0 + self.resumed_wall,
-                      rl_s=now - self.rl_start + self.resumed_rl)
+                      rl_s=now - self.rl_start + self.resumed_rl,
+                      # Messages refused so far (forged, or not parsing), by this process and every executor.
+                      forged_messages=dropped_messages() + sum(self.dropped_by.values()))
         self.gen_busy, self.last_step_end = 0.0, now
         self.metrics.append(record)
         with open(self.out / "metrics.jsonl", "a") as f:
@@ -512,7 +515,7 @@ class Controller:
                                  "the same configuration or pick another folder")
         cfg.save(saved)
         self.store = self.executors.open_store(cfg.timeout_s)
-        self.events = StoreQueue(self.store, EVENTS)
+        self.events = StoreQueue(self.store, EVENTS, self.executors.secret)
         # The executors' idle waits check this beat: without it for timeout_s, they exit.
         self.beat = Heartbeat(self.store, CONTROLLER_BEAT)
         self._reset_state()
@@ -582,6 +585,7 @@ class Controller:
 
     def _reset_state(self) -> None:
         self.ready_ranks: set[tuple[str, int]] = set()
+        self.dropped_by: dict[tuple, int] = {}  # (role, rank, incarnation) -> its process's refused messages
         # Where each executor runs (hostname/boot id/net ns/pid ns) and the transport of each weight-sync pair.
         self.hosts: dict[str, dict[str, str]] = {"executors": {}, "weight_transports": {}}
         self.scheduler = Scheduler(self.config)

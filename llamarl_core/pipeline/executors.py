@@ -47,7 +47,7 @@ from .learner import (
     train_step,
     trainer_plugins,
 )
-from .messages import HeartbeatWatch, QueueClosed, StoreQueue
+from .messages import HeartbeatWatch, QueueClosed, StoreQueue, dropped_messages
 from .rewards import check_rewards, make_scorer
 from .rollout import Sample
 
@@ -78,13 +78,14 @@ class Link:
     None on generator ranks other than a replica's rank 0, which reads the commands for
     all of them. An idle wait for a command checks that the controller still beats."""
 
-    def __init__(self, store: dist.Store, role: str, rank: int, tags: dict, inbox: str | None, timeout_s: float):
+    def __init__(self, store: dist.Store, role: str, rank: int, tags: dict, inbox: str | None, timeout_s: float,
+                 secret: bytes):
         self.role, self.rank = role, rank
         # A connection for the messages alone: the executor's weight syncs wait on `store` for
         # up to their timeout, and the heartbeat thread's reports must not queue behind them.
         messages = store.clone()
-        self.events = StoreQueue(messages, EVENTS)
-        self.inbox = StoreQueue(messages, inbox) if inbox is not None else None
+        self.events = StoreQueue(messages, EVENTS, secret)
+        self.inbox = StoreQueue(messages, inbox, secret) if inbox is not None else None
         self.controller = HeartbeatWatch(messages, CONTROLLER_BEAT, grace_s=timeout_s)
         self.tags = tags  # added to every message (the generator's incarnation)
         self.spans: list[tuple[str, float, float, dict]] = []
@@ -93,6 +94,7 @@ class Link:
         if kind == "ready":  # where this executor runs (the run's hosts.json)
             payload["host"] = host_identity()
         payload.update(self.tags)
+        payload["dropped_messages"] = dropped_messages()  # this process's refused messages, for the run's metrics
         payload["spans"], self.spans = self.spans, []
         self.events.put((self.role, self.rank, kind, payload))
 
@@ -211,17 +213,18 @@ def _select_gpu(config: TrainConfig, role: str, rank: int, launched: bool) -> No
     torch.cuda.set_device(index % torch.cuda.device_count())
 
 
-def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, extra: dict) -> bool:
+def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, extra: dict, secret: bytes) -> bool:
     """Run executor rank `rank` of `role` until the controller says stop; False when
     it failed (the failure, with its traceback, is reported to the controller).
     extra: "inbox", "launched" and the role's own arguments (the incarnation, the run
-    folder)."""
+    folder). secret: the run's (auth.py), which its messages carry; never in `extra`,
+    which may travel through the Store."""
     config = TrainConfig.from_dict(config_dict)
     extra = dict(extra)
     inbox = extra.pop("inbox")  # the queue it reads its commands from (None: its replica's rank 0 reads them)
     launched = extra.pop("launched", False)  # a torchrun rank (llamarl_core.launch), not forked by the controller
     tags = {"incarnation": extra["incarnation"]} if role == GENERATOR else {}
-    link = Link(store, role, rank, tags, inbox, config.timeout_s)
+    link = Link(store, role, rank, tags, inbox, config.timeout_s, secret)
     try:
         _setup_threads(config, role, rank, launched)
         if config.device == "cuda" and role != REWARD:
@@ -247,8 +250,9 @@ def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, ext
         link.close()
 
 
-def executor_main(role: str, rank: int, config_dict: dict, store_port: int, extra: dict) -> None:
-    """Process entry point (forked by the controller's forkserver on its host)."""
+def executor_main(role: str, rank: int, config_dict: dict, store_port: int, extra: dict, secret: bytes) -> None:
+    """Process entry point (forked by the controller's forkserver on its host; the
+    run's secret comes in the arguments, through the forkserver's local socket)."""
     # Ctrl-C in a terminal reaches the whole process group: the controller alone handles
     # it (it tells every executor to stop, then kills what is left). An executor
     # interrupted on its own would touch the Store after the controller closed it, and
@@ -258,7 +262,7 @@ def executor_main(role: str, rank: int, config_dict: dict, store_port: int, extr
         os.setsid()  # a process group for an engine's processes too (vLLM's, a user's), which the controller kills as one
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                           timeout=datetime.timedelta(seconds=config_dict["timeout_s"]))
-    if not run_executor(role, rank, config_dict, store, extra):
+    if not run_executor(role, rank, config_dict, store, extra, secret):
         raise SystemExit(1)
 
 

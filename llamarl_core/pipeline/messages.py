@@ -18,21 +18,30 @@ connection it is given: give one that nothing blocks in a long `wait`. Connectio
 are not made per queue: each new one stalled the others' next request by about
 200 ms here (100 x (clone + add + add on another connection): 20 s).
 
-Messages are pickled: the Store is the run's own (its address is known to its
-ranks only), as torch.distributed's own object collectives trust it.
+Anyone who reaches the Store's port can read and write its keys, so nothing read
+from it is trusted: a message is data only (wire.py: JSON and raw bytes, never
+unpickled) and carries an HMAC tag under the run's secret (auth.py) bound to its
+queue and number, so a message copied to another queue or slot does not verify
+either. The consumer drops a message that fails its tag or does not parse,
+counts it (`dropped`) and logs its key; it never reaches the caller. What an
+intruder can still do is deny service: bump a counter, delete a key, fill a
+slot (each is skipped, not run).
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
-import pickle
+import logging
 import queue
 import threading
 import time
 import weakref
 
 import torch.distributed as dist
+
+from .. import auth
+from . import wire
 
 # A consumer's reader waits for the next message this long at a time. Each wait
 # that times out makes c10d print two warning lines, so it is long; the reader is
@@ -47,11 +56,21 @@ READER_WAIT_S = 3600.0
 # the bound is short. The consumer writes a tombstone into the slot (compare_set:
 # never over a real message) and goes on with the next.
 LOST_SLOT_S = 0.5
-_TOMBSTONE = b"llamarl:lost-message"
-_CLOSE = b"llamarl:close-queue"
+_TOMBSTONE = b"llamarl:lost-message"  # unsigned: one forged only makes a producer write again under a new number
+# The first dropped messages of a queue are logged one by one, then one in LOG_EVERY (all are counted).
+LOG_FIRST, LOG_EVERY = 10, 1000
+log = logging.getLogger(__name__)
 
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # queues whose reader runs, closed at exit
+_DROPPED = [0]  # messages this process's queues refused, all queues together
+_DROPPED_LOCK = threading.Lock()
+
+
+def dropped_messages() -> int:
+    """How many messages the queues read in this process have dropped (forged or
+    malformed), since it started."""
+    return _DROPPED[0]
 
 
 @atexit.register
@@ -69,10 +88,15 @@ class QueueClosed(RuntimeError):
 class StoreQueue:
     """First in, first out, over `store` under `name`: any number of producers
     (`put`, from any process and thread), one consumer (`get`, `get_nowait`).
-    Messages are kept in the Store until read and deleted as they are read."""
+    Messages are kept in the Store until read and deleted as they are read.
+    secret: the run's (auth.py), the same for every producer and the consumer;
+    `dropped` counts the messages the consumer refused (forged or malformed)."""
 
-    def __init__(self, store: dist.Store, name: str):
-        self.name = name
+    def __init__(self, store: dist.Store, name: str, secret: bytes):
+        if not isinstance(secret, bytes) or len(secret) < auth.MIN_SECRET_BYTES:
+            raise ValueError(f"queue {name}: the secret must be at least {auth.MIN_SECRET_BYTES} bytes")
+        self.name, self._secret = name, secret
+        self.dropped = 0
         self._store = dist.PrefixStore(f"llamarl/queue/{name}/", store)
         self._lock = threading.Lock()  # a put's requests in a row, whichever thread puts
         # The reader's advance (read, delete, count) and the consumer's tombstone are one
@@ -85,16 +109,22 @@ class StoreQueue:
 
     # -- producers ---------------------------------------------------------------------
     def put(self, message) -> None:
-        self._put_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        """Queue `message` (wire.py's types; TypeError before anything is written otherwise)."""
+        self._put_body(wire.encode(message))
 
-    def _put_bytes(self, data: bytes) -> None:
+    def _put_body(self, body: bytes) -> None:
         with self._lock:
             while True:
                 number = self._store.add("tail", 1)
-                # compare_set answers with the slot's value after it: ours, or a tombstone when the
-                # consumer gave the slot up (this producer was stalled for LOST_SLOT_S).
-                if self._store.compare_set(str(number), "", data) != _TOMBSTONE:
+                data = auth.sign(self._secret, self._context(number), body)
+                # compare_set answers with the slot's value after it: ours, or what was there first (a
+                # tombstone when the consumer gave the slot up, this producer stalled for LOST_SLOT_S; or
+                # anything an intruder wrote): then the message goes under a new number.
+                if self._store.compare_set(str(number), "", data) == data:
                     return
+
+    def _context(self, number: int) -> str:
+        return f"llamarl/queue/{self.name}/{number}"
 
     # -- the consumer ------------------------------------------------------------------
     def get(self, timeout: float):
@@ -121,7 +151,7 @@ class StoreQueue:
         _OPEN.discard(self)
         if self._reader is not None and self._reader.is_alive():
             try:
-                self._put_bytes(_CLOSE)
+                self._put_body(b"")  # the close message: signed like any other, and no message encodes to b""
             except dist.DistError:
                 return  # the Store is gone, and the reader with it
             self._reader.join(timeout=5)
@@ -154,12 +184,29 @@ class StoreQueue:
                     if data != _TOMBSTONE:  # kept: a stalled producer must still find it there
                         connection.delete_key(key)
                     self._head += 1
-                if data == _CLOSE:
-                    return
-                if data != _TOMBSTONE:
-                    items.put(pickle.loads(data))
+                if data == _TOMBSTONE:
+                    continue
+                body = auth.verify(self._secret, self._context(int(key)), data)
+                if body == b"":
+                    return  # close()
+                try:
+                    if body is None:
+                        raise wire.WireError("its tag does not verify under the run's secret")
+                    message = wire.decode(body)
+                except wire.WireError as exc:
+                    self._drop(key, exc)
+                    continue
+                items.put(message)
         except dist.DistError as exc:  # the Store's host is gone
             items.put(QueueClosed(f"queue {self.name}: the Store is gone ({exc})"))
+
+    def _drop(self, key: str, why: Exception) -> None:
+        with _DROPPED_LOCK:
+            self.dropped += 1
+            _DROPPED[0] += 1
+        if self.dropped <= LOG_FIRST or self.dropped % LOG_EVERY == 0:
+            log.warning("queue %s: dropped the message at key llamarl/queue/%s/%s (%s); %d dropped so far",
+                        self.name, self.name, key, why, self.dropped)
 
     def _skip_lost_slot(self) -> None:
         """Called when the consumer found nothing: if the slot the reader waits for

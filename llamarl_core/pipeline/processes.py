@@ -4,8 +4,8 @@ assignment from the controller's rank (`llamarl_core.launch`). Both start an
 executor with `run_executor` on a Store the controller also reaches, and the
 controller talks to it through the same queues in that Store either way.
 
-    executors = LocalExecutors()                      # or LaunchedExecutors(store, placement)
-    store = executors.open_store(timeout_s)           # the run's Store
+    executors = LocalExecutors()                      # or LaunchedExecutors(store, placement, ...)
+    store = executors.open_store(timeout_s)           # the run's Store; executors.secret, the run's secret
     executors.start(GENERATOR, 0, config_dict, extra)
     executors.exited()                                # [(role, rank, why)] of the dead
     executors.stop(GENERATOR, 0)                      # SIGKILL a generator rank (if restartable)
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .. import auth
 from .executors import GENERATOR, executor_main
 from .messages import HeartbeatWatch, StoreQueue
 
@@ -52,9 +53,13 @@ class LocalExecutors:
         self.ctx.set_forkserver_preload(EXECUTOR_MODULES)
         self.procs: dict[tuple[str, int], mp.Process] = {}
         self.store: dist.TCPStore | None = None
+        self.secret: bytes | None = None
 
     def open_store(self, timeout_s: float) -> dist.Store:
-        """A Store of the run's own, served by this process on the loopback."""
+        """A Store of the run's own, served by this process on the loopback (a
+        TCPStore listens on every interface: what it reads is trusted by the run's
+        secret, made here and handed to the executors in their arguments)."""
+        self.secret = auth.new_secret()
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
         return self.store
@@ -62,7 +67,7 @@ class LocalExecutors:
     def start(self, role: str, rank: int, config_dict: dict, extra: dict) -> None:
         proc = self.ctx.Process(
             target=executor_main, name=f"llamarl-{role}-{rank}",
-            args=(role, rank, config_dict, self.store.port, extra),
+            args=(role, rank, config_dict, self.store.port, extra, self.secret),
             # An engine (vLLM's, or a user's) starts processes of its own, which a daemon may not;
             # like every executor it exits by itself once the controller is gone (Link.get).
             daemon=not (role == GENERATOR and self.engine),
@@ -105,6 +110,11 @@ class LocalExecutors:
                 self._kill(role, proc)
 
 
+def run_secret(job_secret: bytes, prefix: str) -> bytes:
+    """The secret of the run whose Store namespace is `prefix`, on a torchrun job."""
+    return auth.derive(job_secret, prefix)
+
+
 def assignment_queue(global_rank: int) -> str:
     """The queue in the job's Store on which rank `global_rank` waits for executors to run."""
     return f"launch/rank/{global_rank}"
@@ -132,17 +142,22 @@ class LaunchedExecutors:
 
     restartable = False
 
-    def __init__(self, store: dist.Store, placement, assignments: dict[int, StoreQueue]):
-        """assignments: the assignment queue of every rank but the controller's."""
+    def __init__(self, store: dist.Store, placement, assignments: dict[int, StoreQueue], job_secret: bytes):
+        """assignments: the assignment queue of every rank but the controller's.
+        job_secret: the one every rank of the job read from its environment."""
         self.job_store, self.placement, self.assignments = store, placement, assignments
+        self.job_secret = job_secret
         self.prefix: str | None = None
+        self.secret: bytes | None = None
         self.watches: dict[tuple[str, int], HeartbeatWatch] = {}
         self._next_check = 0.0
 
     def open_store(self, timeout_s: float) -> dist.Store:
         """The job's Store, in a namespace of this run's own (--compare runs two runs
-        on one job; their process groups and syncs must not meet)."""
+        on one job; their process groups and syncs must not meet), and a secret of
+        its own derived from the job's (a message of one run never verifies in the other)."""
         self.prefix = f"llamarl/run/{secrets.token_hex(4)}/"
+        self.secret = run_secret(self.job_secret, self.prefix)
         return dist.PrefixStore(self.prefix, self.job_store)
 
     def start(self, role: str, rank: int, config_dict: dict, extra: dict) -> None:

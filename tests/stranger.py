@@ -1,0 +1,92 @@
+"""A stranger on a run's Store: someone who can reach its port and has read the
+source, but does not hold the run's secret. Run as a script:
+
+    python stranger.py HOST PORT MARKER SECONDS
+
+Until SECONDS pass or the Store goes away, it lists (every few rounds) the Store's keys (TCPStore
+answers anyone), and writes forged messages into every queue the source names
+(the controller's events, every executor's inbox, under every run namespace it
+finds, and torchrun's assignment queues): a pickle whose unpickling would create
+the file MARKER, a message tagged under a secret of its own, a message with no tag,
+garbage. It takes each slot as a producer would (the tail counter, then the empty
+slot). On exit it prints one JSON line: how many it placed, per kind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import sys
+import time
+
+import torch.distributed as dist
+
+from llamarl_core import auth
+from llamarl_core.pipeline import wire
+
+ROLES = ("reward", "trainer", "generator")
+
+
+class _CreatesAFile:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def queue_namespaces(keys: list[str]) -> set[tuple[str, str]]:
+    """(raw key prefix, queue name) of every queue the source uses, under every
+    namespace seen in `keys`: the Store's root, torchrun's worker prefix, each run's
+    (a PrefixStore joins its prefix and a key with "/"), and every queue whose tail
+    counter shows in the keys."""
+    bases = {""} | {m.group(1) for k in keys if (m := re.match(r"^(.*?)llamarl/", k))}
+    bases |= {m.group(1) for k in keys if (m := re.match(r"^(.*?llamarl/run/[0-9a-f]+//)", k))}
+    names = {"events"} | {f"inbox/{role}/{rank}/{inc}" for role in ROLES for rank in range(2) for inc in range(2)}
+    names |= {f"launch/rank/{rank}" for rank in range(8)}
+    found = {(f"{base}llamarl/queue/{name}/", name) for base in bases for name in names}
+    for key in keys:
+        if m := re.match(r"^(.*?llamarl/queue/(.+?)/)/tail$", key):
+            found.add((m.group(1), m.group(2)))
+    return found
+
+
+def forged_messages(marker: str, name: str, number: int) -> dict[str, bytes]:
+    import pickle
+
+    own = auth.new_secret()
+    command = wire.encode(("stop", {}))
+    return {
+        "pickle": pickle.dumps(_CreatesAFile(marker)),
+        "wrong_secret": auth.sign(own, f"llamarl/queue/{name}/{number}", command),
+        "untagged": command,
+        "garbage": bytes(range(256)) * 4,
+    }
+
+
+def main(host: str, port: int, marker: str, seconds: float) -> dict[str, int]:
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    placed: dict[str, int] = {}
+    deadline = time.monotonic() + seconds
+    turn = 0
+    namespaces: list[tuple[str, str]] = []
+    try:
+        while time.monotonic() < deadline:
+            if turn % 10 == 0:  # the keys grow with what this stranger leaves in queues nobody reads
+                namespaces = sorted(queue_namespaces(store.list_keys()))
+            for namespace, name in namespaces:
+                number = store.add(f"{namespace}/tail", 1)
+                kind, value = list(forged_messages(marker, name, number).items())[turn % 4]
+                if store.compare_set(f"{namespace}/{number}", "", value) == value:
+                    placed[kind] = placed.get(kind, 0) + 1
+            turn += 1
+            time.sleep(0.3)
+    except dist.DistError:
+        pass  # the run ended and its Store with it
+    print("namespaces:", [n for n, _ in namespaces if "attempt" in n or "run" in n][:30], file=sys.stderr)
+    return placed
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]))), flush=True)
