@@ -36,7 +36,7 @@ import time
 import torch
 
 from llamarl_core.bench import bench_sync
-from llamarl_core.bench.harness import add_output_args, record, summarize, table
+from llamarl_core.bench.harness import add_output_args, record, share_secret, summarize, table
 from llamarl_core.cli import HelpFormatter
 
 
@@ -174,6 +174,7 @@ def sync_rows(repeats: int) -> list[dict]:
 
 
 def run(spec) -> dict:
+    share_secret()
     copy_bps = copy_bandwidth(1 << 30, spec.repeats)
     rows = [{"what": "device-to-device copy, 1 GiB (read + write)", "seconds": None, "gbps": copy_bps / 1e9,
              "vs_copy": 1.0}]

@@ -53,7 +53,7 @@ import torch.multiprocessing as tmp
 
 from llamarl_core.sync import WeightReceiver, WeightSender, hf_llama_fsdp, hf_llama_shapes, plan_transfer, vllm_llama_tp
 
-from llamarl_core.bench.harness import add_model_args, add_output_args, record, summarize, table
+from llamarl_core.bench.harness import add_model_args, add_output_args, record, share_secret, summarize, table
 from llamarl_core.cli import HelpFormatter
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -315,6 +315,7 @@ def run(spec) -> dict:
     1.44x of the engine in two runs of the same code, and below the
     torch.multiprocessing peer, which copies from tp processes at once. On a GPU
     it is one cudaMemcpy device to device, sampled before and after."""
+    share_secret()
     config = model_config(spec)
     nbytes = model_bytes(config, torch.bfloat16)
     rounds = spec.warmup + spec.repeats
@@ -376,6 +377,7 @@ def run_replicas(spec) -> dict:
     interleaved with the others', so drift hits engine and limit alike (the
     one-process copy_ sampled before and after came out at 0.74x and 1.44x of the
     engine in two runs of the same code)."""
+    share_secret()
     config = model_config(spec)
     nbytes = model_bytes(config, torch.bfloat16)
     counts = sorted({1, *spec.replicas})

@@ -41,7 +41,7 @@ from llamarl_core.bench.bench_sync import (
     model_bytes,
     model_config,
 )
-from llamarl_core.bench.harness import summarize, table
+from llamarl_core.bench.harness import share_secret, summarize, table
 from llamarl_core.bench.netns import NetnsHosts, NetnsUnavailable, parse_rate_bits
 from llamarl_core.sync import hf_llama_fsdp, plan_transfer, vllm_llama_tp
 from llamarl_core.sync.plan import relay_tree
@@ -163,6 +163,7 @@ def run_hosts(spec) -> dict:
     """Make 1 + max(R) namespace hosts, shape their links, drive the methods from
     host 0 and return the figures (SystemExit when namespaces cannot be made or
     the measurement fails)."""
+    share_secret()
     config = model_config(spec)
     nbytes = model_bytes(config, torch.bfloat16)
     counts = sorted({1, *spec.replicas})

@@ -32,7 +32,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from llamarl_core.bench.harness import add_model_args, add_output_args, record, summarize, table
+from llamarl_core.bench.harness import add_model_args, add_output_args, record, share_secret, summarize, table
 from llamarl_core.cli import HelpFormatter
 from llamarl_core.sync import Layout, WeightSender, fsdp_layout, plan_transfer
 
@@ -76,6 +76,7 @@ def _trainer(port: int, layout_dict: dict, rank: int, versions: list[int], name:
 
 
 def run(spec) -> dict:
+    share_secret()
     from llamarl_core.integrations.vllm import ddma_init_info
     from llamarl_core.integrations.vllm.host import EngineError, EngineProcess
 

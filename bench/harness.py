@@ -22,7 +22,15 @@ import sys
 from pathlib import Path
 
 import llamarl_core
+from llamarl_core.auth import SECRET_ENV, new_secret
 
+
+def share_secret() -> None:
+    """One secret for every process of a bench whose weight syncs authenticate their
+    Store values (auth.py): set in this process's environment (unless the caller set
+    one), which the bench's processes inherit (spawned, or started in a network
+    namespace host)."""
+    os.environ.setdefault(SECRET_ENV, new_secret().hex())
 
 
 def summarize(samples: list[float]) -> dict:

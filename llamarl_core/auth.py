@@ -17,23 +17,46 @@ The secret travels outside the Store:
 
 A tag binds a value to its `context` (its full Store key, and for a queue the
 message's number): a value copied to another key or slot does not verify.
+
+What is refused is counted in this process (`refused_count`, the pipeline's
+`forged_messages` metric) and logged naming its key: the first LOG_FIRST one by
+one, then one in LOG_EVERY. A refused value never reaches the code that reads
+the Store. What the tags cannot stop is denial of service: anyone who reaches the
+Store can delete a key, overwrite a genuine value (its reader then waits for a
+genuine one until its timeout) or bump a counter.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import stat
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
+
+import torch.distributed as dist
 
 SECRET_ENV = "LLAMARL_SECRET"
 SECRET_FILE_ENV = "LLAMARL_SECRET_FILE"
 SECRET_BYTES = 32  # what new_secret makes
 MIN_SECRET_BYTES = 16  # the shortest secret accepted from the environment
 TAG_BYTES = 32  # HMAC-SHA256
+# The first refused values are logged one by one, then one in LOG_EVERY (all are counted).
+LOG_FIRST, LOG_EVERY = 10, 1000
+# A read that finds a value that does not verify looks again, this long apart at most
+# (1 ms, doubling), until a genuine value replaces it or its timeout passes.
+REREAD_S = 0.125
+
+log = logging.getLogger(__name__)
+_refused = [0]
+_refused_lock = threading.Lock()
 
 
 def new_secret() -> bytes:
@@ -90,6 +113,37 @@ def secret_from_env(environ: Mapping[str, str] = os.environ) -> bytes | None:
     return None
 
 
+def required_secret(secret: bytes | None, who: str) -> bytes:
+    """`secret` checked, or when None the one set in the environment
+    (secret_from_env); ValueError naming `who` when there is none, or it is not
+    bytes of at least MIN_SECRET_BYTES."""
+    if secret is None:
+        secret = secret_from_env()
+    if secret is None:
+        raise ValueError(f"{who}: no secret: pass secret= (the same bytes on every rank, e.g. auth.new_secret() made "
+                         f"once and handed to each process) or set {SECRET_ENV} / {SECRET_FILE_ENV}; make one with "
+                         "python -c 'import secrets; print(secrets.token_hex(32))'")
+    if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{who}: the secret must be bytes, at least {MIN_SECRET_BYTES} of them, got "
+                         f"{type(secret).__name__} of length {len(secret) if hasattr(secret, '__len__') else '?'}")
+    return secret
+
+
+def refused_count() -> int:
+    """How many values this process has refused (forged or malformed messages,
+    Store values whose tag does not verify), since it started."""
+    return _refused[0]
+
+
+def refuse(what: str, key: str, why: str) -> None:
+    """Count one refused value and log it (`what` at key `key`, and `why`)."""
+    with _refused_lock:
+        _refused[0] += 1
+        count = _refused[0]
+    if count <= LOG_FIRST or count % LOG_EVERY == 0:
+        log.warning("%s at key %s (%s); %d refused so far in this process", what, key, why, count)
+
+
 def derive(secret: bytes, label: str) -> bytes:
     """A secret of its own for `label` (a run's Store namespace): two runs of one job
     share the job's secret, but a value of one never verifies in the other."""
@@ -114,3 +168,101 @@ def _tag(secret: bytes, context: str, body: bytes) -> bytes:
     mac.update(b"\0")
     mac.update(body)
     return mac.digest()
+
+
+class AuthenticatedStore(dist.Store):
+    """`store` as its holders of `secret` see it: every value `set` carries a tag
+    bound to `label` + its key, and a value whose tag does not verify reads as
+    not set: `get`, `multi_get` and `wait` go on waiting for a genuine one (within
+    the store's timeout, or the wait's), `check` says False. Each distinct value
+    refused is counted and logged once (`refuse`). A torch.distributed Store, so a
+    process group's rendezvous can run through it (a forged peer address is then
+    never read). Counters (`add`) are plain integers, not authenticated: what
+    reads them takes a count as a hint to look at authenticated keys, never as an
+    address. `inner` is the Store underneath."""
+
+    _SEEN = 256  # forged values remembered per store (a waiting reader meets one many times)
+
+    def __init__(self, store: dist.Store, secret: bytes, label: str = ""):
+        super().__init__()
+        self.inner, self._secret, self._label = store, required_secret(secret, "AuthenticatedStore"), label
+        self._seen: OrderedDict = OrderedDict()
+
+    def _context(self, key: str) -> str:
+        return self._label + key
+
+    def _open(self, key: str, data: bytes) -> bytes | None:
+        """The value's body, or None (refused: counted once per distinct value)."""
+        body = verify(self._secret, self._context(key), data)
+        if body is None:
+            seen = (key, hashlib.sha256(data).digest())
+            if seen not in self._seen:
+                self._seen[seen] = None
+                if len(self._seen) > self._SEEN:
+                    self._seen.popitem(last=False)
+                refuse("ignored a value that is not the run's", self._context(key),
+                       "its tag does not verify under the secret")
+        return body
+
+    def set(self, key: str, value) -> None:
+        if isinstance(value, str):
+            value = value.encode()
+        self.inner.set(key, sign(self._secret, self._context(key), bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        return self.multi_get([key])[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The genuine values of `keys`, once every one is set and verifies, within
+        the store's timeout (DistStoreError past it, naming the keys that hold
+        values that do not verify)."""
+        deadline = time.monotonic() + self.inner.timeout.total_seconds()
+        pause = 1e-3
+        while True:
+            values = [self._open(k, v) for k, v in zip(keys, self.inner.multi_get(keys))]
+            if all(v is not None for v in values):
+                return values
+            if time.monotonic() >= deadline:
+                forged = [k for k, v in zip(keys, values) if v is None]
+                raise dist.DistStoreError(f"timed out waiting for a genuine value at {forged}: each holds one "
+                                          "that does not verify under the secret")
+            time.sleep(pause)
+            pause = min(2 * pause, REREAD_S)
+
+    def check(self, keys: list[str]) -> bool:
+        if not self.inner.check(keys):
+            return False
+        return all(self._open(k, v) is not None for k, v in zip(keys, self.inner.multi_get(keys)))
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        """Return once every key holds a genuine value; DistStoreError after
+        `timeout` (default: the store's)."""
+        timeout = self.inner.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout.total_seconds()
+        self.inner.wait(keys, timeout)
+        pause = 1e-3
+        while not self.check(keys):
+            if time.monotonic() >= deadline:
+                raise dist.DistStoreError(f"timed out waiting for genuine values at {keys} (some hold values that "
+                                          "do not verify under the secret)")
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(2 * pause, REREAD_S)
+
+    def forged(self, keys: list[str]) -> list[str]:
+        """The keys of `keys` that are set but hold a value that does not verify."""
+        return [k for k in keys if self.inner.check([k]) and not self.check([k])]
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.inner.set_timeout(timeout)
+
+    def clone(self) -> "AuthenticatedStore":
+        return AuthenticatedStore(self.inner.clone(), self._secret, self._label)

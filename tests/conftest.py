@@ -4,6 +4,14 @@ import sys
 import pytest
 import torch
 
+from llamarl_core.auth import SECRET_ENV, new_secret
+
+# The weight syncs authenticate their Store values with a secret (auth.py): the tests'
+# processes, and the workers they start, share one through the environment, as a
+# user's ranks may. The README's examples run without it (test_readme.py): they pass
+# theirs explicitly.
+os.environ.setdefault(SECRET_ENV, new_secret().hex())
+
 # Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter. The
 # variable must be set before any @triton.jit decorator runs (set later, launches
 # fail with "0 active drivers").

@@ -830,7 +830,8 @@ def test_reward_model_executor_and_trainer_options(tmp_path):
     for m in metrics:
         assert all(name in m for name in stats), m
         assert m["masked_fraction"] is None and m["truncated_fraction"] == 0 and m["sequence_truncated_fraction"] == 0
-        assert 0 <= m["clip_fraction"] <= 1 and 0 < m["ess_fraction"] <= 1 and m["chi_squared"] >= -1, m
+        # ess_fraction = (sum w)^2 / (n sum w^2) <= 1, computed in float32: it rounds above 1 by ~1e-7.
+        assert 0 <= m["clip_fraction"] <= 1 and 0 < m["ess_fraction"] <= 1 + 1e-6 and m["chi_squared"] >= -1, m
         assert 0 < m["entropy"] and 0 <= m["mean_abs_log_ratio"] <= m["max_abs_log_ratio"], m
     assert max(m["max_abs_log_ratio"] for m in metrics) > 0  # async: samples of older weights
     trace = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]

@@ -8,11 +8,14 @@ never rot. Markers, an HTML comment on the line before a ```python fence:
   processes, which import the script again);
 - `<!-- fragment: why -->`: cannot run here (a running vLLM engine): skipped."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from llamarl_core import auth
 
 README = Path(__file__).parents[1] / "README.md"
 FRAGMENT, FILE, SCRIPT = "<!-- fragment:", "<!-- file:", "<!-- script:"
@@ -47,6 +50,8 @@ def readme_folder(tmp_path, monkeypatch):
         if kind == "file":
             (tmp_path / name).write_text(code)
     monkeypatch.chdir(tmp_path)  # a block that writes files writes them here
+    # conftest.py's secret is not a reader's: every example passes its own, as written.
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
     return tmp_path
 
 
@@ -58,7 +63,8 @@ def test_readme_block_runs_as_written(line, code, readme_folder):
 @pytest.mark.parametrize("line, code, name", SCRIPTS, ids=[f"README.md:{line}" for line, _, _ in SCRIPTS])
 def test_readme_script_runs_as_written(line, code, name, readme_folder):
     (readme_folder / name).write_text(code)
-    done = subprocess.run([sys.executable, name], cwd=readme_folder, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, name], cwd=readme_folder, capture_output=True, text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items() if k != auth.SECRET_ENV})
     assert done.returncode == 0, f"README.md:{line} ({name}) exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import transformers
 
 from helpers import run_processes
+from llamarl_core import auth
 from llamarl_core.integrations.vllm.host import EngineError, EngineProcess
 from llamarl_core.sync import Layout
 from vllm_workers import checkpoint_tensors, reference_greedy, reference_logprobs, tiny_config, trainer_rank
@@ -295,7 +296,9 @@ def test_sync_while_requests_in_flight(store, tmp_path):
                                 send_after={1: "test/go2"}))]
     with ThreadPoolExecutor(1) as pool:
         trainers = pool.submit(run_processes, jobs, 300)
-        gen = VllmGenerator(tiny_config(kind), tp=1, store_port=store.port, sync_name=name, trainer_world=1,
+        # The trainer's process reads the tests' secret from its environment (conftest.py): the same here.
+        gen = VllmGenerator(tiny_config(kind), tp=1, store_port=store.port, secret=auth.secret_from_env(),
+                            sync_name=name, trainer_world=1,
                             timeout_s=120, max_new_tokens=48, temperature=temperature, eos_token_id=2, seed=0,
                             recompute_kv=True, model_dir=tmp_path / "model", cpus=None)
         try:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..auth import refused_count
 from ..models.checkpoint import check_generator_config
 from ..sync import abandon_receivers, vllm_llama_tp
 from .config import PLUGIN_FIELDS, TrainConfig
@@ -41,7 +42,7 @@ from .executors import (
 from .export import checkpoint_path, export_policy
 from .generators import evaluates, plugin_generator
 from .learner import MAX_STATS, trainer_plugins
-from .messages import Heartbeat, StoreQueue, dropped_messages
+from .messages import Heartbeat, StoreQueue
 from .plugins import check_main_guard
 from .processes import LocalExecutors
 from .replicas import ReplicaSyncs
@@ -214,7 +215,7 @@ class Controller:
             # A parent (or the trainer) waiting for the dead replica to ask for a version stops
             # waiting now, not at its timeout (its new incarnation registers under a new name).
             abandon_receivers(self.store, sync_name_of(self.replicas.incarnation[replica], replica),
-                              f"generator replica {replica} was lost")
+                              f"generator replica {replica} was lost", secret=self.executors.secret)
         self.scheduler.replicas_lost(set(lost))
         for version in self.replicas.lost(set(lost)):
             self._sync_complete(version)
@@ -233,7 +234,7 @@ class Controller:
     def _handle(self, role: str, rank: int, kind: str, payload: dict) -> None:
         for name, start, end, args in payload.pop("spans", []):
             self.spans.append((role, rank, name, start, end, args))
-        self.dropped_by[(role, rank, payload.get("incarnation"))] = payload.pop("dropped_messages", 0)
+        self.dropped_by[(role, rank, payload.get("incarnation"))] = payload.pop("refused", 0)
         replica = rank // self.generator_tp if role == GENERATOR else None
         if role == GENERATOR and payload["incarnation"] != self.replicas.incarnation[replica]:
             return  # from a replica that has been replaced
@@ -452,7 +453,7 @@ class Controller:
                       wall_s=now - self.t0 + self.resumed_wall,
                       rl_s=now - self.rl_start + self.resumed_rl,
                       # Messages refused so far (forged, or not parsing), by this process and every executor.
-                      forged_messages=dropped_messages() + sum(self.dropped_by.values()))
+                      forged_messages=refused_count() + sum(self.dropped_by.values()))
         self.gen_busy, self.last_step_end = 0.0, now
         self.metrics.append(record)
         with open(self.out / "metrics.jsonl", "a") as f:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..auth import AuthenticatedStore, refused_count
 from ..sync import StaleReceiveError, SyncError, fsdp_sender
 from ..sync.protocol import relay_name
 from ..sync.transports import host_identity
@@ -47,7 +48,7 @@ from .learner import (
     train_step,
     trainer_plugins,
 )
-from .messages import HeartbeatWatch, QueueClosed, StoreQueue, dropped_messages
+from .messages import HeartbeatWatch, QueueClosed, StoreQueue
 from .rewards import check_rewards, make_scorer
 from .rollout import Sample
 
@@ -81,6 +82,7 @@ class Link:
     def __init__(self, store: dist.Store, role: str, rank: int, tags: dict, inbox: str | None, timeout_s: float,
                  secret: bytes):
         self.role, self.rank = role, rank
+        self.secret = secret  # the run's: its weight syncs and process groups use it too
         # A connection for the messages alone: the executor's weight syncs wait on `store` for
         # up to their timeout, and the heartbeat thread's reports must not queue behind them.
         messages = store.clone()
@@ -94,7 +96,7 @@ class Link:
         if kind == "ready":  # where this executor runs (the run's hosts.json)
             payload["host"] = host_identity()
         payload.update(self.tags)
-        payload["dropped_messages"] = dropped_messages()  # this process's refused messages, for the run's metrics
+        payload["refused"] = refused_count()  # the values this process refused (auth.py), for the run's metrics
         payload["spans"], self.spans = self.spans, []
         self.events.put((self.role, self.rank, kind, payload))
 
@@ -190,12 +192,14 @@ def _every_core(world: int):
         torch.set_num_threads(threads)
 
 
-def _process_group(store: dist.Store, name: str, rank: int, world: int, config: TrainConfig) -> None:
+def _process_group(store: dist.Store, name: str, rank: int, world: int, config: TrainConfig, secret: bytes) -> None:
     """This executor's own process group: gloo, and NCCL for CUDA tensors (FSDP2's
-    and tensor parallelism's collectives) when the run is on GPUs."""
+    and tensor parallelism's collectives) when the run is on GPUs. Its rendezvous
+    values (the ranks' addresses, NCCL's id) are authenticated with the run's secret."""
     backend = "cpu:gloo,cuda:nccl" if config.device == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.PrefixStore(f"pg/{name}/", store), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=config.timeout_s))
+    prefix = f"pg/{name}/"
+    dist.init_process_group(backend, store=AuthenticatedStore(dist.PrefixStore(prefix, store), secret, label=prefix),
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=config.timeout_s))
 
 
 def _select_gpu(config: TrainConfig, role: str, rank: int, launched: bool) -> None:
@@ -304,7 +308,7 @@ def sync_name_of(incarnation: int, replica: int = 0) -> str:
     return relay_name(f"weights/{incarnation}", replica)
 
 
-def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarnation: int, out_dir: str,
+def _make_generator(config: TrainConfig, data: RunData, store, secret: bytes, rank: int, incarnation: int, out_dir: str,
                     replica: int = 0, children: dict[int, int] | None = None):
     """This rank's generator (generators.py): ours, one process per tensor-parallel
     rank, each replica's ranks in a process group of their own, the weights relayed
@@ -322,21 +326,21 @@ def _make_generator(config: TrainConfig, data: RunData, store, rank: int, incarn
             tp=tp, max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=data.max_new_tokens,
             segment_tokens=config.segment_tokens, temperature=config.temperature,
             eos_token_ids=tuple(tokenizer.stop_token_ids), pad_token_id=tokenizer.pad_token_id, seed=seed,
-            store=store, sync_name=sync_name, timeout_s=config.timeout_s))
+            store=store, secret=secret, sync_name=sync_name, timeout_s=config.timeout_s))
     if config.generator == "vllm":
         from ..integrations.vllm.generator import VllmGenerator
 
         pinned = config.mode == "async" and tp + config.trainer_world <= len(_ALL_CORES)
-        return VllmGenerator(data.model_config, tp=tp, store_port=store.port, sync_name=sync_name,
+        return VllmGenerator(data.model_config, tp=tp, store_port=store.port, secret=secret, sync_name=sync_name,
                              trainer_world=config.trainer_world, timeout_s=config.timeout_s,
                              max_new_tokens=data.max_new_tokens, temperature=config.temperature,
                              eos_token_id=tokenizer.stop_token_ids, seed=seed,
                              recompute_kv=config.recompute_kv, model_dir=Path(out_dir) / f"vllm-model-{incarnation}",
                              # vLLM's workers bind their threads: to the generator's cores, as ours are pinned.
                              cpus="|".join(str(c) for c in sorted(_ALL_CORES)[:tp]) if pinned else None)
-    _process_group(store, f"{GENERATOR}/{incarnation}/{replica}", rank, tp, config)
+    _process_group(store, f"{GENERATOR}/{incarnation}/{replica}", rank, tp, config, secret)
     return LlamaGeneratorBackend(
-        data.model_config, tp=tp, rank=rank, store=store, sync_name=sync_name, timeout_s=config.timeout_s,
+        data.model_config, tp=tp, rank=rank, store=store, secret=secret, sync_name=sync_name, timeout_s=config.timeout_s,
         replica=replica, num_replicas=config.generator_replicas,
         relay_names={child: sync_name_of(k, child) for child, k in (children or {}).items()},
         max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=data.max_new_tokens,
@@ -371,7 +375,8 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
     """Generator rank `rank` of all replicas': rank `tp_rank` of replica `replica`."""
     tp = config.generator_processes
     replica, tp_rank = divmod(rank, tp)
-    generator = _make_generator(config, RunData(config), store, tp_rank, incarnation, out_dir, replica, children)
+    generator = _make_generator(config, RunData(config), store, link.secret, tp_rank, incarnation, out_dir, replica,
+                                children)
     leader = tp_rank == 0  # reads the replica's commands and reports for it
     feed = _CommandFeed(link, tp, leader)
     busy = 0.0
@@ -463,7 +468,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
         raise ValueError(f"the run folder {out_dir} is not on trainer rank 0's host ({host_identity()}): under "
                          "torchrun, give --out a folder on a filesystem both share, or place the controller and "
                          "trainer rank 0 on one host")
-    _process_group(store, TRAINER, rank, world, config)
+    _process_group(store, TRAINER, rank, world, config, link.secret)
     model = _new_model(data, config.seed).to(device)
     check_packed_rows_attend_within_samples(model)  # before any step trains on packed rows
     if world > 1:
@@ -496,7 +501,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
         """This rank's sender to generator incarnation `generator` (its own Store namespace);
         set-up waits as long as a generator may take to start, each send sync_timeout_s."""
         return fsdp_sender(store, model, rank, world, name=sync_name_of(generator), timeout=config.timeout_s,
-                           num_threads=1)
+                           num_threads=1, secret=link.secret)
 
     if step == 0 and data.supervised_warmup:
         start = time.monotonic()
@@ -577,7 +582,7 @@ def run_reward(link: Link, config: TrainConfig, store, rank: int) -> None:
     back on the samples; an error or a non-finite reward names the completion."""
     data = RunData(config)
     score, what = make_scorer(config, data)
-    _process_group(store, REWARD, rank, 1, config)
+    _process_group(store, REWARD, rank, 1, config, link.secret)
     link.send("ready")
     for kind, payload in link.commands():
         start = time.monotonic()

@@ -129,6 +129,7 @@ class GeneratorContext:
     pad_token_id: int
     seed: int
     store: Any  # the run's torch.distributed Store (the weight sync's handshake)
+    secret: bytes  # the run's secret (auth.py): the sync's values in the Store are authenticated with it
     sync_name: str  # the sync's name in it
     timeout_s: float  # how long the sync's set-up may wait for the trainer
 
@@ -140,14 +141,15 @@ class GeneratorContext:
         caches the parameters' data pointers (CPU tensors move into shared memory)."""
         # The parameters themselves: shared memory is swapped in under their `.data`.
         return WeightReceiver(self.store, module_layout(model, 1), 0, dict(model.named_parameters()),
-                              name=self.sync_name, timeout=self.timeout_s)
+                              name=self.sync_name, timeout=self.timeout_s, secret=self.secret)
 
 
 class LlamaGeneratorBackend(Generator):
     """Our LlamaGenerator (one instance per tensor-parallel rank) with partial
     rollouts (RolloutEngine), its parameters registered with a WeightReceiver."""
 
-    def __init__(self, model_config, *, tp: int, rank: int, store: dist.Store, sync_name: str, timeout_s: float,
+    def __init__(self, model_config, *, tp: int, rank: int, store: dist.Store, secret: bytes, sync_name: str,
+                 timeout_s: float,
                  replica: int = 0, num_replicas: int = 1, relay_names: dict[int, str] | None = None, max_batch: int,
                  max_new_tokens: int, segment_tokens: int, temperature: float,
                  eos_token_id: int | Sequence[int], pad_token_id: int, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"):
@@ -157,7 +159,7 @@ class LlamaGeneratorBackend(Generator):
         self.receiver = WeightReceiver(store, vllm_llama_tp(model_config, tp, dtype), rank,
                                        dict(self.model.named_parameters()), name=sync_name, timeout=timeout_s,
                                        num_threads=1, replica=replica, num_replicas=num_replicas,
-                                       relay_names=relay_names)
+                                       relay_names=relay_names, secret=secret)
         self._engine_args = dict(max_batch=max_batch, max_new_tokens=max_new_tokens, temperature=temperature,
                                  eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         self.engine = RolloutEngine(self.model, segment_tokens=segment_tokens, seed=seed, **self._engine_args)

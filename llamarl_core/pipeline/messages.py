@@ -23,7 +23,7 @@ from it is trusted: a message is data only (wire.py: JSON and raw bytes, never
 unpickled) and carries an HMAC tag under the run's secret (auth.py) bound to its
 queue and number, so a message copied to another queue or slot does not verify
 either. The consumer drops a message that fails its tag or does not parse,
-counts it (`dropped`) and logs its key; it never reaches the caller. What an
+counts it (`dropped`, and auth.refused_count) and logs its key; it never reaches the caller. What an
 intruder can still do is deny service: bump a counter, delete a key, fill a
 slot (each is skipped, not run).
 """
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import logging
 import queue
 import threading
 import time
@@ -57,20 +56,9 @@ READER_WAIT_S = 3600.0
 # never over a real message) and goes on with the next.
 LOST_SLOT_S = 0.5
 _TOMBSTONE = b"llamarl:lost-message"  # unsigned: one forged only makes a producer write again under a new number
-# The first dropped messages of a queue are logged one by one, then one in LOG_EVERY (all are counted).
-LOG_FIRST, LOG_EVERY = 10, 1000
-log = logging.getLogger(__name__)
 
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # queues whose reader runs, closed at exit
-_DROPPED = [0]  # messages this process's queues refused, all queues together
-_DROPPED_LOCK = threading.Lock()
-
-
-def dropped_messages() -> int:
-    """How many messages the queues read in this process have dropped (forged or
-    malformed), since it started."""
-    return _DROPPED[0]
 
 
 @atexit.register
@@ -93,9 +81,7 @@ class StoreQueue:
     `dropped` counts the messages the consumer refused (forged or malformed)."""
 
     def __init__(self, store: dist.Store, name: str, secret: bytes):
-        if not isinstance(secret, bytes) or len(secret) < auth.MIN_SECRET_BYTES:
-            raise ValueError(f"queue {name}: the secret must be at least {auth.MIN_SECRET_BYTES} bytes")
-        self.name, self._secret = name, secret
+        self.name, self._secret = name, auth.required_secret(secret, f"queue {name}")
         self.dropped = 0
         self._store = dist.PrefixStore(f"llamarl/queue/{name}/", store)
         self._lock = threading.Lock()  # a put's requests in a row, whichever thread puts
@@ -201,12 +187,8 @@ class StoreQueue:
             items.put(QueueClosed(f"queue {self.name}: the Store is gone ({exc})"))
 
     def _drop(self, key: str, why: Exception) -> None:
-        with _DROPPED_LOCK:
-            self.dropped += 1
-            _DROPPED[0] += 1
-        if self.dropped <= LOG_FIRST or self.dropped % LOG_EVERY == 0:
-            log.warning("queue %s: dropped the message at key llamarl/queue/%s/%s (%s); %d dropped so far",
-                        self.name, self.name, key, why, self.dropped)
+        self.dropped += 1
+        auth.refuse("dropped the message", self._context(int(key)), str(why))
 
     def _skip_lost_slot(self) -> None:
         """Called when the consumer found nothing: if the slot the reader waits for

@@ -335,14 +335,15 @@ class ModuleSender(WeightSender):
 
     def __init__(self, store: dist.Store, model: torch.nn.Module, rank: int, world_size: int, *,
                  name: str = "weights", transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_threads: int | None = None):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_threads: int | None = None,
+                 secret: bytes | None = None):
         model = _unwrapped(model)
         layout = module_layout(model, world_size)
         self.model = model
         shards = {n: local_shard(p) for n, p in model.named_parameters()}
         self._registered = {n: (t.data_ptr(), tuple(t.shape), t.dtype) for n, t in shards.items()}
         super().__init__(store, layout, rank, shards, name=name, transport=transport, timeout=timeout,
-                         bucket_bytes=bucket_bytes, num_threads=num_threads)
+                         bucket_bytes=bucket_bytes, num_threads=num_threads, secret=secret)
 
     def check_storage(self) -> None:
         """SyncError naming the first parameter whose storage is not the registered
@@ -364,12 +365,12 @@ class ModuleSender(WeightSender):
 
 def module_sender(store: dist.Store, model: torch.nn.Module, rank: int, world_size: int, *, name: str = "weights",
                   transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
-                  num_threads: int | None = None) -> ModuleSender:
+                  num_threads: int | None = None, secret: bytes | None = None) -> ModuleSender:
     """A sender over any `nn.Module`'s local shards, in place, under the layout
     `module_layout(model, world_size)` (its `.layout`): plain tensors on one
     rank, FSDP2 / tensor-parallel / HSDP DTensors on `world_size` ranks."""
     return ModuleSender(store, model, rank, world_size, name=name, transport=transport, timeout=timeout,
-                        num_threads=num_threads)
+                        num_threads=num_threads, secret=secret)
 
 
 fsdp_sender = module_sender

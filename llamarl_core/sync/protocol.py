@@ -2,7 +2,11 @@
 that always time out, the keys senders and receivers exchange, and the small
 decisions taken on them (a sender's reports and offers, a receiver's view of them).
 
-Keys, under `llamarl/sync/<name>/` (values JSON: nothing read is unpickled or run):
+Keys, under `llamarl/sync/<name>/`. Values are JSON (nothing read is unpickled or
+run) with an HMAC tag under the sync's secret bound to the key (auth.py's
+AuthenticatedStore: a value that does not verify reads as not set, so a forged
+layout, device info, memory handle, relay table or answer is never acted on);
+counters are plain integers (a forged count is only a hint to look again):
 
     src/layout, src/bucket_bytes, src/reads_p2p_cap   sender rank 0, at set-up
     dst/layout, dst/bucket_bytes                      receiver rank 0, at set-up
@@ -10,7 +14,7 @@ Keys, under `llamarl/sync/<name>/` (values JSON: nothing read is unpickled or ru
     src/<s>/relay_buckets                             a relay's buckets (None: the plan's)
     src/<s>/incarnation, dst/<d>/incarnation          counters: registrations under this name
     dst/<d>/handle                                    receiver d's memory handle (shm, CUDA IPC)
-    dst/<d>/ticket                                    the last ticket receiver d took
+    dst/<d>/ticket                                    counter: the last ticket receiver d took
     dst/<d>/open/<t>                                  ticket t opened: the version asked for
                                                       (or null); "closed" once over; "abandoned"
     dst/<d>/closed/<t>                                ticket t is over
@@ -27,6 +31,12 @@ Keys, under `llamarl/sync/<name>/` (values JSON: nothing read is unpickled or ru
     abandoned                                         abandon_receivers' reason
     dst/amax/<version>/<n>/<d>                        FP8 amaxes (raw bytes), deleted once read
     pg/...                                            the point-to-point group's rendezvous
+                                                      (tagged too: a forged peer address is never read)
+
+Keys do not pile up with versions: a receiver deletes ticket t's answers once it
+has read them, and ticket t - 1's keys when it closes t. (An answer a sender
+writes after the receiver closed the ticket, on a failure path, stays: one key per
+such failure.)
 
 A sender that fails (its set-up or a send raises, or `abort`) publishes its error
 (`SenderReports.fail`) before it re-raises: the error, the count of failures, then
@@ -46,6 +56,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch.distributed as dist
 
+from ..auth import AuthenticatedStore, required_secret
 from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
 
@@ -63,11 +74,15 @@ FAILURE_POLL_S = 0.125
 
 
 class Channel:
-    """The Store of one sync (`name`), namespaced, with JSON values and waits that always time out."""
+    """The Store of one sync (`name`), namespaced, with authenticated JSON values
+    (`secret`: every sender and receiver of the sync holds the same) and waits that
+    always time out."""
 
-    def __init__(self, store: dist.Store, name: str):
+    def __init__(self, store: dist.Store, name: str, secret: bytes | None):
         self.name = name
-        self.store = dist.PrefixStore(f"llamarl/sync/{name}/", store)
+        prefix = f"llamarl/sync/{name}/"
+        secret = required_secret(secret, f"the weight sync {name!r}")
+        self.store = AuthenticatedStore(dist.PrefixStore(prefix, store), secret, label=prefix)
 
     def set(self, key: str, value) -> None:
         self.store.set(key, json.dumps(value))
@@ -131,7 +146,10 @@ class Channel:
             return exc
         missing = [k for k in keys if not self.store.check([k])]
         silent = ", ".join(dict.fromkeys(keys[k] for k in missing))
-        return SyncTimeoutError(f"timed out waiting for {what}: no word from {silent or 'nobody'} (missing {missing})")
+        forged = self.store.forged(missing)
+        return SyncTimeoutError(f"timed out waiting for {what}: no word from {silent or 'nobody'} (missing {missing}"
+                                + (f"; {forged} hold values that do not verify under the sync's secret: forged, or "
+                                   "written by a rank given another secret" if forged else "") + ")")
 
 
 def error_key(rank: int) -> str:
@@ -230,12 +248,13 @@ class SenderWatch:
         return max(version for version, _ in offers)
 
 
-def abandon_receivers(store: dist.Store, name: str, reason: str) -> None:
+def abandon_receivers(store: dist.Store, name: str, reason: str, *, secret: bytes | None = None) -> None:
     """The receivers of sync `name` are gone for good (their processes died; new
     ones register under another name): a send waiting for one of them to ask for a
     version raises SyncError naming `reason` at once instead of at its timeout.
-    Called by whoever watches the receivers' processes (the pipeline's controller)."""
-    channel = Channel(store, name)
+    Called by whoever watches the receivers' processes (the pipeline's controller),
+    with the sync's secret (as WeightSender's)."""
+    channel = Channel(store, name, secret)
     channel.set(ABANDONED, reason)
     if not channel.has(f"{DST}/layout"):
         return  # never registered: no sender can be waiting for a ticket

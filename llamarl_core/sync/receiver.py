@@ -44,8 +44,8 @@ class WeightReceiver(Endpoint):
     moved into a shared region at registration, values kept: the same tensor
     objects (and nn.Parameters) then live in memory the senders write, so register
     them before anything caches their data pointers.
-    name, transport, timeout, num_threads: as WeightSender's (timeout: for set-up
-    and the default of every receive). bucket_bytes: the buckets of the relays
+    name, transport, timeout, num_threads, secret: as WeightSender's (timeout: for
+    set-up and the default of every receive; secret: its relays' too). bucket_bytes: the buckets of the relays
     this rank sends to the replicas it feeds (the trainer's sender rank 0 sets the
     sync's own). p2p_bucket_bytes: a cap on the buckets of point-to-point pairs;
     receiver rank 0's applies (16 MiB at most with replicas).
@@ -102,7 +102,7 @@ class WeightReceiver(Endpoint):
                  name: str = "weights", transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_threads: int | None = None,
                  p2p_bucket_bytes: int | None = None, group: dist.ProcessGroup | None = None, replica: int = 0,
-                 num_replicas: int = 1, relay_names: Mapping[int, str] | None = None):
+                 num_replicas: int = 1, relay_names: Mapping[int, str] | None = None, secret: bytes | None = None):
         check_replicas(layout, num_replicas)
         if not 0 <= replica < num_replicas:
             raise ValueError(f"replica must be in [0, {num_replicas}), got {replica}")
@@ -113,7 +113,7 @@ class WeightReceiver(Endpoint):
         if sorted(relay_names) != children:
             raise ValueError(f"relay_names: replica {replica} feeds replicas {children}, got names for "
                              f"{sorted(relay_names)}")
-        channel = Channel(store, relay_name(name, replica))
+        channel = Channel(store, relay_name(name, replica), secret)
         self.watch = SenderWatch(channel, rank)
         super().__init__(channel, layout, rank, tensors, transport=transport, timeout=timeout,
                          bucket_bytes=bucket_bytes, num_threads=num_threads, p2p_bucket_bytes=p2p_bucket_bytes,
@@ -123,15 +123,15 @@ class WeightReceiver(Endpoint):
                              f"in rank order, got rank {group.rank()} of {group.size()}")
         self._amax_group = group
         self._amax_attempt: tuple[int | None, int] = (None, 0)  # see _amax_sync_id
+        self.version: int | None = None
+        self.torn = False
+        self.senders = self.plan.senders_of(self.rank)
+        self._local_senders = [src for src in self.senders if self.transports[(src, self.rank)] != P2P]
         # The last ticket this rank took (a restarted rank goes on from its predecessor's,
         # and closes it: a predecessor killed in a receive left it open, or never opened it).
         self._ticket = self.channel.counter(f"{DST}/{self.rank}/ticket")
         if self._ticket and not self.channel.has(f"{DST}/{self.rank}/closed/{self._ticket}"):
             self._close_ticket(self._ticket)
-        self.version: int | None = None
-        self.torn = False
-        self.senders = self.plan.senders_of(self.rank)
-        self._local_senders = [src for src in self.senders if self.transports[(src, self.rank)] != P2P]
         # Sender -> the versions taken from it point to point (pending() compares its offers
         # with it); None for a sender that writes through memory (its offers are withdrawn).
         self._taken: dict[int, int | None] = {src: None if src in self._local_senders else 0 for src in self.senders}
@@ -164,7 +164,8 @@ class WeightReceiver(Endpoint):
         # fails that relay at the first receive, naming it, instead of this replica's start).
         self.replica = replica
         self._store = store
-        self._relay_kwargs = dict(transport=transport, bucket_bytes=bucket_bytes, num_threads=num_threads)
+        self._relay_kwargs = dict(transport=transport, bucket_bytes=bucket_bytes, num_threads=num_threads,
+                                  secret=secret)
         self._relay_regions = self._regions_in_arrival_order()
         self._relays: dict[int, WeightSender | Future] = {
             child: self._relay_in_background(child, relay_names[child]) for child in children}
@@ -331,14 +332,12 @@ class WeightReceiver(Endpoint):
         # have stopped reading.
         wait_for_queued_work(self.device, deadline, f"the kernels queued on {self.device} (receiver {self.rank})")
         key = f"{DST}/{self.rank}"
-        # This rank alone takes its tickets: counted here and published (a set needs no
-        # answer from the Store), before the ticket is opened. Whatever happens from
-        # here on, the ticket is closed before receive() returns or raises.
-        self._ticket += 1
-        ticket = self._ticket
+        # This rank alone takes its tickets, from its counter (one a stranger bumped the
+        # counter past is skipped: no sender waits for it). Whatever happens from here
+        # on, the ticket is closed before receive() returns or raises.
+        ticket = self._ticket = self.channel.counter(f"{key}/ticket", 1)
         done = {done_key(self.rank, ticket, src): f"sender rank {src}" for src in self._local_senders}
         try:
-            self.channel.set(f"{key}/ticket", ticket)
             self.torn = True  # from here on senders may be writing into the tensors
             self.channel.set(f"{key}/open/{ticket}", expect)
             # A failure reported since the check above: seen here, or (reported after this
@@ -364,10 +363,16 @@ class WeightReceiver(Endpoint):
 
     def _close_ticket(self, ticket: int) -> None:
         """No sender may serve `ticket` from now on: CLOSED over its `open` value (what
-        a waiting sender reads), then its closed marker (what the counter's readers check)."""
+        a waiting sender reads), then its closed marker (what the counter's readers
+        check). Then its answers (read, or never to be) and the keys of the ticket
+        before it go: a sender looks at the current ticket and the one after the
+        ticket it served last, never further back (protocol.py: keys do not pile up)."""
         key = f"{DST}/{self.rank}"
         self.channel.set(f"{key}/open/{ticket}", CLOSED)
         self.channel.set(f"{key}/closed/{ticket}", 1)
+        for stale in [*(done_key(self.rank, ticket, src) for src in self._local_senders),
+                      f"{key}/open/{ticket - 1}", f"{key}/closed/{ticket - 1}"]:
+            self.channel.store.delete_key(stale)
 
     def _check_storage(self) -> None:
         """Refuse to sync into a tensor whose storage moved since registration: the

@@ -83,6 +83,11 @@ class WeightSender(Endpoint):
     LLAMARL_COPY_THREADS, else every core). relay_buckets: set by a WeightReceiver
     on the sender that relays a version to the next replica (that pair's buckets,
     mirroring the ones it receives, in arrival order); None otherwise.
+    secret: the sync's (auth.py), the same bytes on every sender and receiver;
+    None reads LLAMARL_SECRET / LLAMARL_SECRET_FILE, and with neither set the
+    constructor raises ValueError. Every value the sync keeps in the Store carries
+    a tag under it: anyone can reach a TCPStore's port, and a value that does
+    not verify (a forged memory handle, layout or answer) is never acted on.
 
     Raises ValueError (bad arguments, tensors that do not match the layout) or
     SyncError / SyncTimeoutError; a set-up that raises is reported to the
@@ -95,8 +100,8 @@ class WeightSender(Endpoint):
     def __init__(self, store: dist.Store, layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor], *,
                  name: str = "weights", transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_threads: int | None = None,
-                 relay_buckets: list | None = None):
-        channel = Channel(store, name)
+                 relay_buckets: list | None = None, secret: bytes | None = None):
+        channel = Channel(store, name, secret)
         self.reports = SenderReports(channel, rank)
         self.rank = rank
         self._served: dict[int, int] = {}  # receiver -> the last ticket this rank served it

@@ -38,6 +38,10 @@ drops it too). What each vLLM worker does is in `engine.py`.
   engine's own layout before anything connects;
 - name: namespaces the Store keys (one per sync pairing);
 - timeout_s: set-up, and the default of every update;
+- secret: the sync's secret as hex (the senders' `secret=`), or null: each worker
+  then reads LLAMARL_SECRET / LLAMARL_SECRET_FILE from its environment (the
+  engine's). Through `vllm serve`'s HTTP route, prefer the environment: a secret
+  in a request body is as safe as the route (VLLM_SERVER_DEV_MODE) and its port;
 - transport: "auto", "shm", "cuda_ipc" or "p2p", the same on both sides (trainer
   and engine tensors on one device type: a CPU trainer and a GPU engine do not
   pair).
@@ -47,6 +51,7 @@ drops it too). What each vLLM worker does is in `engine.py`.
 
 from __future__ import annotations
 
+from ...auth import required_secret
 from ...sync.endpoint import DEFAULT_TIMEOUT_S
 from ...sync.layout import Layout
 
@@ -54,16 +59,19 @@ BACKEND = "llamarl_ddma"
 
 
 def ddma_init_info(store_host: str, store_port: int, trainer_layout: Layout, *, name: str = "weights",
-                   timeout_s: float = DEFAULT_TIMEOUT_S, transport: str = "auto") -> dict:
+                   timeout_s: float = DEFAULT_TIMEOUT_S, transport: str = "auto", secret: bytes | None = None) -> dict:
     """The `init_info` of `llm.init_weight_transfer_engine({"init_info": ...})` for
-    trainer ranks whose WeightSenders use this Store, layout, name and transport
-    (`fsdp_sender(...).layout` is the layout)."""
+    trainer ranks whose WeightSenders use this Store, layout, name, transport and
+    secret (`fsdp_sender(...).layout` is the layout; secret None: the workers read
+    theirs from the environment, see above)."""
     if not isinstance(trainer_layout, Layout):
         raise TypeError(f"trainer_layout must be a llamarl_core.sync.Layout, got {type(trainer_layout).__name__}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if secret is not None:
+        secret = required_secret(secret, "ddma_init_info").hex()
     return {"store_host": store_host, "store_port": int(store_port), "trainer_layout": trainer_layout.to_dict(),
-            "name": name, "timeout_s": float(timeout_s), "transport": transport}
+            "name": name, "timeout_s": float(timeout_s), "transport": transport, "secret": secret}
 
 
 def register() -> None:

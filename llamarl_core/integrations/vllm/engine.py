@@ -41,6 +41,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from ...auth import AuthenticatedStore, parse_secret, required_secret
 from ...sync.receiver import WeightReceiver
 from ...sync.errors import SyncError
 from ...sync.layout import Layout
@@ -61,6 +62,7 @@ class DdmaInitInfo(WeightTransferInitInfo):
     name: str = "weights"
     timeout_s: float = 120.0
     transport: str = "auto"
+    secret: str | None = None  # hex; None: this worker's environment (LLAMARL_SECRET / LLAMARL_SECRET_FILE)
 
 
 @dataclasses.dataclass
@@ -178,8 +180,12 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
         rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         live = live_parameters(self.model)
         trainer_layout = Layout.from_dict(init_info.trainer_layout)
+        secret = required_secret(None if init_info.secret is None else parse_secret(init_info.secret, "init_info's secret"),
+                                 f"llamarl_ddma worker {rank}")
         store = dist.TCPStore(init_info.store_host, init_info.store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=init_info.timeout_s))
+        # The workers' derived layouts travel through the Store too: authenticated, as the sync's values.
+        layouts = AuthenticatedStore(store, secret, label=f"llamarl/vllm/{init_info.name}/")
         fp8 = fp8_granularity(live)
         try:
             if fp8 is not None:  # FP8 weights and their scales: the Llama-family preset's format
@@ -191,9 +197,9 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
                     mine = derive_rank_layout(self.model, logical, self.model_config.dtype, rank)
                 except Exception as exc:  # published, so the peers raise this rather than time out
                     reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-                    publish(store, key, rank, {"error": reason})
+                    publish(layouts, key, rank, {"error": reason})
                     raise
-                layout = gather_layout(store, key, rank, tp_size, mine, logical, init_info.timeout_s)
+                layout = gather_layout(layouts, key, rank, tp_size, mine, logical, init_info.timeout_s)
             check_live_model(layout, rank, live)
             plan_transfer(trainer_layout, layout)
         except ValueError as exc:
@@ -209,7 +215,7 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
                                  "keeps w13 / w2 in after loading is not yet verified on a GPU; MoE runs on CPU engines")
             tensors = {name: live[name][0] for name in layout.local_tensor_specs(rank)}
         self.receiver = WeightReceiver(store, layout, rank, tensors, name=init_info.name,
-                                       transport=init_info.transport, timeout=init_info.timeout_s)
+                                       transport=init_info.transport, timeout=init_info.timeout_s, secret=secret)
 
     def start_weight_update(self) -> None:
         if self.receiver is None:

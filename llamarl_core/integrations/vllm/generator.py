@@ -70,7 +70,7 @@ class VllmGenerator(Generator):
     binds its threads to ("|"-separated per TP rank), or None (no binding);
     eos_token_id: the id, or ids, that end a completion."""
 
-    def __init__(self, model_config, *, tp: int, store_port: int, sync_name: str, trainer_world: int,
+    def __init__(self, model_config, *, tp: int, store_port: int, secret: bytes, sync_name: str, trainer_world: int,
                  timeout_s: float, max_new_tokens: int, temperature: float, eos_token_id: int | Sequence[int],
                  seed: int, recompute_kv: bool, model_dir: Path, cpus: str | None):
         self.stop_ids = stop_token_set(eos_token_id)
@@ -105,7 +105,7 @@ class VllmGenerator(Generator):
         with torch.device("meta"):  # the trainer's layout, read off its model's class (any family)
             trainer_model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
         info = ddma_init_info("127.0.0.1", store_port, fsdp_layout(trainer_model, trainer_world, torch.float32),
-                              name=sync_name, timeout_s=timeout_s)
+                              name=sync_name, timeout_s=timeout_s, secret=secret)
         self._run(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
                   timeout_s + ENGINE_CALL_MARGIN_S, "connecting the engine to the trainer")
         self.params = dict(max_tokens=max_new_tokens, temperature=temperature, logprobs=0, detokenize=False,
