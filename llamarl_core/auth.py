@@ -240,13 +240,17 @@ class AuthenticatedStore(dist.Store):
         timeout = self.inner.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout.total_seconds()
         self.inner.wait(keys, timeout)
+        # Every key is set now: one read tells whether all are genuine (a key a stranger deletes
+        # meanwhile makes that read wait, within the store's timeout); after that, check().
+        genuine = all(self._open(k, v) is not None for k, v in zip(keys, self.inner.multi_get(keys)))
         pause = 1e-3
-        while not self.check(keys):
+        while not genuine:
             if time.monotonic() >= deadline:
                 raise dist.DistStoreError(f"timed out waiting for genuine values at {keys} (some hold values that "
                                           "do not verify under the secret)")
             time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
             pause = min(2 * pause, REREAD_S)
+            genuine = self.check(keys)
 
     def forged(self, keys: list[str]) -> list[str]:
         """The keys of `keys` that are set but hold a value that does not verify."""

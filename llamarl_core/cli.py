@@ -8,6 +8,7 @@
     llamarl bench aipo [options]    each policy loss type's time and peak memory
     llamarl bench pipeline [options] RL throughput and reward beside TRL's GRPOTrainer
     llamarl bench gpu [options]     the GPU kernels and CUDA copy engine beside the copy bandwidth
+    llamarl bench soak [options]    memory, Store keys, files and threads over thousands of steps
     llamarl check gpu [options]     every GPU test and bench in one table (the compile check without a GPU)
 """
 
@@ -38,6 +39,9 @@ commands:
                 beside TRL's GRPOTrainer (llamarl bench pipeline --help)
   bench gpu     FP8 quantization, the AIPO kernels and weight sync over CUDA
                 IPC beside the GPU's copy bandwidth (llamarl bench gpu --help)
+  bench soak    the default pipeline and a sync-only loop for thousands of
+                steps: every process's RSS, files and threads, the Store's keys
+                and the step time, flat or not (llamarl bench soak --help)
   check gpu     every `gpu` test, the GPU benches and compute-sanitizer, one
                 table; without a GPU, every Triton kernel compiled for
                 sm_80 / 90 / 100 (llamarl check gpu --help)
@@ -62,6 +66,7 @@ BENCHES = {
     "aipo": "llamarl_core.bench.bench_aipo",
     "pipeline": "llamarl_core.bench.bench_pipeline",
     "gpu": "llamarl_core.bench.bench_gpu",
+    "soak": "llamarl_core.bench.bench_soak",
 }
 
 

@@ -9,7 +9,12 @@ answers anyone), and writes forged messages into every queue the source names
 finds, and torchrun's assignment queues): a pickle whose unpickling would create
 the file MARKER, a message tagged under a secret of its own, a message with no tag,
 garbage. It takes each slot as a producer would (the tail counter, then the empty
-slot). On exit it prints one JSON line: how many it placed, per kind.
+slot). Into every weight sync it finds (a receiver's ticket counter in the keys) it
+plants forged answers and markers for the receiver's next tickets (a "failed"
+answer, a version of its own, an open ticket asking for another version, a closed
+marker) and forged offers and failure reports: values a rank would act on, were
+they not checked (placed as "sync"). On exit it prints one JSON line: how many it
+placed, per kind.
 """
 
 from __future__ import annotations
@@ -65,6 +70,25 @@ def forged_messages(marker: str, name: str, number: int) -> dict[str, bytes]:
     }
 
 
+def plant_sync_values(store: dist.Store, keys: list[str]) -> int:
+    """Forged values at the keys the syncs in `keys` read next; returns how many."""
+    own, placed = auth.new_secret(), 0
+    for key in keys:
+        if not (m := re.match(r"^(.*llamarl/sync/.+?)//dst/(\d+)/ticket$", key)):
+            continue
+        namespace, dst = m.groups()
+        ticket = store.add(key, 0)
+        values = {f"src/0/offer/{dst}": "[999999, 999999]", "src/0/error": '"forged failure"'}
+        for t in (ticket + 1, ticket + 2):
+            values |= {f"dst/{dst}/open/{t}": "999999", f"dst/{dst}/done/{t}/0": '{"failed": 0, "error": "forged"}',
+                       f"dst/{dst}/closed/{t + 1}": "1"}
+        for name, value in values.items():
+            # A PrefixStore joins its prefix and a key with "/"; the tag is bound to prefix + key.
+            store.set(f"{namespace}//{name}", auth.sign(own, f"{namespace}/{name}", value.encode()))
+            placed += 1
+    return placed
+
+
 def main(host: str, port: int, marker: str, seconds: float) -> dict[str, int]:
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
     placed: dict[str, int] = {}
@@ -74,7 +98,10 @@ def main(host: str, port: int, marker: str, seconds: float) -> dict[str, int]:
     try:
         while time.monotonic() < deadline:
             if turn % 10 == 0:  # the keys grow with what this stranger leaves in queues nobody reads
-                namespaces = sorted(queue_namespaces(store.list_keys()))
+                keys = store.list_keys()
+                namespaces = sorted(queue_namespaces(keys))
+                if planted := plant_sync_values(store, keys):
+                    placed["sync"] = placed.get("sync", 0) + planted
             for namespace, name in namespaces:
                 number = store.add(f"{namespace}/tail", 1)
                 kind, value = list(forged_messages(marker, name, number).items())[turn % 4]

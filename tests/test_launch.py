@@ -126,7 +126,7 @@ def test_run_across_two_hosts_learns(netns_hosts, tmp_path):
     version reaching the generator point-to-point. Meanwhile a stranger on the
     generator's host, who reaches the workers' Store on the other (its port found as
     a port scan would) and lists its keys, forges messages into every queue of the run and of
-    the launcher: the run learns all the same, nothing of theirs runs, and the
+    the launcher and values into the weight sync's keys: the run learns all the same, nothing of theirs runs, and the
     ranks count what they dropped."""
     out, marker = tmp_path / "run", tmp_path / "pwned"
     procs = _agents_on_two_hosts(netns_hosts, tmp_path, "learns", ["--steps", "600", "--quiet", "--out", str(out)])
@@ -148,7 +148,7 @@ def test_run_across_two_hosts_learns(netns_hosts, tmp_path):
           f"{placed}, the run dropped {metrics[-1]['forged_messages']}")
     assert summary["steps"] == 600
     assert summary["reward_last"] > summary["reward_first"] + 0.2
-    assert set(placed) == {"pickle", "wrong_secret", "untagged", "garbage"}, (placed, placed_err[-2000:])
+    assert set(placed) == {"pickle", "wrong_secret", "untagged", "garbage", "sync"}, (placed, placed_err[-2000:])
     assert not marker.exists() and metrics[-1]["forged_messages"] > 0, placed_err[-3000:]
     hosts = json.loads((out / "hosts.json").read_text())["executors"]
     trainer, generator = _host_parts(hosts["trainer 0"]), _host_parts(hosts["generator 0"])

@@ -46,7 +46,7 @@ from .messages import Heartbeat, StoreQueue
 from .plugins import check_main_guard
 from .processes import LocalExecutors
 from .replicas import ReplicaSyncs
-from .report import cpu_times, plot_reward, steal_fraction, summarize, write_trace
+from .report import TraceWriter, cpu_times, plot_reward, read_lines, steal_fraction, summarize
 from .rewards import check_reward_config
 from .scheduler import Scheduler
 
@@ -131,8 +131,6 @@ class Controller:
         self.generator_ranks = self.generator_tp * self.num_replicas
         self.executors = executors or LocalExecutors(self.out, engine=config.generator != "llama")
         self.inboxes: dict[tuple[str, int], StoreQueue] = {}
-        self.spans: list[tuple] = []
-        self.metrics: list[dict] = []
         self.generator_restarts = 0
 
     # -- processes ------------------------------------------------------------------------
@@ -232,8 +230,7 @@ class Controller:
 
     # -- event handling ----------------------------------------------------------------
     def _handle(self, role: str, rank: int, kind: str, payload: dict) -> None:
-        for name, start, end, args in payload.pop("spans", []):
-            self.spans.append((role, rank, name, start, end, args))
+        self.trace.add([(role, rank, *span) for span in payload.pop("spans", [])])
         self.dropped_by[(role, rank, payload.get("incarnation"))] = payload.pop("refused", 0)
         replica = rank // self.generator_tp if role == GENERATOR else None
         if role == GENERATOR and payload["incarnation"] != self.replicas.incarnation[replica]:
@@ -422,7 +419,8 @@ class Controller:
         """The held-out prompts (index, token ids) the generator completes greedily with
         weights `version`: every eval_every versions and at the last, once each; else None."""
         every = self.config.eval_every
-        if not every or (version % every and version != self.config.steps) or version in self.evals:
+        if not every or (version % every and version != self.config.steps) or version in self.evals \
+                or version <= self.last_evaluated:
             return None
         self.evals[version] = []
         return [(i, self.data.prompt_ids(i, eval=True)) for i in range(self.data.eval_size)]
@@ -439,7 +437,10 @@ class Controller:
                   "truncated": sum(not x.finished for x in done),
                   "completion_tokens": sum(len(x.tokens) for x in done) / len(done),
                   "wall_s": time.monotonic() - self.t0 + self.resumed_wall}
-        self.eval_records.append(record)
+        # Its samples go: versions only grow (a re-sync evaluates the current one), so the last
+        # version evaluated is all that must be remembered.
+        del self.evals[version]
+        self.last_evaluated = max(self.last_evaluated, version)
         with open(self.out / "eval.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         self.on_event(f"eval v{version}: greedy reward {record['reward']:.3f} on {len(done)} held-out prompts")
@@ -455,7 +456,8 @@ class Controller:
                       # Messages refused so far (forged, or not parsing), by this process and every executor.
                       forged_messages=refused_count() + sum(self.dropped_by.values()))
         self.gen_busy, self.last_step_end = 0.0, now
-        self.metrics.append(record)
+        # Appended and flushed (closed) per step; the run keeps no record in memory (summary.json and
+        # reward.png are made from the file).
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         self.on_step(record)
@@ -520,7 +522,6 @@ class Controller:
         # The executors' idle waits check this beat: without it for timeout_s, they exit.
         self.beat = Heartbeat(self.store, CONTROLLER_BEAT)
         self._reset_state()
-        self.t0 = time.monotonic()
         self.cpu_before = cpu_times()
         try:
             self._start(REWARD, 0)
@@ -530,17 +531,19 @@ class Controller:
                 self._start_replica(replica)
             self._wait_ready()
             self._loop()
-            summary = summarize(cfg.mode, self.metrics, time.monotonic() - self.t0 + self.resumed_wall,
-                                steal_fraction(self.cpu_before, cpu_times()), self.eval_records)
+            summary = summarize(cfg.mode, read_lines(self.out / "metrics.jsonl"),
+                                time.monotonic() - self.t0 + self.resumed_wall,
+                                steal_fraction(self.cpu_before, cpu_times()), read_lines(self.out / "eval.jsonl"))
             export_policy(checkpoint_path(self.out), self.data.model_config, self.data.tokenizer, self.out / "model",
                           self.data.model)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             return summary
         finally:
             self._shutdown()
-            write_trace(self.out / "trace.json", self.spans, self.t0)
-            if self.metrics:
-                plot_reward(self.out / "reward.png", {cfg.mode: self.metrics}, {cfg.mode: self.eval_records})
+            self.trace.close()
+            metrics = read_lines(self.out / "metrics.jsonl")
+            if metrics:
+                plot_reward(self.out / "reward.png", {cfg.mode: metrics}, {cfg.mode: read_lines(self.out / "eval.jsonl")})
 
     def _next_event(self, deadline_what: str) -> None:
         """Handle the next event, if one comes within EVENT_POLL_S; then check that
@@ -578,13 +581,15 @@ class Controller:
         (and the evaluations of the versions up to it), drop the rest; returns the
         (wall, RL) seconds the kept steps took."""
         step = self.scheduler.step
-        self.metrics = _keep_lines(self.out / "metrics.jsonl", lambda m: m["step"] < step)
-        self.eval_records = _keep_lines(self.out / "eval.jsonl", lambda e: e["version"] < step)
+        kept = _keep_lines(self.out / "metrics.jsonl", lambda m: m["step"] < step)
+        evaluated = _keep_lines(self.out / "eval.jsonl", lambda e: e["version"] < step)
+        self.last_evaluated = max((e["version"] for e in evaluated), default=-1)
         _keep_lines(self.out / "rollouts.jsonl", lambda r: r["step"] < step)
-        kept = self.metrics
         return (kept[-1]["wall_s"], kept[-1]["rl_s"]) if kept else (0.0, 0.0)
 
     def _reset_state(self) -> None:
+        self.t0 = time.monotonic()
+        self.trace = TraceWriter(self.out / "trace.json", self.t0)  # a new one, also on resume
         self.ready_ranks: set[tuple[str, int]] = set()
         self.dropped_by: dict[tuple, int] = {}  # (role, rank, incarnation) -> its process's refused messages
         # Where each executor runs (hostname/boot id/net ns/pid ns) and the transport of each weight-sync pair.
@@ -602,8 +607,8 @@ class Controller:
         self.scoring = 0  # batches of samples sent to the reward executor and not scored yet
         self.generating = [0] * self.num_replicas  # samples each replica was given and has not returned
         self.resumed_wall = self.resumed_rl = 0.0
-        self.evals: dict[int, list] = {}  # version -> its evaluated samples so far
-        self.eval_records: list[dict] = []
+        self.evals: dict[int, list] = {}  # version -> its evaluated samples so far, until its record is written
+        self.last_evaluated = -1  # the last version whose evaluation was recorded
 
     def _loop(self) -> None:
         cfg = self.config

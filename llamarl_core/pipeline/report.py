@@ -4,6 +4,7 @@ of reward against time, and a Chrome-trace / Perfetto timeline."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -77,16 +78,47 @@ def step_line(m: dict) -> str:
             + (f"  ref-kl {m['ref_kl']:.2e}" if m.get("ref_kl") is not None else ""))
 
 
-def write_trace(path: Path, spans: list[tuple], t0: float) -> None:
-    """Chrome trace (chrome://tracing, ui.perfetto.dev): one process row per
-    executor role, one thread row per rank; spans (role, rank, name, start, end, args)."""
-    roles = sorted({s[0] for s in spans})
-    pids = {role: i + 1 for i, role in enumerate(roles)}
-    events = [{"name": "process_name", "ph": "M", "pid": pids[r], "args": {"name": r}} for r in roles]
-    for role, rank, name, start, end, args in spans:
-        events.append({"name": name, "ph": "X", "pid": pids[role], "tid": rank, "ts": (start - t0) * 1e6,
-                       "dur": max(end - start, 0.0) * 1e6, "args": args})
-    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+class TraceWriter:
+    """trace.json (chrome://tracing, ui.perfetto.dev), written as the run goes: one
+    process row per executor role (named when it first appears), one thread row per
+    rank. Each batch of spans (role, rank, name, start, end, args) is appended with
+    one write that also rewrites the closing brackets after it, so the file is valid
+    JSON after every write: a run killed at any moment leaves a trace with every span
+    received before the kill. Nothing is kept in memory but the roles seen."""
+
+    _HEAD = b'{"displayTimeUnit": "ms", "traceEvents": ['
+    _TAIL = b"]}"
+
+    def __init__(self, path: Path, t0: float):
+        self.t0 = t0
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(self._fd, self._HEAD + self._TAIL)
+        self._end = len(self._HEAD)  # where the next event goes, the tail after it
+        self._pids: dict[str, int] = {}
+
+    def add(self, spans: list[tuple]) -> None:
+        events = []
+        for role, rank, name, start, end, args in spans:
+            if role not in self._pids:
+                self._pids[role] = len(self._pids) + 1
+                events.append({"name": "process_name", "ph": "M", "pid": self._pids[role], "args": {"name": role}})
+            events.append({"name": name, "ph": "X", "pid": self._pids[role], "tid": rank, "ts": (start - self.t0) * 1e6,
+                           "dur": max(end - start, 0.0) * 1e6, "args": args})
+        if not events:
+            return
+        data = ("" if self._end == len(self._HEAD) else ",\n").encode() + ",\n".join(map(json.dumps, events)).encode()
+        os.pwrite(self._fd, data + self._TAIL, self._end)  # one system call: a kill comes before it or after
+        self._end += len(data)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def read_lines(path: Path) -> list[dict]:
+    """The records of the JSON-lines file `path` ([] if there is none)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def moving_mean(values: list[float], window: int) -> list[float]:

@@ -214,6 +214,7 @@ def run_one(config: TrainConfig, out: Path, quiet: bool, executors_for=None,
     from tqdm import tqdm
 
     from .controller import Controller, PipelineError, RunFolderError
+    from .report import read_lines
 
     def on_step(m):
         if bar.n < m["step"] + 1:
@@ -242,7 +243,7 @@ def run_one(config: TrainConfig, out: Path, quiet: bool, executors_for=None,
         raise SystemExit(f"llamarl train: interrupted; {_resume_hint(out)}") from None
     finally:
         bar.close()
-    return summary, controller.metrics
+    return summary, read_lines(out / "metrics.jsonl")
 
 
 def _resume_hint(out: Path) -> str:
