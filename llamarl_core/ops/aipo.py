@@ -204,9 +204,13 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
     computes the entropy); entropy=True: the entropy's mean in the stats.
     Returns (loss, AIPOStats), stats.logprobs in the targets' shape.
 
-    Host syncs: the target check's one on a GPU (ops/logprob.py); grouping
-    sequence_ids costs torch.unique's (batched rows without sequence_ids need
-    none).
+    Host syncs: one, in eager mode on a GPU, the wait for the target check
+    (aipo_inputs.TargetCheck) after the kernels are queued, so that a counted
+    target outside the vocabulary raises here naming its position (with
+    process_group the shard sizes are read in the same wait); none under
+    torch.compile or CUDA graph capture, where the check is skipped and such a
+    target gets a NaN log-prob. sequence_ids are grouped on the device (sorts
+    and a cumulative sum), without one.
     """
     cfg = objective_config(loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
                            mask_high=mask_high, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)
