@@ -97,6 +97,8 @@ def test_load_task_errors():
     ({"prompts_per_step": 3, "trainer_world": 2}, "split evenly"), ({"lr": 0.0}, "lr"), ({"steps": 0}, "steps"),
     ({"num_heads": 5}, "num_heads 5 must divide hidden_size 96"),
     ({"num_kv_heads": 3}, "num_kv_heads 3 must divide num_heads 4"),
+    ({"loss_reduction": "sum"}, r"loss_reduction must be one of \('token_mean', 'sequence_mean'\)"),
+    ({"loss_reduction": "sequence_mean", "loss_normalizer": "dr_grpo"}, "'sequence_mean' and a constant normalizer"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -123,6 +125,21 @@ def test_config_json_from_before_the_loss_parameters_still_loads(tmp_path):
         assert config.loss == loss and config.rho == kept, (loss, rho)
     with pytest.raises(ValueError, match='loss_type="ppo" does not read rho'):
         TrainConfig.from_dict({**TrainConfig().to_dict(), "loss": "ppo", "rho": 4.0})
+
+
+def test_config_json_from_before_loss_reduction_keeps_gspo_a_token_mean(tmp_path):
+    """Every loss was a token mean before loss_reduction; gspo's own is now the
+    sequence mean: a gspo run's config.json without the field resumes as it
+    started, one that has it (None: the loss's own) as it says."""
+    from llamarl_core.pipeline.config import natural_reduction
+
+    old = {k: v for k, v in TrainConfig(loss="gspo").to_dict().items() if k != "loss_reduction"}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert TrainConfig.load(tmp_path / "config.json").loss_reduction == "token_mean"
+    assert TrainConfig.from_dict({**old, "loss": "aipo", "rho": None}).loss_reduction is None
+    assert TrainConfig.from_dict({**old, "loss_reduction": None}).loss_reduction is None
+    assert natural_reduction("gspo") == "sequence_mean" and natural_reduction("aipo") == "token_mean"
+    assert natural_reduction("gspo", normalized=True) == "token_mean"
 
 
 # ----------------------------------------------------------------------------- generator with left padding
