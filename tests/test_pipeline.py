@@ -4,6 +4,7 @@ staleness bound, and whole runs of `llamarl train` between real processes
 
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -854,6 +855,34 @@ def test_reward_model_executor_and_trainer_options(tmp_path):
     generating = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e["name"] == "generate"]
     scoring = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e["name"] == "score"]
     assert any(s < g_end and g_start < e for s, e in scoring for g_start, g_end in generating)
+
+
+def test_every_other_loss_runs_the_default_task_with_its_statistics(tmp_path):
+    """Each built-in loss but gspo (the run above) through the controller, as
+    `llamarl train --loss TYPE` runs it: 3 sync steps of the default task, one
+    after another in this process (the executors' forkserver started once), and
+    metrics.jsonl holds that loss's statistics every step: a clip fraction
+    exactly for the clipped losses, a masked fraction for the masking ones,
+    finite numbers throughout."""
+    from llamarl_core.ops.objectives import CLIP_TYPES, LOSS_TYPES
+
+    for loss in LOSS_TYPES:
+        if loss == "gspo":
+            continue
+        out = tmp_path / loss
+        config = TrainConfig(loss=loss, mode="sync", steps=3, warmup_steps=0, prompts_per_step=2,
+                             samples_per_prompt=2, checkpoint_every=3, entropy_coef=0.001)
+        summary = Controller(config, out).run()
+        metrics = read_metrics(out)
+        assert summary["steps"] == 3 and [m["step"] for m in metrics] == [0, 1, 2], (loss, summary)
+        assert TrainConfig.load(out / "config.json").loss == loss
+        for m in metrics:
+            assert (m["clip_fraction"] is not None) == (loss in CLIP_TYPES), (loss, m)
+            assert (m["masked_fraction"] is not None) == (loss in ("icepop", "seq_mis", "geo_mask")), (loss, m)
+            numbers = [m[name] for name in ("loss", "grad_norm", "mismatch_kl", "mean_ratio", "entropy",
+                                            "ess_fraction", "truncated_fraction", "sequence_truncated_fraction",
+                                            "sequence_masked_fraction", "max_abs_log_ratio")]
+            assert all(isinstance(x, float) and math.isfinite(x) for x in numbers), (loss, m)
 
 
 @pytest.mark.gpu
