@@ -15,7 +15,7 @@ from .plugins import name_of, spec_of
 MODES = ("async", "sync")
 GENERATORS = ("llama", "vllm")  # built in; or module:Class of a Generator of yours
 LOSS_NORMALIZERS = ("tokens", "dr_grpo")
-# How a step's loss is reduced over its completions (TrainConfig.loss_reduction; None: the loss's own, natural_reduction).
+# How a step's loss is reduced (TrainConfig.loss_reduction; None: the loss's own, natural_reduction).
 LOSS_REDUCTIONS = ("token_mean", "sequence_mean")
 # The built-in losses' parameters (ops/objectives.py: which loss reads which, their defaults and sources).
 LOSS_PARAMETERS = ("rho", "eps_low", "eps_high", "mask_low", "mask_high")
