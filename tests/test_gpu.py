@@ -324,13 +324,14 @@ def test_linear_aipo_weight_gradient_gemm_runs_in_bf16():
     assert w.grad.dtype == torch.bfloat16 and torch.isfinite(w.grad.float()).all()
 
 
-@pytest.mark.parametrize("linear", [False, True])
-def test_aipo_loss_waits_only_for_its_target_check(linear):
-    """Forward + backward of aipo_loss / linear_aipo_loss (token_mean, entropy)
-    make no synchronizing call torch's sync debug mode sees: under "error" mode
-    any would raise. The one host sync left, the wait for the target check's
-    event, is invisible to that mode; with a bad target it raises the check's
-    ValueError, naming the first bad index."""
+@pytest.mark.parametrize("form", ["logits", "linear", "sequences"])
+def test_aipo_loss_waits_only_for_its_target_check(form):
+    """Forward + backward of aipo_loss / linear_aipo_loss (token_mean, entropy;
+    "sequences": gspo on flat tokens with sequence_ids, sequence_mean, grouped on
+    the device) make no synchronizing call torch's sync debug mode sees: under
+    "error" mode any would raise. The one host sync left, the wait for the target
+    check's event, is invisible to that mode; with a bad target it raises the
+    check's ValueError, naming the first bad index."""
     from llamarl_core.ops.aipo import aipo_loss, linear_aipo_loss
 
     n, hidden, vocab = 300, 64, 4096
@@ -343,9 +344,14 @@ def test_aipo_loss_waits_only_for_its_target_check(linear):
     w = torch.randn(vocab, hidden, device="cuda", generator=gen, requires_grad=True)
     logits = (h @ w.t()).detach().requires_grad_()
 
+    sequence_ids = torch.randint(-5, 40, (n,), device="cuda", generator=gen) * 1000  # 45 sequences, any ids
+
     def step(t):
-        if linear:
+        if form == "linear":
             return linear_aipo_loss(h, w, t, *per_token, mask, entropy=True, chunk_size=128)
+        if form == "sequences":
+            return aipo_loss(logits, t, *per_token, mask, entropy=True, loss_type="gspo",
+                             old_logprobs=per_token[0] + 0.1, sequence_ids=sequence_ids, reduction="sequence_mean")
         return aipo_loss(logits, t, *per_token, mask, entropy=True)
 
     step(targets)[0].backward()  # compiles the kernels first

@@ -4,14 +4,17 @@ and the learning-rate schedule."""
 
 import copy
 import dataclasses
+import datetime
 import functools
 import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 
-from llamarl_core.ops.objectives import CLIP_TYPES, DEFAULTS, LOSS_TYPES
+from helpers import run_processes
+from llamarl_core.ops.objectives import CLIP_TYPES, DEFAULTS, LOSS_TYPES, OLD_POLICY_TYPES
 from llamarl_core.pipeline import learner
 from llamarl_core.pipeline.rollout import Sample
 
@@ -127,12 +130,13 @@ def test_micro_batches_accumulate_the_whole_batch_gradient(loss, parameters):
     maximum). Groups of 3 samples straddle micro-batches of 2: advantages centred
     per micro-batch would differ. lr 0 keeps the model as it is between the runs.
     geo_mask: tokens truncated and sequences masked, some not; gspo: the gradient
-    through each sequence's ratio."""
+    through each sequence's ratio, and its own reduction, the sequence mean."""
     samples = _samples(1)
     model = _tiny_llama()
     batch = learner.collate(samples, 0)
     old = learner._reference_logprobs(model, batch, 0.9, None) if loss == "gspo" else None
-    whole, stats = learner.policy_loss(model, batch, temperature=0.9, loss=loss, old_logprobs=old, **parameters)
+    whole, stats = learner.policy_loss(model, batch, temperature=0.9, loss=loss, old_logprobs=old,
+                                       reduction="sequence_mean" if loss == "gspo" else "token_mean", **parameters)
     whole.backward()
     expected = [p.grad.clone() for p in model.parameters()]
     expected_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in expected])).item()
@@ -338,8 +342,8 @@ def test_every_loss_type_trains_a_step_with_its_statistics(loss):
     SGD update): finite loss and gradient norm, the weights moved, every
     statistic in its range and None exactly where the loss has no such thing.
     The losses that ignore the behaviour log-probs (ppo, gspo, cispo) take the
-    plain policy gradient (with the same entropy bonus, a loss of yours) at
-    ratio 1: their old log-probs are the policy's own."""
+    plain policy gradient (with the same entropy bonus and reduction, a loss of
+    yours) at ratio 1: their old log-probs are the policy's own."""
     samples = _samples(10)
     model = _tiny_llama()
     before = [p.detach().clone() for p in model.parameters()]
@@ -362,7 +366,7 @@ def test_every_loss_type_trains_a_step_with_its_statistics(loss):
         fresh = _tiny_llama()  # the same weights as the model before its step
         plain = _RecordingSGD(fresh.parameters(), lr=0.1)
         learner.train_step(fresh, plain, samples, lr=0.0, micro_batch_size=5, loss=_plain_policy_gradient,
-                           entropy_coef=0.01, **PLAIN)
+                           entropy_coef=0.01, reduction="sequence_mean" if loss == "gspo" else None, **PLAIN)
         _assert_grads_close(optimizer.grads, plain.grads, rel=1e-4)
 
 
@@ -547,6 +551,116 @@ def test_dr_grpo_normaliser_divides_the_summed_loss_by_a_constant():
     assert constant.loss == pytest.approx(mean.loss * tokens / (len(samples) * 8.0), rel=1e-5)
     with pytest.raises(ValueError, match="normalizer must be finite and > 0"):
         learner.train_step(model, optimizer, samples, lr=0.0, normalizer=0.0, **STEP)
+
+
+def _float64_step_grads(model, samples, loss: str, reduction: str, parameters: dict) -> list[torch.Tensor]:
+    """The gradient of the step's loss written directly: a float64 copy of the
+    model on the whole collated batch, the float64 reference loss
+    (aipo_loss_ref: per-sequence means by Python loops) with the reduction
+    given, old log-probs the copy's own."""
+    from llamarl_core.ops.aipo import aipo_loss_ref
+    from llamarl_core.ops.logprob import token_logprobs_ref
+
+    model64 = copy.deepcopy(model).double()
+    batch = learner.collate(samples, 0)
+    logits = learner._logits(model64, batch.input_ids, batch.position_ids)
+    old = None
+    if loss in OLD_POLICY_TYPES:
+        old = token_logprobs_ref(logits.detach(), batch.targets, temperature=PLAIN["temperature"])[0]
+    value = aipo_loss_ref(logits, batch.targets, batch.behavior_logprobs, batch.advantages, loss_type=loss,
+                          old_logprobs=old, sequence_ids=batch.sequence_ids, reduction=reduction,
+                          temperature=PLAIN["temperature"], **parameters)
+    value.backward()
+    return [p.grad for p in model64.parameters()]
+
+
+@pytest.mark.usefixtures("torch_loss_path")
+@pytest.mark.parametrize("loss, reduction, natural", [("gspo", None, "sequence_mean"),
+                                                      ("aipo", "sequence_mean", "sequence_mean"),
+                                                      ("aipo", None, "token_mean")])
+def test_the_step_reduces_over_every_micro_batchs_tokens_or_sequences(loss, reduction, natural):
+    """The step's reduction (gspo's own: the mean over the completions of each
+    one's token mean; the others': the token mean; or the one asked for), with
+    micro-batches of 2 (a group of 3 straddles two) or none: its gradient that
+    of the float64 loss written directly on the whole batch (a float32 model
+    against a float64 one: within 1e-4)."""
+    samples = _samples(21)
+    model = _tiny_llama()
+    want = _float64_step_grads(model, samples, loss, natural, {})
+    optimizer = _RecordingSGD(model.parameters(), lr=0.1)
+    for size in (None, 2):
+        learner.train_step(model, optimizer, samples, lr=0.0, micro_batch_size=size, loss=loss, reduction=reduction,
+                           **PLAIN)
+        _assert_grads_close(optimizer.grads, want, rel=1e-4)
+    with pytest.raises(ValueError, match="loss_reduction 'sequence_mean' and a constant normalizer"):
+        learner.train_step(model, optimizer, samples, lr=0.0, loss=loss, reduction="sequence_mean", normalizer=64.0,
+                           **PLAIN)
+    with pytest.raises(ValueError, match="loss_reduction must be one of"):
+        learner.train_step(model, optimizer, samples, lr=0.0, loss=loss, reduction="sum", **PLAIN)
+
+
+def _data_parallel_rank(rank: int, world: int, port: int, groups: list[list[int]]) -> dict:
+    """Rank `rank` of `world` gloo ranks: the tiny model sharded by FSDP2, one
+    step (micro-batches of 2) of each loss on this rank's prompt groups; returns
+    each step's full gradient, loss and token count."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        samples = [s for s in _samples(22) if s.group in groups[rank]]
+        out = {}
+        for loss in DATA_PARALLEL_LOSSES:
+            model = _tiny_llama()
+            mesh = init_device_mesh("cpu", (world,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            optimizer = _FullGradSGD(model.parameters(), lr=0.1)
+            step = learner.train_step(model, optimizer, samples, lr=0.1, micro_batch_size=2, loss=loss, **PLAIN)
+            out[loss] = dict(grads=[g.numpy() for g in optimizer.grads], loss=step.loss,
+                             tokens=sum(len(s.tokens) for s in samples), counted=step.counted_tokens)
+        dist.barrier()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+class _FullGradSGD(torch.optim.SGD):
+    """SGD that keeps a full copy of the (FSDP2-sharded) gradients it steps on."""
+
+    def step(self, closure=None):
+        self.grads = [p.grad.full_tensor().clone() for group in self.param_groups for p in group["params"]]
+        return super().step(closure)
+
+
+DATA_PARALLEL_LOSSES = ("aipo", "gspo")  # the token mean and gspo's sequence mean
+
+
+def test_data_parallel_ranks_with_unequal_token_counts_step_as_one_rank_with_every_sample(monkeypatch):
+    """Two FSDP2 ranks (gloo) holding different numbers of tokens take the step
+    of one rank holding every sample: the global token mean (aipo) and sequence
+    mean (gspo), not the mean of the ranks' means; the ranks' mean loss is the
+    step's. Whole groups per rank, so advantages are the same; as many samples
+    on each (as the pipeline splits them), so as many micro-batches, each an
+    FSDP2 all-gather every rank must join."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the spawned ranks read it: the torch path
+    samples = _samples(22)
+    groups = [[0, 1], [2, 3]]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+    ranks = run_processes([(_data_parallel_rank, dict(rank=r, world=2, port=store.port, groups=groups))
+                           for r in range(2)], timeout=180)
+    for loss in DATA_PARALLEL_LOSSES:
+        model = _tiny_llama()
+        optimizer = _RecordingSGD(model.parameters(), lr=0.1)
+        whole = learner.train_step(model, optimizer, samples, lr=0.1, loss=loss, **PLAIN)
+        tokens = [r[loss]["tokens"] for r in ranks]
+        assert tokens[0] != tokens[1] and all(r[loss]["counted"] == sum(tokens) == whole.counted_tokens
+                                              for r in ranks), tokens
+        for r in ranks:
+            _assert_grads_close([torch.from_numpy(g) for g in r[loss]["grads"]], optimizer.grads)
+        assert sum(r[loss]["loss"] for r in ranks) / 2 == pytest.approx(whole.loss, rel=1e-5, abs=1e-7), loss
 
 
 def test_step_hook_runs_around_the_step_once_and_its_numbers_come_back():

@@ -4,6 +4,7 @@ staleness bound, and whole runs of `llamarl train` between real processes
 
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -97,6 +98,8 @@ def test_load_task_errors():
     ({"prompts_per_step": 3, "trainer_world": 2}, "split evenly"), ({"lr": 0.0}, "lr"), ({"steps": 0}, "steps"),
     ({"num_heads": 5}, "num_heads 5 must divide hidden_size 96"),
     ({"num_kv_heads": 3}, "num_kv_heads 3 must divide num_heads 4"),
+    ({"loss_reduction": "sum"}, r"loss_reduction must be one of \('token_mean', 'sequence_mean'\)"),
+    ({"loss_reduction": "sequence_mean", "loss_normalizer": "dr_grpo"}, "'sequence_mean' and a constant normalizer"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -123,6 +126,21 @@ def test_config_json_from_before_the_loss_parameters_still_loads(tmp_path):
         assert config.loss == loss and config.rho == kept, (loss, rho)
     with pytest.raises(ValueError, match='loss_type="ppo" does not read rho'):
         TrainConfig.from_dict({**TrainConfig().to_dict(), "loss": "ppo", "rho": 4.0})
+
+
+def test_config_json_from_before_loss_reduction_keeps_gspo_a_token_mean(tmp_path):
+    """Every loss was a token mean before loss_reduction; gspo's own is now the
+    sequence mean: a gspo run's config.json without the field resumes as it
+    started, one that has it (None: the loss's own) as it says."""
+    from llamarl_core.pipeline.config import natural_reduction
+
+    old = {k: v for k, v in TrainConfig(loss="gspo").to_dict().items() if k != "loss_reduction"}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert TrainConfig.load(tmp_path / "config.json").loss_reduction == "token_mean"
+    assert TrainConfig.from_dict({**old, "loss": "aipo", "rho": None}).loss_reduction is None
+    assert TrainConfig.from_dict({**old, "loss_reduction": None}).loss_reduction is None
+    assert natural_reduction("gspo") == "sequence_mean" and natural_reduction("aipo") == "token_mean"
+    assert natural_reduction("gspo", normalized=True) == "token_mean"
 
 
 # ----------------------------------------------------------------------------- generator with left padding
@@ -838,6 +856,34 @@ def test_reward_model_executor_and_trainer_options(tmp_path):
     generating = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e["name"] == "generate"]
     scoring = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e["name"] == "score"]
     assert any(s < g_end and g_start < e for s, e in scoring for g_start, g_end in generating)
+
+
+def test_every_other_loss_runs_the_default_task_with_its_statistics(tmp_path):
+    """Each built-in loss but gspo (the run above) through the controller, as
+    `llamarl train --loss TYPE` runs it: 3 sync steps of the default task, one
+    after another in this process (the executors' forkserver started once), and
+    metrics.jsonl holds that loss's statistics every step: a clip fraction
+    exactly for the clipped losses, a masked fraction for the masking ones,
+    finite numbers throughout."""
+    from llamarl_core.ops.objectives import CLIP_TYPES, LOSS_TYPES
+
+    for loss in LOSS_TYPES:
+        if loss == "gspo":
+            continue
+        out = tmp_path / loss
+        config = TrainConfig(loss=loss, mode="sync", steps=3, warmup_steps=0, prompts_per_step=2,
+                             samples_per_prompt=2, checkpoint_every=3, entropy_coef=0.001)
+        summary = Controller(config, out).run()
+        metrics = read_metrics(out)
+        assert summary["steps"] == 3 and [m["step"] for m in metrics] == [0, 1, 2], (loss, summary)
+        assert TrainConfig.load(out / "config.json").loss == loss
+        for m in metrics:
+            assert (m["clip_fraction"] is not None) == (loss in CLIP_TYPES), (loss, m)
+            assert (m["masked_fraction"] is not None) == (loss in ("icepop", "seq_mis", "geo_mask")), (loss, m)
+            numbers = [m[name] for name in ("loss", "grad_norm", "mismatch_kl", "mean_ratio", "entropy",
+                                            "ess_fraction", "truncated_fraction", "sequence_truncated_fraction",
+                                            "sequence_masked_fraction", "max_abs_log_ratio")]
+            assert all(isinstance(x, float) and math.isfinite(x) for x in numbers), (loss, m)
 
 
 @pytest.mark.gpu

@@ -51,13 +51,16 @@ def _sequence_keys(targets: torch.Tensor, sequence_ids: torch.Tensor | None) -> 
 def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=None, temperature=1.0,
                   reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=None,
                   eps_high=None, ref_logprobs=None, kl_coef=0.0, mask_low=None, mask_high=None, entropy_coef=0.0,
-                  normalizer=None, compute_dtype=torch.float64):
+                  normalizer=None, compute_dtype=torch.float64, magnitude=False):
     """The loss written from the formulas (ops/objectives.py), with plain torch
     autograd (log_softmax, gather), per-sequence sums and reductions by Python
     loops over the sequences: the reference for values and gradients, in
     float64 by default; compute_dtype=None runs in the logits' own dtype, the
     naive version users would write. Inputs as aipo_loss's, unchecked but for
-    the parameters. Returns the loss; gradients through backward()."""
+    the parameters. Returns the loss; gradients through backward().
+    magnitude=True: the same reduction of each token's |term| instead, the
+    scale of the loss's rounding error (each term is rounded, so a loss whose
+    terms cancel is accurate relative to this, not to itself)."""
     cfg = objective_config(loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
                            mask_high=mask_high, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)
     check_kl(kl_coef, ref_logprobs)
@@ -128,6 +131,8 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
         entropy = -torch.where(p_all > 0, p_all * logp_all, 0.0).sum(-1)
         terms = terms - entropy_coef * torch.where(on, entropy, 0.0)
     terms = torch.where(on, terms, 0.0)
+    if magnitude:
+        terms = terms.abs()
     norm = check_normalizer(normalizer, logits.device)
     if reduction in ("token_mean", "sum"):
         total = (terms * m).sum()
@@ -204,9 +209,13 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
     computes the entropy); entropy=True: the entropy's mean in the stats.
     Returns (loss, AIPOStats), stats.logprobs in the targets' shape.
 
-    Host syncs: the target check's one on a GPU (ops/logprob.py); grouping
-    sequence_ids costs torch.unique's (batched rows without sequence_ids need
-    none).
+    Host syncs: one, in eager mode on a GPU, the wait for the target check
+    (aipo_inputs.TargetCheck) after the kernels are queued, so that a counted
+    target outside the vocabulary raises here naming its position (with
+    process_group the shard sizes are read in the same wait); none under
+    torch.compile or CUDA graph capture, where the check is skipped and such a
+    target gets a NaN log-prob. sequence_ids are grouped on the device (sorts
+    and a cumulative sum), without one.
     """
     cfg = objective_config(loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
                            mask_high=mask_high, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)

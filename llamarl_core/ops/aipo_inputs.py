@@ -126,15 +126,35 @@ def per_token_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.T
                      f"got {tuple(advantages.shape)}")
 
 
+def _dense_sequences(ids: torch.Tensor, row: torch.Tensor | None) -> Sequences:
+    """Tokens with one key (their id, or (row, id)) as one sequence, on the
+    device: the tokens sorted by key (stable sorts, by id then by row), a new
+    sequence where the key changes (a cumulative sum of those flags), the dense
+    indices scattered back to the tokens. count is the number of tokens, an upper
+    bound on the sequences (the slots past the last one stay empty): torch.unique
+    would count them exactly, but its output's size is data-dependent, read on
+    the host, a sync on a GPU."""
+    n = ids.numel()
+    order = torch.argsort(ids, stable=True)
+    if row is not None:
+        order = order[torch.argsort(row[order], stable=True)]
+    sorted_ids = ids[order]
+    new = sorted_ids[1:] != sorted_ids[:-1]
+    if row is not None:
+        sorted_rows = row[order]
+        new = new | (sorted_rows[1:] != sorted_rows[:-1])
+    dense = torch.cat((new.new_zeros(min(n, 1)), new)).to(torch.int64).cumsum(0)
+    return Sequences(torch.empty_like(dense).scatter_(0, order, dense), n)
+
+
 def sequence_index(sequence_ids: torch.Tensor | None, shape: torch.Size, needed: str | None,
                    device) -> Sequences | None:
     """Each token's sequence (ops/objectives.Sequences), or None where it cannot
     be known without sequence_ids (flat inputs) and `needed` is None; `needed`
     names what needs them, for the error. sequence_ids, when given, must have
     the targets' shape. Flat: tokens with one id are one sequence. Batched (...,
-    T): one sequence a row without sequence_ids (no host sync); with them, the
-    tokens of one row with one id. Grouping ids costs torch.unique's host sync
-    on a GPU."""
+    T): one sequence a row without sequence_ids; with them, the tokens of one
+    row with one id. No host sync either way (_dense_sequences)."""
     ids = _per_token(sequence_ids, "sequence_ids", shape, device, torch.int64)
     if len(shape) < 2:
         if ids is None:
@@ -142,14 +162,12 @@ def sequence_index(sequence_ids: torch.Tensor | None, shape: torch.Size, needed:
                 return None
             raise ValueError(f"{needed} on flat inputs needs sequence_ids (num_tokens,); batched (B, T) inputs "
                              "have one sequence a row")
-        sequences, index = torch.unique(ids, return_inverse=True)
-        return Sequences(index, sequences.shape[0])
+        return _dense_sequences(ids, None)
     num_rows, length = shape[:-1].numel(), shape[-1]
     row = torch.arange(num_rows, device=device).repeat_interleave(length)
     if ids is None:
         return Sequences(row, num_rows)
-    sequences, index = torch.unique(torch.stack((row, ids), dim=1), dim=0, return_inverse=True)
-    return Sequences(index, sequences.shape[0])
+    return _dense_sequences(ids, row)
 
 
 def reduction_weights(m: torch.Tensor, reduction: str, sequences: Sequences | None,
@@ -175,35 +193,55 @@ def reduction_weights(m: torch.Tensor, reduction: str, sequences: Sequences | No
     return torch.where(counted, m / (torch.where(counted, per_token, 1.0) * denominator), 0.0)
 
 
+def check_shard_sizes(sizes: list[int]) -> None:
+    """ValueError unless every rank of a vocabulary group holds one shard size
+    (`sizes`: the columns of each rank, by rank)."""
+    if len(set(sizes)) > 1:
+        raise ValueError(f"vocabulary shards must have one size on every rank of process_group (Megatron pads the "
+                         f"vocabulary to a multiple of the group's size), got {sizes} columns by rank")
+
+
 class TargetCheck:
     """Whether every target is IGNORE_INDEX or in [0, vocab), checked where the
     targets are; wait() raises ValueError naming the first one that is not, by
-    its position in `shape` (targets[b, t] for batched inputs).
+    its position in `shape` (targets[b, t] for batched inputs). shard_sizes: the
+    vocabulary shards' sizes gathered on the GPU (logprob.check_equal_shards),
+    checked in the same read, before the targets.
 
-    On a GPU the check is queued first and its three numbers (bad?, index, value)
-    copied to pinned host memory without blocking; the loss queues its kernels,
-    then wait() waits for that copy alone, while the GPU goes on with the
-    kernels. That wait is the one host sync of a loss call: the error must come
-    from the call that got the bad index, named, not from a later sync. Queuing
-    the kernels first is safe: they never read at a target outside [0, vocab).
-    On CPU the check runs at once (the torch path's gather would fail first).
-    Under torch.compile or CUDA graph capture, where no host sync may happen, it
-    does nothing: the kernels give such a target a NaN log-prob instead."""
+    On a GPU the check is queued first and its numbers (bad?, index, value, the
+    shard sizes) copied to pinned host memory without blocking; the loss queues
+    its kernels, then wait() waits for that copy alone, while the GPU goes on
+    with the kernels. That wait is the one host sync of a loss call in eager
+    mode: the error must come from the call that got the bad index, named, not
+    from a later sync. Queuing the kernels first is safe: they never read at a
+    target outside [0, vocab), and with unequal shards every tensor the ranks
+    exchange still has one shape on every rank, so none is left waiting before
+    each raises. On CPU the check runs at once (the torch path's gather would
+    fail first). Under torch.compile or CUDA graph capture, where no host sync
+    may happen, it does nothing: the kernels give such a target a NaN log-prob
+    instead."""
 
-    def __init__(self, targets: torch.Tensor, vocab: int, shape: torch.Size):
+    def __init__(self, targets: torch.Tensor, vocab: int, shape: torch.Size,
+                 shard_sizes: torch.Tensor | None = None):
         self.vocab, self.shape, self.info, self.event = vocab, tuple(shape), None, None
         capturing = targets.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if targets.numel() == 0 or capturing or torch.compiler.is_compiling():
+        if (targets.numel() == 0 and shard_sizes is None) or capturing or torch.compiler.is_compiling():
             return
-        bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
-        first = bad.to(torch.uint8).argmax().view(1)  # the first True (argmax returns the first maximum)
-        # gather, not bad[first]: indexing with a tensor reads the index on the host (a sync).
-        info = torch.cat((bad.any().to(torch.int64).view(1), first, targets.gather(0, first)))
+        if targets.numel():
+            bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
+            first = bad.to(torch.uint8).argmax().view(1)  # the first True (argmax returns the first maximum)
+            # gather, not bad[first]: indexing with a tensor reads the index on the host (a sync).
+            parts = [bad.any().to(torch.int64).view(1), first, targets.gather(0, first)]
+        else:
+            parts = [torch.zeros(3, dtype=torch.int64, device=targets.device)]
+        if shard_sizes is not None:
+            parts.append(shard_sizes.reshape(-1).to(device=targets.device, dtype=torch.int64))
+        info = torch.cat(parts)
         if info.device.type != "cuda":
             self.info = info
             self.wait()
             return
-        self.info = torch.empty(3, dtype=torch.int64, pin_memory=True)
+        self.info = torch.empty(info.numel(), dtype=torch.int64, pin_memory=True)
         self.info.copy_(info, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record(torch.cuda.current_stream(info.device))  # the copy's stream
@@ -213,7 +251,8 @@ class TargetCheck:
             return
         if self.event is not None:
             self.event.synchronize()
-        is_bad, index, value = self.info.tolist()
+        is_bad, index, value, *shard_sizes = self.info.tolist()
+        check_shard_sizes(shard_sizes)
         if is_bad:
             position = ", ".join(str(int(i)) for i in numpy.unravel_index(index, self.shape))
             raise ValueError(f"targets[{position}] = {value} is outside [0, {self.vocab}) "

@@ -17,8 +17,11 @@ No host synchronisation in forward or backward: the kernels run behind
 torch.library custom ops (llamarl::logprob_fwd, llamarl::logprob_bwd), so the
 logits form traces whole under torch.compile and captures into CUDA graphs.
 The functional API's target check (aipo_inputs.TargetCheck) waits once, after
-the kernels are queued, except under torch.compile or graph capture, where a
-counted target outside the vocabulary gets a NaN log-prob instead.
+the kernels are queued, so that a target outside the vocabulary raises a
+ValueError naming its position: in eager mode on a GPU the op's one host sync
+(with process_group, the shard sizes' check is read in it too). Under
+torch.compile or graph capture it is skipped, and such a target gets a NaN
+log-prob instead.
 
 Vocabulary-parallel (process_group=): rank r of the group holds the columns
 [r * V, (r + 1) * V) of the logits (or rows of the lm-head), V the same on
@@ -37,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .aipo_inputs import IGNORE_INDEX, TargetCheck, check_target_ids, flat_logits
+from .aipo_inputs import IGNORE_INDEX, TargetCheck, check_shard_sizes, check_target_ids, flat_logits
 from .logprob_launch import logprob_backward, logprob_forward
 
 # ----------------------------------------------------------------------------- reference
@@ -94,23 +97,26 @@ def _(logits, targets, lse, coef, entropy, grad_entropy, temperature):
 # ----------------------------------------------------------------------------- vocabulary shards
 
 
-def check_equal_shards(local_vocab: int, group, device: torch.device) -> None:
-    """ValueError on every rank (each sees the same sizes: no rank is left
-    waiting) unless the group's ranks all hold local_vocab columns: an all-gather
-    of one integer and its host sync, outside the op, every call (a cache could
-    differ between ranks and leave one waiting in the gather). Skipped under
-    torch.compile and CUDA graph capture."""
+def check_equal_shards(local_vocab: int, group, device: torch.device) -> torch.Tensor | None:
+    """Whether the group's ranks all hold local_vocab columns: an all-gather of
+    one integer, every call (a cache could differ between ranks and leave one
+    waiting in the gather). On the CPU (gloo) checked here, before any kernel:
+    ValueError on every rank (each sees the same sizes: no rank is left
+    waiting). On a GPU the gathered sizes, (world,) on the device, are returned
+    for the target check to read in its one host sync (aipo_inputs.TargetCheck):
+    no sync of its own. None without a group, and under torch.compile and CUDA
+    graph capture (skipped)."""
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if group is None or capturing or torch.compiler.is_compiling():
-        return
+        return None
     size = torch.tensor([local_vocab], dtype=torch.int64,
                         device=device if dist.get_backend(group) != "gloo" else "cpu")
     sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
     dist.all_gather(sizes, size, group=group)
-    sizes = [int(s.item()) for s in sizes]
-    if len(set(sizes)) != 1:
-        raise ValueError(f"vocabulary shards must have one size on every rank of process_group (Megatron pads the "
-                         f"vocabulary to a multiple of the group's size), got {sizes} columns by rank")
+    if size.device.type == "cuda":
+        return torch.cat(sizes)
+    check_shard_sizes(torch.cat(sizes).tolist())
+    return None
 
 
 def vocab_shard(local_vocab: int, group) -> tuple[int, int]:
@@ -394,8 +400,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     flat = flat_logits(logits)
     shape = logits.shape[:-1]
     flat_targets = _check_targets(targets, shape)
-    check_equal_shards(logits.shape[-1], process_group, logits.device)
-    check = TargetCheck(flat_targets, vocab_shard(logits.shape[-1], process_group)[1], shape)
+    shard_sizes = check_equal_shards(logits.shape[-1], process_group, logits.device)
+    check = TargetCheck(flat_targets, vocab_shard(logits.shape[-1], process_group)[1], shape, shard_sizes)
     logp, ent = TokenLogprobsFunction.apply(flat, flat_targets, temperature, entropy, process_group)
     check.wait()
     return _outputs(logp, ent, shape, entropy)
@@ -452,8 +458,8 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     chunk_size = check_linear(hidden, weight, chunk_size)
     shape = hidden.shape[:-1]
     flat_targets = _check_targets(targets, shape)
-    check_equal_shards(weight.shape[0], process_group, weight.device)
-    check = TargetCheck(flat_targets, vocab_shard(weight.shape[0], process_group)[1], shape)
+    shard_sizes = check_equal_shards(weight.shape[0], process_group, weight.device)
+    check = TargetCheck(flat_targets, vocab_shard(weight.shape[0], process_group)[1], shape, shard_sizes)
     logp, ent = LinearTokenLogprobsFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets,
                                                   temperature, entropy, chunk_size, process_group)
     check.wait()

@@ -177,7 +177,9 @@ def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, cfg: Objec
 
 @dataclass
 class Sequences:
-    """Each token's sequence: index (num_tokens,) int64 in [0, count)."""
+    """Each token's sequence: index (num_tokens,) int64 in [0, count). count may
+    exceed the sequences (an upper bound known without a host sync): a slot no
+    token points to sums to 0, and counts of sequences count those with a token."""
 
     index: torch.Tensor
     count: int

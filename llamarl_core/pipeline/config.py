@@ -15,6 +15,8 @@ from .plugins import name_of, spec_of
 MODES = ("async", "sync")
 GENERATORS = ("llama", "vllm")  # built in; or module:Class of a Generator of yours
 LOSS_NORMALIZERS = ("tokens", "dr_grpo")
+# How a step's loss is reduced (TrainConfig.loss_reduction; None: the loss's own, natural_reduction).
+LOSS_REDUCTIONS = ("token_mean", "sequence_mean")
 # The built-in losses' parameters (ops/objectives.py: which loss reads which, their defaults and sources).
 LOSS_PARAMETERS = ("rho", "eps_low", "eps_high", "mask_low", "mask_high")
 # Fields that take a plug-in: given as an object in Python, kept as its module:attribute name.
@@ -45,6 +47,27 @@ def check_loss(loss, parameters: dict, *, temperature: float, kl_coef: float, en
                              f"{', '.join(given)} (the built-in losses' parameters): leave them unset")
     objective_config(loss if builtin else "aipo", **parameters, temperature=temperature, kl_coef=kl_coef,
                      entropy_coef=entropy_coef)
+
+
+def natural_reduction(loss, reduction: str | None = None, normalized: bool = False) -> str:
+    """The reduction a trainer step uses: `reduction` when given, else the
+    loss's own: "sequence_mean" for gspo (the mean over the sequences of each
+    one's l_i), "token_mean" for the others and for a loss function of yours.
+    normalized: the step's summed loss is divided by a constant (Dr.GRPO), which
+    divides the sum over tokens: "token_mean"'s sum, and "sequence_mean" is
+    refused with it (ValueError)."""
+    if reduction is not None and reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS} (or None: the loss's own), got "
+                         f"{reduction!r}")
+    if normalized:
+        if reduction == "sequence_mean":
+            raise ValueError("loss_reduction 'sequence_mean' and a constant normalizer (Dr.GRPO's) do not go "
+                             "together: the constant divides the sum over tokens; leave loss_reduction unset or "
+                             "'token_mean'")
+        return "token_mean"
+    if reduction is not None:
+        return reduction
+    return "sequence_mean" if loss == "gspo" else "token_mean"
 
 
 @dataclass
@@ -96,6 +119,11 @@ class TrainConfig:
     # What a step's summed loss is divided by: "tokens" (its completion tokens: a token mean) or "dr_grpo" (a constant,
     # samples x max_new_tokens, as Dr.GRPO does; with advantage "group_mean" that is Dr.GRPO)
     loss_normalizer: str = "tokens"
+    # How a step's loss is reduced: "token_mean" (its summed loss over the completion tokens that count, across
+    # micro-batches and trainer ranks) or "sequence_mean" (each completion's token mean, summed, over the completions
+    # with a token that counts, likewise); None: the loss's own, sequence_mean for gspo, token_mean for the others
+    # (config.natural_reduction). With loss_normalizer "dr_grpo": token level (sequence_mean refused).
+    loss_reduction: str | None = None
     # module:function (or the function) run around every trainer step: hook(StepContext, step) -> None or a dict of
     # numbers logged with the step (llamarl_core.pipeline.learner.run_with_hook)
     step_hook: str | None = None
@@ -187,6 +215,7 @@ class TrainConfig:
                              f"trainer_world {self.trainer_world} ranks")
         check_loss(self.loss, self.loss_parameters, temperature=self.temperature, kl_coef=self.kl_coef,
                    entropy_coef=self.entropy_coef)
+        natural_reduction(self.loss, self.loss_reduction, self.loss_normalizer == "dr_grpo")
 
     @property
     def loss_parameters(self) -> dict:
@@ -228,6 +257,10 @@ class TrainConfig:
             reads = DEFAULTS.get(data.get("loss", "aipo"), {})
             if "rho" not in reads or data["rho"] == reads["rho"]:
                 data = {**data, "rho": None}
+        if "loss_reduction" not in data and data.get("loss") == "gspo":
+            # A config.json from before loss_reduction: every loss was a token mean then, gspo's too; a resumed
+            # run keeps the loss it started with.
+            data = {**data, "loss_reduction": "token_mean"}
         return cls(**data)
 
     def save(self, path: Path) -> None:

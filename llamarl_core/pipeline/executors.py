@@ -546,7 +546,8 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
                                    max_grad_norm=config.max_grad_norm or None, mask_truncated=config.mask_truncated,
                                    kl_coef=config.kl_coef, reference_model=reference, autocast_dtype=autocast,
                                    loss=objective, advantage=advantage, normalizer=normalizer,
-                                   entropy_coef=config.entropy_coef, **config.loss_parameters))
+                                   reduction=config.loss_reduction, entropy_coef=config.entropy_coef,
+                                   **config.loss_parameters))
             step = payload["step"] + 1
             end = time.monotonic()
             link.span("train step", start, end, step=payload["step"], samples=len(samples))

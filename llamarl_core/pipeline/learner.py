@@ -12,13 +12,14 @@ train_step(loss=fn)): `fn(logprobs, batch) -> per-token losses`. logprobs:
 of each completion token of `batch` (a Batch: packed rows; 0 off the
 completions, where batch.mask is 0); the result: a tensor of the same shape
 whose gradient reaches logprobs. The trainer keeps the masked entries, adds the
-KL penalty and the entropy bonus if asked, sums and divides by the step's
-normaliser (the token count of the whole step by default) so that micro-batches
-add up to one batch. It reads none of the built-in losses' parameters (rho,
-eps_low, ...: refused with it), and the step's statistics of what the loss
-itself does (truncated, masked, clipped fractions) are None: the trainer cannot
-see them; the mismatch statistics (mismatch_kl, ess_fraction, ...) are the
-fused op's on the same log-probs, as for the built-in losses.
+KL penalty and the entropy bonus if asked, and reduces them as the built-in
+losses (train_step's reduction: a token mean over the whole step by default, or
+a mean over its completions of each one's token mean) so that micro-batches and
+data-parallel ranks add up to one batch. It reads none of the built-in losses'
+parameters (rho, eps_low, ...: refused with it), and the step's statistics of
+what the loss itself does (truncated, masked, clipped fractions) are None: the
+trainer cannot see them; the mismatch statistics (mismatch_kl, ess_fraction,
+...) are the fused op's on the same log-probs, as for the built-in losses.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from ..ops.logprob import token_logprobs
 from ..ops.objectives import (LOSS_TYPES, OLD_POLICY_TYPES, AIPOStats, ObjectiveTerms, objective_config,
                                objective_stats, reference_kl)
 from .advantages import AdvantageFn, advantage_function, compute_advantages, group_mean
-from .config import LR_SCHEDULES, check_loss
+from .config import LR_SCHEDULES, check_loss, natural_reduction
 from .plugins import builtin_or_load, check_arity, load, name_of
 from .rollout import Sample
 
@@ -217,7 +218,7 @@ def _autocast(model, dtype: torch.dtype | None):
 def policy_loss(model, batch: Batch, *, temperature: float, reduction: str = "token_mean",
                 ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
                 autocast_dtype: torch.dtype | None = None, loss: str = "aipo",
-                old_logprobs: torch.Tensor | None = None, entropy_coef: float = 0.0, **parameters):
+                old_logprobs: torch.Tensor | None = None, entropy_coef: float = 0.0, normalizer=None, **parameters):
     """The policy loss `loss` (a name of ops.objectives.LOSS_TYPES; those of
     OLD_POLICY_TYPES take old_logprobs (rows, width - 1)) of `model` on `batch`
     (by default the token mean over the completion tokens that count), with the
@@ -225,20 +226,23 @@ def policy_loss(model, batch: Batch, *, temperature: float, reduction: str = "to
     bonus; parameters: the loss's (rho, eps_low, eps_high, mask_low, mask_high;
     None or left out: its default; one it does not read raises ValueError). Each
     completion is one sequence (batch.sequence_ids: the sequence-level losses
-    need them; every loss gets the sequence statistics). The forward runs under
-    autocast_dtype, the loss in float32. Returns (loss, AIPOStats), the entropy
-    among them."""
+    need them; every loss gets the sequence statistics). reduction and
+    normalizer: aipo_loss's. The forward runs under autocast_dtype, the loss in
+    float32. Returns (loss, AIPOStats), the entropy among them."""
     with _autocast(model, autocast_dtype):
         logits = _logits(model, batch.input_ids, batch.position_ids)
     return aipo_loss(logits, batch.targets, batch.behavior_logprobs, batch.advantages, temperature=temperature,
                      reduction=reduction, sequence_ids=batch.sequence_ids, loss_type=loss, old_logprobs=old_logprobs,
-                     entropy=True, ref_logprobs=ref_logprobs, kl_coef=kl_coef, entropy_coef=entropy_coef, **parameters)
+                     entropy=True, ref_logprobs=ref_logprobs, kl_coef=kl_coef, entropy_coef=entropy_coef,
+                     normalizer=normalizer, **parameters)
 
 
 def _user_loss(model, batch: Batch, loss_fn: LossFn, *, temperature: float, ref_logprobs: torch.Tensor | None,
-               kl_coef: float, entropy_coef: float, autocast_dtype: torch.dtype | None):
+               kl_coef: float, entropy_coef: float, autocast_dtype: torch.dtype | None, reduction: str = "token_mean"):
     """(summed loss, AIPOStats) of a loss function of yours (the module docstring
-    says its contract) on `batch`, with the KL penalty and the entropy bonus;
+    says its contract) on `batch`, with the KL penalty and the entropy bonus,
+    summed over the tokens ("token_mean") or over the completions of each one's
+    token mean ("sequence_mean");
     ValueError naming it when it breaks the contract. The stats are the fused
     op's on the same log-probs (truncated_fraction 0 and no sequence statistics:
     train_step reports those as None for a loss of yours)."""
@@ -258,7 +262,11 @@ def _user_loss(model, batch: Batch, loss_fn: LossFn, *, temperature: float, ref_
     if entropy_coef > 0:
         per_token = per_token - entropy_coef * entropy
     mask = batch.mask
-    summed = torch.where(mask > 0, per_token.float(), 0.0).sum()
+    if reduction == "sequence_mean":  # each token over its completion's counted tokens (sequence_ids: -1 off them)
+        slot = batch.sequence_ids.clamp(min=-1).reshape(-1) + 1
+        tokens = torch.zeros(slot.numel() + 1, device=mask.device).index_add_(0, slot, mask.reshape(-1))
+        mask = torch.where(mask > 0, mask / tokens[slot].reshape(mask.shape).clamp(min=1.0), 0.0)
+    summed = torch.where(mask > 0, per_token.float() * mask, 0.0).sum()
     # The fused op's stats, on the same log-probs.
     cfg = objective_config(temperature=temperature, kl_coef=kl_coef)
     inputs = prepare_inputs(batch.targets.shape, logp.device, batch.targets, batch.behavior_logprobs,
@@ -290,7 +298,9 @@ class StepStats:
     clip, the masked fraction of one without a mask; what a loss of yours
     truncates, masks or clips) or without the KL penalty (ref_kl)."""
 
-    # the loss (policy term, plus KL penalty, minus entropy bonus) summed over the tokens, over the normaliser
+    # the loss (policy term, plus KL penalty, minus entropy bonus) reduced as the step's reduction says; with
+    # several data-parallel ranks, this rank's part times their number (its sum over the global count over the
+    # ranks): the mean over the ranks, the controller's figure, is the step's loss
     loss: float
     grad_norm: float  # total gradient norm before clipping
     mismatch_kl: float  # k3 estimate of KL(behaviour || learner): mean(r - 1 - log r)
@@ -368,7 +378,8 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, te
                kl_coef: float = 0.0, reference_model=None, autocast_dtype: torch.dtype | None = None,
                loss: str | LossFn = "aipo", advantage: AdvantageFn = group_mean, normalizer: float | None = None,
                rho: float | None = None, eps_low: float | None = None, eps_high: float | None = None,
-               mask_low: float | None = None, mask_high: float | None = None, entropy_coef: float = 0.0) -> StepStats:
+               mask_low: float | None = None, mask_high: float | None = None, entropy_coef: float = 0.0,
+               reduction: str | None = None) -> StepStats:
     """One optimizer step of the policy loss on `samples` (scored), at learning rate `lr`.
 
     loss: a name of ops.objectives.LOSS_TYPES (default "aipo"; formulas in
@@ -379,17 +390,26 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, te
     mask_high: the loss's parameters, None for its default
     (ops.objectives.DEFAULTS); one the loss does not read (any, for a loss of
     yours) raises ValueError. entropy_coef: the entropy bonus's weight, any loss.
-    advantage: the estimator (advantages.py). normalizer: what the summed loss
-    of this rank's step is divided by (None: the completion tokens that count, a
-    token mean; a constant: Dr.GRPO's).
+    advantage: the estimator (advantages.py). reduction: "token_mean" (the
+    summed loss over the completion tokens that count), "sequence_mean" (each
+    completion's token mean, summed, over the completions with a token that
+    counts) or None, the loss's own (config.natural_reduction: sequence_mean for
+    gspo, token_mean for the others and for a loss of yours). Both counts are
+    the whole step's: over the micro-batches and over the data-parallel ranks of
+    an FSDP2 model. normalizer: a constant the summed loss of this rank's step is
+    divided by instead (Dr.GRPO's; token level: reduction "sequence_mean" is
+    refused with it).
 
     The samples go through in micro-batches of at most micro_batch_size samples
     (None: all at once), their gradients accumulated so that the step equals one
-    on the token mean over the whole batch (this rank's samples: with FSDP the
-    ranks' gradients are averaged, i.e. the mean of the ranks' token means): advantages are centred over the whole
-    batch's groups, and each micro-batch's summed loss (reduction "sum", each
-    completion a sequence of its own) is divided by the tokens that count in the
-    whole batch. kl_coef > 0: penalty kl_coef * k3 against
+    on the whole batch of every rank's samples: advantages are centred over this
+    rank's batch's groups (whole groups lie on one rank), and each micro-batch's
+    loss, summed over its tokens (reduction "sum") or over its completions of
+    each one's token mean (reduction "sequence_mean" with normalizer 1; each
+    completion a sequence of its own), is divided by the global count over the
+    number of ranks: FSDP averages the ranks' gradients, so the step is the
+    global token (or sequence) mean, as one rank holding every sample would take
+    it, whatever the ranks' counts. kl_coef > 0: penalty kl_coef * k3 against
     reference_model's log-probs (computed without gradients on the same rows).
     max_grad_norm: the gradients clipped to that total norm (FSDP2 DTensor
     gradients included). autocast_dtype: the forwards run under torch.autocast
@@ -415,6 +435,7 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, te
     check_loss(loss, parameters, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)
     if normalizer is not None and not (math.isfinite(normalizer) and normalizer > 0):
         raise ValueError(f"normalizer must be finite and > 0 (or None: the token count), got {normalizer}")
+    reduction = natural_reduction(loss, reduction, normalized=normalizer is not None)
     advantages = _sample_advantages(samples, advantage)
     size = micro_batch_size or len(samples)
     device = next(model.parameters()).device
@@ -424,8 +445,15 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, te
     # Completions with a token that counts: a sample's tokens lie in one micro-batch.
     sequence_counts = [len(torch.unique(b.sequence_ids[b.targets != IGNORE_INDEX])) for b in batches]
     total = max(sum(counts), 1)
-    divisor = total if normalizer is None else normalizer
-    counted = _sum_over_ranks(model, sum(counts))
+    counted, counted_sequences = _sum_over_ranks(model, [sum(counts), sum(sequence_counts)])
+    # FSDP averages the ranks' gradients: each rank divides by the global count over the ranks.
+    ranks = _data_parallel_size(model)
+    if normalizer is not None:
+        divisor = normalizer
+    elif reduction == "token_mean":
+        divisor = max(counted, 1) / ranks
+    else:
+        divisor = max(counted_sequences, 1) / ranks
     for group in optimizer.param_groups:
         group["lr"] = lr
     # Leftover gradients (the supervised warm-up leaves its last ones) must not join this step's.
@@ -435,12 +463,17 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, te
         ref = None if kl_coef == 0 else _reference_logprobs(reference_model, batch, temperature, autocast_dtype)
         if callable(loss):
             summed, stats = _user_loss(model, batch, loss, temperature=temperature, ref_logprobs=ref,
-                                       kl_coef=kl_coef, entropy_coef=entropy_coef, autocast_dtype=autocast_dtype)
+                                       kl_coef=kl_coef, entropy_coef=entropy_coef, autocast_dtype=autocast_dtype,
+                                       reduction=reduction)
         else:
             old = _reference_logprobs(model, batch, temperature, autocast_dtype) if loss in OLD_POLICY_TYPES else None
-            summed, stats = policy_loss(model, batch, temperature=temperature, reduction="sum", ref_logprobs=ref,
+            # "sequence_mean" with normalizer 1: each completion's token mean, summed (aipo_inputs.reduction_weights).
+            by_sequence = reduction == "sequence_mean"
+            summed, stats = policy_loss(model, batch, temperature=temperature,
+                                        reduction="sequence_mean" if by_sequence else "sum", ref_logprobs=ref,
                                         kl_coef=kl_coef, autocast_dtype=autocast_dtype, loss=loss, old_logprobs=old,
-                                        entropy_coef=entropy_coef, **parameters)
+                                        entropy_coef=entropy_coef, normalizer=1.0 if by_sequence else None,
+                                        **parameters)
         # The summed loss scaled here, not through mask = 1 / total: AIPOStats' means
         # divide by the mask's sum, so a fractional mask would skew them.
         (summed / divisor).backward()
@@ -523,16 +556,23 @@ def trainer_plugins(config) -> tuple[str | LossFn, AdvantageFn, StepHook | None]
     return loss, advantage_function(config.advantage), hook
 
 
-def _sum_over_ranks(model, count: int) -> int:
-    """`count` summed over the data-parallel ranks of an FSDP2 model (its
-    parameters are DTensors on one mesh), or `count` for a plain one. The ranks
-    step on averaged gradients: whether to step is decided on all of them."""
+def _sum_over_ranks(model, counts: list[int]) -> list[int]:
+    """`counts` summed over the data-parallel ranks of an FSDP2 model (its
+    parameters are DTensors on one mesh: one all-reduce), or `counts` for a
+    plain one. The ranks step on averaged gradients: what to divide by, and
+    whether to step, is decided on all of them."""
     param = next(model.parameters())
     if not isinstance(param, DTensor):
-        return count
-    total = torch.tensor([count], device=param.device)
+        return list(counts)
+    total = torch.tensor(counts, dtype=torch.int64, device=param.device)
     dist.all_reduce(total, group=param.device_mesh.get_group())
-    return int(total.item())
+    return total.tolist()
+
+
+def _data_parallel_size(model) -> int:
+    """The ranks FSDP2 averages `model`'s gradients over (its mesh's size), 1 for a plain model."""
+    param = next(model.parameters())
+    return param.device_mesh.size() if isinstance(param, DTensor) else 1
 
 
 def learning_rate(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, schedule: str,

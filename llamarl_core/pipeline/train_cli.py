@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from ..ops.objectives import DEFAULTS, LOSS_TYPES
-from .config import VLLM_DEFAULTS, TrainConfig
+from .config import LOSS_NORMALIZERS, LOSS_REDUCTIONS, VLLM_DEFAULTS, TrainConfig
 
 
 
@@ -101,6 +101,9 @@ NAMED_FLAGS = {
                   _loss_default("mask_high")),
     "loss_normalizer": (str, "divide a step's summed loss by its tokens (tokens) or by samples x max-new-tokens "
                              "(dr_grpo)"),
+    "loss_reduction": (str, "token_mean (the mean over the step's completion tokens) or sequence_mean (the mean "
+                            "over its completions of each one's token mean), across micro-batches and trainer ranks "
+                            "(default: the loss's own, sequence_mean for gspo, token_mean for the others)"),
     "step_hook": (str, "module:function run around every trainer step: hook(context, step) -> None or a dict of "
                        "numbers to log (default: none)"),
     "lr_schedule": (str, "after --lr-warmup-steps: constant, or cosine (down to --min-lr-ratio x --lr at the last "
@@ -109,6 +112,8 @@ NAMED_FLAGS = {
                    "trainer's compute (master weights stay float32)"),
     "device": (str, "cpu or cuda: where the trainer and our generator run"),
 }
+# The named options that take one of a few values (argparse lists them and refuses others).
+CHOICES = {"loss_normalizer": LOSS_NORMALIZERS, "loss_reduction": LOSS_REDUCTIONS}
 # The built-in model's sizes and warm-up: a pretrained model (--model) brings its own (and is not warmed up).
 TOY_MODEL_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "warmup_steps",
                    "warmup_batch")
@@ -152,7 +157,7 @@ def parse_args(argv):
                             help=f"{help_text} (default: {default:g})")
     for name, (kind, help_text) in NAMED_FLAGS.items():
         default = getattr(defaults, name)
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, choices=CHOICES.get(name),
                             help=help_text if default is None else f"{help_text} (default: {default})")
     return parser.parse_args(argv)
 
