@@ -121,7 +121,8 @@ def required_secret(secret: bytes | None, who: str) -> bytes:
         secret = secret_from_env()
     if secret is None:
         raise ValueError(f"{who}: no secret: pass secret= (the same bytes on every rank, e.g. auth.new_secret() made "
-                         f"once and handed to each process) or set {SECRET_ENV} / {SECRET_FILE_ENV}; make one with "
+                         f"once and handed to each process; in a generator plug-in of the pipeline, context.secret) "
+                         f"or set {SECRET_ENV} / {SECRET_FILE_ENV}; make one with "
                          "python -c 'import secrets; print(secrets.token_hex(32))'")
     if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"{who}: the secret must be bytes, at least {MIN_SECRET_BYTES} of them, got "
@@ -174,12 +175,14 @@ class AuthenticatedStore(dist.Store):
     """`store` as its holders of `secret` see it: every value `set` carries a tag
     bound to `label` + its key, and a value whose tag does not verify reads as
     not set: `get`, `multi_get` and `wait` go on waiting for a genuine one (within
-    the store's timeout, or the wait's), `check` says False. Each distinct value
-    refused is counted and logged once (`refuse`). A torch.distributed Store, so a
-    process group's rendezvous can run through it (a forged peer address is then
-    never read). Counters (`add`) are plain integers, not authenticated: what
-    reads them takes a count as a hint to look at authenticated keys, never as an
-    address. `inner` is the Store underneath."""
+    the store's timeout, or the wait's), `check` says False; `read` tells a key
+    not set from one holding a value that does not verify, without waiting. Each
+    distinct value refused is counted and logged once (`refuse`). A
+    torch.distributed Store, so a process group's rendezvous can run through it (a
+    forged peer address is then never read). Counters (`add`) are plain integers,
+    not authenticated: what reads them takes a count as a hint to look at
+    authenticated keys, never as an address. `append` and the queue operations
+    are not offered (a tag covers a whole value). `inner` is the Store underneath."""
 
     _SEEN = 256  # forged values remembered per store (a waiting reader meets one many times)
 
@@ -187,6 +190,10 @@ class AuthenticatedStore(dist.Store):
         super().__init__()
         self.inner, self._secret, self._label = store, required_secret(secret, "AuthenticatedStore"), label
         self._seen: OrderedDict = OrderedDict()
+        # What compare_set answers for a key that is not set (`read`): unguessable, so that no value
+        # a stranger writes can pass for "not set".
+        self._absent = b"llamarl:not-set:" + secrets.token_bytes(16)
+        dist.Store.set_timeout(self, store.timeout)  # what C++ callers (a PrefixStore over this one) see
 
     def _context(self, key: str) -> str:
         return self._label + key
@@ -204,60 +211,84 @@ class AuthenticatedStore(dist.Store):
                        "its tag does not verify under the secret")
         return body
 
+    def _tagged(self, key: str, value) -> bytes:
+        return sign(self._secret, self._context(key), value.encode() if isinstance(value, str) else bytes(value))
+
+    def read(self, key: str) -> tuple[bool, bytes | None]:
+        """Without waiting (one request, compare_set with a value nobody writes):
+        (False, None) when `key` is not set, (True, None) when it holds a value that
+        does not verify, (True, body) when it holds a genuine one."""
+        raw = self.inner.compare_set(key, self._absent, self._absent)
+        return (False, None) if raw == self._absent else (True, self._open(key, raw))
+
     def set(self, key: str, value) -> None:
-        if isinstance(value, str):
-            value = value.encode()
-        self.inner.set(key, sign(self._secret, self._context(key), bytes(value)))
+        self.inner.set(key, self._tagged(key, value))
 
     def get(self, key: str) -> bytes:
         return self.multi_get([key])[0]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        """The genuine values of `keys`, once every one is set and verifies, within
-        the store's timeout (DistStoreError past it, naming the keys that hold
-        values that do not verify)."""
-        deadline = time.monotonic() + self.inner.timeout.total_seconds()
-        pause = 1e-3
-        while True:
-            values = [self._open(k, v) for k, v in zip(keys, self.inner.multi_get(keys))]
-            if all(v is not None for v in values):
-                return values
-            if time.monotonic() >= deadline:
-                forged = [k for k, v in zip(keys, values) if v is None]
-                raise dist.DistStoreError(f"timed out waiting for a genuine value at {forged}: each holds one "
-                                          "that does not verify under the secret")
-            time.sleep(pause)
-            pause = min(2 * pause, REREAD_S)
+        """The genuine values of `keys`, waiting for every one to be set (within the
+        store's timeout, DistStoreError past it, naming the keys that hold values that
+        do not verify)."""
+        values = [self._open(k, v) for k, v in zip(keys, self.inner.multi_get(keys))]
+        if all(v is not None for v in values):
+            return values
+        return self._reread(keys, time.monotonic() + self.inner.timeout.total_seconds())
 
-    def check(self, keys: list[str]) -> bool:
-        if not self.inner.check(keys):
-            return False
-        return all(self._open(k, v) is not None for k, v in zip(keys, self.inner.multi_get(keys)))
-
-    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        """Return once every key holds a genuine value; DistStoreError after
-        `timeout` (default: the store's)."""
+    def wait_get(self, keys: list[str], timeout: datetime.timedelta | None = None) -> list[bytes]:
+        """Wait until every key holds a genuine value and return them (one read of
+        each once all are set); DistStoreError after `timeout` (default: the store's)."""
         timeout = self.inner.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout.total_seconds()
         self.inner.wait(keys, timeout)
-        # Every key is set now: one read tells whether all are genuine (a key a stranger deletes
-        # meanwhile makes that read wait, within the store's timeout); after that, check().
-        genuine = all(self._open(k, v) is not None for k, v in zip(keys, self.inner.multi_get(keys)))
+        return self._reread(keys, deadline)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self.wait_get(keys, timeout)
+
+    def _reread(self, keys: list[str], deadline: float) -> list[bytes]:
+        """Read `keys` without waiting until every one is genuine (1 ms apart,
+        doubling to REREAD_S), or raise DistStoreError at `deadline`."""
         pause = 1e-3
-        while not genuine:
+        while True:
+            found = [self.read(k) for k in keys]
+            if all(body is not None for _, body in found):
+                return [body for _, body in found]
             if time.monotonic() >= deadline:
-                raise dist.DistStoreError(f"timed out waiting for genuine values at {keys} (some hold values that "
-                                          "do not verify under the secret)")
+                forged = [k for k, (is_set, _) in zip(keys, found) if is_set]
+                raise dist.DistStoreError(f"timed out waiting for genuine values at {keys}"
+                                          + (f": {forged} hold values that do not verify under the secret"
+                                             if forged else ""))
             time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
             pause = min(2 * pause, REREAD_S)
-            genuine = self.check(keys)
+
+    def check(self, keys: list[str]) -> bool:
+        return all(body is not None for _, body in map(self.read, keys))
 
     def forged(self, keys: list[str]) -> list[str]:
         """The keys of `keys` that are set but hold a value that does not verify."""
-        return [k for k in keys if self.inner.check([k]) and not self.check([k])]
+        return [k for k in keys if self.read(k) == (True, None)]
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        """As the Store's, on genuine values: `expected` b"" means "not set"; the
+        answer is the value now there (DistStoreError if it does not verify)."""
+        raw = self.inner.compare_set(key, self._tagged(key, expected) if len(expected) else b"",
+                                     self._tagged(key, desired))
+        body = self._open(key, raw)
+        if body is None:
+            raise dist.DistStoreError(f"compare_set at {self._context(key)}: the value there does not verify")
+        return body
+
+    def append(self, key: str, value) -> None:
+        raise NotImplementedError("AuthenticatedStore: append would break the tag of the value it extends")
 
     def add(self, key: str, amount: int) -> int:
         return self.inner.add(key, amount)
+
+    def set_counter(self, key: str, value: int) -> None:
+        """Set the counter `key` to `value`, untagged like every counter (`add` reads it)."""
+        self.inner.set(key, str(value))
 
     def delete_key(self, key: str) -> bool:
         return self.inner.delete_key(key)
@@ -267,6 +298,7 @@ class AuthenticatedStore(dist.Store):
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self.inner.set_timeout(timeout)
+        dist.Store.set_timeout(self, timeout)
 
     def clone(self) -> "AuthenticatedStore":
         return AuthenticatedStore(self.inner.clone(), self._secret, self._label)

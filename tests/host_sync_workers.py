@@ -55,6 +55,12 @@ def main(role: str, rank: int, addr: str, port: int, scenario: dict) -> None:
                     shards[name].copy_(t)
                 sender.send(v)
             after_cut(scenario, lambda timeout: sender.send(versions[-1] + 1, timeout=timeout))
+        if rank == 0 and "cut_timeout_s" not in scenario:
+            # This process serves the Store: it stays until every receiver is done with it (a receive's
+            # last requests, closing its ticket, come after the senders' answers).
+            deadline = time.monotonic() + TIMEOUT_S
+            while store.add("test/receivers_done", 0) < tp and time.monotonic() < deadline:
+                time.sleep(0.01)
         return
     layout = vllm_llama_tp(config, tp, torch.bfloat16)
     params = poisoned_destination(layout, rank)
@@ -65,6 +71,8 @@ def main(role: str, rank: int, addr: str, port: int, scenario: dict) -> None:
             expected = reference_vllm_tp_shards(states[v], config, tp, torch.bfloat16)[rank]
             report(version=got, mismatches=mismatches(expected, receiver.weights()))
         after_cut(scenario, lambda timeout: receiver.receive(timeout=timeout))
+    if "cut_timeout_s" not in scenario:
+        store.add("test/receivers_done", 1)
 
 
 def after_cut(scenario: dict, attempt) -> None:

@@ -98,7 +98,9 @@ def _agents_on_two_hosts(hosts, tmp_path: Path, rdzv_id: str, train_args: list[s
             # popen adds to this process's environment: TRITON_INTERPRET (conftest's) is overridden, not
             # dropped; under the interpreter the trainer's steps took 1.9 s instead of 22 ms.
             env = {"GLOO_SOCKET_IFNAME": host.ifname, "TRITON_INTERPRET": "0", **secrets[node]}
-            procs.append(host.popen(argv, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT))
+            # Each host has one of the two (the tests' own LLAMARL_SECRET, conftest's, is not a host's).
+            unset = ["env", "-u", auth.SECRET_ENV] if auth.SECRET_FILE_ENV in env else []
+            procs.append(host.popen([*unset, *argv], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
 

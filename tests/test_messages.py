@@ -245,7 +245,11 @@ def test_a_slot_taken_by_a_stranger_first_costs_nothing(store):
     consumer.close()
 
 
-def test_a_queue_needs_a_secret(store):
+def test_a_queue_needs_a_secret(store, monkeypatch):
+    """Bytes of 16 or more; None reads the environment (auth.required_secret), and
+    with nothing set there either it is refused."""
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
     for secret in (None, b"", b"short", "0" * 64):
         with pytest.raises(ValueError, match="secret"):
             StoreQueue(store, "nosecret", secret)

@@ -302,12 +302,12 @@ class _Inbox(list):
         self.append(item)
 
 
-def test_controller_drops_stale_groups_and_counts_them():
+def test_controller_drops_stale_groups_and_counts_them(tmp_path):
     """The controller hands the trainer its scheduler's batch, stale groups dropped
     wherever they wait (tests/test_scheduler.py checks the scheduler alone)."""
     config = TrainConfig(prompts_per_step=2, samples_per_prompt=2, max_staleness=2)
     ctl = Controller.__new__(Controller)
-    ctl.config, ctl.num_replicas = config, 1
+    ctl.config, ctl.num_replicas, ctl.out = config, 1, tmp_path  # the run folder: its trace.json
     ctl._reset_state()
     ctl.inboxes = {("trainer", 0): _Inbox()}
     ctl.scheduler = Scheduler(config, step=5)

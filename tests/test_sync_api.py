@@ -279,7 +279,7 @@ class _AfterRequest:
         method = getattr(self._store, name)
 
         def request(*args, **kwargs):
-            if name == "wait" and self.requests < self._at:
+            if name in ("wait", "wait_get") and self.requests < self._at:
                 self._at = self.requests
                 self._action()
             result = method(*args, **kwargs)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from helpers import hf_state_dict, in_threads, mismatches, poisoned_destination, small_config, store_client
 from llamarl_core import auth
 from llamarl_core.sync import (
+    SyncError,
     SyncTimeoutError,
     WeightReceiver,
     WeightSender,
@@ -71,7 +72,7 @@ def test_a_value_that_does_not_verify_reads_as_not_set(store):
             ours.check([key])
     assert auth.refused_count() - before == len(forged)  # met many times, counted once each
     ours.set_timeout(datetime.timedelta(seconds=0.3))
-    with pytest.raises(dist.DistStoreError, match=r"genuine value at \['b'\]"):
+    with pytest.raises(dist.DistStoreError, match=r"genuine values at \['b'\]: \['b'\] hold values that do not verify"):
         ours.get("b")
     with pytest.raises(dist.DistStoreError, match="do not verify"):
         ours.wait(["a", "c"], datetime.timedelta(seconds=0.3))
@@ -81,11 +82,36 @@ def test_a_value_that_does_not_verify_reads_as_not_set(store):
     later.start()
     assert ours.multi_get(["a", "b"]) == [b"\x00genuine", b"ok"]
     later.join()
-    # Counters pass through untagged; a clone keeps the secret and the label.
+    # read(): without waiting, not set / forged / genuine; a key deleted is simply not set.
+    assert ours.read("never") == (False, None) and ours.read("c") == (True, None) and ours.read("a") == (True, b"\x00genuine")
+    raw.delete_key("c")
+    assert ours.read("c") == (False, None)
+    # compare_set on genuine values; counters pass through untagged; a clone keeps the secret and the label.
+    assert ours.compare_set("cs", b"", b"first") == b"first" and ours.compare_set("cs", b"first", b"second") == b"second"
+    assert ours.compare_set("cs", b"other", b"third") == b"second"
     assert ours.add("n", 2) == 2 and raw.add("n", 0) == 2
     assert ours.clone().get("a") == b"\x00genuine"
+    assert ours.timeout == ours.inner.timeout == dist.PrefixStore("p/", ours).timeout == datetime.timedelta(seconds=10)
     with pytest.raises(ValueError, match="at least 16"):
         auth.AuthenticatedStore(store, b"short")
+
+
+def test_a_forged_optional_set_up_value_is_refused_not_taken_for_absent(store):
+    """What a rank plans on (a relay's bucket table, the point-to-point bucket cap)
+    may be absent; a forged one is refused naming its key, never read as absent
+    (the two sides would bucket differently). Reports and markers forged are as
+    good as none."""
+    from llamarl_core.sync.protocol import Channel
+
+    channel, raw = Channel(store_client(store), "optional", SECRET), store_client(store)
+    assert channel.get_if_set("src/0/relay_buckets") is None  # never set
+    channel.set("src/0/relay_buckets", [[["w", 0, 4, 4, 1]]])
+    assert channel.get_if_set("src/0/relay_buckets") == [[["w", 0, 4, 4, 1]]]
+    key = "llamarl/sync/optional//src/0/relay_buckets"
+    raw.set(key, auth.sign(auth.new_secret(), "llamarl/sync/optional/src/0/relay_buckets", b"null"))
+    with pytest.raises(SyncError, match="src/0/relay_buckets holds a value that does not verify"):
+        channel.get_if_set("src/0/relay_buckets")
+    assert channel.genuine("src/0/relay_buckets") is None and not channel.has("src/0/relay_buckets")
 
 
 # ----------------------------------------------------------------------------- the sync

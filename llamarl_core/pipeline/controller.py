@@ -231,7 +231,8 @@ class Controller:
     # -- event handling ----------------------------------------------------------------
     def _handle(self, role: str, rank: int, kind: str, payload: dict) -> None:
         self.trace.add([(role, rank, *span) for span in payload.pop("spans", [])])
-        self.dropped_by[(role, rank, payload.get("incarnation"))] = payload.pop("refused", 0)
+        if "refused" in payload:  # every message but a heartbeat's
+            self.refused_by[(role, rank, payload.get("incarnation"))] = payload.pop("refused")
         replica = rank // self.generator_tp if role == GENERATOR else None
         if role == GENERATOR and payload["incarnation"] != self.replicas.incarnation[replica]:
             return  # from a replica that has been replaced
@@ -453,8 +454,9 @@ class Controller:
                       sync_time_s=self.sync_seconds.pop(version, 0.0), stall_time_s=self.stall_seconds.pop(version, 0.0),
                       wall_s=now - self.t0 + self.resumed_wall,
                       rl_s=now - self.rl_start + self.resumed_rl,
-                      # Messages refused so far (forged, or not parsing), by this process and every executor.
-                      forged_messages=refused_count() + sum(self.dropped_by.values()))
+                      # Messages and Store values refused so far (forged, or not parsing), by this process
+                      # and every executor, since this run started.
+                      forged_messages=refused_count() - self.refused_before + sum(self.refused_by.values()))
         self.gen_busy, self.last_step_end = 0.0, now
         # Appended and flushed (closed) per step; the run keeps no record in memory (summary.json and
         # reward.png are made from the file).
@@ -591,7 +593,8 @@ class Controller:
         self.t0 = time.monotonic()
         self.trace = TraceWriter(self.out / "trace.json", self.t0)  # a new one, also on resume
         self.ready_ranks: set[tuple[str, int]] = set()
-        self.dropped_by: dict[tuple, int] = {}  # (role, rank, incarnation) -> its process's refused messages
+        self.refused_by: dict[tuple, int] = {}  # (role, rank, incarnation) -> the values it refused
+        self.refused_before = refused_count()  # this process's, before the run
         # Where each executor runs (hostname/boot id/net ns/pid ns) and the transport of each weight-sync pair.
         self.hosts: dict[str, dict[str, str]] = {"executors": {}, "weight_transports": {}}
         self.scheduler = Scheduler(self.config)

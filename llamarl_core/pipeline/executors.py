@@ -83,6 +83,7 @@ class Link:
                  secret: bytes):
         self.role, self.rank = role, rank
         self.secret = secret  # the run's: its weight syncs and process groups use it too
+        self._refused_before = refused_count()
         # A connection for the messages alone: the executor's weight syncs wait on `store` for
         # up to their timeout, and the heartbeat thread's reports must not queue behind them.
         messages = store.clone()
@@ -96,7 +97,9 @@ class Link:
         if kind == "ready":  # where this executor runs (the run's hosts.json)
             payload["host"] = host_identity()
         payload.update(self.tags)
-        payload["refused"] = refused_count()  # the values this process refused (auth.py), for the run's metrics
+        # The values this executor refused (auth.py), for the run's metrics: counted from its start (a torchrun
+        # rank runs the executors of several runs one after another).
+        payload["refused"] = refused_count() - self._refused_before
         payload["spans"], self.spans = self.spans, []
         self.events.put((self.role, self.rank, kind, payload))
 

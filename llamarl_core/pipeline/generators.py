@@ -129,7 +129,9 @@ class GeneratorContext:
     pad_token_id: int
     seed: int
     store: Any  # the run's torch.distributed Store (the weight sync's handshake)
-    secret: bytes  # the run's secret (auth.py): the sync's values in the Store are authenticated with it
+    # The run's secret (auth.py): the sync's values in the Store are authenticated with it; pass it to
+    # anything of yours that reads the run's Store (kept out of the context's repr: logs stay secret-free).
+    secret: bytes = dataclasses.field(repr=False)
     sync_name: str  # the sync's name in it
     timeout_s: float  # how long the sync's set-up may wait for the trainer
 

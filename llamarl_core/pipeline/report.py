@@ -4,6 +4,7 @@ of reward against time, and a Chrome-trace / Perfetto timeline."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 from pathlib import Path
@@ -83,20 +84,27 @@ class TraceWriter:
     process row per executor role (named when it first appears), one thread row per
     rank. Each batch of spans (role, rank, name, start, end, args) is appended with
     one write that also rewrites the closing brackets after it, so the file is valid
-    JSON after every write: a run killed at any moment leaves a trace with every span
-    received before the kill. Nothing is kept in memory but the roles seen."""
+    JSON after every write, and a run killed between two writes leaves every span
+    received before the kill. (A kill that lands inside a write which spans two
+    pages of the file can cut it there, Linux checking for a fatal signal between
+    pages: the file then ends without its brackets, which Perfetto still loads.) A
+    write that fails (a full disk) is logged and ends the trace, not the run.
+    Nothing is kept in memory but the roles seen."""
 
     _HEAD = b'{"displayTimeUnit": "ms", "traceEvents": ['
     _TAIL = b"]}"
 
     def __init__(self, path: Path, t0: float):
-        self.t0 = t0
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.write(self._fd, self._HEAD + self._TAIL)
+        self.path, self.t0 = path, t0
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._end = 0
+        self._write(self._HEAD + self._TAIL)
         self._end = len(self._HEAD)  # where the next event goes, the tail after it
         self._pids: dict[str, int] = {}
 
     def add(self, spans: list[tuple]) -> None:
+        if self._fd is None or not spans:
+            return
         events = []
         for role, rank, name, start, end, args in spans:
             if role not in self._pids:
@@ -104,14 +112,27 @@ class TraceWriter:
                 events.append({"name": "process_name", "ph": "M", "pid": self._pids[role], "args": {"name": role}})
             events.append({"name": name, "ph": "X", "pid": self._pids[role], "tid": rank, "ts": (start - self.t0) * 1e6,
                            "dur": max(end - start, 0.0) * 1e6, "args": args})
-        if not events:
-            return
         data = ("" if self._end == len(self._HEAD) else ",\n").encode() + ",\n".join(map(json.dumps, events)).encode()
-        os.pwrite(self._fd, data + self._TAIL, self._end)  # one system call: a kill comes before it or after
-        self._end += len(data)
+        if self._write(data + self._TAIL):
+            self._end += len(data)
+
+    def _write(self, data: bytes) -> bool:
+        """`data` at the end of the events (one system call unless the kernel writes
+        less); False, with the trace closed and the reason logged, if it fails."""
+        try:
+            done = 0
+            while done < len(data):
+                done += os.pwrite(self._fd, data[done:], self._end + done)
+            return True
+        except OSError as exc:
+            logging.getLogger(__name__).warning("%s: the trace stops here, a write failed: %s", self.path, exc)
+            self.close()
+            return False
 
     def close(self) -> None:
-        os.close(self._fd)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def read_lines(path: Path) -> list[dict]:

@@ -69,7 +69,7 @@ class Endpoint:
         channel.wait({f"{SRC}/layout": "sender rank 0", f"{DST}/layout": "receiver rank 0"}, deadline,
                      "both sides' layouts", failure([0]))
         bucket_bytes = channel.get(f"{SRC}/bucket_bytes")  # both sides must bucket alike (p2p)
-        p2p_cap = channel.get_if_set(f"{DST}/bucket_bytes") if channel.has(f"{SRC}/reads_p2p_cap") else None
+        p2p_cap = channel.get_if_set(f"{DST}/bucket_bytes") if channel.get_if_set(f"{SRC}/reads_p2p_cap") else None
         if Layout.from_dict(channel.get(f"{me}/layout")) != layout:
             raise ValueError(f"{self.side} rank {rank}: its layout differs from the one rank 0 registered")
         other = DST if me == SRC else SRC

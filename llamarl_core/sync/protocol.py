@@ -17,7 +17,6 @@ counters are plain integers (a forged count is only a hint to look again):
     dst/<d>/ticket                                    counter: the last ticket receiver d took
     dst/<d>/open/<t>                                  ticket t opened: the version asked for
                                                       (or null); "closed" once over; "abandoned"
-    dst/<d>/closed/<t>                                ticket t is over
     dst/<d>/done/<t>/<s>                              sender s served ticket t: the version it
                                                       wrote; {"abandoned", "holds"} (that version
                                                       will not come); {"failed", "error"} (a
@@ -33,10 +32,10 @@ counters are plain integers (a forged count is only a hint to look again):
     pg/...                                            the point-to-point group's rendezvous
                                                       (tagged too: a forged peer address is never read)
 
-Keys do not pile up with versions: a receiver deletes ticket t's answers once it
-has read them, and ticket t - 1's keys when it closes t. (An answer a sender
-writes after the receiver closed the ticket, on a failure path, stays: one key per
-such failure.)
+Keys do not pile up with versions: once a receiver has opened ticket t it deletes
+ticket t - 1's answers and ticket t - 2's `open` (a sender one ticket behind still
+finds t - 1 closed). An answer a sender writes after the receiver moved on,
+on a failure path, stays: one key per such failure.
 
 A sender that fails (its set-up or a send raises, or `abort`) publishes its error
 (`SenderReports.fail`) before it re-raises: the error, the count of failures, then
@@ -91,23 +90,42 @@ class Channel:
         return json.loads(self.store.get(key))
 
     def get_if_set(self, key: str):
-        """The key's value, None if it was never set (a get would wait out the Store's timeout)."""
-        return self.get(key) if self.has(key) else None
+        """The key's value, None if it was never set, without waiting; SyncError
+        when it holds a value that does not verify (what a rank decides on it, it
+        would decide on a stranger's word: an optional set-up value)."""
+        is_set, body = self.store.read(key)
+        if is_set and body is None:
+            raise SyncError(f"the sync {self.name!r}: {key} holds a value that does not verify under the sync's "
+                            "secret (forged, or written by a rank given another secret); nothing is planned on it")
+        return None if body is None else json.loads(body)
+
+    def genuine(self, key: str):
+        """The key's value, None if it was never set or holds a value that does not
+        verify (a report or marker a stranger forged is as good as none), without waiting."""
+        body = self.store.read(key)[1]
+        return None if body is None else json.loads(body)
 
     def counter(self, key: str, delta: int = 0) -> int:
         return self.store.add(key, delta)
 
+    def set_counter(self, key: str, value: int) -> None:
+        """Set the counter `key` (untagged, as every counter: `counter` reads it)."""
+        self.store.set_counter(key, value)
+
     def has(self, key: str) -> bool:
+        """Whether the key holds a genuine value, without waiting."""
         return self.store.check([key])
 
     def wait(self, keys: Mapping[str, str], deadline: float, what: str,
-             failure: Callable[[], str | None] | None = None) -> None:
-        """Return once every key of `keys` (key -> who sets it, e.g. "sender rank 1")
-        is set. Past `deadline` (time.monotonic) raises SyncTimeoutError naming `what`
-        and who never answered. failure: called between polls, returns the message of
-        a failure that ends the wait (raised as SyncError) or None; without it the wait
-        is one blocking Store request (no poll: a TCPStore logs every wait that times
-        out), with it the keys are polled, FAILURE_POLL_S apart at most."""
+             failure: Callable[[], str | None] | None = None) -> list[bytes]:
+        """Return the raw values of `keys` (key -> who sets it, e.g. "sender rank 1")
+        once every one holds a genuine value. Past `deadline` (time.monotonic) raises
+        SyncTimeoutError naming `what` and who never answered. failure: called
+        between polls, returns the message of a failure that ends the wait (raised
+        as SyncError) or None; without it the wait is one blocking Store request (no
+        poll: a TCPStore logs every wait that times out) and a read of each key, with
+        it the keys are read, FAILURE_POLL_S apart at most. The client's own timeout
+        is never touched (it may be shared)."""
         names = list(keys)
         if failure is None:
             remaining = deadline - time.monotonic()
@@ -115,13 +133,15 @@ class Channel:
                 if remaining <= 0:
                     raise dist.DistStoreError("deadline passed")
                 # At least 1 ms: a timeout that rounds down to 0 ms means "no timeout" to c10d.
-                self.store.wait(names, datetime.timedelta(seconds=max(remaining, 1e-3)))
+                return self.store.wait_get(names, datetime.timedelta(seconds=max(remaining, 1e-3)))
             except RuntimeError as exc:
                 raise self._timeout(exc, keys, what) from exc
-            return
         # 1 ms, doubling: a wait overshoots the keys' arrival by at most its own length so far.
         pause = 1e-3
-        while not self.store.check(names):
+        while True:
+            found = [self.store.read(k)[1] for k in names]
+            if all(body is not None for body in found):
+                return found
             message = failure()
             if message is not None:
                 raise SyncError(message)
@@ -131,11 +151,8 @@ class Channel:
             pause = min(2 * pause, FAILURE_POLL_S)
 
     def get_all(self, keys: Mapping[str, str], deadline: float, what: str) -> list:
-        """The values of `keys` once every one is set, within the deadline: a wait
-        (the Store answers it when the last is set), then one read of them all. The
-        client's own timeout is never touched (it may be shared)."""
-        self.wait(keys, deadline, what)
-        return [json.loads(v) for v in self.store.multi_get(list(keys))]
+        """The values of `keys` once every one is genuine, within the deadline (wait)."""
+        return [json.loads(v) for v in self.wait(keys, deadline, what)]
 
     def _timeout(self, exc: RuntimeError, keys: Mapping[str, str], what: str) -> Exception:
         """The SyncTimeoutError of a wait that failed with `exc`, or `exc` itself when
@@ -150,6 +167,11 @@ class Channel:
         return SyncTimeoutError(f"timed out waiting for {what}: no word from {silent or 'nobody'} (missing {missing}"
                                 + (f"; {forged} hold values that do not verify under the sync's secret: forged, or "
                                    "written by a rank given another secret" if forged else "") + ")")
+
+
+def ticket_closed(channel: Channel, dst: int, ticket: int) -> bool:
+    """Whether receiver `dst` closed `ticket` (CLOSED over its `open` value)."""
+    return channel.genuine(f"{DST}/{dst}/open/{ticket}") == CLOSED
 
 
 def error_key(rank: int) -> str:
@@ -196,7 +218,7 @@ class SenderReports:
         answer = {"failed": self.rank, "error": message}
         for dst, (served, writers) in unserved.items():
             ticket = self.channel.counter(f"{DST}/{dst}/ticket")
-            if ticket <= served or self.channel.has(f"{DST}/{dst}/closed/{ticket}"):
+            if ticket <= served or ticket_closed(self.channel, dst, ticket):
                 continue
             for src in writers:
                 if not self.channel.has(done_key(dst, ticket, src)):
@@ -226,7 +248,7 @@ class SenderWatch:
         if count == self._seen:
             return None
         for src in senders:
-            error = self.channel.get_if_set(error_key(src))
+            error = self.channel.genuine(error_key(src))
             if error is not None:
                 return f"sender rank {src} failed: {error}"
         self._seen = count
@@ -238,11 +260,8 @@ class SenderWatch:
         over shared memory or CUDA IPC, whose offers are withdrawn once served); the
         highest if they differ (the receive then refuses the mix). None while some
         sender offers nothing new."""
-        keys = [offer_key(src, self.rank) for src in received]
-        if not keys or not self.channel.store.check(keys):
-            return None
-        offers = [json.loads(v) for v in self.channel.store.multi_get(keys)]
-        if any(offer is None or (taken is not None and offer[1] <= taken)
+        offers = [self.channel.genuine(offer_key(src, self.rank)) for src in received]
+        if not offers or any(offer is None or (taken is not None and offer[1] <= taken)
                for offer, taken in zip(offers, received.values())):
             return None
         return max(version for version, _ in offers)

@@ -18,7 +18,7 @@ from .errors import RelayError, StaleReceiveError, SyncError, SyncTimeoutError, 
 from .fp8 import Fp8Destinations, reduce_max
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES, check_replicas, relay_tree
-from .protocol import CLOSED, DST, Channel, SenderWatch, done_key, relay_name
+from .protocol import CLOSED, DST, Channel, SenderWatch, done_key, relay_name, ticket_closed
 from .relay import Forwarding
 from .sender import WeightSender
 from .transports import CUDA_IPC, P2P, SHM, cuda_ipc_handle, rehome_into_shared_memory, shm_handle
@@ -130,7 +130,7 @@ class WeightReceiver(Endpoint):
         # The last ticket this rank took (a restarted rank goes on from its predecessor's,
         # and closes it: a predecessor killed in a receive left it open, or never opened it).
         self._ticket = self.channel.counter(f"{DST}/{self.rank}/ticket")
-        if self._ticket and not self.channel.has(f"{DST}/{self.rank}/closed/{self._ticket}"):
+        if self._ticket and not ticket_closed(self.channel, self.rank, self._ticket):
             self._close_ticket(self._ticket)
         # Sender -> the versions taken from it point to point (pending() compares its offers
         # with it); None for a sender that writes through memory (its offers are withdrawn).
@@ -332,17 +332,20 @@ class WeightReceiver(Endpoint):
         # have stopped reading.
         wait_for_queued_work(self.device, deadline, f"the kernels queued on {self.device} (receiver {self.rank})")
         key = f"{DST}/{self.rank}"
-        # This rank alone takes its tickets, from its counter (one a stranger bumped the
-        # counter past is skipped: no sender waits for it). Whatever happens from here
+        # This rank alone takes its tickets: counted here and published (a set needs no
+        # answer from the Store), before the ticket is opened. Whatever happens from here
         # on, the ticket is closed before receive() returns or raises.
-        ticket = self._ticket = self.channel.counter(f"{key}/ticket", 1)
+        self._ticket += 1
+        ticket = self._ticket
         done = {done_key(self.rank, ticket, src): f"sender rank {src}" for src in self._local_senders}
         try:
+            self.channel.set_counter(f"{key}/ticket", ticket)
             self.torn = True  # from here on senders may be writing into the tensors
             self.channel.set(f"{key}/open/{ticket}", expect)
             # A failure reported since the check above: seen here, or (reported after this
             # read) its sender finds the ticket open and answers it (SenderReports.fail).
             self._raise_if_senders_failed()
+            self._forget_tickets_before(ticket)
             versions = self._receive_p2p(deadline, forwarding)  # senders on other hosts, meanwhile
             answers = self.channel.get_all(done, deadline, f"senders to finish (receiver {self.rank}, ticket {ticket})")
         finally:
@@ -362,16 +365,18 @@ class WeightReceiver(Endpoint):
         return self._complete(versions | set(answers), deadline)
 
     def _close_ticket(self, ticket: int) -> None:
-        """No sender may serve `ticket` from now on: CLOSED over its `open` value (what
-        a waiting sender reads), then its closed marker (what the counter's readers
-        check). Then its answers (read, or never to be) and the keys of the ticket
-        before it go: a sender looks at the current ticket and the one after the
-        ticket it served last, never further back (protocol.py: keys do not pile up)."""
+        """No sender may serve `ticket` from now on: CLOSED over its `open` value."""
+        self.channel.set(f"{DST}/{self.rank}/open/{ticket}", CLOSED)
+
+    def _forget_tickets_before(self, ticket: int) -> None:
+        """Delete what the tickets before `ticket` left in the Store: the previous
+        one's answers (read, or never to come) and the `open` of the one before it.
+        A sender looks at the ticket after the one it served last and at the current
+        one: the previous ticket's CLOSED stays, for a sender one ticket behind
+        (protocol.py: keys do not pile up). Called once `ticket` is open, while the
+        senders copy: the requests add nothing to the receive's time."""
         key = f"{DST}/{self.rank}"
-        self.channel.set(f"{key}/open/{ticket}", CLOSED)
-        self.channel.set(f"{key}/closed/{ticket}", 1)
-        for stale in [*(done_key(self.rank, ticket, src) for src in self._local_senders),
-                      f"{key}/open/{ticket - 1}", f"{key}/closed/{ticket - 1}"]:
+        for stale in [*(done_key(self.rank, ticket - 1, src) for src in self._local_senders), f"{key}/open/{ticket - 2}"]:
             self.channel.store.delete_key(stale)
 
     def _check_storage(self) -> None:
@@ -509,13 +514,12 @@ class WeightReceiver(Endpoint):
             if flat is None:
                 return None  # the others need this rank's marker, not the other way round
             try:
-                self.channel.wait({key: f"receiver rank {r}" for r, key in enumerate(keys)}, deadline,
-                                  f"the FP8 amaxes of sync {sync_id} from every receiver")
+                values = self.channel.wait({key: f"receiver rank {r}" for r, key in enumerate(keys)}, deadline,
+                                           f"the FP8 amaxes of sync {sync_id} from every receiver")
             except SyncTimeoutError:
                 # A rank that never comes leaves the keys behind: shrink this rank's to a marker.
                 store.set(keys[self.rank], b"timed-out")
                 raise
-            values = [store.get(k) for k in keys]
         finally:
             if self.channel.counter(f"{prefix}/done", 1) == len(keys):
                 for key in [*keys, f"{prefix}/done"]:

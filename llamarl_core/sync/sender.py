@@ -20,7 +20,7 @@ from .engine import check_local_tensors, prepared_table, run_segment_table, segm
 from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES
-from .protocol import ABANDONED, CLOSED, DST, Channel, SenderReports, done_key
+from .protocol import ABANDONED, CLOSED, DST, Channel, SenderReports, done_key, ticket_closed
 from .transports import P2P, SHM, OpenedCudaHandles, open_shm_handle
 
 # How long a sender waits for a ticket to open before it reads the receiver's counter
@@ -140,8 +140,10 @@ class WeightSender(Endpoint):
             # it would mix versions: serve from the next ticket on. A receiver this rank
             # alone writes (a relay's child rank) is served at once: all of it is written
             # again, and it may be waiting for exactly the version the predecessor died on.
-            self._served = {dst: self.channel.counter(f"{DST}/{dst}/ticket") for dst in local
-                            if len(self.plan.senders_of(dst)) > 1}
+            # (The one before the current ticket for a receiver it alone writes: its current ticket
+            # is the first looked at; the keys of older ones are gone, see protocol.py.)
+            self._served = {dst: max(self.channel.counter(f"{DST}/{dst}/ticket") -
+                                     (len(self.plan.senders_of(dst)) == 1), 0) for dst in local}
             self.reports.withdraw(local)  # what the predecessor offered will not come
         self._dst_addresses: dict[int, dict[str, int]] = {}
         deadline = time.monotonic() + self.timeout
@@ -211,7 +213,7 @@ class WeightSender(Endpoint):
             if wanted != CLOSED:
                 return candidate, wanted
             current = self.channel.counter(f"{DST}/{dst}/ticket")
-            is_open = current > last and not self.channel.has(f"{DST}/{dst}/closed/{current}")
+            is_open = current > last and not ticket_closed(self.channel, dst, current)
             candidate = current if is_open else max(current, last) + 1
 
     def send(self, version: int, timeout: float | None = None, *, wait: bool = True) -> int | SendHandle:

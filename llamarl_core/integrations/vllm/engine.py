@@ -62,7 +62,8 @@ class DdmaInitInfo(WeightTransferInitInfo):
     name: str = "weights"
     timeout_s: float = 120.0
     transport: str = "auto"
-    secret: str | None = None  # hex; None: this worker's environment (LLAMARL_SECRET / LLAMARL_SECRET_FILE)
+    # Hex; None: this worker's environment (LLAMARL_SECRET / LLAMARL_SECRET_FILE). Not in the repr (logs).
+    secret: str | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass
