@@ -11,10 +11,9 @@ the file MARKER, a message tagged under a secret of its own, a message with no t
 garbage. It takes each slot as a producer would (the tail counter, then the empty
 slot). Into every weight sync it finds (a receiver's ticket counter in the keys) it
 plants forged answers and markers for the receiver's next tickets (a "failed"
-answer, a version of its own, an open ticket asking for another version, a closed
-marker) and forged offers and failure reports: values a rank would act on, were
-they not checked (placed as "sync"). On exit it prints one JSON line: how many it
-placed, per kind.
+answer, an open ticket asking for another version) and forged offers and failure
+reports: values a rank would act on, were they not checked (placed as "sync"). On
+exit it prints one JSON line: how many it placed, per kind.
 """
 
 from __future__ import annotations
@@ -80,8 +79,7 @@ def plant_sync_values(store: dist.Store, keys: list[str]) -> int:
         ticket = store.add(key, 0)
         values = {f"src/0/offer/{dst}": "[999999, 999999]", "src/0/error": '"forged failure"'}
         for t in (ticket + 1, ticket + 2):
-            values |= {f"dst/{dst}/open/{t}": "999999", f"dst/{dst}/done/{t}/0": '{"failed": 0, "error": "forged"}',
-                       f"dst/{dst}/closed/{t + 1}": "1"}
+            values |= {f"dst/{dst}/open/{t}": "999999", f"dst/{dst}/done/{t}/0": '{"failed": 0, "error": "forged"}'}
         for name, value in values.items():
             # A PrefixStore joins its prefix and a key with "/"; the tag is bound to prefix + key.
             store.set(f"{namespace}//{name}", auth.sign(own, f"{namespace}/{name}", value.encode()))

@@ -618,9 +618,11 @@ def _data_parallel_rank(rank: int, world: int, port: int, groups: list[list[int]
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
             optimizer = _FullGradSGD(model.parameters(), lr=0.1)
-            step = learner.train_step(model, optimizer, samples, lr=0.1, micro_batch_size=2, loss=loss, **PLAIN)
+            step = learner.train_step(model, optimizer, samples, lr=0.1, micro_batch_size=2, loss=loss,
+                                      mask_truncated=True, **PLAIN)
             out[loss] = dict(grads=[g.numpy() for g in optimizer.grads], loss=step.loss,
-                             tokens=sum(len(s.tokens) for s in samples), counted=step.counted_tokens)
+                             tokens=sum(len(s.tokens) for s in samples if s.finished), counted=step.counted_tokens,
+                             sequences=sum(s.finished for s in samples))
         dist.barrier()
         return out
     finally:
@@ -644,7 +646,9 @@ def test_data_parallel_ranks_with_unequal_token_counts_step_as_one_rank_with_eve
     mean (gspo), not the mean of the ranks' means; the ranks' mean loss is the
     step's. Whole groups per rank, so advantages are the same; as many samples
     on each (as the pipeline splits them), so as many micro-batches, each an
-    FSDP2 all-gather every rank must join."""
+    FSDP2 all-gather every rank must join. Truncated completions left out
+    (mask_truncated), so the ranks count different tokens and different sequences
+    (18 and 21, 4 and 6): a rank dividing by its own count fails either loss."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the spawned ranks read it: the torch path
     samples = _samples(22)
     groups = [[0, 1], [2, 3]]
@@ -654,9 +658,9 @@ def test_data_parallel_ranks_with_unequal_token_counts_step_as_one_rank_with_eve
     for loss in DATA_PARALLEL_LOSSES:
         model = _tiny_llama()
         optimizer = _RecordingSGD(model.parameters(), lr=0.1)
-        whole = learner.train_step(model, optimizer, samples, lr=0.1, loss=loss, **PLAIN)
-        tokens = [r[loss]["tokens"] for r in ranks]
-        assert tokens[0] != tokens[1] and all(r[loss]["counted"] == sum(tokens) == whole.counted_tokens
+        whole = learner.train_step(model, optimizer, samples, lr=0.1, loss=loss, mask_truncated=True, **PLAIN)
+        tokens, sequences = [r[loss]["tokens"] for r in ranks], [r[loss]["sequences"] for r in ranks]
+        assert tokens[0] != tokens[1] and sequences[0] != sequences[1] and all(r[loss]["counted"] == sum(tokens) == whole.counted_tokens
                                               for r in ranks), tokens
         for r in ranks:
             _assert_grads_close([torch.from_numpy(g) for g in r[loss]["grads"]], optimizer.grads)

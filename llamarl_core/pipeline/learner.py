@@ -398,7 +398,9 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, te
     the whole step's: over the micro-batches and over the data-parallel ranks of
     an FSDP2 model. normalizer: a constant the summed loss of this rank's step is
     divided by instead (Dr.GRPO's; token level: reduction "sequence_mean" is
-    refused with it).
+    refused with it). It is per rank: FSDP then averages the ranks' gradients, so
+    with R ranks pass this rank's samples x max tokens (as the pipeline does), not
+    the whole batch's, which would make the step R times too small.
 
     The samples go through in micro-batches of at most micro_batch_size samples
     (None: all at once), their gradients accumulated so that the step equals one
