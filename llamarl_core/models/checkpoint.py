@@ -13,6 +13,8 @@ path and what is wrong, before any process starts.
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 from pathlib import Path
 
 import torch
@@ -170,13 +172,11 @@ class ModelSource:
         return model
 
 
-def save_model_folder(model, tokenizer, out: str | Path) -> Path:
-    """`model` (a transformers causal LM) and `tokenizer` (a transformers
-    tokenizer) as a model folder: config.json, model.safetensors, the tokenizer's
-    files. Written into a temporary folder beside `out` and renamed, so `out` is
-    either whole or absent. An existing `out` is replaced only if it is a model
-    folder (it holds a config.json and nothing but files): anything else raises
-    ValueError before a byte is written."""
+def _replace_folder(out: str | Path, write) -> Path:
+    """Run `write(tmp)` on a fresh folder beside `out`, then rename it to `out`,
+    so `out` is either whole or absent. An existing `out` is replaced only if it
+    is a model folder (it holds a config.json and nothing but files): anything
+    else raises ValueError before a byte is written."""
     import shutil
     import tempfile
 
@@ -188,9 +188,7 @@ def save_model_folder(model, tokenizer, out: str | Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is not
     try:
-        with _no_progress_bars():
-            model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        write(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -199,6 +197,56 @@ def save_model_folder(model, tokenizer, out: str | Path) -> Path:
             shutil.rmtree(tmp)
     return out
 
+
+def save_model_folder(model, tokenizer, out: str | Path) -> Path:
+    """`model` (a transformers causal LM) and `tokenizer` (a transformers
+    tokenizer) as a model folder: config.json, model.safetensors, the tokenizer's
+    files; whole or absent, an existing `out` replaced only if it is a model
+    folder (ValueError otherwise, before a byte is written)."""
+    def write(tmp: Path) -> None:
+        with _no_progress_bars():
+            model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+    return _replace_folder(out, write)
+
+
+def stream_model_folder(model_config, tensor_groups, tokenizer, out: str | Path, generation_config=None) -> Path:
+    """A model folder written one group of tensors at a time: `tensor_groups`
+    yields {checkpoint name: tensor} dicts, each written to its own safetensors
+    file as it comes (`model.safetensors` when there is one, else
+    `model-0000i-of-0000N.safetensors` and the index transformers and vLLM
+    read), then `model_config` (its dtype the tensors'), `generation_config`
+    (transformers' default for the config when None) and `tokenizer`'s files.
+    Whole or absent, as `save_model_folder`."""
+    import transformers
+    from safetensors.torch import save_file
+
+    def write(tmp: Path) -> None:
+        files, weight_map, total, dtype = [], {}, 0, None
+        for i, group in enumerate(tensor_groups):
+            name = f"part-{i:05d}.safetensors"
+            save_file({k: v.contiguous() for k, v in group.items()}, tmp / name, metadata={"format": "pt"})
+            files.append((name, list(group)))
+            total += sum(v.nbytes for v in group.values())
+            dtype = dtype or next(iter(group.values())).dtype
+        if not files:
+            raise ValueError("no tensors to write")
+        for i, (name, keys) in enumerate(files):
+            final = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            (tmp / name).rename(tmp / final)
+            weight_map.update(dict.fromkeys(keys, final))
+        if len(files) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        config = copy.deepcopy(model_config)
+        config.dtype = dtype
+        config.save_pretrained(tmp)
+        generation = generation_config or transformers.GenerationConfig.from_model_config(config)
+        generation.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return _replace_folder(out, write)
 
 
 def main(argv=None) -> int:

@@ -39,7 +39,7 @@ from .executors import (
     inbox_name,
     sync_name_of,
 )
-from .export import checkpoint_path, export_policy
+from .export import export_policy
 from .generators import evaluates, plugin_generator
 from .learner import MAX_STATS, trainer_plugins
 from .messages import Heartbeat, StoreQueue
@@ -536,7 +536,7 @@ class Controller:
             summary = summarize(cfg.mode, read_lines(self.out / "metrics.jsonl"),
                                 time.monotonic() - self.t0 + self.resumed_wall,
                                 steal_fraction(self.cpu_before, cpu_times()), read_lines(self.out / "eval.jsonl"))
-            export_policy(checkpoint_path(self.out), self.data.model_config, self.data.tokenizer, self.out / "model",
+            export_policy(self.out, self.data.model_config, self.data.tokenizer, self.out / "model",
                           self.data.model)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             return summary

@@ -31,12 +31,13 @@ import torch
 import torch.distributed as dist
 
 from ..auth import AuthenticatedStore, refused_count
+from ..models.sharded import conversion_free, copy_from_full, copy_shards, empty_model, init_random, load_shards
 from ..sync import StaleReceiveError, SyncError, fsdp_sender
 from ..sync.protocol import relay_name
 from ..sync.transports import host_identity
 from .config import TrainConfig
 from .data import RunData
-from .export import checkpoint_path
+from .checkpoints import TrainerCheckpoints
 from .generators import GeneratorContext, LlamaGeneratorBackend, plugin_generator
 from .learner import (
     StepContext,
@@ -434,71 +435,74 @@ def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation
 # ----------------------------------------------------------------------------- trainer
 
 
-def _new_model(data: RunData, seed: int):
-    """The trainer's model before any step: the pretrained checkpoint (--model), or
-    the built-in Llama initialised from `seed`; float32 (the master weights)."""
+def _trainer_model(data: RunData, config: TrainConfig, mesh, dtype: torch.dtype = torch.float32):
+    """The trainer's model, built on the meta device and sharded over `mesh` (FSDP2;
+    None: one rank), its parameters not filled (models/sharded.py), checked first
+    for keeping packed samples apart."""
     import transformers
 
-    if data.model is not None:
-        return data.model.load_model(torch.float32)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(data.model_config)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(data.model_config)
+    check_packed_rows_attend_within_samples(meta)  # before any step trains on packed rows
+    return empty_model(data.model_config, dtype=dtype, device=config.device, mesh=mesh)
 
 
-def _reference_model(data: RunData, state: dict, config: TrainConfig):
-    """A frozen, unsharded copy of the policy from a full state dict: the KL
-    penalty's reference, on every trainer rank, held in the run's compute dtype
-    (it only ever runs forward)."""
-    import transformers
-
-    reference = transformers.AutoModelForCausalLM.from_config(data.model_config, dtype=config.torch_dtype)
-    reference.load_state_dict(state)
-    return reference.to(config.device).eval().requires_grad_(False)
+def _fill_policy(model, data: RunData, seed: int, rank: int) -> None:
+    """The weights RL (or the warm-up) starts from: the pretrained checkpoint
+    (--model), each rank reading its own rows, or the built-in Llama initialised
+    from `seed`. A checkpoint that is not safetensors under the model's own names
+    (GGUF; a family transformers converts on load) is loaded whole by
+    transformers on every rank, then each rank keeps its shards (said once)."""
+    if data.model is None:
+        init_random(model, seed)
+        return
+    if data.model.gguf_file:
+        why = "a GGUF file"
+    elif not conversion_free(model):
+        why = f"of a family transformers converts on load ({model.config.model_type})"
+    else:
+        try:
+            load_shards(model, data.model.folder)
+            return
+        except ValueError as exc:  # raised before any tensor is read
+            why = str(exc)
+    if rank == 0:
+        print(f"llamarl: {data.model}: {why}; every trainer rank loads the whole model once", flush=True)
+    copy_from_full(model, data.model.load_model(torch.float32).state_dict())
 
 
 def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str) -> None:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_state_dict,
-        set_state_dict,
-    )
-
     data = RunData(config)
     world, device = config.trainer_world, config.device
     objective, advantage, step_hook = trainer_plugins(config)
-    if rank == 0 and not Path(out_dir).is_dir():  # the controller made it: a host of its own sees no such folder
-        raise ValueError(f"the run folder {out_dir} is not on trainer rank 0's host ({host_identity()}): under "
-                         "torchrun, give --out a folder on a filesystem both share, or place the controller and "
-                         "trainer rank 0 on one host")
+    if not Path(out_dir).is_dir():  # the controller made it: a host of its own sees no such folder
+        raise ValueError(f"the run folder {out_dir} is not on trainer rank {rank}'s host ({host_identity()}), and "
+                         "every trainer rank writes its checkpoint shards there: under torchrun, give --out a folder "
+                         "on a filesystem the controller's and every trainer rank's hosts share")
     _process_group(store, TRAINER, rank, world, config, link.secret)
-    model = _new_model(data, config.seed).to(device)
-    check_packed_rows_attend_within_samples(model)  # before any step trains on packed rows
+    mesh = None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(device, (world,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+    model = _trainer_model(data, config, mesh)
     # fused: one kernel over all parameters (0.6 vs 1.2 ms a step for the default model).
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=True)
+    checkpoints = TrainerCheckpoints(out_dir, rank, world)
     step, data_position, reference = 0, 0, None
-    checkpoint, reference_path = checkpoint_path(out_dir), checkpoint_path(out_dir).with_name("reference.pt")
-    if checkpoint.exists():
-        # Tensors and plain values only: a run folder never runs pickled code.
-        saved = torch.load(checkpoint, weights_only=True, mmap=True) if rank == 0 or config.kl_coef else {}
-        box = [{k: saved.get(k) for k in ("step", "data_position")}]
-        if world > 1:
-            dist.broadcast_object_list(box, src=0)
-        step, data_position = box[0]["step"], box[0]["data_position"]
-        set_state_dict(model, optimizer, model_state_dict=saved.get("model", {}) if rank == 0 else {},
-                       optim_state_dict=saved.get("optimizer", {}) if rank == 0 else {},
-                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        if config.kl_coef:
-            reference = _reference_model(data, torch.load(reference_path, weights_only=True, mmap=True), config)
-        del saved
+    if checkpoints.latest() is not None:
+        saved = checkpoints.load(model, optimizer)
+        step, data_position = saved["step"], saved["data_position"]
+    else:
+        _fill_policy(model, data, config.seed, rank)
+    if config.kl_coef:
+        reference = _trainer_model(data, config, mesh, dtype=config.torch_dtype)
+        if checkpoints.has_reference():
+            checkpoints.load_reference(reference)
+        elif step > 0:
+            raise ValueError(f"{out_dir} holds a checkpoint at step {step} but no KL reference (checkpoint/reference): "
+                             "the weights RL started from are lost; start the run anew")
+        reference.eval().requires_grad_(False)
 
     def connect(generator: int):
         """This rank's sender to generator incarnation `generator` (its own Store namespace);
@@ -512,13 +516,9 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
             loss = supervised_warmup(model, optimizer, data.task, config.warmup_steps, config.warmup_batch, rank,
                                      world)
         link.span("supervised warm-up", start, time.monotonic(), steps=config.warmup_steps, loss=loss)
-    if config.kl_coef and reference is None:  # the weights RL starts from, saved once beside the checkpoint
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        reference = _reference_model(data, full, config)
-        if rank == 0:
-            reference_path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({k: v.cpu() for k, v in full.items()}, reference_path.with_suffix(".tmp"))
-            os.replace(reference_path.with_suffix(".tmp"), reference_path)
+    if config.kl_coef and not checkpoints.has_reference():  # the weights RL starts from, saved once
+        copy_shards(reference, model)
+        checkpoints.save_reference(reference)
     autocast = config.torch_dtype if config.torch_dtype != torch.float32 else None
     generator = incarnation  # the generator incarnation the sender serves
     sender = connect(generator)
@@ -557,15 +557,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
             link.send("trained", step=payload["step"], seconds=end - start, hook=hook_metrics,
                       **dataclasses.asdict(stats))
         elif kind == "checkpoint":
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            model_state, optim_state = get_state_dict(model, optimizer, options=options)
-            if rank == 0:
-                checkpoint.parent.mkdir(parents=True, exist_ok=True)
-                tmp = checkpoint.with_suffix(".tmp")
-                state = {"model": model_state, "optimizer": optim_state, "step": step,
-                         "data_position": payload["data_position"]}
-                torch.save(state, tmp)
-                os.replace(tmp, checkpoint)  # a crash mid-save leaves the previous checkpoint whole
+            checkpoints.save(model, optimizer, step=step, data_position=payload["data_position"])
             end = time.monotonic()
             link.span("checkpoint", start, end, step=step)
             link.send("checkpointed", step=step)

@@ -253,15 +253,12 @@ def run_one(config: TrainConfig, out: Path, quiet: bool, executors_for=None,
 
 def _resume_hint(out: Path) -> str:
     """What an interrupted run in `out` kept, and how to continue it."""
-    import torch
+    from .checkpoints import checkpoint_dir, checkpoint_info
 
-    from .export import checkpoint_path
-
-    checkpoint = checkpoint_path(out)
-    if not checkpoint.exists():
+    info = checkpoint_info(out)
+    if info is None:
         return f"no checkpoint yet in {out} (the first comes after --checkpoint-every steps): nothing to resume"
-    step = torch.load(checkpoint, weights_only=True, mmap=True)["step"]
-    return f"{checkpoint} holds step {step}: continue with `llamarl train --out {out} --resume`"
+    return f"{checkpoint_dir(out)} holds step {info['step']}: continue with `llamarl train --out {out} --resume`"
 
 
 def _print_summary(s: dict) -> None:

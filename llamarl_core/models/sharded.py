@@ -1,0 +1,269 @@
+"""A trainer's model built on the meta device, sharded, then filled one tensor at
+a time: no rank ever holds the whole model, only its own shards plus one
+tensor (one module's, for a random initialisation) at a time.
+
+`empty_model` builds the transformers model on the meta device, shards it with
+FSDP2 over `mesh` (every decoder layer, then the root; no mesh: one rank, plain
+tensors) and allocates each rank's shards on `device`; its buffers (rotary
+frequencies) are computed by the model's own `_init_weights`. Its parameters
+are then filled by one of:
+- `init_random`: the model's own `_init_weights`, module by module on a
+  full-size CPU copy seeded from (seed, module name): the same weights at any
+  world size and on any device;
+- `load_shards`: a safetensors checkpoint whose names are the model's own (no
+  conversion in transformers' table for the family), each rank reading only its
+  rows of each tensor (memory-mapped);
+- `copy_from_full`: whole tensors by name (a checkpoint transformers had to
+  load and convert: each rank held the whole model once);
+- `copy_shards`: another model of the same class and sharding (a reference
+  model from the policy), shard by shard, cast to this model's dtype.
+Every parameter and buffer is checked filled: one that no filler reached raises
+naming it, never left as `to_empty`'s garbage."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["empty_model", "tied_parameters", "init_random", "load_shards", "copy_from_full", "copy_shards", "checkpoint_names", "conversion_free",
+           "local_part", "local_slices"]
+
+
+def conversion_free(model) -> bool:
+    """Whether `model`'s state-dict names and shapes are its checkpoints' own:
+    transformers' conversion table lists nothing for its class or family (a MoE
+    family whose experts are fused on load does)."""
+    from transformers.conversion_mapping import extract_weight_conversions_for_model
+
+    return not extract_weight_conversions_for_model(model)
+
+
+def empty_model(model_config, *, dtype: torch.dtype, device, mesh=None):
+    """The causal LM of `model_config` in `dtype`, sharded over `mesh` (FSDP2:
+    each decoder layer, then the root) or whole when `mesh` is None, its tensors
+    allocated on `device` but its parameters not yet filled (see the module's
+    docstring); its buffers computed. A model without `model.layers` cannot be
+    sharded layer by layer: ValueError naming its class."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError(f"{type(model).__name__} has no model.layers to shard one by one (FSDP2)")
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    ties = tied_parameters(model)
+    model.to_empty(device=device)
+    for names in ties:  # to_empty off the meta device makes one new parameter per module, untying them
+        module, attr = _owner(model, names[0])
+        first = getattr(module, attr)
+        for name in names[1:]:
+            setattr(*_owner(model, name), first)
+    _init_buffers(model)
+    return model
+
+
+def tied_parameters(model) -> list[list[str]]:
+    """The names of each parameter of `model` that several modules share (a tied
+    lm_head and embedding), the first name (named_parameters') first."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _owner(model, name: str) -> tuple[torch.nn.Module, str]:
+    module, _, attr = name.rpartition(".")
+    return model.get_submodule(module), attr
+
+
+def local_slices(tensor: torch.Tensor) -> tuple[slice, ...]:
+    """The part of the global tensor that this rank holds of `tensor` (a DTensor
+    sharded or replicated over its mesh, or a plain tensor: all of it), as one
+    slice a dimension."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(0, n) for n in tensor.shape)
+    for placement in tensor.placements:
+        if type(placement) not in (Shard, Replicate):
+            raise ValueError(f"a DTensor placed {placement}: only Shard and Replicate are described")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's own storage of `tensor` (its local shard for a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _module_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def _owners(model) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every module of `model` that holds parameters or buffers
+    of its own."""
+    return [(name, module) for name, module in model.named_modules()
+            if next(module.parameters(recurse=False), None) is not None
+            or next(module.buffers(recurse=False), None) is not None]
+
+
+def _template(model):
+    """`model`'s class and config, unsharded, in float32, on the meta device (no
+    memory): the full shapes its initialisation runs on."""
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+
+
+def _initialised_copy(model, template, name: str, seed: int) -> torch.nn.Module:
+    """A full-size float32 CPU copy of module `name` of `template`, every floating
+    tensor first set to NaN, then initialised by `model`'s own `_init_weights`
+    under a generator seeded from (seed, name)."""
+    module = copy.deepcopy(template.get_submodule(name))
+    module.to_empty(device="cpu", recurse=False)
+    for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        if t.is_floating_point():
+            t.data.fill_(float("nan"))
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(_module_seed(seed, name))
+        model._init_weights(module)
+    return module
+
+
+def _own_tensors(module: torch.nn.Module, kind: str):
+    return module.named_parameters(recurse=False) if kind == "parameter" else module.named_buffers(recurse=False)
+
+
+def _fill_from_init(model, seed: int, kind: str) -> None:
+    """Every `kind` ("parameter" or "buffer") of `model` from `_initialised_copy`;
+    a tied parameter filled once, by the first module that holds it."""
+    done: set[int] = set()
+    live, template = dict(_owners(model)), _template(model)
+    for name, _ in _owners(template):
+        module = live[name]
+        tensors = [(n, t) for n, t in _own_tensors(module, kind) if id(t) not in done]
+        if not tensors:
+            continue
+        full = dict(_own_tensors(_initialised_copy(model, template, name, seed), kind))
+        for n, t in tensors:
+            value = full[n]
+            if value.is_floating_point() and torch.isnan(value).any():
+                raise ValueError(f"{type(model).__name__}._init_weights leaves {kind} {name}.{n} unset: "
+                                 "this model cannot be built on the meta device")
+            with torch.no_grad():
+                local_part(t).copy_(value[local_slices(t)])
+            done.add(id(t))
+
+
+def _init_buffers(model) -> None:
+    _fill_from_init(model, 0, "buffer")  # buffers are computed, not drawn: the seed plays no part
+
+
+def init_random(model, seed: int) -> None:
+    """Fill `model` (from `empty_model`) with the model's own initialisation,
+    module by module, each seeded from (seed, its name): the same weights at any
+    world size and on any device."""
+    _fill_from_init(model, seed, "parameter")
+
+
+def checkpoint_names(folder: str | Path) -> dict[str, Path]:
+    """The tensor names of the safetensors checkpoint in `folder` (an index file,
+    or model.safetensors) and the file that holds each."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(f"{folder} holds no safetensors checkpoint (model.safetensors or its index)")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def load_shards(model, folder: str | Path) -> None:
+    """Fill `model` (from `empty_model`) from the safetensors checkpoint in
+    `folder`, each rank reading its own rows of each tensor only. ValueError,
+    before a tensor is read, naming the parameters the checkpoint lacks or holds
+    in another shape (a tied parameter may be absent under its second name)."""
+    from safetensors import safe_open
+
+    files = checkpoint_names(folder)
+    params = dict(model.named_parameters())  # a tied parameter once, under its first name
+    wanted = {}
+    for name, t in params.items():
+        if name not in files:
+            wanted[name] = None
+            continue
+        with safe_open(files[name], framework="pt") as f:
+            shape = tuple(f.get_slice(name).get_shape())
+        wanted[name] = shape
+    missing = [n for n, s in wanted.items() if s is None]
+    wrong = [f"{n} {list(s)} (the model's {list(params[n].shape)})" for n, s in wanted.items()
+             if s is not None and s != tuple(params[n].shape)]
+    if missing or wrong:
+        def few(names: list[str]) -> str:
+            return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+        problems = ([f"missing {few(missing)}"] if missing else []) + ([f"shaped otherwise: {few(wrong)}"] if wrong else [])
+        raise ValueError(f"the checkpoint in {folder} does not hold {type(model).__name__}'s parameters by their "
+                         f"names: {'; '.join(problems)}")
+    by_file: dict[Path, list[str]] = {}
+    for name in params:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f, torch.no_grad():
+            for name in names:
+                t = params[name]
+                local_part(t).copy_(f.get_slice(name)[local_slices(t)])
+
+
+def copy_from_full(model, state: dict[str, torch.Tensor]) -> None:
+    """Fill `model` (from `empty_model`) from `state`, whole tensors by the
+    model's parameter names (a transformers model's state_dict), each rank
+    copying its own part. ValueError naming the parameters `state` lacks or
+    holds in another shape, before a tensor is copied."""
+    params = dict(model.named_parameters())
+    bad = [n for n, t in params.items() if n not in state or tuple(state[n].shape) != tuple(t.shape)]
+    if bad:
+        raise ValueError(f"the state does not hold {type(model).__name__}'s parameters {bad[:4]} in their shapes")
+    with torch.no_grad():
+        for name, t in params.items():
+            local_part(t).copy_(state[name][local_slices(t)])
+
+
+def copy_shards(model, source) -> None:
+    """Fill `model` (from `empty_model`) from `source`, a model of the same class
+    and sharding: each rank copies its own shards, cast to `model`'s dtype.
+    ValueError naming the first parameter whose name, shape or placement differs."""
+    from torch.distributed.tensor import DTensor
+
+    mine, theirs = dict(model.named_parameters()), dict(source.named_parameters())
+    if mine.keys() != theirs.keys():
+        raise ValueError(f"copy_shards: the models' parameters differ: {sorted(mine.keys() ^ theirs.keys())[:4]}")
+    for name, t in mine.items():
+        s = theirs[name]
+        if t.shape != s.shape or isinstance(t, DTensor) != isinstance(s, DTensor) or (
+                isinstance(t, DTensor) and t.placements != s.placements):
+            raise ValueError(f"copy_shards: {name} is {list(s.shape)} in the source, {list(t.shape)} here, or "
+                             "placed otherwise")
+        with torch.no_grad():
+            local_part(t).copy_(local_part(s))
