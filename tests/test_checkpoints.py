@@ -151,16 +151,32 @@ def test_a_safetensors_checkpoint_loads_shard_by_shard_equal_to_transformers(tmp
 
 
 def test_a_checkpoint_that_does_not_hold_the_models_parameters_is_refused_before_a_tensor_is_read(tmp_path):
+    """Other shapes, other names (NotByName: the trainer then asks transformers'
+    loader), an FP8 weight or quantization scales (never cast as if they were
+    weights): refused naming the tensor, the model untouched."""
+    from safetensors.torch import save_file
+
+    from llamarl_core.models.sharded import NotByName
+
     folder, _ = _checkpoint(tmp_path, _config(hidden_size=64), "wider")
     model = empty_model(_config(), dtype=torch.float32, device="cpu")
     init_random(model, 1)
     before = _full(model)
-    with pytest.raises(ValueError, match=r"names: shaped otherwise: model.embed_tokens.weight \[96, 64\] "
-                                         r"\(the model's \[96, 32\]\), .* and \d+ more$"):
+    with pytest.raises(ValueError, match=r"shaped or typed otherwise: model.embed_tokens.weight \[96, 64\] "
+                                         r"\(the model's \[96, 32\]\), .* and \d+ more \(nothing was read\)$"):
         load_shards(model, folder)
     smaller, _ = _checkpoint(tmp_path, _config(num_hidden_layers=1), "shallower")
-    with pytest.raises(ValueError, match=r"names: missing model.layers.1.self_attn.q_proj.weight, .* and 5 more$"):
+    with pytest.raises(NotByName, match=r"names: missing model.layers.1.self_attn.q_proj.weight, .* and 5 more$"):
         load_shards(model, smaller)
+    same, _ = _checkpoint(tmp_path, _config(), "fp8")
+    state = load_file(same / "model.safetensors")
+    up = "model.layers.0.mlp.up_proj.weight"
+    save_file({**state, up: state[up].to(torch.float8_e4m3fn)}, same / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"typed otherwise: {up} in F8_E4M3 \(nothing was read\)$"):
+        load_shards(model, same)
+    save_file({**state, up + "_scale_inv": torch.ones(1, 1)}, same / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"quantization tensors {up}_scale_inv \(nothing was read\)$"):
+        load_shards(model, same)
     assert all(torch.equal(t, before[k]) for k, t in _full(model).items())  # nothing half-written
     with pytest.raises(ValueError, match="holds no safetensors checkpoint"):
         load_shards(model, tmp_path)
@@ -300,7 +316,7 @@ def test_a_save_that_never_committed_leaves_the_last_checkpoint_whole(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == [folder.name, "trainer.json"]
     assert [p.name for p in folder.iterdir()] == ["shard-00001-model-00001-of-00001.safetensors"]
     other = empty_model(_config(num_hidden_layers=3), dtype=torch.float32, device="cpu")
-    with pytest.raises(KeyError, match="lacks .*model.layers.2"):
+    with pytest.raises(ValueError, match=r"does not hold model/model.layers.2.\S+ \(absent\)"):
         TrainerCheckpoints(tmp_path, 0, 1).load(other, _optimizer(other))
     old = tmp_path / "old"
     (old / "checkpoint").mkdir(parents=True)
@@ -372,3 +388,101 @@ def test_a_family_transformers_converts_is_exported_by_transformers(tmp_path):
     out = export_policy(tmp_path / "run", config, reverse_task().tokenizer(), tmp_path / "moe")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     _assert_same(_full(loaded), _full(model))
+
+
+def _fill_policy_job(rank, world, mesh, config, folder):
+    from types import SimpleNamespace
+
+    from llamarl_core.models.checkpoint import ModelSource
+    from llamarl_core.pipeline.executors import _fill_policy
+
+    model = empty_model(config, dtype=torch.float32, device="cpu", mesh=mesh)
+    _fill_policy(model, SimpleNamespace(model=ModelSource(folder)), 0, rank)
+    return _full(model)
+
+
+def test_a_checkpoint_transformers_converts_is_loaded_by_rank_0_and_broadcast(tmp_path, capfd):
+    """Qwen3-MoE (experts stored one by one, fused by transformers on load): the
+    trainer's ranks get transformers' model, rank 0 alone having loaded it, and say so."""
+    config = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                         moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                         num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(9)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
+    assert any(".experts.0." in k for k in load_file(tmp_path / "moe" / "model.safetensors"))  # stored one by one
+    want = _full(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32))
+    for world in (1, 2):
+        for r in _ranks(world, _fill_policy_job, config=transformers.AutoConfig.from_pretrained(tmp_path / "moe"),
+                        folder=tmp_path / "moe"):
+            _assert_same(r, want)
+    assert "trainer rank 0 loads it whole with transformers and broadcasts it" in capfd.readouterr().out
+
+
+def _unshared_job(rank, world, mesh, config, run_dir):
+    """Rank 1 sees another folder: first at construction (refused on every rank),
+    then (its folder redirected after a first good save) at a save's commit."""
+    errors = []
+    try:
+        TrainerCheckpoints(run_dir / ("elsewhere" if rank else ""), rank, world)
+    except ValueError as exc:
+        errors.append(str(exc))
+    model = empty_model(config, dtype=torch.float32, device="cpu", mesh=mesh)
+    init_random(model, 3)
+    optimizer = _optimizer(model)
+    saved = TrainerCheckpoints(run_dir, rank, world)
+    saved.save(model, optimizer, step=1, data_position=2)
+    if rank == 1:
+        saved.dir = run_dir / "elsewhere" / "checkpoint"
+    _step(model, optimizer, 0)
+    try:
+        saved.save(model, optimizer, step=2, data_position=4)
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_ranks_that_do_not_share_the_run_folder_are_refused_and_the_last_checkpoint_stays(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    for rank, errors in enumerate(_ranks(2, _unshared_job, config=_config(), run_dir=tmp_path)):
+        assert len(errors) == 2, errors
+        if rank == 1:
+            assert re.match(r"the run folder: trainer rank 1 does not see in .* what rank 0 wrote there", errors[0])
+        else:
+            assert errors[0] == "the run folder: another trainer rank failed (its error names why)"
+        assert re.match(r"checkpoint 000002-step-00000002 not committed: ", errors[1]), errors[1]
+        if rank == 0:
+            assert re.search(r"\.partial does not hold .*: every trainer rank must write into one folder that rank 0 "
+                             r"sees", errors[1]), errors[1]
+    info = checkpoint_info(tmp_path)
+    assert info["step"] == 1 and (tmp_path / "checkpoint" / info["folder"]).is_dir()
+    assert not (tmp_path / "checkpoint" / "000002-step-00000002").exists()
+
+
+def test_a_checkpoint_missing_a_ranks_file_is_refused_naming_what_it_lacks(tmp_path):
+    _ranks(2, _train_and_save_job, config=_config(), run_dir=tmp_path)
+    folder = tmp_path / "checkpoint" / checkpoint_info(tmp_path)["folder"]
+    (folder / "shard-00002-model-00001-of-00001.safetensors").unlink()
+    model = empty_model(_config(), dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"does not hold model/\S+ \(pieces cover \d+ of \d+ elements\).* a rank's "
+                                         r"file is missing"):
+        TrainerCheckpoints(tmp_path, 0, 1).load(model, _optimizer(model))
+
+
+def test_a_ranks_state_is_written_in_files_of_bounded_size(tmp_path, monkeypatch):
+    """DCP's safetensors writer builds each file in memory: a rank's state goes into
+    files of about _FILE_BYTES (4 KiB here), and reads back whole."""
+    monkeypatch.setattr(checkpoints, "_FILE_BYTES", 4096)
+    model = empty_model(_config(), dtype=torch.float32, device="cpu")
+    init_random(model, 12)
+    optimizer = _optimizer(model)
+    _step(model, optimizer, 0)
+    TrainerCheckpoints(tmp_path, 0, 1).save(model, optimizer, step=1, data_position=0)
+    folder = tmp_path / "checkpoint" / checkpoint_info(tmp_path)["folder"]
+    sizes = [p.stat().st_size for p in folder.glob("*.safetensors")]
+    largest = max(t.nbytes for t in model.state_dict().values())
+    assert len(sizes) > 10 and max(sizes) < 4096 + largest + 4096, sizes  # a file closes once past the bound
+    again = empty_model(_config(), dtype=torch.float32, device="cpu")
+    other = _optimizer(again)
+    TrainerCheckpoints(tmp_path, 0, 1).load(again, other)
+    _assert_same(_full(again), _full(model))
+    _assert_same(_optimizer_full(again, other), _optimizer_full(model, optimizer))

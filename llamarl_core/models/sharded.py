@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["empty_model", "tied_parameters", "init_random", "load_shards", "copy_from_full", "copy_shards", "checkpoint_names", "conversion_free",
+__all__ = ["empty_model", "tied_parameters", "init_random", "load_shards", "NotByName", "copy_from_full", "copy_shards", "checkpoint_names", "conversion_free",
            "local_part", "local_slices"]
 
 
@@ -131,15 +131,20 @@ def _template(model):
         return transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
 
 
-def _initialised_copy(model, template, name: str, seed: int) -> torch.nn.Module:
-    """A full-size float32 CPU copy of module `name` of `template`, every floating
-    tensor first set to NaN, then initialised by `model`'s own `_init_weights`
-    under a generator seeded from (seed, name)."""
+def _initialised_copy(model, template, name: str, seed: int, kind: str) -> torch.nn.Module:
+    """A copy of module `name` of `template` whose `kind` tensors ("parameter" or
+    "buffer") are full-size CPU tensors (the others stay on the meta device, where
+    initialising them costs nothing: a Gemma embedding's buffer pass allocates no
+    table), the floating ones first set to NaN, then initialised by `model`'s own
+    `_init_weights` under a generator seeded from (seed, name)."""
     module = copy.deepcopy(template.get_submodule(name))
-    module.to_empty(device="cpu", recurse=False)
-    for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
-        if t.is_floating_point():
-            t.data.fill_(float("nan"))
+    table = module._parameters if kind == "parameter" else module._buffers
+    for key, t in table.items():
+        if t is not None:
+            real = torch.empty_like(t, device="cpu")
+            if real.is_floating_point():
+                real.fill_(float("nan"))
+            table[key] = torch.nn.Parameter(real, t.requires_grad) if kind == "parameter" else real
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(_module_seed(seed, name))
         model._init_weights(module)
@@ -160,7 +165,7 @@ def _fill_from_init(model, seed: int, kind: str) -> None:
         tensors = [(n, t) for n, t in _own_tensors(module, kind) if id(t) not in done]
         if not tensors:
             continue
-        full = dict(_own_tensors(_initialised_copy(model, template, name, seed), kind))
+        full = dict(_own_tensors(_initialised_copy(model, template, name, seed, kind), kind))
         for n, t in tensors:
             value = full[n]
             if value.is_floating_point() and torch.isnan(value).any():
@@ -199,33 +204,50 @@ def checkpoint_names(folder: str | Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
+class NotByName(ValueError):
+    """A checkpoint that does not hold a model's parameters under the model's own
+    names (transformers' loader may still map them)."""
+
+
+_FLOATS = {"F16", "BF16", "F32"}
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
 def load_shards(model, folder: str | Path) -> None:
     """Fill `model` (from `empty_model`) from the safetensors checkpoint in
-    `folder`, each rank reading its own rows of each tensor only. ValueError,
-    before a tensor is read, naming the parameters the checkpoint lacks or holds
-    in another shape (a tied parameter may be absent under its second name)."""
+    `folder`, each rank reading its own rows of each tensor only. Before a tensor
+    is read: NotByName naming the parameters the checkpoint lacks (a tied
+    parameter may be absent under its second name); ValueError naming those it
+    holds in another shape, in a dtype other than float16 / bfloat16 / float32
+    (an FP8 or integer-quantized checkpoint), or beside quantization scales."""
     from safetensors import safe_open
 
     files = checkpoint_names(folder)
     params = dict(model.named_parameters())  # a tied parameter once, under its first name
-    wanted = {}
+    missing = [n for n in params if n not in files]
+    if missing:
+        raise NotByName(f"the checkpoint in {folder} does not hold {type(model).__name__}'s parameters by their "
+                        f"names: missing {_few(missing)}")
+    tied = {name for names in tied_parameters(model) for name in names[1:]}
+    quantized = [n for n in files if n not in params and n not in tied
+                 and any(k in n.rsplit(".", 1)[-1] for k in ("scale", "qweight", "qzeros"))]
+    wrong = []
     for name, t in params.items():
-        if name not in files:
-            wanted[name] = None
-            continue
         with safe_open(files[name], framework="pt") as f:
-            shape = tuple(f.get_slice(name).get_shape())
-        wanted[name] = shape
-    missing = [n for n, s in wanted.items() if s is None]
-    wrong = [f"{n} {list(s)} (the model's {list(params[n].shape)})" for n, s in wanted.items()
-             if s is not None and s != tuple(params[n].shape)]
-    if missing or wrong:
-        def few(names: list[str]) -> str:
-            return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
-        problems = ([f"missing {few(missing)}"] if missing else []) + ([f"shaped otherwise: {few(wrong)}"] if wrong else [])
-        raise ValueError(f"the checkpoint in {folder} does not hold {type(model).__name__}'s parameters by their "
-                         f"names: {'; '.join(problems)}")
+            piece = f.get_slice(name)
+            shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+        if shape != tuple(t.shape):
+            wrong.append(f"{name} {list(shape)} (the model's {list(t.shape)})")
+        elif dtype not in _FLOATS:
+            wrong.append(f"{name} in {dtype}")
+    if wrong or quantized:
+        problems = ([f"shaped or typed otherwise: {_few(wrong)}"] if wrong else []) + (
+            [f"quantization tensors {_few(quantized)}"] if quantized else [])
+        raise ValueError(f"the checkpoint in {folder} does not hold {type(model).__name__}'s parameters as float "
+                         f"tensors of its shapes: {'; '.join(problems)} (nothing was read)")
     by_file: dict[Path, list[str]] = {}
     for name in params:
         by_file.setdefault(files[name], []).append(name)

@@ -7,22 +7,27 @@ Layout of a run folder's `checkpoint/`:
 - `trainer.json`: the commit record, replaced atomically once every rank's
   shards are on disk: {"format", "step", "data_position", "world", "folder",
   "serial"}. A crash before it is replaced leaves the previous checkpoint whole.
-- `<serial>-step-<step>/`: the committed DCP folder, one
-  `shard-<rank>-model-00001-of-00001.safetensors` a rank, holding `model/<fqn>`
-  (the float32 master weights) and `optimizer/<fqn>/<stat>` (AdamW's moments
-  and step). The optimizer's hyper-parameters are the run's config, not saved.
+- `<serial>-step-<step>/`: the committed DCP folder, each rank's shards in
+  `shard-<rank>-model-<i>-of-<n>.safetensors` files of about 1 GiB (DCP's
+  writer builds a file in memory), holding `model/<fqn>` (the float32 master
+  weights; a tied parameter once) and `optimizer/<fqn>/<stat>` (AdamW's
+  moments and step). The optimizer's hyper-parameters are the run's config, not
+  saved. Rank 0 renames it from `.partial` only after checking that it holds
+  every key whole (every rank's pieces where rank 0 sees them).
 - `reference/`: the KL reference's weights (`model/<fqn>`, the run's compute
   dtype), written once when RL starts.
 Nothing in it is a pickle: DCP's safetensors reader builds its metadata from
 the files' JSON headers, and the commit record is JSON.
 
 The folder must be one filesystem every trainer rank sees (every rank writes
-its shards there)."""
+its shards there): checked when the trainer starts (rank 0 writes a random
+token, every rank must read it) and again at each commit."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import warnings
@@ -41,6 +46,7 @@ from ..models.sharded import tied_parameters
 
 FORMAT = "llamarl-dcp-safetensors/1"
 _GROUP_BYTES = 1 << 30  # export reads and writes the policy this many bytes at a time
+_FILE_BYTES = 1 << 30  # a rank's checkpoint file holds about this many bytes
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -105,77 +111,186 @@ def _quiet_single_process():
         yield
 
 
-def _barrier(world: int) -> None:
+def _agree(world: int, failure: str | None, what: str) -> None:
+    """Raise on every rank when `failure` (this rank's reason, None when it did its
+    part) is set on any rank: a MIN all-reduce of a CPU flag (gloo, also under
+    "cpu:gloo,cuda:nccl"), so no rank waits for a rank that gave up."""
+    ok = failure is None
     if world > 1:
         import torch.distributed as dist
 
-        dist.barrier()
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ok = bool(flag.item())
+    if not ok:
+        raise RuntimeError(f"{what}: {failure or 'another trainer rank failed (its error names why)'}")
+
+
+def _attempt(action) -> str | None:
+    """Run `action()`; the error it raised, as text, or None."""
+    try:
+        action()
+    except Exception as exc:  # reported to every rank by _agree, then raised there
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_index(flat: dict, world: int) -> dict[str, int]:
+    """Key -> file number (from 1): keys in order, a file about _FILE_BYTES a rank,
+    so that DCP's writer, which builds each file in memory, never holds a rank's
+    whole state twice."""
+    index, number, size = {}, 1, 0
+    for key, t in flat.items():
+        nbytes = t.numel() * t.element_size() / world
+        if size and size + nbytes > _FILE_BYTES:
+            number, size = number + 1, 0
+        index[key] = number
+        size += nbytes
+    return index
+
+
+def _uncovered(folder: Path, expected: dict[str, torch.Size]) -> list[str]:
+    """The keys of `expected` (key -> global shape) that the DCP folder `folder`
+    lacks, holds in another shape, or holds only in part (the saved pieces cover
+    fewer elements than the tensor: a rank's file missing)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    saved = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+    bad = []
+    for key, shape in expected.items():
+        meta = saved.get(key)
+        covered = sum(math.prod(c.sizes) for c in meta.chunks) if meta is not None else 0
+        if meta is None:
+            bad.append(f"{key} (absent)")
+        elif covered != math.prod(shape):  # the reader's size is the pieces' extent: a missing piece shrinks it
+            bad.append(f"{key} (pieces cover {covered} of {math.prod(shape)} elements)")
+        elif tuple(meta.size) != tuple(shape):
+            bad.append(f"{key} (shaped {list(meta.size)}, here {list(shape)})")
+    return bad
+
+
+def _few(keys: list[str]) -> str:
+    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
 def _write(folder: Path, flat: dict, rank: int, world: int) -> None:
-    """Every rank's shards of `flat` into `folder`, written as `folder`.partial
-    and renamed by rank 0 once DCP's coordinator has seen every rank's writes
-    finish (DCP's save returns on no rank before that)."""
+    """Every rank's shards of `flat` into `folder`: written into `folder`.partial,
+    checked by rank 0 to hold every key whole (every rank's file where rank 0
+    sees it: a folder that is not shared fails here, naming the keys), then
+    renamed. DCP's save returns on no rank before its coordinator has seen every
+    rank's writes finish. Any rank's failure raises on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     partial = folder.with_name(folder.name + ".partial")
-    if rank == 0:  # a crashed earlier attempt's files (another world size's shards among them) never mix in
+
+    def prepare():  # a crashed earlier attempt's files (another world size's shards among them) never mix in
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    _barrier(world)
+
+    _agree(world, _attempt(prepare) if rank == 0 else None, f"checkpoint {folder.name}: preparing {partial}")
+    writer = HuggingFaceStorageWriter(str(partial), fqn_to_index_mapping=_file_index(flat, world),
+                                      save_distributed=True)
     with _quiet_single_process():
-        dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True),
-                 no_dist=world == 1)
-    if rank == 0:
+        dcp.save(flat, storage_writer=writer, no_dist=world == 1)
+
+    def commit():
+        bad = _uncovered(partial, {k: t.shape for k, t in flat.items()})
+        if bad:
+            raise ValueError(f"{partial} does not hold {_few(bad)}: every trainer rank must write into one folder "
+                             "that rank 0 sees (a filesystem all trainer hosts share)")
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
+        _fsync_dir(folder.parent)
+
+    _agree(world, _attempt(commit) if rank == 0 else None, f"checkpoint {folder.name} not committed")
 
 
 def _read(folder: Path, flat: dict, world: int) -> None:
-    """Fill the tensors of `flat` in place from the DCP folder `folder`; KeyError
-    names a key the folder lacks."""
+    """Fill the tensors of `flat` in place from the DCP folder `folder`.
+    ValueError, before any read, naming the keys the folder lacks or holds only
+    in part."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    reader = HuggingFaceStorageReader(str(folder))
-    saved = reader.read_metadata().state_dict_metadata
-    missing = [k for k in flat if k not in saved]
-    if missing:
-        raise KeyError(f"{folder} lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}: not this model's "
-                       "checkpoint")
+    bad = _uncovered(folder, {k: t.shape for k, t in flat.items()})
+    if bad:
+        raise ValueError(f"{folder} does not hold {_few(bad)}: not this model's checkpoint, or a rank's file is "
+                         "missing")
     with _quiet_single_process():
         dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=world == 1)
 
 
 class TrainerCheckpoints:
     """One trainer rank's view of a run's checkpoints. Every method is collective
-    over the trainer's ranks (called by all of them, in the same order)."""
+    over the trainer's ranks (called by all of them, in the same order),
+    construction included: it checks that every rank sees the folder rank 0
+    writes (ValueError on every rank otherwise)."""
 
     def __init__(self, run_dir: str | Path, rank: int, world: int):
         self.dir, self.rank, self.world = checkpoint_dir(run_dir), rank, world
+        self._check_shared()
         info = checkpoint_info(run_dir)
         self.serial = info["serial"] if info else 0
+
+    def _check_shared(self) -> None:
+        """Rank 0 writes a random token into the folder; every other rank must read
+        it there (a folder of the same path on a host of its own fails)."""
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        token = torch.zeros(16, dtype=torch.uint8)
+        mark = self.dir / ".shared"
+        if self.rank == 0:
+            token = torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            mark.write_bytes(bytes(token.tolist()))
+        dist.broadcast(token, src=0)
+        seen = mark.read_bytes() if self.rank and mark.is_file() else None
+        failure = None
+        if self.rank and seen != bytes(token.tolist()):
+            failure = (f"trainer rank {self.rank} does not see in {self.dir} what rank 0 wrote there: the run folder "
+                       "must be one filesystem every trainer host shares")
+        try:
+            _agree(self.world, failure, "the run folder")
+        except RuntimeError as exc:
+            raise ValueError(str(exc)) from None
+        finally:
+            if self.rank == 0:
+                mark.unlink(missing_ok=True)
 
     def latest(self) -> dict | None:
         """The last committed checkpoint's record (see the module's docstring)."""
         return checkpoint_info(self.dir.parent)
 
     def save(self, model, optimizer, *, step: int, data_position: int) -> None:
-        """The model's and optimizer's state after `step` steps, committed once
-        every rank's shards are written; older checkpoints deleted after."""
+        """The model's and optimizer's state after `step` steps, committed (the
+        record replaced) once every rank's shards are written and checked; the
+        previous checkpoint deleted only after. Raises on every rank when any fails."""
         flat = _flat_state(model, optimizer)[0]
         self.serial += 1
         folder = self.dir / f"{self.serial:06d}-step-{step:08d}"
         _write(folder, flat, self.rank, self.world)
-        if self.rank == 0:
+
+        def record():
             _fsync_json(self.dir / "trainer.json", {"format": FORMAT, "step": step, "data_position": data_position,
                                                     "world": self.world, "folder": folder.name,
                                                     "serial": self.serial})
+            _fsync_dir(self.dir)
             for old in self.dir.glob("*-step-*"):
                 if old != folder:
                     shutil.rmtree(old, ignore_errors=True)
-        _barrier(self.world)  # the record is on disk before any rank goes on
+
+        _agree(self.world, _attempt(record) if self.rank == 0 else None, f"checkpoint {folder.name} not recorded")
 
     def load(self, model, optimizer) -> dict:
         """Read the last checkpoint into `model` and `optimizer` (any world
@@ -196,7 +311,6 @@ class TrainerCheckpoints:
     def save_reference(self, model) -> None:
         """The KL reference's weights, once (the folder's presence commits it)."""
         _write(self.dir / "reference", _flat_state(model)[0], self.rank, self.world)
-        _barrier(self.world)
 
     def load_reference(self, model) -> None:
         flat, model_state, _ = _flat_state(model)

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from ..auth import AuthenticatedStore, refused_count
-from ..models.sharded import conversion_free, copy_from_full, copy_shards, empty_model, init_random, load_shards
+from ..models.sharded import NotByName, conversion_free, copy_shards, empty_model, init_random, load_shards
 from ..sync import StaleReceiveError, SyncError, fsdp_sender
 from ..sync.protocol import relay_name
 from ..sync.transports import host_identity
@@ -450,25 +451,31 @@ def _trainer_model(data: RunData, config: TrainConfig, mesh, dtype: torch.dtype 
 def _fill_policy(model, data: RunData, seed: int, rank: int) -> None:
     """The weights RL (or the warm-up) starts from: the pretrained checkpoint
     (--model), each rank reading its own rows, or the built-in Llama initialised
-    from `seed`. A checkpoint that is not safetensors under the model's own names
-    (GGUF; a family transformers converts on load) is loaded whole by
-    transformers on every rank, then each rank keeps its shards (said once)."""
+    from `seed`. A checkpoint that is not float safetensors under the model's own
+    names (GGUF, a quantized checkpoint, a family transformers converts on load,
+    other names) is loaded whole in float32 by transformers on trainer rank 0 alone
+    and broadcast shard by shard (said once); one of other shapes or dtypes is
+    refused (load_shards), before anything is read."""
     if data.model is None:
         init_random(model, seed)
         return
     if data.model.gguf_file:
         why = "a GGUF file"
+    elif getattr(model.config, "quantization_config", None) is not None:
+        why = "a quantized checkpoint"
     elif not conversion_free(model):
         why = f"of a family transformers converts on load ({model.config.model_type})"
     else:
         try:
             load_shards(model, data.model.folder)
             return
-        except ValueError as exc:  # raised before any tensor is read
+        except NotByName as exc:
             why = str(exc)
     if rank == 0:
-        print(f"llamarl: {data.model}: {why}; every trainer rank loads the whole model once", flush=True)
-    copy_from_full(model, data.model.load_model(torch.float32).state_dict())
+        print(f"llamarl: {data.model}: {why}; trainer rank 0 loads it whole with transformers and broadcasts it",
+              flush=True)
+    full = data.model.load_model(torch.float32).state_dict() if rank == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str) -> None:

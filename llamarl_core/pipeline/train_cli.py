@@ -255,7 +255,10 @@ def _resume_hint(out: Path) -> str:
     """What an interrupted run in `out` kept, and how to continue it."""
     from .checkpoints import checkpoint_dir, checkpoint_info
 
-    info = checkpoint_info(out)
+    try:
+        info = checkpoint_info(out)
+    except ValueError as exc:  # a checkpoint of an earlier llamarl: nothing this version resumes
+        return str(exc)
     if info is None:
         return f"no checkpoint yet in {out} (the first comes after --checkpoint-every steps): nothing to resume"
     return f"{checkpoint_dir(out)} holds step {info['step']}: continue with `llamarl train --out {out} --resume`"
