@@ -718,7 +718,8 @@ def test_ctrl_c_says_in_one_line_what_was_saved_and_how_to_resume(tmp_path):
     """Ctrl-C in a terminal interrupts the whole process group: no traceback, one
     line naming the checkpoint's step and the --resume command; no executor left."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([*TRAIN, "--out", str(out), "--steps", "400", "--warmup-steps", "5", "--prompts-per-step",
+    # 2000 steps: a run of 400 once ended (exit 0) before the interrupt reached it in a busy full-suite run.
+    proc = subprocess.Popen([*TRAIN, "--out", str(out), "--steps", "2000", "--warmup-steps", "5", "--prompts-per-step",
                              "4", "--checkpoint-every", "5", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd="/", start_new_session=True, env=RUN_ENV)
     try:
