@@ -402,20 +402,21 @@ def _fill_policy_job(rank, world, mesh, config, folder):
 
 
 def test_a_checkpoint_transformers_converts_is_loaded_by_rank_0_and_broadcast(tmp_path, capfd):
-    """Qwen3-MoE (experts stored one by one, fused by transformers on load): the
-    trainer's ranks get transformers' model, rank 0 alone having loaded it, and say so."""
+    """Qwen3-MoE (experts stored one by one, fused by transformers on load; a bf16
+    checkpoint): the trainer's float32 ranks get transformers' model exactly, rank 0
+    alone having loaded it (in bf16), and say so."""
     config = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
                                          moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
                                          num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2)
     torch.manual_seed(9)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "moe")
     assert any(".experts.0." in k for k in load_file(tmp_path / "moe" / "model.safetensors"))  # stored one by one
     want = _full(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32))
     for world in (1, 2):
         for r in _ranks(world, _fill_policy_job, config=transformers.AutoConfig.from_pretrained(tmp_path / "moe"),
                         folder=tmp_path / "moe"):
             _assert_same(r, want)
-    assert "trainer rank 0 loads it whole with transformers and broadcasts it" in capfd.readouterr().out
+    assert "trainer rank 0 loads it whole in bfloat16 with transformers and broadcasts it" in capfd.readouterr().out
 
 
 def _unshared_job(rank, world, mesh, config, run_dir):

@@ -453,9 +453,9 @@ def _fill_policy(model, data: RunData, seed: int, rank: int) -> None:
     (--model), each rank reading its own rows, or the built-in Llama initialised
     from `seed`. A checkpoint that is not float safetensors under the model's own
     names (GGUF, a quantized checkpoint, a family transformers converts on load,
-    other names) is loaded whole in float32 by transformers on trainer rank 0 alone
-    and broadcast shard by shard (said once); one of other shapes or dtypes is
-    refused (load_shards), before anything is read."""
+    other names) is loaded whole by transformers on trainer rank 0 alone (in its
+    16-bit dtype if it has one) and broadcast shard by shard (said once); one of
+    other shapes or dtypes is refused (load_shards), before anything is read."""
     if data.model is None:
         init_random(model, seed)
         return
@@ -471,10 +471,14 @@ def _fill_policy(model, data: RunData, seed: int, rank: int) -> None:
             return
         except NotByName as exc:
             why = str(exc)
+    # In the checkpoint's own 16-bit dtype when it has one (half the host memory; the
+    # broadcast casts each shard to float32 exactly), else float32 (GGUF is dequantized).
+    saved = getattr(data.model.config(), "dtype", None)  # the checkpoint's (the model's config says float32)
+    dtype = saved if saved in (torch.bfloat16, torch.float16) and not data.model.gguf_file else torch.float32
     if rank == 0:
-        print(f"llamarl: {data.model}: {why}; trainer rank 0 loads it whole with transformers and broadcasts it",
-              flush=True)
-    full = data.model.load_model(torch.float32).state_dict() if rank == 0 else {}
+        print(f"llamarl: {data.model}: {why}; trainer rank 0 loads it whole in {str(dtype).removeprefix('torch.')} "
+              "with transformers and broadcasts it", flush=True)
+    full = data.model.load_model(dtype).state_dict() if rank == 0 else {}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
