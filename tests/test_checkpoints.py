@@ -111,7 +111,7 @@ def test_random_init_is_the_same_at_any_world_size_and_has_the_models_own_distri
     other = empty_model(config, dtype=torch.float32, device="cpu")
     init_random(other, 8)
     assert not torch.equal(_full(other)["model.layers.0.mlp.up_proj.weight"], expect["model.layers.0.mlp.up_proj.weight"])
-    for world in (2, 3):
+    for world in (3,) if tie else (2,):  # one spawn a case: ranks start slowly
         ranks = _ranks(world, _random_job, config=config, seed=7)
         for r in ranks:
             assert r["full"].keys() == expect.keys() and r["tied"] == tie
@@ -146,7 +146,7 @@ def test_a_safetensors_checkpoint_loads_shard_by_shard_equal_to_transformers(tmp
         model = empty_model(config, dtype=torch.float32, device="cpu")
         load_shards(model, folder)
         assert all(torch.equal(t, want[k]) for k, t in _full(model).items())
-    for r in _ranks(2, _load_job, config=config, folder=several):
+    for r in _ranks(2, _load_job, config=config, folder=several) if tie else ():  # tied: the harder case
         assert r.keys() == want.keys() and all(torch.equal(t, want[k]) for k, t in r.items())
 
 
@@ -271,7 +271,8 @@ def _assert_same(a: dict, b: dict) -> None:
 def test_a_checkpoint_of_two_ranks_resumes_the_next_step_exactly_at_two_ranks_and_at_one(tmp_path):
     """Every rank writes its own shards; a resumed run (2 ranks, or 1: DCP reshards)
     takes the next step to the same weights and AdamW moments, bit for bit. Each
-    rank steps on the same batch, so the averaged gradient is the one rank's."""
+    rank steps on the same batch, so the averaged gradient is the one rank's. With
+    a rank's file gone, the load is refused."""
     config = _config()
     (model, optim), _ = _ranks(2, _train_and_save_job, config=config, run_dir=tmp_path)
     info = checkpoint_info(tmp_path)
@@ -289,6 +290,11 @@ def test_a_checkpoint_of_two_ranks_resumes_the_next_step_exactly_at_two_ranks_an
     _step(one, optimizer, 2)
     _assert_same(_full(one), model)
     _assert_same(_optimizer_full(one, optimizer), optim)
+    # A rank's file lost: refused, naming what the folder lacks, before a read.
+    (tmp_path / "checkpoint" / info["folder"] / "shard-00002-model-00001-of-00001.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"does not hold model/\S+ \(pieces cover \d+ of \d+ elements\).* a rank's "
+                                         r"file is missing"):
+        TrainerCheckpoints(tmp_path, 0, 1).load(one, optimizer)
 
 
 def test_a_save_that_never_committed_leaves_the_last_checkpoint_whole(tmp_path):
@@ -457,16 +463,6 @@ def test_ranks_that_do_not_share_the_run_folder_are_refused_and_the_last_checkpo
     info = checkpoint_info(tmp_path)
     assert info["step"] == 1 and (tmp_path / "checkpoint" / info["folder"]).is_dir()
     assert not (tmp_path / "checkpoint" / "000002-step-00000002").exists()
-
-
-def test_a_checkpoint_missing_a_ranks_file_is_refused_naming_what_it_lacks(tmp_path):
-    _ranks(2, _train_and_save_job, config=_config(), run_dir=tmp_path)
-    folder = tmp_path / "checkpoint" / checkpoint_info(tmp_path)["folder"]
-    (folder / "shard-00002-model-00001-of-00001.safetensors").unlink()
-    model = empty_model(_config(), dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match=r"does not hold model/\S+ \(pieces cover \d+ of \d+ elements\).* a rank's "
-                                         r"file is missing"):
-        TrainerCheckpoints(tmp_path, 0, 1).load(model, _optimizer(model))
 
 
 def test_a_ranks_state_is_written_in_files_of_bounded_size(tmp_path, monkeypatch):
