@@ -718,10 +718,12 @@ def test_ctrl_c_says_in_one_line_what_was_saved_and_how_to_resume(tmp_path):
     """Ctrl-C in a terminal interrupts the whole process group: no traceback, one
     line naming the checkpoint's step and the --resume command; no executor left."""
     out = tmp_path / "run"
-    # 2000 steps: a run of 400 once ended (exit 0) before the interrupt reached it in a busy full-suite run.
     proc = subprocess.Popen([*TRAIN, "--out", str(out), "--steps", "2000", "--warmup-steps", "5", "--prompts-per-step",
                              "4", "--checkpoint-every", "5", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd="/", start_new_session=True, env=RUN_ENV)
+                            text=True, cwd="/", start_new_session=True, env=RUN_ENV,
+                            # SIGINT as a terminal leaves it: a test run started as a shell's background
+                            # job (`cmd &`) hands SIGINT down ignored, and the run never saw the Ctrl-C.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _wait_for(lambda: (out / "checkpoint" / "trainer.json").exists(), 120, "the run to reach a checkpoint")
         executors = json.loads((out / "executors.json").read_text()).values()
