@@ -124,17 +124,19 @@ def _rollouts(out: Path) -> list[dict]:
 
 def test_a_transformers_generate_generator_learns_under_the_controller(tmp_path):
     """Given as a class through TrainConfig, from Python: the default task's
-    first 40 async steps learn, from scratch (no warm-up: a warmed-up model first
+    first 60 async steps learn, from scratch (no warm-up: a warmed-up model first
     dips under RL at this rate), the mean reward of the last 10 steps above the
-    first 10's (seeds 0, 1, 2: 0.075 / 0.082 / 0.078 -> 0.122 / 0.124 / 0.128);
-    every token carries the version that sampled it, and staleness stays within
-    max_staleness as with ours. The per-step callback sees every step."""
+    first 10's (seeds 0, 1, 2, 1 with the module-by-module initialisation: 0.072 /
+    0.078 / 0.072 / 0.081 -> 0.148 / 0.149 / 0.124 / 0.143; after 40 steps the
+    rise was as small as 0.077 -> 0.095, under the bound); every token carries the
+    version that sampled it, and staleness stays within max_staleness as with
+    ours. The per-step callback sees every step."""
     seen = []
-    config = TrainConfig(generator=HFGenerateGenerator, steps=40, warmup_steps=0, lr_schedule="constant",
-                         log_rollouts=True, checkpoint_every=40)
+    config = TrainConfig(generator=HFGenerateGenerator, steps=60, warmup_steps=0, lr_schedule="constant",
+                         log_rollouts=True, checkpoint_every=60)
     summary = Controller(config, tmp_path, on_step=lambda m: seen.append(m["step"])).run()
     metrics = read_metrics(tmp_path)
-    assert seen == [m["step"] for m in metrics] == list(range(40)) and summary["steps"] == 40
+    assert seen == [m["step"] for m in metrics] == list(range(60)) and summary["steps"] == 60
     rewards = [m["reward"] for m in metrics]
     assert sum(rewards[-10:]) > sum(rewards[:10]) + 0.2, rewards  # 10 steps of 64 samples: a mean 0.02 higher
     for m in metrics:
