@@ -13,8 +13,8 @@ are then filled by one of:
 - `load_shards`: a safetensors checkpoint whose names are the model's own (no
   conversion in transformers' table for the family), each rank reading only its
   rows of each tensor (memory-mapped);
-- `copy_from_full`: whole tensors by name (a checkpoint transformers had to
-  load and convert: each rank held the whole model once);
+- `copy_from_full`: whole tensors by name (export of a family transformers
+  converts, in one process);
 - `copy_shards`: another model of the same class and sharding (a reference
   model from the policy), shard by shard, cast to this model's dtype.
 Every parameter and buffer is checked filled: one that no filler reached raises
@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["empty_model", "tied_parameters", "init_random", "load_shards", "NotByName", "copy_from_full", "copy_shards", "checkpoint_names", "conversion_free",
-           "local_part", "local_slices"]
+__all__ = ["empty_model", "tied_parameters", "tied_aliases", "init_random", "load_shards", "NotByName",
+           "copy_from_full", "copy_shards", "checkpoint_names", "conversion_free", "local_part", "local_slices",
+           "few_names"]
 
 
 def conversion_free(model) -> bool:
@@ -79,6 +80,17 @@ def tied_parameters(model) -> list[list[str]]:
     for name, param in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(name)
     return [names for names in by_id.values() if len(names) > 1]
+
+
+def tied_aliases(model) -> frozenset[str]:
+    """The second and later names of `model`'s tied parameters (lm_head.weight when
+    it is the embedding): the names a checkpoint holds no tensor under."""
+    return frozenset(name for names in tied_parameters(model) for name in names[1:])
+
+
+def few_names(names: list[str], shown: int = 4) -> str:
+    """The first `shown` of `names`, and how many more there are, for an error."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _owner(model, name: str) -> tuple[torch.nn.Module, str]:
@@ -212,10 +224,6 @@ class NotByName(ValueError):
 _FLOATS = {"F16", "BF16", "F32"}
 
 
-def _few(names: list[str]) -> str:
-    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
-
 def load_shards(model, folder: str | Path) -> None:
     """Fill `model` (from `empty_model`) from the safetensors checkpoint in
     `folder`, each rank reading its own rows of each tensor only. Before a tensor
@@ -230,8 +238,8 @@ def load_shards(model, folder: str | Path) -> None:
     missing = [n for n in params if n not in files]
     if missing:
         raise NotByName(f"the checkpoint in {folder} does not hold {type(model).__name__}'s parameters by their "
-                        f"names: missing {_few(missing)}")
-    tied = {name for names in tied_parameters(model) for name in names[1:]}
+                        f"names: missing {few_names(missing)}")
+    tied = tied_aliases(model)
     quantized = [n for n in files if n not in params and n not in tied
                  and any(k in n.rsplit(".", 1)[-1] for k in ("scale", "qweight", "qzeros"))]
     wrong = []
@@ -244,8 +252,8 @@ def load_shards(model, folder: str | Path) -> None:
         elif dtype not in _FLOATS:
             wrong.append(f"{name} in {dtype}")
     if wrong or quantized:
-        problems = ([f"shaped or typed otherwise: {_few(wrong)}"] if wrong else []) + (
-            [f"quantization tensors {_few(quantized)}"] if quantized else [])
+        problems = ([f"shaped or typed otherwise: {few_names(wrong)}"] if wrong else []) + (
+            [f"quantization tensors {few_names(quantized)}"] if quantized else [])
         raise ValueError(f"the checkpoint in {folder} does not hold {type(model).__name__}'s parameters as float "
                          f"tensors of its shapes: {'; '.join(problems)} (nothing was read)")
     by_file: dict[Path, list[str]] = {}

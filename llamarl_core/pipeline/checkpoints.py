@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..models.sharded import tied_parameters
+from ..models.sharded import few_names, tied_aliases
 
 FORMAT = "llamarl-dcp-safetensors/1"
 _GROUP_BYTES = 1 << 30  # export reads and writes the policy this many bytes at a time
@@ -79,7 +79,7 @@ def _flat_state(model, optimizer=None) -> tuple[dict[str, torch.Tensor], dict, d
     under its first name), and the model's and optimizer's state dicts those
     tensors belong to."""
     model_state = get_model_state_dict(model)
-    second = {name for names in tied_parameters(model) for name in names[1:]}
+    second = tied_aliases(model)
     flat = {f"model/{k}": v for k, v in model_state.items() if k not in second}
     if optimizer is None:
         return flat, model_state, None
@@ -177,10 +177,6 @@ def _uncovered(folder: Path, expected: dict[str, torch.Size]) -> list[str]:
     return bad
 
 
-def _few(keys: list[str]) -> str:
-    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-
-
 def _write(folder: Path, flat: dict, rank: int, world: int) -> None:
     """Every rank's shards of `flat` into `folder`: written into `folder`.partial,
     checked by rank 0 to hold every key whole (every rank's file where rank 0
@@ -205,8 +201,8 @@ def _write(folder: Path, flat: dict, rank: int, world: int) -> None:
     def commit():
         bad = _uncovered(partial, {k: t.shape for k, t in flat.items()})
         if bad:
-            raise ValueError(f"{partial} does not hold {_few(bad)}: every trainer rank must write into one folder "
-                             "that rank 0 sees (a filesystem all trainer hosts share)")
+            raise ValueError(f"{partial} does not hold {few_names(bad, 3)}: every trainer rank must write into one "
+                             "folder that rank 0 sees (a filesystem all trainer hosts share)")
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
         _fsync_dir(folder.parent)
@@ -223,8 +219,8 @@ def _read(folder: Path, flat: dict, world: int) -> None:
 
     bad = _uncovered(folder, {k: t.shape for k, t in flat.items()})
     if bad:
-        raise ValueError(f"{folder} does not hold {_few(bad)}: not this model's checkpoint, or a rank's file is "
-                         "missing")
+        raise ValueError(f"{folder} does not hold {few_names(bad, 3)}: not this model's checkpoint, or a rank's file "
+                         "is missing")
     with _quiet_single_process():
         dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=world == 1)
 
@@ -295,7 +291,6 @@ class TrainerCheckpoints:
     def load(self, model, optimizer) -> dict:
         """Read the last checkpoint into `model` and `optimizer` (any world
         size's); returns its record. ValueError when there is none."""
-
         info = self.latest()
         if info is None:
             raise ValueError(f"{self.dir} holds no checkpoint")

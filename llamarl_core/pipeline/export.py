@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..models.checkpoint import save_model_folder, stream_model_folder
-from ..models.sharded import conversion_free, copy_from_full, empty_model, tied_parameters
+from ..models.sharded import conversion_free, copy_from_full, empty_model, tied_aliases
 from .checkpoints import checkpoint_dir, checkpoint_info, policy_tensors
 from .config import TrainConfig
 from .data import ModelTokenizer, model_and_tokenizer
@@ -35,8 +35,8 @@ def export_policy(run_dir: str | Path, model_config, tokenizer, out: str | Path,
     hf_tokenizer = tokenizer.hf if isinstance(tokenizer, ModelTokenizer) else tokenizer.to_transformers()
     if conversion_free(model):
         # A tied parameter's second name (lm_head.weight) is not written, as transformers does.
-        tied = frozenset(name for names in tied_parameters(model) for name in names[1:])
-        return stream_model_folder(model_config, policy_tensors(run_dir, skip=tied), hf_tokenizer, out, generation)
+        return stream_model_folder(model_config, policy_tensors(run_dir, skip=tied_aliases(model)), hf_tokenizer, out,
+                                   generation)
     model = empty_model(model_config, dtype=torch.float32, device="cpu")
     copy_from_full(model, {name: t for group in policy_tensors(run_dir) for name, t in group.items()})
     if generation is not None:
