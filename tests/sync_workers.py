@@ -43,21 +43,32 @@ def scenario_name(s: dict) -> str:
 def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) -> dict:
     """For each scenario this rank belongs to: register FSDP shards, send each version
     (the shards updated in place between versions, as an optimizer step does).
+    Returns scenario -> the transport, and "<scenario>/failed" -> the lines of the
+    sends that raised SyncError as expected.
     A scenario may override `port` (a Store of its own) and `versions`; sends whose
-    index is in its "poisoned" carry a NaN in rows only TP rank 0 holds; its
-    "send_after" maps a send's index to a Store key to wait for first."""
+    index is in its "poisoned" carry a NaN in rows only FSDP rank 0 holds (every
+    sender's send must then fail); its "send_after" maps a send's index to a Store
+    key to wait for first; "stall_amax" = (rank, step, seconds) delays that rank's
+    FP8 amaxes in that send, so the other ranks reach the exchange first; with
+    "amax_group" the senders reduce FP8 amaxes over a gloo group of their own."""
     out = {}
     torch.set_num_threads(1)
     for s in scenarios:
         if rank >= s["fsdp"]:
             continue
         store = connect(s.get("port", port))
+        group = None
+        if s.get("amax_group"):
+            group = dist.ProcessGroupGloo(dist.PrefixStore(f"test/amax-group/{scenario_name(s)}/", store), rank,
+                                          s["fsdp"], datetime.timedelta(seconds=60))
         config, dtype = small_config(s["config"]), DTYPES[s["src_dtype"]]
         device = s.get("device", "cpu")
         shards = {n: t.to(device) for n, t in reference_fsdp_shards(hf_state_dict(config, s["seed"]), s["fsdp"], dtype)[rank].items()}
+        failed = out[f"{scenario_name(s)}/failed"] = []
         with WeightSender(store, hf_llama_fsdp(config, s["fsdp"], dtype), rank, shards,
-                          name=scenario_name(s), transport=s["transport"], timeout=60,
+                          name=scenario_name(s), transport=s["transport"], timeout=60, group=group,
                           bucket_bytes=s.get("bucket_bytes", DEFAULT_BUCKET_BYTES)) as sender:
+            stall_rank, stall_step, stall_s = s.get("stall_amax", (None, None, 0))
             for step, v in enumerate(s.get("versions", versions)):
                 if step in s.get("send_after", {}):
                     store.wait([s["send_after"][step]], datetime.timedelta(seconds=60))
@@ -67,7 +78,18 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) ->
                 fresh = reference_fsdp_shards(state, s["fsdp"], dtype)[rank]
                 for name, t in shards.items():
                     t.copy_(fresh[name])
-                sender.send(v)
+                if (rank, step) == (stall_rank, stall_step):
+                    local_amax = sender.fp8.local_amax
+                    sender.fp8.local_amax = lambda tensors: (time.sleep(stall_s), local_amax(tensors))[1]
+                try:
+                    sender.send(v)
+                except SyncError as exc:
+                    if step not in s.get("poisoned", ()):
+                        raise
+                    failed.append(f"step {step}: {exc}")
+                finally:
+                    if sender.fp8 is not None:
+                        sender.fp8.__dict__.pop("local_amax", None)
             out[scenario_name(s)] = sender.transport
     return out
 
@@ -77,21 +99,14 @@ def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) 
     module, the generator's own storage), receive each version and compare it
     bitwise with the plain-torch reference. Returns scenario -> mismatch lines.
     A scenario may override `port` and `versions`; receives whose index is in its
-    "failing" must raise SyncError and leave the weights torn (recorded as a line
-    "step i: <message>"); "stall_amax" = (rank, step, seconds) delays that rank's
-    FP8 amax computation in that receive, so the other ranks reach the exchange
-    first; with "amax_group" the receivers reduce FP8 amaxes over a gloo group
-    of their own."""
+    "failing" must raise SyncError (recorded as a line "step i: torn <flag>:
+    <message>"), and are followed by polling pending() until the senders send again."""
     out = {}
     torch.set_num_threads(1)
     for s in scenarios:
         if rank >= s["tp"]:
             continue
         store = connect(s.get("port", port))
-        group = None
-        if s.get("amax_group"):
-            group = dist.ProcessGroupGloo(dist.PrefixStore(f"test/amax-group/{scenario_name(s)}/", store), rank, s["tp"],
-                                          datetime.timedelta(seconds=60))
         config = small_config(s["config"])
         layout = vllm_llama_tp(config, s["tp"], torch.bfloat16, fp8=s.get("fp8"))
         module = torch.nn.ParameterDict(
@@ -101,40 +116,46 @@ def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) 
         params = {n.replace("/", "."): p for n, p in module.items()}
         problems = []
         with WeightReceiver(store, layout, rank, params, name=scenario_name(s), transport=s["transport"],
-                            timeout=60, group=group) as receiver:
-            local_amax = receiver.fp8.local_amax
-            stall_rank, stall_step, stall_s = s.get("stall_amax", (None, None, 0))
-
-            def stalled(landing):
-                time.sleep(stall_s)
-                return local_amax(landing)
-
+                            timeout=60) as receiver:
             failing = s.get("failing", ())
             for step, v in enumerate(s.get("versions", versions)):
-                if (rank, step) == (stall_rank, stall_step):
-                    receiver.fp8.local_amax = stalled
+                if step - 1 in failing:  # the senders' failure stands until they send again
+                    _poll_pending(receiver, v)
                 try:
                     got = receiver.receive()
                 except SyncError as exc:
-                    if step not in failing or not receiver.torn:
+                    if step not in failing:
                         raise
-                    problems.append(f"step {step}: {exc}")
+                    problems.append(f"step {step}: torn {receiver.torn}: {exc}")
                     continue
-                finally:
-                    receiver.fp8.local_amax = local_amax
                 if step in failing:
                     problems.append(f"step {step}: received version {got}, expected SyncError")
                 if got != v:
                     problems.append(f"version {got} reported, expected {v}")
                 state = hf_state_dict(config, s["seed"] + v)
                 if s.get("fp8"):
-                    expected = reference_vllm_fp8_shards(state, config, s["tp"], s["fp8"])[rank]
+                    expected = reference_vllm_fp8_shards(state, config, s["tp"], s["fp8"],
+                                                         source_dtype=DTYPES[s["src_dtype"]])[rank]
                 else:
                     expected = reference_vllm_tp_shards(state, config, s["tp"], torch.bfloat16)[rank]
                 # Read through the module: the destination is the generator's own parameters.
                 problems += [f"v{v} {line}" for line in mismatches(expected, {n.replace("/", "."): p.data.cpu() for n, p in module.items()})]
         out[scenario_name(s)] = problems
     return out
+
+
+def _poll_pending(receiver: WeightReceiver, version: int, timeout: float = 60.0) -> None:
+    """Poll pending() as a generator does between decode steps until it offers
+    `version` (SyncError while a sender's failure stands)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if receiver.pending() == version:
+                return
+        except SyncError:
+            pass
+        time.sleep(0.01)
+    raise TimeoutError(f"version {version} was not offered within {timeout} s")
 
 
 def stalling_sender_body(port: int, rank: int, scenario: dict, stall_in_version: int) -> None:
@@ -205,45 +226,58 @@ def torn_receiver_body(port: int, rank: int, scenario: dict, torn_timeout: float
     return report
 
 
-def late_rank_receiver_body(port: int, rank: int, scenario: dict) -> dict:
-    """After version 1: receiver 1 gives up on version 2 (1 s) before the sender,
-    which waits for that, serves it; receiver 0 takes version 2 and waits in its
-    FP8 amax exchange until it times out; only then does receiver 1 ask again
-    (and is served version 2). Then both take version 3. Reports each receive's
-    outcome, the version 3 mismatches and any amax key of versions 1-3 left."""
+def late_rank_sender_body(port: int, rank: int, scenario: dict) -> dict:
+    """After version 1: sender 1 holds back version 2 while sender 0 sends it and
+    waits in its FP8 amax exchange until it times out (5 s); only then does sender
+    1 send version 2. Then both send version 3. Reports each send's outcome and
+    any amax key of versions 1-3 left in the Store."""
+    store = connect(port)
+    config, dtype = small_config(scenario["config"]), DTYPES[scenario["src_dtype"]]
+    timed_out = f"test/{scenario_name(scenario)}/0-timed-out"
+    shards = reference_fsdp_shards(hf_state_dict(config, scenario["seed"]), scenario["fsdp"], dtype)[rank]
+    report = {}
+
+    def attempt(version: int, timeout: float | None = None) -> None:
+        fresh = reference_fsdp_shards(hf_state_dict(config, scenario["seed"] + version), scenario["fsdp"], dtype)[rank]
+        for name, t in shards.items():
+            t.copy_(fresh[name])
+        try:
+            sender.send(version, timeout=timeout)
+            report[f"v{version}"] = version
+        except SyncError as exc:
+            report[f"v{version}"] = f"{type(exc).__name__}: {exc}"
+
+    with WeightSender(store, hf_llama_fsdp(config, scenario["fsdp"], dtype), rank, shards,
+                      name=scenario_name(scenario), timeout=60) as sender:
+        attempt(1)
+        if rank == 0:
+            attempt(2, timeout=5.0)
+            store.set(timed_out, "1")
+        else:
+            store.wait([timed_out], datetime.timedelta(seconds=120))
+            attempt(2)
+        attempt(3)
+    prefixed = dist.PrefixStore(f"llamarl/sync/{scenario_name(scenario)}/src/amax/", store)
+    report["amax_keys_left"] = [f"{v}/{n}/{k}" for v in (1, 2, 3) for n in (0, 1) for k in ("0", "1", "done")
+                                if prefixed.check([f"{v}/{n}/{k}"])]
+    return report
+
+
+def polling_receiver_body(port: int, rank: int, scenario: dict) -> dict:
+    """Receive version 1, then poll pending() until version 3 is offered (through
+    the senders' failures on version 2), receive it and compare it bitwise with
+    the reference."""
     store = connect(port)
     config = small_config(scenario["config"])
     layout = vllm_llama_tp(config, scenario["tp"], torch.bfloat16, fp8=scenario["fp8"])
     params = poisoned_destination(layout, rank)
-    gave_up, timed_out = f"test/{scenario_name(scenario)}/1-gave-up", f"test/{scenario_name(scenario)}/0-timed-out"
-    report = {}
-
-    def wait(key: str) -> None:
-        store.wait([key], datetime.timedelta(seconds=120))
-
-    def attempt(key: str, timeout: float | None = None) -> None:
-        try:
-            report[key] = receiver.receive(timeout=timeout)
-        except SyncError as exc:
-            report[key] = f"{type(exc).__name__}: {exc}"
-
     with WeightReceiver(store, layout, rank, params, name=scenario_name(scenario), timeout=60) as receiver:
-        attempt("v1")
-        if rank == 0:
-            wait(gave_up)
-            attempt("v2", timeout=15.0)  # ample to land version 2, then spent waiting for receiver 1
-            store.set(timed_out, "1")
-        else:
-            attempt("v2 early", timeout=1.0)
-            store.set(gave_up, "1")
-            wait(timed_out)
-            attempt("v2")
-        attempt("v3")
+        report = {"v1": receiver.receive()}
+        _poll_pending(receiver, 3, timeout=120)
+        report["v3"] = receiver.receive()
         expected = reference_vllm_fp8_shards(hf_state_dict(config, scenario["seed"] + 3), config, scenario["tp"],
-                                             scenario["fp8"])[rank]
+                                             scenario["fp8"], source_dtype=DTYPES[scenario["src_dtype"]])[rank]
         report["v3_mismatches"] = mismatches(expected, params)
-    prefixed = dist.PrefixStore(f"llamarl/sync/{scenario_name(scenario)}/dst/amax/", store)
-    report["amax_keys_left"] = [f"{v}/0/{k}" for v in (1, 2, 3) for k in ("0", "1", "done") if prefixed.check([f"{v}/0/{k}"])]
     return report
 
 
@@ -334,3 +368,123 @@ def relay_child_body(port: int, name: str) -> dict:
                         **{**RELAY, "name": name}) as child:
         version = child.receive(timeout=60)
         return {"version": version, "mismatches": _relay_mismatches(version, child.weights())}
+
+
+# ----------------------------------------------------------------------------- FP8 destination memory
+
+FP8_MEMORY = dict(name="fp8-memory", transport="p2p", bucket_bytes=4 << 20, shapes=((4096, 8192), (4096, 8192)),
+                  granularities=("channel", "block"))
+
+
+def _fp8_memory_layouts():
+    from llamarl_core.sync import Layout, ParamSpec, Shard
+
+    shapes, kinds = FP8_MEMORY["shapes"], FP8_MEMORY["granularities"]
+    src = Layout(1, [ParamSpec(f"w{i}", shape, torch.float32, Shard(0)) for i, shape in enumerate(shapes)])
+    dst = Layout(1, [ParamSpec(f"w{i}", shape, torch.bfloat16, Shard(0), fp8=kind)
+                     for i, (shape, kind) in enumerate(zip(shapes, kinds))])
+    return src, dst
+
+
+def _fp8_memory_weights(version: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(version)
+    return {f"w{i}": torch.randn(shape, generator=gen) for i, shape in enumerate(FP8_MEMORY["shapes"])}
+
+
+def fp8_memory_sender_body(port: int, device: str = "cpu", transport: str = FP8_MEMORY["transport"]) -> dict:
+    """Send versions 1 and 2 of two float32 weights; report the FP8 buffer's size."""
+    torch.set_num_threads(1)
+    src, _ = _fp8_memory_layouts()
+    tensors = {n: t.to(device) for n, t in _fp8_memory_weights(1).items()}
+    with WeightSender(connect(port), src, 0, tensors, name=FP8_MEMORY["name"], transport=transport,
+                      timeout=120, bucket_bytes=FP8_MEMORY["bucket_bytes"]) as sender:
+        for v in (1, 2):
+            for name, t in _fp8_memory_weights(v).items():
+                tensors[name].copy_(t)
+            sender.send(v)
+        return {"packed_bytes": sender.fp8.packed.numel() * sender.fp8.packed.element_size()}
+
+
+def _status_bytes(field: str) -> int:
+    """A field of /proc/self/status (VmRSS, VmHWM: the peak since clear_refs), in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def fp8_memory_receiver_body(port: int, device: str = "cpu", transport: str = FP8_MEMORY["transport"]) -> dict:
+    """The generator's FP8 weights and scales allocated (and touched) first; then
+    the receiver registered and versions 1 and 2 received: reports the peak
+    memory past that point (CPU: RSS; CUDA: the allocator's), what the registered
+    tensors and the staging buffers hold, and the mismatches of version 2
+    against ops.fp8's reference."""
+    from llamarl_core.ops.fp8 import quantize_fp8_ref
+    from llamarl_core.sync.layout import fp8_scale_name
+
+    torch.set_num_threads(1)
+    _, dst = _fp8_memory_layouts()
+    params = {n: t.to(device) for n, t in poisoned_destination(dst, 0).items()}
+    registered = sum(t.numel() * t.element_size() for t in params.values())
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) starts again at the RSS of now
+            f.write("5")
+        before = _status_bytes("VmRSS")
+    with WeightReceiver(connect(port), dst, 0, params, name=FP8_MEMORY["name"], transport=transport,
+                        timeout=120, bucket_bytes=FP8_MEMORY["bucket_bytes"]) as receiver:
+        for _ in (1, 2):
+            receiver.receive()
+        peak_after = torch.cuda.max_memory_allocated() if device == "cuda" else _status_bytes("VmHWM")
+        staging = sum(t.numel() for t in receiver._staging_bufs)
+        used = receiver.transport
+    expected = {}
+    for (name, w), kind in zip(_fp8_memory_weights(2).items(), FP8_MEMORY["granularities"]):
+        q, scale = quantize_fp8_ref(w, kind)
+        expected[name] = q
+        expected[fp8_scale_name(name, kind)] = scale
+    return {"registered": registered, "staging": staging, "growth": peak_after - before, "transport": used,
+            "mismatches": mismatches(expected, {n: t.cpu() for n, t in params.items()})}
+
+
+# ----------------------------------------------------------------------------- an NCCL peer that dies
+
+NCCL_PAIR = dict(config="llama_gqa_bias", fsdp=1, tp=1, src_dtype="fp32", transport="p2p", seed=4200)
+
+
+def nccl_dying_sender_body(port: int) -> None:
+    """Send version 1 point to point over NCCL, then die without a word."""
+    s = NCCL_PAIR
+    config, dtype = small_config(s["config"]), DTYPES[s["src_dtype"]]
+    shards = {n: t.cuda() for n, t in reference_fsdp_shards(hf_state_dict(config, s["seed"]), 1, dtype)[0].items()}
+    sender = WeightSender(connect(port), hf_llama_fsdp(config, 1, dtype), 0, shards, name=scenario_name(s),
+                          transport="p2p", timeout=10)
+    sender.send(1)
+    connect(port).wait([f"test/{scenario_name(s)}/v1-checked"], datetime.timedelta(seconds=60))
+    os._exit(3)
+
+
+def nccl_surviving_receiver_body(port: int) -> dict:
+    """Receive version 1 over NCCL (a group whose timeout is 10 s), then a receive
+    whose sender died (3 s); then stay alive past the group's timeout, when NCCL's
+    watchdog finds the receive's work timed out, and report."""
+    s = NCCL_PAIR
+    config = small_config(s["config"])
+    layout = vllm_llama_tp(config, 1, torch.bfloat16)
+    params = {n: t.cuda() for n, t in poisoned_destination(layout, 0).items()}
+    store = connect(port)
+    receiver = WeightReceiver(store, layout, 0, params, name=scenario_name(s), transport="p2p", timeout=10)
+    report = {"v1": receiver.receive()}
+    expected = reference_vllm_tp_shards(hf_state_dict(config, s["seed"]), config, 1, torch.bfloat16)[0]
+    report["v1_mismatches"] = mismatches(expected, {n: t.cpu() for n, t in params.items()})
+    store.set(f"test/{scenario_name(s)}/v1-checked", "1")
+    try:
+        receiver.receive(timeout=3)
+        report["v2"] = "returned"
+    except SyncError as exc:
+        report["v2"] = f"{type(exc).__name__}: {exc}"
+    time.sleep(15)  # past the group's 10 s: the watchdog has seen the timed-out work
+    report["alive"] = True
+    return report

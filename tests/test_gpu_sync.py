@@ -7,6 +7,7 @@ it was before these guarantees."""
 import ctypes
 import datetime
 import json
+import multiprocessing as mp
 import os
 import re
 import subprocess
@@ -19,7 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import hf_state_dict, mismatches, poisoned_destination, small_config
+import sync_workers as workers
+from helpers import hf_state_dict, mismatches, poisoned_destination, run_processes, small_config
 from llamarl_core._native import native_cuda
 from llamarl_core.sync import (
     SyncError,
@@ -347,6 +349,36 @@ def test_cudamalloc_memory_is_ipc_capable():
 
 
 # ----------------------------------------------------------------------------- f: moved storage
+
+
+def test_fp8_destination_on_gpu_holds_its_fp8_weights_and_scales_only(store):
+    """A generator process on the GPU receiving 64 MiB of FP8 weights (per channel
+    and per block) over CUDA IPC from a float32 trainer process: its allocator's
+    peak past its own FP8 weights and scales grows by under 1 MiB (bf16 landing
+    rows would add 128 MiB); the weights equal ops.fp8's reference bit for bit;
+    the sender keeps one FP8 byte per element it sends."""
+    kwargs = dict(port=store.port, device="cuda", transport="auto")
+    sender, receiver = run_processes([(workers.fp8_memory_sender_body, kwargs),
+                                      (workers.fp8_memory_receiver_body, kwargs)], timeout=300)
+    assert receiver["transport"] == "cuda_ipc" and receiver["staging"] == 0
+    assert receiver["mismatches"] == []
+    assert receiver["growth"] < 1 << 20, receiver
+    assert sender["packed_bytes"] == sum(rows * cols for rows, cols in workers.FP8_MEMORY["shapes"])
+
+
+def test_nccl_peer_that_dies_is_a_sync_error_and_the_receiver_lives_on(store):
+    """Point to point over NCCL: the sender dies after version 1; the receive of
+    version 2 raises SyncTimeoutError after its 3 s, and the receiver process is
+    still alive 15 s later, past the group's 10 s timeout (NCCL's watchdog would
+    tear it down under TORCH_NCCL_ASYNC_ERROR_HANDLING=3, the default)."""
+    sender = mp.get_context("spawn").Process(target=workers.nccl_dying_sender_body, kwargs=dict(port=store.port))
+    sender.start()
+    (receiver,) = run_processes([(workers.nccl_surviving_receiver_body, dict(port=store.port))], timeout=180)
+    sender.join(timeout=60)
+    assert sender.exitcode == 3
+    assert receiver["v1"] == 1 and receiver["v1_mismatches"] == []
+    assert receiver["v2"].startswith("SyncTimeoutError:"), receiver
+    assert receiver["alive"] is True
 
 
 def test_receiver_on_gpu_refuses_storage_moved_since_registration(store):

@@ -262,7 +262,7 @@ def test_execute_local_into_fp8_destinations_equals_reference(granularity, tp):
     plan = plan_transfer(hf_llama_fsdp(config, 3, torch.float32), dst_layout)
     dst = {r: poisoned_destination(dst_layout, r) for r in range(tp)}
     plan.execute_local(reference_fsdp_shards(state, 3, torch.float32), dst)
-    ref = reference_vllm_fp8_shards(state, config, tp, granularity)
+    ref = reference_vllm_fp8_shards(state, config, tp, granularity, source_dtype=torch.float32)
     for rank in range(tp):
         assert mismatches(ref[rank], dst[rank]) == []
     scale = "weight_scale_inv" if granularity == "block" else "weight_scale"
@@ -279,7 +279,7 @@ def test_fp8_destination_refuses_nan_before_writing_fp8_weights():
     dst_layout = vllm_llama_tp(config, 2, torch.bfloat16, fp8="block")
     dst = {r: poisoned_destination(dst_layout, r) for r in range(2)}
     fp8_before = {r: {n: t.clone() for n, t in d.items() if t.dtype == torch.float8_e4m3fn} for r, d in dst.items()}
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.gate_up_proj\.weight: contains NaN or inf"):
+    with pytest.raises(ValueError, match=r"source rank 0: source .model\.layers\.1\.mlp\.up_proj\.weight. \(for FP8 destination .model\.layers\.1\.mlp\.gate_up_proj\.weight. on rank 0\) contains NaN or inf"):
         plan_transfer(hf_llama_fsdp(config, 2, torch.float32), dst_layout).execute_local(
             reference_fsdp_shards(state, 2, torch.float32), dst)
     for r in range(2):
@@ -347,3 +347,69 @@ def test_replicas_cost_the_trainer_ranks_nothing_and_relay_rank_to_rank():
         fed = [row for row in plan.summary() if row["src_replica"] is None]
         assert {row["dst_replica"] for row in fed} == {0}
     assert plans[4].relays == {0: [1, 2], 1: [3], 2: [], 3: []}
+
+
+def _fp8_expected(full: torch.Tensor, placement, world: int, granularity: str):
+    """What an FP8 destination rank holds, from plain torch: torch.chunk's local
+    piece quantized by ops.fp8's reference, with the groups vLLM's layout gives
+    (per tensor and, split on dim 1, per channel: amaxes of the whole tensor / rows)."""
+    from llamarl_core.ops.fp8 import cast_fp8_ref, fp8_amax_ref, quantize_fp8_ref, scale_from_amax
+
+    pieces = [full.clone() for _ in range(world)] if isinstance(placement, Replicate) else \
+        list(torch.chunk(full, world, placement.dim)) + [full[:0] if placement.dim == 0 else full[:, :0]] * world
+    spans = world > 1 and not isinstance(placement, Replicate)
+    out = []
+    for local in pieces[:world]:
+        if granularity == "tensor" and spans:
+            scale = scale_from_amax(fp8_amax_ref(full, "tensor"))
+            out.append((cast_fp8_ref(local, scale), scale))
+        elif granularity == "channel" and spans and placement.dim == 1:
+            scale = scale_from_amax(fp8_amax_ref(full, "channel"))
+            out.append((cast_fp8_ref(local, scale), scale))
+        else:
+            out.append(quantize_fp8_ref(local.contiguous(), granularity))
+    return out
+
+
+def test_random_fp8_plans_quantize_as_the_destination_groups_say(monkeypatch):
+    """1000 random 2-D tensors (up to 300 x 300: blocks cut by shard edges on both
+    sides) from 1-4 source ranks (split on either dim or replicated, fp32 or bf16)
+    into 1-4 FP8 destination ranks (either dim or replicated), each granularity:
+    every FP8 weight and scale equals the plain-torch reference bit for bit, and
+    the groups the plan says senders share are exactly those two senders touch.
+    The quantization runs on ops.fp8's torch path (its Triton kernels against the
+    same reference: test_fp8.py): this is about the groups and who sends what."""
+    from llamarl_core.sync.layout import fp8_scale_name
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    rng = random.Random(7)
+    for case in range(1000):
+        shape = (rng.randint(1, 300), rng.randint(1, 300))
+        src_dtype = rng.choice([torch.float32, torch.bfloat16])
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(case)).to(src_dtype)
+        src_world, dst_world = rng.randint(1, 4), rng.randint(1, 4)
+        src_p = Replicate() if rng.random() < 0.2 else Shard(rng.randrange(2))
+        dst_p = Replicate() if rng.random() < 0.2 else Shard(rng.randrange(2))
+        granularity = rng.choice(["tensor", "channel", "block"])
+        src = Layout(src_world, [ParamSpec("t", shape, src_dtype, src_p)])
+        dst = Layout(dst_world, [ParamSpec("t", shape, torch.bfloat16, dst_p, fp8=granularity)])
+        plan = plan_transfer(src, dst, bucket_bytes=rng.choice([64, 1 << 20]))
+        if isinstance(src_p, Replicate):
+            src_shards = {r: {"t": full.clone()} for r in range(src_world)}
+        else:
+            pieces = list(torch.chunk(full, src_world, src_p.dim))
+            empty = full[:0] if src_p.dim == 0 else full[:, :0]
+            src_shards = {r: {"t": (pieces[r] if r < len(pieces) else empty).contiguous()} for r in range(src_world)}
+        dst_shards = {r: poisoned_destination(dst, r) for r in range(dst_world)}
+        plan.execute_local(src_shards, dst_shards)
+        scale_name = fp8_scale_name("t", granularity)
+        where = (case, shape, src_dtype, src_world, src_p, dst_world, dst_p, granularity)
+        for r, (q, scale) in enumerate(_fp8_expected(full, dst_p, dst_world, granularity)):
+            assert torch.equal(dst_shards[r]["t"].view(torch.uint8), q.view(torch.uint8)), where + (r,)
+            assert torch.equal(dst_shards[r][scale_name].reshape(scale.shape), scale), where + (r,)
+        touched = {}
+        for rect, box in zip(plan.fp8.rects, plan.fp8.boxes):
+            cells = plan.fp8.cells(torch.arange(plan.fp8.num_cells), box).reshape(-1).tolist()
+            for cell in cells:
+                touched.setdefault(cell, set()).add(rect.src_rank)
+        assert plan.fp8.shared.tolist() == sorted(c for c, ranks in touched.items() if len(ranks) > 1), where

@@ -90,12 +90,13 @@ def test_sync_between_processes_equals_reference(store):
 
 
 def _amax_scenarios() -> dict[str, dict]:
-    """FP8 syncs at FSDP 2 -> TP 2 whose scales need amaxes from both receiver
-    ranks (channel: o_proj / down_proj split on dim 1; tensor: every scale), each
-    on a Store of its own (its "port", set by the fixture); plain twins count the
-    keys the rest of the protocol leaves. "nan-*": the 2nd send of version 2 has a
-    NaN in rows of TP rank 0, the 3rd sends version 2 again with finite weights,
-    and receiver 0 reaches that retry's exchange 2 s after receiver 1."""
+    """FP8 syncs at FSDP 2 -> TP 2, each on a Store of its own (its "port", set by
+    the fixture): the senders share groups (per tensor: every scale), or share
+    none but still agree on NaN (per channel: FSDP rows are whole rows); plain
+    twins count the keys the rest of the protocol leaves. "nan-*": the 2nd send
+    of version 2 has a NaN in rows of FSDP rank 0, the 3rd sends version 2 again
+    with finite weights, and sender 0 reaches that retry's exchange 2 s after
+    sender 1."""
     base = dict(fsdp=2, tp=2, src_dtype="fp32", versions=(1, 2, 3, 4))
     nan = dict(versions=(1, 2, 2, 3), poisoned=(1,), failing=(1,), stall_amax=(0, 2, 2.0))
     return {
@@ -106,16 +107,17 @@ def _amax_scenarios() -> dict[str, dict]:
         "plain-p2p": dict(base, config="mistral", transport="p2p", seed=3040),
         "nan-channel-shm": dict(base, config="llama_gqa_bias", transport="auto", fp8="channel", seed=3050, **nan),
         "nan-tensor-p2p": dict(base, config="qwen2", transport="p2p", fp8="tensor", seed=3060, **nan),
-        "nan-channel-shm-group": dict(base, config="llama_tied", transport="auto", fp8="channel", seed=3070,
-                                      amax_group=True, **nan),
-        "channel-p2p-group": dict(base, config="mistral", transport="p2p", fp8="channel", seed=3080, amax_group=True),
+        "nan-block-shm-group": dict(base, config="llama_tied", transport="auto", fp8="block", seed=3070,
+                                    amax_group=True, **nan),
+        "tensor-p2p-group": dict(base, config="mistral", transport="p2p", fp8="tensor", seed=3080, amax_group=True),
     }
 
 
 @pytest.fixture(scope="module")
 def amax_runs():
     """Every _amax_scenarios() scenario in one set of processes: (scenario -> [its
-    receivers' results], scenario -> its Store's number of keys afterwards)."""
+    receivers' results], scenario -> [its senders' failed sends], scenario -> its
+    Store's number of keys afterwards, scenario -> the FP8 amax keys left in it)."""
     stores = {k: dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
               for k in _amax_scenarios()}
     scenarios = {k: dict(s, port=stores[k].port) for k, s in _amax_scenarios().items()}
@@ -123,63 +125,100 @@ def amax_runs():
     jobs += [(workers.receiver_body, dict(port=0, rank=r, scenarios=list(scenarios.values()))) for r in range(2)]
     results = run_processes(jobs, timeout=600)
     received = {k: [results[2 + r][workers.scenario_name(s)] for r in range(2)] for k, s in scenarios.items()}
-    return received, {k: store.num_keys() for k, store in stores.items()}
+    failed = {k: [results[r][f"{workers.scenario_name(s)}/failed"] for r in range(2)] for k, s in scenarios.items()}
+    left = {}
+    for k, s in scenarios.items():
+        amax = dist.PrefixStore(f"llamarl/sync/{workers.scenario_name(s)}/src/amax/", stores[k])
+        left[k] = [key for v in (1, 2, 3, 4) for n in (0, 1, 2) for key in (f"{v}/{n}/0", f"{v}/{n}/1", f"{v}/{n}/done")
+                   if amax.check([key])]
+    return received, failed, {k: store.num_keys() for k, store in stores.items()}, left
 
 
 def test_fp8_syncs_leave_no_amax_keys_in_the_store(amax_runs):
     """Four FP8 syncs leave their Store with exactly the keys of the same syncs
-    without FP8: every amax key is deleted once both ranks have read it (before:
-    one key per sync and rank, never deleted), and the weights equal the reference."""
-    received, num_keys = amax_runs
+    without FP8: every amax key is deleted once both senders have read it, and
+    the weights equal the reference (quantized from the senders' float32)."""
+    received, failed, num_keys, left = amax_runs
     for fp8, plain in [("channel-shm", "plain-shm"), ("tensor-shm", "plain-shm"), ("tensor-p2p", "plain-p2p")]:
-        assert received[fp8] == [[], []], fp8
+        assert received[fp8] == [[], []] and failed[fp8] == [[], []], fp8
         assert num_keys[fp8] == num_keys[plain], (fp8, num_keys)
     assert received["plain-shm"] == received["plain-p2p"] == [[], []]
+    assert all(keys == [] for keys in left.values()), left
 
 
-def test_fp8_version_retried_after_nan_on_one_rank_equals_reference(amax_runs):
-    """A NaN reaching receiver 0 fails version 2 on both ranks; the retry of version 2
-    (same number, finite weights) then succeeds on both and equals the reference,
-    though receiver 1 reaches its exchange first: it waits for receiver 0's fresh
-    amaxes instead of reading the failed attempt's "nonfinite" (before: it failed
-    again). The failed attempt's keys are deleted too."""
-    received, num_keys = amax_runs
-    for name in ["nan-channel-shm", "nan-tensor-p2p", "nan-channel-shm-group"]:
-        rank0, rank1 = received[name]
-        assert len(rank0) == 1 and re.match(r"step 1: receiver rank 0, version 2: .*contains NaN or inf", rank0[0]), (name, rank0)
-        assert rank1 == ["step 1: receiver rank 1, version 2: another rank received NaN or inf; weights torn"], (name, rank1)
-    assert num_keys["nan-channel-shm"] == num_keys["plain-shm"]
-    assert num_keys["nan-tensor-p2p"] == num_keys["plain-p2p"]
+def test_fp8_nan_on_one_sender_fails_every_send_before_a_byte_moves(amax_runs):
+    """A NaN on sender 0 fails version 2 on both senders (sender 0 naming the
+    tensor, sender 1 told by the exchange) before either writes: the receivers
+    fail naming a sender, those fed point to point at once and with nothing
+    written. The retry of version 2 (same number, finite weights) then lands on
+    both receivers, equal to the reference, though sender 1 reaches its exchange
+    2 s before sender 0: it waits for sender 0's fresh amaxes instead of reading
+    the failed attempt's "nonfinite"; no amax key is left."""
+    received, failed, _, left = amax_runs
+    for name in ["nan-channel-shm", "nan-tensor-p2p", "nan-block-shm-group"]:
+        sender0, sender1 = failed[name]
+        assert len(sender0) == 1 and re.match(
+            r"step 1: sender rank 0, version 2: source 'model\.layers\.0\.self_attn\.q_proj\.weight' \(for FP8 "
+            r"destination 'model\.layers\.0\.self_attn\.qkv_proj\.weight' on rank 0\) contains NaN or inf; "
+            r"refusing to quantize it to FP8; nothing was written", sender0[0]), (name, sender0)
+        assert sender1 == ["step 1: sender rank 1, version 2: another sender rank holds NaN or inf for an FP8 "
+                           "destination; nothing was written"], (name, sender1)
+        for rank, lines in enumerate(received[name]):
+            assert len(lines) == 1 and re.match(rf"step 1: torn (True|False): receiver rank {rank}: sender rank", lines[0]), (name, lines)
+            if name.endswith("p2p"):  # both senders' headers said so, and their reports are read
+                assert lines[0].startswith(f"step 1: torn False: receiver rank {rank}: sender ranks "), lines[0]
+                assert "sender rank 0 failed: SyncError: sender rank 0, version 2: source 'model" in lines[0], lines[0]
+                assert "sender rank 1 failed: SyncError: sender rank 1, version 2: another sender" in lines[0], lines[0]
+                assert lines[0].endswith("; nothing was written"), lines[0]
+        assert left[name] == []
 
 
-def test_fp8_amaxes_reduced_over_the_receivers_group_equal_reference(amax_runs):
-    """group=: the amaxes go through an all-reduce over the receivers' own gloo group
-    (no Store keys), bitwise equal to the reference; the NaN scenario above runs
-    over a group too."""
-    received, _ = amax_runs
-    assert received["channel-p2p-group"] == [[], []]
+def test_fp8_amaxes_reduced_over_the_senders_group_equal_reference(amax_runs):
+    """group=: the shared amaxes go through an all-reduce over the senders' own gloo
+    group (no Store keys), bitwise equal to the reference; the NaN scenario above
+    runs over a group too."""
+    received, failed, num_keys, _ = amax_runs
+    assert received["tensor-p2p-group"] == [[], []] and failed["tensor-p2p-group"] == [[], []]
 
 
 def test_fp8_rank_that_missed_an_exchange_puts_only_that_version_out_of_step(store):
-    """Receiver 1 gives up on version 2 before the sender serves it, and takes it on
-    its next receive, after receiver 0 (served) timed out waiting for its amaxes.
-    Receiver 1 fails at once on receiver 0's "timed-out" marker instead of
-    waiting; version 3 then lands on both, equal to the reference, and no amax
-    key is left. (Keyed by receive ticket, receiver 1's tickets would trail
-    receiver 0's from here on and every later FP8 sync would fail.)"""
-    scenario = dict(config="llama_gqa_bias", fsdp=1, tp=2, src_dtype="fp32", transport="auto", fp8="channel",
-                    seed=3100, versions=(1, 2, 3))
-    scenario["send_after"] = {1: f"test/{workers.scenario_name(scenario)}/1-gave-up"}
-    jobs = [(workers.sender_body, dict(port=store.port, rank=0, scenarios=[scenario]))]
-    jobs += [(workers.late_rank_receiver_body, dict(port=store.port, rank=r, scenario=scenario)) for r in range(2)]
-    _, rank0, rank1 = run_processes(jobs, timeout=300)
+    """Sender 1 holds back version 2 until sender 0, which sent it, has timed out
+    waiting for its amaxes; sender 1's version 2 then fails at once on sender 0's
+    "timed-out" marker instead of waiting. Version 3 then lands, equal to the
+    reference, and no amax key is left. (Keyed by a send counter, sender 1's
+    exchanges would trail sender 0's from here on and every later FP8 sync
+    would fail.)"""
+    scenario = dict(config="llama_gqa_bias", fsdp=2, tp=1, src_dtype="fp32", transport="auto", fp8="tensor",
+                    seed=3100)
+    jobs = [(workers.late_rank_sender_body, dict(port=store.port, rank=r, scenario=scenario)) for r in range(2)]
+    jobs += [(workers.polling_receiver_body, dict(port=store.port, rank=0, scenario=scenario))]
+    rank0, rank1, receiver = run_processes(jobs, timeout=300)
     assert rank0["v1"] == rank1["v1"] == 1
     assert rank0["v2"].startswith("SyncTimeoutError: timed out waiting for the FP8 amaxes of sync (2, 0)"), rank0
-    assert rank1["v2 early"].startswith("SyncTimeoutError: timed out waiting for senders to finish"), rank1
-    assert rank1["v2"].startswith("SyncTimeoutError: receiver rank 0 timed out in the FP8 amax exchange of sync (2, 0)"), rank1
+    assert rank1["v2"].startswith("SyncTimeoutError: sender rank 0 timed out in the FP8 amax exchange of sync (2, 0)"), rank1
     assert rank0["v3"] == rank1["v3"] == 3
-    assert rank0["v3_mismatches"] == rank1["v3_mismatches"] == []
+    assert receiver == {"v1": 1, "v3": 3, "v3_mismatches": []}
     assert rank0["amax_keys_left"] == rank1["amax_keys_left"] == []
+
+
+def test_fp8_destination_holds_its_fp8_weights_and_scales_and_the_staging_buckets_only(store):
+    """A generator process receiving 64 MiB of FP8 weights (per channel and per
+    block) from a float32 trainer, point to point in 4 MiB buckets: its peak RSS
+    past the allocation of its own FP8 weights and scales grows by less than its
+    two staging buckets plus 16 MiB (gloo's buffers, allocator slack), where bf16
+    landing rows would add 128 MiB; the weights equal the reference; the sender
+    keeps one FP8 byte per element it sends."""
+    jobs = [(workers.fp8_memory_sender_body, dict(port=store.port)),
+            (workers.fp8_memory_receiver_body, dict(port=store.port))]
+    sender, receiver = run_processes(jobs, timeout=300)
+    elements = sum(rows * cols for rows, cols in workers.FP8_MEMORY["shapes"])
+    assert receiver["mismatches"] == []
+    assert receiver["staging"] == 2 * workers.FP8_MEMORY["bucket_bytes"]
+    assert receiver["registered"] < elements * 1.01  # FP8 bytes, and scales
+    assert receiver["growth"] < receiver["staging"] + (16 << 20), receiver
+    print(f"receiver peak RSS growth {receiver['growth'] / 2**20:.1f} MiB (staging {receiver['staging'] / 2**20:.0f} "
+          f"MiB, FP8 weights and scales {receiver['registered'] / 2**20:.1f} MiB)")
+    assert sender["packed_bytes"] == elements
 
 
 def test_sync_through_a_file_store(tmp_path):
@@ -695,35 +734,45 @@ def test_sender_rechecks_tensors_whose_storage_moved(store):
     receiver.close()
 
 
-def test_fp8_sync_refuses_nonfinite_weights_on_every_rank(store):
+def test_fp8_sync_refuses_nonfinite_weights_before_writing(store):
     """Threads in one process (the shared-memory transport works within a process
-    too): a NaN reaching receiver 0 fails both receivers at once, both torn."""
+    too): a NaN in the sender's rows fails its send naming the tensor before any
+    byte moves; both receivers fail naming the sender, and their FP8 weights and
+    scales are the ones they had."""
     config = small_config("llama_gqa_bias")
     state = hf_state_dict(config, 21)
-    state["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")  # rows of TP rank 0 only
+    state["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
     src_layout = hf_llama_fsdp(config, 1, torch.float32)
     dst_layout = vllm_llama_tp(config, 2, torch.bfloat16, fp8="tensor")
-    outcome = {}
+    outcome, before, after = {}, {}, {}
 
     def receiver(rank):
         params = poisoned_destination(dst_layout, rank)
+        before[rank] = {n: t.clone() for n, t in params.items()}
         with WeightReceiver(store_client(store), dst_layout, rank, params, name="nan", timeout=30) as r:
             try:
                 r.receive()
                 outcome[rank] = "received"
             except SyncError as exc:
-                outcome[rank] = (str(exc), r.torn, r.version)
+                outcome[rank] = (str(exc), r.version)
+        after[rank] = params
 
     threads = [threading.Thread(target=receiver, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     shards = reference_fsdp_shards(state, 1, torch.float32)[0]
     with WeightSender(store_client(store), src_layout, 0, shards, name="nan", timeout=30) as sender:
-        sender.send(1)
+        with pytest.raises(SyncError, match=r"sender rank 0, version 1: source 'model\.layers\.0\.self_attn\.q_proj"
+                                            r"\.weight' .*contains NaN or inf.*; nothing was written"):
+            sender.send(1)
     for t in threads:
         t.join(timeout=60)
-    assert "qkv_proj.weight: contains NaN or inf" in outcome[0][0] and outcome[0][1:] == (True, None)
-    assert "another rank received NaN or inf" in outcome[1][0] and outcome[1][1:] == (True, None)
+    for rank in range(2):
+        assert outcome[rank][0].startswith(f"receiver rank {rank}: sender rank 0 failed: SyncError: sender rank 0, "
+                                           "version 1: source"), outcome[rank]
+        assert outcome[rank][1] is None
+        assert all(torch.equal(t.reshape(-1).view(torch.uint8), after[rank][n].reshape(-1).view(torch.uint8))
+                   for n, t in before[rank].items())
 
 
 _RECEIVER_ON_SMALL_DEV_SHM = """

@@ -236,8 +236,8 @@ class ParamSpec:
 
     shape: the global (unsharded) shape; for `Fused`, the parts stacked on dim 0;
     for `Explicit`, rank 0's local shape (the placement lists every rank's).
-    dtype: the dtype the sync lands in (for an FP8 parameter: the bf16 rows that
-    are then quantized).
+    dtype: the dtype the sync lands in (for an FP8 parameter: the generator's
+    unquantized dtype, kept for its record; the senders quantize their own values).
     source: the logical tensor it holds (default: its own name); unused by `Fused`,
     whose parts name their sources.
     fp8: None, or the granularity ("tensor", "channel", "block") of an FP8
@@ -293,7 +293,7 @@ class Layout:
             if spec.fp8 not in GRANULARITIES:
                 raise ValueError(f"parameter {name!r}: fp8 granularity must be one of {GRANULARITIES}, got {spec.fp8!r}")
             if len(spec.shape) != 2 or spec.dtype not in INPUT_DTYPES:
-                raise ValueError(f"parameter {name!r}: FP8 needs a 2-D weight landing in bf16, fp16 or fp32")
+                raise ValueError(f"parameter {name!r}: FP8 needs a 2-D weight of a bf16, fp16 or fp32 model")
         placement = spec.placement
         if isinstance(placement, Replicate):
             return

@@ -14,12 +14,17 @@ from typing import Mapping
 
 import torch
 
+from ..ops.fp8 import INPUT_DTYPES
 from .engine import check_local_tensors, run_segment_table, segment_table, tensors_device
-from .fp8 import Fp8Destinations, reduce_max
+from .fp8 import Fp8Plan, Fp8Rect, Fp8Sources, ScaleWrite
 from .layout import Fragment, Layout, view_2d
 
 # Casts a segment may do on the way; any other dtype pair is refused.
 SUPPORTED_CASTS = {(torch.float32, torch.bfloat16)}
+
+# Where a segment reads on its sender (Segment.source): the sender's own tensor; its
+# FP8 buffer (an FP8 destination, see fp8.py); its FP8 scales vector.
+SOURCE_TENSOR, SOURCE_FP8, SOURCE_SCALES = "tensor", "fp8", "scales"
 
 # Default bucket: 256 MiB bounds the staging buffer of the point-to-point
 # transport per rank pair (checkpoint-engine uses 8 GiB double buckets, slime
@@ -33,7 +38,10 @@ class Segment:
     """A 2-D strided rectangle: `height` rows of `width` elements, from source rank's
     local tensor `src_name` at byte `src_offset` (rows `src_pitch` bytes apart) to
     destination rank's local tensor `dst_name` at `dst_offset` (`dst_pitch`).
-    `itemsize` is the destination element size; `cast` marks float32 -> bfloat16."""
+    `itemsize` is the destination element size; `cast` marks float32 -> bfloat16.
+    `source`: what the sender reads (SOURCE_TENSOR: its tensor `src_name`;
+    SOURCE_FP8: its FP8 buffer, where this rectangle of `src_name` was cast,
+    dense; SOURCE_SCALES: its FP8 scales vector, `src_name` empty)."""
 
     src_rank: int
     src_name: str
@@ -47,6 +55,7 @@ class Segment:
     height: int
     itemsize: int
     cast: bool
+    source: str = SOURCE_TENSOR
 
     @property
     def src_itemsize(self) -> int:
@@ -91,6 +100,16 @@ def _bucketed(segments: list[Segment], bucket_bytes: int) -> list[tuple[Segment,
     if current:
         buckets.append(tuple(current))
     return buckets
+
+
+def source_address(seg: Segment, tensors: Mapping[str, torch.Tensor], fp8: Fp8Sources | None) -> int:
+    """Where `seg` reads on its sender, before `seg.src_offset`: one of `tensors`,
+    or the sender's FP8 buffer or scales (`fp8`, its Fp8Sources)."""
+    if seg.source == SOURCE_FP8:
+        return fp8.packed.data_ptr()
+    if seg.source == SOURCE_SCALES:
+        return fp8.scales.data_ptr()
+    return tensors[seg.src_name].data_ptr()
 
 
 def bipartite_rounds(pairs) -> list[list[tuple[int, int]]]:
@@ -148,8 +167,8 @@ def check_replicas(dst_layout: Layout, num_replicas: int) -> None:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     fp8 = [name for name, spec in dst_layout.params.items() if spec.fp8]
     if num_replicas > 1 and fp8:
-        raise ValueError(f"{fp8[0]!r} is an FP8 destination, which each receiver quantizes from bfloat16 rows; "
-                         "relaying FP8 weights to replicas is not supported yet: one sync per replica instead")
+        raise ValueError(f"{fp8[0]!r} is an FP8 destination: relaying FP8 weights and their scales to replicas is "
+                         "not supported yet; one sync per replica instead")
 
 
 class TransferPlan:
@@ -157,11 +176,14 @@ class TransferPlan:
     (source rank, destination rank) pair and bucketed. With `num_replicas` > 1
     the destination is that many data-parallel copies of `dst_layout`: the
     segments fill replica 0, and `relay` (a plan from `dst_layout` to itself, one
-    run per tensor) copies each replica into its children in `relays`."""
+    run per tensor) copies each replica into its children in `relays`. `fp8`:
+    the scale groups of its FP8 destinations (None without any), which the
+    senders quantize (fp8.py)."""
 
     def __init__(self, src_layout: Layout, dst_layout: Layout, segments: list[Segment], bucket_bytes: int,
-                 num_replicas: int = 1):
+                 num_replicas: int = 1, fp8: Fp8Plan | None = None):
         self.src_layout = src_layout
+        self.fp8 = fp8
         self.dst_layout = dst_layout
         self.segments = tuple(segments)
         self.bucket_bytes = bucket_bytes
@@ -237,8 +259,9 @@ class TransferPlan:
         src_shards / dst_shards: rank -> local parameter name -> tensor, every rank
         of each layout (`layout.local_tensor_specs(rank)`: FP8 parameters are a
         float8_e4m3fn weight and a float32 scale), contiguous, all on one device.
-        Everything is checked before the first byte moves. Returns the bytes the
-        plan wrote (FP8 parameters: their landing rows).
+        Everything is checked before the first byte moves (a NaN or inf bound for
+        an FP8 destination included: ValueError naming it). Returns the bytes the
+        plan wrote.
         """
         for rank in range(self.src_layout.world_size):
             check_local_tensors(self.src_layout, rank, src_shards.get(rank), "source")
@@ -247,20 +270,26 @@ class TransferPlan:
         everything = {(side, r, n): t for side, shards in (("src", src_shards), ("dst", dst_shards))
                       for r in shards for n, t in shards[r].items()}
         device = tensors_device(everything, "execute_local")
-        fp8 = {r: Fp8Destinations(self.dst_layout, r) for r in range(self.dst_layout.world_size)}
-        landing = {r: fp8[r].landing(dst_shards[r], device) for r in fp8}
+        sources: dict[int, Fp8Sources] = {}
+        if self.fp8 is not None:  # what each sender rank does, for every rank here (fp8.py)
+            for r in range(self.src_layout.world_size):
+                sources[r] = Fp8Sources(self.fp8, r, device)
+            amax = {r: s.local_amax(src_shards[r]) for r, s in sources.items()}
+            for r, s in sources.items():
+                problem = s.nonfinite(amax[r], src_shards[r])
+                if problem is not None:
+                    raise ValueError(f"source rank {r}: {problem}")
+            shared = sources[0].shared
+            reduced = torch.stack([a[shared] for a in amax.values()]).amax(dim=0)
+            for r, s in sources.items():
+                amax[r][shared] = reduced
+                s.quantize(src_shards[r], amax[r])
         table = segment_table(
             self.segments,
-            lambda seg: src_shards[seg.src_rank][seg.src_name].data_ptr(),
-            lambda seg: landing[seg.dst_rank][seg.dst_name].data_ptr(),
+            lambda seg: source_address(seg, src_shards[seg.src_rank], sources.get(seg.src_rank)),
+            lambda seg: dst_shards[seg.dst_rank][seg.dst_name].data_ptr(),
         )
-        written = run_segment_table(table, device, num_threads)
-        if any(f.names for f in fp8.values()):
-            local = {r: fp8[r].local_amax(landing[r]) for r in fp8}
-            reduced = reduce_max([flat for _, flat in local.values()])
-            for r in fp8:
-                fp8[r].finish(landing[r], dst_shards[r], local[r][0], reduced)
-        return written
+        return run_segment_table(table, device, num_threads)
 
     def __repr__(self) -> str:
         return (
@@ -374,7 +403,11 @@ def plan_transfer(src_layout: Layout, dst_layout: Layout, bucket_bytes: int = DE
                     f"layout, expected {shape}"
                 )
             pair = (src_dtypes[source], spec.dtype)
-            if pair[0] != pair[1] and pair not in SUPPORTED_CASTS:
+            if spec.fp8 is not None:
+                if pair[0] not in INPUT_DTYPES:
+                    raise ValueError(f"FP8 destination {spec.name!r}: cannot quantize {source!r} from {pair[0]} "
+                                     "(bfloat16, float16 or float32 only)")
+            elif pair[0] != pair[1] and pair not in SUPPORTED_CASTS:
                 raise ValueError(
                     f"destination {spec.name!r}: cannot cast {source!r} from {pair[0]} to {pair[1]} "
                     f"(supported: equal dtypes, float32 -> bfloat16)"
@@ -390,28 +423,49 @@ def plan_transfer(src_layout: Layout, dst_layout: Layout, bucket_bytes: int = DE
                 holders[frag.source].append(_Holder(rank, name, frag))
 
     segments: list[Segment] = []
+    rects: list[Fp8Rect] = []
+    packed: dict[int, int] = defaultdict(int)  # sender rank -> elements of its FP8 buffer so far
     for rank in range(dst_layout.world_size):
         for name, spec in dst_layout.params.items():
             _check_tiling(dst_layout, name, rank)
             dst_cols = view_2d(dst_layout.local_shape(name, rank))[1]
-            dst_item = spec.dtype.itemsize
+            fp8 = spec.fp8 is not None  # FP8 bytes from the sender's FP8 buffer (fp8.py)
+            dst_item = 1 if fp8 else spec.dtype.itemsize
             for frag in dst_layout.fragments(name, rank):
                 for holder, ra, rb, ca, cb in _decompose(frag, holders[frag.source], rank, name):
                     src_spec = src_layout.params[holder.name]
-                    src_item = src_spec.dtype.itemsize
                     src_cols = view_2d(src_layout.local_shape(holder.name, holder.rank))[1]
                     hf = holder.fragment
                     src_r, src_c = ra - hf.src_row + hf.local_row, ca - hf.src_col + hf.local_col
                     dst_r, dst_c = ra - frag.src_row + frag.local_row, ca - frag.src_col + frag.local_col
                     width, height = cb - ca, rb - ra
-                    if width == src_cols == dst_cols and height > 1:  # whole rows on both sides: one run
+                    if fp8:  # read from the rectangle's dense place in the sender's FP8 buffer
+                        offset = packed[holder.rank]
+                        rects.append(Fp8Rect(holder.rank, holder.name, src_r, src_c, rank, name, dst_r, dst_c,
+                                             height, width, offset))
+                        packed[holder.rank] += height * width
+                        src_offset, src_pitch, src_row_elems = offset, width, width
+                    else:
+                        src_item = src_spec.dtype.itemsize
+                        src_offset, src_pitch, src_row_elems = ((src_r * src_cols + src_c) * src_item,
+                                                                src_cols * src_item, src_cols)
+                    if width == src_row_elems == dst_cols and height > 1:  # whole rows on both sides: one run
                         width, height = width * height, 1
-                    cast = src_spec.dtype != spec.dtype
+                    cast = not fp8 and src_spec.dtype != spec.dtype
                     segments.append(
                         Segment(
-                            holder.rank, holder.name, (src_r * src_cols + src_c) * src_item, src_cols * src_item,
+                            holder.rank, holder.name, src_offset, src_pitch,
                             rank, name, (dst_r * dst_cols + dst_c) * dst_item, dst_cols * dst_item,
-                            width, height, dst_item, cast,
+                            width, height, dst_item, cast, SOURCE_FP8 if fp8 else SOURCE_TENSOR,
                         )
                     )
-    return TransferPlan(src_layout, dst_layout, segments, bucket_bytes, num_replicas)
+    fp8_plan = Fp8Plan(dst_layout, rects, src_layout.world_size) if rects else None
+    if fp8_plan is not None:
+        segments += [_scale_segment(write) for write in fp8_plan.scale_writes]
+    return TransferPlan(src_layout, dst_layout, segments, bucket_bytes, num_replicas, fp8_plan)
+
+
+def _scale_segment(write: ScaleWrite) -> Segment:
+    """The copy of a run of FP8 scales (float32) from a sender's scales vector."""
+    return Segment(write.src_rank, "", write.cell * 4, 0, write.dst_rank, write.dst_name, write.index * 4, 0,
+                   write.count, 1, 4, False, SOURCE_SCALES)

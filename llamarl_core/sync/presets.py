@@ -159,9 +159,9 @@ def vllm_llama_tp(config, tp_size: int, dtype: torch.dtype, fp8: str | None = No
       multiple of 64 (padding rows stay zero); `lm_head` omitted when tied.
     - fp8: None, or a granularity ("tensor", "channel", "block") for the weights
       of qkv_proj, o_proj, gate_up_proj and down_proj, which the generator then
-      holds in float8_e4m3fn with a scale (llamarl_core/sync/fp8.py); `dtype` is
-      what their rows land in before quantization. Norms, biases, embeddings and
-      lm_head stay in `dtype`.
+      holds in float8_e4m3fn with a scale, quantized by the senders
+      (llamarl_core/sync/fp8.py). Norms, biases, embeddings and lm_head stay in
+      `dtype`.
     """
     d = llama_dims(config)
     if tp_size < 1:

@@ -28,7 +28,8 @@ counters are plain integers (a forged count is only a hint to look again):
                                                       again once it sends anew
     src/failures                                      counter: failure reports ever made
     abandoned                                         abandon_receivers' reason
-    dst/amax/<version>/<n>/<d>                        FP8 amaxes (raw bytes), deleted once read
+    src/amax/<version>/<n>/<s>                        FP8 amaxes senders share (raw bytes),
+                                                      deleted once read
     pg/...                                            the point-to-point group's rendezvous
                                                       (tagged too: a forged peer address is never read)
 

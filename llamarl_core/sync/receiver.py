@@ -1,5 +1,5 @@
 """A generator rank's end of a weight sync: WeightReceiver, with its relays to the
-replicas it feeds and the FP8 scales of what lands."""
+replicas it feeds."""
 
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import torch.distributed as dist
 from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, packed
 from .engine import prepared_table, run_segment_table, segment_table, storage_key, wait_for_queued_work
 from .errors import RelayError, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
-from .fp8 import Fp8Destinations, reduce_max
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES, check_replicas, relay_tree
 from .protocol import CLOSED, DST, Channel, SenderWatch, done_key, relay_name, ticket_closed
 from .relay import Forwarding
-from .sender import WeightSender
+from .sender import NOTHING_FOLLOWS, WeightSender
 from .transports import CUDA_IPC, P2P, SHM, cuda_ipc_handle, rehome_into_shared_memory, shm_handle
 
 # The largest point-to-point bucket of a sync into generator replicas (shared memory
@@ -49,12 +48,9 @@ class WeightReceiver(Endpoint):
     this rank sends to the replicas it feeds (the trainer's sender rank 0 sets the
     sync's own). p2p_bucket_bytes: a cap on the buckets of point-to-point pairs;
     receiver rank 0's applies (16 MiB at most with replicas).
-    group: optional torch.distributed group spanning exactly the receiver ranks
-    in rank order (the generator's tensor-parallel group); FP8 amaxes that span
-    ranks are then reduced over it, on the tensors' device, instead of through
-    Store keys. As with any collective every rank must take part: a NaN on one
-    rank fails all at once, but a rank whose receive fails before the exchange
-    leaves the others' all-reduce to time out.
+    FP8 parameters (layout `fp8=`) are registered as their float8_e4m3fn weight
+    and float32 scale; the senders quantize (fp8.py), so the receiver holds
+    nothing more and does no arithmetic.
     replica / num_replicas: this rank's generator replica, of that many
     data-parallel copies of `layout` (each a tensor-parallel group). The trainer
     ranks send to replica 0 only; a version then goes down the replicas'
@@ -101,7 +97,7 @@ class WeightReceiver(Endpoint):
     def __init__(self, store: dist.Store, layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor], *,
                  name: str = "weights", transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_threads: int | None = None,
-                 p2p_bucket_bytes: int | None = None, group: dist.ProcessGroup | None = None, replica: int = 0,
+                 p2p_bucket_bytes: int | None = None, replica: int = 0,
                  num_replicas: int = 1, relay_names: Mapping[int, str] | None = None, secret: bytes | None = None):
         check_replicas(layout, num_replicas)
         if not 0 <= replica < num_replicas:
@@ -118,11 +114,6 @@ class WeightReceiver(Endpoint):
         super().__init__(channel, layout, rank, tensors, transport=transport, timeout=timeout,
                          bucket_bytes=bucket_bytes, num_threads=num_threads, p2p_bucket_bytes=p2p_bucket_bytes,
                          watch=self.watch)
-        if group is not None and (group.size(), group.rank()) != (self.layout.world_size, self.rank):
-            raise ValueError(f"receiver rank {self.rank}: group= must span the {self.layout.world_size} receiver ranks "
-                             f"in rank order, got rank {group.rank()} of {group.size()}")
-        self._amax_group = group
-        self._amax_attempt: tuple[int | None, int] = (None, 0)  # see _amax_sync_id
         self.version: int | None = None
         self.torn = False
         self.senders = self.plan.senders_of(self.rank)
@@ -135,19 +126,16 @@ class WeightReceiver(Endpoint):
         # Sender -> the versions taken from it point to point (pending() compares its offers
         # with it); None for a sender that writes through memory (its offers are withdrawn).
         self._taken: dict[int, int | None] = {src: None if src in self._local_senders else 0 for src in self.senders}
-        # What the senders write: the registered tensors, and landing rows for FP8 weights.
-        self.fp8 = Fp8Destinations(self.layout, self.rank)
-        self.landing = self.fp8.landing(self.tensors, self.device)
         local_transports = {self.transports[(src, self.rank)] for src in self._local_senders}
         if SHM in local_transports:
             # The region stays mapped for as long as the tensors viewing it live.
-            region, offsets = rehome_into_shared_memory(self.landing, f"receiver rank {self.rank}")
+            region, offsets = rehome_into_shared_memory(self.tensors, f"receiver rank {self.rank}")
             self.channel.set(f"{DST}/{self.rank}/handle", shm_handle(region, offsets))
         elif CUDA_IPC in local_transports:
             # Senders in this process write to the addresses; the others need IPC handles.
             me = self._dst_infos[self.rank]["process"]
             remote = any(self._src_infos[src]["process"] != me for src in self._local_senders)
-            self.channel.set(f"{DST}/{self.rank}/handle", cuda_ipc_handle(self.landing, self.device, remote))
+            self.channel.set(f"{DST}/{self.rank}/handle", cuda_ipc_handle(self.tensors, self.device, remote))
         self._staging_bufs = self._staging([self.plan.buckets[(src, self.rank)] for src in self._p2p_peers])
         self._unpack: dict[int, list] = {}
         for src in self._p2p_peers:
@@ -155,10 +143,10 @@ class WeightReceiver(Endpoint):
             for i, bucket in enumerate(self.plan.buckets[(src, self.rank)]):
                 staging = self._staging_bufs[i % 2].data_ptr()
                 table = segment_table(packed(bucket)[1], lambda seg: staging,
-                                      lambda seg: self.landing[seg.dst_name].data_ptr())
+                                      lambda seg: self.tensors[seg.dst_name].data_ptr())
                 self._unpack[src].append((prepared_table(table, self.device), sum(seg.nbytes for seg in bucket)))
         # Where the senders' segments (and the unpack tables) write: checked before every receive().
-        self._landing_keys = {name: storage_key(t) for name, t in self.landing.items()}
+        self._dst_keys = {name: storage_key(t) for name, t in self.tensors.items()}
         # Set up in the background (see replace_relay): a relay waits for its child's receiver,
         # which may still be starting, or be gone (a child that died as this replica started
         # fails that relay at the first receive, naming it, instead of this replica's start).
@@ -326,7 +314,7 @@ class WeightReceiver(Endpoint):
         self._raise_if_senders_failed()  # before anything is asked for: the weights stay whole
         if not self._local_senders:
             # The unpack copies run on a stream that waits for the current one: the GPU orders them.
-            return self._complete(self._receive_p2p(deadline, forwarding), deadline)
+            return self._complete(self._receive_p2p(deadline, forwarding))
         # Senders on this host write from other processes and streams, ordered by
         # nothing but the ticket: open it only once the generator's queued kernels
         # have stopped reading.
@@ -362,7 +350,7 @@ class WeightReceiver(Endpoint):
                 self.torn = False  # no sender wrote
                 raise StaleReceiveError(message)
             raise SyncError(f"{message}; weights torn")
-        return self._complete(versions | set(answers), deadline)
+        return self._complete(versions | set(answers))
 
     def _close_ticket(self, ticket: int) -> None:
         """No sender may serve `ticket` from now on: CLOSED over its `open` value."""
@@ -382,8 +370,8 @@ class WeightReceiver(Endpoint):
     def _check_storage(self) -> None:
         """Refuse to sync into a tensor whose storage moved since registration: the
         senders' tables (and the unpack tables) hold the registered addresses."""
-        for name, t in self.landing.items():
-            now, then = storage_key(t), self._landing_keys[name]
+        for name, t in self.tensors.items():
+            now, then = storage_key(t), self._dst_keys[name]
             if now != then:
                 raise SyncError(
                     f"receiver rank {self.rank}: parameter {name!r} moved since registration (data_ptr "
@@ -397,15 +385,21 @@ class WeightReceiver(Endpoint):
         versions. Bucket i arrives in staging buffer i % 2 (tag 1 + i): the receive
         of bucket i + 1 is posted before bucket i is unpacked, and the receive of
         bucket i + 2 into the same buffer only after that unpack has completed.
-        Each bucket, once unpacked, goes on to the relays `forwarding` feeds."""
-        versions = set()
-        self.torn = True
+        Each bucket, once unpacked, goes on to the relays `forwarding` feeds. A
+        sender that failed before writing sends a header saying so: the other
+        senders are still received, then SyncError names it (the weights torn only
+        if another sender wrote)."""
+        versions, failed = set(), []
+        was_torn, self.torn = self.torn, True
         for src in self._p2p_peers:  # in round order
             header = torch.empty(2, dtype=torch.int64, device=self.device)
             what = f"receiving from sender {src}"
             self._wait_work(self._post("recv", header, src, 0, what), deadline, what)
             version, num_buckets = (int(x) for x in header.tolist())
             self._taken[src] += 1  # this sender's next version in the pair, whatever comes of it
+            if num_buckets == NOTHING_FOLLOWS:
+                failed.append((src, version))
+                continue
             tables = self._unpack[src]
             if num_buckets != len(tables):
                 raise SyncError(f"sender {src} sends {num_buckets} buckets, the plan has {len(tables)}")
@@ -419,117 +413,22 @@ class WeightReceiver(Endpoint):
                     pending = self._post("recv", self._staging_bufs[(i + 1) % 2][: tables[i + 1][1]], src, 2 + i, what)
                 run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
                 forwarding.landed()
+        if failed:
+            wrote = bool(versions) or bool(self._local_senders)
+            self.torn = was_torn or wrote
+            reports = "; ".join(self.watch.failure([src]) or f"sender rank {src}: no report" for src, _ in failed)
+            raise SyncError(f"receiver rank {self.rank}: sender ranks {[src for src, _ in failed]} failed before "
+                            f"writing version {failed[0][1]} ({reports})"
+                            + ("; weights torn" if wrote else "; nothing was written"))
         return versions
 
-    def _complete(self, versions: set[int], deadline: float) -> int:
+    def _complete(self, versions: set[int]) -> int:
         """Every segment has landed: adopt the senders' common version."""
         if len(versions) > 1:
             raise SyncError(f"receiver rank {self.rank}: senders sent different versions {sorted(versions)}; weights torn")
-        version = versions.pop() if versions else self.version
-        if self.fp8.names:
-            self._quantize_fp8(version, deadline)
-        self.version = version
+        self.version = versions.pop() if versions else self.version
         self.torn = False
         return self.version
-
-    def _quantize_fp8(self, version: int, deadline: float) -> None:
-        """Quantize the landed rows of FP8 weights, with the amaxes that span ranks
-        reduced (MAX) over every receiver rank: an all-reduce over `group` when the
-        receiver was given one, else through the Store under this receive's sync id
-        (`_amax_sync_id`). A rank that received NaN or inf still takes part, so the
-        others fail at once instead of timing out."""
-        try:
-            amaxes, flat = self.fp8.local_amax(self.landing)
-            error = None
-        except ValueError as exc:
-            amaxes, flat, error = None, None, exc
-        reduced = flat
-        if self.fp8.num_reduced and self.layout.world_size > 1:
-            sync_id = self._amax_sync_id(version)
-            exchange = self._amax_over_group if self._amax_group is not None else self._amax_through_store
-            reduced = exchange(flat, sync_id, deadline)
-        if error is not None:
-            raise SyncError(f"receiver rank {self.rank}, version {version}: {error}; weights torn") from error
-        if reduced is None:
-            raise SyncError(f"receiver rank {self.rank}, version {version}: another rank received NaN or inf; weights torn")
-        self.fp8.finish(self.landing, self.tensors, amaxes, reduced)
-
-    def _amax_sync_id(self, version: int) -> tuple[int, int]:
-        """(version, n), n = how many FP8 exchanges of `version` this rank has begun
-        before: equal on every receiver rank for one send of a version, never equal
-        for two attempts of one rank, so a retried version never reads a failed
-        attempt's values.
-
-        Why not the receive ticket: tickets count receive() calls per rank, and a
-        receive that times out before any sender served it (a short timeout, a slow
-        trainer) costs that rank a ticket the others spent on a real sync: its
-        tickets then trail theirs at every later sync, forever. The version is what
-        all ranks of one sync agree on with no extra message (the p2p transport has
-        no tickets at all). A rank that missed an exchange (its receive failed
-        before it) puts at most the later attempts of that same version out of
-        step: they fail (on a peer's "timed-out" marker, or a timeout); the next
-        version starts again at n = 0 on every rank. The one pairing this cannot
-        tell apart: one version number sent again with other weights while a peer
-        still waits in the exchange of the send this rank missed; telling sends
-        apart exactly needs an id written by the senders.
-        """
-        last, n = self._amax_attempt
-        self._amax_attempt = (version, n + 1 if last == version else 0)
-        return self._amax_attempt
-
-    def _amax_over_group(self, flat: torch.Tensor | None, sync_id: tuple[int, int], deadline: float) -> torch.Tensor | None:
-        """MAX all-reduce over the receivers' own group of [amaxes, nonfinite flag,
-        sync id, -sync id] (float64: exact for amaxes and ids below 2**53); None if
-        a rank received NaN or inf. Ranks at different sync ids (one missed an
-        exchange) raise instead of mixing two syncs' amaxes."""
-        count = self.fp8.num_reduced
-        buf = torch.zeros(count + 5, dtype=torch.float64)
-        if flat is None:
-            buf[count] = 1
-        else:
-            buf[:count] = flat
-        buf[count + 1 :] = torch.tensor([*sync_id, -sync_id[0], -sync_id[1]], dtype=torch.float64)
-        buf = buf.to(self.device)
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MAX
-        what = f"the FP8 amax all-reduce (receiver rank {self.rank}, sync {sync_id})"
-        self._wait_work(self._amax_group.allreduce([buf], options), deadline, what)
-        buf = buf.cpu()
-        highest, lowest = buf[count + 1 : count + 3], -buf[count + 3 :]
-        if not torch.equal(highest, lowest):
-            raise SyncError(f"{what}: the receiver ranks were at different syncs, from {lowest.tolist()} "
-                            f"to {highest.tolist()} (a rank missed an exchange); weights torn")
-        return None if buf[count] else buf[:count].to(torch.float32)
-
-    def _amax_through_store(self, flat: torch.Tensor | None, sync_id: tuple[int, int], deadline: float) -> torch.Tensor | None:
-        """MAX of every rank's amaxes through the Store keys of this sync id; None if
-        a rank received NaN or inf. The last rank done with the keys deletes them:
-        a 70B model at TP 8 posts ~42 MB of channel amaxes per sync."""
-        prefix = f"{DST}/amax/{sync_id[0]}/{sync_id[1]}"
-        keys = [f"{prefix}/{r}" for r in range(self.layout.world_size)]
-        store = self.channel.store
-        # Markers are 9 bytes, a vector a multiple of 4: they cannot be confused.
-        store.set(keys[self.rank], b"nonfinite" if flat is None else flat.numpy().tobytes())
-        try:
-            if flat is None:
-                return None  # the others need this rank's marker, not the other way round
-            try:
-                values = self.channel.wait({key: f"receiver rank {r}" for r, key in enumerate(keys)}, deadline,
-                                           f"the FP8 amaxes of sync {sync_id} from every receiver")
-            except SyncTimeoutError:
-                # A rank that never comes leaves the keys behind: shrink this rank's to a marker.
-                store.set(keys[self.rank], b"timed-out")
-                raise
-        finally:
-            if self.channel.counter(f"{prefix}/done", 1) == len(keys):
-                for key in [*keys, f"{prefix}/done"]:
-                    store.delete_key(key)
-        if b"timed-out" in values:
-            raise SyncTimeoutError(f"receiver rank {values.index(b'timed-out')} timed out in the FP8 amax exchange "
-                                   f"of sync {sync_id}; weights torn")
-        if b"nonfinite" in values:
-            return None
-        return reduce_max([torch.frombuffer(bytearray(v), dtype=torch.float32) for v in values])
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The registered tensors, for sampling; raises TornWeightsError while torn."""

@@ -118,22 +118,27 @@ def reference_vllm_tp_shards(
 
 
 def reference_vllm_fp8_shards(
-    state_dict: Mapping[str, torch.Tensor], config, tp_size: int, granularity: str, dtype: torch.dtype = torch.bfloat16
+    state_dict: Mapping[str, torch.Tensor], config, tp_size: int, granularity: str, dtype: torch.dtype = torch.bfloat16,
+    source_dtype: torch.dtype | None = None,
 ) -> dict[int, dict[str, torch.Tensor]]:
     """`reference_vllm_tp_shards` with the linear weights quantized to FP8 the way
     vLLM lays them out: per block on the local tensor; per channel on local rows,
     except o_proj / down_proj (split on dim 1) whose rows are whole only in the
-    full tensor; per tensor from the full tensor, one scale per fused part."""
+    full tensor; per tensor from the full tensor, one scale per fused part.
+    source_dtype: the dtype of the values quantized (the trainer's: a sync
+    quantizes its senders' tensors; default `dtype`); the rest is in `dtype`."""
     from ..ops.fp8 import cast_fp8_ref, quantize_fp8_ref, scale_from_amax
 
     num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    source_dtype = dtype if source_dtype is None else source_dtype
     shards = reference_vllm_tp_shards(state_dict, config, tp_size, dtype)
-    full = {k: v.detach().to(dtype) for k, v in state_dict.items()}
+    sources = reference_vllm_tp_shards(state_dict, config, tp_size, source_dtype)
+    full = {k: v.detach().to(source_dtype) for k, v in state_dict.items()}
     amax = lambda t, dim=None: t.to(torch.float32).abs().amax() if dim is None else t.to(torch.float32).abs().amax(dim)  # noqa: E731
-    for shard in shards.values():
+    for rank, shard in shards.items():
         for name in [n for n in shard if n.endswith(("qkv_proj.weight", "gate_up_proj.weight", "o_proj.weight", "down_proj.weight"))]:
-            local = shard[name]
+            local = sources[rank][name]
             base = name.rsplit(".", 2)[0]
             row_split = name.endswith(("o_proj.weight", "down_proj.weight"))
             if granularity == "block" or (granularity == "channel" and not row_split):

@@ -19,8 +19,9 @@ from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, packed
 from .engine import check_local_tensors, prepared_table, run_segment_table, segment_table, storage_key
 from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
-from .plan import DEFAULT_BUCKET_BYTES
-from .protocol import ABANDONED, CLOSED, DST, Channel, SenderReports, done_key, ticket_closed
+from .fp8 import Fp8Sources
+from .plan import DEFAULT_BUCKET_BYTES, source_address
+from .protocol import ABANDONED, CLOSED, DST, SRC, Channel, SenderReports, done_key, ticket_closed
 from .transports import P2P, SHM, OpenedCudaHandles, open_shm_handle
 
 # How long a sender waits for a ticket to open before it reads the receiver's counter
@@ -28,6 +29,9 @@ from .transports import P2P, SHM, OpenedCudaHandles, open_shm_handle
 # once a newer one is taken); also how long a send waiting for a receiver takes to
 # notice that it is stopped (close, abort).
 TICKET_POLL_S = 1.0
+
+# A point-to-point header's bucket count when the sender failed before writing (P2PStream).
+NOTHING_FOLLOWS = -1
 
 
 class SendHandle:
@@ -83,6 +87,15 @@ class WeightSender(Endpoint):
     LLAMARL_COPY_THREADS, else every core). relay_buckets: set by a WeightReceiver
     on the sender that relays a version to the next replica (that pair's buckets,
     mirroring the ones it receives, in arrival order); None otherwise.
+    group: optional torch.distributed group spanning exactly the sender ranks in
+    rank order, used by nothing else while a send runs (a group of its own:
+    `dist.new_group`, not the trainer's FSDP group, whose collectives the send's
+    thread would interleave with): the amaxes of FP8 destinations that several
+    senders share are reduced over it, on the tensors' device, instead of through
+    Store keys. FP8 destinations (fp8.py): every sender quantizes what it sends and
+    keeps an FP8 buffer of what it sends to them (one byte an element); the
+    senders agree before any byte is written, so a NaN or inf on one rank fails
+    every sender's send (naming the tensor) with the generator untouched.
     secret: the sync's (auth.py), the same bytes on every sender and receiver;
     None reads LLAMARL_SECRET / LLAMARL_SECRET_FILE, and with neither set the
     constructor raises ValueError. Every value the sync keeps in the Store carries
@@ -100,7 +113,8 @@ class WeightSender(Endpoint):
     def __init__(self, store: dist.Store, layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor], *,
                  name: str = "weights", transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_threads: int | None = None,
-                 relay_buckets: list | None = None, secret: bytes | None = None):
+                 relay_buckets: list | None = None, group: dist.ProcessGroup | None = None,
+                 secret: bytes | None = None):
         channel = Channel(store, name, secret)
         self.reports = SenderReports(channel, rank)
         self.rank = rank
@@ -120,6 +134,12 @@ class WeightSender(Endpoint):
             self.reports.clear()
             super().__init__(channel, layout, rank, tensors, transport=transport, timeout=timeout,
                              bucket_bytes=bucket_bytes, num_threads=num_threads, relay_buckets=relay_buckets)
+            if group is not None and (group.size(), group.rank()) != (layout.world_size, rank):
+                raise ValueError(f"sender rank {rank}: group= must span the {layout.world_size} sender ranks in "
+                                 f"rank order, got rank {group.rank()} of {group.size()}")
+            self._amax_group = group
+            self._amax_attempt: tuple[int | None, int] = (None, 0)  # see _amax_sync_id
+            self.fp8 = None if self.plan.fp8 is None else Fp8Sources(self.plan.fp8, rank, self.device)
             self._connect()
         except BaseException as exc:
             self._report_raised(exc)
@@ -164,7 +184,7 @@ class WeightSender(Endpoint):
 
     def _build_tables(self) -> None:
         self._src_keys = {name: storage_key(t) for name, t in self.tensors.items()}
-        src_base = lambda seg: self._src_keys[seg.src_name][0]  # noqa: E731
+        src_base = lambda seg: source_address(seg, self.tensors, self.fp8)  # noqa: E731
         self._tables: dict[int, list] = {}
         for dst in self._local_receivers:
             addresses = self._dst_addresses[dst]
@@ -296,7 +316,22 @@ class WeightSender(Endpoint):
         return written
 
     def _send(self, version: int, deadline: float) -> int:
-        for dst in self._local_receivers:
+        if self.fp8 is not None:  # before any offer: a receiver asks for what is ready to copy
+            try:
+                self._quantize_fp8(version, deadline)
+            except SyncError as exc:
+                # Reported first (receivers on this host see it); those fed point to point
+                # wait on the pair: each gets a header saying nothing follows.
+                self._report_raised(exc)
+                for dst in self._p2p_peers:
+                    self._offer(dst, version)
+                for dst in self._p2p_peers:
+                    P2PStream(self, dst, version, deadline, nothing=True, offered=True).finish()
+                raise
+        # Every receiver is offered the version at once: pending() on a receiver that
+        # several senders feed point to point needs all their offers, which offers made
+        # round by round would hold back behind the transfers of the rounds before.
+        for dst in [*self._local_receivers, *self._p2p_peers]:
             self._offer(dst, version)
         written = 0
         # Receivers on this host first: their receive() opens its ticket before it
@@ -321,8 +356,96 @@ class WeightSender(Endpoint):
             self._served[dst] = ticket
         for dst in self._p2p_peers:  # in round order
             self._check_stop()
-            written += P2PStream(self, dst, version, deadline).finish()
+            written += P2PStream(self, dst, version, deadline, offered=True).finish()
         return written
+
+    def _quantize_fp8(self, version: int, deadline: float) -> None:
+        """This rank's part of the FP8 destinations (fp8.py): amaxes, the shared ones
+        reduced (MAX) over every sender rank with a flag for NaN / inf (an all-reduce
+        over `group` when given, else Store keys under this send's sync id,
+        `_amax_sync_id`), then scales and the FP8 copies. A rank holding NaN or inf
+        still takes part, so that every sender fails before writing a byte."""
+        fp8 = self.fp8
+        amax = fp8.local_amax(self.tensors)
+        problem = fp8.nonfinite(amax, self.tensors)  # the one host sync
+        if self.layout.world_size > 1:
+            sync_id = self._amax_sync_id(version)
+            exchange = self._amax_over_group if self._amax_group is not None else self._amax_through_store
+            reduced = exchange(None if problem else amax[fp8.shared], sync_id, deadline)
+            if problem is None and reduced is None:
+                raise SyncError(f"sender rank {self.rank}, version {version}: another sender rank holds NaN or inf "
+                                "for an FP8 destination; nothing was written")
+            if problem is None:
+                amax[fp8.shared] = reduced.to(amax.device)
+        if problem is not None:
+            raise SyncError(f"sender rank {self.rank}, version {version}: {problem}; nothing was written")
+        fp8.quantize(self.tensors, amax)
+
+    def _amax_sync_id(self, version: int) -> tuple[int, int]:
+        """(version, n), n = how many FP8 exchanges of `version` this rank has begun
+        before: equal on every sender rank for one send of a version, never equal for
+        two attempts of one rank, so a version sent again never reads a failed
+        attempt's values. A rank that missed an exchange (its send of that version
+        never started) puts at most the later sends of that same version out of step
+        (they fail on a peer's "timed-out" marker, or time out); the next version
+        starts again at n = 0 on every rank."""
+        last, n = self._amax_attempt
+        self._amax_attempt = (version, n + 1 if last == version else 0)
+        return self._amax_attempt
+
+    def _amax_over_group(self, shared: torch.Tensor | None, sync_id: tuple[int, int],
+                         deadline: float) -> torch.Tensor | None:
+        """MAX all-reduce over the senders' group of [shared amaxes, nonfinite flag,
+        sync id, -sync id] (float64: exact for amaxes and ids below 2**53); None if a
+        rank holds NaN or inf. Ranks at different sync ids (one missed an exchange)
+        raise instead of mixing two sends' amaxes."""
+        count = len(self.fp8.shared)
+        buf = torch.zeros(count + 5, dtype=torch.float64, device=self.device)
+        if shared is None:
+            buf[count] = 1
+        else:
+            buf[:count] = shared
+        buf[count + 1 :] = torch.tensor([*sync_id, -sync_id[0], -sync_id[1]], dtype=torch.float64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        what = f"the FP8 amax all-reduce (sender rank {self.rank}, sync {sync_id})"
+        self._wait_work(self._amax_group.allreduce([buf], options), deadline, what)
+        buf = buf.cpu()
+        highest, lowest = buf[count + 1 : count + 3], -buf[count + 3 :]
+        if not torch.equal(highest, lowest):
+            raise SyncError(f"{what}: the sender ranks were at different sends, from {lowest.tolist()} to "
+                            f"{highest.tolist()} (a rank missed an exchange); nothing was written")
+        return None if buf[count] else buf[:count].to(torch.float32)
+
+    def _amax_through_store(self, shared: torch.Tensor | None, sync_id: tuple[int, int],
+                            deadline: float) -> torch.Tensor | None:
+        """MAX of every sender rank's shared amaxes through the Store keys of this sync
+        id; None if a rank holds NaN or inf. The last rank done with the keys deletes them."""
+        prefix = f"{SRC}/amax/{sync_id[0]}/{sync_id[1]}"
+        keys = [f"{prefix}/{r}" for r in range(self.layout.world_size)]
+        store = self.channel.store
+        # Markers are 9 bytes, a vector a multiple of 4: they cannot be confused.
+        store.set(keys[self.rank], b"nonfinite" if shared is None else shared.cpu().numpy().tobytes())
+        try:
+            if shared is None:
+                return None  # the others need this rank's marker, not the other way round
+            try:
+                values = self.channel.wait({key: f"sender rank {r}" for r, key in enumerate(keys)}, deadline,
+                                           f"the FP8 amaxes of sync {sync_id} from every sender")
+            except SyncTimeoutError:
+                # A rank that never comes leaves the keys behind: shrink this rank's to a marker.
+                store.set(keys[self.rank], b"timed-out")
+                raise
+        finally:
+            if self.channel.counter(f"{prefix}/done", 1) == len(keys):
+                for key in [*keys, f"{prefix}/done"]:
+                    store.delete_key(key)
+        if b"timed-out" in values:
+            raise SyncTimeoutError(f"sender rank {values.index(b'timed-out')} timed out in the FP8 amax exchange "
+                                   f"of sync {sync_id}; nothing was written")
+        if b"nonfinite" in values:
+            return None
+        return torch.from_numpy(np.stack([np.frombuffer(v, dtype=np.float32) for v in values]).max(axis=0))
 
     def _offer(self, dst: int, version: int) -> None:
         self._sends[dst] = self._sends.get(dst, 0) + 1
@@ -334,8 +457,9 @@ class WeightSender(Endpoint):
             raise SyncError(f"sender rank {self.rank}: {self._stop}")
 
     def _end_send(self, exc: BaseException | None) -> None:
-        """The send is over: a failure reported to the receivers; the next send may start."""
-        if exc is not None:
+        """The send is over: a failure reported to the receivers (unless reported
+        during this send already: abort, a failed FP8 exchange); the next send may start."""
+        if exc is not None and not self._reported:
             self._report_raised(exc)
         with self._state:
             self._sending = None
@@ -404,23 +528,27 @@ class WeightSender(Endpoint):
 
 class P2PStream:
     """One version from a sender to one point-to-point receiver: a header (tag 0:
-    version, bucket count), then bucket i packed into staging buffer i % 2 and sent
+    version, bucket count; -1 with `nothing`: the sender failed before writing
+    anything, and no bucket follows), then bucket i packed into staging buffer i % 2 and sent
     (tag 1 + i), so that packing bucket i + 1 overlaps the send of bucket i.
     Packing is done when run_segment_table returns (on GPU its stream waited for
     the current one, so the optimizer's pending writes came first): what is in
     flight reads the staging buffers only, never the sender's tensors. `forward`
     sends the buckets one at a time (a relay sends each as it lands on its own
     rank); `finish` sends the rest and waits for every send. The receiver is
-    offered the version first: a pair's versions arrive in order, so the receiver
-    counts what it took."""
+    offered the version first (here, or by the caller: `offered`): a pair's
+    versions arrive in order, so the receiver counts what it took."""
 
-    def __init__(self, sender: WeightSender, dst: int, version: int, deadline: float):
+    def __init__(self, sender: WeightSender, dst: int, version: int, deadline: float, nothing: bool = False,
+                 offered: bool = False):
         self.sender, self.deadline = sender, deadline
-        sender._offer(dst, version)
+        if not offered:
+            sender._offer(dst, version)
         self.peer = sender.plan.src_layout.world_size + dst
-        self.tables = sender._tables[dst]
+        self.tables = [] if nothing else sender._tables[dst]
         self.what = f"sending version {version} to receiver {dst}"
-        self.header = torch.tensor([version, len(self.tables)], dtype=torch.int64, device=sender.device)
+        count = NOTHING_FOLLOWS if nothing else len(self.tables)
+        self.header = torch.tensor([version, count], dtype=torch.int64, device=sender.device)
         self.in_flight = [sender._post("send", self.header, self.peer, 0, self.what), None, None]
         self.sent = 0  # buckets posted
         self.written = 0

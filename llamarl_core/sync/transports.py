@@ -17,10 +17,12 @@ one GPU never do (NCCL connects one rank per GPU).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
 import socket
+import threading
 import uuid
 import warnings
 from typing import Mapping, Sequence
@@ -298,5 +300,31 @@ def make_process_group(store: dist.Store, rank: int, size: int, device_type: str
     if device_type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
+        # A transfer that fails or times out must raise in the sync (SyncError,
+        # SyncTimeoutError) and leave the process running. NCCL's watchdog by default
+        # (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) tears the process down once a work item
+        # passes the group's timeout; 2 aborts this group's communicators only, and
+        # the pending wait raises. The group's constructor reads the variable: set
+        # for this group alone, whatever the process uses for its own groups.
+        with _environment(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
+            return dist.ProcessGroupNCCL(store, rank, size, options)
     return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+_ENVIRONMENT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    """os.environ with `values` set inside the block, as it was after it."""
+    with _ENVIRONMENT_LOCK:
+        before = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
