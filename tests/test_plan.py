@@ -413,3 +413,45 @@ def test_random_fp8_plans_quantize_as_the_destination_groups_say(monkeypatch):
             for cell in cells:
                 touched.setdefault(cell, set()).add(rect.src_rank)
         assert plan.fp8.shared.tolist() == sorted(c for c, ranks in touched.items() if len(ranks) > 1), where
+
+
+def test_fp8_grouped_kernels_equal_the_torch_path(monkeypatch):
+    """The grouped Triton kernels (kernels/fp8_sync.py: one launch per pass for all
+    of a sender's rectangles, run here by Triton's interpreter) against ops.fp8's
+    torch path, a rectangle at a time: 30 random plans as above, every FP8 weight
+    and scale bit for bit; and a NaN reaches the same refusal."""
+    rng = random.Random(3)
+    for case in range(30):
+        shape = (rng.randint(1, 300), rng.randint(1, 300))
+        src_dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(case)).to(src_dtype)
+        src_world, dst_world = rng.randint(1, 3), rng.randint(1, 3)
+        src_p = Replicate() if rng.random() < 0.2 else Shard(rng.randrange(2))
+        dst_p = Replicate() if rng.random() < 0.2 else Shard(rng.randrange(2))
+        granularity = rng.choice(["tensor", "channel", "block"])
+        dst = Layout(dst_world, [ParamSpec("t", shape, torch.bfloat16, dst_p, fp8=granularity)])
+        plan = plan_transfer(Layout(src_world, [ParamSpec("t", shape, src_dtype, src_p)]), dst)
+        if isinstance(src_p, Replicate):
+            src_shards = {r: {"t": full.clone()} for r in range(src_world)}
+        else:
+            pieces = list(torch.chunk(full, src_world, src_p.dim))
+            empty = full[:0] if src_p.dim == 0 else full[:, :0]
+            src_shards = {r: {"t": (pieces[r] if r < len(pieces) else empty).contiguous()} for r in range(src_world)}
+        results = []
+        for interpret in ("1", "0"):  # the grouped kernels, then the torch path
+            monkeypatch.setenv("TRITON_INTERPRET", interpret)
+            dst_shards = {r: poisoned_destination(dst, r) for r in range(dst_world)}
+            plan.execute_local(src_shards, dst_shards)
+            results.append(dst_shards)
+        for r in range(dst_world):
+            for name, got in results[0][r].items():
+                assert torch.equal(got.reshape(-1).view(torch.uint8), results[1][r][name].reshape(-1).view(torch.uint8)), \
+                    (case, name, shape, src_dtype, src_world, src_p, dst_world, dst_p, granularity, r)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    full = torch.randn(100, 200)
+    full[73, 5] = float("nan")
+    dst = Layout(2, [ParamSpec("t", (100, 200), torch.bfloat16, Shard(0), fp8="block")])
+    with pytest.raises(ValueError, match=r"source rank 1: source 't' \(for FP8 destination 't' on rank 1\) contains NaN"):
+        plan_transfer(Layout(2, [ParamSpec("t", (100, 200), torch.float32, Shard(0))]), dst).execute_local(
+            {r: {"t": piece.contiguous()} for r, piece in enumerate(torch.chunk(full, 2))},
+            {r: poisoned_destination(dst, r) for r in range(2)})

@@ -666,9 +666,89 @@ def _triton_path(w: torch.Tensor, backend: str) -> bool:
     return True
 
 
+# ----------------------------------------------------------------------------- grouped tiles (a sync's FP8 destinations)
+
+# Rows x columns a program of the grouped kernels (kernels/fp8_sync.py) holds: a
+# 128-column run of a row is 256 bytes of bf16, whole 16-byte loads; a 128 x 128
+# block is four tiles. 8 warps (16 elements a thread): the cast took 175-182
+# registers a thread at 4 warps (ptxas, sm_90), 102-108 at 8.
+TILE_BLOCK = (32, 128)
+_TILE_WARPS = 8
+TILE_COLUMNS = 8  # int64 per table row: kernels/fp8_sync.py
+
+
+def _tile_kernels():
+    from llamarl_core.kernels import fp8_sync
+
+    return fp8_sync
+
+
+def tiles_path(device: torch.device, elements: int) -> bool:
+    """Whether FP8 work of `elements` on `device` goes to the grouped Triton
+    kernels: always on a GPU; on CPU under TRITON_INTERPRET=1 up to
+    INTERPRETER_MAX_ELEMS (the torch path otherwise, as _triton_path decides)."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and use_interpreter() and elements <= INTERPRETER_MAX_ELEMS
+
+
+class Fp8Tiles:
+    """Tiles over tensors of one dtype for the grouped FP8 kernels, uploaded once.
+    rows: (n, 8) int64 as kernels/fp8_sync.py reads them, except column 0, the
+    tile's first element as an absolute byte address; `base` is one of the
+    tensors (its dtype the tensors'), from which the kernels reach the others:
+    every address must lie a whole number of elements from it. Launches read and
+    write through the addresses given: the tensors must not move (rebuild)."""
+
+    def __init__(self, base: torch.Tensor, rows, device: torch.device):
+        import numpy as np
+
+        table = np.array(rows, dtype=np.int64).reshape(-1, TILE_COLUMNS)  # a copy: column 0 is rewritten
+        itemsize = base.element_size()
+        distance = table[:, 0] - base.data_ptr()
+        if (distance % itemsize).any():
+            raise ValueError(f"FP8 tiles: a tensor lies {int(distance[(distance % itemsize) != 0][0])} bytes from the "
+                             f"first, not a whole number of {base.dtype} elements")
+        table[:, 0] = distance // itemsize
+        self.base, self.num_tiles = base, len(table)
+        self.table = torch.from_numpy(table).to(device)
+
+    def amax_launch(self, amax_bits: torch.Tensor) -> KernelLaunch:
+        """Every tile's row amaxes maxed into `amax_bits` (int32 view of the float32 cells)."""
+        return KernelLaunch(_tile_kernels().fp8_tiles_amax_kernel, (self.num_tiles,),
+                            dict(src_ptr=self.base, table_ptr=self.table, amax_ptr=amax_bits),
+                            dict(BLOCK_N=TILE_BLOCK[0], BLOCK_K=TILE_BLOCK[1]), _TILE_WARPS)
+
+    def cast_launch(self, scales: torch.Tensor, out_bits: torch.Tensor, software: bool | None = None) -> KernelLaunch:
+        """Every tile cast with its groups' `scales` (float32 cells) into `out_bits`
+        (uint8); `software`: the integer cast (default: what the device needs)."""
+        software = software_fp8_cast(self.base.device) if software is None else software
+        return KernelLaunch(_tile_kernels().fp8_tiles_cast_kernel, (self.num_tiles,),
+                            dict(src_ptr=self.base, table_ptr=self.table, scale_ptr=scales, out_ptr=out_bits),
+                            dict(BLOCK_N=TILE_BLOCK[0], BLOCK_K=TILE_BLOCK[1],
+                                 SOFTWARE_FP8=software), _TILE_WARPS)
+
+
+def tile_variants() -> list[tuple[str, KernelLaunch]]:
+    """The grouped kernels' launches, per input dtype (and both casts), for kernel_check."""
+    variants = []
+    for dtype in INPUT_DTYPES:
+        base = torch.empty((64, 256), dtype=dtype)
+        rows = [[base.data_ptr(), 256, 0, 256, 32, 128, 0, 1], [base.data_ptr() + 128 * base.element_size(), 256,
+                                                                128, 256, 32, 128, 2, 0]]
+        tiles = Fp8Tiles(base, rows, torch.device("cpu"))
+        cells, out = torch.empty(8, dtype=torch.float32), torch.empty(64 * 256, dtype=torch.uint8)
+        name = str(dtype).removeprefix("torch.")
+        variants.append((f"tiles amax {name}", tiles.amax_launch(cells.view(torch.int32))))
+        for software in (False, True):
+            variants.append((f"tiles cast {name}{', software cast' if software else ''}",
+                             tiles.cast_launch(cells, out, software)))
+    return variants
+
+
 __all__ = [
     "FP8_MAX", "GPU_TILINGS", "GRANULARITIES", "INPUT_DTYPES", "SWEEP_TILINGS", "Fp8Tiling", "cast_fp8_ref",
     "cast_to_fp8", "dequantize_fp8", "e4m3_nearest_even_ref64", "expand_scale", "fp8_amax", "fp8_amax_ref",
     "launch_quantize_fp8", "quantize_fp8", "quantize_fp8_ref", "quantize_fp8_with_scale", "scale_from_amax",
-    "scale_shape",
+    "scale_shape", "Fp8Tiles", "TILE_BLOCK", "tiles_path",
 ]

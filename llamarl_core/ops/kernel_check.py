@@ -47,7 +47,7 @@ class CompiledVariant:
 def _variants():
     from . import fp8, logprob_launch
 
-    return [*fp8.kernel_variants(), *logprob_launch.kernel_variants()]
+    return [*fp8.kernel_variants(), *fp8.tile_variants(), *logprob_launch.kernel_variants()]
 
 
 def _uses_software_fp8(launch) -> bool:

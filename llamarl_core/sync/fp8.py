@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..ops.fp8 import DEFAULT_BLOCK, FP8_DTYPE, cast_to_fp8, fp8_amax, scale_from_amax, scale_shape
+from ..ops.fp8 import (DEFAULT_BLOCK, FP8_DTYPE, TILE_BLOCK, Fp8Tiles, cast_to_fp8, fp8_amax, scale_from_amax,
+                       scale_shape, tiles_path)
 from .layout import Fused, Layout, Replicate, Shard, fp8_scale_name, view_2d
 
 _BLOCK = DEFAULT_BLOCK[0]  # square blocks: DEFAULT_BLOCK is (128, 128)
@@ -225,7 +226,12 @@ class Fp8Sources:
     `packed` (float8_e4m3fn, its rectangles one after the other: what FP8
     segments read) and `scales` (float32 over every group: what scale segments
     read), both on `device` and kept for the sender's life, so copy tables built
-    once stay valid. `shared`: Fp8Plan.shared on the device."""
+    once stay valid. `shared`: Fp8Plan.shared on the device.
+
+    On a GPU (and on CPU under TRITON_INTERPRET=1, up to ops.fp8's interpreter
+    limit) each pass is one launch of the grouped kernels for all the rank's
+    rectangles (kernels/fp8_sync.py; `bind` builds their tiles from the tensors'
+    addresses); otherwise ops.fp8's torch path, a rectangle at a time."""
 
     def __init__(self, plan: Fp8Plan, rank: int, device: torch.device):
         self.plan, self.rank = plan, rank
@@ -234,13 +240,62 @@ class Fp8Sources:
         self.scales = torch.ones(plan.num_cells, dtype=torch.float32, device=device)
         self.shared = torch.from_numpy(plan.shared).to(device)
         self.device = device
+        self.tiles: list[Fp8Tiles] | None = None
+
+    def bind(self, tensors) -> None:
+        """Build the grouped kernels' tiles from the tensors' addresses (again
+        whenever a tensor's storage moved); no-op on the torch path."""
+        if not tiles_path(self.device, self.packed.numel()):
+            self.tiles = None
+            return
+        rows: dict[torch.dtype, list] = {}
+        for rect, box in self.work:
+            rows.setdefault(tensors[rect.src_name].dtype, []).extend(self._tile_rows(rect, box, tensors[rect.src_name]))
+        self.tiles = [Fp8Tiles(next(t for t in tensors.values() if t.dtype == dtype and t.numel()),
+                               np.concatenate(dtype_rows), self.device) for dtype, dtype_rows in rows.items()]
+
+    def _tile_rows(self, rect: Fp8Rect, box, tensor: torch.Tensor) -> list[np.ndarray]:
+        """kernels/fp8_sync.py's table rows of one rectangle (column 0: byte address)."""
+        granularity = self.plan.layout.params[rect.dst_name].fp8
+        offset, _, gc = box[:3]
+        pitch, item = view_2d(tuple(tensor.shape))[1], tensor.element_size()
+        tile_n, tile_k = TILE_BLOCK
+        out = []
+        for ro, rn, co, cn in self._pieces(rect, granularity):
+            # Tiles of a piece start on its corner, TILE_BLOCK apart: inside one block each.
+            r, c = (a.reshape(-1) for a in np.meshgrid(np.arange(ro, ro + rn, tile_n, dtype=np.int64),
+                                                      np.arange(co, co + cn, tile_k, dtype=np.int64), indexing="ij"))
+            if granularity == "block":  # the tile's block: one group
+                cell, step = offset + (rect.dst_row + r) // _BLOCK * gc + (rect.dst_col + c) // _BLOCK, 0
+            elif granularity == "channel":  # the group of the tile's first row, then one a row
+                cell, step = offset + rect.dst_row + r, 1
+            else:  # the tensor's (the fused part's) group
+                cell, step = np.full_like(r, offset + box[3] * gc), 0
+            out.append(np.stack([tensor.data_ptr() + ((rect.src_row + r) * pitch + rect.src_col + c) * item,
+                                 np.full_like(r, pitch), rect.offset + r * rect.cols + c, np.full_like(r, rect.cols),
+                                 np.minimum(tile_n, ro + rn - r), np.minimum(tile_k, co + cn - c),
+                                 cell, np.full_like(r, step)], axis=1))
+        return out
+
+    @staticmethod
+    def _pieces(rect: Fp8Rect, granularity: str) -> list[tuple[int, int, int, int]]:
+        """(row offset, rows, column offset, columns) of `rect` whose groups start at
+        the piece's own corner: cut at the destination's block edges for blocks."""
+        if granularity == "block":
+            return [(ro, rn, co, cn) for ro, rn in _pieces(rect.dst_row, rect.rows)
+                    for co, cn in _pieces(rect.dst_col, rect.cols)]
+        return [(0, rect.rows, 0, rect.cols)]
 
     def local_amax(self, tensors) -> torch.Tensor:
         """max |w| of every group over the rectangles this rank sends (0 for groups it
         does not touch); a group holding NaN or inf gets inf. No host sync."""
         amax = torch.zeros(self.plan.num_cells, dtype=torch.float32, device=self.device)
+        if self.tiles is not None:
+            for tiles in self.tiles:
+                tiles.amax_launch(amax.view(torch.int32)).launch(self.device)
+            return amax
         for rect, box in self.work:
-            self._each_group_block(rect, box, tensors[rect.src_name], amax, None)
+            self._each_piece(rect, box, tensors[rect.src_name], amax, None)
         return amax
 
     def nonfinite(self, amax: torch.Tensor, tensors) -> str | None:
@@ -256,23 +311,22 @@ class Fp8Sources:
         """Scales from the (reduced) amaxes, and this rank's rectangles cast into
         `packed`; on the current stream, no host sync."""
         self.scales.copy_(scale_from_amax(amax))
+        if self.tiles is not None:
+            for tiles in self.tiles:
+                tiles.cast_launch(self.scales, self.packed.view(torch.uint8)).launch(self.device)
+            return
         for rect, box in self.work:
-            self._each_group_block(rect, box, tensors[rect.src_name], self.scales, self.packed)
+            self._each_piece(rect, box, tensors[rect.src_name], self.scales, self.packed)
 
-    def _each_group_block(self, rect: Fp8Rect, box, tensor: torch.Tensor, vector: torch.Tensor,
-                          out: torch.Tensor | None) -> None:
-        """Per granularity, over the pieces of `rect` whose groups start at the
-        piece's own corner: with `out` None, MAX their amaxes into `vector`;
-        else cast them into `out` (the FP8 buffer) with the scales in `vector`."""
+    def _each_piece(self, rect: Fp8Rect, box, tensor: torch.Tensor, vector: torch.Tensor,
+                    out: torch.Tensor | None) -> None:
+        """The torch path, over the pieces of `rect`: with `out` None, MAX their
+        amaxes into `vector`; else cast them into `out` (the FP8 buffer) with the
+        scales in `vector`."""
         granularity = self.plan.layout.params[rect.dst_name].fp8
         src, cells = rect.source(tensor), Fp8Plan.cells(vector, box)
         dst = None if out is None else rect.packed(out)
-        if granularity == "block":
-            pieces = [(ro, rn, co, cn) for ro, rn in _pieces(rect.dst_row, rect.rows)
-                      for co, cn in _pieces(rect.dst_col, rect.cols)]
-        else:
-            pieces = [(0, rect.rows, 0, rect.cols)]
-        for ro, rn, co, cn in pieces:
+        for ro, rn, co, cn in self._pieces(rect, granularity):
             part = src[ro : ro + rn, co : co + cn]
             if granularity == "block":
                 r0, c0 = (rect.dst_row + ro) // _BLOCK - box[3], (rect.dst_col + co) // _BLOCK - box[5]
@@ -280,7 +334,7 @@ class Fp8Sources:
             else:
                 group = cells if granularity == "channel" else cells.reshape(())
             if out is None:
-                group.copy_(torch.maximum(group, fp8_amax(part, granularity, DEFAULT_BLOCK, check=False)
-                                          .reshape(group.shape)))
+                amax = fp8_amax(part, granularity, DEFAULT_BLOCK, check=False, backend="torch")
+                group.copy_(torch.maximum(group, amax.reshape(group.shape)))
             else:
-                cast_to_fp8(part, group, granularity, DEFAULT_BLOCK, dst[ro : ro + rn, co : co + cn])
+                cast_to_fp8(part, group, granularity, DEFAULT_BLOCK, dst[ro : ro + rn, co : co + cn], backend="torch")

@@ -274,6 +274,7 @@ class TransferPlan:
         if self.fp8 is not None:  # what each sender rank does, for every rank here (fp8.py)
             for r in range(self.src_layout.world_size):
                 sources[r] = Fp8Sources(self.fp8, r, device)
+                sources[r].bind(src_shards[r])
             amax = {r: s.local_amax(src_shards[r]) for r, s in sources.items()}
             for r, s in sources.items():
                 problem = s.nonfinite(amax[r], src_shards[r])

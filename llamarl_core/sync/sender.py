@@ -184,6 +184,8 @@ class WeightSender(Endpoint):
 
     def _build_tables(self) -> None:
         self._src_keys = {name: storage_key(t) for name, t in self.tensors.items()}
+        if self.fp8 is not None:
+            self.fp8.bind(self.tensors)
         src_base = lambda seg: source_address(seg, self.tensors, self.fp8)  # noqa: E731
         self._tables: dict[int, list] = {}
         for dst in self._local_receivers:
