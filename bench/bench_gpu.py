@@ -22,7 +22,10 @@ GPU's own copy bandwidth and the naive torch ops, measured in one run.
                  in two processes on GPU 0 over CUDA IPC, about 1 GiB and 8 GiB,
                  from bf16 and from fp32 (cast on the way), beside cudaMemcpy of
                  the same bytes (torch's cast of the same values for fp32) in one
-                 process, with the generator's stall (its receive()).
+                 process, with the generator's stall (its receive()); then the 1
+                 GiB model from fp32 into FP8 linear weights (--fp8), GB/s over
+                 the bytes it reads and writes, beside cudaMemcpy's bandwidth over
+                 the same bytes.
 Times are medians of CUDA-synchronized repeats after a warm-up (fp8: do_bench).
 """
 
@@ -170,6 +173,25 @@ def sync_rows(repeats: int) -> list[dict]:
                          "stall_s": result["stall_seconds"]["engine_cuda_ipc"]["median"]})
             rows.append({"what": f"{limit_name}, one process ({gib:.1f} GiB; the limit)",
                          "seconds": result["seconds"]["memcpy"]["median"], "gbps": limit, "vs_copy": 1.0})
+    return rows + fp8_sync_rows(repeats)
+
+
+def fp8_sync_rows(repeats: int) -> list[dict]:
+    """The 1 GiB model from an fp32 trainer into a generator holding its linear
+    weights in FP8 (each granularity; the senders quantize, kernels/fp8_sync.py),
+    beside cudaMemcpy's bandwidth over the bytes such a sync reads and writes."""
+    rows = []
+    for granularity in ("tensor", "channel", "block"):
+        spec = bench_sync.parse_args(["--device", "cuda", "--transports", "cuda_ipc", "--fsdp", "1", "--tp", "1",
+                                      "--src-dtype", "fp32", "--fp8", granularity, "--repeats", str(repeats),
+                                      *SYNC_MODELS["1 GiB"]])
+        result = bench_sync.run(spec)
+        seconds, limit = result["seconds"]["engine_cuda_ipc"]["median"], result["seconds"]["memcpy"]["median"]
+        traffic = bench_sync.fp8_sync_traffic(spec, bench_sync.model_config(spec))
+        rows.append({"what": f"FP8 weight sync over CUDA IPC, {result['model_bytes'] / 2**30:.1f} GiB bf16-equivalent, "
+                             f"fp32 -> FP8 {granularity} (senders quantize)",
+                     "seconds": seconds, "gbps": traffic / seconds / 1e9, "vs_copy": limit / seconds,
+                     "stall_s": result["stall_seconds"]["engine_cuda_ipc"]["median"]})
     return rows
 
 

@@ -31,6 +31,12 @@ the same bytes in one process (cudaMemcpy; with --src-dtype fp32, torch's cast o
 the same values to bf16); the host-only peers are skipped. The table also gives
 each sync's longest receive(), the generator's stall (pause to resume).
 
+With --fp8 GRANULARITY the generator holds its linear weights in FP8 (the senders
+quantize: llamarl_core/sync/fp8.py) and only the engine is timed; its limit is the
+copy bandwidth of the limit above, measured in the same run, applied to the bytes
+such a sync must move at least: the trainer's tensors read once, the generator's
+tensors (FP8 weights, scales, the rest in bf16) written once.
+
 With --hosts it syncs across network-namespace hosts over links shaped to
 --link-rate instead, beside the line rate and a gloo broadcast
 (llamarl_core.bench.bench_sync_hosts).
@@ -102,7 +108,8 @@ def _random_shards(layout, rank: int, seed: int, device: str = "cpu") -> dict[st
 
 
 def _zeros(layout, rank: int, device: str = "cpu") -> dict[str, torch.Tensor]:
-    return {n: torch.zeros(layout.local_shape(n, rank), dtype=s.dtype, device=device) for n, s in layout.params.items()}
+    return {n: torch.zeros(shape, dtype=dtype, device=device) for n, (shape, dtype) in
+            layout.local_tensor_specs(rank).items()}
 
 
 def _engine_rank(store_at, role, rank, spec, transport, rounds, threads, replica=0, num_replicas=1, method=None,
@@ -119,7 +126,7 @@ def _engine_rank(store_at, role, rank, spec, transport, rounds, threads, replica
                           transport=transport, timeout=300, num_threads=threads)
         _timed_rounds(store, method, f"src{rank}", rounds, lambda i: ep.send(i))
     else:
-        layout = vllm_llama_tp(config, spec.tp, torch.bfloat16)
+        layout = vllm_llama_tp(config, spec.tp, torch.bfloat16, fp8=spec.fp8)
         relay = {} if relay_threads is None else {"num_threads": relay_threads}
         ep = WeightReceiver(store, layout, rank, _zeros(layout, rank, spec.device), name=method, transport=transport,
                             timeout=300, replica=replica, num_replicas=num_replicas, **relay)
@@ -327,7 +334,9 @@ def run(spec) -> dict:
     for transport in spec.transports:
         methods[f"engine_{transport}"] = _engine_ranks(spec, 1, lambda role, rank, _: ctx.Process(
             target=_engine_rank, args=(local, role, rank, spec, transport, rounds, threads)))
-    if spec.device == "cpu":  # the limit and the host-side peers
+    if spec.device == "cpu" and spec.fp8:
+        methods["memcpy"] = _memcpy_ranks(ctx, local, spec, nbytes, threads, rounds, "memcpy")
+    elif spec.device == "cpu":  # the limit and the host-side peers
         methods["memcpy"] = _memcpy_ranks(ctx, local, spec, nbytes, threads, rounds, "memcpy")
         procs = [ctx.Process(target=_broadcast_rank, args=(local, r, spec, rounds)) for r in range(1 + spec.tp)]
         methods["bcast"] = (procs, [f"rank{r}" for r in range(1 + spec.tp)])
@@ -337,13 +346,16 @@ def run(spec) -> dict:
         procs += [ctx.Process(target=_mp_shared_rank, args=(local, "dst", r, spec, rounds, queues))
                   for r in range(spec.tp)]
         methods["mp"] = (procs, [f"dst{r}" for r in range(spec.tp)])
-    src_dtype = DTYPES[spec.src_dtype]
+    src_dtype = torch.bfloat16 if spec.fp8 else DTYPES[spec.src_dtype]  # an FP8 limit: a plain copy, scaled below
     gpu_before = [] if spec.device == "cpu" else measure_memcpy(nbytes, rounds, spec.device, src_dtype)[spec.warmup:]
     stalls: dict[str, list[float]] = {}
     times = _run_methods(store, methods, rounds, spec.warmup, stalls)
     if spec.device != "cpu":
         times["memcpy"] = gpu_before + measure_memcpy(nbytes, rounds, spec.device, src_dtype)[spec.warmup:]
     names = {"bcast": "gloo_broadcast", "mp": "mp_shared"}
+    if spec.fp8:  # the copy's time for the bytes an FP8 sync reads and writes (a copy_ moves 2 x nbytes)
+        factor = fp8_sync_traffic(spec, config) / (2 * nbytes)
+        times["memcpy"] = [t * factor for t in times["memcpy"]]
     results = {"memcpy": times.pop("memcpy"), **{names.get(m, m): samples for m, samples in times.items()}}
     stats = {name: summarize(samples) for name, samples in results.items()}
     gbps = {name: nbytes / s["median"] / 1e9 for name, s in stats.items()}
@@ -354,16 +366,25 @@ def run(spec) -> dict:
         for peer in ("gloo_broadcast", "mp_shared"):
             if peer in gbps:
                 ratios[f"engine_vs_{peer}"] = engine / gbps[peer]
-    if "engine_p2p" in gbps:
+    if "engine_p2p" in gbps and "gloo_broadcast" in gbps:
         ratios["p2p_vs_gloo_broadcast"] = gbps["engine_p2p"] / gbps["gloo_broadcast"]
     return {
         "model_bytes": nbytes,
         "config": {k: v for k, v in vars(config).items()},
-        "fsdp": spec.fsdp, "tp": spec.tp, "src_dtype": spec.src_dtype, "copy_threads_per_sender": threads,
+        "fsdp": spec.fsdp, "tp": spec.tp, "src_dtype": spec.src_dtype, "fp8": spec.fp8, "copy_threads_per_sender": threads,
         "device": spec.device, "repeats": spec.repeats,
         "seconds": stats, "gbps": gbps, "ratios": ratios,
         "stall_seconds": {names.get(m, m): summarize(samples) for m, samples in stalls.items() if m.startswith("engine")},
     }
+
+
+def fp8_sync_traffic(spec, config) -> int:
+    """Bytes a sync into FP8 destinations must move at least: every trainer tensor
+    read once, every generator tensor (FP8 weights and scales included) written once."""
+    src = hf_llama_fsdp(config, spec.fsdp, DTYPES[spec.src_dtype])
+    dst = vllm_llama_tp(config, spec.tp, torch.bfloat16, fp8=spec.fp8)
+    return sum(math.prod(shape) * dtype.itemsize for layout in (src, dst) for rank in range(layout.world_size)
+               for shape, dtype in layout.local_tensor_specs(rank).values())
 
 
 def run_replicas(spec) -> dict:
@@ -438,7 +459,10 @@ def report(result: dict) -> str:
     cast = result["src_dtype"] == "fp32"
     for name, s in result["seconds"].items():
         if name == "memcpy":
-            if result["device"] == "cuda":
+            if result.get("fp8"):
+                label = ("the same copy bandwidth over the bytes the FP8 sync reads and writes (limit: "
+                         + ("cudaMemcpy" if result["device"] == "cuda" else "memcpy processes") + ")")
+            elif result["device"] == "cuda":
                 label = ("torch cast fp32 -> bf16 of the same values, one process (limit)" if cast else
                          "cudaMemcpy device to device, one process (limit)")
             else:
@@ -452,7 +476,8 @@ def report(result: dict) -> str:
                      f"{stall['median']:.4f}" if stall else ""])
     ratios = "\n".join(f"- {k.replace('_', ' ')}: {v:.2f}x" for k, v in result["ratios"].items())
     head = (f"Model {result['model_bytes'] / 2**30:.3f} GiB bf16 ({result['config']['num_hidden_layers']} layers, "
-            f"hidden {result['config']['hidden_size']}), FSDP {result['fsdp']} ({result['src_dtype']}) -> TP {result['tp']} (bf16), "
+            f"hidden {result['config']['hidden_size']}), FSDP {result['fsdp']} ({result['src_dtype']}) -> TP {result['tp']} "
+            f"({'bf16, linear weights FP8 per ' + result['fp8'] if result.get('fp8') else 'bf16'}), "
             f"tensors on {result['device']}, {result['repeats']} timed syncs each, "
             + ("the methods' rounds interleaved." if result["device"] == "cpu" else
                f"the limit {result['seconds']['memcpy']['n']} times, before and after."))
@@ -501,6 +526,9 @@ def parse_args(argv):
                         "and a gloo broadcast (see llamarl_core.bench.bench_sync_hosts)")
     p.add_argument("--link-rate", default="1gbit",
                    help="with --hosts: every host's sending rate, in tc's syntax (1gbit, 500mbit)")
+    p.add_argument("--fp8", choices=["tensor", "channel", "block"],
+                   help="the generator's linear weights in FP8 of this granularity (the engine alone, beside the copy "
+                        "bandwidth over the bytes it must move)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where every rank holds its tensors (cuda: GPU 0, one process per rank)")
     p.add_argument("--threads", type=int, default=0, help="copy threads per sender (default: cores / senders)")
@@ -561,17 +589,21 @@ def main(argv=None) -> int:
     spec = parse_args(argv)
     if spec.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA device")
+    if spec.fp8 and (spec.hosts or spec.replicas is not None):
+        raise SystemExit("--fp8 times one sync on this host (FP8 destinations are not relayed to replicas)")
     if spec.hosts:
         return _main_hosts(spec)
     if spec.replicas is not None:
         return _main_replicas(spec)
     spec.transports = spec.transports or ["auto", "p2p"]
     result = run(spec)
+    into = f"TP {spec.tp} FP8 {spec.fp8}" if spec.fp8 else f"TP {spec.tp} bf16"
     section = (f"Weight sync: {result['model_bytes'] / 2**30:.2f} GiB, FSDP {spec.fsdp} {spec.src_dtype} -> "
-               f"TP {spec.tp} bf16 (`llamarl bench sync`)")
-    record(spec.record, "sync", {f"{k}_gbps": v for k, v in result["gbps"].items()} | result["ratios"],
-           {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype}, section,
-           report(result))
+               f"{into} (`llamarl bench sync`)")
+    record(spec.record, "sync_fp8" if spec.fp8 else "sync",
+           {f"{k}_gbps": v for k, v in result["gbps"].items()} | result["ratios"],
+           {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype}
+           | ({"fp8": spec.fp8} if spec.fp8 else {}), section, report(result))
     print(json.dumps(result, indent=2) if spec.json else report(result))
     return 0
 

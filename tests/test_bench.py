@@ -33,6 +33,12 @@ def test_bench_sync_reports_every_method():
                                      "p2p_vs_gloo_broadcast"}
 
 
+def test_bench_sync_into_fp8_destinations_reports_the_engine_beside_its_limit():
+    result = _run("sync", "--fp8", "channel", "--src-dtype", "fp32", "--transports", "auto", *TINY_SYNC)
+    assert set(result["gbps"]) == {"memcpy", "engine_auto"} and result["fp8"] == "channel"
+    assert all(v > 0 for v in result["gbps"].values()) and set(result["ratios"]) == {"engine_vs_memcpy"}
+
+
 def test_bench_sync_replicas_reports_each_count_beside_naive_and_limit():
     # --replicas 2 also measures R = 1 (the naive send is R x its time); FSDP 1 -> TP 1 keeps it to 7 processes.
     result = _run("sync", "--replicas", "2", "--fsdp", "1", "--tp", "1", *TINY_SYNC)
