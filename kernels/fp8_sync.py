@@ -48,7 +48,10 @@ def fp8_tiles_amax_kernel(src_ptr, table_ptr, amax_ptr, BLOCK_N: tl.constexpr, B
     w, r, mask, entry = _tile(table_ptr, src_ptr, BLOCK_N, BLOCK_K)
     rows, cell, step = tl.load(entry + 4), tl.load(entry + 6), tl.load(entry + 7)
     row_amax = tl.max(tl.where(mask, _abs_or_inf(w), 0.0), axis=1)
-    tl.atomic_max(amax_ptr + cell + r * step, row_amax.to(tl.int32, bitcast=True), mask=r < rows)
+    if step == 0:  # one group for the tile: one atomic
+        tl.atomic_max(amax_ptr + cell, tl.max(row_amax, axis=0).to(tl.int32, bitcast=True))
+    else:
+        tl.atomic_max(amax_ptr + cell + r * step, row_amax.to(tl.int32, bitcast=True), mask=r < rows)
 
 
 @triton.jit

@@ -257,10 +257,20 @@ def late_rank_sender_body(port: int, rank: int, scenario: dict) -> dict:
             store.wait([timed_out], datetime.timedelta(seconds=120))
             attempt(2)
         attempt(3)
-    prefixed = dist.PrefixStore(f"llamarl/sync/{scenario_name(scenario)}/src/amax/", store)
-    report["amax_keys_left"] = [f"{v}/{n}/{k}" for v in (1, 2, 3) for n in (0, 1) for k in ("0", "1", "done")
-                                if prefixed.check([f"{v}/{n}/{k}"])]
+    report["amax_keys_left"] = amax_keys_left(store, scenario, versions=(1, 2, 3))
     return report
+
+
+def amax_keys_left(store: dist.Store, scenario: dict, versions) -> list[str]:
+    """The FP8 amax exchange's keys of `versions` (two attempts each, every sender
+    registered once) still in the Store."""
+    from llamarl_core.sync.amax import amax_prefix
+
+    prefixed = dist.PrefixStore(f"llamarl/sync/{scenario_name(scenario)}/", store)
+    keys = [f"{amax_prefix((v, n), [1] * scenario['fsdp'])}/{kind}/{r}" for v in versions for n in (0, 1, 2)
+            for kind in ("flag", "values") for r in range(scenario["fsdp"])]
+    keys += [f"{amax_prefix((v, n), [1] * scenario['fsdp'])}/done" for v in versions for n in (0, 1, 2)]
+    return [key for key in keys if prefixed.check([key])]
 
 
 def polling_receiver_body(port: int, rank: int, scenario: dict) -> dict:

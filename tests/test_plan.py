@@ -447,6 +447,25 @@ def test_fp8_grouped_kernels_equal_the_torch_path(monkeypatch):
             for name, got in results[0][r].items():
                 assert torch.equal(got.reshape(-1).view(torch.uint8), results[1][r][name].reshape(-1).view(torch.uint8)), \
                     (case, name, shape, src_dtype, src_world, src_p, dst_world, dst_p, granularity, r)
+    # Several tensors a sender, of two dtypes: each dtype's tiles reach its tensors
+    # through their distance from one of them (other allocations).
+    shapes = {"a": (150, 90), "b": (70, 260), "c": (40, 40)}
+    dtypes = {"a": torch.float32, "b": torch.bfloat16, "c": torch.float32}
+    kinds = {"a": "block", "b": "channel", "c": "tensor"}
+    src = Layout(2, [ParamSpec(n, shapes[n], dtypes[n], Shard(0)) for n in shapes])
+    dst = Layout(2, [ParamSpec(n, shapes[n], torch.bfloat16, Shard(1 if n == "b" else 0), fp8=kinds[n]) for n in shapes])
+    fulls = {n: torch.randn(shapes[n], generator=torch.Generator().manual_seed(i)).to(dtypes[n])
+             for i, n in enumerate(shapes)}
+    src_shards = {r: {n: torch.chunk(fulls[n], 2)[r].contiguous() for n in shapes} for r in range(2)}
+    plan = plan_transfer(src, dst)
+    results = []
+    for interpret in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        dst_shards = {r: poisoned_destination(dst, r) for r in range(2)}
+        plan.execute_local(src_shards, dst_shards)
+        results.append(dst_shards)
+    for r in range(2):
+        assert mismatches(results[1][r], results[0][r]) == []
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     full = torch.randn(100, 200)
     full[73, 5] = float("nan")

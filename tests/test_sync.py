@@ -126,11 +126,7 @@ def amax_runs():
     results = run_processes(jobs, timeout=600)
     received = {k: [results[2 + r][workers.scenario_name(s)] for r in range(2)] for k, s in scenarios.items()}
     failed = {k: [results[r][f"{workers.scenario_name(s)}/failed"] for r in range(2)] for k, s in scenarios.items()}
-    left = {}
-    for k, s in scenarios.items():
-        amax = dist.PrefixStore(f"llamarl/sync/{workers.scenario_name(s)}/src/amax/", stores[k])
-        left[k] = [key for v in (1, 2, 3, 4) for n in (0, 1, 2) for key in (f"{v}/{n}/0", f"{v}/{n}/1", f"{v}/{n}/done")
-                   if amax.check([key])]
+    left = {k: workers.amax_keys_left(stores[k], s, versions=(1, 2, 3, 4)) for k, s in scenarios.items()}
     return received, failed, {k: store.num_keys() for k, store in stores.items()}, left
 
 
@@ -161,14 +157,14 @@ def test_fp8_nan_on_one_sender_fails_every_send_before_a_byte_moves(amax_runs):
             r"step 1: sender rank 0, version 2: source 'model\.layers\.0\.self_attn\.q_proj\.weight' \(for FP8 "
             r"destination 'model\.layers\.0\.self_attn\.qkv_proj\.weight' on rank 0\) contains NaN or inf; "
             r"refusing to quantize it to FP8; nothing was written", sender0[0]), (name, sender0)
-        assert sender1 == ["step 1: sender rank 1, version 2: another sender rank holds NaN or inf for an FP8 "
+        assert sender1 == ["step 1: sender rank 1, version 2: sender rank(s) [0] hold NaN or inf for an FP8 "
                            "destination; nothing was written"], (name, sender1)
         for rank, lines in enumerate(received[name]):
             assert len(lines) == 1 and re.match(rf"step 1: torn (True|False): receiver rank {rank}: sender rank", lines[0]), (name, lines)
             if name.endswith("p2p"):  # both senders' headers said so, and their reports are read
                 assert lines[0].startswith(f"step 1: torn False: receiver rank {rank}: sender ranks "), lines[0]
                 assert "sender rank 0 failed: SyncError: sender rank 0, version 2: source 'model" in lines[0], lines[0]
-                assert "sender rank 1 failed: SyncError: sender rank 1, version 2: another sender" in lines[0], lines[0]
+                assert "sender rank 1 failed: SyncError: sender rank 1, version 2: sender rank(s) [0] hold" in lines[0], lines[0]
                 assert lines[0].endswith("; nothing was written"), lines[0]
         assert left[name] == []
 
@@ -830,3 +826,72 @@ def test_receiver_larger_than_dev_shm_fails_cleanly_with_tensors_unchanged():
     assert out["changed"] == []
     assert out["free_after"] == 1 << 20
     assert "receiver 0's memory handle" in out["sender"]  # the failed receiver published no handle
+
+
+def test_point_to_point_receiver_offered_a_send_that_stops_hears_so_and_stays_in_step(store):
+    """FSDP 1 -> TP 2 point to point: both receivers are offered version 2 at once
+    (pending() sees it before any header moves). Receiver 1 waits in receive()
+    while the sender's round-0 stream to receiver 0 is held up and the sender is
+    aborted: receiver 0 gets version 2 whole, receiver 1 a header saying nothing
+    follows, at once, not at its timeout. Version 3 then lands on both, and
+    pending() offers nothing more: each receiver counts what it took from the
+    headers."""
+    config = small_config("llama_gqa_bias")
+    src_layout, dst_layout = hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 2, torch.bfloat16)
+    shards = reference_fsdp_shards(hf_state_dict(config, 51), 1, torch.float32)[0]
+    params = {r: poisoned_destination(dst_layout, r) for r in range(2)}
+    made = {}
+
+    def register(rank):
+        made[rank] = WeightReceiver(store_client(store), dst_layout, rank, params[rank], name="p2p-stop",
+                                    transport="p2p", timeout=30)
+
+    threads = [threading.Thread(target=register, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    sender = WeightSender(store_client(store), src_layout, 0, shards, name="p2p-stop", transport="p2p", timeout=30)
+    for t in threads:
+        t.join(timeout=60)
+    receivers = [made[0], made[1]]
+    first = sender.send(1, wait=False)
+    assert in_threads(lambda: receivers[0].receive(), lambda: receivers[1].receive()) == [1, 1]
+    first.wait()
+    assert sender._p2p_peers == [0, 1]  # round 0: receiver 0
+
+    handle = sender.send(2, wait=False)
+    deadline = time.monotonic() + 10
+    while [r.pending() for r in receivers] != [2, 2]:
+        assert time.monotonic() < deadline, "both receivers must see version 2 offered before any header"
+        time.sleep(0.01)
+    outcome = {}
+
+    def receive_1():
+        start = time.monotonic()
+        try:
+            receivers[1].receive()
+            outcome["1"] = "received"
+        except SyncError as exc:
+            outcome["1"] = (str(exc), receivers[1].torn, time.monotonic() - start)
+
+    waiting = threading.Thread(target=receive_1)
+    waiting.start()
+    time.sleep(0.5)  # receiver 1 waits for its header; the sender waits for receiver 0
+    sender.abort("the trainer stopped")
+    assert receivers[0].receive() == 2
+    waiting.join(timeout=30)
+    with pytest.raises(SyncError, match="aborted: the trainer stopped"):
+        handle.wait(timeout=30)
+    message, torn, seconds = outcome["1"]
+    assert message.startswith("receiver rank 1: sender ranks [0] failed before writing version 2 (sender rank 0 "
+                              "failed: aborted: the trainer stopped)") and message.endswith("; nothing was written")
+    assert torn is False and seconds < 10, outcome
+    third = sender.send(3, wait=False)
+    assert in_threads(lambda: receivers[0].receive(), lambda: receivers[1].receive()) == [3, 3]
+    third.wait()
+    assert [r.pending() for r in receivers] == [None, None]
+    expected = reference_vllm_tp_shards(hf_state_dict(config, 51), config, 2, torch.bfloat16)
+    for r in range(2):
+        assert mismatches(expected[r], params[r]) == []
+    sender.close()
+    for r in receivers:
+        r.close()

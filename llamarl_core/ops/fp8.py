@@ -669,9 +669,10 @@ def _triton_path(w: torch.Tensor, backend: str) -> bool:
 # ----------------------------------------------------------------------------- grouped tiles (a sync's FP8 destinations)
 
 # Rows x columns a program of the grouped kernels (kernels/fp8_sync.py) holds: a
-# 128-column run of a row is 256 bytes of bf16, whole 16-byte loads; a 128 x 128
-# block is four tiles. 8 warps (16 elements a thread): the cast took 175-182
-# registers a thread at 4 warps (ptxas, sm_90), 102-108 at 8.
+# 128 x 128 block is four tiles. The tiles' addresses come from the table, so the
+# compiler cannot assume their alignment (no 16-byte loads guaranteed): not timed
+# on a GPU yet. 8 warps (16 elements a thread): the cast took 175-182 registers a
+# thread at 4 warps (ptxas, sm_90), 102-108 at 8.
 TILE_BLOCK = (32, 128)
 _TILE_WARPS = 8
 TILE_COLUMNS = 8  # int64 per table row: kernels/fp8_sync.py

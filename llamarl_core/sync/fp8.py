@@ -135,8 +135,9 @@ class Fp8Plan:
     of `num_cells` (a destination rank's groups of a parameter in its scale's
     element order; groups every rank shares counted once), and for every
     rectangle the box of groups it touches. `shared`: the groups more than one
-    sender touches (int64 indices), which senders reduce; `scale_writes`: who
-    writes each destination scale. Everything every rank computes alike."""
+    sender touches (int64 indices), which senders reduce; `touched_shared[s]`:
+    those sender s touches (sorted); `scale_writes`: who writes each destination
+    scale. Everything every rank computes alike."""
 
     def __init__(self, layout: Layout, rects: list[Fp8Rect], src_world: int):
         self.layout, self.rects = layout, rects
@@ -159,6 +160,12 @@ class Fp8Plan:
             shared_box |= (first_box != -1) & (first_box != rect.src_rank)
             first_box[first_box == -1] = rect.src_rank
         self.shared = np.flatnonzero(shared)
+        numbers = np.arange(self.num_cells, dtype=np.int64)
+        touched: list[list[np.ndarray]] = [[] for _ in range(src_world)]
+        for rect, box in zip(rects, self.boxes):
+            cells = self.cells(numbers, box).reshape(-1)
+            touched[rect.src_rank].append(cells[shared[cells]])
+        self.touched_shared = [np.unique(np.concatenate(t)) if t else np.zeros(0, dtype=np.int64) for t in touched]
         self.scale_writes = self._scale_writes(src_world)
 
     def space(self, name: str, rank: int) -> tuple[int, tuple[int, int]]:
@@ -200,10 +207,13 @@ class Fp8Plan:
             return writer
 
         writes = []
+        by_name: dict[str, list] = {}
+        for rect, box in zip(self.rects, self.boxes):
+            by_name.setdefault(rect.dst_name, []).append((rect, box))
         for name, spec in self.layout.params.items():
             if spec.fp8 is None:
                 continue
-            mine = [(rect, box) for rect, box in zip(self.rects, self.boxes) if rect.dst_name == name]
+            mine = by_name.get(name, [])
             shared = self.spaces.get((name, None))
             anywhere = None if shared is None else lowest(mine, shared[1][0] * shared[1][1])
             for rank in range(self.layout.world_size):

@@ -19,8 +19,8 @@ counters are plain integers (a forged count is only a hint to look again):
                                                       (or null); "closed" once over; "abandoned"
     dst/<d>/done/<t>/<s>                              sender s served ticket t: the version it
                                                       wrote; {"abandoned", "holds"} (that version
-                                                      will not come); {"failed", "error"} (a
-                                                      sender failed: see below)
+                                                      will not come); {"failed", "error",
+                                                      "wrote"} (a sender failed: see below)
     src/<s>/offer/<d>                                 [version, n]: sender s's n-th send to
                                                       receiver d waits for it (or runs); null
                                                       once over (shm, CUDA IPC pairs)
@@ -206,18 +206,20 @@ class SenderReports:
         for dst in dsts:
             self.channel.set(offer_key(self.rank, dst), None)
 
-    def fail(self, message: str, unserved: Mapping[int, tuple[int, Iterable[int]]]) -> None:
+    def fail(self, message: str, unserved: Mapping[int, tuple[int, Iterable[int]]], wrote: Iterable[int] = ()) -> None:
         """Publish this rank's failure, then end the waits it leaves hanging. unserved:
         receiver -> (the last ticket this rank served it, the ranks that write to it
         over shared memory or CUDA IPC): an open ticket after that one gets a
-        {"failed", "error"} answer in every slot not answered yet, so its receive()
+        {"failed", "error", "wrote"} answer in every slot not answered yet ("wrote":
+        whether this rank began writing to that receiver: in `wrote`), so its receive()
         raises at once instead of waiting for senders that may never come (a rank
         stuck in a collective with this one). Receivers this rank serves point to
         point wait in the process group: they see the failure in pending()."""
         self.channel.set(error_key(self.rank), message)
         self.channel.counter(FAILURES, 1)
-        answer = {"failed": self.rank, "error": message}
+        wrote = set(wrote)
         for dst, (served, writers) in unserved.items():
+            answer = {"failed": self.rank, "error": message, "wrote": dst in wrote}
             ticket = self.channel.counter(f"{DST}/{dst}/ticket")
             if ticket <= served or ticket_closed(self.channel, dst, ticket):
                 continue

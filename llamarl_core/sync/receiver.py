@@ -123,8 +123,9 @@ class WeightReceiver(Endpoint):
         self._ticket = self.channel.counter(f"{DST}/{self.rank}/ticket")
         if self._ticket and not ticket_closed(self.channel, self.rank, self._ticket):
             self._close_ticket(self._ticket)
-        # Sender -> the versions taken from it point to point (pending() compares its offers
-        # with it); None for a sender that writes through memory (its offers are withdrawn).
+        # Sender -> how many of its sends were offered up to the last header taken from it
+        # point to point (pending() compares its offers with it); None for a sender that
+        # writes through memory (its offers are withdrawn).
         self._taken: dict[int, int | None] = {src: None if src in self._local_senders else 0 for src in self.senders}
         local_transports = {self.transports[(src, self.rank)] for src in self._local_senders}
         if SHM in local_transports:
@@ -326,6 +327,7 @@ class WeightReceiver(Endpoint):
         self._ticket += 1
         ticket = self._ticket
         done = {done_key(self.rank, ticket, src): f"sender rank {src}" for src in self._local_senders}
+        was_torn = self.torn
         try:
             self.channel.set_counter(f"{key}/ticket", ticket)
             self.torn = True  # from here on senders may be writing into the tensors
@@ -340,8 +342,17 @@ class WeightReceiver(Endpoint):
             self._close_ticket(ticket)
         failed = [answer for answer in answers if isinstance(answer, dict) and "failed" in answer]
         if failed:
+            # Untouched only if every sender of this host says it did not write: its own
+            # failure before writing, or a version it will not send (an answer another
+            # rank's failure left in a slot says nothing of that slot's sender).
+            untouched = not versions and all(
+                isinstance(answer, dict) and ("abandoned" in answer or (answer.get("failed") == src
+                                                                        and answer.get("wrote") is False))
+                for src, answer in zip(self._local_senders, answers))
+            if untouched:
+                self.torn = was_torn
             raise SyncError(f"receiver rank {self.rank}: sender rank {failed[0]['failed']} failed: "
-                            f"{failed[0]['error']}; weights torn")
+                            f"{failed[0]['error']}; " + ("nothing was written" if untouched else "weights torn"))
         stale = [answer for answer in answers if isinstance(answer, dict)]
         if stale:
             message = (f"receiver rank {self.rank}: version {stale[0]['abandoned']} will not come (its sender holds "
@@ -387,16 +398,16 @@ class WeightReceiver(Endpoint):
         bucket i + 2 into the same buffer only after that unpack has completed.
         Each bucket, once unpacked, goes on to the relays `forwarding` feeds. A
         sender that failed before writing sends a header saying so: the other
-        senders are still received, then SyncError names it (the weights torn only
-        if another sender wrote)."""
+        senders are still received, then SyncError names it (the weights counted
+        torn if another sender wrote, or may have: one on this host)."""
         versions, failed = set(), []
         was_torn, self.torn = self.torn, True
         for src in self._p2p_peers:  # in round order
-            header = torch.empty(2, dtype=torch.int64, device=self.device)
+            header = torch.empty(3, dtype=torch.int64, device=self.device)
             what = f"receiving from sender {src}"
             self._wait_work(self._post("recv", header, src, 0, what), deadline, what)
-            version, num_buckets = (int(x) for x in header.tolist())
-            self._taken[src] += 1  # this sender's next version in the pair, whatever comes of it
+            version, num_buckets, offered = (int(x) for x in header.tolist())
+            self._taken[src] = offered  # the sender's offers so far: pending() compares the next with it
             if num_buckets == NOTHING_FOLLOWS:
                 failed.append((src, version))
                 continue

@@ -19,9 +19,10 @@ from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, packed
 from .engine import check_local_tensors, prepared_table, run_segment_table, segment_table, storage_key
 from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
+from .amax import AmaxExchange
 from .fp8 import Fp8Sources
 from .plan import DEFAULT_BUCKET_BYTES, source_address
-from .protocol import ABANDONED, CLOSED, DST, SRC, Channel, SenderReports, done_key, ticket_closed
+from .protocol import ABANDONED, CLOSED, DST, Channel, SenderReports, done_key, ticket_closed
 from .transports import P2P, SHM, OpenedCudaHandles, open_shm_handle
 
 # How long a sender waits for a ticket to open before it reads the receiver's counter
@@ -30,8 +31,10 @@ from .transports import P2P, SHM, OpenedCudaHandles, open_shm_handle
 # notice that it is stopped (close, abort).
 TICKET_POLL_S = 1.0
 
-# A point-to-point header's bucket count when the sender failed before writing (P2PStream).
+# A point-to-point header's bucket count when the sender failed before writing (P2PStream),
+# and how long a failed send tries to deliver each such header.
 NOTHING_FOLLOWS = -1
+NOTHING_FOLLOWS_GRACE_S = 10.0
 
 
 class SendHandle:
@@ -87,15 +90,19 @@ class WeightSender(Endpoint):
     LLAMARL_COPY_THREADS, else every core). relay_buckets: set by a WeightReceiver
     on the sender that relays a version to the next replica (that pair's buckets,
     mirroring the ones it receives, in arrival order); None otherwise.
+    FP8 destinations (fp8.py): every sender quantizes what it sends and keeps an
+    FP8 buffer of it (one byte an element); the senders agree before any byte is
+    written (amax.py), so a NaN or inf on one rank fails every sender's send
+    (naming the tensor) with the generator untouched.
     group: optional torch.distributed group spanning exactly the sender ranks in
     rank order, used by nothing else while a send runs (a group of its own:
     `dist.new_group`, not the trainer's FSDP group, whose collectives the send's
-    thread would interleave with): the amaxes of FP8 destinations that several
-    senders share are reduced over it, on the tensors' device, instead of through
-    Store keys. FP8 destinations (fp8.py): every sender quantizes what it sends and
-    keeps an FP8 buffer of what it sends to them (one byte an element); the
-    senders agree before any byte is written, so a NaN or inf on one rank fails
-    every sender's send (naming the tensor) with the generator untouched.
+    thread would interleave with): the FP8 exchange is then one MAX all-reduce
+    over it, on the tensors' device, instead of Store keys. As with any
+    collective, a rank that misses an exchange (its send of a version never ran)
+    leaves the group out of step: register the senders again, with a new group.
+    An NCCL group of your own tears the process down on a timeout unless made
+    with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (a gloo group does not).
     secret: the sync's (auth.py), the same bytes on every sender and receiver;
     None reads LLAMARL_SECRET / LLAMARL_SECRET_FILE, and with neither set the
     constructor raises ValueError. Every value the sync keeps in the Store carries
@@ -137,9 +144,10 @@ class WeightSender(Endpoint):
             if group is not None and (group.size(), group.rank()) != (layout.world_size, rank):
                 raise ValueError(f"sender rank {rank}: group= must span the {layout.world_size} sender ranks in "
                                  f"rank order, got rank {group.rank()} of {group.size()}")
-            self._amax_group = group
-            self._amax_attempt: tuple[int | None, int] = (None, 0)  # see _amax_sync_id
-            self.fp8 = None if self.plan.fp8 is None else Fp8Sources(self.plan.fp8, rank, self.device)
+            self.fp8 = self._amax = None
+            if self.plan.fp8 is not None:
+                self.fp8 = Fp8Sources(self.plan.fp8, rank, self.device)
+                self._amax = AmaxExchange(channel, rank, layout.world_size, self.fp8, group, self._wait_work)
             self._connect()
         except BaseException as exc:
             self._report_raised(exc)
@@ -318,136 +326,90 @@ class WeightSender(Endpoint):
         return written
 
     def _send(self, version: int, deadline: float) -> int:
-        if self.fp8 is not None:  # before any offer: a receiver asks for what is ready to copy
-            try:
+        self._wrote: set[int] = set()  # receivers on this host this send began to write
+        try:
+            if self.fp8 is not None:  # before any offer: a receiver asks for what is ready to copy
                 self._quantize_fp8(version, deadline)
-            except SyncError as exc:
-                # Reported first (receivers on this host see it); those fed point to point
-                # wait on the pair: each gets a header saying nothing follows.
-                self._report_raised(exc)
-                for dst in self._p2p_peers:
-                    self._offer(dst, version)
-                for dst in self._p2p_peers:
-                    P2PStream(self, dst, version, deadline, nothing=True, offered=True).finish()
-                raise
+        except BaseException as exc:
+            # Reported first (receivers on this host see it); those fed point to point
+            # wait on the pair: each is offered the version and told nothing follows.
+            self._report_early(exc)
+            for dst in self._p2p_peers:
+                self._offer(dst, version)
+            self._tell_nothing_follows(self._p2p_peers, version, exc)
+            raise
         # Every receiver is offered the version at once: pending() on a receiver that
         # several senders feed point to point needs all their offers, which offers made
         # round by round would hold back behind the transfers of the rounds before.
         for dst in [*self._local_receivers, *self._p2p_peers]:
             self._offer(dst, version)
-        written = 0
-        # Receivers on this host first: their receive() opens its ticket before it
-        # waits on any point-to-point peer, so these copies never wait on a round.
-        for dst in self._local_receivers:
-            ticket, wanted = self._await_ticket(dst, deadline)
-            while wanted is not None and wanted < version:
-                # The receive asks for an older version, which nobody will send now (its sender
-                # died): tell it so, untouched, rather than fill it with this one, then serve the
-                # receive that follows.
-                self.channel.set(done_key(dst, ticket, self.rank), {"abandoned": wanted, "holds": version})
-                self._served[dst] = ticket
+        written, started = 0, 0
+        try:
+            # Receivers on this host first: their receive() opens its ticket before it
+            # waits on any point-to-point peer, so these copies never wait on a round.
+            for dst in self._local_receivers:
                 ticket, wanted = self._await_ticket(dst, deadline)
-            for table in self._tables[dst]:
+                while wanted is not None and wanted < version:
+                    # The receive asks for an older version, which nobody will send now (its sender
+                    # died): tell it so, untouched, rather than fill it with this one, then serve the
+                    # receive that follows.
+                    self.channel.set(done_key(dst, ticket, self.rank), {"abandoned": wanted, "holds": version})
+                    self._served[dst] = ticket
+                    ticket, wanted = self._await_ticket(dst, deadline)
+                for table in self._tables[dst]:
+                    self._check_stop()
+                    self._wrote.add(dst)
+                    written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
+                self._check_stop()  # an abort meanwhile answered this ticket "failed": never "done" after it
+                # Withdrawn before the answer: a receiver that has the version never sees the offer stand.
+                self.reports.withdraw([dst])
+                self._offered.discard(dst)
+                self.channel.set(done_key(dst, ticket, self.rank), version)
+                self._served[dst] = ticket
+            for dst in self._p2p_peers:  # in round order
                 self._check_stop()
-                written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
-            self._check_stop()  # an abort meanwhile answered this ticket "failed": never "done" after it
-            # Withdrawn before the answer: a receiver that has the version never sees the offer stand.
-            self.reports.withdraw([dst])
-            self._offered.discard(dst)
-            self.channel.set(done_key(dst, ticket, self.rank), version)
-            self._served[dst] = ticket
-        for dst in self._p2p_peers:  # in round order
-            self._check_stop()
-            written += P2PStream(self, dst, version, deadline, offered=True).finish()
+                started += 1
+                written += P2PStream(self, dst, version, deadline, offered=True).finish()
+        except BaseException as exc:
+            self._report_early(exc)
+            self._tell_nothing_follows(self._p2p_peers[started:], version, exc)
+            raise
         return written
+
+    def _report_early(self, exc: BaseException) -> None:
+        """Report `exc` now (unless abort() did), not when the send ends (_end_send
+        then leaves it)."""
+        if not getattr(exc, "llamarl_reported", False):
+            self._report_raised(exc)
+            exc.llamarl_reported = True
+
+    def _tell_nothing_follows(self, peers: list[int], version: int, exc: BaseException) -> None:
+        """Point-to-point receivers offered `version` whose stream never began get a
+        header saying nothing follows, so that a receive() waiting for this rank
+        raises at once instead of timing out: best effort, NOTHING_FOLLOWS_GRACE_S
+        each (the send's own deadline may be spent); what fails is noted on `exc`."""
+        for dst in peers:
+            try:
+                P2PStream(self, dst, version, time.monotonic() + NOTHING_FOLLOWS_GRACE_S, nothing=True,
+                          offered=True).finish()
+            except Exception as failure:  # noqa: BLE001 - `exc` is what the send raises
+                exc.add_note(f"sender rank {self.rank} could not tell receiver {dst} that nothing follows: {failure}")
 
     def _quantize_fp8(self, version: int, deadline: float) -> None:
         """This rank's part of the FP8 destinations (fp8.py): amaxes, the shared ones
-        reduced (MAX) over every sender rank with a flag for NaN / inf (an all-reduce
-        over `group` when given, else Store keys under this send's sync id,
-        `_amax_sync_id`), then scales and the FP8 copies. A rank holding NaN or inf
-        still takes part, so that every sender fails before writing a byte."""
+        reduced (MAX) over every sender rank together with who holds NaN or inf
+        (amax.py), then scales and the FP8 buffer. A rank holding NaN or inf still
+        takes part, so that every sender fails before writing a byte."""
         fp8 = self.fp8
         amax = fp8.local_amax(self.tensors)
         problem = fp8.nonfinite(amax, self.tensors)  # the one host sync
-        if self.layout.world_size > 1:
-            sync_id = self._amax_sync_id(version)
-            exchange = self._amax_over_group if self._amax_group is not None else self._amax_through_store
-            reduced = exchange(None if problem else amax[fp8.shared], sync_id, deadline)
-            if problem is None and reduced is None:
-                raise SyncError(f"sender rank {self.rank}, version {version}: another sender rank holds NaN or inf "
-                                "for an FP8 destination; nothing was written")
-            if problem is None:
-                amax[fp8.shared] = reduced.to(amax.device)
+        bad = [] if self.layout.world_size == 1 else self._amax.run(None if problem else amax, version, deadline)
         if problem is not None:
             raise SyncError(f"sender rank {self.rank}, version {version}: {problem}; nothing was written")
+        if bad:
+            raise SyncError(f"sender rank {self.rank}, version {version}: sender rank(s) {bad} hold NaN or inf for "
+                            "an FP8 destination; nothing was written")
         fp8.quantize(self.tensors, amax)
-
-    def _amax_sync_id(self, version: int) -> tuple[int, int]:
-        """(version, n), n = how many FP8 exchanges of `version` this rank has begun
-        before: equal on every sender rank for one send of a version, never equal for
-        two attempts of one rank, so a version sent again never reads a failed
-        attempt's values. A rank that missed an exchange (its send of that version
-        never started) puts at most the later sends of that same version out of step
-        (they fail on a peer's "timed-out" marker, or time out); the next version
-        starts again at n = 0 on every rank."""
-        last, n = self._amax_attempt
-        self._amax_attempt = (version, n + 1 if last == version else 0)
-        return self._amax_attempt
-
-    def _amax_over_group(self, shared: torch.Tensor | None, sync_id: tuple[int, int],
-                         deadline: float) -> torch.Tensor | None:
-        """MAX all-reduce over the senders' group of [shared amaxes, nonfinite flag,
-        sync id, -sync id] (float64: exact for amaxes and ids below 2**53); None if a
-        rank holds NaN or inf. Ranks at different sync ids (one missed an exchange)
-        raise instead of mixing two sends' amaxes."""
-        count = len(self.fp8.shared)
-        buf = torch.zeros(count + 5, dtype=torch.float64, device=self.device)
-        if shared is None:
-            buf[count] = 1
-        else:
-            buf[:count] = shared
-        buf[count + 1 :] = torch.tensor([*sync_id, -sync_id[0], -sync_id[1]], dtype=torch.float64)
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MAX
-        what = f"the FP8 amax all-reduce (sender rank {self.rank}, sync {sync_id})"
-        self._wait_work(self._amax_group.allreduce([buf], options), deadline, what)
-        buf = buf.cpu()
-        highest, lowest = buf[count + 1 : count + 3], -buf[count + 3 :]
-        if not torch.equal(highest, lowest):
-            raise SyncError(f"{what}: the sender ranks were at different sends, from {lowest.tolist()} to "
-                            f"{highest.tolist()} (a rank missed an exchange); nothing was written")
-        return None if buf[count] else buf[:count].to(torch.float32)
-
-    def _amax_through_store(self, shared: torch.Tensor | None, sync_id: tuple[int, int],
-                            deadline: float) -> torch.Tensor | None:
-        """MAX of every sender rank's shared amaxes through the Store keys of this sync
-        id; None if a rank holds NaN or inf. The last rank done with the keys deletes them."""
-        prefix = f"{SRC}/amax/{sync_id[0]}/{sync_id[1]}"
-        keys = [f"{prefix}/{r}" for r in range(self.layout.world_size)]
-        store = self.channel.store
-        # Markers are 9 bytes, a vector a multiple of 4: they cannot be confused.
-        store.set(keys[self.rank], b"nonfinite" if shared is None else shared.cpu().numpy().tobytes())
-        try:
-            if shared is None:
-                return None  # the others need this rank's marker, not the other way round
-            try:
-                values = self.channel.wait({key: f"sender rank {r}" for r, key in enumerate(keys)}, deadline,
-                                           f"the FP8 amaxes of sync {sync_id} from every sender")
-            except SyncTimeoutError:
-                # A rank that never comes leaves the keys behind: shrink this rank's to a marker.
-                store.set(keys[self.rank], b"timed-out")
-                raise
-        finally:
-            if self.channel.counter(f"{prefix}/done", 1) == len(keys):
-                for key in [*keys, f"{prefix}/done"]:
-                    store.delete_key(key)
-        if b"timed-out" in values:
-            raise SyncTimeoutError(f"sender rank {values.index(b'timed-out')} timed out in the FP8 amax exchange "
-                                   f"of sync {sync_id}; nothing was written")
-        if b"nonfinite" in values:
-            return None
-        return torch.from_numpy(np.stack([np.frombuffer(v, dtype=np.float32) for v in values]).max(axis=0))
 
     def _offer(self, dst: int, version: int) -> None:
         self._sends[dst] = self._sends.get(dst, 0) + 1
@@ -456,12 +418,14 @@ class WeightSender(Endpoint):
 
     def _check_stop(self) -> None:
         if self._stop is not None:
-            raise SyncError(f"sender rank {self.rank}: {self._stop}")
+            exc = SyncError(f"sender rank {self.rank}: {self._stop}")
+            exc.llamarl_reported = self._stop.startswith("aborted: ")  # abort() published it
+            raise exc
 
     def _end_send(self, exc: BaseException | None) -> None:
-        """The send is over: a failure reported to the receivers (unless reported
-        during this send already: abort, a failed FP8 exchange); the next send may start."""
-        if exc is not None and not self._reported:
+        """The send is over: a failure reported to the receivers (unless _send reported
+        it already); the next send may start."""
+        if exc is not None and not getattr(exc, "llamarl_reported", False):
             self._report_raised(exc)
         with self._state:
             self._sending = None
@@ -475,7 +439,7 @@ class WeightSender(Endpoint):
         unserved = {dst: (self._served.get(dst, 0),
                           [src for src in self.plan.senders_of(dst) if self.transports[(src, dst)] != P2P])
                     for dst in self._local_receivers}
-        self.reports.fail(message, unserved)
+        self.reports.fail(message, unserved, wrote=getattr(self, "_wrote", set()))
 
     def _report_raised(self, exc: BaseException) -> None:
         try:
@@ -530,8 +494,9 @@ class WeightSender(Endpoint):
 
 class P2PStream:
     """One version from a sender to one point-to-point receiver: a header (tag 0:
-    version, bucket count; -1 with `nothing`: the sender failed before writing
-    anything, and no bucket follows), then bucket i packed into staging buffer i % 2 and sent
+    version, bucket count (-1 with `nothing`: the sender failed before writing
+    anything, and no bucket follows), how many sends this sender offered the
+    receiver), then bucket i packed into staging buffer i % 2 and sent
     (tag 1 + i), so that packing bucket i + 1 overlaps the send of bucket i.
     Packing is done when run_segment_table returns (on GPU its stream waited for
     the current one, so the optimizer's pending writes came first): what is in
@@ -550,7 +515,7 @@ class P2PStream:
         self.tables = [] if nothing else sender._tables[dst]
         self.what = f"sending version {version} to receiver {dst}"
         count = NOTHING_FOLLOWS if nothing else len(self.tables)
-        self.header = torch.tensor([version, count], dtype=torch.int64, device=sender.device)
+        self.header = torch.tensor([version, count, sender._sends[dst]], dtype=torch.int64, device=sender.device)
         self.in_flight = [sender._post("send", self.header, self.peer, 0, self.what), None, None]
         self.sent = 0  # buckets posted
         self.written = 0
