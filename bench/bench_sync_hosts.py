@@ -175,7 +175,7 @@ def run_hosts(spec) -> dict:
     drive = {key: value for key, value in vars(spec).items() if key in (
         "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "fsdp", "tp", "src_dtype", "threads",
         "warmup", "repeats")}
-    drive.update(counts=counts, device="cpu")
+    drive.update(counts=counts, device="cpu", fp8=None)  # --fp8 is refused with --hosts
     try:
         hosts = NetnsHosts(1 + max(counts)).start()
     except NetnsUnavailable as error:

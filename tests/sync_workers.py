@@ -465,10 +465,10 @@ NCCL_PAIR = dict(config="llama_gqa_bias", fsdp=1, tp=1, src_dtype="fp32", transp
 
 
 def nccl_dying_sender_body(port: int) -> None:
-    """Send version 1 point to point over NCCL, then die without a word."""
+    """Send version 1 point to point over NCCL from GPU 0, then die without a word."""
     s = NCCL_PAIR
     config, dtype = small_config(s["config"]), DTYPES[s["src_dtype"]]
-    shards = {n: t.cuda() for n, t in reference_fsdp_shards(hf_state_dict(config, s["seed"]), 1, dtype)[0].items()}
+    shards = {n: t.cuda(0) for n, t in reference_fsdp_shards(hf_state_dict(config, s["seed"]), 1, dtype)[0].items()}
     sender = WeightSender(connect(port), hf_llama_fsdp(config, 1, dtype), 0, shards, name=scenario_name(s),
                           transport="p2p", timeout=10)
     sender.send(1)
@@ -477,13 +477,13 @@ def nccl_dying_sender_body(port: int) -> None:
 
 
 def nccl_surviving_receiver_body(port: int) -> dict:
-    """Receive version 1 over NCCL (a group whose timeout is 10 s), then a receive
+    """On GPU 1: receive version 1 over NCCL (a group whose timeout is 10 s), then a receive
     whose sender died (3 s); then stay alive past the group's timeout, when NCCL's
     watchdog finds the receive's work timed out, and report."""
     s = NCCL_PAIR
     config = small_config(s["config"])
     layout = vllm_llama_tp(config, 1, torch.bfloat16)
-    params = {n: t.cuda() for n, t in poisoned_destination(layout, 0).items()}
+    params = {n: t.cuda(1) for n, t in poisoned_destination(layout, 0).items()}  # NCCL: one rank a GPU
     store = connect(port)
     receiver = WeightReceiver(store, layout, 0, params, name=scenario_name(s), transport="p2p", timeout=10)
     report = {"v1": receiver.receive()}

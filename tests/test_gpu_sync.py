@@ -366,8 +366,9 @@ def test_fp8_destination_on_gpu_holds_its_fp8_weights_and_scales_only(store):
     assert sender["packed_bytes"] == sum(rows * cols for rows, cols in workers.FP8_MEMORY["shapes"])
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL connects one rank a GPU)")
 def test_nccl_peer_that_dies_is_a_sync_error_and_the_receiver_lives_on(store):
-    """Point to point over NCCL: the sender dies after version 1; the receive of
+    """Point to point over NCCL, GPU 0 to GPU 1: the sender dies after version 1; the receive of
     version 2 raises SyncTimeoutError after its 3 s, and the receiver process is
     still alive 15 s later, past the group's 10 s timeout (NCCL's watchdog would
     tear it down under TORCH_NCCL_ASYNC_ERROR_HANDLING=3, the default)."""

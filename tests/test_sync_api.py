@@ -75,9 +75,9 @@ def test_endpoints_show_their_real_parameters():
     """help() and inspect.signature show the parameters themselves, not (*args, **kwargs)."""
     common = ["store", "layout", "rank", "tensors", "name", "transport", "timeout", "bucket_bytes", "num_threads"]
     sender, receiver = inspect.signature(WeightSender), inspect.signature(WeightReceiver)
-    assert list(sender.parameters) == [*common, "relay_buckets", "secret"]
-    assert list(receiver.parameters) == [*common, "p2p_bucket_bytes", "group", "replica", "num_replicas",
-                                         "relay_names", "secret"]
+    assert list(sender.parameters) == [*common, "relay_buckets", "group", "secret"]
+    assert list(receiver.parameters) == [*common, "p2p_bucket_bytes", "replica", "num_replicas", "relay_names",
+                                         "secret"]
     for signature in (sender, receiver):
         kinds = [p.kind for p in signature.parameters.values()]
         assert kinds[:4] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 4
