@@ -18,6 +18,7 @@ Two ways, chosen at registration (WeightSender's `group=`):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Callable
 
@@ -106,6 +107,20 @@ class AmaxExchange:
     def _prefix(self, sync_id: tuple[int, int]) -> str:
         return amax_prefix(sync_id, [self.channel.counter(f"{SRC}/{r}/incarnation") for r in range(self.world)])
 
+    def _done(self, prefix: str, raised: BaseException | None) -> None:
+        """Count this rank done with the keys of `prefix`; the last deletes them. A
+        Store error here is noted on `raised` (the exchange's own error), if any."""
+        try:
+            if self.channel.counter(f"{prefix}/done", 1) == self.world:
+                touched = self.fp8.plan.touched_shared
+                for key in [*(f"{prefix}/flag/{r}" for r in range(self.world)),
+                            *(f"{prefix}/values/{r}" for r in range(self.world) if len(touched[r])), f"{prefix}/done"]:
+                    self.channel.store.delete_key(key)
+        except Exception as failure:
+            if raised is None:
+                raise
+            raised.add_note(f"the FP8 exchange's keys under {prefix} were not deleted: {failure!r}")
+
     def _through_store(self, amax: torch.Tensor | None, sync_id: tuple[int, int], deadline: float) -> list[int]:
         prefix = self._prefix(sync_id)
         store = self.channel.store
@@ -114,27 +129,25 @@ class AmaxExchange:
         if mine is not None and len(mine):
             store.set(f"{prefix}/values/{self.rank}", mine.tobytes())  # before the flag, which readers wait for
         store.set(flag, b"ok" if mine is not None else b"nonfinite")
+        if mine is None:
+            self._done(prefix, None)
+            return [self.rank]  # the others need this rank's flag, not the other way round
+        what = f"the FP8 amaxes of sync {sync_id}"
         try:
-            if mine is None:
-                return [self.rank]  # the others need this rank's flag, not the other way round
-            what = f"the FP8 amaxes of sync {sync_id}"
-            try:
-                flags = self.channel.wait({f"{prefix}/flag/{r}": f"sender rank {r}" for r in range(self.world)},
-                                          deadline, f"{what}: every sender's flag")
-                values = []
-                if b"timed-out" not in flags and b"nonfinite" not in flags and self.peers:
-                    values = self.channel.wait({f"{prefix}/values/{r}": f"sender rank {r}" for r in self.peers},
-                                               deadline, f"{what}: the senders sharing groups with this one")
-            except SyncTimeoutError:
-                # A rank that never comes leaves the keys behind: this rank's flag says it gave up.
+            flags = self.channel.wait({f"{prefix}/flag/{r}": f"sender rank {r}" for r in range(self.world)},
+                                      deadline, f"{what}: every sender's flag")
+            values = []
+            if b"timed-out" not in flags and b"nonfinite" not in flags and self.peers:
+                values = self.channel.wait({f"{prefix}/values/{r}": f"sender rank {r}" for r in self.peers},
+                                           deadline, f"{what}: the senders sharing groups with this one")
+        except BaseException as exc:
+            # A timeout (a rank that never comes), the Store failing, an interrupt: this
+            # rank's flag says it gave up, so the others stop waiting for it.
+            with contextlib.suppress(Exception):
                 store.set(flag, b"timed-out")
-                raise
-        finally:
-            if self.channel.counter(f"{prefix}/done", 1) == self.world:
-                touched = self.fp8.plan.touched_shared
-                for key in [*(f"{prefix}/flag/{r}" for r in range(self.world)),
-                            *(f"{prefix}/values/{r}" for r in range(self.world) if len(touched[r])), f"{prefix}/done"]:
-                    store.delete_key(key)
+            self._done(prefix, exc)
+            raise
+        self._done(prefix, None)
         if b"timed-out" in flags:
             raise SyncTimeoutError(f"sender rank {flags.index(b'timed-out')} timed out in the FP8 amax exchange "
                                    f"of sync {sync_id}; nothing was written")

@@ -28,8 +28,10 @@ counters are plain integers (a forged count is only a hint to look again):
                                                       again once it sends anew
     src/failures                                      counter: failure reports ever made
     abandoned                                         abandon_receivers' reason
-    src/amax/<version>/<n>/<s>                        FP8 amaxes senders share (raw bytes),
-                                                      deleted once read
+    src/amax/<version>/<n>/<digest>/flag/<s>          the FP8 exchange (amax.py): "ok", "nonfinite",
+    src/amax/<version>/<n>/<digest>/values/<s>        "timed-out"; the amaxes of the shared groups
+    src/amax/<version>/<n>/<digest>/done              (raw float32); a counter. Deleted by the last
+                                                      sender done (digest: every sender's incarnation)
     pg/...                                            the point-to-point group's rendezvous
                                                       (tagged too: a forged peer address is never read)
 
@@ -239,6 +241,7 @@ class SenderWatch:
     def __init__(self, channel: Channel, rank: int):
         self.channel, self.rank = channel, rank
         self._seen = 0  # the failure count when no sender watched had a failure standing
+        self.offer_counts: dict[int, int] = {}  # sender -> the count of its latest offer `offered` read
         # The counter's key made now (reading it creates it), whichever waits ask it later: a
         # sync's keys in the Store are the same whatever path its receives take.
         channel.counter(FAILURES)
@@ -264,6 +267,7 @@ class SenderWatch:
         highest if they differ (the receive then refuses the mix). None while some
         sender offers nothing new."""
         offers = [self.channel.genuine(offer_key(src, self.rank)) for src in received]
+        self.offer_counts.update({src: offer[1] for src, offer in zip(received, offers) if offer is not None})
         if not offers or any(offer is None or (taken is not None and offer[1] <= taken)
                for offer, taken in zip(offers, received.values())):
             return None

@@ -87,7 +87,7 @@ class WeightReceiver(Endpoint):
     receive() and pending() raise SyncError naming its rank and its error, a
     receive waiting over shared memory or CUDA IPC at once, set-up within
     protocol.FAILURE_POLL_S (0.125 s; a receiver fed only point to point: in
-    pending(), its receive() timing out as before), until that sender sends
+    pending(); its receive() hears from the pair that nothing follows), until that sender sends
     again. A sender killed without
     a word leaves a timeout, which names the ranks that never answered.
     """
@@ -346,8 +346,8 @@ class WeightReceiver(Endpoint):
             # failure before writing, or a version it will not send (an answer another
             # rank's failure left in a slot says nothing of that slot's sender).
             untouched = not versions and all(
-                isinstance(answer, dict) and ("abandoned" in answer or (answer.get("failed") == src
-                                                                        and answer.get("wrote") is False))
+                isinstance(answer, dict) and answer.get("wrote") is False
+                and ("abandoned" in answer or answer.get("failed") == src)
                 for src, answer in zip(self._local_senders, answers))
             if untouched:
                 self.torn = was_torn
@@ -357,7 +357,7 @@ class WeightReceiver(Endpoint):
         if stale:
             message = (f"receiver rank {self.rank}: version {stale[0]['abandoned']} will not come (its sender holds "
                        f"version {stale[0]['holds']})")
-            if len(stale) == len(answers) and not versions:
+            if len(stale) == len(answers) and not versions and not any(a.get("wrote") for a in stale):
                 self.torn = False  # no sender wrote
                 raise StaleReceiveError(message)
             raise SyncError(f"{message}; weights torn")
@@ -403,11 +403,16 @@ class WeightReceiver(Endpoint):
         versions, failed = set(), []
         was_torn, self.torn = self.torn, True
         for src in self._p2p_peers:  # in round order
-            header = torch.empty(3, dtype=torch.int64, device=self.device)
             what = f"receiving from sender {src}"
-            self._wait_work(self._post("recv", header, src, 0, what), deadline, what)
-            version, num_buckets, offered = (int(x) for x in header.tolist())
-            self._taken[src] = offered  # the sender's offers so far: pending() compares the next with it
+            while True:
+                header = torch.empty(3, dtype=torch.int64, device=self.device)
+                self._wait_work(self._post("recv", header, src, 0, what), deadline, what)
+                version, num_buckets, offered = (int(x) for x in header.tolist())
+                self._taken[src] = offered  # the sender's offers so far: pending() compares the next with it
+                # A "nothing follows" of a send superseded by one pending() has seen offered
+                # since (this receiver was not in receive() when that send failed): skipped.
+                if num_buckets != NOTHING_FOLLOWS or offered >= self.watch.offer_counts.get(src, 0):
+                    break
             if num_buckets == NOTHING_FOLLOWS:
                 failed.append((src, version))
                 continue
@@ -427,7 +432,8 @@ class WeightReceiver(Endpoint):
         if failed:
             wrote = bool(versions) or bool(self._local_senders)
             self.torn = was_torn or wrote
-            reports = "; ".join(self.watch.failure([src]) or f"sender rank {src}: no report" for src, _ in failed)
+            reports = "; ".join(self.watch.failure([src]) or f"sender rank {src}: its report no longer stands (it "
+                                "sends again)" for src, _ in failed)
             raise SyncError(f"receiver rank {self.rank}: sender ranks {[src for src, _ in failed]} failed before "
                             f"writing version {failed[0][1]} ({reports})"
                             + ("; weights torn" if wrote else "; nothing was written"))

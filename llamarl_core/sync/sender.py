@@ -31,10 +31,9 @@ from .transports import P2P, SHM, OpenedCudaHandles, open_shm_handle
 # notice that it is stopped (close, abort).
 TICKET_POLL_S = 1.0
 
-# A point-to-point header's bucket count when the sender failed before writing (P2PStream),
-# and how long a failed send tries to deliver each such header.
+# A point-to-point header's bucket count when the sender wrote nothing to that receiver
+# (WeightSender._tell_nothing_follows).
 NOTHING_FOLLOWS = -1
-NOTHING_FOLLOWS_GRACE_S = 10.0
 
 
 class SendHandle:
@@ -129,6 +128,9 @@ class WeightSender(Endpoint):
         self._sends: dict[int, int] = {}  # receiver -> how many sends of this rank were offered to it
         self._offered: set[int] = set()  # receivers whose offer from this rank stands
         self._reported = False  # whether this rank's failure report stands
+        self._maybe_written: set[int] = set()  # see _connect
+        self._wrote: set[int] = set()  # receivers on this host the running send may have written to
+        self._unfinished_headers: dict[int, tuple] = {}  # receiver -> (work, header) of a "nothing follows"
         self._local_receivers: list[int] = []
         self._opened: list = []
         self._state = threading.Condition()  # guards _sending, _stop and _closed
@@ -173,6 +175,9 @@ class WeightSender(Endpoint):
             self._served = {dst: max(self.channel.counter(f"{DST}/{dst}/ticket") -
                                      (len(self.plan.senders_of(dst)) == 1), 0) for dst in local}
             self.reports.withdraw(local)  # what the predecessor offered will not come
+            # Receivers whose open ticket the predecessor may have half written: any answer
+            # this rank gives them says it wrote, until it has served them whole.
+            self._maybe_written = {dst for dst in local if len(self.plan.senders_of(dst)) == 1}
         self._dst_addresses: dict[int, dict[str, int]] = {}
         deadline = time.monotonic() + self.timeout
         for dst in self._local_receivers:
@@ -326,17 +331,16 @@ class WeightSender(Endpoint):
         return written
 
     def _send(self, version: int, deadline: float) -> int:
-        self._wrote: set[int] = set()  # receivers on this host this send began to write
+        self._wrote = set(self._maybe_written)
         try:
             if self.fp8 is not None:  # before any offer: a receiver asks for what is ready to copy
                 self._quantize_fp8(version, deadline)
+            self._check_stop()
         except BaseException as exc:
             # Reported first (receivers on this host see it); those fed point to point
             # wait on the pair: each is offered the version and told nothing follows.
             self._report_early(exc)
-            for dst in self._p2p_peers:
-                self._offer(dst, version)
-            self._tell_nothing_follows(self._p2p_peers, version, exc)
+            self._tell_nothing_follows(self._p2p_peers, version, exc, offer=True)
             raise
         # Every receiver is offered the version at once: pending() on a receiver that
         # several senders feed point to point needs all their offers, which offers made
@@ -353,12 +357,13 @@ class WeightSender(Endpoint):
                     # The receive asks for an older version, which nobody will send now (its sender
                     # died): tell it so, untouched, rather than fill it with this one, then serve the
                     # receive that follows.
-                    self.channel.set(done_key(dst, ticket, self.rank), {"abandoned": wanted, "holds": version})
+                    self.channel.set(done_key(dst, ticket, self.rank),
+                                     {"abandoned": wanted, "holds": version, "wrote": dst in self._wrote})
                     self._served[dst] = ticket
                     ticket, wanted = self._await_ticket(dst, deadline)
                 for table in self._tables[dst]:
+                    self._wrote.add(dst)  # before the stop check: an abort in between answers "wrote"
                     self._check_stop()
-                    self._wrote.add(dst)
                     written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
                 self._check_stop()  # an abort meanwhile answered this ticket "failed": never "done" after it
                 # Withdrawn before the answer: a receiver that has the version never sees the offer stand.
@@ -366,6 +371,8 @@ class WeightSender(Endpoint):
                 self._offered.discard(dst)
                 self.channel.set(done_key(dst, ticket, self.rank), version)
                 self._served[dst] = ticket
+                self._wrote.discard(dst)  # served whole
+                self._maybe_written.discard(dst)
             for dst in self._p2p_peers:  # in round order
                 self._check_stop()
                 started += 1
@@ -378,22 +385,46 @@ class WeightSender(Endpoint):
 
     def _report_early(self, exc: BaseException) -> None:
         """Report `exc` now (unless abort() did), not when the send ends (_end_send
-        then leaves it)."""
+        then leaves it); the offers of this send withdrawn either way."""
         if not getattr(exc, "llamarl_reported", False):
             self._report_raised(exc)
             exc.llamarl_reported = True
+            return
+        try:
+            self.reports.withdraw(sorted(self._offered))
+            self._offered.clear()
+        except Exception as failure:  # noqa: BLE001 - `exc` is what the send raises
+            exc.add_note(f"sender rank {self.rank} could not withdraw its offers: {failure!r}")
 
-    def _tell_nothing_follows(self, peers: list[int], version: int, exc: BaseException) -> None:
-        """Point-to-point receivers offered `version` whose stream never began get a
-        header saying nothing follows, so that a receive() waiting for this rank
-        raises at once instead of timing out: best effort, NOTHING_FOLLOWS_GRACE_S
-        each (the send's own deadline may be spent); what fails is noted on `exc`."""
+    def _tell_nothing_follows(self, peers: list[int], version: int, exc: BaseException, offer: bool = False) -> None:
+        """Point-to-point receivers (offered `version`, or now with `offer`) whose
+        stream never began get a header saying nothing follows, posted without
+        waiting: a receive() waiting for this rank raises at once instead of timing
+        out, and a receiver not in receive() (its pending() raises the failure)
+        finds it before the next version's header (P2PStream waits for it first).
+        Not for KeyboardInterrupt and the like; what fails is noted on `exc`."""
+        if not isinstance(exc, Exception):
+            return
         for dst in peers:
             try:
-                P2PStream(self, dst, version, time.monotonic() + NOTHING_FOLLOWS_GRACE_S, nothing=True,
-                          offered=True).finish()
+                if offer:
+                    self._offer(dst, version)
+                self._finish_header(dst, time.monotonic() + self.timeout)
+                header = torch.tensor([version, NOTHING_FOLLOWS, self._sends[dst]], dtype=torch.int64,
+                                      device=self.device)
+                peer = self.plan.src_layout.world_size + dst
+                what = f"telling receiver {dst} that version {version} will not come"
+                self._unfinished_headers[dst] = (self._post("send", header, peer, 0, what), header, what)
             except Exception as failure:  # noqa: BLE001 - `exc` is what the send raises
                 exc.add_note(f"sender rank {self.rank} could not tell receiver {dst} that nothing follows: {failure}")
+
+    def _finish_header(self, dst: int, deadline: float) -> None:
+        """Wait for the "nothing follows" header posted to `dst`, if one is in flight
+        (its receiver takes it before the next header: a pair's messages arrive in order)."""
+        unfinished = self._unfinished_headers.pop(dst, None)
+        if unfinished is not None:
+            work, _header, what = unfinished  # the header tensor kept alive until here
+            self._wait_work(work, deadline, what)
 
     def _quantize_fp8(self, version: int, deadline: float) -> None:
         """This rank's part of the FP8 destinations (fp8.py): amaxes, the shared ones
@@ -439,7 +470,7 @@ class WeightSender(Endpoint):
         unserved = {dst: (self._served.get(dst, 0),
                           [src for src in self.plan.senders_of(dst) if self.transports[(src, dst)] != P2P])
                     for dst in self._local_receivers}
-        self.reports.fail(message, unserved, wrote=getattr(self, "_wrote", set()))
+        self.reports.fail(message, unserved, wrote=self._wrote)
 
     def _report_raised(self, exc: BaseException) -> None:
         try:
@@ -458,8 +489,10 @@ class WeightSender(Endpoint):
         for it. Raises what the Store raises if the report cannot be published."""
         with self._state:
             if self._sending is not None:
+                # Set before the report: a copy the send starts after reading it is in the
+                # report's "wrote" (_send adds a receiver there before it checks the stop).
                 self._stop = f"aborted: {reason}"
-        self._report(f"aborted: {reason}")
+        self._report(f"aborted: {reason}")  # the send it stops leaves the report to this
 
     def close(self, timeout: float | None = None) -> None:
         """Stop using the receivers' memory. A send in flight is stopped first (at its
@@ -494,9 +527,10 @@ class WeightSender(Endpoint):
 
 class P2PStream:
     """One version from a sender to one point-to-point receiver: a header (tag 0:
-    version, bucket count (-1 with `nothing`: the sender failed before writing
-    anything, and no bucket follows), how many sends this sender offered the
-    receiver), then bucket i packed into staging buffer i % 2 and sent
+    version, bucket count, how many sends this sender offered the receiver; a
+    count of NOTHING_FOLLOWS: this sender wrote nothing of that version to the
+    receiver, see WeightSender._tell_nothing_follows), then bucket i packed into
+    staging buffer i % 2 and sent
     (tag 1 + i), so that packing bucket i + 1 overlaps the send of bucket i.
     Packing is done when run_segment_table returns (on GPU its stream waited for
     the current one, so the optimizer's pending writes came first): what is in
@@ -506,16 +540,16 @@ class P2PStream:
     offered the version first (here, or by the caller: `offered`): a pair's
     versions arrive in order, so the receiver counts what it took."""
 
-    def __init__(self, sender: WeightSender, dst: int, version: int, deadline: float, nothing: bool = False,
-                 offered: bool = False):
+    def __init__(self, sender: WeightSender, dst: int, version: int, deadline: float, offered: bool = False):
         self.sender, self.deadline = sender, deadline
+        sender._finish_header(dst, deadline)
         if not offered:
             sender._offer(dst, version)
         self.peer = sender.plan.src_layout.world_size + dst
-        self.tables = [] if nothing else sender._tables[dst]
+        self.tables = sender._tables[dst]
         self.what = f"sending version {version} to receiver {dst}"
-        count = NOTHING_FOLLOWS if nothing else len(self.tables)
-        self.header = torch.tensor([version, count, sender._sends[dst]], dtype=torch.int64, device=sender.device)
+        self.header = torch.tensor([version, len(self.tables), sender._sends[dst]], dtype=torch.int64,
+                                   device=sender.device)
         self.in_flight = [sender._post("send", self.header, self.peer, 0, self.what), None, None]
         self.sent = 0  # buckets posted
         self.written = 0
