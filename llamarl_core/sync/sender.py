@@ -130,7 +130,7 @@ class WeightSender(Endpoint):
         self._reported = False  # whether this rank's failure report stands
         self._maybe_written: set[int] = set()  # see _connect
         self._wrote: set[int] = set()  # receivers on this host the running send may have written to
-        self._unfinished_headers: dict[int, tuple] = {}  # receiver -> (work, header) of a "nothing follows"
+        self._unfinished_headers: dict[int, list] = {}  # receiver -> [(work, header, what)] of "nothing follows"
         self._local_receivers: list[int] = []
         self._opened: list = []
         self._state = threading.Condition()  # guards _sending, _stop and _closed
@@ -409,21 +409,19 @@ class WeightSender(Endpoint):
             try:
                 if offer:
                     self._offer(dst, version)
-                self._finish_header(dst, time.monotonic() + self.timeout)
                 header = torch.tensor([version, NOTHING_FOLLOWS, self._sends[dst]], dtype=torch.int64,
                                       device=self.device)
                 peer = self.plan.src_layout.world_size + dst
                 what = f"telling receiver {dst} that version {version} will not come"
-                self._unfinished_headers[dst] = (self._post("send", header, peer, 0, what), header, what)
+                self._unfinished_headers.setdefault(dst, []).append((self._post("send", header, peer, 0, what),
+                                                                     header, what))
             except Exception as failure:  # noqa: BLE001 - `exc` is what the send raises
                 exc.add_note(f"sender rank {self.rank} could not tell receiver {dst} that nothing follows: {failure}")
 
     def _finish_header(self, dst: int, deadline: float) -> None:
-        """Wait for the "nothing follows" header posted to `dst`, if one is in flight
-        (its receiver takes it before the next header: a pair's messages arrive in order)."""
-        unfinished = self._unfinished_headers.pop(dst, None)
-        if unfinished is not None:
-            work, _header, what = unfinished  # the header tensor kept alive until here
+        """Wait for the "nothing follows" headers posted to `dst` still in flight (its
+        receiver takes them before the next header: a pair's messages arrive in order)."""
+        for work, _header, what in self._unfinished_headers.pop(dst, []):  # each header tensor alive until here
             self._wait_work(work, deadline, what)
 
     def _quantize_fp8(self, version: int, deadline: float) -> None:
