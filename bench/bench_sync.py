@@ -528,7 +528,7 @@ def parse_args(argv):
                    help="with --hosts: every host's sending rate, in tc's syntax (1gbit, 500mbit)")
     p.add_argument("--fp8", choices=["tensor", "channel", "block"],
                    help="the generator's linear weights in FP8 of this granularity (the engine alone, beside the copy "
-                        "bandwidth over the bytes it must move)")
+                        "bandwidth over the bytes it must move; default: none, bf16 weights)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where every rank holds its tensors (cuda: GPU 0, one process per rank)")
     p.add_argument("--threads", type=int, default=0, help="copy threads per sender (default: cores / senders)")
