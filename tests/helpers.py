@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from llamarl_core.sync import Layout
+from llamarl_core.sync import Layout, Replicate, Shard
 
 
 def small_config(kind: str):
@@ -59,6 +59,28 @@ def hf_state_dict(config, seed: int) -> dict[str, torch.Tensor]:
     model = MODEL_CLASSES[config.model_type](config)
     gen = torch.Generator().manual_seed(seed)
     return {name: torch.randn(p.shape, generator=gen) for name, p in model.named_parameters()}
+
+
+def chunks(full: torch.Tensor, world: int, dim: int) -> list[torch.Tensor]:
+    """torch.chunk pieces, padded with empty ones up to `world`."""
+    pieces = list(torch.chunk(full, world, dim))
+    while len(pieces) < world:
+        shape = list(full.shape)
+        shape[dim] = 0
+        pieces.append(full.new_empty(shape))
+    return [p.contiguous() for p in pieces]
+
+
+def random_placement(rng, ndim: int):
+    """Replicate one time in five, else a split on a random dim."""
+    return Replicate() if rng.random() < 0.2 else Shard(rng.randrange(ndim))
+
+
+def local_tensors(full: torch.Tensor, placement, world: int) -> list[torch.Tensor]:
+    """Each rank's local tensor of `full` under `placement` (Replicate or Shard)."""
+    if isinstance(placement, Replicate):
+        return [full.clone() for _ in range(world)]
+    return chunks(full, world, placement.dim)
 
 
 def poisoned_destination(layout: Layout, rank: int) -> dict[str, torch.Tensor]:

@@ -9,28 +9,9 @@ import random
 import pytest
 import torch
 
+from helpers import chunks, local_tensors, random_placement
 from llamarl_core.sync import Explicit, Fragment, Layout, ParamSpec, Replicate, Shard, plan_transfer
 from llamarl_core.sync.layout import box_fragments, strided_fragments, view_2d
-
-
-def chunks(full: torch.Tensor, world: int, dim: int) -> list[torch.Tensor]:
-    """torch.chunk pieces, padded with empty ones up to `world`."""
-    pieces = list(torch.chunk(full, world, dim))
-    while len(pieces) < world:
-        shape = list(full.shape)
-        shape[dim] = 0
-        pieces.append(full.new_empty(shape))
-    return [p.contiguous() for p in pieces]
-
-
-def random_placement(rng: random.Random, ndim: int):
-    return Replicate() if rng.random() < 0.2 else Shard(rng.randrange(ndim))
-
-
-def local_tensors(full: torch.Tensor, placement, world: int) -> list[torch.Tensor]:
-    if isinstance(placement, Replicate):
-        return [full.clone() for _ in range(world)]
-    return chunks(full, world, placement.dim)
 
 
 def test_splits_on_any_dim_reshard_exactly():

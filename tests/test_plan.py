@@ -10,7 +10,8 @@ import pytest
 import torch
 import transformers
 
-from helpers import CONFIG_KINDS, MODEL_CLASSES, hf_state_dict, mismatches, poisoned_destination, small_config
+from helpers import (CONFIG_KINDS, MODEL_CLASSES, hf_state_dict, local_tensors, mismatches, poisoned_destination,
+                     random_placement, small_config)
 from llamarl_core.sync import (
     Fused,
     FusedPart,
@@ -355,11 +356,9 @@ def _fp8_expected(full: torch.Tensor, placement, world: int, granularity: str):
     (per tensor and, split on dim 1, per channel: amaxes of the whole tensor / rows)."""
     from llamarl_core.ops.fp8 import cast_fp8_ref, fp8_amax_ref, quantize_fp8_ref, scale_from_amax
 
-    pieces = [full.clone() for _ in range(world)] if isinstance(placement, Replicate) else \
-        list(torch.chunk(full, world, placement.dim)) + [full[:0] if placement.dim == 0 else full[:, :0]] * world
     spans = world > 1 and not isinstance(placement, Replicate)
     out = []
-    for local in pieces[:world]:
+    for local in local_tensors(full, placement, world):
         if granularity == "tensor" and spans:
             scale = scale_from_amax(fp8_amax_ref(full, "tensor"))
             out.append((cast_fp8_ref(local, scale), scale))
@@ -367,8 +366,25 @@ def _fp8_expected(full: torch.Tensor, placement, world: int, granularity: str):
             scale = scale_from_amax(fp8_amax_ref(full, "channel"))
             out.append((cast_fp8_ref(local, scale), scale))
         else:
-            out.append(quantize_fp8_ref(local.contiguous(), granularity))
+            out.append(quantize_fp8_ref(local, granularity))
     return out
+
+
+def _random_fp8_case(rng: random.Random, case: int, max_world: int, dtypes: list):
+    """A random 2-D tensor (up to 300 x 300) of one of `dtypes`, split or replicated
+    over 1-`max_world` source ranks, into 1-`max_world` FP8 destination ranks of a
+    random granularity: (full, source shards, destination layout, plan, description)."""
+    shape = (rng.randint(1, 300), rng.randint(1, 300))
+    src_dtype = rng.choice(dtypes)
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(case)).to(src_dtype)
+    src_world, dst_world = rng.randint(1, max_world), rng.randint(1, max_world)
+    src_p, dst_p = random_placement(rng, 2), random_placement(rng, 2)
+    granularity = rng.choice(["tensor", "channel", "block"])
+    dst = Layout(dst_world, [ParamSpec("t", shape, torch.bfloat16, dst_p, fp8=granularity)])
+    plan = plan_transfer(Layout(src_world, [ParamSpec("t", shape, src_dtype, src_p)]), dst,
+                         bucket_bytes=rng.choice([64, 1 << 20]))
+    src_shards = {r: {"t": t} for r, t in enumerate(local_tensors(full, src_p, src_world))}
+    return full, src_shards, dst, plan, (case, shape, src_dtype, src_world, src_p, dst_world, dst_p, granularity)
 
 
 def test_random_fp8_plans_quantize_as_the_destination_groups_say(monkeypatch):
@@ -384,26 +400,11 @@ def test_random_fp8_plans_quantize_as_the_destination_groups_say(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     rng = random.Random(7)
     for case in range(1000):
-        shape = (rng.randint(1, 300), rng.randint(1, 300))
-        src_dtype = rng.choice([torch.float32, torch.bfloat16])
-        full = torch.randn(shape, generator=torch.Generator().manual_seed(case)).to(src_dtype)
-        src_world, dst_world = rng.randint(1, 4), rng.randint(1, 4)
-        src_p = Replicate() if rng.random() < 0.2 else Shard(rng.randrange(2))
-        dst_p = Replicate() if rng.random() < 0.2 else Shard(rng.randrange(2))
-        granularity = rng.choice(["tensor", "channel", "block"])
-        src = Layout(src_world, [ParamSpec("t", shape, src_dtype, src_p)])
-        dst = Layout(dst_world, [ParamSpec("t", shape, torch.bfloat16, dst_p, fp8=granularity)])
-        plan = plan_transfer(src, dst, bucket_bytes=rng.choice([64, 1 << 20]))
-        if isinstance(src_p, Replicate):
-            src_shards = {r: {"t": full.clone()} for r in range(src_world)}
-        else:
-            pieces = list(torch.chunk(full, src_world, src_p.dim))
-            empty = full[:0] if src_p.dim == 0 else full[:, :0]
-            src_shards = {r: {"t": (pieces[r] if r < len(pieces) else empty).contiguous()} for r in range(src_world)}
+        full, src_shards, dst, plan, where = _random_fp8_case(rng, case, 4, [torch.float32, torch.bfloat16])
+        dst_world, (dst_p, granularity) = dst.world_size, where[-2:]
         dst_shards = {r: poisoned_destination(dst, r) for r in range(dst_world)}
         plan.execute_local(src_shards, dst_shards)
         scale_name = fp8_scale_name("t", granularity)
-        where = (case, shape, src_dtype, src_world, src_p, dst_world, dst_p, granularity)
         for r, (q, scale) in enumerate(_fp8_expected(full, dst_p, dst_world, granularity)):
             assert torch.equal(dst_shards[r]["t"].view(torch.uint8), q.view(torch.uint8)), where + (r,)
             assert torch.equal(dst_shards[r][scale_name].reshape(scale.shape), scale), where + (r,)
@@ -422,21 +423,8 @@ def test_fp8_grouped_kernels_equal_the_torch_path(monkeypatch):
     and scale bit for bit; and a NaN reaches the same refusal."""
     rng = random.Random(3)
     for case in range(30):
-        shape = (rng.randint(1, 300), rng.randint(1, 300))
-        src_dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
-        full = torch.randn(shape, generator=torch.Generator().manual_seed(case)).to(src_dtype)
-        src_world, dst_world = rng.randint(1, 3), rng.randint(1, 3)
-        src_p = Replicate() if rng.random() < 0.2 else Shard(rng.randrange(2))
-        dst_p = Replicate() if rng.random() < 0.2 else Shard(rng.randrange(2))
-        granularity = rng.choice(["tensor", "channel", "block"])
-        dst = Layout(dst_world, [ParamSpec("t", shape, torch.bfloat16, dst_p, fp8=granularity)])
-        plan = plan_transfer(Layout(src_world, [ParamSpec("t", shape, src_dtype, src_p)]), dst)
-        if isinstance(src_p, Replicate):
-            src_shards = {r: {"t": full.clone()} for r in range(src_world)}
-        else:
-            pieces = list(torch.chunk(full, src_world, src_p.dim))
-            empty = full[:0] if src_p.dim == 0 else full[:, :0]
-            src_shards = {r: {"t": (pieces[r] if r < len(pieces) else empty).contiguous()} for r in range(src_world)}
+        _, src_shards, dst, plan, where = _random_fp8_case(rng, case, 3, [torch.float32, torch.bfloat16, torch.float16])
+        dst_world = dst.world_size
         results = []
         for interpret in ("1", "0"):  # the grouped kernels, then the torch path
             monkeypatch.setenv("TRITON_INTERPRET", interpret)
@@ -446,7 +434,7 @@ def test_fp8_grouped_kernels_equal_the_torch_path(monkeypatch):
         for r in range(dst_world):
             for name, got in results[0][r].items():
                 assert torch.equal(got.reshape(-1).view(torch.uint8), results[1][r][name].reshape(-1).view(torch.uint8)), \
-                    (case, name, shape, src_dtype, src_world, src_p, dst_world, dst_p, granularity, r)
+                    where + (name, r)
     # Several tensors a sender, of two dtypes: each dtype's tiles reach its tensors
     # through their distance from one of them (other allocations).
     shapes = {"a": (150, 90), "b": (70, 260), "c": (40, 40)}
