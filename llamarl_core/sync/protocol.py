@@ -254,11 +254,17 @@ class SenderWatch:
         if count == self._seen:
             return None
         for src in senders:
-            error = self.channel.genuine(error_key(src))
-            if error is not None:
-                return f"sender rank {src} failed: {error}"
+            report = self.report(src)
+            if report is not None:
+                return report
         self._seen = count
         return None
+
+    def report(self, src: int) -> str | None:
+        """"sender rank s failed: <its error>" if sender `src`'s failure stands, else
+        None: one request, whatever `failure` saw before."""
+        error = self.channel.genuine(error_key(src))
+        return None if error is None else f"sender rank {src} failed: {error}"
 
     def offered(self, received: Mapping[int, int | None]) -> int | None:
         """The version offered to this receiver by every sender in `received` (sender ->

@@ -432,7 +432,7 @@ class WeightReceiver(Endpoint):
         if failed:
             wrote = bool(versions) or bool(self._local_senders)
             self.torn = was_torn or wrote
-            reports = "; ".join(self.watch.failure([src]) or f"sender rank {src}: its report no longer stands (it "
+            reports = "; ".join(self.watch.report(src) or f"sender rank {src}: its report no longer stands (it "
                                 "sends again)" for src, _ in failed)
             raise SyncError(f"receiver rank {self.rank}: sender ranks {[src for src, _ in failed]} failed before "
                             f"writing version {failed[0][1]} ({reports})"
