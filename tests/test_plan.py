@@ -416,6 +416,56 @@ def test_random_fp8_plans_quantize_as_the_destination_groups_say(monkeypatch):
         assert plan.fp8.shared.tolist() == sorted(c for c, ranks in touched.items() if len(ranks) > 1), where
 
 
+def test_fp8_replicas_relay_their_weights_and_scales_byte_for_byte(monkeypatch):
+    """300 random FP8 destinations (as above, and one in four split on dim 0 with
+    padding rows after the tensor, as vLLM pads a vocabulary), two parameters each:
+    the trainer's plan writes every scale (a group holding padding rows only gets
+    1.0, the scale of an amax of 0; no NaN of the poisoned destination is left),
+    and the relay plan from that replica into another (plan_transfer of the layout
+    to itself) quantizes nothing and leaves the second replica byte for byte equal
+    to the first, padding rows untouched. A replica's layout into any other layout
+    is refused, naming the FP8 parameter."""
+    from llamarl_core.sync.layout import fp8_scale_name
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    rng = random.Random(11)
+    for case in range(300):
+        world = rng.randint(1, 4)
+        params, fulls = [], {}
+        for name in ("a", "b"):
+            shape = (rng.randint(1, 300), rng.randint(1, 300))
+            fulls[name] = torch.randn(shape, generator=torch.Generator().manual_seed(case * 2 + len(fulls)))
+            placement = random_placement(rng, 2)
+            if rng.random() < 0.25:
+                placement = Shard(0, padded_size=shape[0] + rng.randint(1, 300))
+            params.append(ParamSpec(name, shape, torch.bfloat16, placement, fp8=rng.choice(["tensor", "channel", "block"])))
+        dst = Layout(world, params)
+        src = Layout(1, [ParamSpec(n, tuple(t.shape), torch.float32) for n, t in fulls.items()])
+        first = {r: poisoned_destination(dst, r) for r in range(world)}
+        plan_transfer(src, dst).execute_local({0: fulls}, first)
+        for r in range(world):
+            for spec in params:
+                scale = first[r][fp8_scale_name(spec.name, spec.fp8)]
+                assert not scale.isnan().any(), (case, r, spec)
+                start, stop = dst.padding_rows(spec.name, r)
+                if spec.fp8 == "channel" and stop > start:
+                    assert (scale[start:stop] == 1.0).all(), (case, r, spec)
+                if spec.fp8 == "block" and stop > start:
+                    assert (scale[-(-start // 128):] == 1.0).all(), (case, r, spec)
+        relay = plan_transfer(dst, dst)
+        assert relay.fp8 is None and {seg.cast for seg in relay.segments} <= {False}, case
+        assert {(seg.src_rank, seg.dst_rank) for seg in relay.segments} <= {(r, r) for r in range(world)}, case
+        second = {r: poisoned_destination(dst, r) for r in range(world)}
+        relay.execute_local(first, second)
+        for r in range(world):
+            for name, t in first[r].items():
+                assert torch.equal(second[r][name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), \
+                    (case, r, name)
+    other = Layout(dst.world_size, [dataclasses.replace(params[0], fp8=None), params[1]])
+    with pytest.raises(ValueError, match="source parameter 'a' is held in FP8: it can only be copied as it is"):
+        plan_transfer(dst, other)
+
+
 def test_fp8_grouped_kernels_equal_the_torch_path(monkeypatch):
     """The grouped Triton kernels (kernels/fp8_sync.py: one launch per pass for all
     of a sender's rectangles, run here by Triton's interpreter) against ops.fp8's

@@ -43,6 +43,7 @@ from llamarl_core.sync import (
     vllm_llama_tp,
 )
 from llamarl_core.sync import transports
+from llamarl_core.sync.reference import reference_vllm_fp8_shards
 from llamarl_core.sync.transports import choose_transports, device_info
 
 
@@ -529,18 +530,22 @@ def test_point_to_point_timeout_and_rejoin_are_sync_errors(store):
     receiver.close()
 
 
-@pytest.mark.parametrize("num_replicas, fsdp, tp, transport", [(2, 1, 1, "auto"), (2, 2, 2, "auto"),
-                                                                (4, 2, 1, "auto"), (4, 2, 2, "p2p")])
-def test_replicas_each_equal_the_reference_after_every_sync(store, num_replicas, fsdp, tp, transport):
+@pytest.mark.parametrize("num_replicas, fsdp, tp, transport, fp8", [
+    (2, 1, 1, "auto", None), (2, 2, 2, "auto", None), (4, 2, 1, "auto", None), (4, 2, 2, "p2p", None),
+    (2, 2, 2, "auto", "tensor"), (3, 2, 2, "p2p", "block")])
+def test_replicas_each_equal_the_reference_after_every_sync(store, num_replicas, fsdp, tp, transport, fp8):
     """Generator replicas x TP ranks, one thread each (their own Store clients): the
     trainer ranks send to replica 0, the others get each version by relay; every
     replica's tensors equal the plain-torch reference after each of three syncs.
     Point to point, with small buckets, each relay forwards every bucket as it lands
-    (relay buckets mirror the received ones), down two levels of the relay tree."""
+    (relay buckets mirror the received ones), down two levels of the relay tree.
+    FP8 destinations: replica 0's senders quantize; the relays copy its FP8 weights
+    and scales as they are, so every replica equals the FP8 reference bit for bit."""
     config, versions = small_config("llama_gqa_bias"), (1, 2, 3)
-    name = f"replicas-{num_replicas}-{fsdp}-{tp}-{transport}"
+    name = f"replicas-{num_replicas}-{fsdp}-{tp}-{transport}-{fp8}"
     options = dict(transport=transport, **({"bucket_bytes": 4096} if transport == "p2p" else {}))
-    src_layout, dst_layout = hf_llama_fsdp(config, fsdp, torch.float32), vllm_llama_tp(config, tp, torch.bfloat16)
+    src_layout, dst_layout = (hf_llama_fsdp(config, fsdp, torch.float32),
+                              vllm_llama_tp(config, tp, torch.bfloat16, fp8=fp8))
     states = {v: hf_state_dict(config, 500 + v) for v in versions}
     problems, errors = {}, []
 
@@ -563,7 +568,8 @@ def test_replicas_each_equal_the_reference_after_every_sync(store, num_replicas,
                                 num_replicas=num_replicas, **options) as endpoint:
                 for v in versions:
                     assert endpoint.receive() == v
-                    expected = reference_vllm_tp_shards(states[v], config, tp, torch.bfloat16)[rank]
+                    expected = (reference_vllm_fp8_shards(states[v], config, tp, fp8, source_dtype=torch.float32)
+                                if fp8 else reference_vllm_tp_shards(states[v], config, tp, torch.bfloat16))[rank]
                     problems[(replica, rank, v)] = mismatches(expected, endpoint.weights())
         except Exception as exc:
             errors.append(f"replica {replica} rank {rank}: {exc!r}")
@@ -715,11 +721,11 @@ def test_a_relay_that_breaks_off_mid_version_fails_at_once_until_replaced(store)
 
 def test_replica_arguments_are_checked_before_registering(store):
     config = small_config("mistral")
-    plain, fp8 = vllm_llama_tp(config, 1, torch.bfloat16), vllm_llama_tp(config, 1, torch.bfloat16, fp8="block")
+    plain = vllm_llama_tp(config, 1, torch.bfloat16)
     with pytest.raises(ValueError, match=r"replica must be in \[0, 2\), got 2"):
         WeightReceiver(store, plain, 0, poisoned_destination(plain, 0), name="rep-bad", replica=2, num_replicas=2)
-    with pytest.raises(ValueError, match="is an FP8 destination"):
-        WeightReceiver(store, fp8, 0, poisoned_destination(fp8, 0), name="rep-bad", num_replicas=2)
+    with pytest.raises(ValueError, match=r"num_replicas must be >= 1, got 0"):
+        WeightReceiver(store, plain, 0, poisoned_destination(plain, 0), name="rep-bad", num_replicas=0)
     assert not dist.PrefixStore("llamarl/sync/rep-bad/", store).check(["dst/0/info"])  # nothing was published
 
 

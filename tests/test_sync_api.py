@@ -3,6 +3,7 @@ overlapping its forward passes with a sync), `pending()`, and a sender's failure
 reaching its receivers. Threads of this process, each with a TCPStore client of its
 own, over shared memory (and point to point), as test_sync.py's threaded tests."""
 
+import collections
 import datetime
 import inspect
 import random
@@ -27,6 +28,7 @@ from llamarl_core.sync import (
     SendHandle,
     SyncError,
     SyncTimeoutError,
+    TornWeightsError,
     WeightReceiver,
     WeightSender,
     hf_llama_fsdp,
@@ -35,6 +37,7 @@ from llamarl_core.sync import (
     reference_vllm_tp_shards,
     vllm_llama_tp,
 )
+from llamarl_core.sync.protocol import Channel
 
 CONFIG = small_config("llama_gqa_bias")
 
@@ -52,14 +55,15 @@ def _expected(tp: int, rank: int, version: int) -> dict[str, torch.Tensor]:
     return reference_vllm_tp_shards(hf_state_dict(CONFIG, 40 + version), CONFIG, tp, torch.bfloat16)[rank]
 
 
-def _pair(store, name: str, transport: str = "shm", fsdp: int = 1, timeout: float = 30):
+def _pair(store, name: str, transport: str = "shm", fsdp: int = 1, timeout: float = 30, **sender_options):
     """Senders (FSDP `fsdp`) and one receiver (TP 1) registered from threads: (senders, receiver)."""
     src, dst = hf_llama_fsdp(CONFIG, fsdp, torch.float32), vllm_llama_tp(CONFIG, 1, torch.bfloat16)
     made = in_threads(
         lambda: WeightReceiver(store_client(store), dst, 0, poisoned_destination(dst, 0), name=name,
                                transport=transport, timeout=timeout),
         *[lambda r=r: WeightSender(store_client(store), src, r, {n: t.clone() for n, t in _shards(fsdp, r, 1).items()},
-                                   name=name, transport=transport, timeout=timeout) for r in range(fsdp)])
+                                   name=name, transport=transport, timeout=timeout, **sender_options)
+          for r in range(fsdp)])
     assert not any(isinstance(m, Exception) for m in made), made
     return made[1:], made[0]
 
@@ -332,6 +336,123 @@ def test_abort_reaches_the_receive_whatever_the_order(store):
         handle = sender.send(v, wait=False)
         assert receiver.receive(timeout=10) == v, (kind, at)
         assert handle.wait(timeout=10) > 0, (kind, at)
+    sender.close()
+    receiver.close()
+
+
+def test_a_restarted_sole_writer_failing_before_it_writes_answers_that_the_weights_are_torn(store):
+    """Sender rank 0, the receiver's only writer, dies in the middle of a copy (its
+    object dropped, part of the weights overwritten, the receive waiting); the rank
+    registered again aborts before its first send. It cannot know what its
+    predecessor wrote, so its answer says written: the receive raises SyncError
+    saying the weights are torn, and weights() refuses them, never "nothing was
+    written". Its next send lands whole."""
+    (dead,), receiver = _pair(store, "restarted-sole-writer")
+    name = "model.layers.0.mlp.down_proj.weight"
+
+    def receive():
+        return _timed(lambda: receiver.receive(timeout=20))
+
+    def die_then_restart():
+        keys = Channel(store_client(store), "restarted-sole-writer", None)
+        _poll(lambda: keys.has("dst/0/open/1"))  # the receive opened its ticket: senders may write
+        time.sleep(0.3)  # past its last look at the failure reports: it waits for the answer
+        receiver.tensors[name].fill_(7.0)  # what the dead rank copied before it died
+        restarted = WeightSender(store_client(store), dead.layout, 0, {n: t.clone() for n, t in _shards(1, 0, 2).items()},
+                                 name="restarted-sole-writer", transport="shm", timeout=30)
+        restarted.abort("the restarted trainer failed before its first step")
+        return restarted
+
+    (received, _, _), restarted = in_threads(receive, die_then_restart)
+    assert isinstance(restarted, WeightSender), restarted
+    assert isinstance(received, SyncError) and not isinstance(received, SyncTimeoutError), received
+    assert str(received).startswith("receiver rank 0: sender rank 0 failed: aborted: the restarted trainer failed "
+                                    "before its first step; weights torn"), received
+    assert receiver.torn
+    with pytest.raises(TornWeightsError):
+        receiver.weights()
+    handle = restarted.send(2, wait=False)  # its report stands until this send() clears it
+    assert receiver.receive(timeout=20) == 2 and handle.wait(timeout=20) > 0
+    assert mismatches(_expected(1, 0, 2), receiver.weights()) == []
+    for endpoint in (restarted, dead, receiver):
+        endpoint.close()
+
+
+def test_an_abort_racing_the_copies_never_calls_written_weights_untouched(store, monkeypatch):
+    """abort() against a send copying over shared memory (4 KiB buckets: one copy
+    table after another), at every step: before the receive, once the receiver's
+    ticket is open and nothing is copied yet, as each table is copied (from inside
+    the sender's copy loop), and from another thread at random times. The receive
+    lands the version or raises SyncError; where it says "nothing was written" the
+    weights are bitwise what they were before, torn only if they were before (and
+    it says so), and otherwise weights() refuses them."""
+    import llamarl_core.sync.sender as sender_module
+
+    (sender,), receiver = _pair(store, "abort-race", bucket_bytes=4096)
+    handle = sender.send(1, wait=False)
+    assert receiver.receive(timeout=20) == 1 and handle.wait(timeout=20) > 0
+    num_tables = len(sender._tables[0])
+    assert num_tables > 10
+    at = {"step": None}  # where the sender's own thread aborts (None: a thread of the test does, or nobody)
+    copied = {"tables": 0}
+    run_table, await_ticket = sender_module.run_segment_table, sender._await_ticket
+
+    def hooked_table(*args, **kwargs):
+        if at["step"] == copied["tables"]:
+            sender.abort(at["reason"])  # arrives as this table is copied
+        copied["tables"] += 1
+        return run_table(*args, **kwargs)
+
+    def hooked_ticket(*args, **kwargs):
+        ticket = await_ticket(*args, **kwargs)
+        if at["step"] == "ticket":
+            sender.abort(at["reason"])  # the ticket is open, nothing copied yet
+        return ticket
+
+    monkeypatch.setattr(sender_module, "run_segment_table", hooked_table)
+    monkeypatch.setattr(sender, "_await_ticket", hooked_ticket)
+    rng, seen = random.Random(5), collections.Counter()
+    steps = ["before", "ticket", 0, num_tables - 1, *rng.sample(range(1, num_tables - 1), 10)] + ["thread"] * 20
+    for v, step in enumerate(steps, start=2):
+        before = {n: t.clone() for n, t in receiver.tensors.items()}
+        was_torn = receiver.torn
+        for n, t in _shards(1, 0, v).items():
+            sender.tensors[n].copy_(t)
+        at.update(step=step, reason=f"step {v} failed")
+        copied["tables"] = 0
+        handle = sender.send(v, wait=False)  # clears the last abort's report before it returns
+        if step == "before":
+            sender.abort(at["reason"])
+
+        def abort_from_a_thread(ticket=receiver._ticket, delay=rng.uniform(0, 0.004)):
+            if step == "thread":  # soon after the receiver takes its ticket
+                _poll(lambda: receiver._ticket > ticket)
+                time.sleep(delay)
+                sender.abort(at["reason"])
+
+        received, _ = in_threads(lambda: receiver.receive(timeout=20), abort_from_a_thread)
+        handle.exception(timeout=20)  # ended, aborted or not
+        # The sender is done with the receiver's last ticket, served or answered: its next send
+        # waits for the one after (not for an older one, whose key is gone: a 1 s poll).
+        assert sender._served[0] == receiver._ticket, (step, sender._served, receiver._ticket)
+        if received == v:
+            assert step == "thread", (step, v)
+            seen["landed"] += 1
+            assert mismatches(_expected(1, 0, v), receiver.weights()) == [], v
+        elif isinstance(received, SyncError) and "; nothing was written" in str(received):
+            seen["untouched"] += 1
+            assert receiver.torn == was_torn and step in ("before", "ticket", "thread"), (step, received)
+            assert str(received).endswith("still torn from an earlier receive)" if was_torn else "written"), received
+            assert all(torch.equal(t.view(torch.uint8), before[n].view(torch.uint8))
+                       for n, t in receiver.tensors.items()), (step, v)
+        else:
+            assert isinstance(received, SyncError) and not isinstance(received, SyncTimeoutError), (step, received)
+            assert f"aborted: step {v} failed" in str(received) and receiver.torn, (step, received)
+            seen["torn"] += 1
+            with pytest.raises(TornWeightsError):
+                receiver.weights()
+    print(dict(seen))
+    assert seen["untouched"] >= 2 and seen["torn"] >= 12, seen
     sender.close()
     receiver.close()
 

@@ -675,7 +675,6 @@ def _triton_path(w: torch.Tensor, backend: str) -> bool:
 # thread at 4 warps (ptxas, sm_90), 102-108 at 8.
 TILE_BLOCK = (32, 128)
 _TILE_WARPS = 8
-TILE_COLUMNS = 8  # int64 per table row: kernels/fp8_sync.py
 
 
 def _tile_kernels():
@@ -704,7 +703,8 @@ class Fp8Tiles:
     def __init__(self, base: torch.Tensor, rows, device: torch.device):
         import numpy as np
 
-        table = np.array(rows, dtype=np.int64).reshape(-1, TILE_COLUMNS)  # a copy: column 0 is rewritten
+        # A copy (column 0 is rewritten), as wide as the kernels read a row.
+        table = np.array(rows, dtype=np.int64).reshape(-1, _tile_kernels().TILE_COLUMNS.value)
         itemsize = base.element_size()
         distance = table[:, 0] - base.data_ptr()
         if (distance % itemsize).any():

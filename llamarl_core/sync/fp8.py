@@ -32,14 +32,15 @@ rounding (ops.fp8: sat(RNE(w / scale)), scale = amax / 448).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from ..ops.fp8 import (DEFAULT_BLOCK, FP8_DTYPE, TILE_BLOCK, Fp8Tiles, cast_to_fp8, fp8_amax, scale_from_amax,
                        scale_shape, tiles_path)
-from .layout import Fused, Layout, Replicate, Shard, fp8_scale_name, view_2d
+from .layout import Explicit, Fragment, Fused, Layout, ParamSpec, Replicate, Shard, fp8_scale_name, view_2d
 
 _BLOCK = DEFAULT_BLOCK[0]  # square blocks: DEFAULT_BLOCK is (128, 128)
 
@@ -71,6 +72,29 @@ def fp8_scale_local_shape(layout: Layout, name: str, rank: int) -> tuple[int, ..
     if spec.fp8 == "tensor" and isinstance(spec.placement, Fused):
         return (len(spec.placement.parts),)
     return scale_shape(local, spec.fp8, DEFAULT_BLOCK)
+
+
+def held_layout(layout: Layout) -> Layout:
+    """`layout` as its ranks hold it: each FP8 parameter a plain float8_e4m3fn
+    parameter of the same placement, and its scale a float32 parameter of its own,
+    each rank's scale a logical tensor of its own (`<scale>@<rank>`: a scale
+    belongs to its rank's local tensor, no other rank holds it). Between two
+    replicas of `layout` (a relay) a plan of this layout copies the FP8 bytes and the
+    scales as they are: nothing is quantized again, and what a replica holds is
+    byte for byte what the one it is filled from holds."""
+    params = []
+    for name, spec in layout.params.items():
+        if spec.fp8 is None:
+            params.append(spec)
+            continue
+        params.append(replace(spec, dtype=FP8_DTYPE, fp8=None))
+        scale = fp8_scale_name(name, spec.fp8)
+        shapes = tuple(fp8_scale_local_shape(layout, name, rank) for rank in range(layout.world_size))
+        sources = tuple((f"{scale}@{rank}", shape) for rank, shape in enumerate(shapes))
+        fragments = tuple((Fragment(source, 0, 0, *view_2d(shape), 0, 0),) if math.prod(shape) else ()
+                          for source, shape in sources)
+        params.append(ParamSpec(scale, shapes[0], torch.float32, Explicit(sources, shapes, fragments)))
+    return Layout(layout.world_size, params)
 
 
 def _grid(layout: Layout, name: str, rank: int) -> tuple[int, int]:
@@ -194,11 +218,14 @@ class Fp8Plan:
         return vector[offset : offset + gr * gc].reshape(gr, gc)[r0:r1, c0:c1]
 
     def _scale_writes(self, src_world: int) -> list[ScaleWrite]:
-        """Each destination rank's scales, each from the lowest sender rank that writes
-        part of its group to that rank (for a group spanning ranks that has none of
-        its elements on this rank, an empty shard: the lowest that writes part of it
-        anywhere): runs of consecutive scales from one sender. A group no rectangle
-        touches (an empty part on a rank) is not written."""
+        """Each destination rank's scales, whole: each from the lowest sender rank that
+        writes part of its group to that rank (for a group spanning ranks that has
+        none of its elements on this rank, an empty shard: the lowest that writes part
+        of it anywhere), in runs of consecutive scales from one sender. A group no
+        rectangle touches at all (rows a sync never writes: padding, an empty part)
+        gets 1.0, the scale of an amax of 0, from the lowest sender writing anything
+        to that rank: a destination's scales are all written, so a replica is filled
+        from another by copying them whole (held_layout)."""
         def lowest(rects, cells: int) -> np.ndarray:
             writer = np.full(cells, src_world, dtype=np.int64)
             for rect, box in rects:
@@ -210,6 +237,9 @@ class Fp8Plan:
         by_name: dict[str, list] = {}
         for rect, box in zip(self.rects, self.boxes):
             by_name.setdefault(rect.dst_name, []).append((rect, box))
+        # Destination rank -> the lowest sender of any of its FP8 rectangles (0 for none).
+        fallback = [min((rect.src_rank for rect in self.rects if rect.dst_rank == rank), default=0)
+                    for rank in range(self.layout.world_size)]
         for name, spec in self.layout.params.items():
             if spec.fp8 is None:
                 continue
@@ -223,11 +253,12 @@ class Fp8Plan:
                 writer = lowest([(rect, box) for rect, box in mine if rect.dst_rank == rank], gr * gc)
                 if anywhere is not None:
                     writer = np.where(writer < src_world, writer, anywhere)
+                # Untouched: this sender's amax there is 0 (local_amax), its scale 1.0.
+                writer[writer == src_world] = fallback[rank]
                 cuts = np.flatnonzero(np.diff(writer)) + 1
                 for start, stop in zip(np.r_[0, cuts], np.r_[cuts, gr * gc]):
-                    if writer[start] < src_world:
-                        writes.append(ScaleWrite(int(writer[start]), offset + int(start), rank,
-                                                 fp8_scale_name(name, spec.fp8), int(start), int(stop - start)))
+                    writes.append(ScaleWrite(int(writer[start]), offset + int(start), rank,
+                                             fp8_scale_name(name, spec.fp8), int(start), int(stop - start)))
         return writes
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ..ops.fp8 import INPUT_DTYPES
 from .engine import check_local_tensors, run_segment_table, segment_table, tensors_device
-from .fp8 import Fp8Plan, Fp8Rect, Fp8Sources, ScaleWrite
+from .fp8 import Fp8Plan, Fp8Rect, Fp8Sources, ScaleWrite, held_layout
 from .layout import Fragment, Layout, view_2d
 
 # Casts a segment may do on the way; any other dtype pair is refused.
@@ -161,14 +161,9 @@ def relay_tree(num_replicas: int) -> dict[int, list[int]]:
     return {r: [c for c in (2 * r + 1, 2 * r + 2) if c < num_replicas] for r in range(num_replicas)}
 
 
-def check_replicas(dst_layout: Layout, num_replicas: int) -> None:
-    """Refuse, naming the reason, a destination that cannot be relayed to `num_replicas` replicas."""
+def check_replicas(num_replicas: int) -> None:
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-    fp8 = [name for name, spec in dst_layout.params.items() if spec.fp8]
-    if num_replicas > 1 and fp8:
-        raise ValueError(f"{fp8[0]!r} is an FP8 destination: relaying FP8 weights and their scales to replicas is "
-                         "not supported yet; one sync per replica instead")
 
 
 class TransferPlan:
@@ -178,7 +173,9 @@ class TransferPlan:
     segments fill replica 0, and `relay` (a plan from `dst_layout` to itself, one
     run per tensor) copies each replica into its children in `relays`. `fp8`:
     the scale groups of its FP8 destinations (None without any), which the
-    senders quantize (fp8.py)."""
+    senders quantize (fp8.py). A relay of FP8 destinations copies what the replica
+    holds (fp8.held_layout: the FP8 bytes and the scales, whole); its plan's
+    layouts are that held layout."""
 
     def __init__(self, src_layout: Layout, dst_layout: Layout, segments: list[Segment], bucket_bytes: int,
                  num_replicas: int = 1, fp8: Fp8Plan | None = None):
@@ -385,11 +382,19 @@ def plan_transfer(src_layout: Layout, dst_layout: Layout, bucket_bytes: int = DE
     Raises ValueError, naming the parameter, for: a destination reading a logical
     tensor the source does not have; a source parameter no destination uses; a
     global shape mismatch; a dtype pair other than equal or float32 -> bfloat16;
-    destination writes that overlap, leave a gap, or fall outside the tensor.
+    destination writes that overlap, leave a gap, or fall outside the tensor; a
+    source holding FP8 parameters (a replica) into any layout but its own.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    check_replicas(dst_layout, num_replicas)
+    check_replicas(num_replicas)
+    held_fp8 = [name for name, spec in src_layout.params.items() if spec.fp8 is not None]
+    if held_fp8:  # a source holding FP8 weights: a replica relaying them (see TransferPlan)
+        if src_layout != dst_layout:
+            raise ValueError(f"source parameter {held_fp8[0]!r} is held in FP8: it can only be copied as it is, "
+                             "into a replica of the same layout (a relay), and the destination layout differs")
+        held = held_layout(src_layout)
+        return plan_transfer(held, held, bucket_bytes, num_replicas)
     src_shapes = src_layout.logical_shapes()
     dst_shapes = dst_layout.logical_shapes()
     src_dtypes = {src: spec.dtype for spec in src_layout.params.values() for src in spec.logical_shapes()}

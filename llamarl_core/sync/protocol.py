@@ -208,7 +208,8 @@ class SenderReports:
         for dst in dsts:
             self.channel.set(offer_key(self.rank, dst), None)
 
-    def fail(self, message: str, unserved: Mapping[int, tuple[int, Iterable[int]]], wrote: Iterable[int] = ()) -> None:
+    def fail(self, message: str, unserved: Mapping[int, tuple[int, Iterable[int]]],
+             wrote: Iterable[int] = ()) -> dict[int, int]:
         """Publish this rank's failure, then end the waits it leaves hanging. unserved:
         receiver -> (the last ticket this rank served it, the ranks that write to it
         over shared memory or CUDA IPC): an open ticket after that one gets a
@@ -216,18 +217,22 @@ class SenderReports:
         whether this rank began writing to that receiver: in `wrote`), so its receive()
         raises at once instead of waiting for senders that may never come (a rank
         stuck in a collective with this one). Receivers this rank serves point to
-        point wait in the process group: they see the failure in pending()."""
+        point wait in the process group: they see the failure in pending().
+        Returns receiver -> its current ticket, answered here or closed: this rank
+        has nothing more to do with it (its next send looks at the ticket after)."""
         self.channel.set(error_key(self.rank), message)
         self.channel.counter(FAILURES, 1)
         wrote = set(wrote)
+        current = {}
         for dst, (served, writers) in unserved.items():
             answer = {"failed": self.rank, "error": message, "wrote": dst in wrote}
-            ticket = self.channel.counter(f"{DST}/{dst}/ticket")
+            ticket = current[dst] = self.channel.counter(f"{DST}/{dst}/ticket")
             if ticket <= served or ticket_closed(self.channel, dst, ticket):
                 continue
             for src in writers:
                 if not self.channel.has(done_key(dst, ticket, src)):
                     self.channel.set(done_key(dst, ticket, src), answer)
+        return current
 
     def clear(self) -> None:
         """This rank sends again (or registered again): its failure no longer stands."""

@@ -31,6 +31,14 @@ from .transports import CUDA_IPC, P2P, SHM, cuda_ipc_handle, rehome_into_shared_
 RELAY_BUCKET_BYTES = 16 << 20
 
 
+def _outcome(wrote: bool, was_torn: bool) -> str:
+    """How a failed receive leaves the weights: torn where a sender wrote (or may
+    have); else untouched, and still torn if an earlier receive left them so."""
+    if wrote:
+        return "weights torn"
+    return "nothing was written" + (" (the weights are still torn from an earlier receive)" if was_torn else "")
+
+
 class WeightReceiver(Endpoint):
     """A generator rank: registers its own parameter tensors once, then
     `receive()` per sync. The destination is the tensors' own storage.
@@ -50,7 +58,7 @@ class WeightReceiver(Endpoint):
     receiver rank 0's applies (16 MiB at most with replicas).
     FP8 parameters (layout `fp8=`) are registered as their float8_e4m3fn weight
     and float32 scale; the senders quantize (fp8.py), so the receiver holds
-    nothing more and does no arithmetic.
+    nothing more and does no arithmetic (its relays copy both as they are).
     replica / num_replicas: this rank's generator replica, of that many
     data-parallel copies of `layout` (each a tensor-parallel group). The trainer
     ranks send to replica 0 only; a version then goes down the replicas'
@@ -99,7 +107,7 @@ class WeightReceiver(Endpoint):
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_threads: int | None = None,
                  p2p_bucket_bytes: int | None = None, replica: int = 0,
                  num_replicas: int = 1, relay_names: Mapping[int, str] | None = None, secret: bytes | None = None):
-        check_replicas(layout, num_replicas)
+        check_replicas(num_replicas)
         if not 0 <= replica < num_replicas:
             raise ValueError(f"replica must be in [0, {num_replicas}), got {replica}")
         if num_replicas > 1:
@@ -183,7 +191,8 @@ class WeightReceiver(Endpoint):
             return
         failure = self.watch.failure(self.senders)
         if failure is not None:
-            raise SyncError(f"receiver rank {self.rank}: {failure}" + ("; weights torn" if self.torn else ""))
+            raise SyncError(f"receiver rank {self.rank}: {failure}"
+                            + ("; weights torn" if self.torn else "; nothing was written"))
 
     def _relay_sender(self, store: dist.Store, name: str) -> WeightSender:
         return WeightSender(store, self.layout, self.rank, self.tensors, name=name, timeout=self.timeout,
@@ -352,7 +361,7 @@ class WeightReceiver(Endpoint):
             if untouched:
                 self.torn = was_torn
             raise SyncError(f"receiver rank {self.rank}: sender rank {failed[0]['failed']} failed: "
-                            f"{failed[0]['error']}; " + ("nothing was written" if untouched else "weights torn"))
+                            f"{failed[0]['error']}; " + _outcome(not untouched, was_torn))
         stale = [answer for answer in answers if isinstance(answer, dict)]
         if stale:
             message = (f"receiver rank {self.rank}: version {stale[0]['abandoned']} will not come (its sender holds "
@@ -436,7 +445,7 @@ class WeightReceiver(Endpoint):
                                 "sends again)" for src, _ in failed)
             raise SyncError(f"receiver rank {self.rank}: sender ranks {[src for src, _ in failed]} failed before "
                             f"writing version {failed[0][1]} ({reports})"
-                            + ("; weights torn" if wrote else "; nothing was written"))
+                            + "; " + _outcome(wrote, was_torn))
         return versions
 
     def _complete(self, versions: set[int]) -> int:

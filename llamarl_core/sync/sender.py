@@ -468,7 +468,13 @@ class WeightSender(Endpoint):
         unserved = {dst: (self._served.get(dst, 0),
                           [src for src in self.plan.senders_of(dst) if self.transports[(src, dst)] != P2P])
                     for dst in self._local_receivers}
-        self.reports.fail(message, unserved, wrote=self._wrote)
+        # _maybe_written too: a restarted rank's failure outside a send (abort, a send
+        # refused before it ran) still answers "wrote" for what its predecessor may have written.
+        answered = self.reports.fail(message, unserved, wrote=self._wrote | self._maybe_written)
+        # Done with those tickets: the next send waits for the one after, not for an older
+        # one whose `open` key the receiver has deleted since (a wait of TICKET_POLL_S).
+        for dst, ticket in answered.items():
+            self._served[dst] = max(self._served.get(dst, 0), ticket)
 
     def _report_raised(self, exc: BaseException) -> None:
         try:
