@@ -423,8 +423,9 @@ def test_fp8_replicas_relay_their_weights_and_scales_byte_for_byte(monkeypatch):
     1.0, the scale of an amax of 0; no NaN of the poisoned destination is left),
     and the relay plan from that replica into another (plan_transfer of the layout
     to itself) quantizes nothing and leaves the second replica byte for byte equal
-    to the first, padding rows untouched. A replica's layout into any other layout
-    is refused, naming the FP8 parameter."""
+    to the first, padding rows untouched; rows two destination ranks hold are
+    copied from each rank's own. A replica's layout into any other layout is
+    refused, naming the FP8 parameter."""
     from llamarl_core.sync.layout import fp8_scale_name
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -464,6 +465,26 @@ def test_fp8_replicas_relay_their_weights_and_scales_byte_for_byte(monkeypatch):
     other = Layout(dst.world_size, [dataclasses.replace(params[0], fp8=None), params[1]])
     with pytest.raises(ValueError, match="source parameter 'a' is held in FP8: it can only be copied as it is"):
         plan_transfer(dst, other)
+    # Rows two ranks hold (k's rows 4-8 on ranks 1 and 2, not where rank % 2 would
+    # look): their FP8 bytes differ with each rank's block scales, so each rank is
+    # filled from its own copy.
+    fused = Fused((FusedPart("q", (12, 256), ((0, 4), (4, 8), (8, 12))),
+                   FusedPart("k", (8, 256), ((0, 4), (4, 8), (4, 8)))))
+    for granularity in ("block", "channel", "tensor"):
+        dst = Layout(3, [ParamSpec("qk", (20, 256), torch.bfloat16, fused, fp8=granularity)])
+        fulls = {n: torch.randn(shape, generator=torch.Generator().manual_seed(i)) * (1 + 100 * i)
+                 for i, (n, shape) in enumerate({"q": (12, 256), "k": (8, 256)}.items())}
+        first = {r: poisoned_destination(dst, r) for r in range(3)}
+        plan_transfer(Layout(1, [ParamSpec(n, tuple(t.shape), torch.float32) for n, t in fulls.items()]),
+                      dst).execute_local({0: fulls}, first)
+        relay = plan_transfer(dst, dst)
+        assert {(seg.src_rank, seg.dst_rank) for seg in relay.segments} == {(0, 0), (1, 1), (2, 2)}, granularity
+        second = {r: poisoned_destination(dst, r) for r in range(3)}
+        relay.execute_local(first, second)
+        for r in range(3):
+            for name, t in first[r].items():
+                assert torch.equal(second[r][name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), \
+                    (granularity, r, name)
 
 
 def test_fp8_grouped_kernels_equal_the_torch_path(monkeypatch):

@@ -532,7 +532,7 @@ def test_point_to_point_timeout_and_rejoin_are_sync_errors(store):
 
 @pytest.mark.parametrize("num_replicas, fsdp, tp, transport, fp8", [
     (2, 1, 1, "auto", None), (2, 2, 2, "auto", None), (4, 2, 1, "auto", None), (4, 2, 2, "p2p", None),
-    (2, 2, 2, "auto", "tensor"), (3, 2, 2, "p2p", "block")])
+    (2, 2, 2, "auto", "tensor"), (3, 2, 4, "p2p", "block")])
 def test_replicas_each_equal_the_reference_after_every_sync(store, num_replicas, fsdp, tp, transport, fp8):
     """Generator replicas x TP ranks, one thread each (their own Store clients): the
     trainer ranks send to replica 0, the others get each version by relay; every
@@ -540,7 +540,8 @@ def test_replicas_each_equal_the_reference_after_every_sync(store, num_replicas,
     Point to point, with small buckets, each relay forwards every bucket as it lands
     (relay buckets mirror the received ones), down two levels of the relay tree.
     FP8 destinations: replica 0's senders quantize; the relays copy its FP8 weights
-    and scales as they are, so every replica equals the FP8 reference bit for bit."""
+    and scales as they are, so every replica equals the FP8 reference bit for bit
+    (at TP 4 two ranks hold each KV head, each quantized with its own blocks)."""
     config, versions = small_config("llama_gqa_bias"), (1, 2, 3)
     name = f"replicas-{num_replicas}-{fsdp}-{tp}-{transport}-{fp8}"
     options = dict(transport=transport, **({"bucket_bytes": 4096} if transport == "p2p" else {}))

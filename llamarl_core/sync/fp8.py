@@ -32,8 +32,7 @@ rounding (ops.fp8: sat(RNE(w / scale)), scale = amax / 448).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -75,26 +74,41 @@ def fp8_scale_local_shape(layout: Layout, name: str, rank: int) -> tuple[int, ..
 
 
 def held_layout(layout: Layout) -> Layout:
-    """`layout` as its ranks hold it: each FP8 parameter a plain float8_e4m3fn
-    parameter of the same placement, and its scale a float32 parameter of its own,
-    each rank's scale a logical tensor of its own (`<scale>@<rank>`: a scale
-    belongs to its rank's local tensor, no other rank holds it). Between two
-    replicas of `layout` (a relay) a plan of this layout copies the FP8 bytes and the
-    scales as they are: nothing is quantized again, and what a replica holds is
-    byte for byte what the one it is filled from holds."""
+    """`layout` as its ranks hold it: each FP8 weight and its scale a parameter
+    (float8_e4m3fn, float32) whose every rank's local tensor is a logical tensor
+    of its own (`<name>@<rank>`): FP8 bytes are worth only their own rank's scales
+    (rows two ranks hold, as replicated KV heads, differ in FP8 where their blocks
+    do), so no rank's may land on another. Between two replicas of `layout` (a
+    relay) a plan of this layout copies each rank's FP8 bytes and scales into the
+    same rank as they are, its padding rows left alone: nothing is quantized
+    again, and a replica holds byte for byte what the one it is filled from holds."""
     params = []
     for name, spec in layout.params.items():
         if spec.fp8 is None:
             params.append(spec)
             continue
-        params.append(replace(spec, dtype=FP8_DTYPE, fp8=None))
-        scale = fp8_scale_name(name, spec.fp8)
-        shapes = tuple(fp8_scale_local_shape(layout, name, rank) for rank in range(layout.world_size))
-        sources = tuple((f"{scale}@{rank}", shape) for rank, shape in enumerate(shapes))
-        fragments = tuple((Fragment(source, 0, 0, *view_2d(shape), 0, 0),) if math.prod(shape) else ()
-                          for source, shape in sources)
-        params.append(ParamSpec(scale, shapes[0], torch.float32, Explicit(sources, shapes, fragments)))
+        world = range(layout.world_size)
+        params.append(_own_per_rank(name, FP8_DTYPE, [layout.local_shape(name, r) for r in world],
+                                    [layout.padding_rows(name, r) for r in world]))
+        params.append(_own_per_rank(fp8_scale_name(name, spec.fp8), torch.float32,
+                                    [fp8_scale_local_shape(layout, name, r) for r in world]))
     return Layout(layout.world_size, params)
+
+
+def _own_per_rank(name: str, dtype: torch.dtype, shapes: list[tuple[int, ...]],
+                  padding: list[tuple[int, int]] | None = None) -> ParamSpec:
+    """A parameter whose rank r holds the logical tensor `<name>@<r>` of shape
+    shapes[r], all of it but padding[r] (local rows [start, stop) at its end)."""
+    sources, fragments = [], []
+    for rank, shape in enumerate(shapes):
+        rows, cols = view_2d(shape)
+        start, stop = padding[rank] if padding else (rows, rows)
+        written = start if stop > start else rows
+        sources.append((f"{name}@{rank}", tuple(shape)))
+        fragments.append((Fragment(f"{name}@{rank}", 0, 0, written, cols, 0, 0),) if written and cols else ())
+    pads = tuple(tuple(p) for p in padding) if padding and any(stop > start for start, stop in padding) else None
+    return ParamSpec(name, tuple(shapes[0]), dtype, Explicit(tuple(sources), tuple(map(tuple, shapes)),
+                                                             tuple(fragments), pads))
 
 
 def _grid(layout: Layout, name: str, rank: int) -> tuple[int, int]:

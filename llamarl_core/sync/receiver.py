@@ -180,8 +180,9 @@ class WeightReceiver(Endpoint):
             raise SyncError(f"receiver rank {self.rank}: {failure}")
         return self.watch.offered(self._taken)
 
-    def _raise_if_senders_failed(self) -> None:
-        """SyncError for a failure reported by one of this rank's senders. Asked only
+    def _raise_if_senders_failed(self, ticket_open: bool) -> None:
+        """SyncError for a failure reported by one of this rank's senders (with the
+        ticket open, senders may have written: the weights count as torn). Asked only
         where a sender writes over shared memory or CUDA IPC (the ticket talks to the
         Store anyway): a receiver fed only point to point (its senders on other hosts)
         keeps to the process group and its timeout within receive(), since a Store
@@ -191,8 +192,7 @@ class WeightReceiver(Endpoint):
             return
         failure = self.watch.failure(self.senders)
         if failure is not None:
-            raise SyncError(f"receiver rank {self.rank}: {failure}"
-                            + ("; weights torn" if self.torn else "; nothing was written"))
+            raise SyncError(f"receiver rank {self.rank}: {failure}; " + _outcome(ticket_open, self.torn))
 
     def _relay_sender(self, store: dist.Store, name: str) -> WeightSender:
         return WeightSender(store, self.layout, self.rank, self.tensors, name=name, timeout=self.timeout,
@@ -321,7 +321,7 @@ class WeightReceiver(Endpoint):
 
     def _receive(self, deadline: float, expect: int | None, forwarding: Forwarding) -> int:
         self._check_storage()
-        self._raise_if_senders_failed()  # before anything is asked for: the weights stay whole
+        self._raise_if_senders_failed(False)  # before anything is asked for: the weights stay as they are
         if not self._local_senders:
             # The unpack copies run on a stream that waits for the current one: the GPU orders them.
             return self._complete(self._receive_p2p(deadline, forwarding))
@@ -343,7 +343,7 @@ class WeightReceiver(Endpoint):
             self.channel.set(f"{key}/open/{ticket}", expect)
             # A failure reported since the check above: seen here, or (reported after this
             # read) its sender finds the ticket open and answers it (SenderReports.fail).
-            self._raise_if_senders_failed()
+            self._raise_if_senders_failed(True)
             self._forget_tickets_before(ticket)
             versions = self._receive_p2p(deadline, forwarding)  # senders on other hosts, meanwhile
             answers = self.channel.get_all(done, deadline, f"senders to finish (receiver {self.rank}, ticket {ticket})")

@@ -365,12 +365,14 @@ class WeightSender(Endpoint):
                     self._wrote.add(dst)  # before the stop check: an abort in between answers "wrote"
                     self._check_stop()
                     written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
-                self._check_stop()  # an abort meanwhile answered this ticket "failed": never "done" after it
+                # An abort before this check answered the ticket "failed" and stops the send here;
+                # one after it may see its "failed" replaced by the version below: the copy is whole.
+                self._check_stop()
                 # Withdrawn before the answer: a receiver that has the version never sees the offer stand.
                 self.reports.withdraw([dst])
                 self._offered.discard(dst)
                 self.channel.set(done_key(dst, ticket, self.rank), version)
-                self._served[dst] = ticket
+                self._served[dst] = max(self._served.get(dst, 0), ticket)  # abort() may have raised it
                 self._wrote.discard(dst)  # served whole
                 self._maybe_written.discard(dst)
             for dst in self._p2p_peers:  # in round order
