@@ -28,6 +28,54 @@ def test_tp1_after_sync_matches_transformers(kind):
         assert cache.length == 17
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_fp8_generator_computes_with_the_weights_its_sync_quantized(granularity):
+    """LlamaGenerator(fp8=...): its parameters are the FP8 layout's tensors (float8
+    weights, float32 scales); after a sync from the trainer's float32 weights they
+    equal the FP8 reference, and its logits equal, bit for bit, those of a plain
+    generator holding q x scale (float64 products rounded to float32), and decoding
+    with its KV cache gives them again; the FP8 rounding moves them off
+    transformers' by less than 0.25."""
+    from llamarl_core.ops.fp8 import expand_scale
+    from llamarl_core.sync import plan_transfer
+    from llamarl_core.sync.reference import reference_vllm_fp8_shards, reference_vllm_tp_shards
+
+    config, hf = workers.hf_model("llama_gqa_bias", 7)
+    layout = vllm_llama_tp(config, 1, torch.float32, fp8=granularity)
+    generator = LlamaGenerator(config, fp8=granularity)
+    assert {n: (tuple(p.shape), p.dtype) for n, p in generator.named_parameters()} == layout.local_tensor_specs(0)
+    state = {n: p.detach() for n, p in hf.named_parameters()}
+    plan_transfer(hf_llama_fsdp(config, 1, torch.float32), layout).execute_local({0: state},
+                                                                                 {0: dict(generator.named_parameters())})
+    quantized = reference_vllm_fp8_shards(state, config, 1, granularity, torch.float32)[0]
+    params = dict(generator.named_parameters())
+    assert all(torch.equal(params[n].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else params[n],
+                           t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t) for n, t in quantized.items())
+    plain = LlamaGenerator(config)
+    weights = reference_vllm_tp_shards(state, config, 1, torch.float32)[0]
+    for name, q in quantized.items():
+        if q.dtype != torch.float8_e4m3fn:
+            continue
+        scale = quantized[name[: -len("weight")] + ("weight_scale_inv" if granularity == "block" else "weight_scale")]
+        kind = granularity
+        if scale.dim() == 1:  # one per fused part: the parts' rows, as layout says
+            module = generator.get_submodule(name.rsplit(".", 1)[0])
+            scale, kind = scale.repeat_interleave(torch.tensor(module.part_rows))[:, None], "channel"
+        full = expand_scale(scale.to(torch.float64), tuple(q.shape), kind)
+        weights[name] = (q.to(torch.float64) * full).to(torch.float32)
+    plain.load_state_dict(weights)
+    ids = torch.randint(0, config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = generator(ids)
+        assert torch.equal(logits, plain(ids))
+        cache = generator.new_cache()
+        steps = [generator(ids[:, :10], cache)] + [generator(ids[:, i : i + 1], cache) for i in range(10, 17)]
+        assert (torch.cat(steps, dim=1) - logits).abs().max().item() <= 1e-4  # other matmul shapes
+        gap = (logits - hf(ids).logits).abs().max().item()
+    print(f"{granularity}: max |FP8 logits - transformers'| = {gap:.4f}")
+    assert 0 < gap < 0.25
+
+
 @pytest.mark.parametrize("kind", ["llama_gqa_bias", "qwen2"])
 def test_tp2_over_gloo_matches_transformers(kind):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))

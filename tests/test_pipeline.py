@@ -101,6 +101,8 @@ def test_load_task_errors():
     ({"num_kv_heads": 3}, "num_kv_heads 3 must divide num_heads 4"),
     ({"loss_reduction": "sum"}, r"loss_reduction must be one of \('token_mean', 'sequence_mean'\)"),
     ({"loss_reduction": "sequence_mean", "loss_normalizer": "dr_grpo"}, "'sequence_mean' and a constant normalizer"),
+    ({"generator_fp8": "row"}, r"generator_fp8 must be one of \('tensor', 'channel', 'block'\) or None, got 'row'"),
+    ({"generator_fp8": "block", "generator": "vllm"}, "generator_fp8 quantizes our generator's weights; generator 'vllm'"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -434,6 +436,22 @@ def test_fsdp2_trainer_and_tensor_parallel_generator(tmp_path):
         assert shards == [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)], shards
     # The reference is the policy RL starts from: no divergence at the first step, some once it has trained.
     assert metrics[0]["ref_kl"] == 0 and all(m["ref_kl"] > 0 for m in metrics[2:]), [m["ref_kl"] for m in metrics]
+
+
+def test_fp8_generator_replicas_sample_with_the_weights_the_trainer_quantized(tmp_path):
+    """--generator-fp8 block with two replicas, sync mode: the trainer ranks
+    quantize each version into replica 0, which relays the FP8 weights and scales
+    to replica 1; the run completes, and every step's behaviour log-probs differ
+    from the trainer's by the FP8 rounding only: a mismatch KL above float32's
+    (< 1e-5, the test above) and well below a different policy's."""
+    out = tmp_path / "fp8"
+    proc = llamarl("--mode", "sync", "--generator-replicas", "2", "--generator-fp8", "block", "--out", str(out), *FAST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert TrainConfig.load(out / "config.json").generator_fp8 == "block"
+    metrics = read_metrics(out)
+    assert len(metrics) == 12
+    assert all(1e-6 < m["mismatch_kl"] < 1e-2 for m in metrics), [m["mismatch_kl"] for m in metrics]
+    print("FP8 block mismatch KL per step:", [f"{m['mismatch_kl']:.1e}" for m in metrics])
 
 
 def test_generator_replicas_sample_with_the_trainers_weights(tmp_path):

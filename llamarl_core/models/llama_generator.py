@@ -6,7 +6,10 @@ TransferPlan.execute_local) writes trainer weights straight into it. Forward on
 `input_ids` (batch, seq) gives logits (batch, seq, vocab), with an optional KV
 cache for decoding. Tensor parallelism over a torch.distributed group (gloo on
 CPU): vocabulary-parallel embedding and lm_head, column-parallel qkv / gate_up,
-row-parallel o_proj / down_proj, as vLLM does.
+row-parallel o_proj / down_proj, as vLLM does. With `fp8=` ("tensor",
+"channel", "block") the four linear layers of each decoder layer hold their
+weights in FP8 with their scales (Fp8Linear), as `vllm_llama_tp(..., fp8=)` lays
+them out: a sync then quantizes the trainer's weights into them.
 """
 
 from __future__ import annotations
@@ -131,44 +134,100 @@ def _linear(in_features: int, out_features: int, bias: bool, dtype, device) -> n
     return layer
 
 
+class Fp8Linear(nn.Module):
+    """A linear layer holding its weight as vLLM holds an FP8 checkpoint's:
+    `weight` (out, in) float8_e4m3fn and its float32 scale, `weight_scale_inv` per
+    128 x 128 block or `weight_scale` per tensor (one per part of a fused layer:
+    `part_rows`, the rows of each) or per channel; the bias (if any) in `dtype`.
+    Forward multiplies by the dequantized weight (q x scale) in the input's dtype:
+    the FP8 values exactly, dequantized at every call (one more pass over the
+    weight a step), not an FP8 GEMM as an inference engine (vLLM) runs."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, granularity: str,
+                 part_rows: tuple[int, ...], dtype, device):
+        super().__init__()
+        from ..ops.fp8 import FP8_DTYPE, GRANULARITIES, scale_shape
+
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"fp8 granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        self.granularity, self.part_rows = granularity, tuple(part_rows)
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device),
+                                   requires_grad=False)
+        shape = ((len(part_rows),) if granularity == "tensor" and len(part_rows) > 1
+                 else scale_shape((out_features, in_features), granularity))
+        scale = nn.Parameter(torch.ones(shape, dtype=torch.float32, device=device), requires_grad=False)
+        self.scale_name = "weight_scale_inv" if granularity == "block" else "weight_scale"
+        self.register_parameter(self.scale_name, scale)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+
+    def dequantized(self, dtype) -> torch.Tensor:
+        from ..ops.fp8 import dequantize_fp8
+
+        scale = getattr(self, self.scale_name)
+        if scale.dim() == 1:  # one scale per fused part: each part's rows as channels
+            rows = torch.tensor(self.part_rows, device=scale.device)
+            scale = scale.repeat_interleave(rows)[:, None]
+        return dequantize_fp8(self.weight, scale, out_dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+
+def _matrix(linear: nn.Module, dtype) -> torch.Tensor:
+    """The weight a linear layer multiplies by, in `dtype` (an FP8 one's dequantized)."""
+    return linear.dequantized(dtype) if isinstance(linear, Fp8Linear) else linear.weight
+
+
+def _projection(in_features: int, out_features: int, bias: bool, fp8: str | None, part_rows: tuple[int, ...],
+                dtype, device) -> nn.Module:
+    if fp8 is None:
+        return _linear(in_features, out_features, bias, dtype, device)
+    return Fp8Linear(in_features, out_features, bias, fp8, part_rows, dtype, device)
+
+
 class _Attention(nn.Module):
-    def __init__(self, d, tp_size: int, dtype, device):
+    def __init__(self, d, tp_size: int, dtype, device, fp8: str | None):
         super().__init__()
         self.num_heads = d.num_heads // tp_size
         self.num_kv_heads = max(1, d.num_kv_heads // tp_size)
         self.head_dim = d.head_dim
         q_rows, kv_rows = self.num_heads * d.head_dim, self.num_kv_heads * d.head_dim
-        self.qkv_proj = _linear(d.hidden, q_rows + 2 * kv_rows, d.qkv_bias, dtype, device)
-        self.o_proj = _linear(q_rows, d.hidden, d.o_bias, dtype, device)
+        self.qkv_proj = _projection(d.hidden, q_rows + 2 * kv_rows, d.qkv_bias, fp8, (q_rows, kv_rows, kv_rows),
+                                    dtype, device)
+        self.o_proj = _projection(q_rows, d.hidden, d.o_bias, fp8, (d.hidden,), dtype, device)
 
 
 class _MLP(nn.Module):
-    def __init__(self, d, tp_size: int, dtype, device):
+    def __init__(self, d, tp_size: int, dtype, device, fp8: str | None):
         super().__init__()
         self.intermediate = d.intermediate // tp_size
-        self.gate_up_proj = _linear(d.hidden, 2 * self.intermediate, d.mlp_bias, dtype, device)
-        self.down_proj = _linear(self.intermediate, d.hidden, d.mlp_bias, dtype, device)
+        self.gate_up_proj = _projection(d.hidden, 2 * self.intermediate, d.mlp_bias, fp8,
+                                        (self.intermediate, self.intermediate), dtype, device)
+        self.down_proj = _projection(self.intermediate, d.hidden, d.mlp_bias, fp8, (d.hidden,), dtype, device)
 
 
 class _Layer(nn.Module):
-    def __init__(self, d, eps: float, tp_size: int, dtype, device):
+    def __init__(self, d, eps: float, tp_size: int, dtype, device, fp8: str | None):
         super().__init__()
-        self.self_attn = _Attention(d, tp_size, dtype, device)
-        self.mlp = _MLP(d, tp_size, dtype, device)
+        self.self_attn = _Attention(d, tp_size, dtype, device, fp8)
+        self.mlp = _MLP(d, tp_size, dtype, device, fp8)
         self.input_layernorm = RMSNorm(d.hidden, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(d.hidden, eps, dtype, device)
 
 
 class LlamaGenerator(nn.Module):
     """See the module docstring. group: the tensor-parallel process group (None with
-    tp_size 1); tp_rank: this process's rank in it."""
+    tp_size 1); tp_rank: this process's rank in it. fp8: None, or the granularity
+    of the FP8 decoder-layer weights (`layout` says the same)."""
 
     def __init__(self, config, tp_size: int = 1, tp_rank: int = 0, *, group=None, dtype=torch.float32,
-                 device="cpu"):
+                 device="cpu", fp8: str | None = None):
         super().__init__()
         if tp_size > 1 and group is None:
             raise ValueError("tp_size > 1 needs a torch.distributed process group")
-        self.layout = vllm_llama_tp(config, tp_size, dtype)  # validates divisibility
+        self.layout = vllm_llama_tp(config, tp_size, dtype, fp8=fp8)  # validates divisibility
         d = self.dims = llama_dims(config)
         self.tp_size, self.tp_rank, self.group = tp_size, tp_rank, group
         self._inv_freq = rope_inv_freq(config, d.head_dim)  # moved to the positions' device on first use
@@ -179,7 +238,7 @@ class LlamaGenerator(nn.Module):
         self.model.embed_tokens = nn.Embedding(vocab_local, d.hidden, dtype=dtype, device=device)
         self.model.embed_tokens.weight.requires_grad_(False)
         nn.init.zeros_(self.model.embed_tokens.weight)
-        self.model.layers = nn.ModuleList(_Layer(d, eps, tp_size, dtype, device) for _ in range(d.num_layers))
+        self.model.layers = nn.ModuleList(_Layer(d, eps, tp_size, dtype, device, fp8) for _ in range(d.num_layers))
         self.model.norm = RMSNorm(d.hidden, eps, dtype, device)
         self.lm_head = None if d.tied else _linear(d.hidden, vocab_local, False, dtype, device)
 
@@ -307,8 +366,8 @@ class LlamaGenerator(nn.Module):
         gate, up = mlp.gate_up_proj(h).split([mlp.intermediate, mlp.intermediate], dim=-1)
         return self._row_parallel(mlp.down_proj, F.silu(gate) * up)
 
-    def _row_parallel(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def _row_parallel(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Partial sums over this rank's input slice, summed across ranks; the
         (replicated) bias added once, after the sum."""
-        out = self._all_reduce(F.linear(x, linear.weight))
+        out = self._all_reduce(F.linear(x, _matrix(linear, x.dtype)))
         return out if linear.bias is None else out + linear.bias

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..ops.fp8 import GRANULARITIES as FP8_GRANULARITIES
 from ..ops.objectives import DEFAULTS, LOSS_TYPES, objective_config
 from .plugins import name_of, spec_of
 
@@ -148,6 +149,9 @@ class TrainConfig:
     trainer_world: int = 1  # data-parallel trainer ranks (FSDP2 fully_shard when > 1)
     generator_tp: int = 1  # tensor-parallel generator ranks
     generator_replicas: int = 1  # data-parallel generator replicas, each generator_tp ranks
+    # Our generator's decoder-layer linear weights in FP8 with scales per "tensor", "channel" or "block" (128 x 128),
+    # quantized by the trainer ranks at each sync (the trainer computes with its own weights); None: in `dtype`
+    generator_fp8: str | None = None
     seed: int = 0
     checkpoint_every: int = 50  # trainer steps between checkpoints (and one at the end)
     timeout_s: float = 60.0  # longest wait for any executor before the run stops with an error
@@ -166,6 +170,12 @@ class TrainConfig:
         if self.generator not in GENERATORS and ":" not in self.generator:
             raise ValueError(f"generator must be one of {GENERATORS} or module:Class of a Generator, got "
                              f"{self.generator!r}")
+        if self.generator_fp8 is not None:
+            if self.generator_fp8 not in FP8_GRANULARITIES:
+                raise ValueError(f"generator_fp8 must be one of {FP8_GRANULARITIES} or None, got {self.generator_fp8!r}")
+            if self.generator != "llama":
+                raise ValueError(f"generator_fp8 quantizes our generator's weights; generator {self.generator!r} holds "
+                                 "its own (start vLLM with its quantization instead)")
         if self.generator_replicas > 1 and self.generator != "llama":
             raise ValueError(f"generator_replicas > 1 runs replicas of our generator; generator {self.generator!r} "
                              "is one replica")

@@ -114,7 +114,7 @@ class Controller:
                                f"--model {config.model}" if config.model else "the built-in model")
         if config.generator == "llama":  # vLLM checks its own tensor-parallel split
             try:
-                vllm_llama_tp(model_config, config.generator_tp, torch.float32)
+                vllm_llama_tp(model_config, config.generator_tp, torch.float32, fp8=config.generator_fp8)
             except ValueError as exc:
                 raise ValueError(f"--generator-tp {config.generator_tp}: {exc}") from None
         self.generator_tp = config.generator_processes  # generator executors per replica

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.llama_generator import LlamaGenerator
-from ..sync import RelayError, StaleReceiveError, SyncError, WeightReceiver, module_layout, vllm_llama_tp
+from ..sync import RelayError, StaleReceiveError, SyncError, WeightReceiver, module_layout
 from .plugins import load
 from .rollout import RolloutEngine, Sample
 
@@ -154,11 +154,12 @@ class LlamaGeneratorBackend(Generator):
                  timeout_s: float,
                  replica: int = 0, num_replicas: int = 1, relay_names: dict[int, str] | None = None, max_batch: int,
                  max_new_tokens: int, segment_tokens: int, temperature: float,
-                 eos_token_id: int | Sequence[int], pad_token_id: int, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+                 eos_token_id: int | Sequence[int], pad_token_id: int, seed: int, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu", fp8: str | None = None):
         self.model = LlamaGenerator(model_config, tp, rank, group=dist.group.WORLD if tp > 1 else None, dtype=dtype,
-                                    device=device)
-        # The trainer's float32 weights are cast to `dtype` on the way in.
-        self.receiver = WeightReceiver(store, vllm_llama_tp(model_config, tp, dtype), rank,
+                                    device=device, fp8=fp8)
+        # The trainer's float32 weights are cast to `dtype` on the way in (quantized to FP8 by the senders, with fp8).
+        self.receiver = WeightReceiver(store, self.model.layout, rank,
                                        dict(self.model.named_parameters()), name=sync_name, timeout=timeout_s,
                                        num_threads=1, replica=replica, num_replicas=num_replicas,
                                        relay_names=relay_names, secret=secret)

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from ..ops.objectives import DEFAULTS, LOSS_TYPES
-from .config import LOSS_NORMALIZERS, LOSS_REDUCTIONS, VLLM_DEFAULTS, TrainConfig
+from .config import FP8_GRANULARITIES, LOSS_NORMALIZERS, LOSS_REDUCTIONS, VLLM_DEFAULTS, TrainConfig
 
 
 
@@ -111,9 +111,13 @@ NAMED_FLAGS = {
     "dtype": (str, "auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16: the generator's weights and the "
                    "trainer's compute (master weights stay float32)"),
     "device": (str, "cpu or cuda: where the trainer and our generator run"),
+    "generator_fp8": (str, "our generator holds its decoder layers' linear weights in FP8, with a scale per tensor, "
+                           "channel or 128 x 128 block, quantized by the trainer ranks at each sync (half the bytes "
+                           "of bf16); it samples with them, the trainer computes with its own weights, and the "
+                           "loss's importance weights see the difference (default: none, weights in --dtype)"),
 }
 # The named options that take one of a few values (argparse lists them and refuses others).
-CHOICES = {"loss_normalizer": LOSS_NORMALIZERS, "loss_reduction": LOSS_REDUCTIONS}
+CHOICES = {"loss_normalizer": LOSS_NORMALIZERS, "loss_reduction": LOSS_REDUCTIONS, "generator_fp8": FP8_GRANULARITIES}
 # The built-in model's sizes and warm-up: a pretrained model (--model) brings its own (and is not warmed up).
 TOY_MODEL_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "warmup_steps",
                    "warmup_batch")
