@@ -5,7 +5,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from helpers import MODEL_CLASSES, small_config
+from helpers import MODEL_CLASSES, poisoned_destination, small_config
 from llamarl_core.models.llama_generator import LlamaGenerator
 from llamarl_core.sync import hf_llama_fsdp, plan_transfer, reference_vllm_tp_shards, vllm_llama_tp
 
@@ -30,20 +30,32 @@ def synced_generator(kind: str, seed: int):
     return config, hf, generator
 
 
-def tp_logits_gap(port: int, rank: int, world: int, kind: str, seed: int) -> float:
-    """Max |logits - HF logits| of this rank's LlamaGenerator (tensor parallel over gloo)."""
+def tp_logits_gap(port: int, rank: int, world: int, kind: str, seed: int, fp8: str | None = None) -> float:
+    """Max |logits - HF logits| of this rank's LlamaGenerator (tensor parallel over
+    gloo); with `fp8`, of its FP8 generator synced from the HF weights against the
+    TP 1 FP8 generator's logits."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         torch.set_num_threads(1)
         config, hf = hf_model(kind, seed)
-        generator = LlamaGenerator(config, world, rank, group=dist.group.WORLD)
-        shard = reference_vllm_tp_shards({n: p.detach() for n, p in hf.named_parameters()}, config, world, torch.float32)[rank]
+        generator = LlamaGenerator(config, world, rank, group=dist.group.WORLD, fp8=fp8)
+        state = {n: p.detach() for n, p in hf.named_parameters()}
+        ids = torch.randint(0, config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
-            for name, param in generator.named_parameters():
-                param.copy_(shard[name])
-            ids = torch.randint(0, config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(seed))
-            expected = hf(ids).logits
+            if fp8 is None:
+                shard = reference_vllm_tp_shards(state, config, world, torch.float32)[rank]
+                for name, param in generator.named_parameters():
+                    param.copy_(shard[name])
+                expected = hf(ids).logits
+            else:
+                source = hf_llama_fsdp(config, 1, torch.float32)
+                plan_transfer(source, generator.layout).execute_local(
+                    {0: state}, {r: dict(generator.named_parameters()) if r == rank else
+                                 poisoned_destination(generator.layout, r) for r in range(world)})
+                single = LlamaGenerator(config, fp8=fp8)
+                plan_transfer(source, single.layout).execute_local({0: state}, {0: dict(single.named_parameters())})
+                expected = single(ids)
             cache = generator.new_cache()
             decoded = torch.cat([generator(ids[:, :8], cache)] + [generator(ids[:, i : i + 1], cache) for i in range(8, 13)], 1)
             return max((generator(ids) - expected).abs().max().item(), (decoded - expected).abs().max().item())

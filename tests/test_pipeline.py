@@ -102,7 +102,8 @@ def test_load_task_errors():
     ({"loss_reduction": "sum"}, r"loss_reduction must be one of \('token_mean', 'sequence_mean'\)"),
     ({"loss_reduction": "sequence_mean", "loss_normalizer": "dr_grpo"}, "'sequence_mean' and a constant normalizer"),
     ({"generator_fp8": "row"}, r"generator_fp8 must be one of \('tensor', 'channel', 'block'\) or None, got 'row'"),
-    ({"generator_fp8": "block", "generator": "vllm"}, "generator_fp8 quantizes our generator's weights; generator 'vllm'"),
+    ({"generator_fp8": "block", "generator": "vllm"}, r"generator_fp8 quantizes our generator's weights \(generator "
+                                                      "'llama'\); not supported with generator 'vllm'"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -450,8 +451,9 @@ def test_fp8_generator_replicas_sample_with_the_weights_the_trainer_quantized(tm
     assert TrainConfig.load(out / "config.json").generator_fp8 == "block"
     metrics = read_metrics(out)
     assert len(metrics) == 12
-    assert all(1e-6 < m["mismatch_kl"] < 1e-2 for m in metrics), [m["mismatch_kl"] for m in metrics]
+    assert all(5e-6 < m["mismatch_kl"] < 1e-2 for m in metrics), [m["mismatch_kl"] for m in metrics]
     print("FP8 block mismatch KL per step:", [f"{m['mismatch_kl']:.1e}" for m in metrics])
+    _assert_both_replicas_generate_and_receive_every_version(out)
 
 
 def test_generator_replicas_sample_with_the_trainers_weights(tmp_path):
@@ -464,6 +466,12 @@ def test_generator_replicas_sample_with_the_trainers_weights(tmp_path):
     metrics = read_metrics(out)
     assert len(metrics) == 12
     assert all(abs(m["mismatch_kl"]) < 1e-5 and abs(m["mean_ratio"] - 1) < 1e-4 for m in metrics), metrics
+    _assert_both_replicas_generate_and_receive_every_version(out)
+
+
+def _assert_both_replicas_generate_and_receive_every_version(out) -> None:
+    """From the run's trace: generator ranks 0 and 1 (two replicas of TP 1) each
+    generated, and each received versions 0-12."""
     spans = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
     names = json.loads((out / "executors.json").read_text())
     assert {k for k in names if k.startswith("generator/")} == {"generator/0", "generator/1"}

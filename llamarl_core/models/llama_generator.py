@@ -139,9 +139,11 @@ class Fp8Linear(nn.Module):
     `weight` (out, in) float8_e4m3fn and its float32 scale, `weight_scale_inv` per
     128 x 128 block or `weight_scale` per tensor (one per part of a fused layer:
     `part_rows`, the rows of each) or per channel; the bias (if any) in `dtype`.
-    Forward multiplies by the dequantized weight (q x scale) in the input's dtype:
-    the FP8 values exactly, dequantized at every call (one more pass over the
-    weight a step), not an FP8 GEMM as an inference engine (vLLM) runs."""
+    Forward multiplies by the dequantized weight: q x scale in float32, rounded to
+    the input's dtype (exact in float32). It is rebuilt at every call, a float32
+    copy of the weight (block scales expanded to its size): decoding is slower
+    than with weights in bf16, not faster; what FP8 saves here is the sync's bytes
+    and the resident weights. An inference engine (vLLM) runs FP8 GEMMs instead."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, granularity: str,
                  part_rows: tuple[int, ...], dtype, device):
@@ -150,26 +152,33 @@ class Fp8Linear(nn.Module):
 
         if granularity not in GRANULARITIES:
             raise ValueError(f"fp8 granularity must be one of {GRANULARITIES}, got {granularity!r}")
-        self.granularity, self.part_rows = granularity, tuple(part_rows)
+        if sum(part_rows) != out_features:
+            raise ValueError(f"part_rows {part_rows} do not add up to the {out_features} output rows")
+        self.granularity = granularity
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device),
                                    requires_grad=False)
-        shape = ((len(part_rows),) if granularity == "tensor" and len(part_rows) > 1
-                 else scale_shape((out_features, in_features), granularity))
+        per_part = granularity == "tensor" and len(part_rows) > 1
+        shape = (len(part_rows),) if per_part else scale_shape((out_features, in_features), granularity)
         scale = nn.Parameter(torch.ones(shape, dtype=torch.float32, device=device), requires_grad=False)
         self.scale_name = "weight_scale_inv" if granularity == "block" else "weight_scale"
         self.register_parameter(self.scale_name, scale)
+        # Each output row's part (per-part scales): indexing with it needs no host sync. Not a
+        # parameter, not saved: the module's parameters are the layout's tensors, nothing more.
+        part_of_row = torch.repeat_interleave(torch.arange(len(part_rows)), torch.tensor(part_rows))
+        self.register_buffer("part_of_row", part_of_row.to(device) if per_part else None, persistent=False)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
 
     def dequantized(self, dtype) -> torch.Tensor:
-        from ..ops.fp8 import dequantize_fp8
+        from ..ops.fp8 import expand_scale
 
         scale = getattr(self, self.scale_name)
-        if scale.dim() == 1:  # one scale per fused part: each part's rows as channels
-            rows = torch.tensor(self.part_rows, device=scale.device)
-            scale = scale.repeat_interleave(rows)[:, None]
-        return dequantize_fp8(self.weight, scale, out_dtype=dtype)
+        if self.part_of_row is not None:
+            scale = scale[self.part_of_row][:, None]  # each part's scale on its rows
+        elif self.granularity == "block":
+            scale = expand_scale(scale, tuple(self.weight.shape), "block")
+        return (self.weight.to(torch.float32) * scale).to(dtype)  # () and (N, 1) broadcast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized(x.dtype), self.bias)

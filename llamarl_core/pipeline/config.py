@@ -174,8 +174,8 @@ class TrainConfig:
             if self.generator_fp8 not in FP8_GRANULARITIES:
                 raise ValueError(f"generator_fp8 must be one of {FP8_GRANULARITIES} or None, got {self.generator_fp8!r}")
             if self.generator != "llama":
-                raise ValueError(f"generator_fp8 quantizes our generator's weights; generator {self.generator!r} holds "
-                                 "its own (start vLLM with its quantization instead)")
+                raise ValueError(f"generator_fp8 quantizes our generator's weights (generator 'llama'); not supported "
+                                 f"with generator {self.generator!r}")
         if self.generator_replicas > 1 and self.generator != "llama":
             raise ValueError(f"generator_replicas > 1 runs replicas of our generator; generator {self.generator!r} "
                              "is one replica")
