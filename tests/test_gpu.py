@@ -31,6 +31,43 @@ def test_execute_local_on_gpu_equals_reference(src_dtype):
         assert mismatches(ref[r], {n: t.cpu() for n, t in dst[r].items()}) == []
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_fp8_generator_synced_on_gpu_equals_cpu_and_dequantizes_without_host_syncs(granularity):
+    """LlamaGenerator(fp8=) on the GPU, filled by a sync planned and run there (the
+    grouped FP8 Triton kernels): its FP8 weights and scales equal, bit for bit,
+    those the CPU's torch path gives; its logits (float32) the CPU generator's
+    within 1e-4; and dequantizing a layer never waits for the host (per-part
+    scales included)."""
+    from llamarl_core.models.llama_generator import Fp8Linear, LlamaGenerator
+
+    config = small_config("llama_gqa_bias")
+    state = reference_fsdp_shards(hf_state_dict(config, 13), 1, torch.float32)[0]
+    source = hf_llama_fsdp(config, 1, torch.float32)
+    models = {}
+    for device in ("cpu", "cuda"):
+        generator = LlamaGenerator(config, fp8=granularity, device=device)
+        plan_transfer(source, generator.layout).execute_local({0: {n: t.to(device) for n, t in state.items()}},
+                                                              {0: dict(generator.named_parameters())})
+        models[device] = generator
+    on_gpu = dict(models["cuda"].named_parameters())
+    for name, t in models["cpu"].named_parameters():
+        got = on_gpu[name].cpu()
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t), name
+    ids = torch.randint(0, config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        gap = (models["cuda"](ids.cuda()).cpu() - models["cpu"](ids)).abs().max().item()
+        layers = [m for m in models["cuda"].modules() if isinstance(m, Fp8Linear)]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for layer in layers:
+                layer.dequantized(torch.bfloat16)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert gap <= 1e-4, gap
+
+
 def test_cast_kernel_matches_torch_bitwise_on_strided_rows():
     src = torch.randn(300, 257, device="cuda") * 1e3
     dst = torch.full((300, 300), float("nan"), dtype=torch.bfloat16, device="cuda")
