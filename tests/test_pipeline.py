@@ -103,7 +103,7 @@ def test_load_task_errors():
     ({"loss_reduction": "sequence_mean", "loss_normalizer": "dr_grpo"}, "'sequence_mean' and a constant normalizer"),
     ({"generator_fp8": "row"}, r"generator_fp8 must be one of \('tensor', 'channel', 'block'\) or None, got 'row'"),
     ({"generator_fp8": "block", "generator": "vllm"}, r"generator_fp8 quantizes our generator's weights \(generator "
-                                                      "'llama'\); not supported with generator 'vllm'"),
+                                                      r"'llama'\); not supported with generator 'vllm'"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
