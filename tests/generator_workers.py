@@ -21,11 +21,12 @@ def hf_model(kind: str, seed: int):
     return config, model
 
 
-def synced_generator(kind: str, seed: int):
-    """(config, HF model, LlamaGenerator holding the HF weights after a TP-1 sync)."""
+def synced_generator(kind: str, seed: int, fp8: str | None = None):
+    """(config, HF model, LlamaGenerator holding the HF weights after a TP-1 sync;
+    with `fp8`, its decoder layers' weights quantized so by the sync)."""
     config, hf = hf_model(kind, seed)
-    generator = LlamaGenerator(config)
-    plan = plan_transfer(hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.float32))
+    generator = LlamaGenerator(config, fp8=fp8)
+    plan = plan_transfer(hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.float32, fp8=fp8))
     plan.execute_local({0: {n: p.detach() for n, p in hf.named_parameters()}}, {0: dict(generator.named_parameters())})
     return config, hf, generator
 
@@ -49,13 +50,10 @@ def tp_logits_gap(port: int, rank: int, world: int, kind: str, seed: int, fp8: s
                     param.copy_(shard[name])
                 expected = hf(ids).logits
             else:
-                source = hf_llama_fsdp(config, 1, torch.float32)
-                plan_transfer(source, generator.layout).execute_local(
+                plan_transfer(hf_llama_fsdp(config, 1, torch.float32), generator.layout).execute_local(
                     {0: state}, {r: dict(generator.named_parameters()) if r == rank else
                                  poisoned_destination(generator.layout, r) for r in range(world)})
-                single = LlamaGenerator(config, fp8=fp8)
-                plan_transfer(source, single.layout).execute_local({0: state}, {0: dict(single.named_parameters())})
-                expected = single(ids)
+                expected = synced_generator(kind, seed, fp8)[2](ids)
             cache = generator.new_cache()
             decoded = torch.cat([generator(ids[:, :8], cache)] + [generator(ids[:, i : i + 1], cache) for i in range(8, 13)], 1)
             return max((generator(ids) - expected).abs().max().item(), (decoded - expected).abs().max().item())

@@ -37,16 +37,12 @@ def test_fp8_generator_computes_with_the_weights_its_sync_quantized(granularity)
     with its KV cache gives them again; the FP8 rounding moves them off
     transformers' by less than 0.25."""
     from llamarl_core.ops.fp8 import expand_scale
-    from llamarl_core.sync import plan_transfer
     from llamarl_core.sync.reference import reference_vllm_fp8_shards, reference_vllm_tp_shards
 
-    config, hf = workers.hf_model("llama_gqa_bias", 7)
+    config, hf, generator = workers.synced_generator("llama_gqa_bias", 7, granularity)
     layout = vllm_llama_tp(config, 1, torch.float32, fp8=granularity)
-    generator = LlamaGenerator(config, fp8=granularity)
     assert {n: (tuple(p.shape), p.dtype) for n, p in generator.named_parameters()} == layout.local_tensor_specs(0)
     state = {n: p.detach() for n, p in hf.named_parameters()}
-    plan_transfer(hf_llama_fsdp(config, 1, torch.float32), layout).execute_local({0: state},
-                                                                                 {0: dict(generator.named_parameters())})
     quantized = reference_vllm_fp8_shards(state, config, 1, granularity, torch.float32)[0]
     params = dict(generator.named_parameters())
     assert all(torch.equal(params[n].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else params[n],

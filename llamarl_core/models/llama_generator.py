@@ -164,21 +164,20 @@ class Fp8Linear(nn.Module):
         self.register_parameter(self.scale_name, scale)
         # Each output row's part (per-part scales): indexing with it needs no host sync. Not a
         # parameter, not saved: the module's parameters are the layout's tensors, nothing more.
-        part_of_row = torch.repeat_interleave(torch.arange(len(part_rows)), torch.tensor(part_rows))
-        self.register_buffer("part_of_row", part_of_row.to(device) if per_part else None, persistent=False)
+        part_of_row = (torch.repeat_interleave(torch.arange(len(part_rows)), torch.tensor(part_rows)).to(device)
+                       if per_part else None)
+        self.register_buffer("part_of_row", part_of_row, persistent=False)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
 
     def dequantized(self, dtype) -> torch.Tensor:
-        from ..ops.fp8 import expand_scale
+        from ..ops.fp8 import dequantize_fp8
 
         scale = getattr(self, self.scale_name)
         if self.part_of_row is not None:
-            scale = scale[self.part_of_row][:, None]  # each part's scale on its rows
-        elif self.granularity == "block":
-            scale = expand_scale(scale, tuple(self.weight.shape), "block")
-        return (self.weight.to(torch.float32) * scale).to(dtype)  # () and (N, 1) broadcast
+            scale = scale[self.part_of_row][:, None]  # each part's scale on its rows: per channel
+        return dequantize_fp8(self.weight, scale, out_dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized(x.dtype), self.bias)
