@@ -463,7 +463,8 @@ def test_a_ticket_taken_and_never_opened_does_not_stall_later_syncs(store):
     """A receive whose ticket was taken but never opened (its Store request to open
     it failed; a receiver killed between the two requests, then registered again
     under its name) costs the sender at most one poll of the receiver's counter:
-    the next versions land, each well inside its timeout."""
+    the next versions land, each well inside its timeout, the one after the
+    receiver registered again in that receiver's new memory (the sender maps it)."""
     sender, receiver, params, expected = _threaded_pair(store, "unopened", "shm")
     nbytes, landed = in_threads(lambda: sender.send(1, timeout=10), lambda: receiver.receive(timeout=10))
     assert landed == 1 and nbytes > 0
@@ -489,6 +490,8 @@ def test_a_ticket_taken_and_never_opened_does_not_stall_later_syncs(store):
     config = small_config("llama_gqa_bias")
     again = WeightReceiver(store_client(store), vllm_llama_tp(config, 1, torch.bfloat16), 0, params, name="unopened",
                            transport="shm", timeout=30)
+    for t in again.tensors.values():  # its own new memory, which the sender must now write
+        t.zero_()
     start = time.monotonic()
     assert in_threads(lambda: sender.send(4, timeout=8), lambda: again.receive(timeout=8))[1] == 4
     assert time.monotonic() - start < 4

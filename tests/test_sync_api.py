@@ -183,7 +183,7 @@ def test_close_stops_a_send_in_flight_and_the_receiver_hears_of_it(store):
     _poll(lambda: receiver.pending() == 1)
     start = time.monotonic()
     sender.close(timeout=10)
-    assert time.monotonic() - start < 2.5 and handle.done() and sender._opened == []
+    assert time.monotonic() - start < 2.5 and handle.done() and sender._opened == {}
     error = handle.exception()
     assert isinstance(error, SyncError) and "sender rank 0: closed while sending version 1" in str(error)
     with pytest.raises(SyncError, match="sender rank 0 failed: SyncError: sender rank 0: closed while sending"):
@@ -337,6 +337,36 @@ def test_abort_reaches_the_receive_whatever_the_order(store):
         assert receiver.receive(timeout=10) == v, (kind, at)
         assert handle.wait(timeout=10) > 0, (kind, at)
     sender.close()
+    receiver.close()
+
+
+def test_a_sender_failing_after_it_served_does_not_fail_the_receive_the_others_finish(store):
+    """Two senders write one receiver: sender 0 serves the version, then aborts (its
+    trainer failed after the send) while sender 1 is still a second away. The
+    receive waits for sender 1 and lands the version whole: sender 0's failure
+    rings the receiver's board, but it answered its own slot already."""
+    (first, second), receiver = _pair(store, "served-then-failed", fsdp=2)
+    await_ticket = second._await_ticket
+
+    def late(*args, **kwargs):
+        time.sleep(1.0)
+        return await_ticket(*args, **kwargs)
+
+    second._await_ticket = late
+
+    def send_then_abort():
+        written = first.send(1, timeout=20)
+        first.abort("the trainer failed after its send")
+        return written
+
+    received, written, _ = in_threads(lambda: receiver.receive(timeout=20), send_then_abort,
+                                      lambda: second.send(1, timeout=20))
+    assert received == 1 and written > 0, received
+    assert mismatches(_expected(1, 0, 1), receiver.weights()) == []
+    with pytest.raises(SyncError, match="the trainer failed after its send"):
+        receiver.pending()  # the report stands until sender 0 sends again
+    for sender in (first, second):
+        sender.close()
     receiver.close()
 
 

@@ -13,7 +13,12 @@ counters are plain integers (a forged count is only a hint to look again):
     src/<s>/info, dst/<d>/info                        every rank: device_info + transport
     src/<s>/relay_buckets                             a relay's buckets (None: the plan's)
     src/<s>/incarnation, dst/<d>/incarnation          counters: registrations under this name
-    dst/<d>/handle                                    receiver d's memory handle (shm, CUDA IPC)
+    dst/<d>/handle                                    receiver d's memory handle (shm, CUDA IPC),
+                                                      with its incarnation
+    dst/reregistered                                  counter: receivers registered again, each
+                                                      counted once its handle is published
+    dst/<d>/board                                     receiver d's ticket board (board.py), set before
+                                                      the handle: the same hand-shake in shared memory
     dst/<d>/ticket                                    counter: the last ticket receiver d took
     dst/<d>/open/<t>                                  ticket t opened: the version asked for
                                                       (or null); "closed" once over; "abandoned"
@@ -44,9 +49,19 @@ A sender that fails (its set-up or a send raises, or `abort`) publishes its erro
 (`SenderReports.fail`) before it re-raises: the error, the count of failures, then
 a "failed" answer in every slot of the open ticket of each receiver it has not
 served, which ends that receiver's wait at once. A receiver reads the count (one
-request) before it opens a ticket and again after: a failure reported before the
-second read is seen there, one reported after it finds the ticket open and answers
-it. Set-up waits poll the count instead (`Channel.wait` with `failure`).
+request) before it opens a ticket; a failure reported after that read rings the
+receiver's ticket board (board.py) or, from a sender that has not mapped it yet,
+moves the count, which the receiver looks at every FAILURE_POLL_S while it waits:
+either way it then reads the answers from the Store, where the failed sender
+answered every slot if it found the ticket open, and raises the failure
+(weights torn) if none came within FAILURE_POLL_S. Set-up waits poll the count
+instead (`Channel.wait` with `failure`).
+
+Between a receiver and the senders of its host (shared memory, CUDA IPC) the two
+waits of a version, for the ticket to open and for the answers, sleep on the
+receiver's ticket board instead of the Store; the keys above are written all the
+same, before the board shows them, and are read whenever the board does not
+show what a waiter needs (board.py).
 """
 
 from __future__ import annotations
@@ -69,6 +84,9 @@ ABANDONED = "abandoned"
 # sender waiting for the ticket after the one it served last sees it there.
 CLOSED = "closed"
 FAILURES = f"{SRC}/failures"
+# Counter: receivers that registered again under the sync's name (a restarted rank), each
+# once its memory handle is published; a sender reads it at every send.
+REREGISTERED = f"{DST}/reregistered"
 # The longest pause between two polls of a wait that watches for failures: a failure
 # is seen within this of its report. Every poll is a request to the Store (a check of
 # the keys, a read of the failure count), so a wait that lasts polls about 8 times a second.
@@ -102,11 +120,16 @@ class Channel:
                             "secret (forged, or written by a rank given another secret); nothing is planned on it")
         return None if body is None else json.loads(body)
 
+    def lookup(self, key: str) -> tuple[bool, object]:
+        """(True, value) when the key holds a genuine value (JSON null included),
+        else (False, None), without waiting."""
+        body = self.store.read(key)[1]
+        return (False, None) if body is None else (True, json.loads(body))
+
     def genuine(self, key: str):
         """The key's value, None if it was never set or holds a value that does not
         verify (a report or marker a stranger forged is as good as none), without waiting."""
-        body = self.store.read(key)[1]
-        return None if body is None else json.loads(body)
+        return self.lookup(key)[1]
 
     def counter(self, key: str, delta: int = 0) -> int:
         return self.store.add(key, delta)
@@ -246,6 +269,7 @@ class SenderWatch:
     def __init__(self, channel: Channel, rank: int):
         self.channel, self.rank = channel, rank
         self._seen = 0  # the failure count when no sender watched had a failure standing
+        self._read = 0  # the failure count `failure` read last
         self.offer_counts: dict[int, int] = {}  # sender -> the count of its latest offer `offered` read
         # The counter's key made now (reading it creates it), whichever waits ask it later: a
         # sync's keys in the Store are the same whatever path its receives take.
@@ -255,7 +279,7 @@ class SenderWatch:
         """"sender rank s failed: <its error>" for the first of `senders` whose failure
         stands, else None. One request while no failure was reported since the last
         call that found none; then one more per sender."""
-        count = self.channel.counter(FAILURES)
+        count = self._read = self.channel.counter(FAILURES)
         if count == self._seen:
             return None
         for src in senders:
@@ -264,6 +288,10 @@ class SenderWatch:
                 return report
         self._seen = count
         return None
+
+    def reported_since(self) -> bool:
+        """Whether a failure was reported (by any sender) since `failure` last looked: one request."""
+        return self.channel.counter(FAILURES) != self._read
 
     def report(self, src: int) -> str | None:
         """"sender rank s failed: <its error>" if sender `src`'s failure stands, else

@@ -15,9 +15,11 @@ import torch.distributed as dist
 from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, packed
 from .engine import prepared_table, run_segment_table, segment_table, storage_key, wait_for_queued_work
 from .errors import RelayError, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
+from .board import TicketBoard
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES, check_replicas, relay_tree
-from .protocol import CLOSED, DST, Channel, SenderWatch, done_key, relay_name, ticket_closed
+from .protocol import (CLOSED, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderWatch, done_key, relay_name,
+                       ticket_closed)
 from .relay import Forwarding
 from .sender import NOTHING_FOLLOWS, WeightSender
 from .transports import CUDA_IPC, P2P, SHM, cuda_ipc_handle, rehome_into_shared_memory, shm_handle
@@ -126,6 +128,7 @@ class WeightReceiver(Endpoint):
         self.torn = False
         self.senders = self.plan.senders_of(self.rank)
         self._local_senders = [src for src in self.senders if self.transports[(src, self.rank)] != P2P]
+        self._board: TicketBoard | None = None  # see below
         # The last ticket this rank took (a restarted rank goes on from its predecessor's,
         # and closes it: a predecessor killed in a receive left it open, or never opened it).
         self._ticket = self.channel.counter(f"{DST}/{self.rank}/ticket")
@@ -136,15 +139,29 @@ class WeightReceiver(Endpoint):
         # writes through memory (its offers are withdrawn).
         self._taken: dict[int, int | None] = {src: None if src in self._local_senders else 0 for src in self.senders}
         local_transports = {self.transports[(src, self.rank)] for src in self._local_senders}
+        handle = None
         if SHM in local_transports:
             # The region stays mapped for as long as the tensors viewing it live.
             region, offsets = rehome_into_shared_memory(self.tensors, f"receiver rank {self.rank}")
-            self.channel.set(f"{DST}/{self.rank}/handle", shm_handle(region, offsets))
+            handle = shm_handle(region, offsets)
         elif CUDA_IPC in local_transports:
             # Senders in this process write to the addresses; the others need IPC handles.
             me = self._dst_infos[self.rank]["process"]
             remote = any(self._src_infos[src]["process"] != me for src in self._local_senders)
-            self.channel.set(f"{DST}/{self.rank}/handle", cuda_ipc_handle(self.tensors, self.device, remote))
+            handle = cuda_ipc_handle(self.tensors, self.device, remote)
+        if handle is not None:
+            # The hand-shake with the senders of this host in shared memory too (board.py),
+            # published before the memory handle they wait for, every ticket taken so far
+            # closed on it. Without one (no room in /dev/shm) the Store carries it all.
+            self._board = TicketBoard.create_or_warn(self.plan.src_layout.world_size, f"receiver rank {self.rank}")
+            if self._board is not None:
+                self._board.close_ticket(self._ticket)
+                self.channel.set(f"{DST}/{self.rank}/board", self._board.handle() | {"incarnation": self._incarnation})
+            # Senders compare the incarnation with the receiver's counter at every send: one
+            # that mapped a predecessor registered under this name maps this one instead.
+            self.channel.set(f"{DST}/{self.rank}/handle", handle | {"incarnation": self._incarnation})
+            if self._incarnation > 1:
+                self.channel.counter(REREGISTERED, 1)  # after the handle: a sender that sees it finds this one
         self._staging_bufs = self._staging([self.plan.buckets[(src, self.rank)] for src in self._p2p_peers])
         self._unpack: dict[int, list] = {}
         for src in self._p2p_peers:
@@ -178,11 +195,16 @@ class WeightReceiver(Endpoint):
         failure = self.watch.failure(self.senders)
         if failure is not None:
             raise SyncError(f"receiver rank {self.rank}: {failure}")
-        return self.watch.offered(self._taken)
+        taken = dict(self._taken)
+        if self._board is not None:
+            # An offer that served this rank already is not new, whether or not the Store
+            # has seen its withdrawal yet (the board's answer can come before it).
+            taken |= {src: self._board.served_offer(src) for src in self._local_senders}
+        return self.watch.offered(taken)
 
-    def _raise_if_senders_failed(self, ticket_open: bool) -> None:
-        """SyncError for a failure reported by one of this rank's senders (with the
-        ticket open, senders may have written: the weights count as torn). Asked only
+    def _raise_if_senders_failed(self) -> None:
+        """SyncError for a failure reported by one of this rank's senders, before a
+        ticket is opened (nothing written). Asked only
         where a sender writes over shared memory or CUDA IPC (the ticket talks to the
         Store anyway): a receiver fed only point to point (its senders on other hosts)
         keeps to the process group and its timeout within receive(), since a Store
@@ -192,7 +214,7 @@ class WeightReceiver(Endpoint):
             return
         failure = self.watch.failure(self.senders)
         if failure is not None:
-            raise SyncError(f"receiver rank {self.rank}: {failure}; " + _outcome(ticket_open, self.torn))
+            raise SyncError(f"receiver rank {self.rank}: {failure}; " + _outcome(False, self.torn))
 
     def _relay_sender(self, store: dist.Store, name: str) -> WeightSender:
         return WeightSender(store, self.layout, self.rank, self.tensors, name=name, timeout=self.timeout,
@@ -321,7 +343,10 @@ class WeightReceiver(Endpoint):
 
     def _receive(self, deadline: float, expect: int | None, forwarding: Forwarding) -> int:
         self._check_storage()
-        self._raise_if_senders_failed(False)  # before anything is asked for: the weights stay as they are
+        # Read before the check below: a failure reported after that check rings the board
+        # (a sender that mapped it), or moves the Store's count (one that has not yet).
+        rings = self._board.rings() if self._board is not None else 0
+        self._raise_if_senders_failed()  # before anything is asked for: the weights stay as they are
         if not self._local_senders:
             # The unpack copies run on a stream that waits for the current one: the GPU orders them.
             return self._complete(self._receive_p2p(deadline, forwarding))
@@ -341,12 +366,13 @@ class WeightReceiver(Endpoint):
             self.channel.set_counter(f"{key}/ticket", ticket)
             self.torn = True  # from here on senders may be writing into the tensors
             self.channel.set(f"{key}/open/{ticket}", expect)
-            # A failure reported since the check above: seen here, or (reported after this
-            # read) its sender finds the ticket open and answers it (SenderReports.fail).
-            self._raise_if_senders_failed(True)
+            if self._board is not None:
+                self._board.open_ticket(ticket, expect)  # after the Store: the board never runs ahead of it
             self._forget_tickets_before(ticket)
             versions = self._receive_p2p(deadline, forwarding)  # senders on other hosts, meanwhile
-            answers = self.channel.get_all(done, deadline, f"senders to finish (receiver {self.rank}, ticket {ticket})")
+            answers = None if self._board is None else self._served_on_board(ticket, list(done), rings, deadline)
+            if answers is None:
+                answers = self._answers_in_store(done, ticket, deadline)
         finally:
             self._close_ticket(ticket)
         failed = [answer for answer in answers if isinstance(answer, dict) and "failed" in answer]
@@ -372,8 +398,52 @@ class WeightReceiver(Endpoint):
             raise SyncError(f"{message}; weights torn")
         return self._complete(versions | set(answers))
 
+    def _served_on_board(self, ticket: int, done: list[str], rings: int, deadline: float) -> list[int] | None:
+        """The versions the senders of this host wrote for `ticket`, as the board shows
+        them once every one has; None (the answers are then read from the Store) as
+        soon as a sender rang the board since `rings` was read (an answer that is not
+        a version, a failure), or `deadline` passed (the Store's wait names who never
+        answered). Every FAILURE_POLL_S the Store is looked at too, for what a sender
+        could not ring: the failure count (a sender that failed before it mapped the
+        board) and the answers (`done`: a sender holding the board of this rank's
+        predecessor under the same name)."""
+        board = self._board
+        while True:
+            found = board.wait_until(lambda: board.served(ticket, self._local_senders) or
+                                     (None if board.rings() == rings else False),
+                                     min(deadline, time.monotonic() + FAILURE_POLL_S))
+            if found:
+                return found
+            if (found is False or time.monotonic() >= deadline or self.watch.reported_since()
+                    or all(map(self.channel.has, done))):
+                return None
+
+    def _answers_in_store(self, done: dict[str, str], ticket: int, deadline: float) -> list:
+        """The senders' answers to `ticket` (`done`: their keys, in the order of
+        `_local_senders`), read from the Store (the board did not show them all). A
+        sender whose failure stands answers every slot left if it found the ticket
+        open (SenderReports.fail), its own among them; one that found it not open
+        yet (it failed before the receive opened it) answers none: raised once
+        FAILURE_POLL_S has passed with its own slot empty, the weights counted torn.
+        A sender that failed after serving this ticket changes nothing here."""
+        what = f"senders to finish (receiver {self.rank}, ticket {ticket})"
+        slots = dict(zip(self._local_senders, done))
+        silent = [] if self.watch.failure(self.senders) is None else [  # one request while none was reported
+            src for src in self._local_senders if not self.channel.has(slots[src]) and self.watch.report(src)]
+        if silent:
+            try:
+                self.channel.wait({slots[src]: f"sender rank {src}" for src in silent},
+                                  min(deadline, time.monotonic() + FAILURE_POLL_S), what)
+            except SyncTimeoutError:
+                report = self.watch.report(silent[0]) or f"sender rank {silent[0]} failed"
+                raise SyncError(f"receiver rank {self.rank}: {report}; " + _outcome(True, self.torn)) from None
+        return self.channel.get_all(done, deadline, what)
+
     def _close_ticket(self, ticket: int) -> None:
-        """No sender may serve `ticket` from now on: CLOSED over its `open` value."""
+        """No sender may serve `ticket` from now on: CLOSED over its `open` value (on
+        the board first: a sender serves what the board shows open)."""
+        if self._board is not None:
+            self._board.close_ticket(ticket)
         self.channel.set(f"{DST}/{self.rank}/open/{ticket}", CLOSED)
 
     def _forget_tickets_before(self, ticket: int) -> None:

@@ -20,9 +20,11 @@ from .engine import check_local_tensors, prepared_table, run_segment_table, segm
 from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
 from .amax import AmaxExchange
+from .board import MOVED, NOT_YET, TicketBoard
 from .fp8 import Fp8Sources
 from .plan import DEFAULT_BUCKET_BYTES, source_address
-from .protocol import ABANDONED, CLOSED, DST, Channel, SenderReports, done_key, ticket_closed
+from .protocol import (ABANDONED, CLOSED, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderReports, done_key,
+                       ticket_closed)
 from .transports import P2P, SHM, OpenedCudaHandles, open_shm_handle
 
 # How long a sender waits for a ticket to open before it reads the receiver's counter
@@ -132,7 +134,10 @@ class WeightSender(Endpoint):
         self._wrote: set[int] = set()  # receivers on this host the running send may have written to
         self._unfinished_headers: dict[int, list] = {}  # receiver -> [(work, header, what)] of "nothing follows"
         self._local_receivers: list[int] = []
-        self._opened: list = []
+        # Receiver on this host -> its ticket board (board.py): never unmapped before this object
+        # goes (one page each), so that no thread's abort() can ring an unmapped board.
+        self._boards: dict[int, TicketBoard] = {}
+        self._opened: dict[int, object] = {}  # receiver on this host -> its memory, mapped (closed by close())
         self._state = threading.Condition()  # guards _sending, _stop and _closed
         self._sending: int | None = None  # the version of the send running now
         self._stop: str | None = None  # why the running send must stop (close, abort)
@@ -153,7 +158,7 @@ class WeightSender(Endpoint):
             self._connect()
         except BaseException as exc:
             self._report_raised(exc)
-            for opened in self._opened:
+            for opened in self._opened.values():
                 opened.close()
             raise
 
@@ -179,42 +184,94 @@ class WeightSender(Endpoint):
             # this rank gives them says it wrote, until it has served them whole.
             self._maybe_written = {dst for dst in local if len(self.plan.senders_of(dst)) == 1}
         self._dst_addresses: dict[int, dict[str, int]] = {}
+        self._dst_incarnations: dict[int, int] = {}  # receiver -> the incarnation whose memory is mapped
+        self._reregistered = self.channel.counter(REREGISTERED)  # before any handle is read
         deadline = time.monotonic() + self.timeout
         for dst in self._local_receivers:
-            key = f"{DST}/{dst}/handle"
-            self.channel.wait({key: f"receiver rank {dst}"}, deadline, f"receiver {dst}'s memory handle")
-            handle = self.channel.get(key)
-            if self.transports[(self.rank, dst)] == SHM:
-                region, addresses = open_shm_handle(handle)
-                self._opened.append(region)
-            else:
-                opened = OpenedCudaHandles(handle, self.device)
-                self._opened.append(opened)
-                addresses = opened.addresses
-            self._dst_addresses[dst] = addresses
+            self._map_receiver(dst, deadline)
         self._staging_bufs = self._staging([self.plan.buckets[(self.rank, d)] for d in self._p2p_peers])
         self._build_tables()
+
+    def _map_receiver(self, dst: int, deadline: float, incarnation: int = 0) -> None:
+        """Map the memory of receiver `dst` (of `incarnation` or a later one: its handle
+        is waited for until `deadline`) and its ticket board, in place of any mapped before."""
+        key, what = f"{DST}/{dst}/handle", f"receiver {dst}'s memory handle"
+        while True:
+            self.channel.wait({key: f"receiver rank {dst}"}, deadline, what)
+            handle = self.channel.get(key)
+            if handle.get("incarnation", 0) >= incarnation:
+                break
+            if time.monotonic() >= deadline:
+                raise SyncTimeoutError(f"sender rank {self.rank}: timed out waiting for receiver {dst}, registered "
+                                       f"again (incarnation {incarnation}), to publish its memory handle")
+            time.sleep(FAILURE_POLL_S)  # it registers within a few Store requests of its incarnation
+        previous = self._opened.pop(dst, None)
+        if previous is not None:
+            previous.close()
+        if self.transports[(self.rank, dst)] == SHM:
+            self._opened[dst], self._dst_addresses[dst] = open_shm_handle(handle)
+        else:
+            opened = self._opened[dst] = OpenedCudaHandles(handle, self.device)
+            self._dst_addresses[dst] = opened.addresses
+        self._dst_incarnations[dst] = handle.get("incarnation", 0)
+        self._boards.pop(dst, None)
+        board = self.channel.get_if_set(f"{DST}/{dst}/board")  # set before the handle, when there is one
+        if board is not None and board.get("incarnation") == self._dst_incarnations[dst]:
+            opened_board = TicketBoard.open_or_warn(board, self.plan.src_layout.world_size, f"sender rank {self.rank}")
+            if opened_board is not None:
+                self._boards[dst] = opened_board
+                if self._incarnation > 1:
+                    opened_board.forget_offers(self.rank)  # this rank's sends are counted from 1 again
+
+    def _follow_reregistered(self, deadline: float) -> None:
+        """Receivers on this host that registered again under this sync's name since
+        this rank mapped them (a restarted generator rank, with new memory and a new
+        board): mapped anew and their tables rebuilt, before this send offers
+        anything. One Store request while none did. A receiver registered again on
+        another host or device cannot be followed: SyncError."""
+        count = self.channel.counter(REREGISTERED) if self._local_receivers else self._reregistered
+        if count == self._reregistered:
+            return
+        for dst in self._local_receivers:
+            incarnation = self.channel.counter(f"{DST}/{dst}/incarnation")
+            if incarnation == self._dst_incarnations[dst]:
+                continue
+            info = self.channel.get(f"{DST}/{dst}/info")
+            now = {k: info.get(k) for k in ("host", "device", "uuid")}
+            then = {k: self._dst_infos[dst].get(k) for k in ("host", "device", "uuid")}
+            if now != then:
+                raise SyncError(f"sender rank {self.rank}: receiver {dst} registered again on another host or "
+                                f"device ({then} -> {now}); register every sender and receiver again under a new name")
+            self._dst_infos[dst] = info
+            self._map_receiver(dst, deadline, incarnation)
+            self._tables[dst] = self._local_tables(dst)
+        self._reregistered = count
+
+    def _source_address(self, seg) -> int:
+        return source_address(seg, self.tensors, self.fp8)
+
+    def _local_tables(self, dst: int) -> list:
+        """The copy tables of receiver `dst` on this host, into its mapped memory."""
+        addresses = self._dst_addresses[dst]
+        tables = [segment_table(b, self._source_address, lambda seg: addresses[seg.dst_name])
+                  for b in self.plan.buckets[(self.rank, dst)]]
+        if self.device.type == "cuda":
+            # One launch of the copy kernel for all of them (a bucket is a unit of the
+            # host engine's work): uploaded once, run at every send.
+            tables = [prepared_table(np.concatenate(tables), self.device)] if tables else []
+        return tables
 
     def _build_tables(self) -> None:
         self._src_keys = {name: storage_key(t) for name, t in self.tensors.items()}
         if self.fp8 is not None:
             self.fp8.bind(self.tensors)
-        src_base = lambda seg: source_address(seg, self.tensors, self.fp8)  # noqa: E731
-        self._tables: dict[int, list] = {}
-        for dst in self._local_receivers:
-            addresses = self._dst_addresses[dst]
-            tables = [segment_table(b, src_base, lambda seg: addresses[seg.dst_name])
-                      for b in self.plan.buckets[(self.rank, dst)]]
-            if self.device.type == "cuda":
-                # One launch of the copy kernel for all of them (a bucket is a unit of the
-                # host engine's work): uploaded once, run at every send.
-                tables = [prepared_table(np.concatenate(tables), self.device)] if tables else []
-            self._tables[dst] = tables
+        self._tables: dict[int, list] = {dst: self._local_tables(dst) for dst in self._local_receivers}
         for dst in self._p2p_peers:
             self._tables[dst] = []
             for i, bucket in enumerate(self.plan.buckets[(self.rank, dst)]):
                 staging = self._staging_bufs[i % 2].data_ptr()
-                table = prepared_table(segment_table(packed(bucket)[0], src_base, lambda seg: staging), self.device)
+                table = prepared_table(segment_table(packed(bucket)[0], self._source_address, lambda seg: staging),
+                                       self.device)
                 self._tables[dst].append((table, sum(seg.nbytes for seg in bucket)))
 
     def _receiver_gone(self, dst: int) -> SyncError:
@@ -223,7 +280,9 @@ class WeightSender(Endpoint):
     def _await_ticket(self, dst: int, deadline: float) -> tuple[int, int | None]:
         """(ticket, version asked for) of receiver `dst`'s open receive() that this
         sender has not served. Raises SyncError at once if the receivers were abandoned
-        (abandon_receivers), within TICKET_POLL_S if this send is stopped. Receivers
+        (abandon_receivers; within FAILURE_POLL_S where the receiver has a ticket
+        board, which is watched instead of the Store), within TICKET_POLL_S if this
+        send is stopped (at once on a board). Receivers
         take tickets one after the other, so the one after the ticket served last is
         usually the next to open: its `open` key is waited for without reading the
         counter first. When a candidate is closed unserved (a receive that timed
@@ -233,23 +292,65 @@ class WeightSender(Endpoint):
         last = self._served.get(dst, 0)
         candidate = last + 1
         what = f"receiver {dst} to ask for a version"
+        board = self._boards.get(dst)
         while True:
             self._check_stop()
-            try:
-                poll = min(deadline, time.monotonic() + TICKET_POLL_S)
-                key = f"{DST}/{dst}/open/{candidate}"
-                wanted = self.channel.get_all({key: f"receiver rank {dst}"}, poll, what)[0]
-            except SyncTimeoutError:
-                if time.monotonic() >= deadline:
-                    raise
-                wanted = CLOSED  # not opened yet: look again below
+            if board is not None:
+                wanted = self._board_ticket(board, dst, candidate, deadline)
+                if isinstance(wanted, tuple):
+                    return candidate, wanted[0]
+            else:
+                try:
+                    poll = min(deadline, time.monotonic() + TICKET_POLL_S)
+                    key = f"{DST}/{dst}/open/{candidate}"
+                    wanted = self.channel.get_all({key: f"receiver rank {dst}"}, poll, what)[0]
+                except SyncTimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    wanted = CLOSED  # not opened yet: look again below
             if wanted == ABANDONED or (wanted == CLOSED and self.channel.has(ABANDONED)):
                 raise self._receiver_gone(dst)
             if wanted != CLOSED:
                 return candidate, wanted
             current = self.channel.counter(f"{DST}/{dst}/ticket")
-            is_open = current > last and not ticket_closed(self.channel, dst, current)
+            # Closed on the board comes before closed in the Store (and the board is all a
+            # receiver killed between the two leaves): either means closed.
+            is_open = current > last and not (board is not None and board.closed() >= current) and not ticket_closed(
+                self.channel, dst, current)
             candidate = current if is_open else max(current, last) + 1
+
+    def _board_ticket(self, board: TicketBoard, dst: int, candidate: int, deadline: float):
+        """_await_ticket's look at ticket `candidate` of a receiver with a board:
+        (version asked for,) as soon as the board shows it open; CLOSED (the
+        receiver's counter says what comes next) at once when the board shows it
+        closed or passed, or after TICKET_POLL_S; the Store's `open` value when the
+        Store has one the board does not show yet (ABANDONED among them: the Store
+        is read every FAILURE_POLL_S meanwhile, about 8 requests a second for as
+        long as the receiver does not ask). A stop (abort, close) is seen at once:
+        both wake the board."""
+        key = f"{DST}/{dst}/open/{candidate}"
+        until = min(deadline, time.monotonic() + TICKET_POLL_S)
+
+        def look():
+            seen = board.ticket(candidate)
+            return None if seen == NOT_YET and self._stop is None else seen
+
+        while True:
+            self._check_stop()
+            state = board.wait_until(look, min(until, time.monotonic() + FAILURE_POLL_S))
+            self._check_stop()
+            if isinstance(state, tuple):
+                return state
+            if state == MOVED:
+                return CLOSED
+            found, wanted = self.channel.lookup(key)  # null too: a ticket open, asking for no version
+            if found:
+                return wanted
+            if time.monotonic() >= deadline:  # raises SyncTimeoutError naming the receiver
+                return self.channel.get_all({key: f"receiver rank {dst}"}, deadline,
+                                            f"receiver {dst} to ask for a version")[0]
+            if time.monotonic() >= until:
+                return CLOSED
 
     def send(self, version: int, timeout: float | None = None, *, wait: bool = True) -> int | SendHandle:
         """Move `version` of this rank's shards to every receiver that needs them.
@@ -335,6 +436,7 @@ class WeightSender(Endpoint):
         try:
             if self.fp8 is not None:  # before any offer: a receiver asks for what is ready to copy
                 self._quantize_fp8(version, deadline)
+            self._follow_reregistered(deadline)
             self._check_stop()
         except BaseException as exc:
             # Reported first (receivers on this host see it); those fed point to point
@@ -359,6 +461,7 @@ class WeightSender(Endpoint):
                     # receive that follows.
                     self.channel.set(done_key(dst, ticket, self.rank),
                                      {"abandoned": wanted, "holds": version, "wrote": dst in self._wrote})
+                    self._ring(dst)
                     self._served[dst] = ticket
                     ticket, wanted = self._await_ticket(dst, deadline)
                 for table in self._tables[dst]:
@@ -372,6 +475,8 @@ class WeightSender(Endpoint):
                 self.reports.withdraw([dst])
                 self._offered.discard(dst)
                 self.channel.set(done_key(dst, ticket, self.rank), version)
+                if dst in self._boards:  # after the Store's answer: the board never runs ahead of it
+                    self._boards[dst].serve(self.rank, ticket, version, self._sends[dst])
                 self._served[dst] = max(self._served.get(dst, 0), ticket)  # abort() may have raised it
                 self._wrote.discard(dst)  # served whole
                 self._maybe_written.discard(dst)
@@ -473,10 +578,19 @@ class WeightSender(Endpoint):
         # _maybe_written too: a restarted rank's failure outside a send (abort, a send
         # refused before it ran) still answers "wrote" for what its predecessor may have written.
         answered = self.reports.fail(message, unserved, wrote=self._wrote | self._maybe_written)
+        for dst in self._local_receivers:
+            self._ring(dst)  # a receiver waiting on the board reads the answers from the Store
         # Done with those tickets: the next send waits for the one after, not for an older
         # one whose `open` key the receiver has deleted since (a wait of TICKET_POLL_S).
         for dst, ticket in answered.items():
             self._served[dst] = max(self._served.get(dst, 0), ticket)
+
+    def _ring(self, dst: int) -> None:
+        """Tell receiver `dst`, if it has a board, that the Store holds an answer or a
+        report of this rank that its board does not show."""
+        board = self._boards.get(dst)
+        if board is not None:
+            board.ring()
 
     def _report_raised(self, exc: BaseException) -> None:
         try:
@@ -511,6 +625,8 @@ class WeightSender(Endpoint):
                 return
             if self._sending is not None:
                 self._stop = f"closed while sending version {self._sending}"
+                for board in self._boards.values():
+                    board.notify()  # a send waiting on a board looks at the stop now
                 if not self._state.wait_for(lambda: self._sending is None,
                                             timeout=self.timeout if timeout is None else timeout):
                     raise SyncTimeoutError(f"sender rank {self.rank}: the send of version {self._sending} did not "
@@ -518,9 +634,9 @@ class WeightSender(Endpoint):
             self._closed = True
         if self._worker is not None:
             self._worker.shutdown()  # idle: no send runs
-        for opened in self._opened:
+        for opened in self._opened.values():
             opened.close()
-        self._opened = []
+        self._opened = {}
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None:
