@@ -498,6 +498,32 @@ def test_a_ticket_taken_and_never_opened_does_not_stall_later_syncs(store):
     assert mismatches(expected, {n: t.cpu() for n, t in again.weights().items()}) == []
 
 
+def test_a_receiver_registered_again_while_a_send_waits_gets_it_in_its_own_memory(store):
+    """A send waits for receiver 0, which meanwhile registers again under its name
+    (a restarted generator rank, with new memory and a new ticket board): the
+    sender finds the new receiver's ticket, maps its memory before copying a byte,
+    and the version lands there (not in the predecessor's memory), as does the next."""
+    sender, receiver, params, expected = _threaded_pair(store, "again-mid-send", "shm")
+    assert in_threads(lambda: sender.send(1, timeout=10), lambda: receiver.receive(timeout=10))[1] == 1
+    handle = sender.send(2, timeout=20, wait=False)
+    deadline = time.monotonic() + 10
+    while receiver.pending() != 2:  # the send is offered, and waits for a ticket
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    config = small_config("llama_gqa_bias")
+    again = WeightReceiver(store_client(store), vllm_llama_tp(config, 1, torch.bfloat16), 0, params,
+                           name="again-mid-send", transport="shm", timeout=30)
+    for version in (2, 3):
+        for t in again.tensors.values():  # its own new memory, which the sender must write
+            t.zero_()
+        if version == 3:
+            handle = sender.send(3, timeout=20, wait=False)
+        assert again.receive(timeout=20) == version and handle.wait(timeout=20) > 0
+        assert mismatches(expected, {n: t.cpu() for n, t in again.weights().items()}) == [], version
+    sender.close()
+    again.close()
+
+
 @pytest.mark.parametrize("transport", ["shm", "p2p"])
 def test_receiver_refuses_storage_moved_since_registration(store, transport):
     sender, receiver, params, _ = _threaded_pair(store, f"moved-{transport}", transport)

@@ -212,10 +212,6 @@ class TicketBoard:
         self._store(self._slot(src, _DONE_TICKET), ticket)  # last: the receiver reads it first
         self.notify()
 
-    def forget_offers(self, src: int) -> None:
-        """A restarted sender `src` counts its sends from 1 again."""
-        self._store(self._slot(src, _DONE_OFFER), 0)
-
     def ring(self) -> None:
         """A sender left the receiver something the board does not carry (an answer
         that is not a version, a failure): the receiver reads the Store."""

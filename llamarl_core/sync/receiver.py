@@ -95,11 +95,14 @@ class WeightReceiver(Endpoint):
        wait(), has returned.
     A sender that fails (set-up, a send, `abort`) says so: set-up waits,
     receive() and pending() raise SyncError naming its rank and its error, a
-    receive waiting over shared memory or CUDA IPC at once, set-up within
-    protocol.FAILURE_POLL_S (0.125 s; a receiver fed only point to point: in
-    pending(); its receive() hears from the pair that nothing follows), until that sender sends
-    again. A sender killed without
-    a word leaves a timeout, which names the ranks that never answered.
+    receive waiting over shared memory or CUDA IPC at once (within
+    protocol.FAILURE_POLL_S, 0.125 s, for a sender that failed before the ticket
+    opened or has not mapped this rank's ticket board), set-up within
+    FAILURE_POLL_S (a receiver fed only point to point: in pending(); its
+    receive() hears from the pair that nothing follows), until that sender sends
+    again. A sender killed without a word leaves a timeout, which names the ranks
+    that never answered. A sender that failed after it served the open ticket
+    leaves that receive to the others.
     """
 
     side = "receiver"

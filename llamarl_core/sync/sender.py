@@ -29,8 +29,8 @@ from .transports import P2P, SHM, OpenedCudaHandles, open_shm_handle
 
 # How long a sender waits for a ticket to open before it reads the receiver's counter
 # again (a ticket taken and never opened, by a receiver killed in between, is skipped
-# once a newer one is taken); also how long a send waiting for a receiver takes to
-# notice that it is stopped (close, abort).
+# once a newer one is taken); also how long a send waiting for a receiver without a
+# ticket board takes to notice that it is stopped (close, abort; on a board: at once).
 TICKET_POLL_S = 1.0
 
 # A point-to-point header's bucket count when the sender wrote nothing to that receiver
@@ -127,7 +127,10 @@ class WeightSender(Endpoint):
         self.reports = SenderReports(channel, rank)
         self.rank = rank
         self._served: dict[int, int] = {}  # receiver -> the last ticket this rank served it
-        self._sends: dict[int, int] = {}  # receiver -> how many sends of this rank were offered to it
+        # Receiver -> the count of this rank's latest send offered to it, counted on from
+        # (incarnation - 1) * 2**32: a restarted rank's offers count above its predecessor's
+        # (a receiver's board keeps the count of the send that served it last, see pending()).
+        self._sends: dict[int, int] = {}
         self._offered: set[int] = set()  # receivers whose offer from this rank stands
         self._reported = False  # whether this rank's failure report stands
         self._maybe_written: set[int] = set()  # see _connect
@@ -204,7 +207,8 @@ class WeightSender(Endpoint):
             if time.monotonic() >= deadline:
                 raise SyncTimeoutError(f"sender rank {self.rank}: timed out waiting for receiver {dst}, registered "
                                        f"again (incarnation {incarnation}), to publish its memory handle")
-            time.sleep(FAILURE_POLL_S)  # it registers within a few Store requests of its incarnation
+            self._check_stop()
+            time.sleep(FAILURE_POLL_S)  # it publishes the handle once its memory is ready
         previous = self._opened.pop(dst, None)
         if previous is not None:
             previous.close()
@@ -220,8 +224,6 @@ class WeightSender(Endpoint):
             opened_board = TicketBoard.open_or_warn(board, self.plan.src_layout.world_size, f"sender rank {self.rank}")
             if opened_board is not None:
                 self._boards[dst] = opened_board
-                if self._incarnation > 1:
-                    opened_board.forget_offers(self.rank)  # this rank's sends are counted from 1 again
 
     def _follow_reregistered(self, deadline: float) -> None:
         """Receivers on this host that registered again under this sync's name since
@@ -311,6 +313,10 @@ class WeightSender(Endpoint):
             if wanted == ABANDONED or (wanted == CLOSED and self.channel.has(ABANDONED)):
                 raise self._receiver_gone(dst)
             if wanted != CLOSED:
+                # A ticket the Store shows (not the board this rank mapped) may be a receiver's
+                # that registered again while this send waited: it counted itself before opening
+                # any ticket, and is mapped now, before a byte is copied.
+                self._follow_reregistered(deadline)
                 return candidate, wanted
             current = self.channel.counter(f"{DST}/{dst}/ticket")
             # Closed on the board comes before closed in the Store (and the board is all a
@@ -474,10 +480,12 @@ class WeightSender(Endpoint):
                 # Withdrawn before the answer: a receiver that has the version never sees the offer stand.
                 self.reports.withdraw([dst])
                 self._offered.discard(dst)
+                # Served before the answer: an abort() from another thread from here on leaves
+                # the other senders' slots of this ticket alone (this rank's copy is whole).
+                self._served[dst] = max(self._served.get(dst, 0), ticket)  # abort() may have raised it
                 self.channel.set(done_key(dst, ticket, self.rank), version)
                 if dst in self._boards:  # after the Store's answer: the board never runs ahead of it
                     self._boards[dst].serve(self.rank, ticket, version, self._sends[dst])
-                self._served[dst] = max(self._served.get(dst, 0), ticket)  # abort() may have raised it
                 self._wrote.discard(dst)  # served whole
                 self._maybe_written.discard(dst)
             for dst in self._p2p_peers:  # in round order
@@ -548,7 +556,7 @@ class WeightSender(Endpoint):
         fp8.quantize(self.tensors, amax)
 
     def _offer(self, dst: int, version: int) -> None:
-        self._sends[dst] = self._sends.get(dst, 0) + 1
+        self._sends[dst] = self._sends.get(dst, (self._incarnation - 1) << 32) + 1
         self.reports.offer(dst, version, self._sends[dst])
         self._offered.add(dst)
 
@@ -625,7 +633,7 @@ class WeightSender(Endpoint):
                 return
             if self._sending is not None:
                 self._stop = f"closed while sending version {self._sending}"
-                for board in self._boards.values():
+                for board in list(self._boards.values()):
                     board.notify()  # a send waiting on a board looks at the stop now
                 if not self._state.wait_for(lambda: self._sending is None,
                                             timeout=self.timeout if timeout is None else timeout):
