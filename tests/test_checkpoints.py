@@ -382,17 +382,41 @@ def test_export_streams_the_same_folder_transformers_writes(tmp_path, monkeypatc
     _assert_same(_full(loaded), _full(plain))
 
 
-def test_a_family_transformers_converts_is_exported_by_transformers(tmp_path):
-    """Qwen3-MoE: transformers fuses its experts on load and splits them on save, so
-    its export goes through save_pretrained (whole, in memory), and loads back."""
-    config = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
-                                         moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                         num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2)
+def _moe_config(family: str):
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                           moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                           num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2)
+    return transformers.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=4,
+                                      num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_family_transformers_converts_is_streamed_under_its_checkpoint_names(tmp_path, monkeypatch, family):
+    """Qwen3-MoE and Mixtral: transformers fuses their experts on load (and Mixtral's
+    `block_sparse_moe` is `mlp`), and splits and renames them on save. The export,
+    a group of a few KiB at a time (several files and their index), holds exactly
+    what save_pretrained writes of the same weights, and loads back."""
+    config = _moe_config(family)
     model = empty_model(config, dtype=torch.float32, device="cpu")
     assert not conversion_free(model) and conversion_free(empty_model(_config(), dtype=torch.float32, device="cpu"))
     init_random(model, 6)
     TrainerCheckpoints(tmp_path / "run", 0, 1).save(model, _optimizer(model), step=1, data_position=0)
-    out = export_policy(tmp_path / "run", config, reverse_task().tokenizer(), tmp_path / "moe")
+    tokenizer = reverse_task().tokenizer()
+    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(_full(model))
+    reference = save_model_folder(plain, tokenizer.to_transformers(), tmp_path / "reference")
+    want = {k: v for f in reference.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert any(".experts.0." in k for k in want)  # written one expert at a time
+    monkeypatch.setattr(checkpoints, "_GROUP_BYTES", 16 << 10)
+    out = export_policy(tmp_path / "run", config, tokenizer, tmp_path / "moe")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and index["weight_map"].keys() == want.keys()
+    _assert_same({k: v for f in files for k, v in load_file(out / f).items()}, want)
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((out / name).read_text()) == json.loads((reference / name).read_text()), name
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     _assert_same(_full(loaded), _full(model))
 
