@@ -432,13 +432,13 @@ def _fill_policy_job(rank, world, mesh, config, folder):
     return _full(model)
 
 
-def test_a_checkpoint_transformers_converts_is_loaded_by_rank_0_and_broadcast(tmp_path, capfd):
-    """Qwen3-MoE (experts stored one by one, fused by transformers on load; a bf16
-    checkpoint): the trainer's float32 ranks get transformers' model exactly, rank 0
-    alone having loaded it (in bf16), and say so."""
-    config = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
-                                         moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                         num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2)
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_checkpoint_transformers_converts_is_read_rank_by_rank(tmp_path, capfd, family):
+    """Qwen3-MoE and Mixtral (experts stored one by one, fused by transformers on
+    load; Mixtral's modules renamed; a bf16 checkpoint): at 1 and 2 trainer ranks
+    each rank reads the parts of the per-expert tensors inside its own rows, and
+    the float32 ranks hold transformers' model exactly; nothing is loaded whole."""
+    config = _moe_config(family)
     torch.manual_seed(9)
     transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "moe")
     assert any(".experts.0." in k for k in load_file(tmp_path / "moe" / "model.safetensors"))  # stored one by one
@@ -446,6 +446,21 @@ def test_a_checkpoint_transformers_converts_is_loaded_by_rank_0_and_broadcast(tm
     for world in (1, 2):
         for r in _ranks(world, _fill_policy_job, config=transformers.AutoConfig.from_pretrained(tmp_path / "moe"),
                         folder=tmp_path / "moe"):
+            _assert_same(r, want)
+    assert "loads it whole" not in capfd.readouterr().out
+
+
+def test_a_checkpoint_under_other_names_is_loaded_by_rank_0_and_broadcast(tmp_path, capfd):
+    """The base model alone (LlamaModel: no `model.` prefix, tied embeddings, bf16),
+    which transformers maps onto the causal LM: the trainer's float32 ranks get
+    transformers' model exactly, rank 0 alone having loaded it (in bf16), and say so."""
+    torch.manual_seed(9)
+    transformers.AutoModel.from_config(_config(True)).to(torch.bfloat16).save_pretrained(tmp_path / "base")
+    assert not any(k.startswith("model.") for k in load_file(tmp_path / "base" / "model.safetensors"))
+    want = _full(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32))
+    for world in (1, 2):
+        for r in _ranks(world, _fill_policy_job, config=transformers.AutoConfig.from_pretrained(tmp_path / "base"),
+                        folder=tmp_path / "base"):
             _assert_same(r, want)
     assert "trainer rank 0 loads it whole in bfloat16 with transformers and broadcasts it" in capfd.readouterr().out
 

@@ -226,29 +226,42 @@ _FLOATS = {"F16", "BF16", "F32"}
 
 def load_shards(model, folder: str | Path) -> None:
     """Fill `model` (from `empty_model`) from the safetensors checkpoint in
-    `folder`, each rank reading its own rows of each tensor only. Before a tensor
-    is read: NotByName naming the parameters the checkpoint lacks (a tied
-    parameter may be absent under its second name); ValueError naming those it
-    holds in another shape, in a dtype other than float16 / bfloat16 / float32
-    (an FP8 or integer-quantized checkpoint), or beside quantization scales."""
+    `folder`, each rank reading its own rows of each tensor only. A family
+    transformers converts on load (a MoE whose experts it fuses, Mixtral's renamed
+    modules) is read under its checkpoints' names: transformers' own reverse
+    conversion, run on view probes (sync/live.py checkpoint_views), says which
+    slice of which parameter each checkpoint tensor is, and a rank reads the part
+    of it inside its rows. Before a tensor is read: NotByName naming the
+    checkpoint tensors the folder lacks (a tied parameter may be absent under its
+    second name), or when the conversion computes a parameter rather than
+    slicing it; ValueError naming those it holds in another shape, in a dtype
+    other than float16 / bfloat16 / float32 (an FP8 or integer-quantized
+    checkpoint), or beside quantization scales."""
     from safetensors import safe_open
+
+    from ..sync.live import checkpoint_views
 
     files = checkpoint_names(folder)
     params = dict(model.named_parameters())  # a tied parameter once, under its first name
-    missing = [n for n in params if n not in files]
+    try:
+        views = checkpoint_views(model)  # parameter -> [(checkpoint name, shape, box of the parameter)]
+    except ValueError as exc:
+        raise NotByName(str(exc)) from None
+    wanted = {ckpt: shape for held in views.values() for ckpt, shape, _ in held}
+    missing = [n for n in wanted if n not in files]
     if missing:
         raise NotByName(f"the checkpoint in {folder} does not hold {type(model).__name__}'s parameters by their "
                         f"names: missing {few_names(missing)}")
     tied = tied_aliases(model)
-    quantized = [n for n in files if n not in params and n not in tied
+    quantized = [n for n in files if n not in wanted and n not in tied
                  and any(k in n.rsplit(".", 1)[-1] for k in ("scale", "qweight", "qzeros"))]
     wrong = []
-    for name, t in params.items():
+    for name, want in wanted.items():
         with safe_open(files[name], framework="pt") as f:
             piece = f.get_slice(name)
             shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
-        if shape != tuple(t.shape):
-            wrong.append(f"{name} {list(shape)} (the model's {list(t.shape)})")
+        if shape != tuple(want):
+            wrong.append(f"{name} {list(shape)} (the model's {list(want)})")
         elif dtype not in _FLOATS:
             wrong.append(f"{name} in {dtype}")
     if wrong or quantized:
@@ -256,14 +269,34 @@ def load_shards(model, folder: str | Path) -> None:
             [f"quantization tensors {few_names(quantized)}"] if quantized else [])
         raise ValueError(f"the checkpoint in {folder} does not hold {type(model).__name__}'s parameters as float "
                          f"tensors of its shapes: {'; '.join(problems)} (nothing was read)")
-    by_file: dict[Path, list[str]] = {}
-    for name in params:
-        by_file.setdefault(files[name], []).append(name)
-    for file, names in by_file.items():
+    by_file: dict[Path, list] = {}
+    for name, held in views.items():
+        rows = local_slices(params[name])
+        for ckpt, shape, box in held:
+            part = _overlap(box, rows, shape)
+            if part is not None:
+                by_file.setdefault(files[ckpt], []).append((name, ckpt, *part))
+    for file, reads in by_file.items():
         with safe_open(file, framework="pt") as f, torch.no_grad():
-            for name in names:
-                t = params[name]
-                local_part(t).copy_(f.get_slice(name)[local_slices(t)])
+            for name, ckpt, source, target in reads:
+                destination = local_part(params[name])[target]
+                destination.copy_(f.get_slice(ckpt)[source].reshape(destination.shape))
+
+
+def _overlap(box, rows: tuple[slice, ...], shape: tuple[int, ...]):
+    """Where the checkpoint tensor of `shape` that fills `box` ((offset, extent) in
+    its parameter's dims; the tensor's dims are the box's, size-1 dims aside) meets
+    this rank's `rows` (local_slices): (slices of the checkpoint tensor, slices of
+    the rank's local part), or None when they do not meet."""
+    offset, extent = box
+    lows = [max(o, r.start) for o, r in zip(offset, rows)]
+    highs = [min(o + e, r.stop) for o, e, r in zip(offset, extent, rows)]
+    if any(lo >= hi for lo, hi in zip(lows, highs)):
+        return None
+    inside = iter([(lo - o, hi - o) for lo, hi, o, e in zip(lows, highs, offset, extent) if e != 1])
+    source = tuple(slice(0, 1) if n == 1 else slice(*next(inside)) for n in shape)
+    target = tuple(slice(lo - r.start, hi - r.start) for lo, hi, r in zip(lows, highs, rows))
+    return source, target
 
 
 def copy_from_full(model, state: dict[str, torch.Tensor]) -> None:

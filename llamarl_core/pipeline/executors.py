@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from ..auth import AuthenticatedStore, refused_count
-from ..models.sharded import NotByName, conversion_free, copy_shards, empty_model, init_random, load_shards
+from ..models.sharded import NotByName, copy_shards, empty_model, init_random, load_shards
 from ..sync import StaleReceiveError, SyncError, fsdp_sender
 from ..sync.protocol import relay_name
 from ..sync.transports import host_identity
@@ -451,12 +451,13 @@ def _trainer_model(data: RunData, config: TrainConfig, mesh, dtype: torch.dtype 
 
 def _fill_policy(model, data: RunData, seed: int, rank: int) -> None:
     """The weights RL (or the warm-up) starts from: the pretrained checkpoint
-    (--model), each rank reading its own rows, or the built-in Llama initialised
-    from `seed`. A checkpoint that is not float safetensors under the model's own
-    names (GGUF, a quantized checkpoint, a family transformers converts on load,
-    other names) is loaded whole by transformers on trainer rank 0 alone (in its
-    16-bit dtype if it has one) and broadcast shard by shard (said once); one of
-    other shapes or dtypes is refused (load_shards), before anything is read."""
+    (--model), each rank reading its own rows (of a family transformers converts
+    on load too: load_shards), or the built-in Llama initialised from `seed`. A
+    checkpoint that is not float safetensors under the model's or its family's
+    checkpoint names (GGUF, a quantized checkpoint, other names) is loaded whole
+    by transformers on trainer rank 0 alone (in its 16-bit dtype if it has one)
+    and broadcast shard by shard (said once); one of other shapes or dtypes is
+    refused (load_shards), before anything is read."""
     if data.model is None:
         init_random(model, seed)
         return
@@ -464,8 +465,6 @@ def _fill_policy(model, data: RunData, seed: int, rank: int) -> None:
         why = "a GGUF file"
     elif getattr(model.config, "quantization_config", None) is not None:
         why = "a quantized checkpoint"
-    elif not conversion_free(model):
-        why = f"of a family transformers converts on load ({model.config.model_type})"
     else:
         try:
             load_shards(model, data.model.folder)
