@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 
 from llamarl_core.models.checkpoint import save_model_folder
 from llamarl_core.models.sharded import (
-    conversion_free,
     copy_shards,
     empty_model,
     init_random,
@@ -382,7 +381,21 @@ def test_export_streams_the_same_folder_transformers_writes(tmp_path, monkeypatc
     _assert_same(_full(loaded), _full(plain))
 
 
+def _trained_buffers(model) -> None:
+    """Random values in every router bias buffer (GLM4-MoE's e_score_correction_bias),
+    which a checkpoint holds and no initialisation reproduces."""
+    for module in model.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if bias is not None:
+            bias.copy_(torch.randn_like(bias))
+
+
 def _moe_config(family: str):
+    if family == "glm4_moe":  # its router's trained bias is a persistent buffer
+        return transformers.Glm4MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                          moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                          num_key_value_heads=1, head_dim=16, n_routed_experts=4,
+                                          num_experts_per_tok=2, first_k_dense_replace=0, n_group=1, topk_group=1)
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
                                            moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -392,16 +405,18 @@ def _moe_config(family: str):
                                       num_experts_per_tok=2)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
 def test_a_family_transformers_converts_is_streamed_under_its_checkpoint_names(tmp_path, monkeypatch, family):
-    """Qwen3-MoE and Mixtral: transformers fuses their experts on load (and Mixtral's
-    `block_sparse_moe` is `mlp`), and splits and renames them on save. The export,
-    a group of a few KiB at a time (several files and their index), holds exactly
-    what save_pretrained writes of the same weights, and loads back."""
+    """Qwen3-MoE, Mixtral and GLM4-MoE: transformers fuses their experts on load (and
+    Mixtral's `block_sparse_moe` is `mlp`), and splits and renames them on save.
+    The export, a group of a few KiB at a time (several files and their index),
+    holds exactly what save_pretrained writes of the same weights (GLM4-MoE's
+    router bias, a persistent buffer, too), and loads back."""
     config = _moe_config(family)
     model = empty_model(config, dtype=torch.float32, device="cpu")
-    assert not conversion_free(model) and conversion_free(empty_model(_config(), dtype=torch.float32, device="cpu"))
     init_random(model, 6)
+    with torch.no_grad():
+        _trained_buffers(model)
     TrainerCheckpoints(tmp_path / "run", 0, 1).save(model, _optimizer(model), step=1, data_position=0)
     tokenizer = reverse_task().tokenizer()
     plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -432,15 +447,19 @@ def _fill_policy_job(rank, world, mesh, config, folder):
     return _full(model)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
 def test_a_checkpoint_transformers_converts_is_read_rank_by_rank(tmp_path, capfd, family):
-    """Qwen3-MoE and Mixtral (experts stored one by one, fused by transformers on
-    load; Mixtral's modules renamed; a bf16 checkpoint): at 1 and 2 trainer ranks
-    each rank reads the parts of the per-expert tensors inside its own rows, and
-    the float32 ranks hold transformers' model exactly; nothing is loaded whole."""
+    """Qwen3-MoE, Mixtral and GLM4-MoE (experts stored one by one, fused by
+    transformers on load; Mixtral's modules renamed; GLM4-MoE's router bias a
+    persistent buffer; a bf16 checkpoint): at 1 and 2 trainer ranks each rank
+    reads the parts of the per-expert tensors inside its own rows, and the float32
+    ranks hold transformers' model exactly, buffers included; nothing is loaded whole."""
     config = _moe_config(family)
     torch.manual_seed(9)
-    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "moe")
+    saved = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    with torch.no_grad():
+        _trained_buffers(saved)
+    saved.save_pretrained(tmp_path / "moe")
     assert any(".experts.0." in k for k in load_file(tmp_path / "moe" / "model.safetensors"))  # stored one by one
     want = _full(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32))
     for world in (1, 2):

@@ -10,15 +10,18 @@ are then filled by one of:
 - `init_random`: the model's own `_init_weights`, module by module on a
   full-size CPU copy seeded from (seed, module name): the same weights at any
   world size and on any device;
-- `load_shards`: a safetensors checkpoint whose names are the model's own (no
-  conversion in transformers' table for the family), each rank reading only its
-  rows of each tensor (memory-mapped);
-- `copy_from_full`: whole tensors by name (export of a family transformers
-  converts, in one process);
+- `load_shards`: a safetensors checkpoint under the model's or its family's
+  checkpoint names (a MoE's per-expert tensors, which transformers fuses on
+  load), each rank reading only its rows of each tensor (memory-mapped), and
+  the persistent buffers the checkpoint holds;
+- `copy_from_full`: whole tensors by name (export of a family whose conversion
+  is not a set of slices, in one process);
 - `copy_shards`: another model of the same class and sharding (a reference
   model from the policy), shard by shard, cast to this model's dtype.
-Every parameter and buffer is checked filled: one that no filler reached raises
-naming it, never left as `to_empty`'s garbage."""
+Nothing is left as `to_empty`'s garbage: `init_random` raises naming what the
+model's `_init_weights` leaves unset, `load_shards` (NotByName) and
+`copy_from_full` naming the tensors the checkpoint or state lacks, before
+anything is read."""
 
 from __future__ import annotations
 
@@ -30,17 +33,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["empty_model", "tied_parameters", "tied_aliases", "init_random", "load_shards", "NotByName",
-           "copy_from_full", "copy_shards", "checkpoint_names", "conversion_free", "local_part", "local_slices",
+           "copy_from_full", "copy_shards", "checkpoint_names", "local_part", "local_slices",
            "few_names"]
-
-
-def conversion_free(model) -> bool:
-    """Whether `model`'s state-dict names and shapes are its checkpoints' own:
-    transformers' conversion table lists nothing for its class or family (a MoE
-    family whose experts are fused on load does)."""
-    from transformers.conversion_mapping import extract_weight_conversions_for_model
-
-    return not extract_weight_conversions_for_model(model)
 
 
 def empty_model(model_config, *, dtype: torch.dtype, device, mesh=None):
@@ -217,8 +211,8 @@ def checkpoint_names(folder: str | Path) -> dict[str, Path]:
 
 
 class NotByName(ValueError):
-    """A checkpoint that does not hold a model's parameters under the model's own
-    names (transformers' loader may still map them)."""
+    """A checkpoint that does not hold a model's tensors under the model's or its
+    family's checkpoint names (transformers' loader may still map them)."""
 
 
 _FLOATS = {"F16", "BF16", "F32"}
@@ -226,7 +220,8 @@ _FLOATS = {"F16", "BF16", "F32"}
 
 def load_shards(model, folder: str | Path) -> None:
     """Fill `model` (from `empty_model`) from the safetensors checkpoint in
-    `folder`, each rank reading its own rows of each tensor only. A family
+    `folder`, each rank reading its own rows of each tensor only (its persistent
+    buffers whole: a MoE router's trained bias is one). A family
     transformers converts on load (a MoE whose experts it fuses, Mixtral's renamed
     modules) is read under its checkpoints' names: transformers' own reverse
     conversion, run on view probes (sync/live.py checkpoint_views), says which
@@ -243,8 +238,10 @@ def load_shards(model, folder: str | Path) -> None:
 
     files = checkpoint_names(folder)
     params = dict(model.named_parameters())  # a tied parameter once, under its first name
+    kept = model.state_dict(keep_vars=True)
+    params |= {name: b for name, b in model.named_buffers() if name in kept}  # persistent: a checkpoint holds them
     try:
-        views = checkpoint_views(model)  # parameter -> [(checkpoint name, shape, box of the parameter)]
+        views = checkpoint_views(model, buffers=True)  # tensor -> [(checkpoint name, shape, box of the tensor)]
     except ValueError as exc:
         raise NotByName(str(exc)) from None
     wanted = {ckpt: shape for held in views.values() for ckpt, shape, _ in held}
@@ -255,15 +252,18 @@ def load_shards(model, folder: str | Path) -> None:
     tied = tied_aliases(model)
     quantized = [n for n in files if n not in wanted and n not in tied
                  and any(k in n.rsplit(".", 1)[-1] for k in ("scale", "qweight", "qzeros"))]
-    wrong = []
-    for name, want in wanted.items():
-        with safe_open(files[name], framework="pt") as f:
-            piece = f.get_slice(name)
-            shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
-        if shape != tuple(want):
-            wrong.append(f"{name} {list(shape)} (the model's {list(want)})")
-        elif dtype not in _FLOATS:
-            wrong.append(f"{name} in {dtype}")
+    wrong, in_file = [], {}
+    for name in wanted:
+        in_file.setdefault(files[name], []).append(name)
+    for file, names in in_file.items():  # each file's header read once
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                piece = f.get_slice(name)
+                shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+                if shape != tuple(wanted[name]):
+                    wrong.append(f"{name} {list(shape)} (the model's {list(wanted[name])})")
+                elif dtype not in _FLOATS:
+                    wrong.append(f"{name} in {dtype}")
     if wrong or quantized:
         problems = ([f"shaped or typed otherwise: {few_names(wrong)}"] if wrong else []) + (
             [f"quantization tensors {few_names(quantized)}"] if quantized else [])

@@ -1,12 +1,14 @@
 """A run's policy as a model folder (`llamarl export RUN_DIR OUT`, and `model/` at
 the end of every run): config.json, safetensors weights and the tokenizer, which
 `transformers.AutoModelForCausalLM.from_pretrained` and vLLM load. The weights
-are the trainer's float32 master weights from the run's last checkpoint (a DCP
-folder of safetensors, checkpoints.py), streamed about 1 GiB at a time: no
-process holds the whole model. A family whose checkpoints transformers converts
-on load (a MoE whose experts it fuses) is written under its checkpoints' own
-names too, each a slice of a parameter: transformers' own reverse conversion,
-run on view probes (sync/live.py checkpoint_views), says which slice."""
+are the trainer's float32 master weights (and persistent buffers) from the
+run's last checkpoint (a DCP folder of safetensors, checkpoints.py), streamed
+about 1 GiB at a time: no process holds the whole model. A family whose
+checkpoints transformers converts on load (a MoE whose experts it fuses) is
+written under its checkpoints' own names, each a slice of a parameter:
+transformers' own reverse conversion, run on view probes (sync/live.py
+checkpoint_views), says which slice. One whose conversion computes rather than
+slices is written by transformers' save_pretrained, from the whole model in memory."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from ..models.checkpoint import stream_model_folder
-from ..models.sharded import conversion_free, tied_aliases
+from ..models.checkpoint import save_model_folder, stream_model_folder
+from ..models.sharded import copy_from_full, empty_model, tied_aliases
 from ..sync.live import checkpoint_views
 from .checkpoints import checkpoint_dir, checkpoint_info, policy_tensors
 from .config import TrainConfig
@@ -35,17 +37,26 @@ def export_policy(run_dir: str | Path, model_config, tokenizer, out: str | Path,
         model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
     generation = source.generation_config() if source is not None else None
     hf_tokenizer = tokenizer.hf if isinstance(tokenizer, ModelTokenizer) else tokenizer.to_transformers()
+    try:
+        views = checkpoint_views(model, buffers=True)
+    except ValueError:  # a conversion that computes rather than slices: transformers' save_pretrained undoes it
+        model = empty_model(model_config, dtype=torch.float32, device="cpu")
+        copy_from_full(model, {name: t for group in policy_tensors(run_dir) for name, t in group.items()})
+        if generation is not None:
+            model.generation_config = generation
+        return save_model_folder(model, hf_tokenizer, out)
     # A tied parameter's second name (lm_head.weight) is not written, as transformers does.
-    groups = policy_tensors(run_dir, skip=tied_aliases(model))
-    if not conversion_free(model):
-        groups = _checkpoint_tensors(groups, checkpoint_views(model))
+    groups = _checkpoint_tensors(policy_tensors(run_dir, skip=tied_aliases(model)), views)
     return stream_model_folder(model_config, groups, hf_tokenizer, out, generation)
 
 
 def _checkpoint_tensors(groups, views):
-    """Each group of parameters ({name: tensor}) as the checkpoint tensors they hold
-    ({checkpoint name: the parameter's slice}, views: checkpoint_views)."""
+    """Each group of the policy's tensors ({name: tensor}) as the checkpoint tensors
+    they hold ({checkpoint name: the tensor's slice}, views: checkpoint_views)."""
     for group in groups:
+        unknown = [name for name in group if name not in views]
+        if unknown:
+            raise ValueError(f"the checkpoint holds tensors the model does not: {unknown[:4]}")
         yield {ckpt: tensor[tuple(slice(o, o + e) for o, e in zip(*box))].reshape(shape)
                for name, tensor in group.items() for ckpt, shape, box in views[name]}
 

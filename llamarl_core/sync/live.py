@@ -51,12 +51,18 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- checkpoint names
 
 
-def checkpoint_views(model: torch.nn.Module) -> dict[str, list[tuple[str, tuple[int, ...], Box]]]:
+def checkpoint_views(model: torch.nn.Module, buffers: bool = False) -> dict[str, list[tuple[str, tuple[int, ...], Box]]]:
     """Parameter name -> the checkpoint tensors it holds: (checkpoint name, shape,
-    box of the parameter it fills). A model transformers converts nothing for
-    holds its own names, whole. ValueError naming the parameter when a
-    conversion computes rather than slices, or does not cover it exactly once."""
-    params = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    box of the parameter it fills); with `buffers`, the persistent buffers too
+    (a router's trained bias is one: checkpoints hold them beside the
+    parameters). A model transformers converts nothing for holds its own names,
+    whole. ValueError naming the parameter when a conversion computes rather
+    than slices, or does not cover it exactly once."""
+    tensors = dict(model.named_parameters())
+    if buffers:
+        kept = model.state_dict(keep_vars=True)  # persistent buffers only; a tied parameter under each name
+        tensors |= {name: b for name, b in model.named_buffers() if name in kept}
+    params = {name: tuple(t.shape) for name, t in tensors.items()}
     views = {name: [(name, shape, ((0,) * len(shape), shape))] for name, shape in params.items()}
     try:
         from transformers import PreTrainedModel
@@ -65,7 +71,7 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, list[tuple[str, tuple[
         return views
     if not isinstance(model, PreTrainedModel):
         return views
-    probes = {name: ViewProbe.of(name, shape, p.dtype) for (name, shape), p in zip(params.items(), model.parameters())}
+    probes = {name: ViewProbe.of(name, params[name], t.dtype) for name, t in tensors.items()}
     try:
         reverted = revert_weight_conversion(model, dict(probes))
     except ProbeError as exc:
