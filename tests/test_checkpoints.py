@@ -351,6 +351,21 @@ def test_the_kl_reference_is_a_sharded_copy_in_the_compute_dtype_saved_once(tmp_
 # ----------------------------------------------------------------------------- export
 
 
+def _exported_in_parts(tmp_path, monkeypatch, config, tokenizer, reference, want):
+    """The run's export in groups of a few KiB, checked to hold `want` (what
+    save_pretrained wrote to `reference`) in several files and their index, with
+    the reference's config and generation config; returns its folder."""
+    monkeypatch.setattr(checkpoints, "_GROUP_BYTES", 16 << 10)
+    parts = export_policy(tmp_path / "run", config, tokenizer, tmp_path / "parts")
+    index = json.loads((parts / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and index["weight_map"].keys() == want.keys()
+    _assert_same({k: v for f in files for k, v in load_file(parts / f).items()}, want)
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((parts / name).read_text()) == json.loads((reference / name).read_text()), name
+    return parts
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_export_streams_the_same_folder_transformers_writes(tmp_path, monkeypatch, tie):
     """The policy exported a group of tensors at a time (groups of a few KiB here,
@@ -366,17 +381,12 @@ def test_export_streams_the_same_folder_transformers_writes(tmp_path, monkeypatc
     plain.load_state_dict(_full(model))
     reference = save_model_folder(plain, tokenizer.to_transformers(), tmp_path / "reference")
     whole = export_policy(tmp_path / "run", config, tokenizer, tmp_path / "whole")
-    monkeypatch.setattr(checkpoints, "_GROUP_BYTES", 16 << 10)
-    parts = export_policy(tmp_path / "run", config, tokenizer, tmp_path / "parts")
     want = load_file(reference / "model.safetensors")
     assert sorted(p.name for p in whole.iterdir()) == sorted(p.name for p in reference.iterdir())
     _assert_same(load_file(whole / "model.safetensors"), want)
-    index = json.loads((parts / "model.safetensors.index.json").read_text())
-    files = sorted(set(index["weight_map"].values()))
-    assert len(files) > 2 and index["weight_map"].keys() == want.keys()
-    _assert_same({k: v for f in files for k, v in load_file(parts / f).items()}, want)
     for name in ("config.json", "generation_config.json"):
         assert json.loads((whole / name).read_text()) == json.loads((reference / name).read_text()), name
+    parts = _exported_in_parts(tmp_path, monkeypatch, config, tokenizer, reference, want)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(parts)
     _assert_same(_full(loaded), _full(plain))
 
@@ -424,14 +434,7 @@ def test_a_family_transformers_converts_is_streamed_under_its_checkpoint_names(t
     reference = save_model_folder(plain, tokenizer.to_transformers(), tmp_path / "reference")
     want = {k: v for f in reference.glob("*.safetensors") for k, v in load_file(f).items()}
     assert any(".experts.0." in k for k in want)  # written one expert at a time
-    monkeypatch.setattr(checkpoints, "_GROUP_BYTES", 16 << 10)
-    out = export_policy(tmp_path / "run", config, tokenizer, tmp_path / "moe")
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    files = sorted(set(index["weight_map"].values()))
-    assert len(files) > 2 and index["weight_map"].keys() == want.keys()
-    _assert_same({k: v for f in files for k, v in load_file(out / f).items()}, want)
-    for name in ("config.json", "generation_config.json"):
-        assert json.loads((out / name).read_text()) == json.loads((reference / name).read_text()), name
+    out = _exported_in_parts(tmp_path, monkeypatch, config, tokenizer, reference, want)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     _assert_same(_full(loaded), _full(model))
 

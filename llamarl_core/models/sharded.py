@@ -234,12 +234,10 @@ def load_shards(model, folder: str | Path) -> None:
     checkpoint), or beside quantization scales."""
     from safetensors import safe_open
 
-    from ..sync.live import checkpoint_views
+    from ..sync.live import checkpoint_views, checkpointed
 
     files = checkpoint_names(folder)
-    params = dict(model.named_parameters())  # a tied parameter once, under its first name
-    kept = model.state_dict(keep_vars=True)
-    params |= {name: b for name, b in model.named_buffers() if name in kept}  # persistent: a checkpoint holds them
+    params = checkpointed(model)
     try:
         views = checkpoint_views(model, buffers=True)  # tensor -> [(checkpoint name, shape, box of the tensor)]
     except ValueError as exc:

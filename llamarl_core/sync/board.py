@@ -78,7 +78,8 @@ def board_bytes(num_senders: int) -> int:
 
 class TicketBoard:
     """One receiver rank's board (see the module's docstring). `create` on the
-    receiver, `open` on each sender of its host; `close` unmaps this process's view."""
+    receiver, `open` on each sender of its host; a process's view stays mapped for
+    as long as the object lives (a thread's abort() may still ring it)."""
 
     def __init__(self, region, num_senders: int):
         self.region, self.num_senders = region, num_senders
@@ -125,14 +126,9 @@ class TicketBoard:
     def handle(self) -> dict:
         return {"pid": os.getpid(), "fd": self.region.fd, "name": self.region.name, "nbytes": self.region.nbytes}
 
-    def close(self) -> None:
-        self.region.close()
-
     # ---------------------------------------------------------------- words
 
     def _address(self, index: int) -> int:
-        if not self.region.is_open:
-            raise ValueError("the ticket board is closed")
         return self._base + 8 * index
 
     def _load(self, index: int) -> int:

@@ -51,6 +51,13 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- checkpoint names
 
 
+def checkpointed(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of `model` a checkpoint holds, by name: its parameters (a tied
+    one once, under its first name) and its persistent buffers."""
+    kept = model.state_dict(keep_vars=True)
+    return dict(model.named_parameters()) | {name: b for name, b in model.named_buffers() if name in kept}
+
+
 def checkpoint_views(model: torch.nn.Module, buffers: bool = False) -> dict[str, list[tuple[str, tuple[int, ...], Box]]]:
     """Parameter name -> the checkpoint tensors it holds: (checkpoint name, shape,
     box of the parameter it fills); with `buffers`, the persistent buffers too
@@ -58,10 +65,7 @@ def checkpoint_views(model: torch.nn.Module, buffers: bool = False) -> dict[str,
     parameters). A model transformers converts nothing for holds its own names,
     whole. ValueError naming the parameter when a conversion computes rather
     than slices, or does not cover it exactly once."""
-    tensors = dict(model.named_parameters())
-    if buffers:
-        kept = model.state_dict(keep_vars=True)  # persistent buffers only; a tied parameter under each name
-        tensors |= {name: b for name, b in model.named_buffers() if name in kept}
+    tensors = checkpointed(model) if buffers else dict(model.named_parameters())
     params = {name: tuple(t.shape) for name, t in tensors.items()}
     views = {name: [(name, shape, ((0,) * len(shape), shape))] for name, shape in params.items()}
     try:
