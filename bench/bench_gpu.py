@@ -10,6 +10,10 @@ GPU's own copy bandwidth and the naive torch ops, measured in one run.
                  inf), in device time (triton.testing.do_bench medians, L2
                  flushed before each call); beside a copy of the same weight
                  timed the same way.
+  fp8 gemm       the generator's FP8 linear layer (14336 x 4096, per channel)
+                 at 1, 16, 256 and 4096 tokens: its FP8 GEMM and its dequantize
+                 path beside a bf16 GEMM of the same shapes ("x limit": the bf16
+                 time over theirs; GB/s: the weight's bytes over the time).
   aipo           aipo_loss forward + backward on bf16 logits (4096 tokens x vocab
                  128256): logits read twice, dlogits written once (6 bytes per
                  element); beside the naive torch loss (float32 log_softmax +
@@ -85,6 +89,41 @@ def fp8_rows(copy_bps: float, shape=(14336, 4096)) -> list[dict]:
             how = "check=True (one host sync)" if check else "check=False (no host sync)"
             rows.append({"what": f"fp8 quantize {n}x{k} bf16, {granularity}, {how}", "seconds": seconds,
                          "gbps": nbytes / seconds / 1e9, "vs_copy": nbytes / seconds / weight_copy_bps})
+    return rows
+
+
+def fp8_gemm_rows(shape=(14336, 4096), tokens=(1, 16, 256, 4096)) -> list[dict]:
+    """The generator's FP8 linear layer (Fp8Linear, per-channel scales) on a
+    14336 x 4096 weight at decode and prefill sizes: the FP8 GEMM (fp8_linear:
+    per-token activation quantization + torch._scaled_mm) and the dequantize
+    path, each beside the bf16 GEMM of the same shapes (the peer: "x limit" is
+    its time over theirs). GB/s: the weight's bytes read per second (1 a weight
+    in FP8, 2 in bf16), which bounds a decode step."""
+    from triton.testing import do_bench
+
+    from llamarl_core.models.llama_generator import Fp8Linear
+    from llamarl_core.ops.fp8 import quantize_fp8
+
+    n, k = shape
+    w = torch.randn(shape, device="cuda").to(torch.bfloat16)
+    q, scale = quantize_fp8(w, "channel")
+    layers = {}
+    for gemm in ("fp8", "dequantize"):
+        layer = Fp8Linear(k, n, False, "channel", (n,), torch.bfloat16, "cuda", gemm=gemm)
+        layer.weight.data.copy_(q)
+        layer.weight_scale.data.copy_(scale)
+        layers[gemm] = layer
+    rows = []
+    with torch.no_grad():
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            bf16_s = do_bench(lambda: torch.nn.functional.linear(x, w), return_mode="median") / 1e3
+            rows.append({"what": f"bf16 GEMM {m} x {k} x {n} (the FP8 rows' peer)", "seconds": bf16_s,
+                         "gbps": w.nbytes / bf16_s / 1e9, "vs_copy": 1.0})
+            for gemm, layer in layers.items():
+                seconds = do_bench(lambda: layer(x), return_mode="median") / 1e3
+                rows.append({"what": f"Fp8Linear gemm={gemm}, same shapes, per channel", "seconds": seconds,
+                             "gbps": q.nbytes / seconds / 1e9, "vs_copy": bf16_s / seconds})
     return rows
 
 
@@ -201,6 +240,7 @@ def run(spec) -> dict:
     rows = [{"what": "device-to-device copy, 1 GiB (read + write)", "seconds": None, "gbps": copy_bps / 1e9,
              "vs_copy": 1.0}]
     rows += fp8_rows(copy_bps)
+    rows += fp8_gemm_rows()
     rows += aipo_rows(copy_bps, spec.repeats)
     rows += linear_aipo_rows()
     if not spec.no_sync:

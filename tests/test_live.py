@@ -57,6 +57,44 @@ def test_checkpoint_views_are_transformers_own_conversion(kind):
         assert "model.layers.0.block_sparse_moe.experts.2.w3.weight" in seen
 
 
+def test_exact_cover_check_agrees_with_counting_every_element():
+    """checkpoint_views refuses a conversion whose boxes miss or overlap part of a
+    parameter: its check on the boxes' own grid agrees with counting each element,
+    on random tilings, tilings with one box moved or dropped, and random boxes
+    (a gap and an overlap of the same size, which a count of elements misses)."""
+    from llamarl_core.sync.live import _cover_exactly_once
+
+    rng = random.Random(0)
+    verdicts = set()
+    for _ in range(3000):
+        shape = tuple(rng.randint(0, 5) for _ in range(rng.randint(0, 3)))
+        cuts = [sorted({0, n} | {rng.randint(0, n) for _ in range(rng.randint(0, 3))}) for n in shape]
+        boxes = [((), ())]
+        for c in cuts:
+            boxes = [(o + (a,), e + (b - a,)) for o, e in boxes for a, b in zip(c, c[1:])]
+        mode = rng.randrange(4)
+        if mode == 1 and boxes:
+            boxes.pop(rng.randrange(len(boxes)))
+        elif mode == 2 and boxes and shape:
+            (offset, extent), d = boxes.pop(rng.randrange(len(boxes))), rng.randrange(len(shape))
+            moved = offset[d] + rng.choice((-1, 1))
+            if 0 <= moved <= shape[d] - extent[d]:
+                offset = offset[:d] + (moved,) + offset[d + 1:]
+            boxes.append((offset, extent))
+        elif mode == 3:
+            boxes = []
+            for _ in range(rng.randint(0, 4)):
+                o = tuple(rng.randint(0, n) for n in shape)
+                boxes.append((o, tuple(rng.randint(0, n - a) for n, a in zip(shape, o))))
+        count = torch.zeros(shape, dtype=torch.int32)
+        for offset, extent in boxes:
+            count[tuple(slice(o, o + e) for o, e in zip(offset, extent))] += 1
+        expected = bool((count == 1).all())
+        assert _cover_exactly_once(boxes, shape) == expected, (shape, boxes)
+        verdicts.add(expected)
+    assert verdicts == {True, False}
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_plain_model_sends_checkpoint_tensors(kind):
     model = tiny_model(kind, 2)

@@ -139,19 +139,33 @@ class Fp8Linear(nn.Module):
     `weight` (out, in) float8_e4m3fn and its float32 scale, `weight_scale_inv` per
     128 x 128 block or `weight_scale` per tensor (one per part of a fused layer:
     `part_rows`, the rows of each) or per channel; the bias (if any) in `dtype`.
-    Forward multiplies by the dequantized weight: q x scale in float32, rounded to
-    the input's dtype (exact in float32). It is rebuilt at every call, a float32
-    copy of the weight (block scales expanded to its size): decoding is slower
-    than with weights in bf16, not faster; what FP8 saves here is the sync's bytes
-    and the resident weights. An inference engine (vLLM) runs FP8 GEMMs instead."""
+    Forward (`gemm`):
+    - "fp8": one FP8 GEMM (ops/fp8_linear.py): the input quantized to FP8 per
+      token, the weight read as it is, bf16 out. Per-tensor, per-part and
+      per-channel scales (all one value per output row); bf16 input.
+    - "dequantize": the weight rebuilt at every call, q x scale in float32 rounded
+      to the input's dtype (exact in float32), then a GEMM in that dtype: a float
+      copy of the weight per call, slower than bf16 weights; what FP8 saves then
+      is the sync's bytes and the resident weights. Any granularity and dtype.
+    - "auto" (default): "fp8" on a GPU that runs it (sm_89 on, bf16, dims
+      multiples of 16, not per block), "dequantize" otherwise (CPU included).
+    `gemm="fp8"` where it cannot run is a ValueError saying why."""
+
+    GEMMS = ("auto", "fp8", "dequantize")
 
     def __init__(self, in_features: int, out_features: int, bias: bool, granularity: str,
-                 part_rows: tuple[int, ...], dtype, device):
+                 part_rows: tuple[int, ...], dtype, device, gemm: str = "auto"):
         super().__init__()
         from ..ops.fp8 import FP8_DTYPE, GRANULARITIES, scale_shape
 
         if granularity not in GRANULARITIES:
             raise ValueError(f"fp8 granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        if gemm not in self.GEMMS:
+            raise ValueError(f"fp8 gemm must be one of {self.GEMMS}, got {gemm!r}")
+        if gemm == "fp8" and granularity == "block":
+            raise ValueError("fp8 gemm='fp8' takes one scale per output row; 128 x 128 block scales dequantize "
+                             "(gemm='dequantize' or 'auto')")
+        self.gemm = gemm
         if sum(part_rows) != out_features:
             raise ValueError(f"part_rows {part_rows} do not add up to the {out_features} output rows")
         self.granularity = granularity
@@ -171,56 +185,83 @@ class Fp8Linear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
 
+    def _scale(self) -> torch.Tensor:
+        """The weight's scale; per-part ones as one per row (per channel)."""
+        scale = getattr(self, self.scale_name)
+        return scale if self.part_of_row is None else scale[self.part_of_row][:, None]
+
     def dequantized(self, dtype) -> torch.Tensor:
         from ..ops.fp8 import dequantize_fp8
 
-        scale = getattr(self, self.scale_name)
-        if self.part_of_row is not None:
-            scale = scale[self.part_of_row][:, None]  # each part's scale on its rows: per channel
-        return dequantize_fp8(self.weight, scale, out_dtype=dtype)
+        return dequantize_fp8(self.weight, self._scale(), out_dtype=dtype)
+
+    def runs_fp8_gemm(self, x: torch.Tensor) -> bool:
+        """Whether a forward on `x` runs the FP8 GEMM (see the class doc)."""
+        from ..ops.fp8_linear import fp8_gemm_refusal
+
+        if self.gemm == "dequantize" or (self.gemm == "auto" and (x.device.type != "cuda"
+                                                                  or self.granularity == "block")):
+            return False
+        reason = fp8_gemm_refusal(x.dtype, x.device, *self.weight.shape)
+        if reason is not None and self.gemm == "fp8":
+            raise ValueError(f"Fp8Linear(gemm='fp8'): {reason}")
+        return reason is None
+
+    def _fp8_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        from ..ops.fp8_linear import fp8_linear
+
+        scale = self._scale()
+        return fp8_linear(x, self.weight, scale.expand(self.weight.shape[0]) if scale.dim() == 0 else scale)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T, without the bias (a row-parallel layer adds it after its all-reduce)."""
+        return self._fp8_matmul(x) if self.runs_fp8_gemm(x) else F.linear(x, self.dequantized(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+        if not self.runs_fp8_gemm(x):
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        out = self._fp8_matmul(x)
+        return out if self.bias is None else out + self.bias
 
 
-def _matrix(linear: nn.Module, dtype) -> torch.Tensor:
-    """The weight a linear layer multiplies by, in `dtype` (an FP8 one's dequantized)."""
-    return linear.dequantized(dtype) if isinstance(linear, Fp8Linear) else linear.weight
+def _matmul(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x W^T for a linear layer (an FP8 one's own way), without its bias."""
+    return linear.matmul(x) if isinstance(linear, Fp8Linear) else F.linear(x, linear.weight)
 
 
 def _projection(in_features: int, out_features: int, bias: bool, fp8: str | None, part_rows: tuple[int, ...],
-                dtype, device) -> nn.Module:
+                dtype, device, gemm: str) -> nn.Module:
     if fp8 is None:
         return _linear(in_features, out_features, bias, dtype, device)
-    return Fp8Linear(in_features, out_features, bias, fp8, part_rows, dtype, device)
+    return Fp8Linear(in_features, out_features, bias, fp8, part_rows, dtype, device, gemm)
 
 
 class _Attention(nn.Module):
-    def __init__(self, d, tp_size: int, dtype, device, fp8: str | None):
+    def __init__(self, d, tp_size: int, dtype, device, fp8: str | None, gemm: str):
         super().__init__()
         self.num_heads = d.num_heads // tp_size
         self.num_kv_heads = max(1, d.num_kv_heads // tp_size)
         self.head_dim = d.head_dim
         q_rows, kv_rows = self.num_heads * d.head_dim, self.num_kv_heads * d.head_dim
         self.qkv_proj = _projection(d.hidden, q_rows + 2 * kv_rows, d.qkv_bias, fp8, (q_rows, kv_rows, kv_rows),
-                                    dtype, device)
-        self.o_proj = _projection(q_rows, d.hidden, d.o_bias, fp8, (d.hidden,), dtype, device)
+                                    dtype, device, gemm)
+        self.o_proj = _projection(q_rows, d.hidden, d.o_bias, fp8, (d.hidden,), dtype, device, gemm)
 
 
 class _MLP(nn.Module):
-    def __init__(self, d, tp_size: int, dtype, device, fp8: str | None):
+    def __init__(self, d, tp_size: int, dtype, device, fp8: str | None, gemm: str):
         super().__init__()
         self.intermediate = d.intermediate // tp_size
         self.gate_up_proj = _projection(d.hidden, 2 * self.intermediate, d.mlp_bias, fp8,
-                                        (self.intermediate, self.intermediate), dtype, device)
-        self.down_proj = _projection(self.intermediate, d.hidden, d.mlp_bias, fp8, (d.hidden,), dtype, device)
+                                        (self.intermediate, self.intermediate), dtype, device, gemm)
+        self.down_proj = _projection(self.intermediate, d.hidden, d.mlp_bias, fp8, (d.hidden,), dtype, device, gemm)
 
 
 class _Layer(nn.Module):
-    def __init__(self, d, eps: float, tp_size: int, dtype, device, fp8: str | None):
+    def __init__(self, d, eps: float, tp_size: int, dtype, device, fp8: str | None, gemm: str):
         super().__init__()
-        self.self_attn = _Attention(d, tp_size, dtype, device, fp8)
-        self.mlp = _MLP(d, tp_size, dtype, device, fp8)
+        self.self_attn = _Attention(d, tp_size, dtype, device, fp8, gemm)
+        self.mlp = _MLP(d, tp_size, dtype, device, fp8, gemm)
         self.input_layernorm = RMSNorm(d.hidden, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(d.hidden, eps, dtype, device)
 
@@ -228,10 +269,11 @@ class _Layer(nn.Module):
 class LlamaGenerator(nn.Module):
     """See the module docstring. group: the tensor-parallel process group (None with
     tp_size 1); tp_rank: this process's rank in it. fp8: None, or the granularity
-    of the FP8 decoder-layer weights (`layout` says the same)."""
+    of the FP8 decoder-layer weights (`layout` says the same); fp8_gemm: how
+    they multiply (Fp8Linear's `gemm`: "auto", "fp8" or "dequantize")."""
 
     def __init__(self, config, tp_size: int = 1, tp_rank: int = 0, *, group=None, dtype=torch.float32,
-                 device="cpu", fp8: str | None = None):
+                 device="cpu", fp8: str | None = None, fp8_gemm: str = "auto"):
         super().__init__()
         if tp_size > 1 and group is None:
             raise ValueError("tp_size > 1 needs a torch.distributed process group")
@@ -246,7 +288,7 @@ class LlamaGenerator(nn.Module):
         self.model.embed_tokens = nn.Embedding(vocab_local, d.hidden, dtype=dtype, device=device)
         self.model.embed_tokens.weight.requires_grad_(False)
         nn.init.zeros_(self.model.embed_tokens.weight)
-        self.model.layers = nn.ModuleList(_Layer(d, eps, tp_size, dtype, device, fp8) for _ in range(d.num_layers))
+        self.model.layers = nn.ModuleList(_Layer(d, eps, tp_size, dtype, device, fp8, fp8_gemm) for _ in range(d.num_layers))
         self.model.norm = RMSNorm(d.hidden, eps, dtype, device)
         self.lm_head = None if d.tied else _linear(d.hidden, vocab_local, False, dtype, device)
 
@@ -377,5 +419,5 @@ class LlamaGenerator(nn.Module):
     def _row_parallel(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Partial sums over this rank's input slice, summed across ranks; the
         (replicated) bias added once, after the sum."""
-        out = self._all_reduce(F.linear(x, _matrix(linear, x.dtype)))
+        out = self._all_reduce(_matmul(linear, x))
         return out if linear.bias is None else out + linear.bias

@@ -28,8 +28,6 @@ against before any trainer connects.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -88,10 +86,23 @@ def checkpoint_views(model: torch.nn.Module, buffers: bool = False) -> dict[str,
         box = _as_box(probe, params[probe.source])
         views[probe.source].append((ckpt_name, tuple(probe.shape), box))
     for name, held in views.items():
-        if sum(math.prod(shape) for _, shape, _ in held) != math.prod(params[name]):
+        if not _cover_exactly_once([box for _, _, box in held], params[name]):
             raise ValueError(f"parameter {name!r}: transformers' checkpoint conversion maps it to "
                              f"{[n for n, _, _ in held]}, which do not cover it exactly once")
     return views
+
+
+def _cover_exactly_once(boxes: list[Box], shape: tuple[int, ...]) -> bool:
+    """Whether `boxes` (each inside `shape`) tile it: every element in exactly one.
+    Counted on the grid the boxes' own edges cut each dim into (a cell per expert
+    and part for a fused MoE tensor), not per element."""
+    edges = [sorted({0, size} | {offset[d] + e for offset, extent in boxes for e in (0, extent[d])})
+             for d, size in enumerate(shape)]
+    cell = [{edge: i for i, edge in enumerate(dim_edges)} for dim_edges in edges]
+    count = torch.zeros([len(dim_edges) - 1 for dim_edges in edges], dtype=torch.int32)
+    for offset, extent in boxes:
+        count[tuple(slice(at[o], at[o + e]) for at, o, e in zip(cell, offset, extent))] += 1
+    return bool((count == 1).all())
 
 
 def _as_box(probe: ViewProbe, shape: tuple[int, ...]) -> Box:
