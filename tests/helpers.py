@@ -178,6 +178,14 @@ def in_threads(*calls, timeout: float = 60) -> list:
     return results
 
 
+def set_in_store(store: dist.Store, key: str, value) -> None:
+    """A raw write that is in the Store before any other client reads: a set is not
+    answered, and the server may serve another connection's read first; the check
+    after it is answered on the same connection, so only once the set is in."""
+    store.set(key, value)
+    assert store.check([key])
+
+
 def store_client(store) -> dist.TCPStore:
     """A client of the TCPStore `store` serves: one per thread, since a client blocks while it waits."""
     return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import set_in_store
 from llamarl_core import auth
 from llamarl_core.pipeline import messages, wire
 from llamarl_core.pipeline.messages import Heartbeat, HeartbeatWatch, QueueClosed, StoreQueue
@@ -133,7 +134,7 @@ def test_a_late_message_is_not_skipped(store, monkeypatch):
     number = raw.add("tail", 1)
     StoreQueue(store, "late", SECRET).put("second")
     assert queue.get(0.1) is None
-    raw.set(str(number), auth.sign(SECRET, f"llamarl/queue/late/{number}", wire.encode("first")))
+    set_in_store(raw, str(number), auth.sign(SECRET, f"llamarl/queue/late/{number}", wire.encode("first")))
     assert [queue.get(5), queue.get(5)] == ["first", "second"]
 
 
@@ -238,7 +239,7 @@ def test_a_slot_taken_by_a_stranger_first_costs_nothing(store):
     the consumer drops the stranger's and reads the producer's."""
     consumer = StoreQueue(store, "race", SECRET)
     raw = dist.PrefixStore("llamarl/queue/race/", store)
-    raw.set("1", b"garbage")  # slot 1, before any producer took it
+    set_in_store(raw, "1", b"garbage")  # slot 1, before any producer took it
     StoreQueue(store.clone(), "race", SECRET).put("real")
     assert raw.add("tail", 0) == 2  # the producer took 1, found it written, and wrote under 2
     assert consumer.get(5) == "real" and consumer.dropped == 1

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import hf_state_dict, in_threads, mismatches, poisoned_destination, small_config, store_client
+from helpers import hf_state_dict, in_threads, mismatches, poisoned_destination, set_in_store, small_config, store_client
 from llamarl_core import auth
 from llamarl_core.sync import (
     SyncError,
@@ -52,14 +52,6 @@ def _expected(version: int) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- the store
 
 
-def _forge(raw: dist.Store, key: str, value: bytes) -> None:
-    """A stranger's write, in the Store before any other client reads: a set is not
-    answered, and the server may serve another connection's read first; the
-    check after it is answered on the same connection, so only once the set is in."""
-    raw.set(key, value)
-    assert raw.check([key])
-
-
 def test_a_value_that_does_not_verify_reads_as_not_set(store):
     """Genuine values round-trip; a forged one (another secret, no tag, a genuine
     value copied from another key) is not read: check says False, get and wait wait
@@ -73,7 +65,7 @@ def test_a_value_that_does_not_verify_reads_as_not_set(store):
     forged = {"b": auth.sign(auth.new_secret(), "t/b", b"x"), "c": b"no tag at all",
               "d": raw.get("a")}  # a's genuine value, copied: bound to key a
     for key, value in forged.items():
-        _forge(raw, key, value)
+        set_in_store(raw, key, value)
         assert not ours.check([key]) and not ours.check(["a", key])
         assert ours.forged(["a", key, "never-set"]) == [key]
         for _ in range(3):
@@ -116,7 +108,7 @@ def test_a_forged_optional_set_up_value_is_refused_not_taken_for_absent(store):
     channel.set("src/0/relay_buckets", [[["w", 0, 4, 4, 1]]])
     assert channel.get_if_set("src/0/relay_buckets") == [[["w", 0, 4, 4, 1]]]
     key = "llamarl/sync/optional//src/0/relay_buckets"
-    _forge(raw, key, auth.sign(auth.new_secret(), "llamarl/sync/optional/src/0/relay_buckets", b"null"))
+    set_in_store(raw, key, auth.sign(auth.new_secret(), "llamarl/sync/optional/src/0/relay_buckets", b"null"))
     with pytest.raises(SyncError, match="src/0/relay_buckets holds a value that does not verify"):
         channel.get_if_set("src/0/relay_buckets")
     assert channel.genuine("src/0/relay_buckets") is None and not channel.has("src/0/relay_buckets")
@@ -144,7 +136,7 @@ def _plant(raw: dist.Store, name: str, decoy_handle: dict) -> int:
         **{f"pg//{k}": "127.0.0.1:1" for k in ("0/0", "0/1", "1/0", "1/1", "rank_0", "rank_1")},
     }
     for key, value in values.items():  # a PrefixStore joins its prefix and a key with "/"
-        _forge(raw, f"{prefix}/{key}", auth.sign(stranger, prefix + key, value.encode()))
+        set_in_store(raw, f"{prefix}/{key}", auth.sign(stranger, prefix + key, value.encode()))
     return len(values)
 
 
