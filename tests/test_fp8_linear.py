@@ -3,14 +3,17 @@ quantized per token, against its float64 reference; its refusals; and the
 generator's FP8 layers running it: on CPU (torch's FP8 GEMM there) and, on a
 GPU (`pytest -m gpu`), on its tensor cores."""
 
+import datetime
+
 import pytest
 import torch
-import transformers
+import torch.distributed as dist
 
+import generator_workers as workers
+from helpers import run_processes
 from llamarl_core.models.llama_generator import Fp8Linear, LlamaGenerator
 from llamarl_core.ops.fp8 import quantize_fp8
 from llamarl_core.ops.fp8_linear import fp8_gemm_refusal, fp8_linear, fp8_linear_ref
-from llamarl_core.sync import hf_llama_fsdp, plan_transfer, vllm_llama_tp
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -33,45 +36,50 @@ def _quantized_weight(n: int, k: int, granularity: str, seed: int, device="cpu")
     return q.to(device), scale.to(device)
 
 
-def _within_rounding(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, q, scale) -> None:
+def _within_rounding(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, q, scale, bias=None) -> None:
     """y (bf16) is ref (float64) rounded to bf16 after a float32 accumulation:
-    within half a bf16 ulp of ref (2^-9 relative) plus the accumulation's error
-    (a few float32 ulps of the sum of |products|)."""
+    within one bf16 ulp of ref (2^-8 relative: the rounding and the bias's) plus
+    the accumulation's error (a few float32 ulps of the sum of |terms|)."""
     from llamarl_core.ops.fp8 import quantize_fp8_ref
 
     x, q, scale, ref = x.cpu(), q.cpu(), scale.cpu(), ref.cpu()
     xq, xs = quantize_fp8_ref(x.reshape(-1, x.shape[-1]), "channel")
     magnitude = (xq.double().abs() * xs.double()) @ (q.double().abs() * scale.reshape(-1, 1).double()).T
+    if bias is not None:
+        magnitude = magnitude + bias.cpu().double().abs()
     bound = ref.abs().reshape(magnitude.shape) * 2.0**-8 + magnitude * 2.0**-20
     gap = (y.cpu().double().reshape(magnitude.shape) - ref.reshape(magnitude.shape)).abs()
     assert (gap <= bound).all(), (gap - bound).max().item()
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("granularity", ["tensor", "channel"])
 @pytest.mark.parametrize("shape", [(1, 64, 48), (7, 128, 16), (2, 5, 32, 96), (333, 1024, 512)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_fp8_linear_equals_its_float64_reference(granularity, shape, device):
+def test_fp8_linear_equals_its_float64_reference(granularity, shape, bias, device):
     """On fresh random inputs (rows of very different sizes, a zero row): the FP8
     GEMM's bf16 output is the float64 product of the per-token FP8 activations
-    and the FP8 weight, within bf16 rounding; on a GPU with no host sync."""
+    and the FP8 weight (plus the bias), within bf16 rounding; on a GPU with no
+    host sync."""
     *lead, k, n = shape
     x = (torch.randn(*lead, k) * torch.rand(*lead, 1) * 10).to(torch.bfloat16)
     x.reshape(-1, k)[0] = 0
     q, scale = _quantized_weight(n, k, granularity, seed=sum(shape), device=device)
+    b = (torch.randn(n) * 4).to(torch.bfloat16).to(device) if bias else None
     x = x.to(device)
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
     try:
-        y = fp8_linear(x, q, scale)
+        y = fp8_linear(x, q, scale, b)
     finally:
         if device == "cuda":
             torch.cuda.set_sync_debug_mode(0)
     assert y.dtype == torch.bfloat16 and y.shape == (*lead, n) and y.device == x.device
-    ref = fp8_linear_ref(x.cpu(), q.cpu(), scale.cpu())
-    assert (y.reshape(-1, n)[0] == 0).all()
-    _within_rounding(y, ref, x, q, scale)
+    ref = fp8_linear_ref(x.cpu(), q.cpu(), scale.cpu(), None if b is None else b.cpu())
+    assert torch.equal(y.reshape(-1, n)[0].cpu(), torch.zeros(n, dtype=torch.bfloat16) if b is None else b.cpu())
+    _within_rounding(y, ref, x, q, scale, b)
 
 
 def test_fp8_linear_empty_and_non_finite_rows():
@@ -96,6 +104,8 @@ def test_fp8_linear_refuses_what_it_does_not_compute():
         ((x, q, scale[:16]), "32 values"),
         ((x, q, scale.double()), "float32"),
         ((torch.randn(4, 32).to(torch.bfloat16), q, scale), r"x \(4, 32\)"),
+        ((x, q, scale, torch.zeros(32)), r"bias must be bfloat16 of shape \(32,\)"),
+        ((x, q, scale, torch.zeros(16, dtype=torch.bfloat16)), r"bias must be bfloat16 of shape \(32,\)"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -103,39 +113,39 @@ def test_fp8_linear_refuses_what_it_does_not_compute():
     assert fp8_gemm_refusal(torch.bfloat16, torch.device("meta"), 32, 64) == "no FP8 GEMM on meta"
 
 
-def _config():
-    """A small Llama whose projections are all multiples of 16 (the FP8 GEMM's
-    operands): head_dim 16, 2 KV heads, biases on."""
-    return transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
-                                    num_key_value_heads=2, vocab_size=1001, attention_bias=True, mlp_bias=True,
-                                    tie_word_embeddings=False)
+def _expected_scale(name: str, layer: Fp8Linear, config) -> torch.Tensor:
+    """One scale per output row, from the layer's scale parameter and the
+    config's part sizes (not from the layer's own bookkeeping)."""
+    scale = getattr(layer, layer.scale_name).detach().cpu()
+    if scale.dim() == 2:  # per channel
+        return scale.reshape(-1)
+    if "qkv_proj" in name:
+        head_dim = config.hidden_size // config.num_attention_heads
+        parts = [config.num_attention_heads * head_dim] + [config.num_key_value_heads * head_dim] * 2
+    elif "gate_up_proj" in name:
+        parts = [config.intermediate_size] * 2
+    else:
+        parts = [layer.weight.shape[0]]
+    return scale.reshape(-1).repeat_interleave(torch.tensor(parts)) if scale.numel() > 1 else scale.expand(sum(parts))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("granularity", ["tensor", "channel"])
 def test_generator_fp8_layers_run_the_fp8_gemm(granularity, device):
     """LlamaGenerator(fp8=, fp8_gemm="fp8") in bf16, synced from the trainer's
-    weights: every FP8 layer runs the FP8 GEMM and its output is fp8_linear's
-    reference (per-part scales of the fused qkv / gate_up included); the logits
-    stay near those of dequantizing the same FP8 weights (the activations'
-    rounding only), and decoding with the KV cache gives them again. "auto"
-    dequantizes on CPU and runs the FP8 GEMM on a GPU: its logits are, bit for
-    bit, those of the one it picks."""
-    config = _config()
-    torch.manual_seed(3)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.1)
-    plan = plan_transfer(hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.bfloat16, fp8=granularity))
-    generators = {}
-    for gemm in ("fp8", "dequantize", "auto"):
-        generator = LlamaGenerator(config, dtype=torch.bfloat16, fp8=granularity, fp8_gemm=gemm, device=device)
-        plan.execute_local({0: {n: p.detach().to(device) for n, p in hf.named_parameters()}},
-                           {0: dict(generator.named_parameters())})
-        generators[gemm] = generator
+    weights (k_proj and up_proj 8 times larger than q / v and gate: distinct
+    per-part scales): every FP8 layer runs the FP8 GEMM and its output, bias
+    included, is fp8_linear's float64 reference with the scale each row's part
+    has; the logits stay near those of dequantizing the same FP8 weights (the
+    activations' rounding only), and decoding with the KV cache gives them
+    again. "auto" dequantizes on CPU and runs the FP8 GEMM on a GPU: its logits
+    are, bit for bit, those of the one it picks."""
+    config, hf = workers.fp8_gemm_model()
+    generators = {gemm: workers.fp8_gemm_generator(config, hf, granularity, gemm, device)
+                  for gemm in ("fp8", "dequantize", "auto")}
     ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4)).to(device)
     seen = []
+    names = {m: n for n, m in generators["fp8"].named_modules()}
     hooks = [m.register_forward_hook(lambda m, args, out: seen.append((m, args[0], out)))
              for m in generators["fp8"].modules() if isinstance(m, Fp8Linear)]
     with torch.no_grad():
@@ -145,10 +155,9 @@ def test_generator_fp8_layers_run_the_fp8_gemm(granularity, device):
         assert len(seen) == 2 * 2  # qkv and gate_up through forward (o and down are row-parallel: matmul)
         for layer, x, out in seen:
             assert layer.runs_fp8_gemm(x)
-            scale = layer._scale()
-            scale = scale.expand(layer.weight.shape[0]) if scale.dim() == 0 else scale
-            ref = fp8_linear_ref(x.cpu(), layer.weight.cpu(), scale.cpu()) + layer.bias.cpu().double()
-            assert (out.cpu().double() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item() + 1e-3
+            scale = _expected_scale(names[layer], layer, config)
+            ref = fp8_linear_ref(x.cpu(), layer.weight.cpu(), scale, layer.bias.cpu())
+            _within_rounding(out, ref, x, layer.weight, scale, layer.bias)
         cache = generators["fp8"].new_cache()
         steps = [generators["fp8"](ids[:, :5], cache)] + [generators["fp8"](ids[:, i: i + 1], cache) for i in range(5, 9)]
     assert torch.equal(logits["auto"], logits["fp8" if device == "cuda" else "dequantize"])
@@ -157,6 +166,27 @@ def test_generator_fp8_layers_run_the_fp8_gemm(granularity, device):
     print(f"{granularity}: max |FP8 GEMM logits - dequantized| = {gap:.4f} (logits up to {spread:.2f})")
     assert 0 < gap < 0.1 * spread
     assert (torch.cat(steps, dim=1).float() - logits["fp8"]).abs().max().item() <= 0.05 * spread
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_fp8_gemm_at_tp2_over_gloo_matches_tp1(granularity):
+    """The FP8 GEMM in tensor-parallel layers (2 ranks over gloo, bf16): the
+    row-parallel o_proj / down_proj multiply their input slices, all-reduce, then
+    add the bias once; each rank's logits stay within the activations' rounding
+    of the TP 1 FP8-GEMM generator's (each rank quantizes its own slice of a
+    row-parallel input, so they are not bit for bit the same)."""
+    config, hf = workers.fp8_gemm_model()
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = workers.fp8_gemm_generator(config, hf, granularity, "fp8")(ids).float()
+        dequantized = workers.fp8_gemm_generator(config, hf, granularity, "dequantize")(ids).float()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+    ranks = run_processes([(workers.fp8_gemm_tp_logits, dict(port=store.port, rank=r, world=2, granularity=granularity))
+                           for r in range(2)], timeout=180)
+    reference_gap = (expected - dequantized).abs().max().item()
+    gaps = [(torch.from_numpy(logits) - expected).abs().max().item() for logits in ranks]
+    print(f"{granularity}: TP 2 vs TP 1 FP8 GEMM {gaps}; TP 1 FP8 GEMM vs dequantized {reference_gap:.4f}")
+    assert max(gaps) <= 2 * reference_gap, (gaps, reference_gap)
 
 
 def test_fp8_gemm_refusals_in_the_generator():
@@ -174,3 +204,21 @@ def test_fp8_gemm_refusals_in_the_generator():
         layer(torch.randn(2, 40).to(torch.bfloat16))
     auto = Fp8Linear(40, 32, False, "channel", (32,), torch.bfloat16, "cpu")
     assert not auto.runs_fp8_gemm(torch.randn(2, 40).to(torch.bfloat16))
+
+
+def test_the_pipelines_fp8_gemm_setting_is_checked_before_a_run_starts():
+    """generator_fp8_gemm (`--generator-fp8-gemm`): one of auto / fp8 / dequantize,
+    only beside generator_fp8, and "fp8" only where the FP8 GEMM can run (bf16,
+    a scale per row): each refused at once, naming the setting."""
+    from llamarl_core.pipeline.config import TrainConfig
+
+    assert TrainConfig(generator_fp8="channel", generator_fp8_gemm="fp8", device="cuda").generator_fp8_gemm == "fp8"
+    assert TrainConfig(generator_fp8="block", generator_fp8_gemm="dequantize").generator_fp8_gemm == "dequantize"
+    for kwargs, match in [(dict(generator_fp8="channel", generator_fp8_gemm="fast"), "must be one of"),
+                          (dict(generator_fp8_gemm="fp8"), "set generator_fp8 too"),
+                          (dict(generator_fp8="block", generator_fp8_gemm="fp8", device="cuda"), "'block'"),
+                          (dict(generator_fp8="tensor", generator_fp8_gemm="fp8"), "on cpu"),
+                          (dict(generator_fp8="tensor", generator_fp8_gemm="fp8", device="cuda", dtype="float32"),
+                           "'float32'")]:
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**kwargs)

@@ -142,7 +142,8 @@ class Fp8Linear(nn.Module):
     Forward (`gemm`):
     - "fp8": one FP8 GEMM (ops/fp8_linear.py): the input quantized to FP8 per
       token, the weight read as it is, bf16 out. Per-tensor, per-part and
-      per-channel scales (all one value per output row); bf16 input.
+      per-channel scales (all one value per output row); bf16 input; the bias
+      added in the GEMM's float32 epilogue.
     - "dequantize": the weight rebuilt at every call, q x scale in float32 rounded
       to the input's dtype (exact in float32), then a GEMM in that dtype: a float
       copy of the weight per call, slower than bf16 weights; what FP8 saves then
@@ -151,17 +152,16 @@ class Fp8Linear(nn.Module):
       multiples of 16, not per block), "dequantize" otherwise (CPU included).
     `gemm="fp8"` where it cannot run is a ValueError saying why."""
 
-    GEMMS = ("auto", "fp8", "dequantize")
-
     def __init__(self, in_features: int, out_features: int, bias: bool, granularity: str,
                  part_rows: tuple[int, ...], dtype, device, gemm: str = "auto"):
         super().__init__()
         from ..ops.fp8 import FP8_DTYPE, GRANULARITIES, scale_shape
+        from ..ops.fp8_linear import GEMMS
 
         if granularity not in GRANULARITIES:
             raise ValueError(f"fp8 granularity must be one of {GRANULARITIES}, got {granularity!r}")
-        if gemm not in self.GEMMS:
-            raise ValueError(f"fp8 gemm must be one of {self.GEMMS}, got {gemm!r}")
+        if gemm not in GEMMS:
+            raise ValueError(f"fp8 gemm must be one of {GEMMS}, got {gemm!r}")
         if gemm == "fp8" and granularity == "block":
             raise ValueError("fp8 gemm='fp8' takes one scale per output row; 128 x 128 block scales dequantize "
                              "(gemm='dequantize' or 'auto')")
@@ -207,21 +207,20 @@ class Fp8Linear(nn.Module):
             raise ValueError(f"Fp8Linear(gemm='fp8'): {reason}")
         return reason is None
 
-    def _fp8_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _fp8_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         from ..ops.fp8_linear import fp8_linear
 
         scale = self._scale()
-        return fp8_linear(x, self.weight, scale.expand(self.weight.shape[0]) if scale.dim() == 0 else scale)
+        return fp8_linear(x, self.weight, scale.expand(self.weight.shape[0]) if scale.dim() == 0 else scale, bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T, without the bias (a row-parallel layer adds it after its all-reduce)."""
         return self._fp8_matmul(x) if self.runs_fp8_gemm(x) else F.linear(x, self.dequantized(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.runs_fp8_gemm(x):
-            return F.linear(x, self.dequantized(x.dtype), self.bias)
-        out = self._fp8_matmul(x)
-        return out if self.bias is None else out + self.bias
+        if self.runs_fp8_gemm(x):
+            return self._fp8_matmul(x, self.bias)
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
 
 
 def _matmul(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:

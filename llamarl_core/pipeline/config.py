@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..ops.fp8 import GRANULARITIES as FP8_GRANULARITIES
+from ..ops.fp8_linear import GEMMS as FP8_GEMMS
 from ..ops.objectives import DEFAULTS, LOSS_TYPES, objective_config
 from .plugins import name_of, spec_of
 
@@ -152,6 +153,9 @@ class TrainConfig:
     # Our generator's decoder-layer linear weights in FP8 with scales per "tensor", "channel" or "block" (128 x 128),
     # quantized by the trainer ranks at each sync (the trainer computes with its own weights); None: in `dtype`
     generator_fp8: str | None = None
+    # How those FP8 layers multiply: "auto" (one FP8 GEMM on a GPU that runs it, in bf16; dequantized weights
+    # elsewhere), "fp8" (the FP8 GEMM, or an error saying why not) or "dequantize" (Fp8Linear)
+    generator_fp8_gemm: str = "auto"
     seed: int = 0
     checkpoint_every: int = 50  # trainer steps between checkpoints (and one at the end)
     timeout_s: float = 60.0  # longest wait for any executor before the run stops with an error
@@ -176,6 +180,16 @@ class TrainConfig:
             if self.generator != "llama":
                 raise ValueError(f"generator_fp8 quantizes our generator's weights (generator 'llama'); not supported "
                                  f"with generator {self.generator!r}")
+        if self.generator_fp8_gemm not in FP8_GEMMS:
+            raise ValueError(f"generator_fp8_gemm must be one of {FP8_GEMMS}, got {self.generator_fp8_gemm!r}")
+        if self.generator_fp8_gemm != "auto" and self.generator_fp8 is None:
+            raise ValueError(f"generator_fp8_gemm {self.generator_fp8_gemm!r} is how FP8 weights multiply: set "
+                             "generator_fp8 too")
+        if self.generator_fp8_gemm == "fp8" and (self.generator_fp8 == "block" or self.dtype == "float32"
+                                                  or (self.dtype == "auto" and self.device == "cpu")):
+            raise ValueError("generator_fp8_gemm 'fp8' runs one FP8 GEMM, which takes bfloat16 activations and a scale "
+                             f"per output row: not generator_fp8 {self.generator_fp8!r} with dtype {self.dtype!r} on "
+                             f"{self.device} (use 'auto' or 'dequantize')")
         if self.generator_replicas > 1 and self.generator != "llama":
             raise ValueError(f"generator_replicas > 1 runs replicas of our generator; generator {self.generator!r} "
                              "is one replica")

@@ -351,7 +351,7 @@ def _make_generator(config: TrainConfig, data: RunData, store, secret: bytes, ra
         max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=data.max_new_tokens,
         segment_tokens=config.segment_tokens, temperature=config.temperature, eos_token_id=tokenizer.stop_token_ids,
         pad_token_id=tokenizer.pad_token_id, seed=seed, dtype=config.torch_dtype, device=config.device,
-        fp8=config.generator_fp8)
+        fp8=config.generator_fp8, fp8_gemm=config.generator_fp8_gemm)
 
 
 def _update_weights(generator, payload: dict, timeout_s: float, tp: int) -> tuple[int | None, str, bool]:

@@ -155,9 +155,9 @@ class LlamaGeneratorBackend(Generator):
                  replica: int = 0, num_replicas: int = 1, relay_names: dict[int, str] | None = None, max_batch: int,
                  max_new_tokens: int, segment_tokens: int, temperature: float,
                  eos_token_id: int | Sequence[int], pad_token_id: int, seed: int, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", fp8: str | None = None):
+                 device: str = "cpu", fp8: str | None = None, fp8_gemm: str = "auto"):
         self.model = LlamaGenerator(model_config, tp, rank, group=dist.group.WORLD if tp > 1 else None, dtype=dtype,
-                                    device=device, fp8=fp8)
+                                    device=device, fp8=fp8, fp8_gemm=fp8_gemm)
         # The trainer's float32 weights are cast to `dtype` on the way in (quantized to FP8 by the senders, with fp8).
         self.receiver = WeightReceiver(store, self.model.layout, rank,
                                        dict(self.model.named_parameters()), name=sync_name, timeout=timeout_s,

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from ..ops.objectives import DEFAULTS, LOSS_TYPES
-from .config import FP8_GRANULARITIES, LOSS_NORMALIZERS, LOSS_REDUCTIONS, VLLM_DEFAULTS, TrainConfig
+from .config import FP8_GEMMS, FP8_GRANULARITIES, LOSS_NORMALIZERS, LOSS_REDUCTIONS, VLLM_DEFAULTS, TrainConfig
 
 
 
@@ -115,9 +115,14 @@ NAMED_FLAGS = {
                            "channel or 128 x 128 block, quantized by the trainer ranks at each sync (half the bytes "
                            "of bf16); it samples with them, the trainer computes with its own weights, and the "
                            "loss's importance weights see the difference (default: none, weights in --dtype)"),
+    "generator_fp8_gemm": (str, "how those FP8 layers multiply: auto (one FP8 GEMM, the activations quantized per "
+                                "token, on a GPU from sm_89 in bfloat16 with tensor or channel scales; dequantized "
+                                "weights elsewhere), fp8 (that GEMM, or an error saying why it cannot run) or "
+                                "dequantize"),
 }
 # The named options that take one of a few values (argparse lists them and refuses others).
-CHOICES = {"loss_normalizer": LOSS_NORMALIZERS, "loss_reduction": LOSS_REDUCTIONS, "generator_fp8": FP8_GRANULARITIES}
+CHOICES = {"loss_normalizer": LOSS_NORMALIZERS, "loss_reduction": LOSS_REDUCTIONS, "generator_fp8": FP8_GRANULARITIES,
+           "generator_fp8_gemm": FP8_GEMMS}
 # The built-in model's sizes and warm-up: a pretrained model (--model) brings its own (and is not warmed up).
 TOY_MODEL_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "warmup_steps",
                    "warmup_batch")

@@ -110,6 +110,8 @@ def _as_box(probe: ViewProbe, shape: tuple[int, ...]) -> Box:
     dims, in order, must be the parameter's (size-1 dims squeezed away)."""
     strides = contiguous_strides(shape)
     offset, coords = probe.meta.storage_offset(), []
+    if 0 in shape:  # no element to place (and strides of 0)
+        return (0,) * len(shape), shape
     for stride in strides:
         coords.append(offset // stride)
         offset %= stride
