@@ -168,7 +168,8 @@ def check_gpu(args) -> int:
                 targets += 1
                 met += r["vs_copy"] >= target
                 verdict = f" (target {target:.2f}x: {'met' if r['vs_copy'] >= target else 'MISSED'})"
-            lines.append((r["what"], f"{r['gbps']:.0f} {r.get('unit', 'GB/s')}, {r['vs_copy']:.2f}x its limit{verdict}"
+            limit = r.get("limit", "its limit")
+            lines.append((r["what"], f"{r['gbps']:.0f} {r.get('unit', 'GB/s')}, {r['vs_copy']:.2f}x {limit}{verdict}"
                           + (f", {r['vs_naive']:.2f}x faster than naive" if "vs_naive" in r else "")
                           + (f", generator stall {r['stall_s'] * 1e3:.2f} ms" if "stall_s" in r else "")))
     if not args.no_pipeline:
