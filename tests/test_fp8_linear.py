@@ -205,20 +205,3 @@ def test_fp8_gemm_refusals_in_the_generator():
     auto = Fp8Linear(40, 32, False, "channel", (32,), torch.bfloat16, "cpu")
     assert not auto.runs_fp8_gemm(torch.randn(2, 40).to(torch.bfloat16))
 
-
-def test_the_pipelines_fp8_gemm_setting_is_checked_before_a_run_starts():
-    """generator_fp8_gemm (`--generator-fp8-gemm`): one of auto / fp8 / dequantize,
-    only beside generator_fp8, and "fp8" only where the FP8 GEMM can run (bf16,
-    a scale per row): each refused at once, naming the setting."""
-    from llamarl_core.pipeline.config import TrainConfig
-
-    assert TrainConfig(generator_fp8="channel", generator_fp8_gemm="fp8", device="cuda").generator_fp8_gemm == "fp8"
-    assert TrainConfig(generator_fp8="block", generator_fp8_gemm="dequantize").generator_fp8_gemm == "dequantize"
-    for kwargs, match in [(dict(generator_fp8="channel", generator_fp8_gemm="fast"), "must be one of"),
-                          (dict(generator_fp8_gemm="fp8"), "set generator_fp8 too"),
-                          (dict(generator_fp8="block", generator_fp8_gemm="fp8", device="cuda"), "'block'"),
-                          (dict(generator_fp8="tensor", generator_fp8_gemm="fp8"), "on cpu"),
-                          (dict(generator_fp8="tensor", generator_fp8_gemm="fp8", device="cuda", dtype="float32"),
-                           "'float32'")]:
-        with pytest.raises(ValueError, match=match):
-            TrainConfig(**kwargs)

@@ -104,10 +104,20 @@ def test_load_task_errors():
     ({"generator_fp8": "row"}, r"generator_fp8 must be one of \('tensor', 'channel', 'block'\) or None, got 'row'"),
     ({"generator_fp8": "block", "generator": "vllm"}, r"generator_fp8 quantizes our generator's weights \(generator "
                                                       r"'llama'\); not supported with generator 'vllm'"),
+    ({"generator_fp8": "channel", "generator_fp8_gemm": "fast"}, "generator_fp8_gemm must be one of"),
+    ({"generator_fp8_gemm": "fp8"}, "set generator_fp8 too"),
+    ({"generator_fp8": "block", "generator_fp8_gemm": "fp8", "device": "cuda"}, "not generator_fp8 'block'"),
+    ({"generator_fp8": "tensor", "generator_fp8_gemm": "fp8"}, "with dtype 'auto' on cpu"),
+    ({"generator_fp8": "tensor", "generator_fp8_gemm": "fp8", "device": "cuda", "dtype": "float32"}, "dtype 'float32'"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**bad)
+
+
+def test_config_takes_the_fp8_gemm_where_it_runs():
+    assert TrainConfig(generator_fp8="channel", generator_fp8_gemm="fp8", device="cuda").generator_fp8_gemm == "fp8"
+    assert TrainConfig(generator_fp8="block", generator_fp8_gemm="dequantize").generator_fp8_gemm == "dequantize"
 
 
 def test_config_sync_mode_forces_staleness_zero():
