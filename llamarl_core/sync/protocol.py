@@ -60,8 +60,11 @@ instead (`Channel.wait` with `failure`).
 Between a receiver and the senders of its host (shared memory, CUDA IPC) the two
 waits of a version, for the ticket to open and for the answers, sleep on the
 receiver's ticket board instead of the Store; the keys above are written all the
-same, before the board shows them, and are read whenever the board does not
-show what a waiter needs (board.py).
+same, sent before the board shows them, and are read whenever the board does not
+show what a waiter needs (board.py). A Store set is not answered, so a key the
+board already shows may still be on its way to the Store: a waiter that reads
+such a key from the Store waits for it (a blocking get or a wait with a
+deadline), never takes its absence for an answer.
 """
 
 from __future__ import annotations

@@ -484,7 +484,7 @@ class WeightSender(Endpoint):
                 # the other senders' slots of this ticket alone (this rank's copy is whole).
                 self._served[dst] = max(self._served.get(dst, 0), ticket)  # abort() may have raised it
                 self.channel.set(done_key(dst, ticket, self.rank), version)
-                if dst in self._boards:  # after the Store's answer: the board never runs ahead of it
+                if dst in self._boards:  # after the Store's write is sent (not answered: protocol.py)
                     self._boards[dst].serve(self.rank, ticket, version, self._sends[dst])
                 self._wrote.discard(dst)  # served whole
                 self._maybe_written.discard(dst)
