@@ -1,3 +1,5 @@
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 
@@ -25,6 +27,14 @@ if not torch.cuda.is_available():
         import llamarl_core.kernels.logprob  # noqa: F401
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# The forkserver the tests' rank processes are forked from (helpers.run_processes)
+# starts now, with the session's environment and sys.path: started inside a test,
+# it would keep that test's monkeypatched variables for the rest of the session.
+from helpers import FORKSERVER_PRELOAD  # noqa: E402
+
+multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+multiprocessing.forkserver.ensure_running()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -117,19 +118,79 @@ def mismatches(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Ten
     return lines
 
 
-def _child(target: Callable, kwargs: dict, queue) -> None:
+# What every rank process imports first, imported once by the forkserver the ranks are
+# forked from (as the pipeline's executors are: pipeline/processes.py): each rank then
+# starts in a fraction of a second instead of importing torch and transformers anew
+# (2-4 s a process on 2 cores). Third-party modules only: the package under test is
+# imported by each rank, as it was.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "transformers.models.llama.modeling_llama"]
+
+
+def _child(target: Callable, kwargs: dict, queue, environ: dict, outputs: tuple[str, str] | None) -> None:
+    # The test's environment now (a monkeypatched variable included), not the
+    # forkserver's when it started; and its output into files the parent copies to
+    # its own stdout and stderr (where pytest's capture reads it), as a spawned
+    # process's went to the parent's.
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, path in zip((1, 2), outputs or ()):
+        file = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(file, fd)
+        os.close(file)
     try:
         queue.put((os.getpid(), "ok", target(**kwargs)))
     except BaseException:  # report any failure of the child to the parent
         queue.put((os.getpid(), "error", traceback.format_exc()))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def rank_context():
+    """The multiprocessing context rank processes start in: forked from a forkserver
+    that has imported FORKSERVER_PRELOAD (no CUDA, no op run: safe to fork)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
+def start_rank(ctx, queue, fn: Callable, kwargs: dict):
+    """One rank process started by hand (for a test that kills and restarts ranks),
+    as run_processes starts them: it puts (pid, "ok" | "error", value) on `queue`.
+    Its output goes to the forkserver's, not through pytest's capture."""
+    proc = ctx.Process(target=_child, args=(fn, kwargs, queue, dict(os.environ), None))
+    proc.start()
+    return proc
 
 
 def run_processes(jobs: list[tuple[Callable, dict]], timeout: float) -> list:
-    """Run each (function, kwargs) in its own spawned process; return their results
-    in order. Raises if one fails, or kills them all if they pass the deadline."""
-    ctx = mp.get_context("spawn")
+    """Run each (function, kwargs) in its own process (rank_context); return their
+    results in order, their output written to this process's stdout and stderr.
+    Raises if one fails, or kills them all if they pass the deadline."""
+    ctx = rank_context()
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, kw, queue)) for fn, kw in jobs]
+    with tempfile.TemporaryDirectory(prefix="llamarl-ranks-") as folder:
+        outputs = [(os.path.join(folder, f"{i}.out"), os.path.join(folder, f"{i}.err")) for i in range(len(jobs))]
+        for pair in outputs:
+            for path in pair:
+                open(path, "wb").close()
+        procs = [ctx.Process(target=_child, args=(fn, kw, queue, dict(os.environ), out))
+                 for (fn, kw), out in zip(jobs, outputs)]
+        try:
+            by_pid = _collect(procs, queue, timeout)
+        finally:
+            for out_path, err_path in outputs:
+                for fd, path in ((1, out_path), (2, err_path)):
+                    with open(path, "rb") as f:
+                        os.write(fd, f.read())
+    errors = [v for s, v in by_pid.values() if s == "error"]
+    if errors:
+        raise AssertionError("a rank failed:\n" + "\n".join(errors))
+    return [by_pid[p.pid][1] for p in procs]
+
+
+def _collect(procs, queue, timeout: float) -> dict:
+    """Start `procs` and gather (status, value) by pid; every one joined (or killed) after."""
     for p in procs:
         p.start()
     by_pid = {}
@@ -153,10 +214,7 @@ def run_processes(jobs: list[tuple[Callable, dict]], timeout: float) -> list:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join()
-    errors = [v for s, v in by_pid.values() if s == "error"]
-    if errors:
-        raise AssertionError("a rank failed:\n" + "\n".join(errors))
-    return [by_pid[p.pid][1] for p in procs]
+    return by_pid
 
 
 def in_threads(*calls, timeout: float = 60) -> list:
