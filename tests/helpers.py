@@ -146,11 +146,15 @@ def _child(target: Callable, kwargs: dict, queue, environ: dict, outputs: tuple[
         sys.stderr.flush()
 
 
-def rank_context():
+def rank_context(start_method: str = "forkserver"):
     """The multiprocessing context rank processes start in: forked from a forkserver
-    that has imported FORKSERVER_PRELOAD (no CUDA, no op run: safe to fork)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    that has imported FORKSERVER_PRELOAD (no CUDA, no op run: safe to fork); or
+    "spawn", a fresh interpreter, for a rank whose memory is measured (a forked
+    process maps the forkserver's pages as it first touches them, and counts them
+    in its resident memory then)."""
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     return ctx
 
 
@@ -163,11 +167,11 @@ def start_rank(ctx, queue, fn: Callable, kwargs: dict):
     return proc
 
 
-def run_processes(jobs: list[tuple[Callable, dict]], timeout: float) -> list:
-    """Run each (function, kwargs) in its own process (rank_context); return their
-    results in order, their output written to this process's stdout and stderr.
-    Raises if one fails, or kills them all if they pass the deadline."""
-    ctx = rank_context()
+def run_processes(jobs: list[tuple[Callable, dict]], timeout: float, start_method: str = "forkserver") -> list:
+    """Run each (function, kwargs) in its own process (rank_context(start_method));
+    return their results in order, their output written to this process's stdout
+    and stderr. Raises if one fails, or kills them all if they pass the deadline."""
+    ctx = rank_context(start_method)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="llamarl-ranks-") as folder:
         outputs = [(os.path.join(folder, f"{i}.out"), os.path.join(folder, f"{i}.err")) for i in range(len(jobs))]

@@ -76,10 +76,10 @@ def _in_group(rank: int, world: int, port: int, job, **kwargs):
         dist.destroy_process_group()
 
 
-def _ranks(world: int, job, timeout: float = 180, **kwargs) -> list:
+def _ranks(world: int, job, timeout: float = 180, start_method: str = "forkserver", **kwargs) -> list:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
     return _tensors(run_processes([(_in_group, dict(rank=r, world=world, port=store.port, job=job, **kwargs))
-                                   for r in range(world)], timeout=timeout))
+                                   for r in range(world)], timeout=timeout, start_method=start_method))
 
 
 # ----------------------------------------------------------------------------- building and filling
@@ -212,7 +212,7 @@ def test_no_rank_ever_holds_the_whole_model_while_it_loads(tmp_path):
     folder, model = _checkpoint(tmp_path, config, "big")
     model_bytes = sum(p.numel() for p in model.parameters()) * 4
     del model
-    peaks = _ranks(4, _peak_job, timeout=300, config=config, folder=folder)
+    peaks = _ranks(4, _peak_job, timeout=300, start_method="spawn", config=config, folder=folder)
     print(f"model {model_bytes / 2**20:.0f} MiB (float32); each rank's peak growth while it loads: "
           f"{', '.join(f'{p / 2**20:.0f}' for p in peaks)} MiB")
     assert all(p < 0.75 * model_bytes for p in peaks), peaks

@@ -210,7 +210,7 @@ def test_fp8_destination_holds_its_fp8_weights_and_scales_and_the_staging_bucket
     keeps one FP8 byte per element it sends."""
     jobs = [(workers.fp8_memory_sender_body, dict(port=store.port)),
             (workers.fp8_memory_receiver_body, dict(port=store.port))]
-    sender, receiver = run_processes(jobs, timeout=300)
+    sender, receiver = run_processes(jobs, timeout=300, start_method="spawn")  # its memory is measured
     elements = sum(rows * cols for rows, cols in workers.FP8_MEMORY["shapes"])
     assert receiver["mismatches"] == []
     assert receiver["staging"] == 2 * workers.FP8_MEMORY["bucket_bytes"]
