@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..ops.fp8 import GRANULARITIES as FP8_GRANULARITIES
 from ..ops.fp8_linear import GEMMS as FP8_GEMMS
 from ..ops.objectives import DEFAULTS, LOSS_TYPES, objective_config
@@ -185,8 +187,8 @@ class TrainConfig:
         if self.generator_fp8_gemm != "auto" and self.generator_fp8 is None:
             raise ValueError(f"generator_fp8_gemm {self.generator_fp8_gemm!r} is how FP8 weights multiply: set "
                              "generator_fp8 too")
-        if self.generator_fp8_gemm == "fp8" and (self.generator_fp8 == "block" or self.dtype == "float32"
-                                                  or (self.dtype == "auto" and self.device == "cpu")):
+        if self.generator_fp8_gemm == "fp8" and (self.generator_fp8 == "block"
+                                                  or self.torch_dtype != torch.bfloat16):
             raise ValueError("generator_fp8_gemm 'fp8' runs one FP8 GEMM, which takes bfloat16 activations and a scale "
                              f"per output row: not generator_fp8 {self.generator_fp8!r} with dtype {self.dtype!r} on "
                              f"{self.device} (use 'auto' or 'dequantize')")
@@ -297,8 +299,6 @@ class TrainConfig:
     @property
     def torch_dtype(self):
         """The dtype the generator holds its weights in and the trainer computes in."""
-        import torch
-
         if self.dtype == "auto":
             return torch.bfloat16 if self.device == "cuda" else torch.float32
         return getattr(torch, self.dtype)

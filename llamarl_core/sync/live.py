@@ -108,10 +108,10 @@ def _cover_exactly_once(boxes: list[Box], shape: tuple[int, ...]) -> bool:
 def _as_box(probe: ViewProbe, shape: tuple[int, ...]) -> Box:
     """The box of a parameter (contiguous, `shape`) that a probe's view covers: its
     dims, in order, must be the parameter's (size-1 dims squeezed away)."""
-    strides = contiguous_strides(shape)
-    offset, coords = probe.meta.storage_offset(), []
     if 0 in shape:  # no element to place (and strides of 0)
         return (0,) * len(shape), shape
+    strides = contiguous_strides(shape)
+    offset, coords = probe.meta.storage_offset(), []
     for stride in strides:
         coords.append(offset // stride)
         offset %= stride
