@@ -1,4 +1,3 @@
-import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
@@ -31,9 +30,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The forkserver the tests' rank processes are forked from (helpers.run_processes)
 # starts now, with the session's environment and sys.path: started inside a test,
 # it would keep that test's monkeypatched variables for the rest of the session.
-from helpers import FORKSERVER_PRELOAD  # noqa: E402
+from helpers import rank_context  # noqa: E402
 
-multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+rank_context()  # the forkserver context, its preload set
 multiprocessing.forkserver.ensure_running()
 
 
