@@ -84,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     if argv and argv[0] == "train":
+        if not {"-h", "--help"} & set(argv):
+            # The executors' forkserver imports torch and transformers while this process
+            # imports the pipeline (both take seconds): not one after the other.
+            from .forkserver import start
+
+            start()
         from .pipeline.train_cli import main as train_main
 
         return train_main(argv[1:])

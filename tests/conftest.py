@@ -1,4 +1,3 @@
-import multiprocessing.forkserver
 import os
 import sys
 
@@ -30,10 +29,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The forkserver the tests' rank processes are forked from (helpers.run_processes)
 # starts now, with the session's environment and sys.path: started inside a test,
 # it would keep that test's monkeypatched variables for the rest of the session.
-from helpers import rank_context  # noqa: E402
+from llamarl_core import forkserver  # noqa: E402
 
-rank_context()  # the forkserver context, its preload set
-multiprocessing.forkserver.ensure_running()
+forkserver.start()
 
 
 def pytest_collection_modifyitems(config, items):

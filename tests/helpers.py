@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from llamarl_core import forkserver
 from llamarl_core.sync import Layout, Replicate, Shard
 
 
@@ -123,9 +124,6 @@ def mismatches(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Ten
 # starts in a fraction of a second instead of importing torch and transformers anew
 # (2-4 s a process on 2 cores). Third-party modules only: the package under test is
 # imported by each rank, as it was.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "transformers.models.llama.modeling_llama"]
-
-
 def _child(target: Callable, kwargs: dict, queue, environ: dict, outputs: tuple[str, str] | None) -> None:
     # The test's environment now (a monkeypatched variable included), not the
     # forkserver's when it started; and its output into files the parent copies to
@@ -147,15 +145,12 @@ def _child(target: Callable, kwargs: dict, queue, environ: dict, outputs: tuple[
 
 
 def rank_context(start_method: str = "forkserver"):
-    """The multiprocessing context rank processes start in: forked from a forkserver
-    that has imported FORKSERVER_PRELOAD (no CUDA, no op run: safe to fork); or
-    "spawn", a fresh interpreter, for a rank whose memory is measured (a forked
-    process maps the forkserver's pages as it first touches them, and counts them
-    in its resident memory then)."""
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-    return ctx
+    """The multiprocessing context rank processes start in: forked from the
+    executors' forkserver (llamarl_core.forkserver: torch and transformers imported,
+    no CUDA, no op run: safe to fork); or "spawn", a fresh interpreter, for a rank
+    whose memory is measured (a forked process maps the forkserver's pages as it
+    first touches them, and counts them in its resident memory then)."""
+    return forkserver.context() if start_method == "forkserver" else mp.get_context(start_method)
 
 
 def start_rank(ctx, queue, fn: Callable, kwargs: dict):

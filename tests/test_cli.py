@@ -73,3 +73,28 @@ def test_train_help_states_the_config_defaults(capsys):
                          ("--mask-low MASK_LOW", "mask_low"), ("--mask-high MASK_HIGH", "mask_high")):
         assert all(f"{loss} {reads[name]:g}" in entries[option] for loss, reads in DEFAULTS.items() if name in reads)
     assert all(loss in entries["--loss LOSS"] for loss in DEFAULTS)
+
+
+def test_executor_forkserver_starts_before_the_pipeline_is_imported():
+    """`llamarl train` launches the executors' forkserver first thing, so that its
+    imports and the controller's run side by side: importing llamarl_core.forkserver
+    imports no torch, and a process started in its context begins with torch.distributed
+    and transformers' Llama already imported (forked from the server that imported them)."""
+    import subprocess
+    import sys
+
+    preloaded = " and ".join(f"{name!r} in sys.modules" for name in ("torch.distributed",
+                                                                   "transformers.models.llama.modeling_llama"))
+    child = f"import sys; sys.exit(0 if {preloaded} else 3)"
+    script = "\n".join([
+        "import sys",
+        "from llamarl_core import forkserver",
+        "assert 'torch' not in sys.modules and 'llamarl_core.pipeline' not in sys.modules, sorted(sys.modules)",
+        "forkserver.start()",
+        f"child = forkserver.context().Process(target=exec, args=({child!r},))",
+        "child.start()",
+        "child.join(120)",
+        "sys.exit(child.exitcode)",
+    ])
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -24,33 +24,26 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from .. import auth
+from .. import auth, forkserver
 from .executors import GENERATOR, executor_main
 from .messages import HeartbeatWatch, StoreQueue
 
-# Third-party modules only: the forkserver imports them with the working directory
-# first on sys.path, so from a source checkout it would import this package's
-# unbuilt tree; the executors import it after taking the controller's sys.path.
-EXECUTOR_MODULES = ["torch.distributed", "transformers.models.llama.modeling_llama"]
-
-
 class LocalExecutors:
-    """Executor processes forked on this host; a dead one can be replaced. They are forked from a server
-    process that has imported torch and transformers once (a single-threaded
-    process that never ran an op, so forking it is safe): a cold run's trainer
-    starts its warm-up about 3 s in instead of 5.5 s (three processes no longer
-    import the same modules at once on 2 cores), and later runs in the same
-    process start their executors at once."""
+    """Executor processes forked on this host; a dead one can be replaced. They are
+    forked from llamarl_core.forkserver's server, which has imported torch and
+    transformers once: three processes no longer import the same modules at once
+    (on 2 cores, a cold run's trainer started its warm-up about 3 s in instead of
+    5.5 s), and later runs in the same process start their executors at once.
+    `llamarl train` launches that server before importing the pipeline, so its
+    imports and the controller's run side by side."""
 
     restartable = True
 
     def __init__(self, out_dir: Path, engine: bool = False):
         # engine: the generator is an engine that starts processes of its own (vLLM, or one of the user's)
         self.out, self.engine = Path(out_dir), engine
-        self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(EXECUTOR_MODULES)
+        self.ctx = forkserver.context()
         self.procs: dict[tuple[str, int], mp.Process] = {}
         self.store: dist.TCPStore | None = None
         self.secret: bytes | None = None
