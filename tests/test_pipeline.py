@@ -664,6 +664,9 @@ def test_a_generator_that_fails_while_starting_stops_the_run_with_its_error(tmp_
     assert "generator rank 0 failed" in proc.stderr and "a generator-only start-up failure" in proc.stderr
     assert "while starting; not restarting it" in proc.stderr and "restarting it and" not in proc.stderr
     assert time.monotonic() - start < 60
+    # The trainer, still waiting for that generator, was killed rather than waited for: none is left.
+    executors = json.loads((tmp_path / "run" / "executors.json").read_text()).values()
+    assert not [pid for pid in executors if _alive(pid)]
 
 
 @pytest.mark.parametrize("task, message", [("failing_task", "KeyError: \"a user's reward bug\""),

@@ -568,10 +568,14 @@ class Controller:
             parts.append(f"the reward executor scoring {self.scoring} bunches of samples")
         return f" ({'; '.join(parts)})" if parts else ""
 
+    def _everyone(self) -> set[tuple[str, int]]:
+        """(role, rank) of every executor of the run."""
+        return {(REWARD, 0)} | {(TRAINER, r) for r in range(self.config.trainer_world)} | {
+            (GENERATOR, r) for r in range(self.generator_ranks)}
+
     def _wait_ready(self) -> None:
         self.last_progress = time.monotonic()
-        everyone = {(REWARD, 0)} | {(TRAINER, r) for r in range(self.config.trainer_world)} | {
-            (GENERATOR, r) for r in range(self.generator_ranks)}
+        everyone = self._everyone()
         while not everyone <= self.ready_ranks:
             self._next_event("the executors to start")
         self.resumed_wall, self.resumed_rl = self._previous_times()
@@ -635,6 +639,7 @@ class Controller:
         # checkpoint queued before "stop" (behind a sync that failed, say) gets up to
         # timeout_s more to be written: it is the one a resume needs.
         grace_s = (30 if self.config.generator == "vllm" else 10) + (self.config.timeout_s if self.checkpointing else 0)
-        self.executors.shutdown(grace_s=grace_s)
+        # One still setting up (waiting for a generator that failed to start, say) reads no inbox.
+        self.executors.shutdown(grace_s=grace_s, unready=self._everyone() - self.ready_ranks)
         self.beat.stop()
         self.events.close()

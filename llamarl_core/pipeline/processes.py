@@ -9,7 +9,7 @@ controller talks to it through the same queues in that Store either way.
     executors.start(GENERATOR, 0, config_dict, extra)
     executors.exited()                                # [(role, rank, why)] of the dead
     executors.stop(GENERATOR, 0)                      # SIGKILL a generator rank (if restartable)
-    executors.shutdown(grace_s)
+    executors.shutdown(grace_s, unready)              # kill the unready at once, wait grace_s for the rest
 """
 
 from __future__ import annotations
@@ -91,10 +91,16 @@ class LocalExecutors:
             proc.kill()
         proc.join(timeout=5)
 
-    def shutdown(self, grace_s: float) -> None:
-        """After "stop" went to every inbox: wait up to grace_s for the executors
-        to exit, then kill what is left (an engine generator's group always: a dead
-        engine executor may leave its engine's processes behind)."""
+    def shutdown(self, grace_s: float, unready=frozenset()) -> None:
+        """After "stop" went to every inbox: kill the executors in `unready`
+        ((role, rank) of those that never reported ready: still setting up, they
+        read no inbox, and hold nothing a run keeps) but an engine generator (its
+        engine, once started, shuts down in order), wait up to grace_s for the
+        others to exit, then kill what is left (an engine generator's group
+        always: a dead engine executor may leave its engine's processes behind)."""
+        for role, rank in unready:
+            if (role, rank) in self.procs and not (role == GENERATOR and self.engine):
+                self._kill(role, self.procs[(role, rank)])
         deadline = time.monotonic() + grace_s
         for proc in self.procs.values():
             proc.join(timeout=max(deadline - time.monotonic(), 0.1))
@@ -174,5 +180,6 @@ class LaunchedExecutors:
                                            f"not beaten for {seconds:.0f} s (its host, or the link to it, is down)"))
         return silent
 
-    def shutdown(self, grace_s: float) -> None:
-        """The ranks return to their serve loop on "stop" (and end on the launcher's "exit")."""
+    def shutdown(self, grace_s: float, unready=frozenset()) -> None:
+        """The ranks return to their serve loop on "stop" (and end on the launcher's
+        "exit"); one still setting up (`unready`) returns when its set-up ends."""
