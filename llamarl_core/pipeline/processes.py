@@ -21,6 +21,7 @@ import os
 import secrets
 import signal
 import time
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import torch.distributed as dist
@@ -44,7 +45,7 @@ class LocalExecutors:
         # engine: the generator is an engine that starts processes of its own (vLLM, or one of the user's)
         self.out, self.engine = Path(out_dir), engine
         self.ctx = forkserver.context()
-        self.procs: dict[tuple[str, int], mp.Process] = {}
+        self.procs: dict[tuple[str, int], BaseProcess] = {}
         self.store: dist.TCPStore | None = None
         self.secret: bytes | None = None
 
