@@ -83,14 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     # installed package and its built native module. The executors inherit sys.path (forkserver).
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
-    if argv[:1] == ["train"] or argv[:2] in (["bench", "pipeline"], ["bench", "soak"]):
+    if argv and argv[0] == "train":
         if not {"-h", "--help"} & set(argv):
-            # Commands that fork executors: their forkserver imports torch and transformers
-            # while this process imports the pipeline (both take seconds), not after it.
+            # The executors' forkserver imports torch and transformers while this process
+            # imports the pipeline (both take seconds), not after it.
             from .forkserver import start
 
             start()
-    if argv and argv[0] == "train":
         from .pipeline.train_cli import main as train_main
 
         return train_main(argv[1:])

@@ -16,10 +16,13 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
+import signal
+import threading
 
-# Third-party modules only: the server imports them with the working directory
-# first on sys.path, so from a source checkout it would import this package's
-# unbuilt tree; an executor imports the package after taking its parent's sys.path.
+# Third-party modules only: the server imports them on a sys.path that need not be
+# its parent's (Python 3.11 puts the working directory first: from a source checkout
+# it would import this package's unbuilt tree); a process forked from it takes its
+# parent's sys.path and working directory before it imports this package.
 PRELOAD = ["torch.distributed", "transformers.models.llama.modeling_llama"]
 
 
@@ -32,6 +35,16 @@ def context() -> multiprocessing.context.ForkServerContext:
 
 
 def start() -> None:
-    """Launch the server now, without waiting for its imports."""
+    """Launch the server now, without waiting for its imports. It starts with
+    SIGINT ignored (Ctrl-C reaches the terminal's whole process group; the server
+    ignores it once its imports are done, and is stopped by its parent's exit),
+    and so do the processes forked from it, unless they set their own handler."""
     context()
-    multiprocessing.forkserver.ensure_running()
+    if threading.current_thread() is not threading.main_thread():  # signal handlers are the main thread's
+        multiprocessing.forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # an ignored signal stays ignored across exec
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)

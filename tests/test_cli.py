@@ -75,26 +75,35 @@ def test_train_help_states_the_config_defaults(capsys):
     assert all(loss in entries["--loss LOSS"] for loss in DEFAULTS)
 
 
-def test_executor_forkserver_starts_before_the_pipeline_is_imported():
+
+def test_train_starts_the_executor_forkserver_before_importing_the_pipeline():
     """`llamarl train` launches the executors' forkserver first thing, so that its
-    imports and the controller's run side by side: importing llamarl_core.forkserver
-    imports no torch, and a process started in its context begins with torch.distributed
-    and transformers' Llama already imported (forked from the server that imported them)."""
+    imports and the controller's run side by side: importing the CLI and
+    llamarl_core.forkserver imports no torch, start() comes before the pipeline is
+    imported, and a process started in the server's context begins with
+    torch.distributed and transformers' Llama imported and SIGINT ignored."""
     import subprocess
     import sys
 
     preloaded = " and ".join(f"{name!r} in sys.modules" for name in ("torch.distributed",
                                                                    "transformers.models.llama.modeling_llama"))
-    child = f"import sys; sys.exit(0 if {preloaded} else 3)"
+    child = (f"import signal, sys; sys.exit(0 if {preloaded} and signal.getsignal(signal.SIGINT) == signal.SIG_IGN "
+             "else 3)")
     script = "\n".join([
         "import sys",
-        "from llamarl_core import forkserver",
-        "assert 'torch' not in sys.modules and 'llamarl_core.pipeline' not in sys.modules, sorted(sys.modules)",
-        "forkserver.start()",
-        f"child = forkserver.context().Process(target=exec, args=({child!r},))",
-        "child.start()",
-        "child.join(120)",
-        "sys.exit(child.exitcode)",
+        "from llamarl_core import cli, forkserver",
+        "assert 'torch' not in sys.modules, 'importing the CLI imported torch'",
+        "real_start = forkserver.start",
+        "def start():",
+        "    assert 'llamarl_core.pipeline' not in sys.modules, 'the pipeline was imported before the forkserver started'",
+        "    real_start()",
+        f"    child = forkserver.context().Process(target=exec, args=({child!r},))",
+        "    child.start()",
+        "    child.join(120)",
+        "    sys.exit(5 if child.exitcode is None else child.exitcode)",
+        "forkserver.start = start",
+        "cli.main(['train', '--steps', '1'])",
+        "sys.exit(4)  # start() was never called",
     ])
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd="/")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])

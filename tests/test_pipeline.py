@@ -664,9 +664,44 @@ def test_a_generator_that_fails_while_starting_stops_the_run_with_its_error(tmp_
     assert "generator rank 0 failed" in proc.stderr and "a generator-only start-up failure" in proc.stderr
     assert "while starting; not restarting it" in proc.stderr and "restarting it and" not in proc.stderr
     assert time.monotonic() - start < 60
-    # The trainer, still waiting for that generator, was killed rather than waited for: none is left.
     executors = json.loads((tmp_path / "run" / "executors.json").read_text()).values()
     assert not [pid for pid in executors if _alive(pid)]
+
+
+def _setting_up(marker: str, obeys_sigterm: bool) -> None:
+    """An executor blocked in its set-up (reading no inbox), with executor_main's
+    SIGTERM handling or ignoring SIGTERM; its clean-up writes `marker`."""
+    from llamarl_core.pipeline.executors import _exit_on_sigterm
+
+    signal.signal(signal.SIGTERM, _exit_on_sigterm if obeys_sigterm else signal.SIG_IGN)
+    Path(marker).write_text("setting up")
+    try:
+        time.sleep(600)
+    finally:
+        Path(marker).write_text("cleaned up")
+
+
+def test_shutdown_ends_the_unready_at_once_and_waits_for_the_ready(tmp_path):
+    """LocalExecutors.shutdown: executors that never reported ready are ended at
+    once, not after the grace: through their clean-up (SIGTERM), or killed
+    TERMINATE_S later if they do not exit; a ready one gets the grace to exit."""
+    from llamarl_core.pipeline.processes import TERMINATE_S, LocalExecutors
+
+    executors = LocalExecutors(tmp_path)
+    markers = {rank: tmp_path / f"trainer-{rank}" for rank in (0, 1)}
+    executors.procs = {("trainer", 0): executors.ctx.Process(target=_setting_up, args=(str(markers[0]), True)),
+                       ("trainer", 1): executors.ctx.Process(target=_setting_up, args=(str(markers[1]), False)),
+                       ("reward", 0): executors.ctx.Process(target=time.sleep, args=(3.0,))}
+    for proc in executors.procs.values():
+        proc.start()
+    _wait_for(lambda: all(m.exists() for m in markers.values()), 60, "the executors to set their SIGTERM handling")
+    start = time.monotonic()
+    executors.shutdown(grace_s=120, unready={("trainer", 0), ("trainer", 1)})
+    took = time.monotonic() - start
+    exits = {key: proc.exitcode for key, proc in executors.procs.items()}
+    assert exits == {("trainer", 0): 128 + signal.SIGTERM, ("trainer", 1): -signal.SIGKILL, ("reward", 0): 0}, exits
+    assert markers[0].read_text() == "cleaned up" and markers[1].read_text() == "setting up"
+    assert TERMINATE_S <= took < 60, took  # the ready one's grace was not waited out, nor needed
 
 
 @pytest.mark.parametrize("task, message", [("failing_task", "KeyError: \"a user's reward bug\""),

@@ -259,6 +259,10 @@ def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, ext
         link.close()
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def executor_main(role: str, rank: int, config_dict: dict, store_port: int, extra: dict, secret: bytes) -> None:
     """Process entry point (forked by the controller's forkserver on its host; the
     run's secret comes in the arguments, through the forkserver's local socket)."""
@@ -267,6 +271,9 @@ def executor_main(role: str, rank: int, config_dict: dict, store_port: int, extr
     # interrupted on its own would touch the Store after the controller closed it, and
     # each such request makes c10d print a stack trace.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM (the controller ending an executor still setting up when the run stops):
+    # out through run_executor's clean-up (its process group destroyed, its Store closed).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if role == GENERATOR and config_dict["generator"] != "llama":
         os.setsid()  # a process group for an engine's processes too (vLLM's, a user's), which the controller kills as one
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False,

@@ -30,6 +30,10 @@ from .. import auth, forkserver
 from .executors import GENERATOR, executor_main
 from .messages import HeartbeatWatch, StoreQueue
 
+# How long an executor still setting up when its run stops has, after SIGTERM, to exit.
+TERMINATE_S = 2.0
+
+
 class LocalExecutors:
     """Executor processes forked on this host; a dead one can be replaced. They are
     forked from llamarl_core.forkserver's server, which has imported torch and
@@ -93,15 +97,23 @@ class LocalExecutors:
         proc.join(timeout=5)
 
     def shutdown(self, grace_s: float, unready=frozenset()) -> None:
-        """After "stop" went to every inbox: kill the executors in `unready`
+        """After "stop" went to every inbox: end the executors in `unready`
         ((role, rank) of those that never reported ready: still setting up, they
-        read no inbox, and hold nothing a run keeps) but an engine generator (its
-        engine, once started, shuts down in order), wait up to grace_s for the
-        others to exit, then kill what is left (an engine generator's group
-        always: a dead engine executor may leave its engine's processes behind)."""
-        for role, rank in unready:
-            if (role, rank) in self.procs and not (role == GENERATOR and self.engine):
-                self._kill(role, self.procs[(role, rank)])
+        read no inbox, and hold nothing a run keeps) at once, but an engine
+        generator (its engine, once started, shuts down in order): SIGTERM (they
+        exit through their clean-up, executor_main), SIGKILL after TERMINATE_S.
+        Then wait up to grace_s for the others to exit, and kill what is left (an
+        engine generator's group always: a dead engine executor may leave its
+        engine's processes behind)."""
+        ending = [(role, self.procs[(role, rank)]) for role, rank in unready
+                  if (role, rank) in self.procs and not (role == GENERATOR and self.engine)]
+        for _, proc in ending:
+            proc.terminate()
+        deadline = time.monotonic() + TERMINATE_S
+        for role, proc in ending:
+            proc.join(timeout=max(deadline - time.monotonic(), 0.1))
+            if proc.is_alive():
+                self._kill(role, proc)
         deadline = time.monotonic() + grace_s
         for proc in self.procs.values():
             proc.join(timeout=max(deadline - time.monotonic(), 0.1))
