@@ -8,7 +8,7 @@ On the same bf16 weights, in the same run:
 GB/s = bytes / time with bytes = numel * (2 read + 1 written) + 4 * number of scales
 (the copy: numel * 4).
 
---gpu-sweep (a CUDA device): every candidate tiling of ops.fp8.SWEEP_TILINGS per
+--gpu-sweep (a CUDA device): every candidate tiling of ops.fp8_launch.SWEEP_TILINGS per
 granularity, unchecked (no host sync), on a 14336 x 4096 and a 4096 x 14336 bf16
 weight and a 14336 x 4096 float32 one, beside a device copy of the same weight
 in the same run (GB/s: bytes read + written; a float32 weight reads 4 bytes per
@@ -28,8 +28,8 @@ import torch
 
 from llamarl_core.bench.harness import add_output_args, record, summarize, table
 from llamarl_core.cli import HelpFormatter
-from llamarl_core.ops.fp8 import (GRANULARITIES, SWEEP_TILINGS, launch_quantize_fp8, quantize_fp8, quantize_fp8_ref,
-                                  scale_shape)
+from llamarl_core.ops.fp8 import GRANULARITIES, quantize_fp8, quantize_fp8_ref, scale_shape
+from llamarl_core.ops.fp8_launch import SWEEP_TILINGS, launch_quantize_fp8
 
 # Llama-3-8B-shaped projections: q/o (4096 x 4096), gate/up (14336 x 4096), down (4096 x 14336).
 DEFAULT_SHAPES = ["4096x4096", "14336x4096", "4096x14336"]
@@ -151,7 +151,7 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=3, help="timed calls of each method")
     p.add_argument("--gpu", action="store_true", help="also time the Triton kernel against a d2d copy")
     p.add_argument("--gpu-sweep", action="store_true",
-                   help="time every candidate tiling (ops.fp8.SWEEP_TILINGS) on a CUDA device instead")
+                   help="time every candidate tiling (ops.fp8_launch.SWEEP_TILINGS) on a CUDA device instead")
     p.add_argument("--sweep-rep-ms", type=int, default=100, help="do_bench time per candidate in the sweep (ms)")
     add_output_args(p)
     return p.parse_args(argv)

@@ -1,7 +1,7 @@
 """Triton kernels for FP8 (e4m3fn) weight quantization.
 
-Device code only: pointers, strides and sizes. Launchers, semantics and the
-choice of tiles live in llamarl_core/ops/fp8.py.
+Device code only: pointers, strides and sizes. The launchers and the choice of
+tiles live in llamarl_core/ops/fp8_launch.py, the semantics in ops/fp8_format.py.
 
 Region kernels (per channel, per block; per tensor on strided weights): a
 program owns a GROUP_N x GROUP_K region of a 2-D weight (GROUP_N whole rows, a

@@ -3,7 +3,7 @@ sender quantizes, in one launch per pass (amaxes, then the cast), driven by a
 table of tiles.
 
 Device code only: pointers, a tile table and sizes. The tables and launches live
-in llamarl_core/ops/fp8.py (Fp8Tiles), the groups in llamarl_core/sync/fp8.py.
+in llamarl_core/ops/fp8_launch.py (Fp8Tiles), the groups in llamarl_core/sync/fp8.py.
 
 One program a tile. A tile is `rows` x `cols` elements (at most BLOCK_N x
 BLOCK_K) at element offset `src_off` from src_ptr, rows `src_stride` elements

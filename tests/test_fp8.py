@@ -10,20 +10,18 @@ import torch
 from llamarl_core.ops.fp8 import (
     DEFAULT_BLOCK,
     FP8_MAX,
-    SWEEP_TILINGS,
-    Fp8Tiling,
     cast_fp8_ref,
     dequantize_fp8,
     e4m3_nearest_even_ref64,
     expand_scale,
     fp8_amax,
     fp8_amax_ref,
-    launch_quantize_fp8,
     quantize_fp8,
     quantize_fp8_ref,
     quantize_fp8_with_scale,
     scale_from_amax,
 )
+from llamarl_core.ops.fp8_launch import SWEEP_TILINGS, Fp8Tiling, launch_quantize_fp8
 
 GRANULARITIES = ["tensor", "channel", "block"]
 CUDA = torch.cuda.is_available()
@@ -233,24 +231,24 @@ def test_gpu_tilings_in_the_interpreter(monkeypatch, granularity, shape, block_s
     slow per operation); here it cuts the weight as a GPU does (one tile or a
     walk, flat or strided, by size and alignment), so every path a GPU runs is
     checked bit for bit, and with check=False, for a NaN, too."""
-    from llamarl_core.ops import fp8
+    from llamarl_core.ops import fp8_launch
 
-    if not fp8.use_interpreter():
+    if not fp8_launch.use_interpreter():
         pytest.skip("checks the interpreter's run of the GPU tilings")
-    monkeypatch.setattr(fp8, "_INTERPRETER_TILINGS", TEST_TILINGS)
+    monkeypatch.setattr(fp8_launch, "_INTERPRETER_TILINGS", TEST_TILINGS)
     w = _weight(shape, layout=layout)
     tiling = TEST_TILINGS[granularity]
-    if granularity == "tensor" and fp8._flat(w):
+    if granularity == "tensor" and fp8_launch._flat(w):
         assert path == "flat"
     else:
-        assert path == ("one tile" if fp8._region_plan(w, granularity, block_size, tiling).one_tile else "walk")
+        assert path == ("one tile" if fp8_launch._region_plan(w, granularity, block_size, tiling).one_tile else "walk")
     q, scale = quantize_fp8(w, granularity, block_size, backend="triton")
     _assert_same(q, scale, *quantize_fp8_ref(w, granularity, block_size))
-    amax = fp8.fp8_amax(w, granularity, block_size, backend="triton")
+    amax = fp8_amax(w, granularity, block_size, backend="triton")
     assert torch.equal(amax, fp8_amax_ref(w, granularity, block_size).reshape(amax.shape))
     w[shape[0] // 2, shape[1] - 1] = float("nan")
     _q, scale = quantize_fp8(w, granularity, block_size, backend="triton", check=False)
-    amax = fp8.fp8_amax(w, granularity, block_size, backend="triton", check=False)
+    amax = fp8_amax(w, granularity, block_size, backend="triton", check=False)
     _assert_nonfinite_exactly_where_the_reference_is(w, granularity, block_size, scale, amax)
 
 
@@ -259,9 +257,9 @@ def test_gpu_tilings_in_the_interpreter(monkeypatch, granularity, shape, block_s
 def test_sweep_candidates_in_the_interpreter(granularity, tiling):
     """Every tiling the GPU sweep times gives the reference's bits (K 4096 and
     14336: the sweep's weights' rows)."""
-    from llamarl_core.ops import fp8
+    from llamarl_core.ops import fp8_launch
 
-    if not fp8.use_interpreter():
+    if not fp8_launch.use_interpreter():
         pytest.skip("the GPU sweep checks them on a GPU")
     for shape in ((4, 4096), (2, 14336)) if granularity == "channel" else ((256, 256),):
         w = _weight(shape, torch.float32 if shape[0] == 2 else torch.bfloat16)
@@ -273,11 +271,11 @@ def test_sweep_candidates_in_the_interpreter(granularity, tiling):
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_gpu_tilings_every_dtype(monkeypatch, dtype, granularity):
     """The vectorized one-tile and flat paths of a GPU on each input dtype."""
-    from llamarl_core.ops import fp8
+    from llamarl_core.ops import fp8_launch
 
-    if not fp8.use_interpreter():
+    if not fp8_launch.use_interpreter():
         pytest.skip("checks the interpreter's run of the GPU tilings")
-    monkeypatch.setattr(fp8, "_INTERPRETER_TILINGS", TEST_TILINGS)
+    monkeypatch.setattr(fp8_launch, "_INTERPRETER_TILINGS", TEST_TILINGS)
     w = _weight((256, 256), dtype)
     q, scale = quantize_fp8(w, granularity, backend="triton")
     _assert_same(q, scale, *quantize_fp8_ref(w, granularity))

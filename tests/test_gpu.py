@@ -213,7 +213,8 @@ def test_fp8_triton_kernel_on_gpu_every_dtype_and_layout(granularity, dtype, tra
 
 def test_fp8_every_sweep_tiling_on_gpu_matches_reference():
     """Each candidate `llamarl bench fp8 --gpu-sweep` times gives the reference's bits."""
-    from llamarl_core.ops.fp8 import SWEEP_TILINGS, launch_quantize_fp8, quantize_fp8_ref
+    from llamarl_core.ops.fp8 import quantize_fp8_ref
+    from llamarl_core.ops.fp8_launch import SWEEP_TILINGS, launch_quantize_fp8
 
     for shape, dtype in (((1024, 4096), torch.bfloat16), ((64, 14336), torch.bfloat16), ((256, 4096), torch.float32)):
         w = _fp8_weight(shape, dtype)

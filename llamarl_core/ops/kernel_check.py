@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 
 # sm_90 (H100 / H200) and sm_100 (B200) run the hardware e4m3 cast; sm_80 (A100,
-# and A10 / sm_86 with the same code) the software cast: see fp8.software_fp8_cast.
+# and A10 / sm_86 with the same code) the software cast: see fp8_launch.software_fp8_cast.
 DEFAULT_ARCHS = (80, 90, 100)
 
 
@@ -45,9 +45,9 @@ class CompiledVariant:
 
 
 def _variants():
-    from . import fp8, logprob_launch
+    from . import fp8_launch, logprob_launch
 
-    return [*fp8.kernel_variants(), *fp8.tile_variants(), *logprob_launch.kernel_variants()]
+    return [*fp8_launch.kernel_variants(), *fp8_launch.tile_variants(), *logprob_launch.kernel_variants()]
 
 
 def _uses_software_fp8(launch) -> bool:
@@ -57,7 +57,7 @@ def _uses_software_fp8(launch) -> bool:
 def _arch_runs(launch, arch: int) -> bool:
     """Whether a launcher would pick this variant on `arch`: the FP8 cast variants
     split by arch (software before sm_89); everything else runs everywhere."""
-    from .fp8 import HARDWARE_E4M3_CAPABILITY
+    from .fp8_launch import HARDWARE_E4M3_CAPABILITY
 
     if "SOFTWARE_FP8" not in launch.constexprs:
         return True

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..ops.fp8 import (DEFAULT_BLOCK, FP8_DTYPE, TILE_BLOCK, Fp8Tiles, cast_to_fp8, fp8_amax, scale_from_amax,
-                       scale_shape, tiles_path)
+from ..ops.fp8 import DEFAULT_BLOCK, FP8_DTYPE, cast_to_fp8, fp8_amax, scale_from_amax, scale_shape
+from ..ops.fp8_launch import TILE_BLOCK, Fp8Tiles, tiles_path
 from .layout import Explicit, Fragment, Fused, Layout, ParamSpec, Replicate, Shard, fp8_scale_name, view_2d
 
 _BLOCK = DEFAULT_BLOCK[0]  # square blocks: DEFAULT_BLOCK is (128, 128)
