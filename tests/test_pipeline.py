@@ -704,36 +704,6 @@ def test_shutdown_ends_the_unready_at_once_and_waits_for_the_ready(tmp_path):
     assert TERMINATE_S <= took < 60, took  # the ready one's grace was not waited out, nor needed
 
 
-def _engine_with_shared_memory(marker: str) -> None:
-    """An engine generator's process: a process group of its own and a named
-    SharedMemory segment, as vLLM's message queues between its processes."""
-    from multiprocessing import shared_memory
-
-    os.setsid()
-    segment = shared_memory.SharedMemory(create=True, size=1 << 20)
-    Path(marker).write_text(segment.name)
-    time.sleep(600)
-
-
-def test_a_killed_engine_generator_leaves_no_shared_memory_behind(tmp_path):
-    """An engine's processes unlink their SharedMemory segments when they close;
-    killed (a replica restarted, a run's shutdown), they cannot, and the segments
-    stayed in /dev/shm for good (4 of vLLM's after an interrupted test run). The
-    kill unlinks what the group mapped by name."""
-    from llamarl_core.pipeline.processes import LocalExecutors, group_shared_memory
-
-    executors = LocalExecutors(tmp_path, engine=True)
-    marker = tmp_path / "segment"
-    proc = executors.ctx.Process(target=_engine_with_shared_memory, args=(str(marker),))
-    executors.procs[("generator", 0)] = proc
-    proc.start()
-    _wait_for(marker.exists, 60, "the engine to make its segment")
-    path = Path("/dev/shm") / marker.read_text()
-    assert group_shared_memory(proc.pid) == [str(path)]
-    executors.stop("generator", 0)
-    assert not proc.is_alive() and not path.exists()
-
-
 @pytest.mark.parametrize("task, message", [("failing_task", "KeyError: \"a user's reward bug\""),
                                            ("nan_task", "returned nan")])
 def test_a_bad_reward_function_stops_the_run_with_the_culprit(tmp_path, task, message):

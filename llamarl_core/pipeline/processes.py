@@ -34,28 +34,6 @@ from .messages import HeartbeatWatch, StoreQueue
 TERMINATE_S = 2.0
 
 
-def group_shared_memory(pgid: int) -> list[str]:
-    """The Python SharedMemory segments (/dev/shm/psm_*, still named) that the
-    processes of process group `pgid` map. An engine's processes make them (vLLM's
-    message queues between its engine core and workers) and unlink them when they
-    close; killed, they would be left in /dev/shm for good (their resource tracker
-    is in the group too), so whoever kills the group unlinks them. Empty off
-    Linux; a process that exits meanwhile is skipped."""
-    paths = set()
-    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:  # after the name: state, ppid, pgrp
-                    continue
-            with open(f"/proc/{entry.name}/maps") as f:
-                paths.update(line.split(None, 5)[5].rstrip("\n") for line in f if " /dev/shm/psm_" in line)
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return sorted(p for p in paths if not p.endswith(" (deleted)"))
-
-
 class LocalExecutors:
     """Executor processes forked on this host; a dead one can be replaced. They are
     forked from llamarl_core.forkserver's server, which has imported torch and
@@ -110,15 +88,10 @@ class LocalExecutors:
     def _kill(self, role: str, proc) -> None:
         """SIGKILL an executor. An engine generator leads a process group of its own
         (executor_main), which holds its processes (vLLM's engine core and workers,
-        which watch for no parent): the whole group goes, and the shared memory its
-        processes had by name goes with it (group_shared_memory)."""
+        which watch for no parent): the whole group goes."""
         if role == GENERATOR and self.engine:
-            leftovers = group_shared_memory(proc.pid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            for path in leftovers:  # their memory is freed once the last of the group is gone
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
         else:
             proc.kill()
         proc.join(timeout=5)
