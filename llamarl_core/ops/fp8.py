@@ -2,8 +2,8 @@
 block: quantize_fp8, fp8_amax, quantize_fp8_with_scale and cast_to_fp8, on the
 Triton kernels (ops/fp8_launch.py: CUDA tensors, and CPU tensors under
 TRITON_INTERPRET=1) or the torch CPU path below, the same bits on every path.
-The semantics and the references: ops/fp8_format.py (its names are this
-module's too).
+The semantics and the references: ops/fp8_format.py (its constants, scale
+helpers and references are importable from here too).
 
 NaN and inf: with check=True (the default of quantize_fp8, fp8_amax and
 quantize_fp8_with_scale) a NaN or inf anywhere in `w` raises ValueError naming
@@ -27,7 +27,7 @@ from ._launch import use_interpreter
 from .fp8_format import (DEFAULT_BLOCK, FP8_DTYPE, FP8_MAX, GRANULARITIES, INPUT_DTYPES, cast_fp8_ref, check_input,
                          dequantize_fp8, e4m3_nearest_even_ref64, expand_scale, fp8_amax_ref, quantize_fp8_ref,
                          raise_if_not_finite, scale_from_amax, scale_shape)
-from .fp8_launch import INTERPRETER_MAX_ELEMS, launch_amax, launch_cast, launch_quantize_fp8, quant_kernels
+from .fp8_launch import launch_amax, launch_cast, launch_quantize_fp8, quant_kernels, triton_takes
 
 
 # ----------------------------------------------------------------------------- CPU path
@@ -186,7 +186,7 @@ def _triton_path(w: torch.Tensor, backend: str) -> bool:
         except ImportError as exc:
             raise RuntimeError("the Triton FP8 kernels need triton (pip install triton)") from exc
         return True
-    if not use_interpreter() or w.numel() > INTERPRETER_MAX_ELEMS:
+    if not triton_takes(w.device, w.numel()):
         return False
     try:
         quant_kernels()

@@ -7,7 +7,8 @@ ops/fp8.py; the semantics they implement, ops/fp8_format.py.
 
 Speed (H100, see Fp8Tiling and GPU_TILINGS): per channel and per block one
 pass, reading the weight once; per tensor two kernels, a global amax pass and
-the cast pass, which reads the amax from device memory. None syncs with the host.
+the cast pass, which reads the amax from device memory. No launch syncs with
+the host (Fp8Tiles uploads its table once, when it is built).
 """
 
 from __future__ import annotations
@@ -374,10 +375,11 @@ def _tile_kernels():
     return fp8_sync
 
 
-def tiles_path(device: torch.device, elements: int) -> bool:
-    """Whether FP8 work of `elements` on `device` goes to the grouped Triton
-    kernels: always on a GPU; on CPU under TRITON_INTERPRET=1 up to
-    INTERPRETER_MAX_ELEMS (the torch path otherwise, as _triton_path decides)."""
+def triton_takes(device: torch.device, elements: int) -> bool:
+    """Whether FP8 work of `elements` on `device` goes to the Triton kernels by
+    default (ops.fp8's backend="auto", a sync's grouped kernels): always on a
+    GPU; on CPU under TRITON_INTERPRET=1 up to INTERPRETER_MAX_ELEMS; the torch
+    path otherwise."""
     if device.type == "cuda":
         return True
     return device.type == "cpu" and use_interpreter() and elements <= INTERPRETER_MAX_ELEMS
@@ -441,5 +443,5 @@ def tile_variants() -> list[tuple[str, KernelLaunch]]:
 __all__ = [
     "GPU_TILINGS", "HARDWARE_E4M3_CAPABILITY", "INTERPRETER_MAX_ELEMS", "SWEEP_TILINGS", "TILE_BLOCK", "Fp8Tiles",
     "Fp8Tiling", "kernel_variants", "launch_amax", "launch_cast", "launch_quantize_fp8", "quant_kernels",
-    "software_fp8_cast", "tile_variants", "tiles_path",
+    "software_fp8_cast", "tile_variants", "triton_takes",
 ]

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..ops.fp8 import DEFAULT_BLOCK, FP8_DTYPE, cast_to_fp8, fp8_amax, scale_from_amax, scale_shape
-from ..ops.fp8_launch import TILE_BLOCK, Fp8Tiles, tiles_path
+from ..ops.fp8_launch import TILE_BLOCK, Fp8Tiles, triton_takes
 from .layout import Explicit, Fragment, Fused, Layout, ParamSpec, Replicate, Shard, fp8_scale_name, view_2d
 
 _BLOCK = DEFAULT_BLOCK[0]  # square blocks: DEFAULT_BLOCK is (128, 128)
@@ -283,8 +283,8 @@ class Fp8Sources:
     read), both on `device` and kept for the sender's life, so copy tables built
     once stay valid. `shared`: Fp8Plan.shared on the device.
 
-    On a GPU (and on CPU under TRITON_INTERPRET=1, up to ops.fp8's interpreter
-    limit) each pass is one launch of the grouped kernels for all the rank's
+    On a GPU (and on CPU under TRITON_INTERPRET=1, up to ops.fp8_launch's
+    interpreter limit) each pass is one launch of the grouped kernels for all the rank's
     rectangles (kernels/fp8_sync.py; `bind` builds their tiles from the tensors'
     addresses); otherwise ops.fp8's torch path, a rectangle at a time."""
 
@@ -300,7 +300,7 @@ class Fp8Sources:
     def bind(self, tensors) -> None:
         """Build the grouped kernels' tiles from the tensors' addresses (again
         whenever a tensor's storage moved); no-op on the torch path."""
-        if not tiles_path(self.device, self.packed.numel()):
+        if not triton_takes(self.device, self.packed.numel()):
             self.tiles = None
             return
         rows: dict[torch.dtype, list] = {}
