@@ -119,11 +119,6 @@ def mismatches(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Ten
     return lines
 
 
-# What every rank process imports first, imported once by the forkserver the ranks are
-# forked from (as the pipeline's executors are: pipeline/processes.py): each rank then
-# starts in a fraction of a second instead of importing torch and transformers anew
-# (2-4 s a process on 2 cores). Third-party modules only: the package under test is
-# imported by each rank, as it was.
 def _child(target: Callable, kwargs: dict, queue, environ: dict, outputs: tuple[str, str] | None) -> None:
     # The test's environment now (a monkeypatched variable included), not the
     # forkserver's when it started; and its output into files the parent copies to

@@ -287,7 +287,8 @@ class LlamaGenerator(nn.Module):
         self.model.embed_tokens = nn.Embedding(vocab_local, d.hidden, dtype=dtype, device=device)
         self.model.embed_tokens.weight.requires_grad_(False)
         nn.init.zeros_(self.model.embed_tokens.weight)
-        self.model.layers = nn.ModuleList(_Layer(d, eps, tp_size, dtype, device, fp8, fp8_gemm) for _ in range(d.num_layers))
+        self.model.layers = nn.ModuleList(_Layer(d, eps, tp_size, dtype, device, fp8, fp8_gemm)
+                                          for _ in range(d.num_layers))
         self.model.norm = RMSNorm(d.hidden, eps, dtype, device)
         self.lm_head = None if d.tied else _linear(d.hidden, vocab_local, False, dtype, device)
 

@@ -8,6 +8,7 @@ from .objectives import DEFAULTS, LOSS_TYPES
 
 __all__ = [
     "AIPOStats", "DEFAULTS", "LOSS_TYPES", "aipo_loss", "aipo_loss_ref", "dequantize_fp8", "fp8_amax",
-    "fp8_gemm_refusal", "fp8_linear", "fp8_linear_ref", "group_advantages", "linear_aipo_loss", "linear_token_logprobs", "quantize_fp8", "quantize_fp8_ref",
-    "quantize_fp8_with_scale", "token_logprobs", "token_logprobs_ref",
+    "fp8_gemm_refusal", "fp8_linear", "fp8_linear_ref", "group_advantages", "linear_aipo_loss",
+    "linear_token_logprobs", "quantize_fp8", "quantize_fp8_ref", "quantize_fp8_with_scale", "token_logprobs",
+    "token_logprobs_ref",
 ]
