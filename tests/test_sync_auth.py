@@ -30,7 +30,7 @@ from llamarl_core.sync import (
     reference_vllm_tp_shards,
     vllm_llama_tp,
 )
-from llamarl_core.sync.transports import rehome_into_shared_memory, shm_handle
+from llamarl_core.sync.transports import share_in_place
 
 CONFIG = small_config("llama_gqa_bias")
 SECRET = auth.new_secret()
@@ -148,8 +148,7 @@ def test_forged_values_at_every_key_change_nothing(store, transport):
     name = f"planted-{transport}"
     src, dst = hf_llama_fsdp(CONFIG, 1, torch.float32), vllm_llama_tp(CONFIG, 1, torch.bfloat16)
     decoy = {n: torch.full(shape, 7.0, dtype=dtype) for n, (shape, dtype) in dst.local_tensor_specs(0).items()}
-    region, offsets = rehome_into_shared_memory(decoy, "the decoy")
-    planted = _plant(store_client(store), name, shm_handle(region, offsets))
+    planted = _plant(store_client(store), name, share_in_place(decoy, "the decoy"))
     before = auth.refused_count()
     made = in_threads(
         lambda: WeightReceiver(store_client(store), dst, 0, poisoned_destination(dst, 0), name=name,

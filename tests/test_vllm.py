@@ -233,9 +233,10 @@ def test_mismatched_trainer_refused_before_connecting(llama_engine, store, chang
 
 
 def test_parameter_the_engine_computes_after_loading_refused(store, tmp_path):
-    """DeepSeek-V2's MLA: vLLM computes W_UK_T and W_UV from kv_b_proj after loading,
-    which a sync does not recompute; init_weight_transfer_engine refuses the model
-    naming them, before it connects."""
+    """DeepSeek-V2's MLA: vLLM computes W_UK_T and W_UV from kv_b_proj after loading
+    (on a CPU with AMX, in bf16, as packed copies no parameter list shows), which a
+    sync does not recompute; init_weight_transfer_engine refuses the model naming
+    its attention layer, before it connects."""
     from transformers import AutoModelForCausalLM
 
     from llamarl_core.integrations.vllm import ddma_init_info
@@ -245,10 +246,12 @@ def test_parameter_the_engine_computes_after_loading_refused(store, tmp_path):
     tiny_config("deepseek_v2").save_pretrained(path)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(tiny_config("deepseek_v2"))
-    info = ddma_init_info("127.0.0.1", store.port, fsdp_layout(meta, 1, torch.float32), name="mla", timeout_s=5)
-    with EngineProcess(str(path), dtype="float32", max_model_len=128, seed=0) as engine:
-        with pytest.raises(EngineError, match="computes parameter 'model.layers.0.self_attn.*W_(UK_T|UV)' from "
-                                              "loaded weights after loading"):
+    info = ddma_init_info("127.0.0.1", store.port, fsdp_layout(meta, 1, torch.bfloat16), name="mla", timeout_s=5)
+    # bfloat16: on a CPU with AMX, vLLM's MLA backend (amx_mla) packs W_UK for bf16 / fp16 only.
+    with EngineProcess(str(path), dtype="bfloat16", max_model_len=128, seed=0) as engine:
+        with pytest.raises(EngineError, match="computes the absorbed MLA weights of 'model.layers.0.self_attn.*' "
+                                              r"\(W_UK_T / W_UV, or packed copies of them\) from loaded weights after "
+                                              "loading"):
             engine.call("init", info)
     assert not store.check(["llamarl/sync/mla/dst/layout"]), "the engine connected before checking"
 

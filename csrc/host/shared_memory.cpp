@@ -103,6 +103,10 @@ SharedMemoryRegion SharedMemoryRegion::open(int64_t owner_pid, int64_t owner_fd,
   LLAMARL_CHECK(info.st_size == nbytes, "shared memory " << name << " has " << info.st_size << " bytes, expected "
                                                         << nbytes);
   region.map(nbytes);
+  // The mapping keeps the memory: a peer holds no descriptor (a sender maps one region per
+  // storage of every receiver it writes, hundreds for a model, and descriptors run out first).
+  ::close(region.fd_);
+  region.fd_ = -1;
   return region;
 }
 

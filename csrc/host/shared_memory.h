@@ -17,7 +17,8 @@ class SharedMemoryRegion {
   // Owner side: a new zero-filled region of `nbytes` bytes, every page allocated
   // up front: throws naming the bytes needed and free if /dev/shm lacks them.
   static SharedMemoryRegion create(int64_t nbytes);
-  // Peer side: map a region exported by process `owner_pid` as descriptor `owner_fd`.
+  // Peer side: map a region exported by process `owner_pid` as descriptor `owner_fd`
+  // (any owner's, torch's shared storages among them; the peer keeps no descriptor).
   static SharedMemoryRegion open(int64_t owner_pid, int64_t owner_fd, const std::string& name,
                                  int64_t nbytes);
 

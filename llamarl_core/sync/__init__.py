@@ -8,7 +8,8 @@
 A trainer's layout is read off the live model: `module_layout(model, world)`
 (any family, FSDP2 / TP / HSDP DTensors or a plain model), `fsdp_layout(model,
 world, dtype)` before sharding; `module_sender(store, model, rank, world)`
-(alias `fsdp_sender`) sends its shards in place.
+(alias `fsdp_sender`) sends its shards in place, `module_receiver(store, model,
+rank, world)` receives into a generator model's own parameters.
 
 Across processes: `WeightSender(store, src, rank, shards).send(version)` on each
 trainer rank, `WeightReceiver(store, dst, rank, params).receive()` on each
@@ -23,7 +24,8 @@ from .errors import RelayError, StaleReceiveError, SyncError, SyncTimeoutError, 
 from .protocol import abandon_receivers
 from .receiver import WeightReceiver
 from .sender import SendHandle, WeightSender
-from .live import ModuleSender, checkpoint_views, fsdp_layout, fsdp_sender, local_shard, module_layout, module_sender
+from .live import (ModuleReceiver, ModuleSender, checkpoint_views, fsdp_layout, fsdp_sender, local_shard, module_layout,
+                   module_receiver, module_sender)
 from .layout import Explicit, Fragment, Fused, FusedPart, Layout, ParamSpec, Replicate, Shard
 from .plan import DEFAULT_BUCKET_BYTES, Segment, TransferPlan, plan_transfer
 from .presets import hf_llama_fsdp, hf_llama_shapes, vllm_llama_tp
@@ -32,7 +34,7 @@ from .reference import reference_fsdp_shards, reference_vllm_tp_shards
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "Explicit", "Fragment", "Fused", "FusedPart", "Layout", "ParamSpec", "Replicate", "Segment",
     "RelayError", "SendHandle", "Shard", "StaleReceiveError", "SyncError", "SyncTimeoutError", "TornWeightsError", "TransferPlan", "WeightReceiver",
-    "WeightSender", "abandon_receivers", "ModuleSender", "checkpoint_views", "fsdp_layout", "module_layout",
-    "module_sender", "fsdp_sender", "hf_llama_fsdp", "local_shard", "hf_llama_shapes", "plan_transfer", "reference_fsdp_shards",
+    "WeightSender", "abandon_receivers", "ModuleReceiver", "ModuleSender", "checkpoint_views", "fsdp_layout", "module_layout",
+    "module_receiver", "module_sender", "fsdp_sender", "hf_llama_fsdp", "local_shard", "hf_llama_shapes", "plan_transfer", "reference_fsdp_shards",
     "reference_vllm_tp_shards", "vllm_llama_tp",
 ]

@@ -74,6 +74,21 @@ def check_local_tensors(layout: Layout, rank: int, tensors: Mapping[str, torch.T
             raise ValueError(f"{side} rank {rank}: {name!r} must be contiguous")
 
 
+def check_distinct_memory(tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    """ValueError naming two tensors whose bytes overlap (one an alias of the
+    other, or of a part of it: tied weights registered under two names): a sync
+    would write both into the same bytes."""
+    spans = sorted((str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+                   for name, t in tensors.items() if t.numel())
+    reach = None  # the span reaching furthest so far on this device: (device, end, name)
+    for device, start, end, name in spans:
+        if reach is not None and reach[0] == device and start < reach[1]:
+            raise ValueError(f"{what}: {reach[2]!r} and {name!r} share memory (one is an alias of the other): a sync "
+                             "would write both into the same bytes; register each parameter once, in memory of its own")
+        if reach is None or reach[0] != device or end > reach[1]:
+            reach = (device, end, name)
+
+
 def tensors_device(tensors: Mapping[str, torch.Tensor], what: str) -> torch.device:
     """The one device all tensors live on (cpu when there are none)."""
     devices = {t.device for t in tensors.values() if t.numel()}

@@ -20,7 +20,8 @@ modules are resharded before their shards are read (FSDP2 leaves the root
 unsharded after a forward with no backward).
 
 `module_layout(model, world_size)` gives the layout, `module_sender` (alias
-`fsdp_sender`) a WeightSender over the model's local shards, in place.
+`fsdp_sender`) a WeightSender over the model's local shards, in place, and
+`module_receiver` a WeightReceiver into a generator model's own parameters.
 `fsdp_layout(model, world_size, dtype)` gives the layout `fully_shard` will
 produce, from an unsharded (or meta-device) model, for an engine to plan
 against before any trainer connects.
@@ -36,6 +37,7 @@ from .errors import SyncError
 from .layout import Explicit, Layout, ParamSpec, Replicate, Shard, chunk_bounds, contiguous_strides, strided_fragments
 from .plan import DEFAULT_BUCKET_BYTES
 from .probe import ProbeError, ViewProbe
+from .receiver import WeightReceiver
 from .sender import WeightSender
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, extent) in a parameter's dims
@@ -349,6 +351,36 @@ def _check_world_size(world_size: int) -> None:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
 
 
+class _Registered:
+    """A live model's parameters as one end of a sync registered them (their local
+    shards' storage), checked again before every transfer."""
+
+    def __init__(self, model: torch.nn.Module, role: str, end: str):
+        self.model, self.role, self.end = model, role, end
+        self.storage = {n: self._key(t) for n, t in self.shards().items()}
+
+    def shards(self) -> dict[str, torch.Tensor]:
+        """Each parameter's local shard, in place (FSDP2 modules resharded first:
+        their shards are what a sync reads)."""
+        return {n: local_shard(p) for n, p in _resharded(self.model).named_parameters()}
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple:
+        return t.data_ptr(), tuple(t.shape), t.dtype
+
+    def check(self) -> None:
+        """SyncError naming the first parameter whose storage is not the registered one."""
+        live = self.shards()
+        for name, registered in self.storage.items():
+            if name not in live:
+                raise SyncError(f"{self.role} parameter {name!r} is gone from the model since the {self.end} "
+                                "registered it")
+            if self._key(live[name]) != registered:
+                raise SyncError(f"{self.role} parameter {name!r} was rebound after the {self.end} registered it "
+                                "(model.to(), load_state_dict(assign=True), an offload): the sync would use the old "
+                                f"storage; build a new {self.end} for the model as it is now")
+
+
 class ModuleSender(WeightSender):
     """A WeightSender over a live model's local shards (module_sender). Each
     `send` first checks that every parameter still has the storage it had when
@@ -363,23 +395,13 @@ class ModuleSender(WeightSender):
         model = _unwrapped(model)
         layout = module_layout(model, world_size)
         self.model = model
-        shards = {n: local_shard(p) for n, p in model.named_parameters()}
-        self._registered = {n: (t.data_ptr(), tuple(t.shape), t.dtype) for n, t in shards.items()}
-        super().__init__(store, layout, rank, shards, name=name, transport=transport, timeout=timeout,
+        self._live = _Registered(model, "trainer", "sender")
+        super().__init__(store, layout, rank, self._live.shards(), name=name, transport=transport, timeout=timeout,
                          bucket_bytes=bucket_bytes, num_threads=num_threads, secret=secret)
 
     def check_storage(self) -> None:
-        """SyncError naming the first parameter whose storage is not the registered
-        one (FSDP2 modules resharded first: their shards are the registered storage)."""
-        live = dict(_resharded(self.model).named_parameters())
-        for name, registered in self._registered.items():
-            if name not in live:
-                raise SyncError(f"trainer parameter {name!r} is gone from the model since the sender registered it")
-            shard = local_shard(live[name])
-            if (shard.data_ptr(), tuple(shard.shape), shard.dtype) != registered:
-                raise SyncError(f"trainer parameter {name!r} was rebound after the sender registered it (model.to(), "
-                                "load_state_dict(assign=True), an offload): sending would send the old storage; "
-                                "build a new sender for the model as it is now")
+        """SyncError naming the first parameter whose storage is not the registered one."""
+        self._live.check()
 
     def _check_sources(self) -> None:
         self.check_storage()
@@ -394,6 +416,47 @@ def module_sender(store: dist.Store, model: torch.nn.Module, rank: int, world_si
     rank, FSDP2 / tensor-parallel / HSDP DTensors on `world_size` ranks."""
     return ModuleSender(store, model, rank, world_size, name=name, transport=transport, timeout=timeout,
                         num_threads=num_threads, secret=secret)
+
+
+class ModuleReceiver(WeightReceiver):
+    """A WeightReceiver into a live model's own parameters (module_receiver):
+    every receive writes the memory the model's Parameters hold (their local
+    shards), and first checks that each still holds the memory registered: one
+    rebound since (`model.to()`, `load_state_dict(assign=True)`) raises SyncError
+    naming it before a byte moves; build a new receiver after such a change. The
+    other parameters are WeightReceiver's."""
+
+    def __init__(self, store: dist.Store, model: torch.nn.Module, rank: int, world_size: int, *,
+                 name: str = "weights", transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
+                 num_threads: int | None = None, replica: int = 0, num_replicas: int = 1,
+                 secret: bytes | None = None):
+        model = _unwrapped(model)
+        self.model = model
+        shards = {n: local_shard(p) for n, p in model.named_parameters()}
+        super().__init__(store, module_layout(model, world_size), rank, shards, name=name, transport=transport,
+                         timeout=timeout, num_threads=num_threads, replica=replica, num_replicas=num_replicas,
+                         secret=secret)
+        self._live = _Registered(model, "generator", "receiver")  # after the set-up: shared memory moves storages
+
+    def check_storage(self) -> None:
+        """SyncError naming the first parameter whose storage is not the registered one."""
+        self._live.check()
+
+    def _check_storage(self) -> None:
+        self.check_storage()
+        super()._check_storage()
+
+
+def module_receiver(store: dist.Store, model: torch.nn.Module, rank: int, world_size: int, *,
+                    name: str = "weights", transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
+                    num_threads: int | None = None, replica: int = 0, num_replicas: int = 1,
+                    secret: bytes | None = None) -> ModuleReceiver:
+    """A receiver into any `nn.Module`'s own parameters, in place, under the
+    layout `module_layout(model, world_size)` (its `.layout`): a plain model on
+    one rank (a transformers model as the generator), tensor-parallel DTensors on
+    `world_size` ranks; replica / num_replicas as WeightReceiver's."""
+    return ModuleReceiver(store, model, rank, world_size, name=name, transport=transport, timeout=timeout,
+                          num_threads=num_threads, replica=replica, num_replicas=num_replicas, secret=secret)
 
 
 fsdp_sender = module_sender

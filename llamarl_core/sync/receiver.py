@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, packed
-from .engine import prepared_table, run_segment_table, segment_table, storage_key, wait_for_queued_work
+from .engine import (check_distinct_memory, prepared_table, run_segment_table, segment_table, storage_key,
+                     wait_for_queued_work)
 from .errors import RelayError, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
 from .board import TicketBoard
 from .layout import Layout
@@ -22,7 +23,7 @@ from .protocol import (CLOSED, DST, FAILURE_POLL_S, REREGISTERED, Channel, Sende
                        ticket_closed)
 from .relay import Forwarding
 from .sender import NOTHING_FOLLOWS, WeightSender
-from .transports import CUDA_IPC, P2P, SHM, cuda_ipc_handle, rehome_into_shared_memory, shm_handle
+from .transports import CUDA_IPC, P2P, SHM, cuda_ipc_handle, share_in_place
 
 # The largest point-to-point bucket of a sync into generator replicas (shared memory
 # and CUDA IPC keep theirs: there a bucket is a unit of work). A replica forwards a bucket
@@ -49,10 +50,15 @@ class WeightReceiver(Endpoint):
     layout: the generator's layout (every rank passes the same); rank: this
     process's rank in it. tensors: vLLM-style local parameter name -> the
     generator's parameter tensor (shapes and dtypes as `layout` says for `rank`).
-    With the shared-memory transport (CPU tensors on one machine) the tensors are
-    moved into a shared region at registration, values kept: the same tensor
-    objects (and nn.Parameters) then live in memory the senders write, so register
-    them before anything caches their data pointers.
+    Every receive writes the memory of these tensors, so every tensor sharing it
+    sees the new version: the model's own Parameters behind `p.data` or
+    `p.detach()` aliases, views. With the shared-memory transport (CPU tensors on
+    one machine) their storages are moved into shared memory at registration, in
+    place, values kept (transports.share_in_place): register them before anything
+    caches their data pointers. Two tensors sharing bytes are refused, naming
+    them. A model whose Parameters are rebound after registration (`model.to()`,
+    `load_state_dict(assign=True)`) no longer holds the registered memory:
+    `module_receiver` checks the live model before every receive.
     name, transport, timeout, num_threads, secret: as WeightSender's (timeout: for
     set-up and the default of every receive; secret: its relays' too). bucket_bytes: the buckets of the relays
     this rank sends to the replicas it feeds (the trainer's sender rank 0 sets the
@@ -122,6 +128,7 @@ class WeightReceiver(Endpoint):
         if sorted(relay_names) != children:
             raise ValueError(f"relay_names: replica {replica} feeds replicas {children}, got names for "
                              f"{sorted(relay_names)}")
+        check_distinct_memory(tensors, f"receiver rank {rank}")
         channel = Channel(store, relay_name(name, replica), secret)
         self.watch = SenderWatch(channel, rank)
         super().__init__(channel, layout, rank, tensors, transport=transport, timeout=timeout,
@@ -144,9 +151,9 @@ class WeightReceiver(Endpoint):
         local_transports = {self.transports[(src, self.rank)] for src in self._local_senders}
         handle = None
         if SHM in local_transports:
-            # The region stays mapped for as long as the tensors viewing it live.
-            region, offsets = rehome_into_shared_memory(self.tensors, f"receiver rank {self.rank}")
-            handle = shm_handle(region, offsets)
+            # In place: every tensor sharing a storage with a registered one (the model's own
+            # Parameters behind `p.data` aliases) sees what the senders write.
+            handle = share_in_place(self.tensors, f"receiver rank {self.rank}")
         elif CUDA_IPC in local_transports:
             # Senders in this process write to the addresses; the others need IPC handles.
             me = self._dst_infos[self.rank]["process"]

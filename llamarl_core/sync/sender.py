@@ -4,6 +4,7 @@ receiver (P2PStream, which a receiver's relays run too)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,7 +26,7 @@ from .fp8 import Fp8Sources
 from .plan import DEFAULT_BUCKET_BYTES, source_address
 from .protocol import (ABANDONED, CLOSED, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderReports, done_key,
                        ticket_closed)
-from .transports import P2P, SHM, OpenedCudaHandles, open_shm_handle
+from .transports import P2P, SHM, OpenedCudaHandles, OpenedSharedStorages
 
 # How long a sender waits for a ticket to open before it reads the receiver's counter
 # again (a ticket taken and never opened, by a receiver killed in between, is skipped
@@ -213,10 +214,12 @@ class WeightSender(Endpoint):
         if previous is not None:
             previous.close()
         if self.transports[(self.rank, dst)] == SHM:
-            self._opened[dst], self._dst_addresses[dst] = open_shm_handle(handle)
+            sizes = {n: math.prod(shape) * dtype.itemsize
+                     for n, (shape, dtype) in self.plan.dst_layout.local_tensor_specs(dst).items()}
+            opened = self._opened[dst] = OpenedSharedStorages(handle, sizes)
         else:
             opened = self._opened[dst] = OpenedCudaHandles(handle, self.device)
-            self._dst_addresses[dst] = opened.addresses
+        self._dst_addresses[dst] = opened.addresses
         self._dst_incarnations[dst] = handle.get("incarnation", 0)
         self._boards.pop(dst, None)
         board = self.channel.get_if_set(f"{DST}/{dst}/board")  # set before the handle, when there is one

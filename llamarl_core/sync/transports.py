@@ -1,7 +1,8 @@
 """Where bytes go: exported destination memory and the point-to-point group.
 
-- shm: the receiver's parameters are re-homed into one POSIX shared memory
-  region (values kept, same tensor objects); senders map it and write into it.
+- shm: the storages of the receiver's parameters are moved into POSIX shared
+  memory in place (values kept; every tensor sharing a storage sees the
+  writes); senders map them and write into them.
 - cuda_ipc: the receiver exports the CUDA allocations holding its parameters
   (cudaIpcGetMemHandle, keyed by GPU UUID); senders open them on their device.
   A sender in the receiver's own process cannot open the receiver's handles (the
@@ -34,11 +35,6 @@ from .._native import native, native_cuda
 
 SHM, CUDA_IPC, P2P = "shm", "cuda_ipc", "p2p"
 TRANSPORTS = (SHM, CUDA_IPC, P2P)
-
-# Parameter offsets inside a shared region are rounded up to 64 bytes, a cache
-# line, so no two parameters share a line that two sender threads write.
-_SHM_ALIGN = 64
-
 
 def _namespace(kind: str) -> str:
     """This process's namespace of `kind`; where it cannot be read, a value no other
@@ -205,39 +201,93 @@ def choose_transports(
 # ----------------------------------------------------------------------------- shm
 
 
-def rehome_into_shared_memory(tensors: Mapping[str, torch.Tensor], owner: str | None = None):
-    """Move CPU tensors into one new shared region, keeping their values and the
-    tensor objects (their `.data` now points into the region). Returns the region
-    and each tensor's byte offset in it. If the region cannot be allocated
-    (/dev/shm too small) raises RuntimeError naming `owner` (who registers the
-    tensors; default this process) and the bytes needed and free, before any
-    tensor is moved."""
-    offsets, total = {}, 0
+def share_in_place(tensors: Mapping[str, torch.Tensor], owner: str) -> dict:
+    """Move the storages of CPU `tensors` into POSIX shared memory in place and
+    return the handle senders map them by. In place: each storage (torch's own
+    object) gets shared memory under the same values, so every tensor that shares
+    it sees what the senders write: the tensors given, the model's Parameters they
+    alias (`p.data`, `p.detach()`), views. Memory outside torch that aliased a
+    storage (a NumPy array of `t.numpy()`, behind `torch.from_numpy`) keeps the
+    old bytes. A storage torch already shares through a descriptor is kept as it
+    is (a receiver registered again). The memory is torch's file-descriptor
+    sharing (what torch.multiprocessing uses): unlinked at once, nothing left in
+    /dev/shm, freed with the last tensor of the storage.
+
+    Refused with RuntimeError naming `owner`: before any storage moves, /dev/shm
+    without room for them (bytes needed and free; a storage copied into a full
+    tmpfs would kill the process with SIGBUS) and a shared storage torch cannot
+    give a descriptor of; when its turn comes (the storages before it moved,
+    values kept), a memory-mapped file torch keeps private
+    (`UntypedStorage.from_file(shared=False)`).
+
+    Handle: {"pid", "regions": [[fd, name, nbytes], ...], "params": {tensor name:
+    [region index, byte offset]}}; tensors of no bytes have no entry."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    first: dict[int, str] = {}  # storage -> the first tensor on it, to name in errors
+    places: dict[str, tuple[int, int]] = {}
     for name, t in tensors.items():
-        offsets[name] = total
-        total += -(-t.numel() * t.element_size() // _SHM_ALIGN) * _SHM_ALIGN
-    try:
-        region = native().SharedMemoryRegion.create(max(total, _SHM_ALIGN))
-    except native().EngineError as exc:
-        owner = owner or f"process {os.getpid()}"
-        raise RuntimeError(f"{owner}: cannot move its {len(tensors)} tensors into shared memory, none moved: {exc}") from exc
-    flat = torch.frombuffer(region, dtype=torch.uint8)
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        view = flat[offsets[name] : offsets[name] + nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t.detach())
-        t.data = view
-    return region, offsets
+        if t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        storages.setdefault(key, storage)
+        first.setdefault(key, name)
+        places[name] = (key, t.data_ptr() - key)
+    page = os.sysconf("SC_PAGE_SIZE")
+    needed = sum(-(-s.nbytes() // page) * page for s in storages.values() if not s.is_shared())
+    stats = os.statvfs("/dev/shm")
+    free = stats.f_bavail * stats.f_frsize
+    if needed > free:
+        raise RuntimeError(f"{owner}: cannot move its {len(tensors)} tensors into shared memory, none moved: shared "
+                           f"memory region needs {needed} bytes, /dev/shm has {free} bytes free (statvfs): enlarge it "
+                           "(e.g. docker run --shm-size=...) or use transport='p2p'")
+    for key, storage in storages.items():
+        if storage.is_shared():
+            _shared_name(storage, first[key], owner)  # refused before anything moves
+    regions, index = [], {}
+    for key, storage in storages.items():
+        index[key] = len(regions)
+        regions.append([storage._share_fd_cpu_()[0], _shared_name(storage, first[key], owner), storage.nbytes()])
+    return {"pid": os.getpid(), "regions": regions,
+            "params": {name: [index[key], offset] for name, (key, offset) in places.items()}}
 
 
-def shm_handle(region, offsets: dict[str, int]) -> dict:
-    return {"pid": os.getpid(), "fd": region.fd, "name": region.name, "nbytes": region.nbytes, "offsets": offsets}
+def _shared_name(storage: torch.UntypedStorage, tensor: str, owner: str) -> str:
+    """The /dev/shm name behind a storage torch shares through a descriptor (its
+    /proc/self/fd link, which a peer checks before it maps it)."""
+    fd, _ = storage._share_fd_cpu_()  # moves an unshared storage; a no-op for one shared so
+    target = os.readlink(f"/proc/self/fd/{fd}") if fd >= 0 else ""
+    if not (target.startswith("/dev/shm/") and target.endswith(" (deleted)")):
+        raise RuntimeError(f"{owner}: the storage of {tensor!r} cannot be shared through an unlinked descriptor "
+                           f"({target or 'torch gives none: a memory-mapped file?'}): register a copy (t.clone()) "
+                           "in its place, or use transport='p2p'")
+    return target[len("/dev/shm") : -len(" (deleted)")]
 
 
-def open_shm_handle(handle: dict):
-    """Map a receiver's region; returns (region, name -> absolute address)."""
-    region = native().SharedMemoryRegion.open(handle["pid"], handle["fd"], handle["name"], handle["nbytes"])
-    return region, {name: region.address + off for name, off in handle["offsets"].items()}
+class OpenedSharedStorages:
+    """A receiver's shared storages (share_in_place's handle) mapped in this
+    process; `addresses`: tensor name -> address. `sizes` (tensor name -> bytes,
+    from the receiver's layout): each tensor must lie inside its region."""
+
+    def __init__(self, handle: dict, sizes: Mapping[str, int]):
+        regions = handle["regions"]
+        for name, (i, offset) in handle["params"].items():
+            if name not in sizes or not (0 <= i < len(regions) and 0 <= offset
+                                         and offset + sizes[name] <= regions[i][2]):
+                raise ValueError(f"the receiver's memory handle places {name!r} outside its shared memory")
+        self.regions = []
+        try:
+            for fd, name, nbytes in regions:
+                self.regions.append(native().SharedMemoryRegion.open(handle["pid"], fd, name, nbytes))
+        except BaseException:
+            self.close()
+            raise
+        self.addresses = {name: self.regions[i].address + offset for name, (i, offset) in handle["params"].items()}
+
+    def close(self) -> None:
+        for region in self.regions:
+            region.close()
+        self.regions = []
 
 
 # ----------------------------------------------------------------------------- cuda ipc

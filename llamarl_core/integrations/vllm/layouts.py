@@ -12,8 +12,10 @@ Each tensor-parallel worker derives its own rank; `gather_layout` assembles
 the engine's whole layout through the Store (JSON, never pickles).
 
 A parameter no trainer tensor fills, other than the vocabulary's padding rows,
-and one the engine computes from loaded weights after loading (MLA's absorbed
-`W_UK_T` / `W_UV`), are refused by name: a sync would leave them stale.
+and one the engine computes from loaded weights after loading (a parameter
+vLLM did not record at init; MLA attention's absorbed `W_UK_T` / `W_UV`, which
+some CPU backends keep as packed copies no parameter list shows), are refused
+by name: a sync would leave them stale.
 """
 
 from __future__ import annotations
@@ -99,6 +101,13 @@ def derive_rank_layout(model: torch.nn.Module, logical: dict[str, tuple[int, ...
     trainer's `logical` tensors.
     ValueError naming the culprit: a loader that computes instead of copying, a
     trainer tensor the engine does not take, a parameter nothing fills."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    mla = [name for name, module in model.named_modules() if isinstance(module, MLAAttention)]
+    if mla:  # parameters (W_UK_T / W_UV) or, by backend, packed copies that no parameter list shows (amx_mla)
+        raise ValueError(f"vLLM worker {rank}: the engine computes the absorbed MLA weights of {mla[0]!r} (W_UK_T / "
+                         "W_UV, or packed copies of them) from loaded weights after loading; llamarl_ddma does not "
+                         "recompute them, and a sync would leave them stale")
     live = dict(model.named_parameters())
     by_param: dict[str, list[Fragment]] = {name: [] for name in live}
     with meta_placeholders(model) as placeholders:

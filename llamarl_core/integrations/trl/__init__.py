@@ -1,0 +1,19 @@
+"""llamarl as a backend of TRL (trl 1.16, the `trl` extra): change one import.
+
+    from llamarl_core.integrations.trl import GRPOTrainer   # was: from trl import GRPOTrainer
+
+`GRPOTrainer` takes trl.GRPOTrainer's arguments and trains as it does, its
+completions scored by llamarl's fused log-prob op (grpo.py, head.py).
+"""
+
+from __future__ import annotations
+
+try:
+    import trl  # noqa: F401
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError("llamarl_core.integrations.trl needs TRL: pip install 'llamarl-core[trl]'") from exc
+
+from .grpo import GRPOTrainer
+from .head import add_fused_lm_head
+
+__all__ = ["GRPOTrainer", "add_fused_lm_head"]

@@ -1,0 +1,248 @@
+"""llamarl as a TRL backend (llamarl_core.integrations.trl), against the real
+trl package: the fused head against a float64 reference and TRL's own head,
+`GRPOTrainer`'s loss and gradients against trl.GRPOTrainer's on fixed batches
+for every loss type TRL has, and whole GRPO runs of both on the same seeds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
+
+from llamarl_core.integrations.trl import GRPOTrainer, add_fused_lm_head  # noqa: E402
+from llamarl_core.ops.logprob import token_logprobs_ref  # noqa: E402
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+CHARS = "abcdefghijklmnopqrstuvwxyz="
+
+
+def tokenizer():
+    """A character-level tokenizer of its own (no hub): <pad> 0, <eos> 1, then CHARS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    config = transformers.LlamaConfig(vocab_size=len(CHARS) + 2, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=1, **overrides)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config)
+
+
+def prompts():
+    return datasets.Dataset.from_list([{"prompt": p} for p in ("abc=", "hello=", "xy=", "qrstu=")] * 4)
+
+
+def length_reward(prompts, completions, **kwargs):
+    """A toy reward in TRL's signature: shorter completions, and the letter a, pay."""
+    return [c.count("a") - 0.1 * len(c) for c in completions]
+
+
+def config(loss_type: str, **options) -> trl.GRPOConfig:
+    """float32 throughout (TRL's default is bf16 autocast, whose rounding two
+    heads do not share)."""
+    return trl.GRPOConfig(output_dir="unused", loss_type=loss_type, per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=6, report_to=[], use_cpu=True, save_strategy="no", seed=0,
+                          logging_steps=1, bf16=False, **options)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """seed -> a folder holding tiny_llama(seed): TRL loads its reference model
+    (beta > 0) from the policy's folder."""
+    made = {}
+
+    def model_dir(seed: int) -> str:
+        if seed not in made:
+            made[seed] = str(tmp_path_factory.mktemp(f"tiny-llama-{seed}"))
+            tiny_llama(seed).save_pretrained(made[seed])
+        return made[seed]
+
+    return model_dir
+
+
+def trainer(cls, model_dir: str, loss_type: str, **options):
+    """A `cls` (trl.GRPOTrainer or GRPOTrainer) of the model in `model_dir`; it seeds every RNG."""
+    return cls(model=model_dir, reward_funcs=length_reward, args=config(loss_type, **options), train_dataset=prompts(),
+               processing_class=tokenizer())
+
+
+def trainers(model_dir: str, loss_type: str, **options):
+    """trl.GRPOTrainer and GRPOTrainer of the model in `model_dir`, same arguments."""
+    return [trainer(cls, model_dir, loss_type, **options) for cls in (trl.GRPOTrainer, GRPOTrainer)]
+
+
+# ----------------------------------------------------------------------------- the head
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_head_equals_a_float64_reference_and_trls_head(temperature):
+    """log-probs, entropies and their gradients (into the hidden states and the
+    lm-head) of completion labels with -100 holes, against log_softmax of the
+    whole logits in float64, and against TRL's own fused head."""
+    ours, theirs = tiny_llama(3), tiny_llama(3)
+    add_fused_lm_head(ours, temperature=temperature, outputs=("log_probs", "entropy"))
+    trl.trainer.utils.add_fused_lm_head(theirs, temperature=temperature, outputs=("log_probs", "entropy"))
+    torch.manual_seed(4)
+    ids = torch.randint(2, len(CHARS) + 2, (3, 9))
+    labels = ids.clone()
+    labels[:, :4] = -100  # the prompt
+    labels[1, 6:] = -100  # a short completion
+    labels[2, 4:] = -100  # an empty one
+    got = {}
+    for name, model in (("ours", ours), ("theirs", theirs)):
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        weights = torch.randn(out.log_probs.shape, generator=torch.Generator().manual_seed(5))
+        ((out.log_probs * weights).sum() + out.entropy.sum()).backward()
+        got[name] = (out.log_probs.detach(), out.entropy.detach(),
+                     {n: p.grad.clone() for n, p in model.named_parameters()})
+    with torch.no_grad():  # the reference: the model's own logits, in float64
+        hidden = ours.model(input_ids=ids).last_hidden_state[:, :-1].double()
+    logits = hidden @ ours.lm_head.weight.double().T
+    ref_logp, ref_entropy = token_logprobs_ref(logits, labels[:, 1:], temperature=temperature)
+    mask = labels[:, 1:] != -100
+    assert torch.allclose(got["ours"][0].double(), ref_logp, atol=2e-6, rtol=1e-6)
+    assert torch.allclose(got["ours"][1].double()[mask], ref_entropy[mask], atol=2e-6, rtol=1e-6)
+    assert bool((got["ours"][1][~mask] == 0).all()) and bool((got["ours"][0][~mask] == 0).all())
+    for name, grad in got["ours"][2].items():
+        assert torch.allclose(grad, got["theirs"][2][name], atol=1e-6, rtol=1e-5), name
+    assert torch.allclose(got["ours"][0], got["theirs"][0], atol=1e-6)
+    assert torch.allclose(got["ours"][1], got["theirs"][1], atol=1e-6)
+
+
+@pytest.mark.parametrize("override,named", [(dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
+                                            (dict(logits_scaling=4.0), "logits_scaling=4.0")])
+def test_a_logit_transform_the_head_does_not_apply_is_refused_at_construction(override, named):
+    model = tiny_llama(0)
+    for key, value in override.items():
+        setattr(model.config, key, value)
+    with pytest.raises(ValueError, match=f"cannot score this model: the model's config sets {named}"):
+        GRPOTrainer(model=model, reward_funcs=length_reward, args=config("dapo"), train_dataset=prompts(),
+                    processing_class=tokenizer())
+
+
+def test_an_lm_head_bias_and_unknown_outputs_are_refused():
+    model = tiny_llama(0)
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
+    with pytest.raises(ValueError, match="the lm-head has a bias"):
+        add_fused_lm_head(model)
+    with pytest.raises(ValueError, match=r"per-token outputs \['is_top1'\]"):
+        add_fused_lm_head(tiny_llama(0), outputs=("log_probs", "is_top1"))
+
+
+# ----------------------------------------------------------------------------- the loss on fixed batches
+
+# Every option of TRL's loss, spread over the loss types (each case one trainer pair).
+LOSS_CASES = [
+    ("grpo", dict(beta=0.04, epsilon_high=0.28, delta=1.5), dict(off_policy=True)),
+    ("dr_grpo", dict(entropy_coef=0.01, top_entropy_quantile=0.5), dict(off_policy=True, accumulation=2)),
+    ("dapo", dict(off_policy_mask_threshold=0.05), dict(off_policy=True, vllm=True)),
+    ("dapo", dict(temperature=0.7, beta=0.02, use_bias_correction_kl=False), dict(off_policy=False, accumulation=2)),
+    ("bnpo", dict(importance_sampling_level="sequence"), dict(off_policy=True, vllm=True)),
+    ("cispo", dict(epsilon_high=5.0, entropy_coef=0.02), dict(off_policy=True)),
+    ("sapo", dict(beta=0.04), dict(off_policy=True, vllm=True)),
+    ("luspo", dict(importance_sampling_level="sequence"), dict(off_policy=True)),
+    ("vespo", dict(), dict(off_policy=True, vllm=True)),
+]
+
+
+def fixed_batch(trainer, *, off_policy: bool, vllm: bool, seed: int) -> dict:
+    """One training micro-batch as TRL's _generate_and_score_completions hands it
+    to the loss: completions of lengths 0 to 6, advantages of both signs, the old
+    policy's log-probs off the current ones (off-policy) or absent (on-policy),
+    the reference's, vLLM's sampling log-probs and TRL's IS ratios."""
+    g = torch.Generator().manual_seed(seed)
+    batch, prompt_len, length = 6, 4, 6
+    prompt_ids = torch.randint(2, len(CHARS) + 2, (batch, prompt_len), generator=g)
+    completion_ids = torch.randint(2, len(CHARS) + 2, (batch, length), generator=g)
+    lengths = torch.tensor([6, 3, 0, 5, 1, 6])
+    completion_mask = (torch.arange(length) < lengths[:, None]).long()
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([prompt_ids, completion_ids], 1),
+            torch.cat([torch.ones_like(prompt_ids), completion_mask], 1), length)
+    inputs = dict(prompt_ids=prompt_ids, prompt_mask=torch.ones_like(prompt_ids), completion_ids=completion_ids,
+                  completion_mask=completion_mask, advantages=torch.randn(batch, generator=g),
+                  num_items_in_batch=completion_mask.sum() * 2)
+    if off_policy:
+        inputs["old_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=g)
+    inputs["ref_per_token_logps"] = logp + 0.2 * torch.randn(logp.shape, generator=g)
+    if vllm:
+        inputs["sampling_per_token_logps"] = logp + 0.1 * torch.randn(logp.shape, generator=g)
+        inputs["importance_sampling_ratio"] = torch.rand(logp.shape, generator=g) * 2
+    return inputs
+
+
+def loss_and_grads(trainer, inputs: dict, vllm: bool, accumulation: int):
+    trainer.use_vllm = vllm  # read by the loss alone here (no generation runs)
+    trainer.current_gradient_accumulation_steps = accumulation
+    trainer.model.train()
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return loss.detach(), grads, metrics
+
+
+def close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Within 1e-5 relative, or 1e-7 absolute for values near 0."""
+    return bool(torch.all((got - expected).abs() <= torch.maximum(1e-5 * expected.abs(), torch.tensor(1e-7))))
+
+
+@pytest.mark.parametrize("loss_type,options,batch", LOSS_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(LOSS_CASES)])
+def test_loss_gradients_and_metrics_equal_trls_on_a_fixed_batch(model_dirs, loss_type, options, batch):
+    theirs, ours = trainers(model_dirs(0), loss_type, **options)
+    vllm, accumulation = batch.get("vllm", False), batch.get("accumulation", 1)
+    inputs = fixed_batch(theirs, off_policy=batch["off_policy"], vllm=vllm, seed=len(loss_type))
+    expected_loss, expected_grads, expected_metrics = loss_and_grads(theirs, inputs, vllm, accumulation)
+    loss, grads, metrics = loss_and_grads(ours, inputs, vllm, accumulation)
+    assert float(expected_loss) != 0.0
+    assert close(loss, expected_loss), (float(loss), float(expected_loss))
+    assert grads.keys() == expected_grads.keys()
+    scale = max(g.abs().max() for g in expected_grads.values())
+    for name, grad in grads.items():  # relative to the largest gradient: a near-0 entry has only rounding left
+        assert torch.allclose(grad, expected_grads[name], rtol=1e-5, atol=1e-6 * float(scale)), name
+    assert metrics.keys() == expected_metrics.keys()
+    for name, value in metrics.items():
+        assert math.isclose(value, expected_metrics[name], rel_tol=1e-5, abs_tol=1e-7), name
+
+
+# ----------------------------------------------------------------------------- whole runs
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_grpo_run_equals_trls_step_by_step(model_dirs, loss_type):
+    """Four AdamW steps, each batch used for two iterations (old policy log-probs
+    computed, the clip active), a KL penalty, transformers generation, same
+    seeds: per-step losses within 1e-4 relative (1e-7 absolute) and the final
+    weights within 1e-4 relative (each parameter's norm of the difference) of
+    trl.GRPOTrainer's, the weights having moved far more than that."""
+    options = dict(max_steps=4, num_iterations=2, learning_rate=1e-3, beta=0.02,
+                   **({"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}))
+    runs = []
+    for cls in (trl.GRPOTrainer, GRPOTrainer):
+        run = trainer(cls, model_dirs(1), loss_type, **options)  # seeded as it is built: one at a time
+        run.train()
+        losses = [entry["loss"] for entry in run.state.log_history if "loss" in entry]
+        runs.append((losses, {n: p.detach().clone() for n, p in run.model.named_parameters()}))
+    (expected_losses, expected_weights), (losses, weights) = runs
+    assert len(losses) == len(expected_losses) == 4
+    for got, expected in zip(losses, expected_losses):
+        assert math.isclose(got, expected, rel_tol=1e-4, abs_tol=1e-7), (losses, expected_losses)
+    initial = tiny_llama(1)
+    for name, w in weights.items():
+        expected = expected_weights[name]
+        assert float((w - expected).norm()) <= 1e-4 * float(expected.norm()), name
+    moved = max(float((w - initial.get_parameter(n)).norm() / w.norm()) for n, w in weights.items())
+    assert moved > 1e-2, f"training moved the weights by {moved} of their norm only"
