@@ -9,6 +9,7 @@
     llamarl bench pipeline [options] RL throughput and reward beside TRL's GRPOTrainer
     llamarl bench gpu [options]     the GPU kernels and CUDA copy engine beside the copy bandwidth
     llamarl bench soak [options]    memory, Store keys, files and threads over thousands of steps
+    llamarl bench trl [options]     one GRPO run through TRL's GRPOTrainer and through llamarl's
     llamarl check gpu [options]     every GPU test and bench in one table (the compile check without a GPU)
 """
 
@@ -42,6 +43,9 @@ commands:
   bench soak    the default pipeline and a sync-only loop for thousands of
                 steps: every process's RSS, files and threads, the Store's keys
                 and the step time, flat or not (llamarl bench soak --help)
+  bench trl     one GRPO run through TRL's GRPOTrainer and through llamarl's
+                (one import changed): loss time and memory, step time, equal
+                losses (llamarl bench trl --help)
   check gpu     every `gpu` test, the GPU benches and compute-sanitizer, one
                 table; without a GPU, every Triton kernel compiled for
                 sm_80 / 90 / 100 (llamarl check gpu --help)
@@ -67,6 +71,7 @@ BENCHES = {
     "pipeline": "llamarl_core.bench.bench_pipeline",
     "gpu": "llamarl_core.bench.bench_gpu",
     "soak": "llamarl_core.bench.bench_soak",
+    "trl": "llamarl_core.bench.bench_trl",
 }
 
 

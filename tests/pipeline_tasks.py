@@ -166,3 +166,13 @@ def count_tokens_hook(context, step):
     """A user's step hook: runs the step and logs the tokens it trained on."""
     stats = step()
     return {"hook_tokens": stats.counted_tokens, "hook_step": context.step}
+
+
+def trl_answer_reward(prompts, completions, answer, **kwargs):
+    """A reward in TRL's signature that reads the dataset's answer column."""
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+
+def trl_kwargs_reward(prompts, completions, **kwargs):
+    """A reward in TRL's signature that reads columns through **kwargs."""
+    return [len(c) + (0.5 if kwargs["answer"][i] is None else 0.0) for i, c in enumerate(completions)]

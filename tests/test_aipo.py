@@ -45,8 +45,8 @@ def _inputs(n, v, dtype, seed, ratio="mixed", mask="partial"):
     # Behaviour log-probs around the learner's: ratios below rho, and far above it.
     shift = {"below": 0.5, "above": -6.0, "mixed": None}[ratio]
     offsets = torch.randn(n, generator=gen) * 3 if shift is None else torch.full((n,), shift)
-    behavior = logp + offsets
-    old = logp + torch.randn(n, generator=gen) * 0.3
+    behavior = (logp + offsets).clamp(max=0.0)  # log-probabilities: at most 0 (the loss refuses more)
+    old = (logp + torch.randn(n, generator=gen) * 0.3).clamp(max=0.0)
     advantages = torch.randn(n, generator=gen)
     m = {"partial": (torch.rand(n, generator=gen) > 0.3).float(), "zero": torch.zeros(n), "ones": torch.ones(n)}[mask]
     return logits, targets, behavior, advantages, m, old
@@ -189,14 +189,15 @@ def test_bad_targets_and_arguments_raise():
     t[[2, 6, 8]] = torch.tensor([IGNORE_INDEX, 500, -7])
     with pytest.raises(ValueError, match=r"targets\[6\] = 500 is outside"):  # the first bad one
         linear_aipo_loss(torch.randn(10, 8), torch.randn(101, 8), t, behavior, advantages)
-    with pytest.raises(ValueError, match="needs old_logprobs"):
-        aipo_loss(logits, targets, behavior, advantages, loss_type="ppo")
     with pytest.raises(ValueError, match="sequence_ids"):
         aipo_loss(logits, targets, behavior, advantages, reduction="sequence_mean")
     with pytest.raises(ValueError, match="advantages must have shape"):
         aipo_loss(logits, targets, behavior, advantages[:-1])
     with pytest.raises(ValueError, match="loss_type"):
         aipo_loss(logits, targets, behavior, advantages, loss_type="grpo")
+    head = torch.nn.Linear(8, 101, bias=False)
+    with pytest.raises(ValueError, match=r"weight must be a tensor, got Linear \(pass the lm-head's weight"):
+        linear_aipo_loss(torch.randn(10, 8), head, targets, behavior, advantages)
 
 
 @pytest.mark.parametrize("v", [1, 5, 97, 1025])
@@ -445,7 +446,7 @@ def _ref_logprobs(logits, targets, seed, temperature):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         logp = torch.log_softmax(logits.double() / temperature, -1).gather(-1, targets[:, None]).squeeze(-1)
-    return (logp + torch.randn(logp.shape, generator=gen, dtype=torch.float64)).float()
+    return (logp + torch.randn(logp.shape, generator=gen, dtype=torch.float64)).clamp(max=0.0).float()
 
 
 def _k3_mean(logits, targets, ref, m, temperature):
@@ -641,7 +642,8 @@ def _batched_inputs(case, logits):
         logp = torch.log_softmax(logits.double(), -1).gather(-1, targets.clamp(0, v - 1).unsqueeze(-1)).squeeze(-1)
 
     def around_logp(scale, padding):
-        return torch.where(pad, padding, logp + torch.randn(lead, generator=gen, dtype=torch.float64) * scale).float()
+        around = (logp + torch.randn(lead, generator=gen, dtype=torch.float64) * scale).clamp(max=0.0)
+        return torch.where(pad, padding, around).float()
 
     behavior, old, ref = around_logp(1.5, float("nan")), around_logp(0.3, float("inf")), around_logp(1.0, -float("inf"))
     per_row = torch.randn(rows, generator=gen)
@@ -772,7 +774,7 @@ def test_batched_refusals_name_the_culprit():
     b, t, v = 3, 5, 11
     logits = torch.randn(b, t, v, generator=gen, requires_grad=True)
     targets = torch.randint(0, v, (b, t), generator=gen)
-    behavior, mask = torch.randn(b, t, generator=gen), torch.ones(b, t)
+    behavior, mask = -torch.rand(b, t, generator=gen) * 3, torch.ones(b, t)
     hidden, weight = torch.randn(b, t, 8, generator=gen, requires_grad=True), torch.randn(v, 8, requires_grad=True)
     calls = [lambda tg, adv, **kw: aipo_loss(logits, tg, behavior, adv, mask, **kw),
              lambda tg, adv, **kw: linear_aipo_loss(hidden, weight, tg, behavior, adv, mask, **kw)]

@@ -74,6 +74,14 @@ def test_reward_spec_errors_name_the_culprit():
     assert user([Problem("q")] * 2, ["ab", "abcd"]) == [2.0, 4.0]
 
 
+def test_rewards_in_trls_signature_get_the_answers_as_trl_passes_them():
+    """fn(prompts, completions, answer, **kwargs) and fn(prompts, completions,
+    **kwargs): called with keywords, the answers as `answer=`."""
+    answer = RuleReward("pipeline_tasks:trl_answer_reward + 2*pipeline_tasks:trl_kwargs_reward")
+    problems = [Problem("q", "8"), Problem("q", "9"), Problem("q")]
+    assert answer(problems, ["8", "8", "ab"]) == [1.0 + 2 * 1, 0.0 + 2 * 1, 0.0 + 2 * 2.5]
+
+
 # ----------------------------------------------------------------------------- datasets
 
 

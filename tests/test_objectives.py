@@ -62,9 +62,10 @@ def _batch(seed, logits=None, spread=1.0):
         logp = torch.log_softmax(logits.double() / TEMPERATURE, -1).gather(-1, targets[..., None]).squeeze(-1).float()
     offsets = torch.randn(B, T, generator=gen) * 1.5 * spread
     offsets[0, :3] = torch.tensor([6.0, -6.0, 6.0])
-    behavior = logp + offsets
-    old = logp + torch.randn(B, T, generator=gen) * 0.3 * spread
-    ref = logp + torch.randn(B, T, generator=gen) * 0.5
+    # Log-probabilities, so at most 0 (the loss refuses more).
+    behavior = (logp + offsets).clamp(max=0.0)
+    old = (logp + torch.randn(B, T, generator=gen) * 0.3 * spread).clamp(max=0.0)
+    ref = (logp + torch.randn(B, T, generator=gen) * 0.5).clamp(max=0.0)
     advantages = torch.randn(B, generator=gen)
     mask = (torch.rand(B, T, generator=gen) > 0.25).float()
     mask[2] = 0.0  # a sequence with no token counted
@@ -527,8 +528,6 @@ def test_refusals_name_the_culprit():
         aipo_loss(*args, loss_type="icepop", rho=2.0)
     with pytest.raises(ValueError, match=r'loss_type="ppo" does not read mask_high'):
         aipo_loss(*args, loss_type="ppo", old_logprobs=batch["old_logprobs"], mask_high=2.0)
-    with pytest.raises(ValueError, match=r'loss_type="gspo" needs old_logprobs'):
-        aipo_loss(*args, loss_type="gspo")
     with pytest.raises(ValueError, match=r'loss_type="icepop" does not read old_logprobs'):
         aipo_loss(*args, loss_type="icepop", old_logprobs=batch["old_logprobs"])
     with pytest.raises(ValueError, match=r"mask_low and mask_high must satisfy"):
@@ -704,3 +703,110 @@ def test_the_op_and_an_objective_capture_into_a_cuda_graph():
     eager = (-(w * static["advantages"][:, None] * logp) - 0.01 * entropy).mean()
     eager.backward()
     assert torch.equal(loss, eager.detach()) and torch.equal(x.grad, y.grad)
+
+
+# ----------------------------------------------------------------------------- log-prob rules
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_log_probs_left_out_are_the_learners_own(loss_type):
+    """behavior_logprobs=None, and old_logprobs=None where the objective reads
+    them: on-policy, exactly the call given the learner's own log-probs (computed
+    first, detached): loss, gradients and stats, from logits and from hidden
+    states, and the float64 reference's the same way."""
+    batch = _batch(5)
+    hidden = torch.randn(*batch["logits"].shape[:2], 16, generator=torch.Generator().manual_seed(6))
+    weight = torch.randn(batch["logits"].shape[-1], 16, generator=torch.Generator().manual_seed(7))
+    kw = dict(loss_type=loss_type, sequence_ids=batch["sequence_ids"], mask=batch["mask"], temperature=TEMPERATURE)
+    for make in ("logits", "linear", "reference"):
+        results = []
+        for given in (False, True):
+            x = batch["logits"].clone().requires_grad_() if make != "linear" else hidden.clone().requires_grad_()
+            logits = x if make != "linear" else x @ weight.t()
+            own = token_logprobs_ref(logits.detach(), batch["targets"], temperature=TEMPERATURE)[0].float()
+            logprobs = dict(behavior_logprobs=own if given else None)
+            if loss_type in OLD_POLICY_TYPES:
+                logprobs["old_logprobs"] = own if given else None
+            if make == "reference":
+                loss = aipo_loss_ref(x.double(), batch["targets"], advantages=batch["advantages"], **logprobs, **kw)
+                stats = None
+            elif make == "linear":
+                loss, stats = linear_aipo_loss(x, weight, batch["targets"], advantages=batch["advantages"],
+                                               **logprobs, **kw)
+            else:
+                loss, stats = aipo_loss(x, batch["targets"], advantages=batch["advantages"], **logprobs, **kw)
+            loss.backward()
+            results.append((loss.detach(), x.grad, stats))
+        (loss, grad, stats), (expected, expected_grad, expected_stats) = results
+        assert torch.allclose(loss.double(), expected.double(), rtol=1e-5, atol=1e-7), (make, loss, expected)
+        assert torch.allclose(grad, expected_grad, rtol=1e-4, atol=1e-6 * float(expected_grad.abs().max())), make
+        if stats is not None:
+            assert stats.mean_ratio.item() == pytest.approx(1.0, abs=1e-5)
+            assert stats.mean_ratio.item() == pytest.approx(expected_stats.mean_ratio.item(), abs=1e-5)
+
+
+def _with_bad(batch: dict, name: str, value: float, where=(0, 1)) -> dict:
+    bad = dict(batch)
+    bad[name] = batch[name].clone()
+    bad[name][where] = value
+    return bad
+
+
+@pytest.mark.parametrize("name", ["behavior_logprobs", "old_logprobs", "ref_logprobs"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_nonfinite_log_prob_is_refused_by_name_or_masked_as_asked(name, value):
+    """A NaN / inf log-prob of a counted token: ValueError naming the argument and
+    position (never a NaN loss); with nonfinite_logprobs="mask" the token leaves
+    the loss exactly as mask 0 leaves it, gradients too. On a token that does
+    not count it changes nothing either way."""
+    batch = _batch(8)
+    assert batch["mask"][0, 1] == 1 and batch["targets"][0, 1] != IGNORE_INDEX
+    kw = dict(loss_type="ppo_tis", kl_coef=0.1, sequence_ids=batch["sequence_ids"], temperature=TEMPERATURE)
+    args = lambda b: (b["targets"], b["behavior_logprobs"], b["advantages"], b["mask"])  # noqa: E731
+    logprobs = lambda b: dict(old_logprobs=b["old_logprobs"], ref_logprobs=b["ref_logprobs"])  # noqa: E731
+    bad = _with_bad(batch, name, value)
+    for call in (lambda b, **extra: aipo_loss(b["logits"], *args(b), **logprobs(b), **kw, **extra),
+                 lambda b, **extra: linear_aipo_loss(b["hidden"], b["weight"], *args(b), **logprobs(b), **kw, **extra)):
+        for b in (batch, bad):
+            gen = torch.Generator().manual_seed(9)
+            b["hidden"] = torch.randn(*b["logits"].shape[:2], 16, generator=gen)
+            b["weight"] = torch.randn(b["logits"].shape[-1], 16, generator=gen)
+        with pytest.raises(ValueError, match=rf"{name}\[0, 1\] = {value} on a token that counts"):
+            call(bad)
+        masked, grads = [], []
+        for b, extra in ((bad, dict(nonfinite_logprobs="mask")), (_with_bad(batch, "mask", 0.0), {})):
+            x = b["logits"].clone().requires_grad_()
+            loss, _ = aipo_loss(x, *args(b), **logprobs(b), **kw, **extra)
+            loss.backward()
+            masked.append(loss.detach())
+            grads.append(x.grad)
+        assert torch.isfinite(masked[0]) and torch.equal(masked[0], masked[1])
+        assert torch.equal(grads[0], grads[1])
+    uncounted = _with_bad(_with_bad(batch, "mask", 0.0), name, value)
+    assert torch.equal(aipo_loss(uncounted["logits"], *args(uncounted), **logprobs(uncounted), **kw)[0],
+                       aipo_loss(uncounted["logits"], *args(uncounted), **logprobs(uncounted), **kw,
+                                 nonfinite_logprobs="mask")[0])
+
+
+def test_probabilities_passed_as_log_probs_are_refused():
+    """A counted log-prob above 1e-3 (a probability, say) raises naming the
+    argument and position, whichever rule for non-finite values; 1e-4 above 0
+    (rounding) and the same value on a token that does not count are taken."""
+    batch = _batch(10)
+    args = lambda b: (b["logits"], b["targets"], b["behavior_logprobs"], b["advantages"], b["mask"])  # noqa: E731
+    for name in ("behavior_logprobs", "old_logprobs", "ref_logprobs"):
+        bad = _with_bad(batch, name, 0.37, (3, 2))
+        assert bad["mask"][3, 2] == 1 and bad["targets"][3, 2] != IGNORE_INDEX
+        for rule in ("raise", "mask"):
+            with pytest.raises(ValueError, match=rf"{name}\[3, 2\] = 0.37\d*: a log-probability is <= 0 "
+                                                 r"\(probabilities passed as log-probs\?\)"):
+                aipo_loss(*args(bad), loss_type="ppo", old_logprobs=bad["old_logprobs"],
+                          ref_logprobs=bad["ref_logprobs"], kl_coef=0.1, nonfinite_logprobs=rule)
+        rounded = _with_bad(batch, name, 1e-4, (3, 2))
+        aipo_loss(*args(rounded), loss_type="ppo", old_logprobs=rounded["old_logprobs"],
+                  ref_logprobs=rounded["ref_logprobs"], kl_coef=0.1)
+        uncounted = _with_bad(_with_bad(batch, "mask", 0.0, (3, 2)), name, 0.37, (3, 2))
+        aipo_loss(*args(uncounted), loss_type="ppo", old_logprobs=uncounted["old_logprobs"],
+                  ref_logprobs=uncounted["ref_logprobs"], kl_coef=0.1)
+    with pytest.raises(ValueError, match=r"nonfinite_logprobs must be one of \('raise', 'mask'\), got 'zero'"):
+        aipo_loss(*args(batch), nonfinite_logprobs="zero")

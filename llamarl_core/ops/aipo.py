@@ -51,7 +51,7 @@ def _sequence_keys(targets: torch.Tensor, sequence_ids: torch.Tensor | None) -> 
 def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=None, temperature=1.0,
                   reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=None,
                   eps_high=None, ref_logprobs=None, kl_coef=0.0, mask_low=None, mask_high=None, entropy_coef=0.0,
-                  normalizer=None, compute_dtype=torch.float64, magnitude=False):
+                  normalizer=None, compute_dtype=torch.float64, magnitude=False, nonfinite_logprobs="raise"):
     """The loss written from the formulas (ops/objectives.py), with plain torch
     autograd (log_softmax, gather), per-sequence sums and reductions by Python
     loops over the sequences: the reference for values and gradients, in
@@ -70,13 +70,16 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
     t = targets.reshape(-1)
     m = torch.ones(t.shape, dtype=dtype) if mask is None else mask.reshape(-1).to(dtype)
     on = (t != IGNORE_INDEX) & (m != 0)
+    if nonfinite_logprobs == "mask":  # a token whose given log-prob is NaN or +-inf does not count
+        for x in (behavior_logprobs, old_logprobs, ref_logprobs):
+            on = on if x is None else on & torch.isfinite(x.reshape(-1))
     m = torch.where(on, m, 0.0)
     logp = torch.where(on, logp_all.gather(-1, torch.where(on, t, 0).unsqueeze(-1)).squeeze(-1), 0.0)
 
-    def given(x):
-        return None if x is None else torch.where(on, x.reshape(-1).to(dtype), 0.0)
+    def given(x):  # None: on-policy, the learner's own log-probs, detached
+        return logp.detach() if x is None else torch.where(on, x.reshape(-1).to(dtype), 0.0)
 
-    b, old, ref = given(behavior_logprobs), given(old_logprobs), given(ref_logprobs)
+    b, old, ref = given(behavior_logprobs), given(old_logprobs), None if ref_logprobs is None else given(ref_logprobs)
     a = given(per_token_advantages(advantages, targets.shape))
     keys = _sequence_keys(targets, sequence_ids)
     groups: dict = {}
@@ -158,7 +161,7 @@ def _objective(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: TokenIn
     def part(t):
         return None if t is None else t[rows]
 
-    terms = objective_terms(logp, entropy, inputs.behavior[rows], inputs.advantages[rows], part(inputs.old),
+    terms = objective_terms(logp, entropy, part(inputs.behavior), inputs.advantages[rows], part(inputs.old),
                             part(inputs.ref), inputs.counted[rows], inputs.sequences, cfg)
     weights = inputs.weights[rows]
     return torch.where(weights != 0, weights * terms.terms, 0.0).sum(), terms
@@ -181,7 +184,7 @@ def _policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: Token
 def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=None, temperature=1.0,
               reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=None,
               eps_high=None, entropy=False, ref_logprobs=None, kl_coef=0.0, mask_low=None, mask_high=None,
-              entropy_coef=0.0, normalizer=None, process_group=None):
+              entropy_coef=0.0, normalizer=None, process_group=None, nonfinite_logprobs="raise"):
     """The policy loss `loss_type` (aipo, ppo, ppo_tis, icepop, seq_tis, seq_mis,
     geo_mask, gspo, cispo: ops/objectives.py) from logits.
 
@@ -199,7 +202,13 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
 
     rho, mask_low / mask_high, eps_low / eps_high: the objective's parameters
     (None: its default; one it does not read raises ValueError). old_logprobs:
-    needed by ppo, ppo_tis, gspo, cispo. reduction and sequences: aipo_inputs.py
+    read by ppo, ppo_tis, gspo, cispo (refused by the others). behavior_logprobs
+    or old_logprobs None: on-policy, the learner's own detached log-probs in
+    their place (ratios of 1, no extra pass). nonfinite_logprobs: "raise"
+    (ValueError naming the argument and position of a counted token whose
+    log-prob is NaN or +-inf) or "mask" (such tokens do not count); a counted
+    log-prob above 1e-3 raises (probabilities passed as log-probs). Rules:
+    aipo_inputs.py. reduction and sequences: aipo_inputs.py
     (the sequence-level objectives need sequences as sequence_mean does).
     normalizer: a number or one-element tensor replacing the reduction's
     denominator (a global token count, Dr.GRPO's constant). ref_logprobs,
@@ -209,21 +218,24 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
     computes the entropy); entropy=True: the entropy's mean in the stats.
     Returns (loss, AIPOStats), stats.logprobs in the targets' shape.
 
-    Host syncs: one, in eager mode on a GPU, the wait for the target check
-    (aipo_inputs.TargetCheck) after the kernels are queued, so that a counted
-    target outside the vocabulary raises here naming its position (with
-    process_group the shard sizes are read in the same wait); none under
-    torch.compile or CUDA graph capture, where the check is skipped and such a
-    target gets a NaN log-prob. sequence_ids are grouped on the device (sorts
-    and a cumulative sum), without one.
+    Host syncs: in eager mode on a GPU, the waits for the input checks
+    (aipo_inputs.TargetCheck, LogprobCheck: both copies queued before the
+    kernels, so the second wait finds its copy done) after the kernels are
+    queued, so that a counted target outside the vocabulary or a log-prob the
+    rules refuse raises here naming its position (with process_group the shard
+    sizes are read in the same wait); none under torch.compile or CUDA graph
+    capture, where the checks are skipped (such a target gets a NaN log-prob,
+    such a log-prob reaches the loss). sequence_ids are grouped on the device
+    (sorts and a cumulative sum), without one.
     """
     cfg = objective_config(loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
                            mask_high=mask_high, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)
     check_logits(logits)  # the logits' own checks first
     inputs = prepare_inputs(logits.shape[:-1], logits.device, targets, behavior_logprobs, advantages, mask,
-                            old_logprobs, ref_logprobs, sequence_ids, cfg, reduction, normalizer)
+                            old_logprobs, ref_logprobs, sequence_ids, cfg, reduction, normalizer, nonfinite_logprobs)
     logp, ent = token_logprobs(logits, inputs.targets.view(inputs.shape), temperature=temperature,
                                entropy=entropy or entropy_coef > 0, process_group=process_group)
+    inputs.check.wait()
     return _policy_loss(logp, ent, inputs, cfg)
 
 
@@ -248,7 +260,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_s
 def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mask=None, *, rho=None, temperature=1.0,
                      reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=None,
                      eps_high=None, entropy=False, chunk_size=None, ref_logprobs=None, kl_coef=0.0, mask_low=None,
-                     mask_high=None, entropy_coef=0.0, normalizer=None, process_group=None):
+                     mask_high=None, entropy_coef=0.0, normalizer=None, process_group=None, nonfinite_logprobs="raise"):
     """`aipo_loss` of `hidden @ weight.T`, without ever holding the full logits.
 
     hidden: (num_tokens, hidden), or batched (B, T, hidden) (any (..., T,
@@ -265,7 +277,7 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
                            mask_high=mask_high, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)
     chunk_size = check_linear(hidden, weight, chunk_size)
     inputs = prepare_inputs(hidden.shape[:-1], hidden.device, targets, behavior_logprobs, advantages, mask,
-                            old_logprobs, ref_logprobs, sequence_ids, cfg, reduction, normalizer)
+                            old_logprobs, ref_logprobs, sequence_ids, cfg, reduction, normalizer, nonfinite_logprobs)
     with_entropy = entropy or entropy_coef > 0
     # The three-GEMM path only where it pays: a token-local objective, gradients
     # wanted, one rank's whole vocabulary, and eager mode (it runs autograd.grad
@@ -275,6 +287,7 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
             or torch.compiler.is_compiling()):
         logp, ent = linear_token_logprobs(hidden, weight, inputs.targets.view(inputs.shape), temperature=temperature,
                                           entropy=with_entropy, chunk_size=chunk_size, process_group=process_group)
+        inputs.check.wait()
         return _policy_loss(logp, ent, inputs, cfg)
     # A token-local objective: each chunk's gradient known from its own tokens, the
     # logits computed once (LinearChunkLossFunction).
@@ -285,5 +298,6 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
     loss, logp, ent = LinearChunkLossFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight, inputs.targets,
                                                     temperature, with_entropy, chunk_size, chunk_loss)
     check.wait()
+    inputs.check.wait()
     ent = ent if with_entropy else None
     return loss, _stats(logp, ent, inputs, _objective(logp, ent, inputs, cfg)[1])

@@ -27,6 +27,18 @@ row with one id (ids need only be unique within a row; a sequence never spans
 rows). A sequence's sums (s_i, n_i) run over its counted tokens; the mask's
 value weighs a token in the reduction only.
 
+Log-probs (behavior_logprobs, old_logprobs, ref_logprobs). behavior_logprobs
+None: the tokens were sampled by the learner itself (on-policy): its own
+log-probs, detached, take their place, so every ratio to them is 1 and no pass
+computes them. old_logprobs None, for the objectives that read them: the same
+(one optimizer step per batch; a second step on the same batch needs the old
+policy's). A counted token's log-prob that is not finite (NaN, +-inf: a
+generator that could not score it) raises ValueError naming the argument and
+position with nonfinite_logprobs="raise" (the default); with "mask" the token
+does not count, as if its mask were 0. A counted log-prob above
+LOGPROB_SLACK (1e-3, far beyond float rounding) raises ValueError: a
+log-probability is <= 0 (probabilities passed as log-probs?).
+
 Normalizer: None (the reduction's own denominator), a positive number
 (Dr.GRPO's constant) or a one-element tensor (a token or sequence count of the
 whole batch, across micro-batches and data-parallel ranks), replacing the token
@@ -45,6 +57,10 @@ from .objectives import OLD_POLICY_TYPES, SEQUENCE_TYPES, ObjectiveConfig, Seque
 
 IGNORE_INDEX = -100
 REDUCTIONS = ("token_mean", "sequence_mean", "sum")
+NONFINITE = ("raise", "mask")
+# The most a log-prob may exceed 0 by: float32 rounding of log_softmax is ~1e-7, a
+# probability in (0, 1] passed as a log-prob is mostly far above.
+LOGPROB_SLACK = 1e-3
 
 
 def check_kl(kl_coef: float, ref_logprobs: torch.Tensor | None) -> None:
@@ -55,11 +71,10 @@ def check_kl(kl_coef: float, ref_logprobs: torch.Tensor | None) -> None:
 
 
 def check_old(loss_type: str, old: torch.Tensor | None) -> None:
-    """old_logprobs given exactly to the objectives that read them: an objective
-    whose weights come from the behaviour log-probs alone would ignore them (verl
-    and TRL users port weights computed from old / rollout)."""
-    if loss_type in OLD_POLICY_TYPES and old is None:
-        raise ValueError(f'loss_type="{loss_type}" needs old_logprobs (the trainer\'s old policy, per token)')
+    """old_logprobs only for the objectives that read them (None there: on-policy,
+    module docstring): an objective whose weights come from the behaviour
+    log-probs alone would ignore them (verl and TRL users port weights computed
+    from old / rollout)."""
     if loss_type not in OLD_POLICY_TYPES and old is not None:
         raise ValueError(f'loss_type="{loss_type}" does not read old_logprobs (its weights come from the learner '
                          f"and behaviour log-probs; {', '.join(OLD_POLICY_TYPES)} read them)")
@@ -201,6 +216,81 @@ def check_shard_sizes(sizes: list[int]) -> None:
                          f"vocabulary to a multiple of the group's size), got {sizes} columns by rank")
 
 
+def check_nonfinite(nonfinite_logprobs: str) -> None:
+    if nonfinite_logprobs not in NONFINITE:
+        raise ValueError(f"nonfinite_logprobs must be one of {NONFINITE}, got {nonfinite_logprobs!r}")
+
+
+class _DeferredRead:
+    """int64 numbers computed on the device, read on the host: on CPU at once; on
+    a GPU copied to pinned memory without blocking, read by get() after the
+    caller has queued its kernels (one wait, for that copy alone)."""
+
+    def __init__(self, info: torch.Tensor):
+        self.event = None
+        if info.device.type != "cuda":
+            self.info = info
+            return
+        self.info = torch.empty(info.numel(), dtype=torch.int64, pin_memory=True)
+        self.info.copy_(info, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(info.device))  # the copy's stream
+
+    def get(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.info.tolist()
+
+
+def _skipped(t: torch.Tensor) -> bool:
+    """Whether a host read must not happen: under torch.compile or CUDA graph capture."""
+    return (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()) or torch.compiler.is_compiling()
+
+
+def _position(index: int, shape: tuple) -> str:
+    return ", ".join(str(int(i)) for i in numpy.unravel_index(index, shape))
+
+
+class LogprobCheck:
+    """The log-prob rules of the module docstring on the counted tokens, read
+    after the op as TargetCheck's on a GPU (queued first, one wait after the
+    kernels), on CPU too, so that a bad target is named first everywhere;
+    skipped under torch.compile or graph capture, where a NaN then reaches the
+    loss. wait() raises ValueError naming the first argument and position that
+    breaks one."""
+
+    def __init__(self, logprobs: dict[str, torch.Tensor | None], counted: torch.Tensor, shape: torch.Size,
+                 nonfinite_logprobs: str):
+        self.names, self.shape, self.read = [], tuple(shape), None
+        given = {name: x for name, x in logprobs.items() if x is not None}
+        if not given or counted.numel() == 0 or _skipped(counted):
+            return
+        parts = []
+        for name, x in given.items():
+            bad = counted & torch.isfinite(x) & (x > LOGPROB_SLACK)
+            if nonfinite_logprobs == "raise":
+                bad = bad | (counted & ~torch.isfinite(x))
+            first = bad.to(torch.uint8).argmax().view(1)
+            value = x.gather(0, first).to(torch.float64).view(torch.int64)  # its bits, read back below
+            parts += [bad.any().to(torch.int64).view(1), first, value]
+            self.names.append(name)
+        self.read = _DeferredRead(torch.cat(parts))
+
+    def wait(self) -> None:
+        if self.read is None:
+            return
+        info = self.read.get()
+        for i, name in enumerate(self.names):
+            is_bad, index, bits = info[3 * i : 3 * i + 3]
+            if not is_bad:
+                continue
+            value = float(numpy.array(bits, dtype=numpy.int64).view(numpy.float64))
+            where = f"{name}[{_position(index, self.shape)}] = {value}"
+            if math.isfinite(value):
+                raise ValueError(f"{where}: a log-probability is <= 0 (probabilities passed as log-probs?)")
+            raise ValueError(f"{where} on a token that counts (nonfinite_logprobs=\"mask\" leaves such tokens out)")
+
+
 class TargetCheck:
     """Whether every target is IGNORE_INDEX or in [0, vocab), checked where the
     targets are; wait() raises ValueError naming the first one that is not, by
@@ -223,9 +313,8 @@ class TargetCheck:
 
     def __init__(self, targets: torch.Tensor, vocab: int, shape: torch.Size,
                  shard_sizes: torch.Tensor | None = None):
-        self.vocab, self.shape, self.info, self.event = vocab, tuple(shape), None, None
-        capturing = targets.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if (targets.numel() == 0 and shard_sizes is None) or capturing or torch.compiler.is_compiling():
+        self.vocab, self.shape, self.read = vocab, tuple(shape), None
+        if (targets.numel() == 0 and shard_sizes is None) or _skipped(targets):
             return
         if targets.numel():
             bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
@@ -236,26 +325,17 @@ class TargetCheck:
             parts = [torch.zeros(3, dtype=torch.int64, device=targets.device)]
         if shard_sizes is not None:
             parts.append(shard_sizes.reshape(-1).to(device=targets.device, dtype=torch.int64))
-        info = torch.cat(parts)
-        if info.device.type != "cuda":
-            self.info = info
+        self.read = _DeferredRead(torch.cat(parts))
+        if targets.device.type != "cuda":
             self.wait()
-            return
-        self.info = torch.empty(info.numel(), dtype=torch.int64, pin_memory=True)
-        self.info.copy_(info, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record(torch.cuda.current_stream(info.device))  # the copy's stream
 
     def wait(self) -> None:
-        if self.info is None:
+        if self.read is None:
             return
-        if self.event is not None:
-            self.event.synchronize()
-        is_bad, index, value, *shard_sizes = self.info.tolist()
+        is_bad, index, value, *shard_sizes = self.read.get()
         check_shard_sizes(shard_sizes)
         if is_bad:
-            position = ", ".join(str(int(i)) for i in numpy.unravel_index(index, self.shape))
-            raise ValueError(f"targets[{position}] = {value} is outside [0, {self.vocab}) "
+            raise ValueError(f"targets[{_position(index, self.shape)}] = {value} is outside [0, {self.vocab}) "
                              f"(ignore index: {IGNORE_INDEX}; a token whose mask is 0 is never checked)")
 
 
@@ -266,7 +346,7 @@ class TokenInputs:
     count, so that whatever they held there (NaN, inf) reaches no gradient."""
 
     targets: torch.Tensor  # int64; IGNORE_INDEX wherever the token does not count
-    behavior: torch.Tensor  # float32, as are the others
+    behavior: torch.Tensor | None  # float32, as are the others; None: on-policy (the learner's own)
     advantages: torch.Tensor
     old: torch.Tensor | None
     ref: torch.Tensor | None
@@ -274,6 +354,7 @@ class TokenInputs:
     weights: torch.Tensor  # reduction_weights
     sequences: Sequences | None  # each token's sequence, where known
     shape: torch.Size  # the targets' shape, that of per-token outputs
+    check: LogprobCheck  # waited for once the op's kernels are queued
 
     @property
     def counted(self) -> torch.Tensor:
@@ -281,31 +362,41 @@ class TokenInputs:
 
 
 def prepare_inputs(shape: torch.Size, device, targets, behavior, advantages, mask, old, ref,
-                   sequence_ids, cfg: ObjectiveConfig, reduction: str, normalizer=None) -> TokenInputs:
+                   sequence_ids, cfg: ObjectiveConfig, reduction: str, normalizer=None,
+                   nonfinite_logprobs: str = "raise") -> TokenInputs:
     """Check every input against the rules of the module docstring (shape: the
-    logits' leading dims) and flatten them; nothing runs on a bad one. The
-    targets' range is the op's to check (TargetCheck)."""
+    logits' leading dims) and flatten them; nothing runs on a bad one (on a GPU
+    the log-probs' values are read once the op's kernels are queued:
+    TokenInputs.check). The targets' range is the op's to check (TargetCheck)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_kl(cfg.kl_coef, ref)
     check_old(cfg.loss_type, old)
+    check_nonfinite(nonfinite_logprobs)
     normalizer = check_normalizer(normalizer, device)
     check_target_ids(targets)
     targets = _per_token(targets, "targets", shape, device, torch.int64)
     m = torch.ones(shape.numel(), device=device) if mask is None else _per_token(mask, "mask", shape, device)
     m = torch.where(targets != IGNORE_INDEX, m, 0.0)
+    logprobs = {"behavior_logprobs": _per_token(behavior, "behavior_logprobs", shape, device),
+                "old_logprobs": _per_token(old, "old_logprobs", shape, device),
+                "ref_logprobs": _per_token(ref, "ref_logprobs", shape, device)}
+    advantages = _per_token(per_token_advantages(advantages, shape), "advantages", shape, device)
+    if nonfinite_logprobs == "mask":
+        for x in logprobs.values():
+            if x is not None:
+                m = torch.where(torch.isfinite(x), m, 0.0)
     counted = m != 0
     targets = torch.where(counted, targets, IGNORE_INDEX)
 
-    def per_token(t, what):
-        flat = _per_token(t, what, shape, device)
+    def per_token(flat):
         return None if flat is None else torch.where(counted, flat, 0.0)
 
-    behavior = per_token(behavior, "behavior_logprobs")
-    advantages = per_token(per_token_advantages(advantages, shape), "advantages")
-    old, ref = per_token(old, "old_logprobs"), per_token(ref, "ref_logprobs")
+    behavior, old, ref = (per_token(logprobs[k]) for k in ("behavior_logprobs", "old_logprobs", "ref_logprobs"))
+    advantages = per_token(advantages)
     needed = (f'loss_type="{cfg.loss_type}"' if cfg.loss_type in SEQUENCE_TYPES
               else 'reduction="sequence_mean"' if reduction == "sequence_mean" else None)
     sequences = sequence_index(sequence_ids, shape, needed, device)
     weights = reduction_weights(m, reduction, sequences, normalizer)
-    return TokenInputs(targets, behavior, advantages, old, ref, m, weights, sequences, shape)
+    check = LogprobCheck(logprobs, counted, shape, nonfinite_logprobs)  # every shape checked first
+    return TokenInputs(targets, behavior, advantages, old, ref, m, weights, sequences, shape, check)

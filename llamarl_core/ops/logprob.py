@@ -426,6 +426,10 @@ def linear_chunk_tokens(vocab: int, dtype: torch.dtype, device: torch.device) ->
 
 def check_linear(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | None) -> int:
     """The chunk size to use; ValueError for mismatched hidden / weight or a bad chunk_size."""
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}"
+                             + (" (pass the lm-head's weight: lm_head.weight)" if isinstance(t, torch.nn.Module) else ""))
     if hidden.dim() < 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden (..., H) and weight (vocab, H) do not match: {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")

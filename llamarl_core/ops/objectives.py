@@ -199,14 +199,22 @@ class ObjectiveTerms:
     clipped: torch.Tensor | None  # bool: the clip acted (no gradient from the ratio; CISPO: the weight clipped)
 
 
-def objective_terms(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: torch.Tensor,
+def on_policy(logprobs: torch.Tensor | None, logp: torch.Tensor) -> torch.Tensor:
+    """Given behaviour or old log-probs, or, for None (the tokens sampled by the
+    learner itself, no optimizer step since), the learner's own, detached."""
+    return logp.detach() if logprobs is None else logprobs
+
+
+def objective_terms(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: torch.Tensor | None,
                     advantages: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
                     counted: torch.Tensor, sequences: Sequences | None, cfg: ObjectiveConfig) -> ObjectiveTerms:
     """The per-token terms of cfg's objective (module docstring), float32. Inputs
     flat (num_tokens,); behaviour, advantages, old and ref hold finite values
     (0) where a token does not count (`counted` False), so that no NaN leaks
-    into a gradient through them; sequences: required by SEQUENCE_TYPES."""
+    into a gradient through them; behaviour and old None: on_policy;
+    sequences: required by SEQUENCE_TYPES."""
     kind, a = cfg.loss_type, advantages
+    behavior, old = on_policy(behavior, logp), on_policy(old, logp)
     log_r = (logp - behavior).detach()
     truncated = masked = clipped = None
     on = counted.to(logp.dtype)
@@ -282,12 +290,14 @@ class AIPOStats:
     sequence_masked_fraction: torch.Tensor | None = None
 
 
-def objective_stats(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: torch.Tensor, mask: torch.Tensor,
-                    ref: torch.Tensor | None, sequences: Sequences | None, terms: ObjectiveTerms,
+def objective_stats(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: torch.Tensor | None,
+                    mask: torch.Tensor, ref: torch.Tensor | None, sequences: Sequences | None, terms: ObjectiveTerms,
                     shape: torch.Size) -> AIPOStats:
     """AIPOStats of one call: flat (num_tokens,) inputs, mask 0 where a token does
-    not count; mask-weighted means whatever the values elsewhere (padding) are."""
+    not count; mask-weighted means whatever the values elsewhere (padding) are;
+    behaviour None: on_policy."""
     logp = logp.detach()
+    behavior = on_policy(behavior, logp)
     counted = mask != 0
     total = mask.sum()
     count = torch.where(total > 0, total, 1.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,7 +164,25 @@ class TrainConfig:
     timeout_s: float = 60.0  # longest wait for any executor before the run stops with an error
     sync_timeout_s: float = 20.0  # longest weight sync
 
+    def _check_types(self) -> None:
+        """ValueError naming the first field (the Python argument; the CLI's flags
+        convert their values) whose value is not of its declared type: `lr="1e-5"`
+        would otherwise fail far away, comparing a string with a number. An int is
+        taken where a float is declared; a bool is taken for neither. Plug-in
+        fields take objects too (spec_of checks them)."""
+        for name, declared in typing.get_type_hints(TrainConfig).items():
+            value = getattr(self, name)
+            if name in PLUGIN_FIELDS or (value is None and "None" in str(declared)):
+                continue
+            kinds = {t for t in typing.get_args(declared) or (declared,) if t is not type(None)}
+            ok = any(isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+                     for kind in kinds | ({int} if float in kinds else set()))
+            if not ok:
+                wanted = " or ".join(sorted(kind.__name__ for kind in kinds))
+                raise ValueError(f"TrainConfig {name} must be {wanted}, got {value!r} ({type(value).__name__})")
+
     def __post_init__(self):
+        self._check_types()
         for name in PLUGIN_FIELDS:
             if getattr(self, name) is not None:
                 setattr(self, name, spec_of(getattr(self, name), name))

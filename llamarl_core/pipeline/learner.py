@@ -271,6 +271,7 @@ def _user_loss(model, batch: Batch, loss_fn: LossFn, *, temperature: float, ref_
     cfg = objective_config(temperature=temperature, kl_coef=kl_coef)
     inputs = prepare_inputs(batch.targets.shape, logp.device, batch.targets, batch.behavior_logprobs,
                             batch.advantages, None, None, ref_logprobs, None, cfg, "sum")
+    inputs.check.wait()
     return summed, objective_stats(logp.reshape(-1), entropy.reshape(-1), inputs.behavior, inputs.mask, inputs.ref,
                                    None, ObjectiveTerms(per_token, None, None, None), inputs.shape)
 

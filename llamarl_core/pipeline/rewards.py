@@ -12,7 +12,8 @@ reward(prompt, completion) scores it, through `per_sample`.
 Every reward has one signature, on a batch of lists:
     fn(prompts, completions, answers) -> one float per completion
 (prompts: str or chat messages; answers: the dataset's, None for a task's
-prompts). Before any executor starts, each reward function is called once on a
+prompts), or TRL's: fn(prompts, completions, **kwargs), called with keywords as
+TRL calls it, the answers as `answer=` (a dataset column, as TRL passes them). Before any executor starts, each reward function is called once on a
 probe (the run's first two prompts, an empty completion and a short one): a
 function that cannot take those arguments, or returns anything but one real
 number per completion, is refused naming it.
@@ -24,6 +25,7 @@ in the reward executor's own process.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import re
@@ -96,6 +98,33 @@ BUILTIN_REWARDS: dict[str, BatchReward] = {"math": math_reward, "format": format
 NEEDS_ANSWER = {"math"}
 
 
+def batch_reward(fn) -> BatchReward:
+    """`fn` as fn(prompts, completions, answers): as it is where it takes those
+    three positionally; a reward in TRL's signature, fn(prompts, completions,
+    **kwargs) (keywords only past the two), wrapped to be called as TRL calls it,
+    with the answers as `answer=`."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one: the probe call will tell
+        return fn
+    try:
+        signature.bind(None, None, None)
+        return fn
+    except TypeError:
+        pass
+    try:
+        signature.bind(prompts=None, completions=None, answer=None)
+    except TypeError:
+        return fn  # neither: the probe names it
+
+    def trl_signature(prompts: list, completions: list[str], answers: list) -> list[float]:
+        return fn(prompts=prompts, completions=completions, answer=answers)
+
+    trl_signature.__name__ = trl_signature.__qualname__ = getattr(fn, "__qualname__", "reward")
+    trl_signature.__module__ = getattr(fn, "__module__", "?")
+    return trl_signature
+
+
 def per_sample(reward: Callable[[str, str], float], what: str) -> BatchReward:
     """A per-sample reward(prompt text, completion) -> float (a Task's) as a batched
     reward; an error in it names `what`, the prompt and the completion."""
@@ -145,7 +174,7 @@ class RuleReward:
             if name in BUILTIN_REWARDS:
                 fn = BUILTIN_REWARDS[name]
             elif ":" in name:
-                fn = load(name, "--reward", "function")
+                fn = batch_reward(load(name, "--reward", "function"))
             else:
                 raise ValueError(f"--reward {spec!r}: unknown reward {name!r} (built in: "
                                  f"{', '.join(BUILTIN_REWARDS)}; or module:function)")

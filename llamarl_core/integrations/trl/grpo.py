@@ -1,32 +1,70 @@
 """`GRPOTrainer`: trl's GRPOTrainer with its completions scored by llamarl's
-fused log-prob op. Changing `from trl import GRPOTrainer` to `from
-llamarl_core.integrations.trl import GRPOTrainer` is the whole migration: the
-same arguments, the same loss for every `loss_type` and option (TRL's own code
-computes it, from the per-token log-probs and entropies the head returns), the
-same metrics under the same names."""
+fused log-prob op and, with a colocated vLLM engine, its weights synced by DDMA.
+Changing `from trl import GRPOTrainer` to `from llamarl_core.integrations.trl
+import GRPOTrainer` is the whole migration: the same arguments, the same loss for
+every `loss_type` and option (TRL's own code computes it, from the per-token
+log-probs and entropies the head returns), the same metrics under the same
+names."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import trl
 
+from .colocate import DdmaVLLMGeneration
 from .head import add_fused_lm_head
+
+_SIGNATURE = inspect.signature(trl.GRPOTrainer.__init__)
 
 
 class GRPOTrainer(trl.GRPOTrainer):
-    """trl.GRPOTrainer (same arguments, same behaviour) whose policy model scores
-    its completions (the loss's log-probs and entropies, the old policy's) with
-    llamarl's fused LM head (head.py) in place of TRL's. ValueError at
-    construction naming what that head does not reproduce (a logit soft-cap or
-    scale, an lm-head bias, DeepSpeed ZeRO-3). The reference model keeps TRL's
-    head: its log-probs are values, never differentiated."""
+    """trl.GRPOTrainer (same arguments, same behaviour) with:
+    - its policy model scoring its completions (the loss's log-probs and
+      entropies, the old policy's) with llamarl's fused LM head (head.py) in
+      place of TRL's; ValueError at construction naming what that head does not
+      reproduce (a logit soft-cap or scale, an lm-head bias, DeepSpeed ZeRO-3).
+      The reference model keeps TRL's head: its log-probs are values, never
+      differentiated;
+    - with `use_vllm=True, vllm_mode="colocate"`, the colocated engine built
+      with the llamarl_ddma backend and synced by DDMA (colocate.py; what it
+      refuses is named at construction). `vllm_mode="server"` is TRL's own.
+    """
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        bound = _SIGNATURE.bind(self, *args, **kwargs)
+        config = bound.arguments.get("args")
+        colocate = config is not None and config.use_vllm and config.vllm_mode == "colocate"
+        if colocate:  # TRL's own engine is never built: this class builds its own after TRL's set-up
+            bound.arguments["args"] = copy.copy(config)
+            bound.arguments["args"].use_vllm = False
+        super().__init__(*bound.args[1:], **bound.kwargs)
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_fused_lm_head(policy, temperature=self.temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
                           outputs=("log_probs", "entropy"))
+        if colocate:
+            self._colocate(config)
+
+    def _colocate(self, args: trl.GRPOConfig) -> None:
+        """What TRL's constructor does for a colocated engine, with DdmaVLLMGeneration
+        as the engine and TRL's own check of the vespo loss's correction mode."""
+        self.args, self.use_vllm, self.vllm_mode = args, True, args.vllm_mode
+        if (self.loss_type == "vespo" and self.vllm_importance_sampling_correction
+                and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
+            raise ValueError("VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or "
+                             f"'token_mask'. Got: {self.vllm_importance_sampling_mode}.")
+        self.vllm_generation = DdmaVLLMGeneration(
+            model=self.model, accelerator=self.accelerator, processing_class=self.processing_class,
+            mode="colocate", structured_outputs_regex=args.vllm_structured_outputs_regex,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_length=args.vllm_max_model_length,
+            max_num_seqs=args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation,
+            enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl,
+            trust_remote_code=args.trust_remote_code, repetition_penalty=self.repetition_penalty,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            max_completion_length=self.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs)
+        self._last_loaded_step = -1
 
 
-GRPOTrainer.__init__.__signature__ = inspect.signature(trl.GRPOTrainer.__init__)
+GRPOTrainer.__init__.__signature__ = _SIGNATURE
