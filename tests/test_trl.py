@@ -364,6 +364,8 @@ def test_a_colocated_engine_computes_with_the_trainers_weights_after_ddma_syncs(
 
 
 def test_what_the_colocated_sync_does_not_serve_is_named():
+    """The set-ups GRPOTrainer leaves to TRL's own colocated engine (with a warning
+    naming the reason), decided from the constructor's arguments."""
     from llamarl_core.integrations.trl.colocate import colocate_refusal
 
     model = tiny_llama(0)
@@ -371,5 +373,7 @@ def test_what_the_colocated_sync_does_not_serve_is_named():
     assert "2 processes" in colocate_refusal(model, 2, 1, False)
     assert "vllm_tensor_parallel_size=2" in colocate_refusal(model, 1, 2, False)
     assert "vllm_enable_sleep_mode=True" in colocate_refusal(model, 1, 1, True)
+    assert "a PEFT model" in colocate_refusal("some/model", 1, 1, False, peft_config=object())
+    assert "a quantized model" in colocate_refusal("some/model", 1, 1, False, quantization_config=object())
     model.peft_config = {"default": object()}
     assert "a PEFT model" in colocate_refusal(model, 1, 1, False)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
+import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,19 +169,29 @@ class TrainConfig:
     def _check_types(self) -> None:
         """ValueError naming the first field (the Python argument; the CLI's flags
         convert their values) whose value is not of its declared type: `lr="1e-5"`
-        would otherwise fail far away, comparing a string with a number. An int is
-        taken where a float is declared; a bool is taken for neither. Plug-in
-        fields take objects too (spec_of checks them)."""
+        would otherwise fail far away, comparing a string with a number. Taken and
+        converted: an integer (NumPy's too) where an int is declared, a real number
+        where a float is, a path (os.PathLike) where a str is; a bool for neither
+        number. Plug-in fields take objects too (spec_of checks them)."""
         for name, declared in typing.get_type_hints(TrainConfig).items():
             value = getattr(self, name)
             if name in PLUGIN_FIELDS or (value is None and "None" in str(declared)):
                 continue
             kinds = {t for t in typing.get_args(declared) or (declared,) if t is not type(None)}
-            ok = any(isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
-                     for kind in kinds | ({int} if float in kinds else set()))
-            if not ok:
+            if isinstance(value, bool):
+                converted = value if bool in kinds else None
+            elif int in kinds and isinstance(value, numbers.Integral):
+                converted = int(value)
+            elif float in kinds and isinstance(value, numbers.Real):
+                converted = float(value)
+            elif str in kinds and isinstance(value, (str, os.PathLike)):
+                converted = os.fspath(value)
+            else:
+                converted = None
+            if converted is None:
                 wanted = " or ".join(sorted(kind.__name__ for kind in kinds))
                 raise ValueError(f"TrainConfig {name} must be {wanted}, got {value!r} ({type(value).__name__})")
+            setattr(self, name, converted)
 
     def __post_init__(self):
         self._check_types()

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from ..ops.aipo import IGNORE_INDEX, aipo_loss
 from ..ops.aipo_inputs import prepare_inputs
 from ..ops.logprob import token_logprobs
-from ..ops.objectives import (LOSS_TYPES, OLD_POLICY_TYPES, AIPOStats, ObjectiveTerms, objective_config,
+from ..ops.objectives import (LOSS_TYPES, AIPOStats, ObjectiveTerms, objective_config,
                                objective_stats, reference_kl)
 from .advantages import AdvantageFn, advantage_function, compute_advantages, group_mean
 from .config import LR_SCHEDULES, check_loss, natural_reduction
@@ -220,7 +220,7 @@ def policy_loss(model, batch: Batch, *, temperature: float, reduction: str = "to
                 autocast_dtype: torch.dtype | None = None, loss: str = "aipo",
                 old_logprobs: torch.Tensor | None = None, entropy_coef: float = 0.0, normalizer=None, **parameters):
     """The policy loss `loss` (a name of ops.objectives.LOSS_TYPES; those of
-    OLD_POLICY_TYPES take old_logprobs (rows, width - 1)) of `model` on `batch`
+    OLD_POLICY_TYPES read old_logprobs (rows, width - 1), None: on-policy) of `model` on `batch`
     (by default the token mean over the completion tokens that count), with the
     KL penalty against ref_logprobs (rows, width - 1) when given and the entropy
     bonus; parameters: the loss's (rho, eps_low, eps_high, mask_low, mask_high;
@@ -385,9 +385,9 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, te
 
     loss: a name of ops.objectives.LOSS_TYPES (default "aipo"; formulas in
     ops/objectives.py) or a loss function (the module docstring). The losses of
-    OLD_POLICY_TYPES (ppo, ppo_tis, gspo, cispo) take old log-probs from a
-    forward without gradients before the step, so their ratio is 1 up to
-    rounding: one optimizer step per batch. rho, eps_low, eps_high, mask_low,
+    OLD_POLICY_TYPES (ppo, ppo_tis, gspo, cispo) take the model's own log-probs,
+    detached, as the old policy's (old_logprobs None), so their ratio is 1: one
+    optimizer step per batch. rho, eps_low, eps_high, mask_low,
     mask_high: the loss's parameters, None for its default
     (ops.objectives.DEFAULTS); one the loss does not read (any, for a loss of
     yours) raises ValueError. entropy_coef: the entropy bonus's weight, any loss.
@@ -469,12 +469,13 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, te
                                        kl_coef=kl_coef, entropy_coef=entropy_coef, autocast_dtype=autocast_dtype,
                                        reduction=reduction)
         else:
-            old = _reference_logprobs(model, batch, temperature, autocast_dtype) if loss in OLD_POLICY_TYPES else None
+            # One optimizer step a batch: the old policy is the model as it is (old_logprobs None: the loss's
+            # own log-probs, detached; no second forward).
             # "sequence_mean" with normalizer 1: each completion's token mean, summed (aipo_inputs.reduction_weights).
             by_sequence = reduction == "sequence_mean"
             summed, stats = policy_loss(model, batch, temperature=temperature,
                                         reduction="sequence_mean" if by_sequence else "sum", ref_logprobs=ref,
-                                        kl_coef=kl_coef, autocast_dtype=autocast_dtype, loss=loss, old_logprobs=old,
+                                        kl_coef=kl_coef, autocast_dtype=autocast_dtype, loss=loss, old_logprobs=None,
                                         entropy_coef=entropy_coef, normalizer=1.0 if by_sequence else None,
                                         **parameters)
         # The summed loss scaled here, not through mask = 1 / total: AIPOStats' means

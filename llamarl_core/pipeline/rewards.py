@@ -12,8 +12,9 @@ reward(prompt, completion) scores it, through `per_sample`.
 Every reward has one signature, on a batch of lists:
     fn(prompts, completions, answers) -> one float per completion
 (prompts: str or chat messages; answers: the dataset's, None for a task's
-prompts), or TRL's: fn(prompts, completions, **kwargs), called with keywords as
-TRL calls it, the answers as `answer=` (a dataset column, as TRL passes them). Before any executor starts, each reward function is called once on a
+prompts), or TRL's: a function that takes **kwargs, fn(prompts, completions,
+**kwargs), is called with keywords as TRL calls it, the answers as `answer=` (a
+dataset column, as TRL passes them). Before any executor starts, each reward function is called once on a
 probe (the run's first two prompts, an empty completion and a short one): a
 function that cannot take those arguments, or returns anything but one real
 number per completion, is refused naming it.
@@ -99,23 +100,17 @@ NEEDS_ANSWER = {"math"}
 
 
 def batch_reward(fn) -> BatchReward:
-    """`fn` as fn(prompts, completions, answers): as it is where it takes those
-    three positionally; a reward in TRL's signature, fn(prompts, completions,
-    **kwargs) (keywords only past the two), wrapped to be called as TRL calls it,
-    with the answers as `answer=`."""
+    """`fn` as fn(prompts, completions, answers): a reward in TRL's signature,
+    fn(prompts, completions, **kwargs) (one that takes **kwargs), wrapped to be
+    called as TRL calls it, with keywords, the answers as `answer=` (a parameter
+    it names without a default other than these three is refused by the probe,
+    naming it); any other as it is."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without one: the probe call will tell
         return fn
-    try:
-        signature.bind(None, None, None)
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
         return fn
-    except TypeError:
-        pass
-    try:
-        signature.bind(prompts=None, completions=None, answer=None)
-    except TypeError:
-        return fn  # neither: the probe names it
 
     def trl_signature(prompts: list, completions: list[str], answers: list) -> list[float]:
         return fn(prompts=prompts, completions=completions, answer=answers)

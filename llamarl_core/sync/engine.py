@@ -79,7 +79,7 @@ def check_distinct_memory(tensors: Mapping[str, torch.Tensor], what: str) -> Non
     other, or of a part of it: tied weights registered under two names): a sync
     would write both into the same bytes."""
     spans = sorted((str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
-                   for name, t in tensors.items() if t.numel())
+                   for name, t in tensors.items() if t.numel() and t.is_contiguous())  # others: refused as such
     reach = None  # the span reaching furthest so far on this device: (device, end, name)
     for device, start, end, name in spans:
         if reach is not None and reach[0] == device and start < reach[1]:

@@ -4,7 +4,6 @@ receiver (P2PStream, which a receiver's relays run too)."""
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -214,9 +213,7 @@ class WeightSender(Endpoint):
         if previous is not None:
             previous.close()
         if self.transports[(self.rank, dst)] == SHM:
-            sizes = {n: math.prod(shape) * dtype.itemsize
-                     for n, (shape, dtype) in self.plan.dst_layout.local_tensor_specs(dst).items()}
-            opened = self._opened[dst] = OpenedSharedStorages(handle, sizes)
+            opened = self._opened[dst] = OpenedSharedStorages(handle, self.plan.dst_layout.local_tensor_specs(dst))
         else:
             opened = self._opened[dst] = OpenedCudaHandles(handle, self.device)
         self._dst_addresses[dst] = opened.addresses

@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import math
 import os
+import resource
 import socket
 import threading
 import uuid
@@ -214,11 +216,14 @@ def share_in_place(tensors: Mapping[str, torch.Tensor], owner: str) -> dict:
     /dev/shm, freed with the last tensor of the storage.
 
     Refused with RuntimeError naming `owner`: before any storage moves, /dev/shm
-    without room for them (bytes needed and free; a storage copied into a full
-    tmpfs would kill the process with SIGBUS) and a shared storage torch cannot
-    give a descriptor of; when its turn comes (the storages before it moved,
-    values kept), a memory-mapped file torch keeps private
-    (`UntypedStorage.from_file(shared=False)`).
+    without room for them (bytes needed and free, read by statvfs: a storage
+    copied into a full tmpfs would kill the process with SIGBUS; the check and
+    the copies are not one step, so ranks registering at once on an almost full
+    /dev/shm can pass it together), more storages than the open-file limit lets
+    the process keep descriptors of (the soft limit is raised to the hard one
+    first), and a shared storage torch cannot give a descriptor of; when its
+    turn comes (the storages before it moved, values kept), a memory-mapped
+    file torch keeps private (`UntypedStorage.from_file(shared=False)`).
 
     Handle: {"pid", "regions": [[fd, name, nbytes], ...], "params": {tensor name:
     [region index, byte offset]}}; tensors of no bytes have no entry."""
@@ -233,6 +238,7 @@ def share_in_place(tensors: Mapping[str, torch.Tensor], owner: str) -> dict:
         storages.setdefault(key, storage)
         first.setdefault(key, name)
         places[name] = (key, t.data_ptr() - key)
+    _make_room_for_descriptors(sum(not s.is_shared() for s in storages.values()), len(tensors), owner)
     page = os.sysconf("SC_PAGE_SIZE")
     needed = sum(-(-s.nbytes() // page) * page for s in storages.values() if not s.is_shared())
     stats = os.statvfs("/dev/shm")
@@ -252,6 +258,25 @@ def share_in_place(tensors: Mapping[str, torch.Tensor], owner: str) -> dict:
             "params": {name: [index[key], offset] for name, (key, offset) in places.items()}}
 
 
+def _make_room_for_descriptors(count: int, num_tensors: int, owner: str) -> None:
+    """torch keeps a descriptor open per shared storage for as long as it lives:
+    the soft limit on open files (1024 by default outside containers; a 405B
+    model has over 1100 parameter tensors) raised to the hard one where `count`
+    more would not fit, else RuntimeError naming `owner`, before any storage
+    moves. A margin of 64 is left for everything else the process opens."""
+    if count == 0:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = len(os.listdir("/proc/self/fd")) + count + 64
+    if soft != resource.RLIM_INFINITY and wanted > soft:
+        top = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(top, soft), hard))
+        if top < wanted:
+            raise RuntimeError(f"{owner}: cannot move its {num_tensors} tensors into shared memory, none moved: "
+                               f"their {count} storages need a descriptor each, and the limit on open files is "
+                               f"{hard} (ulimit -n): raise it, or use transport='p2p'")
+
+
 def _shared_name(storage: torch.UntypedStorage, tensor: str, owner: str) -> str:
     """The /dev/shm name behind a storage torch shares through a descriptor (its
     /proc/self/fd link, which a peer checks before it maps it)."""
@@ -266,11 +291,16 @@ def _shared_name(storage: torch.UntypedStorage, tensor: str, owner: str) -> str:
 
 class OpenedSharedStorages:
     """A receiver's shared storages (share_in_place's handle) mapped in this
-    process; `addresses`: tensor name -> address. `sizes` (tensor name -> bytes,
-    from the receiver's layout): each tensor must lie inside its region."""
+    process; `addresses`: tensor name -> address. `specs` (the receiver's
+    layout's local_tensor_specs: name -> (shape, dtype)): each tensor with bytes
+    must have a place, inside its region."""
 
-    def __init__(self, handle: dict, sizes: Mapping[str, int]):
+    def __init__(self, handle: dict, specs: Mapping[str, tuple]):
         regions = handle["regions"]
+        sizes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in specs.items()}
+        missing = [name for name, nbytes in sizes.items() if nbytes and name not in handle["params"]]
+        if missing:
+            raise ValueError(f"the receiver's memory handle has no place for {missing[0]!r}")
         for name, (i, offset) in handle["params"].items():
             if name not in sizes or not (0 <= i < len(regions) and 0 <= offset
                                          and offset + sizes[name] <= regions[i][2]):

@@ -3,15 +3,16 @@
     from llamarl_core.integrations.trl import GRPOTrainer   # was: from trl import GRPOTrainer
 
 `GRPOTrainer` takes trl.GRPOTrainer's arguments and trains as it does, its
-completions scored by llamarl's fused log-prob op (grpo.py, head.py).
+completions scored by llamarl's fused log-prob op (grpo.py, head.py), its
+colocated vLLM engine synced by DDMA (colocate.py).
 """
 
 from __future__ import annotations
 
-try:
-    import trl  # noqa: F401
-except ImportError as exc:  # pragma: no cover - the message is the point
-    raise ImportError("llamarl_core.integrations.trl needs TRL: pip install 'llamarl-core[trl]'") from exc
+from importlib.util import find_spec
+
+if find_spec("trl") is None:
+    raise ImportError("llamarl_core.integrations.trl needs TRL: pip install 'llamarl-core[trl]'")
 
 from .grpo import GRPOTrainer
 from .head import add_fused_lm_head

@@ -12,11 +12,11 @@ which TRL's per-tensor `load_weights` fails on). The trainer's WeightSender and
 the engine's receiver live in this one process: the set-up and each sync run
 the sender in a thread of its own while the engine's calls run here.
 
-Refused by name at construction, rather than synced some other way: several
-processes (each rank's engine would need every rank's shards: not yet), an
-engine tensor-parallel group, vLLM's sleep mode (it discards the weights a sync
-writes into), a PEFT model (its adapters would have to be merged first: not
-yet), bitsandbytes-quantized models.
+What it does not serve (colocate_refusal: several processes, whose engines
+would each need every rank's shards; an engine tensor-parallel group; vLLM's
+sleep mode, which discards the weights a sync writes into; a PEFT model, whose
+adapters would have to be merged first; a quantized model) GRPOTrainer leaves
+to TRL's own engine and sync, with a warning naming the reason.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ SYNC_NAME = "trl-colocate"
 TIMEOUT_S = 300.0
 
 
-def colocate_refusal(model: torch.nn.Module, num_processes: int, tensor_parallel_size: int,
-                     enable_sleep_mode: bool) -> str | None:
-    """Why DDMA cannot feed TRL's colocated engine for this set-up, or None."""
+def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enable_sleep_mode: bool,
+                     peft_config=None, quantization_config=None) -> str | None:
+    """Why DDMA cannot feed TRL's colocated engine for this set-up, or None. model:
+    the trainer's `model` argument (a folder or hub id, or the model itself)."""
     if num_processes != 1:
         return (f"{num_processes} processes (each rank's colocated engine needs every rank's shards; llamarl's "
                 "colocated sync runs on one process for now)")
@@ -48,10 +49,11 @@ def colocate_refusal(model: torch.nn.Module, num_processes: int, tensor_parallel
         return f"vllm_tensor_parallel_size={tensor_parallel_size} (llamarl's colocated sync feeds one engine worker)"
     if enable_sleep_mode:
         return "vllm_enable_sleep_mode=True (sleep discards the engine's weights, which a sync writes in place)"
-    if hasattr(model, "peft_config"):
+    if peft_config is not None or hasattr(model, "peft_config"):
         return "a PEFT model (its adapters are not merged into what the sync sends yet)"
-    if any(type(module).__module__.startswith("bitsandbytes") for module in model.modules()):
-        return "a bitsandbytes-quantized model"
+    if quantization_config is not None or (isinstance(model, torch.nn.Module) and any(
+            type(module).__module__.startswith("bitsandbytes") for module in model.modules())):
+        return "a quantized model"
     return None
 
 
@@ -67,7 +69,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
             raise ValueError(f"DdmaVLLMGeneration feeds a colocated engine, got vllm_mode={self.mode!r}")
         reason = colocate_refusal(self.model, self.accelerator.num_processes, self.tensor_parallel_size,
                                   self.enable_sleep_mode)
-        if reason is not None:
+        if reason is not None:  # GRPOTrainer checks it first, from its arguments
             raise ValueError(f"llamarl's colocated vLLM sync cannot serve this run: {reason}")
         # vLLM's external launcher reads the process's place in the job from the environment, as in TRL.
         os.environ["RANK"] = str(self.accelerator.process_index)

@@ -8,12 +8,13 @@ names."""
 
 from __future__ import annotations
 
-import copy
 import inspect
+import warnings
 
 import trl
+from accelerate import PartialState
 
-from .colocate import DdmaVLLMGeneration
+from .colocate import DdmaVLLMGeneration, colocate_refusal
 from .head import add_fused_lm_head
 
 _SIGNATURE = inspect.signature(trl.GRPOTrainer.__init__)
@@ -28,18 +29,32 @@ class GRPOTrainer(trl.GRPOTrainer):
       The reference model keeps TRL's head: its log-probs are values, never
       differentiated;
     - with `use_vllm=True, vllm_mode="colocate"`, the colocated engine built
-      with the llamarl_ddma backend and synced by DDMA (colocate.py; what it
-      refuses is named at construction). `vllm_mode="server"` is TRL's own.
+      with the llamarl_ddma backend and synced by DDMA (colocate.py); a set-up
+      DDMA does not serve (several processes, engine tensor parallelism, sleep
+      mode, PEFT, a quantized model) keeps TRL's own engine and sync, with a
+      warning naming why. `vllm_mode="server"` is TRL's own.
     """
 
     def __init__(self, *args, **kwargs):
         bound = _SIGNATURE.bind(self, *args, **kwargs)
         config = bound.arguments.get("args")
         colocate = config is not None and config.use_vllm and config.vllm_mode == "colocate"
+        if colocate:
+            reason = colocate_refusal(bound.arguments["model"], PartialState().num_processes,
+                                      config.vllm_tensor_parallel_size, config.vllm_enable_sleep_mode,
+                                      bound.arguments.get("peft_config"), bound.arguments.get("quantization_config"))
+            if reason is not None:
+                warnings.warn(f"llamarl: the colocated vLLM engine is TRL's own, synced by TRL: DDMA does not serve "
+                              f"{reason}", stacklevel=2)
+                colocate = False
         if colocate:  # TRL's own engine is never built: this class builds its own after TRL's set-up
-            bound.arguments["args"] = copy.copy(config)
-            bound.arguments["args"].use_vllm = False
-        super().__init__(*bound.args[1:], **bound.kwargs)
+            config.use_vllm = False
+            try:
+                super().__init__(*bound.args[1:], **bound.kwargs)
+            finally:
+                config.use_vllm = True  # the same object: what TRL's set-up changed on it is kept
+        else:
+            super().__init__(*bound.args[1:], **bound.kwargs)
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_fused_lm_head(policy, temperature=self.temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
                           outputs=("log_probs", "entropy"))
@@ -49,7 +64,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _colocate(self, args: trl.GRPOConfig) -> None:
         """What TRL's constructor does for a colocated engine, with DdmaVLLMGeneration
         as the engine and TRL's own check of the vespo loss's correction mode."""
-        self.args, self.use_vllm, self.vllm_mode = args, True, args.vllm_mode
+        self.use_vllm, self.vllm_mode = True, args.vllm_mode
         if (self.loss_type == "vespo" and self.vllm_importance_sampling_correction
                 and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
             raise ValueError("VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or "

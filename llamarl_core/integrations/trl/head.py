@@ -18,6 +18,7 @@ own forward).
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -77,6 +78,8 @@ def add_fused_lm_head(model: torch.nn.Module, temperature: float = 1.0, cast_lm_
     text_config = model.config.get_text_config()
     with_entropy = "entropy" in outputs
 
+    # The class's signature kept: generate() reads it (logits_to_keep at prefill, its model kwargs).
+    @functools.wraps(original_forward)
     def fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
                       **kwargs):
         if not fused_lm_head:
