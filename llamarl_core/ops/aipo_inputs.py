@@ -247,6 +247,14 @@ def _skipped(t: torch.Tensor) -> bool:
     return (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()) or torch.compiler.is_compiling()
 
 
+def _first_bad(bad: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+    """[whether any is bad, the first bad one's index, its value], one-element
+    tensors computed without a host sync: argmax returns the first maximum, and
+    gather, not values[first] (indexing with a tensor reads the index on the host)."""
+    first = bad.to(torch.uint8).argmax().view(1)
+    return [bad.any().to(torch.int64).view(1), first, values.gather(0, first)]
+
+
 def _position(index: int, shape: tuple) -> str:
     return ", ".join(str(int(i)) for i in numpy.unravel_index(index, shape))
 
@@ -270,9 +278,8 @@ class LogprobCheck:
             bad = counted & torch.isfinite(x) & (x > LOGPROB_SLACK)
             if nonfinite_logprobs == "raise":
                 bad = bad | (counted & ~torch.isfinite(x))
-            first = bad.to(torch.uint8).argmax().view(1)
-            value = x.gather(0, first).to(torch.float64).view(torch.int64)  # its bits, read back below
-            parts += [bad.any().to(torch.int64).view(1), first, value]
+            is_bad, first, value = _first_bad(bad, x)
+            parts += [is_bad, first, value.to(torch.float64).view(torch.int64)]  # the value's bits, read back below
             self.names.append(name)
         self.read = _DeferredRead(torch.cat(parts))
 
@@ -317,10 +324,7 @@ class TargetCheck:
         if (targets.numel() == 0 and shard_sizes is None) or _skipped(targets):
             return
         if targets.numel():
-            bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
-            first = bad.to(torch.uint8).argmax().view(1)  # the first True (argmax returns the first maximum)
-            # gather, not bad[first]: indexing with a tensor reads the index on the host (a sync).
-            parts = [bad.any().to(torch.int64).view(1), first, targets.gather(0, first)]
+            parts = _first_bad((targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab)), targets)
         else:
             parts = [torch.zeros(3, dtype=torch.int64, device=targets.device)]
         if shard_sizes is not None:

@@ -351,6 +351,12 @@ def _check_world_size(world_size: int) -> None:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
 
 
+def local_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's local shard, in place (FSDP2 modules resharded first:
+    their shards are what a sync reads)."""
+    return {n: local_shard(p) for n, p in _resharded(model).named_parameters()}
+
+
 class _Registered:
     """A live model's parameters as one end of a sync registered them (their local
     shards' storage), checked again before every transfer."""
@@ -360,9 +366,7 @@ class _Registered:
         self.storage = {n: self._key(t) for n, t in self.shards().items()}
 
     def shards(self) -> dict[str, torch.Tensor]:
-        """Each parameter's local shard, in place (FSDP2 modules resharded first:
-        their shards are what a sync reads)."""
-        return {n: local_shard(p) for n, p in _resharded(self.model).named_parameters()}
+        return local_shards(self.model)
 
     @staticmethod
     def _key(t: torch.Tensor) -> tuple:
@@ -432,10 +436,9 @@ class ModuleReceiver(WeightReceiver):
                  secret: bytes | None = None):
         model = _unwrapped(model)
         self.model = model
-        shards = {n: local_shard(p) for n, p in model.named_parameters()}
-        super().__init__(store, module_layout(model, world_size), rank, shards, name=name, transport=transport,
-                         timeout=timeout, num_threads=num_threads, replica=replica, num_replicas=num_replicas,
-                         secret=secret)
+        super().__init__(store, module_layout(model, world_size), rank, local_shards(model), name=name,
+                         transport=transport, timeout=timeout, num_threads=num_threads, replica=replica,
+                         num_replicas=num_replicas, secret=secret)
         self._live = _Registered(model, "generator", "receiver")  # after the set-up: shared memory moves storages
 
     def check_storage(self) -> None:

@@ -238,22 +238,24 @@ def share_in_place(tensors: Mapping[str, torch.Tensor], owner: str) -> dict:
         storages.setdefault(key, storage)
         first.setdefault(key, name)
         places[name] = (key, t.data_ptr() - key)
-    _make_room_for_descriptors(sum(not s.is_shared() for s in storages.values()), len(tensors), owner)
+    unshared = [s for s in storages.values() if not s.is_shared()]
+    _make_room_for_descriptors(len(unshared), len(tensors), owner)
     page = os.sysconf("SC_PAGE_SIZE")
-    needed = sum(-(-s.nbytes() // page) * page for s in storages.values() if not s.is_shared())
+    needed = sum(-(-s.nbytes() // page) * page for s in unshared)
     stats = os.statvfs("/dev/shm")
     free = stats.f_bavail * stats.f_frsize
     if needed > free:
         raise RuntimeError(f"{owner}: cannot move its {len(tensors)} tensors into shared memory, none moved: shared "
                            f"memory region needs {needed} bytes, /dev/shm has {free} bytes free (statvfs): enlarge it "
                            "(e.g. docker run --shm-size=...) or use transport='p2p'")
-    for key, storage in storages.items():
-        if storage.is_shared():
-            _shared_name(storage, first[key], owner)  # refused before anything moves
+    # Those shared already first: one refused is refused before anything moves.
+    described = {key: _descriptor(storage, first[key], owner) for key, storage in storages.items()
+                 if storage.is_shared()}
     regions, index = [], {}
     for key, storage in storages.items():
+        fd, name = described[key] if key in described else _descriptor(storage, first[key], owner)
         index[key] = len(regions)
-        regions.append([storage._share_fd_cpu_()[0], _shared_name(storage, first[key], owner), storage.nbytes()])
+        regions.append([fd, name, storage.nbytes()])
     return {"pid": os.getpid(), "regions": regions,
             "params": {name: [index[key], offset] for name, (key, offset) in places.items()}}
 
@@ -277,16 +279,16 @@ def _make_room_for_descriptors(count: int, num_tensors: int, owner: str) -> None
                                f"{hard} (ulimit -n): raise it, or use transport='p2p'")
 
 
-def _shared_name(storage: torch.UntypedStorage, tensor: str, owner: str) -> str:
-    """The /dev/shm name behind a storage torch shares through a descriptor (its
-    /proc/self/fd link, which a peer checks before it maps it)."""
+def _descriptor(storage: torch.UntypedStorage, tensor: str, owner: str) -> tuple[int, str]:
+    """(descriptor, /dev/shm name) of a storage torch shares through a descriptor
+    (the name from its /proc/self/fd link, which a peer checks before it maps it)."""
     fd, _ = storage._share_fd_cpu_()  # moves an unshared storage; a no-op for one shared so
     target = os.readlink(f"/proc/self/fd/{fd}") if fd >= 0 else ""
     if not (target.startswith("/dev/shm/") and target.endswith(" (deleted)")):
         raise RuntimeError(f"{owner}: the storage of {tensor!r} cannot be shared through an unlinked descriptor "
                            f"({target or 'torch gives none: a memory-mapped file?'}): register a copy (t.clone()) "
                            "in its place, or use transport='p2p'")
-    return target[len("/dev/shm") : -len(" (deleted)")]
+    return fd, target[len("/dev/shm") : -len(" (deleted)")]
 
 
 class OpenedSharedStorages:

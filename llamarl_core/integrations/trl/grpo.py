@@ -49,12 +49,11 @@ class GRPOTrainer(trl.GRPOTrainer):
                 colocate = False
         if colocate:  # TRL's own engine is never built: this class builds its own after TRL's set-up
             config.use_vllm = False
-            try:
-                super().__init__(*bound.args[1:], **bound.kwargs)
-            finally:
-                config.use_vllm = True  # the same object: what TRL's set-up changed on it is kept
-        else:
+        try:
             super().__init__(*bound.args[1:], **bound.kwargs)
+        finally:
+            if colocate:
+                config.use_vllm = True  # the same object: what TRL's set-up changed on it is kept
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_fused_lm_head(policy, temperature=self.temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
                           outputs=("log_probs", "entropy"))
