@@ -37,6 +37,7 @@ import os
 import sys
 
 from .auth import SECRET_ENV, SECRET_FILE_ENV, secret_from_env
+from .spelling import use_flags
 
 USAGE = ("usage: torchrun [torchrun options] -m llamarl_core.launch train [--placement SPEC] [llamarl train options]\n"
          "(on one host without torchrun: llamarl train)")
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if "TORCHELASTIC_RUN_ID" not in os.environ or "RANK" not in os.environ:
         raise SystemExit("llamarl_core.launch runs under torchrun (no RANK / TORCHELASTIC_RUN_ID in the environment)\n"
                          + USAGE)
+    use_flags()  # every rank's messages name `llamarl train` flags
     spec, train_argv = _split_placement(argv[1:])
     controller = controller_rank(spec)
     try:

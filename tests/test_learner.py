@@ -268,6 +268,30 @@ def test_mask_truncated_drops_truncated_tokens_but_keeps_their_rewards():
 
 
 @pytest.mark.usefixtures("torch_loss_path")
+def test_a_nan_behaviour_logprob_raises_or_leaves_its_token_out():
+    """A generator's NaN or inf log-prob on a counted token: train_step raises
+    naming behavior_logprobs (nonfinite_logprobs="raise", the default), or with
+    "mask" leaves that token out: the gradients are finite, the same for NaN and
+    inf there, and differ from a step where that log-prob is finite (the token
+    counts then)."""
+    samples = _samples(4)
+    model = _tiny_llama()
+    optimizer = _RecordingSGD(model.parameters(), lr=0.1)
+    poisoned = [copy.copy(s) for s in samples]
+    poisoned[1].logprobs = [float("nan")] + list(poisoned[1].logprobs[1:])
+    with pytest.raises(ValueError, match="behavior_logprobs"):
+        learner.train_step(model, optimizer, poisoned, lr=0.0, **STEP)
+    grads = []
+    for first in (float("nan"), float("inf"), -0.5):
+        poisoned[1].logprobs = [first] + list(samples[1].logprobs[1:])
+        learner.train_step(model, optimizer, poisoned, lr=0.0, nonfinite_logprobs="mask", **STEP)
+        grads.append(optimizer.grads)
+    assert all(torch.isfinite(g).all() for g in grads[0])
+    _assert_grads_close(grads[1], grads[0], rel=0)  # nan and inf: the same token left out
+    assert max(_relative_error(a, b) for a, b in zip(grads[2], grads[0])) > 1e-6  # a finite one counts
+
+
+@pytest.mark.usefixtures("torch_loss_path")
 def test_a_step_where_no_token_counts_leaves_the_weights_alone():
     """Every sample truncated and masked: zero gradients, and AdamW (momentum from
     an earlier step, weight decay) must not step on them."""

@@ -114,6 +114,7 @@ def test_load_task_errors():
     ({"log_rollouts": 1}, r"TrainConfig log_rollouts must be bool, got 1 \(int\)"),
     ({"max_new_tokens": True}, r"TrainConfig max_new_tokens must be int, got True \(bool\)"),
     ({"eps_low": "0.2"}, r"TrainConfig eps_low must be float, got '0.2' \(str\)"),
+    ({"nonfinite_logprobs": "drop"}, r"nonfinite_logprobs must be one of \('raise', 'mask'\), got 'drop'"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -52,7 +52,7 @@ class HalfAGenerator(Generator):
 
 @pytest.mark.parametrize("fields, match", [
     (dict(reward="pipeline_tasks:two_argument_reward"),
-     r"--reward term 'pipeline_tasks:two_argument_reward': pipeline_tasks:two_argument_reward\(prompts, "
+     r"^reward term 'pipeline_tasks:two_argument_reward': pipeline_tasks:two_argument_reward\(prompts, "
      r"completions\) cannot be called with 3 arguments"),
     (dict(reward="pipeline_tasks:text_reward"), r"returned 'good' \(str\) among its scores"),
     (dict(reward="pipeline_tasks:no_such_reward"), "cannot load it"),
@@ -81,7 +81,9 @@ def test_bad_plugins_are_refused_before_any_executor_starts(tmp_path, fields, ma
 def test_a_reward_with_the_wrong_signature_stops_the_cli_at_once(tmp_path):
     start = time.monotonic()
     proc = llamarl("--reward", "pipeline_tasks:two_argument_reward", "--out", str(tmp_path / "run"), env=TASKS_ENV)
-    assert proc.returncode != 0 and "two_argument_reward(prompts, completions) cannot be called" in proc.stderr
+    assert proc.returncode != 0  # the message names the flag (from Python: reward term ..., the test above)
+    assert ("--reward term 'pipeline_tasks:two_argument_reward': pipeline_tasks:two_argument_reward(prompts, "
+            "completions) cannot be called") in proc.stderr
     assert time.monotonic() - start < 15  # the interpreter's start-up and imports included
     assert not (tmp_path / "run" / "executors.json").exists()  # no executor was started
 

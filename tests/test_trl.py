@@ -381,7 +381,7 @@ def test_a_colocated_engine_computes_with_the_trainers_weights_after_ddma_syncs(
 def test_what_the_colocated_sync_does_not_serve_is_named():
     """The set-ups GRPOTrainer leaves to TRL's own colocated engine (with a warning
     naming the reason), decided from the constructor's arguments."""
-    from llamarl_core.integrations.trl.colocate import colocate_refusal
+    from llamarl_core.integrations.trl.generation import colocate_refusal
 
     model = tiny_llama(0)
     assert colocate_refusal(model, 1, 1, False) is None

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..spelling import option
 from ..sync.presets import LLAMA_FAMILY, check_llama_family
 from .llama_generator import rope_inv_freq
 
@@ -49,7 +50,7 @@ def check_generator_config(config, generator: str, where: str) -> None:
         check_llama_family(config)
     except ValueError:
         raise ValueError(f"{where}: {_family(config)}: the built-in generator runs the Llama family "
-                         f"({', '.join(LLAMA_FAMILY)}) only; run this model with --generator vllm") from None
+                         f"({', '.join(LLAMA_FAMILY)}) only; run this model with {option('generator', 'vllm')}") from None
     try:
         rope_inv_freq(config, 2)
     except ValueError as exc:
@@ -90,26 +91,26 @@ class ModelSource:
         self.path = Path(path).expanduser()
         self._config = None
         if not self.path.exists():
-            raise ValueError(f"--model {self.path}: no such file or folder")
+            raise ValueError(f"{option('model', str(self.path))}: no such file or folder")
         if self.path.is_file():
             if self.path.suffix != ".gguf":
-                raise ValueError(f"--model {self.path}: a file must be a .gguf model; otherwise give the folder "
+                raise ValueError(f"{option('model', str(self.path))}: a file must be a .gguf model; otherwise give the folder "
                                  "that holds config.json and the *.safetensors weights")
             try:
                 import gguf  # noqa: F401
             except ImportError:
-                raise ValueError(f"--model {self.path}: reading GGUF needs the gguf package: "
+                raise ValueError(f"{option('model', str(self.path))}: reading GGUF needs the gguf package: "
                                  "pip install 'llamarl-core[gguf]'") from None
             self.folder, self.gguf_file = self.path.parent, self.path.name
             return
         self.folder, self.gguf_file = self.path, None
         if not (self.folder / "config.json").is_file():
-            raise ValueError(f"--model {self.path}: no config.json (a Hugging Face model folder holds config.json "
+            raise ValueError(f"{option('model', str(self.path))}: no config.json (a Hugging Face model folder holds config.json "
                              "and *.safetensors weights)")
         if not any(self.folder.glob("*.safetensors")):
             pickles = sorted(p.name for p in self.folder.glob("*.bin"))
             found = f" (found {', '.join(pickles)}: pickle checkpoints are not loaded)" if pickles else ""
-            raise ValueError(f"--model {self.path}: no *.safetensors weights{found}")
+            raise ValueError(f"{option('model', str(self.path))}: no *.safetensors weights{found}")
 
     def __repr__(self) -> str:
         return f"ModelSource({str(self.path)!r})"
@@ -128,8 +129,8 @@ class ModelSource:
         try:
             config = transformers.AutoConfig.from_pretrained(self.folder, **self._kwargs())
         except (OSError, ValueError, KeyError) as exc:
-            raise ValueError(f"--model {self.path}: cannot read its config: {exc}") from None
-        check_causal_lm(config, f"--model {self.path}")
+            raise ValueError(f"{option('model', str(self.path))}: cannot read its config: {exc}") from None
+        check_causal_lm(config, f"{option('model', str(self.path))}")
         if getattr(config, "quantization_config", None) is not None and self.gguf_file:
             del config.quantization_config
         self._config = config
@@ -142,7 +143,7 @@ class ModelSource:
             with _no_progress_bars():
                 return transformers.AutoTokenizer.from_pretrained(self.folder, **self._kwargs())
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"--model {self.path}: cannot load its tokenizer: {exc}") from None
+            raise ValueError(f"{option('model', str(self.path))}: cannot load its tokenizer: {exc}") from None
 
     def generation_config(self):
         """The model's transformers GenerationConfig (eos ids, sampling defaults), or

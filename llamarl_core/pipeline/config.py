@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 import os
 import typing
@@ -17,6 +18,7 @@ import torch
 from ..ops.fp8 import GRANULARITIES as FP8_GRANULARITIES
 from ..ops.fp8_linear import GEMMS as FP8_GEMMS
 from ..ops.objectives import DEFAULTS, LOSS_TYPES, objective_config
+from ..spelling import option
 from .plugins import name_of, spec_of
 
 MODES = ("async", "sync")
@@ -27,6 +29,7 @@ LOSS_REDUCTIONS = ("token_mean", "sequence_mean")
 # The built-in losses' parameters (ops/objectives.py: which loss reads which, their defaults and sources).
 LOSS_PARAMETERS = ("rho", "eps_low", "eps_high", "mask_low", "mask_high")
 # Fields that take a plug-in: given as an object in Python, kept as its module:attribute name.
+NONFINITE_LOGPROBS = ("raise", "mask")
 PLUGIN_FIELDS = ("generator", "advantage", "loss", "step_hook", "reward")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -77,6 +80,26 @@ def natural_reduction(loss, reduction: str | None = None, normalized: bool = Fal
     return "sequence_mean" if loss == "gspo" else "token_mean"
 
 
+def reward_sum(terms) -> str:
+    """A list of rewards (a built-in name, module:function or the function), each
+    alone (weight 1) or as a (weight, reward) pair, as the spec summing them,
+    "WEIGHT*NAME+...": ValueError naming the term that is neither, or whose
+    weight is not a real number, or a function executors cannot import."""
+    if not terms:
+        raise ValueError("reward: an empty list; give one reward or more (or None for the task's own)")
+    parts = []
+    for index, term in enumerate(terms):
+        weight, reward = term if isinstance(term, (list, tuple)) and len(term) == 2 else (1.0, term)
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+            raise ValueError(f"reward[{index}]: the weight {weight!r} is not a finite real number; terms are a reward "
+                             "or a (weight, reward) pair")
+        if isinstance(reward, (list, tuple)) or not (isinstance(reward, str) or callable(reward)):
+            raise ValueError(f"reward[{index}]: {reward!r} is not a reward (a built-in name, module:function or the "
+                             "function)")
+        parts.append(f"{repr(float(weight)).replace('e+', 'e')}*{spec_of(reward, f'reward[{index}]')}")  # no + inside
+    return "+".join(parts)
+
+
 @dataclass
 class TrainConfig:
     mode: str = "async"  # "async": generation and training overlap; "sync": they take turns
@@ -90,8 +113,10 @@ class TrainConfig:
     dataset: str | None = None  # a JSONL file of prompts (or chat messages) and answers, instead of the task's prompts
     eval_size: int = 32  # prompts held out for evaluation (a dataset's last lines; a task's beyond any run reaches)
     eval_every: int = 0  # evaluate (greedy, on the held-out prompts) every this many versions (0: never)
-    # e.g. "math", "math+0.1*format", "mymod:reward_fn" (or the function): fn(prompts, completions, answers) -> one
-    # float per completion; None: the task's own reward, or "math" with a dataset
+    # e.g. "math", "math+0.1*format", "mymod:reward_fn" (or the function), or a list of rewards (names or
+    # functions), each alone or as a (weight, reward) pair, summed: fn(prompts, completions, answers) (or TRL's
+    # fn(prompts, completions, **kwargs), the answers as answer=) -> one float per completion; None: the task's own
+    # reward, or "math" with a dataset
     reward: str | None = None
     reward_model: str | None = None  # a sequence-classification model folder that scores completions instead
     reward_batch: int = 32  # completions per reward-model forward
@@ -126,6 +151,10 @@ class TrainConfig:
     # What a step's summed loss is divided by: "tokens" (its completion tokens: a token mean) or "dr_grpo" (a constant,
     # samples x max_new_tokens, as Dr.GRPO does; with advantage "group_mean" that is Dr.GRPO)
     loss_normalizer: str = "tokens"
+    # A counted behaviour log-prob that is NaN or +-inf (a generator's): "raise" (ValueError naming the position) or
+    # "mask" (the token left out of the loss, as a masked one); the built-in losses (a loss of yours sees them as
+    # they are)
+    nonfinite_logprobs: str = "raise"
     # How a step's loss is reduced: "token_mean" (its summed loss over the completion tokens that count, across
     # micro-batches and trainer ranks) or "sequence_mean" (each completion's token mean, summed, over the completions
     # with a token that counts, likewise); None: the loss's own, sequence_mean for gspo, token_mean for the others
@@ -194,12 +223,16 @@ class TrainConfig:
             setattr(self, name, converted)
 
     def __post_init__(self):
+        if isinstance(self.reward, (list, tuple)):
+            self.reward = reward_sum(self.reward)
         self._check_types()
         for name in PLUGIN_FIELDS:
             if getattr(self, name) is not None:
                 setattr(self, name, spec_of(getattr(self, name), name))
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.nonfinite_logprobs not in NONFINITE_LOGPROBS:
+            raise ValueError(f"nonfinite_logprobs must be one of {NONFINITE_LOGPROBS}, got {self.nonfinite_logprobs!r}")
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("lr_schedule", LR_SCHEDULES),
                               ("loss_normalizer", LOSS_NORMALIZERS)):
             if getattr(self, name) not in allowed:
@@ -253,12 +286,13 @@ class TrainConfig:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.dataset is not None and self.model is None:
-            raise ValueError("a dataset needs a model with its own tokenizer (--model): the built-in toy model "
+            raise ValueError(f"a dataset needs a model with its own tokenizer ({option('model')}): the built-in toy model "
                              "knows only its task's characters")
         if self.eval_every and not self.eval_size:
             raise ValueError("eval_every needs held-out prompts: eval_size must be >= 1")
         if self.reward is not None and self.reward_model is not None:
-            raise ValueError("give a rule reward (--reward) or a reward model (--reward-model), not both")
+            raise ValueError(f"give a rule reward ({option('reward')}) or a reward model ({option('reward_model')}), not "
+                             "both")
         if self.dataset is not None and self.reward is None and self.reward_model is None:
             self.reward = "math"  # a dataset has answers, and no task reward
         if self.mode == "sync":

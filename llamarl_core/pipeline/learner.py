@@ -218,7 +218,8 @@ def _autocast(model, dtype: torch.dtype | None):
 def policy_loss(model, batch: Batch, *, temperature: float, reduction: str = "token_mean",
                 ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
                 autocast_dtype: torch.dtype | None = None, loss: str = "aipo",
-                old_logprobs: torch.Tensor | None = None, entropy_coef: float = 0.0, normalizer=None, **parameters):
+                old_logprobs: torch.Tensor | None = None, entropy_coef: float = 0.0, normalizer=None,
+                nonfinite_logprobs: str = "raise", **parameters):
     """The policy loss `loss` (a name of ops.objectives.LOSS_TYPES; those of
     OLD_POLICY_TYPES read old_logprobs (rows, width - 1), None: on-policy) of `model` on `batch`
     (by default the token mean over the completion tokens that count), with the
@@ -227,14 +228,14 @@ def policy_loss(model, batch: Batch, *, temperature: float, reduction: str = "to
     None or left out: its default; one it does not read raises ValueError). Each
     completion is one sequence (batch.sequence_ids: the sequence-level losses
     need them; every loss gets the sequence statistics). reduction and
-    normalizer: aipo_loss's. The forward runs under autocast_dtype, the loss in
+    normalizer, nonfinite_logprobs: aipo_loss's. The forward runs under autocast_dtype, the loss in
     float32. Returns (loss, AIPOStats), the entropy among them."""
     with _autocast(model, autocast_dtype):
         logits = _logits(model, batch.input_ids, batch.position_ids)
     return aipo_loss(logits, batch.targets, batch.behavior_logprobs, batch.advantages, temperature=temperature,
                      reduction=reduction, sequence_ids=batch.sequence_ids, loss_type=loss, old_logprobs=old_logprobs,
                      entropy=True, ref_logprobs=ref_logprobs, kl_coef=kl_coef, entropy_coef=entropy_coef,
-                     normalizer=normalizer, **parameters)
+                     normalizer=normalizer, nonfinite_logprobs=nonfinite_logprobs, **parameters)
 
 
 def _user_loss(model, batch: Batch, loss_fn: LossFn, *, temperature: float, ref_logprobs: torch.Tensor | None,
@@ -380,7 +381,7 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, te
                loss: str | LossFn = "aipo", advantage: AdvantageFn = group_mean, normalizer: float | None = None,
                rho: float | None = None, eps_low: float | None = None, eps_high: float | None = None,
                mask_low: float | None = None, mask_high: float | None = None, entropy_coef: float = 0.0,
-               reduction: str | None = None) -> StepStats:
+               reduction: str | None = None, nonfinite_logprobs: str = "raise") -> StepStats:
     """One optimizer step of the policy loss on `samples` (scored), at learning rate `lr`.
 
     loss: a name of ops.objectives.LOSS_TYPES (default "aipo"; formulas in
@@ -391,7 +392,9 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, te
     mask_high: the loss's parameters, None for its default
     (ops.objectives.DEFAULTS); one the loss does not read (any, for a loss of
     yours) raises ValueError. entropy_coef: the entropy bonus's weight, any loss.
-    advantage: the estimator (advantages.py). reduction: "token_mean" (the
+    advantage: the estimator (advantages.py). nonfinite_logprobs: a counted
+    behaviour log-prob that is NaN or inf raises ("raise") or leaves its token
+    out ("mask"), built-in losses (aipo_loss's). reduction: "token_mean" (the
     summed loss over the completion tokens that count), "sequence_mean" (each
     completion's token mean, summed, over the completions with a token that
     counts) or None, the loss's own (config.natural_reduction: sequence_mean for
@@ -477,7 +480,7 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, te
                                         reduction="sequence_mean" if by_sequence else "sum", ref_logprobs=ref,
                                         kl_coef=kl_coef, autocast_dtype=autocast_dtype, loss=loss, old_logprobs=None,
                                         entropy_coef=entropy_coef, normalizer=1.0 if by_sequence else None,
-                                        **parameters)
+                                        nonfinite_logprobs=nonfinite_logprobs, **parameters)
         # The summed loss scaled here, not through mask = 1 / total: AIPOStats' means
         # divide by the mask's sum, so a fractional mask would skew them.
         (summed / divisor).backward()

@@ -23,7 +23,7 @@ unless nothing was written (the version it waited for will not come).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..sync.plan import relay_tree
 

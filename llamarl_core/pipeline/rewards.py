@@ -34,6 +34,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
+from ..spelling import option
 from .data import Problem, prompt_text
 from .plugins import check_arity, load
 
@@ -164,14 +165,14 @@ class RuleReward:
             try:
                 weight = float(weight_text) if star else 1.0
             except ValueError:
-                raise ValueError(f"--reward {spec!r}: {weight_text!r} is not a weight (terms are NAME or "
+                raise ValueError(f"{option('reward', spec)}: {weight_text!r} is not a weight (terms are NAME or "
                                  "WEIGHT*NAME, joined by +)") from None
             if name in BUILTIN_REWARDS:
                 fn = BUILTIN_REWARDS[name]
             elif ":" in name:
-                fn = batch_reward(load(name, "--reward", "function"))
+                fn = batch_reward(load(name, option("reward"), "function"))
             else:
-                raise ValueError(f"--reward {spec!r}: unknown reward {name!r} (built in: "
+                raise ValueError(f"{option('reward', spec)}: unknown reward {name!r} (built in: "
                                  f"{', '.join(BUILTIN_REWARDS)}; or module:function)")
             self.terms.append((weight, name, fn))
 
@@ -244,7 +245,7 @@ def check_reward_model(path: str | Path) -> Path:
     import json
 
     path = Path(path).expanduser()
-    where = f"--reward-model {path}"
+    where = option("reward_model", str(path))
     if not (path / "config.json").is_file():
         raise ValueError(f"{where}: no config.json (give a transformers AutoModelForSequenceClassification folder)")
     if not any(path.glob("*.safetensors")):
@@ -268,7 +269,8 @@ def check_reward_config(config, data) -> None:
         check_reward_model(config.reward_model)
     rule = None if config.reward is None else RuleReward(config.reward)
     if rule is not None and rule.needs_answer and data.task is not None:
-        raise ValueError(f"--reward {config.reward!r} checks answers: give a --dataset whose lines have them "
+        raise ValueError(f"{option('reward', config.reward)} checks answers: give a {option('dataset')} whose lines "
+                         "have them "
                          f"(task {data.task.name!r} has none)")
     if config.reward_model is None:
         _probe_reward(rule, data)
@@ -282,7 +284,7 @@ def _probe_reward(rule: RuleReward | None, data) -> None:
     problems = [data.problem(0), data.problem(1)]
     prompts, answers, completions = [p.prompt for p in problems], [p.answer for p in problems], ["", "probe"]
     if rule is not None:
-        terms = [(f"--reward term {name!r}", fn) for _, name, fn in rule.terms]
+        terms = [(f"{option('reward')} term {name!r}", fn) for _, name, fn in rule.terms]
     else:
         what = f"the reward function of task {data.task.name!r}"
         check_arity(data.task.reward, (prompts[0], completions[0]), what)

@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 
 from ..ops.objectives import DEFAULTS, LOSS_TYPES
-from .config import FP8_GEMMS, FP8_GRANULARITIES, LOSS_NORMALIZERS, LOSS_REDUCTIONS, VLLM_DEFAULTS, TrainConfig
+from ..spelling import flag_spelling
+from .config import (FP8_GEMMS, FP8_GRANULARITIES, LOSS_NORMALIZERS, LOSS_REDUCTIONS, NONFINITE_LOGPROBS, VLLM_DEFAULTS,
+                     TrainConfig)
 
 
 
@@ -104,6 +106,8 @@ NAMED_FLAGS = {
     "loss_reduction": (str, "token_mean (the mean over the step's completion tokens) or sequence_mean (the mean "
                             "over its completions of each one's token mean), across micro-batches and trainer ranks "
                             "(default: the loss's own, sequence_mean for gspo, token_mean for the others)"),
+    "nonfinite_logprobs": (str, "a counted behaviour log-prob that is NaN or inf (a generator's): raise (an error "
+                                "naming its position) or mask (the token left out of the loss); built-in losses"),
     "step_hook": (str, "module:function run around every trainer step: hook(context, step) -> None or a dict of "
                        "numbers to log (default: none)"),
     "lr_schedule": (str, "after --lr-warmup-steps: constant, or cosine (down to --min-lr-ratio x --lr at the last "
@@ -121,7 +125,7 @@ NAMED_FLAGS = {
                                 "dequantize"),
 }
 # The named options that take one of a few values (argparse lists them and refuses others).
-CHOICES = {"loss_normalizer": LOSS_NORMALIZERS, "loss_reduction": LOSS_REDUCTIONS, "generator_fp8": FP8_GRANULARITIES,
+CHOICES = {"nonfinite_logprobs": NONFINITE_LOGPROBS, "loss_normalizer": LOSS_NORMALIZERS, "loss_reduction": LOSS_REDUCTIONS, "generator_fp8": FP8_GRANULARITIES,
            "generator_fp8_gemm": FP8_GEMMS}
 # The built-in model's sizes and warm-up: a pretrained model (--model) brings its own (and is not warmed up).
 TOY_MODEL_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "warmup_steps",
@@ -287,7 +291,12 @@ def _print_summary(s: dict) -> None:
 
 
 def main(argv=None, executors_for=None) -> int:
-    """`llamarl train`; executors_for: see run_one."""
+    """`llamarl train`; executors_for: see run_one. Its messages name flags."""
+    with flag_spelling():
+        return _main(argv, executors_for)
+
+
+def _main(argv, executors_for) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         import matplotlib  # noqa: F401

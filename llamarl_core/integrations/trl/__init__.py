@@ -4,7 +4,9 @@
 
 `GRPOTrainer` takes trl.GRPOTrainer's arguments and trains as it does, its
 completions scored by llamarl's fused log-prob op (grpo.py, head.py), its
-colocated vLLM engine synced by DDMA (colocate.py).
+vLLM engine, colocated or a server, synced by DDMA (generation.py), and
+`DdmaWeightTransfer`, the `weight_transfer` backend of TRL's AsyncGRPOTrainer
+(server.py).
 """
 
 from __future__ import annotations
@@ -16,5 +18,6 @@ if find_spec("trl") is None:
 
 from .grpo import GRPOTrainer
 from .head import add_fused_lm_head
+from .server import DdmaWeightTransfer
 
-__all__ = ["GRPOTrainer", "add_fused_lm_head"]
+__all__ = ["DdmaWeightTransfer", "GRPOTrainer", "add_fused_lm_head"]

@@ -14,7 +14,7 @@ import warnings
 import trl
 from accelerate import PartialState
 
-from .colocate import DdmaVLLMGeneration, colocate_refusal
+from .generation import DdmaVLLMGeneration, colocate_refusal
 from .head import add_fused_lm_head
 
 _SIGNATURE = inspect.signature(trl.GRPOTrainer.__init__)
@@ -29,40 +29,43 @@ class GRPOTrainer(trl.GRPOTrainer):
       The reference model keeps TRL's head: its log-probs are values, never
       differentiated;
     - with `use_vllm=True, vllm_mode="colocate"`, the colocated engine built
-      with the llamarl_ddma backend and synced by DDMA (colocate.py); a set-up
+      with the llamarl_ddma backend and synced by DDMA (generation.py); a set-up
       DDMA does not serve (several processes, engine tensor parallelism, sleep
       mode, PEFT, a quantized model) keeps TRL's own engine and sync, with a
-      warning naming why. `vllm_mode="server"` is TRL's own.
+      warning naming why;
+    - with `use_vllm=True, vllm_mode="server"`, a server running the
+      llamarl_ddma backend synced by DDMA (server.py), another server by TRL.
     """
 
     def __init__(self, *args, **kwargs):
         bound = _SIGNATURE.bind(self, *args, **kwargs)
         config = bound.arguments.get("args")
-        colocate = config is not None and config.use_vllm and config.vllm_mode == "colocate"
-        if colocate:
+        ours = config is not None and config.use_vllm and config.vllm_mode in ("colocate", "server")
+        if ours and config.vllm_mode == "colocate":
             reason = colocate_refusal(bound.arguments["model"], PartialState().num_processes,
                                       config.vllm_tensor_parallel_size, config.vllm_enable_sleep_mode,
                                       bound.arguments.get("peft_config"), bound.arguments.get("quantization_config"))
             if reason is not None:
                 warnings.warn(f"llamarl: the colocated vLLM engine is TRL's own, synced by TRL: DDMA does not serve "
                               f"{reason}", stacklevel=2)
-                colocate = False
-        if colocate:  # TRL's own engine is never built: this class builds its own after TRL's set-up
+                ours = False
+        if ours:  # TRL's own engine is never built: this class builds its own after TRL's set-up
             config.use_vllm = False
         try:
             super().__init__(*bound.args[1:], **bound.kwargs)
         finally:
-            if colocate:
+            if ours:
                 config.use_vllm = True  # the same object: what TRL's set-up changed on it is kept
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_fused_lm_head(policy, temperature=self.temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
                           outputs=("log_probs", "entropy"))
-        if colocate:
-            self._colocate(config)
+        if ours:
+            self._vllm(config)
 
-    def _colocate(self, args: trl.GRPOConfig) -> None:
-        """What TRL's constructor does for a colocated engine, with DdmaVLLMGeneration
-        as the engine and TRL's own check of the vespo loss's correction mode."""
+    def _vllm(self, args: trl.GRPOConfig) -> None:
+        """What TRL's constructor does for its vLLM engine, with DdmaVLLMGeneration
+        as the engine: TRL's own checks of the vespo loss's correction mode and of
+        a server's log-prob mode."""
         self.use_vllm, self.vllm_mode = True, args.vllm_mode
         if (self.loss_type == "vespo" and self.vllm_importance_sampling_correction
                 and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
@@ -70,7 +73,9 @@ class GRPOTrainer(trl.GRPOTrainer):
                              f"'token_mask'. Got: {self.vllm_importance_sampling_mode}.")
         self.vllm_generation = DdmaVLLMGeneration(
             model=self.model, accelerator=self.accelerator, processing_class=self.processing_class,
-            mode="colocate", structured_outputs_regex=args.vllm_structured_outputs_regex,
+            mode=args.vllm_mode, structured_outputs_regex=args.vllm_structured_outputs_regex,
+            server_base_url=args.vllm_server_base_url, server_host=args.vllm_server_host,
+            server_port=args.vllm_server_port, group_port=args.vllm_group_port, server_timeout=args.vllm_server_timeout,
             tensor_parallel_size=args.vllm_tensor_parallel_size,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_length=args.vllm_max_model_length,
             max_num_seqs=args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation,
@@ -79,6 +84,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             max_completion_length=self.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs)
         self._last_loaded_step = -1
+        if args.vllm_mode == "server" and self.vllm_importance_sampling_correction and self.accelerator.is_main_process:
+            logprobs_mode = self.vllm_generation.vllm_client.get_server_info()["model_config"]["logprobs_mode"]
+            if logprobs_mode != "processed_logprobs":
+                warnings.warn(f"the vLLM server runs with --logprobs-mode {logprobs_mode}, which biases the importance "
+                              "sampling correction: restart it with --logprobs-mode processed_logprobs, or set "
+                              "vllm_importance_sampling_correction=False", stacklevel=3)
 
 
 GRPOTrainer.__init__.__signature__ = _SIGNATURE

@@ -1,0 +1,193 @@
+"""TRL's vLLM fed by DDMA: `DdmaVLLMGeneration`, the engine
+`GRPOTrainer(use_vllm=True)` generates with, colocated or a server.
+
+Colocated: TRL builds its colocated engine (`trl.generation.vllm_generation.
+VLLMGeneration`) in the trainer's process and syncs it by gathering every
+parameter whole and calling the engine's `load_weights` once per tensor. Here the
+engine is built by this subclass with the `llamarl_ddma` weight-transfer backend
+and dummy weights, and `sync_weights` sends the trainer's parameters, in place
+and in one transfer, straight into the engine's own (on a CPU engine into its
+landing buffers, then re-packed: vLLM's CPU layers compute from packed copies,
+which TRL's per-tensor `load_weights` fails on). The trainer's WeightSender and
+the engine's receiver live in this one process: the set-up and each sync run
+the sender and the engine's calls at once (pairing.py).
+
+What it does not serve (colocate_refusal: several processes, whose engines
+would each need every rank's shards; an engine tensor-parallel group; vLLM's
+sleep mode, which discards the weights a sync writes into; a PEFT model, whose
+adapters would have to be merged first; a quantized model) GRPOTrainer leaves
+to TRL's own engine and sync, with a warning naming the reason.
+
+Server (`vllm_mode="server"`): TRL's client generates as it does; a server
+running the llamarl_ddma backend (server.py has its command line) takes its
+weights through DdmaWeightTransfer on the main process, fed from TRL's own walk
+of the parameters (which gathers them under FSDP or ZeRO-3, every rank taking
+part, and merges a PEFT model's adapters first), where TRL's sync needs NCCL and
+a CUDA trainer. A server running another backend (the nccl of `trl
+vllm-serve`) keeps TRL's own sync. Tested with one trainer process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import broadcast
+from trl.generation.vllm_client import VLLMClient
+from trl.generation.vllm_generation import VLLMGeneration
+from trl.trainer.utils import ensure_master_addr_port
+
+from ...auth import new_secret
+from ...sync import SyncError, module_layout, module_sender
+from ..vllm import BACKEND, ddma_init_info
+from .pairing import register_while, send_while
+from .server import DdmaWeightTransfer
+
+SYNC_NAME = "trl-colocate"
+STORE_HOST_ENV = "LLAMARL_STORE_HOST"  # the trainer's address as a vLLM server reaches it (server mode)
+TIMEOUT_S = 300.0
+
+
+def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enable_sleep_mode: bool,
+                     peft_config=None, quantization_config=None) -> str | None:
+    """Why DDMA cannot feed TRL's colocated engine for this set-up, or None. model:
+    the trainer's `model` argument (a folder or hub id, or the model itself)."""
+    if num_processes != 1:
+        return (f"{num_processes} processes (each rank's colocated engine needs every rank's shards; llamarl's "
+                "colocated sync runs on one process for now)")
+    if tensor_parallel_size != 1:
+        return f"vllm_tensor_parallel_size={tensor_parallel_size} (llamarl's colocated sync feeds one engine worker)"
+    if enable_sleep_mode:
+        return "vllm_enable_sleep_mode=True (sleep discards the engine's weights, which a sync writes in place)"
+    if peft_config is not None or hasattr(model, "peft_config"):
+        return "a PEFT model (its adapters are not merged into what the sync sends yet)"
+    if quantization_config is not None or (isinstance(model, torch.nn.Module) and any(
+            type(module).__module__.startswith("bitsandbytes") for module in model.modules())):
+        return "a quantized model"
+    return None
+
+
+def _address_toward(host: str) -> str:
+    """This host's address on the route to `host` (the trainer's Store, as a
+    server there reaches it); the loopback address for a server on this host;
+    LLAMARL_STORE_HOST when set (a server behind a forwarded port)."""
+    if os.environ.get(STORE_HOST_ENV):
+        return os.environ[STORE_HOST_ENV]
+    if host in ("localhost", "127.0.0.1", "0.0.0.0", "::1"):
+        return "127.0.0.1"
+    try:
+        family = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # no packet is sent: the kernel picks the route
+            return probe.getsockname()[0]
+    except OSError as exc:
+        raise ValueError(f"vllm_server_base_url's host {host!r}: no route to it from this host ({exc}); set "
+                         f"{STORE_HOST_ENV} to an address of this host the server reaches") from None
+
+
+class DdmaVLLMGeneration(VLLMGeneration):
+    """VLLMGeneration whose engine takes its weights by DDMA (module docstring).
+    Same constructor arguments as TRL's."""
+
+    transfer: DdmaWeightTransfer | None = None  # server mode, on the main process, a llamarl_ddma server
+    _ddma = False  # server mode: the server runs llamarl_ddma (every rank knows)
+
+    def _init_vllm(self) -> None:
+        if self.mode == "server":
+            self._init_server()
+        elif self.mode == "colocate":
+            self._init_colocated()
+        else:
+            raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {self.mode!r}")
+
+    def _init_server(self) -> None:
+        """TRL's client on the main process, DDMA's transfer beside it when the
+        server runs llamarl_ddma (else TRL's own NCCL communicator); the main
+        process's finding (DDMA, TRL's, or an error) told to every rank, whose
+        syncs walk the parameters with it: an error raises on every rank."""
+        finding = torch.zeros(1, dtype=torch.int64, device=self.accelerator.device)  # 0 TRL's, 1 DDMA, 2 failed
+        error = None
+        if self.accelerator.is_main_process:
+            try:
+                base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+                self.vllm_client = VLLMClient(base_url=base_url, group_port=self.group_port,
+                                              connection_timeout=self.server_timeout)
+                backend = (self.vllm_client.get_server_info().get("weight_transfer_config") or {}).get("backend")
+                if backend == BACKEND:
+                    self.transfer = DdmaWeightTransfer(
+                        base_url, store_host=_address_toward(urlparse(base_url).hostname), timeout_s=TIMEOUT_S)
+                    self.transfer.init_weight_transfer()
+                    finding[0] = 1
+                else:
+                    self.vllm_client.init_communicator(device=self.accelerator.device)
+            except Exception as exc:  # noqa: BLE001 - raised below, after every rank has heard
+                error, finding[0] = exc, 2
+        finding = broadcast(finding, from_process=0)
+        if error is not None:
+            raise error
+        if int(finding[0]) == 2:
+            raise SyncError("the main process failed to set up its vLLM server's weight sync (its error says why)")
+        self._ddma = int(finding[0]) == 1
+        self.accelerator.wait_for_everyone()
+
+    def _init_colocated(self) -> None:
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        reason = colocate_refusal(self.model, self.accelerator.num_processes, self.tensor_parallel_size,
+                                  self.enable_sleep_mode)
+        if reason is not None:  # GRPOTrainer checks it first, from its arguments
+            raise ValueError(f"llamarl's colocated vLLM sync cannot serve this run: {reason}")
+        # vLLM's external launcher reads the process's place in the job from the environment, as in TRL.
+        os.environ["RANK"] = str(self.accelerator.process_index)
+        os.environ["LOCAL_RANK"] = str(self.accelerator.local_process_index)
+        os.environ["WORLD_SIZE"] = str(self.accelerator.num_processes)
+        ensure_master_addr_port()
+        self.llm = LLM(
+            model=self.model.name_or_path, load_format="dummy", tensor_parallel_size=1,
+            gpu_memory_utilization=self.gpu_memory_utilization, max_model_len=self.max_model_length,
+            max_num_seqs=self.max_num_seqs, model_impl=self.model_impl, distributed_executor_backend="external_launcher",
+            seed=self.accelerator.process_index, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
+            trust_remote_code=self.trust_remote_code,
+            weight_transfer_config=WeightTransferConfig(backend="llamarl_ddma"))
+        self._llm_weights_sleeping = False
+        # The sync's own Store, served by this process, and its secret, handed to the engine in-process.
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        secret = new_secret()
+        info = ddma_init_info("127.0.0.1", self._store.port, module_layout(self.model, 1), name=SYNC_NAME,
+                              timeout_s=TIMEOUT_S, secret=secret)
+        self.sender = register_while(
+            lambda: module_sender(self._store, self.model, 0, 1, name=SYNC_NAME, timeout=TIMEOUT_S, secret=secret),
+            lambda: self.llm.init_weight_transfer_engine({"init_info": info}), TIMEOUT_S)
+        self.version = 0
+        self.accelerator.wait_for_everyone()
+
+    def sync_weights(self) -> None:
+        """The trainer's current weights into the engine: one version, sent in
+        place while the engine takes it, then the engine's prefix cache reset (its
+        KV was computed under the last version). A server: TRL's walk of the
+        parameters (a collective every rank takes part in) handed to the
+        transfer on the main process, or TRL's own sync."""
+        if self.mode == "server":
+            if not self._ddma:
+                super().sync_weights()
+            elif self.transfer is not None:
+                self.transfer.send_weights(self._iter_named_params())
+            else:
+                for _ in self._iter_named_params():  # the gathers' collectives, rank 0's walk beside them
+                    pass
+            return
+        self.version += 1
+
+        def update() -> None:
+            self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": {"version": self.version}})
+            self.llm.finish_weight_update(weight_version=str(self.version))
+
+        send_while(self.sender, self.version, update, TIMEOUT_S)  # the optimizer may step once it returns
+        self.llm.reset_prefix_cache()

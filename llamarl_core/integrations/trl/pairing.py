@@ -1,0 +1,50 @@
+"""The two moves every DDMA pairing with a vLLM engine makes, shared by the
+colocated engine (generation.py) and a `vllm serve` server (server.py): the
+trainer's sender registered while the engine initialises its receivers (each
+waits for the other), and one version sent while the engine takes it."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from ...sync import SyncError, WeightSender
+
+
+def register_while(make_sender: Callable[[], WeightSender], init_engine: Callable[[], None],
+                   timeout_s: float) -> WeightSender:
+    """`make_sender()` in a thread of its own while `init_engine()` runs here;
+    the sender, or SyncError with the sender's error (or the timeout). An error
+    of `init_engine` is raised at once, as it is: the registration, waiting for
+    receivers that will not come, gives up by its own timeout in its daemon
+    thread."""
+    made: dict = {}
+
+    def register() -> None:
+        try:
+            made["sender"] = make_sender()
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            made["error"] = exc
+
+    thread = threading.Thread(target=register, name="llamarl-sender-setup", daemon=True)
+    thread.start()
+    init_engine()
+    thread.join(timeout=timeout_s)
+    if "sender" not in made:
+        raise SyncError(f"the trainer's sender did not register: {made.get('error', f'timed out after {timeout_s} s')}")
+    return made["sender"]
+
+
+def send_while(sender: WeightSender, version: int, update_engine: Callable[[], None], timeout_s: float) -> None:
+    """Version `version` sent while `update_engine()` (the engine's start / update
+    / finish) takes it; returns once every byte is copied (the optimizer may step
+    then). An error of `update_engine` aborts the send, waits for it to stop and
+    is raised: no copy is left running."""
+    handle = sender.send(version, wait=False)
+    try:
+        update_engine()
+    except BaseException as exc:
+        sender.abort(f"the engine's update failed: {type(exc).__name__}: {exc}")
+        handle.exception(timeout=timeout_s)
+        raise
+    handle.wait(timeout=timeout_s)

