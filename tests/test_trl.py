@@ -388,7 +388,4 @@ def test_what_the_colocated_sync_does_not_serve_is_named():
     assert "2 processes" in colocate_refusal(model, 2, 1, False)
     assert "vllm_tensor_parallel_size=2" in colocate_refusal(model, 1, 2, False)
     assert "vllm_enable_sleep_mode=True" in colocate_refusal(model, 1, 1, True)
-    assert "a PEFT model" in colocate_refusal("some/model", 1, 1, False, peft_config=object())
     assert "a quantized model" in colocate_refusal("some/model", 1, 1, False, quantization_config=object())
-    model.peft_config = {"default": object()}
-    assert "a PEFT model" in colocate_refusal(model, 1, 1, False)

@@ -12,11 +12,18 @@ which TRL's per-tensor `load_weights` fails on). The trainer's WeightSender and
 the engine's receiver live in this one process: the set-up and each sync run
 the sender and the engine's calls at once (pairing.py).
 
+A PEFT model (LoRA): the sender is registered on its base weights under the
+names vLLM loads (TRL's naming: `.base_layer` and the wrapper's prefix dropped,
+the adapters' own tensors left out); each sync merges the adapters into those
+weights in place (peft's merge_adapter), sends them and unmerges, as TRL's own
+sync does around its load_weights, after checking that the merge left every
+registered weight in its storage.
+
 What it does not serve (colocate_refusal: several processes, whose engines
 would each need every rank's shards; an engine tensor-parallel group; vLLM's
-sleep mode, which discards the weights a sync writes into; a PEFT model, whose
-adapters would have to be merged first; a quantized model) GRPOTrainer leaves
-to TRL's own engine and sync, with a warning naming the reason.
+sleep mode, which discards the weights a sync writes into; a quantized model)
+GRPOTrainer leaves to TRL's own engine and sync, with a warning naming the
+reason.
 
 Server (`vllm_mode="server"`): TRL's client generates as it does; a server
 running the llamarl_ddma backend (server.py has its command line) takes its
@@ -36,13 +43,13 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import broadcast
+from accelerate.utils import broadcast, is_peft_model
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer.utils import ensure_master_addr_port
 
 from ...auth import new_secret
-from ...sync import SyncError, module_layout, module_sender
+from ...sync import Layout, ParamSpec, SyncError, WeightSender, module_layout, module_sender
 from ..vllm import BACKEND, ddma_init_info
 from .pairing import register_while, send_while
 from .server import DdmaWeightTransfer
@@ -53,7 +60,7 @@ TIMEOUT_S = 300.0
 
 
 def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enable_sleep_mode: bool,
-                     peft_config=None, quantization_config=None) -> str | None:
+                     quantization_config=None) -> str | None:
     """Why DDMA cannot feed TRL's colocated engine for this set-up, or None. model:
     the trainer's `model` argument (a folder or hub id, or the model itself)."""
     if num_processes != 1:
@@ -63,8 +70,6 @@ def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enabl
         return f"vllm_tensor_parallel_size={tensor_parallel_size} (llamarl's colocated sync feeds one engine worker)"
     if enable_sleep_mode:
         return "vllm_enable_sleep_mode=True (sleep discards the engine's weights, which a sync writes in place)"
-    if peft_config is not None or hasattr(model, "peft_config"):
-        return "a PEFT model (its adapters are not merged into what the sync sends yet)"
     if quantization_config is not None or (isinstance(model, torch.nn.Module) and any(
             type(module).__module__.startswith("bitsandbytes") for module in model.modules())):
         return "a quantized model"
@@ -89,11 +94,26 @@ def _address_toward(host: str) -> str:
                          f"{STORE_HOST_ENV} to an address of this host the server reaches") from None
 
 
+def peft_base_weights(model) -> dict[str, torch.Tensor]:
+    """A PEFT model's base weights (what its adapters merge into, and the
+    layers it leaves alone) under the names vLLM loads, as TRL's sync names
+    them; the adapters' own tensors left out. The tensors are the Parameters'
+    data: merging in place writes them."""
+    weights = {}
+    for name, param in model.named_parameters():
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        if model.prefix in name or "original_module" in name:
+            continue
+        weights[name.replace("modules_to_save.default.", "").replace("_checkpoint_wrapped_module.", "")] = param.data
+    return weights
+
+
 class DdmaVLLMGeneration(VLLMGeneration):
     """VLLMGeneration whose engine takes its weights by DDMA (module docstring).
     Same constructor arguments as TRL's."""
 
     transfer: DdmaWeightTransfer | None = None  # server mode, on the main process, a llamarl_ddma server
+    _peft_weights: dict[str, torch.Tensor] | None = None  # colocated, a PEFT model: its base weights, by vLLM name
     _ddma = False  # server mode: the server runs llamarl_ddma (every rank knows)
 
     def _init_vllm(self) -> None:
@@ -159,11 +179,22 @@ class DdmaVLLMGeneration(VLLMGeneration):
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=TIMEOUT_S))
         secret = new_secret()
-        info = ddma_init_info("127.0.0.1", self._store.port, module_layout(self.model, 1), name=SYNC_NAME,
-                              timeout_s=TIMEOUT_S, secret=secret)
-        self.sender = register_while(
-            lambda: module_sender(self._store, self.model, 0, 1, name=SYNC_NAME, timeout=TIMEOUT_S, secret=secret),
-            lambda: self.llm.init_weight_transfer_engine({"init_info": info}), TIMEOUT_S)
+        if is_peft_model(self.model):
+            self._peft_weights = peft_base_weights(self.model)
+            layout = Layout(1, [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in self._peft_weights.items()])
+
+            def make_sender():
+                return WeightSender(self._store, layout, 0, self._peft_weights, name=SYNC_NAME, timeout=TIMEOUT_S,
+                                    secret=secret)
+        else:
+            layout = module_layout(self.model, 1)
+
+            def make_sender():
+                return module_sender(self._store, self.model, 0, 1, name=SYNC_NAME, timeout=TIMEOUT_S, secret=secret)
+        info = ddma_init_info("127.0.0.1", self._store.port, layout, name=SYNC_NAME, timeout_s=TIMEOUT_S,
+                              secret=secret)
+        self.sender = register_while(make_sender, lambda: self.llm.init_weight_transfer_engine({"init_info": info}),
+                                     TIMEOUT_S)
         self.version = 0
         self.accelerator.wait_for_everyone()
 
@@ -189,5 +220,17 @@ class DdmaVLLMGeneration(VLLMGeneration):
             self.llm.update_weights({"update_info": {"version": self.version}})
             self.llm.finish_weight_update(weight_version=str(self.version))
 
-        send_while(self.sender, self.version, update, TIMEOUT_S)  # the optimizer may step once it returns
+        if self._peft_weights is None:
+            send_while(self.sender, self.version, update, TIMEOUT_S)  # the optimizer may step once it returns
+        else:
+            self.model.merge_adapter()
+            try:
+                moved = [n for n, t in peft_base_weights(self.model).items()
+                         if t.data_ptr() != self._peft_weights[n].data_ptr()]
+                if moved:
+                    raise SyncError(f"merging the PEFT adapters rebound {moved[0]!r} (a merge that copies, e.g. "
+                                    "safe_merge): the sync would send the unmerged weights")
+                send_while(self.sender, self.version, update, TIMEOUT_S)
+            finally:
+                self.model.unmerge_adapter()
         self.llm.reset_prefix_cache()
