@@ -89,9 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     if argv and argv[0] == "train":
-        from .spelling import use_flags
-
-        use_flags()  # messages name flags, this process's and its executors' (the forkserver's children)
         if not {"-h", "--help"} & set(argv):
             # The executors' forkserver imports torch and transformers while this process
             # imports the pipeline (both take seconds), not after it.

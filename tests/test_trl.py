@@ -389,3 +389,13 @@ def test_what_the_colocated_sync_does_not_serve_is_named():
     assert "vllm_tensor_parallel_size=2" in colocate_refusal(model, 1, 2, False)
     assert "vllm_enable_sleep_mode=True" in colocate_refusal(model, 1, 1, True)
     assert "a quantized model" in colocate_refusal("some/model", 1, 1, False, quantization_config=object())
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    assert colocate_refusal("some/model", 1, 1, False, peft_config=lora) is None
+    assert "use_dora" in colocate_refusal("some/model", 1, 1, False, peft_config=peft.LoraConfig(use_dora=True))
+    assert "PrefixTuningConfig" in colocate_refusal(
+        "some/model", 1, 1, False, peft_config=peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    assert "embedding or lm_head" in colocate_refusal(
+        "some/model", 1, 1, False, peft_config=peft.LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    wrapped = peft.get_peft_model(tiny_llama(0), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    assert "use_dora" in colocate_refusal(wrapped, 1, 1, False)  # a PEFT model's own config

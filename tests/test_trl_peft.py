@@ -68,8 +68,8 @@ def test_a_sync_sends_the_merged_weights_and_leaves_the_model_as_it_was(lora_run
     them; after the trained adapters are set far from zero and one more sync,
     the engine computes with base + adapters (its log-probs the PEFT model's
     within the engine's bf16, where the base model's differ by more than 0.2),
-    and the trainer's base weights are back (unmerged, to float rounding) in the
-    storage they had."""
+    and the trainer's base weights are back, bit for bit, in the storage they
+    had."""
     model = lora_run.model.eval()
     generation = lora_run.vllm_generation
     weights = peft_base_weights(model)
@@ -87,7 +87,7 @@ def test_a_sync_sends_the_merged_weights_and_leaves_the_model_as_it_was(lora_run
     after = peft_base_weights(model)
     assert {n: t.data_ptr() for n, t in after.items()} == pointers
     for name, tensor in after.items():
-        torch.testing.assert_close(tensor, before[name], rtol=0, atol=1e-6, msg=name)
+        assert torch.equal(tensor, before[name]), name  # restored bit for bit, not merged and unmerged
     sequences = [[2, 3, 4, 28, 5, 9, 11], [9, 10, 28, 12, 12, 3]]
     engine, merged = engine_logprobs(generation, sequences), model_logprobs(model, sequences)
     with model.disable_adapter():

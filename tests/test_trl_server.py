@@ -55,7 +55,8 @@ def server(tmp_path_factory):
         port = probe.getsockname()[1]
     saved = dict(os.environ)
     os.environ[SECRET_ENV] = new_secret().hex()
-    log = open(tmp_path_factory.mktemp("server-log") / "server.log", "w+")
+    logs = tmp_path_factory.mktemp("server-log")
+    log = open(logs / "server.log", "w+")
     process = subprocess.Popen(  # its own session: the engine's processes are stopped with it
 
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--load-format", "dummy",
@@ -63,7 +64,7 @@ def server(tmp_path_factory):
          "--max-num-seqs", "16", "--logprobs-mode", "processed_logprobs",
          "--weight-transfer-config", '{"backend": "llamarl_ddma"}'],
         env=dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1"), stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True)
+        start_new_session=True, cwd=logs)  # not the repository root, which `-m` puts first on sys.path
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_S

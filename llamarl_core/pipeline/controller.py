@@ -26,7 +26,7 @@ import torch
 
 from ..auth import refused_count
 from ..models.checkpoint import check_generator_config
-from ..spelling import option
+from ..spelling import names_flags, option
 from ..sync import abandon_receivers, vllm_llama_tp
 from .config import PLUGIN_FIELDS, TrainConfig
 from .data import RunData
@@ -167,7 +167,7 @@ class Controller:
         if has_inbox(role, rank, self.generator_tp):
             inbox = inbox_name(role, rank, extra.get("incarnation", 0))
             self.inboxes[(role, rank)] = StoreQueue(self.store, inbox, self.executors.secret)
-        self.executors.start(role, rank, self.config.to_dict(), {**extra, "inbox": inbox})
+        self.executors.start(role, rank, self.config.to_dict(), {**extra, "inbox": inbox, "flags": names_flags()})
 
     def _tell(self, role: str, kind: str, **payload) -> None:
         """Put a command in the inbox of every rank of `role` that has one."""

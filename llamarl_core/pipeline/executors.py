@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from ..auth import AuthenticatedStore, refused_count
 from ..models.sharded import NotByName, copy_shards, empty_model, init_random, load_shards
+from ..spelling import set_spelling
 from ..sync import StaleReceiveError, SyncError, fsdp_sender
 from ..sync.protocol import relay_name
 from ..sync.transports import host_identity
@@ -225,13 +226,15 @@ def _select_gpu(config: TrainConfig, role: str, rank: int, launched: bool) -> No
 def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, extra: dict, secret: bytes) -> bool:
     """Run executor rank `rank` of `role` until the controller says stop; False when
     it failed (the failure, with its traceback, is reported to the controller).
-    extra: "inbox", "launched" and the role's own arguments (the incarnation, the run
+    extra: "inbox", "launched", "flags" (its messages name CLI flags, as the
+    controller's) and the role's own arguments (the incarnation, the run
     folder). secret: the run's (auth.py), which its messages carry; never in `extra`,
     which may travel through the Store."""
     config = TrainConfig.from_dict(config_dict)
     extra = dict(extra)
     inbox = extra.pop("inbox")  # the queue it reads its commands from (None: its replica's rank 0 reads them)
     launched = extra.pop("launched", False)  # a torchrun rank (llamarl_core.launch), not forked by the controller
+    set_spelling(flags=extra.pop("flags", False))  # this process is the executor's own
     tags = {"incarnation": extra["incarnation"]} if role == GENERATOR else {}
     link = Link(store, role, rank, tags, inbox, config.timeout_s, secret)
     try:

@@ -17,7 +17,9 @@ names vLLM loads (TRL's naming: `.base_layer` and the wrapper's prefix dropped,
 the adapters' own tensors left out); each sync merges the adapters into those
 weights in place (peft's merge_adapter), sends them and unmerges, as TRL's own
 sync does around its load_weights, after checking that the merge left every
-registered weight in its storage.
+registered weight in its storage, and restores the adapted weights bit for bit.
+DoRA, trainable tokens, other PEFT methods and adapters on an embedding or
+lm_head are left to TRL (colocate_refusal).
 
 What it does not serve (colocate_refusal: several processes, whose engines
 would each need every rank's shards; an engine tensor-parallel group; vLLM's
@@ -59,10 +61,33 @@ STORE_HOST_ENV = "LLAMARL_STORE_HOST"  # the trainer's address as a vLLM server 
 TIMEOUT_S = 300.0
 
 
+def _peft_refusal(configs) -> str | None:
+    """Why the in-place merge cannot serve these PEFT configs, or None: LoRA alone
+    (DoRA's and trainable tokens' merges rebind weights, prompt learning has none
+    to merge), never on a tied embedding (its delta would reach vLLM's tied
+    lm_head)."""
+    for config in configs:
+        kind = type(config).__name__
+        if kind != "LoraConfig":
+            return f"a PEFT {kind} (llamarl's colocated sync merges LoRA adapters only)"
+        for option in ("use_dora", "trainable_token_indices"):
+            if getattr(config, option, None):
+                return f"LoraConfig({option}=...) (its merge rebinds the weights the sync sends from)"
+        targets = {*(config.modules_to_save or ()),
+                   *([config.target_modules] if isinstance(config.target_modules, str) else
+                     config.target_modules or ())}
+        if any("embed" in t or "lm_head" in t for t in targets):
+            return ("LoRA or modules_to_save on an embedding or lm_head (with tied embeddings its delta would reach "
+                    "the other; the sync merges in place)")
+    return None
+
+
 def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enable_sleep_mode: bool,
-                     quantization_config=None) -> str | None:
+                     quantization_config=None, peft_config=None) -> str | None:
     """Why DDMA cannot feed TRL's colocated engine for this set-up, or None. model:
-    the trainer's `model` argument (a folder or hub id, or the model itself)."""
+    the trainer's `model` argument (a folder or hub id, or the model itself);
+    peft_config: its peft_config argument (a PEFT model's own configs are read
+    off the model)."""
     if num_processes != 1:
         return (f"{num_processes} processes (each rank's colocated engine needs every rank's shards; llamarl's "
                 "colocated sync runs on one process for now)")
@@ -73,7 +98,9 @@ def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enabl
     if quantization_config is not None or (isinstance(model, torch.nn.Module) and any(
             type(module).__module__.startswith("bitsandbytes") for module in model.modules())):
         return "a quantized model"
-    return None
+    configs = [peft_config] if peft_config is not None else []
+    configs += list(getattr(model, "peft_config", {}).values()) if isinstance(model, torch.nn.Module) else []
+    return _peft_refusal(configs)
 
 
 def _address_toward(host: str) -> str:
@@ -104,7 +131,10 @@ def peft_base_weights(model) -> dict[str, torch.Tensor]:
         name = name.removeprefix("base_model.model.").replace(".base_layer", "")
         if model.prefix in name or "original_module" in name:
             continue
-        weights[name.replace("modules_to_save.default.", "").replace("_checkpoint_wrapped_module.", "")] = param.data
+        name = name.replace("modules_to_save.default.", "").replace("_checkpoint_wrapped_module.", "")
+        if name in weights:
+            raise SyncError(f"two parameters of the PEFT model map to vLLM's {name!r}")
+        weights[name] = param.data
     return weights
 
 
@@ -223,14 +253,27 @@ class DdmaVLLMGeneration(VLLMGeneration):
         if self._peft_weights is None:
             send_while(self.sender, self.version, update, TIMEOUT_S)  # the optimizer may step once it returns
         else:
-            self.model.merge_adapter()
-            try:
-                moved = [n for n, t in peft_base_weights(self.model).items()
-                         if t.data_ptr() != self._peft_weights[n].data_ptr()]
-                if moved:
-                    raise SyncError(f"merging the PEFT adapters rebound {moved[0]!r} (a merge that copies, e.g. "
-                                    "safe_merge): the sync would send the unmerged weights")
-                send_while(self.sender, self.version, update, TIMEOUT_S)
-            finally:
-                self.model.unmerge_adapter()
+            self._send_merged(update)
         self.llm.reset_prefix_cache()
+
+    def _send_merged(self, update) -> None:
+        """The PEFT model's adapters merged into its base weights in place, sent,
+        unmerged; the adapted base weights then restored bit for bit from a copy
+        taken before (W + d - d rounds: a bf16 base would drift a little each
+        sync). The merge inside the try: one that fails half way is undone too."""
+        adapted = {name for name, module in self.model.named_modules() if hasattr(module, "base_layer")}
+        kept = {name: t.clone() for name, t in self._peft_weights.items()
+                if any(name.startswith(prefix.removeprefix("base_model.model.").replace(".base_layer", "") + ".")
+                       for prefix in adapted)}
+        try:
+            self.model.merge_adapter()
+            moved = [n for n, t in peft_base_weights(self.model).items()
+                     if t.data_ptr() != self._peft_weights[n].data_ptr()]
+            if moved:
+                raise SyncError(f"merging the PEFT adapters rebound {moved[0]!r}: the sync would send the unmerged "
+                                "weights")
+            send_while(self.sender, self.version, update, TIMEOUT_S)
+        finally:
+            self.model.unmerge_adapter()
+            for name, value in kept.items():
+                self._peft_weights[name].copy_(value)

@@ -31,7 +31,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     - with `use_vllm=True, vllm_mode="colocate"`, the colocated engine built
       with the llamarl_ddma backend and synced by DDMA (generation.py); a set-up
       DDMA does not serve (several processes, engine tensor parallelism, sleep
-      mode, a quantized model) keeps TRL's own engine and sync, with a
+      mode, a quantized model, a PEFT method other than plain LoRA) keeps TRL's
+      own engine and sync, with a
       warning naming why;
     - with `use_vllm=True, vllm_mode="server"`, a server running the
       llamarl_ddma backend synced by DDMA (server.py), another server by TRL.
@@ -44,7 +45,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if ours and config.vllm_mode == "colocate":
             reason = colocate_refusal(bound.arguments["model"], PartialState().num_processes,
                                       config.vllm_tensor_parallel_size, config.vllm_enable_sleep_mode,
-                                      bound.arguments.get("quantization_config"))
+                                      bound.arguments.get("quantization_config"), bound.arguments.get("peft_config"))
             if reason is not None:
                 warnings.warn(f"llamarl: the colocated vLLM engine is TRL's own, synced by TRL: DDMA does not serve "
                               f"{reason}", stacklevel=2)
