@@ -121,17 +121,25 @@ def _address_toward(host: str) -> str:
                          f"{STORE_HOST_ENV} to an address of this host the server reaches") from None
 
 
+def _peft_parameters(model):
+    """(the name vLLM loads, whether an adapter merges into it, the Parameter) per
+    base weight of a PEFT model, named as TRL's sync names them; the adapters'
+    own tensors left out."""
+    for raw, param in model.named_parameters():
+        name = raw.removeprefix("base_model.model.").replace(".base_layer", "")
+        if model.prefix in name or "original_module" in name:
+            continue
+        yield (name.replace("modules_to_save.default.", "").replace("_checkpoint_wrapped_module.", ""),
+               ".base_layer." in raw, param)
+
+
 def peft_base_weights(model) -> dict[str, torch.Tensor]:
     """A PEFT model's base weights (what its adapters merge into, and the
     layers it leaves alone) under the names vLLM loads, as TRL's sync names
     them; the adapters' own tensors left out. The tensors are the Parameters'
     data: merging in place writes them."""
     weights = {}
-    for name, param in model.named_parameters():
-        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-        if model.prefix in name or "original_module" in name:
-            continue
-        name = name.replace("modules_to_save.default.", "").replace("_checkpoint_wrapped_module.", "")
+    for name, _, param in _peft_parameters(model):
         if name in weights:
             raise SyncError(f"two parameters of the PEFT model map to vLLM's {name!r}")
         weights[name] = param.data
@@ -144,6 +152,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
 
     transfer: DdmaWeightTransfer | None = None  # server mode, on the main process, a llamarl_ddma server
     _peft_weights: dict[str, torch.Tensor] | None = None  # colocated, a PEFT model: its base weights, by vLLM name
+    _peft_adapted: list[str] = []  # and those an adapter merges into
     _ddma = False  # server mode: the server runs llamarl_ddma (every rank knows)
 
     def _init_vllm(self) -> None:
@@ -211,6 +220,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
         secret = new_secret()
         if is_peft_model(self.model):
             self._peft_weights = peft_base_weights(self.model)
+            self._peft_adapted = [name for name, adapted, _ in _peft_parameters(self.model) if adapted]
             layout = Layout(1, [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in self._peft_weights.items()])
 
             def make_sender():
@@ -261,10 +271,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
         unmerged; the adapted base weights then restored bit for bit from a copy
         taken before (W + d - d rounds: a bf16 base would drift a little each
         sync). The merge inside the try: one that fails half way is undone too."""
-        adapted = {name for name, module in self.model.named_modules() if hasattr(module, "base_layer")}
-        kept = {name: t.clone() for name, t in self._peft_weights.items()
-                if any(name.startswith(prefix.removeprefix("base_model.model.").replace(".base_layer", "") + ".")
-                       for prefix in adapted)}
+        kept = {name: self._peft_weights[name].clone() for name in self._peft_adapted}
         try:
             self.model.merge_adapter()
             moved = [n for n, t in peft_base_weights(self.model).items()
