@@ -63,7 +63,7 @@ import time
 import torch
 
 from llamarl_core.bench.bench_aipo_sweep import SWEEP_CHUNK_MIB, gpu_sweep, sweep_report
-from llamarl_core.bench.harness import add_output_args, record, summarize, table
+from llamarl_core.bench.harness import add_output_args, emit, record, summarize, table
 from llamarl_core.cli import HelpFormatter
 from llamarl_core.ops.objectives import DEFAULTS, LOSS_TYPES, OLD_POLICY_TYPES
 
@@ -511,7 +511,7 @@ def main(argv=None) -> int:
         figures.update({f"{r['what']} ms": r["ms"] for r in result["linear"]})
         record(spec.record, "aipo_sweep", figures, {"device": result["device"], "triton": result["triton"]},
                "AIPO log-prob kernels and linear_aipo_loss on a GPU (`bench_aipo --gpu-sweep`)", sweep_report(result))
-        print(json.dumps(result, indent=2) if spec.json else sweep_report(result))
+        emit(spec, result, sweep_report(result))
         return 0
     result = run(spec)
     figures = {}
@@ -522,7 +522,7 @@ def main(argv=None) -> int:
     params = {"batch": spec.batch, "seq_len": spec.seq_len, "hidden": spec.hidden, "device": spec.device,
               "dtype": result["dtype"], "stat": spec.stat, "repeats": spec.repeats}
     record(spec.record, "aipo", figures, params, "AIPO loss (`llamarl bench aipo`)", report(result))
-    print(json.dumps(result, indent=2) if spec.json else report(result))
+    emit(spec, result, report(result))
     return 0
 
 

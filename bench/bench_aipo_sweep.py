@@ -131,10 +131,13 @@ def _peak_mib(fn, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def linear_rows(tokens: int, hidden: int, vocab: int, chunks_mib, device: torch.device) -> list[dict]:
+def linear_rows(tokens: int, hidden: int, vocab: int, chunks_mib, device: torch.device, median_ms=None) -> list[dict]:
     """linear_aipo_loss forward + backward for each chunk size beside its three
-    GEMMs alone on the same shapes (bf16 outputs, as autograd would give)."""
+    GEMMs alone on the same shapes (bf16 outputs, as autograd would give), each
+    timed by `median_ms(fn)` (default: CUDA events, do_bench)."""
     from llamarl_core.ops.aipo import linear_aipo_loss
+
+    median_ms = median_ms or _median_ms
 
     gen = torch.Generator(device=device).manual_seed(1)
     h = (torch.randn(tokens, hidden, device=device, generator=gen) / hidden**0.25).to(torch.bfloat16)
@@ -147,7 +150,7 @@ def linear_rows(tokens: int, hidden: int, vocab: int, chunks_mib, device: torch.
         torch.matmul(h, w.t(), out=logits)  # logits = h @ W^T
         return logits @ w, logits.t() @ h  # grad_h = dlogits @ W, grad_W = dlogits^T @ h
 
-    gemm_ms = _median_ms(gemms)
+    gemm_ms = median_ms(gemms)
     del logits
     name = f"{tokens} tokens, hidden {hidden}, vocab {vocab}, bf16"
     rows = [{"what": f"three GEMMs alone, {name}", "ms": gemm_ms, "vs_gemms": 1.0,
@@ -160,7 +163,7 @@ def linear_rows(tokens: int, hidden: int, vocab: int, chunks_mib, device: torch.
             linear_aipo_loss(hx, wx, targets, behavior, advantages, chunk_size=chunk)[0].backward()
 
         peak_mib = _peak_mib(step, device)  # also the warm-up
-        ms = _median_ms(step)
+        ms = median_ms(step)
         size = "the default chunk" if chunk is None else f"chunk {mib} MiB ({min(chunk, tokens)} tokens)"
         rows.append({"what": f"linear_aipo_loss, {size}", "ms": ms,
                      "vs_gemms": ms / gemm_ms, "tflops": 6 * tokens * hidden * vocab / ms / 1e9,

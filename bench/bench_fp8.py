@@ -20,13 +20,12 @@ granularity is what GPU_TILINGS should hold.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
 
-from llamarl_core.bench.harness import add_output_args, record, summarize, table
+from llamarl_core.bench.harness import add_output_args, emit, record, summarize, table
 from llamarl_core.cli import HelpFormatter
 from llamarl_core.ops.fp8 import GRANULARITIES, quantize_fp8, quantize_fp8_ref, scale_shape
 from llamarl_core.ops.fp8_launch import SWEEP_TILINGS, launch_quantize_fp8
@@ -166,13 +165,13 @@ def main(argv=None) -> int:
         figures = {f"{r['weight']} {r['granularity']} {r['config']}": r["vs_copy"] for r in rows}
         record(spec.record, "fp8_sweep", figures, {"device": torch.cuda.get_device_name()},
                "FP8 tiling sweep (`llamarl bench fp8 --gpu-sweep`)", sweep_report(rows))
-        print(json.dumps(rows, indent=2) if spec.json else sweep_report(rows))
+        emit(spec, rows, sweep_report(rows))
         return 0 if all(r["exact"] for r in rows) else 1
     result = run(spec)
     figures = {f"{r['shape']}_{r['granularity']}_{r['method'].replace(' ', '_')}_gbps": r["gbps"] for r in result["rows"]}
     record(spec.record, "fp8", figures, {"threads": result["threads"]}, "FP8 weight quantization (`llamarl bench fp8`)",
            report(result))
-    print(json.dumps(result, indent=2) if spec.json else report(result))
+    emit(spec, result, report(result))
     return 0
 
 

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from llamarl_core.bench.harness import add_output_args, record, table
+from llamarl_core.bench.harness import add_output_args, emit, record, table
 from llamarl_core.cli import HelpFormatter
 
 from llamarl_core.pipeline import Controller, TrainConfig, load_task
@@ -207,10 +207,7 @@ def _run(args, base: TrainConfig, tmp: str) -> int:
             f"Async / sync step time: {ratio:.2f}x.\n\n" + table(rows))
     if base.device == "cuda":
         body += "\n\n" + table(_gpu_rows(results, args.steps, batch))
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        print(body)
+    emit(args, results, body)
     figures = {f"{name}_tokens_per_s": r["tokens_per_s"] for name, r in results.items()}
     figures.update({f"{name}_reward_last": r["reward_last"] for name, r in results.items()})
     title = ("Pipeline on a pretrained model, async beside sync (`llamarl bench pipeline --model`)" if base.model

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llamarl_core.bench.harness import add_output_args, record, share_secret, table
+from llamarl_core.bench.harness import add_output_args, emit, record, share_secret, table
 from llamarl_core.pipeline.report import cpu_times, steal_fraction
 
 FLAT = 0.05  # relative change allowed from --from to the end
@@ -244,10 +244,7 @@ def main(argv=None) -> int:
             body, judged = report(name, rows, args.start)
             bodies.append(body)
             results[name] = {"rows": rows, "verdict": judged}
-    if args.json:
-        print(json.dumps(results))
-    else:
-        print("\n".join(bodies))
+    emit(args, results, "\n".join(bodies), indent=None)
     figures = {f"{name} {key} change": v["change"] for name, r in results.items() for key, v in r["verdict"].items()}
     record(args.record, "soak", figures, {"steps": args.steps, "every": args.every}, "Soak: flat over thousands of steps",
            "\n".join(bodies))

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
@@ -59,7 +58,7 @@ import torch.multiprocessing as tmp
 
 from llamarl_core.sync import WeightReceiver, WeightSender, hf_llama_fsdp, hf_llama_shapes, plan_transfer, vllm_llama_tp
 
-from llamarl_core.bench.harness import add_model_args, add_output_args, record, share_secret, summarize, table
+from llamarl_core.bench.harness import add_model_args, add_output_args, emit, record, share_secret, summarize, table
 from llamarl_core.cli import HelpFormatter
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -552,7 +551,7 @@ def _main_replicas(spec) -> int:
         record(spec.record, "sync_replicas", {"gbps": row["gbps"], "speedup_vs_naive": row["speedup_vs_naive"],
                                               "fraction_of_memcpy": row["fraction_of_memcpy"]},
                params | {"replicas": row["replicas"]}, section, report_replicas(result))
-    print(json.dumps(result, indent=2) if spec.json else report_replicas(result))
+    emit(spec, result, report_replicas(result))
     return 0
 
 
@@ -576,7 +575,7 @@ def _main_hosts(spec) -> int:
                                            "speedup_vs_broadcast": row["speedup_vs_broadcast"]},
                {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype,
                 "link_rate": spec.link_rate, "replicas": row["replicas"]}, section, report_hosts(result))
-    print(json.dumps(result, indent=2) if spec.json else report_hosts(result))
+    emit(spec, result, report_hosts(result))
     return 0
 
 
@@ -604,7 +603,7 @@ def main(argv=None) -> int:
            {f"{k}_gbps": v for k, v in result["gbps"].items()} | result["ratios"],
            {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype}
            | ({"fp8": spec.fp8} if spec.fp8 else {}), section, report(result))
-    print(json.dumps(result, indent=2) if spec.json else report(result))
+    emit(spec, result, report(result))
     return 0
 
 

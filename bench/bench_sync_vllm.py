@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import multiprocessing as mp
 import sys
@@ -32,7 +31,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from llamarl_core.bench.harness import add_model_args, add_output_args, record, share_secret, summarize, table
+from llamarl_core.bench.harness import add_model_args, add_output_args, emit, record, share_secret, summarize, table
 from llamarl_core.cli import HelpFormatter
 from llamarl_core.sync import Layout, WeightSender, fsdp_layout, plan_transfer
 
@@ -195,7 +194,7 @@ def main(argv=None) -> int:
            "Weight sync of a MoE model into a running vLLM engine (`llamarl bench sync --into vllm --model-type "
            "qwen3_moe`)" if moe else "Weight sync into a running vLLM engine (`llamarl bench sync --into vllm`)",
            report(result))
-    print(json.dumps(result, indent=2) if spec.json else report(result))
+    emit(spec, result, report(result))
     return 0
 
 

@@ -209,7 +209,7 @@ def report(results: list[dict], args) -> tuple[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from llamarl_core.bench.harness import add_output_args, record
+    from llamarl_core.bench.harness import add_output_args, emit, record
     from llamarl_core.cli import HelpFormatter
 
     p = argparse.ArgumentParser(prog="llamarl bench trl", description=__doc__, formatter_class=HelpFormatter)
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = run(args)
     body, figures = report(results, args)
-    print(json.dumps({"results": results, "figures": figures}, indent=1) if args.json else body)
+    emit(args, {"results": results, "figures": figures}, body, indent=1)
     record(args.record, "trl", figures, {k: getattr(args, k) for k in ("vocab", "hidden", "layers", "batch",
                                                                         "completion", "steps")},
            "TRL's GRPOTrainer and llamarl's (llamarl bench trl)", body)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -111,14 +112,23 @@ def add_model_args(parser, hidden: int, intermediate: int, layers: int, size: st
 
 
 def add_output_args(parser) -> None:
-    """--json and --record, the same for every benchmark."""
+    """--json, --json-out and --record, the same for every benchmark (emit() and record() serve them)."""
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--json-out", type=Path, metavar="PATH", help="also write the figures as JSON to PATH")
     parser.add_argument("--record", type=Path, metavar="DIR",
                         help="append the figures to DIR/results.csv and rewrite this bench's section of "
                              "DIR/RESULTS.md (--record bench from the repository's root: its own); without it nothing "
                              "is written")
     # Recording is off unless asked for since --record; scripts that still say --no-record keep running.
     parser.add_argument("--no-record", action="store_true", help=argparse.SUPPRESS)
+
+
+def emit(spec, result, text: str, indent: int | None = 2) -> None:
+    """The bench's output: `result` as JSON with --json, else `text`; and `result` as
+    JSON written to --json-out PATH when given."""
+    if spec.json_out is not None:
+        spec.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=indent) if spec.json else text)
 
 
 def table(rows: list[list[str]]) -> str:

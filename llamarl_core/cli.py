@@ -10,7 +10,7 @@
     llamarl bench gpu [options]     the GPU kernels and CUDA copy engine beside the copy bandwidth
     llamarl bench soak [options]    memory, Store keys, files and threads over thousands of steps
     llamarl bench trl [options]     one GRPO run through TRL's GRPOTrainer and through llamarl's
-    llamarl check gpu [options]     every GPU test and bench in one table (the compile check without a GPU)
+    llamarl check gpu [options]     every GPU figure and test within a time budget (the compile check without a GPU)
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ commands:
   bench trl     one GRPO run through TRL's GRPOTrainer and through llamarl's
                 (one import changed): loss time and memory, step time, equal
                 losses (llamarl bench trl --help)
-  check gpu     every `gpu` test, the GPU benches and compute-sanitizer, one
-                table; without a GPU, every Triton kernel compiled for
-                sm_80 / 90 / 100 (llamarl check gpu --help)
+  check gpu     the build for this GPU, every `gpu` test, the GPU benches,
+                the pipeline on one GPU and compute-sanitizer within a time
+                budget (--budget), one table and --json; without a GPU, every
+                Triton kernel compiled for sm_80 / 90 / 100 (llamarl check gpu --help)
 """
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -35,11 +35,9 @@ forkserver.start()
 
 
 def pytest_collection_modifyitems(config, items):
+    # With a GPU the CPU tests' Triton cases run on CUDA tensors ("triton-cuda"); they are
+    # not marked gpu: `pytest -m gpu` (llamarl check gpu) takes only the tests written for a GPU.
     if torch.cuda.is_available():
-        # The Triton cases run on CUDA tensors there: `pytest -m gpu` (llamarl check gpu) takes them too.
-        for item in items:
-            if "triton-cuda" in item.name:
-                item.add_marker(pytest.mark.gpu)
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -35,7 +35,7 @@ def test_version(capsys):
 
 
 # Options whose absence means "none": there is no default to state.
-NO_DEFAULT = {"--dataset", "--reward-model", "--into", "--record", "--model"}
+NO_DEFAULT = {"--dataset", "--reward-model", "--into", "--record", "--model", "--json-out", "--json"}
 
 
 @pytest.mark.parametrize("command", [["train"], ["export"], ["dataset", "arithmetic"], ["check", "gpu"],

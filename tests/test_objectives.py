@@ -665,6 +665,29 @@ def test_vocabulary_parallel_equals_the_single_rank_op(world, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_every_objective_on_cuda_matches_the_float64_reference():
+    """The compiled kernels on a GPU (the CPU tests run them in Triton's
+    interpreter): each objective once in the logits form (a reduction each, in
+    turn, with the entropy bonus and KL penalty) and once in the linear form, loss
+    and gradients against the float64 reference."""
+    cuda = torch.device("cuda")
+    for i, loss_type in enumerate(LOSS_TYPES):
+        reduction = REDUCTIONS[i % len(REDUCTIONS)]
+        key = ("cuda", loss_type, reduction)
+        batch = _batch(_seed(*key))
+        kw = _params(loss_type, dict(reduction=reduction, **EXTRAS["entropy+kl"]))
+        loss, grads, _ = _ours(batch, kw, cuda)
+        _assert_within_float32(loss.cpu(), [g.cpu() for g in grads], _expected(batch, kw, key))
+        gen = torch.Generator().manual_seed(_seed("cuda linear", loss_type))
+        hidden, weight = torch.randn(B, T, H, generator=gen), torch.randn(V, H, generator=gen) / 4
+        batch = _batch(_seed("cuda linear batch", loss_type), logits=hidden @ weight.t())
+        kw = _params(loss_type, dict(reduction="token_mean"))
+        loss, grads, _ = _ours(batch, kw, cuda, hidden=hidden, weight=weight, chunk_size=7)
+        _assert_within_float32(loss.cpu(), [g.cpu() for g in grads],
+                               _expected(batch, kw, hidden=hidden, weight=weight))
+
+
+@pytest.mark.gpu
 def test_the_op_and_an_objective_capture_into_a_cuda_graph():
     """Forward and backward of token_logprobs and a loss on it captured into one
     CUDA graph (no host sync anywhere: a sync would fail the capture), replayed

@@ -1,0 +1,116 @@
+"""The check's schedule: steps in priority order under one time budget (a plain class).
+
+A step starts only if the budget left covers its estimate and every step it needs
+passed; otherwise it is recorded as skipped, with the reason. A started step runs
+to its end under its own timeout (the step enforces it): the budget never cuts a
+step half way, so the whole run can overrun the budget by at most the amount by
+which a started step overruns its estimate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+
+
+@dataclass
+class Outcome:
+    """What a step's run reports: passed or not, one line, and the figures it measured
+    (dicts of `name, value, unit, limit, ratio, target`)."""
+
+    passed: bool
+    summary: str
+    rows: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step: `run(timeout_s)` does the work and returns an Outcome; it must stop
+    (and clean up) by `timeout_s`. `estimate_s`: its expected time on the target GPU,
+    which decides whether it starts. `needs`: names of earlier steps that must have
+    passed (a step needing a skipped or failed one is skipped)."""
+
+    name: str
+    estimate_s: float
+    timeout_s: float
+    run: Callable[[float], Outcome]
+    needs: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not self.estimate_s > 0 or not self.timeout_s >= self.estimate_s:
+            raise ValueError(f"step {self.name!r}: needs 0 < estimate_s <= timeout_s, got estimate_s={self.estimate_s}, "
+                             f"timeout_s={self.timeout_s}")
+
+
+@dataclass
+class Record:
+    name: str
+    status: str  # PASSED | FAILED | SKIPPED
+    seconds: float
+    estimate_s: float
+    summary: str
+    rows: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "status": self.status, "seconds": round(self.seconds, 2),
+                "estimate_s": self.estimate_s, "summary": self.summary}
+
+
+class BudgetRun:
+    """Runs steps in order within `budget_s` seconds of `clock` counted from `start`
+    (default: now), so that time spent before the steps (a build) can be counted."""
+
+    def __init__(self, budget_s: float, clock: Callable[[], float] = time.monotonic, start: float | None = None,
+                 on_event: Callable[[str], None] | None = None):
+        if not budget_s > 0:
+            raise ValueError(f"budget_s must be > 0, got {budget_s}")
+        self.budget_s = budget_s
+        self.clock = clock
+        self.start = clock() if start is None else start
+        self.on_event = on_event or (lambda line: None)
+        self.records: list[Record] = []
+
+    def left(self) -> float:
+        return self.budget_s - (self.clock() - self.start)
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def decide(self, step: Step) -> str | None:
+        """Why `step` must not start now (None: it starts)."""
+        status = {r.name: r.status for r in self.records}
+        for need in step.needs:
+            if need not in status:
+                raise ValueError(f"step {step.name!r} needs {need!r}, which is not an earlier step")
+            if status[need] != PASSED:
+                return f"needs {need}, which {status[need]}"
+        left = self.left()
+        if step.estimate_s > left:
+            return f"needs about {step.estimate_s:.0f} s, {max(left, 0):.0f} s of the budget left"
+        return None
+
+    def run(self, steps: list[Step]) -> list[Record]:
+        names = [s.name for s in steps]
+        if len(set(names)) != len(names):
+            raise ValueError(f"step names must be unique, got {names}")
+        for step in steps:
+            reason = self.decide(step)
+            if reason is not None:
+                self.records.append(Record(step.name, SKIPPED, 0.0, step.estimate_s, f"skipped: {reason}"))
+                self.on_event(f"[{self.elapsed():6.1f} s] {step.name}: skipped ({reason})")
+                continue
+            self.on_event(f"[{self.elapsed():6.1f} s] {step.name}: started (about {step.estimate_s:.0f} s, "
+                          f"at most {step.timeout_s:.0f} s)")
+            began = self.clock()
+            try:
+                outcome = step.run(step.timeout_s)
+            except Exception as exc:  # a step's own error fails that step, not the run
+                outcome = Outcome(False, f"{type(exc).__name__}: {exc}")
+            seconds = self.clock() - began
+            status = PASSED if outcome.passed else FAILED
+            self.records.append(Record(step.name, status, seconds, step.estimate_s, outcome.summary, outcome.rows))
+            self.on_event(f"[{self.elapsed():6.1f} s] {step.name}: {status} in {seconds:.1f} s: {outcome.summary}")
+        return self.records

@@ -1,0 +1,267 @@
+"""The steps of `llamarl check gpu`, each a command in a process of its own.
+
+Each step runs one command in a new session, its output appended to the check's
+log; at its own timeout the whole process group is killed and the step fails
+(check/budget.py decides which steps start). Figures come back as JSON files the
+benches write (--json-out) and become rows `name, value, unit, limit, ratio,
+target` (bench_gpu.figure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .budget import Outcome, Step
+from .figures import figure
+
+# The one test that moves weights between processes over CUDA IPC: what memcheck watches.
+SANITIZED_TEST = ("test_gpu.py", "test_sync_between_processes_over_cuda_ipc")
+_PYTEST_SUMMARY = re.compile(r"^=*\s*(.*\d+ (passed|failed|skipped|error).*?)\s*=*$", re.MULTILINE)
+_SANITIZER_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+
+# The default task's run: this many RL steps in each mode after its supervised warm-up;
+# "learns": the last tenth of steps scores LEARNED_MARGIN more reward than the first.
+PIPELINE_STEPS = 100
+LEARNED_MARGIN = 0.1
+# The ~1B Llama run (bench pipeline --device cuda): RL steps in each mode.
+BIG_PIPELINE_STEPS = 8
+# Timed repeats of each bench (medians): few, the check runs once in a short lease.
+BENCH_REPEATS = 3
+# Test processes pytest-xdist runs the gpu tests in, where it is installed.
+TEST_WORKERS = 4
+
+
+@dataclass
+class Context:
+    """Where the steps run: the Python that runs them, the source checkout (None for an
+    installed package), the tests/ folder (None: not found), the log they append to,
+    and a scratch folder for the benches' JSON."""
+
+    python: str
+    root: Path | None
+    tests: Path | None
+    log: Path
+    scratch: Path
+    arch: str | None  # the device's compute capability, "90" for an H100
+
+
+def run_command(ctx: Context, title: str, cmd: list[str], timeout_s: float, *, cwd: Path | None = None,
+                env: dict | None = None) -> tuple[int | None, str]:
+    """Runs `cmd` in a session of its own; returns (exit status, or None if it ran past
+    `timeout_s` and its process group was killed; its output), the output also
+    appended to the log under `title`."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                            cwd=cwd or ctx.scratch, env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        status: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        status = None
+    with ctx.log.open("a") as log:
+        log.write(f"\n===== {title}: {' '.join(cmd)}\n{out}\n===== {title}: "
+                  f"{'timed out' if status is None else f'exit {status}'}\n")
+    return status, out
+
+
+def _failed(title: str, status: int | None, out: str, timeout_s: float) -> Outcome:
+    tail = "\n".join(out.splitlines()[-25:])
+    print(f"--- last lines of {title} ---\n{tail}", flush=True)
+    how = f"ran past its {timeout_s:.0f} s timeout" if status is None else f"exited {status}"
+    return Outcome(False, f"{title} {how} (log: its output)")
+
+
+def build(ctx: Context) -> Step:
+    """`pip install --no-build-isolation --no-deps -e ROOT` for this device's architecture
+    alone (CUDAARCHS), then a check that the module has its CUDA backend and sees the GPU."""
+
+    def run(timeout_s: float) -> Outcome:
+        cmd = [ctx.python, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-e", str(ctx.root)]
+        status, out = run_command(ctx, "build", cmd, timeout_s, env={"CUDAARCHS": f"{ctx.arch}-real"})
+        if status != 0:
+            return _failed("pip install -e", status, out, timeout_s)
+        probe = ("from llamarl_core._native import native_cuda; m = native_cuda(); "
+                 "print(m.cuda_device_count(), 'CUDA device(s) seen by llamarl_core._C')")
+        status, out = run_command(ctx, "build probe", [ctx.python, "-c", probe], 60)
+        if status != 0:
+            return _failed("the built module's probe", status, out, 60)
+        return Outcome(True, f"llamarl_core._C built for sm_{ctx.arch} alone; {out.strip().splitlines()[-1]}")
+
+    return Step("build", estimate_s=45, timeout_s=300, run=run)
+
+
+def gpu_tests(ctx: Context, needs: tuple[str, ...]) -> Step:
+    def run(timeout_s: float) -> Outcome:
+        workers = ["-n", str(TEST_WORKERS), "--dist", "loadfile"] if _has_module(ctx, "xdist") else []
+        cmd = [ctx.python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--durations=15", *workers,
+               str(ctx.tests)]
+        status, out = run_command(ctx, "gpu tests", cmd, timeout_s, cwd=ctx.tests.parent)
+        summary = _PYTEST_SUMMARY.findall(out)
+        line = summary[-1][0] if summary else "no pytest summary"
+        if status != 0:
+            _failed("pytest -m gpu", status, out, timeout_s)
+        return Outcome(status == 0, f"pytest -m gpu{' -n ' + str(TEST_WORKERS) if workers else ''}: {line}")
+
+    return Step("gpu tests", estimate_s=75, timeout_s=300, run=run, needs=needs)
+
+
+def _has_module(ctx: Context, name: str) -> bool:
+    out = subprocess.run([ctx.python, "-c", f"import importlib.util as u; print(u.find_spec({name!r}) is not None)"],
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() == "True"
+
+
+def _bench(ctx: Context, title: str, args: list[str], timeout_s: float) -> tuple[Outcome | None, dict]:
+    """Runs `llamarl bench ...` with --json-out; (None, its JSON) or (the failure, {})."""
+    out_json = ctx.scratch / f"{title.replace(' ', '_')}.json"
+    out_json.unlink(missing_ok=True)
+    cmd = [ctx.python, "-m", "llamarl_core.cli", "bench", *args, "--json-out", str(out_json)]
+    status, out = run_command(ctx, title, cmd, timeout_s)
+    if status != 0 or not out_json.exists():
+        return _failed(title, status, out, timeout_s), {}
+    return None, json.loads(out_json.read_text())
+
+
+def _judged(rows: list[dict]) -> str:
+    judged = [r for r in rows if r["target"] is not None]
+    met = sum(r["ratio"] >= r["target"] for r in judged)
+    return f"{len(rows)} figures, {met} of {len(judged)} at their targets"
+
+
+def bench_gpu(ctx: Context, part: str, estimate_s: float, needs: tuple[str, ...]) -> Step:
+    def run(timeout_s: float) -> Outcome:
+        failure, result = _bench(ctx, f"bench gpu {part}",
+                                 ["gpu", "--parts", part, "--repeats", str(BENCH_REPEATS)], timeout_s)
+        if failure is not None:
+            return failure
+        return Outcome(True, _judged(result["rows"]), result["rows"])
+
+    return Step(f"bench {part}", estimate_s=estimate_s, timeout_s=300, run=run, needs=needs)
+
+
+def big_pipeline(ctx: Context, needs: tuple[str, ...]) -> Step:
+    """`llamarl bench pipeline --device cuda`: a Llama of about 1B parameters, random
+    weights, trainer and generator processes on one GPU, in both modes."""
+
+    def run(timeout_s: float) -> Outcome:
+        failure, result = _bench(ctx, "bench pipeline 1B",
+                                 ["pipeline", "--device", "cuda", "--steps", str(BIG_PIPELINE_STEPS)], timeout_s)
+        if failure is not None:
+            return failure
+        modes = {"async": result["llamarl_async"], "sync": result["llamarl_sync"]}
+        what = f"~1B Llama on one GPU, {BIG_PIPELINE_STEPS} steps"
+        rows = [figure(f"{what}: async step time (limit: the sync step's)", modes["async"]["step_time_s"] * 1e3,
+                       "ms", modes["sync"]["step_time_s"] * 1e3)]
+        for mode, r in modes.items():
+            rows += [figure(f"{mode} mode, {what}: generation, completion tokens/s while generating",
+                            r["completion_tokens"] / BIG_PIPELINE_STEPS / r["gen_time_s"], "tok/s"),
+                     figure(f"{mode} mode, {what}: weight sync (send) a step", r["sync_time_s"] * 1e3, "ms"),
+                     figure(f"{mode} mode, {what}: generator stall a step", r["stall_time_s"] * 1e3, "ms"),
+                     figure(f"{mode} mode, {what}: training time a step", r["train_time_s"] * 1e3, "ms")]
+        return Outcome(True, f"async / sync step time {rows[0]['value'] / rows[0]['limit']:.2f}x", rows)
+
+    return Step("pipeline ~1B", estimate_s=45, timeout_s=300, run=run, needs=needs)
+
+
+def default_task(ctx: Context, needs: tuple[str, ...]) -> Step:
+    """`llamarl train --device cuda --compare` on the default task: whether the reward
+    rose by LEARNED_MARGIN in both modes, and the async / sync step time."""
+
+    def run(timeout_s: float) -> Outcome:
+        out_dir = ctx.scratch / "compare"
+        shutil.rmtree(out_dir, ignore_errors=True)
+        cmd = [ctx.python, "-m", "llamarl_core.cli", "train", "--device", "cuda", "--compare", "--quiet", "--steps",
+               str(PIPELINE_STEPS), "--out", str(out_dir)]
+        status, out = run_command(ctx, "train compare", cmd, timeout_s)
+        if status != 0 or not (out_dir / "compare.json").exists():
+            return _failed("llamarl train --device cuda --compare", status, out, timeout_s)
+        result = json.loads((out_dir / "compare.json").read_text())
+        what = f"default task on one GPU, {PIPELINE_STEPS} RL steps"
+        rows = [figure(f"{what}: async step time (limit: the sync step's)", result["async"]["step_time_s"] * 1e3,
+                       "ms", result["sync"]["step_time_s"] * 1e3)]
+        learned = {}
+        for mode in ("sync", "async"):
+            gain = result[mode]["reward_last"] - result[mode]["reward_first"]
+            learned[mode] = gain >= LEARNED_MARGIN
+            rows.append(figure(f"{what}, {mode}: reward gain, last tenth of steps over the first", gain, "reward"))
+        rewards = "; ".join(f"{mode} reward {result[mode]['reward_first']:.3f} -> {result[mode]['reward_last']:.3f}"
+                            for mode in ("sync", "async"))
+        verdict = "" if all(learned.values()) else f"; did not learn: {[m for m, ok in learned.items() if not ok]}"
+        return Outcome(all(learned.values()), f"{rewards}; async / sync step time "
+                                              f"{result['step_time_ratio']:.2f}x{verdict}", rows)
+
+    return Step("default task", estimate_s=50, timeout_s=300, run=run, needs=needs)
+
+
+def find_sanitizer() -> str | None:
+    """compute-sanitizer on PATH, else in the CUDA toolkit ($CUDA_HOME, /usr/local/cuda), which is often not on PATH."""
+    homes = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
+    toolkit_bins = os.pathsep.join(str(Path(home) / "bin") for home in homes if home)
+    return shutil.which("compute-sanitizer") or shutil.which("compute-sanitizer", path=toolkit_bins)
+
+
+def memcheck(ctx: Context, needs: tuple[str, ...]) -> Step:
+    def run(timeout_s: float) -> Outcome:
+        sanitizer = find_sanitizer()
+        if sanitizer is None:
+            return Outcome(False, "compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
+        test_file, test_name = SANITIZED_TEST
+        cmd = [sanitizer, "--tool", "memcheck", "--target-processes", "all", ctx.python, "-m", "pytest", "-q", "-p",
+               "no:cacheprovider", f"{ctx.tests / test_file}::{test_name}"]
+        status, out = run_command(ctx, "memcheck", cmd, timeout_s, cwd=ctx.tests.parent)
+        errors = [int(n) for n in _SANITIZER_SUMMARY.findall(out)]
+        ok = status == 0 and not any(errors)
+        if not ok:
+            _failed("compute-sanitizer", status, out, timeout_s)
+        return Outcome(ok, f"memcheck on {test_name}: {sum(errors)} errors in {len(errors)} processes, "
+                           f"{'timed out' if status is None else f'exit {status}'}")
+
+    return Step("memcheck", estimate_s=40, timeout_s=300, run=run, needs=needs)
+
+
+def gpu_plan(ctx: Context) -> list[Step]:
+    """Every step, in priority order: the build (from a source checkout), the gpu tests,
+    the kernel benches, the weight-sync benches, the ~1B pipeline, the default
+    task's compare run, memcheck."""
+    steps = [build(ctx)] if ctx.root is not None else []
+    built = ("build",) if steps else ()
+    if ctx.tests is not None:
+        steps.append(gpu_tests(ctx, built))
+    steps += [bench_gpu(ctx, "kernels", 30, built), bench_gpu(ctx, "sync", 45, built), big_pipeline(ctx, built),
+              default_task(ctx, built)]
+    if ctx.tests is not None:
+        steps.append(memcheck(ctx, built))
+    return steps
+
+
+def compile_check() -> Step:
+    """Without a GPU: every Triton kernel variant compiled for sm_80, sm_90 and sm_100."""
+
+    def run(timeout_s: float) -> Outcome:
+        from llamarl_core.ops.kernel_check import compile_all
+
+        rows = compile_all(timeout_s=timeout_s)
+        failed = [r for r in rows if r.error is not None]
+        by_kernel: dict[str, list] = {}
+        for r in rows:
+            by_kernel.setdefault(r.kernel, []).append(r)
+        print("\n| kernel | variants x archs compiled | max registers / thread | spill bytes |\n|---|---|---|---|")
+        for kernel, group in by_kernel.items():
+            ok = [r for r in group if r.error is None]
+            print(f"| {kernel} | {len(ok)} of {len(group)} | {max((r.registers for r in ok), default='-')} | "
+                  f"{sum(r.spill_bytes for r in ok)} |")
+        for r in failed:
+            print(f"FAILED {r.name} on sm_{r.arch}: {r.error}")
+        return Outcome(not failed, f"Compile check: {len(rows) - len(failed)} of {len(rows)} compiled "
+                                   f"({'passed' if not failed else 'FAILED'}). Full table: python -m "
+                                   "llamarl_core.ops.kernel_check")
+
+    return Step("compile check", estimate_s=120, timeout_s=900, run=run)
