@@ -102,6 +102,18 @@ def test_a_skip_for_the_budget_names_the_estimate_and_what_is_left():
     assert records[2].summary == "skipped: needs b, which skipped"
 
 
+def test_a_step_that_cannot_run_here_is_skipped_and_every_record_is_reported_as_it_comes():
+    clock = Clock()
+    seen = []
+    no_tool = Step("memcheck", 5, 10, lambda timeout_s: Outcome(False, "tool not found", skipped=True))
+    works = Step("bench", 5, 10, lambda timeout_s: Outcome(True, "ok", [{"name": "x"}]))
+    records = BudgetRun(100, clock=clock, on_record=lambda so_far: seen.append([r.status for r in so_far])).run(
+        [works, no_tool, Step("after", 500, 500, works.run)])
+    assert [(r.status, r.summary) for r in records] == [(PASSED, "ok"), (SKIPPED, "tool not found"),
+                                                         (SKIPPED, records[2].summary)]
+    assert seen == [[PASSED], [PASSED, SKIPPED], [PASSED, SKIPPED, SKIPPED]]
+
+
 def test_bad_steps_and_budgets_are_refused_by_name():
     run = lambda timeout_s: Outcome(True, "")  # noqa: E731
     with pytest.raises(ValueError, match="step 'x': needs 0 < estimate_s <= timeout_s"):
@@ -121,8 +133,10 @@ def test_check_gpu_without_a_gpu_writes_its_json_and_skips_what_the_budget_does_
                          timeout=120, cwd=tempfile.gettempdir())
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads((tmp_path / "gpu.json").read_text())
-    assert set(result) == {"commit", "device", "driver", "torch", "triton", "seconds", "budget_s", "steps", "rows"}
+    assert set(result) == {"commit", "device", "driver", "torch", "triton", "seconds", "budget_s", "complete", "steps",
+                           "rows"}
     assert result["commit"] == "abc123" and result["device"].startswith("none") and result["budget_s"] == 5
+    assert result["complete"] is True
     assert result["steps"] == [{"name": "compile check", "status": "skipped", "seconds": 0.0, "estimate_s": 120,
                                 "summary": result["steps"][0]["summary"]}]
     assert "needs about 120 s" in result["steps"][0]["summary"] and 0 < result["seconds"] < 60

@@ -355,7 +355,7 @@ def test_bad_train_step_arguments_raise_before_acting(kwargs, match):
 
 
 def _plain_policy_gradient(logprobs, batch):
-    """-A logp: the gradient of ppo, gspo and cispo at ratio 1 (old log-probs the policy's own)."""
+    """-A logp: the gradient of ppo, gspo, cispo and sapo at ratio 1 (old log-probs the policy's own)."""
     return -batch.advantages * logprobs
 
 
@@ -365,7 +365,7 @@ def test_every_loss_type_trains_a_step_with_its_statistics(loss):
     """One real step of each built-in loss (micro-batches, the entropy bonus, an
     SGD update): finite loss and gradient norm, the weights moved, every
     statistic in its range and None exactly where the loss has no such thing.
-    The losses that ignore the behaviour log-probs (ppo, gspo, cispo) take the
+    The losses that ignore the behaviour log-probs (ppo, gspo, cispo, sapo) take the
     plain policy gradient (with the same entropy bonus and reduction, a loss of
     yours) at ratio 1: their old log-probs are the policy's own."""
     samples = _samples(10)
@@ -385,8 +385,8 @@ def test_every_loss_type_trains_a_step_with_its_statistics(loss):
     assert step.mismatch_kl > 0 and step.mean_ratio > 0 and step.chi_squared >= -1 and step.ess_fraction > 0, step
     assert 0 < step.mean_abs_log_ratio <= step.max_abs_log_ratio and step.mismatch_k1 <= step.mean_abs_log_ratio
     assert 0 < step.entropy <= math.log(16)  # the tiny model's vocabulary
-    if loss in ("ppo", "gspo", "cispo"):
-        assert step.clip_fraction == 0.0
+    if loss in ("ppo", "gspo", "cispo", "sapo"):
+        assert step.clip_fraction in (0.0, None)  # sapo has no clip: its gate at ratio 1 is the plain gradient
         fresh = _tiny_llama()  # the same weights as the model before its step
         plain = _RecordingSGD(fresh.parameters(), lr=0.1)
         learner.train_step(fresh, plain, samples, lr=0.0, micro_batch_size=5, loss=_plain_policy_gradient,

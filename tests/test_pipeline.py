@@ -984,9 +984,16 @@ def test_every_other_loss_runs_the_default_task_with_its_statistics(tmp_path):
 def test_train_run_on_cuda(tmp_path, dtype, bound):
     """Trainer and generator on GPUs (CUDA IPC sync), sync mode: the generator's
     behaviour log-probs match the trainer's (exactly in float32; in bfloat16 the
-    generator holds rounded weights and the trainer computes under autocast)."""
+    generator holds rounded weights and the trainer computes under autocast). Its
+    DCP checkpoints (over the cpu:gloo,cuda:nccl group) resume on the GPU: the
+    resumed steps match as closely."""
     out = tmp_path / dtype
     proc = llamarl("--device", "cuda", "--dtype", dtype, "--mode", "sync", "--out", str(out), *FAST, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(out)
     assert len(metrics) == 12 and all(abs(m["mismatch_kl"]) < bound for m in metrics), metrics
+    assert checkpoint_info(out)["step"] == 12
+    resumed = llamarl("--out", str(out), "--resume", "--steps", "15", "--quiet", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == list(range(15)) and all(abs(m["mismatch_kl"]) < bound for m in metrics)

@@ -277,12 +277,13 @@ NORMALIZERS = {
 }
 
 
-@pytest.mark.parametrize("loss_type", [*NORMALIZERS, "cispo"])
+@pytest.mark.parametrize("loss_type", [*NORMALIZERS, "cispo", "sapo", "vespo"])
 def test_aipo_loss_with_the_tables_normalizer_is_trls_loss(model_dirs, loss_type):
-    """aipo_loss (ppo, or cispo with eps_low 1 and eps_high TRL's cap - 1) from the
-    model's own logits, on-policy for the behaviour (None), with the README
-    table's reduction and normalizer: TRL's loss and gradients on a fixed batch
-    with completions of lengths 0 to 6 (one row empty), gradient accumulation 1."""
+    """aipo_loss (ppo; cispo with eps_low 1 and eps_high TRL's cap - 1; sapo with
+    TRL's temperatures; vespo with TRL's old log-probs as the behaviour's) from
+    the model's own logits, with the README table's reduction and normalizer:
+    TRL's loss and gradients on a fixed batch with completions of lengths 0 to 6
+    (one row empty), gradient accumulation 1."""
     from llamarl_core.ops import aipo_loss
 
     options = dict(epsilon_high=5.0) if loss_type == "cispo" else dict(epsilon_high=0.28)
@@ -295,15 +296,24 @@ def test_aipo_loss_with_the_tables_normalizer_is_trls_loss(model_dirs, loss_type
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     logits = model(input_ids=ids, attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
                    fused_lm_head=False).logits[:, inputs["prompt_ids"].shape[1] - 1 : -1]
+    behavior, logprobs = None, dict(old_logprobs=inputs["old_per_token_logps"])
     if loss_type == "cispo":
         objective = dict(loss_type="cispo", eps_low=1.0, eps_high=4.0)
         reduction, normalizer = "token_mean", inputs["num_items_in_batch"]
+    elif loss_type == "sapo":
+        objective = dict(loss_type="sapo", tau_pos=theirs.args.sapo_temperature_pos,
+                         tau_neg=theirs.args.sapo_temperature_neg)
+        reduction, normalizer = NORMALIZERS["grpo"][0], NORMALIZERS["grpo"][1](inputs)
+    elif loss_type == "vespo":  # TRL's ratio is to its old policy, which sampled: our behaviour
+        objective = dict(loss_type="vespo", k_pos=theirs.args.vespo_k_pos, lambda_pos=theirs.args.vespo_lambda_pos,
+                         k_neg=theirs.args.vespo_k_neg, lambda_neg=theirs.args.vespo_lambda_neg)
+        reduction, normalizer = "token_mean", inputs["num_items_in_batch"]
+        behavior, logprobs = inputs["old_per_token_logps"], {}
     else:
         objective = dict(loss_type="ppo", eps_low=0.2, eps_high=0.28)
         reduction, normalizer = NORMALIZERS[loss_type][0], NORMALIZERS[loss_type][1](inputs)
-    loss, _ = aipo_loss(logits, inputs["completion_ids"], None, inputs["advantages"], inputs["completion_mask"],
-                        old_logprobs=inputs["old_per_token_logps"], reduction=reduction, normalizer=normalizer,
-                        **objective)
+    loss, _ = aipo_loss(logits, inputs["completion_ids"], behavior, inputs["advantages"], inputs["completion_mask"],
+                        reduction=reduction, normalizer=normalizer, **logprobs, **objective)
     loss.backward()
     assert close(loss.detach(), expected), (float(loss), float(expected))
     for name, p in model.named_parameters():

@@ -1,28 +1,31 @@
 """`llamarl check gpu`: every GPU figure from one command, within a time budget.
 
-On a CUDA device, in priority order (check/steps.py): from a source checkout, the
-native module built for this device's architecture alone (`pip install
---no-build-isolation --no-deps -e .` with CUDAARCHS); the tests marked `gpu`; the
-kernel benches (`llamarl bench gpu --parts kernels`: FP8 quantization, the FP8
-GEMM, aipo_loss and every loss_type, linear_aipo_loss); the weight-sync benches
-(`--parts sync`: 1 and 8 GiB over CUDA IPC from bf16 and fp32, with the
-generator's stall; FP8 in the sync); a ~1B Llama pipeline in both modes on this
-one GPU (`llamarl bench pipeline --device cuda`); the default task learning in both
-modes (`llamarl train --device cuda --compare`); compute-sanitizer memcheck on the
-sync test. Each step carries an estimate of its time and starts only if the budget
-left covers it (else a line says it was skipped); a started step runs to its end
-under its own timeout. Without a GPU it says so and compiles every Triton kernel
+On a CUDA device, in priority order (check/steps.py, docs/gpu.md): from a source
+checkout, the package installed with its native module built for this device's
+architecture alone (`pip install --no-build-isolation --no-deps -e .` with
+CUDAARCHS) and its CUDA backend probed; the tests marked `gpu`; the kernel benches
+(`llamarl bench gpu --parts kernels`: FP8 quantization, the FP8 GEMM, aipo_loss and
+every loss_type, linear_aipo_loss); the weight-sync benches (`--parts sync`: 1 and
+8 GiB over CUDA IPC from bf16 and fp32, with the generator's stall; FP8 in the
+sync); a ~1B Llama pipeline in both modes on this one GPU (`llamarl bench pipeline
+--device cuda`); the default task learning in both modes (`llamarl train --device
+cuda --compare`); compute-sanitizer memcheck on the sync test. Each step carries an
+estimate of its time and starts only if the budget left covers it (else a line
+says it was skipped); a started step runs to its end under its own timeout
+(check/budget.py). Without a GPU it says so and compiles every Triton kernel
 variant for sm_80 / sm_90 / sm_100 instead.
 
-It prints each step as it starts and ends, then one table (steps, then figures:
-`name, value, unit, limit, ratio, target`, ratio >= target being met), and with
---json PATH writes one object: commit, device, driver, torch, triton, seconds
-(the whole command, build included), budget_s, steps, rows. Every step's output
-goes to the log (--log; default: beside the JSON). Exit status 0 when every step
-that ran passed (tests, build, learning, sanitizer; a missed bench target is a
-figure, not a failure), 1 otherwise.
+It prints each step as it starts and ends, then one table of the steps and one of
+the figures (`name, value, unit, limit, ratio, target`, ratio >= target being met:
+check/figures.py). --json PATH writes one object: commit, device, driver, torch,
+triton, seconds (the whole command from the process's start, build included),
+budget_s, complete (false while steps are still to run: it is rewritten after
+each), steps, rows. Every step's output goes to the log (--log; default: beside
+the JSON). Exit status 1 when a step failed (the build, the tests, a bench or
+pipeline run, the learning, the sanitizer), else 0: a missed target is a figure,
+a skipped step a line.
 
-Run it from the repository root before installing anything (the build is its first
+From the repository root, before installing anything (the build is its first
 step, counted in its seconds): python3 -m llamarl_core.cli check gpu --json out.json
 """
 
@@ -38,7 +41,7 @@ import time
 from pathlib import Path
 
 from .budget import FAILED, SKIPPED, BudgetRun, Record
-from .figures import rows_table
+from .figures import judged_summary, rows_table
 from .steps import Context, compile_check, gpu_plan
 
 
@@ -115,13 +118,11 @@ def report(result: dict) -> str:
 def verdict(records: list[Record], rows: list[dict]) -> tuple[int, str]:
     failed = [r.name for r in records if r.status == FAILED]
     skipped = [r.name for r in records if r.status == SKIPPED]
-    judged = [r for r in rows if r["target"] is not None]
-    met = sum(r["ratio"] >= r["target"] for r in judged)
     text = f"FAILED: {', '.join(failed)}" if failed else "passed"
     if skipped:
         text += f"; skipped: {', '.join(skipped)}"
-    if judged:
-        text += f"; {met} of {len(judged)} figures at their targets"
+    if any(r["target"] is not None for r in rows):
+        text += f"; {judged_summary(rows)}"
     return (1 if failed else 0), text
 
 
@@ -163,14 +164,22 @@ def main(argv: list[str] | None = None) -> int:
         print("No CUDA device is visible (torch.cuda.is_available() is False): the GPU tests and benches need one.\n"
               "Running what needs no GPU: every Triton kernel variant compiled for sm_80, sm_90 and sm_100.", flush=True)
         steps = [compile_check()]
-    records = BudgetRun(args.budget, start=started, on_event=lambda line: print(line, flush=True)).run(steps)
-    rows = [row for r in records for row in r.rows]
-    result = {"commit": args.commit or commit_of(root), **{k: info[k] for k in ("device", "driver", "torch", "triton")},
-              "seconds": round(time.monotonic() - started, 1), "budget_s": args.budget,
-              "steps": [r.to_dict() for r in records], "rows": rows}
-    status, text = verdict(records, rows)
-    print("\n" + report(result) + f"\n\nllamarl check gpu: {text}", flush=True)
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return status
+    commit = args.commit or commit_of(root)
 
+    def result_of(records: list[Record], complete: bool) -> dict:
+        return {"commit": commit, **{k: info[k] for k in ("device", "driver", "torch", "triton")},
+                "seconds": round(time.monotonic() - started, 1), "budget_s": args.budget, "complete": complete,
+                "steps": [r.to_dict() for r in records], "rows": [row for r in records for row in r.rows]}
+
+    def save(result: dict) -> None:
+        if args.json is not None:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+    # After each step, what is known so far (complete: false): a check ended from outside keeps it.
+    records = BudgetRun(args.budget, start=started, on_event=lambda line: print(line, flush=True),
+                        on_record=lambda so_far: save(result_of(so_far, False))).run(steps)
+    result = result_of(records, True)
+    save(result)
+    status, text = verdict(records, result["rows"])
+    print("\n" + report(result) + f"\n\nllamarl check gpu: {text}", flush=True)
+    return status

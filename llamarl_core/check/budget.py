@@ -3,8 +3,11 @@
 A step starts only if the budget left covers its estimate and every step it needs
 passed; otherwise it is recorded as skipped, with the reason. A started step runs
 to its end under its own timeout (the step enforces it): the budget never cuts a
-step half way, so the whole run can overrun the budget by at most the amount by
-which a started step overruns its estimate.
+step half way. The steps that start fit the budget by their estimates, so the whole
+run overruns it by no more than the started steps overrun their estimates, and
+never by more than the largest timeout_s - estimate_s of a step (the last one
+started can take its whole timeout). A step may also find it cannot run here (a
+tool missing): its Outcome says skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 
 @dataclass
 class Outcome:
-    """What a step's run reports: passed or not, one line, and the figures it measured
-    (dicts of `name, value, unit, limit, ratio, target`)."""
+    """What a step's run reports: passed or not (or skipped: it cannot run here), one
+    line, and the figures it measured (dicts of `name, value, unit, limit, ratio, target`)."""
 
     passed: bool
     summary: str
     rows: list[dict] = field(default_factory=list)
+    skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,13 +68,14 @@ class BudgetRun:
     (default: now), so that time spent before the steps (a build) can be counted."""
 
     def __init__(self, budget_s: float, clock: Callable[[], float] = time.monotonic, start: float | None = None,
-                 on_event: Callable[[str], None] | None = None):
+                 on_event: Callable[[str], None] | None = None, on_record: Callable[[list], None] | None = None):
         if not budget_s > 0:
             raise ValueError(f"budget_s must be > 0, got {budget_s}")
         self.budget_s = budget_s
         self.clock = clock
         self.start = clock() if start is None else start
         self.on_event = on_event or (lambda line: None)
+        self.on_record = on_record or (lambda records: None)  # after each step: the records so far
         self.records: list[Record] = []
 
     def left(self) -> float:
@@ -101,6 +106,7 @@ class BudgetRun:
             if reason is not None:
                 self.records.append(Record(step.name, SKIPPED, 0.0, step.estimate_s, f"skipped: {reason}"))
                 self.on_event(f"[{self.elapsed():6.1f} s] {step.name}: skipped ({reason})")
+                self.on_record(self.records)
                 continue
             self.on_event(f"[{self.elapsed():6.1f} s] {step.name}: started (about {step.estimate_s:.0f} s, "
                           f"at most {step.timeout_s:.0f} s)")
@@ -110,7 +116,8 @@ class BudgetRun:
             except Exception as exc:  # a step's own error fails that step, not the run
                 outcome = Outcome(False, f"{type(exc).__name__}: {exc}")
             seconds = self.clock() - began
-            status = PASSED if outcome.passed else FAILED
+            status = SKIPPED if outcome.skipped else PASSED if outcome.passed else FAILED
             self.records.append(Record(step.name, status, seconds, step.estimate_s, outcome.summary, outcome.rows))
             self.on_event(f"[{self.elapsed():6.1f} s] {step.name}: {status} in {seconds:.1f} s: {outcome.summary}")
+            self.on_record(self.records)
         return self.records

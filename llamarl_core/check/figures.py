@@ -17,7 +17,7 @@ TARGETS = {
     "linear_aipo_loss fwd + bwd": 1 / 1.2,  # within 1.2x of its three GEMMs
     "weight sync over CUDA IPC, 1 GiB": 0.8,
     "weight sync over CUDA IPC, 8 GiB": 0.9,
-    "FP8 weight sync over CUDA IPC": 1 / 1.2,  # within 1.2x of the bf16 sync of the same weights
+    "FP8 weight sync over CUDA IPC": 1 / 1.2,  # within 1.2x of the fp32 -> bf16 sync of the same weights
     "~1B Llama on one GPU": 1 / 0.8,  # async step <= 0.8x the sync step
 }
 TIME_UNITS = ("ms", "s")
@@ -35,6 +35,18 @@ def figure(name: str, value: float, unit: str, limit: float | None = None) -> di
     return {"name": name, "value": value, "unit": unit, "limit": limit, "ratio": ratio, "target": target_of(name)}
 
 
+def met(row: dict) -> bool | None:
+    """Whether a judged row reached its target (None: the row is not judged)."""
+    if row["target"] is None:
+        return None
+    return row["ratio"] is not None and row["ratio"] >= row["target"]
+
+
+def judged_summary(rows: list[dict]) -> str:
+    judged = [met(r) for r in rows if r["target"] is not None]
+    return f"{sum(judged)} of {len(judged)} figures at their targets"
+
+
 def _number(x: float | None) -> str:
     if x is None:
         return ""
@@ -45,7 +57,7 @@ def rows_table(rows: list[dict]) -> str:
     """The rows as a Markdown table, each judged one marked met or MISSED."""
     lines = ["| figure | value | limit | ratio | target |", "|---|---|---|---|---|"]
     for r in rows:
-        verdict = "" if r["target"] is None else f"{r['target']:.2f} ({'met' if r['ratio'] >= r['target'] else 'MISSED'})"
+        verdict = "" if r["target"] is None else f"{r['target']:.2f} ({'met' if met(r) else 'MISSED'})"
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         lines.append(f"| {r['name']} | {_number(r['value'])} {r['unit']} | {_number(r['limit'])} | {ratio} | {verdict} |")
     return "\n".join(lines)

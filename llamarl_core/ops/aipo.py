@@ -22,6 +22,8 @@ File order: reference -> functional.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .aipo_inputs import (IGNORE_INDEX, TargetCheck, TokenInputs, check_kl, check_logits, check_normalizer, check_old,
@@ -51,7 +53,8 @@ def _sequence_keys(targets: torch.Tensor, sequence_ids: torch.Tensor | None) -> 
 def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=None, temperature=1.0,
                   reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=None,
                   eps_high=None, ref_logprobs=None, kl_coef=0.0, mask_low=None, mask_high=None, entropy_coef=0.0,
-                  normalizer=None, compute_dtype=torch.float64, magnitude=False, nonfinite_logprobs="raise"):
+                  normalizer=None, compute_dtype=torch.float64, magnitude=False, nonfinite_logprobs="raise",
+                  tau_pos=None, tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None):
     """The loss written from the formulas (ops/objectives.py), with plain torch
     autograd (log_softmax, gather), per-sequence sums and reductions by Python
     loops over the sequences: the reference for values and gradients, in
@@ -62,7 +65,9 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
     scale of the loss's rounding error (each term is rounded, so a loss whose
     terms cancel is accurate relative to this, not to itself)."""
     cfg = objective_config(loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
-                           mask_high=mask_high, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)
+                           mask_high=mask_high, tau_pos=tau_pos, tau_neg=tau_neg, k_pos=k_pos, lambda_pos=lambda_pos,
+                           k_neg=k_neg, lambda_neg=lambda_neg, temperature=temperature, kl_coef=kl_coef,
+                           entropy_coef=entropy_coef)
     check_kl(kl_coef, ref_logprobs)
     check_old(loss_type, old_logprobs)
     dtype = logits.dtype if compute_dtype is None else compute_dtype
@@ -107,6 +112,10 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
         terms = pg(torch.where((r >= cfg.mask_low) & (r <= cfg.mask_high), r, 0.0))
     elif kind == "cispo":
         terms = pg(clip(torch.exp((logp - old).detach().clamp(max=MAX_LOG_RATIO))))
+    elif kind == "sapo":
+        q = torch.exp((logp - old).clamp(max=MAX_LOG_RATIO))
+        tau = torch.where(a > 0, cfg.tau_pos, cfg.tau_neg).to(dtype)
+        terms = -4 / tau * torch.sigmoid(tau * (q - 1)) * a
     else:  # the sequence-level objectives, one sequence at a time
         w = torch.zeros_like(logp)
         for idx in groups.values():
@@ -119,6 +128,11 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
             elif kind == "geo_mask":
                 keep = cfg.mask_low <= torch.exp(s / len(idx)) <= cfg.mask_high
                 w[idx] = torch.clamp(torch.exp(log_r[idx].clamp(max=MAX_LOG_RATIO)), max=cfg.rho) * float(keep)
+            elif kind == "vespo":  # the gamma weight, its shape by each token's advantage sign
+                v = log_r[idx].clamp(-20.0, 20.0).sum().clamp(math.log(1e-8), 20.0)
+                k = torch.where(a[idx] >= 0, cfg.k_pos, cfg.k_neg).to(dtype)
+                lam = torch.where(a[idx] >= 0, cfg.lambda_pos, cfg.lambda_neg).to(dtype)
+                w[idx] = torch.exp(lam + k * v - lam * torch.exp(v)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
             else:  # gspo: the gradient through g
                 g = torch.exp(((logp[idx] - old[idx]).sum() / len(idx)).clamp(max=MAX_LOG_RATIO))
                 terms = terms.index_put((idx,), -torch.minimum(g * a[idx], clip(g) * a[idx]))
@@ -184,9 +198,10 @@ def _policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: Token
 def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=None, temperature=1.0,
               reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=None,
               eps_high=None, entropy=False, ref_logprobs=None, kl_coef=0.0, mask_low=None, mask_high=None,
-              entropy_coef=0.0, normalizer=None, process_group=None, nonfinite_logprobs="raise"):
+              entropy_coef=0.0, normalizer=None, process_group=None, nonfinite_logprobs="raise", tau_pos=None,
+              tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None):
     """The policy loss `loss_type` (aipo, ppo, ppo_tis, icepop, seq_tis, seq_mis,
-    geo_mask, gspo, cispo: ops/objectives.py) from logits.
+    geo_mask, gspo, cispo, sapo, vespo: ops/objectives.py) from logits.
 
     logits: (num_tokens, vocab), or batched (B, T, vocab) (any (..., T, vocab)),
     bf16 / fp16 / fp32; gradients flow to logits only. With process_group, this
@@ -200,9 +215,10 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
     per token, or batched one per row, (B,) or (B, 1). `-inf` logits (masked
     vocabulary) are allowed.
 
-    rho, mask_low / mask_high, eps_low / eps_high: the objective's parameters
-    (None: its default; one it does not read raises ValueError). old_logprobs:
-    read by ppo, ppo_tis, gspo, cispo (refused by the others). behavior_logprobs
+    rho, mask_low / mask_high, eps_low / eps_high, tau_pos / tau_neg (sapo), k_pos /
+    lambda_pos / k_neg / lambda_neg (vespo): the objective's parameters (None: its
+    default; one it does not read raises ValueError). old_logprobs: read by ppo,
+    ppo_tis, gspo, cispo, sapo (refused by the others). behavior_logprobs
     or old_logprobs None: on-policy, the learner's own detached log-probs in
     their place (ratios of 1, no extra pass). nonfinite_logprobs: "raise"
     (ValueError naming the argument and position of a counted token whose
@@ -229,7 +245,9 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
     (sorts and a cumulative sum), without one.
     """
     cfg = objective_config(loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
-                           mask_high=mask_high, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)
+                           mask_high=mask_high, tau_pos=tau_pos, tau_neg=tau_neg, k_pos=k_pos, lambda_pos=lambda_pos,
+                           k_neg=k_neg, lambda_neg=lambda_neg, temperature=temperature, kl_coef=kl_coef,
+                           entropy_coef=entropy_coef)
     check_logits(logits)  # the logits' own checks first
     inputs = prepare_inputs(logits.shape[:-1], logits.device, targets, behavior_logprobs, advantages, mask,
                             old_logprobs, ref_logprobs, sequence_ids, cfg, reduction, normalizer, nonfinite_logprobs)
@@ -260,7 +278,8 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_s
 def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mask=None, *, rho=None, temperature=1.0,
                      reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=None,
                      eps_high=None, entropy=False, chunk_size=None, ref_logprobs=None, kl_coef=0.0, mask_low=None,
-                     mask_high=None, entropy_coef=0.0, normalizer=None, process_group=None, nonfinite_logprobs="raise"):
+                     mask_high=None, entropy_coef=0.0, normalizer=None, process_group=None, nonfinite_logprobs="raise",
+                     tau_pos=None, tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None):
     """`aipo_loss` of `hidden @ weight.T`, without ever holding the full logits.
 
     hidden: (num_tokens, hidden), or batched (B, T, hidden) (any (..., T,
@@ -274,7 +293,9 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
     AIPOStats) as aipo_loss does. Host syncs as aipo_loss's.
     """
     cfg = objective_config(loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
-                           mask_high=mask_high, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)
+                           mask_high=mask_high, tau_pos=tau_pos, tau_neg=tau_neg, k_pos=k_pos, lambda_pos=lambda_pos,
+                           k_neg=k_neg, lambda_neg=lambda_neg, temperature=temperature, kl_coef=kl_coef,
+                           entropy_coef=entropy_coef)
     chunk_size = check_linear(hidden, weight, chunk_size)
     inputs = prepare_inputs(hidden.shape[:-1], hidden.device, targets, behavior_logprobs, advantages, mask,
                             old_logprobs, ref_logprobs, sequence_ids, cfg, reduction, normalizer, nonfinite_logprobs)

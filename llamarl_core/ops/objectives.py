@@ -20,6 +20,14 @@ tokens of i of (logp_t - b_t), n_i their count, sg = no gradient.
               flowing through g_i; l_t = -min(g_i A_t, clip(g_i, 1 - eps_low, 1 + eps_high) A_t)
               on each token of i (l_i when A is per sequence, as GRPO's is)
     cispo     l_t = -sg(clip(q_t, 1 - eps_low, 1 + eps_high)) A_t logp_t
+    sapo      l_t = -(4 / tau_t) sigmoid(tau_t (q_t - 1)) A_t, tau_t = tau_pos where A_t > 0,
+              else tau_neg (a soft gate in place of the clip; its gradient at q_t = 1 is
+              the policy gradient's)
+    vespo     v_i = clamp(sum over counted t of i of clamp(logp_t - b_t, -20, 20),
+              log 1e-8, 20), w_i = exp(v_i); l_t = -sg(phi_i) A_t logp_t with the gamma
+              weight phi_i = exp(lambda + k v_i - lambda w_i) (phi(1) = 1), k, lambda =
+              k_pos, lambda_pos where A_t >= 0, else k_neg, lambda_neg; phi_i 0 where
+              it is not finite
 
 An IS weight w = 0 gives l_t = 0 (not 0 * logp, which is NaN at logp = -inf).
 Every ratio (r_t, q_t, exp(old_t - b_t), exp(s_i), g_i) is evaluated with its
@@ -36,10 +44,10 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("aipo", "ppo", "ppo_tis", "icepop", "seq_tis", "seq_mis", "geo_mask", "gspo", "cispo")
-SEQUENCE_TYPES = ("seq_tis", "seq_mis", "geo_mask", "gspo")  # need each token's sequence
-OLD_POLICY_TYPES = ("ppo", "ppo_tis", "gspo", "cispo")  # need old_logprobs
-CLIP_TYPES = OLD_POLICY_TYPES  # have a clip fraction
+LOSS_TYPES = ("aipo", "ppo", "ppo_tis", "icepop", "seq_tis", "seq_mis", "geo_mask", "gspo", "cispo", "sapo", "vespo")
+SEQUENCE_TYPES = ("seq_tis", "seq_mis", "geo_mask", "gspo", "vespo")  # need each token's sequence
+OLD_POLICY_TYPES = ("ppo", "ppo_tis", "gspo", "cispo", "sapo")  # need old_logprobs
+CLIP_TYPES = ("ppo", "ppo_tis", "gspo", "cispo")  # have a clip fraction
 
 # The parameters each objective reads, with their defaults and sources. A
 # parameter an objective does not read, passed to it, raises ValueError: it
@@ -70,7 +78,19 @@ DEFAULTS = {
     # upper tuned; slime's recommended --eps-clip 1.0 --eps-clip-high 4.0, i.e.
     # weights in [0, 5] (TRL's docs: a cap of 5.0, after ScaleRL).
     "cispo": dict(eps_low=1.0, eps_high=4.0),
+    # SAPO (Qwen, arXiv 2511.20347): the gate's temperatures, steeper for negative
+    # advantages; TRL's sapo_temperature_pos / _neg defaults.
+    "sapo": dict(tau_pos=1.0, tau_neg=1.05),
+    # VESPO (arXiv 2602.10693): the gamma weight's shape by the advantage's sign; TRL's
+    # vespo_k_pos / vespo_lambda_pos / vespo_k_neg / vespo_lambda_neg defaults.
+    "vespo": dict(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0),
 }
+# Every objective parameter, in the order the functions take them.
+PARAMETERS = ("rho", "eps_low", "eps_high", "mask_low", "mask_high", "tau_pos", "tau_neg", "k_pos", "lambda_pos",
+              "k_neg", "lambda_neg")
+# VESPO's clamps of each token's log-ratio and of a sequence's (TRL's, from the paper's code).
+VESPO_TOKEN_LOG_RATIO = 20.0
+VESPO_LOG_W = (math.log(1e-8), 20.0)
 
 # exp(80) = 5.5e34: clamping log-ratios there keeps ratios, k3 and their products
 # with weights and advantages finite in float32 (max 3.4e38).
@@ -88,19 +108,27 @@ class ObjectiveConfig:
     eps_high: float | None = None
     mask_low: float | None = None
     mask_high: float | None = None
+    tau_pos: float | None = None
+    tau_neg: float | None = None
+    k_pos: float | None = None
+    lambda_pos: float | None = None
+    k_neg: float | None = None
+    lambda_neg: float | None = None
     temperature: float = 1.0
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
 
 
 def objective_config(loss_type: str = "aipo", *, rho=None, eps_low=None, eps_high=None, mask_low=None, mask_high=None,
+                     tau_pos=None, tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None,
                      temperature: float = 1.0, kl_coef: float = 0.0, entropy_coef: float = 0.0) -> ObjectiveConfig:
     """The ObjectiveConfig of `loss_type` with the parameters given and its
     defaults (DEFAULTS) for the others; ValueError naming a parameter out of
     range or one the objective does not read."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    given = dict(rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low, mask_high=mask_high)
+    given = dict(rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low, mask_high=mask_high, tau_pos=tau_pos,
+                 tau_neg=tau_neg, k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg, lambda_neg=lambda_neg)
     reads = DEFAULTS[loss_type]
     unread = [name for name, value in given.items() if value is not None and name not in reads]
     if unread:
@@ -111,9 +139,12 @@ def objective_config(loss_type: str = "aipo", *, rho=None, eps_low=None, eps_hig
             raise ValueError(f"{name} must be a number, got {value}")
     if values.get("rho", 1.0) <= 0 or math.isinf(values.get("rho", 1.0)):
         raise ValueError(f"rho must be positive and finite, got {values['rho']}")
-    for name in ("eps_low", "eps_high"):
+    for name in ("eps_low", "eps_high", "k_pos", "k_neg"):
         if name in values and not 0 <= values[name] < math.inf:
             raise ValueError(f"{name} must be >= 0 and finite, got {values[name]}")
+    for name in ("tau_pos", "tau_neg", "lambda_pos", "lambda_neg"):
+        if name in values and not 0 < values[name] < math.inf:
+            raise ValueError(f"{name} must be positive and finite, got {values[name]}")
     if "eps_low" in values and values["eps_low"] > 1:
         raise ValueError(f"eps_low must be <= 1 (the clip's lower end 1 - eps_low >= 0), got {values['eps_low']}")
     if "mask_low" in values and not 0 <= values["mask_low"] <= values["mask_high"]:
@@ -124,7 +155,7 @@ def objective_config(loss_type: str = "aipo", *, rho=None, eps_low=None, eps_hig
     for name, value in (("kl_coef", kl_coef), ("entropy_coef", entropy_coef)):
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be finite and >= 0, got {value}")
-    unset = dict.fromkeys(("rho", "eps_low", "eps_high", "mask_low", "mask_high"))
+    unset = dict.fromkeys(PARAMETERS)
     return ObjectiveConfig(loss_type, **{**unset, **values}, temperature=float(temperature), kl_coef=float(kl_coef),
                            entropy_coef=float(entropy_coef))
 
@@ -218,7 +249,14 @@ def objective_terms(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: 
     log_r = (logp - behavior).detach()
     truncated = masked = clipped = None
     on = counted.to(logp.dtype)
-    if kind == "gspo":
+    if kind == "sapo":
+        tau = torch.where(a > 0, cfg.tau_pos, cfg.tau_neg)
+        terms = -(4 / tau) * torch.sigmoid(tau * (_exp_clamped(logp - old) - 1)) * a
+    elif kind == "vespo":
+        phi = vespo_weight(sequences.sum(log_r.clamp(-VESPO_TOKEN_LOG_RATIO, VESPO_TOKEN_LOG_RATIO) * on)[sequences.index],
+                           a, cfg)
+        terms = _weighted_pg(phi, a, logp)
+    elif kind == "gspo":
         n = sequences.sum(on).clamp(min=1.0)
         g = _exp_clamped(sequences.sum((logp - old) * on) / n)[sequences.index]
         terms, clipped = _clipped_surrogate(g, a, cfg)
@@ -253,6 +291,16 @@ def objective_terms(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: 
     if cfg.entropy_coef > 0:
         terms = terms - cfg.entropy_coef * entropy
     return ObjectiveTerms(terms, truncated, masked, clipped)
+
+
+def vespo_weight(log_ratio_sum: torch.Tensor, advantages: torch.Tensor, cfg: ObjectiveConfig) -> torch.Tensor:
+    """VESPO's gamma weight phi = exp(lambda + k v - lambda e^v) of a sequence's summed
+    log-ratio (v clamped to VESPO_LOG_W), its shape by the advantage's sign; 0 where
+    not finite. Detached."""
+    v = log_ratio_sum.detach().clamp(*VESPO_LOG_W)
+    k = torch.where(advantages >= 0, cfg.k_pos, cfg.k_neg)
+    lam = torch.where(advantages >= 0, cfg.lambda_pos, cfg.lambda_neg)
+    return torch.exp(lam + k * v - lam * torch.exp(v)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 
 from ..ops.fp8 import GRANULARITIES as FP8_GRANULARITIES
 from ..ops.fp8_linear import GEMMS as FP8_GEMMS
-from ..ops.objectives import DEFAULTS, LOSS_TYPES, objective_config
+from ..ops.objectives import DEFAULTS, LOSS_TYPES, PARAMETERS, objective_config
 from ..spelling import option
 from .plugins import name_of, spec_of
 
@@ -27,7 +27,7 @@ LOSS_NORMALIZERS = ("tokens", "dr_grpo")
 # How a step's loss is reduced (TrainConfig.loss_reduction; None: the loss's own, natural_reduction).
 LOSS_REDUCTIONS = ("token_mean", "sequence_mean")
 # The built-in losses' parameters (ops/objectives.py: which loss reads which, their defaults and sources).
-LOSS_PARAMETERS = ("rho", "eps_low", "eps_high", "mask_low", "mask_high")
+LOSS_PARAMETERS = PARAMETERS
 # Fields that take a plug-in: given as an object in Python, kept as its module:attribute name.
 NONFINITE_LOGPROBS = ("raise", "mask")
 PLUGIN_FIELDS = ("generator", "advantage", "loss", "step_hook", "reward")
@@ -133,11 +133,11 @@ class TrainConfig:
     # -> advantages, see llamarl_core.pipeline.advantages
     advantage: str = "group_mean"
     # The policy loss: one of ops.objectives.LOSS_TYPES (aipo, ppo, ppo_tis, icepop, seq_tis, seq_mis, geo_mask, gspo,
-    # cispo: the fused loss op's objectives, formulas in llamarl_core/ops/objectives.py) or module:function (or the
-    # function): fn(logprobs, batch) -> per-token losses, see llamarl_core.pipeline.learner. ppo, ppo_tis, gspo and
-    # cispo take old log-probs: one more forward (no gradients) per micro-batch, which at one optimizer step per batch
-    # equal the learner's (ratio 1, no clipping); ppo, gspo and cispo ignore the generator's log-probs (no correction
-    # of stale samples), the others correct with them.
+    # cispo, sapo, vespo: the fused loss op's objectives, formulas in llamarl_core/ops/objectives.py) or
+    # module:function (or the function): fn(logprobs, batch) -> per-token losses, see llamarl_core.pipeline.learner.
+    # ppo, ppo_tis, gspo, cispo and sapo take old log-probs: at one optimizer step per batch the learner's own,
+    # detached (ratio 1, no clipping); ppo, gspo, cispo and sapo ignore the generator's log-probs (no correction of
+    # stale samples), the others correct with them.
     loss: str = "aipo"
     # The built-in losses' parameters (LOSS_PARAMETERS), None: the loss's default (ops.objectives.DEFAULTS: aipo's rho
     # 4.0). A parameter the loss does not read, set, is refused (a loss of yours reads none of them).
@@ -146,6 +146,12 @@ class TrainConfig:
     eps_high: float | None = None  # the clip's upper end 1 + eps_high: ppo, ppo_tis, gspo, cispo
     mask_low: float | None = None  # the IS weight masked to 0 below: icepop, seq_mis, geo_mask
     mask_high: float | None = None  # and above: icepop, seq_mis, geo_mask
+    tau_pos: float | None = None  # sapo's gate temperature where the advantage is positive
+    tau_neg: float | None = None  # and where it is not
+    k_pos: float | None = None  # vespo's gamma weight, its power where the advantage is >= 0
+    lambda_pos: float | None = None  # and its rate there
+    k_neg: float | None = None  # its power where the advantage is negative
+    lambda_neg: float | None = None  # and its rate there
     # Weight of the entropy bonus (- entropy_coef * the mean entropy of the policy, at the temperature), any loss
     entropy_coef: float = 0.0
     # What a step's summed loss is divided by: "tokens" (its completion tokens: a token mean) or "dr_grpo" (a constant,

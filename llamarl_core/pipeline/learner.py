@@ -224,7 +224,7 @@ def policy_loss(model, batch: Batch, *, temperature: float, reduction: str = "to
     OLD_POLICY_TYPES read old_logprobs (rows, width - 1), None: on-policy) of `model` on `batch`
     (by default the token mean over the completion tokens that count), with the
     KL penalty against ref_logprobs (rows, width - 1) when given and the entropy
-    bonus; parameters: the loss's (rho, eps_low, eps_high, mask_low, mask_high;
+    bonus; parameters: the loss's (ops.objectives.PARAMETERS;
     None or left out: its default; one it does not read raises ValueError). Each
     completion is one sequence (batch.sequence_ids: the sequence-level losses
     need them; every loss gets the sequence statistics). reduction and
@@ -380,16 +380,19 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, te
                kl_coef: float = 0.0, reference_model=None, autocast_dtype: torch.dtype | None = None,
                loss: str | LossFn = "aipo", advantage: AdvantageFn = group_mean, normalizer: float | None = None,
                rho: float | None = None, eps_low: float | None = None, eps_high: float | None = None,
-               mask_low: float | None = None, mask_high: float | None = None, entropy_coef: float = 0.0,
+               mask_low: float | None = None, mask_high: float | None = None, tau_pos: float | None = None,
+               tau_neg: float | None = None, k_pos: float | None = None, lambda_pos: float | None = None,
+               k_neg: float | None = None, lambda_neg: float | None = None, entropy_coef: float = 0.0,
                reduction: str | None = None, nonfinite_logprobs: str = "raise") -> StepStats:
     """One optimizer step of the policy loss on `samples` (scored), at learning rate `lr`.
 
     loss: a name of ops.objectives.LOSS_TYPES (default "aipo"; formulas in
     ops/objectives.py) or a loss function (the module docstring). The losses of
-    OLD_POLICY_TYPES (ppo, ppo_tis, gspo, cispo) take the model's own log-probs,
-    detached, as the old policy's (old_logprobs None), so their ratio is 1: one
-    optimizer step per batch. rho, eps_low, eps_high, mask_low,
-    mask_high: the loss's parameters, None for its default
+    OLD_POLICY_TYPES (ppo, ppo_tis, gspo, cispo, sapo) take the model's own
+    log-probs, detached, as the old policy's (old_logprobs None), so their ratio
+    is 1: one optimizer step per batch. rho, eps_low, eps_high, mask_low,
+    mask_high, tau_pos, tau_neg, k_pos, lambda_pos, k_neg, lambda_neg: the loss's
+    parameters, None for its default
     (ops.objectives.DEFAULTS); one the loss does not read (any, for a loss of
     yours) raises ValueError. entropy_coef: the entropy bonus's weight, any loss.
     advantage: the estimator (advantages.py). nonfinite_logprobs: a counted
@@ -437,7 +440,9 @@ def train_step(model, optimizer, samples: list[Sample], *, pad_token_id: int, te
         raise ValueError(f"kl_coef={kl_coef} needs reference_model (the frozen reference policy)")
     if not callable(loss) and loss not in LOSS_TYPES:
         raise ValueError(f"loss must be one of {LOSS_TYPES} or a function, got {loss!r}")
-    parameters = dict(rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low, mask_high=mask_high)
+    parameters = dict(rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low, mask_high=mask_high,
+                      tau_pos=tau_pos, tau_neg=tau_neg, k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg,
+                      lambda_neg=lambda_neg)
     check_loss(loss, parameters, temperature=temperature, kl_coef=kl_coef, entropy_coef=entropy_coef)
     if normalizer is not None and not (math.isfinite(normalizer) and normalizer > 0):
         raise ValueError(f"normalizer must be finite and > 0 (or None: the token count), got {normalizer}")

@@ -101,6 +101,13 @@ NAMED_FLAGS = {
                         "geo_mask: the sequence's geometric mean)" + _loss_default("mask_low")),
     "mask_high": (float, "importance weights above this are masked to 0 (icepop, seq_mis, geo_mask)" +
                   _loss_default("mask_high")),
+    "tau_pos": (float, "sapo's gate temperature where the advantage is positive" + _loss_default("tau_pos")),
+    "tau_neg": (float, "sapo's gate temperature where the advantage is not positive" + _loss_default("tau_neg")),
+    "k_pos": (float, "vespo's gamma weight w^k e^(lambda (1 - w)): k where the advantage is >= 0" +
+              _loss_default("k_pos")),
+    "lambda_pos": (float, "vespo's lambda where the advantage is >= 0" + _loss_default("lambda_pos")),
+    "k_neg": (float, "vespo's k where the advantage is negative" + _loss_default("k_neg")),
+    "lambda_neg": (float, "vespo's lambda where the advantage is negative" + _loss_default("lambda_neg")),
     "loss_normalizer": (str, "divide a step's summed loss by its tokens (tokens) or by samples x max-new-tokens "
                              "(dr_grpo)"),
     "loss_reduction": (str, "token_mean (the mean over the step's completion tokens) or sequence_mean (the mean "
