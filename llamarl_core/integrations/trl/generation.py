@@ -21,11 +21,15 @@ registered weight in its storage, and restores the adapted weights bit for bit.
 DoRA, trainable tokens, other PEFT methods and adapters on an embedding or
 lm_head are left to TRL (colocate_refusal).
 
-What it does not serve (colocate_refusal: several processes, whose engines
-would each need every rank's shards; an engine tensor-parallel group; vLLM's
-sleep mode, which discards the weights a sync writes into; a quantized model)
-GRPOTrainer leaves to TRL's own engine and sync, with a warning naming the
-reason.
+Several processes (DDP: every rank holds the whole model): each rank's engine,
+its own as in TRL's colocate mode, takes that rank's weights from that rank's
+sender, over a Store and secret of its own; nothing crosses ranks.
+
+What it does not serve (colocate_refusal: several processes whose parameters are
+sharded (FSDP, DeepSpeed ZeRO-3), whose engines would each need every rank's
+shards; an engine tensor-parallel group; vLLM's sleep mode, which discards the
+weights a sync writes into; a quantized model) GRPOTrainer leaves to TRL's own
+engine and sync, with a warning naming the reason.
 
 Server (`vllm_mode="server"`): TRL's client generates as it does; a server
 running the llamarl_ddma backend (server.py has its command line) takes its
@@ -82,15 +86,28 @@ def _peft_refusal(configs) -> str | None:
     return None
 
 
+def sharding_of(args) -> str | None:
+    """What shards the trainer's parameters over its processes under these
+    TrainingArguments (FSDP, DeepSpeed ZeRO-3, accelerate's FSDP plugin), or None."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if getattr(args, "fsdp", None) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        return "FSDP"
+    if is_deepspeed_zero3_enabled():
+        return "DeepSpeed ZeRO-3"
+    return None
+
+
 def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enable_sleep_mode: bool,
-                     quantization_config=None, peft_config=None) -> str | None:
+                     quantization_config=None, peft_config=None, sharding: str | None = None) -> str | None:
     """Why DDMA cannot feed TRL's colocated engine for this set-up, or None. model:
     the trainer's `model` argument (a folder or hub id, or the model itself);
     peft_config: its peft_config argument (a PEFT model's own configs are read
-    off the model)."""
-    if num_processes != 1:
-        return (f"{num_processes} processes (each rank's colocated engine needs every rank's shards; llamarl's "
-                "colocated sync runs on one process for now)")
+    off the model); sharding: what shards the parameters over the processes
+    (sharding_of), None for nothing (DDP, or one process)."""
+    if num_processes != 1 and sharding is not None:
+        return (f"{num_processes} processes with {sharding} (each rank's colocated engine needs every rank's "
+                "shards; llamarl's colocated sync feeds each engine from its own rank's whole model: DDP)")
     if tensor_parallel_size != 1:
         return f"vllm_tensor_parallel_size={tensor_parallel_size} (llamarl's colocated sync feeds one engine worker)"
     if enable_sleep_mode:
@@ -197,8 +214,10 @@ class DdmaVLLMGeneration(VLLMGeneration):
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
+        sharded = next((n for n, p in self.model.named_parameters() if hasattr(p, "full_tensor")), None)
         reason = colocate_refusal(self.model, self.accelerator.num_processes, self.tensor_parallel_size,
-                                  self.enable_sleep_mode)
+                                  self.enable_sleep_mode,
+                                  sharding=None if sharded is None else f"sharded parameters ({sharded!r} a DTensor)")
         if reason is not None:  # GRPOTrainer checks it first, from its arguments
             raise ValueError(f"llamarl's colocated vLLM sync cannot serve this run: {reason}")
         # vLLM's external launcher reads the process's place in the job from the environment, as in TRL.
@@ -214,7 +233,8 @@ class DdmaVLLMGeneration(VLLMGeneration):
             trust_remote_code=self.trust_remote_code,
             weight_transfer_config=WeightTransferConfig(backend="llamarl_ddma"))
         self._llm_weights_sleeping = False
-        # The sync's own Store, served by this process, and its secret, handed to the engine in-process.
+        # The sync's own Store, served by this process, and its secret, handed to the engine in-process: each
+        # rank's sync is its own (its whole model into its own engine).
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=TIMEOUT_S))
         secret = new_secret()
@@ -224,6 +244,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
             layout = Layout(1, [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in self._peft_weights.items()])
 
             def make_sender():
+                self._peft_weights = peft_base_weights(self.model)  # the storage as training holds it
                 return WeightSender(self._store, layout, 0, self._peft_weights, name=SYNC_NAME, timeout=TIMEOUT_S,
                                     secret=secret)
         else:
@@ -233,8 +254,11 @@ class DdmaVLLMGeneration(VLLMGeneration):
                 return module_sender(self._store, self.model, 0, 1, name=SYNC_NAME, timeout=TIMEOUT_S, secret=secret)
         info = ddma_init_info("127.0.0.1", self._store.port, layout, name=SYNC_NAME, timeout_s=TIMEOUT_S,
                               secret=secret)
-        self.sender = register_while(make_sender, lambda: self.llm.init_weight_transfer_engine({"init_info": info}),
-                                     TIMEOUT_S)
+        # Registered at the first sync, on the parameters as training holds them: the trainer's set-up
+        # after this (DDP's wrapping under several processes) may still rebind them.
+        self._register = lambda: register_while(
+            make_sender, lambda: self.llm.init_weight_transfer_engine({"init_info": info}), TIMEOUT_S)
+        self.sender = None
         self.version = 0
         self.accelerator.wait_for_everyone()
 
@@ -253,6 +277,8 @@ class DdmaVLLMGeneration(VLLMGeneration):
                 for _ in self._iter_named_params():  # the gathers' collectives, rank 0's walk beside them
                     pass
             return
+        if self.sender is None:
+            self.sender = self._register()
         self.version += 1
 
         def update() -> None:

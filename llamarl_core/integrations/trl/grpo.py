@@ -14,7 +14,7 @@ import warnings
 import trl
 from accelerate import PartialState
 
-from .generation import DdmaVLLMGeneration, colocate_refusal
+from .generation import DdmaVLLMGeneration, colocate_refusal, sharding_of
 from .head import add_fused_lm_head
 
 _SIGNATURE = inspect.signature(trl.GRPOTrainer.__init__)
@@ -30,10 +30,10 @@ class GRPOTrainer(trl.GRPOTrainer):
       differentiated;
     - with `use_vllm=True, vllm_mode="colocate"`, the colocated engine built
       with the llamarl_ddma backend and synced by DDMA (generation.py); a set-up
-      DDMA does not serve (several processes, engine tensor parallelism, sleep
-      mode, a quantized model, a PEFT method other than plain LoRA) keeps TRL's
-      own engine and sync, with a
-      warning naming why;
+      DDMA does not serve (several processes with sharded parameters: FSDP,
+      ZeRO-3; engine tensor parallelism, sleep mode, a quantized model, a PEFT
+      method other than plain LoRA) keeps TRL's own engine and sync, with a
+      warning naming why; several DDP processes each sync their own engine;
     - with `use_vllm=True, vllm_mode="server"`, a server running the
       llamarl_ddma backend synced by DDMA (server.py), another server by TRL.
     """
@@ -45,7 +45,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         if ours and config.vllm_mode == "colocate":
             reason = colocate_refusal(bound.arguments["model"], PartialState().num_processes,
                                       config.vllm_tensor_parallel_size, config.vllm_enable_sleep_mode,
-                                      bound.arguments.get("quantization_config"), bound.arguments.get("peft_config"))
+                                      bound.arguments.get("quantization_config"), bound.arguments.get("peft_config"),
+                                      sharding=sharding_of(config))
             if reason is not None:
                 warnings.warn(f"llamarl: the colocated vLLM engine is TRL's own, synced by TRL: DDMA does not serve "
                               f"{reason}", stacklevel=2)
