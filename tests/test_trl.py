@@ -378,6 +378,21 @@ def test_a_colocated_engine_computes_with_the_trainers_weights_after_ddma_syncs(
     assert loader_differences() == [] and engine_matches(generation.llm, model)
 
 
+def test_a_parameter_rebound_since_the_last_sync_is_registered_again(colocated):
+    """Training rebinding a parameter between syncs (its .data replaced, as an
+    offload or a wrapper's set-up does; here also scaled): the next sync registers
+    the sender again on the new storage, the engine's transfer engine shut down
+    first, and the engine then computes with the model as it is."""
+    generation, model = colocated.vllm_generation, colocated.model.eval()
+    registrations = generation._registrations
+    weight = model.get_output_embeddings().weight
+    with torch.no_grad():
+        weight.data = weight.data * 1.5
+    assert not engine_matches(generation.llm, model)
+    generation.sync_weights()
+    assert generation._registrations == registrations + 1 and engine_matches(generation.llm, model)
+
+
 def engine_matches(llm, model) -> bool:
     """Whether the engine's log-probs of fixed sequences equal the model's within the
     engine's bf16."""
@@ -416,10 +431,17 @@ def test_ddp_ranks_each_sync_their_own_colocated_engine(tmp_path):
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
 
 
-def test_what_the_colocated_sync_does_not_serve_is_named():
+def test_what_the_colocated_sync_does_not_serve_is_named(monkeypatch):
     """The set-ups GRPOTrainer leaves to TRL's own colocated engine (with a warning
     naming the reason), decided from the constructor's arguments."""
-    from llamarl_core.integrations.trl.generation import colocate_refusal
+    from types import SimpleNamespace
+
+    from llamarl_core.integrations.trl.generation import colocate_refusal, sharding_of
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert sharding_of(config("dapo")) is None and sharding_of(SimpleNamespace(fsdp=True)) == "FSDP"
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # accelerate launch's FSDP plugin
+    assert sharding_of(config("dapo")) == "FSDP"
 
     model = tiny_llama(0)
     assert colocate_refusal(model, 1, 1, False) is None

@@ -49,7 +49,7 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import broadcast, is_peft_model
+from accelerate.utils import broadcast, is_peft_model, reduce
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer.utils import ensure_master_addr_port
@@ -214,12 +214,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
-        sharded = next((n for n, p in self.model.named_parameters() if hasattr(p, "full_tensor")), None)
-        reason = colocate_refusal(self.model, self.accelerator.num_processes, self.tensor_parallel_size,
-                                  self.enable_sleep_mode,
-                                  sharding=None if sharded is None else f"sharded parameters ({sharded!r} a DTensor)")
-        if reason is not None:  # GRPOTrainer checks it first, from its arguments
-            raise ValueError(f"llamarl's colocated vLLM sync cannot serve this run: {reason}")
+        self._check_colocated()
         # vLLM's external launcher reads the process's place in the job from the environment, as in TRL.
         os.environ["RANK"] = str(self.accelerator.process_index)
         os.environ["LOCAL_RANK"] = str(self.accelerator.local_process_index)
@@ -237,30 +232,77 @@ class DdmaVLLMGeneration(VLLMGeneration):
         # rank's sync is its own (its whole model into its own engine).
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        secret = new_secret()
+        self._secret = new_secret()
         if is_peft_model(self.model):
-            self._peft_weights = peft_base_weights(self.model)
             self._peft_adapted = [name for name, adapted, _ in _peft_parameters(self.model) if adapted]
-            layout = Layout(1, [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in self._peft_weights.items()])
-
-            def make_sender():
-                self._peft_weights = peft_base_weights(self.model)  # the storage as training holds it
-                return WeightSender(self._store, layout, 0, self._peft_weights, name=SYNC_NAME, timeout=TIMEOUT_S,
-                                    secret=secret)
+            self._peft_weights = peft_base_weights(self.model)
+            self._layout = Layout(1, [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in self._peft_weights.items()])
         else:
-            layout = module_layout(self.model, 1)
-
-            def make_sender():
-                return module_sender(self._store, self.model, 0, 1, name=SYNC_NAME, timeout=TIMEOUT_S, secret=secret)
-        info = ddma_init_info("127.0.0.1", self._store.port, layout, name=SYNC_NAME, timeout_s=TIMEOUT_S,
-                              secret=secret)
-        # Registered at the first sync, on the parameters as training holds them: the trainer's set-up
-        # after this (DDP's wrapping under several processes) may still rebind them.
-        self._register = lambda: register_while(
-            make_sender, lambda: self.llm.init_weight_transfer_engine({"init_info": info}), TIMEOUT_S)
-        self.sender = None
+            self._layout = module_layout(self.model, 1)
+        # Registered at the first sync, on the parameters as training holds them (the trainer's set-up after this
+        # may rebind them), and again whenever training rebound them since (_sender).
+        self.sender, self._registrations = None, 0
         self.version = 0
         self.accelerator.wait_for_everyone()
+
+    def _check_colocated(self) -> None:
+        sharded = next((n for n, p in self.model.named_parameters() if hasattr(p, "full_tensor")), None)
+        reason = colocate_refusal(self.model, self.accelerator.num_processes, self.tensor_parallel_size,
+                                  self.enable_sleep_mode,
+                                  sharding=None if sharded is None else f"sharded parameters ({sharded!r} a DTensor)")
+        if reason is not None:  # GRPOTrainer checks it first, from its arguments
+            raise ValueError(f"llamarl's colocated vLLM sync cannot serve this run: {reason}")
+
+    def _rebound(self) -> bool:
+        """Whether training rebound a parameter since the sender registered it."""
+        if self._peft_weights is not None:
+            live = peft_base_weights(self.model)
+            return any(live[n].data_ptr() != t.data_ptr() for n, t in self._peft_weights.items())
+        try:
+            self.sender.check_storage()
+        except SyncError:
+            return True
+        return False
+
+    def _sender(self) -> WeightSender:
+        """The sender on the parameters as training holds them now: registered at the
+        first sync, and again (the engine's transfer engine shut down first, under a
+        new sync name) when training rebound a parameter since (an evaluate() before
+        train(), a set-up after the engine was built). A registration failing on any
+        rank raises on every rank (none left waiting in the next collective)."""
+        if self.sender is not None and not self._rebound():
+            return self.sender
+        self._check_colocated()  # parameters sharded since the engine was built (an FSDP set-up)
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        self.llm.shutdown_weight_transfer_engine()  # idempotent: an earlier registration's receivers, if any
+        self._registrations += 1
+        name = f"{SYNC_NAME}-{self._registrations}"
+        info = ddma_init_info("127.0.0.1", self._store.port, self._layout, name=name, timeout_s=TIMEOUT_S,
+                              secret=self._secret)
+
+        def make_sender():
+            if self._peft_weights is None:
+                return module_sender(self._store, self.model, 0, 1, name=name, timeout=TIMEOUT_S, secret=self._secret)
+            self._peft_weights = peft_base_weights(self.model)
+            return WeightSender(self._store, self._layout, 0, self._peft_weights, name=name, timeout=TIMEOUT_S,
+                                secret=self._secret)
+
+        error = None
+        try:
+            sender = register_while(make_sender, lambda: self.llm.init_weight_transfer_engine({"init_info": info}),
+                                    TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
+            error, sender = exc, None
+        failed = reduce(torch.tensor([float(error is not None)], device=self.accelerator.device), reduction="sum")
+        if error is not None:
+            raise error
+        if float(failed[0]) > 0:
+            sender.close()
+            raise SyncError("another rank's colocated vLLM sync failed to register (its error says why)")
+        self.sender = sender
+        return sender
 
     def sync_weights(self) -> None:
         """The trainer's current weights into the engine: one version, sent in
@@ -277,8 +319,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
                 for _ in self._iter_named_params():  # the gathers' collectives, rank 0's walk beside them
                     pass
             return
-        if self.sender is None:
-            self.sender = self._register()
+        sender = self._sender()
         self.version += 1
 
         def update() -> None:
@@ -287,12 +328,12 @@ class DdmaVLLMGeneration(VLLMGeneration):
             self.llm.finish_weight_update(weight_version=str(self.version))
 
         if self._peft_weights is None:
-            send_while(self.sender, self.version, update, TIMEOUT_S)  # the optimizer may step once it returns
+            send_while(sender, self.version, update, TIMEOUT_S)  # the optimizer may step once it returns
         else:
-            self._send_merged(update)
+            self._send_merged(sender, update)
         self.llm.reset_prefix_cache()
 
-    def _send_merged(self, update) -> None:
+    def _send_merged(self, sender: WeightSender, update) -> None:
         """The PEFT model's adapters merged into its base weights in place, sent,
         unmerged; the adapted base weights then restored bit for bit from a copy
         taken before (W + d - d rounds: a bf16 base would drift a little each
@@ -305,7 +346,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
             if moved:
                 raise SyncError(f"merging the PEFT adapters rebound {moved[0]!r}: the sync would send the unmerged "
                                 "weights")
-            send_while(self.sender, self.version, update, TIMEOUT_S)
+            send_while(sender, self.version, update, TIMEOUT_S)
         finally:
             self.model.unmerge_adapter()
             for name, value in kept.items():
