@@ -347,7 +347,8 @@ class TrainConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown config fields {unknown}")
-        if "rho" in data and not any(name in data for name in (*LOSS_PARAMETERS[1:], "entropy_coef")):
+        if "rho" in data and not any(name in data for name in ("eps_low", "eps_high", "mask_low", "mask_high",
+                                                                "entropy_coef")):
             # A config.json from before the other loss parameters: it always held rho (4.0 by default), which set
             # only a statistic's threshold for the losses that do not read it. Kept where the loss reads it and it
             # differs from the loss's default.
