@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 
-from llamarl_core.bench.harness import add_output_args, emit, record, summarize, table
+from llamarl_core.bench.harness import add_output_args, emit, record, summarize, table, timed
 from llamarl_core.cli import HelpFormatter
 from llamarl_core.ops.fp8 import GRANULARITIES, quantize_fp8, quantize_fp8_ref, scale_shape
 from llamarl_core.ops.fp8_launch import SWEEP_TILINGS, launch_quantize_fp8
@@ -45,21 +44,6 @@ def quantize_bytes(shape: tuple[int, int], dtype: torch.dtype, granularity: str)
     return n * k * (torch.empty((), dtype=dtype).element_size() + 1) + 4 * num_scales
 
 
-def _time(fn, repeats: int, warmup: int = 1) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - start)
-    return samples
-
-
 def run(spec) -> dict:
     rows = []
     for text in spec.shapes:
@@ -77,7 +61,7 @@ def run(spec) -> dict:
                 methods["GPU d2d copy"] = (lambda: wg.clone(), n * k * 4)
                 methods["GPU Triton"] = (lambda: quantize_fp8(wg, granularity), quant_bytes)
             for method, (fn, nbytes) in methods.items():
-                stats = summarize(_time(fn, spec.repeats))
+                stats = summarize(timed(fn, spec.repeats))
                 rows.append({"shape": text, "granularity": granularity, "method": method, "bytes": nbytes,
                              "seconds": stats, "gbps": nbytes / stats["median"] / 1e9})
     ratios = {}

@@ -34,12 +34,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 
 from llamarl_core.bench import bench_sync
-from llamarl_core.bench.harness import add_output_args, emit, record, share_secret, summarize
+from llamarl_core.bench.harness import add_output_args, emit, record, share_secret, summarize, timed
 from llamarl_core.check.figures import figure, rows_table
 from llamarl_core.cli import HelpFormatter
 
@@ -60,24 +59,9 @@ SYNC_MODELS = {
 }
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def host_timed(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median seconds of `fn()` with the device synchronized around each call: what a
-    caller waiting for the result pays, the host's launch work included."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return summarize(samples)["median"]
+    """Median seconds of `fn()` with the device synchronized around each call (harness.timed)."""
+    return summarize(timed(fn, repeats, warmup, cuda=device.type == "cuda"))["median"]
 
 
 def device_timed(fn, device: torch.device, repeats: int) -> float:
@@ -288,8 +272,8 @@ def main(argv=None) -> int:
         raise SystemExit("llamarl bench gpu --device cuda needs a CUDA device")
     result = run(spec)
     judged = {r["name"]: r["ratio"] for r in result["rows"] if r["ratio"] is not None}
-    record(spec.record, "gpu", judged, {"device": result["device"]}, "GPU kernels and copy engine (`llamarl bench gpu`)",
-           report(result))
+    record(spec.record, "gpu", judged, {"device": result["device"]},
+           "GPU kernels and copy engine (`llamarl bench gpu`)", report(result))
     emit(spec, result, report(result))
     return 0
 

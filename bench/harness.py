@@ -20,6 +20,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import llamarl_core
@@ -32,6 +33,27 @@ def share_secret() -> None:
     one), which the bench's processes inherit (spawned, or started in a network
     namespace host)."""
     os.environ.setdefault(SECRET_ENV, new_secret().hex())
+
+
+def timed(fn, repeats: int, warmup: int = 1, cuda: bool | None = None) -> list[float]:
+    """Seconds of each of `repeats` calls of fn() after `warmup` untimed ones, the
+    CUDA device synchronized around each call (cuda None: where one is available):
+    what a caller waiting for the result pays, the host's launch work included."""
+    import torch
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    return samples
 
 
 def summarize(samples: list[float]) -> dict:

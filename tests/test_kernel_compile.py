@@ -94,11 +94,9 @@ def test_the_check_catches_what_the_interpreter_lets_through(tmp_path):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="with a GPU, llamarl check gpu runs the GPU tests")
-def test_check_gpu_without_a_gpu_says_so_and_runs_the_compile_check():
-    import tempfile
-
-    out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "check", "gpu"], capture_output=True, text=True,
-                         timeout=900, cwd=tempfile.gettempdir())
+def test_check_gpu_without_a_gpu_says_so_and_runs_the_compile_check(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "check", "gpu", "--log", str(tmp_path / "check.log")],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "No CUDA device is visible" in out.stdout
     compiled = re.search(r"Compile check: (\d+) of (\d+) compiled \(passed\)", out.stdout)

@@ -399,14 +399,14 @@ def test_a_parameter_the_loss_does_not_read_is_refused_naming_both():
     config (so the CLI, before any executor starts) and train_step refuse it,
     naming it and the loss; a loss of yours reads none of them."""
     from llamarl_core.pipeline import TrainConfig
-    from llamarl_core.pipeline.config import LOSS_PARAMETERS
+    from llamarl_core.ops.objectives import PARAMETERS
 
     model = _tiny_llama()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for loss in LOSS_TYPES:
         reads = DEFAULTS[loss]
-        assert TrainConfig(loss=loss, **reads).loss_parameters == {**dict.fromkeys(LOSS_PARAMETERS), **reads}
-        for name in set(LOSS_PARAMETERS) - set(reads):
+        assert TrainConfig(loss=loss, **reads).loss_parameters == {**dict.fromkeys(PARAMETERS), **reads}
+        for name in set(PARAMETERS) - set(reads):
             match = f'loss_type="{loss}" does not read {name} \\(it reads {", ".join(reads)}\\)'
             with pytest.raises(ValueError, match=match):
                 TrainConfig(loss=loss, **{name: 0.5})

@@ -136,10 +136,10 @@ def test_config_json_from_before_the_loss_parameters_still_loads(tmp_path):
     (a run resumes) with rho unset where the loss does not read it or it is the
     loss's default, and kept where it changes what the loss does. A file of today holds every loss parameter: one set for a loss
     that does not read it is refused."""
-    from llamarl_core.pipeline.config import LOSS_PARAMETERS
+    from llamarl_core.ops.objectives import PARAMETERS
 
     old = {k: v for k, v in TrainConfig().to_dict().items()
-           if k not in (*LOSS_PARAMETERS[1:], "entropy_coef")}  # rho alone: the loss parameters came later
+           if k not in (*PARAMETERS[1:], "entropy_coef")}  # rho alone: the loss parameters came later
     for loss, rho, kept in (("aipo", 4.0, None), ("aipo", 2.5, 2.5), ("ppo", 4.0, None), ("ppo_tis", 4.0, None),
                             ("ppo_tis", 2.0, 2.0),
                             ("pipeline_tasks:aipo_by_hand", 4.0, None)):

@@ -21,7 +21,8 @@ check/figures.py). --json PATH writes one object: commit, device, driver, torch,
 triton, seconds (the whole command from the process's start, build included),
 budget_s, complete (false while steps are still to run: it is rewritten after
 each), steps, rows. Every step's output goes to the log (--log; default: beside
-the JSON). Exit status 1 when a step failed (the build, the tests, a bench or
+the JSON, else a llamarl-check-*.log file in the temporary folder, its path
+printed). Exit status 1 when a step failed (the build, the tests, a bench or
 pipeline run, the learning, the sanitizer), else 0: a missed target is a figure,
 a skipped step a line.
 
@@ -106,8 +107,8 @@ def device_info(gpu: bool) -> dict:
 
 def report(result: dict) -> str:
     lines = [f"llamarl check gpu at {result['commit']} on {result['device']} (driver {result['driver']}, torch "
-             f"{result['torch']}, Triton {result['triton']}): {result['seconds']:.0f} s of a {result['budget_s']:.0f} s "
-             "budget", "", "| step | status | seconds (estimate) | result |", "|---|---|---|---|"]
+             f"{result['torch']}, Triton {result['triton']}): {result['seconds']:.0f} s of a "
+             f"{result['budget_s']:.0f} s budget", "", "| step | status | seconds (estimate) | result |", "|---|---|---|---|"]
     for s in result["steps"]:
         lines.append(f"| {s['name']} | {s['status']} | {s['seconds']:.1f} ({s['estimate_s']:.0f}) | {s['summary']} |")
     if result["rows"]:
@@ -136,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                              "left covers its estimate")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the result as one JSON object to PATH")
     parser.add_argument("--log", type=Path, metavar="PATH",
-                        help="every step's output (default: the --json path with .log, else a temporary file)")
+                        help="every step's output (default: the --json path with .log, else a new "
+                             "llamarl-check-*.log in the temporary folder)")
     parser.add_argument("--tests", help="the repository's tests/ folder (default: beside the package, or ./tests)")
     parser.add_argument("--commit", help="the commit measured, where the checkout has no .git (default: git's HEAD)")
     args = parser.parse_args(argv)
@@ -151,20 +153,29 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.is_available()
     info = device_info(gpu)
     root = source_root()
-    scratch = Path(tempfile.mkdtemp(prefix="llamarl-check-"))
-    log = args.log or (args.json.with_suffix(".log") if args.json else scratch / "check.log")
+    if args.log is None and args.json is None:
+        handle, name = tempfile.mkstemp(prefix="llamarl-check-", suffix=".log")
+        os.close(handle)
+        args.log = Path(name)
+    log = args.log or args.json.with_suffix(".log")
     log.write_text("")
-    ctx = Context(python=sys.executable, root=root, tests=find_tests(args.tests, root), log=log.resolve(),
-                  scratch=scratch, arch=info["arch"])
+    with tempfile.TemporaryDirectory(prefix="llamarl-check-") as scratch:  # the benches' JSON, the runs' folders
+        ctx = Context(python=sys.executable, root=root, tests=find_tests(args.tests, root), log=log.resolve(),
+                      scratch=Path(scratch), arch=info["arch"])
+        return _check(args, ctx, info, gpu, started)
+
+
+def _check(args, ctx: Context, info: dict, gpu: bool, started: float) -> int:
     if gpu:
         print(f"CUDA device: {info['device']} (sm_{info['arch']}), driver {info['driver']}, torch {info['torch']}, "
-              f"Triton {info['triton']}; budget {args.budget:.0f} s; log: {log}", flush=True)
+              f"Triton {info['triton']}", flush=True)
         steps = gpu_plan(ctx)
     else:
         print("No CUDA device is visible (torch.cuda.is_available() is False): the GPU tests and benches need one.\n"
               "Running what needs no GPU: every Triton kernel variant compiled for sm_80, sm_90 and sm_100.", flush=True)
         steps = [compile_check()]
-    commit = args.commit or commit_of(root)
+    print(f"Budget {args.budget:.0f} s; every step's output: {ctx.log}", flush=True)
+    commit = args.commit or commit_of(ctx.root)
 
     def result_of(records: list[Record], complete: bool) -> dict:
         return {"commit": commit, **{k: info[k] for k in ("device", "driver", "torch", "triton")},

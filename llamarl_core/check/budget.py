@@ -45,8 +45,8 @@ class Step:
 
     def __post_init__(self):
         if not self.estimate_s > 0 or not self.timeout_s >= self.estimate_s:
-            raise ValueError(f"step {self.name!r}: needs 0 < estimate_s <= timeout_s, got estimate_s={self.estimate_s}, "
-                             f"timeout_s={self.timeout_s}")
+            raise ValueError(f"step {self.name!r}: needs 0 < estimate_s <= timeout_s, got "
+                             f"estimate_s={self.estimate_s}, timeout_s={self.timeout_s}")
 
 
 @dataclass
@@ -79,7 +79,7 @@ class BudgetRun:
         self.records: list[Record] = []
 
     def left(self) -> float:
-        return self.budget_s - (self.clock() - self.start)
+        return self.budget_s - self.elapsed()
 
     def elapsed(self) -> float:
         return self.clock() - self.start

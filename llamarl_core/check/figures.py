@@ -59,5 +59,6 @@ def rows_table(rows: list[dict]) -> str:
     for r in rows:
         verdict = "" if r["target"] is None else f"{r['target']:.2f} ({'met' if met(r) else 'MISSED'})"
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        lines.append(f"| {r['name']} | {_number(r['value'])} {r['unit']} | {_number(r['limit'])} | {ratio} | {verdict} |")
+        value = f"{_number(r['value'])} {r['unit']}"
+        lines.append(f"| {r['name']} | {value} | {_number(r['limit'])} | {ratio} | {verdict} |")
     return "\n".join(lines)

@@ -1,10 +1,10 @@
 """The steps of `llamarl check gpu`, each a command in a process of its own.
 
-Each step runs one command in a new session, its output appended to the check's
-log; at its own timeout the whole process group is killed and the step fails
-(check/budget.py decides which steps start). Figures come back as JSON files the
-benches write (--json-out) and become rows `name, value, unit, limit, ratio,
-target` (bench_gpu.figure).
+Each step runs its commands in process groups of their own, their output appended
+to the check's log; at a step's timeout the whole group is killed and the step
+fails (check/budget.py decides which steps start). Figures come back as JSON files
+the benches write (--json-out) and become rows `name, value, unit, limit, ratio,
+target` (check/figures.py).
 """
 
 from __future__ import annotations
@@ -78,9 +78,14 @@ def run_command(ctx: Context, title: str, cmd: list[str], timeout_s: float, *, c
     return status, out
 
 
-def _failed(title: str, status: int | None, out: str, timeout_s: float) -> Outcome:
+def _show_tail(title: str, out: str) -> None:
+    """The last lines of a failed command's output on the terminal (the whole of it is in the log)."""
     tail = "\n".join(out.splitlines()[-25:])
     print(f"--- last lines of {title} ---\n{tail}", flush=True)
+
+
+def _failed(title: str, status: int | None, out: str, timeout_s: float) -> Outcome:
+    _show_tail(title, out)
     how = f"ran past its {timeout_s:.0f} s timeout" if status is None else f"exited {status}"
     return Outcome(False, f"{title} {how} (log: its output)")
 
@@ -109,7 +114,7 @@ def build(ctx: Context) -> Step:
         status, out = run_command(ctx, "build", cmd, timeout_s, env={**env, "CUDAARCHS": f"{ctx.arch}-real"})
         if status == 0:
             return Outcome(True, f"installed, llamarl_core._C built for sm_{ctx.arch} alone")
-        _failed("pip install -e", status, out, timeout_s)
+        _show_tail("pip install -e", out)
         status, out = run_command(ctx, "build without CUDA", cmd, timeout_s, env={**env, "LLAMARL_SKIP_CUDA": "1"})
         if status != 0:
             return _failed("pip install -e (LLAMARL_SKIP_CUDA=1 too)", status, out, timeout_s)
@@ -142,7 +147,7 @@ def gpu_tests(ctx: Context, needs: tuple[str, ...]) -> Step:
         summary = _PYTEST_SUMMARY.findall(out)
         line = summary[-1][0] if summary else "no pytest summary"
         if status != 0:
-            _failed("pytest -m gpu", status, out, timeout_s)
+            _show_tail("pytest -m gpu", out)
         return Outcome(status == 0, f"pytest -m gpu{' -n ' + str(TEST_WORKERS) if workers else ''}: {line}")
 
     return Step("gpu tests", estimate_s=75, timeout_s=200, run=run, needs=needs)
@@ -257,7 +262,7 @@ def memcheck(ctx: Context, needs: tuple[str, ...]) -> Step:
         errors = [int(n) for n in _SANITIZER_SUMMARY.findall(out)]
         ok = status == 0 and not any(errors)
         if not ok:
-            _failed("compute-sanitizer", status, out, timeout_s)
+            _show_tail("compute-sanitizer", out)
         return Outcome(ok, f"memcheck on {test_name}: {sum(errors)} errors in {len(errors)} processes, "
                            f"{'timed out' if status is None else f'exit {status}'}")
 

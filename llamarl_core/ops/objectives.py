@@ -253,8 +253,8 @@ def objective_terms(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: 
         tau = torch.where(a > 0, cfg.tau_pos, cfg.tau_neg)
         terms = -(4 / tau) * torch.sigmoid(tau * (_exp_clamped(logp - old) - 1)) * a
     elif kind == "vespo":
-        phi = vespo_weight(sequences.sum(log_r.clamp(-VESPO_TOKEN_LOG_RATIO, VESPO_TOKEN_LOG_RATIO) * on)[sequences.index],
-                           a, cfg)
+        v = sequences.sum(log_r.clamp(-VESPO_TOKEN_LOG_RATIO, VESPO_TOKEN_LOG_RATIO) * on)
+        phi = vespo_weight(v[sequences.index], a, cfg)
         terms = _weighted_pg(phi, a, logp)
     elif kind == "gspo":
         n = sequences.sum(on).clamp(min=1.0)

@@ -26,8 +26,6 @@ GENERATORS = ("llama", "vllm")  # built in; or module:Class of a Generator of yo
 LOSS_NORMALIZERS = ("tokens", "dr_grpo")
 # How a step's loss is reduced (TrainConfig.loss_reduction; None: the loss's own, natural_reduction).
 LOSS_REDUCTIONS = ("token_mean", "sequence_mean")
-# The built-in losses' parameters (ops/objectives.py: which loss reads which, their defaults and sources).
-LOSS_PARAMETERS = PARAMETERS
 # Fields that take a plug-in: given as an object in Python, kept as its module:attribute name.
 NONFINITE_LOGPROBS = ("raise", "mask")
 PLUGIN_FIELDS = ("generator", "advantage", "loss", "step_hook", "reward")
@@ -42,7 +40,7 @@ VLLM_DEFAULTS = {"hidden_size": 128, "intermediate_size": 256, "timeout_s": 180.
 
 def check_loss(loss, parameters: dict, *, temperature: float, kl_coef: float, entropy_coef: float) -> None:
     """ValueError unless `loss` (a built-in name, module:function, or the
-    function) takes `parameters` (LOSS_PARAMETERS -> value or None: its
+    function) takes `parameters` (ops.objectives.PARAMETERS -> value or None: its
     default): one set that the loss does not read is refused naming both (a
     loss of yours reads none), and the values, temperature, kl_coef and
     entropy_coef must be in range (ops.objectives.objective_config's checks)."""
@@ -139,8 +137,8 @@ class TrainConfig:
     # detached (ratio 1, no clipping); ppo, gspo, cispo and sapo ignore the generator's log-probs (no correction of
     # stale samples), the others correct with them.
     loss: str = "aipo"
-    # The built-in losses' parameters (LOSS_PARAMETERS), None: the loss's default (ops.objectives.DEFAULTS: aipo's rho
-    # 4.0). A parameter the loss does not read, set, is refused (a loss of yours reads none of them).
+    # The built-in losses' parameters (ops.objectives.PARAMETERS), None: the loss's default (ops.objectives.DEFAULTS:
+    # aipo's rho 4.0). A parameter the loss does not read, set, is refused (a loss of yours reads none of them).
     rho: float | None = None  # truncation of the importance weight: aipo, ppo_tis, seq_tis, geo_mask
     eps_low: float | None = None  # the clip's lower end 1 - eps_low: ppo, ppo_tis, gspo, cispo
     eps_high: float | None = None  # the clip's upper end 1 + eps_high: ppo, ppo_tis, gspo, cispo
@@ -317,7 +315,7 @@ class TrainConfig:
     @property
     def loss_parameters(self) -> dict:
         """The built-in losses' parameters as given (None: the loss's default)."""
-        return {name: getattr(self, name) for name in LOSS_PARAMETERS}
+        return {name: getattr(self, name) for name in PARAMETERS}
 
     @property
     def generator_processes(self) -> int:

@@ -253,11 +253,15 @@ class DdmaVLLMGeneration(VLLMGeneration):
         if reason is not None:  # GRPOTrainer checks it first, from its arguments
             raise ValueError(f"llamarl's colocated vLLM sync cannot serve this run: {reason}")
 
+    def _moved_peft_weights(self) -> list[str]:
+        """The PEFT model's base weights (vLLM's names) no longer in the storage registered."""
+        live = peft_base_weights(self.model)
+        return [n for n, t in self._peft_weights.items() if live[n].data_ptr() != t.data_ptr()]
+
     def _rebound(self) -> bool:
         """Whether training rebound a parameter since the sender registered it."""
         if self._peft_weights is not None:
-            live = peft_base_weights(self.model)
-            return any(live[n].data_ptr() != t.data_ptr() for n, t in self._peft_weights.items())
+            return bool(self._moved_peft_weights())
         try:
             self.sender.check_storage()
         except SyncError:
@@ -341,8 +345,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
         kept = {name: self._peft_weights[name].clone() for name in self._peft_adapted}
         try:
             self.model.merge_adapter()
-            moved = [n for n, t in peft_base_weights(self.model).items()
-                     if t.data_ptr() != self._peft_weights[n].data_ptr()]
+            moved = self._moved_peft_weights()
             if moved:
                 raise SyncError(f"merging the PEFT adapters rebound {moved[0]!r}: the sync would send the unmerged "
                                 "weights")
