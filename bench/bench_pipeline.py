@@ -41,6 +41,7 @@ from llamarl_core.cli import HelpFormatter
 
 from llamarl_core.pipeline import Controller, TrainConfig, load_task
 from llamarl_core.pipeline.arithmetic import arithmetic_problems
+from llamarl_core.pipeline.gpu_share import generator_percent
 from llamarl_core.pipeline.learner import supervised_warmup
 from llamarl_core.pipeline.report import cpu_times, steal_fraction, tenth_means
 
@@ -128,10 +129,20 @@ def main(argv=None) -> int:
                    help="cuda: our two modes on one GPU (trainer and generator processes sharing it) with a Llama of "
                         "about 1B parameters and random weights (unless --model), no warm-up; the table adds "
                         "generation and training throughput, sync time and the generator's stall per step")
+    p.add_argument("--gpu-share", default="none",
+                   help="with --device cuda, the async run's sharing of the one GPU (TrainConfig gpu_share): none, or "
+                        "mps:P (MPS, the generator's kernels capped at P%% of the SMs, the trainer's at the rest); the "
+                        "sync run alternates its phases, each with the whole GPU")
     add_output_args(p)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA device")
+    if args.gpu_share != "none" and args.device != "cuda":
+        p.error(f"--gpu-share {args.gpu_share} shares a GPU: it needs --device cuda")
+    try:
+        generator_percent(args.gpu_share)
+    except ValueError as exc:
+        p.error(f"--gpu-share: {exc}")
     args.repeats = args.repeats or (1 if args.device == "cuda" else 3)
     on_gpu = {"device": "cuda"} if args.device == "cuda" else {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -169,7 +180,8 @@ def _run(args, base: TrainConfig, tmp: str) -> int:
                 r = run_trl(TrainConfig.from_dict(seeded))
             else:
                 mode = name.split("_")[1]
-                r = run_ours(TrainConfig.from_dict({**seeded, "mode": mode}), Path(tmp) / f"{mode}{repeat}")
+                share = {"gpu_share": args.gpu_share} if mode == "async" else {}
+                r = run_ours(TrainConfig.from_dict({**seeded, "mode": mode, **share}), Path(tmp) / f"{mode}{repeat}")
             r["tokens_per_s"] = r["completion_tokens"] / r["rl_time_s"]
             r["tokens_per_s_with_startup"] = r["completion_tokens"] / r["wall_time_s"]
             r["samples_per_s"] = args.steps * batch / r["rl_time_s"]
@@ -200,7 +212,8 @@ def _run(args, base: TrainConfig, tmp: str) -> int:
             if base.model else f"task {args.task}, model hidden {base.hidden_size} x {base.num_layers} layers, "
                                + ("same warm-up for all" if base.warmup_steps else "random weights, no warm-up"))
     if base.device == "cuda":
-        what += f", on {torch.cuda.get_device_name()} (trainer and generator processes sharing it)"
+        what += f", on {torch.cuda.get_device_name()} (trainer and generator processes sharing it"
+        what += ")" if args.gpu_share == "none" else f"; async run with --gpu-share {args.gpu_share})"
     ratio = results["llamarl_async"]["step_time_s"] / results["llamarl_sync"]["step_time_s"]
     body = (f"Medians of {args.repeats} runs each (seeds 0-{args.repeats - 1}, rotating order). {args.steps} steps of "
             f"{base.prompts_per_step} prompts x {base.samples_per_prompt} samples, {what}. "

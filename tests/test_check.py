@@ -53,8 +53,9 @@ def test_a_step_starts_only_when_the_budget_left_covers_it_and_its_needs_passed(
         clock.now += spent_before
         budget = rng.uniform(1, 200)
         steps = _random_steps(rng, clock)
+        left_out = {s.name for s in steps if rng.random() < 0.15}  # --skip
         events = []
-        runner = BudgetRun(budget, clock=clock, start=start, on_event=events.append)
+        runner = BudgetRun(budget, clock=clock, start=start, on_event=events.append, skip=left_out)
         left_at = {}
         original = {s.name: s.run for s in steps}
 
@@ -69,7 +70,7 @@ def test_a_step_starts_only_when_the_budget_left_covers_it_and_its_needs_passed(
         status, spent = {}, spent_before
         for step, record in zip(steps, records):
             needs_ok = all(status[n] == PASSED for n in step.needs)
-            starts = needs_ok and step.estimate_s <= budget - spent
+            starts = step.name not in left_out and needs_ok and step.estimate_s <= budget - spent
             assert (record.status != SKIPPED) == starts, (step, record)
             if starts:
                 assert left_at[step.name] == pytest.approx(budget - spent)
@@ -81,7 +82,10 @@ def test_a_step_starts_only_when_the_budget_left_covers_it_and_its_needs_passed(
                     assert record.rows == [{"name": f"row of {step.name}"}]
             else:
                 assert step.name not in left_at and record.seconds == 0 and record.rows == []
-                assert ("budget left" in record.summary) == needs_ok
+                if step.name in left_out:
+                    assert record.summary == "skipped: left out (--skip)"
+                else:
+                    assert ("budget left" in record.summary) == needs_ok
             status[step.name] = record.status
             spent += record.seconds
         assert sum(r.seconds for r in records) == pytest.approx(clock.now - start - spent_before)
@@ -124,6 +128,21 @@ def test_bad_steps_and_budgets_are_refused_by_name():
         BudgetRun(10).run([Step("x", 1, 1, run), Step("x", 1, 1, run)])
     with pytest.raises(ValueError, match="step 'y' needs 'z', which is not an earlier step"):
         BudgetRun(10).run([Step("y", 1, 1, run, needs=("z",))])
+    with pytest.raises(ValueError, match=r"skip names no step: \['z'\] \(the steps: \['x'\]\)"):
+        BudgetRun(10, skip=["z"]).run([Step("x", 1, 1, run)])
+
+
+def test_step_names_are_those_the_plans_run(tmp_path):
+    """--skip is checked against STEP_NAMES before anything runs: they are the GPU
+    plan's steps (from a source checkout with its tests) and the compile check."""
+    from pathlib import Path
+
+    from llamarl_core.check.steps import STEP_NAMES, Context, compile_check, gpu_plan
+
+    root = Path(__file__).resolve().parents[1]
+    ctx = Context(python=sys.executable, root=root, tests=root / "tests", log=tmp_path / "log", scratch=tmp_path,
+                  arch="90")
+    assert [s.name for s in gpu_plan(ctx)] + [compile_check().name] == list(STEP_NAMES)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="with a GPU, llamarl check gpu runs the GPU steps")
@@ -143,10 +162,18 @@ def test_check_gpu_without_a_gpu_writes_its_json_and_skips_what_the_budget_does_
     assert "| compile check | skipped |" in out.stdout and "llamarl check gpu: passed; skipped: compile check" in out.stdout
     assert (tmp_path / "gpu.log").exists()
     for flag, value, message in (("--budget", "-1", "--budget must be > 0 seconds"),
+                                 ("--skip", "bench sync,benches", "--skip: 'benches' is not a step; the steps: build,"),
                                  ("--json", "/nonexistent/x.json", "--json: the folder /nonexistent does not exist")):
         bad = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "check", "gpu", flag, value],
                              capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir())
         assert bad.returncode == 2 and message in bad.stderr
+    left_out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "check", "gpu", "--skip", "compile check",
+                               "--json", str(tmp_path / "left.json")], capture_output=True, text=True, timeout=120,
+                              cwd=tempfile.gettempdir())
+    assert left_out.returncode == 0, left_out.stdout + left_out.stderr
+    steps = json.loads((tmp_path / "left.json").read_text())["steps"]
+    assert [(s["name"], s["status"], s["summary"]) for s in steps] == [
+        ("compile check", "skipped", "skipped: left out (--skip)")]
 
 
 def test_gpu_bench_rows_on_the_cpu_carry_their_limits_ratios_and_targets():

@@ -36,7 +36,8 @@ def test_fp8_generator_synced_on_gpu_equals_cpu_and_dequantizes_without_host_syn
     """LlamaGenerator(fp8=) on the GPU, filled by a sync planned and run there (the
     grouped FP8 Triton kernels): its FP8 weights and scales equal, bit for bit,
     those the CPU's torch path gives; its logits (float32) the CPU generator's
-    within 1e-4; and dequantizing a layer never waits for the host (per-part
+    within 1e-4 of their largest (float32 GEMMs summing in another order; TF32 would
+    be some 10x further); and dequantizing a layer never waits for the host (per-part
     scales included)."""
     from llamarl_core.models.llama_generator import Fp8Linear, LlamaGenerator
 
@@ -56,7 +57,8 @@ def test_fp8_generator_synced_on_gpu_equals_cpu_and_dequantizes_without_host_syn
                            t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t), name
     ids = torch.randint(0, config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        gap = (models["cuda"](ids.cuda()).cpu() - models["cpu"](ids)).abs().max().item()
+        on_cpu = models["cpu"](ids)
+        gap = (models["cuda"](ids.cuda()).cpu() - on_cpu).abs().max().item() / on_cpu.abs().max().item()
         layers = [m for m in models["cuda"].modules() if isinstance(m, Fp8Linear)]
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -374,7 +376,8 @@ def test_aipo_loss_waits_only_for_its_target_check(form):
     gen = torch.Generator(device="cuda").manual_seed(3)
     targets = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
     targets[::7] = -100
-    per_token = [torch.randn(n, device="cuda", generator=gen) for _ in range(2)]
+    # behaviour log-probs (<= 0) and advantages
+    per_token = [-torch.rand(n, device="cuda", generator=gen) * 5, torch.randn(n, device="cuda", generator=gen)]
     mask = (torch.rand(n, device="cuda", generator=gen) > 0.2).float()
     h = torch.randn(n, hidden, device="cuda", generator=gen, requires_grad=True)
     w = torch.randn(vocab, hidden, device="cuda", generator=gen, requires_grad=True)
@@ -387,7 +390,7 @@ def test_aipo_loss_waits_only_for_its_target_check(form):
             return linear_aipo_loss(h, w, t, *per_token, mask, entropy=True, chunk_size=128)
         if form == "sequences":
             return aipo_loss(logits, t, *per_token, mask, entropy=True, loss_type="gspo",
-                             old_logprobs=per_token[0] + 0.1, sequence_ids=sequence_ids, reduction="sequence_mean")
+                             old_logprobs=per_token[0] - 0.1, sequence_ids=sequence_ids, reduction="sequence_mean")
         return aipo_loss(logits, t, *per_token, mask, entropy=True)
 
     step(targets)[0].backward()  # compiles the kernels first

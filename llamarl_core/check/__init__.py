@@ -43,7 +43,7 @@ from pathlib import Path
 
 from .budget import FAILED, SKIPPED, BudgetRun, Record
 from .figures import judged_summary, rows_table
-from .steps import Context, compile_check, gpu_plan
+from .steps import STEP_NAMES, Context, compile_check, gpu_plan
 
 
 def process_start() -> float:
@@ -140,10 +140,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="every step's output (default: the --json path with .log, else a new "
                              "llamarl-check-*.log in the temporary folder)")
     parser.add_argument("--tests", help="the repository's tests/ folder (default: beside the package, or ./tests)")
+    parser.add_argument("--skip", default="", metavar="STEPS",
+                        help=f"comma-separated steps to leave out (recorded as skipped), of: {', '.join(STEP_NAMES)}")
     parser.add_argument("--commit", help="the commit measured, where the checkout has no .git (default: git's HEAD)")
     args = parser.parse_args(argv)
     if not args.budget > 0:
         parser.error(f"--budget must be > 0 seconds, got {args.budget:g}")
+    args.skip = [name.strip() for name in args.skip.split(",") if name.strip()]
+    unknown = [name for name in args.skip if name not in STEP_NAMES]
+    if unknown:
+        parser.error(f"--skip: {', '.join(map(repr, unknown))} is not a step; the steps: {', '.join(STEP_NAMES)}")
     for flag, path in (("--json", args.json), ("--log", args.log)):
         if path is not None and not path.resolve().parent.is_dir():
             parser.error(f"{flag}: the folder {path.resolve().parent} does not exist")
@@ -174,6 +180,7 @@ def _check(args, ctx: Context, info: dict, gpu: bool, started: float) -> int:
         print("No CUDA device is visible (torch.cuda.is_available() is False): the GPU tests and benches need one.\n"
               "Running what needs no GPU: every Triton kernel variant compiled for sm_80, sm_90 and sm_100.", flush=True)
         steps = [compile_check()]
+    args.skip = [name for name in args.skip if name in {step.name for step in steps}]  # a step of the plan run here
     print(f"Budget {args.budget:.0f} s; every step's output: {ctx.log}", flush=True)
     commit = args.commit or commit_of(ctx.root)
 
@@ -188,7 +195,7 @@ def _check(args, ctx: Context, info: dict, gpu: bool, started: float) -> int:
 
     # After each step, what is known so far (complete: false): a check ended from outside keeps it.
     records = BudgetRun(args.budget, start=started, on_event=lambda line: print(line, flush=True),
-                        on_record=lambda so_far: save(result_of(so_far, False))).run(steps)
+                        on_record=lambda so_far: save(result_of(so_far, False)), skip=args.skip).run(steps)
     result = result_of(records, True)
     save(result)
     status, text = verdict(records, result["rows"])

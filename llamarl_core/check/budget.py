@@ -7,14 +7,15 @@ step half way. The steps that start fit the budget by their estimates, so the wh
 run overruns it by no more than the started steps overrun their estimates, and
 never by more than the largest timeout_s - estimate_s of a step (the last one
 started can take its whole timeout). A step may also find it cannot run here (a
-tool missing): its Outcome says skipped, with the reason.
+tool missing): its Outcome says skipped, with the reason. Steps named in `skip`
+are recorded as skipped, left out by the caller (a rerun measuring only what changed).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 
@@ -68,10 +69,12 @@ class BudgetRun:
     (default: now), so that time spent before the steps (a build) can be counted."""
 
     def __init__(self, budget_s: float, clock: Callable[[], float] = time.monotonic, start: float | None = None,
-                 on_event: Callable[[str], None] | None = None, on_record: Callable[[list], None] | None = None):
+                 on_event: Callable[[str], None] | None = None, on_record: Callable[[list], None] | None = None,
+                 skip: Collection[str] = ()):
         if not budget_s > 0:
             raise ValueError(f"budget_s must be > 0, got {budget_s}")
         self.budget_s = budget_s
+        self.skip = frozenset(skip)
         self.clock = clock
         self.start = clock() if start is None else start
         self.on_event = on_event or (lambda line: None)
@@ -86,6 +89,8 @@ class BudgetRun:
 
     def decide(self, step: Step) -> str | None:
         """Why `step` must not start now (None: it starts)."""
+        if step.name in self.skip:
+            return "left out (--skip)"
         status = {r.name: r.status for r in self.records}
         for need in step.needs:
             if need not in status:
@@ -101,6 +106,9 @@ class BudgetRun:
         names = [s.name for s in steps]
         if len(set(names)) != len(names):
             raise ValueError(f"step names must be unique, got {names}")
+        unknown = sorted(self.skip - set(names))
+        if unknown:
+            raise ValueError(f"skip names no step: {unknown} (the steps: {names})")
         for step in steps:
             reason = self.decide(step)
             if reason is not None:

@@ -18,6 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..pipeline.gpu_share import CONTROL as MPS_CONTROL
 from .budget import Outcome, Step
 from .figures import figure, judged_summary
 
@@ -32,10 +33,19 @@ PIPELINE_STEPS = 150
 LEARNED_MARGIN = 0.1
 # The ~1B Llama run (bench pipeline --device cuda): RL steps in each mode.
 BIG_PIPELINE_STEPS = 8
+# How the async run of the ~1B Llama shares the GPU where MPS is at hand: the generator's
+# kernels capped at half the SMs, the trainer's at the other half (pipeline/gpu_share.py).
+BIG_PIPELINE_SHARE = "mps:50"
 # Timed repeats of each bench (medians): few, the check runs once in a short lease.
 BENCH_REPEATS = 3
-# Test processes pytest-xdist runs the gpu tests in, where it is installed.
-TEST_WORKERS = 4
+# Test processes pytest-xdist runs the gpu tests in, where it is installed (tests spread one by one:
+# by file, test_gpu.py's and test_pipeline.py's ran one after the other, 150 s on an H200).
+TEST_WORKERS = 6
+
+
+# Every step's name (--skip names them): the GPU plan's, in order, and the check without a GPU.
+STEP_NAMES = ("build", "cuda backend", "gpu tests", "bench kernels", "bench sync", "pipeline ~1B", "default task",
+              "memcheck", "compile check")
 
 
 @dataclass
@@ -121,7 +131,7 @@ def build(ctx: Context) -> Step:
         return Outcome(True, "the CUDA build FAILED (see the log); installed without the CUDA backend, so that the "
                              "Triton steps run")
 
-    return Step("build", estimate_s=45, timeout_s=180, run=run)
+    return Step("build", estimate_s=25, timeout_s=180, run=run)
 
 
 def cuda_backend(ctx: Context, needs: tuple[str, ...]) -> Step:
@@ -140,7 +150,7 @@ def cuda_backend(ctx: Context, needs: tuple[str, ...]) -> Step:
 
 def gpu_tests(ctx: Context, needs: tuple[str, ...]) -> Step:
     def run(timeout_s: float) -> Outcome:
-        workers = ["-n", str(TEST_WORKERS), "--dist", "loadfile"] if _has_module(ctx, "xdist") else []
+        workers = ["-n", str(TEST_WORKERS), "--dist", "load"] if _has_module(ctx, "xdist") else []
         cmd = [ctx.python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--durations=15", *workers,
                str(ctx.tests)]
         status, out = run_command(ctx, "gpu tests", cmd, timeout_s, cwd=ctx.tests.parent)
@@ -150,7 +160,7 @@ def gpu_tests(ctx: Context, needs: tuple[str, ...]) -> Step:
             _show_tail("pytest -m gpu", out)
         return Outcome(status == 0, f"pytest -m gpu{' -n ' + str(TEST_WORKERS) if workers else ''}: {line}")
 
-    return Step("gpu tests", estimate_s=75, timeout_s=200, run=run, needs=needs)
+    return Step("gpu tests", estimate_s=90, timeout_s=200, run=run, needs=needs)
 
 
 def _has_module(ctx: Context, name: str) -> bool:
@@ -183,15 +193,18 @@ def bench_gpu(ctx: Context, part: str, estimate_s: float, timeout_s: float, need
 
 def big_pipeline(ctx: Context, needs: tuple[str, ...]) -> Step:
     """`llamarl bench pipeline --device cuda`: a Llama of about 1B parameters, random
-    weights, trainer and generator processes on one GPU, in both modes."""
+    weights, trainer and generator processes on one GPU, in both modes; the async
+    run shares the GPU through MPS where its control program is found."""
 
     def run(timeout_s: float) -> Outcome:
-        failure, result = _bench(ctx, "bench pipeline 1B",
-                                 ["pipeline", "--device", "cuda", "--steps", str(BIG_PIPELINE_STEPS)], timeout_s)
+        share = BIG_PIPELINE_SHARE if shutil.which(MPS_CONTROL) else "none"
+        failure, result = _bench(ctx, "bench pipeline 1B", ["pipeline", "--device", "cuda", "--steps",
+                                                            str(BIG_PIPELINE_STEPS), "--gpu-share", share], timeout_s)
         if failure is not None:
             return failure
         modes = {"async": result["llamarl_async"], "sync": result["llamarl_sync"]}
-        what = f"~1B Llama on one GPU, {BIG_PIPELINE_STEPS} steps"
+        how = "time-sliced: no MPS control daemon here" if share == "none" else f"async with --gpu-share {share}"
+        what = f"~1B Llama on one GPU ({how}), {BIG_PIPELINE_STEPS} steps"
         rows = [figure(f"{what}: async step time (limit: the sync step's)", modes["async"]["step_time_s"] * 1e3,
                        "ms", modes["sync"]["step_time_s"] * 1e3)]
         for mode, r in modes.items():
@@ -277,7 +290,7 @@ def gpu_plan(ctx: Context) -> list[Step]:
     built, cuda = (("build",), ("cuda backend",)) if steps else ((), ())
     if ctx.tests is not None:
         steps.append(gpu_tests(ctx, built))
-    steps += [bench_gpu(ctx, "kernels", 30, 120, built), bench_gpu(ctx, "sync", 60, 150, cuda),
+    steps += [bench_gpu(ctx, "kernels", 40, 120, built), bench_gpu(ctx, "sync", 130, 240, cuda),
               big_pipeline(ctx, cuda), default_task(ctx, cuda)]
     if ctx.tests is not None:
         steps.append(memcheck(ctx, cuda))

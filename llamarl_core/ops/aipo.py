@@ -73,7 +73,7 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
     dtype = logits.dtype if compute_dtype is None else compute_dtype
     logp_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1).reshape(-1, logits.shape[-1])
     t = targets.reshape(-1)
-    m = torch.ones(t.shape, dtype=dtype) if mask is None else mask.reshape(-1).to(dtype)
+    m = torch.ones(t.shape, dtype=dtype, device=t.device) if mask is None else mask.reshape(-1).to(dtype)
     on = (t != IGNORE_INDEX) & (m != 0)
     if nonfinite_logprobs == "mask":  # a token whose given log-prob is NaN or +-inf does not count
         for x in (behavior_logprobs, old_logprobs, ref_logprobs):
@@ -90,7 +90,7 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
     groups: dict = {}
     for index in torch.nonzero(on).reshape(-1).tolist():
         groups.setdefault(keys[index], []).append(index)
-    groups = {key: torch.tensor(idx, dtype=torch.long) for key, idx in groups.items()}
+    groups = {key: torch.tensor(idx, dtype=torch.long, device=logp.device) for key, idx in groups.items()}
     kind, terms = cfg.loss_type, torch.zeros_like(logp)
     log_r = (logp - b).detach()
 

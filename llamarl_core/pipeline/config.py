@@ -19,6 +19,7 @@ from ..ops.fp8 import GRANULARITIES as FP8_GRANULARITIES
 from ..ops.fp8_linear import GEMMS as FP8_GEMMS
 from ..ops.objectives import DEFAULTS, LOSS_TYPES, PARAMETERS, objective_config
 from ..spelling import option
+from .gpu_share import generator_percent
 from .plugins import name_of, spec_of
 
 MODES = ("async", "sync")
@@ -194,6 +195,10 @@ class TrainConfig:
     # How those FP8 layers multiply: "auto" (one FP8 GEMM on a GPU that runs it, in bf16; dequantized weights
     # elsewhere), "fp8" (the FP8 GEMM, or an error saying why not) or "dequantize" (Fp8Linear)
     generator_fp8_gemm: str = "auto"
+    # One GPU shared by the trainer and generator processes: "none" (the GPU time-slices between them) or "mps:P"
+    # (an MPS daemon of the run's own: the generator's kernels capped at P% of the SMs, the trainer's at the rest,
+    # running side by side; pipeline/gpu_share.py)
+    gpu_share: str = "none"
     seed: int = 0
     checkpoint_every: int = 50  # trainer steps between checkpoints (and one at the end)
     timeout_s: float = 60.0  # longest wait for any executor before the run stops with an error
@@ -260,6 +265,10 @@ class TrainConfig:
             raise ValueError("generator_fp8_gemm 'fp8' runs one FP8 GEMM, which takes bfloat16 activations and a scale "
                              f"per output row: not generator_fp8 {self.generator_fp8!r} with dtype {self.dtype!r} on "
                              f"{self.device} (use 'auto' or 'dequantize')")
+        if generator_percent(self.gpu_share) is not None and (self.device != "cuda" or self.generator != "llama"):
+            raise ValueError(f"{option('gpu_share', self.gpu_share)} shares one GPU between the trainer and our "
+                             f"generator: it needs {option('device', 'cuda')} and {option('generator', 'llama')}, got "
+                             f"{option('device', self.device)} and {option('generator', self.generator)}")
         if self.generator_replicas > 1 and self.generator != "llama":
             raise ValueError(f"generator_replicas > 1 runs replicas of our generator; generator {self.generator!r} "
                              "is one replica")

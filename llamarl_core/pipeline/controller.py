@@ -43,6 +43,7 @@ from .executors import (
 )
 from .export import export_policy
 from .generators import evaluates, plugin_generator
+from .gpu_share import MpsDaemon, generator_percent, role_percent
 from .inputs import INPUTS, write_inputs
 from .learner import MAX_STATS, trainer_plugins
 from .messages import Heartbeat, StoreQueue
@@ -159,6 +160,7 @@ class Controller:
         self.executors = executors or LocalExecutors(self.out, engine=config.generator != "llama")
         self.inboxes: dict[tuple[str, int], StoreQueue] = {}
         self.generator_restarts = 0
+        self.mps: MpsDaemon | None = None  # gpu_share "mps:P": the run's MPS daemon while it runs
 
     # -- processes ------------------------------------------------------------------------
     def _start(self, role: str, rank: int, **extra) -> None:
@@ -167,6 +169,9 @@ class Controller:
         if has_inbox(role, rank, self.generator_tp):
             inbox = inbox_name(role, rank, extra.get("incarnation", 0))
             self.inboxes[(role, rank)] = StoreQueue(self.store, inbox, self.executors.secret)
+        percent = role_percent(self.config.gpu_share, role)
+        if percent is not None:  # set in the executor before it initialises CUDA
+            extra["mps_env"] = self.mps.client_env(percent)
         self.executors.start(role, rank, self.config.to_dict(), {**extra, "inbox": inbox, "flags": names_flags()})
 
     def _tell(self, role: str, kind: str, **payload) -> None:
@@ -553,6 +558,11 @@ class Controller:
         self._reset_state()
         self.cpu_before = cpu_times()
         try:
+            if generator_percent(cfg.gpu_share) is not None:
+                if not isinstance(self.executors, LocalExecutors):
+                    raise ValueError(f"{option('gpu_share', cfg.gpu_share)} starts an MPS daemon on the controller's "
+                                     "host: it shares a GPU among executors the controller starts itself")
+                self.mps = MpsDaemon.start()
             self._start(REWARD, 0)
             for rank in range(cfg.trainer_world):
                 self._start(TRAINER, rank, incarnation=0, out_dir=str(self.out))
@@ -569,6 +579,9 @@ class Controller:
             return summary
         finally:
             self._shutdown()
+            if self.mps is not None:  # after its clients, the executors, have ended
+                self.mps.stop()
+                self.mps = None
             self.trace.close()
             metrics = read_lines(self.out / "metrics.jsonl")
             if metrics:

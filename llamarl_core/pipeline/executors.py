@@ -227,7 +227,8 @@ def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, ext
     """Run executor rank `rank` of `role` until the controller says stop; False when
     it failed (the failure, with its traceback, is reported to the controller).
     extra: "inbox", "launched", "flags" (its messages name CLI flags, as the
-    controller's) and the role's own arguments (the incarnation, the run
+    controller's), "mps_env" (gpu_share: the MPS client's variables, set before
+    CUDA starts here) and the role's own arguments (the incarnation, the run
     folder). secret: the run's (auth.py), which its messages carry; never in `extra`,
     which may travel through the Store."""
     config = TrainConfig.from_dict(config_dict)
@@ -235,6 +236,7 @@ def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, ext
     inbox = extra.pop("inbox")  # the queue it reads its commands from (None: its replica's rank 0 reads them)
     launched = extra.pop("launched", False)  # a torchrun rank (llamarl_core.launch), not forked by the controller
     set_spelling(flags=extra.pop("flags", False))  # this process is the executor's own
+    os.environ.update(extra.pop("mps_env", None) or {})  # CUDA reads them when it starts (_select_gpu)
     tags = {"incarnation": extra["incarnation"]} if role == GENERATOR else {}
     link = Link(store, role, rank, tags, inbox, config.timeout_s, secret)
     try:

@@ -126,6 +126,9 @@ NAMED_FLAGS = {
                            "channel or 128 x 128 block, quantized by the trainer ranks at each sync (half the bytes "
                            "of bf16); it samples with them, the trainer computes with its own weights, and the "
                            "loss's importance weights see the difference (default: none, weights in --dtype)"),
+    "gpu_share": (str, "one GPU shared by the trainer and generator processes: none (the GPU time-slices between "
+                       "them) or mps:P (an MPS daemon of the run's own; the generator's kernels capped at P%% of the "
+                       "SMs, the trainer's at the rest, running side by side)"),
     "generator_fp8_gemm": (str, "how those FP8 layers multiply: auto (one FP8 GEMM, the activations quantized per "
                                 "token, on a GPU from sm_89 in bfloat16 with tensor or channel scales; dequantized "
                                 "weights elsewhere), fp8 (that GEMM, or an error saying why it cannot run) or "

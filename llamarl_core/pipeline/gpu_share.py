@@ -1,0 +1,120 @@
+"""One GPU shared by the trainer and the generator processes: NVIDIA MPS.
+
+Two processes on one GPU each hold a CUDA context of their own, and the GPU
+time-slices between contexts: a generator's kernels never run beside a
+trainer's, so an asynchronous run on one GPU pays both phases one after the
+other plus the switches (an H100 ran the ~1B pipeline 1.47x slower async than
+sync). CUDA's green contexts split the SMs among contexts of one process only.
+The Multi-Process Service runs every client process's work in one server
+context, whose kernels do run side by side, and caps each client at a
+percentage of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, read when the client
+initialises CUDA). Its control daemon needs no change to the GPU's settings
+(compute mode, persistence): it is a user process with a pipe folder of its own.
+
+`gpu_share="mps:P"` (TrainConfig, --gpu-share): the controller starts a private
+daemon (pipe and log folders in a fresh 0700 temporary folder) before any
+executor, each generator rank initialises CUDA as a client capped at P% of the
+SMs and each trainer rank at 100 - P%, and the daemon is told to quit after
+the executors have ended. CUDA IPC between clients of one server works as
+between plain processes. Rule rewards touch no GPU and are not clients.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from ..spelling import option
+
+CONTROL = "nvidia-cuda-mps-control"
+# Longest wait for the daemon to start or to quit.
+DAEMON_TIMEOUT_S = 30.0
+
+
+def generator_percent(gpu_share: str) -> int | None:
+    """The generator's percentage of the SMs for `gpu_share` "mps:P" (1 <= P <= 99),
+    None for "none"; ValueError naming gpu_share otherwise."""
+    if gpu_share == "none":
+        return None
+    kind, _, percent = gpu_share.partition(":")
+    if kind == "mps" and percent.isdigit() and 1 <= int(percent) <= 99:
+        return int(percent)
+    raise ValueError(f"{option('gpu_share', gpu_share)}: must be 'none' or 'mps:P' (the generator's percentage of "
+                     "the GPU's SMs, 1 to 99; the trainer gets the rest)")
+
+
+def role_percent(gpu_share: str, role: str) -> int | None:
+    """The SM percentage an executor of `role` ("generator", "trainer", "reward") is
+    capped at under `gpu_share`; None: not an MPS client."""
+    percent = generator_percent(gpu_share)
+    if percent is None or role not in ("generator", "trainer"):
+        return None
+    return percent if role == "generator" else 100 - percent
+
+
+class MpsDaemon:
+    """A private MPS control daemon: `start()`, `client_env(percent)` for each client
+    process (set before it initialises CUDA), `stop()` once its clients have ended."""
+
+    def __init__(self, control: str, folder: Path):
+        self.control, self.folder = control, folder
+        self.pipe, self.log = folder / "pipe", folder / "log"
+
+    @classmethod
+    def start(cls, timeout_s: float = DAEMON_TIMEOUT_S) -> "MpsDaemon":
+        """Start the daemon; RuntimeError naming gpu_share when it cannot (the
+        control program missing, or the daemon not answering within timeout_s)."""
+        control = shutil.which(CONTROL)
+        if control is None:
+            raise RuntimeError(f"{option('gpu_share')} mps: {CONTROL} is not on PATH (it comes with the NVIDIA driver)")
+        daemon = cls(control, Path(tempfile.mkdtemp(prefix="llamarl-mps-")))
+        daemon.pipe.mkdir()
+        daemon.log.mkdir()
+        try:
+            proc = subprocess.run([control, "-d"], env=daemon._env(), capture_output=True, text=True,
+                                  timeout=timeout_s)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{option('gpu_share')} mps: {CONTROL} -d exited {proc.returncode}: "
+                                   f"{(proc.stderr or proc.stdout).strip()[-500:]}")
+            deadline = time.monotonic() + timeout_s
+            while not (daemon.pipe / "control").exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{option('gpu_share')} mps: the MPS daemon did not open its control pipe in "
+                                       f"{daemon.pipe} within {timeout_s:.0f} s; its log: {daemon._log_tail()}")
+                time.sleep(0.05)
+        except BaseException:
+            daemon.stop(timeout_s)
+            raise
+        return daemon
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, **self.client_env(None)}
+
+    def client_env(self, percent: int | None) -> dict[str, str]:
+        """The variables a client process sets before it initialises CUDA: this
+        daemon's pipe and log folders and, with `percent`, its cap on the SMs."""
+        env = {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe), "CUDA_MPS_LOG_DIRECTORY": str(self.log)}
+        if percent is not None:
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percent)
+        return env
+
+    def _log_tail(self) -> str:
+        log = self.log / "control.log"
+        return log.read_text(errors="replace")[-800:] if log.exists() else "(none written)"
+
+    def stop(self, timeout_s: float = DAEMON_TIMEOUT_S) -> None:
+        """Tell the daemon to quit (its server ends with it), wait for its control
+        pipe to go, and remove the folders. Safe to call on a daemon that did not start."""
+        try:
+            if (self.pipe / "control").exists():
+                subprocess.run([self.control], input="quit\n", env=self._env(), capture_output=True, text=True,
+                               timeout=timeout_s)
+                deadline = time.monotonic() + timeout_s
+                while (self.pipe / "control").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
