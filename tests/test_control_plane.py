@@ -112,3 +112,27 @@ def test_launch_without_a_secret_says_how_to_make_one(tmp_path):
     assert proc.returncode != 0
     assert "set LLAMARL_SECRET (or LLAMARL_SECRET_FILE" in proc.stderr and "token_hex(32)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_an_executors_process_group_keeps_its_python_store_usable_from_cpp():
+    """The group's authenticated Store is a Store written in Python: C++ holds only
+    its C++ part, and once the Python object was gone every later use from C++
+    (NCCL's monitor thread checks a key once a second, new_group) raised "Tried to
+    call pure virtual function". After the call returns and a collection, the
+    default group's store answers check and a new group forms over it."""
+    script = """
+import datetime, gc, secrets
+import torch.distributed as dist
+from llamarl_core.pipeline import TrainConfig
+from llamarl_core.pipeline.executors import _process_group
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=20))
+_process_group(store, "trainer", 0, 1, TrainConfig(), secrets.token_bytes(32))
+gc.collect()
+default = dist.distributed_c10d._get_default_store()
+default.set("seen", b"1")
+print(default.check(["seen"]), default.check(["never-set"]), dist.new_group([0]) is not None)
+dist.destroy_process_group()
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "False", "True"], proc.stdout + proc.stderr[-2000:]

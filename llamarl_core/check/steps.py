@@ -160,7 +160,7 @@ def gpu_tests(ctx: Context, needs: tuple[str, ...]) -> Step:
             _show_tail("pytest -m gpu", out)
         return Outcome(status == 0, f"pytest -m gpu{' -n ' + str(TEST_WORKERS) if workers else ''}: {line}")
 
-    return Step("gpu tests", estimate_s=90, timeout_s=200, run=run, needs=needs)
+    return Step("gpu tests", estimate_s=120, timeout_s=240, run=run, needs=needs)
 
 
 def _has_module(ctx: Context, name: str) -> bool:
@@ -215,7 +215,7 @@ def big_pipeline(ctx: Context, needs: tuple[str, ...]) -> Step:
                      figure(f"{mode} mode, {what}: training time a step", r["train_time_s"] * 1e3, "ms")]
         return Outcome(True, f"async / sync step time {rows[0]['value'] / rows[0]['limit']:.2f}x", rows)
 
-    return Step("pipeline ~1B", estimate_s=90, timeout_s=240, run=run, needs=needs)
+    return Step("pipeline ~1B", estimate_s=165, timeout_s=300, run=run, needs=needs)
 
 
 def default_task(ctx: Context, needs: tuple[str, ...]) -> Step:
@@ -290,7 +290,7 @@ def gpu_plan(ctx: Context) -> list[Step]:
     built, cuda = (("build",), ("cuda backend",)) if steps else ((), ())
     if ctx.tests is not None:
         steps.append(gpu_tests(ctx, built))
-    steps += [bench_gpu(ctx, "kernels", 40, 120, built), bench_gpu(ctx, "sync", 130, 240, cuda),
+    steps += [bench_gpu(ctx, "kernels", 15, 120, built), bench_gpu(ctx, "sync", 130, 240, cuda),
               big_pipeline(ctx, cuda), default_task(ctx, cuda)]
     if ctx.tests is not None:
         steps.append(memcheck(ctx, cuda))

@@ -198,14 +198,23 @@ def _every_core(world: int):
         torch.set_num_threads(threads)
 
 
+# The Python Stores under this process's groups, alive as long as the process (see _process_group).
+_GROUP_STORES: list[AuthenticatedStore] = []
+
+
 def _process_group(store: dist.Store, name: str, rank: int, world: int, config: TrainConfig, secret: bytes) -> None:
     """This executor's own process group: gloo, and NCCL for CUDA tensors (FSDP2's
     and tensor parallelism's collectives) when the run is on GPUs. Its rendezvous
     values (the ranks' addresses, NCCL's id) are authenticated with the run's secret."""
     backend = "cpu:gloo,cuda:nccl" if config.device == "cuda" else "gloo"
     prefix = f"pg/{name}/"
-    dist.init_process_group(backend, store=AuthenticatedStore(dist.PrefixStore(prefix, store), secret, label=prefix),
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=config.timeout_s))
+    group_store = AuthenticatedStore(dist.PrefixStore(prefix, store), secret, label=prefix)
+    # The group keeps only the C++ part of a Store written in Python: without this reference its methods are
+    # gone once the call returns, and every later use from C++ (NCCL's monitor thread checks a key once a
+    # second; new_group) raised "Tried to call pure virtual function" (seen on an H200, 267 warnings a run).
+    _GROUP_STORES.append(group_store)
+    dist.init_process_group(backend, store=group_store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=config.timeout_s))
 
 
 def _select_gpu(config: TrainConfig, role: str, rank: int, launched: bool) -> None:
