@@ -42,6 +42,7 @@ from llamarl_core.cli import HelpFormatter
 from llamarl_core.pipeline import Controller, TrainConfig, load_task
 from llamarl_core.pipeline.arithmetic import arithmetic_problems
 from llamarl_core.pipeline.gpu_share import generator_percent
+from llamarl_core.spelling import flag_spelling
 from llamarl_core.pipeline.learner import supervised_warmup
 from llamarl_core.pipeline.report import cpu_times, steal_fraction, tenth_means
 
@@ -137,12 +138,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA device")
+    try:
+        with flag_spelling():
+            generator_percent(args.gpu_share)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.gpu_share != "none" and args.device != "cuda":
         p.error(f"--gpu-share {args.gpu_share} shares a GPU: it needs --device cuda")
-    try:
-        generator_percent(args.gpu_share)
-    except ValueError as exc:
-        p.error(f"--gpu-share: {exc}")
     args.repeats = args.repeats or (1 if args.device == "cuda" else 3)
     on_gpu = {"device": "cuda"} if args.device == "cuda" else {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -11,6 +11,7 @@ import pytest
 
 from llamarl_core.pipeline import TrainConfig
 from llamarl_core.pipeline.gpu_share import CONTROL, MpsDaemon, generator_percent, role_percent
+from llamarl_core.spelling import flag_spelling
 
 
 def test_gpu_share_gives_the_generator_p_percent_and_the_trainer_the_rest():
@@ -30,11 +31,14 @@ def test_gpu_share_refuses_what_it_does_not_describe(bad):
         TrainConfig(device="cuda", gpu_share=bad)
 
 
-def test_gpu_share_needs_our_generator_on_a_gpu():
+def test_gpu_share_needs_our_generator_on_a_gpu_in_async_mode():
     with pytest.raises(ValueError, match=r"gpu_share='mps:50' shares one GPU .* needs device='cuda'"):
         TrainConfig(gpu_share="mps:50")
     with pytest.raises(ValueError, match=r"generator='llama'"):
         TrainConfig(device="cuda", generator="vllm", gpu_share="mps:50")
+    with pytest.raises(ValueError, match=r"mode='sync' runs them one after the other"):
+        TrainConfig(device="cuda", mode="sync", gpu_share="mps:50")
+    assert TrainConfig(device="cuda", gpu_share="mps:50").gpu_share == "mps:50"
 
 
 def test_the_cli_names_the_flag(tmp_path):
@@ -70,8 +74,31 @@ def test_the_daemon_serves_a_capped_client_and_quits():
         servers = subprocess.run([shutil.which(CONTROL)], input="get_server_list\n", env=env, capture_output=True,
                                  text=True, timeout=30)
     finally:
-        daemon.stop()
+        quit_in_time = daemon.stop()
     print("client at 25%: SMs seen, sum:", ran.stdout.strip(), "; MPS servers:", servers.stdout.strip())
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert servers.returncode == 0 and servers.stdout.split(), servers.stdout + servers.stderr
-    assert not daemon.folder.exists()
+    assert quit_in_time and not (daemon.pipe / "control").exists() and not daemon.folder.exists()
+
+
+@pytest.mark.gpu
+def test_the_controller_refuses_a_share_it_cannot_start_before_anything_is_written(tmp_path):
+    """(Its GPU count is checked first: without a GPU that check answers.)"""
+    from llamarl_core.pipeline import Controller
+
+    if shutil.which(CONTROL):
+        pytest.skip(f"{CONTROL} is installed here")
+    with pytest.raises(ValueError, match=f"gpu_share='mps:50': {CONTROL} is not on PATH"):
+        Controller(TrainConfig(device="cuda", gpu_share="mps:50"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_compare_gives_the_share_to_its_async_run_alone():
+    """--compare runs sync then async from one set of flags: the sync run's phases
+    take turns, each with the whole GPU, so --gpu-share is the async run's."""
+    from llamarl_core.pipeline.train_cli import _config, parse_args
+
+    args = parse_args(["--compare", "--device", "cuda", "--gpu-share", "mps:40"])
+    assert (_config(args, "sync").gpu_share, _config(args, "async").gpu_share) == ("none", "mps:40")
+    with flag_spelling(), pytest.raises(SystemExit, match="--mode sync runs them one after the other"):
+        _config(parse_args(["--mode", "sync", "--device", "cuda", "--gpu-share", "mps:40"]), "sync")

@@ -269,6 +269,9 @@ class TrainConfig:
             raise ValueError(f"{option('gpu_share', self.gpu_share)} shares one GPU between the trainer and our "
                              f"generator: it needs {option('device', 'cuda')} and {option('generator', 'llama')}, got "
                              f"{option('device', self.device)} and {option('generator', self.generator)}")
+        if generator_percent(self.gpu_share) is not None and self.mode == "sync":
+            raise ValueError(f"{option('gpu_share', self.gpu_share)} lets generation and training run at once; "
+                             f"{option('mode', 'sync')} runs them one after the other, each with the whole GPU")
         if self.generator_replicas > 1 and self.generator != "llama":
             raise ValueError(f"generator_replicas > 1 runs replicas of our generator; generator {self.generator!r} "
                              "is one replica")

@@ -43,6 +43,7 @@ from .executors import (
 )
 from .export import export_policy
 from .generators import evaluates, plugin_generator
+from .gpu_share import CONTROL as MPS_CONTROL
 from .gpu_share import MpsDaemon, generator_percent, role_percent
 from .inputs import INPUTS, write_inputs
 from .learner import MAX_STATS, trainer_plugins
@@ -161,6 +162,13 @@ class Controller:
         self.inboxes: dict[tuple[str, int], StoreQueue] = {}
         self.generator_restarts = 0
         self.mps: MpsDaemon | None = None  # gpu_share "mps:P": the run's MPS daemon while it runs
+        if generator_percent(config.gpu_share) is not None:
+            if not isinstance(self.executors, LocalExecutors):
+                raise ValueError(f"{option('gpu_share', config.gpu_share)} starts an MPS daemon on the controller's "
+                                 "host: it shares a GPU among executors the controller starts itself (not torchrun's)")
+            if shutil.which(MPS_CONTROL) is None:
+                raise ValueError(f"{option('gpu_share', config.gpu_share)}: {MPS_CONTROL} is not on PATH (it comes "
+                                 "with the NVIDIA driver)")
 
     # -- processes ------------------------------------------------------------------------
     def _start(self, role: str, rank: int, **extra) -> None:
@@ -538,7 +546,9 @@ class Controller:
         "config.json"), out, resume=True).run()` (or `llamarl train --out OUT
         --resume`). RunFolderError, before anything starts, for a folder that
         holds a run and resume=False, or a run of another configuration (other
-        than in `steps`)."""
+        than in `steps`). gpu_share "mps:P": the run's MPS daemon (its log in
+        out/mps) starts before config.json is written (PipelineError if it does
+        not) and is told to quit after the executors have ended."""
         cfg = self.config
         if isinstance(self.executors, LocalExecutors):
             check_main_guard()
@@ -550,6 +560,22 @@ class Controller:
         if saved.exists() and dataclasses.replace(TrainConfig.load(saved), steps=cfg.steps) != cfg:
             raise RunFolderError(f"{self.out} holds a run with a different configuration ({saved}); resume it with "
                                  "the same configuration or pick another folder")
+        if generator_percent(cfg.gpu_share) is None:
+            return self._run(saved)
+        try:  # before config.json: a daemon that does not start leaves no run behind
+            self.mps = MpsDaemon.start(log_folder=self.out / "mps")
+        except RuntimeError as exc:
+            raise PipelineError(str(exc)) from None
+        try:
+            return self._run(saved)
+        finally:  # after its clients, the executors, have ended (_run's own clean-up)
+            daemon, self.mps = self.mps, None
+            if not daemon.stop():
+                self.on_event(f"llamarl: the MPS daemon of {option('gpu_share', cfg.gpu_share)} did not quit; "
+                              f"end it with: echo quit | CUDA_MPS_PIPE_DIRECTORY={daemon.pipe} {MPS_CONTROL}")
+
+    def _run(self, saved: Path) -> dict:
+        cfg = self.config
         cfg.save(saved)
         self.store = self.executors.open_store(cfg.timeout_s)
         self.events = StoreQueue(self.store, EVENTS, self.executors.secret)
@@ -558,11 +584,6 @@ class Controller:
         self._reset_state()
         self.cpu_before = cpu_times()
         try:
-            if generator_percent(cfg.gpu_share) is not None:
-                if not isinstance(self.executors, LocalExecutors):
-                    raise ValueError(f"{option('gpu_share', cfg.gpu_share)} starts an MPS daemon on the controller's "
-                                     "host: it shares a GPU among executors the controller starts itself")
-                self.mps = MpsDaemon.start()
             self._start(REWARD, 0)
             for rank in range(cfg.trainer_world):
                 self._start(TRAINER, rank, incarnation=0, out_dir=str(self.out))
@@ -579,9 +600,6 @@ class Controller:
             return summary
         finally:
             self._shutdown()
-            if self.mps is not None:  # after its clients, the executors, have ended
-                self.mps.stop()
-                self.mps = None
             self.trace.close()
             metrics = read_lines(self.out / "metrics.jsonl")
             if metrics:

@@ -270,6 +270,7 @@ def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, ext
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _GROUP_STORES.clear()  # a torchrun rank's serve loop runs executors one after another in one process
         link.close()
 
 

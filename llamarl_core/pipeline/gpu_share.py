@@ -11,9 +11,9 @@ percentage of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, read when the client
 initialises CUDA). Its control daemon needs no change to the GPU's settings
 (compute mode, persistence): it is a user process with a pipe folder of its own.
 
-`gpu_share="mps:P"` (TrainConfig, --gpu-share): the controller starts a private
-daemon (pipe and log folders in a fresh 0700 temporary folder) before any
-executor, each generator rank initialises CUDA as a client capped at P% of the
+`gpu_share="mps:P"` (TrainConfig, --gpu-share; async mode, our generator on a
+GPU): the controller starts a private daemon (its pipe in a fresh 0700 temporary
+folder, its log in the run folder's mps/) before any executor, each generator rank initialises CUDA as a client capped at P% of the
 SMs and each trainer rank at 100 - P%, and the daemon is told to quit after
 the executors have ended. CUDA IPC between clients of one server works as
 between plain processes. Rule rewards touch no GPU and are not clients.
@@ -60,20 +60,23 @@ class MpsDaemon:
     """A private MPS control daemon: `start()`, `client_env(percent)` for each client
     process (set before it initialises CUDA), `stop()` once its clients have ended."""
 
-    def __init__(self, control: str, folder: Path):
-        self.control, self.folder = control, folder
-        self.pipe, self.log = folder / "pipe", folder / "log"
+    def __init__(self, control: str, folder: Path, log: Path):
+        self.control, self.folder = control, folder  # folder: the private temporary one, holding the pipe
+        self.pipe, self.log = folder / "pipe", log
 
     @classmethod
-    def start(cls, timeout_s: float = DAEMON_TIMEOUT_S) -> "MpsDaemon":
-        """Start the daemon; RuntimeError naming gpu_share when it cannot (the
-        control program missing, or the daemon not answering within timeout_s)."""
+    def start(cls, log_folder: Path | None = None, timeout_s: float = DAEMON_TIMEOUT_S) -> "MpsDaemon":
+        """Start the daemon, its control pipe in a fresh 0700 temporary folder and its
+        log in `log_folder` (default: beside the pipe, removed with it); RuntimeError
+        naming gpu_share when it cannot (the control program missing, it exits with
+        an error, or its pipe does not appear within timeout_s), nothing left running."""
         control = shutil.which(CONTROL)
         if control is None:
             raise RuntimeError(f"{option('gpu_share')} mps: {CONTROL} is not on PATH (it comes with the NVIDIA driver)")
-        daemon = cls(control, Path(tempfile.mkdtemp(prefix="llamarl-mps-")))
+        folder = Path(tempfile.mkdtemp(prefix="llamarl-mps-"))
+        daemon = cls(control, folder, Path(log_folder) if log_folder is not None else folder / "log")
         daemon.pipe.mkdir()
-        daemon.log.mkdir()
+        daemon.log.mkdir(parents=True, exist_ok=True)
         try:
             proc = subprocess.run([control, "-d"], env=daemon._env(), capture_output=True, text=True,
                                   timeout=timeout_s)
@@ -106,15 +109,23 @@ class MpsDaemon:
         log = self.log / "control.log"
         return log.read_text(errors="replace")[-800:] if log.exists() else "(none written)"
 
-    def stop(self, timeout_s: float = DAEMON_TIMEOUT_S) -> None:
-        """Tell the daemon to quit (its server ends with it), wait for its control
-        pipe to go, and remove the folders. Safe to call on a daemon that did not start."""
+    def stop(self, timeout_s: float = DAEMON_TIMEOUT_S) -> bool:
+        """Tell the daemon to quit (its server ends with it) and wait for its control
+        pipe to go; True when it has (or never started), the temporary folder then
+        removed. False: it did not answer within timeout_s; its folder stays, so that
+        `echo quit | CUDA_MPS_PIPE_DIRECTORY=<pipe> nvidia-cuda-mps-control` can still
+        end it. Never raises (it runs on error paths)."""
+        control = self.pipe / "control"
         try:
-            if (self.pipe / "control").exists():
+            if control.exists():
                 subprocess.run([self.control], input="quit\n", env=self._env(), capture_output=True, text=True,
                                timeout=timeout_s)
                 deadline = time.monotonic() + timeout_s
-                while (self.pipe / "control").exists() and time.monotonic() < deadline:
+                while control.exists() and time.monotonic() < deadline:
                     time.sleep(0.05)
-        finally:
-            shutil.rmtree(self.folder, ignore_errors=True)
+        except (OSError, subprocess.SubprocessError):
+            pass
+        if control.exists():
+            return False
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return True

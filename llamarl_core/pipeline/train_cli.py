@@ -128,7 +128,8 @@ NAMED_FLAGS = {
                            "loss's importance weights see the difference (default: none, weights in --dtype)"),
     "gpu_share": (str, "one GPU shared by the trainer and generator processes: none (the GPU time-slices between "
                        "them) or mps:P (an MPS daemon of the run's own; the generator's kernels capped at P%% of the "
-                       "SMs, the trainer's at the rest, running side by side)"),
+                       "SMs, the trainer's at the rest, running side by side); async mode, and with --compare its "
+                       "async run"),
     "generator_fp8_gemm": (str, "how those FP8 layers multiply: auto (one FP8 GEMM, the activations quantized per "
                                 "token, on a GPU from sm_89 in bfloat16 with tensor or channel scales; dequantized "
                                 "weights elsewhere), fp8 (that GEMM, or an error saying why it cannot run) or "
@@ -213,6 +214,8 @@ def _config(args, mode: str) -> TrainConfig:
         raise SystemExit("llamarl train: --keep-kv needs --generator vllm (our generator always recomputes)")
     if mode == "sync":
         values.pop("max_staleness", None)
+        if args.compare:  # --gpu-share is the async run's: the sync run's phases take turns, each with the whole GPU
+            values.pop("gpu_share", None)
     with _one_line_errors():
         return TrainConfig(mode=mode, **values)
 
