@@ -95,9 +95,15 @@ def run_trl(config: TrainConfig) -> dict:
 
 
 def run_ours(config: TrainConfig, out: Path) -> dict:
+    """One run's summary figures, and total_s: Controller.run() from its call to its
+    return (wall_time_s ends at the last step; after it, the policy's export and the
+    executors' shutdown)."""
+    start = time.monotonic()
     s = Controller(config, out).run()
-    return {k: s[k] for k in ("completion_tokens", "rl_time_s", "wall_time_s", "reward_first", "reward_last",
-                              "step_time_s", "gen_time_s", "train_time_s", "sync_time_s", "stall_time_s", "cpu_steal")}
+    total_s = time.monotonic() - start
+    return {"total_s": total_s, **{k: s[k] for k in (
+        "completion_tokens", "rl_time_s", "wall_time_s", "reward_first", "reward_last", "step_time_s", "gen_time_s",
+        "train_time_s", "sync_time_s", "stall_time_s", "cpu_steal")}}
 
 
 # `--device cuda`: a Llama of about 1B parameters (16 layers of hidden 2048, MLP 8192,
@@ -235,12 +241,14 @@ def _gpu_rows(results: dict, steps: int, batch: int) -> list[list[str]]:
     """Per step, the throughput of each side and what the weight sync costs: the
     trainer's send and the generator's stall (its receive(), pause to resume)."""
     rows = [["system", "step", "generation: completion tok/s while generating", "training: samples/s while training",
-             "sync (send) / step", "generator stall / step"]]
+             "sync (send) / step", "generator stall / step", "start-up (to the first sync)",
+             "after the last step (export, shutdown)"]]
     for name, r in results.items():
         tokens_per_step = r["completion_tokens"] / steps
         rows.append([name, f"{r['step_time_s'] * 1e3:.1f} ms", f"{tokens_per_step / r['gen_time_s']:.0f}",
                      f"{batch / r['train_time_s']:.1f}", f"{r['sync_time_s'] * 1e3:.1f} ms",
-                     f"{r['stall_time_s'] * 1e3:.1f} ms"])
+                     f"{r['stall_time_s'] * 1e3:.1f} ms", f"{r['wall_time_s'] - r['rl_time_s']:.1f} s",
+                     f"{r['total_s'] - r['wall_time_s']:.1f} s"])
     return rows
 
 

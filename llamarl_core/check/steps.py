@@ -212,7 +212,11 @@ def big_pipeline(ctx: Context, needs: tuple[str, ...]) -> Step:
                             r["completion_tokens"] / BIG_PIPELINE_STEPS / r["gen_time_s"], "tok/s"),
                      figure(f"{mode} mode, {what}: weight sync (send) a step", r["sync_time_s"] * 1e3, "ms"),
                      figure(f"{mode} mode, {what}: generator stall a step", r["stall_time_s"] * 1e3, "ms"),
-                     figure(f"{mode} mode, {what}: training time a step", r["train_time_s"] * 1e3, "ms")]
+                     figure(f"{mode} mode, {what}: training time a step", r["train_time_s"] * 1e3, "ms"),
+                     figure(f"{mode} mode, {what}: start-up, to the first weight sync", r["wall_time_s"] - r["rl_time_s"],
+                            "s"),
+                     figure(f"{mode} mode, {what}: after the last step (export, shutdown)",
+                            r["total_s"] - r["wall_time_s"], "s")]
         return Outcome(True, f"async / sync step time {rows[0]['value'] / rows[0]['limit']:.2f}x", rows)
 
     return Step("pipeline ~1B", estimate_s=165, timeout_s=300, run=run, needs=needs)
