@@ -102,3 +102,21 @@ def test_check_gpu_without_a_gpu_says_so_and_runs_the_compile_check(tmp_path):
     compiled = re.search(r"Compile check: (\d+) of (\d+) compiled \(passed\)", out.stdout)
     assert compiled and compiled.group(1) == compiled.group(2) and int(compiled.group(1)) > 100, out.stdout[-2000:]
     assert re.search(r"\| fp8_quantize_kernel \| \d+ of \d+ \| \d+ \| 0 \|", out.stdout)
+
+
+def test_ptxas_answers_are_remembered_per_ptx(tmp_path, monkeypatch):
+    """compile_all() runs ptxas -v once per (ptxas, arch, PTX): a second check reads
+    the remembered answer (here planted, to prove it is read), and an entry that
+    does not parse is asked again."""
+    from llamarl_core.ops import kernel_check
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    ptx = ".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry empty_kernel()\n{\n\tret;\n}\n"
+    usage = kernel_check._ptxas_usage(ptx, 90)
+    assert len(usage) == 3 and all(isinstance(x, int) for x in usage)
+    (entry,) = Path(kernel_check._usage_cache()).glob("*.json")
+    entry.write_text("[7, 8, 9]")
+    assert kernel_check._ptxas_usage(ptx, 90) == (7, 8, 9)
+    assert kernel_check._ptxas_usage(ptx.replace("empty_kernel", "other_kernel"), 90) == usage
+    entry.write_text("not json")
+    assert kernel_check._ptxas_usage(ptx, 90) == usage

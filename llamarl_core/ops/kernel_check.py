@@ -19,6 +19,7 @@ triton is imported (the decorators read it): `compile_all()` starts one.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -104,16 +105,44 @@ _PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+def _usage_cache() -> str:
+    """Where ptxas's answers are kept, beside Triton's own cache (which keeps the
+    compiled kernels, not these figures): a second check skips ptxas entirely."""
+    root = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return os.path.join(root, "llamarl-ptxas-usage")
+
+
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
     """(registers, spill bytes, stack bytes) of a kernel's PTX, from `ptxas -v`
-    with the ptxas Triton itself uses for `arch`."""
+    with the ptxas Triton itself uses for `arch`; remembered per (ptxas, its
+    version, arch, PTX) in _usage_cache(), one file an entry, written whole."""
     from triton.backends.nvidia import compiler
 
     try:  # Triton 3.9 picks a ptxas per arch; earlier 3.x releases have one, get_ptxas()
         ptxas = compiler.get_ptxas(arch)
     except TypeError:
         ptxas = compiler.get_ptxas()
+    version = getattr(ptxas, "version", "")
     ptxas = getattr(ptxas, "path", ptxas)
+    key = hashlib.sha256(f"{ptxas}\0{version}\0{arch}\0{ptx}".encode()).hexdigest()
+    entry = os.path.join(_usage_cache(), f"{key}.json")
+    try:
+        with open(entry) as f:
+            return tuple(json.load(f))
+    except (OSError, ValueError):
+        pass
+    usage = _run_ptxas(ptxas, ptx, arch)
+    try:
+        os.makedirs(_usage_cache(), exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=_usage_cache(), delete=False, suffix=".tmp") as f:
+            json.dump(usage, f)
+        os.replace(f.name, entry)  # whole or not at all: the shards of compile_all() write side by side
+    except OSError:
+        pass  # a read-only home: ptxas answers again next time
+    return usage
+
+
+def _run_ptxas(ptxas: str, ptx: str, arch: int) -> tuple[int, int, int]:
     gpu_name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
