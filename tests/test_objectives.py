@@ -676,10 +676,10 @@ def test_vocabulary_parallel_equals_the_single_rank_op(world, monkeypatch):
 
 @pytest.mark.gpu
 def test_every_objective_on_cuda_matches_the_float64_reference():
-    """The compiled kernels on a GPU (the CPU tests run them in Triton's
-    interpreter): each objective once in the logits form (a reduction each, in
-    turn, with the entropy bonus and KL penalty) and once in the linear form, loss
-    and gradients against the float64 reference."""
+    """The compiled kernels on a GPU, the objective kernel among them (the CPU
+    tests run them in Triton's interpreter): each objective once in the logits
+    form (a reduction each, in turn, with the entropy bonus and KL penalty) and
+    once in the linear form, loss and gradients against the float64 reference."""
     cuda = torch.device("cuda")
     for i, loss_type in enumerate(LOSS_TYPES):
         reduction = REDUCTIONS[i % len(REDUCTIONS)]

@@ -12,10 +12,14 @@ sequence count). With every m_t = 0 the loss and the gradients are 0.
 Inputs are flat token lists or batched (B, T) rows: their rules (shapes,
 per-row advantages, tokens that do not count, sequences) are aipo_inputs.py's.
 
-Every objective is torch on the per-token vectors of token_logprobs /
+Every objective is a function of the per-token vectors of token_logprobs /
 linear_token_logprobs (ops/logprob.py): the op keeps one log-sum-exp a token,
 and its backward turns any dL/dlogp (and dL/dH) into dlogits in one vocabulary
-pass. An objective of your own is a function of those vectors on the same op.
+pass. aipo_loss computes it, its gradient and its statistics in one kernel on a
+GPU (ops/objective_launch.py), in torch elsewhere (ops/objectives.py);
+linear_aipo_loss in torch, chunk by chunk (its sequence-level objectives as
+aipo_loss). An objective of your own is a function of those
+vectors on the same op.
 
 File order: reference -> functional.
 """
@@ -29,6 +33,7 @@ import torch
 from .aipo_inputs import (IGNORE_INDEX, TargetCheck, TokenInputs, check_kl, check_logits, check_normalizer, check_old,
                           per_token_advantages, prepare_inputs)
 from .logprob import LinearChunkLossFunction, check_linear, linear_token_logprobs, token_logprobs
+from .objective_launch import fused_objective_runs, fused_policy_loss
 from .objectives import (MAX_LOG_RATIO, SEQUENCE_TYPES, AIPOStats, ObjectiveConfig, objective_config,
                          objective_stats, objective_terms)
 
@@ -188,7 +193,16 @@ def _stats(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: TokenInputs
 
 def _policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: TokenInputs,
                  cfg: ObjectiveConfig) -> tuple[torch.Tensor, AIPOStats]:
-    """(loss, stats) of cfg's objective on the fused op's per-token outputs."""
+    """(loss, stats) of cfg's objective on the fused op's per-token outputs: by the
+    objective kernel on a GPU (objective_launch), else by the torch path."""
+    if fused_objective_runs(logp):
+        return fused_policy_loss(logp, entropy, inputs, cfg)
+    return torch_policy_loss(logp, entropy, inputs, cfg)
+
+
+def torch_policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: TokenInputs,
+                      cfg: ObjectiveConfig) -> tuple[torch.Tensor, AIPOStats]:
+    """_policy_loss by the torch path, op by op (objective_terms, objective_stats)."""
     flat_logp = logp.reshape(-1)
     flat_entropy = None if entropy is None else entropy.reshape(-1)
     loss, terms = _objective(flat_logp, flat_entropy, inputs, cfg)

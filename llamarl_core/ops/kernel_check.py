@@ -46,9 +46,10 @@ class CompiledVariant:
 
 
 def _variants():
-    from . import fp8_launch, logprob_launch
+    from . import fp8_launch, logprob_launch, objective_launch
 
-    return [*fp8_launch.kernel_variants(), *fp8_launch.tile_variants(), *logprob_launch.kernel_variants()]
+    return [*fp8_launch.kernel_variants(), *fp8_launch.tile_variants(), *logprob_launch.kernel_variants(),
+            *objective_launch.kernel_variants()]
 
 
 def _uses_software_fp8(launch) -> bool:
@@ -65,7 +66,7 @@ def _arch_runs(launch, arch: int) -> bool:
     return _uses_software_fp8(launch) == (divmod(arch, 10) < HARDWARE_E4M3_CAPABILITY)
 
 
-_TORCH_TO_TRITON = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "uint8": "u8", "int64": "i64",
+_TORCH_TO_TRITON = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "uint8": "u8", "int8": "i8", "int64": "i64",
                     "int32": "i32", "float8_e4m3fn": "fp8e4nv"}
 
 

@@ -11,7 +11,8 @@ and dL/dH_t and writes dlogits in one vocabulary pass (kernels/logprob.py):
 Beyond its inputs the op keeps O(tokens) floats (lse_t, and H_t with the
 entropy); the linear form holds one chunk of logits at a time and recomputes it
 in the backward (four GEMMs in all), never the full logits. Every objective of
-ops/aipo.py is torch on these per-token vectors.
+ops/aipo.py runs on these per-token vectors: in one kernel on a GPU
+(ops/objective_launch.py), in torch elsewhere.
 
 No host synchronisation in forward or backward: the kernels run behind
 torch.library custom ops (llamarl::logprob_fwd, llamarl::logprob_bwd), so the

@@ -1,6 +1,8 @@
-"""The policy objectives of aipo_loss / linear_aipo_loss: torch on the per-token
-vectors of the fused log-prob op (ops/logprob.py), their parameters with
-defaults and sources, and their detached statistics.
+"""The policy objectives of aipo_loss / linear_aipo_loss on the per-token vectors
+of the fused log-prob op (ops/logprob.py), in torch, their parameters with
+defaults and sources, and their detached statistics. On a GPU aipo_loss runs
+the same functions in one kernel (kernels/objective.py, ops/objective_launch.py;
+tests/test_objective_kernel.py holds the two to each other).
 
 Notation, per counted token t (mask not 0, target not IGNORE_INDEX) of sequence
 i: logp_t the learner's log-prob (differentiable), b_t the behaviour
