@@ -87,3 +87,24 @@ def test_many_programs_nothing_counted_and_no_tokens():
         assert kernel[0].item() == 0 and not kernel[1].any() and torch.isfinite(kernel[3].mean_ratio)
     empty = _inputs(gen, "aipo", "plain", (0, 4), False)
     _assert_same(_run(fused_policy_loss, *empty), _run(torch_policy_loss, *empty), ("aipo", "no tokens"))
+
+
+def test_the_kernels_path_compiles_whole():
+    """The kernel sits behind a custom op (llamarl::objective): the loss and its
+    statistics trace into one graph (fullgraph=True), forward and backward equal
+    eager's."""
+    gen = torch.Generator().manual_seed(9)
+    logp, entropy, inputs, cfg = _inputs(gen, "ppo", "kl and entropy bonus", (4, 16), False)
+
+    def loss_and_ratio(logp, entropy):
+        loss, stats = fused_policy_loss(logp, entropy, inputs, cfg)
+        return loss, stats.mean_ratio
+
+    compiled = torch.compile(loss_and_ratio, fullgraph=True, backend="aot_eager")
+    runs = []
+    for fn in (compiled, loss_and_ratio):
+        x, h = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
+        loss, ratio = fn(x, h)
+        loss.backward()
+        runs.append((loss.detach(), ratio, x.grad, h.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
