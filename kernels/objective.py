@@ -20,7 +20,7 @@ reference log-probs, entropies) are read only where their HAS_ flag is set; a
 missing behaviour or old log-prob is the learner's own (on-policy: ratio 1).
 Derivatives follow torch autograd's conventions on the same formulas: clamp
 passes the gradient inside its bounds, bounds included; minimum splits it in
-half at a tie.
+half at a tie; every min and max keeps a NaN, as torch's do.
 """
 
 import triton
@@ -30,9 +30,20 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
+def _min(x, y):
+    """min as torch's clamp / minimum: NaN in, NaN out (Triton's default drops it)."""
+    return tl.minimum(x, y, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max(x, y):
+    return tl.maximum(x, y, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _exp_clamped(x, max_log_ratio):
     """(exp(min(x, max)), d/dx: exp where x <= max, else 0)."""
-    e = tl.exp(tl.minimum(x, max_log_ratio))
+    e = tl.exp(_min(x, max_log_ratio))
     return e, tl.where(x <= max_log_ratio, e, 0.0)
 
 
@@ -48,12 +59,12 @@ def _clipped_min(q, dq, a, eps_low, eps_high):
     lo = 1.0 - eps_low
     hi = 1.0 + eps_high
     unclipped = q * a
-    clipped = tl.minimum(tl.maximum(q, lo), hi) * a
+    clipped = _min(_max(q, lo), hi) * a
     d_unclipped = dq * a
     d_clipped = tl.where((q >= lo) & (q <= hi), dq * a, 0.0)
     d = tl.where(unclipped < clipped, d_unclipped,
                  tl.where(clipped < unclipped, d_clipped, 0.5 * (d_unclipped + d_clipped)))
-    return -tl.minimum(unclipped, clipped), -d, clipped < unclipped
+    return -_min(unclipped, clipped), -d, clipped < unclipped
 
 
 @triton.jit
@@ -85,14 +96,14 @@ def objective_kernel(logp_ptr, entropy_ptr, behavior_ptr, old_ptr, ref_ptr, adv_
     clipped = zero != 0.0
     if KIND == 0:  # aipo
         truncated = r > rho
-        term, dterm = _pg(tl.minimum(r, rho), a, logp)
+        term, dterm = _pg(_min(r, rho), a, logp)
     elif KIND == 1 or KIND == 2:  # ppo, ppo_tis
         q, dq = _exp_clamped(logp - old, max_log_ratio)
         term, dterm, clipped = _clipped_min(q, dq, a, eps_low, eps_high)
         if KIND == 2:
             tis, _ = _exp_clamped(old - b, max_log_ratio)
             truncated = tis > rho
-            tis = tl.minimum(tis, rho)
+            tis = _min(tis, rho)
             term = tis * term
             dterm = tis * dterm
     elif KIND == 3:  # icepop
@@ -102,7 +113,7 @@ def objective_kernel(logp_ptr, entropy_ptr, behavior_ptr, old_ptr, ref_ptr, adv_
         s, _ = _exp_clamped(tl.load(seq_ptr + offs, mask=inb, other=0.0), max_log_ratio)
         if KIND == 4:
             truncated = s > rho
-            term, dterm = _pg(tl.minimum(s, rho), a, logp)
+            term, dterm = _pg(_min(s, rho), a, logp)
         else:
             masked = (s < mask_low) | (s > mask_high)
             term, dterm = _pg(tl.where(masked, 0.0, s), a, logp)
@@ -110,7 +121,7 @@ def objective_kernel(logp_ptr, entropy_ptr, behavior_ptr, old_ptr, ref_ptr, adv_
         geo = tl.exp(tl.load(seq_ptr + offs, mask=inb, other=0.0))
         truncated = r > rho
         masked = (geo < mask_low) | (geo > mask_high)
-        term, dterm = _pg(tl.where(masked, 0.0, tl.minimum(r, rho)), a, logp)
+        term, dterm = _pg(tl.where(masked, 0.0, _min(r, rho)), a, logp)
     elif KIND == 7:  # gspo: d(term)/d(the sequence's mean log-ratio) to dseq, spread by the launcher
         g, dg = _exp_clamped(tl.load(seq_ptr + offs, mask=inb, other=0.0), max_log_ratio)
         term, dseq, clipped = _clipped_min(g, dg, a, eps_low, eps_high)
@@ -121,15 +132,16 @@ def objective_kernel(logp_ptr, entropy_ptr, behavior_ptr, old_ptr, ref_ptr, adv_
         lo = 1.0 - eps_low
         hi = 1.0 + eps_high
         clipped = (q < lo) | (q > hi)
-        term, dterm = _pg(tl.minimum(tl.maximum(q, lo), hi), a, logp)
+        term, dterm = _pg(_min(_max(q, lo), hi), a, logp)
     elif KIND == 9:  # sapo
-        q, dq = _exp_clamped(logp - old, max_log_ratio)
+        q, _ = _exp_clamped(logp - old, max_log_ratio)
         tau = tl.where(a > 0, tau_pos, tau_neg)
         gate = tl.sigmoid(tau * (q - 1.0))
         term = -(4.0 / tau) * gate * a
-        dterm = -4.0 * gate * (1.0 - gate) * dq * a
+        # 0 outside the clamp whatever the rest holds (NaN included), as torch's clamp passes it
+        dterm = tl.where(logp - old <= max_log_ratio, -4.0 * gate * (1.0 - gate) * q * a, 0.0)
     else:  # vespo
-        v = tl.minimum(tl.maximum(tl.load(seq_ptr + offs, mask=inb, other=0.0), vespo_low), vespo_high)
+        v = _min(_max(tl.load(seq_ptr + offs, mask=inb, other=0.0), vespo_low), vespo_high)
         k = tl.where(a >= 0, k_pos, k_neg)
         lam = tl.where(a >= 0, lambda_pos, lambda_neg)
         phi = tl.exp(lam + k * v - lam * tl.exp(v))
@@ -138,7 +150,7 @@ def objective_kernel(logp_ptr, entropy_ptr, behavior_ptr, old_ptr, ref_ptr, adv_
     ref_k3 = zero
     if has_ref != 0:
         ref = tl.load(ref_ptr + offs, mask=inb, other=0.0)
-        x = tl.minimum(ref - logp, max_log_ratio)
+        x = _min(ref - logp, max_log_ratio)
         rr = tl.exp(x)
         ref_k3 = rr - x - 1.0
         if kl_coef > 0:
@@ -154,7 +166,7 @@ def objective_kernel(logp_ptr, entropy_ptr, behavior_ptr, old_ptr, ref_ptr, adv_
     if WRITE_FLAGS:
         flags = (truncated & counted).to(tl.int32) + 2 * (masked & counted).to(tl.int32)
         tl.store(flags_ptr + offs, flags.to(tl.int8), mask=inb)
-    stat_log_r = tl.minimum(log_r, max_log_ratio)
+    stat_log_r = _min(log_r, max_log_ratio)
     keep = counted & inb
     mw = tl.where(keep, m, 0.0)
     row = partial_ptr + pid * 16
@@ -164,10 +176,16 @@ def objective_kernel(logp_ptr, entropy_ptr, behavior_ptr, old_ptr, ref_ptr, adv_
     tl.store(row + 3, tl.sum(tl.where(keep, r * r * m, 0.0), axis=0))
     tl.store(row + 4, tl.sum(tl.where(keep, (r - 1.0 - stat_log_r) * m, 0.0), axis=0))
     tl.store(row + 5, tl.sum(tl.where(keep, -stat_log_r * m, 0.0), axis=0))
-    tl.store(row + 6, tl.sum(tl.where(keep, tl.abs(stat_log_r) * m, 0.0), axis=0))
-    tl.store(row + 7, tl.max(tl.where(keep, tl.abs(stat_log_r), 0.0), axis=0))
+    abs_sum = tl.sum(tl.where(keep, tl.abs(stat_log_r) * m, 0.0), axis=0)
+    tl.store(row + 6, abs_sum)
+    # tl.max drops NaN where torch's max keeps it: a counted NaN made the sum NaN too
+    abs_max = tl.max(tl.where(keep, tl.abs(stat_log_r), 0.0), axis=0)
+    tl.store(row + 7, tl.where(abs_sum != abs_sum, abs_sum, abs_max))
     tl.store(row + 8, tl.sum(tl.where(keep & truncated, m, 0.0), axis=0))
     tl.store(row + 9, tl.sum(tl.where(keep & clipped, m, 0.0), axis=0))
     tl.store(row + 10, tl.sum(tl.where(keep & masked, m, 0.0), axis=0))
     tl.store(row + 11, tl.sum(tl.where(keep, ent * m, 0.0), axis=0))
     tl.store(row + 12, tl.sum(tl.where(keep, ref_k3 * m, 0.0), axis=0))
+    tl.store(row + 13, 0.0)  # the row's unused slots, written: the launcher sums whole rows
+    tl.store(row + 14, 0.0)
+    tl.store(row + 15, 0.0)

@@ -119,12 +119,13 @@ def flat_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _per_token(t: torch.Tensor | None, what: str, shape: torch.Size, device, dtype=torch.float32):
-    """t (of the targets' shape) as a flat (num_tokens,) tensor of `dtype` on `device`; None stays None."""
+    """t (of the targets' shape) as a flat (num_tokens,) tensor of `dtype` on `device`,
+    detached (gradients flow to the logits only, on every path); None stays None."""
     if t is None:
         return None
     if t.shape != shape:
         raise ValueError(f"{what} must have shape {tuple(shape)} (the logits' leading dims), got {tuple(t.shape)}")
-    return t.reshape(shape.numel()).to(device=device, dtype=dtype)
+    return t.detach().reshape(shape.numel()).to(device=device, dtype=dtype)
 
 
 def per_token_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.Tensor:

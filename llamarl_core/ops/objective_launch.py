@@ -16,6 +16,7 @@ gspo, the gradient spread over each sequence's tokens. No host sync.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ._launch import KernelLaunch
 from .aipo_inputs import TokenInputs
@@ -103,10 +104,19 @@ def _objective_op(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: to
                   sequence_flags: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dlogp, dentropy, dseq, flags, partial) of the kernel (module docstring);
     dentropy empty without an entropy, dseq without gspo, flags without
-    sequence_flags. A custom op: torch.compile keeps it whole, and it makes no
-    host sync, so it captures into a CUDA graph."""
+    sequence_flags. Every tensor float32 of logp's shape and device (ValueError
+    naming the one that is not). A custom op: torch.compile keeps it whole; it
+    makes no host sync."""
     from .logprob_launch import _run
 
+    named = dict(logp=logp, entropy=entropy, behavior=behavior, old=old, ref=ref, advantages=advantages,
+                 weights=weights, mask=mask, seq=seq)
+    for name, t in named.items():  # the kernel reads float32 at unit stride, on logp's device
+        if t is not None and (t.dtype != torch.float32 or t.device != logp.device or t.shape != logp.shape):
+            raise ValueError(f"llamarl::objective: {name} must be float32 of shape {tuple(logp.shape)} on "
+                             f"{logp.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    logp, entropy, behavior, old, ref, advantages, weights, mask, seq = (
+        None if t is None else t.contiguous() for t in named.values())
     n, device, gspo = logp.numel(), logp.device, kind == LOSS_TYPES.index("gspo")
     dlogp = torch.empty(n, dtype=torch.float32, device=device)
     dentropy = torch.empty(n if entropy is not None else 0, dtype=torch.float32, device=device)
@@ -122,9 +132,12 @@ def _objective_op(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: to
 @_objective_op.register_fake
 def _(logp, entropy, behavior, old, ref, advantages, weights, mask, seq, kind, parameters, sequence_flags):
     n = logp.numel()
-    new = logp.new_empty
+
+    def new(*shape, dtype=torch.float32):
+        return logp.new_empty(shape, dtype=dtype)
+
     return (new(n), new(n if entropy is not None else 0), new(n if kind == LOSS_TYPES.index("gspo") else 0),
-            new(n if sequence_flags else 0, dtype=torch.int8), new((max(1, -(-n // BLOCK)), PARTIAL)))
+            new(n if sequence_flags else 0, dtype=torch.int8), new(max(1, -(-n // BLOCK)), PARTIAL))
 
 
 def kernel_variants() -> list[tuple[str, KernelLaunch]]:
@@ -149,7 +162,8 @@ def kernel_variants() -> list[tuple[str, KernelLaunch]]:
 
 class _Linearized(torch.autograd.Function):
     """The loss's value, with its gradient in the log-probs and entropies given
-    (the kernel's): backward is grad * dlogp, grad * dentropy."""
+    (the kernel's): backward is grad * dlogp, grad * dentropy, once (a second
+    derivative through it raises: the kernel gives none)."""
 
     @staticmethod
     def forward(ctx, value, logp, entropy, dlogp, dentropy):
@@ -158,6 +172,7 @@ class _Linearized(torch.autograd.Function):
         return value.clone()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         dlogp, dentropy = ctx.saved_tensors
         return None, grad * dlogp, grad * dentropy if ctx.has_entropy else None, None, None
