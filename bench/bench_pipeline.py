@@ -42,9 +42,9 @@ from llamarl_core.cli import HelpFormatter
 from llamarl_core.pipeline import Controller, TrainConfig, load_task
 from llamarl_core.pipeline.arithmetic import arithmetic_problems
 from llamarl_core.pipeline.gpu_share import generator_percent
-from llamarl_core.spelling import flag_spelling
 from llamarl_core.pipeline.learner import supervised_warmup
 from llamarl_core.pipeline.report import cpu_times, steal_fraction, tenth_means
+from llamarl_core.spelling import flag_spelling
 
 
 def run_trl(config: TrainConfig) -> dict:

@@ -9,7 +9,8 @@ log-prob op's log-probs and entropies, and the loss's checked inputs) and writes
   its sequence's mean log-ratio m_i, also dseq_t = w_t * d(term_t)/d(m_i), which
   the launcher spreads over the sequence's tokens (dm_i/dlogp_s = 1 / n_i);
 - its row of `partial_ptr` (16 floats): the loss's partial sum, then the sums
-  and the max that AIPOStats reads (the launcher's STAT_* slots);
+  and the max that AIPOStats reads (slots 0-12, named in the launcher: LOSS,
+  COUNT, R, ...), 13-15 zero;
 - with WRITE_FLAGS, each token's truncated (bit 0) and masked (bit 1) flags, for
   the per-sequence fractions.
 KIND is the objective (ops/objectives.LOSS_TYPES' index). Per-sequence inputs

@@ -20,15 +20,18 @@ from torch.autograd.function import once_differentiable
 
 from ._launch import KernelLaunch
 from .aipo_inputs import TokenInputs
-from .objectives import (CLIP_TYPES, LOSS_TYPES, MAX_LOG_RATIO, VESPO_LOG_W, VESPO_TOKEN_LOG_RATIO, AIPOStats,
-                         ObjectiveConfig)
+from .objectives import (CLIP_TYPES, LOSS_TYPES, MASKING_TYPES, MAX_LOG_RATIO, SEQUENCE_TYPES, TRUNCATING_TYPES,
+                         VESPO_LOG_W, VESPO_TOKEN_LOG_RATIO, AIPOStats, ObjectiveConfig)
 
 BLOCK, NUM_WARPS = 512, 4  # 4 tokens a thread: at most 64 registers (sm_80-100; 1024 tokens took up to 128)
 PARTIAL = 16  # floats a program writes (kernels/objective.py)
 # The partial row's slots: the loss, then what AIPOStats reads.
 LOSS, COUNT, R, R2, K3, K1, ABS_LOG_R, MAX_ABS_LOG_R, TRUNCATED, CLIPPED, MASKED, ENTROPY, REF_K3 = range(13)
-TRUNCATING = ("aipo", "ppo_tis", "seq_tis", "geo_mask")  # objectives with a truncated fraction
-MASKING = ("icepop", "seq_mis", "geo_mask")  # with a masked fraction
+
+
+def _programs(n: int) -> int:
+    """The kernel's programs (partial rows) for n tokens: one at least, so that the sums exist."""
+    return max(1, -(-n // BLOCK))
 
 
 def _kernel():
@@ -44,26 +47,23 @@ def fused_objective_runs(logp: torch.Tensor) -> bool:
     return logp.device.type == "cuda"
 
 
-def _sequence_values(logp: torch.Tensor, inputs: TokenInputs, cfg: ObjectiveConfig):
-    """(each token's per-sequence input of the kernel, each token's sequence's
-    counted tokens n_i for gspo) for the sequence-level objectives; (None, None)
-    for the others. Detached."""
+def _sequence_values(logp: torch.Tensor, inputs: TokenInputs, cfg: ObjectiveConfig, on: torch.Tensor,
+                     counts: torch.Tensor | None) -> torch.Tensor | None:
+    """Each token's per-sequence input of the kernel for the sequence-level
+    objectives (None for the others), from the counted tokens `on` (float) and
+    each sequence's count of them. Detached."""
     kind, seqs = cfg.loss_type, inputs.sequences
-    if kind not in ("seq_tis", "seq_mis", "geo_mask", "gspo", "vespo"):
-        return None, None
-    on = inputs.counted.to(torch.float32)
+    if kind not in SEQUENCE_TYPES:
+        return None
     logp = logp.detach()
     if kind == "gspo":
         old = logp if inputs.old is None else inputs.old
-        n = seqs.sum(on).clamp(min=1.0)
-        return (seqs.sum((logp - old) * on) / n)[seqs.index], n
+        return (seqs.sum((logp - old) * on) / counts.clamp(min=1.0))[seqs.index]
     log_r = logp - (logp if inputs.behavior is None else inputs.behavior)
     if kind == "vespo":
-        return seqs.sum(log_r.clamp(-VESPO_TOKEN_LOG_RATIO, VESPO_TOKEN_LOG_RATIO) * on)[seqs.index], None
+        return seqs.sum(log_r.clamp(-VESPO_TOKEN_LOG_RATIO, VESPO_TOKEN_LOG_RATIO) * on)[seqs.index]
     s = seqs.sum(log_r * on)
-    if kind == "geo_mask":
-        return (s / seqs.sum(on).clamp(min=1.0))[seqs.index], None
-    return s[seqs.index], None
+    return (s / counts.clamp(min=1.0) if kind == "geo_mask" else s)[seqs.index]
 
 
 # The objective's scalars, in the kernel's order (a parameter it does not read is 0).
@@ -122,7 +122,7 @@ def _objective_op(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: to
     dentropy = torch.empty(n if entropy is not None else 0, dtype=torch.float32, device=device)
     dseq = torch.empty(n if gspo else 0, dtype=torch.float32, device=device)
     flags = torch.empty(n if sequence_flags else 0, dtype=torch.int8, device=device)
-    partial = torch.empty((max(1, -(-n // BLOCK)), PARTIAL), dtype=torch.float32, device=device)
+    partial = torch.empty((_programs(n), PARTIAL), dtype=torch.float32, device=device)
     _run(objective_launch(logp, entropy, behavior, old, ref, advantages, weights, mask, seq, dlogp,
                           dentropy if entropy is not None else None, dseq if gspo else None,
                           flags if sequence_flags else None, partial, kind, parameters), device)
@@ -137,7 +137,7 @@ def _(logp, entropy, behavior, old, ref, advantages, weights, mask, seq, kind, p
         return logp.new_empty(shape, dtype=dtype)
 
     return (new(n), new(n if entropy is not None else 0), new(n if kind == LOSS_TYPES.index("gspo") else 0),
-            new(n if sequence_flags else 0, dtype=torch.int8), new(max(1, -(-n // BLOCK)), PARTIAL))
+            new(n if sequence_flags else 0, dtype=torch.int8), new(_programs(n), PARTIAL))
 
 
 def kernel_variants() -> list[tuple[str, KernelLaunch]]:
@@ -184,45 +184,53 @@ def fused_policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: 
     the targets' shape), differentiable in both, by the objective kernel."""
     flat = logp.reshape(-1)
     flat_entropy = None if entropy is None else entropy.reshape(-1)
-    seq, seq_n = _sequence_values(flat, inputs, cfg)
     sequences = inputs.sequences
+    kind = cfg.loss_type
+    on = inputs.counted.to(torch.float32)
+    # each sequence's counted tokens, where read: gspo's and geo_mask's means, the per-sequence fractions
+    counted_per_sequence = kind in ("gspo", "geo_mask") or kind in TRUNCATING_TYPES or kind in MASKING_TYPES
+    counts = sequences.sum(on) if sequences is not None and counted_per_sequence else None
+    seq = _sequence_values(flat, inputs, cfg, on, counts)
     dlogp, dentropy, dseq, flags, partial = _objective_op(
         flat.detach(), None if flat_entropy is None else flat_entropy.detach(), inputs.behavior, inputs.old,
-        inputs.ref, inputs.advantages, inputs.weights, inputs.mask, seq, LOSS_TYPES.index(cfg.loss_type),
+        inputs.ref, inputs.advantages, inputs.weights, inputs.mask, seq, LOSS_TYPES.index(kind),
         kernel_parameters(cfg), sequences is not None)
-    if cfg.loss_type == "gspo":  # each sequence's d(loss)/d(its mean log-ratio), spread over its counted tokens
-        dlogp = dlogp + (sequences.sum(dseq) / seq_n)[sequences.index] * inputs.counted.to(torch.float32)
+    if kind == "gspo":  # each sequence's d(loss)/d(its mean log-ratio), spread over its counted tokens
+        dlogp = dlogp + (sequences.sum(dseq) / counts.clamp(min=1.0))[sequences.index] * on
     sums = partial.sum(0)
     bonus = flat_entropy is not None and cfg.entropy_coef > 0  # the loss depends on the entropy
     loss = _Linearized.apply(sums[LOSS], flat, flat_entropy if bonus else flat.new_empty(0), dlogp,
                              dentropy if bonus else flat.new_empty(0))
     return loss, _stats(flat, entropy, inputs, cfg, sums, partial[:, MAX_ABS_LOG_R].amax(),
-                        flags if sequences is not None else None)
+                        flags if sequences is not None else None, counts)
 
 
 def _stats(flat: torch.Tensor, entropy, inputs: TokenInputs, cfg: ObjectiveConfig, sums: torch.Tensor,
-           max_abs_log_r: torch.Tensor, flags: torch.Tensor | None) -> AIPOStats:
-    """AIPOStats from the kernel's sums, as objective_stats defines them."""
+           max_abs_log_r: torch.Tensor, flags: torch.Tensor | None, counts: torch.Tensor | None) -> AIPOStats:
+    """AIPOStats from the kernel's sums, as objective_stats defines them; counts:
+    each sequence's counted tokens (None: no sequences, or an objective that
+    flags no token)."""
     total = sums[COUNT]
     count = torch.where(total > 0, total, 1.0)
     means = sums / count
     zero = torch.zeros((), device=flat.device)
     kind = cfg.loss_type
 
+    flagged = kind in TRUNCATING_TYPES or kind in MASKING_TYPES
+    with_tokens = (counts > 0).sum().clamp(min=1) if counts is not None and flagged else None  # sequences counted
+
     def sequence_fraction(bit: int, present: bool) -> torch.Tensor | None:
         if inputs.sequences is None:
             return None
         if not present:
             return zero
-        seqs = inputs.sequences
-        has_token = seqs.sum(inputs.counted.to(torch.float32)) > 0
-        hit = seqs.sum(((flags & bit) != 0).to(torch.float32)) > 0
-        return hit.sum() / has_token.sum().clamp(min=1)
+        hit = inputs.sequences.sum(((flags & bit) != 0).to(torch.float32)) > 0
+        return hit.sum() / with_tokens
 
     return AIPOStats(
         logprobs=flat.detach().view(inputs.shape),
         mean_ratio=means[R],
-        truncated_fraction=means[TRUNCATED] if kind in TRUNCATING else zero,
+        truncated_fraction=means[TRUNCATED] if kind in TRUNCATING_TYPES else zero,
         mismatch_kl=means[K3],
         entropy=None if entropy is None else means[ENTROPY],
         ref_kl=None if inputs.ref is None else means[REF_K3],
@@ -232,7 +240,7 @@ def _stats(flat: torch.Tensor, entropy, inputs: TokenInputs, cfg: ObjectiveConfi
         ess_fraction=torch.where(sums[R2] > 0, sums[R] ** 2 / (count * sums[R2]), 0.0),
         mean_abs_log_ratio=means[ABS_LOG_R],
         max_abs_log_ratio=max_abs_log_r,
-        masked_fraction=means[MASKED] if kind in MASKING else None,
-        sequence_truncated_fraction=sequence_fraction(1, kind in TRUNCATING),
-        sequence_masked_fraction=sequence_fraction(2, kind in MASKING),
+        masked_fraction=means[MASKED] if kind in MASKING_TYPES else None,
+        sequence_truncated_fraction=sequence_fraction(1, kind in TRUNCATING_TYPES),
+        sequence_masked_fraction=sequence_fraction(2, kind in MASKING_TYPES),
     )

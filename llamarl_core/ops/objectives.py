@@ -50,6 +50,8 @@ LOSS_TYPES = ("aipo", "ppo", "ppo_tis", "icepop", "seq_tis", "seq_mis", "geo_mas
 SEQUENCE_TYPES = ("seq_tis", "seq_mis", "geo_mask", "gspo", "vespo")  # need each token's sequence
 OLD_POLICY_TYPES = ("ppo", "ppo_tis", "gspo", "cispo", "sapo")  # need old_logprobs
 CLIP_TYPES = ("ppo", "ppo_tis", "gspo", "cispo")  # have a clip fraction
+TRUNCATING_TYPES = ("aipo", "ppo_tis", "seq_tis", "geo_mask")  # have a truncated fraction
+MASKING_TYPES = ("icepop", "seq_mis", "geo_mask")  # have a masked fraction
 
 # The parameters each objective reads, with their defaults and sources. A
 # parameter an objective does not read, passed to it, raises ValueError: it

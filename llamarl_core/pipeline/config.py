@@ -265,11 +265,12 @@ class TrainConfig:
             raise ValueError("generator_fp8_gemm 'fp8' runs one FP8 GEMM, which takes bfloat16 activations and a scale "
                              f"per output row: not generator_fp8 {self.generator_fp8!r} with dtype {self.dtype!r} on "
                              f"{self.device} (use 'auto' or 'dequantize')")
-        if generator_percent(self.gpu_share) is not None and (self.device != "cuda" or self.generator != "llama"):
+        shares_gpu = generator_percent(self.gpu_share) is not None
+        if shares_gpu and (self.device != "cuda" or self.generator != "llama"):
             raise ValueError(f"{option('gpu_share', self.gpu_share)} shares one GPU between the trainer and our "
                              f"generator: it needs {option('device', 'cuda')} and {option('generator', 'llama')}, got "
                              f"{option('device', self.device)} and {option('generator', self.generator)}")
-        if generator_percent(self.gpu_share) is not None and self.mode == "sync":
+        if shares_gpu and self.mode == "sync":
             raise ValueError(f"{option('gpu_share', self.gpu_share)} lets generation and training run at once; "
                              f"{option('mode', 'sync')} runs them one after the other, each with the whole GPU")
         if self.generator_replicas > 1 and self.generator != "llama":
