@@ -54,8 +54,9 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
+import torch.multiprocessing  # noqa: F401  (tensors through the mp_shared peer's queues)
 
+from llamarl_core import forkserver
 from llamarl_core.sync import WeightReceiver, WeightSender, hf_llama_fsdp, hf_llama_shapes, plan_transfer, vllm_llama_tp
 
 from llamarl_core.bench.harness import add_model_args, add_output_args, emit, record, share_secret, summarize, table
@@ -327,7 +328,7 @@ def run(spec) -> dict:
     rounds = spec.warmup + spec.repeats
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=_WAIT)
     local = f"127.0.0.1:{store.port}"
-    ctx = tmp.get_context("spawn")
+    ctx = forkserver.context()  # ranks forked with torch imported
     threads = _sender_threads(spec)
     methods = {}
     for transport in spec.transports:
@@ -414,7 +415,7 @@ def run_replicas(spec) -> dict:
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=_WAIT)
     local = f"127.0.0.1:{store.port}"
-    ctx = tmp.get_context("spawn")
+    ctx = forkserver.context()  # ranks forked with torch imported
     methods = {}
     for r in counts:
         engine, limit = f"replicas{r}", f"memcpy{r}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
+import os
 import signal
 import threading
 
@@ -48,3 +49,15 @@ def start() -> None:
         multiprocessing.forkserver.ensure_running()
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def stop() -> None:
+    """End the server this process started, if any, at once: SIGKILL, for it holds
+    nothing to finish, and its own exit spends about a second tearing down torch
+    and transformers, which whoever reads this process's output waits for (the
+    server writes to the same stdout and stderr). For a process's last moments,
+    once every process forked from the server has ended."""
+    server = multiprocessing.forkserver._forkserver  # the stdlib's one server per process
+    if server._forkserver_pid is not None:
+        os.kill(server._forkserver_pid, signal.SIGKILL)
+        server._stop()  # closes the server's "alive" pipe and reaps it

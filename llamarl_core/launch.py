@@ -188,4 +188,6 @@ def _serve(store, rank: int, controller: int, secret: bytes) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import run_command
+
+    run_command(main)

@@ -23,9 +23,20 @@ LOSS_TYPES = ["aipo", "ppo", "ppo_tis"]
 
 
 CUDA = torch.cuda.is_available()
+KERNELS = "triton-cuda" if CUDA else "triton-interpreter"
 
 
-@pytest.fixture(params=["triton-cuda" if CUDA else "triton-interpreter", "torch"])
+def kernels_and_torch(loss_types):
+    """(device, loss_type) pairs for `device` and `loss_type` parametrized together:
+    every loss type on the torch path and in the kernels, but in Triton's
+    interpreter the first alone: without a GPU the kernels compute the log-probs
+    and the objective runs on the torch path after them (ops.objective_launch.
+    fused_objective_runs), which the torch cases check for every loss type."""
+    in_kernels = loss_types if CUDA else loss_types[:1]
+    return [(KERNELS, t) for t in in_kernels] + [("torch", t) for t in loss_types]
+
+
+@pytest.fixture(params=[KERNELS, "torch"])
 def device(request, monkeypatch):
     """Where the loss runs: triton-cuda, the kernels on CUDA tensors; triton-interpreter,
     the kernels on CPU tensors under TRITON_INTERPRET=1 (conftest, without a GPU);
@@ -87,7 +98,7 @@ SHAPES = [(1, 1001), (97, 1001), (300, 1001), (97, 32000), (300, 32000)]
 
 
 @pytest.mark.parametrize("n, v", SHAPES)
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("device, loss_type", kernels_and_torch(LOSS_TYPES), indirect=["device"])
 def test_fp32_matches_float64_reference(device, n, v, loss_type):
     args = _inputs(n, v, torch.float32, n + v)
     kw = _params(rho=2.0, temperature=0.7, loss_type=loss_type)
@@ -99,7 +110,7 @@ def test_fp32_matches_float64_reference(device, n, v, loss_type):
 
 
 @pytest.mark.parametrize("n, v", [(97, 1001), (97, 32000)])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("device, loss_type", kernels_and_torch(LOSS_TYPES), indirect=["device"])
 def test_bf16_within_twice_the_error_of_plain_torch_bf16(device, n, v, loss_type):
     args = _inputs(n, v, torch.bfloat16, 7 * n + v)
     kw = _params(rho=2.0, temperature=0.7, loss_type=loss_type)
@@ -201,7 +212,7 @@ def test_bad_targets_and_arguments_raise():
 
 
 @pytest.mark.parametrize("v", [1, 5, 97, 1025])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("device, loss_type", kernels_and_torch(LOSS_TYPES), indirect=["device"])
 def test_odd_vocabularies_masked_columns_and_ignored_tokens(device, v, loss_type):
     """Vocabularies of one token, a prime, one past a block size; every fourth
     column -inf but the targets'; ignored tokens; temperature above 1; the entropy."""
@@ -367,7 +378,7 @@ def test_gpu_sweep_arguments_parse_and_it_asks_for_a_gpu():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("loss_type", ["aipo", "ppo_tis"])
+@pytest.mark.parametrize("device, loss_type", kernels_and_torch(["aipo", "ppo_tis"]), indirect=["device"])
 @pytest.mark.parametrize("chunk_size", [None, 16, 41])
 def test_linear_variant_matches_reference(device, dtype, loss_type, chunk_size):
     gen = torch.Generator().manual_seed(11)
@@ -457,7 +468,7 @@ def _k3_mean(logits, targets, ref, m, temperature):
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("device, loss_type", kernels_and_torch(LOSS_TYPES), indirect=["device"])
 def test_kl_penalty_matches_float64_reference(device, loss_type, reduction):
     n, v = 61, 1001
     args = _inputs(n, v, torch.float32, 31)
@@ -491,7 +502,7 @@ def test_reference_kl_term_is_its_definition():
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("device, loss_type", kernels_and_torch(LOSS_TYPES), indirect=["device"])
 def test_linear_variant_kl_penalty_matches_float64_reference(device, loss_type, reduction):
     gen = torch.Generator().manual_seed(35)
     n, h, v = 53, 48, 1001
@@ -706,7 +717,7 @@ def _check_batched_stats(stats, counted, logits_flat, flat, loss_type, case):
     return means["clip_fraction"]
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("device, loss_type", kernels_and_torch(LOSS_TYPES), indirect=["device"])
 def test_batched_equals_flat_call_on_the_counted_tokens(device, loss_type):
     """aipo_loss on (B, T) (and (2, 3, T)) batches with per-row advantages, implied or
     packed sequences and garbage in the padding equals the float64 reference's flat
@@ -740,7 +751,7 @@ def test_batched_equals_flat_call_on_the_counted_tokens(device, loss_type):
         assert 0 < sum(clip_fractions) / len(clip_fractions) < 1
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("device, loss_type", kernels_and_torch(LOSS_TYPES), indirect=["device"])
 def test_linear_variant_batched_equals_flat_call_on_the_counted_tokens(device, loss_type):
     """linear_aipo_loss on (B, T, H) hidden states, the same cases, several chunks:
     loss, hidden and weight gradients equal the float64 flat call on the counted

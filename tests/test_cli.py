@@ -1,6 +1,7 @@
 """The `llamarl` command explains itself: --version, and --help on every command
 lists each option with its help and its default."""
 
+import os
 import re
 
 import pytest
@@ -107,3 +108,44 @@ def test_train_starts_the_executor_forkserver_before_importing_the_pipeline():
     ])
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd="/")
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+
+
+def _processes_with(marker: str) -> list[int]:
+    """The pids of live processes whose environment holds `marker`."""
+    from pathlib import Path
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:  # gone, or not ours to read
+            continue
+        if marker.encode() in environ and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def test_a_command_ends_with_its_forkserver_and_its_exit_status(tmp_path):
+    """`llamarl train` ends without the interpreter's teardown of its modules
+    (cli.run_command), and the executors' forkserver it started, which writes to
+    the same stdout and stderr, ends before it rather than tearing its own modules
+    down afterwards: once the command has exited no process of it is left. Its
+    status and one-line error are those sys.exit gives."""
+    import subprocess
+    import sys
+    import uuid
+
+    marker = f"LLAMARL_TEST_RUN={uuid.uuid4().hex}"
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "LLAMARL_TEST_RUN": marker.split("=")[1]}
+    with open(tmp_path / "out.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "llamarl_core.cli", "train", "--steps", "1", "--quiet", "--out",
+                                 str(tmp_path / "run")], stdout=log, stderr=subprocess.STDOUT, cwd="/", env=env)
+        assert proc.wait(timeout=180) == 0, (tmp_path / "out.log").read_text()[-3000:]
+    assert _processes_with(marker) == []
+    assert "wrote " in (tmp_path / "out.log").read_text() and (tmp_path / "run" / "model" / "config.json").exists()
+    failed = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--steps", "0"], capture_output=True,
+                            text=True, timeout=120, cwd="/", env=env)
+    assert failed.returncode == 1 and failed.stderr.strip().count("\n") == 0, failed.stderr
+    assert failed.stderr.startswith("llamarl train: ") and "--steps" in failed.stderr, failed.stderr
+    assert _processes_with(marker) == []

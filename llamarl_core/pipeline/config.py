@@ -284,14 +284,14 @@ class TrainConfig:
                     "generator_tp", "generator_replicas", "checkpoint_every", "warmup_batch", "reward_batch")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{option(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("temperature", "lr", "timeout_s", "sync_timeout_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise ValueError(f"{option(name)} must be positive, got {getattr(self, name)}")
         for name in ("max_staleness", "warmup_steps", "eval_size", "eval_every", "lr_warmup_steps", "max_grad_norm",
                      "kl_coef", "micro_batch_size"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"{option(name)} must be >= 0, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads {self.num_heads} must divide hidden_size {self.hidden_size}")
         if self.num_heads % self.num_kv_heads:

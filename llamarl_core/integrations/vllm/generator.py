@@ -25,6 +25,7 @@ from ...pipeline.generators import Generator
 from ...pipeline.rollout import Sample, stop_token_set
 from ...sync import SyncTimeoutError, fsdp_layout
 from . import ddma_init_info
+from .host import share_cores_among_workers
 
 # vLLM's CPU attention takes these head sizes only (CPUAttentionBackend).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -91,6 +92,7 @@ class VllmGenerator(Generator):
             # the in-flight test here.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus or "nobind")  # a user's own binding wins
+        share_cores_among_workers(tp)
         Path(model_dir).mkdir(parents=True, exist_ok=True)
         model_config.torch_dtype = "float32"
         model_config.save_pretrained(model_dir)
