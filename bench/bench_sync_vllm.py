@@ -24,16 +24,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import multiprocessing as mp
 import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 
+from llamarl_core import forkserver
 from llamarl_core.bench.harness import add_model_args, add_output_args, emit, record, share_secret, summarize, table
 from llamarl_core.cli import HelpFormatter
-from llamarl_core.sync import Layout, WeightSender, fsdp_layout, plan_transfer
+from llamarl_core.sync import Layout, WeightSender, fsdp_layout
 
 _WAIT = datetime.timedelta(seconds=600)
 
@@ -91,7 +91,7 @@ def run(spec) -> dict:
     with tempfile.TemporaryDirectory() as model_dir:
         config.save_pretrained(model_dir)
         with EngineProcess(model_dir, dtype="float32", max_model_len=256, seed=0) as engine:
-            ctx = mp.get_context("spawn")
+            ctx = forkserver.context()  # trainer ranks forked with torch imported
             trainers = [ctx.Process(target=_trainer, args=(store.port, layout.to_dict(), rank,
                                                            list(range(1, rounds + 1)), "bench"), daemon=True)
                         for rank in range(spec.trainer_world)]

@@ -30,8 +30,9 @@ from llamarl_core.auth import SECRET_ENV, new_secret
 def share_secret() -> None:
     """One secret for every process of a bench whose weight syncs authenticate their
     Store values (auth.py): set in this process's environment (unless the caller set
-    one), which the bench's processes inherit (spawned, or started in a network
-    namespace host)."""
+    one), which the bench's processes inherit: before the first of them starts,
+    for those forked from llamarl_core.forkserver's server take the environment
+    it was launched with (or started in a network namespace host)."""
     os.environ.setdefault(SECRET_ENV, new_secret().hex())
 
 

@@ -139,15 +139,18 @@ def _export(argv: list[str]) -> int:
 
 
 def run_command(main_fn) -> None:
-    """Run `main_fn()` as a process's command and end the process as `sys.exit`
-    would with what it returns or exits with, less the interpreter's teardown of
-    its modules: a collection over every object torch, transformers and the rest
-    made, 1-2.5 s after each `llamarl train` here, for nothing a run keeps. What
-    the exit would do first is done first, in its order: the other non-daemon
-    threads joined, the executors' forkserver stopped (forkserver.stop), every
-    atexit handler run (multiprocessing's clean-up of its children, temporary
-    folders), the streams flushed. An exception other than SystemExit ends the
-    process the ordinary way, its traceback printed."""
+    """Run `main_fn()` as this process's command, then end the process as
+    `sys.exit` would with what it returned or exited with, less the interpreter's
+    teardown of its modules: a collection over every object torch, transformers
+    and the rest made, 1-2.5 s after each `llamarl train` here, for nothing a run
+    keeps. Never returns: for a command's own process (the console script, `python
+    -m`), not for a caller's (call `main` there). What the exit does first is done
+    first, in its order: the other non-daemon threads joined (threading's exit
+    hooks first, which wake idle pool workers), every atexit handler run
+    (multiprocessing's clean-up of its children, temporary folders), then the
+    executors' forkserver stopped (forkserver.stop) and the streams flushed. An
+    exception other than SystemExit ends the process the ordinary way, its
+    traceback printed."""
     try:
         code = main_fn()
     except SystemExit as exc:
@@ -157,13 +160,14 @@ def run_command(main_fn) -> None:
     elif not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    forkserver.stop()
+    threading._shutdown()  # what the interpreter's exit calls: its hooks, then the non-daemon threads joined
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    forkserver.stop()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone (`| head`), a stream closed
+            pass
     os._exit(code)
 
 

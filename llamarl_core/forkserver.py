@@ -13,6 +13,7 @@ imports neither torch nor this package's pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
@@ -59,5 +60,7 @@ def stop() -> None:
     once every process forked from the server has ended."""
     server = multiprocessing.forkserver._forkserver  # the stdlib's one server per process
     if server._forkserver_pid is not None:
-        os.kill(server._forkserver_pid, signal.SIGKILL)
-        server._stop()  # closes the server's "alive" pipe and reaps it
+        # OSError: gone already, or its socket's folder removed by multiprocessing's atexit clean-up.
+        with contextlib.suppress(OSError):
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+            server._stop()  # closes the server's "alive" pipe, reaps it, unlinks its socket

@@ -43,3 +43,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-log", metavar="PATH",
+                     help="append each test's id, wall seconds and the machine's busy CPU seconds over it (all cores, "
+                          "from /proc/stat) to PATH, tab-separated: where the suite's time goes, and whether a test "
+                          "computes or waits")
+
+
+def _busy_cpu_seconds() -> float:
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = item.config.getoption("--cpu-log")
+    if path is None:
+        yield
+        return
+    import time
+
+    busy, start = _busy_cpu_seconds(), time.monotonic()
+    yield
+    with open(path, "a") as log:
+        log.write(f"{item.nodeid}\t{time.monotonic() - start:.2f}\t{_busy_cpu_seconds() - busy:.2f}\n")

@@ -40,7 +40,7 @@ def scenario_name(s: dict) -> str:
     return f"{s['config']}-fsdp{s['fsdp']}-tp{s['tp']}-{s['src_dtype']}-{s['transport']}-fp8{s.get('fp8')}-seed{s['seed']}"
 
 
-def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) -> dict:
+def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), interpreter: bool = True) -> dict:
     """For each scenario this rank belongs to: register FSDP shards, send each version
     (the shards updated in place between versions, as an optimizer step does).
     Returns scenario -> the transport, and "<scenario>/failed" -> the lines of the
@@ -50,9 +50,14 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) ->
     sender's send must then fail); its "send_after" maps a send's index to a Store
     key to wait for first; "stall_amax" = (rank, step, seconds) delays that rank's
     FP8 amaxes in that send, so the other ranks reach the exchange first; with
-    "amax_group" the senders reduce FP8 amaxes over a gloo group of their own."""
+    "amax_group" the senders reduce FP8 amaxes over a gloo group of their own.
+    interpreter=False: FP8 is quantized on the torch path, not by the grouped
+    kernels in Triton's interpreter (20 s less for test_sync's exchange scenarios,
+    whose subject is not the kernels: test_plan.py checks them against that path)."""
     out = {}
     torch.set_num_threads(1)
+    if not interpreter:
+        os.environ["TRITON_INTERPRET"] = "0"
     for s in scenarios:
         if rank >= s["fsdp"]:
             continue
@@ -94,15 +99,19 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) ->
     return out
 
 
-def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2)) -> dict:
+def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), interpreter: bool = True) -> dict:
     """For each scenario: register NaN-poisoned parameters (as nn.Parameters of a
     module, the generator's own storage), receive each version and compare it
     bitwise with the plain-torch reference. Returns scenario -> mismatch lines.
     A scenario may override `port` and `versions`; receives whose index is in its
     "failing" must raise SyncError (recorded as a line "step i: torn <flag>:
-    <message>"), and are followed by polling pending() until the senders send again."""
+    <message>"), and are followed by polling pending() until the senders send again.
+    interpreter=False: the FP8 reference is quantized on the torch path (see
+    sender_body)."""
     out = {}
     torch.set_num_threads(1)
+    if not interpreter:
+        os.environ["TRITON_INTERPRET"] = "0"
     for s in scenarios:
         if rank >= s["tp"]:
             continue

@@ -1,7 +1,8 @@
 """The native build without CUDA: with LLAMARL_SKIP_CUDA and with no nvcc on PATH,
-CMake builds the host backend alone, says so, and the module imports; with
-libstdc++ linked statically it still raises its errors intact beside torch. With
-nvcc, the default GPU architectures are the ones that nvcc can build."""
+CMake configures the host backend alone and says so; built (without nvcc) the
+module imports, and with libstdc++ linked statically it still raises its errors
+intact beside torch. With nvcc, the default GPU architectures are the ones that
+nvcc can build."""
 
 import os
 import shutil
@@ -46,16 +47,28 @@ def _import_summary(out_dir: Path) -> str:
                           timeout=60, check=True).stdout.strip()
 
 
-def test_build_with_cuda_skipped_and_libstdcxx_static(tmp_path):
-    """-static-libstdc++ stands in for toolchains that link it statically by default
+def test_cuda_skipped_on_request():
+    """LLAMARL_SKIP_CUDA: CMake configures the host backend alone, and says so (the
+    build of that configuration: the test below, where nvcc is not found)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        stdout = _configure(Path(folder), ["-DLLAMARL_SKIP_CUDA=ON"], dict(os.environ))
+    assert "llamarl_core._C: host backend only (CUDA skipped: LLAMARL_SKIP_CUDA=1)" in stdout
+
+
+def test_build_without_nvcc_on_path_and_libstdcxx_static(tmp_path):
+    """No nvcc on PATH: the host backend alone is built, says so, and imports.
+    -static-libstdc++ stands in for toolchains that link it statically by default
     (a CUDA image's GCC 13 did): unless the module keeps that copy's symbols to
     itself, the loader binds part of them to the libstdc++.so that torch loaded and
     an error message formatting a number comes out garbled ("segment  (") or
-    segfaults (it did on an H100 machine)."""
-    stdout, out = _build(tmp_path, ["-DLLAMARL_SKIP_CUDA=ON", "-DCMAKE_MODULE_LINKER_FLAGS=-static-libstdc++"],
-                         dict(os.environ))
-    assert "llamarl_core._C: host backend only (CUDA skipped: LLAMARL_SKIP_CUDA=1)" in stdout
-    assert _import_summary(out) == "False host backend only (CUDA skipped: LLAMARL_SKIP_CUDA=1)"
+    segfaults (it did on an H100 machine). One build for both: the suite's only one."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDACXX", "CUDA_PATH", "CUDA_HOME")}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if not (Path(p) / "nvcc").exists())
+    stdout, out = _build(tmp_path, ["-DCMAKE_MODULE_LINKER_FLAGS=-static-libstdc++"], env)
+    assert "host backend only (CUDA skipped: nvcc not found)" in stdout
+    assert _import_summary(out) == "False host backend only (CUDA skipped: nvcc not found)"
     probe = ("import importlib.util, sys; import numpy as np; import torch; "
              "spec = importlib.util.spec_from_file_location('_C', sys.argv[1]); "
              "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
@@ -65,14 +78,6 @@ def test_build_with_cuda_skipped_and_libstdcxx_static(tmp_path):
     proc = subprocess.run([sys.executable, "-c", probe, str(module)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("segment 1: null address ("), proc.stdout
-
-
-def test_build_without_nvcc_on_path(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("CUDACXX", "CUDA_PATH", "CUDA_HOME")}
-    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if not (Path(p) / "nvcc").exists())
-    stdout, out = _build(tmp_path, [], env)
-    assert "host backend only (CUDA skipped: nvcc not found)" in stdout
-    assert _import_summary(out).startswith("False host backend only")
 
 
 def test_default_gpu_architectures_follow_the_nvcc_found(tmp_path):

@@ -689,27 +689,43 @@ def _setting_up(marker: str, obeys_sigterm: bool) -> None:
         Path(marker).write_text("cleaned up")
 
 
+def _exits_after(go: str, seconds: float) -> None:
+    """A ready executor that exits by itself `seconds` after the file `go` appears."""
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    time.sleep(seconds)
+
+
 def test_shutdown_ends_the_unready_at_once_and_waits_for_the_ready(tmp_path):
     """LocalExecutors.shutdown: executors that never reported ready are ended at
     once, not after the grace: through their clean-up (SIGTERM), or killed
-    TERMINATE_S later if they do not exit; a ready one gets the grace to exit."""
-    from llamarl_core.pipeline.processes import TERMINATE_S, LocalExecutors
+    TERMINATE_S later if they do not exit; a ready trainer rank gets the grace to
+    exit, a ready reward executor STOP_S of it (one that exits within it, on its
+    own), then SIGTERM (one that hangs)."""
+    from llamarl_core.pipeline.processes import STOP_S, TERMINATE_S, LocalExecutors
 
     executors = LocalExecutors(tmp_path)
     markers = {rank: tmp_path / f"trainer-{rank}" for rank in (0, 1)}
+    go = tmp_path / "go"
     executors.procs = {("trainer", 0): executors.ctx.Process(target=_setting_up, args=(str(markers[0]), True)),
                        ("trainer", 1): executors.ctx.Process(target=_setting_up, args=(str(markers[1]), False)),
-                       ("reward", 0): executors.ctx.Process(target=time.sleep, args=(3.0,))}
+                       # Counted from the shutdown's start (the file `go`): done past STOP_S after the
+                       # unready's TERMINATE_S, within it.
+                       ("trainer", 2): executors.ctx.Process(target=_exits_after, args=(str(go), TERMINATE_S + STOP_S + 1)),
+                       ("reward", 0): executors.ctx.Process(target=time.sleep, args=(600,)),
+                       ("reward", 1): executors.ctx.Process(target=_exits_after, args=(str(go), TERMINATE_S + STOP_S / 2))}
     for proc in executors.procs.values():
         proc.start()
     _wait_for(lambda: all(m.exists() for m in markers.values()), 60, "the executors to set their SIGTERM handling")
     start = time.monotonic()
+    go.write_text("")
     executors.shutdown(grace_s=120, unready={("trainer", 0), ("trainer", 1)})
     took = time.monotonic() - start
     exits = {key: proc.exitcode for key, proc in executors.procs.items()}
-    assert exits == {("trainer", 0): 128 + signal.SIGTERM, ("trainer", 1): -signal.SIGKILL, ("reward", 0): 0}, exits
+    assert exits == {("trainer", 0): 128 + signal.SIGTERM, ("trainer", 1): -signal.SIGKILL, ("trainer", 2): 0,
+                     ("reward", 0): -signal.SIGTERM, ("reward", 1): 0}, exits
     assert markers[0].read_text() == "cleaned up" and markers[1].read_text() == "setting up"
-    assert TERMINATE_S <= took < 60, took  # the ready one's grace was not waited out, nor needed
+    assert TERMINATE_S + STOP_S < took < 60, took  # the ready trainer's grace was not waited out, nor needed
 
 
 @pytest.mark.parametrize("task, message", [("failing_task", "KeyError: \"a user's reward bug\""),
@@ -737,8 +753,8 @@ def test_a_stalled_reward_stops_the_run_naming_what_it_waited_for(tmp_path):
     assert "the reward executor scoring" in proc.stderr and f"the last checkpoint is in {out}" in proc.stderr
     steps = len(read_metrics(out))
     assert 0 < steps < 12  # it hangs from the 121st completion scored, 16 a step
-    # The stop comes --timeout-s after the last event, then the hung reward executor is
-    # killed once the shutdown's grace (10 s) is over.
+    # The stop comes --timeout-s after the last event; the hung reward executor then gets
+    # SIGTERM STOP_S after "stop" (processes.LocalExecutors.shutdown).
     print(f"a stalled reward: the run exited {last_step:.1f} s after its last step's record "
           f"({took:.1f} s after it started, {steps} steps)")
     executors = json.loads((out / "executors.json").read_text()).values()

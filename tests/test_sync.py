@@ -78,7 +78,10 @@ def _matrix():
 def test_sync_between_processes_equals_reference(store):
     scenarios = _matrix()
     jobs = [(workers.sender_body, dict(port=store.port, rank=r, scenarios=scenarios)) for r in range(3)]
-    jobs += [(workers.receiver_body, dict(port=store.port, rank=r, scenarios=scenarios)) for r in range(4)]
+    # The senders quantize FP8 with the grouped kernels (in the interpreter here), the receivers' reference on the
+    # torch path.
+    jobs += [(workers.receiver_body, dict(port=store.port, rank=r, scenarios=scenarios, interpreter=False))
+             for r in range(4)]
     results = run_processes(jobs, timeout=300)
     senders, receivers = results[:3], results[3:]
     for s in scenarios:
@@ -118,12 +121,15 @@ def _amax_scenarios() -> dict[str, dict]:
 def amax_runs():
     """Every _amax_scenarios() scenario in one set of processes: (scenario -> [its
     receivers' results], scenario -> [its senders' failed sends], scenario -> its
-    Store's number of keys afterwards, scenario -> the FP8 amax keys left in it)."""
+    Store's number of keys afterwards, scenario -> the FP8 amax keys left in it).
+    FP8 on the torch path: the subject is the exchange, not the kernels."""
     stores = {k: dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
               for k in _amax_scenarios()}
     scenarios = {k: dict(s, port=stores[k].port) for k, s in _amax_scenarios().items()}
-    jobs = [(workers.sender_body, dict(port=0, rank=r, scenarios=list(scenarios.values()))) for r in range(2)]
-    jobs += [(workers.receiver_body, dict(port=0, rank=r, scenarios=list(scenarios.values()))) for r in range(2)]
+    jobs = [(workers.sender_body, dict(port=0, rank=r, scenarios=list(scenarios.values()), interpreter=False))
+            for r in range(2)]
+    jobs += [(workers.receiver_body, dict(port=0, rank=r, scenarios=list(scenarios.values()), interpreter=False))
+             for r in range(2)]
     results = run_processes(jobs, timeout=600)
     received = {k: [results[2 + r][workers.scenario_name(s)] for r in range(2)] for k, s in scenarios.items()}
     failed = {k: [results[r][f"{workers.scenario_name(s)}/failed"] for r in range(2)] for k, s in scenarios.items()}

@@ -423,8 +423,10 @@ def test_ddp_ranks_each_sync_their_own_colocated_engine(tmp_path):
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           str(Path(__file__).parent / "trl_ddp_worker.py"), model_dir, str(tmp_path)],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                         # VLLM_CPU_CI_ENV: vLLM's own CPU CI switch, the model traced but not compiled by
-                         # Inductor (30 s of each rank's CPU); the `colocated` engine is the one compiled.
+                         # VLLM_CPU_CI_ENV: the switch vLLM's own CPU CI sets (an internal variable of
+                         # vLLM's): the model traced but not compiled by Inductor, and the engine's
+                         # warm-up skipped (30 s of each rank's CPU); the `colocated` engine is the one
+                         # compiled.
                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -9,7 +9,7 @@ controller talks to it through the same queues in that Store either way.
     executors.start(GENERATOR, 0, config_dict, extra)
     executors.exited()                                # [(role, rank, why)] of the dead
     executors.stop(GENERATOR, 0)                      # SIGKILL a generator rank (if restartable)
-    executors.shutdown(grace_s, unready)              # kill the unready at once, wait grace_s for the rest
+    executors.shutdown(grace_s, unready)              # end the unready at once, then the rest (see shutdown)
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .. import auth, forkserver
-from .executors import GENERATOR, executor_main
+from .executors import GENERATOR, TRAINER, executor_main
 from .messages import HeartbeatWatch, StoreQueue
 
 # How long an executor still setting up when its run stops has, after SIGTERM, to exit.
 TERMINATE_S = 2.0
+# How long a reward executor or one of our generator ranks has to exit after "stop"
+# before SIGTERM: each reads its inbox between requests, and holds nothing a run keeps.
+STOP_S = 2.0
 
 
 class LocalExecutors:
@@ -102,23 +105,36 @@ class LocalExecutors:
         read no inbox, and hold nothing a run keeps) at once, but an engine
         generator (its engine, once started, shuts down in order): SIGTERM (they
         exit through their clean-up, executor_main), SIGKILL after TERMINATE_S.
-        Then wait up to grace_s for the others to exit, and kill what is left (an
+        Then wait up to grace_s for the trainer ranks (a checkpoint queued before
+        "stop" is written) and an engine generator (its engine shuts down in order),
+        and up to STOP_S of it for the reward executors and our generator ranks,
+        which hold nothing a run keeps: one still busy then (a reward function that
+        hangs) gets SIGTERM, then SIGKILL TERMINATE_S later. Kill what is left (an
         engine generator's group always: a dead engine executor may leave its
         engine's processes behind)."""
-        ending = [(role, self.procs[(role, rank)]) for role, rank in unready
-                  if (role, rank) in self.procs and not (role == GENERATOR and self.engine)]
+        self._terminate([(role, self.procs[(role, rank)]) for role, rank in unready
+                         if (role, rank) in self.procs and not (role == GENERATOR and self.engine)])
+        keeps = {key for key in self.procs if key[0] == TRAINER or (key[0] == GENERATOR and self.engine)}
+        start = time.monotonic()
+        others = [(key[0], proc) for key, proc in self.procs.items() if key not in keeps]
+        for _, proc in others:  # while the trainer ranks go on with their checkpoint
+            proc.join(timeout=max(start + min(grace_s, STOP_S) - time.monotonic(), 0.1))
+        self._terminate([(role, proc) for role, proc in others if proc.is_alive()])
+        for key in keeps:
+            self.procs[key].join(timeout=max(start + grace_s - time.monotonic(), 0.1))
+        for (role, _), proc in self.procs.items():
+            if proc.is_alive() or (role == GENERATOR and self.engine):
+                self._kill(role, proc)
+
+    def _terminate(self, ending: list[tuple[str, BaseProcess]]) -> None:
+        """SIGTERM each (role, process) of `ending` (an executor exits through its
+        clean-up, executor_main), SIGKILL those still alive TERMINATE_S later."""
         for _, proc in ending:
             proc.terminate()
         deadline = time.monotonic() + TERMINATE_S
         for role, proc in ending:
             proc.join(timeout=max(deadline - time.monotonic(), 0.1))
             if proc.is_alive():
-                self._kill(role, proc)
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            proc.join(timeout=max(deadline - time.monotonic(), 0.1))
-        for (role, _), proc in self.procs.items():
-            if proc.is_alive() or (role == GENERATOR and self.engine):
                 self._kill(role, proc)
 
 

@@ -37,7 +37,7 @@ def share_cores_among_workers(tp: int) -> None:
     the user set OMP_NUM_THREADS. Unbound, every worker runs as many threads as
     there are cores, and tensor-parallel workers spin on each other's: a 16-token
     greedy request of a tiny Qwen3 at TP 2 on 2 cores took 1.2-2.4 s instead of
-    0.1-0.17 s."""
+    0.1-0.17 s. Per engine: engines side by side on one host still share its cores."""
     if tp > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // tp)))
 
@@ -102,7 +102,8 @@ def _serve(conn, model_dir: str, engine_kwargs: dict) -> None:
     # the driving process's stdout carries its own output alone (`--json`).
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    os.environ.update(ENGINE_ENV)
+    for key, value in ENGINE_ENV.items():  # a user's own setting wins
+        os.environ.setdefault(key, value)
     if engine_kwargs.get("tensor_parallel_size", 1) > 1:
         # vLLM's CPU workers bind their threads to a NUMA node each by default, and
         # refuse to start with fewer nodes than workers; unbound unless told.
