@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -40,6 +41,26 @@ def scenario_name(s: dict) -> str:
     return f"{s['config']}-fsdp{s['fsdp']}-tp{s['tp']}-{s['src_dtype']}-{s['transport']}-fp8{s.get('fp8')}-seed{s['seed']}"
 
 
+@contextlib.contextmanager
+def _late_registration(rank: int, seconds: float):
+    """Within it, sender `rank` counts its registration `seconds` late: the last
+    step of its set-up, which the other ranks do not wait for."""
+    from llamarl_core.sync.protocol import Channel
+
+    counter = Channel.counter
+
+    def late(self, key, delta=0):
+        if key == f"src/{rank}/incarnation" and delta == 1:
+            time.sleep(seconds)
+        return counter(self, key, delta)
+
+    Channel.counter = late
+    try:
+        yield
+    finally:
+        Channel.counter = counter
+
+
 def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), interpreter: bool = True) -> dict:
     """For each scenario this rank belongs to: register FSDP shards, send each version
     (the shards updated in place between versions, as an optimizer step does).
@@ -49,7 +70,9 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), in
     index is in its "poisoned" carry a NaN in rows only FSDP rank 0 holds (every
     sender's send must then fail); its "send_after" maps a send's index to a Store
     key to wait for first; "stall_amax" = (rank, step, seconds) delays that rank's
-    FP8 amaxes in that send, so the other ranks reach the exchange first; with
+    FP8 amaxes in that send, so the other ranks reach the exchange first;
+    "register_late" = (rank, seconds) has that rank count its registration (its
+    incarnation, once every rank's set-up info is read) that much later; with
     "amax_group" the senders reduce FP8 amaxes over a gloo group of their own.
     interpreter=False: FP8 is quantized on the torch path, not by the grouped
     kernels in Triton's interpreter (20 s less for test_sync's exchange scenarios,
@@ -70,7 +93,10 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), in
         device = s.get("device", "cpu")
         shards = {n: t.to(device) for n, t in reference_fsdp_shards(hf_state_dict(config, s["seed"]), s["fsdp"], dtype)[rank].items()}
         failed = out[f"{scenario_name(s)}/failed"] = []
-        with WeightSender(store, hf_llama_fsdp(config, s["fsdp"], dtype), rank, shards,
+        late = contextlib.nullcontext()
+        if rank == s.get("register_late", (None, 0))[0]:
+            late = _late_registration(rank, s["register_late"][1])
+        with late, WeightSender(store, hf_llama_fsdp(config, s["fsdp"], dtype), rank, shards,
                           name=scenario_name(s), transport=s["transport"], timeout=60, group=group,
                           bucket_bytes=s.get("bucket_bytes", DEFAULT_BUCKET_BYTES)) as sender:
             stall_rank, stall_step, stall_s = s.get("stall_amax", (None, None, 0))

@@ -114,6 +114,8 @@ def _amax_scenarios() -> dict[str, dict]:
         "nan-block-shm-group": dict(base, config="llama_tied", transport="auto", fp8="block", seed=3070,
                                     amax_group=True, **nan),
         "tensor-p2p-group": dict(base, config="mistral", transport="p2p", fp8="tensor", seed=3080, amax_group=True),
+        # Sender 1 registers 1 s after sender 0, which meanwhile reaches its first exchange.
+        "tensor-shm-late": dict(base, config="qwen2", transport="auto", fp8="tensor", seed=3090, register_late=(1, 1.0)),
     }
 
 
@@ -140,9 +142,13 @@ def amax_runs():
 def test_fp8_syncs_leave_no_amax_keys_in_the_store(amax_runs):
     """Four FP8 syncs leave their Store with exactly the keys of the same syncs
     without FP8: every amax key is deleted once both senders have read it, and
-    the weights equal the reference (quantized from the senders' float32)."""
+    the weights equal the reference (quantized from the senders' float32), also
+    where a sender registered after the other reached its first exchange (both then
+    read each other's registration before naming the exchange's keys; before, each
+    waited under keys of its own until both timed out)."""
     received, failed, num_keys, left = amax_runs
-    for fp8, plain in [("channel-shm", "plain-shm"), ("tensor-shm", "plain-shm"), ("tensor-p2p", "plain-p2p")]:
+    for fp8, plain in [("channel-shm", "plain-shm"), ("tensor-shm", "plain-shm"), ("tensor-p2p", "plain-p2p"),
+                       ("tensor-shm-late", "plain-shm")]:
         assert received[fp8] == [[], []] and failed[fp8] == [[], []], fp8
         assert num_keys[fp8] == num_keys[plain], (fp8, num_keys)
     assert received["plain-shm"] == received["plain-p2p"] == [[], []]

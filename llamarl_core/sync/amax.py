@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from typing import Callable
 
 import numpy as np
@@ -29,6 +30,9 @@ import torch.distributed as dist
 from .errors import SyncError, SyncTimeoutError
 from .fp8 import Fp8Sources
 from .protocol import SRC, Channel
+
+# How often a sender looks again for the others' registration before its first exchange.
+REGISTRATION_POLL_S = 0.01
 
 
 def amax_prefix(sync_id: tuple[int, int], incarnations: list[int]) -> str:
@@ -104,8 +108,16 @@ class AmaxExchange:
             amax[shared] = buf[:count].to(torch.float32)
         return bad
 
-    def _prefix(self, sync_id: tuple[int, int]) -> str:
-        return amax_prefix(sync_id, [self.channel.counter(f"{SRC}/{r}/incarnation") for r in range(self.world)])
+    def _prefix(self, sync_id: tuple[int, int], deadline: float) -> str:
+        """The exchange's prefix, once every sender rank has registered (until
+        `deadline`): a rank that reached its first exchange while another was still
+        registering read that one's incarnation as 0, the other read 1, and each
+        waited for the other's flag under a prefix of its own until both timed out."""
+        while True:
+            incarnations = [self.channel.counter(f"{SRC}/{r}/incarnation") for r in range(self.world)]
+            if min(incarnations) >= 1 or time.monotonic() > deadline:
+                return amax_prefix(sync_id, incarnations)
+            time.sleep(REGISTRATION_POLL_S)
 
     def _done(self, prefix: str, raised: BaseException | None) -> None:
         """Count this rank done with the keys of `prefix`; the last deletes them. A
@@ -122,7 +134,7 @@ class AmaxExchange:
             raised.add_note(f"the FP8 exchange's keys under {prefix} were not deleted: {failure!r}")
 
     def _through_store(self, amax: torch.Tensor | None, sync_id: tuple[int, int], deadline: float) -> list[int]:
-        prefix = self._prefix(sync_id)
+        prefix = self._prefix(sync_id, deadline)
         store = self.channel.store
         flag = f"{prefix}/flag/{self.rank}"
         mine = None if amax is None else amax[self.mine].cpu().numpy()
