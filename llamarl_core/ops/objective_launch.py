@@ -34,6 +34,11 @@ def _programs(n: int) -> int:
     return max(1, -(-n // BLOCK))
 
 
+def _flags_tokens(kind: str) -> bool:
+    """Whether the objective truncates or masks tokens (the per-sequence fractions count them)."""
+    return kind in TRUNCATING_TYPES or kind in MASKING_TYPES
+
+
 def _kernel():
     from llamarl_core.kernels.objective import objective_kernel
 
@@ -188,8 +193,8 @@ def fused_policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: 
     kind = cfg.loss_type
     on = inputs.counted.to(torch.float32)
     # each sequence's counted tokens, where read: gspo's and geo_mask's means, the per-sequence fractions
-    counted_per_sequence = kind in ("gspo", "geo_mask") or kind in TRUNCATING_TYPES or kind in MASKING_TYPES
-    counts = sequences.sum(on) if sequences is not None and counted_per_sequence else None
+    # (geo_mask truncates and masks)
+    counts = sequences.sum(on) if sequences is not None and (kind == "gspo" or _flags_tokens(kind)) else None
     seq = _sequence_values(flat, inputs, cfg, on, counts)
     dlogp, dentropy, dseq, flags, partial = _objective_op(
         flat.detach(), None if flat_entropy is None else flat_entropy.detach(), inputs.behavior, inputs.old,
@@ -216,8 +221,8 @@ def _stats(flat: torch.Tensor, entropy, inputs: TokenInputs, cfg: ObjectiveConfi
     zero = torch.zeros((), device=flat.device)
     kind = cfg.loss_type
 
-    flagged = kind in TRUNCATING_TYPES or kind in MASKING_TYPES
-    with_tokens = (counts > 0).sum().clamp(min=1) if counts is not None and flagged else None  # sequences counted
+    # the sequences with a counted token
+    with_tokens = (counts > 0).sum().clamp(min=1) if counts is not None and _flags_tokens(kind) else None
 
     def sequence_fraction(bit: int, present: bool) -> torch.Tensor | None:
         if inputs.sequences is None:

@@ -15,8 +15,9 @@ initialises CUDA). Its control daemon needs no change to the GPU's settings
 GPU): the controller starts a private daemon (its pipe in a fresh 0700 temporary
 folder, its log in the run folder's mps/) before any executor, each generator
 rank initialises CUDA as a client capped at P% of the SMs and each trainer rank
-at 100 - P%, and the daemon is told to quit after the executors have ended. CUDA IPC between clients of one server works as
-between plain processes. Rule rewards touch no GPU and are not clients.
+at 100 - P%, and the daemon is told to quit after the executors have ended.
+CUDA IPC between clients of one server works as between plain processes. Rule
+rewards touch no GPU and are not clients.
 """
 
 from __future__ import annotations
