@@ -138,6 +138,24 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
+def exit_status(main_fn) -> int:
+    """Run `main_fn()` and return the exit status `sys.exit` would give the process
+    for what it returned or exited with: None 0, an int itself, anything else
+    (SystemExit's message) printed to stderr, then 1. What the console script
+    runs, less the process's end (run_command); the tests run commands in their
+    own process through it."""
+    try:
+        code = main_fn()
+    except SystemExit as exc:
+        code = exc.code
+    if code is None:
+        return 0
+    if not isinstance(code, int):
+        print(code, file=sys.stderr)
+        return 1
+    return code
+
+
 def run_command(main_fn) -> None:
     """Run `main_fn()` as this process's command, then end the process as
     `sys.exit` would with what it returned or exited with, less the interpreter's
@@ -151,15 +169,7 @@ def run_command(main_fn) -> None:
     executors' forkserver stopped (forkserver.stop) and the streams flushed. An
     exception other than SystemExit ends the process the ordinary way, its
     traceback printed."""
-    try:
-        code = main_fn()
-    except SystemExit as exc:
-        code = exc.code
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
+    code = exit_status(main_fn)
     threading._shutdown()  # what the interpreter's exit calls: its hooks, then the non-daemon threads joined
     atexit._run_exitfuncs()
     forkserver.stop()

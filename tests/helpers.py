@@ -3,7 +3,9 @@ destinations, mismatch reports, and real processes with a deadline."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import multiprocessing as mp
 import os
 import shutil
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from llamarl_core import forkserver
+from llamarl_core import cli, forkserver
 from llamarl_core.sync import Layout, Replicate, Shard
 
 
@@ -209,6 +211,28 @@ def _collect(procs, queue, timeout: float) -> dict:
                 os.kill(p.pid, signal.SIGKILL)
                 p.join()
     return by_pid
+
+
+def llamarl_here(*args: str) -> subprocess.CompletedProcess:
+    """`llamarl ARGS` run by this process as the console script runs it
+    (cli.exit_status of cli.main), less the process around it: its exit status and
+    what it printed. A `train` run's executors fork from the session's forkserver
+    (conftest; Triton's interpreter on, as there), so a run here skips what a fresh
+    process spends importing torch and transformers twice (6-7 s of 2 cores a
+    run). Run from the root folder as the subprocess runs were, sys.path restored
+    after (cli.main appends the working folder). What the executors print goes to
+    the forkserver's output, not here: a test of that output, or of the process's
+    own end, runs the command."""
+    out, err = io.StringIO(), io.StringIO()
+    cwd, path = os.getcwd(), list(sys.path)
+    os.chdir("/")
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.exit_status(lambda: cli.main(list(args)))
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
+    return subprocess.CompletedProcess(["llamarl", *args], code, out.getvalue(), err.getvalue())
 
 
 def in_threads(*calls, timeout: float = 60) -> list:

@@ -18,6 +18,7 @@ import pytest
 import torch
 import transformers
 
+from helpers import llamarl_here
 from llamarl_core.models import LlamaGenerator
 from llamarl_core.ops.aipo import aipo_loss_ref, group_advantages
 from llamarl_core.pipeline import (
@@ -353,8 +354,10 @@ def test_controller_drops_stale_groups_and_counts_them(tmp_path):
 # ----------------------------------------------------------------------------- whole runs
 
 
-# The runs use the CPU paths of the kernels, as a user's run on this machine does
-# (conftest turns the Triton interpreter on for the kernel tests).
+# The runs started as commands of their own take the CPU paths of the kernels, as a
+# user's run on this machine does (conftest turns the Triton interpreter on for the
+# kernel tests; the runs in this process fork their executors from the session's
+# forkserver, the interpreter on there too).
 RUN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
@@ -364,9 +367,16 @@ TASKS_ENV = {**RUN_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__f
 TRAIN = [sys.executable, "-m", "llamarl_core.cli", "train"]
 
 
-def llamarl(*args, timeout=240, env=RUN_ENV):
+def llamarl(*args):
+    """`llamarl train ARGS` in this process (helpers.llamarl_here): its exit status, stdout and stderr."""
+    return llamarl_here("train", *args)
+
+
+def llamarl_command(*args, timeout=240):
+    """`llamarl train ARGS` as a command of its own (RUN_ENV): for a run whose executors
+    quantize FP8 every step, which Triton's interpreter would do 3x slower."""
     return subprocess.run([*TRAIN, *args], check=False, capture_output=True, text=True, timeout=timeout, cwd="/",
-                          env=env)
+                          env=RUN_ENV)
 
 
 def read_metrics(out: Path) -> list[dict]:
@@ -443,7 +453,7 @@ def test_fsdp2_trainer_and_tensor_parallel_generator(tmp_path):
     ranks, beside the checkpoint each rank wrote its shards of."""
     out = tmp_path / "dp2tp2"
     proc = llamarl("--mode", "sync", "--trainer-world", "2", "--generator-tp", "2", "--kl-coef", "0.01", "--out",
-                   str(out), *FAST, timeout=300)
+                   str(out), *FAST)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(out)
     assert len(metrics) == 12
@@ -464,7 +474,8 @@ def test_fp8_generator_replicas_sample_with_the_weights_the_trainer_quantized(tm
     from the trainer's by the FP8 rounding only: a mismatch KL above float32's
     (< 1e-5, the test above) and well below a different policy's."""
     out = tmp_path / "fp8"
-    proc = llamarl("--mode", "sync", "--generator-replicas", "2", "--generator-fp8", "block", "--out", str(out), *FAST)
+    proc = llamarl_command("--mode", "sync", "--generator-replicas", "2", "--generator-fp8", "block", "--out", str(out),
+                           *FAST)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert TrainConfig.load(out / "config.json").generator_fp8 == "block"
     metrics = read_metrics(out)
@@ -566,7 +577,7 @@ def test_tensor_parallel_generator_runs_past_a_pipe_of_commands(tmp_path):
     commands through rank 0 here (measured)."""
     out = tmp_path / "tp2"
     proc = llamarl("--generator-tp", "2", "--steps", "30", "--prompts-per-step", "96", "--samples-per-prompt", "2",
-                   "--warmup-steps", "0", "--checkpoint-every", "30", "--quiet", "--out", str(out), timeout=120)
+                   "--warmup-steps", "0", "--checkpoint-every", "30", "--quiet", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(read_metrics(out)) == 30
 
@@ -731,8 +742,7 @@ def test_shutdown_ends_the_unready_at_once_and_waits_for_the_ready(tmp_path):
 @pytest.mark.parametrize("task, message", [("failing_task", "KeyError: \"a user's reward bug\""),
                                            ("nan_task", "returned nan")])
 def test_a_bad_reward_function_stops_the_run_with_the_culprit(tmp_path, task, message):
-    proc = llamarl("--task", f"pipeline_tasks:{task}", "--out", str(tmp_path / "run"), *FAST, timeout=120,
-                   env=TASKS_ENV)
+    proc = llamarl("--task", f"pipeline_tasks:{task}", "--out", str(tmp_path / "run"), *FAST)
     assert proc.returncode == 1
     assert "the run stopped: reward rank 0 failed" in proc.stderr and message in proc.stderr
     assert "prompt '" in proc.stderr  # names the input it failed on
@@ -745,8 +755,7 @@ def test_a_stalled_reward_stops_the_run_naming_what_it_waited_for(tmp_path):
     outstanding, and no executor is left."""
     out = tmp_path / "run"
     start = time.monotonic()
-    proc = llamarl("--task", "pipeline_tasks:hanging_reward_task", "--out", str(out), *FAST, "--timeout-s", "6",
-                   timeout=120, env=TASKS_ENV)
+    proc = llamarl("--task", "pipeline_tasks:hanging_reward_task", "--out", str(out), *FAST, "--timeout-s", "6")
     took, last_step = time.monotonic() - start, time.time() - (out / "metrics.jsonl").stat().st_mtime
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "no executor reported anything for 6 s while waiting for trainer step" in proc.stderr, proc.stderr[-3000:]
@@ -1006,14 +1015,14 @@ def test_train_run_on_cuda(tmp_path, dtype, bound, resume):
     default dtype's DCP checkpoints (over the cpu:gloo,cuda:nccl group) resume on
     the GPU: the resumed steps match as closely."""
     out = tmp_path / dtype
-    proc = llamarl("--device", "cuda", "--dtype", dtype, "--mode", "sync", "--out", str(out), *FAST, timeout=300)
+    proc = llamarl("--device", "cuda", "--dtype", dtype, "--mode", "sync", "--out", str(out), *FAST)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(out)
     assert len(metrics) == 12 and all(abs(m["mismatch_kl"]) < bound for m in metrics), metrics
     assert checkpoint_info(out)["step"] == 12
     if not resume:
         return
-    resumed = llamarl("--out", str(out), "--resume", "--steps", "15", "--quiet", timeout=300)
+    resumed = llamarl("--out", str(out), "--resume", "--steps", "15", "--quiet")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == list(range(15)) and all(abs(m["mismatch_kl"]) < bound for m in metrics)

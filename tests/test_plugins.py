@@ -15,7 +15,6 @@ from pipeline_tasks import HFGenerateGenerator
 from test_pipeline import FAST, TASKS_ENV, llamarl, read_metrics
 
 from llamarl_core.pipeline import Controller, Generator, TrainConfig
-from llamarl_core.pipeline.plugins import spec_of
 
 
 def module_level_function(rewards, group_ids):
@@ -80,7 +79,7 @@ def test_bad_plugins_are_refused_before_any_executor_starts(tmp_path, fields, ma
 
 def test_a_reward_with_the_wrong_signature_stops_the_cli_at_once(tmp_path):
     start = time.monotonic()
-    proc = llamarl("--reward", "pipeline_tasks:two_argument_reward", "--out", str(tmp_path / "run"), env=TASKS_ENV)
+    proc = llamarl("--reward", "pipeline_tasks:two_argument_reward", "--out", str(tmp_path / "run"))
     assert proc.returncode != 0  # the message names the flag (from Python: reward term ..., the test above)
     assert ("--reward term 'pipeline_tasks:two_argument_reward': pipeline_tasks:two_argument_reward(prompts, "
             "completions) cannot be called") in proc.stderr
@@ -157,7 +156,7 @@ def test_plugins_by_name_on_the_command_line(tmp_path):
     out = tmp_path / "run"
     proc = llamarl("--mode", "sync", "--out", str(out), *FAST, "--generator", "pipeline_tasks:HFGenerateGenerator",
                    "--advantage", "pipeline_tasks:leave_one_out", "--loss", "pipeline_tasks:aipo_by_hand",
-                   "--step-hook", "pipeline_tasks:count_tokens_hook", env=TASKS_ENV)
+                   "--step-hook", "pipeline_tasks:count_tokens_hook")
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == list(range(12))

@@ -23,7 +23,7 @@ from llamarl_core.pipeline import RolloutEngine, Sample
 from llamarl_core.pipeline.arithmetic import arithmetic_problems
 from llamarl_core.pipeline.data import ModelTokenizer
 from llamarl_core.sync import WeightReceiver, fsdp_sender, vllm_llama_tp
-from test_pipeline import TASKS_ENV, llamarl, read_metrics, train_error
+from test_pipeline import llamarl, read_metrics, train_error
 
 SMOLLM2 = Path(os.environ.get("LLAMARL_SMOLLM2", Path(__file__).parents[1] / "models" / "SmolLM2-135M-Instruct"))
 pytestmark = [pytest.mark.real_model,
@@ -116,7 +116,7 @@ def test_train_on_arithmetic_with_math_reward_evaluates_and_exports(tmp_path):
     proc = llamarl("--model", str(SMOLLM2), "--dataset", str(dataset), "--reward",
                    "math+0.01*pipeline_tasks:length_reward", "--mode", "sync", "--steps", "1", "--eval-every", "1",
                    "--eval-size", "2", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "12",
-                   "--lr", "1e-4", "--out", str(out), "--quiet", timeout=600, env=TASKS_ENV)
+                   "--lr", "1e-4", "--out", str(out), "--quiet")
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [0]
