@@ -533,4 +533,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llamarl_core.cli import run_command
+
+    run_command(main)  # its workers too: each ends without the interpreter's teardown of torch

@@ -253,4 +253,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from llamarl_core.cli import run_command
+
+    run_command(main)  # as `llamarl bench soak` ends: without the interpreter's teardown of torch
