@@ -154,7 +154,7 @@ def soak_pipeline(steps: int, every: int, out: Path) -> list[dict]:
 def _layouts():
     from llamarl_core.pipeline.data import RunData
     from llamarl_core.pipeline.config import TrainConfig
-    from llamarl_core.sync import hf_llama_fsdp, vllm_llama_tp
+    from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 
     config = RunData(TrainConfig()).model_config  # the default task's model
     return hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.float32)

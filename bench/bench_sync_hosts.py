@@ -43,7 +43,8 @@ from llamarl_core.bench.bench_sync import (
 )
 from llamarl_core.bench.harness import share_secret, summarize, table
 from llamarl_core.bench.netns import NetnsHosts, NetnsUnavailable, parse_rate_bits
-from llamarl_core.sync import hf_llama_fsdp, plan_transfer, vllm_llama_tp
+from llamarl_core.sync import plan_transfer
+from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 from llamarl_core.sync.plan import relay_tree
 
 # The whole measurement, start-up included, may take this long.

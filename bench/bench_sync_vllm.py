@@ -33,7 +33,8 @@ import torch.distributed as dist
 from llamarl_core import forkserver
 from llamarl_core.bench.harness import add_model_args, add_output_args, emit, record, share_secret, summarize, table
 from llamarl_core.cli import HelpFormatter
-from llamarl_core.sync import Layout, WeightSender, fsdp_layout
+from llamarl_core.sync import Layout, WeightSender
+from llamarl_core.sync.live import fsdp_layout
 
 _WAIT = datetime.timedelta(seconds=600)
 

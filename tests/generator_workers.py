@@ -8,7 +8,9 @@ import transformers
 
 from helpers import MODEL_CLASSES, poisoned_destination, small_config
 from llamarl_core.models.llama_generator import LlamaGenerator
-from llamarl_core.sync import hf_llama_fsdp, plan_transfer, reference_vllm_tp_shards, vllm_llama_tp
+from llamarl_core.sync import plan_transfer
+from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
+from llamarl_core.sync.reference import reference_vllm_tp_shards
 
 
 def hf_model(kind: str, seed: int):

@@ -18,15 +18,9 @@ import torch
 import torch.distributed as dist
 
 from helpers import hf_state_dict, mismatches, poisoned_destination, small_config
-from llamarl_core.sync import (
-    SyncError,
-    WeightReceiver,
-    WeightSender,
-    hf_llama_fsdp,
-    reference_fsdp_shards,
-    reference_vllm_tp_shards,
-    vllm_llama_tp,
-)
+from llamarl_core.sync import SyncError, WeightReceiver, WeightSender
+from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
+from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards
 from llamarl_core.sync.transports import host_identity
 
 TIMEOUT_S = 60

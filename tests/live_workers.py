@@ -45,7 +45,8 @@ def sharded(rank: int, world: int, port: int, kind: str, mode: str) -> dict:
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from llamarl_core.sync import fsdp_layout, local_shard, module_layout
+        from llamarl_core.sync import module_layout
+        from llamarl_core.sync.live import fsdp_layout, local_shard
 
         model = tiny_model(kind, 0)
         with torch.device("meta"):

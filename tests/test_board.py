@@ -144,7 +144,8 @@ def test_a_shared_memory_sync_hands_over_on_the_board_without_a_blocking_store_w
     import torch.distributed as dist
 
     from helpers import in_threads, small_config, store_client
-    from llamarl_core.sync import WeightReceiver, WeightSender, hf_llama_fsdp, vllm_llama_tp
+    from llamarl_core.sync import WeightReceiver, WeightSender
+    from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 
     config = small_config("llama_gqa_bias")
     src, dst = hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.float32)

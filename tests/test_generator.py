@@ -9,7 +9,7 @@ import torch.distributed as dist
 import generator_workers as workers
 from helpers import CONFIG_KINDS, run_processes
 from llamarl_core.models.llama_generator import LlamaGenerator
-from llamarl_core.sync import hf_llama_fsdp, vllm_llama_tp
+from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 
 
 @pytest.mark.parametrize("kind", [*CONFIG_KINDS, "llama3_rope"])
@@ -144,7 +144,8 @@ def test_weight_sync_lands_in_the_generator_parameters_it_samples_with():
     trainer's."""
     import threading
 
-    from llamarl_core.sync import WeightReceiver, WeightSender, reference_fsdp_shards
+    from llamarl_core.sync import WeightReceiver, WeightSender
+    from llamarl_core.sync.reference import reference_fsdp_shards
 
     config, hf = workers.hf_model("llama_tied", 8)
     generator = LlamaGenerator(config)

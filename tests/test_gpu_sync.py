@@ -23,16 +23,9 @@ import torch.distributed as dist
 import sync_workers as workers
 from helpers import hf_state_dict, mismatches, poisoned_destination, run_processes, small_config
 from llamarl_core._native import native_cuda
-from llamarl_core.sync import (
-    SyncError,
-    SyncTimeoutError,
-    WeightReceiver,
-    WeightSender,
-    hf_llama_fsdp,
-    reference_fsdp_shards,
-    reference_vllm_tp_shards,
-    vllm_llama_tp,
-)
+from llamarl_core.sync import SyncError, SyncTimeoutError, WeightReceiver, WeightSender
+from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
+from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards
 from llamarl_core.sync.engine import KIND_COPY, run_segment_table
 
 pytestmark = pytest.mark.gpu

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from helpers import chunks, local_tensors, random_placement
-from llamarl_core.sync import Explicit, Fragment, Layout, ParamSpec, Replicate, Shard, plan_transfer
-from llamarl_core.sync.layout import box_fragments, strided_fragments, view_2d
+from llamarl_core.sync import Explicit, Layout, ParamSpec, Replicate, Shard, plan_transfer
+from llamarl_core.sync.layout import Fragment, box_fragments, strided_fragments, view_2d
 
 
 def test_splits_on_any_dim_reshard_exactly():
@@ -165,7 +165,7 @@ def test_llama_presets_and_generator_refuse_other_families(kind, named):
     from live_workers import tiny_config
 
     from llamarl_core.models.llama_generator import LlamaGenerator
-    from llamarl_core.sync import hf_llama_fsdp, vllm_llama_tp
+    from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 
     config = tiny_config(kind)
     for build in (lambda: hf_llama_fsdp(config, 2, torch.float32), lambda: vllm_llama_tp(config, 1, torch.float32),
@@ -177,7 +177,7 @@ def test_llama_presets_and_generator_refuse_other_families(kind, named):
 def test_llama_presets_refuse_fields_they_have_no_place_for():
     from types import SimpleNamespace
 
-    from llamarl_core.sync import hf_llama_shapes
+    from llamarl_core.sync.presets import hf_llama_shapes
 
     config = SimpleNamespace(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                              vocab_size=10, num_local_experts=4)

@@ -17,7 +17,9 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from helpers import run_processes
 from live_workers import sharded, tiny_config, tiny_model
-from llamarl_core.sync import Layout, ParamSpec, SyncError, SyncTimeoutError, WeightReceiver, module_sender, checkpoint_views, fsdp_layout, module_layout, plan_transfer
+from llamarl_core.sync import (Layout, ParamSpec, SyncError, SyncTimeoutError, WeightReceiver, module_layout,
+                               module_sender, plan_transfer)
+from llamarl_core.sync.live import checkpoint_views, fsdp_layout
 
 KINDS = ("qwen3", "qwen3_moe", "mixtral")
 

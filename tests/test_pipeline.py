@@ -34,7 +34,8 @@ from llamarl_core.pipeline.checkpoints import checkpoint_info, policy_tensors
 from llamarl_core.pipeline.learner import collate, policy_loss
 from llamarl_core.pipeline.scheduler import Scheduler
 from llamarl_core.pipeline.task import positional_match, reverse_task
-from llamarl_core.sync import hf_llama_fsdp, plan_transfer, vllm_llama_tp
+from llamarl_core.sync import plan_transfer
+from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 
 # Small and fast: every run below takes a few seconds of RL after start-up.
 FAST = ["--steps", "12", "--warmup-steps", "5", "--prompts-per-step", "4", "--samples-per-prompt", "4",
@@ -125,6 +126,16 @@ def test_config_rejects_bad_values(bad, match):
 def test_config_takes_the_fp8_gemm_where_it_runs():
     assert TrainConfig(generator_fp8="channel", generator_fp8_gemm="fp8", device="cuda").generator_fp8_gemm == "fp8"
     assert TrainConfig(generator_fp8="block", generator_fp8_gemm="dequantize").generator_fp8_gemm == "dequantize"
+
+
+def test_the_package_exports_what_a_trainer_of_ones_own_builds_on():
+    import llamarl_core.pipeline as pipeline
+    from llamarl_core.pipeline import learner, scheduler
+
+    assert pipeline.train_step is learner.train_step and pipeline.Scheduler is scheduler.Scheduler
+    assert issubclass(pipeline.RunFolderError, ValueError) and issubclass(pipeline.PipelineError, RuntimeError)
+    assert {"AdvantageFn", "LossFn", "StepHook", "Generator", "StepContext", "StepStats"} <= set(pipeline.__all__)
+    assert all(hasattr(pipeline, name) for name in pipeline.__all__)
 
 
 def test_config_sync_mode_forces_staleness_zero():

@@ -12,21 +12,11 @@ import transformers
 
 from helpers import (CONFIG_KINDS, MODEL_CLASSES, hf_state_dict, local_tensors, mismatches, poisoned_destination,
                      random_placement, small_config)
-from llamarl_core.sync import (
-    Fused,
-    FusedPart,
-    Layout,
-    ParamSpec,
-    Replicate,
-    Shard,
-    hf_llama_fsdp,
-    plan_transfer,
-    reference_fsdp_shards,
-    reference_vllm_tp_shards,
-    vllm_llama_tp,
-)
+from llamarl_core.sync import Fused, Layout, ParamSpec, Replicate, Shard, plan_transfer
+from llamarl_core.sync.layout import FusedPart
 from llamarl_core.sync.plan import bipartite_rounds
-from llamarl_core.sync.reference import reference_vllm_fp8_shards
+from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
+from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_fp8_shards, reference_vllm_tp_shards
 
 
 @pytest.mark.parametrize("kind", CONFIG_KINDS)

@@ -22,7 +22,8 @@ from llamarl_core.models.checkpoint import ModelSource
 from llamarl_core.pipeline import RolloutEngine, Sample
 from llamarl_core.pipeline.arithmetic import arithmetic_problems
 from llamarl_core.pipeline.data import ModelTokenizer
-from llamarl_core.sync import WeightReceiver, fsdp_sender, vllm_llama_tp
+from llamarl_core.sync import WeightReceiver, module_sender
+from llamarl_core.sync.presets import vllm_llama_tp
 from test_pipeline import llamarl, read_metrics, train_error
 
 SMOLLM2 = Path(os.environ.get("LLAMARL_SMOLLM2", Path(__file__).parents[1] / "models" / "SmolLM2-135M-Instruct"))
@@ -62,7 +63,7 @@ def test_generator_after_the_first_sync_equals_transformers(smollm2):
 
     thread = threading.Thread(target=receive)
     thread.start()
-    with fsdp_sender(client(), hf, 0, 1, name="smollm2", timeout=60) as sender:
+    with module_sender(client(), hf, 0, 1, name="smollm2", timeout=60) as sender:
         sender.send(1)
     thread.join(timeout=60)
     assert landed == {"version": 1}

@@ -29,19 +29,10 @@ from helpers import (
     start_rank,
     store_client,
 )
-from llamarl_core.sync import (
-    RelayError,
-    SyncError,
-    SyncTimeoutError,
-    TornWeightsError,
-    WeightReceiver,
-    WeightSender,
-    abandon_receivers,
-    hf_llama_fsdp,
-    reference_fsdp_shards,
-    reference_vllm_tp_shards,
-    vllm_llama_tp,
-)
+from llamarl_core.sync import RelayError, SyncError, SyncTimeoutError, TornWeightsError, WeightReceiver, WeightSender
+from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
+from llamarl_core.sync.protocol import abandon_receivers
+from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards
 from llamarl_core.sync import transports
 from llamarl_core.sync.reference import reference_vllm_fp8_shards
 from llamarl_core.sync.transports import choose_transports, device_info

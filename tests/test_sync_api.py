@@ -24,20 +24,11 @@ from helpers import (
     small_config,
     store_client,
 )
-from llamarl_core.sync import (
-    SendHandle,
-    SyncError,
-    SyncTimeoutError,
-    TornWeightsError,
-    WeightReceiver,
-    WeightSender,
-    hf_llama_fsdp,
-    module_sender,
-    reference_fsdp_shards,
-    reference_vllm_tp_shards,
-    vllm_llama_tp,
-)
+from llamarl_core.sync import (SendHandle, SyncError, SyncTimeoutError, TornWeightsError, WeightReceiver, WeightSender,
+                               module_sender)
+from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 from llamarl_core.sync.protocol import Channel
+from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards
 
 CONFIG = small_config("llama_gqa_bias")
 
@@ -505,3 +496,32 @@ def test_an_exception_leaving_the_sender_block_is_reported(store):
     assert isinstance(raised, RuntimeError) and version == 1
     assert isinstance(second, SyncError), second
     assert "sender rank 0 failed: aborted: RuntimeError: the loss is NaN" in str(second)
+
+
+def test_the_package_exports_its_api_and_a_moved_name_still_imports_with_a_warning_naming_its_home():
+    """llamarl_core.sync exports the API a user builds a sync from, each name defined;
+    a name it exported up to 0.1 still imports from it, as the same object as at its
+    new home, with one DeprecationWarning naming that home; any other name is an
+    AttributeError."""
+    import importlib
+    import warnings
+
+    import llamarl_core.sync as sync
+
+    assert len(sync.__all__) == len(set(sync.__all__)) <= 20
+    assert all(getattr(sync, name) is not None for name in sync.__all__)
+    assert not set(sync.__all__) & set(sync.MOVED)
+    for name, (module, new) in sync.MOVED.items():
+        sync._warned.discard(name)
+        with pytest.warns(DeprecationWarning, match=rf"llamarl_core\.sync\.{name} is now {re.escape(module)}\.{new};"):
+            moved = getattr(sync, name)
+        assert moved is getattr(importlib.import_module(module), new)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert getattr(sync, name) is moved  # once a name
+    with pytest.warns(DeprecationWarning, match="module_sender"):
+        sync._warned.discard("fsdp_sender")
+        from llamarl_core.sync import fsdp_sender
+    assert fsdp_sender is module_sender
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        sync.no_such_name  # noqa: B018

@@ -70,7 +70,8 @@ PRESET_KINDS = ("llama", "qwen2_tied")
 def assert_preset_equals_derived(kind: str, trainer: Layout, derived: Layout) -> None:
     """The Llama-family preset of the engine's config and the layout derived from
     vLLM's loaders land random trainer shards identically, bit for bit."""
-    from llamarl_core.sync import plan_transfer, vllm_llama_tp
+    from llamarl_core.sync import plan_transfer
+    from llamarl_core.sync.presets import vllm_llama_tp
 
     preset = vllm_llama_tp(tiny_config(kind), derived.world_size, torch.float32)
     assert set(preset.params) == set(derived.params)
@@ -96,7 +97,7 @@ def sync_from_trainer(host: EngineProcess, store, kind: str, world: int, version
     from transformers import AutoModelForCausalLM
 
     from llamarl_core.integrations.vllm import ddma_init_info
-    from llamarl_core.sync import fsdp_layout
+    from llamarl_core.sync.live import fsdp_layout
 
     jobs = [(trainer_rank, dict(port=store.port, rank=r, world=world, kind=kind, seed=seed, versions=versions,
                                 name=name, **trainer_kwargs)) for r in range(world)]
@@ -179,7 +180,7 @@ def test_trainer_killed_mid_sync_keeps_last_version(llama_engine, store):
     have landed): update_weights raises within its timeout, the engine keeps
     generating with version 1, and a new trainer's version then lands whole."""
     from llamarl_core.integrations.vllm import ddma_init_info
-    from llamarl_core.sync import hf_llama_fsdp
+    from llamarl_core.sync.presets import hf_llama_fsdp
 
     kind, name = "llama", "llama-killed"  # the engine-side path is the same for every config
     engine = llama_engine
@@ -220,7 +221,7 @@ def test_mismatched_trainer_refused_before_connecting(llama_engine, store, chang
     """A trainer whose config differs from the engine's: init_weight_transfer_engine
     raises naming the parameter, before it connects (no trainer runs at all)."""
     from llamarl_core.integrations.vllm import ddma_init_info
-    from llamarl_core.sync import hf_llama_fsdp
+    from llamarl_core.sync.presets import hf_llama_fsdp
 
     engine, config = llama_engine, tiny_config("llama")
     for key, value in change.items():
@@ -240,7 +241,7 @@ def test_parameter_the_engine_computes_after_loading_refused(store, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from llamarl_core.integrations.vllm import ddma_init_info
-    from llamarl_core.sync import fsdp_layout
+    from llamarl_core.sync.live import fsdp_layout
 
     path = tmp_path / "deepseek_v2"
     tiny_config("deepseek_v2").save_pretrained(path)
@@ -271,7 +272,7 @@ def test_fp8_destinations_derived_with_their_scales(granularity):
     rank 1): the granularity is read off the scales and the live model passes the
     check; one weight without its scale is refused, naming it, before any sync."""
     from llamarl_core.integrations.vllm.engine import check_live_model, fp8_granularity
-    from llamarl_core.sync import vllm_llama_tp
+    from llamarl_core.sync.presets import vllm_llama_tp
 
     layout = vllm_llama_tp(tiny_config("llama"), 2, torch.bfloat16, fp8=granularity)
     live = {name: (torch.zeros(shape, dtype=dtype), shape)

@@ -55,14 +55,14 @@ def trainer_rank(port: int, rank: int, world: int, kind: str, seed: int, version
                  die_before_send: int | None = None, send_after: dict[int, str] | None = None,
                  timeout_s: float = 60.0) -> list[dict] | None:
     """One FSDP2 trainer rank (world > 1: fully_shard over gloo): registers its shards
-    with fsdp_sender, sends each version (an AdamW step on a random batch between
+    with module_sender, sends each version (an AdamW step on a random batch between
     versions, and a forward with no backward just before each send), and returns
     the full state dict of every version sent (rank 0).
     die_before_send: the index of a send this rank never makes (it exits at once).
     send_after: send index -> a Store key to wait for before that version's step."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from llamarl_core.sync import fsdp_sender
+    from llamarl_core.sync import module_sender
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
@@ -82,7 +82,7 @@ def trainer_rank(port: int, rank: int, world: int, kind: str, seed: int, version
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     states = []
     try:
-        with fsdp_sender(store, model, rank, world, name=name, timeout=timeout_s) as sender:
+        with module_sender(store, model, rank, world, name=name, timeout=timeout_s) as sender:
             for i, version in enumerate(versions):
                 if i in (send_after or {}):
                     store.wait([send_after[i]], datetime.timedelta(seconds=timeout_s))

@@ -27,7 +27,8 @@ import torch
 from ..auth import refused_count
 from ..models.checkpoint import check_generator_config
 from ..spelling import names_flags, option
-from ..sync import abandon_receivers, vllm_llama_tp
+from ..sync.presets import vllm_llama_tp
+from ..sync.protocol import abandon_receivers
 from .config import PLUGIN_FIELDS, TrainConfig
 from .data import RunData
 from .executors import (

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from ..auth import AuthenticatedStore, refused_count
 from ..models.sharded import NotByName, copy_shards, empty_model, init_random, load_shards
 from ..spelling import set_spelling
-from ..sync import StaleReceiveError, SyncError, fsdp_sender
+from ..sync import StaleReceiveError, SyncError, module_sender
 from ..sync.protocol import relay_name
 from ..sync.transports import host_identity
 from .config import TrainConfig
@@ -540,8 +540,8 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
     def connect(generator: int):
         """This rank's sender to generator incarnation `generator` (its own Store namespace);
         set-up waits as long as a generator may take to start, each send sync_timeout_s."""
-        return fsdp_sender(store, model, rank, world, name=sync_name_of(generator), timeout=config.timeout_s,
-                           num_threads=1, secret=link.secret)
+        return module_sender(store, model, rank, world, name=sync_name_of(generator), timeout=config.timeout_s,
+                             num_threads=1, secret=link.secret)
 
     if step == 0 and data.supervised_warmup:
         start = time.monotonic()

@@ -1,40 +1,79 @@
 """DDMA weight sync: trainer shards straight into the generator's parameter storage.
 
+    from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
     src = hf_llama_fsdp(config, world_size=2, dtype=torch.float32)   # trainer
     dst = vllm_llama_tp(config, tp_size=2, dtype=torch.bfloat16)     # generator
     plan = plan_transfer(src, dst)          # validated once; plan.summary()
     plan.execute_local(src_shards, dst_shards)                      # one process
 
 A trainer's layout is read off the live model: `module_layout(model, world)`
-(any family, FSDP2 / TP / HSDP DTensors or a plain model), `fsdp_layout(model,
-world, dtype)` before sharding; `module_sender(store, model, rank, world)`
-(alias `fsdp_sender`) sends its shards in place, `module_receiver(store, model,
-rank, world)` receives into a generator model's own parameters.
+(any family, FSDP2 / TP / HSDP DTensors or a plain model); `module_sender(store,
+model, rank, world)` sends its shards in place, `module_receiver(store, model,
+rank, world)` receives into a generator model's own parameters. A layout by
+hand: `Layout` of `ParamSpec`s, each placed by `Shard`, `Replicate`, `Fused` or
+`Explicit`.
 
 Across processes: `WeightSender(store, src, rank, shards).send(version)` on each
 trainer rank, `WeightReceiver(store, dst, rank, params).receive()` on each
 generator rank (see receiver.py for the handshake, versions, timeouts and torn
 weights); `send(version, wait=False)` returns a SendHandle, `receiver.pending()`
-says whether a version waits. Modules: protocol.py (the Store keys and the
-decisions on them), endpoint.py (the set-up both sides share), sender.py,
-receiver.py and relay.py (generator replicas).
+says whether a version waits. Every rank of a sync holds the same secret
+(`new_secret()`, handed to each rank as the run hands it: an argument or
+LLAMARL_SECRET).
+
+Beside this package's names, its modules: presets.py (the Llama family's
+trainer and vLLM layouts without a model), reference.py (the shards a sync must
+land, computed the slow way: test oracles), live.py (layouts of live modules:
+`fsdp_layout` of a model before sharding, `checkpoint_views`), layout.py and
+plan.py (fragments, segments: how a plan is made), protocol.py (the Store keys
+and the decisions on them), endpoint.py (the set-up both sides share),
+sender.py, receiver.py and relay.py (generator replicas).
 """
 
+from __future__ import annotations
+
+import importlib
+import warnings
+
+from ..auth import new_secret
 from .errors import RelayError, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
-from .protocol import abandon_receivers
+from .layout import Explicit, Fused, Layout, ParamSpec, Replicate, Shard
+from .live import module_layout, module_receiver, module_sender
+from .plan import TransferPlan, plan_transfer
 from .receiver import WeightReceiver
 from .sender import SendHandle, WeightSender
-from .live import (ModuleReceiver, ModuleSender, checkpoint_views, fsdp_layout, fsdp_sender, local_shard, module_layout,
-                   module_receiver, module_sender)
-from .layout import Explicit, Fragment, Fused, FusedPart, Layout, ParamSpec, Replicate, Shard
-from .plan import DEFAULT_BUCKET_BYTES, Segment, TransferPlan, plan_transfer
-from .presets import hf_llama_fsdp, hf_llama_shapes, vllm_llama_tp
-from .reference import reference_fsdp_shards, reference_vllm_tp_shards
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "Explicit", "Fragment", "Fused", "FusedPart", "Layout", "ParamSpec", "Replicate", "Segment",
-    "RelayError", "SendHandle", "Shard", "StaleReceiveError", "SyncError", "SyncTimeoutError", "TornWeightsError", "TransferPlan", "WeightReceiver",
-    "WeightSender", "abandon_receivers", "ModuleReceiver", "ModuleSender", "checkpoint_views", "fsdp_layout", "module_layout",
-    "module_receiver", "module_sender", "fsdp_sender", "hf_llama_fsdp", "local_shard", "hf_llama_shapes", "plan_transfer", "reference_fsdp_shards",
-    "reference_vllm_tp_shards", "vllm_llama_tp",
+    "Explicit", "Fused", "Layout", "ParamSpec", "Replicate", "Shard",
+    "module_layout", "module_receiver", "module_sender", "TransferPlan", "plan_transfer",
+    "SendHandle", "WeightReceiver", "WeightSender", "new_secret",
+    "RelayError", "StaleReceiveError", "SyncError", "SyncTimeoutError", "TornWeightsError",
 ]
+
+# Names this package exported up to 0.1, importable from here for one more release:
+# {name: (its module, its name there)}.
+MOVED = {
+    **{name: ("llamarl_core.sync.presets", name) for name in ("hf_llama_fsdp", "hf_llama_shapes", "vllm_llama_tp")},
+    **{name: ("llamarl_core.sync.reference", name) for name in ("reference_fsdp_shards", "reference_vllm_tp_shards")},
+    **{name: ("llamarl_core.sync.live", name)
+       for name in ("fsdp_layout", "local_shard", "checkpoint_views", "ModuleReceiver", "ModuleSender")},
+    "fsdp_sender": ("llamarl_core.sync.live", "module_sender"),
+    "Fragment": ("llamarl_core.sync.layout", "Fragment"),
+    "FusedPart": ("llamarl_core.sync.layout", "FusedPart"),
+    "DEFAULT_BUCKET_BYTES": ("llamarl_core.sync.plan", "DEFAULT_BUCKET_BYTES"),
+    "Segment": ("llamarl_core.sync.plan", "Segment"),
+    "abandon_receivers": ("llamarl_core.sync.protocol", "abandon_receivers"),
+}
+_warned: set[str] = set()
+
+
+def __getattr__(name: str):
+    """A name of MOVED, with a DeprecationWarning naming its home (once a name)."""
+    if name not in MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, new = MOVED[name]
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"llamarl_core.sync.{name} is now {module}.{new}; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), new)

@@ -19,9 +19,9 @@ DDP and torch.compile wrappers are looked through, FSDP1 is refused, and FSDP2
 modules are resharded before their shards are read (FSDP2 leaves the root
 unsharded after a forward with no backward).
 
-`module_layout(model, world_size)` gives the layout, `module_sender` (alias
-`fsdp_sender`) a WeightSender over the model's local shards, in place, and
-`module_receiver` a WeightReceiver into a generator model's own parameters.
+`module_layout(model, world_size)` gives the layout, `module_sender` a
+WeightSender over the model's local shards, in place, and `module_receiver` a
+WeightReceiver into a generator model's own parameters.
 `fsdp_layout(model, world_size, dtype)` gives the layout `fully_shard` will
 produce, from an unsharded (or meta-device) model, for an engine to plan
 against before any trainer connects.
@@ -461,5 +461,3 @@ def module_receiver(store: dist.Store, model: torch.nn.Module, rank: int, world_
     return ModuleReceiver(store, model, rank, world_size, name=name, transport=transport, timeout=timeout,
                           num_threads=num_threads, replica=replica, num_replicas=num_replicas, secret=secret)
 
-
-fsdp_sender = module_sender

@@ -18,7 +18,7 @@ takes its weights from trainer ranks running `WeightSender`s, straight into its
 own parameters. One sync, with `info = ddma_init_info(...)` built on the trainer:
 
     trainer ranks (each)                     vLLM (the engine's RLHF API)
-    sender = fsdp_sender(store, model, ...)  llm.init_weight_transfer_engine({"init_info": info})
+    sender = module_sender(store, model)     llm.init_weight_transfer_engine({"init_info": info})
     ... optimizer step ...                   (pause generation)
     sender.send(version)                     llm.start_weight_update()
                                              llm.update_weights({"update_info": {"version": version}})
@@ -62,7 +62,7 @@ def ddma_init_info(store_host: str, store_port: int, trainer_layout: Layout, *, 
                    timeout_s: float = DEFAULT_TIMEOUT_S, transport: str = "auto", secret: bytes | None = None) -> dict:
     """The `init_info` of `llm.init_weight_transfer_engine({"init_info": ...})` for
     trainer ranks whose WeightSenders use this Store, layout, name, transport and
-    secret (`fsdp_sender(...).layout` is the layout; secret None: the workers read
+    secret (`module_sender(...).layout` is the layout; secret None: the workers read
     theirs from the environment, see above)."""
     if not isinstance(trainer_layout, Layout):
         raise TypeError(f"trainer_layout must be a llamarl_core.sync.Layout, got {type(trainer_layout).__name__}")

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from ...pipeline.generators import Generator
 from ...pipeline.rollout import Sample, stop_token_set
-from ...sync import SyncTimeoutError, fsdp_layout
+from ...sync import SyncTimeoutError
+from ...sync.live import fsdp_layout
 from . import ddma_init_info
 from .host import share_cores_among_workers
 
