@@ -342,6 +342,7 @@ def test_controller_drops_stale_groups_and_counts_them(tmp_path):
     config = TrainConfig(prompts_per_step=2, samples_per_prompt=2, max_staleness=2)
     ctl = Controller.__new__(Controller)
     ctl.config, ctl.num_replicas, ctl.out = config, 1, tmp_path  # the run folder: its trace.json
+    ctl.data = ctl.on_step = ctl.on_event = None  # read by its recorder, which writes nothing here
     ctl._reset_state()
     ctl.inboxes = {("trainer", 0): _Inbox()}
     ctl.scheduler = Scheduler(config, step=5)

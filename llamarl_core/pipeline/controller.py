@@ -2,7 +2,9 @@
 rollouts (generator -> reward -> trainer) and triggers the DDMA weight syncs. What
 to sample and what to train (the staleness bound included) is decided by its
 Scheduler (scheduler.py). It holds no tensors of the model: only token ids,
-rewards and timings pass through it.
+rewards and timings pass through it. What the run writes as it goes (metrics,
+evaluations, the trace; kept up to the checkpoint on resume) is its
+RunRecorder's (recorder.py).
 
 Step s of the trainer trains the weights of version s on samples whose oldest
 token was sampled with version v >= s - max_staleness (older ones are dropped
@@ -52,23 +54,14 @@ from .messages import Heartbeat, StoreQueue
 from .plugins import check_main_guard
 from .processes import LocalExecutors
 from .replicas import ReplicaSyncs
-from .report import TraceWriter, cpu_times, plot_reward, read_lines, steal_fraction, summarize
+from .recorder import RunRecorder
+from .report import cpu_times, steal_fraction
 from .rewards import check_reward_config
 from .scheduler import Scheduler
 
 EVENT_POLL_S = 0.05
 DEAD_REPORT_S = 1.0  # how long the report of an executor found dead may still take to arrive
 MAX_GENERATOR_RESTARTS = 3
-
-
-def _keep_lines(path: Path, keep) -> list[dict]:
-    """Rewrite the JSON-lines file `path` (if there is one) with only the records
-    `keep` accepts; returns them."""
-    if not path.exists():
-        return []
-    kept = [record for line in path.read_text().splitlines() if line.strip() and keep(record := json.loads(line))]
-    path.write_text("".join(json.dumps(record) + "\n" for record in kept))
-    return kept
 
 
 class PipelineError(RuntimeError):
@@ -264,14 +257,13 @@ class Controller:
             if parent is not None and parent not in lost:  # a new parent feeds it from the start
                 self._tell_replica(parent, "relay", child=replica, incarnation=self.replicas.incarnation[replica])
         if 0 in lost:
-            for version in [v for v, done in self.evals.items() if len(done) < self.data.eval_size]:
-                del self.evals[version]  # lost with replica 0; the re-sync evaluates its own version if due
+            self.recorder.drop_pending_evals()  # lost with replica 0; the re-sync evaluates its own version if due
             self._tell(TRAINER, "reconnect", incarnation=self.replicas.incarnation[0])
             self.resync_pending = True  # the current weights go to the new replica 0 once it is up
 
     # -- event handling ----------------------------------------------------------------
     def _handle(self, role: str, rank: int, kind: str, payload: dict) -> None:
-        self.trace.add([(role, rank, *span) for span in payload.pop("spans", [])])
+        self.recorder.trace.add([(role, rank, *span) for span in payload.pop("spans", [])])
         if "refused" in payload:  # every message but a heartbeat's
             self.refused_by[(role, rank, payload.get("incarnation"))] = payload.pop("refused")
         replica = rank // self.generator_tp if role == GENERATOR else None
@@ -337,7 +329,7 @@ class Controller:
             if train:
                 self.scheduler.add_samples(train)
             if len(train) < len(payload["samples"]):
-                self._evaluated([x for x in payload["samples"] if x.eval])
+                self.recorder.evaluated([x for x in payload["samples"] if x.eval])
         elif kind == "trained":
             self.trained.append(payload)
             if len(self.trained) == self.config.trainer_world:
@@ -391,7 +383,7 @@ class Controller:
         if role == GENERATOR:
             replica = rank // self.generator_tp
             return (self.generating[replica] > 0 or bool(self.replicas.receiving[replica])
-                    or (replica == 0 and self._evals_pending()))
+                    or (replica == 0 and self.recorder.evals_pending()))
         return self.scoring > 0
 
     def _sync_complete(self, version: int) -> None:
@@ -406,7 +398,7 @@ class Controller:
         # replicas' tree; each reports it landed (replicas.py: which replicas a sync includes).
         # An evaluation rides on the sync it evaluates: replica 0 runs it as soon as
         # these weights land, before anything else (a later version cannot overtake it).
-        evaluate = self._eval_prompts(version)
+        evaluate = self.recorder.eval_prompts(version)
         targets = self.replicas.begin(version)
         sync = self.replicas.pending[version]
         for replica, children in targets.items():
@@ -447,45 +439,8 @@ class Controller:
             self.records[s]["hook"] = {key: sum(r["hook"][key] for r in reports if key in r["hook"]) /
                                        sum(key in r["hook"] for r in reports) for key in sorted(hooked)}
         if self.config.log_rollouts:
-            self._log_rollouts(s, samples)
+            self.recorder.rollouts(s, samples)
         self._begin_sync(self.scheduler.step)
-
-    def _log_rollouts(self, step: int, samples: list) -> None:
-        with open(self.out / "rollouts.jsonl", "a") as f:
-            for x in samples:
-                f.write(json.dumps({"step": step, "group": x.group, "prompt": self.data.problem(x.group).prompt,
-                                    "completion": self.data.tokenizer.decode(x.tokens), "reward": x.reward,
-                                    "finished": x.finished, "versions": [min(x.versions), max(x.versions)]}) + "\n")
-
-    def _eval_prompts(self, version: int) -> list | None:
-        """The held-out prompts (index, token ids) the generator completes greedily with
-        weights `version`: every eval_every versions and at the last, once each; else None."""
-        every = self.config.eval_every
-        if not every or (version % every and version != self.config.steps) or version in self.evals \
-                or version <= self.last_evaluated:
-            return None
-        self.evals[version] = []
-        return [(i, self.data.prompt_ids(i, eval=True)) for i in range(self.data.eval_size)]
-
-    def _evaluated(self, samples: list) -> None:
-        version = samples[0].versions[0]
-        done = self.evals.get(version)
-        if done is None:
-            return  # asked of a generator since replaced (its evaluation is asked again)
-        done.extend(samples)
-        if len(done) < self.data.eval_size:
-            return
-        record = {"version": version, "reward": sum(x.reward for x in done) / len(done), "samples": len(done),
-                  "truncated": sum(not x.finished for x in done),
-                  "completion_tokens": sum(len(x.tokens) for x in done) / len(done),
-                  "wall_s": time.monotonic() - self.t0 + self.resumed_wall}
-        # Its samples go: versions only grow (a re-sync evaluates the current one), so the last
-        # version evaluated is all that must be remembered.
-        del self.evals[version]
-        self.last_evaluated = max(self.last_evaluated, version)
-        with open(self.out / "eval.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        self.on_event(f"eval v{version}: greedy reward {record['reward']:.3f} on {len(done)} held-out prompts")
 
     def _finish_step(self, step: int, version: int) -> None:
         now = time.monotonic()
@@ -493,17 +448,11 @@ class Controller:
         # gen_time_s: the replicas' generating seconds since the last step, per replica.
         record.update(step_time_s=now - self.last_step_end, gen_time_s=self.gen_busy / self.num_replicas,
                       sync_time_s=self.sync_seconds.pop(version, 0.0), stall_time_s=self.stall_seconds.pop(version, 0.0),
-                      wall_s=now - self.t0 + self.resumed_wall,
-                      rl_s=now - self.rl_start + self.resumed_rl,
                       # Messages and Store values refused so far (forged, or not parsing), by this process
                       # and every executor, since this run started.
                       forged_messages=refused_count() - self.refused_before + sum(self.refused_by.values()))
         self.gen_busy, self.last_step_end = 0.0, now
-        # Appended and flushed (closed) per step; the run keeps no record in memory (summary.json and
-        # reward.png are made from the file).
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        self.on_step(record)
+        self.recorder.step(record, now)
 
     # -- scheduling --------------------------------------------------------------------
     def _issue_prompts(self) -> None:
@@ -592,19 +541,14 @@ class Controller:
                 self._start_replica(replica)
             self._wait_ready()
             self._loop()
-            summary = summarize(cfg.mode, read_lines(self.out / "metrics.jsonl"),
-                                time.monotonic() - self.t0 + self.resumed_wall,
-                                steal_fraction(self.cpu_before, cpu_times()), read_lines(self.out / "eval.jsonl"))
+            summary = self.recorder.summary(steal_fraction(self.cpu_before, cpu_times()))
             export_policy(self.out, self.data.model_config, self.data.tokenizer, self.out / "model",
                           self.data.model)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             return summary
         finally:
             self._shutdown()
-            self.trace.close()
-            metrics = read_lines(self.out / "metrics.jsonl")
-            if metrics:
-                plot_reward(self.out / "reward.png", {cfg.mode: metrics}, {cfg.mode: read_lines(self.out / "eval.jsonl")})
+            self.recorder.close()
 
     def _next_event(self, deadline_what: str) -> None:
         """Handle the next event, if one comes within EVENT_POLL_S; then check that
@@ -637,24 +581,12 @@ class Controller:
         everyone = self._everyone()
         while not everyone <= self.ready_ranks:
             self._next_event("the executors to start")
-        self.resumed_wall, self.resumed_rl = self._previous_times()
+        self.recorder.start_at(self.scheduler.step)  # a resumed run's records of the steps before its checkpoint kept
         self._begin_sync(self.scheduler.step)  # the trainer's weights (fresh, warmed up or resumed) go to the generator
-        self.last_step_end = self.rl_start = time.monotonic()
-
-    def _previous_times(self) -> tuple[float, float]:
-        """On resume: keep the metrics and rollouts of the steps before the checkpoint
-        (and the evaluations of the versions up to it), drop the rest; returns the
-        (wall, RL) seconds the kept steps took."""
-        step = self.scheduler.step
-        kept = _keep_lines(self.out / "metrics.jsonl", lambda m: m["step"] < step)
-        evaluated = _keep_lines(self.out / "eval.jsonl", lambda e: e["version"] < step)
-        self.last_evaluated = max((e["version"] for e in evaluated), default=-1)
-        _keep_lines(self.out / "rollouts.jsonl", lambda r: r["step"] < step)
-        return (kept[-1]["wall_s"], kept[-1]["rl_s"]) if kept else (0.0, 0.0)
+        self.last_step_end = time.monotonic()
 
     def _reset_state(self) -> None:
-        self.t0 = time.monotonic()
-        self.trace = TraceWriter(self.out / "trace.json", self.t0)  # a new one, also on resume
+        self.recorder = RunRecorder(self.out, self.config, self.data, self.on_step, self.on_event)
         self.ready_ranks: set[tuple[str, int]] = set()
         self.refused_by: dict[tuple, int] = {}  # (role, rank, incarnation) -> the values it refused
         self.refused_before = refused_count()  # this process's, before the run
@@ -672,24 +604,18 @@ class Controller:
         self.checkpoint_due: tuple[int, int] | None = None  # (version, data position): see _begin_sync
         self.scoring = 0  # batches of samples sent to the reward executor and not scored yet
         self.generating = [0] * self.num_replicas  # samples each replica was given and has not returned
-        self.resumed_wall = self.resumed_rl = 0.0
-        self.evals: dict[int, list] = {}  # version -> its evaluated samples so far, until its record is written
-        self.last_evaluated = -1  # the last version whose evaluation was recorded
 
     def _loop(self) -> None:
         cfg = self.config
         # Until the last step's weights have landed (its record written) and its checkpoint is saved.
         while (self.scheduler.step < cfg.steps or self.records or self.replicas.pending or self.checkpointing
-               or self._evals_pending()):
+               or self.recorder.evals_pending()):
             self._next_event(f"trainer step {self.scheduler.step}")
             if self.resync_pending and self.replicas.up[0] and not self.replicas.pending:
                 self.resync_pending = False
                 self._begin_sync(self.scheduler.step)
             self._maybe_train()
             self._issue_prompts()  # after: a batch just handed to the trainer frees room for the next
-
-    def _evals_pending(self) -> bool:
-        return any(len(done) < self.data.eval_size for done in self.evals.values())
 
     def _shutdown(self) -> None:
         for inbox in self.inboxes.values():

@@ -22,7 +22,8 @@ from .plan import DEFAULT_BUCKET_BYTES, check_replicas, relay_tree
 from .protocol import (CLOSED, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderWatch, done_key, relay_name,
                        ticket_closed)
 from .relay import Forwarding
-from .sender import NOTHING_FOLLOWS, WeightSender
+from .sender import WeightSender
+from .stream import NOTHING_FOLLOWS
 from .transports import CUDA_IPC, P2P, SHM, cuda_ipc_handle, share_in_place
 
 # The largest point-to-point bucket of a sync into generator replicas (shared memory

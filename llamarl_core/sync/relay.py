@@ -10,7 +10,8 @@ from contextlib import nullcontext
 import torch
 
 from .errors import SyncTimeoutError
-from .sender import P2PStream, WeightSender
+from .sender import WeightSender
+from .stream import P2PStream
 
 
 class Forwarding:
