@@ -126,7 +126,7 @@ def trend(x: list[float], y: list[float]) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- the pipeline
 
 
-def soak_pipeline(steps: int, every: int, out: Path) -> list[dict]:
+def soak_pipeline(steps: int, every: int, out: Path, checkpoint_every: int) -> list[dict]:
     from llamarl_core.pipeline.config import TrainConfig
     from llamarl_core.pipeline.controller import Controller
 
@@ -138,9 +138,9 @@ def soak_pipeline(steps: int, every: int, out: Path) -> list[dict]:
         sampler.step(record["step"], record["step_time_s"], holder[0].store, {"controller": os.getpid(), **pids},
                      {"gen": record["gen_time_s"], "train": record["train_time_s"], "sync": record["sync_time_s"]})
 
-    # Its defaults, checkpoints every 50 steps included; an evaluation at every sample too.
-    controller = Controller(TrainConfig(steps=steps, eval_every=every), out, on_step=on_step,
-                            on_event=lambda line: None)
+    # Its defaults but for the checkpoints' interval; an evaluation at every sample too.
+    controller = Controller(TrainConfig(steps=steps, eval_every=every, checkpoint_every=checkpoint_every), out,
+                            on_step=on_step, on_event=lambda line: None)
     holder.append(controller)
     summary = controller.run()
     print(f"pipeline: {summary['steps']} steps, reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f}",
@@ -221,6 +221,8 @@ def report(name: str, rows: list[dict], start: int) -> tuple[str, dict]:
 
 
 def main(argv=None) -> int:
+    from llamarl_core.pipeline.config import TrainConfig
+
     parser = argparse.ArgumentParser(prog="llamarl bench soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10_000, help="steps of each loop (default 10000)")
@@ -228,6 +230,8 @@ def main(argv=None) -> int:
     parser.add_argument("--from", dest="start", type=int, default=1_000,
                         help="the first step the verdict compares against (default 1000: after warm-up)")
     parser.add_argument("--only", choices=["pipeline", "sync"], help="run one loop only (default: both)")
+    parser.add_argument("--checkpoint-every", type=int, default=TrainConfig.checkpoint_every,
+                        help=f"the pipeline's checkpoint interval in steps (default {TrainConfig.checkpoint_every})")
     parser.add_argument("--out", type=Path, help="the pipeline run's folder (default: a temporary one)")
     add_output_args(parser)
     args = parser.parse_args(argv)
@@ -240,7 +244,7 @@ def main(argv=None) -> int:
             if args.only not in (None, name):
                 continue
             rows = soak_sync(args.steps, args.every) if name == "sync" else \
-                soak_pipeline(args.steps, args.every, args.out or Path(tmp) / "run")
+                soak_pipeline(args.steps, args.every, args.out or Path(tmp) / "run", args.checkpoint_every)
             body, judged = report(name, rows, args.start)
             bodies.append(body)
             results[name] = {"rows": rows, "verdict": judged}

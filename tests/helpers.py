@@ -222,16 +222,23 @@ def llamarl_here(*args: str) -> subprocess.CompletedProcess:
     run). Run from the root folder as the subprocess runs were, sys.path restored
     after (cli.main appends the working folder). What the executors print goes to
     the forkserver's output, not here: a test of that output, or of the process's
-    own end, runs the command."""
+    own end, runs the command. An exception the command raises (a bug, the test's
+    timeout) goes on with what the command printed as a note; a Ctrl-C, which the
+    command turns into its "interrupted" line, is raised as KeyboardInterrupt."""
     out, err = io.StringIO(), io.StringIO()
     cwd, path = os.getcwd(), list(sys.path)
     os.chdir("/")
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = cli.exit_status(lambda: cli.main(list(args)))
+    except BaseException as exc:
+        exc.add_note(f"llamarl {' '.join(args)} printed:\n{out.getvalue()[-3000:]}\n{err.getvalue()[-3000:]}")
+        raise
     finally:
         os.chdir(cwd)
         sys.path[:] = path
+    if code and ": interrupted; " in err.getvalue():
+        raise KeyboardInterrupt(err.getvalue().strip().splitlines()[-1])
     return subprocess.CompletedProcess(["llamarl", *args], code, out.getvalue(), err.getvalue())
 
 

@@ -19,14 +19,14 @@ RUN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 def test_soak_keeps_the_store_files_and_threads_flat(tmp_path):
-    """150 steps of the default pipeline (a checkpoint and an evaluation every 50)
-    and 150 syncs, sampled every 50 steps: from the first sample to the last the
+    """150 steps of the default pipeline (a checkpoint every 25, an evaluation every
+    50) and 150 syncs, sampled every 50 steps: from the first sample to the last the
     Store holds the same keys (2 of slack: messages in flight), and no process gains
     a file descriptor or a thread (1 of slack). Before ticket keys were deleted, the
     sync alone left 3 keys per version (300 more here)."""
     done = subprocess.run([sys.executable, "-m", "llamarl_core.bench.bench_soak", "--steps", "150", "--every", "50",
-                           "--from", "50", "--json", "--out", str(tmp_path / "run")], capture_output=True, text=True,
-                          timeout=600, env=RUN_ENV, cwd=tmp_path)
+                           "--from", "50", "--checkpoint-every", "25", "--json", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=600, env=RUN_ENV, cwd=tmp_path)
     results = json.loads(done.stdout.splitlines()[-1]) if done.stdout.strip() else None
     assert results is not None, done.stderr[-3000:]
     for loop in ("sync", "pipeline"):

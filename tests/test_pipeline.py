@@ -385,8 +385,9 @@ def llamarl(*args):
 
 
 def llamarl_command(*args, timeout=240):
-    """`llamarl train ARGS` as a command of its own (RUN_ENV): for a run whose executors
-    quantize FP8 every step, which Triton's interpreter would do 3x slower."""
+    """`llamarl train ARGS` as a command of its own (RUN_ENV): for a test of the process's
+    own exit, and for a run whose executors quantize FP8 every step, which Triton's
+    interpreter would do 3x slower."""
     return subprocess.run([*TRAIN, *args], check=False, capture_output=True, text=True, timeout=timeout, cwd="/",
                           env=RUN_ENV)
 
@@ -588,8 +589,8 @@ def test_tensor_parallel_generator_runs_past_a_pipe_of_commands(tmp_path):
     after 22 steps, and the controller hung at exit flushing it. 30 steps put 86 KB of
     commands through rank 0 here (measured)."""
     out = tmp_path / "tp2"
-    proc = llamarl("--generator-tp", "2", "--steps", "30", "--prompts-per-step", "96", "--samples-per-prompt", "2",
-                   "--warmup-steps", "0", "--checkpoint-every", "30", "--quiet", "--out", str(out))
+    proc = llamarl_command("--generator-tp", "2", "--steps", "30", "--prompts-per-step", "96", "--samples-per-prompt",
+                           "2", "--warmup-steps", "0", "--checkpoint-every", "30", "--quiet", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(read_metrics(out)) == 30
 

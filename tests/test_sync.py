@@ -815,7 +815,9 @@ _RECEIVER_ON_SMALL_DEV_SHM = """
 import datetime, json, os, threading
 import torch, torch.distributed as dist
 from helpers import hf_state_dict, poisoned_destination, small_config
-from llamarl_core.sync import SyncError, WeightReceiver, WeightSender, hf_llama_fsdp, reference_fsdp_shards, vllm_llama_tp
+from llamarl_core.sync import SyncError, WeightReceiver, WeightSender
+from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
+from llamarl_core.sync.reference import reference_fsdp_shards
 
 config = small_config("llama_tied")
 layout = vllm_llama_tp(config, 1, torch.float32)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from helpers import llamarl_here, run_processes
+from helpers import run_processes
 from llamarl_core import auth
 from llamarl_core.integrations.vllm.host import EngineError, EngineProcess
 from llamarl_core.sync import Layout
@@ -349,9 +349,12 @@ def test_train_qwen3_moe_with_vllm_generator(tmp_path):
                               num_hidden_layers=2, moe_intermediate_size=32, num_experts=3, num_experts_per_tok=2,
                               decoder_sparse_step=1, max_position_embeddings=128, initializer_range=0.1)
     out = tmp_path / "run"
-    proc = llamarl_here("train", "--generator", "vllm", "--model", str(model), "--steps", "20", "--prompts-per-step",
-                        "4", "--samples-per-prompt", "4", "--max-staleness", "1", "--quiet", "--eval-every", "10",
-                        "--eval-size", "4", "--out", str(out))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--generator", "vllm", "--model",
+                           str(model), "--steps", "20", "--prompts-per-step", "4", "--samples-per-prompt", "4",
+                           "--max-staleness", "1", "--quiet", "--eval-every", "10", "--eval-size", "4",
+                           "--out", str(out)],
+                          capture_output=True, text=True, timeout=400, cwd="/", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(20))

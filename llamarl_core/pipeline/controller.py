@@ -448,11 +448,12 @@ class Controller:
         # gen_time_s: the replicas' generating seconds since the last step, per replica.
         record.update(step_time_s=now - self.last_step_end, gen_time_s=self.gen_busy / self.num_replicas,
                       sync_time_s=self.sync_seconds.pop(version, 0.0), stall_time_s=self.stall_seconds.pop(version, 0.0),
+                      **self.recorder.clocks(now),
                       # Messages and Store values refused so far (forged, or not parsing), by this process
                       # and every executor, since this run started.
                       forged_messages=refused_count() - self.refused_before + sum(self.refused_by.values()))
         self.gen_busy, self.last_step_end = 0.0, now
-        self.recorder.step(record, now)
+        self.recorder.step(record)
 
     # -- scheduling --------------------------------------------------------------------
     def _issue_prompts(self) -> None:
@@ -581,9 +582,10 @@ class Controller:
         everyone = self._everyone()
         while not everyone <= self.ready_ranks:
             self._next_event("the executors to start")
-        self.recorder.start_at(self.scheduler.step)  # a resumed run's records of the steps before its checkpoint kept
+        self.recorder.keep_until(self.scheduler.step)  # a resumed run's records of the steps before its checkpoint
         self._begin_sync(self.scheduler.step)  # the trainer's weights (fresh, warmed up or resumed) go to the generator
         self.last_step_end = time.monotonic()
+        self.recorder.rl_started(self.last_step_end)
 
     def _reset_state(self) -> None:
         self.recorder = RunRecorder(self.out, self.config, self.data, self.on_step, self.on_event)

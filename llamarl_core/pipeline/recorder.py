@@ -50,23 +50,30 @@ class RunRecorder:
         self.evals: dict[int, list] = {}  # version -> its evaluated samples so far, until its record is written
         self.last_evaluated = -1  # the last version whose evaluation was recorded
 
-    def start_at(self, step: int) -> None:
+    def keep_until(self, step: int) -> None:
         """RL starts (or goes on) at `step`: the metrics and rollouts of the steps
         before it are kept, and the evaluations of the versions before it, the rest
-        dropped; the RL clock starts now."""
+        dropped (a fresh run's files: nothing)."""
         kept = _keep_lines(self.out / "metrics.jsonl", lambda m: m["step"] < step)
         evaluated = _keep_lines(self.out / "eval.jsonl", lambda e: e["version"] < step)
         _keep_lines(self.out / "rollouts.jsonl", lambda r: r["step"] < step)
         self.last_evaluated = max((e["version"] for e in evaluated), default=-1)
         self.resumed_wall, self.resumed_rl = (kept[-1]["wall_s"], kept[-1]["rl_s"]) if kept else (0.0, 0.0)
-        self.rl_start = time.monotonic()
+
+    def rl_started(self, now: float) -> None:
+        """RL's clock starts at `now` (the first sync begun)."""
+        self.rl_start = now
 
     def wall_s(self, now: float) -> float:
         return now - self.t0 + self.resumed_wall
 
-    def step(self, record: dict, now: float) -> None:
-        """Append a step's record, with its clocks at `now` (wall_s, rl_s)."""
-        record.update(wall_s=self.wall_s(now), rl_s=now - self.rl_start + self.resumed_rl)
+    def clocks(self, now: float) -> dict:
+        """A step record's clocks at `now`: wall_s (since the run first started) and rl_s
+        (since its first sync), the kept steps' seconds included."""
+        return {"wall_s": self.wall_s(now), "rl_s": now - self.rl_start + self.resumed_rl}
+
+    def step(self, record: dict) -> None:
+        """Append a step's record."""
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         self.on_step(record)

