@@ -58,7 +58,8 @@ import torch.multiprocessing  # noqa: F401  (tensors through the mp_shared peer'
 
 from llamarl_core import forkserver
 from llamarl_core.sync import WeightReceiver, WeightSender, plan_transfer
-from llamarl_core.sync.presets import hf_llama_fsdp, hf_llama_shapes, vllm_llama_tp
+from llamarl_core.models.llama_family import hf_llama_shapes
+from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 
 from llamarl_core.bench.harness import add_model_args, add_output_args, emit, record, share_secret, summarize, table
 from llamarl_core.cli import HelpFormatter

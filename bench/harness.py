@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import llamarl_core
-from llamarl_core.auth import SECRET_ENV, new_secret
+from llamarl_core.control.auth import SECRET_ENV, new_secret
 
 
 def share_secret() -> None:

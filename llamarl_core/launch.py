@@ -36,7 +36,7 @@ import datetime
 import os
 import sys
 
-from .auth import SECRET_ENV, SECRET_FILE_ENV, secret_from_env
+from .control.auth import SECRET_ENV, SECRET_FILE_ENV, secret_from_env
 from .spelling import use_flags
 
 USAGE = ("usage: torchrun [torchrun options] -m llamarl_core.launch train [--placement SPEC] [llamarl train options]\n"
@@ -123,7 +123,7 @@ def _control(store, world: int, controller: int, spec: str | None, train_argv: l
     """The controller's rank: `llamarl train` with the job's other ranks as executors."""
     import torch.distributed as dist
 
-    from .pipeline.messages import Heartbeat, StoreQueue
+    from .control import Heartbeat, StoreQueue
     from .pipeline.placement import Placement
     from .pipeline.processes import LaunchedExecutors, assignment_queue
     from .pipeline.train_cli import main as train_main
@@ -158,7 +158,7 @@ def _serve(store, rank: int, controller: int, secret: bytes) -> int:
     import torch.distributed as dist
 
     from .pipeline.executors import run_executor
-    from .pipeline.messages import Heartbeat, HeartbeatWatch, QueueClosed, StoreQueue
+    from .control import Heartbeat, HeartbeatWatch, QueueClosed, StoreQueue
     from .pipeline.processes import assignment_queue, rank_beat, run_secret
 
     assignments = StoreQueue(store, assignment_queue(rank), secret)

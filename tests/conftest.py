@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from llamarl_core.auth import SECRET_ENV, new_secret
+from llamarl_core.control.auth import SECRET_ENV, new_secret
 
 # The weight syncs authenticate their Store values with a secret (auth.py): the tests'
 # processes, and the workers they start, share one through the environment, as a

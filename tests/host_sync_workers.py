@@ -21,7 +21,7 @@ from helpers import hf_state_dict, mismatches, poisoned_destination, small_confi
 from llamarl_core.sync import SyncError, WeightReceiver, WeightSender
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards
-from llamarl_core.sync.transports import host_identity
+from llamarl_core.control.hosts import host_identity
 
 TIMEOUT_S = 60
 

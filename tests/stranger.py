@@ -26,8 +26,8 @@ import time
 
 import torch.distributed as dist
 
-from llamarl_core import auth
-from llamarl_core.pipeline import wire
+from llamarl_core.control import auth
+from llamarl_core.control import wire
 
 ROLES = ("reward", "trainer", "generator")
 

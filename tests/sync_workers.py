@@ -457,7 +457,7 @@ def fp8_memory_receiver_body(port: int, device: str = "cpu", transport: str = FP
     tensors and the staging buffers hold, and the mismatches of version 2
     against ops.fp8's reference."""
     from llamarl_core.ops.fp8 import quantize_fp8_ref
-    from llamarl_core.sync.layout import fp8_scale_name
+    from llamarl_core.ops.fp8_format import fp8_scale_name
 
     torch.set_num_threads(1)
     _, dst = _fp8_memory_layouts()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from llamarl_core import auth
+from llamarl_core.control import auth
 
 HERE = Path(__file__).parent
 RUN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -100,6 +100,18 @@ def test_secret_from_the_environment(tmp_path):
         auth.secret_from_env({auth.SECRET_ENV: secret.hex(), auth.SECRET_FILE_ENV: str(path)})
     # Derived run secrets: one per namespace, none equal to the job's.
     assert len({auth.derive(secret, "llamarl/run/a/"), auth.derive(secret, "llamarl/run/b/"), secret}) == 3
+
+
+def test_the_old_auth_module_still_serves_its_names_with_a_warning_naming_their_home():
+    """llamarl_core.auth moved into the control plane's package: its names still
+    import from the old module for one release, the same objects, each use warning."""
+    import llamarl_core.auth as old
+
+    for name in ("new_secret", "secret_from_env", "SECRET_ENV", "AuthenticatedStore", "sign", "verify"):
+        with pytest.warns(DeprecationWarning, match=rf"llamarl_core\.auth\.{name} is now llamarl_core\.control\.auth\.{name};"):
+            assert getattr(old, name) is getattr(auth, name)
+    with pytest.raises(AttributeError, match="has no attribute '_tag'"):
+        old._tag  # noqa: B018
 
 
 def test_launch_without_a_secret_says_how_to_make_one(tmp_path):

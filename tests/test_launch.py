@@ -19,7 +19,7 @@ from pathlib import Path
 
 from netns_hosts import netns_hosts  # noqa: F401 (pytest fixture)
 
-from llamarl_core import auth
+from llamarl_core.control import auth
 
 # The executors run the CPU paths of the kernels, as a user's run here does; every rank
 # gets the job's secret from its environment, as the launcher's docstring says.

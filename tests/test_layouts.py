@@ -177,7 +177,7 @@ def test_llama_presets_and_generator_refuse_other_families(kind, named):
 def test_llama_presets_refuse_fields_they_have_no_place_for():
     from types import SimpleNamespace
 
-    from llamarl_core.sync.presets import hf_llama_shapes
+    from llamarl_core.models.llama_family import hf_llama_shapes
 
     config = SimpleNamespace(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                              vocab_size=10, num_local_experts=4)

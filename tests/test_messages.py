@@ -1,5 +1,5 @@
 """Controller <-> executor messages over a torch.distributed Store
-(llamarl_core.pipeline.messages): order per producer and nothing lost or repeated
+(llamarl_core.control): order per producer and nothing lost or repeated
 under random interleavings of producers and the consumer, a slot whose producer
 died is skipped (and a late one is not), a Store that goes away is reported, and
 the heartbeat tells a live process from a gone one. What a stranger writes into a
@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from helpers import set_in_store
-from llamarl_core import auth
-from llamarl_core.pipeline import messages, wire
-from llamarl_core.pipeline.messages import Heartbeat, HeartbeatWatch, QueueClosed, StoreQueue
+from llamarl_core.control import auth
+from llamarl_core.control import queues, wire
+from llamarl_core.control import Heartbeat, HeartbeatWatch, QueueClosed, StoreQueue
 from llamarl_core.pipeline.rollout import Sample
 
 ROUNDS = 200
@@ -109,7 +109,7 @@ def test_a_stalled_producer_writes_again_after_the_tombstone(store, monkeypatch)
     """A producer stalled between numbering and writing for longer than LOST_SLOT_S:
     its slot has been given up (tombstone), so its message goes under a new number
     and arrives after the others; nothing is lost."""
-    monkeypatch.setattr(messages, "LOST_SLOT_S", 0.3)
+    monkeypatch.setattr(queues, "LOST_SLOT_S", 0.3)
     queue = StoreQueue(store, "stalled", SECRET)
     stalled = StoreQueue(store, "stalled", SECRET)
     raw = stalled._store  # the queue's namespace, on the stalled producer's connection
@@ -120,7 +120,7 @@ def test_a_stalled_producer_writes_again_after_the_tombstone(store, monkeypatch)
         got = queue.get(0.1)
     assert got == "other"
     # The stalled producer wakes and writes its slot as put() does: the tombstone answers.
-    assert raw.compare_set(str(taken), "", b"late") == messages._TOMBSTONE
+    assert raw.compare_set(str(taken), "", b"late") == queues._TOMBSTONE
     stalled.put("late")  # the protocol's retry: a new number
     assert queue.get(5) == "late"
 
@@ -128,7 +128,7 @@ def test_a_stalled_producer_writes_again_after_the_tombstone(store, monkeypatch)
 def test_a_late_message_is_not_skipped(store, monkeypatch):
     """A slot written late (its producer slow, not dead) is read, never replaced by
     the tombstone: compare_set writes only into an empty slot."""
-    monkeypatch.setattr(messages, "LOST_SLOT_S", 0.3)
+    monkeypatch.setattr(queues, "LOST_SLOT_S", 0.3)
     queue = StoreQueue(store, "late", SECRET)
     raw = dist.PrefixStore("llamarl/queue/late/", store)
     number = raw.add("tail", 1)
@@ -361,3 +361,28 @@ def test_wire_decode_refuses_anything_else_with_wire_error(tmp_path):
         except wire.WireError:
             pass
     assert not (tmp_path / "y").exists()
+
+
+def test_wire_carries_only_registered_dataclasses_and_a_name_is_held_by_one_class():
+    """A dataclass travels once its module registered it (the pipeline's Sample);
+    another, or a second class under a registered name, is refused."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Unregistered:
+        x: int
+
+    with pytest.raises(TypeError, match="Unregistered"):
+        wire.encode(("x", Unregistered(1)))
+    assert wire.register(Sample) is Sample  # again: the same class, accepted
+
+    @dataclasses.dataclass
+    class Sample2:
+        x: int
+
+    Sample2.__name__ = "Sample"
+    with pytest.raises(ValueError, match="the name 'Sample' is llamarl_core.pipeline.rollout.Sample's"):
+        wire.register(Sample2)
+    with pytest.raises(ValueError, match="takes a dataclass"):
+        wire.register(int)
+    assert wire.DATACLASSES["Sample"] is Sample

@@ -532,9 +532,9 @@ def test_heartbeat_reports_while_working_and_stops_after(tmp_path):
     import torch.distributed as dist
 
     from llamarl_core.pipeline.executors import EVENTS, Link
-    from llamarl_core.pipeline.messages import StoreQueue
+    from llamarl_core.control import StoreQueue
 
-    from llamarl_core.auth import new_secret
+    from llamarl_core.control.auth import new_secret
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     secret = new_secret()

@@ -385,7 +385,7 @@ def test_random_fp8_plans_quantize_as_the_destination_groups_say(monkeypatch):
     the groups the plan says senders share are exactly those two senders touch.
     The quantization runs on ops.fp8's torch path (its Triton kernels against the
     same reference: test_fp8.py): this is about the groups and who sends what."""
-    from llamarl_core.sync.layout import fp8_scale_name
+    from llamarl_core.ops.fp8_format import fp8_scale_name
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     rng = random.Random(7)
@@ -416,7 +416,7 @@ def test_fp8_replicas_relay_their_weights_and_scales_byte_for_byte(monkeypatch):
     to the first, padding rows untouched; rows two destination ranks hold are
     copied from each rank's own. A replica's layout into any other layout is
     refused, naming the FP8 parameter."""
-    from llamarl_core.sync.layout import fp8_scale_name
+    from llamarl_core.ops.fp8_format import fp8_scale_name
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     rng = random.Random(11)

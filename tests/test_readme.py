@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from llamarl_core import auth
+from llamarl_core.control import auth
 
 ROOT = Path(__file__).parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from helpers import hf_state_dict, in_threads, mismatches, poisoned_destination, set_in_store, small_config, store_client
-from llamarl_core import auth
+from llamarl_core.control import auth
 from llamarl_core.sync import SyncError, SyncTimeoutError, WeightReceiver, WeightSender
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards

@@ -23,7 +23,7 @@ requests = pytest.importorskip("requests")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("vllm")
 
-from llamarl_core.auth import SECRET_ENV, new_secret  # noqa: E402
+from llamarl_core.control.auth import SECRET_ENV, new_secret  # noqa: E402
 from llamarl_core.integrations.trl import DdmaWeightTransfer, GRPOTrainer  # noqa: E402
 from llamarl_core.sync import SyncError  # noqa: E402
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import transformers
 
 from helpers import run_processes
-from llamarl_core import auth
+from llamarl_core.control import auth
 from llamarl_core.integrations.vllm.host import EngineError, EngineProcess
 from llamarl_core.sync import Layout
 from vllm_workers import checkpoint_tensors, reference_greedy, reference_logprobs, tiny_config, trainer_rank

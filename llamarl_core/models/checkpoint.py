@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..spelling import option
-from ..sync.presets import LLAMA_FAMILY, check_llama_family
+from .llama_family import LLAMA_FAMILY, check_llama_family
 from .llama_generator import rope_inv_freq
 
 

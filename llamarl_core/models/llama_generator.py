@@ -22,7 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..sync.presets import llama_dims, vllm_llama_tp
+from ..sync.presets import vllm_llama_tp
+from ..ops.fp8_format import fp8_scale_name
+from .llama_family import llama_dims
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -174,7 +176,7 @@ class Fp8Linear(nn.Module):
         per_part = granularity == "tensor" and len(part_rows) > 1
         shape = (len(part_rows),) if per_part else scale_shape((out_features, in_features), granularity)
         scale = nn.Parameter(torch.ones(shape, dtype=torch.float32, device=device), requires_grad=False)
-        self.scale_name = "weight_scale_inv" if granularity == "block" else "weight_scale"
+        self.scale_name = fp8_scale_name("weight", granularity)
         self.register_parameter(self.scale_name, scale)
         # Each output row's part (per-part scales): indexing with it needs no host sync. Not a
         # parameter, not saved: the module's parameters are the layout's tensors, nothing more.

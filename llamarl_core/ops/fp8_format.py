@@ -27,6 +27,13 @@ DEFAULT_BLOCK = (128, 128)
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def fp8_scale_name(name: str, granularity: str) -> str:
+    """vLLM's name of an FP8 weight's scale: `weight_scale_inv` per 128 x 128 block
+    (DeepSeek-V3 checkpoints), `weight_scale` per tensor and per channel."""
+    base = name[: -len("weight")] if name.endswith("weight") else name + "_"
+    return base + ("weight_scale_inv" if granularity == "block" else "weight_scale")
+
+
 # ----------------------------------------------------------------------------- checks
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..auth import refused_count
+from ..control.auth import refused_count
 from ..models.checkpoint import check_generator_config
 from ..spelling import names_flags, option
 from ..sync.presets import vllm_llama_tp
@@ -50,7 +50,7 @@ from .gpu_share import CONTROL as MPS_CONTROL
 from .gpu_share import MpsDaemon, generator_percent, role_percent
 from .inputs import INPUTS, write_inputs
 from .learner import MAX_STATS, trainer_plugins
-from .messages import Heartbeat, StoreQueue
+from ..control import Heartbeat, StoreQueue
 from .plugins import check_main_guard
 from .processes import LocalExecutors
 from .replicas import ReplicaSyncs

@@ -1,6 +1,6 @@
 """The executors: generator, trainer and reward, each a process (or a group of
 processes) with its own torch.distributed process group, driven by the
-controller through queues in the run's Store (messages.py). They exchange
+controller through queues in the run's Store (control/queues.py). They exchange
 rollouts (token ids, floats) with the controller; model weights go from trainer
 to generator through the DDMA engine only (WeightSender -> WeightReceiver), never
 through the controller.
@@ -31,12 +31,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from ..auth import AuthenticatedStore, refused_count
+from ..control.auth import AuthenticatedStore, refused_count
+from ..control.hosts import host_identity
 from ..models.sharded import NotByName, copy_shards, empty_model, init_random, load_shards
 from ..spelling import set_spelling
 from ..sync import StaleReceiveError, SyncError, module_sender
-from ..sync.protocol import relay_name
-from ..sync.transports import host_identity
 from .config import TrainConfig
 from .data import RunData
 from .checkpoints import TrainerCheckpoints
@@ -51,7 +50,7 @@ from .learner import (
     train_step,
     trainer_plugins,
 )
-from .messages import HeartbeatWatch, QueueClosed, StoreQueue
+from ..control import HeartbeatWatch, QueueClosed, StoreQueue
 from .rewards import check_rewards, make_scorer
 from .rollout import Sample
 
@@ -331,8 +330,9 @@ class _CommandFeed:
 
 def sync_name_of(incarnation: int, replica: int = 0) -> str:
     """The name of the sync that fills generator replica `replica` of this incarnation: the
-    trainer's for replica 0, which is also the base its receiver derives the others' from."""
-    return relay_name(f"weights/{incarnation}", replica)
+    trainer's for replica 0, a relay's for the others (each receiver is told its
+    children's names, `relay_names`: the run names every sync itself)."""
+    return f"weights/{incarnation}/replica{replica}" if replica else f"weights/{incarnation}"
 
 
 def _make_generator(config: TrainConfig, data: RunData, store, secret: bytes, rank: int, incarnation: int, out_dir: str,

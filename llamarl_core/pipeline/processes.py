@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .. import auth, forkserver
+from .. import forkserver
+from ..control import auth
 from .executors import GENERATOR, TRAINER, executor_main
-from .messages import HeartbeatWatch, StoreQueue
+from ..control import HeartbeatWatch, StoreQueue
 
 # How long an executor still setting up when its run stops has, after SIGTERM, to exit.
 TERMINATE_S = 2.0

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..control import wire
 from ..models.llama_generator import KVCache, LlamaGenerator, sample_tokens
 
 
+@wire.register  # travels in the executors' messages
 @dataclass
 class Sample:
     """One completion of one prompt. group: the prompt's index in the task (its

@@ -21,21 +21,22 @@ says whether a version waits. Every rank of a sync holds the same secret
 (`new_secret()`, handed to each rank as the run hands it: an argument or
 LLAMARL_SECRET).
 
-Beside this package's names, its modules: presets.py (the Llama family's
-trainer and vLLM layouts without a model), reference.py (the shards a sync must
-land, computed the slow way: test oracles), live.py (layouts of live modules:
-`fsdp_layout` of a model before sharding, `checkpoint_views`), layout.py and
-plan.py (fragments, segments: how a plan is made), protocol.py (the Store keys
-and the decisions on them), endpoint.py (the set-up both sides share),
-sender.py, receiver.py and relay.py (generator replicas).
+Beside this package's names, the modules other code may import (PUBLIC_MODULES):
+presets.py (the Llama family's trainer and vLLM layouts without a model),
+reference.py (the shards a sync must land, computed the slow way: test oracles),
+live.py (layouts of live modules: `fsdp_layout` of a model before sharding,
+`checkpoint_views`), layout.py and plan.py (fragments, segments: how a plan is
+made; `relay_tree`, which replica relays to which), protocol.py (the Store keys
+and the decisions on them; `abandon_receivers`), errors.py. The rest are this
+package's own: endpoint.py (the set-up both sides share), sender.py,
+receiver.py, relay.py (generator replicas), stream.py, board.py, transports.py,
+engine.py, fp8.py, probe.py, amax.py.
 """
 
 from __future__ import annotations
 
-import importlib
-import warnings
-
-from ..auth import new_secret
+from .._moved import moved_names
+from ..control.auth import new_secret
 from .errors import RelayError, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
 from .layout import Explicit, Fused, Layout, ParamSpec, Replicate, Shard
 from .live import module_layout, module_receiver, module_sender
@@ -50,10 +51,13 @@ __all__ = [
     "RelayError", "StaleReceiveError", "SyncError", "SyncTimeoutError", "TornWeightsError",
 ]
 
+PUBLIC_MODULES = ("presets", "reference", "live", "layout", "plan", "protocol", "errors")
+
 # Names this package exported up to 0.1, importable from here for one more release:
 # {name: (its module, its name there)}.
 MOVED = {
-    **{name: ("llamarl_core.sync.presets", name) for name in ("hf_llama_fsdp", "hf_llama_shapes", "vllm_llama_tp")},
+    **{name: ("llamarl_core.sync.presets", name) for name in ("hf_llama_fsdp", "vllm_llama_tp")},
+    "hf_llama_shapes": ("llamarl_core.models.llama_family", "hf_llama_shapes"),
     **{name: ("llamarl_core.sync.reference", name) for name in ("reference_fsdp_shards", "reference_vllm_tp_shards")},
     **{name: ("llamarl_core.sync.live", name)
        for name in ("fsdp_layout", "local_shard", "checkpoint_views", "ModuleReceiver", "ModuleSender")},
@@ -66,12 +70,4 @@ MOVED = {
 }
 
 
-def __getattr__(name: str):
-    """A name of MOVED, with a DeprecationWarning naming its home (shown once for each
-    place that uses it, as Python's warning filters do)."""
-    if name not in MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, new = MOVED[name]
-    warnings.warn(f"llamarl_core.sync.{name} is now {module}.{new}; the old name goes in the next release",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(module), new)
+__getattr__ = moved_names(__name__, MOVED)

@@ -39,7 +39,8 @@ import torch
 
 from ..ops.fp8 import DEFAULT_BLOCK, FP8_DTYPE, cast_to_fp8, fp8_amax, scale_from_amax, scale_shape
 from ..ops.fp8_launch import TILE_BLOCK, Fp8Tiles, triton_takes
-from .layout import Explicit, Fragment, Fused, Layout, ParamSpec, Replicate, Shard, fp8_scale_name, view_2d
+from ..ops.fp8_format import fp8_scale_name
+from .layout import Explicit, Fragment, Fused, Layout, ParamSpec, Replicate, Shard, view_2d
 
 _BLOCK = DEFAULT_BLOCK[0]  # square blocks: DEFAULT_BLOCK is (128, 128)
 

@@ -25,6 +25,7 @@ from typing import Iterable, Union
 
 import torch
 
+from ..ops.fp8_format import fp8_scale_name
 from ..ops.fp8 import GRANULARITIES, INPUT_DTYPES
 
 _DTYPES = {
@@ -221,13 +222,6 @@ class Explicit:
 
 
 Placement = Union[Replicate, Shard, Fused, Explicit]
-
-
-def fp8_scale_name(name: str, granularity: str) -> str:
-    """vLLM's name of an FP8 weight's scale: `weight_scale_inv` per 128 x 128 block
-    (DeepSeek-V3 checkpoints), `weight_scale` per tensor and per channel."""
-    base = name[: -len("weight")] if name.endswith("weight") else name + "_"
-    return base + ("weight_scale_inv" if granularity == "block" else "weight_scale")
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch.distributed as dist
 
-from ..auth import AuthenticatedStore, required_secret
+from ..control.auth import AuthenticatedStore, required_secret
 from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
 

@@ -12,6 +12,8 @@ from typing import Mapping
 
 import torch
 
+from ..ops.fp8_format import fp8_scale_name
+
 VOCAB_PADDING = 64
 
 
@@ -160,5 +162,5 @@ def reference_vllm_fp8_shards(
                 scale = scale_from_amax(torch.stack([amax(full[p]) for p in parts]))
                 q = cast_fp8_ref(local, torch.cat([scale[i].expand(r) for i, r in enumerate(rows)]).reshape(-1, 1))
             shard[name] = q
-            shard[name[: -len("weight")] + ("weight_scale_inv" if granularity == "block" else "weight_scale")] = scale
+            shard[fp8_scale_name(name, granularity)] = scale
     return shards

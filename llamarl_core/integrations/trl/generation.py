@@ -54,7 +54,7 @@ from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer.utils import ensure_master_addr_port
 
-from ...auth import new_secret
+from ...control.auth import new_secret
 from ...sync import Layout, ParamSpec, SyncError, WeightSender, module_layout, module_sender
 from ..vllm import BACKEND, ddma_init_info
 from .pairing import register_while, send_while

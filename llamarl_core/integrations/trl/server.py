@@ -41,7 +41,7 @@ import requests
 import torch
 import torch.distributed as dist
 
-from ...auth import required_secret
+from ...control.auth import required_secret
 from ...sync import Layout, ParamSpec, SyncError, WeightSender
 from ..vllm import BACKEND, ddma_init_info
 from .pairing import register_while, send_while

@@ -51,7 +51,7 @@ drops it too). What each vLLM worker does is in `engine.py`.
 
 from __future__ import annotations
 
-from ...auth import required_secret
+from ...control.auth import required_secret
 from ...sync.endpoint import DEFAULT_TIMEOUT_S
 from ...sync.layout import Layout
 

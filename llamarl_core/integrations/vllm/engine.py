@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ...auth import AuthenticatedStore, parse_secret, required_secret
+from ...control.auth import AuthenticatedStore, parse_secret, required_secret
 from ...sync.receiver import WeightReceiver
 from ...sync.errors import SyncError
 from ...sync.layout import Layout

@@ -1,8 +1,9 @@
 """Control messages as data only: what arrives is parsed, never run.
 
 A message is a tree of None, bool, int, float, str, bytes, list, tuple, dict,
-torch.Tensor and the dataclasses named in DATACLASSES (a numpy scalar is sent as
-its Python value). `encode` refuses anything
+torch.Tensor and the dataclasses registered here (`register`, by the code that
+defines them: the pipeline registers its Sample) (a numpy scalar is sent as its
+Python value). `encode` refuses anything
 else (naming where it sits in the message), so what one side sends the other gets
 back as the same tree; `decode` builds only those types, from JSON and raw bytes,
 and raises WireError on anything it does not describe. Nothing is imported,
@@ -18,7 +19,7 @@ themselves; the rest are one-key objects whose key starts with "$":
     {"$tensor": [dtype, shape, offset, size]}  a CPU tensor (contiguous, its bytes in the raw part)
     {"$items": [[key, value], ...]}         a dict with a key that is not a str, or whose
                                             one key starts with "$" (never read as a tag)
-    {"$data": [name, {field: value}]}       a dataclass of DATACLASSES
+    {"$data": [name, {field: value}]}       a registered dataclass
 """
 
 from __future__ import annotations
@@ -30,10 +31,8 @@ import struct
 import numpy as np
 import torch
 
-from .rollout import Sample
-
-# The dataclasses a message may hold, by the name they travel under.
-DATACLASSES: dict[str, type] = {"Sample": Sample}
+# The dataclasses a message may hold, by the name they travel under (`register`).
+DATACLASSES: dict[str, type] = {}
 DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -44,6 +43,20 @@ _LENGTH = struct.Struct(">I")
 
 class WireError(ValueError):
     """Bytes that are not a message this module writes."""
+
+
+def register(cls: type) -> type:
+    """Let messages carry instances of the dataclass `cls`, under its class name;
+    returns `cls` (a decorator). Its fields travel as any other value, and one
+    arrives only as a `cls(**fields)` with exactly its init fields. ValueError
+    for a class that is not a dataclass, or whose name another class holds."""
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise ValueError(f"wire.register takes a dataclass, got {cls!r}")
+    held = DATACLASSES.setdefault(cls.__name__, cls)
+    if held is not cls:
+        raise ValueError(f"wire.register: the name {cls.__name__!r} is {held.__module__}.{held.__qualname__}'s, "
+                         f"not {cls.__module__}.{cls.__qualname__}'s")
+    return cls
 
 
 def encode(message) -> bytes:

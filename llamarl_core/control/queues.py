@@ -1,7 +1,6 @@
-"""Controller <-> executor messages over a torch.distributed Store: the controller's
-own TCPStore on one host, the rendezvous's Store under torchrun. Nothing here
-knows the pipeline: a queue of Python objects, and a heartbeat that says a
-process is still there.
+"""A queue of messages over a torch.distributed Store (the controller's own
+TCPStore on one host, the rendezvous's Store under torchrun): how the
+controller and its executors talk. Nothing here knows the pipeline.
 
 A queue is a counter and one key per message in a namespace of the Store:
 `put` takes the next number from the counter (`add`) and writes the message under
@@ -39,8 +38,7 @@ import weakref
 
 import torch.distributed as dist
 
-from .. import auth
-from . import wire
+from . import auth, wire
 
 # A consumer's reader waits for the next message this long at a time. Each wait
 # that times out makes c10d print two warning lines, so it is long; the reader is
@@ -205,46 +203,3 @@ class StoreQueue:
             elif now - self._missing[1] > LOST_SLOT_S:
                 self._store.compare_set(str(slot), "", _TOMBSTONE)
                 self._missing = None
-
-
-class Heartbeat:
-    """A thread that bumps the counter `key` of `store` every `every_s` seconds
-    while the process lives; `HeartbeatWatch` on the other side tells when it stopped."""
-
-    def __init__(self, store: dist.Store, key: str, every_s: float = 1.0):
-        self._store, self._key, self._every_s = store, key, every_s
-        self._stop = threading.Event()
-        self._store.add(key, 1)  # the first beat before the constructor returns: a watcher can count from it
-        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{key}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._every_s):
-            try:
-                self._store.add(self._key, 1)
-            except dist.DistError:
-                return  # the Store is gone: nobody to tell
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
-class HeartbeatWatch:
-    """Says whether the Heartbeat at `key` has beaten within the last `grace_s`
-    seconds (a process that never beat gets `grace_s` from the watch's creation)."""
-
-    def __init__(self, store: dist.Store, key: str, grace_s: float):
-        self._store, self._key, self.grace_s = store, key, grace_s
-        self._last_count, self._last_change = self._store.add(key, 0), time.monotonic()
-
-    def silent_for(self) -> float:
-        """Seconds since the beat last changed (0 when it just did)."""
-        count = self._store.add(self._key, 0)
-        now = time.monotonic()
-        if count != self._last_count:
-            self._last_count, self._last_change = count, now
-        return now - self._last_change
-
-    def alive(self) -> bool:
-        return self.silent_for() <= self.grace_s
