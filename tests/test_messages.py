@@ -263,9 +263,16 @@ def _random_tree(rng: random.Random, depth: int = 0):
     leaves = [None, True, False, rng.randint(-2**70, 2**70), rng.uniform(-1e6, 1e6), math.inf, -math.inf, math.nan,
               "".join(rng.choice("ab$\\\"\u00e9\u4e2d\n") for _ in range(rng.randint(0, 6))),
               bytes(rng.randrange(256) for _ in range(rng.randint(0, 40)))]
-    kind = rng.randrange(8 if depth < 4 else 2)
+    kind = rng.randrange(10 if depth < 4 else 2)
     if kind == 0:
         return rng.choice(leaves)
+    if kind == 8:  # a long list of one number type (raw bytes on the wire), at times with one odd value in it
+        make = rng.choice([lambda: rng.randint(-2**63, 2**63 - 1), lambda: rng.uniform(-1e6, 1e6),
+                           lambda: rng.choice([math.nan, math.inf, -0.0, 5e-324])])
+        values = [make() for _ in range(rng.randint(wire.PACK_MIN - 1, 3 * wire.PACK_MIN))]
+        if values and rng.random() < 0.3:
+            values[rng.randrange(len(values))] = rng.choice([True, 2**64, 3, 0.5, None, "x"])
+        return values
     if kind == 1:
         dtype = rng.choice(list(wire.DTYPES.values()))
         shape = [rng.randint(0, 3) for _ in range(rng.randint(0, 3))]
@@ -282,10 +289,23 @@ def _random_tree(rng: random.Random, depth: int = 0):
         return {rng.choice([1, 2.5, ("t", 1), None, True, b"k", "$data"]): _random_tree(rng, depth + 1)}
     if kind == 6:
         return {rng.choice(["$tuple", "$bytes", "$tensor", "$data", "$items", "$other"]): _random_tree(rng, depth + 1)}
+    if kind == 9:  # a list of Samples: a column per field on the wire
+        return [_random_sample(rng) for _ in range(rng.randint(1, 6))]
+    return _random_sample(rng)
+
+
+def _random_sample(rng: random.Random) -> Sample:
+    """A Sample; at times with a value in a list that no column of numbers holds (a
+    bool, an int beyond int64, a float among ints) or a float that JSON would lose
+    the sign of."""
     n = rng.randint(0, 5)
-    return Sample(rng.randint(0, 9), [rng.randint(0, 99) for _ in range(3)], list(range(n)),
-                  [rng.uniform(-5, 0) for _ in range(n)], [rng.randint(0, 3) for _ in range(n)], rng.random() < 0.5,
-                  rng.choice([None, rng.random()]), rng.random() < 0.5)
+    sample = Sample(rng.randint(0, 9), [rng.randint(0, 99) for _ in range(3)], list(range(n)),
+                    [rng.uniform(-5, 0) for _ in range(n)], [rng.randint(0, 3) for _ in range(n)],
+                    rng.random() < 0.5, rng.choice([None, rng.random()]), rng.random() < 0.5)
+    if n and rng.random() < 0.3:
+        getattr(sample, rng.choice(["tokens", "logprobs", "versions"]))[rng.randrange(n)] = rng.choice(
+            [True, 2**70, 0.5, 7, -0.0, math.nan])
+    return sample
 
 
 def _same(a, b) -> bool:
@@ -297,7 +317,7 @@ def _same(a, b) -> bool:
                                                                          else a, b.reshape(-1).view(torch.uint8)
                                                                          if b.numel() else b)
     if isinstance(a, float):
-        return a == b or (math.isnan(a) and math.isnan(b))
+        return (a == b and math.copysign(1, a) == math.copysign(1, b)) or (math.isnan(a) and math.isnan(b))
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
@@ -311,11 +331,15 @@ def _same(a, b) -> bool:
 def test_wire_gives_back_exactly_what_was_sent():
     """2,000 random trees of every type the encoding carries (tensors of every dtype,
     empty, 0-d and non-contiguous; dicts whose keys look like tags; NaN and huge
-    ints; Samples) come back equal, type for type and bit for bit."""
+    ints; long lists of ints or floats, packed, and the same with one bool, huge
+    int or other value in them, not; Samples) come back equal, type for type and
+    bit for bit (-0.0 included)."""
     rng = random.Random(0)
     for _ in range(2000):
         tree = _random_tree(rng)
         assert _same(wire.decode(wire.encode(tree)), tree), tree
+    packed = wire.encode([list(range(wire.PACK_MIN)), [0.5] * wire.PACK_MIN, [1] * (wire.PACK_MIN - 1) + [True]])
+    assert b'{"$ints":' in packed and b'{"$floats":' in packed and b"true" in packed
 
 
 def test_wire_refuses_what_is_not_data(tmp_path):
@@ -343,6 +367,13 @@ def test_wire_decode_refuses_anything_else_with_wire_error(tmp_path):
            header({"$tensor": ["float32", [2], 0, 4]}, bytes(8)), header({"$tensor": ["float32", [-1], 0, 4]}, bytes(4)),
            header({"$tensor": ["float32", [1.5], 0, 4]}, bytes(4)), header({"$data": ["Popen", {}]}),
            header({"$data": ["Sample", {"group": 1}]}), header({"$items": [[1]]}), b"\x00\x00\x00\x02[" + b"[" * 5000,
+           header({"$ints": [0, 12]}, bytes(12)), header({"$floats": [0, 16]}, bytes(8)), header({"$ints": 3}),
+           header({"$ragged": ["$ints", [0, 8], [8, 8]]}, (5).to_bytes(8, "little") + bytes(8)),
+           header({"$ragged": ["$ints", [0, 8], [8, 0]]}, (-1).to_bytes(8, "little", signed=True)),
+           header({"$ragged": ["$tuple", [0, 0], [0, 0]]}), header({"$ragged": ["$ints", 1, 2]}),
+           header({"$table": ["Sample", {"group": [1, 2], "prompt": [[1]]}]}), header({"$table": ["Popen", {}]}),
+           header({"$table": ["Sample", {f.name: [0] for f in __import__("dataclasses").fields(Sample)} | {"x": [1]}]}),
+           header({"$table": ["Sample", {"group": 3}]}),
            header({"$data": ["Sample", {f.name: 0 for f in __import__("dataclasses").fields(Sample)} | {"x": 1}]})]
     for data in bad:
         with pytest.raises(wire.WireError):
@@ -385,4 +416,13 @@ def test_wire_carries_only_registered_dataclasses_and_a_name_is_held_by_one_clas
         wire.register(Sample2)
     with pytest.raises(ValueError, match="takes a dataclass"):
         wire.register(int)
+
+    @dataclasses.dataclass
+    class Derived:
+        x: int
+        y: int = dataclasses.field(init=False, default=0)
+
+    with pytest.raises(ValueError, match=r"fields \['y'\] are not __init__ arguments"):
+        wire.register(Derived)
+    assert "Derived" not in wire.DATACLASSES
     assert wire.DATACLASSES["Sample"] is Sample

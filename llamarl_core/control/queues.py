@@ -165,22 +165,22 @@ class StoreQueue:
                     continue  # nothing for an hour: wait again
                 with self._read_lock:
                     data = connection.get(key)
-                    if data != _TOMBSTONE:  # kept: a stalled producer must still find it there
-                        connection.delete_key(key)
                     self._head += 1
                 if data == _TOMBSTONE:
-                    continue
+                    continue  # kept: a stalled producer must still find it there
                 body = auth.verify(self._secret, self._context(int(key)), data)
                 if body == b"":
+                    connection.delete_key(key)
                     return  # close()
                 try:
                     if body is None:
                         raise wire.WireError("its tag does not verify under the run's secret")
-                    message = wire.decode(body)
+                    items.put(wire.decode(body))
                 except wire.WireError as exc:
                     self._drop(key, exc)
-                    continue
-                items.put(message)
+                # Deleted once the consumer has the message (one round trip off its path); the
+                # consumer's tombstones look only past the head, which has moved on.
+                connection.delete_key(key)
         except dist.DistError as exc:  # the Store's host is gone
             items.put(QueueClosed(f"queue {self.name}: the Store is gone ({exc})"))
 
