@@ -77,6 +77,7 @@ BENCHES = {
     "gpu": "llamarl_core.bench.bench_gpu",
     "soak": "llamarl_core.bench.bench_soak",
     "trl": "llamarl_core.bench.bench_trl",
+    "control": "llamarl_core.bench.bench_control",
 }
 
 

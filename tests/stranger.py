@@ -42,18 +42,14 @@ class _CreatesAFile:
 
 def queue_namespaces(keys: list[str]) -> set[tuple[str, str]]:
     """(raw key prefix, queue name) of every queue the source uses, under every
-    namespace seen in `keys`: the Store's root, torchrun's worker prefix, each run's
-    (a PrefixStore joins its prefix and a key with "/"), and every queue whose tail
-    counter shows in the keys."""
+    namespace seen in `keys` (a Store's queues are not among its keys): the Store's
+    root, torchrun's worker prefix and each run's (a PrefixStore joins its prefix
+    and a key with "/")."""
     bases = {""} | {m.group(1) for k in keys if (m := re.match(r"^(.*?)llamarl/", k))}
     bases |= {m.group(1) for k in keys if (m := re.match(r"^(.*?llamarl/run/[0-9a-f]+//)", k))}
     names = {"events"} | {f"inbox/{role}/{rank}/{inc}" for role in ROLES for rank in range(2) for inc in range(2)}
     names |= {f"launch/rank/{rank}" for rank in range(8)}
-    found = {(f"{base}llamarl/queue/{name}/", name) for base in bases for name in names}
-    for key in keys:
-        if m := re.match(r"^(.*?llamarl/queue/(.+?)/)/tail$", key):
-            found.add((m.group(1), m.group(2)))
-    return found
+    return {(f"{base}llamarl/queue/{name}/", name) for base in bases for name in names}
 
 
 def forged_messages(marker: str, name: str, number: int) -> dict[str, bytes]:
@@ -61,9 +57,10 @@ def forged_messages(marker: str, name: str, number: int) -> dict[str, bytes]:
 
     own = auth.new_secret()
     command = wire.encode(("stop", {}))
+    signed = bytes(16) + number.to_bytes(8, "big") + command  # a producer id and number, as a message carries them
     return {
         "pickle": pickle.dumps(_CreatesAFile(marker)),
-        "wrong_secret": auth.sign(own, f"llamarl/queue/{name}/{number}", command),
+        "wrong_secret": auth.sign(own, f"llamarl/queue/{name}", signed),
         "untagged": command,
         "garbage": bytes(range(256)) * 4,
     }
@@ -101,10 +98,9 @@ def main(host: str, port: int, marker: str, seconds: float) -> dict[str, int]:
                 if planted := plant_sync_values(store, keys):
                     placed["sync"] = placed.get("sync", 0) + planted
             for namespace, name in namespaces:
-                number = store.add(f"{namespace}/tail", 1)
-                kind, value = list(forged_messages(marker, name, number).items())[turn % 4]
-                if store.compare_set(f"{namespace}/{number}", "", value) == value:
-                    placed[kind] = placed.get(kind, 0) + 1
+                kind, value = list(forged_messages(marker, name, turn + 1).items())[turn % 4]
+                store.queue_push(f"{namespace}/messages", value)
+                placed[kind] = placed.get(kind, 0) + 1
             turn += 1
             time.sleep(0.3)
     except dist.DistError:

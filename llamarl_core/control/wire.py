@@ -24,7 +24,7 @@ themselves; the rest are one-key objects whose key starts with "$":
     {"$data": [name, {field: value}]}       a registered dataclass
     {"$table": [name, {field: column}]}     a list of instances of one registered dataclass,
                                             a column (a list) per field
-    {"$ragged": [tag, lengths, values]}     a column of lists of ints ("$ints") or floats
+    {"$ragged": [tag, lengths, values]}     a list of lists of ints ("$ints") or of floats
                                             ("$floats"): the lengths as an "$ints" span, the
                                             values one after another as a span of that tag
 
@@ -94,20 +94,19 @@ def encode(message) -> bytes:
         size[0] += len(data)
         return size[0] - len(data), len(data)
 
-    def column(values: list):
-        """A table's column: lists of ints (or of floats) as their lengths and one run
-        of raw values; anything else as a list."""
-        if values and set(map(type, values)) == {list}:
-            flat = list(chain.from_iterable(values))
-            kinds = set(map(type, flat))
-            if len(kinds) <= 1 and kinds <= _PACKABLE.keys():
-                tag, code = _PACKABLE[kinds.pop() if kinds else int]
-                try:
-                    return {"$ragged": [tag, list(blob(array("q", map(len, values)).tobytes())),
-                                        list(blob(array(code, flat).tobytes()))]}
-                except OverflowError:
-                    pass  # an int beyond int64
-        return tree(values)
+    def ragged(values: list):
+        """Lists of ints (or of floats) as their lengths and one run of raw values;
+        None if they hold anything else."""
+        flat = list(chain.from_iterable(values))
+        kinds = set(map(type, flat))
+        if len(kinds) <= 1 and kinds <= _PACKABLE.keys():
+            tag, code = _PACKABLE[kinds.pop() if kinds else int]
+            try:
+                return {"$ragged": [tag, list(blob(array("q", map(len, values)).tobytes())),
+                                    list(blob(array(code, flat).tobytes()))]}
+            except OverflowError:
+                return None  # an int beyond int64
+        return None
 
     def tree(value):
         # The common cases first, by exact type: what JSON writes as it is (a list of
@@ -117,9 +116,11 @@ def encode(message) -> bytes:
             return value
         if kind is list:
             kinds = set(map(type, value))
+            if kinds == {list} and (packed := ragged(value)) is not None:
+                return packed
             if len(kinds) == 1 and next(iter(kinds)) in _FIELDS:  # rows of one dataclass: a column per field
                 row = next(iter(kinds))
-                return {"$table": [row.__name__, {name: column([getattr(v, name) for v in value])
+                return {"$table": [row.__name__, {name: tree([getattr(v, name) for v in value])
                                                   for name in _FIELDS[row]}]}
             if len(value) >= PACK_MIN and len(kinds) == 1 and kinds <= _PACKABLE.keys():
                 # A list of ints (within int64) or of floats, exactly those types, as raw bytes.

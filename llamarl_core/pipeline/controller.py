@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..control import Heartbeat, StoreQueue
 from ..control.auth import refused_count
 from ..models.checkpoint import check_generator_config
 from ..spelling import names_flags, option
@@ -50,12 +51,12 @@ from .gpu_share import CONTROL as MPS_CONTROL
 from .gpu_share import MpsDaemon, generator_percent, role_percent
 from .inputs import INPUTS, write_inputs
 from .learner import MAX_STATS, trainer_plugins
-from ..control import Heartbeat, StoreQueue
 from .plugins import check_main_guard
 from .processes import LocalExecutors
 from .replicas import ReplicaSyncs
 from .recorder import RunRecorder
 from .report import cpu_times, steal_fraction
+from .rollout import Sample
 from .rewards import check_reward_config
 from .scheduler import Scheduler
 
@@ -277,8 +278,6 @@ class Controller:
                 self.last_progress = time.monotonic()
             return
         self.last_progress = time.monotonic()
-        if kind == "scored":
-            self.scoring -= 1
         if kind in ("synced", "sync_failed") and payload["generator"] != self.replicas.incarnation[0]:
             return  # a sync to a replica 0 that has been replaced
         if kind == "error" and role == GENERATOR:
@@ -300,9 +299,13 @@ class Controller:
             self._check_samples(payload["samples"])
             self.gen_busy += payload["busy"]
             self.generating[replica] -= sum(not x.eval for x in payload["samples"])
-            self.inboxes[(REWARD, 0)].put(("score", {"samples": payload["samples"], "replica": replica,
-                                                      "incarnation": payload["incarnation"]}))
-            self.scoring += 1
+            # The reward executor gets what it scores by (a prompt group, held out or not, the
+            # completion's tokens) and answers with the rewards; the samples wait here.
+            samples, self.bunches = payload["samples"], self.bunches + 1
+            self.scoring[self.bunches] = (samples, replica, payload["incarnation"])
+            self.inboxes[(REWARD, 0)].put(("score", {"bunch": self.bunches, "groups": [x.group for x in samples],
+                                                      "eval": [x.eval for x in samples],
+                                                      "tokens": [x.tokens for x in samples]}))
         elif kind == "received":
             self.gen_busy += payload["busy"]
             # The generator's stall: its receive(), pause to resume (the slowest replica's).
@@ -323,13 +326,19 @@ class Controller:
                    + (" (the replica feeding it was lost)" if excused else f": {payload['message']}"))
             self._restart_replicas({replica: why}, counted=not excused)
         elif kind == "scored":
-            if payload["incarnation"] != self.replicas.incarnation[payload["replica"]]:
+            samples, replica, incarnation = self.scoring.pop(payload["bunch"])
+            if incarnation != self.replicas.incarnation[replica]:
                 return  # sampled by a replica that has since been replaced; its groups were re-issued
-            train = [x for x in payload["samples"] if not x.eval]
+            if len(payload["rewards"]) != len(samples):
+                raise PipelineError(f"the reward executor returned {len(payload['rewards'])} rewards for "
+                                    f"{len(samples)} samples")
+            for sample, reward in zip(samples, payload["rewards"]):
+                sample.reward = reward
+            train = [x for x in samples if not x.eval]
             if train:
                 self.scheduler.add_samples(train)
-            if len(train) < len(payload["samples"]):
-                self.recorder.evaluated([x for x in payload["samples"] if x.eval])
+            if len(train) < len(samples):
+                self.recorder.evaluated([x for x in samples if x.eval])
         elif kind == "trained":
             self.trained.append(payload)
             if len(self.trained) == self.config.trainer_world:
@@ -384,7 +393,7 @@ class Controller:
             replica = rank // self.generator_tp
             return (self.generating[replica] > 0 or bool(self.replicas.receiving[replica])
                     or (replica == 0 and self.recorder.evals_pending()))
-        return self.scoring > 0
+        return bool(self.scoring)
 
     def _sync_complete(self, version: int) -> None:
         for step in sorted(s for s in self.records if s < version):  # steps whose weights have now landed
@@ -569,7 +578,7 @@ class Controller:
         parts = [f"{n} groups issued to generator replica {r} and not complete"
                  for r, n in sorted(Counter(self.scheduler.sampling_replicas().values()).items())]
         if self.scoring:
-            parts.append(f"the reward executor scoring {self.scoring} bunches of samples")
+            parts.append(f"the reward executor scoring {len(self.scoring)} bunches of samples")
         return f" ({'; '.join(parts)})" if parts else ""
 
     def _everyone(self) -> set[tuple[str, int]]:
@@ -604,7 +613,10 @@ class Controller:
         self.gen_busy = 0.0
         self.checkpointing = 0
         self.checkpoint_due: tuple[int, int] | None = None  # (version, data position): see _begin_sync
-        self.scoring = 0  # batches of samples sent to the reward executor and not scored yet
+        # Bunches of samples sent to the reward executor and not scored yet: number -> (the
+        # samples, the replica and its incarnation that sampled them).
+        self.scoring: dict[int, tuple[list[Sample], int, int]] = {}
+        self.bunches = 0
         self.generating = [0] * self.num_replicas  # samples each replica was given and has not returned
 
     def _loop(self) -> None:

@@ -606,21 +606,20 @@ def run_trainer(link: Link, config: TrainConfig, store, rank: int, incarnation: 
 
 
 def run_reward(link: Link, config: TrainConfig, store, rank: int) -> None:
-    """Scores each bunch of samples the controller sends in one call: a rule reward
-    over the whole bunch, a reward model in batches of reward_batch. Rewards come
-    back on the samples; an error or a non-finite reward names the completion."""
+    """Scores each bunch of completions the controller sends (each a prompt group,
+    whether it is held out, and the completion's tokens) in one call: a rule reward
+    over the whole bunch, a reward model in batches of reward_batch. The rewards go
+    back, in order; an error or a non-finite reward names the completion."""
     data = RunData(config)
     score, what = make_scorer(config, data)
     _process_group(store, REWARD, rank, 1, config, link.secret)
     link.send("ready")
     for kind, payload in link.commands():
         start = time.monotonic()
-        samples: list[Sample] = payload["samples"]
-        problems = [data.eval_problem(s.group) if s.eval else data.problem(s.group) for s in samples]
-        completions = [data.tokenizer.decode(s.tokens) for s in samples]
+        problems = [data.eval_problem(group) if held_out else data.problem(group)
+                    for group, held_out in zip(payload["groups"], payload["eval"])]
+        completions = [data.tokenizer.decode(tokens) for tokens in payload["tokens"]]
         rewards = score(problems, completions)
         check_rewards(problems, completions, rewards, what)
-        for sample, reward in zip(samples, rewards):
-            sample.reward = reward
-        link.span("score", start, time.monotonic(), samples=len(samples))
-        link.send("scored", samples=samples, replica=payload["replica"], incarnation=payload["incarnation"])
+        link.span("score", start, time.monotonic(), samples=len(completions))
+        link.send("scored", bunch=payload["bunch"], rewards=list(rewards))
