@@ -173,6 +173,48 @@ def test_bench_pipeline_reports_both_modes():
     assert all(r["tokens_per_s"] > 0 and r["completion_tokens"] > 0 for r in result.values())
 
 
+def _synthetic_run(folder: Path) -> list[dict]:
+    """A run folder whose trace has 9 steps of 100 ms (integer ms): train 0-40, a
+    receive 35-50 that overlaps it and the generation 45-80, score 82-90, an
+    evaluation 91-95 (not step work: a gap)."""
+    spans = [("trainer", "train step", 0, 40), ("generator", "receive weights", 35, 50),
+             ("generator", "generate", 45, 80), ("reward", "score", 82, 90), ("generator", "evaluate", 91, 95)]
+    roles = {"trainer": 1, "generator": 2, "reward": 3}
+    events = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": role}} for role, pid in roles.items()]
+    events += [{"name": name, "ph": "X", "pid": roles[role], "tid": 0, "ts": (100 * k + start) * 1e3,
+                "dur": (end - start) * 1e3, "args": {}} for k in range(9) for role, name, start, end in spans]
+    folder.mkdir()
+    (folder / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    (folder / "summary.json").write_text(json.dumps({"mode": "sync", "overlap_efficiency": 0.5, "reward_last": 0.1}))
+    return events
+
+
+def test_bench_control_reads_the_gaps_of_a_trace(tmp_path):
+    """The middle half of the 9 steps (210-630 ms: 4 trainer steps start in it): the
+    union of the spans, checked cell by cell on a 1 ms grid, and the gaps between
+    them named by their neighbours; the evaluation is a gap, the overlapping
+    receive closes the one between training and generating."""
+    from llamarl_core.bench.bench_control import trace_gaps
+
+    events = _synthetic_run(tmp_path / "run")
+    read = trace_gaps(events)
+    cells = [t for t in range(210, 630) if any(100 * k + a <= t < 100 * k + b for k in range(9)
+                                               for a, b in ((0, 40), (35, 50), (45, 80), (82, 90)))]
+    assert read["steps"] == 4 and read["step_ms"] == pytest.approx(420 / 4)
+    assert read["covered_ms"] == pytest.approx(len(cells) / 4) and read["ratio"] == pytest.approx(420 / len(cells))
+    assert read["gaps_ms"] == pytest.approx({"generator:generate -> reward:score": 2 * 4 / 4,
+                                             "reward:score -> trainer:train step": (420 - len(cells) - 8) / 4})
+
+
+def test_bench_control_measures_the_hop_beside_a_round_trip(tmp_path):
+    """End to end on a synthetic run folder: a message costs more than one Store
+    round trip, and a hop through a forwarding process more than one queue."""
+    _synthetic_run(tmp_path / "run")
+    result = _run("control", "--messages", "20", "--trace", str(tmp_path / "run"))
+    assert result["round_trip"]["median_ms"] < result["one_queue"]["median_ms"] < result["hop"]["median_ms"]
+    assert result["runs"][0]["sync"]["steps"] == 4 and result["runs"][0]["sync"]["overlap_efficiency"] == 0.5
+
+
 def test_transformers_char_tokenizer_has_our_ids():
     """The tokenizer TRL gets in the bench, and exported models carry."""
     from llamarl_core.pipeline import reverse_task
