@@ -64,8 +64,11 @@ def _producer(port: int, secret: bytes, first: str, count: int) -> None:
 def _forwarder(port: int, secret: bytes, count: int) -> None:
     store = _client(port)
     events, inbox = StoreQueue(store, "events", secret), StoreQueue(store, "inbox", secret)
-    for _ in range(count):
-        inbox.put(events.get(30))
+    for i in range(count):
+        message = events.get(30)
+        if message is None:
+            raise SystemExit(f"the forwarder got no message {i} within 30 s")
+        inbox.put(message)
 
 
 def _consumer(port: int, secret: bytes, count: int, results) -> None:
@@ -146,6 +149,8 @@ def trace_gaps(events: list[dict]) -> dict:
     first, last = trains[0][0], trains[-1][1]
     low, high = first + (last - first) / 4, first + 3 * (last - first) / 4
     steps = sum(low <= start < high for start, _ in trains)
+    if not steps:
+        raise ValueError("no train step starts in the middle half of the run: too few steps to read")
     covered, gaps = 0.0, collections.defaultdict(float)
     reach, reach_name = None, None
     for start, end, name in spans:
@@ -160,6 +165,8 @@ def trace_gaps(events: list[dict]) -> dict:
         elif end > reach:
             covered += end - reach
             reach, reach_name = end, name
+    if not covered:
+        raise ValueError("no span covers the middle half of the run")
     step = (high - low) / steps
     return {"steps": steps, "step_ms": step, "covered_ms": covered / steps, "ratio": step / (covered / steps),
             "gaps_ms": {k: v / steps for k, v in sorted(gaps.items(), key=lambda kv: -kv[1])}}

@@ -125,7 +125,7 @@ def _control(store, world: int, controller: int, spec: str | None, train_argv: l
 
     from .control import Heartbeat, StoreQueue
     from .pipeline.placement import Placement
-    from .pipeline.processes import LaunchedExecutors, assignment_queue
+    from .pipeline.processes import LaunchedExecutors, assignment_queue, assignment_secret
     from .pipeline.train_cli import main as train_main
 
     def executors_for(config) -> LaunchedExecutors:
@@ -136,7 +136,7 @@ def _control(store, world: int, controller: int, spec: str | None, train_argv: l
         return LaunchedExecutors(store, placement, assignments, secret)
 
     beat = Heartbeat(store, LAUNCH_BEAT)
-    assignments = {rank: StoreQueue(store, assignment_queue(rank), secret) for rank in range(world)
+    assignments = {rank: StoreQueue(store, assignment_queue(rank), assignment_secret(secret)) for rank in range(world)
                    if rank != controller}
     code = 1
     try:
@@ -159,9 +159,9 @@ def _serve(store, rank: int, controller: int, secret: bytes) -> int:
 
     from .pipeline.executors import run_executor
     from .control import Heartbeat, HeartbeatWatch, QueueClosed, StoreQueue
-    from .pipeline.processes import assignment_queue, rank_beat, run_secret
+    from .pipeline.processes import assignment_queue, assignment_secret, rank_beat, run_secret
 
-    assignments = StoreQueue(store, assignment_queue(rank), secret)
+    assignments = StoreQueue(store, assignment_queue(rank), assignment_secret(secret))
     controller_alive = HeartbeatWatch(store, LAUNCH_BEAT, grace_s=LAUNCH_GRACE_S)
     # The controller's sign that this rank (and its host) is there; a connection of its own,
     # as an executor's weight-sync waits hold the rank's main one.

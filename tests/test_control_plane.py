@@ -114,6 +114,26 @@ def test_the_old_auth_module_still_serves_its_names_with_a_warning_naming_their_
         old._tag  # noqa: B018
 
 
+def test_the_launchers_queues_of_one_job_refuse_another_jobs_messages(monkeypatch):
+    """The assignment queues sign under the job's secret bound to torchrun's
+    rendezvous id: a message of job "a" pushed into job "b"'s queue is dropped."""
+    import torch.distributed as dist
+
+    from llamarl_core.control import StoreQueue
+    from llamarl_core.pipeline.processes import assignment_queue, assignment_secret
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    job_secret = auth.new_secret()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a")
+    StoreQueue(store, assignment_queue(1), assignment_secret(job_secret)).put(("exit", {"code": 0}))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "b")
+    later = StoreQueue(store, assignment_queue(1), assignment_secret(job_secret))
+    assert later.get(0.5) is None and later.dropped == 1
+    StoreQueue(store, assignment_queue(1), assignment_secret(job_secret)).put(("exit", {"code": 3}))
+    assert later.get(5) == ("exit", {"code": 3})
+    later.close()
+
+
 def test_launch_without_a_secret_says_how_to_make_one(tmp_path):
     """Every rank checks its environment before it reaches the Store: no secret, one
     line naming both variables and a command that makes one."""

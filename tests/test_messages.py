@@ -207,6 +207,13 @@ def test_forged_messages_are_dropped_counted_and_never_run(store, tmp_path):
     consumer.close()
 
 
+def test_a_store_without_queues_is_named():
+    """The legacy TCPStore backend has no queues: the put says what StoreQueue needs."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=False)
+    with pytest.raises(RuntimeError, match="this Store has no queues.*torch 2.8 or later on its libuv backend"):
+        StoreQueue(server, "legacy", SECRET).put("x")
+
+
 def test_a_queue_needs_a_secret(store, monkeypatch):
     """Bytes of 16 or more; None reads the environment (auth.required_secret), and
     with nothing set there either it is refused."""
@@ -390,4 +397,14 @@ def test_wire_carries_only_registered_dataclasses_and_a_name_is_held_by_one_clas
     with pytest.raises(ValueError, match=r"fields \['y'\] are not __init__ arguments"):
         wire.register(Derived)
     assert "Derived" not in wire.DATACLASSES
+
+    @wire.register
+    @dataclasses.dataclass
+    class NoFields:
+        pass
+
+    try:  # a list of them keeps its length (no columns to carry it)
+        assert [type(x) for x in wire.decode(wire.encode([NoFields(), NoFields()]))] == [NoFields, NoFields]
+    finally:
+        del wire.DATACLASSES["NoFields"]
     assert wire.DATACLASSES["Sample"] is Sample

@@ -24,8 +24,11 @@ producer's running number. The consumer drops a message whose tag fails (forged,
 or copied from another queue), that does not parse, or whose number is not above
 the last one it took from that producer (a copy of a message already taken,
 pushed again); it counts it (`dropped`, and auth.refused_count) and logs it, and
-the caller never sees it. What an intruder can still do is deny service: pop
-messages, or push ones that are dropped.
+the caller never sees it. A copy is known as one to the consumer that took the
+original: a StoreQueue made later for the same name under the same secret takes
+it again, so a queue that outlives a run (the launcher's, on a torchrun job)
+signs under a secret of that job's own. What an intruder can still do is deny
+service: pop messages, or push ones that are dropped.
 """
 
 from __future__ import annotations
@@ -67,7 +70,10 @@ class QueueClosed(RuntimeError):
 
 class StoreQueue:
     """First in, first out, over `store` under `name`: any number of producers
-    (`put`, from any process and thread), one consumer (`get`, `get_nowait`).
+    (`put`, each process with StoreQueue objects of its own, any thread), one
+    consumer (`get`, `get_nowait`). An object does not cross a fork: its
+    connection is its process's, and so is its producer id (a child putting
+    under its parent's id and count would have its messages taken for copies).
     Messages are kept in the Store until read. Each producer's messages arrive in
     the order it put them; the queue orders those of different producers as the
     Store received them.
@@ -95,7 +101,12 @@ class StoreQueue:
         with self._lock:
             self._sent += 1
             signed = self._producer + _NUMBER.pack(self._sent) + body
-            self._store.queue_push(_KEY, auth.sign(self._secret, self._context, signed))
+            try:
+                self._store.queue_push(_KEY, auth.sign(self._secret, self._context, signed))
+            except (AttributeError, NotImplementedError) as exc:
+                raise RuntimeError(f"queue {self.name}: this Store has no queues ({exc}): StoreQueue needs a "
+                                   "TCPStore of torch 2.8 or later on its libuv backend (the default; not "
+                                   "USE_LIBUV=0)") from exc
 
     # -- the consumer ------------------------------------------------------------------
     def get(self, timeout: float):
@@ -157,6 +168,9 @@ class StoreQueue:
                         self._drop(exc)
         except dist.DistError as exc:  # the Store's host is gone
             items.put(QueueClosed(f"queue {self.name}: the Store is gone ({exc})"))
+        except (AttributeError, NotImplementedError) as exc:
+            items.put(QueueClosed(f"queue {self.name}: this Store has no queues ({exc}): StoreQueue needs a "
+                                  "TCPStore of torch 2.8 or later on its libuv backend"))
 
     def _open(self, data: bytes) -> bytes | None:
         """The body of a popped item, or None (dropped) if it is not a message of this

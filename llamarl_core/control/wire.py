@@ -102,10 +102,10 @@ def encode(message) -> bytes:
         if len(kinds) <= 1 and kinds <= _PACKABLE.keys():
             tag, code = _PACKABLE[kinds.pop() if kinds else int]
             try:
-                return {"$ragged": [tag, list(blob(array("q", map(len, values)).tobytes())),
-                                    list(blob(array(code, flat).tobytes()))]}
+                data = array(code, flat).tobytes()
             except OverflowError:
                 return None  # an int beyond int64
+            return {"$ragged": [tag, list(blob(array("q", map(len, values)).tobytes())), list(blob(data))]}
         return None
 
     def tree(value):
@@ -118,7 +118,7 @@ def encode(message) -> bytes:
             kinds = set(map(type, value))
             if kinds == {list} and (packed := ragged(value)) is not None:
                 return packed
-            if len(kinds) == 1 and next(iter(kinds)) in _FIELDS:  # rows of one dataclass: a column per field
+            if len(kinds) == 1 and _FIELDS.get(next(iter(kinds))):  # rows of one dataclass: a column per field
                 row = next(iter(kinds))
                 return {"$table": [row.__name__, {name: tree([getattr(v, name) for v in value])
                                                   for name in _FIELDS[row]}]}

@@ -149,6 +149,13 @@ def assignment_queue(global_rank: int) -> str:
     return f"launch/rank/{global_rank}"
 
 
+def assignment_secret(job_secret: bytes) -> bytes:
+    """What the assignment queues sign under: the job's secret bound to torchrun's
+    rendezvous id, so that a message recorded in an earlier job with the same secret
+    and another id never verifies (the runs' own queues have a secret per run)."""
+    return auth.derive(job_secret, f"llamarl/launch/{os.environ['TORCHELASTIC_RUN_ID']}/")
+
+
 def rank_beat(global_rank: int) -> str:
     """The heartbeat rank `global_rank` keeps in the job's Store for as long as it runs."""
     return f"launch/beat/{global_rank}"
