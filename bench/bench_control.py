@@ -213,7 +213,8 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="`llamarl train --compare` runs (0: none)")
     parser.add_argument("--steps", type=int, default=400, help="RL steps of each run")
     parser.add_argument("--trace", type=Path, nargs="+", metavar="DIR",
-                        help="read these run folders instead of running (the hop is still measured)")
+                        help="read these run folders instead of running (the hop is still measured); default: "
+                             "none, --runs runs are made")
     add_output_args(parser)
     args = parser.parse_args(argv)
     for flag, value, low in (("--messages", args.messages, 10), ("--runs", args.runs, 0), ("--steps", args.steps, 40)):
