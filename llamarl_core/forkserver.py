@@ -17,7 +17,9 @@ import contextlib
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
+import select
 import signal
 import threading
 
@@ -26,6 +28,7 @@ import threading
 # it would import this package's unbuilt tree); a process forked from it takes its
 # parent's sys.path and working directory before it imports this package.
 PRELOAD = ["torch.distributed", "transformers.models.llama.modeling_llama"]
+TRACKER_WAIT_S = 5.0  # stop() waits this long at most for the resource tracker to end
 
 
 def context() -> multiprocessing.context.ForkServerContext:
@@ -64,3 +67,19 @@ def stop() -> None:
         with contextlib.suppress(OSError):
             os.kill(server._forkserver_pid, signal.SIGKILL)
             server._stop()  # closes the server's "alive" pipe, reaps it, unlinks its socket
+    # The resource tracker the server started ends once the last holder of its pipe has
+    # closed it (this process, now; the server's copy went with it), after unlinking what
+    # was left registered. Waited for, up to TRACKER_WAIT_S, so that no process of this
+    # command outlives it; one still holding the pipe (a child not yet gone) is not waited on.
+    tracker = multiprocessing.resource_tracker._resource_tracker
+    if tracker._fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(tracker._fd)
+            tracker._fd = None
+            exited = os.pidfd_open(tracker._pid)
+            try:
+                if select.select([exited], [], [], TRACKER_WAIT_S)[0]:
+                    os.waitpid(tracker._pid, 0)
+                    tracker._pid = None
+            finally:
+                os.close(exited)
