@@ -199,7 +199,7 @@ def compare_run(steps: int, folder: Path) -> dict:
 
 
 def _gap_rows(runs: list[dict], mode: str) -> list[list[str]]:
-    names = collections.Counter(name for run in runs for name in run[mode]["gaps_ms"])
+    names = {name for run in runs for name in run[mode]["gaps_ms"]}
     medians = {name: statistics.median(run[mode]["gaps_ms"].get(name, 0.0) for run in runs) for name in names}
     top = sorted(medians.items(), key=lambda kv: -kv[1])[:8]
     return [[f"{mode}: {name}", f"{value:.2f}"] for name, value in top]

@@ -136,7 +136,8 @@ def _control(store, world: int, controller: int, spec: str | None, train_argv: l
         return LaunchedExecutors(store, placement, assignments, secret)
 
     beat = Heartbeat(store, LAUNCH_BEAT)
-    assignments = {rank: StoreQueue(store, assignment_queue(rank), assignment_secret(secret)) for rank in range(world)
+    assignments_secret = assignment_secret(secret)
+    assignments = {rank: StoreQueue(store, assignment_queue(rank), assignments_secret) for rank in range(world)
                    if rank != controller}
     code = 1
     try:

@@ -15,8 +15,9 @@ The secret travels outside the Store:
 - a framework that embeds the weight sync passes `secret=` to its endpoints, or
   sets the environment as above.
 
-A tag binds a value to its `context` (its full Store key, and for a queue the
-message's number): a value copied to another key or slot does not verify.
+A tag binds a value to its `context` (its full Store key; a queue's message to its
+queue, over its producer's id and count: queues.py): a value copied to another
+key or queue does not verify.
 
 What is refused is counted in this process (`refused_count`, the pipeline's
 `forged_messages` metric) and logged naming its key: the first LOG_FIRST one by

@@ -52,6 +52,7 @@ READER_WAIT_S = 3600.0
 _KEY = "messages"  # the Store queue, in the queue's namespace
 _PRODUCER_BYTES = 16
 _NUMBER = struct.Struct(">Q")
+_NO_QUEUES = "StoreQueue needs a TCPStore of torch 2.8 or later on its libuv backend (the default; not USE_LIBUV=0)"
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # queues whose reader runs, closed at exit
 
@@ -104,9 +105,7 @@ class StoreQueue:
             try:
                 self._store.queue_push(_KEY, auth.sign(self._secret, self._context, signed))
             except (AttributeError, NotImplementedError) as exc:
-                raise RuntimeError(f"queue {self.name}: this Store has no queues ({exc}): StoreQueue needs a "
-                                   "TCPStore of torch 2.8 or later on its libuv backend (the default; not "
-                                   "USE_LIBUV=0)") from exc
+                raise RuntimeError(f"queue {self.name}: this Store has no queues ({exc}): {_NO_QUEUES}") from exc
 
     # -- the consumer ------------------------------------------------------------------
     def get(self, timeout: float):
@@ -169,8 +168,7 @@ class StoreQueue:
         except dist.DistError as exc:  # the Store's host is gone
             items.put(QueueClosed(f"queue {self.name}: the Store is gone ({exc})"))
         except (AttributeError, NotImplementedError) as exc:
-            items.put(QueueClosed(f"queue {self.name}: this Store has no queues ({exc}): StoreQueue needs a "
-                                  "TCPStore of torch 2.8 or later on its libuv backend"))
+            items.put(QueueClosed(f"queue {self.name}: this Store has no queues ({exc}): {_NO_QUEUES}"))
 
     def _open(self, data: bytes) -> bytes | None:
         """The body of a popped item, or None (dropped) if it is not a message of this

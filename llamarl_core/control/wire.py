@@ -98,15 +98,11 @@ def encode(message) -> bytes:
         """Lists of ints (or of floats) as their lengths and one run of raw values;
         None if they hold anything else."""
         flat = list(chain.from_iterable(values))
-        kinds = set(map(type, flat))
-        if len(kinds) <= 1 and kinds <= _PACKABLE.keys():
-            tag, code = _PACKABLE[kinds.pop() if kinds else int]
-            try:
-                data = array(code, flat).tobytes()
-            except OverflowError:
-                return None  # an int beyond int64
-            return {"$ragged": [tag, list(blob(array("q", map(len, values)).tobytes())), list(blob(data))]}
-        return None
+        packed = _raw(flat, set(map(type, flat)))
+        if packed is None:
+            return None
+        tag, data = packed
+        return {"$ragged": [tag, list(blob(array("q", map(len, values)).tobytes())), list(blob(data))]}
 
     def tree(value):
         # The common cases first, by exact type: what JSON writes as it is (a list of
@@ -122,16 +118,11 @@ def encode(message) -> bytes:
                 row = next(iter(kinds))
                 return {"$table": [row.__name__, {name: tree([getattr(v, name) for v in value])
                                                   for name in _FIELDS[row]}]}
-            if len(value) >= PACK_MIN and len(kinds) == 1 and kinds <= _PACKABLE.keys():
-                # A list of ints (within int64) or of floats, exactly those types, as raw bytes.
-                tag, code = _PACKABLE[kinds.pop()]
-                try:
-                    return {tag: list(blob(array(code, value).tobytes()))}
-                except OverflowError:
-                    pass  # an int beyond int64: JSON's ints have no bound
+            if len(value) >= PACK_MIN and (packed := _raw(value, kinds)) is not None:
+                tag, data = packed
+                return {tag: list(blob(data))}
             return value if kinds <= _JSON_LEAVES else [tree(v) for v in value]
-        if kind is dict and all(type(k) is str for k in value) and not (
-                len(value) == 1 and next(iter(value)).startswith("$")):
+        if kind is dict and _str_keyed(value):
             return {k: tree(v) for k, v in value.items()}
         if kind in _FIELDS:
             return {"$data": [kind.__name__, {name: tree(getattr(value, name)) for name in _FIELDS[kind]}]}
@@ -149,7 +140,7 @@ def encode(message) -> bytes:
         if isinstance(value, tuple):
             return {"$tuple": [tree(v) for v in value]}
         if isinstance(value, dict):
-            if all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)).startswith("$")):
+            if _str_keyed(value):
                 return {k: tree(v) for k, v in value.items()}
             return {"$items": [[tree(k), tree(v)] for k, v in value.items()]}
         if isinstance(value, (bytes, bytearray)):
@@ -170,6 +161,23 @@ def encode(message) -> bytes:
     except _NotData as refused:
         raise TypeError(f"cannot send {_where(message, refused.value, 'the message')}: {refused.why}") from None
     return b"".join([_LENGTH.pack(len(header)), header, *raw])
+
+
+def _raw(values: list, kinds: set) -> tuple[str, bytes] | None:
+    """(tag, raw bytes) of `values` if all are ints (within int64) or all floats,
+    exactly those types (`kinds`: their types; none, for no values: ints), else None."""
+    if len(kinds) > 1 or not kinds <= _PACKABLE.keys():
+        return None
+    tag, code = _PACKABLE[next(iter(kinds), int)]
+    try:
+        return tag, array(code, values).tobytes()
+    except OverflowError:
+        return None  # an int beyond int64: JSON's ints have no bound
+
+
+def _str_keyed(value: dict) -> bool:
+    """Whether JSON writes `value` as itself: str keys, and not one key that reads as a tag."""
+    return all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)).startswith("$"))
 
 
 class _NotData(Exception):
@@ -246,11 +254,11 @@ def _tree(node, raw: memoryview):
             raise WireError(f"$ragged lengths {lengths[:8]}... for {len(values)} values")
         return [values[stop - n : stop] for n, stop in zip(lengths, accumulate(lengths))]
     if tag == "$table" and isinstance(body, list) and len(body) == 2 and isinstance(body[1], dict):
-        _registered(body[0], body[1])
+        cls = _registered(body[0], body[1])
         columns = {k: _tree(v, raw) for k, v in body[1].items()}
         if not all(type(c) is list for c in columns.values()) or len(set(map(len, columns.values()))) > 1:
             raise WireError(f"a $table of {body[0]!r} whose columns are not lists of one length")
-        return [_dataclass(body[0], dict(zip(columns, row))) for row in zip(*columns.values())]
+        return [cls(**dict(zip(columns, row))) for row in zip(*columns.values())]
     if tag == "$tensor" and isinstance(body, list) and len(body) == 4:
         return _tensor(*body, raw)
     if tag == "$data" and isinstance(body, list) and len(body) == 2 and isinstance(body[1], dict):
