@@ -443,10 +443,10 @@ def _fill_policy_job(rank, world, mesh, config, folder):
     from types import SimpleNamespace
 
     from llamarl_core.models.checkpoint import ModelSource
-    from llamarl_core.pipeline.executors import _fill_policy
+    from llamarl_core.pipeline.executors.trainer import fill_policy
 
     model = empty_model(config, dtype=torch.float32, device="cpu", mesh=mesh)
-    _fill_policy(model, SimpleNamespace(model=ModelSource(folder)), 0, rank)
+    fill_policy(model, SimpleNamespace(model=ModelSource(folder)), 0, rank)
     return _full(model)
 
 

@@ -156,9 +156,9 @@ def test_an_executors_process_group_keeps_its_python_store_usable_from_cpp():
 import datetime, gc, secrets
 import torch.distributed as dist
 from llamarl_core.pipeline import TrainConfig
-from llamarl_core.pipeline.executors import _process_group
+from llamarl_core.pipeline.executors.resources import process_group
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=20))
-_process_group(store, "trainer", 0, 1, TrainConfig(), secrets.token_bytes(32))
+process_group(store, "trainer", 0, 1, TrainConfig(), secrets.token_bytes(32))
 gc.collect()
 default = dist.distributed_c10d._get_default_store()
 default.set("seen", b"1")

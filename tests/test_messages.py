@@ -195,6 +195,9 @@ def test_forged_messages_are_dropped_counted_and_never_run(store, tmp_path):
         if i == 0:
             assert consumer.get(5) == ("train", {"step": 0})  # taken before its copy comes
         stranger.queue_push("messages", value)
+        # A push is not answered: one answered request on the same connection after it, so
+        # that the server has the forged item before the next real one (another connection's).
+        stranger.add("pushed", 1)
     producer.put(("train", {"step": len(forged)}))
     got = [("train", {"step": 0})]
     deadline = time.monotonic() + 20

@@ -32,6 +32,7 @@ from llamarl_core.pipeline import (
 )
 from llamarl_core.pipeline.checkpoints import checkpoint_info, policy_tensors
 from llamarl_core.pipeline.learner import collate, policy_loss
+from llamarl_core.pipeline.messages import Train
 from llamarl_core.pipeline.scheduler import Scheduler
 from llamarl_core.pipeline.task import positional_match, reverse_task
 from llamarl_core.sync import plan_transfer
@@ -355,10 +356,10 @@ def test_controller_drops_stale_groups_and_counts_them(tmp_path):
     for g, v in enumerate([[[2, 5], [4]], [[3], [3, 4]], [[5], [2, 3]], [[4], [5]]]):
         ctl.scheduler.add_samples(group(g, v))
     ctl._maybe_train()
-    (kind, payload), = ctl.inboxes[("trainer", 0)]
-    assert kind == "train" and payload["step"] == 5
-    assert sorted({s.group for s in payload["samples"]}) == [1, 3]
-    assert all(5 - s.oldest_version <= 2 for s in payload["samples"])
+    (command,) = ctl.inboxes[("trainer", 0)]
+    assert isinstance(command, Train) and command.step == 5
+    assert sorted({s.group for s in command.samples}) == [1, 3]
+    assert all(5 - s.oldest_version <= 2 for s in command.samples)
     assert ctl.scheduler.training.dropped == 4 and not ctl.scheduler.outstanding & {0, 2}
     assert ctl.scheduler.data_position == 4
 
@@ -532,6 +533,7 @@ def test_heartbeat_reports_while_working_and_stops_after(tmp_path):
     import torch.distributed as dist
 
     from llamarl_core.pipeline.executors import EVENTS, Link
+    from llamarl_core.pipeline.messages import Event, Working
     from llamarl_core.control import StoreQueue
 
     from llamarl_core.control.auth import new_secret
@@ -539,19 +541,19 @@ def test_heartbeat_reports_while_working_and_stops_after(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     secret = new_secret()
     events = StoreQueue(store, EVENTS, secret)
-    link = Link(store, "trainer", 0, {}, None, timeout_s=60, secret=secret)
+    link = Link(store, "trainer", 0, None, None, timeout_s=60, secret=secret)
     with link.heartbeat(0.05):
         time.sleep(0.5)
     beats = []
     while (beat := events.get(0.2)) is not None:
         beats.append(beat)
-    assert 5 <= len(beats) <= 11 and all(b == ("trainer", 0, "working", {}) for b in beats), beats
+    assert 5 <= len(beats) <= 11 and all(b == Event("trainer", 0, None, None, [], Working()) for b in beats), beats
     time.sleep(0.2)
     assert events.get_nowait() is None
     ctl = Controller(TrainConfig(), tmp_path)
     ctl._reset_state()
     ctl.last_progress = 0.0
-    ctl._handle(*beats[0])
+    ctl._handle(beats[0])
     assert ctl.last_progress > 0 and ctl.scheduler.step == 0 and not ctl.ready_ranks
 
 
@@ -703,9 +705,9 @@ def test_a_generator_that_fails_while_starting_stops_the_run_with_its_error(tmp_
 def _setting_up(marker: str, obeys_sigterm: bool) -> None:
     """An executor blocked in its set-up (reading no inbox), with executor_main's
     SIGTERM handling or ignoring SIGTERM; its clean-up writes `marker`."""
-    from llamarl_core.pipeline.executors import _exit_on_sigterm
+    from llamarl_core.pipeline.executors.run import exit_on_sigterm
 
-    signal.signal(signal.SIGTERM, _exit_on_sigterm if obeys_sigterm else signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, exit_on_sigterm if obeys_sigterm else signal.SIG_IGN)
     Path(marker).write_text("setting up")
     try:
         time.sleep(600)

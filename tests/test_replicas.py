@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from llamarl_core.pipeline.replicas import ReplicaSyncs
+from llamarl_core.pipeline.replicas import ReplicaSyncs, RestartPolicy
 from llamarl_core.sync.plan import relay_tree
 
 
@@ -194,3 +194,33 @@ def test_random_orders_complete_every_sync_and_never_wait_on_the_lost(first_seed
             assert not world.flight and not world.syncs.pending, (world.flight, world.syncs.pending)
         except AssertionError as exc:
             raise AssertionError(f"seed {seed}, {world.n} replicas: {exc}") from exc
+
+
+def test_the_restart_policy_over_random_losses():
+    """2,000 seeded sequences of losses (at a replica's own fault or not, while
+    starting or up), on executors that can be restarted or not: a loss is refused
+    exactly when a lost replica never started, when the executors cannot be
+    restarted (each refusal naming why and where the checkpoint is), or when it is
+    the counted restart past the limit; a loss not counted never moves the count."""
+    for seed in range(2000):
+        rng = random.Random(seed)
+        restartable, limit = rng.random() < 0.8, rng.randint(0, 4)
+        policy = RestartPolicy(restartable, "/run/checkpoint", "resume it", max_restarts=limit)
+        counted_so_far = 0
+        for _ in range(rng.randint(1, 12)):
+            starting, counted = rng.random() < 0.1, rng.random() < 0.7
+            refusal = policy.refusal("replica 1 died", starting=starting, counted=counted)
+            if starting:
+                assert refusal == "replica 1 died while starting; not restarting it", (seed, refusal)
+                break
+            if not restartable:
+                assert refusal.startswith("replica 1 died; executors on torchrun ranks are not restarted"), seed
+                assert "/run/checkpoint; resume it" in refusal, seed
+                break
+            counted_so_far += counted
+            assert policy.restarts == counted_so_far, seed
+            if counted_so_far > limit:
+                assert refusal == (f"replica 1 died; restarted {limit} times already, stopping (the last checkpoint "
+                                   "is in /run/checkpoint)"), (seed, refusal)
+                break
+            assert refusal is None, (seed, refusal)

@@ -34,26 +34,39 @@ from ..sync.presets import vllm_llama_tp
 from ..sync.protocol import abandon_receivers
 from .config import PLUGIN_FIELDS, TrainConfig
 from .data import RunData
-from .executors import (
-    CONTROLLER_BEAT,
-    EVENTS,
-    GENERATOR,
-    REWARD,
-    TRAINER,
-    TRAINER_STATS,
-    has_inbox,
-    inbox_name,
-    sync_name_of,
-)
+from .executors import CONTROLLER_BEAT, EVENTS, GENERATOR, REWARD, TRAINER, has_inbox, inbox_name, sync_name_of
 from .export import export_policy
 from .generators import evaluates, plugin_generator
 from .gpu_share import CONTROL as MPS_CONTROL
 from .gpu_share import MpsDaemon, generator_percent, role_percent
 from .inputs import INPUTS, write_inputs
-from .learner import MAX_STATS, trainer_plugins
+from .learner import MAX_STATS, StepStats, trainer_plugins
+from .messages import (
+    Checkpoint,
+    Checkpointed,
+    Event,
+    Failed,
+    Prompts,
+    Ready,
+    Receive,
+    ReceiveFailed,
+    Received,
+    Reconnect,
+    Relay,
+    Samples,
+    Score,
+    Scored,
+    Stop,
+    Sync,
+    Synced,
+    SyncFailed,
+    Train,
+    Trained,
+    Working,
+)
 from .plugins import check_main_guard
 from .processes import LocalExecutors
-from .replicas import ReplicaSyncs
+from .replicas import ReplicaSyncs, RestartPolicy
 from .recorder import RunRecorder
 from .report import cpu_times, steal_fraction
 from .rollout import Sample
@@ -62,7 +75,9 @@ from .scheduler import Scheduler
 
 EVENT_POLL_S = 0.05
 DEAD_REPORT_S = 1.0  # how long the report of an executor found dead may still take to arrive
-MAX_GENERATOR_RESTARTS = 3
+# What the trainer ranks' step reports add to a step's metrics, averaged over the ranks; truncated completions are
+# counted by the controller over every rank's samples.
+TRAINER_STATS = tuple(f.name for f in dataclasses.fields(StepStats) if f.name != "truncated_samples")
 
 
 class PipelineError(RuntimeError):
@@ -155,7 +170,8 @@ class Controller:
         self.generator_ranks = self.generator_tp * self.num_replicas
         self.executors = executors or LocalExecutors(self.out, engine=config.generator != "llama")
         self.inboxes: dict[tuple[str, int], StoreQueue] = {}
-        self.generator_restarts = 0
+        self.restarts = RestartPolicy(self.executors.restartable, str(self.out / "checkpoint"),
+                                      f"the same torchrun command with `train --out {self.out} --resume` continues it")
         self.mps: MpsDaemon | None = None  # gpu_share "mps:P": the run's MPS daemon while it runs
         if generator_percent(config.gpu_share) is not None:
             if not isinstance(self.executors, LocalExecutors):
@@ -177,14 +193,14 @@ class Controller:
             extra["mps_env"] = self.mps.client_env(percent)
         self.executors.start(role, rank, self.config.to_dict(), {**extra, "inbox": inbox, "flags": names_flags()})
 
-    def _tell(self, role: str, kind: str, **payload) -> None:
-        """Put a command in the inbox of every rank of `role` that has one."""
+    def _tell(self, role: str, command) -> None:
+        """Put `command` (messages.py) in the inbox of every rank of `role` that has one."""
         for (r, _), inbox in self.inboxes.items():
             if r == role:
-                inbox.put((kind, payload))
+                inbox.put(command)
 
-    def _tell_replica(self, replica: int, kind: str, **payload) -> None:
-        self.inboxes[(GENERATOR, replica * self.generator_tp)].put((kind, payload))
+    def _tell_replica(self, replica: int, command) -> None:
+        self.inboxes[(GENERATOR, replica * self.generator_tp)].put(command)
 
     def _replica_ranks(self, replica: int) -> range:
         return range(replica * self.generator_tp, (replica + 1) * self.generator_tp)
@@ -204,7 +220,7 @@ class Controller:
                 # Its error report, sent before it exited, names the cause (_handle raises it).
                 deadline = time.monotonic() + DEAD_REPORT_S
                 while (event := self.events.get(max(deadline - time.monotonic(), 0.0))) is not None:
-                    self._handle(*event)
+                    self._handle(event)
                 if (role, rank) not in self.ready_ranks:
                     why += (" before it started, reporting nothing: it died before running any of llamarl's code "
                             "(while multiprocessing imported the main script again in it, or unpickled its "
@@ -217,21 +233,12 @@ class Controller:
     def _restart_replicas(self, lost: dict[int, str], detail: str = "", counted: bool = True) -> None:
         """Replace the generator replicas in `lost` (replica -> why), alone: the others
         go on sampling (replicas.py says how each is fed again). counted: towards
-        MAX_GENERATOR_RESTARTS (not a replica cut off by another's loss)."""
+        the restart limit (not a replica cut off by another's loss): RestartPolicy decides."""
         why = "; ".join(lost.values())
-        starting = [r for r in lost if not self.replicas.up[r]]
-        if starting:
-            # It failed while starting (before it was ever ready): a new one would fail the same way.
-            raise PipelineError(f"{why} while starting; not restarting it\n{detail}")
-        if not self.executors.restartable:
-            raise PipelineError(f"{why}; executors on torchrun ranks are not restarted: stopping (the last "
-                                f"checkpoint is in {self.out / 'checkpoint'}; the same torchrun command with "
-                                f"`train --out {self.out} --resume` continues it)\n{detail}")
-        self.generator_restarts += counted
+        refusal = self.restarts.refusal(why, starting=any(not self.replicas.up[r] for r in lost), counted=counted)
+        if refusal is not None:
+            raise PipelineError(f"{refusal}\n{detail}" if detail else refusal)
         self.last_progress = time.monotonic()  # the new replicas' start-up begins now
-        if self.generator_restarts > MAX_GENERATOR_RESTARTS:
-            raise PipelineError(f"{why}; restarted {MAX_GENERATOR_RESTARTS} times already, stopping "
-                                f"(the last checkpoint is in {self.out / 'checkpoint'})")
         names = ", ".join(str(r) for r in sorted(lost))
         if 0 in lost:
             self.on_event(f"{why}: restarting it and re-syncing weights v{self.scheduler.step} (replicas {names})")
@@ -256,21 +263,23 @@ class Controller:
             self._start_replica(replica)
             parent = self.replicas.parent.get(replica)
             if parent is not None and parent not in lost:  # a new parent feeds it from the start
-                self._tell_replica(parent, "relay", child=replica, incarnation=self.replicas.incarnation[replica])
+                self._tell_replica(parent, Relay(replica, self.replicas.incarnation[replica]))
         if 0 in lost:
             self.recorder.drop_pending_evals()  # lost with replica 0; the re-sync evaluates its own version if due
-            self._tell(TRAINER, "reconnect", incarnation=self.replicas.incarnation[0])
+            self._tell(TRAINER, Reconnect(self.replicas.incarnation[0]))
             self.resync_pending = True  # the current weights go to the new replica 0 once it is up
 
     # -- event handling ----------------------------------------------------------------
-    def _handle(self, role: str, rank: int, kind: str, payload: dict) -> None:
-        self.recorder.trace.add([(role, rank, *span) for span in payload.pop("spans", [])])
-        if "refused" in payload:  # every message but a heartbeat's
-            self.refused_by[(role, rank, payload.get("incarnation"))] = payload.pop("refused")
-        replica = rank // self.generator_tp if role == GENERATOR else None
-        if role == GENERATOR and payload["incarnation"] != self.replicas.incarnation[replica]:
+    def _handle(self, event: Event) -> None:
+        """Take one executor's report (messages.py): its spans go to the trace, the values
+        it refused to the metrics, and the report to its handler (_HANDLERS)."""
+        role, rank, report = event.role, event.rank, event.body
+        self.recorder.trace.add([(role, rank, *span) for span in event.spans])
+        if event.refused is not None:  # every report but a heartbeat
+            self.refused_by[(role, rank, event.incarnation)] = event.refused
+        if role == GENERATOR and event.incarnation != self.replicas.incarnation[rank // self.generator_tp]:
             return  # from a replica that has been replaced
-        if kind == "working":
+        if isinstance(report, Working):
             # A heartbeat of an executor in a long computation: progress only while this run
             # waits on that computation. Executors beat for their whole life, so counting every
             # beat would let a run whose reward never answers wait forever.
@@ -278,82 +287,107 @@ class Controller:
                 self.last_progress = time.monotonic()
             return
         self.last_progress = time.monotonic()
-        if kind in ("synced", "sync_failed") and payload["generator"] != self.replicas.incarnation[0]:
-            return  # a sync to a replica 0 that has been replaced
-        if kind == "error" and role == GENERATOR:
-            self._restart_replicas({replica: f"generator rank {rank} failed: {payload['message']}"},
-                                   payload["traceback"])
+        handler = self._HANDLERS.get(type(report))
+        if handler is None:
+            raise PipelineError(f"{role} rank {rank} sent a {type(report).__name__}, which the controller does not "
+                                "take")
+        handler(self, role, rank, report)
+
+    def _on_failed(self, role: str, rank: int, report: Failed) -> None:
+        if role == GENERATOR:
+            self._restart_replicas({rank // self.generator_tp: f"generator rank {rank} failed: {report.message}"},
+                                   report.traceback)
             return
-        if kind == "error":
-            raise PipelineError(f"{role} rank {rank} failed: {payload['message']}\n{payload['traceback']}")
-        if kind == "ready":
-            self.ready_ranks.add((role, rank))
-            if role == GENERATOR and all((GENERATOR, k) in self.ready_ranks for k in self._replica_ranks(replica)):
+        raise PipelineError(f"{role} rank {rank} failed: {report.message}\n{report.traceback}")
+
+    def _on_ready(self, role: str, rank: int, report: Ready) -> None:
+        self.ready_ranks.add((role, rank))
+        if role == GENERATOR:
+            replica = rank // self.generator_tp
+            if all((GENERATOR, k) in self.ready_ranks for k in self._replica_ranks(replica)):
                 self.replicas.ready(replica)
-            self.hosts["executors"][f"{role} {rank}"] = payload["host"]
-            self.hosts["weight_transports"].update(payload.get("transports", {}))
-            (self.out / "hosts.json").write_text(json.dumps(self.hosts, indent=2, sort_keys=True) + "\n")
-            if role == TRAINER:  # where a resumed run goes on (every rank reports the same)
-                self.scheduler = Scheduler(self.config, payload["step"], payload["data_position"])
-        elif kind == "samples":
-            self._check_samples(payload["samples"])
-            self.gen_busy += payload["busy"]
-            self.generating[replica] -= sum(not x.eval for x in payload["samples"])
-            # The reward executor gets what it scores by (a prompt group, held out or not, the
-            # completion's tokens) and answers with the rewards; the samples wait here.
-            samples, self.bunches = payload["samples"], self.bunches + 1
-            self.scoring[self.bunches] = (samples, replica, payload["incarnation"])
-            self.inboxes[(REWARD, 0)].put(("score", {"bunch": self.bunches, "groups": [x.group for x in samples],
-                                                      "eval": [x.eval for x in samples],
-                                                      "tokens": [x.tokens for x in samples]}))
-        elif kind == "received":
-            self.gen_busy += payload["busy"]
-            # The generator's stall: its receive(), pause to resume (the slowest replica's).
-            self.stall_seconds[payload["version"]] = max(self.stall_seconds.get(payload["version"], 0.0),
-                                                         payload["seconds"])
-            if payload["relay_failed"]:
-                self.on_event(f"generator replica {replica}: version {payload['version']} landed, relaying it "
-                              f"failed: {payload['relay_failed']}")
-            if self.replicas.landed(payload["version"], replica):
-                self._sync_complete(payload["version"])
-        elif kind == "receive_failed":
-            # Its weights may be torn and its unfinished samples were sampled with them: replaced
-            # either way, its groups going to the others (counted as a restart only at its own fault).
-            excused = self.replicas.receive_failed(payload["version"], replica, payload["attempt"])
-            if excused and payload["stale"]:
-                return  # that version will not come, and nothing was written: its weights stay
-            why = (f"generator replica {replica} failed to receive version {payload['version']}"
-                   + (" (the replica feeding it was lost)" if excused else f": {payload['message']}"))
-            self._restart_replicas({replica: why}, counted=not excused)
-        elif kind == "scored":
-            samples, replica, incarnation = self.scoring.pop(payload["bunch"])
-            if incarnation != self.replicas.incarnation[replica]:
-                return  # sampled by a replica that has since been replaced; its groups were re-issued
-            if len(payload["rewards"]) != len(samples):
-                raise PipelineError(f"the reward executor returned {len(payload['rewards'])} rewards for "
-                                    f"{len(samples)} samples")
-            for sample, reward in zip(samples, payload["rewards"]):
-                sample.reward = reward
-            train = [x for x in samples if not x.eval]
-            if train:
-                self.scheduler.add_samples(train)
-            if len(train) < len(samples):
-                self.recorder.evaluated([x for x in samples if x.eval])
-        elif kind == "trained":
-            self.trained.append(payload)
-            if len(self.trained) == self.config.trainer_world:
-                self._step_trained()
-        elif kind == "synced":
-            self.sync_seconds[payload["version"]] = max(self.sync_seconds.get(payload["version"], 0.0), payload["seconds"])
-            if self.replicas.sent(payload["version"]):
-                self._sync_complete(payload["version"])
-        elif kind == "checkpointed":
-            self.checkpointing -= 1
-        elif kind == "sync_failed":
-            self._check_alive()  # a dead replica 0 is restarted (and the sync redone) here
-            if payload["generator"] == self.replicas.incarnation[0]:
-                raise PipelineError(f"weight sync of version {payload['version']} failed: {payload['message']}; "
-                                    f"the last checkpoint is in {self.out / 'checkpoint'}")
+        self.hosts["executors"][f"{role} {rank}"] = report.host
+        self.hosts["weight_transports"].update(report.transports)
+        (self.out / "hosts.json").write_text(json.dumps(self.hosts, indent=2, sort_keys=True) + "\n")
+        if role == TRAINER:  # where a resumed run goes on (every rank reports the same)
+            self.scheduler = Scheduler(self.config, report.step, report.data_position)
+
+    def _on_samples(self, role: str, rank: int, report: Samples) -> None:
+        replica = rank // self.generator_tp
+        samples = report.samples
+        self._check_samples(samples)
+        self.gen_busy += report.busy
+        self.generating[replica] -= sum(not x.eval for x in samples)
+        # The reward executor gets what it scores by (a prompt group, held out or not, the
+        # completion's tokens) and answers with the rewards; the samples wait here.
+        self.bunches += 1
+        self.scoring[self.bunches] = (samples, replica, self.replicas.incarnation[replica])
+        self.inboxes[(REWARD, 0)].put(Score(self.bunches, [x.group for x in samples], [x.eval for x in samples],
+                                            [x.tokens for x in samples]))
+
+    def _on_received(self, role: str, rank: int, report: Received) -> None:
+        replica = rank // self.generator_tp
+        self.gen_busy += report.busy
+        # The generator's stall: its receive(), pause to resume (the slowest replica's).
+        self.stall_seconds[report.version] = max(self.stall_seconds.get(report.version, 0.0), report.seconds)
+        if report.relay_failed:
+            self.on_event(f"generator replica {replica}: version {report.version} landed, relaying it "
+                          f"failed: {report.relay_failed}")
+        if self.replicas.landed(report.version, replica):
+            self._sync_complete(report.version)
+
+    def _on_receive_failed(self, role: str, rank: int, report: ReceiveFailed) -> None:
+        # Its weights may be torn and its unfinished samples were sampled with them: replaced
+        # either way, its groups going to the others (counted as a restart only at its own fault).
+        replica = rank // self.generator_tp
+        excused = self.replicas.receive_failed(report.version, replica, report.attempt)
+        if excused and report.stale:
+            return  # that version will not come, and nothing was written: its weights stay
+        why = (f"generator replica {replica} failed to receive version {report.version}"
+               + (" (the replica feeding it was lost)" if excused else f": {report.message}"))
+        self._restart_replicas({replica: why}, counted=not excused)
+
+    def _on_scored(self, role: str, rank: int, report: Scored) -> None:
+        samples, replica, incarnation = self.scoring.pop(report.bunch)
+        if incarnation != self.replicas.incarnation[replica]:
+            return  # sampled by a replica that has since been replaced; its groups were re-issued
+        if len(report.rewards) != len(samples):
+            raise PipelineError(f"the reward executor returned {len(report.rewards)} rewards for "
+                                f"{len(samples)} samples")
+        for sample, reward in zip(samples, report.rewards):
+            sample.reward = reward
+        train = [x for x in samples if not x.eval]
+        if train:
+            self.scheduler.add_samples(train)
+        if len(train) < len(samples):
+            self.recorder.evaluated([x for x in samples if x.eval])
+
+    def _on_trained(self, role: str, rank: int, report: Trained) -> None:
+        self.trained.append(report)
+        if len(self.trained) == self.config.trainer_world:
+            self._step_trained()
+
+    def _on_synced(self, role: str, rank: int, report: Synced) -> None:
+        if report.generator != self.replicas.incarnation[0]:
+            return  # a sync to a replica 0 that has been replaced
+        self.sync_seconds[report.version] = max(self.sync_seconds.get(report.version, 0.0), report.seconds)
+        if self.replicas.sent(report.version):
+            self._sync_complete(report.version)
+
+    def _on_checkpointed(self, role: str, rank: int, report: Checkpointed) -> None:
+        self.checkpointing -= 1
+
+    def _on_sync_failed(self, role: str, rank: int, report: SyncFailed) -> None:
+        if report.generator != self.replicas.incarnation[0]:
+            return  # a sync to a replica 0 that has been replaced
+        self._check_alive()  # a dead replica 0 is restarted (and the sync redone) here
+        if report.generator == self.replicas.incarnation[0]:
+            raise PipelineError(f"weight sync of version {report.version} failed: {report.message}; "
+                                f"the last checkpoint is in {self.out / 'checkpoint'}")
+
+    _HANDLERS = {Failed: _on_failed, Ready: _on_ready, Samples: _on_samples, Received: _on_received,
+                 ReceiveFailed: _on_receive_failed, Scored: _on_scored, Trained: _on_trained, Synced: _on_synced,
+                 Checkpointed: _on_checkpointed, SyncFailed: _on_sync_failed}
 
     def _check_samples(self, samples: list) -> None:
         """PipelineError naming the generator for a sample that breaks the Generator
@@ -412,20 +446,21 @@ class Controller:
         sync = self.replicas.pending[version]
         for replica, children in targets.items():
             if replica in sync.told:
-                self._tell_replica(replica, "receive", version=version, evaluate=evaluate if replica == 0 else None,
-                                   relay_to=children, attempt=sync.attempt)
-        self._tell(TRAINER, "sync", version=version)
+                self._tell_replica(replica, Receive(version, evaluate if replica == 0 else None, children,
+                                                    sync.attempt))
+        self._tell(TRAINER, Sync(version))
         if self.checkpoint_due is not None and self.checkpoint_due[0] == version:
             # Behind the sync of the step it saves (the trainer runs its commands in
             # order): the generators get the weights first and sample while the
             # checkpoint is written, instead of waiting for it (a 1B model's took longer
             # than the sync timeout on a GPU).
-            self._tell(TRAINER, "checkpoint", data_position=self.checkpoint_due[1])
+            self._tell(TRAINER, Checkpoint(self.checkpoint_due[1]))
             self.checkpointing += self.config.trainer_world
             self.checkpoint_due = None
 
     def _step_trained(self) -> None:
         reports, self.trained = self.trained, []
+        stats = [dataclasses.asdict(r.stats) for r in reports]
         batch = self.scheduler.trained()
         s, samples = batch.step, batch.samples
         self.records[s] = {
@@ -435,18 +470,18 @@ class Controller:
             "completion_tokens": sum(len(x.tokens) for x in samples),
             "staleness": dict(Counter(str(s - x.oldest_version) for x in samples)),
             "dropped": batch.dropped,
-            "train_time_s": max(r["seconds"] for r in reports),
+            "train_time_s": max(r.seconds for r in reports),
             "truncated": sum(not x.finished for x in samples),  # completions that hit max_new_tokens
             # The trainer ranks' statistics (loss, grad norm, learning rate, mismatch KL, KL to the
             # reference, ...), averaged over the ranks; a maximum (max_abs_log_ratio), the ranks' maximum.
-            **{key: None if reports[0][key] is None else
-               max(r[key] for r in reports) if key in MAX_STATS else sum(r[key] for r in reports) / len(reports)
+            **{key: None if stats[0][key] is None else
+               max(r[key] for r in stats) if key in MAX_STATS else sum(r[key] for r in stats) / len(stats)
                for key in TRAINER_STATS},
         }
-        hooked = {key for r in reports for key in r["hook"]}
+        hooked = {key for r in reports for key in r.hook}
         if hooked:  # what the step hook returned, averaged over the ranks that returned it
-            self.records[s]["hook"] = {key: sum(r["hook"][key] for r in reports if key in r["hook"]) /
-                                       sum(key in r["hook"] for r in reports) for key in sorted(hooked)}
+            self.records[s]["hook"] = {key: sum(r.hook[key] for r in reports if key in r.hook) /
+                                       sum(key in r.hook for r in reports) for key in sorted(hooked)}
         if self.config.log_rollouts:
             self.recorder.rollouts(s, samples)
         self._begin_sync(self.scheduler.step)
@@ -470,7 +505,7 @@ class Controller:
         # trained step waiting for its weights to land.
         holding = self.replicas.holding(self.scheduler.step, settled=not self.records)
         for replica, groups in self.scheduler.issue(holding).items():
-            self._tell_replica(replica, "prompts", groups=[(g, self.data.prompt_ids(g)) for g in groups])
+            self._tell_replica(replica, Prompts([(g, self.data.prompt_ids(g)) for g in groups]))
             self.generating[replica] += len(groups) * self.config.samples_per_prompt
 
     def _maybe_train(self) -> None:
@@ -491,7 +526,7 @@ class Controller:
         per_rank = cfg.prompts_per_step // cfg.trainer_world
         for rank in range(cfg.trainer_world):
             part = [x for g in batch.groups[rank * per_rank:(rank + 1) * per_rank] for x in g]
-            self.inboxes[(TRAINER, rank)].put(("train", {"step": batch.step, "samples": part}))
+            self.inboxes[(TRAINER, rank)].put(Train(batch.step, part))
         done = batch.step + 1
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             # Saved once its step's weights are on their way (see _begin_sync), with the data
@@ -570,7 +605,7 @@ class Controller:
                                     f"waiting for {deadline_what}{self._outstanding()}; stopping (the last "
                                     f"checkpoint is in {self.out / 'checkpoint'})")
         else:
-            self._handle(*event)
+            self._handle(event)
         self._check_alive()
 
     def _outstanding(self) -> str:
@@ -633,9 +668,9 @@ class Controller:
 
     def _shutdown(self) -> None:
         for inbox in self.inboxes.values():
-            inbox.put(("stop", {}))
-        # A vLLM generator shuts its engine down on "stop" (several seconds here). A
-        # checkpoint queued before "stop" (behind a sync that failed, say) gets up to
+            inbox.put(Stop())
+        # A vLLM generator shuts its engine down on Stop (several seconds here). A
+        # checkpoint queued before Stop (behind a sync that failed, say) gets up to
         # timeout_s more to be written: it is the one a resume needs.
         grace_s = (30 if self.config.generator == "vllm" else 10) + (self.config.timeout_s if self.checkpointing else 0)
         # One still setting up (waiting for a generator that failed to start, say) reads no inbox.

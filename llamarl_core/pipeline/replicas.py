@@ -19,6 +19,8 @@ once the trainer ranks have sent it and every replica it includes has reported i
 landed or is cut off (it, or a replica above it, died). A replica whose receive
 failed may hold torn weights: it is replaced too (excused when its feed died),
 unless nothing was written (the version it waited for will not come).
+
+Whether a lost replica is replaced at all is RestartPolicy's decision.
 """
 
 from __future__ import annotations
@@ -26,6 +28,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..sync.plan import relay_tree
+
+
+MAX_GENERATOR_RESTARTS = 3
+
+
+class RestartPolicy:
+    """Whether lost generator replicas are replaced: never one that failed while
+    starting (before it was ever ready: a new one would fail the same way), never
+    executors the controller cannot start again (torchrun's ranks), and at most
+    `max_restarts` times a run, counting the restarts at a replica's own fault (not
+    one cut off by another's loss: `counted` False). checkpoint: where a stopped run's
+    last checkpoint is, for the refusal; resume: how to go on from it."""
+
+    def __init__(self, restartable: bool, checkpoint: str, resume: str, max_restarts: int = MAX_GENERATOR_RESTARTS):
+        self.restartable, self.checkpoint, self.resume = restartable, checkpoint, resume
+        self.max_restarts = max_restarts
+        self.restarts = 0  # counted restarts so far
+
+    def refusal(self, why: str, starting: bool, counted: bool) -> str | None:
+        """Why the replicas lost now (`why`) are not replaced, or None (counted
+        towards the limit if `counted`). starting: one of them was never ready."""
+        if starting:
+            return f"{why} while starting; not restarting it"
+        if not self.restartable:
+            return (f"{why}; executors on torchrun ranks are not restarted: stopping (the last checkpoint is in "
+                    f"{self.checkpoint}; {self.resume})")
+        self.restarts += counted
+        if self.restarts > self.max_restarts:
+            return (f"{why}; restarted {self.max_restarts} times already, stopping (the last checkpoint is in "
+                    f"{self.checkpoint})")
+        return None
 
 
 @dataclass

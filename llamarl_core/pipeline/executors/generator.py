@@ -1,0 +1,192 @@
+"""The generator executor: one process per rank of each replica, sampling in
+segments of decode steps and taking each new version of the weights between two of
+them (partial rollouts)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ...sync import StaleReceiveError, SyncError
+from ..config import TrainConfig
+from ..data import RunData
+from ..generators import GeneratorContext, LlamaGeneratorBackend, plugin_generator
+from ..messages import Prompts, Receive, ReceiveFailed, Received, Relay, Samples, Stop
+from ..rollout import Sample
+from .link import GENERATOR, INBOX_POLL_S, Link, dispatch, sync_name_of
+from .resources import ALL_CORES, process_group
+
+
+class CommandFeed:
+    """A replica's generator ranks' shared view of the controller's commands: its
+    rank 0 (the leader) reads the inbox and broadcasts what it read over the
+    replica's tensor-parallel group, so every rank takes the same decisions at the
+    same decode step."""
+
+    def __init__(self, link: Link, tp_size: int, leader: bool):
+        self.link, self.tp_size, self.leader = link, tp_size, leader
+        self.pending: deque = deque()
+
+    def poll(self, block_s: float = 0.0) -> None:
+        new = []
+        if self.leader:
+            first = self.link.get(block_s) if block_s > 0 else self.link.get_nowait()
+            while first is not None:
+                new.append(first)
+                first = self.link.get_nowait()
+        if self.tp_size > 1:
+            box = [new]
+            dist.broadcast_object_list(box, src=0)
+            new = box[0]
+        self.pending.extend(new)
+
+    def weights_waiting(self) -> bool:
+        """Asked between decode steps: is a new version (or a stop) waiting?"""
+        self.poll()
+        return any(isinstance(command, (Receive, Stop)) for command in self.pending)
+
+
+def make_generator(config: TrainConfig, data: RunData, store, secret: bytes, rank: int, incarnation: int, out_dir: str,
+                   replica: int = 0, children: dict[int, int] | None = None):
+    """This rank's generator (generators.py): ours, one process per tensor-parallel
+    rank, each replica's ranks in a process group of their own, the weights relayed
+    from replica to replica; or a vLLM engine, whose tensor-parallel workers vLLM
+    starts itself (this executor is its only rank). It starts with no weights
+    (zeros, or vLLM's dummy ones): the first sync brings the trainer's. Set-up waits
+    for the trainer as long as any executor may take to start (its supervised
+    warm-up or checkpoint loading comes first). children: the incarnation of each replica this
+    one relays to (their syncs' names)."""
+    tp, sync_name, seed = config.generator_tp, sync_name_of(incarnation), config.seed * 1000 + incarnation
+    tokenizer = data.tokenizer
+    if config.plugin_generator:
+        return plugin_generator(config.generator)(GeneratorContext(
+            model_config=data.model_config, model_path=config.model, dtype=config.torch_dtype, device=config.device,
+            tp=tp, max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=data.max_new_tokens,
+            segment_tokens=config.segment_tokens, temperature=config.temperature,
+            eos_token_ids=tuple(tokenizer.stop_token_ids), pad_token_id=tokenizer.pad_token_id, seed=seed,
+            store=store, secret=secret, sync_name=sync_name, timeout_s=config.timeout_s))
+    if config.generator == "vllm":
+        from ...integrations.vllm.generator import VllmGenerator
+
+        pinned = config.mode == "async" and tp + config.trainer_world <= len(ALL_CORES)
+        return VllmGenerator(data.model_config, tp=tp, store_port=store.port, secret=secret, sync_name=sync_name,
+                             trainer_world=config.trainer_world, timeout_s=config.timeout_s,
+                             max_new_tokens=data.max_new_tokens, temperature=config.temperature,
+                             eos_token_id=tokenizer.stop_token_ids, seed=seed,
+                             recompute_kv=config.recompute_kv, model_dir=Path(out_dir) / f"vllm-model-{incarnation}",
+                             # vLLM's workers bind their threads: to the generator's cores, as ours are pinned.
+                             cpus="|".join(str(c) for c in sorted(ALL_CORES)[:tp]) if pinned else None)
+    process_group(store, f"{GENERATOR}/{incarnation}/{replica}", rank, tp, config, secret)
+    return LlamaGeneratorBackend(
+        data.model_config, tp=tp, rank=rank, store=store, secret=secret, sync_name=sync_name, timeout_s=config.timeout_s,
+        replica=replica, num_replicas=config.generator_replicas,
+        relay_names={child: sync_name_of(k, child) for child, k in (children or {}).items()},
+        max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=data.max_new_tokens,
+        segment_tokens=config.segment_tokens, temperature=config.temperature, eos_token_id=tokenizer.stop_token_ids,
+        pad_token_id=tokenizer.pad_token_id, seed=seed, dtype=config.torch_dtype, device=config.device,
+        fp8=config.generator_fp8, fp8_gemm=config.generator_fp8_gemm)
+
+
+def update_weights(generator, command: Receive, timeout_s: float, tp: int) -> tuple[int | None, str, bool]:
+    """Take the version `command` announces; returns (version, "", False) or, when it
+    did not land on every rank of the replica, (None, why, stale) on all of them
+    (stale: no rank's weights were touched, the version asked for will not come): a
+    replica whose ranks disagree would sample with torn weights or split its
+    collectives."""
+    try:
+        outcome = (generator.update_weights(command.version, timeout_s, relay_to=command.relay_to), "", False)
+    except SyncError as exc:
+        outcome = (None, f"{type(exc).__name__}: {exc}", isinstance(exc, StaleReceiveError))
+    if tp > 1:
+        outcomes = [None] * tp
+        dist.all_gather_object(outcomes, outcome)
+        failed = [(rank, why) for rank, (_, why, _) in enumerate(outcomes) if why]
+        if failed:
+            stale = all(was_stale for _, why, was_stale in outcomes if why)
+            if not stale:
+                generator.version = None
+            outcome = (None, "; ".join(f"rank {rank}: {why}" for rank, why in failed), stale)
+    return outcome
+
+
+class GeneratorRank:
+    """Generator rank `rank` of all replicas': rank `tp_rank` of replica `replica`.
+    Its replica's rank 0, the leader, reads the commands and reports for it."""
+
+    def __init__(self, link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str,
+                 children: dict[int, int]):
+        self.link, self.config = link, config
+        self.tp = config.generator_processes
+        replica, tp_rank = divmod(rank, self.tp)
+        self.generator = make_generator(config, RunData(config), store, link.secret, tp_rank, incarnation, out_dir,
+                                        replica, children)
+        self.leader = tp_rank == 0
+        self.feed = CommandFeed(link, self.tp, self.leader)
+        self.busy = 0.0  # generating seconds not reported yet
+        self.handlers = {Prompts: self.prompts, Relay: self.relay, Receive: self.receive}
+
+    def run(self) -> None:
+        generator = self.generator
+        self.link.ready()
+        while True:
+            while self.feed.pending:
+                command = self.feed.pending.popleft()
+                if isinstance(command, Stop):
+                    return
+                dispatch(self.handlers, command, GENERATOR)
+            if generator.version is None or not generator.busy:
+                self.feed.poll(block_s=INBOX_POLL_S)
+                continue
+            start = time.monotonic()
+            done = generator.run_segment(stop=self.feed.weights_waiting)
+            end = time.monotonic()
+            self.busy += end - start
+            self.link.span("generate", start, end, version=generator.version, **generator.segment_stats())
+            if done and self.leader:
+                self.link.send(Samples(done, self.busy))
+                self.busy = 0.0
+
+    def prompts(self, command: Prompts) -> None:
+        self.generator.submit([Sample(group, ids) for group, ids in command.groups
+                               for _ in range(self.config.samples_per_prompt)])
+
+    def relay(self, command: Relay) -> None:
+        """The child replica was restarted: feed its new incarnation."""
+        self.generator.replace_relay(command.child, sync_name_of(command.incarnation, command.child))
+
+    def receive(self, command: Receive) -> None:
+        link, generator = self.link, self.generator
+        start = time.monotonic()
+        version, why, stale = update_weights(generator, command, self.config.sync_timeout_s, self.tp)
+        if version is None:  # the replica feeding this one died: torn, or (stale) untouched
+            link.span("receive weights failed", start, time.monotonic(), version=command.version)
+            if self.leader:
+                link.send(ReceiveFailed(command.version, command.attempt, why, stale))
+            return
+        end = time.monotonic()
+        link.span("receive weights", start, end, version=version)
+        if self.leader:
+            link.send(Received(version, self.busy, end - start, generator.relay_failures))
+            self.busy = 0.0
+        if command.evaluate:  # greedy, to the end, on these weights alone, before anything else
+            start = time.monotonic()
+            done = generator.evaluate([Sample(i, ids, eval=True) for i, ids in command.evaluate])
+            link.span("evaluate", start, time.monotonic(), version=version, prompts=len(done))
+            if self.leader:
+                link.send(Samples(done, 0.0))
+
+    def close(self) -> None:
+        self.generator.close()
+
+
+def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str,
+                  children: dict[int, int]) -> None:
+    """Run generator rank `rank` until the controller says stop."""
+    executor = GeneratorRank(link, config, store, rank, incarnation, out_dir, children)
+    try:
+        executor.run()
+    finally:
+        executor.close()
