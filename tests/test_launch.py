@@ -206,7 +206,7 @@ def test_a_run_folder_the_trainer_cannot_see_is_refused_at_once(tmp_path):
     import pytest
 
     from llamarl_core.pipeline.config import TrainConfig
-    from llamarl_core.pipeline.executors import run_trainer
+    from llamarl_core.pipeline.executors.trainer import run_trainer
 
     with pytest.raises(ValueError, match="is not on trainer rank 0's host .* every trainer rank writes its checkpoint shards there"):
         run_trainer(None, TrainConfig(), None, 0, incarnation=0, out_dir=str(tmp_path / "elsewhere"))
