@@ -39,7 +39,7 @@ import torch
 from llamarl_core.bench.harness import add_output_args, emit, record, table
 from llamarl_core.cli import HelpFormatter
 
-from llamarl_core.pipeline import Controller, TrainConfig, load_task
+from llamarl_core.pipeline import Controller, RunConfig, TrainConfig, TrainerConfig, load_task
 from llamarl_core.pipeline.arithmetic import arithmetic_problems
 from llamarl_core.pipeline.gpu_share import generator_percent
 from llamarl_core.pipeline.learner import supervised_warmup
@@ -55,15 +55,15 @@ def run_trl(config: TrainConfig) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(os.cpu_count() or 1)
-    task = load_task(config.task)
+    task = load_task(config.run.task)
     tokenizer = task.tokenizer().to_transformers()
-    torch.manual_seed(config.seed)
-    model = transformers.LlamaForCausalLM(config.toy_model_config(task.tokenizer().vocab_size))
-    if config.warmup_steps and task.reference is not None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=True)  # as our trainer
-        supervised_warmup(model, optimizer, task, config.warmup_steps, config.warmup_batch)
-    batch = config.prompts_per_step * config.samples_per_prompt
-    prompts = datasets.Dataset.from_list([{"prompt": task.prompt(i)} for i in range(config.steps * config.prompts_per_step)])
+    torch.manual_seed(config.run.seed)
+    model = transformers.LlamaForCausalLM(config.run.toy_model_config(task.tokenizer().vocab_size))
+    if config.trainer.warmup_steps and task.reference is not None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr, weight_decay=0.0, fused=True)  # as our trainer
+        supervised_warmup(model, optimizer, task, config.trainer.warmup_steps, config.trainer.warmup_batch)
+    batch = config.run.prompts_per_step * config.run.samples_per_prompt
+    prompts = datasets.Dataset.from_list([{"prompt": task.prompt(i)} for i in range(config.run.steps * config.run.prompts_per_step)])
 
     def reward(prompts, completions, **_):
         return [float(task.reward(p, c)) for p, c in zip(prompts, completions)]
@@ -71,11 +71,11 @@ def run_trl(config: TrainConfig) -> dict:
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out, use_cpu=True, use_vllm=False, per_device_train_batch_size=batch,
-            num_generations=config.samples_per_prompt,
-            max_completion_length=config.max_new_tokens or task.max_new_tokens,
-            max_steps=config.steps, learning_rate=config.lr, lr_scheduler_type="constant", weight_decay=0.0,
-            beta=0.0, temperature=config.temperature, logging_steps=1, save_strategy="no", report_to="none",
-            seed=config.seed, disable_tqdm=True, bf16=False,
+            num_generations=config.run.samples_per_prompt,
+            max_completion_length=config.generator.max_new_tokens or task.max_new_tokens,
+            max_steps=config.run.steps, learning_rate=config.trainer.lr, lr_scheduler_type="constant", weight_decay=0.0,
+            beta=0.0, temperature=config.generator.temperature, logging_steps=1, save_strategy="no", report_to="none",
+            seed=config.run.seed, disable_tqdm=True, bf16=False,
             gradient_checkpointing=False,  # TRL's default is on; it trades time for memory we do not need here
         )
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=prompts,
@@ -85,12 +85,12 @@ def run_trl(config: TrainConfig) -> dict:
         trainer.train()
         rl_time = time.monotonic() - train_start
     logs = [e for e in trainer.state.log_history if "reward" in e and "completions/mean_length" in e]
-    if len(logs) != config.steps:
-        raise RuntimeError(f"TRL logged {len(logs)} steps, expected {config.steps}")
+    if len(logs) != config.run.steps:
+        raise RuntimeError(f"TRL logged {len(logs)} steps, expected {config.run.steps}")
     tokens = sum(e["completions/mean_length"] * batch for e in logs)
     first, last = tenth_means([e["reward"] for e in logs])
     return {"completion_tokens": tokens, "rl_time_s": rl_time, "wall_time_s": time.monotonic() - start,
-            "reward_first": first, "reward_last": last, "step_time_s": rl_time / config.steps,
+            "reward_first": first, "reward_last": last, "step_time_s": rl_time / config.run.steps,
             "cpu_steal": steal_fraction(cpu_before, cpu_times())}
 
 
@@ -114,8 +114,8 @@ GPU_MODEL = {"hidden_size": 2048, "intermediate_size": 8192, "num_layers": 16, "
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="llamarl bench pipeline", description=__doc__,
                                 formatter_class=HelpFormatter)
-    p.add_argument("--steps", type=int, default=None, help=f"RL steps (default {TrainConfig.steps}; 10 with --model)")
-    p.add_argument("--task", default=TrainConfig.task, help="module:attribute of a llamarl_core.pipeline.Task")
+    p.add_argument("--steps", type=int, default=None, help=f"RL steps (default {RunConfig.steps}; 10 with --model)")
+    p.add_argument("--task", default=RunConfig.task, help="module:attribute of a llamarl_core.pipeline.Task")
     p.add_argument("--skip-trl", action="store_true", help="only our two modes")
     p.add_argument("--model", help="a pretrained model folder (e.g. SmolLM2-135M-Instruct from "
                                    "scripts/fetch-smollm2.sh): our two modes on it, on --dataset with --reward (TRL is "
@@ -123,12 +123,12 @@ def main(argv=None) -> int:
     p.add_argument("--dataset", help="with --model: a JSONL dataset (default: `llamarl dataset arithmetic`'s)")
     p.add_argument("--reward", default="math", help="with --model: the reward (default math)")
     p.add_argument("--prompts-per-step", type=int, default=None, help="prompt groups per step (default: "
-                   f"{TrainConfig.prompts_per_step}; 4 with --model)")
+                   f"{RunConfig.prompts_per_step}; 4 with --model)")
     p.add_argument("--samples-per-prompt", type=int, default=None,
-                   help=f"completions per prompt (default: {TrainConfig.samples_per_prompt}; 4 with --model)")
+                   help=f"completions per prompt (default: {RunConfig.samples_per_prompt}; 4 with --model)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="completion budget (default: the task's; 48 with --model)")
-    p.add_argument("--lr", type=float, default=None, help=f"learning rate (default: {TrainConfig.lr:g}; 1e-5 with --model)")
+    p.add_argument("--lr", type=float, default=None, help=f"learning rate (default: {TrainerConfig.lr:g}; 1e-5 with --model)")
     p.add_argument("--repeats", type=int, default=None,
                    help="runs of each system, in rotating order; medians are reported (the machine is noisy) "
                         "(default 3; 1 with --device cuda)")
@@ -176,8 +176,8 @@ def main(argv=None) -> int:
 
 
 def _run(args, base: TrainConfig, tmp: str) -> int:
-    args.steps = base.steps
-    batch = base.prompts_per_step * base.samples_per_prompt
+    args.steps = base.run.steps
+    batch = base.run.prompts_per_step * base.run.samples_per_prompt
     systems = ["llamarl_async", "llamarl_sync"] + ([] if args.skip_trl else ["trl_grpo"])
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     for repeat in range(args.repeats):
@@ -215,25 +215,25 @@ def _run(args, base: TrainConfig, tmp: str) -> int:
                      *(f"{r[key] * 1e3:.1f} ms" if key in r else "-" for key in ("gen_time_s", "train_time_s")),
                      f"{r['reward_first']:.3f} -> {r['reward_last']:.3f}", " / ".join(map(str, r["reward_last_runs"])),
                      f"{r['cpu_steal']:.0%}"])
-    what = (f"model {base.model}, dataset {base.dataset}, reward {base.reward}, at most {base.max_new_tokens} new "
+    what = (f"model {base.run.model}, dataset {base.run.dataset}, reward {base.run.reward}, at most {base.generator.max_new_tokens} new "
             "tokens"
-            if base.model else f"task {args.task}, model hidden {base.hidden_size} x {base.num_layers} layers, "
-                               + ("same warm-up for all" if base.warmup_steps else "random weights, no warm-up"))
-    if base.device == "cuda":
+            if base.run.model else f"task {args.task}, model hidden {base.run.hidden_size} x {base.run.num_layers} layers, "
+                               + ("same warm-up for all" if base.trainer.warmup_steps else "random weights, no warm-up"))
+    if base.run.device == "cuda":
         what += f", on {torch.cuda.get_device_name()} (trainer and generator processes sharing it"
         what += ")" if args.gpu_share == "none" else f"; async run with --gpu-share {args.gpu_share})"
     ratio = results["llamarl_async"]["step_time_s"] / results["llamarl_sync"]["step_time_s"]
     body = (f"Medians of {args.repeats} runs each (seeds 0-{args.repeats - 1}, rotating order). {args.steps} steps of "
-            f"{base.prompts_per_step} prompts x {base.samples_per_prompt} samples, {what}. "
+            f"{base.run.prompts_per_step} prompts x {base.run.samples_per_prompt} samples, {what}. "
             f"Async / sync step time: {ratio:.2f}x.\n\n" + table(rows))
-    if base.device == "cuda":
+    if base.run.device == "cuda":
         body += "\n\n" + table(_gpu_rows(results, args.steps, batch))
     emit(args, results, body)
     figures = {f"{name}_tokens_per_s": r["tokens_per_s"] for name, r in results.items()}
     figures.update({f"{name}_reward_last": r["reward_last"] for name, r in results.items()})
-    title = ("Pipeline on a pretrained model, async beside sync (`llamarl bench pipeline --model`)" if base.model
+    title = ("Pipeline on a pretrained model, async beside sync (`llamarl bench pipeline --model`)" if base.run.model
              else "Pipeline end to end beside TRL GRPOTrainer (`llamarl bench pipeline`)")
-    record(args.record, "pipeline", figures, {"steps": args.steps, "task": args.task, "model": base.model}, title, body)
+    record(args.record, "pipeline", figures, {"steps": args.steps, "task": args.task, "model": base.run.model}, title, body)
     return 0
 
 

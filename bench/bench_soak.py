@@ -221,7 +221,7 @@ def report(name: str, rows: list[dict], start: int) -> tuple[str, dict]:
 
 
 def main(argv=None) -> int:
-    from llamarl_core.pipeline.config import TrainConfig
+    from llamarl_core.pipeline.config import RunConfig
 
     parser = argparse.ArgumentParser(prog="llamarl bench soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -230,8 +230,8 @@ def main(argv=None) -> int:
     parser.add_argument("--from", dest="start", type=int, default=1_000,
                         help="the first step the verdict compares against (default 1000: after warm-up)")
     parser.add_argument("--only", choices=["pipeline", "sync"], help="run one loop only (default: both)")
-    parser.add_argument("--checkpoint-every", type=int, default=TrainConfig.checkpoint_every,
-                        help=f"the pipeline's checkpoint interval in steps (default {TrainConfig.checkpoint_every})")
+    parser.add_argument("--checkpoint-every", type=int, default=RunConfig.checkpoint_every,
+                        help=f"the pipeline's checkpoint interval in steps (default {RunConfig.checkpoint_every})")
     parser.add_argument("--out", type=Path, help="the pipeline run's folder (default: a temporary one)")
     add_output_args(parser)
     args = parser.parse_args(argv)

@@ -129,9 +129,9 @@ def _control(store, world: int, controller: int, spec: str | None, train_argv: l
     from .pipeline.train_cli import main as train_main
 
     def executors_for(config) -> LaunchedExecutors:
-        if config.generator == "vllm":
+        if config.generator.backend == "vllm":
             raise ValueError("--generator vllm runs on one host (llamarl train), not under torchrun")
-        counts = {"trainer": config.trainer_world, "generator": config.generator_tp * config.generator_replicas}
+        counts = {"trainer": config.trainer.world, "generator": config.generator.tp * config.generator.replicas}
         placement = Placement.parse(spec, world, counts) if spec else Placement.default(world, counts)
         return LaunchedExecutors(store, placement, assignments, secret)
 

@@ -59,16 +59,16 @@ def test_train_help_states_the_config_defaults(capsys):
     from llamarl_core.pipeline import TrainConfig
 
     entries = option_entries(help_text(capsys, "train"))
-    defaults = TrainConfig()
-    for option, value in (("--steps STEPS", defaults.steps), ("--max-staleness MAX_STALENESS", defaults.max_staleness),
-                          ("--segment-tokens SEGMENT_TOKENS", defaults.segment_tokens),
-                          ("--lr LR", defaults.lr), ("--num-heads NUM_HEADS", defaults.num_heads),
-                          ("--num-kv-heads NUM_KV_HEADS", defaults.num_kv_heads),
-                          ("--warmup-batch WARMUP_BATCH", defaults.warmup_batch),
-                          ("--entropy-coef ENTROPY_COEF", defaults.entropy_coef)):
+    defaults = TrainConfig().flat()
+    for option, value in (("--steps STEPS", defaults["steps"]), ("--max-staleness MAX_STALENESS", defaults["max_staleness"]),
+                          ("--segment-tokens SEGMENT_TOKENS", defaults["segment_tokens"]),
+                          ("--lr LR", defaults["lr"]), ("--num-heads NUM_HEADS", defaults["num_heads"]),
+                          ("--num-kv-heads NUM_KV_HEADS", defaults["num_kv_heads"]),
+                          ("--warmup-batch WARMUP_BATCH", defaults["warmup_batch"]),
+                          ("--entropy-coef ENTROPY_COEF", defaults["entropy_coef"])):
         assert f"(default: {value:g})" in entries[option], (option, entries[option])
     # A loss parameter's default is the loss's own (ops.objectives.DEFAULTS), each named.
-    assert defaults.rho is None and "(default: the loss's own: aipo 4, ppo_tis 4, seq_tis 2, geo_mask 2;" in \
+    assert defaults["rho"] is None and "(default: the loss's own: aipo 4, ppo_tis 4, seq_tis 2, geo_mask 2;" in \
         entries["--rho RHO"]
     for option, name in (("--eps-low EPS_LOW", "eps_low"), ("--eps-high EPS_HIGH", "eps_high"),
                          ("--mask-low MASK_LOW", "mask_low"), ("--mask-high MASK_HIGH", "mask_high")):

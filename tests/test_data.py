@@ -93,9 +93,9 @@ def test_a_list_of_rewards_with_weights_is_their_weighted_sum():
     from pipeline_tasks import trl_answer_reward, trl_kwargs_reward
 
     config = TrainConfig(reward=[trl_answer_reward, (2, trl_kwargs_reward), (1e20, "format")])
-    assert config.reward == ("1.0*pipeline_tasks:trl_answer_reward+2.0*pipeline_tasks:trl_kwargs_reward"
+    assert config.run.reward == ("1.0*pipeline_tasks:trl_answer_reward+2.0*pipeline_tasks:trl_kwargs_reward"
                              "+1e20*format")
-    reward = RuleReward(config.reward)
+    reward = RuleReward(config.run.reward)
     problems = [Problem("q", "8"), Problem("q", "9")]
     assert reward(problems, ["8", "\\boxed{9}"]) == [1.0 + 2 * 1, 0.0 + 2 * 9 + 1e20]  # answer, length, format
     with pytest.raises(ValueError, match=r"reward\[1\]: .*lambda"):
@@ -191,14 +191,14 @@ def test_a_run_of_python_objects_reads_them_from_its_run_folder(tmp_path):
                          eval_size=2, reward="math", checkpoint_every=2, timeout_s=120)
     out = tmp_path / "run"
     controller = Controller(config, out, model=model, tokenizer=tokenizer, dataset=datasets.Dataset.from_list(rows))
-    assert controller.config.model == str(out / "inputs" / "model") and config.model is None  # the caller's kept
-    written = ModelSource(controller.config.model)
+    assert controller.config.run.model == str(out / "inputs" / "model") and config.run.model is None  # the caller's kept
+    written = ModelSource(controller.config.run.model)
     assert written.config().hidden_size == 32 and (out / "inputs" / "model" / "model.safetensors").exists()
     assert [json.loads(line) for line in (out / "inputs" / "dataset.jsonl").read_text().splitlines()] == rows
     summary = controller.run()
     assert summary["steps"] == 2
     saved = TrainConfig.load(out / "config.json")
-    assert (saved.model, saved.dataset) == (controller.config.model, controller.config.dataset)
+    assert (saved.run.model, saved.run.dataset) == (controller.config.run.model, controller.config.run.dataset)
     assert Controller(dataclasses.replace(saved, steps=3), out, resume=True).run()["steps"] == 3
 
 
@@ -210,7 +210,7 @@ def test_python_inputs_are_refused_naming_the_argument_before_anything_stays(tmp
     out = tmp_path / "run"
     with pytest.raises(ValueError, match="model= needs tokenizer= too"):
         Controller(TrainConfig(), out, model=model)
-    with pytest.raises(ValueError, match=r"model= and TrainConfig.model \('m'\) both"):
+    with pytest.raises(ValueError, match=r"model= and TrainConfig.run.model \('m'\) both"):
         Controller(TrainConfig(model="m"), out, model=model, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="dataset= row 1: a str, not a dict"):
         Controller(TrainConfig(), out, dataset=[rows[0], "2+2="])

@@ -38,7 +38,7 @@ def test_gpu_share_needs_our_generator_on_a_gpu_in_async_mode():
         TrainConfig(device="cuda", generator="vllm", gpu_share="mps:50")
     with pytest.raises(ValueError, match=r"mode='sync' runs them one after the other"):
         TrainConfig(device="cuda", mode="sync", gpu_share="mps:50")
-    assert TrainConfig(device="cuda", gpu_share="mps:50").gpu_share == "mps:50"
+    assert TrainConfig(device="cuda", gpu_share="mps:50").generator.gpu_share == "mps:50"
 
 
 def test_the_cli_names_the_flag(tmp_path):
@@ -99,6 +99,6 @@ def test_compare_gives_the_share_to_its_async_run_alone():
     from llamarl_core.pipeline.train_cli import _config, parse_args
 
     args = parse_args(["--compare", "--device", "cuda", "--gpu-share", "mps:40"])
-    assert (_config(args, "sync").gpu_share, _config(args, "async").gpu_share) == ("none", "mps:40")
+    assert (_config(args, "sync").generator.gpu_share, _config(args, "async").generator.gpu_share) == ("none", "mps:40")
     with flag_spelling(), pytest.raises(SystemExit, match="--mode sync runs them one after the other"):
         _config(parse_args(["--mode", "sync", "--device", "cuda", "--gpu-share", "mps:40"]), "sync")

@@ -405,7 +405,7 @@ def test_a_parameter_the_loss_does_not_read_is_refused_naming_both():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for loss in LOSS_TYPES:
         reads = DEFAULTS[loss]
-        assert TrainConfig(loss=loss, **reads).loss_parameters == {**dict.fromkeys(PARAMETERS), **reads}
+        assert TrainConfig(loss=loss, **reads).loss.parameters == {**dict.fromkeys(PARAMETERS), **reads}
         for name in set(PARAMETERS) - set(reads):
             match = f'loss_type="{loss}" does not read {name} \\(it reads {", ".join(reads)}\\)'
             with pytest.raises(ValueError, match=match):
@@ -414,7 +414,7 @@ def test_a_parameter_the_loss_does_not_read_is_refused_naming_both():
                 learner.train_step(model, optimizer, _samples(9), lr=0.1, loss=loss, **PLAIN, **{name: 0.5})
     with pytest.raises(ValueError, match="'tests:mine', a function of yours, .* reads none of rho, mask_high"):
         TrainConfig(loss="tests:mine", rho=4.0, mask_high=2.0)
-    assert TrainConfig().rho is None  # aipo's 4.0 by default, ops.objectives.DEFAULTS
+    assert TrainConfig().loss.rho is None  # aipo's 4.0 by default, ops.objectives.DEFAULTS
 
 
 # ----------------------------------------------------------------------------- learning_rate

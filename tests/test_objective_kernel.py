@@ -15,7 +15,7 @@ import torch
 from llamarl_core.ops.aipo import torch_policy_loss
 from llamarl_core.ops.aipo_inputs import prepare_inputs
 from llamarl_core.ops.objective_launch import fused_policy_loss
-from llamarl_core.ops.objectives import LOSS_TYPES, OLD_POLICY_TYPES, SEQUENCE_TYPES, objective_config
+from llamarl_core.ops.objectives import LOSS_TYPES, OLD_POLICY_TYPES, SEQUENCE_TYPES, Objective
 
 # What each case gives besides the log-probs: behaviour (not "on-policy", not "old only"), old (the objectives that
 # read it, not "on-policy"), reference log-probs (with the penalty, or for the statistics alone), the bonus.
@@ -43,7 +43,7 @@ def _inputs(gen, loss_type, option, shape, flat_sequences):
     mask = (torch.rand(shape, generator=gen) > 0.2) * (0.25 + 1.5 * torch.rand(shape, generator=gen))
     sequence_ids = torch.randint(0, 7, shape, generator=gen) if flat_sequences else None
     reduction = "sequence_mean" if flat_sequences or loss_type == "gspo" else "token_mean"
-    cfg = objective_config(loss_type, **kw)
+    cfg = Objective(loss_type, **kw)
     inputs = prepare_inputs(torch.Size(shape), torch.device("cpu"), torch.zeros(shape, dtype=torch.int64), behavior,
                             advantages, mask, old, ref, sequence_ids, cfg, reduction, None, "raise")
     return logp, entropy, inputs, cfg

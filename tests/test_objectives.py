@@ -19,7 +19,7 @@ from llamarl_core.ops.aipo import IGNORE_INDEX, aipo_loss, aipo_loss_ref, linear
 from llamarl_core.ops.aipo_inputs import REDUCTIONS, prepare_inputs, sequence_index
 from llamarl_core.ops.logprob import linear_token_logprobs, token_logprobs, token_logprobs_ref
 from llamarl_core.ops.logprob_launch import logprob_backward, logprob_forward
-from llamarl_core.ops.objectives import (CLIP_TYPES, DEFAULTS, LOSS_TYPES, OLD_POLICY_TYPES, objective_config, objective_stats,
+from llamarl_core.ops.objectives import (CLIP_TYPES, DEFAULTS, LOSS_TYPES, OLD_POLICY_TYPES, Objective, objective_stats,
                                          objective_terms)
 
 CUDA = torch.cuda.is_available()
@@ -449,7 +449,7 @@ def test_sequences_are_grouped_on_the_device_as_torch_unique_groups_them():
             shape = torch.Size((B * T,) if flat_inputs else (B, T))
             per_token = {name: batch[name].reshape(shape) for name in (*INPUTS, "ref_logprobs") if name != "advantages"}
             advantages = batch["advantages"][:, None].expand(B, T).reshape(shape)
-            cfg = objective_config(loss_type, kl_coef=0.1, entropy_coef=0.01)
+            cfg = Objective(loss_type, kl_coef=0.1, entropy_coef=0.01)
             inputs = prepare_inputs(shape, "meta", per_token["targets"], per_token["behavior_logprobs"], advantages,
                                     per_token["mask"], per_token["old_logprobs"] if loss_type in OLD_POLICY_TYPES
                                     else None, per_token["ref_logprobs"], per_token["sequence_ids"], cfg,
@@ -843,3 +843,43 @@ def test_probabilities_passed_as_log_probs_are_refused():
                   ref_logprobs=uncounted["ref_logprobs"], kl_coef=0.1)
     with pytest.raises(ValueError, match=r"nonfinite_logprobs must be one of \('raise', 'mask'\), got 'zero'"):
         aipo_loss(*args(batch), nonfinite_logprobs="zero")
+
+
+def test_an_objective_value_computes_what_its_shorthand_does_and_refuses_both():
+    """Objective, the frozen value: its defaults resolved (equal to the value with
+    them given), hashable, unchangeable; every objective passed as `objective=` to
+    aipo_loss, linear_aipo_loss and aipo_loss_ref gives, bit for bit, the loss and
+    gradients of the same call with loss_type= and keywords, on fresh inputs; the
+    two ways at once are refused naming what doubles."""
+    import dataclasses
+
+    assert Objective("aipo") == Objective("aipo", rho=4.0) and hash(Objective("aipo")) == hash(Objective(rho=4))
+    assert Objective("ppo").parameters == {"eps_low": 0.2, "eps_high": 0.2} and Objective("ppo").rho is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Objective().rho = 2.0
+    with pytest.raises(ValueError, match='loss_type="ppo" does not read rho'):
+        Objective("ppo", rho=2.0)
+    with pytest.raises(ValueError, match="eps_low must be <= 1"):
+        Objective("cispo", eps_low=1.5)
+    batch = _batch(_seed("objective value"))
+    hidden = torch.randn(B, T, H, generator=torch.Generator().manual_seed(_seed("objective value", "h")))
+    weight = torch.randn(V, H, generator=torch.Generator().manual_seed(_seed("objective value", "w"))) * 0.3
+    for loss_type in LOSS_TYPES:
+        kw = _params(loss_type, EXTRAS["entropy+kl"])
+        value = Objective(**kw)
+        args = (*(batch[n] for n in INPUTS[:4]),)
+        common = dict(**_old(batch, kw), sequence_ids=batch["sequence_ids"], ref_logprobs=batch["ref_logprobs"],
+                      reduction="sequence_mean")
+        for fn, leaves in ((aipo_loss, (batch["logits"],)), (linear_aipo_loss, (hidden, weight)),
+                           (aipo_loss_ref, (batch["logits"],))):
+            results = []
+            for way in ({"objective": value}, kw):
+                xs = [_leaf(x, torch.float32) for x in leaves]
+                out = fn(*xs, *args, **common, **way)
+                loss = out[0] if isinstance(out, tuple) else out
+                loss.backward()
+                results.append([loss.detach(), *(x.grad for x in xs)])
+            assert all(torch.equal(a, b) for a, b in zip(*results)), (loss_type, fn.__name__, REPRO)
+    with pytest.raises(ValueError, match=r"objective= and loss_type=, kl_coef=, rho= both describe"):
+        aipo_loss(batch["logits"], *(batch[n] for n in INPUTS[:4]), objective=Objective(), loss_type="seq_tis",
+                  rho=2.0, kl_coef=0.1)

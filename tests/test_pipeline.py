@@ -125,8 +125,8 @@ def test_config_rejects_bad_values(bad, match):
 
 
 def test_config_takes_the_fp8_gemm_where_it_runs():
-    assert TrainConfig(generator_fp8="channel", generator_fp8_gemm="fp8", device="cuda").generator_fp8_gemm == "fp8"
-    assert TrainConfig(generator_fp8="block", generator_fp8_gemm="dequantize").generator_fp8_gemm == "dequantize"
+    assert TrainConfig(generator_fp8="channel", generator_fp8_gemm="fp8", device="cuda").generator.fp8_gemm == "fp8"
+    assert TrainConfig(generator_fp8="block", generator_fp8_gemm="dequantize").generator.fp8_gemm == "dequantize"
 
 
 def test_the_package_exports_what_a_trainer_of_ones_own_builds_on():
@@ -140,7 +140,7 @@ def test_the_package_exports_what_a_trainer_of_ones_own_builds_on():
 
 
 def test_config_sync_mode_forces_staleness_zero():
-    assert TrainConfig(mode="sync", max_staleness=3).max_staleness == 0
+    assert TrainConfig(mode="sync", max_staleness=3).run.max_staleness == 0
 
 
 def test_config_json_from_before_the_loss_parameters_still_loads(tmp_path):
@@ -151,16 +151,16 @@ def test_config_json_from_before_the_loss_parameters_still_loads(tmp_path):
     that does not read it is refused."""
     from llamarl_core.ops.objectives import PARAMETERS
 
-    old = {k: v for k, v in TrainConfig().to_dict().items()
+    old = {k: v for k, v in TrainConfig().flat().items()  # a flat config.json: before the sections
            if k not in (*PARAMETERS[1:], "entropy_coef")}  # rho alone: the loss parameters came later
     for loss, rho, kept in (("aipo", 4.0, None), ("aipo", 2.5, 2.5), ("ppo", 4.0, None), ("ppo_tis", 4.0, None),
                             ("ppo_tis", 2.0, 2.0),
                             ("pipeline_tasks:aipo_by_hand", 4.0, None)):
         (tmp_path / "config.json").write_text(json.dumps({**old, "loss": loss, "rho": rho}))
         config = TrainConfig.load(tmp_path / "config.json")
-        assert config.loss == loss and config.rho == kept, (loss, rho)
+        assert config.loss.objective == loss and config.loss.rho == kept, (loss, rho)
     with pytest.raises(ValueError, match='loss_type="ppo" does not read rho'):
-        TrainConfig.from_dict({**TrainConfig().to_dict(), "loss": "ppo", "rho": 4.0})
+        TrainConfig.from_dict({**TrainConfig().flat(), "loss": "ppo", "rho": 4.0})
 
 
 def test_config_json_from_before_loss_reduction_keeps_gspo_a_token_mean(tmp_path):
@@ -169,11 +169,11 @@ def test_config_json_from_before_loss_reduction_keeps_gspo_a_token_mean(tmp_path
     started, one that has it (None: the loss's own) as it says."""
     from llamarl_core.pipeline.config import natural_reduction
 
-    old = {k: v for k, v in TrainConfig(loss="gspo").to_dict().items() if k != "loss_reduction"}
+    old = {k: v for k, v in TrainConfig(loss="gspo").flat().items() if k != "loss_reduction"}
     (tmp_path / "config.json").write_text(json.dumps(old))
-    assert TrainConfig.load(tmp_path / "config.json").loss_reduction == "token_mean"
-    assert TrainConfig.from_dict({**old, "loss": "aipo", "rho": None}).loss_reduction is None
-    assert TrainConfig.from_dict({**old, "loss_reduction": None}).loss_reduction is None
+    assert TrainConfig.load(tmp_path / "config.json").loss.reduction == "token_mean"
+    assert TrainConfig.from_dict({**old, "loss": "aipo", "rho": None}).loss.reduction is None
+    assert TrainConfig.from_dict({**old, "loss_reduction": None}).loss.reduction is None
     assert natural_reduction("gspo") == "sequence_mean" and natural_reduction("aipo") == "token_mean"
     assert natural_reduction("gspo", normalized=True) == "token_mean"
 
@@ -491,7 +491,7 @@ def test_fp8_generator_replicas_sample_with_the_weights_the_trainer_quantized(tm
     proc = llamarl_command("--mode", "sync", "--generator-replicas", "2", "--generator-fp8", "block", "--out", str(out),
                            *FAST)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert TrainConfig.load(out / "config.json").generator_fp8 == "block"
+    assert TrainConfig.load(out / "config.json").generator.fp8 == "block"
     metrics = read_metrics(out)
     assert len(metrics) == 12
     assert all(5e-6 < m["mismatch_kl"] < 1e-2 for m in metrics), [m["mismatch_kl"] for m in metrics]
@@ -638,9 +638,9 @@ def test_a_pretrained_model_defaults_to_a_pretrained_learning_rate(tmp_path):
     from llamarl_core.pipeline.train_cli import PRETRAINED_LR, _config, parse_args
 
     model = str(tmp_path / "model")  # the config builder only records the path
-    assert _config(parse_args(["--model", model]), "async").lr == PRETRAINED_LR == 1e-6
-    assert _config(parse_args(["--model", model, "--lr", "3e-5"]), "async").lr == 3e-5  # a given --lr wins
-    assert _config(parse_args([]), "async").lr == TrainConfig().lr == 1e-3  # the toy keeps its own
+    assert _config(parse_args(["--model", model]), "async").trainer.lr == PRETRAINED_LR == 1e-6
+    assert _config(parse_args(["--model", model, "--lr", "3e-5"]), "async").trainer.lr == 3e-5  # a given --lr wins
+    assert _config(parse_args([]), "async").trainer.lr == TrainConfig().trainer.lr == 1e-3  # the toy keeps its own
 
 
 def test_resumed_steps_are_checked_like_any_config(tmp_path):
@@ -972,12 +972,12 @@ def test_reward_model_executor_and_trainer_options(tmp_path):
     metrics = read_metrics(out)
     assert metrics[0]["ref_kl"] == pytest.approx(0.0, abs=1e-7) and max(m["ref_kl"] for m in metrics[-4:]) > 1e-6
     config = json.loads((out / "config.json").read_text())  # the run's own base rate and floor (their defaults)
-    expected_lr = [learning_rate(s, base_lr=config["lr"], warmup_steps=3, total_steps=12, schedule="cosine",
-                                 min_lr_ratio=config["min_lr_ratio"]) for s in range(12)]
+    expected_lr = [learning_rate(s, base_lr=config["trainer"]["lr"], warmup_steps=3, total_steps=12, schedule="cosine",
+                                 min_lr_ratio=config["trainer"]["min_lr_ratio"]) for s in range(12)]
     assert [m["lr"] for m in metrics] == pytest.approx(expected_lr)
     assert all(m["grad_norm"] >= 0 for m in metrics)
     config = TrainConfig.load(out / "config.json")
-    assert (config.loss, config.eps_low, config.eps_high, config.entropy_coef, config.rho) == ("gspo", 0.002, 0.003,
+    assert (config.loss.objective, config.loss.eps_low, config.loss.eps_high, config.loss.entropy_coef, config.loss.rho) == ("gspo", 0.002, 0.003,
                                                                                                  0.001, None)
     stats = [f.name for f in dataclasses.fields(StepStats) if f.name != "truncated_samples"]
     for m in metrics:
@@ -1011,7 +1011,7 @@ def test_every_other_loss_runs_the_default_task_with_its_statistics(tmp_path):
         summary = Controller(config, out).run()
         metrics = read_metrics(out)
         assert summary["steps"] == 3 and [m["step"] for m in metrics] == [0, 1, 2], (loss, summary)
-        assert TrainConfig.load(out / "config.json").loss == loss
+        assert TrainConfig.load(out / "config.json").loss.objective == loss
         for m in metrics:
             assert (m["clip_fraction"] is not None) == (loss in CLIP_TYPES), (loss, m)
             assert (m["masked_fraction"] is not None) == (loss in ("icepop", "seq_mis", "geo_mask")), (loss, m)

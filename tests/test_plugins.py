@@ -23,8 +23,8 @@ def module_level_function(rewards, group_ids):
 
 def test_plugins_are_kept_by_their_importable_names():
     config = TrainConfig(generator=HFGenerateGenerator, advantage=module_level_function)
-    assert config.generator == "pipeline_tasks:HFGenerateGenerator"
-    assert config.advantage == "test_plugins:module_level_function"
+    assert config.generator.backend == "pipeline_tasks:HFGenerateGenerator"
+    assert config.loss.advantage == "test_plugins:module_level_function"
     assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config  # config.json round trip
 
     def local(rewards, group_ids):
@@ -156,11 +156,11 @@ def test_a_transformers_generate_generator_learns_under_the_controller(tmp_path)
     rewards = [m["reward"] for m in metrics]
     assert sum(rewards[-10:]) > sum(rewards[:10]) + 0.2, rewards  # 10 steps of 64 samples: a mean 0.02 higher
     for m in metrics:
-        assert all(0 <= int(k) <= config.max_staleness for k in m["staleness"]), m["staleness"]
+        assert all(0 <= int(k) <= config.run.max_staleness for k in m["staleness"]), m["staleness"]
     for r in _rollouts(out):  # the oldest and newest version of its tokens (the controller checked each has one)
         oldest, newest = r["versions"]
-        assert 0 <= r["step"] - oldest <= config.max_staleness and oldest <= newest <= r["step"]
-    assert json.loads((out / "config.json").read_text())["generator"] == "pipeline_tasks:HFGenerateGenerator"
+        assert 0 <= r["step"] - oldest <= config.run.max_staleness and oldest <= newest <= r["step"]
+    assert json.loads((out / "config.json").read_text())["generator"]["backend"] == "pipeline_tasks:HFGenerateGenerator"
 
 
 def test_plugins_by_name_on_the_command_line(tmp_path):

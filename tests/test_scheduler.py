@@ -111,9 +111,9 @@ class _Run:
         groups = sorted(g for gs in issued.values() for g in gs)
         for replica, gs in issued.items():
             assert replica in holding and gs == sorted(gs), (replica, gs, holding)
-            if self.config.mode == "sync":
+            if self.config.run.mode == "sync":
                 assert self.sched.training is None and self.versions[replica] == self.sched.step
-            self.sampling += [(replica, Sample(g, [1])) for g in gs for _ in range(self.config.samples_per_prompt)]
+            self.sampling += [(replica, Sample(g, [1])) for g in gs for _ in range(self.config.run.samples_per_prompt)]
             self.replica_of.update({g: replica for g in gs})
         for g in groups:
             if g in self.lost:
@@ -130,18 +130,18 @@ class _Run:
         batch = self.sched.take_batch()
         taken = set() if batch is None else {g[0].group for g in batch.groups}
         for g in before - self.sched.outstanding - taken:  # dropped now: must be stale
-            assert step - min(x.oldest_version for x in self.delivered[g]) > self.config.max_staleness
+            assert step - min(x.oldest_version for x in self.delivered[g]) > self.config.run.max_staleness
         if batch is None:
             return
-        assert batch.step == step and len(batch.groups) == self.config.prompts_per_step
+        assert batch.step == step and len(batch.groups) == self.config.run.prompts_per_step
         for samples in batch.groups:
             g = samples[0].group
             assert g not in self.trained, f"group {g} trained twice"
-            assert len(samples) == self.config.samples_per_prompt and all(x.group == g for x in samples)
+            assert len(samples) == self.config.run.samples_per_prompt and all(x.group == g for x in samples)
             assert sorted(map(id, samples)) == sorted(map(id, self.delivered[g]))
             self.trained.add(g)
         for sample in batch.samples:  # the bound, for every sample ever trained
-            assert step - sample.oldest_version <= self.config.max_staleness, (step, sample.versions)
+            assert step - sample.oldest_version <= self.config.run.max_staleness, (step, sample.versions)
         assert self.sched.data_position == max(position, max(taken) + 1)
         self.dropped_reported += batch.dropped
 
@@ -160,7 +160,7 @@ class _Run:
 
     def lose_replicas(self, replicas: set[int]):
         self.lost |= {g for g, got in self.delivered.items() if g in self.sched.outstanding
-                      and len(got) < self.config.samples_per_prompt and self.replica_of[g] in replicas}
+                      and len(got) < self.config.run.samples_per_prompt and self.replica_of[g] in replicas}
         self.sched.replicas_lost(replicas)
         assert set(self.sched.to_reissue) == self.lost
         self.sampling = [entry for entry in self.sampling if entry[0] not in replicas]
@@ -240,7 +240,7 @@ class _Run:
         held = self.sched.outstanding | set(self.sched.to_reissue)
         assert not held & self.trained
         dropped = self.issued - self.trained - held
-        assert self.dropped_reported + self.sched.dropped == len(dropped) * self.config.samples_per_prompt
+        assert self.dropped_reported + self.sched.dropped == len(dropped) * self.config.run.samples_per_prompt
 
 
 @pytest.mark.parametrize("first_seed", range(0, 3000, 500))
@@ -255,7 +255,7 @@ def test_random_runs_never_train_a_sample_staler_than_the_bound(first_seed):
                 if run.rng.random() < 0.05:
                     run.check_accounting()
             in_flight = run.issued | run.lost
-            for _ in range(4 + run.config.max_staleness):
+            for _ in range(4 + run.config.run.max_staleness):
                 run.drain_round()
             assert not in_flight & (run.sched.outstanding | set(run.sched.to_reissue) | run.lost)
             run.check_accounting()

@@ -363,7 +363,7 @@ def test_train_qwen3_moe_with_vllm_generator(tmp_path):
     assert first["staleness"] == {"0": 16}
     assert abs(first["mismatch_kl"]) < 1e-5 and abs(first["mean_ratio"] - 1) < 1e-4, first
     config = json.loads((out / "config.json").read_text())
-    assert config["generator"] == "vllm" and config["model"] == str(model)
+    assert config["generator"]["backend"] == "vllm" and config["run"]["model"] == str(model)
     spans = {e["name"] for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"}
     assert {"generate", "receive weights", "send weights", "evaluate"} <= spans
     # Held-out prompts completed greedily (temperature 0 requests) at versions 0, 10 and the last.

@@ -34,8 +34,8 @@ from .aipo_inputs import (IGNORE_INDEX, TargetCheck, TokenInputs, check_kl, chec
                           per_token_advantages, prepare_inputs)
 from .logprob import LinearChunkLossFunction, check_linear, linear_token_logprobs, token_logprobs
 from .objective_launch import fused_objective_runs, fused_policy_loss
-from .objectives import (MAX_LOG_RATIO, SEQUENCE_TYPES, AIPOStats, ObjectiveConfig, objective_config,
-                         objective_stats, objective_terms)
+from .objectives import (MAX_LOG_RATIO, SEQUENCE_TYPES, AIPOStats, Objective, objective_stats, objective_terms,
+                         resolve_objective)
 
 __all__ = ["AIPOStats", "IGNORE_INDEX", "aipo_loss", "aipo_loss_ref", "group_advantages", "linear_aipo_loss"]
 
@@ -59,7 +59,8 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
                   reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=None,
                   eps_high=None, ref_logprobs=None, kl_coef=0.0, mask_low=None, mask_high=None, entropy_coef=0.0,
                   normalizer=None, compute_dtype=torch.float64, magnitude=False, nonfinite_logprobs="raise",
-                  tau_pos=None, tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None):
+                  tau_pos=None, tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None,
+                  objective=None):
     """The loss written from the formulas (ops/objectives.py), with plain torch
     autograd (log_softmax, gather), per-sequence sums and reductions by Python
     loops over the sequences: the reference for values and gradients, in
@@ -69,10 +70,11 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
     magnitude=True: the same reduction of each token's |term| instead, the
     scale of the loss's rounding error (each term is rounded, so a loss whose
     terms cancel is accurate relative to this, not to itself)."""
-    cfg = objective_config(loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
-                           mask_high=mask_high, tau_pos=tau_pos, tau_neg=tau_neg, k_pos=k_pos, lambda_pos=lambda_pos,
-                           k_neg=k_neg, lambda_neg=lambda_neg, temperature=temperature, kl_coef=kl_coef,
-                           entropy_coef=entropy_coef)
+    cfg = resolve_objective(objective, loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
+                            mask_high=mask_high, tau_pos=tau_pos, tau_neg=tau_neg, k_pos=k_pos, lambda_pos=lambda_pos,
+                            k_neg=k_neg, lambda_neg=lambda_neg, temperature=temperature, kl_coef=kl_coef,
+                            entropy_coef=entropy_coef)
+    loss_type, temperature, kl_coef, entropy_coef = cfg.loss_type, cfg.temperature, cfg.kl_coef, cfg.entropy_coef
     check_kl(kl_coef, ref_logprobs)
     check_old(loss_type, old_logprobs)
     dtype = logits.dtype if compute_dtype is None else compute_dtype
@@ -172,7 +174,7 @@ def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, 
 # ----------------------------------------------------------------------------- functional
 
 
-def _objective(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: TokenInputs, cfg: ObjectiveConfig,
+def _objective(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: TokenInputs, cfg: Objective,
                rows: slice = slice(None)):
     """(the loss over the tokens `rows`, their ObjectiveTerms) of cfg's objective
     on the fused op's flat per-token outputs for those rows; a slice of the
@@ -192,7 +194,7 @@ def _stats(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: TokenInputs
 
 
 def _policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: TokenInputs,
-                 cfg: ObjectiveConfig) -> tuple[torch.Tensor, AIPOStats]:
+                 cfg: Objective) -> tuple[torch.Tensor, AIPOStats]:
     """(loss, stats) of cfg's objective on the fused op's per-token outputs: by the
     objective kernel on a GPU (objective_launch), else by the torch path."""
     if fused_objective_runs(logp):
@@ -201,7 +203,7 @@ def _policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: Token
 
 
 def torch_policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: TokenInputs,
-                      cfg: ObjectiveConfig) -> tuple[torch.Tensor, AIPOStats]:
+                      cfg: Objective) -> tuple[torch.Tensor, AIPOStats]:
     """_policy_loss by the torch path, op by op (objective_terms, objective_stats)."""
     flat_logp = logp.reshape(-1)
     flat_entropy = None if entropy is None else entropy.reshape(-1)
@@ -213,7 +215,7 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
               reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=None,
               eps_high=None, entropy=False, ref_logprobs=None, kl_coef=0.0, mask_low=None, mask_high=None,
               entropy_coef=0.0, normalizer=None, process_group=None, nonfinite_logprobs="raise", tau_pos=None,
-              tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None):
+              tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None, objective=None):
     """The policy loss `loss_type` (aipo, ppo, ppo_tis, icepop, seq_tis, seq_mis,
     geo_mask, gspo, cispo, sapo, vespo: ops/objectives.py) from logits.
 
@@ -229,9 +231,11 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
     per token, or batched one per row, (B,) or (B, 1). `-inf` logits (masked
     vocabulary) are allowed.
 
-    rho, mask_low / mask_high, eps_low / eps_high, tau_pos / tau_neg (sapo), k_pos /
+    objective: an ops.Objective (the kind, its parameters, temperature, kl_coef,
+    entropy_coef as one checked value); or, as shorthand, loss_type and rho,
+    mask_low / mask_high, eps_low / eps_high, tau_pos / tau_neg (sapo), k_pos /
     lambda_pos / k_neg / lambda_neg (vespo): the objective's parameters (None: its
-    default; one it does not read raises ValueError). old_logprobs: read by ppo,
+    default; one it does not read raises ValueError), not both (ValueError). old_logprobs: read by ppo,
     ppo_tis, gspo, cispo, sapo (refused by the others). behavior_logprobs
     or old_logprobs None: on-policy, the learner's own detached log-probs in
     their place (ratios of 1, no extra pass). nonfinite_logprobs: "raise"
@@ -258,10 +262,11 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
     such a log-prob reaches the loss). sequence_ids are grouped on the device
     (sorts and a cumulative sum), without one.
     """
-    cfg = objective_config(loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
-                           mask_high=mask_high, tau_pos=tau_pos, tau_neg=tau_neg, k_pos=k_pos, lambda_pos=lambda_pos,
-                           k_neg=k_neg, lambda_neg=lambda_neg, temperature=temperature, kl_coef=kl_coef,
-                           entropy_coef=entropy_coef)
+    cfg = resolve_objective(objective, loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
+                            mask_high=mask_high, tau_pos=tau_pos, tau_neg=tau_neg, k_pos=k_pos, lambda_pos=lambda_pos,
+                            k_neg=k_neg, lambda_neg=lambda_neg, temperature=temperature, kl_coef=kl_coef,
+                            entropy_coef=entropy_coef)
+    loss_type, temperature, kl_coef, entropy_coef = cfg.loss_type, cfg.temperature, cfg.kl_coef, cfg.entropy_coef
     check_logits(logits)  # the logits' own checks first
     inputs = prepare_inputs(logits.shape[:-1], logits.device, targets, behavior_logprobs, advantages, mask,
                             old_logprobs, ref_logprobs, sequence_ids, cfg, reduction, normalizer, nonfinite_logprobs)
@@ -293,7 +298,8 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
                      reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=None,
                      eps_high=None, entropy=False, chunk_size=None, ref_logprobs=None, kl_coef=0.0, mask_low=None,
                      mask_high=None, entropy_coef=0.0, normalizer=None, process_group=None, nonfinite_logprobs="raise",
-                     tau_pos=None, tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None):
+                     tau_pos=None, tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None,
+                     objective=None):
     """`aipo_loss` of `hidden @ weight.T`, without ever holding the full logits.
 
     hidden: (num_tokens, hidden), or batched (B, T, hidden) (any (..., T,
@@ -306,10 +312,11 @@ def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mas
     the memory it holds beyond its inputs and outputs. Returns (loss,
     AIPOStats) as aipo_loss does. Host syncs as aipo_loss's.
     """
-    cfg = objective_config(loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
-                           mask_high=mask_high, tau_pos=tau_pos, tau_neg=tau_neg, k_pos=k_pos, lambda_pos=lambda_pos,
-                           k_neg=k_neg, lambda_neg=lambda_neg, temperature=temperature, kl_coef=kl_coef,
-                           entropy_coef=entropy_coef)
+    cfg = resolve_objective(objective, loss_type, rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low,
+                            mask_high=mask_high, tau_pos=tau_pos, tau_neg=tau_neg, k_pos=k_pos, lambda_pos=lambda_pos,
+                            k_neg=k_neg, lambda_neg=lambda_neg, temperature=temperature, kl_coef=kl_coef,
+                            entropy_coef=entropy_coef)
+    loss_type, temperature, kl_coef, entropy_coef = cfg.loss_type, cfg.temperature, cfg.kl_coef, cfg.entropy_coef
     chunk_size = check_linear(hidden, weight, chunk_size)
     inputs = prepare_inputs(hidden.shape[:-1], hidden.device, targets, behavior_logprobs, advantages, mask,
                             old_logprobs, ref_logprobs, sequence_ids, cfg, reduction, normalizer, nonfinite_logprobs)

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy
 import torch
 
-from .objectives import OLD_POLICY_TYPES, SEQUENCE_TYPES, ObjectiveConfig, Sequences
+from .objectives import OLD_POLICY_TYPES, SEQUENCE_TYPES, Objective, Sequences
 
 IGNORE_INDEX = -100
 REDUCTIONS = ("token_mean", "sequence_mean", "sum")
@@ -367,7 +367,7 @@ class TokenInputs:
 
 
 def prepare_inputs(shape: torch.Size, device, targets, behavior, advantages, mask, old, ref,
-                   sequence_ids, cfg: ObjectiveConfig, reduction: str, normalizer=None,
+                   sequence_ids, cfg: Objective, reduction: str, normalizer=None,
                    nonfinite_logprobs: str = "raise") -> TokenInputs:
     """Check every input against the rules of the module docstring (shape: the
     logits' leading dims) and flatten them; nothing runs on a bad one (on a GPU

@@ -21,7 +21,7 @@ from torch.autograd.function import once_differentiable
 from ._launch import KernelLaunch
 from .aipo_inputs import TokenInputs
 from .objectives import (CLIP_TYPES, LOSS_TYPES, MASKING_TYPES, MAX_LOG_RATIO, SEQUENCE_TYPES, TRUNCATING_TYPES,
-                         VESPO_LOG_W, VESPO_TOKEN_LOG_RATIO, AIPOStats, ObjectiveConfig)
+                         VESPO_LOG_W, VESPO_TOKEN_LOG_RATIO, AIPOStats, Objective)
 
 BLOCK, NUM_WARPS = 512, 4  # 4 tokens a thread: at most 64 registers (sm_80-100; 1024 tokens took up to 128)
 PARTIAL = 16  # floats a program writes (kernels/objective.py)
@@ -52,7 +52,7 @@ def fused_objective_runs(logp: torch.Tensor) -> bool:
     return logp.device.type == "cuda"
 
 
-def _sequence_values(logp: torch.Tensor, inputs: TokenInputs, cfg: ObjectiveConfig, on: torch.Tensor,
+def _sequence_values(logp: torch.Tensor, inputs: TokenInputs, cfg: Objective, on: torch.Tensor,
                      counts: torch.Tensor | None) -> torch.Tensor | None:
     """Each token's per-sequence input of the kernel for the sequence-level
     objectives (None for the others), from the counted tokens `on` (float) and
@@ -76,7 +76,7 @@ PARAMETERS = ("rho", "eps_low", "eps_high", "mask_low", "mask_high", "tau_pos", 
               "k_neg", "lambda_neg", "kl_coef", "entropy_coef")
 
 
-def kernel_parameters(cfg: ObjectiveConfig) -> list[float]:
+def kernel_parameters(cfg: Objective) -> list[float]:
     """cfg's scalars in PARAMETERS' order, 0.0 for one its objective does not read."""
     return [0.0 if getattr(cfg, name) is None else float(getattr(cfg, name)) for name in PARAMETERS]
 
@@ -149,7 +149,7 @@ def kernel_variants() -> list[tuple[str, KernelLaunch]]:
     """Every variant a GPU compiles: one per objective (the optional inputs are
     run-time flags) with the per-sequence flags (whenever the tokens have
     sequences) and, for the token-level objectives, one without."""
-    from .objectives import SEQUENCE_TYPES, objective_config
+    from .objectives import SEQUENCE_TYPES
 
     n = 4
     flat = [torch.empty(n, dtype=torch.float32) for _ in range(12)]
@@ -160,7 +160,7 @@ def kernel_variants() -> list[tuple[str, KernelLaunch]]:
             flags = torch.empty(n, dtype=torch.int8) if with_flags else None
             dseq = flat[11] if loss_type == "gspo" else None
             launch = objective_launch(*flat[:11], dseq, flags, partial, LOSS_TYPES.index(loss_type),
-                                      kernel_parameters(objective_config(loss_type)))
+                                      kernel_parameters(Objective(loss_type)))
             variants.append((f"objective {loss_type}{', sequence flags' if with_flags else ''}", launch))
     return variants
 
@@ -184,7 +184,7 @@ class _Linearized(torch.autograd.Function):
 
 
 def fused_policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: TokenInputs,
-                      cfg: ObjectiveConfig) -> tuple[torch.Tensor, AIPOStats]:
+                      cfg: Objective) -> tuple[torch.Tensor, AIPOStats]:
     """(loss, stats) of cfg's objective on the fused op's per-token outputs (in
     the targets' shape), differentiable in both, by the objective kernel."""
     flat = logp.reshape(-1)
@@ -210,7 +210,7 @@ def fused_policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: 
                         flags if sequences is not None else None, counts)
 
 
-def _stats(flat: torch.Tensor, entropy, inputs: TokenInputs, cfg: ObjectiveConfig, sums: torch.Tensor,
+def _stats(flat: torch.Tensor, entropy, inputs: TokenInputs, cfg: Objective, sums: torch.Tensor,
            max_abs_log_r: torch.Tensor, flags: torch.Tensor | None, counts: torch.Tensor | None) -> AIPOStats:
     """AIPOStats from the kernel's sums, as objective_stats defines them; counts:
     each sequence's counted tokens (None: no sequences, or an objective that

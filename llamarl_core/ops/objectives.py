@@ -102,9 +102,17 @@ MAX_LOG_RATIO = 80.0
 
 
 @dataclass(frozen=True)
-class ObjectiveConfig:
-    """An objective with every parameter it reads resolved (objective_config);
-    the others are None."""
+class Objective:
+    """A policy objective as a value (Liger-Kernel's pattern): its kind
+    (`loss_type`, one of LOSS_TYPES), the parameters it reads, and what goes around
+    every objective (the temperature the log-probs are taken at, the KL penalty's
+    and the entropy bonus's weights). Checked when made: ValueError naming a
+    parameter out of range or one the kind does not read (it would do nothing).
+    A parameter the kind reads and is not given takes its default (DEFAULTS); the
+    others stay None. Equal and hashable by value: `Objective("ppo", eps_high=0.28)`.
+
+    aipo_loss, linear_aipo_loss and aipo_loss_ref take one as `objective=`, or
+    build it from `loss_type=` and the same keywords (the shorthand)."""
 
     loss_type: str = "aipo"
     rho: float | None = None
@@ -122,46 +130,65 @@ class ObjectiveConfig:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
 
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        reads = DEFAULTS[self.loss_type]
+        unread = [name for name in PARAMETERS if getattr(self, name) is not None and name not in reads]
+        if unread:
+            raise ValueError(f'loss_type="{self.loss_type}" does not read {", ".join(unread)} (it reads '
+                             f'{", ".join(reads)})')
+        values = {name: default if getattr(self, name) is None else float(getattr(self, name))
+                  for name, default in reads.items()}
+        for name, value in values.items():
+            if math.isnan(value):
+                raise ValueError(f"{name} must be a number, got {value}")
+        if values.get("rho", 1.0) <= 0 or math.isinf(values.get("rho", 1.0)):
+            raise ValueError(f"rho must be positive and finite, got {values['rho']}")
+        for name in ("eps_low", "eps_high", "k_pos", "k_neg"):
+            if name in values and not 0 <= values[name] < math.inf:
+                raise ValueError(f"{name} must be >= 0 and finite, got {values[name]}")
+        for name in ("tau_pos", "tau_neg", "lambda_pos", "lambda_neg"):
+            if name in values and not 0 < values[name] < math.inf:
+                raise ValueError(f"{name} must be positive and finite, got {values[name]}")
+        if "eps_low" in values and values["eps_low"] > 1:
+            raise ValueError(f"eps_low must be <= 1 (the clip's lower end 1 - eps_low >= 0), got {values['eps_low']}")
+        if "mask_low" in values and not 0 <= values["mask_low"] <= values["mask_high"]:
+            raise ValueError(f"mask_low and mask_high must satisfy 0 <= mask_low <= mask_high, got "
+                             f"{values['mask_low']} and {values['mask_high']}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        for name in ("kl_coef", "entropy_coef"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
+        resolved = {**values, "temperature": float(self.temperature), "kl_coef": float(self.kl_coef),
+                    "entropy_coef": float(self.entropy_coef)}
+        for name, value in resolved.items():  # a frozen value: set once, here
+            object.__setattr__(self, name, value)
 
-def objective_config(loss_type: str = "aipo", *, rho=None, eps_low=None, eps_high=None, mask_low=None, mask_high=None,
-                     tau_pos=None, tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None,
-                     temperature: float = 1.0, kl_coef: float = 0.0, entropy_coef: float = 0.0) -> ObjectiveConfig:
-    """The ObjectiveConfig of `loss_type` with the parameters given and its
-    defaults (DEFAULTS) for the others; ValueError naming a parameter out of
-    range or one the objective does not read."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    given = dict(rho=rho, eps_low=eps_low, eps_high=eps_high, mask_low=mask_low, mask_high=mask_high, tau_pos=tau_pos,
-                 tau_neg=tau_neg, k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg, lambda_neg=lambda_neg)
-    reads = DEFAULTS[loss_type]
-    unread = [name for name, value in given.items() if value is not None and name not in reads]
-    if unread:
-        raise ValueError(f'loss_type="{loss_type}" does not read {", ".join(unread)} (it reads {", ".join(reads)})')
-    values = {name: float(given[name]) if given[name] is not None else default for name, default in reads.items()}
-    for name, value in values.items():
-        if math.isnan(value):
-            raise ValueError(f"{name} must be a number, got {value}")
-    if values.get("rho", 1.0) <= 0 or math.isinf(values.get("rho", 1.0)):
-        raise ValueError(f"rho must be positive and finite, got {values['rho']}")
-    for name in ("eps_low", "eps_high", "k_pos", "k_neg"):
-        if name in values and not 0 <= values[name] < math.inf:
-            raise ValueError(f"{name} must be >= 0 and finite, got {values[name]}")
-    for name in ("tau_pos", "tau_neg", "lambda_pos", "lambda_neg"):
-        if name in values and not 0 < values[name] < math.inf:
-            raise ValueError(f"{name} must be positive and finite, got {values[name]}")
-    if "eps_low" in values and values["eps_low"] > 1:
-        raise ValueError(f"eps_low must be <= 1 (the clip's lower end 1 - eps_low >= 0), got {values['eps_low']}")
-    if "mask_low" in values and not 0 <= values["mask_low"] <= values["mask_high"]:
-        raise ValueError(f"mask_low and mask_high must satisfy 0 <= mask_low <= mask_high, got "
-                         f"{values['mask_low']} and {values['mask_high']}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be positive, got {temperature}")
-    for name, value in (("kl_coef", kl_coef), ("entropy_coef", entropy_coef)):
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} must be finite and >= 0, got {value}")
-    unset = dict.fromkeys(PARAMETERS)
-    return ObjectiveConfig(loss_type, **{**unset, **values}, temperature=float(temperature), kl_coef=float(kl_coef),
-                           entropy_coef=float(entropy_coef))
+    @property
+    def parameters(self) -> dict:
+        """The parameters this objective reads, with their values."""
+        return {name: getattr(self, name) for name in DEFAULTS[self.loss_type]}
+
+
+def resolve_objective(objective: Objective | None, loss_type: str = "aipo", *, temperature: float = 1.0,
+                      kl_coef: float = 0.0, entropy_coef: float = 0.0, **parameters) -> Objective:
+    """The Objective a loss call computes: `objective` when given (then the
+    shorthand's keywords must be left at their defaults: ValueError naming those
+    given too), else the one `loss_type` and the keywords describe."""
+    if objective is None:
+        return Objective(loss_type, **parameters, temperature=temperature, kl_coef=kl_coef,
+                         entropy_coef=entropy_coef)
+    if not isinstance(objective, Objective):
+        raise ValueError(f"objective must be an ops.Objective, got {type(objective).__name__}")
+    shorthand = {"loss_type": (loss_type, "aipo"), "temperature": (temperature, 1.0), "kl_coef": (kl_coef, 0.0),
+                 "entropy_coef": (entropy_coef, 0.0), **{name: (value, None) for name, value in parameters.items()}}
+    given = [name for name, (value, default) in shorthand.items() if value != default]
+    if given:
+        raise ValueError(f"objective= and {', '.join(f'{name}=' for name in given)} both describe the objective: give "
+                         f"one (objective={objective!r})")
+    return objective
 
 
 def reference_kl(logp: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,13 +223,13 @@ def _truncate(ratio: torch.Tensor, rho: float) -> tuple[torch.Tensor, torch.Tens
     return ratio > rho, torch.clamp(ratio, max=rho)
 
 
-def _window(ratio: torch.Tensor, cfg: ObjectiveConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _window(ratio: torch.Tensor, cfg: Objective) -> tuple[torch.Tensor, torch.Tensor]:
     """(where ratio is outside [mask_low, mask_high], the weight: ratio inside, 0 outside)."""
     masked = (ratio < cfg.mask_low) | (ratio > cfg.mask_high)
     return masked, torch.where(masked, 0.0, ratio)
 
 
-def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, cfg: ObjectiveConfig):
+def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, cfg: Objective):
     """(-min(ratio A, clip(ratio) A), where the clipped term is strictly the smaller:
     the clip active, no gradient through the ratio there)."""
     unclipped = ratio * advantages
@@ -242,7 +269,7 @@ def on_policy(logprobs: torch.Tensor | None, logp: torch.Tensor) -> torch.Tensor
 
 def objective_terms(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: torch.Tensor | None,
                     advantages: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
-                    counted: torch.Tensor, sequences: Sequences | None, cfg: ObjectiveConfig) -> ObjectiveTerms:
+                    counted: torch.Tensor, sequences: Sequences | None, cfg: Objective) -> ObjectiveTerms:
     """The per-token terms of cfg's objective (module docstring), float32. Inputs
     flat (num_tokens,); behaviour, advantages, old and ref hold finite values
     (0) where a token does not count (`counted` False), so that no NaN leaks
@@ -297,7 +324,7 @@ def objective_terms(logp: torch.Tensor, entropy: torch.Tensor | None, behavior: 
     return ObjectiveTerms(terms, truncated, masked, clipped)
 
 
-def vespo_weight(log_ratio_sum: torch.Tensor, advantages: torch.Tensor, cfg: ObjectiveConfig) -> torch.Tensor:
+def vespo_weight(log_ratio_sum: torch.Tensor, advantages: torch.Tensor, cfg: Objective) -> torch.Tensor:
     """VESPO's gamma weight phi = exp(lambda + k v - lambda e^v) of a sequence's summed
     log-ratio (v clamped to VESPO_LOG_W), its shape by the advantage's sign; 0 where
     not finite. Detached."""

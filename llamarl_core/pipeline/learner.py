@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from ..ops.aipo import IGNORE_INDEX, aipo_loss
 from ..ops.aipo_inputs import prepare_inputs
 from ..ops.logprob import token_logprobs
-from ..ops.objectives import (LOSS_TYPES, AIPOStats, ObjectiveTerms, objective_config,
+from ..ops.objectives import (LOSS_TYPES, AIPOStats, Objective, ObjectiveTerms,
                                objective_stats, reference_kl)
 from .advantages import AdvantageFn, advantage_function, compute_advantages, group_mean
 from .config import LR_SCHEDULES, check_loss, natural_reduction
@@ -269,7 +269,7 @@ def _user_loss(model, batch: Batch, loss_fn: LossFn, *, temperature: float, ref_
         mask = torch.where(mask > 0, mask / tokens[slot].reshape(mask.shape).clamp(min=1.0), 0.0)
     summed = torch.where(mask > 0, per_token.float() * mask, 0.0).sum()
     # The fused op's stats, on the same log-probs.
-    cfg = objective_config(temperature=temperature, kl_coef=kl_coef)
+    cfg = Objective(temperature=temperature, kl_coef=kl_coef)
     inputs = prepare_inputs(batch.targets.shape, logp.device, batch.targets, batch.behavior_logprobs,
                             batch.advantages, None, None, ref_logprobs, None, cfg, "sum")
     inputs.check.wait()
@@ -558,14 +558,14 @@ def trainer_plugins(config) -> tuple[str | LossFn, AdvantageFn, StepHook | None]
     and step hook (or None), loaded; ValueError naming the one that does not load
     or cannot take the arguments it is called with. The advantage estimator is
     also tried on a probe (advantages.advantage_function)."""
-    loss = builtin_or_load(config.loss, {name: name for name in LOSS_TYPES}, "loss")
+    loss = builtin_or_load(config.loss.objective, {name: name for name in LOSS_TYPES}, "loss")
     if callable(loss):
         check_arity(loss, (None, None), "loss")
     hook = None
-    if config.step_hook is not None:
-        hook = load(config.step_hook, "step_hook", "function")
+    if config.trainer.step_hook is not None:
+        hook = load(config.trainer.step_hook, "step_hook", "function")
         check_arity(hook, (None, None), "step_hook")
-    return loss, advantage_function(config.advantage), hook
+    return loss, advantage_function(config.loss.advantage), hook
 
 
 def _sum_over_ranks(model, counts: list[int]) -> list[int]:

@@ -202,7 +202,7 @@ class LaunchedExecutors:
             ("run", {"role": role, "rank": rank, "config": config_dict, "extra": {**extra, "launched": True},
                      "prefix": self.prefix}))
         self.watches[(role, rank)] = HeartbeatWatch(self.job_store, rank_beat(global_rank),
-                                                    grace_s=config_dict["timeout_s"])
+                                                    grace_s=config_dict["run"]["timeout_s"])
 
     def exited(self) -> list[tuple[str, int, str]]:
         now = time.monotonic()

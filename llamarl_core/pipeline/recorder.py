@@ -89,8 +89,8 @@ class RunRecorder:
     def eval_prompts(self, version: int) -> list | None:
         """The held-out prompts (index, token ids) the generator completes greedily with
         weights `version`: every eval_every versions and at the last, once each; else None."""
-        every = self.config.eval_every
-        if not every or (version % every and version != self.config.steps) or version in self.evals \
+        every = self.config.run.eval_every
+        if not every or (version % every and version != self.config.run.steps) or version in self.evals \
                 or version <= self.last_evaluated:
             return None
         self.evals[version] = []
@@ -129,7 +129,7 @@ class RunRecorder:
     # -- the end -----------------------------------------------------------------------
     def summary(self, steal: float) -> dict:
         """The run's figures (report.summarize) from its files, `steal` the CPU steal fraction."""
-        return summarize(self.config.mode, read_lines(self.out / "metrics.jsonl"), self.wall_s(time.monotonic()),
+        return summarize(self.config.run.mode, read_lines(self.out / "metrics.jsonl"), self.wall_s(time.monotonic()),
                          steal, read_lines(self.out / "eval.jsonl"))
 
     def close(self) -> None:
@@ -137,5 +137,5 @@ class RunRecorder:
         self.trace.close()
         metrics = read_lines(self.out / "metrics.jsonl")
         if metrics:
-            plot_reward(self.out / "reward.png", {self.config.mode: metrics},
-                        {self.config.mode: read_lines(self.out / "eval.jsonl")})
+            plot_reward(self.out / "reward.png", {self.config.run.mode: metrics},
+                        {self.config.run.mode: read_lines(self.out / "eval.jsonl")})

@@ -265,14 +265,14 @@ def check_reward_config(config, data) -> None:
     spec that does not parse or load, one that checks answers where the prompts
     have none (a task's), a --reward-model folder that is not a one-output
     sequence classifier."""
-    if config.reward_model is not None:
-        check_reward_model(config.reward_model)
-    rule = None if config.reward is None else RuleReward(config.reward)
+    if config.run.reward_model is not None:
+        check_reward_model(config.run.reward_model)
+    rule = None if config.run.reward is None else RuleReward(config.run.reward)
     if rule is not None and rule.needs_answer and data.task is not None:
-        raise ValueError(f"{option('reward', config.reward)} checks answers: give a {option('dataset')} whose lines "
+        raise ValueError(f"{option('reward', config.run.reward)} checks answers: give a {option('dataset')} whose lines "
                          "have them "
                          f"(task {data.task.name!r} has none)")
-    if config.reward_model is None:
+    if config.run.reward_model is None:
         _probe_reward(rule, data)
 
 
@@ -303,10 +303,10 @@ def make_scorer(config, data) -> tuple[Callable[[list[Problem], list[str]], list
     """The run's reward as score(problems, completions) -> rewards, and its name for
     messages: the reward model, the --reward spec, or the task's own reward (per
     sample; an error in it names the prompt and completion)."""
-    if config.reward_model is not None:
-        return RewardModel(config.reward_model, config.reward_batch), f"the reward model {config.reward_model}"
-    if config.reward is not None:
-        return RuleReward(config.reward), f"the reward {config.reward!r}"
+    if config.run.reward_model is not None:
+        return RewardModel(config.run.reward_model, config.run.reward_batch), f"the reward model {config.run.reward_model}"
+    if config.run.reward is not None:
+        return RuleReward(config.run.reward), f"the reward {config.run.reward!r}"
     what = f"the reward function of task {data.task.name!r}"
     reward = per_sample(data.task.reward, what)
     return lambda problems, completions: reward([p.prompt for p in problems], completions, [None] * len(problems)), what

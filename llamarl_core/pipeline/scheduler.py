@@ -78,7 +78,7 @@ class Scheduler:
         mode (max_staleness 0) takes turns: nothing is issued while a batch is in
         training, nor to a replica without version `step`, so every token of step s is
         sampled with version s."""
-        if self.config.max_staleness == 0:
+        if self.config.run.max_staleness == 0:
             replicas = {r: landed for r, landed in replicas.items() if landed and self.training is None}
         issued: dict[int, list[int]] = {}
         if not replicas:
@@ -109,7 +109,7 @@ class Scheduler:
                 raise ValueError(f"a sample of group {sample.group}, which is not being sampled "
                                  f"(sampling {sorted(self._sampling)})")
             group.append(sample)
-            if len(group) == self.config.samples_per_prompt:
+            if len(group) == self.config.run.samples_per_prompt:
                 self._ready.append(self._sampling.pop(sample.group))
                 del self._replica_of[sample.group]
 
@@ -123,14 +123,14 @@ class Scheduler:
             return None
         fresh: deque[list[Sample]] = deque()
         for group in self._ready:
-            if self.step - min(sample.oldest_version for sample in group) > self.config.max_staleness:
+            if self.step - min(sample.oldest_version for sample in group) > self.config.run.max_staleness:
                 self.dropped += len(group)
             else:
                 fresh.append(group)
         self._ready = fresh
-        if len(fresh) < self.config.prompts_per_step:
+        if len(fresh) < self.config.run.prompts_per_step:
             return None
-        groups = [fresh.popleft() for _ in range(self.config.prompts_per_step)]
+        groups = [fresh.popleft() for _ in range(self.config.run.prompts_per_step)]
         self.data_position = max(self.data_position, max(group[0].group for group in groups) + 1)
         self.training = Batch(self.step, groups, self.dropped)
         self.dropped = 0

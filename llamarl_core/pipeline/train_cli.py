@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import sys
 import time
@@ -174,13 +173,13 @@ def parse_args(argv):
                         help="encode prompts as plain text even where the model's tokenizer has a chat template")
     # Parsed as None when not given (so that --resume and --model can tell what was given); the help says the
     # default that TrainConfig then applies.
-    defaults = TrainConfig()
+    defaults = TrainConfig().flat()
     for name, help_text in FLAGS.items():
-        default = getattr(defaults, name)
+        default = defaults[name]
         parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=None,
                             help=f"{help_text} (default: {default:g})")
     for name, (kind, help_text) in NAMED_FLAGS.items():
-        default = getattr(defaults, name)
+        default = defaults[name]
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, choices=CHOICES.get(name),
                             help=help_text if default is None else f"{help_text} (default: {default})")
     return parser.parse_args(argv)
@@ -235,7 +234,7 @@ def _resumed_config(out: Path, steps: int | None) -> TrainConfig:
     total, checked again as a whole (steps against lr_warmup_steps, among others)."""
     with _one_line_errors():
         config = TrainConfig.load(out / "config.json")
-        return config if steps is None else dataclasses.replace(config, steps=steps)
+        return config if steps is None else config.replace(steps=steps)
 
 
 def run_one(config: TrainConfig, out: Path, quiet: bool, executors_for=None,
@@ -262,7 +261,7 @@ def run_one(config: TrainConfig, out: Path, quiet: bool, executors_for=None,
                                 executors=executors, resume=resume)
     # A bar only on a terminal: into a log file its redraws were 179 KB for the default run (the per-step lines, and
     # the events, still go there: tqdm.write prints with the bar disabled).
-    bar = tqdm(total=config.steps, desc=f"{config.mode} RL steps", unit="step", file=sys.stderr,
+    bar = tqdm(total=config.run.steps, desc=f"{config.run.mode} RL steps", unit="step", file=sys.stderr,
                dynamic_ncols=True, leave=True, disable=not sys.stderr.isatty())
     try:
         summary = controller.run()

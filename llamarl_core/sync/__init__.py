@@ -27,10 +27,11 @@ reference.py (the shards a sync must land, computed the slow way: test oracles),
 live.py (layouts of live modules: `fsdp_layout` of a model before sharding,
 `checkpoint_views`), layout.py and plan.py (fragments, segments: how a plan is
 made; `relay_tree`, which replica relays to which), protocol.py (the Store keys
-and the decisions on them; `abandon_receivers`), errors.py. The rest are this
-package's own: endpoint.py (the set-up both sides share), sender.py,
-receiver.py, relay.py (generator replicas), stream.py, board.py, transports.py,
-engine.py, fp8.py, probe.py, amax.py.
+and the decisions on them; `abandon_receivers`, `DEFAULT_TIMEOUT_S`), probe.py
+(view probes: how an engine's weight loaders are read into a layout), errors.py.
+The rest are this package's own: endpoint.py (the set-up both sides share),
+sender.py, receiver.py, relay.py (generator replicas), stream.py, board.py,
+transports.py, engine.py, fp8.py, amax.py.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ __all__ = [
     "RelayError", "StaleReceiveError", "SyncError", "SyncTimeoutError", "TornWeightsError",
 ]
 
-PUBLIC_MODULES = ("presets", "reference", "live", "layout", "plan", "protocol", "errors")
+PUBLIC_MODULES = ("presets", "reference", "live", "layout", "plan", "protocol", "probe", "errors")
 
 # Names this package exported up to 0.1, importable from here for one more release:
 # {name: (its module, its name there)}.

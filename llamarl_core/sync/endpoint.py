@@ -20,8 +20,6 @@ from .plan import Segment, TransferPlan, bipartite_rounds, plan_transfer
 from .protocol import DST, SRC, Channel, SenderWatch
 from .transports import P2P, check_transport_name, choose_transports, device_info, make_process_group
 
-DEFAULT_TIMEOUT_S = 120.0
-
 
 class Endpoint:
     """Shared set-up of WeightSender and WeightReceiver (their docstrings say what

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .endpoint import DEFAULT_TIMEOUT_S
+from .protocol import DEFAULT_TIMEOUT_S
 from .errors import SyncError
 from .layout import Explicit, Layout, ParamSpec, Replicate, Shard, chunk_bounds, contiguous_strides, strided_fragments
 from .plan import DEFAULT_BUCKET_BYTES

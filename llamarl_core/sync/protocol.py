@@ -80,6 +80,9 @@ from ..control.auth import AuthenticatedStore, required_secret
 from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
 
+# A sync's set-up waits, and each send or receive by default, in seconds (every endpoint's `timeout`).
+DEFAULT_TIMEOUT_S = 120.0
+
 SRC, DST = "src", "dst"
 # Set by abandon_receivers: the reason under this key, and this value in the tickets it opens.
 ABANDONED = "abandoned"

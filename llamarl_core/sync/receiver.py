@@ -12,15 +12,15 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, packed
+from .endpoint import Endpoint, packed
 from .engine import (check_distinct_memory, prepared_table, run_segment_table, segment_table, storage_key,
                      wait_for_queued_work)
 from .errors import RelayError, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
 from .board import TicketBoard
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES, check_replicas, relay_tree
-from .protocol import (CLOSED, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderWatch, done_key, relay_name,
-                       ticket_closed)
+from .protocol import (CLOSED, DEFAULT_TIMEOUT_S, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderWatch, done_key,
+                       relay_name, ticket_closed)
 from .relay import Forwarding
 from .sender import WeightSender
 from .stream import NOTHING_FOLLOWS

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, packed
+from .endpoint import Endpoint, packed
 from .engine import check_local_tensors, prepared_table, run_segment_table, segment_table, storage_key
 from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
@@ -23,8 +23,8 @@ from .amax import AmaxExchange
 from .board import MOVED, NOT_YET, TicketBoard
 from .fp8 import Fp8Sources
 from .plan import DEFAULT_BUCKET_BYTES, source_address
-from .protocol import (ABANDONED, CLOSED, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderReports, done_key,
-                       ticket_closed)
+from .protocol import (ABANDONED, CLOSED, DEFAULT_TIMEOUT_S, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderReports,
+                       done_key, ticket_closed)
 from .stream import NOTHING_FOLLOWS, P2PStream
 from .transports import P2P, SHM, OpenedCudaHandles, OpenedSharedStorages
 

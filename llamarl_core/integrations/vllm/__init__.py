@@ -52,7 +52,7 @@ drops it too). What each vLLM worker does is in `engine.py`.
 from __future__ import annotations
 
 from ...control.auth import required_secret
-from ...sync.endpoint import DEFAULT_TIMEOUT_S
+from ...sync.protocol import DEFAULT_TIMEOUT_S
 from ...sync.layout import Layout
 
 BACKEND = "llamarl_ddma"

@@ -42,10 +42,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ...control.auth import AuthenticatedStore, parse_secret, required_secret
-from ...sync.receiver import WeightReceiver
-from ...sync.errors import SyncError
+from ...sync import SyncError, WeightReceiver, plan_transfer
 from ...sync.layout import Layout
-from ...sync.plan import plan_transfer
 from ...sync.presets import vllm_llama_tp
 from .layouts import derive_rank_layout, gather_layout, loader_writes, meta_placeholders, publish
 

@@ -59,35 +59,35 @@ def make_generator(config: TrainConfig, data: RunData, store, secret: bytes, ran
     for the trainer as long as any executor may take to start (its supervised
     warm-up or checkpoint loading comes first). children: the incarnation of each replica this
     one relays to (their syncs' names)."""
-    tp, sync_name, seed = config.generator_tp, sync_name_of(incarnation), config.seed * 1000 + incarnation
+    tp, sync_name, seed = config.generator.tp, sync_name_of(incarnation), config.run.seed * 1000 + incarnation
     tokenizer = data.tokenizer
-    if config.plugin_generator:
-        return plugin_generator(config.generator)(GeneratorContext(
-            model_config=data.model_config, model_path=config.model, dtype=config.torch_dtype, device=config.device,
-            tp=tp, max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=data.max_new_tokens,
-            segment_tokens=config.segment_tokens, temperature=config.temperature,
+    if config.generator.plugin:
+        return plugin_generator(config.generator.backend)(GeneratorContext(
+            model_config=data.model_config, model_path=config.run.model, dtype=config.run.torch_dtype, device=config.run.device,
+            tp=tp, max_batch=config.groups_in_flight * config.run.samples_per_prompt, max_new_tokens=data.max_new_tokens,
+            segment_tokens=config.generator.segment_tokens, temperature=config.generator.temperature,
             eos_token_ids=tuple(tokenizer.stop_token_ids), pad_token_id=tokenizer.pad_token_id, seed=seed,
-            store=store, secret=secret, sync_name=sync_name, timeout_s=config.timeout_s))
-    if config.generator == "vllm":
+            store=store, secret=secret, sync_name=sync_name, timeout_s=config.run.timeout_s))
+    if config.generator.backend == "vllm":
         from ...integrations.vllm.generator import VllmGenerator
 
-        pinned = config.mode == "async" and tp + config.trainer_world <= len(ALL_CORES)
+        pinned = config.run.mode == "async" and tp + config.trainer.world <= len(ALL_CORES)
         return VllmGenerator(data.model_config, tp=tp, store_port=store.port, secret=secret, sync_name=sync_name,
-                             trainer_world=config.trainer_world, timeout_s=config.timeout_s,
-                             max_new_tokens=data.max_new_tokens, temperature=config.temperature,
+                             trainer_world=config.trainer.world, timeout_s=config.run.timeout_s,
+                             max_new_tokens=data.max_new_tokens, temperature=config.generator.temperature,
                              eos_token_id=tokenizer.stop_token_ids, seed=seed,
-                             recompute_kv=config.recompute_kv, model_dir=Path(out_dir) / f"vllm-model-{incarnation}",
+                             recompute_kv=config.generator.recompute_kv, model_dir=Path(out_dir) / f"vllm-model-{incarnation}",
                              # vLLM's workers bind their threads: to the generator's cores, as ours are pinned.
                              cpus="|".join(str(c) for c in sorted(ALL_CORES)[:tp]) if pinned else None)
     process_group(store, f"{GENERATOR}/{incarnation}/{replica}", rank, tp, config, secret)
     return LlamaGeneratorBackend(
-        data.model_config, tp=tp, rank=rank, store=store, secret=secret, sync_name=sync_name, timeout_s=config.timeout_s,
-        replica=replica, num_replicas=config.generator_replicas,
+        data.model_config, tp=tp, rank=rank, store=store, secret=secret, sync_name=sync_name, timeout_s=config.run.timeout_s,
+        replica=replica, num_replicas=config.generator.replicas,
         relay_names={child: sync_name_of(k, child) for child, k in (children or {}).items()},
-        max_batch=config.groups_in_flight * config.samples_per_prompt, max_new_tokens=data.max_new_tokens,
-        segment_tokens=config.segment_tokens, temperature=config.temperature, eos_token_id=tokenizer.stop_token_ids,
-        pad_token_id=tokenizer.pad_token_id, seed=seed, dtype=config.torch_dtype, device=config.device,
-        fp8=config.generator_fp8, fp8_gemm=config.generator_fp8_gemm)
+        max_batch=config.groups_in_flight * config.run.samples_per_prompt, max_new_tokens=data.max_new_tokens,
+        segment_tokens=config.generator.segment_tokens, temperature=config.generator.temperature, eos_token_id=tokenizer.stop_token_ids,
+        pad_token_id=tokenizer.pad_token_id, seed=seed, dtype=config.run.torch_dtype, device=config.run.device,
+        fp8=config.generator.fp8, fp8_gemm=config.generator.fp8_gemm)
 
 
 def update_weights(generator, command: Receive, timeout_s: float, tp: int) -> tuple[int | None, str, bool]:
@@ -119,7 +119,7 @@ class GeneratorRank:
     def __init__(self, link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str,
                  children: dict[int, int]):
         self.link, self.config = link, config
-        self.tp = config.generator_processes
+        self.tp = config.generator.processes
         replica, tp_rank = divmod(rank, self.tp)
         self.generator = make_generator(config, RunData(config), store, link.secret, tp_rank, incarnation, out_dir,
                                         replica, children)
@@ -151,7 +151,7 @@ class GeneratorRank:
 
     def prompts(self, command: Prompts) -> None:
         self.generator.submit([Sample(group, ids) for group, ids in command.groups
-                               for _ in range(self.config.samples_per_prompt)])
+                               for _ in range(self.config.run.samples_per_prompt)])
 
     def relay(self, command: Relay) -> None:
         """The child replica was restarted: feed its new incarnation."""
@@ -160,7 +160,7 @@ class GeneratorRank:
     def receive(self, command: Receive) -> None:
         link, generator = self.link, self.generator
         start = time.monotonic()
-        version, why, stale = update_weights(generator, command, self.config.sync_timeout_s, self.tp)
+        version, why, stale = update_weights(generator, command, self.config.sync.timeout_s, self.tp)
         if version is None:  # the replica feeding this one died: torn, or (stale) untouched
             link.span("receive weights failed", start, time.monotonic(), version=command.version)
             if self.leader:

@@ -28,12 +28,12 @@ def setup_threads(config: TrainConfig, role: str, rank: int, launched: bool) -> 
     if launched:
         torch.set_num_threads(max(1, len(cores) // int(os.environ["LOCAL_WORLD_SIZE"])))
         return
-    if config.mode == "sync":
+    if config.run.mode == "sync":
         torch.set_num_threads(len(cores))
         return
     torch.set_num_threads(1)
-    generator_ranks = config.generator_tp * config.generator_replicas
-    pinned = generator_ranks + config.trainer_world
+    generator_ranks = config.generator.tp * config.generator.replicas
+    pinned = generator_ranks + config.trainer.world
     if role != REWARD and pinned <= len(cores):
         index = rank if role == GENERATOR else generator_ranks + rank
         os.sched_setaffinity(0, {cores[index]})
@@ -62,7 +62,7 @@ def process_group(store: dist.Store, name: str, rank: int, world: int, config: T
     """This executor's own process group: gloo, and NCCL for CUDA tensors (FSDP2's
     and tensor parallelism's collectives) when the run is on GPUs. Its rendezvous
     values (the ranks' addresses, NCCL's id) are authenticated with the run's secret."""
-    backend = "cpu:gloo,cuda:nccl" if config.device == "cuda" else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if config.run.device == "cuda" else "gloo"
     prefix = f"pg/{name}/"
     group_store = AuthenticatedStore(dist.PrefixStore(prefix, store), secret, label=prefix)
     # The group keeps only the C++ part of a Store written in Python: without this reference its methods are
@@ -70,7 +70,7 @@ def process_group(store: dist.Store, name: str, rank: int, world: int, config: T
     # second; new_group) raised "Tried to call pure virtual function" (seen on an H200, 267 warnings a run).
     _GROUP_STORES.append(group_store)
     dist.init_process_group(backend, store=group_store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=config.timeout_s))
+                            timeout=datetime.timedelta(seconds=config.run.timeout_s))
 
 
 def select_gpu(config: TrainConfig, role: str, rank: int, launched: bool) -> None:
@@ -84,7 +84,7 @@ def select_gpu(config: TrainConfig, role: str, rank: int, launched: bool) -> Non
                              f"{torch.cuda.device_count()} CUDA devices: one per local rank (--nproc-per-node)")
         torch.cuda.set_device(local_rank)
         return
-    index = rank if role == TRAINER else config.trainer_world + rank
+    index = rank if role == TRAINER else config.trainer.world + rank
     torch.cuda.set_device(index % torch.cuda.device_count())
 
 

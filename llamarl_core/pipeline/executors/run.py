@@ -37,19 +37,19 @@ def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, ext
     launched = extra.pop("launched", False)  # a torchrun rank (llamarl_core.launch), not forked by the controller
     set_spelling(flags=extra.pop("flags", False))  # this process is the executor's own
     os.environ.update(extra.pop("mps_env", None) or {})  # CUDA reads them when it starts (select_gpu)
-    link = Link(store, role, rank, extra["incarnation"] if role == GENERATOR else None, inbox, config.timeout_s,
+    link = Link(store, role, rank, extra["incarnation"] if role == GENERATOR else None, inbox, config.run.timeout_s,
                 secret)
     try:
         setup_threads(config, role, rank, launched)
-        if config.device == "cuda" and role != REWARD:
+        if config.run.device == "cuda" and role != REWARD:
             select_gpu(config, role, rank, launched)
         # Their work may outlast timeout_s with nothing to report (loading, a trainer step or
         # checkpoint, a long generation or evaluation, scoring a batch with a reward model):
         # they beat, and the controller counts a beat only while it waits on that work. Every
         # wait of theirs has a timeout of its own (process groups, weight syncs). A rule
         # reward answers at once; silence there stays an error.
-        beats = role != REWARD or config.reward_model is not None
-        with link.heartbeat(config.timeout_s / 4) if beats else contextlib.nullcontext():
+        beats = role != REWARD or config.run.reward_model is not None
+        with link.heartbeat(config.run.timeout_s / 4) if beats else contextlib.nullcontext():
             ROLES[role](link, config, store, rank, **extra)
         return True
     except SystemExit:
@@ -77,9 +77,9 @@ def executor_main(role: str, rank: int, config_dict: dict, store_port: int, extr
     # SIGTERM (the controller ending an executor still setting up when the run stops):
     # out through run_executor's clean-up (its process group destroyed, its Store closed).
     signal.signal(signal.SIGTERM, exit_on_sigterm)
-    if role == GENERATOR and config_dict["generator"] != "llama":
+    if role == GENERATOR and config_dict["generator"]["backend"] != "llama":
         os.setsid()  # a process group for an engine's processes too (vLLM's, a user's), which the controller kills as one
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
-                          timeout=datetime.timedelta(seconds=config_dict["timeout_s"]))
+                          timeout=datetime.timedelta(seconds=config_dict["run"]["timeout_s"]))
     if not run_executor(role, rank, config_dict, store, extra, secret):
         raise SystemExit(1)

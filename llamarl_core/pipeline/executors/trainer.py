@@ -39,7 +39,7 @@ def trainer_model(data: RunData, config: TrainConfig, mesh, dtype: torch.dtype =
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(data.model_config)
     check_packed_rows_attend_within_samples(meta)  # before any step trains on packed rows
-    return empty_model(data.model_config, dtype=dtype, device=config.device, mesh=mesh)
+    return empty_model(data.model_config, dtype=dtype, device=config.run.device, mesh=mesh)
 
 
 def fill_policy(model, data: RunData, seed: int, rank: int) -> None:
@@ -83,7 +83,7 @@ class TrainerRank:
 
     def __init__(self, link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str):
         data = RunData(config)
-        world, device = config.trainer_world, config.device
+        world, device = config.trainer.world, config.run.device
         self.objective, self.advantage, self.step_hook = trainer_plugins(config)
         if not Path(out_dir).is_dir():  # the controller made it: a host of its own sees no such folder
             raise ValueError(f"the run folder {out_dir} is not on trainer rank {rank}'s host ({host_identity()}), and "
@@ -98,16 +98,16 @@ class TrainerRank:
             mesh = init_device_mesh(device, (world,))
         model = self.model = trainer_model(data, config, mesh)
         # fused: one kernel over all parameters (0.6 vs 1.2 ms a step for the default model).
-        optimizer = self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=True)
+        optimizer = self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr, weight_decay=0.0, fused=True)
         checkpoints = self.checkpoints = TrainerCheckpoints(out_dir, rank, world)
         self.step, self.data_position, self.reference = 0, 0, None
         if checkpoints.latest() is not None:
             saved = checkpoints.load(model, optimizer)
             self.step, self.data_position = saved["step"], saved["data_position"]
         else:
-            fill_policy(model, data, config.seed, rank)
-        if config.kl_coef:
-            reference = self.reference = trainer_model(data, config, mesh, dtype=config.torch_dtype)
+            fill_policy(model, data, config.run.seed, rank)
+        if config.loss.kl_coef:
+            reference = self.reference = trainer_model(data, config, mesh, dtype=config.run.torch_dtype)
             if checkpoints.has_reference():
                 checkpoints.load_reference(reference)
             elif self.step > 0:
@@ -117,13 +117,13 @@ class TrainerRank:
         if self.step == 0 and data.supervised_warmup:
             start = time.monotonic()
             with every_core(world):
-                loss = supervised_warmup(model, optimizer, data.task, config.warmup_steps, config.warmup_batch, rank,
+                loss = supervised_warmup(model, optimizer, data.task, config.trainer.warmup_steps, config.trainer.warmup_batch, rank,
                                          world)
-            link.span("supervised warm-up", start, time.monotonic(), steps=config.warmup_steps, loss=loss)
-        if config.kl_coef and not checkpoints.has_reference():  # the weights RL starts from, saved once
+            link.span("supervised warm-up", start, time.monotonic(), steps=config.trainer.warmup_steps, loss=loss)
+        if config.loss.kl_coef and not checkpoints.has_reference():  # the weights RL starts from, saved once
             copy_shards(self.reference, model)
             checkpoints.save_reference(self.reference)
-        self.autocast = config.torch_dtype if config.torch_dtype != torch.float32 else None
+        self.autocast = config.run.torch_dtype if config.run.torch_dtype != torch.float32 else None
         self.generator = incarnation  # the generator incarnation the sender serves
         self.sender = self._connect()
         self.handlers = {Sync: self.sync, Train: self.train, Checkpoint: self.checkpoint, Reconnect: self.reconnect}
@@ -132,7 +132,7 @@ class TrainerRank:
         """This rank's sender to generator incarnation `self.generator` (its own Store namespace);
         set-up waits as long as a generator may take to start, each send sync_timeout_s."""
         return module_sender(self.store, self.model, self.rank, self.world, name=sync_name_of(self.generator),
-                             timeout=self.config.timeout_s, num_threads=1, secret=self.link.secret)
+                             timeout=self.config.run.timeout_s, num_threads=1, secret=self.link.secret)
 
     def run(self) -> None:
         transports = {f"trainer {src} -> generator {dst}": t for (src, dst), t in self.sender.transports.items()
@@ -144,7 +144,7 @@ class TrainerRank:
     def sync(self, command: Sync) -> None:
         start = time.monotonic()
         try:
-            self.sender.send(command.version, timeout=self.config.sync_timeout_s)
+            self.sender.send(command.version, timeout=self.config.sync.timeout_s)
         except SyncError as exc:  # e.g. the generator died mid-sync: the controller decides
             self.link.send(SyncFailed(command.version, str(exc), self.generator))
             return
@@ -155,19 +155,19 @@ class TrainerRank:
     def train(self, command: Train) -> None:
         config, data, model, optimizer = self.config, self.data, self.model, self.optimizer
         start = time.monotonic()
-        lr = learning_rate(command.step, base_lr=config.lr, warmup_steps=config.lr_warmup_steps,
-                           total_steps=config.steps, schedule=config.lr_schedule, min_lr_ratio=config.min_lr_ratio)
+        lr = learning_rate(command.step, base_lr=config.trainer.lr, warmup_steps=config.trainer.lr_warmup_steps,
+                           total_steps=config.run.steps, schedule=config.trainer.lr_schedule, min_lr_ratio=config.trainer.min_lr_ratio)
         samples = command.samples
-        normalizer = len(samples) * data.max_new_tokens if config.loss_normalizer == "dr_grpo" else None
+        normalizer = len(samples) * data.max_new_tokens if config.loss.normalizer == "dr_grpo" else None
         stats, hook_metrics = run_with_hook(
             self.step_hook, StepContext(command.step, model, optimizer, samples, self.rank, self.world, lr),
             lambda: train_step(model, optimizer, samples, pad_token_id=data.tokenizer.pad_token_id,
-                               temperature=config.temperature, lr=lr, micro_batch_size=config.micro_batch_size or None,
-                               max_grad_norm=config.max_grad_norm or None, mask_truncated=config.mask_truncated,
-                               kl_coef=config.kl_coef, reference_model=self.reference, autocast_dtype=self.autocast,
+                               temperature=config.generator.temperature, lr=lr, micro_batch_size=config.trainer.micro_batch_size or None,
+                               max_grad_norm=config.trainer.max_grad_norm or None, mask_truncated=config.loss.mask_truncated,
+                               kl_coef=config.loss.kl_coef, reference_model=self.reference, autocast_dtype=self.autocast,
                                loss=self.objective, advantage=self.advantage, normalizer=normalizer,
-                               reduction=config.loss_reduction, entropy_coef=config.entropy_coef,
-                               nonfinite_logprobs=config.nonfinite_logprobs, **config.loss_parameters))
+                               reduction=config.loss.reduction, entropy_coef=config.loss.entropy_coef,
+                               nonfinite_logprobs=config.loss.nonfinite_logprobs, **config.loss.parameters))
         self.step = command.step + 1
         end = time.monotonic()
         self.link.span("train step", start, end, step=command.step, samples=len(samples))
