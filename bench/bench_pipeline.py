@@ -60,10 +60,12 @@ def run_trl(config: TrainConfig) -> dict:
     torch.manual_seed(config.run.seed)
     model = transformers.LlamaForCausalLM(config.run.toy_model_config(task.tokenizer().vocab_size))
     if config.trainer.warmup_steps and task.reference is not None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr, weight_decay=0.0, fused=True)  # as our trainer
+        # As our trainer's.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr, weight_decay=0.0, fused=True)
         supervised_warmup(model, optimizer, task, config.trainer.warmup_steps, config.trainer.warmup_batch)
     batch = config.run.prompts_per_step * config.run.samples_per_prompt
-    prompts = datasets.Dataset.from_list([{"prompt": task.prompt(i)} for i in range(config.run.steps * config.run.prompts_per_step)])
+    prompts = datasets.Dataset.from_list([{"prompt": task.prompt(i)}
+                                          for i in range(config.run.steps * config.run.prompts_per_step)])
 
     def reward(prompts, completions, **_):
         return [float(task.reward(p, c)) for p, c in zip(prompts, completions)]
@@ -128,7 +130,8 @@ def main(argv=None) -> int:
                    help=f"completions per prompt (default: {RunConfig.samples_per_prompt}; 4 with --model)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="completion budget (default: the task's; 48 with --model)")
-    p.add_argument("--lr", type=float, default=None, help=f"learning rate (default: {TrainerConfig.lr:g}; 1e-5 with --model)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"learning rate (default: {TrainerConfig.lr:g}; 1e-5 with --model)")
     p.add_argument("--repeats", type=int, default=None,
                    help="runs of each system, in rotating order; medians are reported (the machine is noisy) "
                         "(default 3; 1 with --device cuda)")
@@ -215,10 +218,11 @@ def _run(args, base: TrainConfig, tmp: str) -> int:
                      *(f"{r[key] * 1e3:.1f} ms" if key in r else "-" for key in ("gen_time_s", "train_time_s")),
                      f"{r['reward_first']:.3f} -> {r['reward_last']:.3f}", " / ".join(map(str, r["reward_last_runs"])),
                      f"{r['cpu_steal']:.0%}"])
-    what = (f"model {base.run.model}, dataset {base.run.dataset}, reward {base.run.reward}, at most {base.generator.max_new_tokens} new "
-            "tokens"
-            if base.run.model else f"task {args.task}, model hidden {base.run.hidden_size} x {base.run.num_layers} layers, "
-                               + ("same warm-up for all" if base.trainer.warmup_steps else "random weights, no warm-up"))
+    run = base.run
+    what = (f"model {run.model}, dataset {run.dataset}, reward {run.reward}, at most "
+            f"{base.generator.max_new_tokens} new tokens"
+            if run.model else f"task {args.task}, model hidden {run.hidden_size} x {run.num_layers} layers, "
+                              + ("same warm-up for all" if base.trainer.warmup_steps else "random weights, no warm-up"))
     if base.run.device == "cuda":
         what += f", on {torch.cuda.get_device_name()} (trainer and generator processes sharing it"
         what += ")" if args.gpu_share == "none" else f"; async run with --gpu-share {args.gpu_share})"
@@ -233,7 +237,8 @@ def _run(args, base: TrainConfig, tmp: str) -> int:
     figures.update({f"{name}_reward_last": r["reward_last"] for name, r in results.items()})
     title = ("Pipeline on a pretrained model, async beside sync (`llamarl bench pipeline --model`)" if base.run.model
              else "Pipeline end to end beside TRL GRPOTrainer (`llamarl bench pipeline`)")
-    record(args.record, "pipeline", figures, {"steps": args.steps, "task": args.task, "model": base.run.model}, title, body)
+    record(args.record, "pipeline", figures, {"steps": args.steps, "task": args.task, "model": base.run.model}, title,
+           body)
     return 0
 
 

@@ -99,12 +99,46 @@ def test_a_config_json_of_before_the_sections_loads_as_it_ran(tmp_path):
     assert (loaded.run.steps, loaded.generator.tp, loaded.loss.objective, loaded.trainer.lr) == (40, 2, "ppo", 2e-4)
 
 
-def test_a_flat_attribute_still_reads_for_one_release_with_a_warning():
+def test_a_flat_name_still_reads_and_sets_for_one_release_with_a_warning():
     config = TrainConfig(lr=2e-4, generator_tp=2)
     with pytest.warns(DeprecationWarning, match=r"TrainConfig.generator_tp is TrainConfig.generator.tp"):
         assert config.generator_tp == 2
+    with pytest.warns(DeprecationWarning, match=r"TrainConfig.torch_dtype is TrainConfig.run.torch_dtype"):
+        assert config.torch_dtype == config.run.torch_dtype
+    with pytest.warns(DeprecationWarning, match=r"TrainConfig.steps is TrainConfig.run.steps now; the old name sets"):
+        config.steps = 10
+    assert config.run.steps == 10 and config.to_dict()["run"]["steps"] == 10  # set where it is saved
+    with pytest.warns(DeprecationWarning, match=r"TrainConfig.loss is TrainConfig.loss.objective"):
+        config.loss = "ppo"  # the shorthand's string sets the objective; the section stays
+    assert config.loss.objective == "ppo"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert config.trainer.lr == 2e-4
+        config.trainer.lr = 1e-4
     with pytest.raises(AttributeError, match="no attribute 'learning_rate'"):
         config.learning_rate
+    with pytest.raises(AttributeError, match="TrainConfig has no field 'learning_rate'"):
+        config.learning_rate = 1.0
+
+
+def test_a_changed_copy_keeps_what_it_does_not_change():
+    """replace() takes what the constructor takes, over the config's own values: a
+    flat name, the shorthand objective (the loss section's other fields kept), a
+    whole section; dataclasses.replace, which would rebuild a section from its
+    defaults, is refused; so is a sectioned dict whose section a string shadows."""
+    config = TrainConfig(loss="gspo", kl_coef=0.1, entropy_coef=0.01, generator_tp=2, temperature=0.7, steps=5)
+    ppo = config.replace(loss="ppo")
+    assert (ppo.loss.objective, ppo.loss.kl_coef, ppo.loss.entropy_coef) == ("ppo", 0.1, 0.01)
+    assert ppo.generator == config.generator and ppo.run == config.run and config.loss.objective == "gspo"
+    vllm = config.replace(generator="vllm", hidden_size=128, intermediate_size=256)
+    assert (vllm.generator.backend, vllm.generator.tp, vllm.generator.temperature) == ("vllm", 2, 0.7)
+    assert config.replace(loss=LossConfig(objective="cispo")).loss == LossConfig(objective="cispo")
+    assert config.replace(run=RunConfig(steps=9), lr=0.5).run.steps == 9
+    with pytest.raises(ValueError, match="lr_warmup_steps 10 is more than the run's steps 5"):
+        config.replace(lr_warmup_steps=10)  # checked again
+    with pytest.raises(TypeError, match="should be called on dataclass instances"):
+        dataclasses.replace(config, loss="ppo")
+    with pytest.raises(TypeError, match=r"generator= takes a GeneratorConfig \(or the backend as shorthand\), got dict"):
+        TrainConfig(generator={"tp": 2})
+    with pytest.raises(ValueError, match=r"config fields \['loss'\]: beside sections each is its section"):
+        TrainConfig.from_dict({**config.to_dict(), "loss": "ppo"})

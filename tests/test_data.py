@@ -2,7 +2,6 @@
 split, verifiable rewards, the arithmetic dataset, model folders checked at the
 door, and the model tokenizer's chat template. No processes here."""
 
-import dataclasses
 import json
 import os
 from fractions import Fraction
@@ -199,7 +198,7 @@ def test_a_run_of_python_objects_reads_them_from_its_run_folder(tmp_path):
     assert summary["steps"] == 2
     saved = TrainConfig.load(out / "config.json")
     assert (saved.run.model, saved.run.dataset) == (controller.config.run.model, controller.config.run.dataset)
-    assert Controller(dataclasses.replace(saved, steps=3), out, resume=True).run()["steps"] == 3
+    assert Controller(saved.replace(steps=3), out, resume=True).run()["steps"] == 3
 
 
 def test_python_inputs_are_refused_naming_the_argument_before_anything_stays(tmp_path):

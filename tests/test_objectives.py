@@ -883,3 +883,9 @@ def test_an_objective_value_computes_what_its_shorthand_does_and_refuses_both():
     with pytest.raises(ValueError, match=r"objective= and loss_type=, kl_coef=, rho= both describe"):
         aipo_loss(batch["logits"], *(batch[n] for n in INPUTS[:4]), objective=Objective(), loss_type="seq_tis",
                   rho=2.0, kl_coef=0.1)
+    # A shorthand keyword given at its default value is given too: refused, never overridden in silence.
+    with pytest.raises(ValueError, match=r"objective= and temperature= both describe"):
+        linear_aipo_loss(hidden, weight, *(batch[n] for n in INPUTS[:4]), objective=Objective(temperature=0.7),
+                         temperature=1.0)
+    with pytest.raises(ValueError, match=r"objective= and loss_type= both describe"):
+        aipo_loss_ref(batch["logits"], *(batch[n] for n in INPUTS[:4]), objective=Objective("ppo"), loss_type="aipo")

@@ -547,7 +547,8 @@ def test_heartbeat_reports_while_working_and_stops_after(tmp_path):
     beats = []
     while (beat := events.get(0.2)) is not None:
         beats.append(beat)
-    assert 5 <= len(beats) <= 11 and all(b == Event("trainer", 0, None, None, [], Working()) for b in beats), beats
+    assert 5 <= len(beats) <= 11 and all(b == Event(role="trainer", rank=0, incarnation=None, refused=None, spans=[],
+                                                 body=Working()) for b in beats), beats
     time.sleep(0.2)
     assert events.get_nowait() is None
     ctl = Controller(TrainConfig(), tmp_path)

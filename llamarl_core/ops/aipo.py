@@ -34,8 +34,8 @@ from .aipo_inputs import (IGNORE_INDEX, TargetCheck, TokenInputs, check_kl, chec
                           per_token_advantages, prepare_inputs)
 from .logprob import LinearChunkLossFunction, check_linear, linear_token_logprobs, token_logprobs
 from .objective_launch import fused_objective_runs, fused_policy_loss
-from .objectives import (MAX_LOG_RATIO, SEQUENCE_TYPES, AIPOStats, Objective, objective_stats, objective_terms,
-                         resolve_objective)
+from .objectives import (LOSS_TYPE, MAX_LOG_RATIO, NO_COEF, SEQUENCE_TYPES, TEMPERATURE, AIPOStats, Objective,
+                         objective_stats, objective_terms, resolve_objective)
 
 __all__ = ["AIPOStats", "IGNORE_INDEX", "aipo_loss", "aipo_loss_ref", "group_advantages", "linear_aipo_loss"]
 
@@ -55,12 +55,12 @@ def _sequence_keys(targets: torch.Tensor, sequence_ids: torch.Tensor | None) -> 
     return list(zip(rows, sequence_ids.reshape(-1).tolist()))
 
 
-def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=None, temperature=1.0,
-                  reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=None,
-                  eps_high=None, ref_logprobs=None, kl_coef=0.0, mask_low=None, mask_high=None, entropy_coef=0.0,
-                  normalizer=None, compute_dtype=torch.float64, magnitude=False, nonfinite_logprobs="raise",
-                  tau_pos=None, tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None,
-                  objective=None):
+def aipo_loss_ref(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=None,
+                  temperature=TEMPERATURE, reduction="token_mean", sequence_ids=None, loss_type=LOSS_TYPE,
+                  old_logprobs=None, eps_low=None, eps_high=None, ref_logprobs=None, kl_coef=NO_COEF, mask_low=None,
+                  mask_high=None, entropy_coef=NO_COEF, normalizer=None, compute_dtype=torch.float64, magnitude=False,
+                  nonfinite_logprobs="raise", tau_pos=None, tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None,
+                  lambda_neg=None, objective=None):
     """The loss written from the formulas (ops/objectives.py), with plain torch
     autograd (log_softmax, gather), per-sequence sums and reductions by Python
     loops over the sequences: the reference for values and gradients, in
@@ -211,10 +211,10 @@ def torch_policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: 
     return loss, _stats(flat_logp, flat_entropy, inputs, terms)
 
 
-def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=None, temperature=1.0,
-              reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=None,
-              eps_high=None, entropy=False, ref_logprobs=None, kl_coef=0.0, mask_low=None, mask_high=None,
-              entropy_coef=0.0, normalizer=None, process_group=None, nonfinite_logprobs="raise", tau_pos=None,
+def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=None, temperature=TEMPERATURE,
+              reduction="token_mean", sequence_ids=None, loss_type=LOSS_TYPE, old_logprobs=None, eps_low=None,
+              eps_high=None, entropy=False, ref_logprobs=None, kl_coef=NO_COEF, mask_low=None, mask_high=None,
+              entropy_coef=NO_COEF, normalizer=None, process_group=None, nonfinite_logprobs="raise", tau_pos=None,
               tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None, objective=None):
     """The policy loss `loss_type` (aipo, ppo, ppo_tis, icepop, seq_tis, seq_mis,
     geo_mask, gspo, cispo, sapo, vespo: ops/objectives.py) from logits.
@@ -294,12 +294,12 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_s
     return centered / (var.sqrt()[index] + eps)
 
 
-def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mask=None, *, rho=None, temperature=1.0,
-                     reduction="token_mean", sequence_ids=None, loss_type="aipo", old_logprobs=None, eps_low=None,
-                     eps_high=None, entropy=False, chunk_size=None, ref_logprobs=None, kl_coef=0.0, mask_low=None,
-                     mask_high=None, entropy_coef=0.0, normalizer=None, process_group=None, nonfinite_logprobs="raise",
-                     tau_pos=None, tau_neg=None, k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None,
-                     objective=None):
+def linear_aipo_loss(hidden, weight, targets, behavior_logprobs, advantages, mask=None, *, rho=None,
+                     temperature=TEMPERATURE, reduction="token_mean", sequence_ids=None, loss_type=LOSS_TYPE,
+                     old_logprobs=None, eps_low=None, eps_high=None, entropy=False, chunk_size=None,
+                     ref_logprobs=None, kl_coef=NO_COEF, mask_low=None, mask_high=None, entropy_coef=NO_COEF,
+                     normalizer=None, process_group=None, nonfinite_logprobs="raise", tau_pos=None, tau_neg=None,
+                     k_pos=None, lambda_pos=None, k_neg=None, lambda_neg=None, objective=None):
     """`aipo_loss` of `hidden @ weight.T`, without ever holding the full logits.
 
     hidden: (num_tokens, hidden), or batched (B, T, hidden) (any (..., T,

@@ -161,7 +161,8 @@ class Objective:
         for name in ("kl_coef", "entropy_coef"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
-        resolved = {**values, "temperature": float(self.temperature), "kl_coef": float(self.kl_coef),
+        resolved = {**values, "loss_type": str(self.loss_type), "temperature": float(self.temperature),
+                    "kl_coef": float(self.kl_coef),
                     "entropy_coef": float(self.entropy_coef)}
         for name, value in resolved.items():  # a frozen value: set once, here
             object.__setattr__(self, name, value)
@@ -172,19 +173,39 @@ class Objective:
         return {name: getattr(self, name) for name in DEFAULTS[self.loss_type]}
 
 
-def resolve_objective(objective: Objective | None, loss_type: str = "aipo", *, temperature: float = 1.0,
-                      kl_coef: float = 0.0, entropy_coef: float = 0.0, **parameters) -> Objective:
-    """The Objective a loss call computes: `objective` when given (then the
-    shorthand's keywords must be left at their defaults: ValueError naming those
-    given too), else the one `loss_type` and the keywords describe."""
+class _Unset:
+    """A loss keyword's default as the value itself (it computes as that value) that
+    resolve_objective tells from the same value given: the shorthand's defaults."""
+
+    def __repr__(self) -> str:
+        return repr(type(self).__mro__[2](self))
+
+
+class _UnsetFloat(_Unset, float):
+    pass
+
+
+class _UnsetStr(_Unset, str):
+    pass
+
+
+# The shorthand keywords' defaults (aipo_loss, linear_aipo_loss, aipo_loss_ref).
+LOSS_TYPE, TEMPERATURE, NO_COEF = _UnsetStr("aipo"), _UnsetFloat(1.0), _UnsetFloat(0.0)
+
+
+def resolve_objective(objective: Objective | None, loss_type: str = LOSS_TYPE, *, temperature: float = TEMPERATURE,
+                      kl_coef: float = NO_COEF, entropy_coef: float = NO_COEF, **parameters) -> Objective:
+    """The Objective a loss call computes: `objective` when given (then none of the
+    shorthand's keywords may be: ValueError naming those given too, even at their
+    default values), else the one `loss_type` and the keywords describe."""
     if objective is None:
-        return Objective(loss_type, **parameters, temperature=temperature, kl_coef=kl_coef,
+        return Objective(str(loss_type), **parameters, temperature=temperature, kl_coef=kl_coef,
                          entropy_coef=entropy_coef)
     if not isinstance(objective, Objective):
         raise ValueError(f"objective must be an ops.Objective, got {type(objective).__name__}")
-    shorthand = {"loss_type": (loss_type, "aipo"), "temperature": (temperature, 1.0), "kl_coef": (kl_coef, 0.0),
-                 "entropy_coef": (entropy_coef, 0.0), **{name: (value, None) for name, value in parameters.items()}}
-    given = [name for name, (value, default) in shorthand.items() if value != default]
+    given = [name for name, value in (("loss_type", loss_type), ("temperature", temperature), ("kl_coef", kl_coef),
+                                      ("entropy_coef", entropy_coef)) if not isinstance(value, _Unset)]
+    given += [name for name, value in parameters.items() if value is not None]
     if given:
         raise ValueError(f"objective= and {', '.join(f'{name}=' for name in given)} both describe the objective: give "
                          f"one (objective={objective!r})")

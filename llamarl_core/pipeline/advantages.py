@@ -12,7 +12,7 @@ on every one of its completion tokens. Built in (TrainConfig.advantage):
                         = n / (n - 1) * (r_i - mean)                      (RLOO)
 or a function of yours, `module:function` (or the function itself in Python).
 Dr.GRPO also drops the per-token mean of the loss for a constant: see
-TrainConfig.loss_normalizer.
+LossConfig.normalizer (TrainConfig(loss_normalizer=...)).
 """
 
 from __future__ import annotations

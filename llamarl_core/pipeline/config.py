@@ -288,11 +288,16 @@ FLAT = {_FLAT_OF.get((section, f.name), f.name): (section, f.name)
 _TYPES = {flat: typing.get_type_hints(SECTIONS[section])[name] for flat, (section, name) in FLAT.items()}
 
 
-@dataclass(init=False)
+# TrainConfig's properties of before the sections -> where they are now (read for one release).
+_MOVED_PROPERTIES = {"torch_dtype": ("run", "torch_dtype"), "toy_model_config": ("run", "toy_model_config"),
+                     "loss_parameters": ("loss", "parameters"), "generator_processes": ("generator", "processes"),
+                     "plugin_generator": ("generator", "plugin")}
+
+
 class TrainConfig:
     """The run's configuration, in sections: `run` (RunConfig), `generator`
     (GeneratorConfig), `trainer` (TrainerConfig), `loss` (LossConfig) and `sync`
-    (SyncConfig); read as `config.trainer.lr`.
+    (SyncConfig); read and set as `config.trainer.lr`.
 
     Built from sections, from the flat names as keywords (the shorthand, as the CLI
     spells them: `TrainConfig(steps=200, lr=1e-4, generator_tp=2)`; FLAT maps each
@@ -301,51 +306,68 @@ class TrainConfig:
     and the objective (a name, module:attribute, or the class or function). The
     sections given are copied, never changed. Every value is checked here:
     ValueError naming the field (its flag from the CLI); TypeError for a name that
-    is no field."""
+    is no field, or a section of another type. `replace()` makes a changed copy,
+    checked again (not dataclasses.replace: TrainConfig is not a dataclass).
 
-    run: RunConfig
-    generator: GeneratorConfig
-    trainer: TrainerConfig
-    loss: LossConfig
-    sync: SyncConfig
+    For one release a flat name (and a property of before the sections, such as
+    `torch_dtype`) still reads, and a flat name still sets, its field, with a
+    DeprecationWarning naming the field's home; `config.generator` and
+    `config.loss` are the sections now."""
 
-    def __init__(self, *, run: RunConfig | None = None, generator=None, trainer: TrainerConfig | None = None,
-                 loss=None, sync: SyncConfig | None = None, **flat):
-        given = {"run": run, "generator": generator, "trainer": trainer, "loss": loss, "sync": sync}
-        for name, value in given.items():
-            if value is not None and not isinstance(value, SECTIONS[name]):
-                if name not in FLAT:
-                    raise TypeError(f"TrainConfig {name}= takes a {SECTIONS[name].__name__}, got {value!r}")
-                flat[name] = value  # generator= / loss=: the backend / objective
-        unknown = sorted(set(flat) - set(FLAT))
-        if unknown:
-            raise TypeError(f"TrainConfig got unknown fields {unknown} (the sections: {', '.join(SECTIONS)}; the "
-                            "flat names: llamarl_core.pipeline.config.FLAT)")
+    def __init__(self, **fields):
+        sections, flat = _split(fields)
+        self._fill(sections, flat)
+
+    def _fill(self, sections: dict, flat: dict) -> None:
         for name, cls in SECTIONS.items():
-            value = given[name]
-            setattr(self, name, dataclasses.replace(value) if isinstance(value, cls) else cls())
+            object.__setattr__(self, name, dataclasses.replace(sections[name]) if name in sections else cls())
         for name, value in flat.items():
-            section, field = FLAT[name]
-            setattr(getattr(self, section), field, value)
+            self._set(name, value)
         self._check()
 
+    def replace(self, **changes) -> TrainConfig:
+        """A copy with `changes` (whole sections, flat names, or both, as the
+        constructor takes them) applied over this config's values, checked again."""
+        sections, flat = _split(changes)
+        new = object.__new__(TrainConfig)
+        new._fill({**{name: getattr(self, name) for name in SECTIONS}, **sections}, flat)
+        return new
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, TrainConfig):
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in SECTIONS)
+
+    __hash__ = None  # mutable
+
+    def __repr__(self) -> str:
+        return f"TrainConfig({', '.join(f'{name}={getattr(self, name)!r}' for name in SECTIONS)})"
+
     def __getattr__(self, name: str):
-        # Only for names that are not attributes: a flat name of before the sections reads
-        # its field for one release, with a warning naming the field's home.
-        if name in FLAT:
-            section, field = FLAT[name]
-            warnings.warn(f"TrainConfig.{name} is TrainConfig.{section}.{field} now; the flat name reads it for one "
-                          "release", DeprecationWarning, stacklevel=2)
-            return getattr(getattr(self, section), field)
-        raise AttributeError(f"'TrainConfig' object has no attribute {name!r}")
+        # Only for names that are not attributes: a flat name or a property of before the
+        # sections reads its field for one release, with a warning naming the field's home.
+        home = FLAT.get(name) or _MOVED_PROPERTIES.get(name)
+        if home is None or home[0] not in self.__dict__:  # (not yet filled: unpickling)
+            raise AttributeError(f"'TrainConfig' object has no attribute {name!r}")
+        warnings.warn(f"TrainConfig.{name} is TrainConfig.{home[0]}.{home[1]} now; the old name reads it for one "
+                      "release", DeprecationWarning, stacklevel=2)
+        return getattr(getattr(self, home[0]), home[1])
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in SECTIONS and isinstance(value, SECTIONS[name]):
+            object.__setattr__(self, name, value)
+            return
+        if name not in FLAT:
+            raise AttributeError(f"TrainConfig has no field {name!r}" + (
+                f" (its section takes a {SECTIONS[name].__name__})" if name in SECTIONS else ""))
+        section, field = FLAT[name]
+        warnings.warn(f"TrainConfig.{name} is TrainConfig.{section}.{field} now; the old name sets it for one "
+                      "release", DeprecationWarning, stacklevel=2)
+        self._set(name, value)
 
     def flat(self) -> dict:
         """Every field under its flat name (FLAT), in the sections' order."""
         return {name: getattr(getattr(self, section), field) for name, (section, field) in FLAT.items()}
-
-    def replace(self, **changes) -> TrainConfig:
-        """A copy with `changes` (flat names, or whole sections) applied, checked again."""
-        return TrainConfig(**{name: getattr(self, name) for name in SECTIONS}, **changes)
 
     def _check_types(self) -> None:
         """ValueError naming the first field (the Python argument; the CLI's flags
@@ -497,8 +519,16 @@ class TrainConfig:
             unknown += sorted(f"{name}.{field}" for field in set(value) - known)
         if unknown:
             raise ValueError(f"unknown config fields {unknown}")
-        if "loss" not in sections:
-            flat = _before_the_loss_parameters(flat)
+        if sections:
+            # Beside sections, "generator" and "loss" are sections too: a value that is not one would
+            # replace the whole section, every other field of it back at its default.
+            shadowed = sorted(name for name in flat if name in SECTIONS)
+            if shadowed:
+                raise ValueError(f"config fields {shadowed}: beside sections each is its section (a dict); give "
+                                 f"the backend / objective inside it ({{'generator': {{'backend': ...}}}}, "
+                                 f"{{'loss': {{'objective': ...}}}})")
+        else:
+            flat = _before_the_loss_parameters(flat)  # a flat config.json: saved before the sections
         return cls(**{name: SECTIONS[name](**value) for name, value in sections.items()}, **flat)
 
     def save(self, path: Path) -> None:
@@ -507,6 +537,26 @@ class TrainConfig:
     @classmethod
     def load(cls, path: Path) -> TrainConfig:
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def _split(fields: dict) -> tuple[dict, dict]:
+    """TrainConfig's keywords as (sections, flat names); TypeError naming what is
+    neither, or a section given as something else (a dict, say)."""
+    sections, flat = {}, {}
+    for name, value in fields.items():
+        if name in SECTIONS and isinstance(value, SECTIONS[name]):
+            sections[name] = value
+        elif name in SECTIONS and (name not in FLAT or isinstance(value, dict)):
+            raise TypeError(f"TrainConfig {name}= takes a {SECTIONS[name].__name__}"
+                            + (" (or the " + FLAT[name][1] + " as shorthand)" if name in FLAT else "")
+                            + f", got {type(value).__name__} {value!r}")
+        else:
+            flat[name] = value  # generator= / loss= with a backend / objective: the shorthand
+    unknown = sorted(set(flat) - set(FLAT))
+    if unknown:
+        raise TypeError(f"TrainConfig got unknown fields {unknown} (the sections: {', '.join(SECTIONS)}; the flat "
+                        "names: llamarl_core.pipeline.config.FLAT)")
+    return sections, flat
 
 
 def _before_the_loss_parameters(data: dict) -> dict:

@@ -132,7 +132,8 @@ class Controller:
             ranks = max(config.trainer.world, config.generator.tp)  # NCCL needs a GPU per rank of a group
             if torch.cuda.device_count() < ranks:
                 raise ValueError(f"{option('device', 'cuda')}: {torch.cuda.device_count()} CUDA devices here, {ranks} needed "
-                                 f"({option('trainer_world', config.trainer.world)}, {option('generator_tp', config.generator.tp)})")
+                                 f"({option('trainer_world', config.trainer.world)}, "
+                                 f"{option('generator_tp', config.generator.tp)})")
         self.data = RunData(config)
         self.data.check_prompts_fit()
         check_reward_config(config, self.data)  # the reward function tried on the first prompts
@@ -140,7 +141,8 @@ class Controller:
         if config.generator.plugin:
             generator_class = plugin_generator(config.generator.backend)
             if config.run.eval_every and not evaluates(generator_class):
-                raise ValueError(f"eval_every {config.run.eval_every}: generator {config.generator.backend!r} does not implement "
+                raise ValueError(f"eval_every {config.run.eval_every}: generator {config.generator.backend!r} does not "
+                                 "implement "
                                  "evaluate() (greedy completions of the held-out prompts)")
         values = config.flat()
         from_main = [f"{name} {values[name]!r}" for name in PLUGIN_FIELDS if "__main__:" in (values[name] or "")]
@@ -175,10 +177,12 @@ class Controller:
         self.mps: MpsDaemon | None = None  # gpu_share "mps:P": the run's MPS daemon while it runs
         if generator_percent(config.generator.gpu_share) is not None:
             if not isinstance(self.executors, LocalExecutors):
-                raise ValueError(f"{option('gpu_share', config.generator.gpu_share)} starts an MPS daemon on the controller's "
+                raise ValueError(f"{option('gpu_share', config.generator.gpu_share)} starts an MPS daemon on the "
+                                 "controller's "
                                  "host: it shares a GPU among executors the controller starts itself (not torchrun's)")
             if shutil.which(MPS_CONTROL) is None:
-                raise ValueError(f"{option('gpu_share', config.generator.gpu_share)}: {MPS_CONTROL} is not on PATH (it comes "
+                raise ValueError(f"{option('gpu_share', config.generator.gpu_share)}: {MPS_CONTROL} is not on PATH "
+                                 "(it comes "
                                  "with the NVIDIA driver)")
 
     # -- processes ------------------------------------------------------------------------
@@ -263,10 +267,10 @@ class Controller:
             self._start_replica(replica)
             parent = self.replicas.parent.get(replica)
             if parent is not None and parent not in lost:  # a new parent feeds it from the start
-                self._tell_replica(parent, Relay(replica, self.replicas.incarnation[replica]))
+                self._tell_replica(parent, Relay(child=replica, incarnation=self.replicas.incarnation[replica]))
         if 0 in lost:
             self.recorder.drop_pending_evals()  # lost with replica 0; the re-sync evaluates its own version if due
-            self._tell(TRAINER, Reconnect(self.replicas.incarnation[0]))
+            self._tell(TRAINER, Reconnect(incarnation=self.replicas.incarnation[0]))
             self.resync_pending = True  # the current weights go to the new replica 0 once it is up
 
     # -- event handling ----------------------------------------------------------------
@@ -291,7 +295,7 @@ class Controller:
         if handler is None:
             raise PipelineError(f"{role} rank {rank} sent a {type(report).__name__}, which the controller does not "
                                 "take")
-        handler(self, role, rank, report)
+        getattr(self, handler)(role, rank, report)
 
     def _on_failed(self, role: str, rank: int, report: Failed) -> None:
         if role == GENERATOR:
@@ -322,8 +326,8 @@ class Controller:
         # completion's tokens) and answers with the rewards; the samples wait here.
         self.bunches += 1
         self.scoring[self.bunches] = (samples, replica, self.replicas.incarnation[replica])
-        self.inboxes[(REWARD, 0)].put(Score(self.bunches, [x.group for x in samples], [x.eval for x in samples],
-                                            [x.tokens for x in samples]))
+        self.inboxes[(REWARD, 0)].put(Score(bunch=self.bunches, groups=[x.group for x in samples],
+                                            eval=[x.eval for x in samples], tokens=[x.tokens for x in samples]))
 
     def _on_received(self, role: str, rank: int, report: Received) -> None:
         replica = rank // self.generator_tp
@@ -385,9 +389,10 @@ class Controller:
             raise PipelineError(f"weight sync of version {report.version} failed: {report.message}; "
                                 f"the last checkpoint is in {self.out / 'checkpoint'}")
 
-    _HANDLERS = {Failed: _on_failed, Ready: _on_ready, Samples: _on_samples, Received: _on_received,
-                 ReceiveFailed: _on_receive_failed, Scored: _on_scored, Trained: _on_trained, Synced: _on_synced,
-                 Checkpointed: _on_checkpointed, SyncFailed: _on_sync_failed}
+    # Each report's handler, by method name (a subclass's override is the one called).
+    _HANDLERS = {Failed: "_on_failed", Ready: "_on_ready", Samples: "_on_samples", Received: "_on_received",
+                 ReceiveFailed: "_on_receive_failed", Scored: "_on_scored", Trained: "_on_trained",
+                 Synced: "_on_synced", Checkpointed: "_on_checkpointed", SyncFailed: "_on_sync_failed"}
 
     def _check_samples(self, samples: list) -> None:
         """PipelineError naming the generator for a sample that breaks the Generator
@@ -446,15 +451,15 @@ class Controller:
         sync = self.replicas.pending[version]
         for replica, children in targets.items():
             if replica in sync.told:
-                self._tell_replica(replica, Receive(version, evaluate if replica == 0 else None, children,
-                                                    sync.attempt))
-        self._tell(TRAINER, Sync(version))
+                self._tell_replica(replica, Receive(version=version, evaluate=evaluate if replica == 0 else None,
+                                                    relay_to=children, attempt=sync.attempt))
+        self._tell(TRAINER, Sync(version=version))
         if self.checkpoint_due is not None and self.checkpoint_due[0] == version:
             # Behind the sync of the step it saves (the trainer runs its commands in
             # order): the generators get the weights first and sample while the
             # checkpoint is written, instead of waiting for it (a 1B model's took longer
             # than the sync timeout on a GPU).
-            self._tell(TRAINER, Checkpoint(self.checkpoint_due[1]))
+            self._tell(TRAINER, Checkpoint(data_position=self.checkpoint_due[1]))
             self.checkpointing += self.config.trainer.world
             self.checkpoint_due = None
 
@@ -505,7 +510,7 @@ class Controller:
         # trained step waiting for its weights to land.
         holding = self.replicas.holding(self.scheduler.step, settled=not self.records)
         for replica, groups in self.scheduler.issue(holding).items():
-            self._tell_replica(replica, Prompts([(g, self.data.prompt_ids(g)) for g in groups]))
+            self._tell_replica(replica, Prompts(groups=[(g, self.data.prompt_ids(g)) for g in groups]))
             self.generating[replica] += len(groups) * self.config.run.samples_per_prompt
 
     def _maybe_train(self) -> None:
@@ -526,7 +531,7 @@ class Controller:
         per_rank = cfg.run.prompts_per_step // cfg.trainer.world
         for rank in range(cfg.trainer.world):
             part = [x for g in batch.groups[rank * per_rank:(rank + 1) * per_rank] for x in g]
-            self.inboxes[(TRAINER, rank)].put(Train(batch.step, part))
+            self.inboxes[(TRAINER, rank)].put(Train(step=batch.step, samples=part))
         done = batch.step + 1
         if done % cfg.run.checkpoint_every == 0 or done == cfg.run.steps:
             # Saved once its step's weights are on their way (see _begin_sync), with the data
@@ -566,7 +571,8 @@ class Controller:
         finally:  # after its clients, the executors, have ended (_run's own clean-up)
             daemon, self.mps = self.mps, None
             if not daemon.stop():
-                self.on_event(f"llamarl: the MPS daemon of {option('gpu_share', cfg.generator.gpu_share)} did not quit; "
+                self.on_event(f"llamarl: the MPS daemon of {option('gpu_share', cfg.generator.gpu_share)} did not "
+                              "quit; "
                               f"end it with: echo quit | CUDA_MPS_PIPE_DIRECTORY={daemon.pipe} {MPS_CONTROL}")
 
     def _run(self, saved: Path) -> dict:
@@ -672,7 +678,8 @@ class Controller:
         # A vLLM generator shuts its engine down on Stop (several seconds here). A
         # checkpoint queued before Stop (behind a sync that failed, say) gets up to
         # timeout_s more to be written: it is the one a resume needs.
-        grace_s = (30 if self.config.generator.backend == "vllm" else 10) + (self.config.run.timeout_s if self.checkpointing else 0)
+        grace_s = ((30 if self.config.generator.backend == "vllm" else 10)
+                   + (self.config.run.timeout_s if self.checkpointing else 0))
         # One still setting up (waiting for a generator that failed to start, say) reads no inbox.
         self.executors.shutdown(grace_s=grace_s, unready=self._everyone() - self.ready_ranks)
         self.beat.stop()

@@ -180,8 +180,8 @@ def model_and_tokenizer(config: TrainConfig, task: Task | None):
     tokenizer = ModelTokenizer(source.tokenizer(), config.run.chat_template,
                                generation.eos_token_id if generation is not None else None)
     if tokenizer.vocab_size > model_config.vocab_size:
-        raise ValueError(f"{option('model', config.run.model)}: its tokenizer has {tokenizer.vocab_size} tokens, more than the "
-                         f"model's vocab_size {model_config.vocab_size}")
+        raise ValueError(f"{option('model', config.run.model)}: its tokenizer has {tokenizer.vocab_size} tokens, "
+                         f"more than the model's vocab_size {model_config.vocab_size}")
     return source, model_config, tokenizer
 
 
@@ -202,8 +202,8 @@ class RunData:
         if config.run.dataset:
             problems = read_dataset(config.run.dataset, need_answer=reward_needs_answer(config))
             if len(problems) <= self.eval_size:
-                raise ValueError(f"{option('dataset', config.run.dataset)}: {len(problems)} lines leave none to train on after "
-                                 f"holding out {option('eval_size', self.eval_size)}")
+                raise ValueError(f"{option('dataset', config.run.dataset)}: {len(problems)} lines leave none to "
+                                 f"train on after holding out {option('eval_size', self.eval_size)}")
             cut = len(problems) - self.eval_size
             self.train_problems, self.eval_problems = problems[:cut], problems[cut:]
             self.train_size = cut

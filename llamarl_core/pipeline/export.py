@@ -75,5 +75,6 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
         raise ValueError(f"{run_dir} holds no checkpoint (in {checkpoint_dir(run_dir)}): nothing trained to export "
                          "yet")
     config = TrainConfig.load(config_path)
-    source, model_config, tokenizer = model_and_tokenizer(config, None if config.run.dataset else load_task(config.run.task))
+    task = None if config.run.dataset else load_task(config.run.task)
+    source, model_config, tokenizer = model_and_tokenizer(config, task)
     return export_policy(run_dir, model_config, tokenizer, out, source)

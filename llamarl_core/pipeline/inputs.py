@@ -38,8 +38,8 @@ def write_inputs(out: Path, config: TrainConfig, *, model=None, tokenizer=None, 
                              f"save_pretrained), got {type(obj).__name__}")
     for name, obj in (("model", model), ("dataset", dataset)):
         if obj is not None and getattr(config.run, name) is not None:
-            raise ValueError(f"{name}= and TrainConfig.run.{name} ({getattr(config.run, name)!r}) both give the run's {name}: "
-                             "give one")
+            raise ValueError(f"{name}= and TrainConfig.run.{name} ({getattr(config.run, name)!r}) both give the "
+                             f"run's {name}: give one")
     lines = None if dataset is None else _jsonl(dataset)
     folder = Path(out) / INPUTS
     folder.mkdir(parents=True, exist_ok=True)
@@ -60,7 +60,7 @@ def write_inputs(out: Path, config: TrainConfig, *, model=None, tokenizer=None, 
 def _jsonl(dataset) -> str:
     if isinstance(dataset, (str, bytes, dict)) or not hasattr(dataset, "__iter__"):
         raise ValueError(f"dataset= must be an iterable of dicts (a datasets.Dataset, a list), got "
-                         f"{type(dataset).__name__}; a JSONL file goes in TrainConfig.dataset")
+                         f"{type(dataset).__name__}; a JSONL file goes in TrainConfig(dataset=...)")
     rows = []
     for index, row in enumerate(dataset):
         if not isinstance(row, dict):

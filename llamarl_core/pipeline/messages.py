@@ -29,8 +29,8 @@ wire.register(StepStats)  # a trainer rank's step statistics travel in Trained
 
 
 def message(cls: type) -> type:
-    """A frozen dataclass registered with the wire (a decorator)."""
-    return wire.register(dataclasses.dataclass(frozen=True)(cls))
+    """A frozen dataclass, its fields keyword-only, registered with the wire (a decorator)."""
+    return wire.register(dataclasses.dataclass(frozen=True, kw_only=True)(cls))
 
 
 # ----------------------------------------------------------------------------- commands

@@ -33,7 +33,7 @@ from ..control import HeartbeatWatch, StoreQueue
 
 # How long an executor still setting up when its run stops has, after SIGTERM, to exit.
 TERMINATE_S = 2.0
-# How long a reward executor or one of our generator ranks has to exit after "stop"
+# How long a reward executor or one of our generator ranks has to exit after Stop
 # before SIGTERM: each reads its inbox between requests, and holds nothing a run keeps.
 STOP_S = 2.0
 
@@ -101,13 +101,13 @@ class LocalExecutors:
         proc.join(timeout=5)
 
     def shutdown(self, grace_s: float, unready=frozenset()) -> None:
-        """After "stop" went to every inbox: end the executors in `unready`
+        """After Stop went to every inbox: end the executors in `unready`
         ((role, rank) of those that never reported ready: still setting up, they
         read no inbox, and hold nothing a run keeps) at once, but an engine
         generator (its engine, once started, shuts down in order): SIGTERM (they
         exit through their clean-up, executor_main), SIGKILL after TERMINATE_S.
         Then wait up to grace_s for the trainer ranks (a checkpoint queued before
-        "stop" is written) and an engine generator (its engine shuts down in order),
+        Stop is written) and an engine generator (its engine shuts down in order),
         and up to STOP_S of it for the reward executors and our generator ranks,
         which hold nothing a run keeps: one still busy then (a reward function that
         hangs) gets SIGTERM, then SIGKILL TERMINATE_S later. Kill what is left (an
@@ -218,5 +218,5 @@ class LaunchedExecutors:
         return silent
 
     def shutdown(self, grace_s: float, unready=frozenset()) -> None:
-        """The ranks return to their serve loop on "stop" (and end on the launcher's
+        """The ranks return to their serve loop on Stop (and end on the launcher's
         "exit"); one still setting up (`unready`) returns when its set-up ends."""

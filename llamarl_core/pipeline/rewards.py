@@ -269,8 +269,8 @@ def check_reward_config(config, data) -> None:
         check_reward_model(config.run.reward_model)
     rule = None if config.run.reward is None else RuleReward(config.run.reward)
     if rule is not None and rule.needs_answer and data.task is not None:
-        raise ValueError(f"{option('reward', config.run.reward)} checks answers: give a {option('dataset')} whose lines "
-                         "have them "
+        raise ValueError(f"{option('reward', config.run.reward)} checks answers: give a {option('dataset')} "
+                         "whose lines have them "
                          f"(task {data.task.name!r} has none)")
     if config.run.reward_model is None:
         _probe_reward(rule, data)
@@ -304,7 +304,8 @@ def make_scorer(config, data) -> tuple[Callable[[list[Problem], list[str]], list
     messages: the reward model, the --reward spec, or the task's own reward (per
     sample; an error in it names the prompt and completion)."""
     if config.run.reward_model is not None:
-        return RewardModel(config.run.reward_model, config.run.reward_batch), f"the reward model {config.run.reward_model}"
+        run = config.run
+        return RewardModel(run.reward_model, run.reward_batch), f"the reward model {run.reward_model}"
     if config.run.reward is not None:
         return RuleReward(config.run.reward), f"the reward {config.run.reward!r}"
     what = f"the reward function of task {data.task.name!r}"

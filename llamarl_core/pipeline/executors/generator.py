@@ -59,35 +59,36 @@ def make_generator(config: TrainConfig, data: RunData, store, secret: bytes, ran
     for the trainer as long as any executor may take to start (its supervised
     warm-up or checkpoint loading comes first). children: the incarnation of each replica this
     one relays to (their syncs' names)."""
-    tp, sync_name, seed = config.generator.tp, sync_name_of(incarnation), config.run.seed * 1000 + incarnation
+    run, gen = config.run, config.generator
+    tp, sync_name, seed = gen.tp, sync_name_of(incarnation), run.seed * 1000 + incarnation
     tokenizer = data.tokenizer
-    if config.generator.plugin:
-        return plugin_generator(config.generator.backend)(GeneratorContext(
-            model_config=data.model_config, model_path=config.run.model, dtype=config.run.torch_dtype, device=config.run.device,
-            tp=tp, max_batch=config.groups_in_flight * config.run.samples_per_prompt, max_new_tokens=data.max_new_tokens,
-            segment_tokens=config.generator.segment_tokens, temperature=config.generator.temperature,
-            eos_token_ids=tuple(tokenizer.stop_token_ids), pad_token_id=tokenizer.pad_token_id, seed=seed,
-            store=store, secret=secret, sync_name=sync_name, timeout_s=config.run.timeout_s))
-    if config.generator.backend == "vllm":
+    max_batch = config.groups_in_flight * run.samples_per_prompt
+    if gen.plugin:
+        return plugin_generator(gen.backend)(GeneratorContext(
+            model_config=data.model_config, model_path=run.model, dtype=run.torch_dtype, device=run.device, tp=tp,
+            max_batch=max_batch, max_new_tokens=data.max_new_tokens, segment_tokens=gen.segment_tokens,
+            temperature=gen.temperature, eos_token_ids=tuple(tokenizer.stop_token_ids),
+            pad_token_id=tokenizer.pad_token_id, seed=seed, store=store, secret=secret, sync_name=sync_name,
+            timeout_s=run.timeout_s))
+    if gen.backend == "vllm":
         from ...integrations.vllm.generator import VllmGenerator
 
-        pinned = config.run.mode == "async" and tp + config.trainer.world <= len(ALL_CORES)
+        pinned = run.mode == "async" and tp + config.trainer.world <= len(ALL_CORES)
         return VllmGenerator(data.model_config, tp=tp, store_port=store.port, secret=secret, sync_name=sync_name,
-                             trainer_world=config.trainer.world, timeout_s=config.run.timeout_s,
-                             max_new_tokens=data.max_new_tokens, temperature=config.generator.temperature,
-                             eos_token_id=tokenizer.stop_token_ids, seed=seed,
-                             recompute_kv=config.generator.recompute_kv, model_dir=Path(out_dir) / f"vllm-model-{incarnation}",
+                             trainer_world=config.trainer.world, timeout_s=run.timeout_s,
+                             max_new_tokens=data.max_new_tokens, temperature=gen.temperature,
+                             eos_token_id=tokenizer.stop_token_ids, seed=seed, recompute_kv=gen.recompute_kv,
+                             model_dir=Path(out_dir) / f"vllm-model-{incarnation}",
                              # vLLM's workers bind their threads: to the generator's cores, as ours are pinned.
                              cpus="|".join(str(c) for c in sorted(ALL_CORES)[:tp]) if pinned else None)
     process_group(store, f"{GENERATOR}/{incarnation}/{replica}", rank, tp, config, secret)
     return LlamaGeneratorBackend(
-        data.model_config, tp=tp, rank=rank, store=store, secret=secret, sync_name=sync_name, timeout_s=config.run.timeout_s,
-        replica=replica, num_replicas=config.generator.replicas,
+        data.model_config, tp=tp, rank=rank, store=store, secret=secret, sync_name=sync_name, timeout_s=run.timeout_s,
+        replica=replica, num_replicas=gen.replicas,
         relay_names={child: sync_name_of(k, child) for child, k in (children or {}).items()},
-        max_batch=config.groups_in_flight * config.run.samples_per_prompt, max_new_tokens=data.max_new_tokens,
-        segment_tokens=config.generator.segment_tokens, temperature=config.generator.temperature, eos_token_id=tokenizer.stop_token_ids,
-        pad_token_id=tokenizer.pad_token_id, seed=seed, dtype=config.run.torch_dtype, device=config.run.device,
-        fp8=config.generator.fp8, fp8_gemm=config.generator.fp8_gemm)
+        max_batch=max_batch, max_new_tokens=data.max_new_tokens, segment_tokens=gen.segment_tokens,
+        temperature=gen.temperature, eos_token_id=tokenizer.stop_token_ids, pad_token_id=tokenizer.pad_token_id,
+        seed=seed, dtype=run.torch_dtype, device=run.device, fp8=gen.fp8, fp8_gemm=gen.fp8_gemm)
 
 
 def update_weights(generator, command: Receive, timeout_s: float, tp: int) -> tuple[int | None, str, bool]:
@@ -146,7 +147,7 @@ class GeneratorRank:
             self.busy += end - start
             self.link.span("generate", start, end, version=generator.version, **generator.segment_stats())
             if done and self.leader:
-                self.link.send(Samples(done, self.busy))
+                self.link.send(Samples(samples=done, busy=self.busy))
                 self.busy = 0.0
 
     def prompts(self, command: Prompts) -> None:
@@ -164,19 +165,20 @@ class GeneratorRank:
         if version is None:  # the replica feeding this one died: torn, or (stale) untouched
             link.span("receive weights failed", start, time.monotonic(), version=command.version)
             if self.leader:
-                link.send(ReceiveFailed(command.version, command.attempt, why, stale))
+                link.send(ReceiveFailed(version=command.version, attempt=command.attempt, message=why, stale=stale))
             return
         end = time.monotonic()
         link.span("receive weights", start, end, version=version)
         if self.leader:
-            link.send(Received(version, self.busy, end - start, generator.relay_failures))
+            link.send(Received(version=version, busy=self.busy, seconds=end - start,
+                               relay_failed=generator.relay_failures))
             self.busy = 0.0
         if command.evaluate:  # greedy, to the end, on these weights alone, before anything else
             start = time.monotonic()
             done = generator.evaluate([Sample(i, ids, eval=True) for i, ids in command.evaluate])
             link.span("evaluate", start, time.monotonic(), version=version, prompts=len(done))
             if self.leader:
-                link.send(Samples(done, 0.0))
+                link.send(Samples(samples=done, busy=0.0))
 
     def close(self) -> None:
         self.generator.close()

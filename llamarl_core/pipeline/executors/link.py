@@ -63,8 +63,8 @@ class Link:
         the values this executor refused (auth.py), counted from its start (a torchrun rank
         runs the executors of several runs one after another)."""
         spans, self.spans = self.spans, []
-        self.events.put(Event(self.role, self.rank, self.incarnation, refused_count() - self._refused_before, spans,
-                              report))
+        self.events.put(Event(role=self.role, rank=self.rank, incarnation=self.incarnation,
+                              refused=refused_count() - self._refused_before, spans=spans, body=report))
 
     def ready(self, **fields) -> None:
         """Report this executor set up, with where it runs (the run's hosts.json)."""
@@ -86,7 +86,8 @@ class Link:
 
         def beat():
             while not stop.wait(every_s):
-                self.events.put(Event(self.role, self.rank, self.incarnation, None, [], Working()))
+                self.events.put(Event(role=self.role, rank=self.rank, incarnation=self.incarnation, refused=None,
+                                      spans=[], body=Working()))
 
         thread = threading.Thread(target=beat, name=f"{self.role}-{self.rank}-heartbeat", daemon=True)
         thread.start()

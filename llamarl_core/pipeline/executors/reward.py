@@ -29,7 +29,7 @@ def run_reward(link: Link, config: TrainConfig, store, rank: int) -> None:
         rewards = score(problems, completions)
         check_rewards(problems, completions, rewards, what)
         link.span("score", start, time.monotonic(), samples=len(completions))
-        link.send(Scored(command.bunch, list(rewards)))
+        link.send(Scored(bunch=command.bunch, rewards=list(rewards)))
 
     link.ready()
     for command in link.commands():

@@ -55,7 +55,7 @@ def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, ext
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the controller
-        link.send(Failed(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        link.send(Failed(message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()))
         return False
     finally:
         end_process_group()
@@ -78,7 +78,8 @@ def executor_main(role: str, rank: int, config_dict: dict, store_port: int, extr
     # out through run_executor's clean-up (its process group destroyed, its Store closed).
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     if role == GENERATOR and config_dict["generator"]["backend"] != "llama":
-        os.setsid()  # a process group for an engine's processes too (vLLM's, a user's), which the controller kills as one
+        # A process group for an engine's processes too (vLLM's, a user's), which the controller kills as one.
+        os.setsid()
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                           timeout=datetime.timedelta(seconds=config_dict["run"]["timeout_s"]))
     if not run_executor(role, rank, config_dict, store, extra, secret):

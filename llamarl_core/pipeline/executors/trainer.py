@@ -98,7 +98,8 @@ class TrainerRank:
             mesh = init_device_mesh(device, (world,))
         model = self.model = trainer_model(data, config, mesh)
         # fused: one kernel over all parameters (0.6 vs 1.2 ms a step for the default model).
-        optimizer = self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr, weight_decay=0.0, fused=True)
+        optimizer = self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr, weight_decay=0.0,
+                                                       fused=True)
         checkpoints = self.checkpoints = TrainerCheckpoints(out_dir, rank, world)
         self.step, self.data_position, self.reference = 0, 0, None
         if checkpoints.latest() is not None:
@@ -117,7 +118,8 @@ class TrainerRank:
         if self.step == 0 and data.supervised_warmup:
             start = time.monotonic()
             with every_core(world):
-                loss = supervised_warmup(model, optimizer, data.task, config.trainer.warmup_steps, config.trainer.warmup_batch, rank,
+                loss = supervised_warmup(model, optimizer, data.task, config.trainer.warmup_steps,
+                                         config.trainer.warmup_batch, rank,
                                          world)
             link.span("supervised warm-up", start, time.monotonic(), steps=config.trainer.warmup_steps, loss=loss)
         if config.loss.kl_coef and not checkpoints.has_reference():  # the weights RL starts from, saved once
@@ -146,38 +148,41 @@ class TrainerRank:
         try:
             self.sender.send(command.version, timeout=self.config.sync.timeout_s)
         except SyncError as exc:  # e.g. the generator died mid-sync: the controller decides
-            self.link.send(SyncFailed(command.version, str(exc), self.generator))
+            self.link.send(SyncFailed(version=command.version, message=str(exc), generator=self.generator))
             return
         end = time.monotonic()
         self.link.span("send weights", start, end, version=command.version)
-        self.link.send(Synced(command.version, end - start, self.generator))
+        self.link.send(Synced(version=command.version, seconds=end - start, generator=self.generator))
 
     def train(self, command: Train) -> None:
-        config, data, model, optimizer = self.config, self.data, self.model, self.optimizer
+        trainer, loss, data = self.config.trainer, self.config.loss, self.data
+        model, optimizer = self.model, self.optimizer
         start = time.monotonic()
-        lr = learning_rate(command.step, base_lr=config.trainer.lr, warmup_steps=config.trainer.lr_warmup_steps,
-                           total_steps=config.run.steps, schedule=config.trainer.lr_schedule, min_lr_ratio=config.trainer.min_lr_ratio)
+        lr = learning_rate(command.step, base_lr=trainer.lr, warmup_steps=trainer.lr_warmup_steps,
+                           total_steps=self.config.run.steps, schedule=trainer.lr_schedule,
+                           min_lr_ratio=trainer.min_lr_ratio)
         samples = command.samples
-        normalizer = len(samples) * data.max_new_tokens if config.loss.normalizer == "dr_grpo" else None
+        normalizer = len(samples) * data.max_new_tokens if loss.normalizer == "dr_grpo" else None
         stats, hook_metrics = run_with_hook(
             self.step_hook, StepContext(command.step, model, optimizer, samples, self.rank, self.world, lr),
             lambda: train_step(model, optimizer, samples, pad_token_id=data.tokenizer.pad_token_id,
-                               temperature=config.generator.temperature, lr=lr, micro_batch_size=config.trainer.micro_batch_size or None,
-                               max_grad_norm=config.trainer.max_grad_norm or None, mask_truncated=config.loss.mask_truncated,
-                               kl_coef=config.loss.kl_coef, reference_model=self.reference, autocast_dtype=self.autocast,
+                               temperature=self.config.generator.temperature, lr=lr,
+                               micro_batch_size=trainer.micro_batch_size or None,
+                               max_grad_norm=trainer.max_grad_norm or None, mask_truncated=loss.mask_truncated,
+                               kl_coef=loss.kl_coef, reference_model=self.reference, autocast_dtype=self.autocast,
                                loss=self.objective, advantage=self.advantage, normalizer=normalizer,
-                               reduction=config.loss.reduction, entropy_coef=config.loss.entropy_coef,
-                               nonfinite_logprobs=config.loss.nonfinite_logprobs, **config.loss.parameters))
+                               reduction=loss.reduction, entropy_coef=loss.entropy_coef,
+                               nonfinite_logprobs=loss.nonfinite_logprobs, **loss.parameters))
         self.step = command.step + 1
         end = time.monotonic()
         self.link.span("train step", start, end, step=command.step, samples=len(samples))
-        self.link.send(Trained(command.step, end - start, hook_metrics, stats))
+        self.link.send(Trained(step=command.step, seconds=end - start, hook=hook_metrics, stats=stats))
 
     def checkpoint(self, command: Checkpoint) -> None:
         start = time.monotonic()
         self.checkpoints.save(self.model, self.optimizer, step=self.step, data_position=command.data_position)
         self.link.span("checkpoint", start, time.monotonic(), step=self.step)
-        self.link.send(Checkpointed(self.step))
+        self.link.send(Checkpointed(step=self.step))
 
     def reconnect(self, command: Reconnect) -> None:
         self.sender.close()
