@@ -62,7 +62,7 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), in
     A scenario may override `port` (a Store of its own) and `versions`; sends whose
     index is in its "poisoned" carry a NaN in rows only FSDP rank 0 holds (every
     sender's send must then fail); its "send_after" maps a send's index to a Store
-    key to wait for first; "stall_amax" = (rank, step, seconds) delays that rank's
+    key (or a list of keys) to wait for first; "stall_amax" = (rank, step, seconds) delays that rank's
     FP8 amaxes in that send, so the other ranks reach the exchange first;
     "register_late" = (rank, seconds) has that rank count its registration (its
     incarnation, once every rank's set-up info is read) that much later; with
@@ -95,7 +95,8 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), in
             stall_rank, stall_step, stall_s = s.get("stall_amax", (None, None, 0))
             for step, v in enumerate(s.get("versions", versions)):
                 if step in s.get("send_after", {}):
-                    store.wait([s["send_after"][step]], datetime.timedelta(seconds=60))
+                    keys = s["send_after"][step]
+                    store.wait([keys] if isinstance(keys, str) else keys, datetime.timedelta(seconds=60))
                 state = hf_state_dict(config, s["seed"] + v)
                 if step in s.get("poisoned", ()):
                     state["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
@@ -124,7 +125,10 @@ def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), 
     bitwise with the plain-torch reference. Returns scenario -> mismatch lines.
     A scenario may override `port` and `versions`; receives whose index is in its
     "failing" must raise SyncError (recorded as a line "step i: torn <flag>:
-    <message>"), and are followed by polling pending() until the senders send again.
+    <message>"), and are followed by polling pending() until the senders send again;
+    each such failure seen sets the Store key "saw-failure/<step>/<rank>" (a sender
+    retrying too soon would clear its failure before this receiver asked: the receive
+    would then get the retry's version, the test's script one step off).
     interpreter=False: the FP8 reference is quantized on the torch path (see
     sender_body)."""
     out = {}
@@ -155,6 +159,7 @@ def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), 
                     if step not in failing:
                         raise
                     problems.append(f"step {step}: torn {receiver.torn}: {exc}")
+                    store.set(f"saw-failure/{step}/{rank}", b"1")
                     continue
                 if step in failing:
                     problems.append(f"step {step}: received version {got}, expected SyncError")

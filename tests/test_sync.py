@@ -93,7 +93,9 @@ def _amax_scenarios() -> dict[str, dict]:
     with finite weights, and sender 0 reaches that retry's exchange 2 s after
     sender 1."""
     base = dict(fsdp=2, tp=2, src_dtype="fp32", versions=(1, 2, 3, 4))
-    nan = dict(versions=(1, 2, 2, 3), poisoned=(1,), failing=(1,), stall_amax=(0, 2, 2.0))
+    # The retry waits until both receivers have seen the failed send fail (sync_workers: saw-failure).
+    nan = dict(versions=(1, 2, 2, 3), poisoned=(1,), failing=(1,), stall_amax=(0, 2, 2.0),
+               send_after={2: [f"saw-failure/1/{rank}" for rank in range(2)]})
     return {
         "channel-shm": dict(base, config="llama_gqa_bias", transport="auto", fp8="channel", seed=3000),
         "tensor-shm": dict(base, config="qwen2", transport="auto", fp8="tensor", seed=3010),
