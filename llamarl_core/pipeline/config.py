@@ -367,7 +367,7 @@ class TrainConfig:
 
     def flat(self) -> dict:
         """Every field under its flat name (FLAT), in the sections' order."""
-        return {name: getattr(getattr(self, section), field) for name, (section, field) in FLAT.items()}
+        return {name: self._get(name) for name in FLAT}
 
     def _check_types(self) -> None:
         """ValueError naming the first field (the Python argument; the CLI's flags
@@ -396,6 +396,10 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig {name} must be {wanted}, got {value!r} ({type(value).__name__})")
             self._set(name, converted)
 
+    def _get(self, name: str):
+        section, field = FLAT[name]
+        return getattr(getattr(self, section), field)
+
     def _set(self, name: str, value) -> None:
         section, field = FLAT[name]
         setattr(getattr(self, section), field, value)
@@ -406,8 +410,8 @@ class TrainConfig:
             run.reward = reward_sum(run.reward)
         self._check_types()
         for name in PLUGIN_FIELDS:
-            if self.flat()[name] is not None:
-                self._set(name, spec_of(self.flat()[name], name))
+            if self._get(name) is not None:
+                self._set(name, spec_of(self._get(name), name))
         values = self.flat()
         if run.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {run.mode!r}")
