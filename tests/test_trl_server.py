@@ -141,6 +141,29 @@ def test_grpo_trainer_in_server_mode_syncs_the_server_by_ddma(server):
         trainer.vllm_generation.transfer.destroy()
 
 
+@pytest.mark.vllm
+def test_two_ddp_trainer_processes_sync_the_server_from_rank_0(server, tmp_path):
+    """Server mode with two DDP trainer processes (torchrun, gloo): rank 0 holds
+    the DDMA transfer, every rank walks TRL's parameter iterator with it; after
+    two steps and a last sync the server computes with the trained model, and the
+    ranks' models are equal."""
+    import json
+
+    from safetensors.torch import load_file
+
+    url, folder = server
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          os.path.join(os.path.dirname(__file__), "trl_server_worker.py"), url, folder, str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["transfer"] for r in ranks] == [True, False] and ranks[0]["version"] == 3, ranks
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model.load_state_dict(load_file(str(tmp_path / "trained.safetensors")))
+    assert_the_server_computes_with(model, url, folder)
+
+
 def token_reward(prompts, completions, completion_ids, **kwargs):
     """Low token ids pay: a reward that differs within a group of sampled replies
     whatever TRL's chat parsing makes of this tokenizer's text (advantages of 0,

@@ -50,6 +50,20 @@ ENGINE_KWARGS = {"qwen3": dict(tensor_parallel_size=2), "qwen3_moe": dict(tensor
 LONG_PROMPT = [1] + [(7 * i) % 990 + 3 for i in range(69)]
 
 
+def test_init_info_names_a_replica_outside_its_sync():
+    """ddma_init_info's replica arguments checked before an engine sees them."""
+    from llamarl_core.integrations.vllm import ddma_init_info
+    from llamarl_core.sync import ParamSpec
+
+    layout = Layout(1, [ParamSpec("w", (4, 2), torch.float32)])
+    info = ddma_init_info("127.0.0.1", 1234, layout, replica=2, num_replicas=3)
+    assert (info["replica"], info["num_replicas"]) == (2, 3) and Layout.from_dict(info["trainer_layout"]) == layout
+    with pytest.raises(ValueError, match=r"replica must be in \[0, num_replicas=3\), got 3"):
+        ddma_init_info("127.0.0.1", 1234, layout, replica=3, num_replicas=3)
+    with pytest.raises(ValueError, match="num_replicas must be >= 1, got 0"):
+        ddma_init_info("127.0.0.1", 1234, layout, num_replicas=0)
+
+
 def engine_for(kind: str, tmp_path_factory):
     path = tmp_path_factory.mktemp(kind)
     tiny_config(kind).save_pretrained(path)

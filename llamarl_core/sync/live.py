@@ -51,6 +51,9 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- checkpoint names
 
 
+CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # the module name torch's checkpoint_wrapper adds
+
+
 def checkpointed(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors of `model` a checkpoint holds, by name: its parameters (a tied
     one once, under its first name) and its persistent buffers."""
@@ -63,11 +66,18 @@ def checkpoint_views(model: torch.nn.Module, buffers: bool = False) -> dict[str,
     box of the parameter it fills); with `buffers`, the persistent buffers too
     (a router's trained bias is one: checkpoints hold them beside the
     parameters). A model transformers converts nothing for holds its own names,
-    whole. ValueError naming the parameter when a conversion computes rather
-    than slices, or does not cover it exactly once."""
+    whole; activation checkpointing's wrapper (torch's `checkpoint_wrapper`, as
+    accelerate's FSDP2 applies it) is not in a checkpoint name, as its state
+    dict leaves it out. ValueError naming the parameter when a conversion
+    computes rather than slices, or does not cover it exactly once."""
     tensors = checkpointed(model) if buffers else dict(model.named_parameters())
     params = {name: tuple(t.shape) for name, t in tensors.items()}
-    views = {name: [(name, shape, ((0,) * len(shape), shape))] for name, shape in params.items()}
+    named = {name.replace(CHECKPOINT_WRAPPER, ""): name for name in params}  # checkpoint name -> parameter's
+    if len(named) != len(params):
+        clash = next(n for n in params if named[n.replace(CHECKPOINT_WRAPPER, "")] != n)
+        raise ValueError(f"parameter {clash!r} and {named[clash.replace(CHECKPOINT_WRAPPER, '')]!r} have one "
+                         "checkpoint name")
+    views = {name: [(ckpt, params[name], ((0,) * len(params[name]), params[name]))] for ckpt, name in named.items()}
     try:
         from transformers import PreTrainedModel
         from transformers.core_model_loading import revert_weight_conversion
@@ -75,7 +85,7 @@ def checkpoint_views(model: torch.nn.Module, buffers: bool = False) -> dict[str,
         return views
     if not isinstance(model, PreTrainedModel):
         return views
-    probes = {name: ViewProbe.of(name, params[name], t.dtype) for name, t in tensors.items()}
+    probes = {ckpt: ViewProbe.of(ckpt, params[name], tensors[name].dtype) for ckpt, name in named.items()}
     try:
         reverted = revert_weight_conversion(model, dict(probes))
     except ProbeError as exc:
@@ -85,8 +95,9 @@ def checkpoint_views(model: torch.nn.Module, buffers: bool = False) -> dict[str,
         if not isinstance(probe, ViewProbe):
             raise ValueError(f"transformers' checkpoint conversion of {type(model).__name__} computes "
                              f"{ckpt_name!r} instead of slicing a parameter")
-        box = _as_box(probe, params[probe.source])
-        views[probe.source].append((ckpt_name, tuple(probe.shape), box))
+        source = named[probe.source]
+        box = _as_box(probe, params[source])
+        views[source].append((ckpt_name, tuple(probe.shape), box))
     for name, held in views.items():
         if not _cover_exactly_once([box for _, _, box in held], params[name]):
             raise ValueError(f"parameter {name!r}: transformers' checkpoint conversion maps it to "

@@ -21,15 +21,24 @@ registered weight in its storage, and restores the adapted weights bit for bit.
 DoRA, trainable tokens, other PEFT methods and adapters on an embedding or
 lm_head are left to TRL (colocate_refusal).
 
-Several processes (DDP: every rank holds the whole model): each rank's engine,
-its own as in TRL's colocate mode, takes that rank's weights from that rank's
-sender, over a Store and secret of its own; nothing crosses ranks.
+Several processes, each with its own engine as in TRL's colocate mode:
+- DDP (every rank holds the whole model): each rank's engine takes that rank's
+  weights from that rank's sender, over a Store and secret of its own; nothing
+  crosses ranks.
+- FSDP2 (accelerate's plugin, or the caller's own `fully_shard` or
+  tensor-parallel plan: DTensor parameters on a mesh over the job's ranks, all
+  on one host): every engine needs the whole model and no rank holds it. One
+  sync over a Store served by rank 0 (its port and the secret broadcast over the
+  job's process group): each rank sends only its own shards, never gathered, to
+  rank 0's engine (replica 0), which relays each version on to the other ranks'
+  engines (replicas 1 .. N-1, down a binary tree) before its receive returns.
+  Whether to register again is decided by all ranks together.
 
-What it does not serve (colocate_refusal: several processes whose parameters are
-sharded (FSDP, DeepSpeed ZeRO-3), whose engines would each need every rank's
-shards; an engine tensor-parallel group; vLLM's sleep mode, which discards the
-weights a sync writes into; a quantized model) GRPOTrainer leaves to TRL's own
-engine and sync, with a warning naming the reason.
+What it does not serve (colocate_refusal: FSDP1's flat parameters and DeepSpeed
+ZeRO-3's partitions on several processes, FSDP2 over several hosts or with its
+shards offloaded to the CPU, a sharded PEFT model; an engine tensor-parallel group; vLLM's sleep mode, which discards
+the weights a sync writes into; a quantized model) GRPOTrainer leaves to TRL's
+own engine and sync, with a warning naming the reason.
 
 Server (`vllm_mode="server"`): TRL's client generates as it does; a server
 running the llamarl_ddma backend (server.py has its command line) takes its
@@ -37,24 +46,26 @@ weights through DdmaWeightTransfer on the main process, fed from TRL's own walk
 of the parameters (which gathers them under FSDP or ZeRO-3, every rank taking
 part, and merges a PEFT model's adapters first), where TRL's sync needs NCCL and
 a CUDA trainer. A server running another backend (the nccl of `trl
-vllm-serve`) keeps TRL's own sync. Tested with one trainer process.
+vllm-serve`) keeps TRL's own sync. Tested with one and with two (DDP) trainer
+processes.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import socket
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import broadcast, is_peft_model, reduce
+from accelerate.utils import DistributedType, broadcast, is_peft_model, reduce
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer.utils import ensure_master_addr_port
 
-from ...control.auth import new_secret
+from ...control.auth import SECRET_BYTES, new_secret
 from ...sync import Layout, ParamSpec, SyncError, WeightSender, module_layout, module_sender
 from ..vllm import BACKEND, ddma_init_info
 from .pairing import register_while, send_while
@@ -86,28 +97,66 @@ def _peft_refusal(configs) -> str | None:
     return None
 
 
+FSDP2 = "FSDP2"  # accelerate's FSDP2 plugin
+DTENSORS = "DTensor parameters"  # sharded by the caller (fully_shard, a tensor-parallel plan)
+OFFLOADED = "FSDP2 with CPU offload"
+
+
 def sharding_of(args) -> str | None:
     """What shards the trainer's parameters over its processes under these
-    TrainingArguments (FSDP, DeepSpeed ZeRO-3, accelerate's FSDP plugin), or None."""
+    TrainingArguments: "FSDP2" or "FSDP1" (its `fsdp_config` version, 2 by
+    default in transformers; accelerate launch's FSDP plugin: FSDP_VERSION, 1 by
+    default in accelerate), OFFLOADED (FSDP2 with `cpu_offload` /
+    FSDP_OFFLOAD_PARAMS), "DeepSpeed ZeRO-3", or None."""
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-    if getattr(args, "fsdp", None) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
-        return "FSDP"
-    if is_deepspeed_zero3_enabled():
+    if getattr(args, "fsdp", None):
+        fsdp_config = getattr(args, "fsdp_config", None) or {}
+        version, offload = int(fsdp_config.get("version", 2)), bool(fsdp_config.get("cpu_offload", False))
+    elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        version = int(os.environ.get("FSDP_VERSION", "1"))
+        offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() in ("1", "true")
+    elif is_deepspeed_zero3_enabled():
         return "DeepSpeed ZeRO-3"
-    return None
+    else:
+        return None
+    return OFFLOADED if version == 2 and offload else f"FSDP{version}"
+
+
+def several_hosts(num_processes: int, device: torch.device) -> bool:
+    """Whether the job's processes run on more than one host (by host name): a
+    collective every rank calls (a hash of each name against rank 0's, over the
+    job's process group; nothing pickled); False for one process."""
+    if num_processes == 1:
+        return False
+    digest = hashlib.sha256(socket.gethostname().encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=device)
+    first = broadcast(mine.clone(), from_process=0)
+    return float(reduce((first != mine).float(), reduction="sum")[0]) > 0
 
 
 def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enable_sleep_mode: bool,
-                     quantization_config=None, peft_config=None, sharding: str | None = None) -> str | None:
+                     quantization_config=None, peft_config=None, sharding: str | None = None,
+                     hosts_apart: bool = False) -> str | None:
     """Why DDMA cannot feed TRL's colocated engine for this set-up, or None. model:
     the trainer's `model` argument (a folder or hub id, or the model itself);
     peft_config: its peft_config argument (a PEFT model's own configs are read
     off the model); sharding: what shards the parameters over the processes
-    (sharding_of), None for nothing (DDP, or one process)."""
+    (sharding_of), None for nothing (DDP, or one process: a sharding on one
+    process is not refused here, the sync's own registration refuses what it
+    cannot read); hosts_apart: whether the processes span several hosts
+    (several_hosts)."""
+    configs = [peft_config] if peft_config is not None else []
+    configs += list(getattr(model, "peft_config", {}).values()) if isinstance(model, torch.nn.Module) else []
     if num_processes != 1 and sharding is not None:
-        return (f"{num_processes} processes with {sharding} (each rank's colocated engine needs every rank's "
-                "shards; llamarl's colocated sync feeds each engine from its own rank's whole model: DDP)")
+        if sharding not in (FSDP2, DTENSORS):
+            return (f"{num_processes} processes with {sharding} (llamarl's colocated sync sends DTensor shards "
+                    "where they live, FSDP2's or the caller's, or DDP's whole model)")
+        if hosts_apart:
+            return (f"{sharding} over several hosts (each engine needs every rank's shards; llamarl's colocated "
+                    "sync relays them between the engines of one host)")
+        if configs:
+            return f"a PEFT model with {sharding} (llamarl's colocated sync merges the adapters of a whole model)"
     if tensor_parallel_size != 1:
         return f"vllm_tensor_parallel_size={tensor_parallel_size} (llamarl's colocated sync feeds one engine worker)"
     if enable_sleep_mode:
@@ -115,8 +164,6 @@ def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enabl
     if quantization_config is not None or (isinstance(model, torch.nn.Module) and any(
             type(module).__module__.startswith("bitsandbytes") for module in model.modules())):
         return "a quantized model"
-    configs = [peft_config] if peft_config is not None else []
-    configs += list(getattr(model, "peft_config", {}).values()) if isinstance(model, torch.nn.Module) else []
     return _peft_refusal(configs)
 
 
@@ -170,7 +217,10 @@ class DdmaVLLMGeneration(VLLMGeneration):
     transfer: DdmaWeightTransfer | None = None  # server mode, on the main process, a llamarl_ddma server
     _peft_weights: dict[str, torch.Tensor] | None = None  # colocated, a PEFT model: its base weights, by vLLM name
     _peft_adapted: list[str] = []  # and those an adapter merges into
+    _layout: Layout | None = None  # a PEFT model: its base weights' (vLLM's names); else read at each registration
     _ddma = False  # server mode: the server runs llamarl_ddma (every rank knows)
+    _job_store: tuple[dist.Store, bytes] | None = None  # colocated, sharded: the sync's Store on rank 0, its secret
+    _rank_store: tuple[dist.Store, bytes] | None = None  # colocated, whole models: this rank's sync's, its secret
 
     def _init_vllm(self) -> None:
         if self.mode == "server":
@@ -214,6 +264,8 @@ class DdmaVLLMGeneration(VLLMGeneration):
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
+        # Before vLLM starts (a collective every rank takes part in): where the ranks run decides which sync.
+        self._hosts_apart = several_hosts(self.accelerator.num_processes, self.accelerator.device)
         self._check_colocated()
         # vLLM's external launcher reads the process's place in the job from the environment, as in TRL.
         os.environ["RANK"] = str(self.accelerator.process_index)
@@ -228,30 +280,87 @@ class DdmaVLLMGeneration(VLLMGeneration):
             trust_remote_code=self.trust_remote_code,
             weight_transfer_config=WeightTransferConfig(backend="llamarl_ddma"))
         self._llm_weights_sleeping = False
-        # The sync's own Store, served by this process, and its secret, handed to the engine in-process: each
-        # rank's sync is its own (its whole model into its own engine).
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        self._secret = new_secret()
         if is_peft_model(self.model):
             self._peft_adapted = [name for name, adapted, _ in _peft_parameters(self.model) if adapted]
             self._peft_weights = peft_base_weights(self.model)
             self._layout = Layout(1, [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in self._peft_weights.items()])
-        else:
-            self._layout = module_layout(self.model, 1)
         # Registered at the first sync, on the parameters as training holds them (the trainer's set-up after this
         # may rebind them), and again whenever training rebound them since (_sender).
         self.sender, self._registrations = None, 0
         self.version = 0
         self.accelerator.wait_for_everyone()
 
+    def _sharding(self) -> str | None:
+        """What shards the model's parameters over the processes now, as
+        sharding_of names it: accelerate's FSDP plugin or DeepSpeed ZeRO-3, else
+        DTENSORS where a parameter is a DTensor (sharded by the caller); OFFLOADED
+        where a shard is not on the engine's device type (FSDP2's CPU offload)."""
+        kind = self.accelerator.distributed_type
+        if kind == DistributedType.FSDP and not self.accelerator.is_fsdp2:
+            return "FSDP1"
+        if kind == DistributedType.DEEPSPEED and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            return "DeepSpeed ZeRO-3"
+        shards = [p.to_local() for p in self.model.parameters() if hasattr(p, "to_local")]
+        if any(shard.device.type != self.accelerator.device.type for shard in shards):
+            return OFFLOADED
+        if kind == DistributedType.FSDP:
+            return FSDP2
+        return DTENSORS if shards else None
+
+    def _sharded(self) -> bool:
+        """Whether the sync is one among all ranks (DTensor shards), not one per rank."""
+        return self.accelerator.num_processes > 1 and self._sharding() in (FSDP2, DTENSORS)
+
     def _check_colocated(self) -> None:
-        sharded = next((n for n, p in self.model.named_parameters() if hasattr(p, "full_tensor")), None)
+        """ValueError naming what the sync cannot serve (the same on every rank)."""
         reason = colocate_refusal(self.model, self.accelerator.num_processes, self.tensor_parallel_size,
-                                  self.enable_sleep_mode,
-                                  sharding=None if sharded is None else f"sharded parameters ({sharded!r} a DTensor)")
+                                  self.enable_sleep_mode, sharding=self._sharding(), hosts_apart=self._hosts_apart)
         if reason is not None:  # GRPOTrainer checks it first, from its arguments
             raise ValueError(f"llamarl's colocated vLLM sync cannot serve this run: {reason}")
+
+    def _own_store(self) -> tuple[dist.Store, bytes]:
+        """The Store of this rank's own sync (its whole model into its engine),
+        served by this process, and its secret, handed to the engine in-process."""
+        if self._rank_store is None:
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=TIMEOUT_S))
+            self._rank_store = (store, new_secret())
+        return self._rank_store
+
+    def _shared_store(self) -> tuple[dist.Store, bytes]:
+        """The Store of a sync among all ranks (served by rank 0 on 127.0.0.1: the
+        ranks share its host, several_hosts) and its secret, made at the first
+        call, every rank taking part: rank 0's port and secret broadcast over the
+        job's process group, then every rank's connection counted; a failure on
+        any rank raises on every rank."""
+        if self._job_store is None:
+            device = self.accelerator.device
+            port = torch.full((1,), -1, dtype=torch.int64, device=device)
+            secret = torch.zeros(SECRET_BYTES, dtype=torch.uint8, device=device)
+            store, error = None, None
+            if self.accelerator.is_main_process:
+                try:
+                    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                    port[0] = store.port
+                    secret.copy_(torch.frombuffer(bytearray(new_secret()), dtype=torch.uint8))
+                except Exception as exc:  # noqa: BLE001 - raised below, after every rank has heard
+                    error = exc
+            port, secret = broadcast(port, from_process=0), broadcast(secret, from_process=0)
+            if store is None and int(port[0]) >= 0:
+                try:
+                    store = dist.TCPStore("127.0.0.1", int(port[0]), is_master=False,
+                                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                except Exception as exc:  # noqa: BLE001 - raised below, after every rank has heard
+                    error = exc
+            failed = reduce(torch.tensor([float(store is None)], device=device), reduction="sum")
+            if error is not None:
+                raise error
+            if float(failed[0]) > 0:
+                raise SyncError("another rank failed to reach the colocated sync's Store on rank 0 (its error says "
+                                "why)")
+            self._job_store = (store, bytes(secret.cpu().tolist()))
+        return self._job_store
 
     def _moved_peft_weights(self) -> list[str]:
         """The PEFT model's base weights (vLLM's names) no longer in the storage registered."""
@@ -268,37 +377,56 @@ class DdmaVLLMGeneration(VLLMGeneration):
             return True
         return False
 
+    def _register_again(self) -> bool:
+        """Whether to register a sender (again): none yet, or training rebound a
+        parameter since; with DTensor shards decided by all ranks together (the
+        sync is one among them; a collective only once a sender is registered,
+        which is so on every rank or on none: a registration that fails on one
+        rank is closed on all, _sender)."""
+        again = self.sender is None or self._rebound()
+        if self.sender is None or not self._sharded():
+            return again
+        return float(reduce(torch.tensor([float(again)], device=self.accelerator.device), reduction="sum")[0]) > 0
+
     def _sender(self) -> WeightSender:
         """The sender on the parameters as training holds them now: registered at the
         first sync, and again (the engine's transfer engine shut down first, under a
         new sync name) when training rebound a parameter since (an evaluate() before
-        train(), a set-up after the engine was built). A registration failing on any
-        rank raises on every rank (none left waiting in the next collective)."""
-        if self.sender is not None and not self._rebound():
+        train(), a set-up after the engine was built, FSDP2's sharding). A
+        registration failing on any rank raises on every rank (none left waiting in
+        the next collective)."""
+        if not self._register_again():
             return self.sender
         self._check_colocated()  # parameters sharded since the engine was built (an FSDP set-up)
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None
-        self.llm.shutdown_weight_transfer_engine()  # idempotent: an earlier registration's receivers, if any
+        # The collectives first, in the same order on every rank; after them what may fail on one rank alone.
+        sharded = self._sharded()
+        store, secret = self._shared_store() if sharded else self._own_store()
+        rank, world = (self.accelerator.process_index, self.accelerator.num_processes) if sharded else (0, 1)
         self._registrations += 1
         name = f"{SYNC_NAME}-{self._registrations}"
-        info = ddma_init_info("127.0.0.1", self._store.port, self._layout, name=name, timeout_s=TIMEOUT_S,
-                              secret=self._secret)
 
         def make_sender():
             if self._peft_weights is None:
-                return module_sender(self._store, self.model, 0, 1, name=name, timeout=TIMEOUT_S, secret=self._secret)
+                return module_sender(store, self.model, rank, world, name=name, timeout=TIMEOUT_S, secret=secret)
             self._peft_weights = peft_base_weights(self.model)
-            return WeightSender(self._store, self._layout, 0, self._peft_weights, name=name, timeout=TIMEOUT_S,
-                                secret=self._secret)
+            return WeightSender(store, self._layout, 0, self._peft_weights, name=name, timeout=TIMEOUT_S,
+                                secret=secret)
 
-        error = None
+        error = sender = None
         try:
+            if self.sender is not None:
+                self.sender.close()
+                self.sender = None
+            self.llm.shutdown_weight_transfer_engine()  # idempotent: an earlier registration's receivers, if any
+            # every rank's shards into rank 0's engine (replica 0), relayed on to the others' (sharded), or this
+            # rank's whole model into its own engine
+            layout = self._layout if self._peft_weights is not None else module_layout(self.model, world)
+            info = ddma_init_info("127.0.0.1", store.port, layout, name=name, timeout_s=TIMEOUT_S, secret=secret,
+                                  replica=rank, num_replicas=world)
             sender = register_while(make_sender, lambda: self.llm.init_weight_transfer_engine({"init_info": info}),
                                     TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
-            error, sender = exc, None
+            error = exc
         failed = reduce(torch.tensor([float(error is not None)], device=self.accelerator.device), reduction="sum")
         if error is not None:
             raise error

@@ -14,7 +14,7 @@ import warnings
 import trl
 from accelerate import PartialState
 
-from .generation import DdmaVLLMGeneration, colocate_refusal, sharding_of
+from .generation import DTENSORS, FSDP2, DdmaVLLMGeneration, colocate_refusal, several_hosts, sharding_of
 from .head import add_fused_lm_head
 
 _SIGNATURE = inspect.signature(trl.GRPOTrainer.__init__)
@@ -29,11 +29,13 @@ class GRPOTrainer(trl.GRPOTrainer):
       The reference model keeps TRL's head: its log-probs are values, never
       differentiated;
     - with `use_vllm=True, vllm_mode="colocate"`, the colocated engine built
-      with the llamarl_ddma backend and synced by DDMA (generation.py); a set-up
-      DDMA does not serve (several processes with sharded parameters: FSDP,
-      ZeRO-3; engine tensor parallelism, sleep mode, a quantized model, a PEFT
-      method other than plain LoRA) keeps TRL's own engine and sync, with a
-      warning naming why; several DDP processes each sync their own engine;
+      with the llamarl_ddma backend and synced by DDMA (generation.py): several
+      DDP processes each sync their own engine, FSDP2 ranks send their shards
+      into every rank's engine; a set-up DDMA does not serve (FSDP1 or ZeRO-3 on
+      several processes, FSDP2 over several hosts or with CPU offload, a PEFT
+      model with FSDP2, engine tensor parallelism, sleep mode, a quantized model,
+      a PEFT method other than plain LoRA) keeps TRL's own engine and sync, with
+      a warning naming why;
     - with `use_vllm=True, vllm_mode="server"`, a server running the
       llamarl_ddma backend synced by DDMA (server.py), another server by TRL.
     """
@@ -43,10 +45,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         config = bound.arguments.get("args")
         ours = config is not None and config.use_vllm and config.vllm_mode in ("colocate", "server")
         if ours and config.vllm_mode == "colocate":
-            reason = colocate_refusal(bound.arguments["model"], PartialState().num_processes,
+            state, sharding = PartialState(), sharding_of(config)
+            # where the ranks run matters to shards only (a collective: every rank constructs the trainer)
+            apart = sharding in (FSDP2, DTENSORS) and several_hosts(state.num_processes, state.device)
+            reason = colocate_refusal(bound.arguments["model"], state.num_processes,
                                       config.vllm_tensor_parallel_size, config.vllm_enable_sleep_mode,
                                       bound.arguments.get("quantization_config"), bound.arguments.get("peft_config"),
-                                      sharding=sharding_of(config))
+                                      sharding=sharding, hosts_apart=apart)
             if reason is not None:
                 warnings.warn(f"llamarl: the colocated vLLM engine is TRL's own, synced by TRL: DDMA does not serve "
                               f"{reason}", stacklevel=2)

@@ -44,7 +44,9 @@ drops it too). What each vLLM worker does is in `engine.py`.
   in a request body is as safe as the route (VLLM_SERVER_DEV_MODE) and its port;
 - transport: "auto", "shm", "cuda_ipc" or "p2p", the same on both sides (trainer
   and engine tensors on one device type: a CPU trainer and a GPU engine do not
-  pair).
+  pair);
+- replica, num_replicas: this engine's place among engines fed the same versions
+  (0 and 1 for one engine).
 `update_info`: {"version": int or None (the version the trainer sends; checked),
 "timeout_s": float or None}.
 """
@@ -54,24 +56,33 @@ from __future__ import annotations
 from ...control.auth import required_secret
 from ...sync.protocol import DEFAULT_TIMEOUT_S
 from ...sync.layout import Layout
+from ...sync.plan import check_replicas
 
 BACKEND = "llamarl_ddma"
 
 
 def ddma_init_info(store_host: str, store_port: int, trainer_layout: Layout, *, name: str = "weights",
-                   timeout_s: float = DEFAULT_TIMEOUT_S, transport: str = "auto", secret: bytes | None = None) -> dict:
+                   timeout_s: float = DEFAULT_TIMEOUT_S, transport: str = "auto", secret: bytes | None = None,
+                   replica: int = 0, num_replicas: int = 1) -> dict:
     """The `init_info` of `llm.init_weight_transfer_engine({"init_info": ...})` for
     trainer ranks whose WeightSenders use this Store, layout, name, transport and
     secret (`module_sender(...).layout` is the layout; secret None: the workers read
-    theirs from the environment, see above)."""
+    theirs from the environment, see above). Several engines fed the same versions
+    (generator replicas: each needs the whole model) are `replica` 0 ..
+    `num_replicas - 1` of one sync: the trainer ranks send to replica 0, which
+    relays each version on down a tree (WeightReceiver's replica / num_replicas)."""
     if not isinstance(trainer_layout, Layout):
         raise TypeError(f"trainer_layout must be a llamarl_core.sync.Layout, got {type(trainer_layout).__name__}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    check_replicas(num_replicas)
+    if not 0 <= replica < num_replicas:
+        raise ValueError(f"replica must be in [0, num_replicas={num_replicas}), got {replica}")
     if secret is not None:
         secret = required_secret(secret, "ddma_init_info").hex()
     return {"store_host": store_host, "store_port": int(store_port), "trainer_layout": trainer_layout.to_dict(),
-            "name": name, "timeout_s": float(timeout_s), "transport": transport, "secret": secret}
+            "name": name, "timeout_s": float(timeout_s), "transport": transport, "secret": secret,
+            "replica": int(replica), "num_replicas": int(num_replicas)}
 
 
 def register() -> None:

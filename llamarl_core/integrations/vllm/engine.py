@@ -60,6 +60,8 @@ class DdmaInitInfo(WeightTransferInitInfo):
     name: str = "weights"
     timeout_s: float = 120.0
     transport: str = "auto"
+    replica: int = 0
+    num_replicas: int = 1
     # Hex; None: this worker's environment (LLAMARL_SECRET / LLAMARL_SECRET_FILE). Not in the repr (logs).
     secret: str | None = dataclasses.field(default=None, repr=False)
 
@@ -214,7 +216,8 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
                                  "keeps w13 / w2 in after loading is not yet verified on a GPU; MoE runs on CPU engines")
             tensors = {name: live[name][0] for name in layout.local_tensor_specs(rank)}
         self.receiver = WeightReceiver(store, layout, rank, tensors, name=init_info.name,
-                                       transport=init_info.transport, timeout=init_info.timeout_s, secret=secret)
+                                       transport=init_info.transport, timeout=init_info.timeout_s, secret=secret,
+                                       replica=init_info.replica, num_replicas=init_info.num_replicas)
 
     def start_weight_update(self) -> None:
         if self.receiver is None:
