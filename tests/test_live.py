@@ -19,7 +19,7 @@ from helpers import run_processes
 from live_workers import sharded, tiny_config, tiny_model
 from llamarl_core.sync import (Layout, ParamSpec, SyncError, SyncTimeoutError, WeightReceiver, module_layout,
                                module_sender, plan_transfer)
-from llamarl_core.sync.live import checkpoint_views, fsdp_layout
+from llamarl_core.sync.live import checkpoint_views, checkpointed, fsdp_layout
 
 KINDS = ("qwen3", "qwen3_moe", "mixtral")
 
@@ -77,6 +77,12 @@ def test_activation_checkpointing_wrappers_are_not_in_checkpoint_names():
     assert {n.replace("_checkpoint_wrapped_module.", ""): v for n, v in wrapped.items()} == plain
     assert module_layout(model, 1).logical_shapes() == {ckpt: shape for held in plain.values()
                                                         for ckpt, shape, _ in held}
+    # a persistent buffer (a router's trained bias) inside a wrapped layer is still a checkpoint tensor
+    layer = torch.nn.Linear(2, 2)
+    layer.register_buffer("bias_kept", torch.zeros(2))
+    layer.register_buffer("scratch", torch.zeros(2), persistent=False)
+    holder = torch.nn.Sequential(checkpoint_wrapper(layer))
+    assert set(checkpointed(holder)) == {f"0._checkpoint_wrapped_module.{n}" for n in ("weight", "bias", "bias_kept")}
 
 
 def test_exact_cover_check_agrees_with_counting_every_element():

@@ -56,9 +56,11 @@ CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # the module name torch's ch
 
 def checkpointed(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors of `model` a checkpoint holds, by name: its parameters (a tied
-    one once, under its first name) and its persistent buffers."""
+    one once, under its first name) and its persistent buffers (an activation
+    checkpointing wrapper's state dict leaves its name out)."""
     kept = model.state_dict(keep_vars=True)
-    return dict(model.named_parameters()) | {name: b for name, b in model.named_buffers() if name in kept}
+    return dict(model.named_parameters()) | {name: b for name, b in model.named_buffers()
+                                             if name.replace(CHECKPOINT_WRAPPER, "") in kept}
 
 
 def checkpoint_views(model: torch.nn.Module, buffers: bool = False) -> dict[str, list[tuple[str, tuple[int, ...], Box]]]:

@@ -379,12 +379,12 @@ class DdmaVLLMGeneration(VLLMGeneration):
 
     def _register_again(self) -> bool:
         """Whether to register a sender (again): none yet, or training rebound a
-        parameter since; with DTensor shards decided by all ranks together (the
-        sync is one among them; a collective only once a sender is registered,
-        which is so on every rank or on none: a registration that fails on one
-        rank is closed on all, _sender)."""
+        parameter since; on several processes decided by all ranks together
+        (their registrations go in step: a sharded sync is one among them, and
+        each registration ends in a collective), a collective only once a sender
+        is registered, which is so on every rank or on none (_sender)."""
         again = self.sender is None or self._rebound()
-        if self.sender is None or not self._sharded():
+        if self.sender is None or self.accelerator.num_processes == 1:
             return again
         return float(reduce(torch.tensor([float(again)], device=self.accelerator.device), reduction="sum")[0]) > 0
 
@@ -414,9 +414,9 @@ class DdmaVLLMGeneration(VLLMGeneration):
 
         error = sender = None
         try:
-            if self.sender is not None:
-                self.sender.close()
-                self.sender = None
+            old, self.sender = self.sender, None  # None on every rank from here, whatever close() does
+            if old is not None:
+                old.close()
             self.llm.shutdown_weight_transfer_engine()  # idempotent: an earlier registration's receivers, if any
             # every rank's shards into rank 0's engine (replica 0), relayed on to the others' (sharded), or this
             # rank's whole model into its own engine

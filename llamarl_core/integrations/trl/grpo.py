@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import warnings
 
+import torch
 import trl
 from accelerate import PartialState
 
@@ -45,10 +46,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         config = bound.arguments.get("args")
         ours = config is not None and config.use_vllm and config.vllm_mode in ("colocate", "server")
         if ours and config.vllm_mode == "colocate":
-            state, sharding = PartialState(), sharding_of(config)
+            state, sharding, model = PartialState(), sharding_of(config), bound.arguments["model"]
+            if sharding is None and isinstance(model, torch.nn.Module) and any(
+                    hasattr(p, "to_local") for p in model.parameters()):
+                sharding = DTENSORS  # sharded by the caller
             # where the ranks run matters to shards only (a collective: every rank constructs the trainer)
             apart = sharding in (FSDP2, DTENSORS) and several_hosts(state.num_processes, state.device)
-            reason = colocate_refusal(bound.arguments["model"], state.num_processes,
+            reason = colocate_refusal(model, state.num_processes,
                                       config.vllm_tensor_parallel_size, config.vllm_enable_sleep_mode,
                                       bound.arguments.get("quantization_config"), bound.arguments.get("peft_config"),
                                       sharding=sharding, hosts_apart=apart)
