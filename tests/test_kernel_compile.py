@@ -106,17 +106,20 @@ def test_check_gpu_without_a_gpu_says_so_and_runs_the_compile_check(tmp_path):
 
 def test_ptxas_answers_are_remembered_per_ptx(tmp_path, monkeypatch):
     """compile_all() runs ptxas -v once per (ptxas, arch, PTX): a second check reads
-    the remembered answer (here planted, to prove it is read), and an entry that
-    does not parse is asked again."""
+    the remembered answer (here planted, to prove it is read), also for the same
+    kernel at another path (its `.file` lines), and an entry that does not parse
+    is asked again."""
     from llamarl_core.ops import kernel_check
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    ptx = ".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry empty_kernel()\n{\n\tret;\n}\n"
+    ptx = ('.version 8.0\n.target sm_90a\n.address_size 64\n\t.file\t1 "/here/kernels/k.py"\n'
+           '.visible .entry empty_kernel()\n{\n\tret;\n}\n')
     usage = kernel_check._ptxas_usage(ptx, 90)
     assert len(usage) == 3 and all(isinstance(x, int) for x in usage)
     (entry,) = Path(kernel_check._usage_cache()).glob("*.json")
     entry.write_text("[7, 8, 9]")
     assert kernel_check._ptxas_usage(ptx, 90) == (7, 8, 9)
+    assert kernel_check._ptxas_usage(ptx.replace("/here/", "/elsewhere/"), 90) == (7, 8, 9)
     assert kernel_check._ptxas_usage(ptx.replace("empty_kernel", "other_kernel"), 90) == usage
     entry.write_text("not json")
     assert kernel_check._ptxas_usage(ptx, 90) == usage

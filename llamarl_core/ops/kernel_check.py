@@ -116,7 +116,9 @@ def _usage_cache() -> str:
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
     """(registers, spill bytes, stack bytes) of a kernel's PTX, from `ptxas -v`
     with the ptxas Triton itself uses for `arch`; remembered per (ptxas, its
-    version, arch, PTX) in _usage_cache(), one file an entry, written whole."""
+    version, arch, PTX) in _usage_cache(), one file an entry, written whole. The
+    PTX's `.file` lines (the paths of the kernel's source files, debug info ptxas
+    does not compile) are not in the key: a checkout elsewhere finds the answers."""
     from triton.backends.nvidia import compiler
 
     try:  # Triton 3.9 picks a ptxas per arch; earlier 3.x releases have one, get_ptxas()
@@ -125,7 +127,8 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
         ptxas = compiler.get_ptxas()
     version = getattr(ptxas, "version", "")
     ptxas = getattr(ptxas, "path", ptxas)
-    key = hashlib.sha256(f"{ptxas}\0{version}\0{arch}\0{ptx}".encode()).hexdigest()
+    code = "\n".join(line for line in ptx.splitlines() if not line.lstrip().startswith(".file"))
+    key = hashlib.sha256(f"{ptxas}\0{version}\0{arch}\0{code}".encode()).hexdigest()
     entry = os.path.join(_usage_cache(), f"{key}.json")
     try:
         with open(entry) as f:
