@@ -1,6 +1,7 @@
 """The Store side of a weight sync: a namespaced channel with JSON values and waits
 that always time out, the keys senders and receivers exchange, and the small
-decisions taken on them (a sender's reports and offers, a receiver's view of them).
+decisions taken on them (a sender's reports and offers, a receiver's view of them,
+what a receive's answers did to its weights: decide_receive).
 
 Keys, under `llamarl/sync/<name>/`. Values are JSON (nothing read is unpickled or
 run) with an HMAC tag under the sync's secret bound to the key (auth.py's
@@ -69,6 +70,7 @@ deadline), never takes its absence for an answer.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import time
@@ -337,6 +339,56 @@ def abandon_receivers(store: dist.Store, name: str, reason: str, *, secret: byte
         for ticket in (last, last + 1):
             if ticket and not channel.has(f"{DST}/{rank}/open/{ticket}"):
                 channel.set(f"{DST}/{rank}/open/{ticket}", ABANDONED)
+
+
+LANDED, FAILED, STALE, MIXED = "landed", "failed", "stale", "mixed"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceiveOutcome:
+    """What one receive did to the receiver's weights (decide_receive). kind:
+    LANDED (every sender wrote one version: `version`, None when no sender
+    answered, the held version kept), FAILED (a sender failed: `answer`),
+    STALE (a sender will not send the version asked for: `answer`, its
+    "abandoned" and "holds"), MIXED (the senders wrote different versions:
+    `versions`); wrote: whether a sender wrote, or may have, into the weights;
+    torn: whether the weights are torn after this receive."""
+
+    kind: str
+    wrote: bool
+    torn: bool
+    version: int | None = None
+    versions: frozenset = frozenset()
+    answer: dict | None = None
+
+
+def decide_receive(answers: list, senders: list[int], p2p_versions: Iterable[int], was_torn: bool) -> ReceiveOutcome:
+    """The outcome of a receive from its senders' answers. answers: the answer of
+    each sender on this host to the receive's ticket (in the order of `senders`):
+    the version it wrote, {"abandoned", "holds", "wrote"} (the version asked for
+    will not come), or {"failed", "error", "wrote"} (a sender failed, the one
+    named: a failure answers for every slot it finds open, so only the failed
+    sender's own "wrote" speaks for its slot); p2p_versions: the versions the
+    senders on other hosts wrote (each wrote); was_torn: the weights torn before
+    this receive. A failure comes first, then a stale answer, then versions that
+    differ. Weights no sender wrote into are as they were (torn or not); any
+    other failed receive leaves them torn."""
+    versions = frozenset(p2p_versions)
+    reports = [answer for answer in answers if isinstance(answer, dict)]
+    failed = [answer for answer in reports if "failed" in answer]
+    if failed:
+        untouched = not versions and all(
+            isinstance(answer, dict) and answer.get("wrote") is False
+            and ("abandoned" in answer or answer.get("failed") == src)
+            for src, answer in zip(senders, answers))
+        return ReceiveOutcome(FAILED, not untouched, was_torn or not untouched, answer=failed[0])
+    if reports:
+        untouched = len(reports) == len(answers) and not versions and not any(a.get("wrote") for a in reports)
+        return ReceiveOutcome(STALE, not untouched, was_torn or not untouched, answer=reports[0])
+    versions |= frozenset(answers)
+    if len(versions) > 1:
+        return ReceiveOutcome(MIXED, True, True, versions=versions)
+    return ReceiveOutcome(LANDED, bool(versions), False, version=next(iter(versions), None), versions=versions)
 
 
 def relay_name(name: str, replica: int) -> str:

@@ -19,8 +19,8 @@ from .errors import RelayError, StaleReceiveError, SyncError, SyncTimeoutError, 
 from .board import TicketBoard
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES, check_replicas, relay_tree
-from .protocol import (CLOSED, DEFAULT_TIMEOUT_S, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderWatch, done_key,
-                       relay_name, ticket_closed)
+from .protocol import (CLOSED, DEFAULT_TIMEOUT_S, DST, FAILED, FAILURE_POLL_S, LANDED, MIXED, REREGISTERED, Channel,
+                       ReceiveOutcome, SenderWatch, decide_receive, done_key, relay_name, ticket_closed)
 from .relay import Forwarding
 from .sender import WeightSender
 from .stream import NOTHING_FOLLOWS
@@ -360,7 +360,7 @@ class WeightReceiver(Endpoint):
         self._raise_if_senders_failed()  # before anything is asked for: the weights stay as they are
         if not self._local_senders:
             # The unpack copies run on a stream that waits for the current one: the GPU orders them.
-            return self._complete(self._receive_p2p(deadline, forwarding))
+            return self._adopt(decide_receive([], [], self._receive_p2p(deadline, forwarding), self.torn), self.torn)
         # Senders on this host write from other processes and streams, ordered by
         # nothing but the ticket: open it only once the generator's queued kernels
         # have stopped reading.
@@ -386,28 +386,7 @@ class WeightReceiver(Endpoint):
                 answers = self._answers_in_store(done, ticket, deadline)
         finally:
             self._close_ticket(ticket)
-        failed = [answer for answer in answers if isinstance(answer, dict) and "failed" in answer]
-        if failed:
-            # Untouched only if every sender of this host says it did not write: its own
-            # failure before writing, or a version it will not send (an answer another
-            # rank's failure left in a slot says nothing of that slot's sender).
-            untouched = not versions and all(
-                isinstance(answer, dict) and answer.get("wrote") is False
-                and ("abandoned" in answer or answer.get("failed") == src)
-                for src, answer in zip(self._local_senders, answers))
-            if untouched:
-                self.torn = was_torn
-            raise SyncError(f"receiver rank {self.rank}: sender rank {failed[0]['failed']} failed: "
-                            f"{failed[0]['error']}; " + _outcome(not untouched, was_torn))
-        stale = [answer for answer in answers if isinstance(answer, dict)]
-        if stale:
-            message = (f"receiver rank {self.rank}: version {stale[0]['abandoned']} will not come (its sender holds "
-                       f"version {stale[0]['holds']})")
-            if len(stale) == len(answers) and not versions and not any(a.get("wrote") for a in stale):
-                self.torn = False  # no sender wrote
-                raise StaleReceiveError(message)
-            raise SyncError(f"{message}; weights torn")
-        return self._complete(versions | set(answers))
+        return self._adopt(decide_receive(answers, self._local_senders, versions, was_torn), was_torn)
 
     def _served_on_board(self, ticket: int, done: list[str], rings: int, deadline: float) -> list[int] | None:
         """The versions the senders of this host wrote for `ticket`, as the board shows
@@ -529,13 +508,24 @@ class WeightReceiver(Endpoint):
                             + "; " + _outcome(wrote, was_torn))
         return versions
 
-    def _complete(self, versions: set[int]) -> int:
-        """Every segment has landed: adopt the senders' common version."""
-        if len(versions) > 1:
-            raise SyncError(f"receiver rank {self.rank}: senders sent different versions {sorted(versions)}; weights torn")
-        self.version = versions.pop() if versions else self.version
-        self.torn = False
-        return self.version
+    def _adopt(self, outcome: ReceiveOutcome, was_torn: bool) -> int:
+        """The receive's outcome taken on: the version that landed, or its error raised."""
+        self.torn = outcome.torn
+        if outcome.kind == LANDED:
+            self.version = self.version if outcome.version is None else outcome.version
+            return self.version
+        if outcome.kind == MIXED:
+            raise SyncError(f"receiver rank {self.rank}: senders sent different versions {sorted(outcome.versions)}; "
+                            "weights torn")
+        answer = outcome.answer
+        if outcome.kind == FAILED:
+            raise SyncError(f"receiver rank {self.rank}: sender rank {answer['failed']} failed: {answer['error']}; "
+                            + _outcome(outcome.wrote, was_torn))
+        message = (f"receiver rank {self.rank}: version {answer['abandoned']} will not come (its sender holds version "
+                   f"{answer['holds']})")
+        if outcome.wrote:
+            raise SyncError(f"{message}; weights torn")
+        raise StaleReceiveError(message + ("; the weights are still torn from an earlier receive" if was_torn else ""))
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The registered tensors, for sampling; raises TornWeightsError while torn."""
