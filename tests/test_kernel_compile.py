@@ -112,14 +112,16 @@ def test_ptxas_answers_are_remembered_per_ptx(tmp_path, monkeypatch):
     from llamarl_core.ops import kernel_check
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    ptx = ('.version 8.0\n.target sm_90a\n.address_size 64\n\t.file\t1 "/here/kernels/k.py"\n'
-           '.visible .entry empty_kernel()\n{\n\tret;\n}\n')
+    # as Triton writes it: the code, then the debug info naming the source files and the compile directory
+    ptx = ('.version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry empty_kernel()\n{\n\tret;\n}\n'
+           '\t.file\t1 "/here/kernels/k.py"\n\t.section\t.debug_str\n\t{\n.b8 47,104,101,114,101,0\n\t}\n')
     usage = kernel_check._ptxas_usage(ptx, 90)
     assert len(usage) == 3 and all(isinstance(x, int) for x in usage)
     (entry,) = Path(kernel_check._usage_cache()).glob("*.json")
     entry.write_text("[7, 8, 9]")
     assert kernel_check._ptxas_usage(ptx, 90) == (7, 8, 9)
-    assert kernel_check._ptxas_usage(ptx.replace("/here/", "/elsewhere/"), 90) == (7, 8, 9)
+    elsewhere = ptx.replace("/here/", "/elsewhere/").replace("47,104,101,114,101", "47,116,104,101,114,101")
+    assert kernel_check._ptxas_usage(elsewhere, 90) == (7, 8, 9)
     assert kernel_check._ptxas_usage(ptx.replace("empty_kernel", "other_kernel"), 90) == usage
     entry.write_text("not json")
     assert kernel_check._ptxas_usage(ptx, 90) == usage

@@ -115,10 +115,12 @@ def _usage_cache() -> str:
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
     """(registers, spill bytes, stack bytes) of a kernel's PTX, from `ptxas -v`
-    with the ptxas Triton itself uses for `arch`; remembered per (ptxas, its
+    with the ptxas Triton itself uses for `arch`; remembered per (ptxas name and
     version, arch, PTX) in _usage_cache(), one file an entry, written whole. The
-    PTX's `.file` lines (the paths of the kernel's source files, debug info ptxas
-    does not compile) are not in the key: a checkout elsewhere finds the answers."""
+    key holds the PTX up to its first `.file` line (what follows is debug info:
+    the source files' paths, the compile directory), which the figures do not
+    depend on, and the ptxas by name and version, not path: a checkout elsewhere,
+    or another environment with the same Triton, finds the answers."""
     from triton.backends.nvidia import compiler
 
     try:  # Triton 3.9 picks a ptxas per arch; earlier 3.x releases have one, get_ptxas()
@@ -127,8 +129,11 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
         ptxas = compiler.get_ptxas()
     version = getattr(ptxas, "version", "")
     ptxas = getattr(ptxas, "path", ptxas)
-    code = "\n".join(line for line in ptx.splitlines() if not line.lstrip().startswith(".file"))
-    key = hashlib.sha256(f"{ptxas}\0{version}\0{arch}\0{code}".encode()).hexdigest()
+    lines = ptx.splitlines()
+    code = "\n".join(lines[:next((i for i, line in enumerate(lines) if line.lstrip().startswith(".file")), len(lines))])
+    # the ptxas by its name and version where Triton gives one (the same ptxas in another environment), else its path
+    ident = f"{os.path.basename(ptxas)} {version}" if version else ptxas
+    key = hashlib.sha256(f"{ident}\0{arch}\0{code}".encode()).hexdigest()
     entry = os.path.join(_usage_cache(), f"{key}.json")
     try:
         with open(entry) as f:

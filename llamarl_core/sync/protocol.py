@@ -368,7 +368,8 @@ def decide_receive(answers: list, senders: list[int], p2p_versions: Iterable[int
     the version it wrote, {"abandoned", "holds", "wrote"} (the version asked for
     will not come), or {"failed", "error", "wrote"} (a sender failed, the one
     named: a failure answers for every slot it finds open, so only the failed
-    sender's own "wrote" speaks for its slot); p2p_versions: the versions the
+    sender's own "wrote" speaks for its slot; an answer without "wrote" may have
+    written); p2p_versions: the versions the
     senders on other hosts wrote (each wrote); was_torn: the weights torn before
     this receive. A failure comes first, then a stale answer, then versions that
     differ. Weights no sender wrote into are as they were (torn or not); any
@@ -383,7 +384,7 @@ def decide_receive(answers: list, senders: list[int], p2p_versions: Iterable[int
             for src, answer in zip(senders, answers))
         return ReceiveOutcome(FAILED, not untouched, was_torn or not untouched, answer=failed[0])
     if reports:
-        untouched = len(reports) == len(answers) and not versions and not any(a.get("wrote") for a in reports)
+        untouched = len(reports) == len(answers) and not versions and all(a.get("wrote") is False for a in reports)
         return ReceiveOutcome(STALE, not untouched, was_torn or not untouched, answer=reports[0])
     versions |= frozenset(answers)
     if len(versions) > 1:

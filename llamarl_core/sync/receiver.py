@@ -360,7 +360,9 @@ class WeightReceiver(Endpoint):
         self._raise_if_senders_failed()  # before anything is asked for: the weights stay as they are
         if not self._local_senders:
             # The unpack copies run on a stream that waits for the current one: the GPU orders them.
-            return self._adopt(decide_receive([], [], self._receive_p2p(deadline, forwarding), self.torn), self.torn)
+            was_torn = self.torn
+            versions = self._receive_p2p(deadline, forwarding)
+            return self._adopt(decide_receive([], [], versions, was_torn), was_torn)
         # Senders on this host write from other processes and streams, ordered by
         # nothing but the ticket: open it only once the generator's queued kernels
         # have stopped reading.
