@@ -1,11 +1,12 @@
 """The weight sync's decisions as plain functions (sync/protocol.py), on thousands
-of random cases: what a receive's answers did to the receiver's weights."""
+of random cases: what a receive's answers did to the receiver's weights, and
+which ticket a sender looks at next while a receiver's receives come and go."""
 
 from __future__ import annotations
 
 import random
 
-from llamarl_core.sync.protocol import FAILED, LANDED, MIXED, STALE, decide_receive
+from llamarl_core.sync.protocol import FAILED, LANDED, MIXED, STALE, decide_receive, next_ticket
 
 
 def random_answers(rng: random.Random, senders: list[int]) -> list:
@@ -78,3 +79,38 @@ def test_a_stale_receive_that_wrote_nothing_keeps_torn_weights_torn():
     assert decide_receive([answer], [0], [], was_torn=True).torn
     assert not decide_receive([answer], [0], [], was_torn=False).torn
     assert decide_receive([answer, 3], [0, 1], [], was_torn=False).torn  # the other sender wrote version 3
+
+
+def test_a_sender_chasing_tickets_serves_every_receive_it_can_and_nothing_closed():
+    """2,000 random runs of one receiver and one sender. The receiver takes ticket
+    after ticket; each receive opens its ticket and waits to be served, or times
+    out (closed unserved), or the receiver dies after taking the ticket and
+    before opening it (a restarted one counts on). The sender looks at one
+    candidate at a time: an open one it serves; a closed one, or one that has
+    not opened within its poll, sends it to the counter (next_ticket). Whatever
+    the interleaving, it serves only open tickets, each newer than the last, and
+    serves a receive that stays open within two looks of its opening."""
+    rng = random.Random(1)
+    served_any = skipped_any = 0
+    for _ in range(2_000):
+        counter, state = 0, {}  # ticket -> "taken" (never opened), "open", "closed" (unserved), "served"
+        served, candidate, opened_at = 0, 1, None
+        for look in range(rng.randint(5, 60)):
+            if state.get(counter) != "open" and rng.random() < 0.4:
+                counter += 1  # the receiver's next receive takes its ticket
+                state[counter] = "taken" if rng.random() < 0.15 else "open"
+                opened_at = look if state[counter] == "open" else None
+            elif state.get(counter) == "open" and rng.random() < 0.1:
+                state[counter], opened_at = "closed", None  # timed out, unserved
+                skipped_any += 1
+            if state.get(candidate) == "open":  # the sender's look at its candidate
+                assert candidate > served
+                served, state[candidate], opened_at = candidate, "served", None
+                served_any += 1
+                continue
+            candidate = next_ticket(served, counter, state.get(counter) != "open")
+            assert candidate > served
+            if opened_at is not None:
+                assert look - opened_at < 2, (state, counter, candidate)
+        assert all(v != "served" for t, v in state.items() if t > served), state
+    assert served_any > 10_000 and skipped_any > 300  # both kinds of run met, often

@@ -341,6 +341,20 @@ def abandon_receivers(store: dist.Store, name: str, reason: str, *, secret: byte
                 channel.set(f"{DST}/{rank}/open/{ticket}", ABANDONED)
 
 
+def next_ticket(served: int, current: int, current_closed: bool) -> int:
+    """The ticket a sender looks at next on a receiver once the one it looked at
+    was closed unserved (a receive that timed out) or did not open in time (a
+    receiver killed after taking it, or a slow one). served: the last ticket it
+    served there; current: the receiver's counter, the last ticket it took;
+    current_closed: whether that one is closed (True where it is not newer than
+    the served one). The current ticket if it is newer than the one served and
+    still open (a receive under way), else the one after it, or after the served
+    one, whichever is later: the receiver's next receive."""
+    if current > served and not current_closed:
+        return current
+    return max(current, served) + 1
+
+
 LANDED, FAILED, STALE, MIXED = "landed", "failed", "stale", "mixed"
 
 

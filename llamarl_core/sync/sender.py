@@ -24,7 +24,7 @@ from .board import MOVED, NOT_YET, TicketBoard
 from .fp8 import Fp8Sources
 from .plan import DEFAULT_BUCKET_BYTES, source_address
 from .protocol import (ABANDONED, CLOSED, DEFAULT_TIMEOUT_S, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderReports,
-                       done_key, ticket_closed)
+                       done_key, next_ticket, ticket_closed)
 from .stream import NOTHING_FOLLOWS, P2PStream
 from .transports import P2P, SHM, OpenedCudaHandles, OpenedSharedStorages
 
@@ -317,10 +317,11 @@ class WeightSender(Endpoint):
                 return candidate, wanted
             current = self.channel.counter(f"{DST}/{dst}/ticket")
             # Closed on the board comes before closed in the Store (and the board is all a
-            # receiver killed between the two leaves): either means closed.
-            is_open = current > last and not (board is not None and board.closed() >= current) and not ticket_closed(
+            # receiver killed between the two leaves): either means closed. Read only for a
+            # ticket newer than the one served.
+            closed = current <= last or (board is not None and board.closed() >= current) or ticket_closed(
                 self.channel, dst, current)
-            candidate = current if is_open else max(current, last) + 1
+            candidate = next_ticket(last, current, closed)
 
     def _board_ticket(self, board: TicketBoard, dst: int, candidate: int, deadline: float):
         """_await_ticket's look at ticket `candidate` of a receiver with a board:
