@@ -58,7 +58,7 @@ def test_init_info_names_a_replica_outside_its_sync():
     layout = Layout(1, [ParamSpec("w", (4, 2), torch.float32)])
     info = ddma_init_info("127.0.0.1", 1234, layout, replica=2, num_replicas=3)
     assert (info["replica"], info["num_replicas"]) == (2, 3) and Layout.from_dict(info["trainer_layout"]) == layout
-    with pytest.raises(ValueError, match=r"replica must be in \[0, num_replicas=3\), got 3"):
+    with pytest.raises(ValueError, match=r"replica must be in \[0, 3\), got 3"):
         ddma_init_info("127.0.0.1", 1234, layout, replica=3, num_replicas=3)
     with pytest.raises(ValueError, match="num_replicas must be >= 1, got 0"):
         ddma_init_info("127.0.0.1", 1234, layout, num_replicas=0)

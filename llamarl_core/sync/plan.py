@@ -166,6 +166,13 @@ def check_replicas(num_replicas: int) -> None:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
 
 
+def check_replica(replica: int, num_replicas: int) -> None:
+    """ValueError naming `replica` or `num_replicas` when the one is not a replica of the other."""
+    check_replicas(num_replicas)
+    if not 0 <= replica < num_replicas:
+        raise ValueError(f"replica must be in [0, {num_replicas}), got {replica}")
+
+
 class TransferPlan:
     """Copy segments from a source layout to a destination layout, grouped per
     (source rank, destination rank) pair and bucketed. With `num_replicas` > 1

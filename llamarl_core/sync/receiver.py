@@ -18,7 +18,7 @@ from .engine import (check_distinct_memory, prepared_table, run_segment_table, s
 from .errors import RelayError, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
 from .board import TicketBoard
 from .layout import Layout
-from .plan import DEFAULT_BUCKET_BYTES, check_replicas, relay_tree
+from .plan import DEFAULT_BUCKET_BYTES, check_replica, relay_tree
 from .protocol import (CLOSED, DEFAULT_TIMEOUT_S, DST, FAILED, FAILURE_POLL_S, LANDED, MIXED, REREGISTERED, Channel,
                        ReceiveOutcome, SenderWatch, decide_receive, done_key, relay_name, ticket_closed)
 from .relay import Forwarding
@@ -119,9 +119,7 @@ class WeightReceiver(Endpoint):
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_threads: int | None = None,
                  p2p_bucket_bytes: int | None = None, replica: int = 0,
                  num_replicas: int = 1, relay_names: Mapping[int, str] | None = None, secret: bytes | None = None):
-        check_replicas(num_replicas)
-        if not 0 <= replica < num_replicas:
-            raise ValueError(f"replica must be in [0, {num_replicas}), got {replica}")
+        check_replica(replica, num_replicas)
         if num_replicas > 1:
             p2p_bucket_bytes = min(p2p_bucket_bytes or RELAY_BUCKET_BYTES, RELAY_BUCKET_BYTES)
         children = relay_tree(num_replicas)[replica]

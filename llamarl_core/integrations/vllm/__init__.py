@@ -56,7 +56,7 @@ from __future__ import annotations
 from ...control.auth import required_secret
 from ...sync.protocol import DEFAULT_TIMEOUT_S
 from ...sync.layout import Layout
-from ...sync.plan import check_replicas
+from ...sync.plan import check_replica
 
 BACKEND = "llamarl_ddma"
 
@@ -75,9 +75,7 @@ def ddma_init_info(store_host: str, store_port: int, trainer_layout: Layout, *, 
         raise TypeError(f"trainer_layout must be a llamarl_core.sync.Layout, got {type(trainer_layout).__name__}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    check_replicas(num_replicas)
-    if not 0 <= replica < num_replicas:
-        raise ValueError(f"replica must be in [0, num_replicas={num_replicas}), got {replica}")
+    check_replica(replica, num_replicas)
     if secret is not None:
         secret = required_secret(secret, "ddma_init_info").hex()
     return {"store_host": store_host, "store_port": int(store_port), "trainer_layout": trainer_layout.to_dict(),
