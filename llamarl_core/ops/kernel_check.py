@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -129,8 +130,7 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
         ptxas = compiler.get_ptxas()
     version = getattr(ptxas, "version", "")
     ptxas = getattr(ptxas, "path", ptxas)
-    lines = ptx.splitlines()
-    code = "\n".join(lines[:next((i for i, line in enumerate(lines) if line.lstrip().startswith(".file")), len(lines))])
+    code = "\n".join(itertools.takewhile(lambda line: not line.lstrip().startswith(".file"), ptx.splitlines()))
     # the ptxas by its name and version where Triton gives one (the same ptxas in another environment), else its path
     ident = f"{os.path.basename(ptxas)} {version}" if version else ptxas
     key = hashlib.sha256(f"{ident}\0{arch}\0{code}".encode()).hexdigest()

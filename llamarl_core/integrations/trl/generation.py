@@ -123,6 +123,11 @@ def sharding_of(args) -> str | None:
     return OFFLOADED if version == 2 and offload else f"FSDP{version}"
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on any rank of the job: a collective every rank calls."""
+    return float(reduce(torch.tensor([float(flag)], device=device), reduction="sum")[0]) > 0
+
+
 def several_hosts(num_processes: int, device: torch.device) -> bool:
     """Whether the job's processes run on more than one host (by host name): a
     collective every rank calls (a hash of each name against rank 0's, over the
@@ -131,8 +136,18 @@ def several_hosts(num_processes: int, device: torch.device) -> bool:
         return False
     digest = hashlib.sha256(socket.gethostname().encode()).digest()
     mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=device)
-    first = broadcast(mine.clone(), from_process=0)
-    return float(reduce((first != mine).float(), reduction="sum")[0]) > 0
+    return any_rank(bool(broadcast(mine.clone(), from_process=0) != mine), device)
+
+
+def dtensor_shards(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The local shards of `model`'s DTensor parameters (none for a model no one sharded)."""
+    return [p.to_local() for p in model.parameters() if hasattr(p, "to_local")]
+
+
+def _local_store(port: int = 0) -> dist.TCPStore:
+    """A TCPStore on 127.0.0.1 served by this process (port 0: on a free port), or the one served at `port`."""
+    return dist.TCPStore("127.0.0.1", port, is_master=port == 0, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
 def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enable_sleep_mode: bool,
@@ -300,31 +315,28 @@ class DdmaVLLMGeneration(VLLMGeneration):
             return "FSDP1"
         if kind == DistributedType.DEEPSPEED and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
             return "DeepSpeed ZeRO-3"
-        shards = [p.to_local() for p in self.model.parameters() if hasattr(p, "to_local")]
+        shards = dtensor_shards(self.model)
         if any(shard.device.type != self.accelerator.device.type for shard in shards):
             return OFFLOADED
         if kind == DistributedType.FSDP:
             return FSDP2
         return DTENSORS if shards else None
 
-    def _sharded(self) -> bool:
-        """Whether the sync is one among all ranks (DTensor shards), not one per rank."""
-        return self.accelerator.num_processes > 1 and self._sharding() in (FSDP2, DTENSORS)
-
-    def _check_colocated(self) -> None:
-        """ValueError naming what the sync cannot serve (the same on every rank)."""
+    def _check_colocated(self) -> str | None:
+        """The model's sharding (_sharding); ValueError naming what the sync cannot
+        serve (the same on every rank)."""
+        sharding = self._sharding()
         reason = colocate_refusal(self.model, self.accelerator.num_processes, self.tensor_parallel_size,
-                                  self.enable_sleep_mode, sharding=self._sharding(), hosts_apart=self._hosts_apart)
+                                  self.enable_sleep_mode, sharding=sharding, hosts_apart=self._hosts_apart)
         if reason is not None:  # GRPOTrainer checks it first, from its arguments
             raise ValueError(f"llamarl's colocated vLLM sync cannot serve this run: {reason}")
+        return sharding
 
     def _own_store(self) -> tuple[dist.Store, bytes]:
         """The Store of this rank's own sync (its whole model into its engine),
         served by this process, and its secret, handed to the engine in-process."""
         if self._rank_store is None:
-            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=TIMEOUT_S))
-            self._rank_store = (store, new_secret())
+            self._rank_store = (_local_store(), new_secret())
         return self._rank_store
 
     def _shared_store(self) -> tuple[dist.Store, bytes]:
@@ -340,8 +352,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
             store, error = None, None
             if self.accelerator.is_main_process:
                 try:
-                    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                    store = _local_store()
                     port[0] = store.port
                     secret.copy_(torch.frombuffer(bytearray(new_secret()), dtype=torch.uint8))
                 except Exception as exc:  # noqa: BLE001 - raised below, after every rank has heard
@@ -349,14 +360,13 @@ class DdmaVLLMGeneration(VLLMGeneration):
             port, secret = broadcast(port, from_process=0), broadcast(secret, from_process=0)
             if store is None and int(port[0]) >= 0:
                 try:
-                    store = dist.TCPStore("127.0.0.1", int(port[0]), is_master=False,
-                                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                    store = _local_store(int(port[0]))
                 except Exception as exc:  # noqa: BLE001 - raised below, after every rank has heard
                     error = exc
-            failed = reduce(torch.tensor([float(store is None)], device=device), reduction="sum")
+            failed = any_rank(store is None, device)
             if error is not None:
                 raise error
-            if float(failed[0]) > 0:
+            if failed:
                 raise SyncError("another rank failed to reach the colocated sync's Store on rank 0 (its error says "
                                 "why)")
             self._job_store = (store, bytes(secret.cpu().tolist()))
@@ -386,7 +396,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
         again = self.sender is None or self._rebound()
         if self.sender is None or self.accelerator.num_processes == 1:
             return again
-        return float(reduce(torch.tensor([float(again)], device=self.accelerator.device), reduction="sum")[0]) > 0
+        return any_rank(again, self.accelerator.device)
 
     def _sender(self) -> WeightSender:
         """The sender on the parameters as training holds them now: registered at the
@@ -397,9 +407,10 @@ class DdmaVLLMGeneration(VLLMGeneration):
         the next collective)."""
         if not self._register_again():
             return self.sender
-        self._check_colocated()  # parameters sharded since the engine was built (an FSDP set-up)
-        # The collectives first, in the same order on every rank; after them what may fail on one rank alone.
-        sharded = self._sharded()
+        sharding = self._check_colocated()  # parameters sharded since the engine was built (an FSDP set-up)
+        # One sync among all ranks for DTensor shards, else one per rank. The collectives first, in the same
+        # order on every rank; after them what may fail on one rank alone.
+        sharded = self.accelerator.num_processes > 1 and sharding in (FSDP2, DTENSORS)
         store, secret = self._shared_store() if sharded else self._own_store()
         rank, world = (self.accelerator.process_index, self.accelerator.num_processes) if sharded else (0, 1)
         self._registrations += 1
@@ -427,10 +438,10 @@ class DdmaVLLMGeneration(VLLMGeneration):
                                     TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
             error = exc
-        failed = reduce(torch.tensor([float(error is not None)], device=self.accelerator.device), reduction="sum")
+        failed = any_rank(error is not None, self.accelerator.device)
         if error is not None:
             raise error
-        if float(failed[0]) > 0:
+        if failed:
             sender.close()
             raise SyncError("another rank's colocated vLLM sync failed to register (its error says why)")
         self.sender = sender

@@ -15,7 +15,8 @@ import torch
 import trl
 from accelerate import PartialState
 
-from .generation import DTENSORS, FSDP2, DdmaVLLMGeneration, colocate_refusal, several_hosts, sharding_of
+from .generation import (DTENSORS, FSDP2, DdmaVLLMGeneration, colocate_refusal, dtensor_shards, several_hosts,
+                         sharding_of)
 from .head import add_fused_lm_head
 
 _SIGNATURE = inspect.signature(trl.GRPOTrainer.__init__)
@@ -47,8 +48,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         ours = config is not None and config.use_vllm and config.vllm_mode in ("colocate", "server")
         if ours and config.vllm_mode == "colocate":
             state, sharding, model = PartialState(), sharding_of(config), bound.arguments["model"]
-            if sharding is None and isinstance(model, torch.nn.Module) and any(
-                    hasattr(p, "to_local") for p in model.parameters()):
+            if sharding is None and isinstance(model, torch.nn.Module) and dtensor_shards(model):
                 sharding = DTENSORS  # sharded by the caller
             # where the ranks run matters to shards only (a collective: every rank constructs the trainer)
             apart = sharding in (FSDP2, DTENSORS) and several_hosts(state.num_processes, state.device)
