@@ -727,7 +727,7 @@ def test_a_child_never_completes_a_version_its_parent_got_mixed(store):
 
 def _relay_failure(parent: WeightReceiver) -> str:
     try:
-        parent._ready_relay(1, time.monotonic() + 1)
+        parent.relays.ready(1, time.monotonic() + 1)
     except SyncError as exc:
         return str(exc)
     return "the relay is ready"

@@ -3,10 +3,7 @@ replicas it feeds."""
 
 from __future__ import annotations
 
-import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Iterable, Mapping
 
 import torch
@@ -15,13 +12,13 @@ import torch.distributed as dist
 from .endpoint import Endpoint, packed
 from .engine import (check_distinct_memory, prepared_table, run_segment_table, segment_table, storage_key,
                      wait_for_queued_work)
-from .errors import RelayError, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
+from .errors import StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
 from .board import TicketBoard
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES, check_replica, relay_tree
 from .protocol import (CLOSED, DEFAULT_TIMEOUT_S, DST, FAILED, FAILURE_POLL_S, LANDED, MIXED, REREGISTERED, Channel,
                        ReceiveOutcome, SenderWatch, decide_receive, done_key, relay_name, ticket_closed)
-from .relay import Forwarding
+from .relay import Forwarding, Relays, arrival_regions
 from .sender import WeightSender
 from .stream import NOTHING_FOLLOWS
 from .transports import CUDA_IPC, P2P, SHM, cuda_ipc_handle, share_in_place
@@ -182,16 +179,12 @@ class WeightReceiver(Endpoint):
                 self._unpack[src].append((prepared_table(table, self.device), sum(seg.nbytes for seg in bucket)))
         # Where the senders' segments (and the unpack tables) write: checked before every receive().
         self._dst_keys = {name: storage_key(t) for name, t in self.tensors.items()}
-        # Set up in the background (see replace_relay): a relay waits for its child's receiver,
-        # which may still be starting, or be gone (a child that died as this replica started
-        # fails that relay at the first receive, naming it, instead of this replica's start).
         self.replica = replica
-        self._store = store
-        self._relay_kwargs = dict(transport=transport, bucket_bytes=bucket_bytes, num_threads=num_threads,
-                                  secret=secret)
-        self._relay_regions = self._regions_in_arrival_order()
-        self._relays: dict[int, WeightSender | Future] = {
-            child: self._relay_in_background(child, relay_names[child]) for child in children}
+        relay_kwargs = dict(transport=transport, bucket_bytes=bucket_bytes, num_threads=num_threads, secret=secret)
+        regions = arrival_regions(self.plan, self.rank, self._p2p_peers, self._local_senders)
+        self.relays = Relays(store, relay_names, lambda relay_store, relay: WeightSender(
+            relay_store, layout, rank, self.tensors, name=relay, timeout=timeout, relay_buckets=regions,
+            **relay_kwargs), forwarded=regions is not None, rank=rank, replica=replica)
 
     def pending(self) -> int | None:
         """The version the trainer side offers this receiver and it has not received
@@ -225,46 +218,6 @@ class WeightReceiver(Endpoint):
         if failure is not None:
             raise SyncError(f"receiver rank {self.rank}: {failure}; " + _outcome(False, self.torn))
 
-    def _relay_sender(self, store: dist.Store, name: str) -> WeightSender:
-        return WeightSender(store, self.layout, self.rank, self.tensors, name=name, timeout=self.timeout,
-                            relay_buckets=self._relay_regions, **self._relay_kwargs)
-
-    def _regions_in_arrival_order(self) -> list | None:
-        """What a relay from this rank sends, bucket by bucket: the regions of the
-        buckets this rank receives point to point, in the order they arrive, so each
-        goes on to the child replica as soon as it has landed (see receive). None (the
-        relay plan's own buckets, sent once everything has landed) where a sender on
-        this host writes too: its regions land all at once, at the end."""
-        if self._local_senders or not self._p2p_peers:
-            return None
-        return [[[seg.dst_name, seg.dst_offset, seg.dst_pitch, seg.width, seg.height] for seg in bucket]
-                for src in self._p2p_peers for bucket in self.plan.buckets[(src, self.rank)]]
-
-    def _forwarded_relays(self, children: list[int]) -> dict[int, WeightSender]:
-        """The relays among `children` that receive() feeds bucket by bucket: this rank
-        receives point to point only, and the relay is set up and point to point too
-        (through shared memory a child is filled after landing, at memory speed)."""
-        if self._relay_regions is None:
-            return {}
-        ready = {}
-        for child in children:
-            relay = self._relays[child]
-            if isinstance(relay, Future) and relay.done() and relay.exception() is None:
-                relay = self._relays[child] = relay.result()
-            if isinstance(relay, WeightSender) and relay._p2p_peers:
-                ready[child] = relay
-        return ready
-
-    def _break_relay(self, child: int, reason: str) -> None:
-        """The relay to `child` stopped in the middle of a version: the child holds part
-        of it, and sends of that version may still wait in the pair. Every later
-        receive fails that relay at once, until replace_relay feeds the child anew."""
-        self._close_relay(self._relays[child])
-        broken = Future()
-        broken.set_exception(SyncError(f"the relay to replica {child} broke off in the middle of a version "
-                                       f"({reason}); replace_relay feeds the replica again"))
-        self._relays[child] = broken
-
     def replace_relay(self, child: int, name: str) -> None:
         """Feed replica `child` through the sync `name` from now on (a restarted child
         registers its receiver under a new name); the old relay is closed. The new
@@ -272,30 +225,7 @@ class WeightReceiver(Endpoint):
         waits for the child's receiver to register (seconds, while a new process
         starts), and this rank goes on meanwhile. The next receive() that relays to
         `child` waits for it, within its own timeout."""
-        if child not in self._relays:
-            raise ValueError(f"replica {self.replica} feeds replicas {sorted(self._relays)}, not {child}")
-        self._close_relay(self._relays.pop(child))
-        self._relays[child] = self._relay_in_background(child, name)
-
-    def _relay_in_background(self, child: int, name: str) -> Future:
-        future, store = Future(), self._store.clone()
-
-        def set_up():
-            try:
-                future.set_result(self._relay_sender(store, name))
-            except BaseException as exc:  # noqa: BLE001 - receive() reports it as this child's relay failure
-                future.set_exception(exc)
-
-        # A daemon: a set-up still waiting for a child that never comes must not hold the process at exit.
-        threading.Thread(target=set_up, name=f"relay-setup-{self.replica}-{child}", daemon=True).start()
-        return future
-
-    @staticmethod
-    def _close_relay(relay: WeightSender | Future) -> None:
-        if isinstance(relay, Future):  # closed once its set-up ends (it cannot be interrupted)
-            relay.add_done_callback(lambda f: f.exception() is None and f.result().close())
-        else:
-            relay.close()
+        self.relays.replace(child, name)
 
     def receive(self, timeout: float | None = None, relay_to: Iterable[int] | None = None,
                 expect: int | None = None) -> int:
@@ -310,45 +240,15 @@ class WeightReceiver(Endpoint):
         that fails raises RelayError after the other relays, this replica holding
         the version."""
         deadline = self._deadline(timeout)
-        children = sorted(self._relays) if relay_to is None else sorted(set(relay_to))
-        if not set(children) <= set(self._relays):
-            raise ValueError(f"relay_to={children}: replica {self.replica} feeds replicas {sorted(self._relays)}")
-        forwarding = Forwarding(self._forwarded_relays(children), deadline)
+        children = self.relays.chosen(relay_to)
+        forwarding = self.relays.start(children, deadline)
         try:
             version = self._receive(deadline, expect, forwarding)
         except BaseException as exc:
-            forwarding.abort()
-            for child in forwarding.started:
-                self._break_relay(child, f"this replica's receive failed: {type(exc).__name__}: {exc}")
+            self.relays.broke_off(forwarding, exc)
             raise
-        forwarding.finish()
-        failed = forwarding.failed
-        for child, message in failed.items():
-            self._break_relay(child, message)
-        for child in children:
-            if child in forwarding.relays:
-                continue
-            try:
-                self._ready_relay(child, deadline).send(version, timeout=max(deadline - time.monotonic(), 1e-3))
-            except (ValueError, RuntimeError) as exc:  # SyncError, and set-up's errors too; the other children go on
-                failed[child] = f"{type(exc).__name__}: {exc}"
-        if failed:
-            raise RelayError(f"receiver rank {self.rank} of replica {self.replica}: version {version} landed here, but "
-                             "relaying it failed: " + "; ".join(f"to replica {c}: {m}" for c, m in failed.items()),
-                             version, failed)
+        self.relays.complete(forwarding, children, version, deadline)
         return version
-
-    def _ready_relay(self, child: int, deadline: float) -> WeightSender:
-        """The relay to `child`, waiting for its set-up (replace_relay) until `deadline`."""
-        relay = self._relays[child]
-        if isinstance(relay, Future):
-            try:
-                relay = relay.result(timeout=max(deadline - time.monotonic(), 0.0))
-            except FutureTimeout:
-                raise SyncTimeoutError(f"the relay to replica {child} was not set up in time (its receiver has "
-                                       "not registered)") from None
-            self._relays[child] = relay
-        return relay
 
     def _receive(self, deadline: float, expect: int | None, forwarding: Forwarding) -> int:
         self._check_storage()
@@ -538,5 +438,4 @@ class WeightReceiver(Endpoint):
 
     def close(self) -> None:
         self._closed = True
-        for relay in self._relays.values():
-            self._close_relay(relay)
+        self.relays.close()
