@@ -29,7 +29,8 @@ live.py (layouts of live modules: `fsdp_layout` of a model before sharding,
 made; `relay_tree`, which replica relays to which), protocol.py (the Store keys
 and the decisions on them; `abandon_receivers`, `DEFAULT_TIMEOUT_S`), probe.py
 (view probes: how an engine's weight loaders are read into a layout), errors.py.
-The rest are this package's own: endpoint.py (the set-up both sides share),
+The rest are this package's own: endpoint.py (each side's set-up, register_sender and
+register_receiver, over shared steps),
 sender.py, receiver.py, relay.py (generator replicas), stream.py, board.py,
 transports.py, engine.py, fp8.py, amax.py.
 """

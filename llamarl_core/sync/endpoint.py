@@ -1,13 +1,17 @@
-"""The set-up both sides of a sync share (`Endpoint`): validate, publish this rank,
-exchange layouts and device infos through the Store, plan, choose the transport of
-every pair, join the point-to-point group; and the helpers both sides' transfers use."""
+"""What both sides of a sync share: their set-up, as two functions
+(`register_sender`, `register_receiver`) over the same steps (publish this rank,
+exchange layouts and device infos through the Store, plan, choose the transport
+of every pair, join the point-to-point group), what it agreed (`Registration`),
+and `Endpoint`, the base of WeightSender and WeightReceiver, with the helpers
+both sides' transfers use."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from dataclasses import replace
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -21,132 +25,195 @@ from .protocol import DST, SRC, Channel, SenderWatch
 from .transports import P2P, check_transport_name, choose_transports, device_info, make_process_group
 
 
+@dataclasses.dataclass
+class Registration:
+    """What one rank's set-up agreed with every other rank of the sync. plan: the
+    transfer (this rank's point-to-point buckets capped and relayed as set up);
+    transports: (sender, receiver) -> its transport, for every pair; src_infos /
+    dst_infos: every rank's device info; p2p_rounds: the point-to-point pairs, round
+    by round; p2p_peers: this rank's point-to-point peers in round order;
+    incarnation: how many times this rank registered under the sync's name; group:
+    the point-to-point group (None without point-to-point pairs)."""
+
+    plan: TransferPlan
+    transports: dict[tuple[int, int], str]
+    src_infos: list[dict]
+    dst_infos: list[dict]
+    p2p_rounds: list
+    p2p_peers: list[int]
+    incarnation: int
+    group: dist.ProcessGroup | None
+
+    @property
+    def transport(self) -> str:
+        """What the sync uses, e.g. "shm", or "p2p+shm" where some pairs span hosts."""
+        return "+".join(sorted(set(self.transports.values())))
+
+
+def register_sender(channel: Channel, layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor],
+                    device: torch.device, *, transport: str, timeout: float, bucket_bytes: int,
+                    relay_buckets: list | None) -> Registration:
+    """Sender `rank`'s set-up: publishes its relay buckets (None but on a relay),
+    its device info and, on rank 0, the plan's bucket size and the senders' layout;
+    then meets the receivers (see `_meet`). Its set-up waits block (nobody reports
+    failures to a sender)."""
+    deadline = time.monotonic() + timeout
+    channel.set(f"{SRC}/{rank}/relay_buckets", relay_buckets)  # before the info key, which receivers wait for
+    channel.set(f"{SRC}/{rank}/info", {**device_info(device, None), "transport": transport})
+    if rank == 0:  # before the layout, which the receivers wait for
+        channel.set(f"{SRC}/bucket_bytes", bucket_bytes)
+        channel.set(f"{SRC}/layout", layout.to_dict())
+    plan, infos, transports = _meet(channel, SRC, layout, rank, deadline, lambda senders: None)
+    return _join(channel, SRC, rank, plan, infos, transports, device, timeout,
+                 {(rank, dst): relay_buckets for dst in plan.receivers_of(rank)}, tensors)
+
+
+def register_receiver(channel: Channel, layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor],
+                      device: torch.device, *, transport: str, timeout: float, p2p_bucket_bytes: int | None,
+                      watch: SenderWatch) -> Registration:
+    """Receiver `rank`'s set-up: publishes its device info (its tensors' memory is
+    what CUDA IPC exports) and, on rank 0, its cap on point-to-point buckets and
+    the receivers' layout; then meets the senders (see `_meet`). Its set-up waits
+    watch the senders' failure reports (`watch`): a sender that fails ends them."""
+    deadline = time.monotonic() + timeout
+    channel.set(f"{DST}/{rank}/info", {**device_info(device, tensors), "transport": transport})
+    if rank == 0:  # before the layout, which the senders wait for
+        channel.set(f"{DST}/bucket_bytes", p2p_bucket_bytes)
+        channel.set(f"{DST}/layout", layout.to_dict())
+    plan, infos, transports = _meet(channel, DST, layout, rank, deadline,
+                                    lambda senders: lambda: watch.failure(senders))
+    senders = plan.senders_of(rank)
+    relayed = {(src, rank): channel.get_if_set(f"{SRC}/{src}/relay_buckets") for src in senders}
+    return _join(channel, DST, rank, plan, infos, transports, device, timeout, relayed, tensors)
+
+
+def _meet(channel: Channel, me: str, layout: Layout, rank: int, deadline: float,
+          failure: Callable[[range], Callable[[], str | None] | None]) -> tuple[TransferPlan, list[dict], dict]:
+    """The steps after a rank published itself: both sides' layouts (this rank's
+    checked against its rank 0's), the plan, every rank's device info, the
+    transport of every pair (every rank computes the same), before `deadline`.
+    failure(senders): what the waits watch while they wait for those senders.
+    Returns (plan, every rank's info, senders first, transports)."""
+    # Until sender rank 0's layout is here, the senders' world size is not known: only rank 0's failure is.
+    channel.wait({f"{SRC}/layout": "sender rank 0", f"{DST}/layout": "receiver rank 0"}, deadline,
+                 "both sides' layouts", failure(range(1)))
+    side = "sender" if me == SRC else "receiver"
+    if Layout.from_dict(channel.get(f"{me}/layout")) != layout:
+        raise ValueError(f"{side} rank {rank}: its layout differs from the one rank 0 registered")
+    src_layout, dst_layout = (Layout.from_dict(channel.get(f"{key}/layout")) for key in (SRC, DST))
+    plan = plan_transfer(src_layout, dst_layout, channel.get(f"{SRC}/bucket_bytes"))  # both sides bucket alike
+    info_keys = {f"{SRC}/{r}/info": f"sender rank {r}" for r in range(src_layout.world_size)}
+    info_keys |= {f"{DST}/{r}/info": f"receiver rank {r}" for r in range(dst_layout.world_size)}
+    channel.wait(info_keys, deadline, "every rank's device info", failure(range(src_layout.world_size)))
+    infos = [channel.get(k) for k in info_keys]
+    requested = {i["transport"] for i in infos}
+    if len(requested) > 1:
+        raise ValueError(f"ranks asked for different transports {sorted(requested)}; pass the same to every rank")
+    num_src = src_layout.world_size
+    return plan, infos, choose_transports(requested.pop(), infos[:num_src], infos[num_src:], plan.pairs)
+
+
+def _join(channel: Channel, me: str, rank: int, plan: TransferPlan, infos: list[dict], transports: dict,
+          device: torch.device, timeout: float, relayed: Mapping[tuple[int, int], list | None],
+          tensors: Mapping[str, torch.Tensor]) -> Registration:
+    """The last steps of a rank's set-up: its own point-to-point pairs' buckets cut
+    to the receivers' cap, a relay pair's buckets taken from its sender (`relayed`:
+    this rank's pairs -> their relay buckets, None for the plan's own), its
+    incarnation counted, the point-to-point group joined (its rank: the sender's,
+    or the senders' count plus the receiver's)."""
+    side = "sender" if me == SRC else "receiver"
+    p2p_cap = channel.get_if_set(f"{DST}/bucket_bytes")
+    for pair, buckets in relayed.items():
+        if p2p_cap is not None and transports[pair] == P2P:
+            plan.cap_buckets(pair, p2p_cap)
+        if buckets is not None:
+            plan.buckets[pair] = relayed_buckets(buckets, pair, plan, tensors, f"{side} rank {rank}")
+    # Point-to-point pairs run round by round, each round a matching (no rank in two pairs).
+    rounds = bipartite_rounds(pair for pair, t in transports.items() if t == P2P)
+    own, peer = (0, 1) if me == SRC else (1, 0)
+    peers = [pair[peer] for pairs in rounds for pair in pairs if pair[own] == rank]
+    # A rank registered again under the same name (a restarted process) gets a
+    # higher incarnation; point-to-point pairs cannot take it back: the process
+    # group's rendezvous keys in the Store serve one group once.
+    incarnation = channel.counter(f"{me}/{rank}/incarnation", 1)
+    if incarnation > 1 and peers:
+        raise ValueError(f"{side} rank {rank} registered again under the name {channel.name!r}, but it has "
+                         "point-to-point pairs, which cannot be rejoined: register every sender and receiver "
+                         "again under a new name")
+    num_src, num_dst = plan.src_layout.world_size, plan.dst_layout.world_size
+    group = None
+    if rounds:
+        group = make_process_group(dist.PrefixStore("pg/", channel.store), rank if me == SRC else num_src + rank,
+                                   num_src + num_dst, device.type, timeout)
+    return Registration(plan, transports, infos[:num_src], infos[num_src:], rounds, peers, incarnation, group)
+
+
+def relayed_buckets(relayed: list, pair: tuple[int, int], plan: TransferPlan, tensors: Mapping[str, torch.Tensor],
+                    who: str) -> list[tuple[Segment, ...]]:
+    """The buckets of a relay pair (rank r of one replica to rank r of the next, one
+    layout) in its sender's order: each segment copies a region of a tensor of
+    `tensors` (the rank's own: `who`) to the same region of the same tensor.
+    Checked to stay inside the tensors and to write exactly the bytes the plan's
+    own buckets write, none twice."""
+    src, dst = pair
+    where = f"{who}: the relay buckets of pair {src} -> {dst}"
+    if src != dst or plan.src_layout != plan.dst_layout:
+        raise ValueError(f"{where}: not a relay between replicas of one layout")
+    buckets = []
+    for bucket in relayed:
+        segments = []
+        for name, offset, pitch, width, height in bucket:
+            tensor = tensors.get(name)
+            itemsize = tensor.element_size() if tensor is not None else 0
+            row = width * itemsize  # the pitch of a single row is unused
+            if tensor is None or not (0 <= offset and 0 < row and height > 0 and (height == 1 or row <= pitch)
+                                      and offset + (height - 1) * pitch + row <= tensor.nbytes):
+                raise ValueError(f"{where}: segment {name!r} at byte {offset} ({height} x {width}, pitch {pitch}) "
+                                 "is not inside a tensor of this rank")
+            segments.append(Segment(src, name, offset, pitch, dst, name, offset, pitch, width, height, itemsize,
+                                    False))
+        buckets.append(tuple(segments))
+    given, planned = (written_runs([s for b in bs for s in b]) for bs in (buckets, plan.buckets[pair]))
+    if given is None or planned is None:
+        raise ValueError(f"{where} write some bytes twice")
+    if given.keys() != planned.keys() or any(not np.array_equal(given[n], planned[n]) for n in given):
+        raise ValueError(f"{where} do not write the bytes the plan writes")
+    return buckets
+
+
+def check_endpoint(side: str, layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor], transport: str,
+                   timeout: float, **bucket_sizes: int | None) -> torch.device:
+    """The checks both sides make of their arguments before anything is published
+    (bucket_sizes: argument name -> its value, None for unset); returns the
+    tensors' device."""
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"{side} rank {rank} is outside the layout's world size {layout.world_size}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    check_transport_name(transport)
+    if any(size is not None and size <= 0 for size in bucket_sizes.values()):
+        raise ValueError("bucket sizes must be positive, got " + ", ".join(f"{k}={v}" for k, v in bucket_sizes.items()))
+    check_local_tensors(layout, rank, tensors, side)
+    return tensors_device(tensors, f"{side} rank {rank}")
+
+
 class Endpoint:
-    """Shared set-up of WeightSender and WeightReceiver (their docstrings say what
-    each parameter means). channel: the sync's Store namespace. watch: a receiver's
-    view of its senders' failure reports, polled by its set-up waits (None on a
-    sender: its waits block)."""
+    """The base of WeightSender and WeightReceiver: what either holds once its
+    set-up function (register_sender, register_receiver) has run, and the helpers
+    both sides' transfers use."""
 
     side = ""
 
-    def __init__(self, channel: Channel, layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor], *,
-                 transport: str, timeout: float, bucket_bytes: int, num_threads: int | None,
-                 relay_buckets: list | None = None, p2p_bucket_bytes: int | None = None,
-                 watch: SenderWatch | None = None):
-        if not 0 <= rank < layout.world_size:
-            raise ValueError(f"{self.side} rank {rank} is outside the layout's world size {layout.world_size}")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
-        check_transport_name(transport)
-        if bucket_bytes <= 0 or (p2p_bucket_bytes is not None and p2p_bucket_bytes <= 0):
-            raise ValueError(f"bucket sizes must be positive, got bucket_bytes={bucket_bytes}, "
-                             f"p2p_bucket_bytes={p2p_bucket_bytes}")
-        check_local_tensors(layout, rank, tensors, self.side)
-        self.layout, self.rank, self.timeout = layout, rank, timeout
-        self.tensors = dict(tensors)
-        self.device = tensors_device(self.tensors, f"{self.side} rank {rank}")
-        self.num_threads = num_threads
-        self.channel = channel
+    def __init__(self, channel: Channel, layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor],
+                 device: torch.device, registration: Registration, *, timeout: float, num_threads: int | None):
+        self.channel, self.layout, self.rank, self.tensors, self.device = channel, layout, rank, dict(tensors), device
+        self.timeout, self.num_threads = timeout, num_threads
         self._closed = False
-
-        def failure(senders):  # what a receiver's set-up waits watch for
-            return None if watch is None else lambda: watch.failure(senders)
-
-        deadline = time.monotonic() + timeout
-        me = SRC if self.side == "sender" else DST
-        exported = self.tensors if me == DST else None  # receivers' memory is what CUDA IPC exports
-        if me == SRC:  # before the info key, which receivers wait for
-            channel.set(f"{SRC}/{rank}/relay_buckets", relay_buckets)
-        channel.set(f"{me}/{rank}/info", {**device_info(self.device, exported), "transport": transport})
-        if rank == 0:  # before the layout, which the other side waits for
-            channel.set(f"{me}/bucket_bytes", bucket_bytes if me == SRC else p2p_bucket_bytes)
-            if me == SRC:  # the receivers' cap applies only where the senders know it too (not older senders)
-                channel.set(f"{SRC}/reads_p2p_cap", True)
-            channel.set(f"{me}/layout", layout.to_dict())
-        # Until sender rank 0's layout is here, the senders' world size is not known: only rank 0's failure is.
-        channel.wait({f"{SRC}/layout": "sender rank 0", f"{DST}/layout": "receiver rank 0"}, deadline,
-                     "both sides' layouts", failure([0]))
-        bucket_bytes = channel.get(f"{SRC}/bucket_bytes")  # both sides must bucket alike (p2p)
-        p2p_cap = channel.get_if_set(f"{DST}/bucket_bytes") if channel.get_if_set(f"{SRC}/reads_p2p_cap") else None
-        if Layout.from_dict(channel.get(f"{me}/layout")) != layout:
-            raise ValueError(f"{self.side} rank {rank}: its layout differs from the one rank 0 registered")
-        other = DST if me == SRC else SRC
-        other_layout = Layout.from_dict(channel.get(f"{other}/layout"))
-        src_layout, dst_layout = (layout, other_layout) if me == SRC else (other_layout, layout)
-        self.plan: TransferPlan = plan_transfer(src_layout, dst_layout, bucket_bytes)
-        info_keys = {f"{SRC}/{r}/info": f"sender rank {r}" for r in range(src_layout.world_size)}
-        info_keys |= {f"{DST}/{r}/info": f"receiver rank {r}" for r in range(dst_layout.world_size)}
-        channel.wait(info_keys, deadline, "every rank's device info", failure(range(src_layout.world_size)))
-        infos = [channel.get(k) for k in info_keys]
-        requested = {i["transport"] for i in infos}
-        if len(requested) > 1:
-            raise ValueError(f"ranks asked for different transports {sorted(requested)}; pass the same to every rank")
-        self._src_infos, self._dst_infos = infos[: src_layout.world_size], infos[src_layout.world_size :]
-        # One transport per (sender, receiver) pair; every rank computes the same.
-        self.transports = choose_transports(transport, self._src_infos, self._dst_infos, self.plan.pairs)
-        # What the sync uses, e.g. "shm", or "p2p+shm" where some pairs span hosts.
-        self.transport = "+".join(sorted(set(self.transports.values())))
-        own_pairs = [(rank, d) for d in self.plan.receivers_of(rank)] if me == SRC else [
-            (s, rank) for s in self.plan.senders_of(rank)]
-        for pair in own_pairs:
-            if p2p_cap is not None and self.transports[pair] == P2P:
-                self.plan.cap_buckets(pair, p2p_cap)
-            relayed = relay_buckets if me == SRC else channel.get_if_set(f"{SRC}/{pair[0]}/relay_buckets")
-            if relayed is not None:
-                self.plan.buckets[pair] = self._relayed_buckets(relayed, pair)
-        # Point-to-point pairs run round by round, each round a matching (no rank in two pairs).
-        self._p2p_rounds = bipartite_rounds(pair for pair, t in self.transports.items() if t == P2P)
-        # This rank's point-to-point peers (receivers of a sender, senders of a receiver), in round order.
-        own, peer = (0, 1) if me == SRC else (1, 0)
-        self._p2p_peers = [pair[peer] for pairs in self._p2p_rounds for pair in pairs if pair[own] == rank]
-        # A rank registered again under the same name (a restarted process) gets a
-        # higher incarnation; point-to-point pairs cannot take it back: the process
-        # group's rendezvous keys in the Store serve one group once.
-        self._incarnation = channel.counter(f"{me}/{rank}/incarnation", 1)
-        if self._incarnation > 1 and self._p2p_peers:
-            raise ValueError(f"{self.side} rank {rank} registered again under the name {channel.name!r}, but it has "
-                             "point-to-point pairs, which cannot be rejoined: register every sender and receiver "
-                             "again under a new name")
-        self.group = None
-        if self._p2p_rounds:
-            num_src = src_layout.world_size
-            self.group = make_process_group(
-                dist.PrefixStore("pg/", channel.store),
-                rank if me == SRC else num_src + rank,
-                num_src + dst_layout.world_size,
-                self.device.type,
-                timeout,
-            )
-
-    def _relayed_buckets(self, relayed: list, pair: tuple[int, int]) -> list[tuple[Segment, ...]]:
-        """The buckets of a relay pair (rank r of one replica to rank r of the next, one
-        layout) in its sender's order: each segment copies a region of a tensor to the
-        same region of the same tensor. Checked to stay inside the tensors and to
-        write exactly the bytes the plan's own buckets write, none twice."""
-        src, dst = pair
-        where = f"{self.side} rank {self.rank}: the relay buckets of pair {src} -> {dst}"
-        if src != dst or self.plan.src_layout != self.plan.dst_layout:
-            raise ValueError(f"{where}: not a relay between replicas of one layout")
-        buckets = []
-        for bucket in relayed:
-            segments = []
-            for name, offset, pitch, width, height in bucket:
-                tensor = self.tensors.get(name)
-                itemsize = tensor.element_size() if tensor is not None else 0
-                row = width * itemsize  # the pitch of a single row is unused
-                if tensor is None or not (0 <= offset and 0 < row and height > 0 and (height == 1 or row <= pitch)
-                                          and offset + (height - 1) * pitch + row <= tensor.nbytes):
-                    raise ValueError(f"{where}: segment {name!r} at byte {offset} ({height} x {width}, pitch {pitch}) "
-                                     "is not inside a tensor of this rank")
-                segments.append(Segment(src, name, offset, pitch, dst, name, offset, pitch, width, height, itemsize,
-                                        False))
-            buckets.append(tuple(segments))
-        given, planned = (written_runs([s for b in bs for s in b]) for bs in (buckets, self.plan.buckets[pair]))
-        if given is None or planned is None:
-            raise ValueError(f"{where} write some bytes twice")
-        if given.keys() != planned.keys() or any(not np.array_equal(given[n], planned[n]) for n in given):
-            raise ValueError(f"{where} do not write the bytes the plan writes")
-        return buckets
+        self.plan = registration.plan
+        self.transports, self.transport = registration.transports, registration.transport
+        self._src_infos, self._dst_infos = registration.src_infos, registration.dst_infos
+        self._p2p_rounds, self._p2p_peers = registration.p2p_rounds, registration.p2p_peers
+        self._incarnation, self.group = registration.incarnation, registration.group
 
     def _deadline(self, timeout: float | None) -> float:
         if self._closed:

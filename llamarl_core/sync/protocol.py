@@ -9,7 +9,7 @@ AuthenticatedStore: a value that does not verify reads as not set, so a forged
 layout, device info, memory handle, relay table or answer is never acted on);
 counters are plain integers (a forged count is only a hint to look again):
 
-    src/layout, src/bucket_bytes, src/reads_p2p_cap   sender rank 0, at set-up
+    src/layout, src/bucket_bytes                      sender rank 0, at set-up
     dst/layout, dst/bucket_bytes                      receiver rank 0, at set-up
     src/<s>/info, dst/<d>/info                        every rank: device_info + transport
     src/<s>/relay_buckets                             a relay's buckets (None: the plan's)

@@ -9,7 +9,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from .endpoint import Endpoint, packed
+from .endpoint import Endpoint, check_endpoint, packed, register_receiver
 from .engine import (check_distinct_memory, prepared_table, run_segment_table, segment_table, storage_key,
                      wait_for_queued_work)
 from .errors import StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
@@ -127,9 +127,12 @@ class WeightReceiver(Endpoint):
         check_distinct_memory(tensors, f"receiver rank {rank}")
         channel = Channel(store, relay_name(name, replica), secret)
         self.watch = SenderWatch(channel, rank)
-        super().__init__(channel, layout, rank, tensors, transport=transport, timeout=timeout,
-                         bucket_bytes=bucket_bytes, num_threads=num_threads, p2p_bucket_bytes=p2p_bucket_bytes,
-                         watch=self.watch)
+        device = check_endpoint(self.side, layout, rank, tensors, transport, timeout, bucket_bytes=bucket_bytes,
+                                p2p_bucket_bytes=p2p_bucket_bytes)
+        registration = register_receiver(channel, layout, rank, tensors, device, transport=transport, timeout=timeout,
+                                         p2p_bucket_bytes=p2p_bucket_bytes, watch=self.watch)
+        super().__init__(channel, layout, rank, tensors, device, registration, timeout=timeout,
+                         num_threads=num_threads)
         self.version: int | None = None
         self.torn = False
         self.senders = self.plan.senders_of(self.rank)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .endpoint import Endpoint, packed
+from .endpoint import Endpoint, check_endpoint, packed, register_sender
 from .engine import check_local_tensors, prepared_table, run_segment_table, segment_table, storage_key
 from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
@@ -146,8 +146,11 @@ class WeightSender(Endpoint):
         try:
             # A failure this rank reported before it registered again no longer stands.
             self.reports.clear()
-            super().__init__(channel, layout, rank, tensors, transport=transport, timeout=timeout,
-                             bucket_bytes=bucket_bytes, num_threads=num_threads, relay_buckets=relay_buckets)
+            device = check_endpoint(self.side, layout, rank, tensors, transport, timeout, bucket_bytes=bucket_bytes)
+            registration = register_sender(channel, layout, rank, tensors, device, transport=transport,
+                                           timeout=timeout, bucket_bytes=bucket_bytes, relay_buckets=relay_buckets)
+            super().__init__(channel, layout, rank, tensors, device, registration, timeout=timeout,
+                             num_threads=num_threads)
             if group is not None and (group.size(), group.rank()) != (layout.world_size, rank):
                 raise ValueError(f"sender rank {rank}: group= must span the {layout.world_size} sender ranks in "
                                  f"rank order, got rank {group.rank()} of {group.size()}")
