@@ -9,11 +9,11 @@ answers anyone), and writes forged messages into every queue the source names
 finds, and torchrun's assignment queues): a pickle whose unpickling would create
 the file MARKER, a message tagged under a secret of its own, a message with no tag,
 garbage. It takes each slot as a producer would (the tail counter, then the empty
-slot). Into every weight sync it finds (a receiver's ticket counter in the keys) it
-plants forged answers and markers for the receiver's next tickets (a "failed"
-answer, an open ticket asking for another version) and forged offers and failure
-reports: values a rank would act on, were they not checked (placed as "sync"). On
-exit it prints one JSON line: how many it placed, per kind.
+slot). Into every weight sync it finds (a receiver's device info in the keys) it
+plants a forged offer of another version, a forged failure report (the count
+moved too), a forged ticket board and a forged word that the receivers were
+abandoned: values a rank would act on, were they not checked (placed as "sync").
+On exit it prints one JSON line: how many it placed, per kind.
 """
 
 from __future__ import annotations
@@ -70,17 +70,17 @@ def plant_sync_values(store: dist.Store, keys: list[str]) -> int:
     """Forged values at the keys the syncs in `keys` read next; returns how many."""
     own, placed = auth.new_secret(), 0
     for key in keys:
-        if not (m := re.match(r"^(.*llamarl/sync/.+?)//dst/(\d+)/ticket$", key)):
+        if not (m := re.match(r"^(.*llamarl/sync/.+?)//dst/(\d+)/info$", key)):
             continue
         namespace, dst = m.groups()
-        ticket = store.add(key, 0)
-        values = {f"src/0/offer/{dst}": "[999999, 999999]", "src/0/error": '"forged failure"'}
-        for t in (ticket + 1, ticket + 2):
-            values |= {f"dst/{dst}/open/{t}": "999999", f"dst/{dst}/done/{t}/0": '{"failed": 0, "error": "forged"}'}
+        values = {f"src/0/offer/{dst}": "[999999, 999999]", "src/0/error": '"forged failure"',
+                  f"dst/{dst}/board": '{"pid": 1, "fd": 0, "name": "/forged", "nbytes": 256, "incarnation": 1}',
+                  "abandoned": '"forged: the receivers are gone"'}
         for name, value in values.items():
             # A PrefixStore joins its prefix and a key with "/"; the tag is bound to prefix + key.
             store.set(f"{namespace}//{name}", auth.sign(own, f"{namespace}/{name}", value.encode()))
             placed += 1
+        store.add(f"{namespace}//src/failures", 1)  # as a failing sender does: every waiter reads the reports
     return placed
 
 

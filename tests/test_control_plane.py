@@ -45,9 +45,9 @@ def listening_ports(pid: int) -> set[int]:
 def test_a_stranger_on_the_store_runs_nothing_and_changes_nothing(tmp_path):
     """The stranger writes, every 0.3 s for the whole run, a pickle that would create
     a file, messages under a secret of its own, untagged messages and garbage into
-    the events queue and every executor's inbox, and (every 3 s) forged answers,
-    open markers for the weight sync's next tickets, forged offers and a
-    forged failure report. The run completes its 150 steps and
+    the events queue and every executor's inbox, and (every 3 s) a forged offer,
+    failure report, ticket board and word of abandoned receivers into the weight
+    sync. The run completes its 150 steps and
     learns (reward up as in a run alone), the file never appears, the executors and
     the controller count what they dropped, and the log names the keys."""
     out, marker = tmp_path / "run", tmp_path / "pwned"

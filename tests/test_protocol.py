@@ -1,12 +1,14 @@
-"""The weight sync's decisions as plain functions (sync/protocol.py), on thousands
-of random cases: what a receive's answers did to the receiver's weights, and
-which ticket a sender looks at next while a receiver's receives come and go."""
+"""The weight sync's decisions as plain functions (sync/protocol.py, board.py), on
+thousands of random cases: what a receive's answers did to the receiver's
+weights, how a ticket board's slots read as those answers, and which ticket a
+sender serves while a receiver's receives come and go."""
 
 from __future__ import annotations
 
 import random
 
-from llamarl_core.sync.protocol import FAILED, LANDED, MIXED, STALE, decide_receive, next_ticket
+from llamarl_core.sync import board
+from llamarl_core.sync.protocol import FAILED, LANDED, MIXED, STALE, board_answers, decide_receive
 
 
 def random_answers(rng: random.Random, senders: list[int]) -> list:
@@ -81,36 +83,77 @@ def test_a_stale_receive_that_wrote_nothing_keeps_torn_weights_torn():
     assert decide_receive([answer, 3], [0, 1], [], was_torn=False).torn  # the other sender wrote version 3
 
 
-def test_a_sender_chasing_tickets_serves_every_receive_it_can_and_nothing_closed():
-    """2,000 random runs of one receiver and one sender. The receiver takes ticket
-    after ticket; each receive opens its ticket and waits to be served, or times
-    out (closed unserved), or the receiver dies after taking the ticket and
-    before opening it (a restarted one counts on). The sender looks at one
-    candidate at a time: an open one it serves; a closed one, or one that has
-    not opened within its poll, sends it to the counter (next_ticket). Whatever
-    the interleaving, it serves only open tickets, each newer than the last, and
-    serves a receive that stays open within two looks of its opening."""
+def test_a_boards_slots_decide_the_receive_as_the_answers_they_stand_for():
+    """20,000 random sets of slots (served, stale, failed, not answered beside a
+    failure): board_answers gives each its answer, and decide_receive on them says
+    the weights are untouched only when every sender answered itself that it wrote
+    nothing; a failure names the sender and the error it published."""
+    rng = random.Random(2)
+    errors = {src: f"RuntimeError: boom {src}" for src in range(8)}
+    untouched = 0
+    for _ in range(20_000):
+        senders = rng.sample(range(8), rng.randint(1, 4))
+        slots = [rng.choice([(board.SERVED, rng.randint(1, 3), True), (board.STALE, rng.randint(4, 6), rng.random() < 0.5),
+                             (board.FAILED, 0, rng.random() < 0.5), None]) for _ in senders]
+        if None in slots and not any(slot and slot[0] == board.FAILED for slot in slots):
+            slots[slots.index(None)] = (board.FAILED, 0, rng.random() < 0.5)  # a receive ends with every slot or a failure
+        expect = rng.choice([None, 2])
+        answers = board_answers(slots, senders, expect, errors.get)
+        outcome = decide_receive(answers, senders, [], was_torn=False)
+        failed = [src for src, slot in zip(senders, slots) if slot and slot[0] == board.FAILED]
+        if failed:
+            assert outcome.kind == FAILED and (outcome.answer["failed"], outcome.answer["error"]) == (
+                failed[0], errors[failed[0]])
+            assert answers[senders.index(failed[0])] == {"failed": failed[0], "error": errors[failed[0]],
+                                                         "wrote": slots[senders.index(failed[0])][2]}
+        quiet = all(slot is not None and slot[0] != board.SERVED and not slot[2] for slot in slots)
+        assert outcome.wrote == (not quiet), (slots, outcome)
+        if not outcome.wrote:
+            untouched += 1
+            assert outcome.kind in (FAILED, STALE) and not outcome.torn
+        for slot, answer in zip(slots, answers):
+            if slot and slot[0] == board.STALE:
+                assert answer == {"abandoned": expect, "holds": slot[1], "wrote": slot[2]}
+            elif slot and slot[0] == board.SERVED:
+                assert answer == slot[1]
+    assert untouched > 500
+    # A failure whose report was cleared since (the sender sends again) is still named.
+    answers = board_answers([(board.FAILED, 0, False)], [3], None, lambda src: None)
+    assert answers == [{"failed": 3, "error": "its report no longer stands (it sends again)", "wrote": False}]
+
+
+def test_a_sender_serves_every_receive_it_can_and_nothing_closed_or_served():
+    """2,000 random runs of one receiver and one sender on a board: the receiver
+    opens ticket after ticket; each receive is served, or times out (closed
+    unserved); the sender looks (read_open, to_serve) at random moments. It serves
+    only open tickets, each newer than the last it served, and every receive that
+    is open when it looks."""
     rng = random.Random(1)
     served_any = skipped_any = 0
     for _ in range(2_000):
-        counter, state = 0, {}  # ticket -> "taken" (never opened), "open", "closed" (unserved), "served"
-        served, candidate, opened_at = 0, 1, None
-        for look in range(rng.randint(5, 60)):
-            if state.get(counter) != "open" and rng.random() < 0.4:
-                counter += 1  # the receiver's next receive takes its ticket
-                state[counter] = "taken" if rng.random() < 0.15 else "open"
-                opened_at = look if state[counter] == "open" else None
-            elif state.get(counter) == "open" and rng.random() < 0.1:
-                state[counter], opened_at = "closed", None  # timed out, unserved
+        words = {board._OPENED: 0, board._EXPECT: 0, board._HAS_EXPECT: 0, board._CLOSED: 0}
+        served, state = 0, {}  # ticket -> "open", "closed" (unserved), "served"
+        for _ in range(rng.randint(5, 60)):
+            opened = words[board._OPENED]
+            if state.get(opened) != "open" and rng.random() < 0.4:
+                words[board._CLOSED] = opened
+                words[board._OPENED] = opened + 1
+                state[opened + 1] = "open"
+            elif state.get(opened) == "open" and rng.random() < 0.1:
+                words[board._CLOSED] = opened
+                state[opened] = "closed"
                 skipped_any += 1
-            if state.get(candidate) == "open":  # the sender's look at its candidate
-                assert candidate > served
-                served, state[candidate], opened_at = candidate, "served", None
-                served_any += 1
+            if rng.random() < 0.5:
+                continue  # the sender is busy elsewhere (another receiver, a copy)
+            choice = board.to_serve(served, board.read_open(words.__getitem__))
+            if choice is None:
+                assert all(v != "open" for t, v in state.items() if t > served), state
                 continue
-            candidate = next_ticket(served, counter, state.get(counter) != "open")
-            assert candidate > served
-            if opened_at is not None:
-                assert look - opened_at < 2, (state, counter, candidate)
+            ticket = choice[0]
+            assert state[ticket] == "open" and ticket > served
+            # the receive is served: the receiver closes it once the answer is in
+            served, state[ticket] = ticket, "served"
+            words[board._CLOSED] = ticket
+            served_any += 1
         assert all(v != "served" for t, v in state.items() if t > served), state
     assert served_any > 10_000 and skipped_any > 300  # both kinds of run met, often

@@ -27,7 +27,6 @@ from helpers import (
 from llamarl_core.sync import (SendHandle, SyncError, SyncTimeoutError, TornWeightsError, WeightReceiver, WeightSender,
                                module_sender)
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
-from llamarl_core.sync.protocol import Channel
 from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards
 
 CONFIG = small_config("llama_gqa_bias")
@@ -375,8 +374,7 @@ def test_a_restarted_sole_writer_failing_before_it_writes_answers_that_the_weigh
         return _timed(lambda: receiver.receive(timeout=20))
 
     def die_then_restart():
-        keys = Channel(store_client(store), "restarted-sole-writer", None)
-        _poll(lambda: keys.has("dst/0/open/1"))  # the receive opened its ticket: senders may write
+        _poll(lambda: receiver._board.current() is not None)  # the receive opened its ticket: senders may write
         time.sleep(0.3)  # past its last look at the failure reports: it waits for the answer
         receiver.tensors[name].fill_(7.0)  # what the dead rank copied before it died
         restarted = WeightSender(store_client(store), dead.layout, 0, {n: t.clone() for n, t in _shards(1, 0, 2).items()},

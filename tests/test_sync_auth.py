@@ -121,10 +121,8 @@ def _plant(raw: dist.Store, name: str, decoy_handle: dict) -> int:
         "src/layout": layout, "dst/layout": layout, "src/bucket_bytes": "1", "dst/bucket_bytes": "1",
         "src/0/info": '{"transport": "shm"}', "dst/0/info": '{"transport": "shm"}',
         "src/0/relay_buckets": json.dumps([[["lm_head.weight", 0, 4, 4, 1]]]),
-        "dst/0/handle": json.dumps(decoy_handle),
-        "src/0/offer/0": "[99, 1]", "src/0/error": '"forged failure"',
-        **{f"dst/0/open/{t}": "99" for t in range(1, 5)},
-        **{f"dst/0/done/{t}/0": '{"failed": 0, "error": "forged"}' for t in range(1, 5)},
+        "dst/0/handle": json.dumps(decoy_handle), "dst/0/board": json.dumps(decoy_handle | {"incarnation": 1}),
+        "src/0/offer/0": "[99, 1]", "src/0/error": '"forged failure"', "abandoned": '"forged: gone"',
         # The point-to-point group's rendezvous (gloo's keys under pg/): forged peer addresses.
         **{f"pg//{k}": "127.0.0.1:1" for k in ("0/0", "0/1", "1/0", "1/1", "rank_0", "rank_1")},
     }
@@ -163,10 +161,11 @@ def test_forged_values_at_every_key_change_nothing(store, transport):
     receiver.close()
 
 
-def test_a_forged_answer_to_an_open_ticket_is_not_taken(store):
-    """A stranger answers the receive's ticket first ("failed", then a version of
-    its own) while the sender is still on its way: the receive ignores both, waits
-    for the sender's answer and returns the genuine version."""
+def test_a_forged_failure_report_during_a_receive_is_not_taken(store):
+    """A stranger reports the sender failed (its error key forged, the failure count
+    moved, as a failing sender does) and the receivers abandoned, while the receive
+    waits on its ticket and the sender is still on its way: the receive ignores
+    them, waits for the sender's answer and returns the genuine version."""
     name = "answer"
     src, dst = hf_llama_fsdp(CONFIG, 1, torch.float32), vllm_llama_tp(CONFIG, 1, torch.bfloat16)
     receiver, sender = in_threads(
@@ -175,16 +174,19 @@ def test_a_forged_answer_to_an_open_ticket_is_not_taken(store):
         lambda: WeightSender(store_client(store), src, 0, _shards(1, 0, 1), name=name, transport="shm", timeout=30,
                              secret=SECRET))
     raw, stranger = store_client(store), auth.new_secret()
-    key = f"llamarl/sync/{name}//dst/0/done/1/0"
+    prefix = f"llamarl/sync/{name}/"
 
     def forge_then_send():
         deadline = time.monotonic() + 20
-        while not raw.check([f"llamarl/sync/{name}//dst/0/open/1"]):  # the receive opened its ticket
+        while receiver._board.current() is None:  # the receive opened its ticket
             assert time.monotonic() < deadline
             time.sleep(0.005)
-        for forged in (b'{"failed": 0, "error": "forged"}', b"12345"):
-            raw.set(key, auth.sign(stranger, key, forged))
-            time.sleep(0.2)  # the receive sees it, and must go on waiting
+        before = auth.refused_count()
+        for key, forged in (("src/0/error", b'"RuntimeError: forged"'), ("abandoned", b'"forged: gone"')):
+            raw.set(f"{prefix}/{key}", auth.sign(stranger, prefix + key, forged))
+        raw.add(f"{prefix}/src/failures", 1)
+        time.sleep(0.4)  # the receive reads the reports (every 0.125 s), and must go on waiting
+        assert auth.refused_count() > before  # it read the forged report, and refused it
         return sender.send(1)
 
     got = in_threads(receiver.receive, forge_then_send)

@@ -287,10 +287,6 @@ class AuthenticatedStore(dist.Store):
     def add(self, key: str, amount: int) -> int:
         return self.inner.add(key, amount)
 
-    def set_counter(self, key: str, value: int) -> None:
-        """Set the counter `key` to `value`, untagged like every counter (`add` reads it)."""
-        self.inner.set(key, str(value))
-
     def delete_key(self, key: str) -> bool:
         return self.inner.delete_key(key)
 

@@ -1,31 +1,30 @@
-"""The ticket board: the hand-shake of a receiver with the senders of its host in
-shared memory, beside the Store.
+"""The ticket board: the hand-shake of a receiver with the senders of its host,
+in shared memory.
 
-Over shared memory or CUDA IPC a version moves in two hand-shakes (protocol.py):
-the receiver opens a ticket, each sender on its host waits for it, copies, and
-answers; the receiver waits for every answer. Through the Store each of those
-waits is a process woken from a blocking read, 50-260 us apiece, more than the
-copy of a small model and about a fifth of a 1 GiB copy on an H100. The board
-carries the same two facts in a small region of POSIX shared memory that the
-receiver creates and every sender of its host maps, with a futex to sleep on:
-a waiter wakes within microseconds of the word it waits for.
+Over shared memory or CUDA IPC a version moves in two hand-shakes: the receiver
+opens a ticket (asking, or not, for a version), each sender of its host waits
+for it, copies, and answers on the ticket; the receiver waits for every answer,
+then closes the ticket. The board is where both happen, and the only place: a
+small region of POSIX shared memory that the receiver creates and every sender
+of its host maps, with a futex to sleep on, so a waiter wakes within
+microseconds of the word it waits for (a wait on a Store key costs 50-260 us, more
+than the copy of a small model). The Store carries the rest (protocol.py): the
+board's handle at set-up, the senders' offers and failure reports, and a
+receiver given up for lost (`abandon_receivers`), which a sender waiting on a
+board looks at every protocol.FAILURE_POLL_S.
 
-The Store stays the record: every key protocol.py describes is still written,
-in the same order, before the board says it. The board only lets a waiter stop
-waiting sooner on the usual path; whatever it does not show (a failure, a version
-that will not come, a closed or abandoned ticket, a receiver killed between two
-steps) is read from the Store as before:
-
-- the receiver writes the ticket it opened and the version it asks for, and the
-  ticket it closed; a sender waiting for ticket t returns at once when t is open
-  and not closed (`ticket`), and reads the Store otherwise;
-- a sender that served ticket t writes (t, the version, the count of the send)
-  in its own slot; the receiver returns once every sender of its host has, and
-  falls back to the Store when a sender rang the board instead (`ring`: it left
-  an answer that is not a version, or reported a failure) or the Store's failure
-  count moved;
-- the count of the send that served lets pending() tell an offer already served
-  from a new one without waiting for the Store to see its withdrawal.
+- The receiver numbers its tickets 1, 2, ... on each board (a receiver that
+  registers again makes a new board, and its senders map that one): it stores
+  the version asked for, then the ticket opened (`open_ticket`); later the
+  ticket closed (`close_ticket`). A sender serves the ticket open now
+  (`current`) if it has not served it yet.
+- Each sender answers in a slot of its own: the ticket, what it did (SERVED the
+  version; STALE: the version asked for will not come, it holds another; FAILED:
+  its failure report stands in the Store), whether it wrote into the receiver's
+  memory, and the count of its send (pending() tells an offer already served from
+  a new one by it). The receiver returns once every sender answered, or one failed.
+- `ring`: a sender's failure report stands in the Store (one that found no open
+  ticket to answer on): a receiver waiting on the board reads the reports at once.
 
 Layout: int64 words; word 0 holds the 32-bit event counter every write bumps
 (board_notify); the receiver's words and each sender's slot are on cache lines
@@ -39,37 +38,42 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 
 from .._native import native
+from .errors import SyncError
 
 _LINE = 8  # words per cache line
 _EVENTS = 0  # line 0: the event counter (32 bits)
 _OPENED, _EXPECT, _HAS_EXPECT, _CLOSED = 8, 9, 10, 11  # line 1: the receiver's
-_ANSWERS = 16  # line 2: rings (senders, atomic adds)
-_SLOTS = 24  # line 3 + s: sender s's [ticket served, version, send count]
-_DONE_TICKET, _DONE_VERSION, _DONE_OFFER = 0, 1, 2
+_RINGS = 16  # line 2: rings (senders, atomic adds)
+_SLOTS = 24  # line 3 + s: sender s's answer
+# An answer's words, and a sequence count odd while its sender writes them (one writer per slot:
+# a sender's threads answer one at a time), even after: a reader takes the words only between
+# two equal even loads of it.
+_DONE_TICKET, _DONE_KIND, _DONE_VERSION, _DONE_WROTE, _DONE_OFFER, _DONE_SEQ = 0, 1, 2, 3, 4, 5
 
-# What TicketBoard.ticket says besides "open": not opened yet, or the board shows
-# a later ticket or this one closed (the Store says which, and what to serve next).
-NOT_YET, MOVED = "not yet", "moved"
+# What a sender's answer says it did with the ticket (see the module's docstring).
+SERVED, STALE, FAILED = 0, 1, 2
 
 
-def read_ticket(load, candidate: int):
-    """TicketBoard.ticket on the words `load(index)` returns, loaded in this order
-    while the receiver may be storing (open_ticket: expect, then the ticket;
-    close_ticket: the ticket): what it returns held at its last load."""
+def read_open(load) -> tuple[int, int | None] | None:
+    """(ticket, version asked for or None) of the ticket open now, None when none
+    is, from the words `load(index)` returns, loaded in this order while the
+    receiver may be storing (open_ticket: expect, then the ticket; close_ticket:
+    the ticket). What it returns held at its last load: were the expect loaded a
+    later ticket's, that ticket's opening came after this one's close, which the
+    last load then shows."""
     opened = load(_OPENED)
-    if opened < candidate:
-        return MOVED if load(_CLOSED) >= candidate else NOT_YET
-    if opened > candidate:
-        return MOVED
     has_expect, expect = load(_HAS_EXPECT), load(_EXPECT)
-    # Loaded after the two above: were they the next ticket's already, this one's close
-    # (stored before them) shows here.
-    if load(_CLOSED) >= candidate:
-        return MOVED
-    return (expect if has_expect else None,)
+    if load(_CLOSED) >= opened:
+        return None
+    return opened, (expect if has_expect else None)
+
+
+def to_serve(served: int, current: tuple[int, int | None] | None) -> tuple[int, int | None] | None:
+    """A sender's choice: the ticket open now (`current`, read_open's) if it is
+    newer than the last one this sender served there (`served`), else None (wait)."""
+    return current if current is not None and current[0] > served else None
 
 
 def board_bytes(num_senders: int) -> int:
@@ -79,7 +83,7 @@ def board_bytes(num_senders: int) -> int:
 class TicketBoard:
     """One receiver rank's board (see the module's docstring). `create` on the
     receiver, `open` on each sender of its host; a process's view stays mapped for
-    as long as the object lives (a thread's abort() may still ring it)."""
+    as long as the object lives (a thread's abort() may still answer on it)."""
 
     def __init__(self, region, num_senders: int):
         self.region, self.num_senders = region, num_senders
@@ -87,41 +91,29 @@ class TicketBoard:
         self._c = native()
 
     @classmethod
-    def create(cls, num_senders: int) -> "TicketBoard":
-        return cls(native().SharedMemoryRegion.create(board_bytes(num_senders)), num_senders)
-
-    @classmethod
-    def create_or_warn(cls, num_senders: int, owner: str) -> "TicketBoard | None":
-        """A new board, or None with a warning naming `owner` and why (no room in
-        /dev/shm): the hand-shake then goes through the Store alone, as correct
-        and slower."""
+    def create(cls, num_senders: int, owner: str) -> "TicketBoard":
+        """A new board for `num_senders` sender slots; SyncError naming `owner` when
+        /dev/shm has no room for it."""
         try:
-            return cls.create(num_senders)
+            return cls(native().SharedMemoryRegion.create(board_bytes(num_senders)), num_senders)
         except native().EngineError as exc:
-            warnings.warn(f"{owner}: no ticket board ({exc}); its syncs hand over through the Store alone, "
-                          "50-260 us slower per wait", RuntimeWarning, stacklevel=3)
-            return None
+            raise SyncError(f"{owner}: no room for its ticket board ({board_bytes(num_senders)} bytes of /dev/shm): "
+                            f"{exc}") from None
 
     @classmethod
-    def open(cls, handle: dict, num_senders: int) -> "TicketBoard":
-        """Map the board a receiver published (`handle()`), checked to hold a slot per sender."""
+    def open(cls, handle: dict, num_senders: int, owner: str = "this process") -> "TicketBoard":
+        """Map the board a receiver published (`handle()`), checked to hold a slot per
+        sender; SyncError naming `owner` when it cannot be mapped from here."""
         if not isinstance(handle, dict) or handle.get("nbytes") != board_bytes(num_senders):
             raise ValueError(f"a ticket board for {num_senders} senders has {board_bytes(num_senders)} bytes, the "
                              f"receiver published {handle!r}")
-        region = native().SharedMemoryRegion.open(handle["pid"], handle["fd"], handle["name"], handle["nbytes"])
-        return cls(region, num_senders)
-
-    @classmethod
-    def open_or_warn(cls, handle: dict, num_senders: int, owner: str) -> "TicketBoard | None":
-        """`open`, or None with a warning naming `owner` and why (the receiver's
-        /proc/<pid>/fd cannot be read from here): the receiver then finds this
-        sender's answers in the Store, within protocol.FAILURE_POLL_S."""
         try:
-            return cls.open(handle, num_senders)
+            region = native().SharedMemoryRegion.open(handle["pid"], handle["fd"], handle["name"], handle["nbytes"])
         except native().EngineError as exc:
-            warnings.warn(f"{owner}: cannot map the receiver's ticket board ({exc}); each version it serves "
-                          "reaches that receiver up to 0.125 s later", RuntimeWarning, stacklevel=3)
-            return None
+            raise SyncError(f"{owner}: cannot map the receiver's ticket board ({exc}); senders and receivers on "
+                            "one host must be able to read each other's /proc/<pid>/fd (one user; or "
+                            "transport='p2p')") from None
+        return cls(region, num_senders)
 
     def handle(self) -> dict:
         return {"pid": os.getpid(), "fd": self.region.fd, "name": self.region.name, "nbytes": self.region.nbytes}
@@ -174,42 +166,48 @@ class TicketBoard:
         self.notify()
 
     def rings(self) -> int:
-        return self._load(_ANSWERS)
+        return self._load(_RINGS)
 
-    def closed(self) -> int:
-        """The last ticket the receiver closed (on the board, before the Store says so)."""
-        return self._load(_CLOSED)
-
-    def served(self, ticket: int, senders: list[int]) -> list[int] | None:
-        """The versions `senders` wrote for `ticket`, once every one has served it; else None."""
-        versions = []
+    def answers(self, ticket: int, senders: list[int]) -> list[tuple[int, int, bool] | None]:
+        """Each of `senders`' answer to `ticket`: (SERVED / STALE / FAILED, the
+        version, whether it wrote), None where it has not answered it (or is
+        writing its answer now: the board is notified once it is written)."""
+        found = []
         for src in senders:
-            if self._load(self._slot(src, _DONE_TICKET)) != ticket:
-                return None
-            versions.append(self._load(self._slot(src, _DONE_VERSION)))
-        return versions
+            seq = self._load(self._slot(src, _DONE_SEQ))
+            words = [self._load(self._slot(src, field)) for field in (_DONE_TICKET, _DONE_KIND, _DONE_VERSION,
+                                                                      _DONE_WROTE)]
+            whole = seq % 2 == 0 and self._load(self._slot(src, _DONE_SEQ)) == seq
+            found.append((words[1], words[2], bool(words[3])) if whole and words[0] == ticket else None)
+        return found
 
     def served_offer(self, src: int) -> int:
-        """The count of sender `src`'s last send that served this receiver (0: none yet)."""
+        """The count of sender `src`'s last send that answered on this board (0: none yet)."""
         return self._load(self._slot(src, _DONE_OFFER))
 
     # ---------------------------------------------------------------- a sender
 
-    def ticket(self, candidate: int):
-        """(version asked for,) while ticket `candidate` is open and not closed;
-        NOT_YET before the receiver opened it; MOVED otherwise (closed, or a later
-        ticket open: the Store says what to serve)."""
-        return read_ticket(self._load, candidate)
+    def current(self) -> tuple[int, int | None] | None:
+        """(ticket, version asked for) of the ticket open now; None when none is."""
+        return read_open(self._load)
 
-    def serve(self, src: int, ticket: int, version: int, offer: int) -> None:
-        """Sender `src` wrote `version` for `ticket`, in its `offer`-th send to this receiver."""
-        self._store(self._slot(src, _DONE_VERSION), version)
-        self._store(self._slot(src, _DONE_OFFER), offer)
-        self._store(self._slot(src, _DONE_TICKET), ticket)  # last: the receiver reads it first
+    def opened(self) -> int:
+        """The last ticket the receiver opened (0: none yet)."""
+        return self._load(_OPENED)
+
+    def answer(self, src: int, ticket: int, kind: int, version: int, wrote: bool, offer: int) -> None:
+        """Sender `src`'s answer to `ticket` (SERVED `version`; STALE, holding
+        `version`; FAILED), in its `offer`-th send to this receiver; wrote: whether it
+        wrote, or may have, into the receiver's memory. One thread of the sender at a time."""
+        seq = self._load(self._slot(src, _DONE_SEQ))
+        self._store(self._slot(src, _DONE_SEQ), seq + 1)
+        for field, value in ((_DONE_TICKET, ticket), (_DONE_KIND, kind), (_DONE_VERSION, version),
+                             (_DONE_WROTE, int(wrote)), (_DONE_OFFER, offer)):
+            self._store(self._slot(src, field), value)
+        self._store(self._slot(src, _DONE_SEQ), seq + 2)
         self.notify()
 
     def ring(self) -> None:
-        """A sender left the receiver something the board does not carry (an answer
-        that is not a version, a failure): the receiver reads the Store."""
-        self._c.board_add(self._address(_ANSWERS), 1)
+        """A failure report of a sender stands in the Store: the receiver reads it."""
+        self._c.board_add(self._address(_RINGS), 1)
         self.notify()

@@ -1,32 +1,30 @@
 """The Store side of a weight sync: a namespaced channel with JSON values and waits
-that always time out, the keys senders and receivers exchange, and the small
-decisions taken on them (a sender's reports and offers, a receiver's view of them,
+that always time out, the keys senders and receivers exchange, and the decisions
+taken on what they say (a sender's reports and offers, a receiver's view of them,
 what a receive's answers did to its weights: decide_receive).
+
+One channel per pair of ranks: the Store for set-up, offers and failure
+reports; a receiver's ticket board (board.py) for the hand-shakes of every
+version with the senders of its host (shared memory, CUDA IPC); the
+point-to-point group for pairs across hosts (stream.py).
 
 Keys, under `llamarl/sync/<name>/`. Values are JSON (nothing read is unpickled or
 run) with an HMAC tag under the sync's secret bound to the key (auth.py's
 AuthenticatedStore: a value that does not verify reads as not set, so a forged
-layout, device info, memory handle, relay table or answer is never acted on);
-counters are plain integers (a forged count is only a hint to look again):
+layout, device info, memory handle or report is never acted on); counters are
+plain integers (a forged count is only a hint to look again):
 
     src/layout, src/bucket_bytes                      sender rank 0, at set-up
     dst/layout, dst/bucket_bytes                      receiver rank 0, at set-up
     src/<s>/info, dst/<d>/info                        every rank: device_info + transport
     src/<s>/relay_buckets                             a relay's buckets (None: the plan's)
     src/<s>/incarnation, dst/<d>/incarnation          counters: registrations under this name
+    dst/<d>/board                                     receiver d's ticket board (board.py), with its
+                                                      incarnation, set before the handle
     dst/<d>/handle                                    receiver d's memory handle (shm, CUDA IPC),
                                                       with its incarnation
     dst/reregistered                                  counter: receivers registered again, each
                                                       counted once its handle is published
-    dst/<d>/board                                     receiver d's ticket board (board.py), set before
-                                                      the handle: the same hand-shake in shared memory
-    dst/<d>/ticket                                    counter: the last ticket receiver d took
-    dst/<d>/open/<t>                                  ticket t opened: the version asked for
-                                                      (or null); "closed" once over; "abandoned"
-    dst/<d>/done/<t>/<s>                              sender s served ticket t: the version it
-                                                      wrote; {"abandoned", "holds"} (that version
-                                                      will not come); {"failed", "error",
-                                                      "wrote"} (a sender failed: see below)
     src/<s>/offer/<d>                                 [version, n]: sender s's n-th send to
                                                       receiver d waits for it (or runs); null
                                                       once over (shm, CUDA IPC pairs)
@@ -41,31 +39,20 @@ counters are plain integers (a forged count is only a hint to look again):
     pg/...                                            the point-to-point group's rendezvous
                                                       (tagged too: a forged peer address is never read)
 
-Keys do not pile up with versions: once a receiver has opened ticket t it deletes
-ticket t - 1's answers and ticket t - 2's `open` (a sender one ticket behind still
-finds t - 1 closed). An answer a sender writes after the receiver moved on,
-on a failure path, stays: one key per such failure.
+Nothing is written per version but the offers: the keys do not pile up.
 
 A sender that fails (its set-up or a send raises, or `abort`) publishes its error
-(`SenderReports.fail`) before it re-raises: the error, the count of failures, then
-a "failed" answer in every slot of the open ticket of each receiver it has not
-served, which ends that receiver's wait at once. A receiver reads the count (one
-request) before it opens a ticket; a failure reported after that read rings the
-receiver's ticket board (board.py) or, from a sender that has not mapped it yet,
-moves the count, which the receiver looks at every FAILURE_POLL_S while it waits:
-either way it then reads the answers from the Store, where the failed sender
-answered every slot if it found the ticket open, and raises the failure
-(weights torn) if none came within FAILURE_POLL_S. Set-up waits poll the count
-instead (`Channel.wait` with `failure`).
-
-Between a receiver and the senders of its host (shared memory, CUDA IPC) the two
-waits of a version, for the ticket to open and for the answers, sleep on the
-receiver's ticket board instead of the Store; the keys above are written all the
-same, sent before the board shows them, and are read whenever the board does not
-show what a waiter needs (board.py). A Store set is not answered, so a key the
-board already shows may still be on its way to the Store: a waiter that reads
-such a key from the Store waits for it (a blocking get or a wait with a
-deadline), never takes its absence for an answer.
+(`SenderReports.fail`) before it re-raises: the error, then the count of
+failures; then it answers FAILED on the open ticket of each receiver of its host
+it has not served (ending that receiver's wait at once: it does not wait for the
+others, which may be stuck in a collective with the failed one), and rings the
+board of each. A receiver reads the count (one request) before it opens a ticket;
+while it waits on its board it reads the reports when a sender rings, and every
+FAILURE_POLL_S for a sender that failed before it mapped the board: a sender
+whose failure stands and that has not answered within FAILURE_POLL_S fails the
+receive (weights torn). Set-up waits poll the count instead (`Channel.wait` with
+`failure`). A sender waiting on a board for a ticket reads the Store every
+FAILURE_POLL_S: receivers abandoned (`abandon_receivers`), or registered again.
 """
 
 from __future__ import annotations
@@ -79,25 +66,23 @@ from typing import Callable, Iterable, Mapping
 import torch.distributed as dist
 
 from ..control.auth import AuthenticatedStore, required_secret
+from .board import FAILED as FAILED_SLOT
+from .board import STALE as STALE_SLOT
 from .errors import SyncError, SyncTimeoutError
-from .layout import Layout
 
 # A sync's set-up waits, and each send or receive by default, in seconds (every endpoint's `timeout`).
 DEFAULT_TIMEOUT_S = 120.0
 
 SRC, DST = "src", "dst"
-# Set by abandon_receivers: the reason under this key, and this value in the tickets it opens.
+# Set by abandon_receivers: the reason under this key.
 ABANDONED = "abandoned"
-# What a receiver writes over its ticket's `open` value when it closes the ticket: a
-# sender waiting for the ticket after the one it served last sees it there.
-CLOSED = "closed"
 FAILURES = f"{SRC}/failures"
 # Counter: receivers that registered again under the sync's name (a restarted rank), each
 # once its memory handle is published; a sender reads it at every send.
 REREGISTERED = f"{DST}/reregistered"
 # The longest pause between two polls of a wait that watches for failures: a failure
-# is seen within this of its report. Every poll is a request to the Store (a check of
-# the keys, a read of the failure count), so a wait that lasts polls about 8 times a second.
+# is seen within this of its report. Every poll is a request or two to the Store (a
+# check of the keys, a read of the failure count), about 8 a second while a wait lasts.
 FAILURE_POLL_S = 0.125
 
 
@@ -128,23 +113,14 @@ class Channel:
                             "secret (forged, or written by a rank given another secret); nothing is planned on it")
         return None if body is None else json.loads(body)
 
-    def lookup(self, key: str) -> tuple[bool, object]:
-        """(True, value) when the key holds a genuine value (JSON null included),
-        else (False, None), without waiting."""
-        body = self.store.read(key)[1]
-        return (False, None) if body is None else (True, json.loads(body))
-
     def genuine(self, key: str):
         """The key's value, None if it was never set or holds a value that does not
         verify (a report or marker a stranger forged is as good as none), without waiting."""
-        return self.lookup(key)[1]
+        body = self.store.read(key)[1]
+        return None if body is None else json.loads(body)
 
     def counter(self, key: str, delta: int = 0) -> int:
         return self.store.add(key, delta)
-
-    def set_counter(self, key: str, value: int) -> None:
-        """Set the counter `key` (untagged, as every counter: `counter` reads it)."""
-        self.store.set_counter(key, value)
 
     def has(self, key: str) -> bool:
         """Whether the key holds a genuine value, without waiting."""
@@ -184,10 +160,6 @@ class Channel:
             time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
             pause = min(2 * pause, FAILURE_POLL_S)
 
-    def get_all(self, keys: Mapping[str, str], deadline: float, what: str) -> list:
-        """The values of `keys` once every one is genuine, within the deadline (wait)."""
-        return [json.loads(v) for v in self.wait(keys, deadline, what)]
-
     def _timeout(self, exc: RuntimeError, keys: Mapping[str, str], what: str) -> Exception:
         """The SyncTimeoutError of a wait that failed with `exc`, or `exc` itself when
         it was not a timeout. A timeout is a DistStoreError from TCPStore and
@@ -203,21 +175,12 @@ class Channel:
                                    "written by a rank given another secret" if forged else "") + ")")
 
 
-def ticket_closed(channel: Channel, dst: int, ticket: int) -> bool:
-    """Whether receiver `dst` closed `ticket` (CLOSED over its `open` value)."""
-    return channel.genuine(f"{DST}/{dst}/open/{ticket}") == CLOSED
-
-
 def error_key(rank: int) -> str:
     return f"{SRC}/{rank}/error"
 
 
 def offer_key(src: int, dst: int) -> str:
     return f"{SRC}/{src}/offer/{dst}"
-
-
-def done_key(dst: int, ticket: int, src: int) -> str:
-    return f"{DST}/{dst}/done/{ticket}/{src}"
 
 
 class SenderReports:
@@ -239,31 +202,11 @@ class SenderReports:
         for dst in dsts:
             self.channel.set(offer_key(self.rank, dst), None)
 
-    def fail(self, message: str, unserved: Mapping[int, tuple[int, Iterable[int]]],
-             wrote: Iterable[int] = ()) -> dict[int, int]:
-        """Publish this rank's failure, then end the waits it leaves hanging. unserved:
-        receiver -> (the last ticket this rank served it, the ranks that write to it
-        over shared memory or CUDA IPC): an open ticket after that one gets a
-        {"failed", "error", "wrote"} answer in every slot not answered yet ("wrote":
-        whether this rank began writing to that receiver: in `wrote`), so its receive()
-        raises at once instead of waiting for senders that may never come (a rank
-        stuck in a collective with this one). Receivers this rank serves point to
-        point wait in the process group: they see the failure in pending().
-        Returns receiver -> its current ticket, answered here or closed: this rank
-        has nothing more to do with it (its next send looks at the ticket after)."""
+    def fail(self, message: str) -> None:
+        """Publish this rank's failure: its error, then the count a receiver's waits
+        watch (the sender then answers FAILED on the boards it serves, see above)."""
         self.channel.set(error_key(self.rank), message)
         self.channel.counter(FAILURES, 1)
-        wrote = set(wrote)
-        current = {}
-        for dst, (served, writers) in unserved.items():
-            answer = {"failed": self.rank, "error": message, "wrote": dst in wrote}
-            ticket = current[dst] = self.channel.counter(f"{DST}/{dst}/ticket")
-            if ticket <= served or ticket_closed(self.channel, dst, ticket):
-                continue
-            for src in writers:
-                if not self.channel.has(done_key(dst, ticket, src)):
-                    self.channel.set(done_key(dst, ticket, src), answer)
-        return current
 
     def clear(self) -> None:
         """This rank sends again (or registered again): its failure no longer stands."""
@@ -324,35 +267,10 @@ class SenderWatch:
 def abandon_receivers(store: dist.Store, name: str, reason: str, *, secret: bytes | None = None) -> None:
     """The receivers of sync `name` are gone for good (their processes died; new
     ones register under another name): a send waiting for one of them to ask for a
-    version raises SyncError naming `reason` at once instead of at its timeout.
-    Called by whoever watches the receivers' processes (the pipeline's controller),
-    with the sync's secret (as WeightSender's)."""
-    channel = Channel(store, name, secret)
-    channel.set(ABANDONED, reason)
-    if not channel.has(f"{DST}/layout"):
-        return  # never registered: no sender can be waiting for a ticket
-    for rank in range(Layout.from_dict(channel.get(f"{DST}/layout")).world_size):
-        # Wake the senders waiting for a ticket to open: the next one, and the last one taken,
-        # which a receiver killed between taking it and opening it never opened. The mark in
-        # its place makes them raise; a ticket opened already is left as it is.
-        last = channel.counter(f"{DST}/{rank}/ticket")
-        for ticket in (last, last + 1):
-            if ticket and not channel.has(f"{DST}/{rank}/open/{ticket}"):
-                channel.set(f"{DST}/{rank}/open/{ticket}", ABANDONED)
-
-
-def next_ticket(served: int, current: int, current_closed: bool) -> int:
-    """The ticket a sender looks at next on a receiver once the one it looked at
-    was closed unserved (a receive that timed out) or did not open in time (a
-    receiver killed after taking it, or a slow one). served: the last ticket it
-    served there; current: the receiver's counter, the last ticket it took;
-    current_closed: whether that one is closed (True where it is not newer than
-    the served one). The current ticket if it is newer than the one served and
-    still open (a receive under way), else the one after it, or after the served
-    one, whichever is later: the receiver's next receive."""
-    if current > served and not current_closed:
-        return current
-    return max(current, served) + 1
+    version raises SyncError naming `reason` within FAILURE_POLL_S instead of at its
+    timeout. Called by whoever watches the receivers' processes (the pipeline's
+    controller), with the sync's secret (as WeightSender's)."""
+    Channel(store, name, secret).set(ABANDONED, reason)
 
 
 LANDED, FAILED, STALE, MIXED = "landed", "failed", "stale", "mixed"
@@ -404,6 +322,33 @@ def decide_receive(answers: list, senders: list[int], p2p_versions: Iterable[int
     if len(versions) > 1:
         return ReceiveOutcome(MIXED, True, True, versions=versions)
     return ReceiveOutcome(LANDED, bool(versions), False, version=next(iter(versions), None), versions=versions)
+
+
+def board_answers(slots: list, senders: list[int], expect: int | None,
+                  report: Callable[[int], str | None]) -> list:
+    """decide_receive's answers from a ticket board's slots (TicketBoard.answers:
+    (kind, version, wrote) or None, in the order of `senders`), for the ticket
+    that asked for `expect`: SERVED -> the version; STALE -> {"abandoned",
+    "holds", "wrote"}; FAILED -> {"failed", "error", "wrote"} (error: report(src),
+    the error the sender published, None once it sends again); a slot not
+    answered beside a FAILED one -> that failure without "wrote" (its sender may
+    have written, or be writing)."""
+
+    def failure(src: int) -> str:
+        return report(src) or "its report no longer stands (it sends again)"
+
+    failed = [(src, slot) for src, slot in zip(senders, slots) if slot is not None and slot[0] == FAILED_SLOT]
+    answers = []
+    for src, slot in zip(senders, slots):
+        if slot is None:
+            answers.append({"failed": failed[0][0], "error": failure(failed[0][0])})
+        elif slot[0] == FAILED_SLOT:
+            answers.append({"failed": src, "error": failure(src), "wrote": slot[2]})
+        elif slot[0] == STALE_SLOT:
+            answers.append({"abandoned": expect, "holds": slot[1], "wrote": slot[2]})
+        else:
+            answers.append(slot[1])
+    return answers
 
 
 def relay_name(name: str, replica: int) -> str:

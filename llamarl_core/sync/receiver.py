@@ -13,11 +13,12 @@ from .endpoint import Endpoint, check_endpoint, packed, register_receiver
 from .engine import (check_distinct_memory, prepared_table, run_segment_table, segment_table, storage_key,
                      wait_for_queued_work)
 from .errors import StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
+from .board import FAILED as FAILED_SLOT
 from .board import TicketBoard
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES, check_replica, relay_tree
-from .protocol import (CLOSED, DEFAULT_TIMEOUT_S, DST, FAILED, FAILURE_POLL_S, LANDED, MIXED, REREGISTERED, Channel,
-                       ReceiveOutcome, SenderWatch, decide_receive, done_key, relay_name, ticket_closed)
+from .protocol import (DEFAULT_TIMEOUT_S, DST, FAILED, FAILURE_POLL_S, LANDED, MIXED, REREGISTERED, Channel,
+                       ReceiveOutcome, SenderWatch, board_answers, decide_receive, error_key, relay_name)
 from .relay import Forwarding, Relays, arrival_regions
 from .sender import WeightSender
 from .stream import NOTHING_FOLLOWS
@@ -138,11 +139,7 @@ class WeightReceiver(Endpoint):
         self.senders = self.plan.senders_of(self.rank)
         self._local_senders = [src for src in self.senders if self.transports[(src, self.rank)] != P2P]
         self._board: TicketBoard | None = None  # see below
-        # The last ticket this rank took (a restarted rank goes on from its predecessor's,
-        # and closes it: a predecessor killed in a receive left it open, or never opened it).
-        self._ticket = self.channel.counter(f"{DST}/{self.rank}/ticket")
-        if self._ticket and not ticket_closed(self.channel, self.rank, self._ticket):
-            self._close_ticket(self._ticket)
+        self._ticket = 0  # the last ticket this rank opened on its board
         # Sender -> how many of its sends were offered up to the last header taken from it
         # point to point (pending() compares its offers with it); None for a sender that
         # writes through memory (its offers are withdrawn).
@@ -159,13 +156,10 @@ class WeightReceiver(Endpoint):
             remote = any(self._src_infos[src]["process"] != me for src in self._local_senders)
             handle = cuda_ipc_handle(self.tensors, self.device, remote)
         if handle is not None:
-            # The hand-shake with the senders of this host in shared memory too (board.py),
-            # published before the memory handle they wait for, every ticket taken so far
-            # closed on it. Without one (no room in /dev/shm) the Store carries it all.
-            self._board = TicketBoard.create_or_warn(self.plan.src_layout.world_size, f"receiver rank {self.rank}")
-            if self._board is not None:
-                self._board.close_ticket(self._ticket)
-                self.channel.set(f"{DST}/{self.rank}/board", self._board.handle() | {"incarnation": self._incarnation})
+            # The hand-shake with the senders of this host (board.py), published before the
+            # memory handle they wait for.
+            self._board = TicketBoard.create(self.plan.src_layout.world_size, f"receiver rank {self.rank}")
+            self.channel.set(f"{DST}/{self.rank}/board", self._board.handle() | {"incarnation": self._incarnation})
             # Senders compare the incarnation with the receiver's counter at every send: one
             # that mapped a predecessor registered under this name maps this one instead.
             self.channel.set(f"{DST}/{self.rank}/handle", handle | {"incarnation": self._incarnation})
@@ -209,9 +203,9 @@ class WeightReceiver(Endpoint):
 
     def _raise_if_senders_failed(self) -> None:
         """SyncError for a failure reported by one of this rank's senders, before a
-        ticket is opened (nothing written). Asked only
-        where a sender writes over shared memory or CUDA IPC (the ticket talks to the
-        Store anyway): a receiver fed only point to point (its senders on other hosts)
+        ticket is opened (nothing written): one Store request. Asked only where a
+        sender writes over shared memory or CUDA IPC (the wait for its answers
+        reads the reports anyway): a receiver fed only point to point (its senders on other hosts)
         keeps to the process group and its timeout within receive(), since a Store
         request over a link that went down waits for the Store's own timeout;
         pending() reports there."""
@@ -268,87 +262,58 @@ class WeightReceiver(Endpoint):
         # nothing but the ticket: open it only once the generator's queued kernels
         # have stopped reading.
         wait_for_queued_work(self.device, deadline, f"the kernels queued on {self.device} (receiver {self.rank})")
-        key = f"{DST}/{self.rank}"
-        # This rank alone takes its tickets: counted here and published (a set needs no
-        # answer from the Store), before the ticket is opened. Whatever happens from here
-        # on, the ticket is closed before receive() returns or raises.
+        # Whatever happens from here on, the ticket is closed before receive() returns or raises.
         self._ticket += 1
-        ticket = self._ticket
-        done = {done_key(self.rank, ticket, src): f"sender rank {src}" for src in self._local_senders}
-        was_torn = self.torn
+        ticket, was_torn = self._ticket, self.torn
         try:
-            self.channel.set_counter(f"{key}/ticket", ticket)
             self.torn = True  # from here on senders may be writing into the tensors
-            self.channel.set(f"{key}/open/{ticket}", expect)
-            if self._board is not None:
-                self._board.open_ticket(ticket, expect)  # after the Store: the board never runs ahead of it
-            self._forget_tickets_before(ticket)
+            self._board.open_ticket(ticket, expect)
             versions = self._receive_p2p(deadline, forwarding)  # senders on other hosts, meanwhile
-            answers = None if self._board is None else self._served_on_board(ticket, list(done), rings, deadline)
-            if answers is None:
-                answers = self._answers_in_store(done, ticket, deadline)
+            answers = self._answers_on_board(ticket, expect, rings, deadline)
         finally:
-            self._close_ticket(ticket)
+            self._board.close_ticket(ticket)
         return self._adopt(decide_receive(answers, self._local_senders, versions, was_torn), was_torn)
 
-    def _served_on_board(self, ticket: int, done: list[str], rings: int, deadline: float) -> list[int] | None:
-        """The versions the senders of this host wrote for `ticket`, as the board shows
-        them once every one has; None (the answers are then read from the Store) as
-        soon as a sender rang the board since `rings` was read (an answer that is not
-        a version, a failure), or `deadline` passed (the Store's wait names who never
-        answered). Every FAILURE_POLL_S the Store is looked at too, for what a sender
-        could not ring: the failure count (a sender that failed before it mapped the
-        board) and the answers (`done`: a sender holding the board of this rank's
-        predecessor under the same name)."""
-        board = self._board
+    def _answers_on_board(self, ticket: int, expect: int | None, rings: int, deadline: float) -> list:
+        """The answers of the senders of this host to `ticket` (protocol.board_answers),
+        once every one answered or one failed. When a sender rings (`rings`: the
+        count read before the ticket opened), and every FAILURE_POLL_S, the failure
+        reports are read (one request while none was reported): a sender whose
+        failure stands and that leaves its slot empty for FAILURE_POLL_S (it failed
+        before this ticket opened, or before it mapped the board) fails the receive,
+        the weights torn. Past `deadline` SyncTimeoutError names the senders that
+        never answered. A sender that failed after serving this ticket changes nothing."""
+        board, senders = self._board, self._local_senders
+
+        def settled():
+            slots = board.answers(ticket, senders)
+            done = all(slot is not None for slot in slots) or any(slot is not None and slot[0] == FAILED_SLOT
+                                                                  for slot in slots)
+            return slots if done else None
+
+        silent_since = None  # when a sender with a standing failure was first seen not to answer
         while True:
-            found = board.wait_until(lambda: board.served(ticket, self._local_senders) or
-                                     (None if board.rings() == rings else False),
+            slots = board.wait_until(lambda: settled() or (None if board.rings() == rings else False),
                                      min(deadline, time.monotonic() + FAILURE_POLL_S))
-            if found:
-                return found
-            if (found is False or time.monotonic() >= deadline or self.watch.reported_since()
-                    or all(map(self.channel.has, done))):
-                return None
-
-    def _answers_in_store(self, done: dict[str, str], ticket: int, deadline: float) -> list:
-        """The senders' answers to `ticket` (`done`: their keys, in the order of
-        `_local_senders`), read from the Store (the board did not show them all). A
-        sender whose failure stands answers every slot left if it found the ticket
-        open (SenderReports.fail), its own among them; one that found it not open
-        yet (it failed before the receive opened it) answers none: raised once
-        FAILURE_POLL_S has passed with its own slot empty, the weights counted torn.
-        A sender that failed after serving this ticket changes nothing here."""
-        what = f"senders to finish (receiver {self.rank}, ticket {ticket})"
-        slots = dict(zip(self._local_senders, done))
-        silent = [] if self.watch.failure(self.senders) is None else [  # one request while none was reported
-            src for src in self._local_senders if not self.channel.has(slots[src]) and self.watch.report(src)]
-        if silent:
-            try:
-                self.channel.wait({slots[src]: f"sender rank {src}" for src in silent},
-                                  min(deadline, time.monotonic() + FAILURE_POLL_S), what)
-            except SyncTimeoutError:
+            if slots:
+                return board_answers(slots, senders, expect, lambda src: self.channel.genuine(error_key(src)))
+            rings = board.rings()
+            now = time.monotonic()
+            slots = board.answers(ticket, senders)
+            silent = [] if self.watch.failure(self.senders) is None else [
+                src for src, slot in zip(senders, slots) if slot is None and self.watch.report(src)]
+            if not silent:
+                silent_since = None
+            elif silent_since is None:
+                silent_since = now
+            elif now - silent_since >= FAILURE_POLL_S:
                 report = self.watch.report(silent[0]) or f"sender rank {silent[0]} failed"
-                raise SyncError(f"receiver rank {self.rank}: {report}; " + _outcome(True, self.torn)) from None
-        return self.channel.get_all(done, deadline, what)
-
-    def _close_ticket(self, ticket: int) -> None:
-        """No sender may serve `ticket` from now on: CLOSED over its `open` value (on
-        the board first: a sender serves what the board shows open)."""
-        if self._board is not None:
-            self._board.close_ticket(ticket)
-        self.channel.set(f"{DST}/{self.rank}/open/{ticket}", CLOSED)
-
-    def _forget_tickets_before(self, ticket: int) -> None:
-        """Delete what the tickets before `ticket` left in the Store: the previous
-        one's answers (read, or never to come) and the `open` of the one before it.
-        A sender looks at the ticket after the one it served last and at the current
-        one: the previous ticket's CLOSED stays, for a sender one ticket behind
-        (protocol.py: keys do not pile up). Called once `ticket` is open, while the
-        senders copy: the requests add nothing to the receive's time."""
-        key = f"{DST}/{self.rank}"
-        for stale in [*(done_key(self.rank, ticket - 1, src) for src in self._local_senders), f"{key}/open/{ticket - 2}"]:
-            self.channel.store.delete_key(stale)
+                raise SyncError(f"receiver rank {self.rank}: {report}; " + _outcome(True, self.torn))
+            if now >= deadline:
+                missing = [src for src, slot in zip(senders, slots) if slot is None]
+                raise SyncTimeoutError(f"timed out waiting for senders to finish (receiver {self.rank}, ticket "
+                                       f"{ticket}): no word from " + ", ".join(f"sender rank {src}" for src in missing)
+                                       + " (no answer on its slot of the ticket board)")
 
     def _check_storage(self) -> None:
         """Refuse to sync into a tensor whose storage moved since registration: the

@@ -20,20 +20,12 @@ from .engine import check_local_tensors, prepared_table, run_segment_table, segm
 from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
 from .amax import AmaxExchange
-from .board import MOVED, NOT_YET, TicketBoard
+from .board import FAILED, SERVED, STALE, TicketBoard, to_serve
 from .fp8 import Fp8Sources
 from .plan import DEFAULT_BUCKET_BYTES, source_address
-from .protocol import (ABANDONED, CLOSED, DEFAULT_TIMEOUT_S, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderReports,
-                       done_key, next_ticket, ticket_closed)
+from .protocol import ABANDONED, DEFAULT_TIMEOUT_S, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderReports
 from .stream import NOTHING_FOLLOWS, P2PStream
 from .transports import P2P, SHM, OpenedCudaHandles, OpenedSharedStorages
-
-# How long a sender waits for a ticket to open before it reads the receiver's counter
-# again (a ticket taken and never opened, by a receiver killed in between, is skipped
-# once a newer one is taken); also how long a send waiting for a receiver without a
-# ticket board takes to notice that it is stopped (close, abort; on a board: at once).
-TICKET_POLL_S = 1.0
-
 
 class SendHandle:
     """A send running in its sender's background thread (`send(version, wait=False)`).
@@ -135,8 +127,9 @@ class WeightSender(Endpoint):
         self._unfinished_headers: dict[int, list] = {}  # receiver -> [(work, header, what)] of "nothing follows"
         self._local_receivers: list[int] = []
         # Receiver on this host -> its ticket board (board.py): never unmapped before this object
-        # goes (one page each), so that no thread's abort() can ring an unmapped board.
+        # goes (one page each), so that no thread's abort() can answer on an unmapped board.
         self._boards: dict[int, TicketBoard] = {}
+        self._answering = threading.Lock()  # one thread at a time answers on a board (the send's, abort()'s)
         self._opened: dict[int, object] = {}  # receiver on this host -> its memory, mapped (closed by close())
         self._state = threading.Condition()  # guards _sending, _stop and _closed
         self._sending: int | None = None  # the version of the send running now
@@ -172,37 +165,39 @@ class WeightSender(Endpoint):
         # Start with a different receiver on each sender so they do not all queue on one.
         shift = self.rank % len(local) if local else 0
         self._local_receivers = local[shift:] + local[:shift]
-        if self._incarnation > 1:
-            # A restarted sender: a receive() open now, where other senders write too, may
-            # hold their previous version beside the predecessor's partial writes; joining
-            # it would mix versions: serve from the next ticket on. A receiver this rank
-            # alone writes (a relay's child rank) is served at once: all of it is written
-            # again, and it may be waiting for exactly the version the predecessor died on.
-            # (The one before the current ticket for a receiver it alone writes: its current ticket
-            # is the first looked at; the keys of older ones are gone, see protocol.py.)
-            self._served = {dst: max(self.channel.counter(f"{DST}/{dst}/ticket") -
-                                     (len(self.plan.senders_of(dst)) == 1), 0) for dst in local}
-            self.reports.withdraw(local)  # what the predecessor offered will not come
-            # Receivers whose open ticket the predecessor may have half written: any answer
-            # this rank gives them says it wrote, until it has served them whole.
-            self._maybe_written = {dst for dst in local if len(self.plan.senders_of(dst)) == 1}
         self._dst_addresses: dict[int, dict[str, int]] = {}
         self._dst_incarnations: dict[int, int] = {}  # receiver -> the incarnation whose memory is mapped
         self._reregistered = self.channel.counter(REREGISTERED)  # before any handle is read
         deadline = time.monotonic() + self.timeout
         for dst in self._local_receivers:
             self._map_receiver(dst, deadline)
+        if self._incarnation > 1:
+            # A restarted sender: a receive() open now, where other senders write too, may
+            # hold their previous version beside the predecessor's partial writes; joining
+            # it would mix versions: serve from the next ticket on. A receiver this rank
+            # alone writes (a relay's child rank) is served at once: all of it is written
+            # again, and it may be waiting for exactly the version the predecessor died on.
+            sole = {dst for dst in local if len(self.plan.senders_of(dst)) == 1}
+            self._served = {dst: max(self._boards[dst].opened() - (dst in sole), 0) for dst in local}
+            self.reports.withdraw(local)  # what the predecessor offered will not come
+            # Receivers whose open ticket the predecessor may have half written: any answer
+            # this rank gives them says it wrote, until it has served them whole.
+            self._maybe_written = sole
         self._staging_bufs = self._staging([self.plan.buckets[(self.rank, d)] for d in self._p2p_peers])
         self._build_tables()
 
     def _map_receiver(self, dst: int, deadline: float, incarnation: int = 0) -> None:
         """Map the memory of receiver `dst` (of `incarnation` or a later one: its handle
-        is waited for until `deadline`) and its ticket board, in place of any mapped before."""
+        is waited for until `deadline`) and its ticket board, in place of any mapped
+        before; this rank has served no ticket of that board yet."""
         key, what = f"{DST}/{dst}/handle", f"receiver {dst}'s memory handle"
         while True:
             self.channel.wait({key: f"receiver rank {dst}"}, deadline, what)
             handle = self.channel.get(key)
-            if handle.get("incarnation", 0) >= incarnation:
+            # The board is published before the handle, by the same registration; a later
+            # registration's board beside this handle: its handle is on its way.
+            board = self.channel.get(f"{DST}/{dst}/board")
+            if handle.get("incarnation", 0) >= incarnation and board.get("incarnation") == handle.get("incarnation"):
                 break
             if time.monotonic() >= deadline:
                 raise SyncTimeoutError(f"sender rank {self.rank}: timed out waiting for receiver {dst}, registered "
@@ -218,12 +213,8 @@ class WeightSender(Endpoint):
             opened = self._opened[dst] = OpenedCudaHandles(handle, self.device)
         self._dst_addresses[dst] = opened.addresses
         self._dst_incarnations[dst] = handle.get("incarnation", 0)
-        self._boards.pop(dst, None)
-        board = self.channel.get_if_set(f"{DST}/{dst}/board")  # set before the handle, when there is one
-        if board is not None and board.get("incarnation") == self._dst_incarnations[dst]:
-            opened_board = TicketBoard.open_or_warn(board, self.plan.src_layout.world_size, f"sender rank {self.rank}")
-            if opened_board is not None:
-                self._boards[dst] = opened_board
+        self._boards[dst] = TicketBoard.open(board, self.plan.src_layout.world_size, f"sender rank {self.rank}")
+        self._served[dst] = 0
 
     def _follow_reregistered(self, deadline: float) -> None:
         """Receivers on this host that registered again under this sync's name since
@@ -281,83 +272,27 @@ class WeightSender(Endpoint):
 
     def _await_ticket(self, dst: int, deadline: float) -> tuple[int, int | None]:
         """(ticket, version asked for) of receiver `dst`'s open receive() that this
-        sender has not served. Raises SyncError at once if the receivers were abandoned
-        (abandon_receivers; within FAILURE_POLL_S where the receiver has a ticket
-        board, which is watched instead of the Store), within TICKET_POLL_S if this
-        send is stopped (at once on a board). Receivers
-        take tickets one after the other, so the one after the ticket served last is
-        usually the next to open: its `open` key is waited for without reading the
-        counter first. When a candidate is closed unserved (a receive that timed
-        out), or not opened within TICKET_POLL_S (a receiver killed after taking it;
-        a slow one), the receiver's counter names the current ticket: the candidate
-        becomes that ticket if it is still open, else the one after it."""
-        last = self._served.get(dst, 0)
-        candidate = last + 1
-        what = f"receiver {dst} to ask for a version"
-        board = self._boards.get(dst)
+        sender has not served, as its board shows it. Raises SyncError at once if this
+        send is stopped (both wake the board), within FAILURE_POLL_S if the receivers
+        were abandoned (abandon_receivers); a receiver registered again meanwhile (a
+        restarted generator rank) is mapped anew, and its board waited on instead;
+        past `deadline` SyncTimeoutError names the receiver. Every FAILURE_POLL_S of
+        waiting: two Store requests."""
         while True:
             self._check_stop()
-            if board is not None:
-                wanted = self._board_ticket(board, dst, candidate, deadline)
-                if isinstance(wanted, tuple):
-                    return candidate, wanted[0]
-            else:
-                try:
-                    poll = min(deadline, time.monotonic() + TICKET_POLL_S)
-                    key = f"{DST}/{dst}/open/{candidate}"
-                    wanted = self.channel.get_all({key: f"receiver rank {dst}"}, poll, what)[0]
-                except SyncTimeoutError:
-                    if time.monotonic() >= deadline:
-                        raise
-                    wanted = CLOSED  # not opened yet: look again below
-            if wanted == ABANDONED or (wanted == CLOSED and self.channel.has(ABANDONED)):
-                raise self._receiver_gone(dst)
-            if wanted != CLOSED:
-                # A ticket the Store shows (not the board this rank mapped) may be a receiver's
-                # that registered again while this send waited: it counted itself before opening
-                # any ticket, and is mapped now, before a byte is copied.
-                self._follow_reregistered(deadline)
-                return candidate, wanted
-            current = self.channel.counter(f"{DST}/{dst}/ticket")
-            # Closed on the board comes before closed in the Store (and the board is all a
-            # receiver killed between the two leaves): either means closed. Read only for a
-            # ticket newer than the one served.
-            closed = current <= last or (board is not None and board.closed() >= current) or ticket_closed(
-                self.channel, dst, current)
-            candidate = next_ticket(last, current, closed)
-
-    def _board_ticket(self, board: TicketBoard, dst: int, candidate: int, deadline: float):
-        """_await_ticket's look at ticket `candidate` of a receiver with a board:
-        (version asked for,) as soon as the board shows it open; CLOSED (the
-        receiver's counter says what comes next) at once when the board shows it
-        closed or passed, or after TICKET_POLL_S; the Store's `open` value when the
-        Store has one the board does not show yet (ABANDONED among them: the Store
-        is read every FAILURE_POLL_S meanwhile, about 8 requests a second for as
-        long as the receiver does not ask). A stop (abort, close) is seen at once:
-        both wake the board."""
-        key = f"{DST}/{dst}/open/{candidate}"
-        until = min(deadline, time.monotonic() + TICKET_POLL_S)
-
-        def look():
-            seen = board.ticket(candidate)
-            return None if seen == NOT_YET and self._stop is None else seen
-
-        while True:
+            board = self._boards[dst]
+            found = board.wait_until(lambda: to_serve(self._served.get(dst, 0), board.current()) or
+                                     (None if self._stop is None else False),
+                                     min(deadline, time.monotonic() + FAILURE_POLL_S))
             self._check_stop()
-            state = board.wait_until(look, min(until, time.monotonic() + FAILURE_POLL_S))
-            self._check_stop()
-            if isinstance(state, tuple):
-                return state
-            if state == MOVED:
-                return CLOSED
-            found, wanted = self.channel.lookup(key)  # null too: a ticket open, asking for no version
             if found:
-                return wanted
-            if time.monotonic() >= deadline:  # raises SyncTimeoutError naming the receiver
-                return self.channel.get_all({key: f"receiver rank {dst}"}, deadline,
-                                            f"receiver {dst} to ask for a version")[0]
-            if time.monotonic() >= until:
-                return CLOSED
+                return found
+            if self.channel.has(ABANDONED):
+                raise self._receiver_gone(dst)
+            self._follow_reregistered(deadline)
+            if time.monotonic() >= deadline:
+                raise SyncTimeoutError(f"timed out waiting for receiver {dst} to ask for a version: no word from "
+                                       f"receiver rank {dst} (no ticket open on its board)")
 
     def send(self, version: int, timeout: float | None = None, *, wait: bool = True) -> int | SendHandle:
         """Move `version` of this rank's shards to every receiver that needs them.
@@ -466,27 +401,19 @@ class WeightSender(Endpoint):
                     # The receive asks for an older version, which nobody will send now (its sender
                     # died): tell it so, untouched, rather than fill it with this one, then serve the
                     # receive that follows.
-                    self.channel.set(done_key(dst, ticket, self.rank),
-                                     {"abandoned": wanted, "holds": version, "wrote": dst in self._wrote})
-                    self._ring(dst)
-                    self._served[dst] = ticket
+                    self._answer(dst, ticket, STALE, version, dst in self._wrote)
                     ticket, wanted = self._await_ticket(dst, deadline)
                 for table in self._tables[dst]:
                     self._wrote.add(dst)  # before the stop check: an abort in between answers "wrote"
                     self._check_stop()
                     written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
-                # An abort before this check answered the ticket "failed" and stops the send here;
-                # one after it may see its "failed" replaced by the version below: the copy is whole.
+                # An abort before this check answered the ticket FAILED and stops the send here;
+                # one after it may see its FAILED replaced by the version below: the copy is whole.
                 self._check_stop()
                 # Withdrawn before the answer: a receiver that has the version never sees the offer stand.
                 self.reports.withdraw([dst])
                 self._offered.discard(dst)
-                # Served before the answer: an abort() from another thread from here on leaves
-                # the other senders' slots of this ticket alone (this rank's copy is whole).
-                self._served[dst] = max(self._served.get(dst, 0), ticket)  # abort() may have raised it
-                self.channel.set(done_key(dst, ticket, self.rank), version)
-                if dst in self._boards:  # after the Store's write is sent (not answered: protocol.py)
-                    self._boards[dst].serve(self.rank, ticket, version, self._sends[dst])
+                self._answer(dst, ticket, SERVED, version, True)
                 self._wrote.discard(dst)  # served whole
                 self._maybe_written.discard(dst)
             for dst in self._p2p_peers:  # in round order
@@ -577,29 +504,35 @@ class WeightSender(Endpoint):
             self._state.notify_all()
 
     def _report(self, message: str) -> None:
-        """Publish this rank's failure (SenderReports.fail), its offers withdrawn."""
+        """Publish this rank's failure (SenderReports.fail), its offers withdrawn; then
+        answer FAILED on the open ticket of every receiver of this host it has not
+        served, and ring every board (a receiver waiting on one reads the report)."""
         self._reported = True  # first: a report published in part is cleared by the next send too
         self.reports.withdraw(sorted(self._offered))
         self._offered.clear()
-        unserved = {dst: (self._served.get(dst, 0),
-                          [src for src in self.plan.senders_of(dst) if self.transports[(src, dst)] != P2P])
-                    for dst in self._local_receivers}
+        self.reports.fail(message)
         # _maybe_written too: a restarted rank's failure outside a send (abort, a send
         # refused before it ran) still answers "wrote" for what its predecessor may have written.
-        answered = self.reports.fail(message, unserved, wrote=self._wrote | self._maybe_written)
+        wrote = self._wrote | self._maybe_written
         for dst in self._local_receivers:
-            self._ring(dst)  # a receiver waiting on the board reads the answers from the Store
-        # Done with those tickets: the next send waits for the one after, not for an older
-        # one whose `open` key the receiver has deleted since (a wait of TICKET_POLL_S).
-        for dst, ticket in answered.items():
-            self._served[dst] = max(self._served.get(dst, 0), ticket)
-
-    def _ring(self, dst: int) -> None:
-        """Tell receiver `dst`, if it has a board, that the Store holds an answer or a
-        report of this rank that its board does not show."""
-        board = self._boards.get(dst)
-        if board is not None:
+            board = self._boards.get(dst)
+            if board is None:  # not mapped yet: the receiver sees the report in the Store
+                continue
+            current = to_serve(self._served.get(dst, 0), board.current())
+            if current is not None:
+                self._answer(dst, current[0], FAILED, 0, dst in wrote)
             board.ring()
+
+    def _answer(self, dst: int, ticket: int, kind: int, version: int, wrote: bool) -> None:
+        """Answer `ticket` of receiver `dst` on its board (SERVED, STALE, FAILED): done
+        with that ticket (the next send waits for a later one), then the answer. A
+        FAILED answer (abort() in another thread) to a ticket the send served
+        meanwhile is not given: that copy is whole."""
+        with self._answering:
+            if kind == FAILED and ticket <= self._served.get(dst, 0):
+                return
+            self._served[dst] = max(self._served.get(dst, 0), ticket)
+            self._boards[dst].answer(self.rank, ticket, kind, version, wrote, self._sends.get(dst, 0))
 
     def _report_raised(self, exc: BaseException) -> None:
         try:
@@ -614,7 +547,7 @@ class WeightSender(Endpoint):
         once, and every later receive() or pending() of its receivers raises it
         (receivers fed only point to point: in pending()), until this sender
         sends again. A send in flight is stopped at its next step (it raises
-        SyncError, within about TICKET_POLL_S or a bucket's copy); close() waits
+        SyncError, at once or after a bucket's copy); close() waits
         for it. Raises what the Store raises if the report cannot be published."""
         with self._state:
             if self._sending is not None:
