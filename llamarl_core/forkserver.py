@@ -9,6 +9,16 @@ then starts about 3 s sooner than when the server is launched by that first
 start). The first process started through `context()` waits for the imports
 to be done; a server already running is reused as it is. Importing this module
 imports neither torch nor this package's pipeline.
+
+The server, and every process forked from it, runs with GOMP_SPINCOUNT=10000
+(unless the caller's environment sets GOMP_SPINCOUNT or OMP_WAIT_POLICY):
+torch's OpenMP threads spin that many times, not libgomp's default 300,000
+(milliseconds), before they sleep at the end of a parallel region. The
+executors of a host share its cores: a trainer's threads spinning after each op
+took the cores its generator and reward executor were waiting for. On 2 cores,
+`llamarl train --compare --steps 400` (3 runs each, alternated): sync step
+46.8 -> 40.0 ms (medians), the command's CPU time 71-73 -> 61-67 CPU-s, the async
+step unchanged (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -29,30 +39,39 @@ import threading
 # parent's sys.path and working directory before it imports this package.
 PRELOAD = ["torch.distributed", "transformers.models.llama.modeling_llama"]
 TRACKER_WAIT_S = 5.0  # stop() waits this long at most for the resource tracker to end
+OMP_SPIN = ("GOMP_SPINCOUNT", "10000")  # the server's OpenMP spin (see above)
 
 
 def context() -> multiprocessing.context.ForkServerContext:
-    """The multiprocessing context whose processes fork from the server (started
-    by the first process started in it, unless `start()` started it already)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+    """The multiprocessing context whose processes fork from the server (launched
+    now, as `start()` does, unless it runs already)."""
+    _launch()
+    return multiprocessing.get_context("forkserver")
 
 
 def start() -> None:
-    """Launch the server now, without waiting for its imports. It starts with
-    SIGINT ignored (Ctrl-C reaches the terminal's whole process group; the server
-    ignores it once its imports are done, and is stopped by its parent's exit),
-    and so do the processes forked from it, unless they set their own handler."""
-    context()
-    if threading.current_thread() is not threading.main_thread():  # signal handlers are the main thread's
-        multiprocessing.forkserver.ensure_running()
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # an ignored signal stays ignored across exec
+    """Launch the server now, without waiting for its imports (nothing if it runs
+    already). It starts with SIGINT ignored (Ctrl-C reaches the terminal's whole
+    process group; the server ignores it once its imports are done, and is stopped
+    by its parent's exit), and so do the processes forked from it, unless they set
+    their own handler; and with OMP_SPIN in its environment (not in this process's)."""
+    _launch()
+
+
+def _launch() -> None:
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    main = threading.current_thread() is threading.main_thread()  # signal handlers are the main thread's
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # ignored stays ignored across exec
+    spin = not {OMP_SPIN[0], "OMP_WAIT_POLICY"} & set(os.environ)
+    if spin:
+        os.environ[OMP_SPIN[0]] = OMP_SPIN[1]
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if spin:
+            del os.environ[OMP_SPIN[0]]
+        if main:
+            signal.signal(signal.SIGINT, previous)
 
 
 def stop() -> None:

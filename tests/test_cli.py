@@ -82,14 +82,15 @@ def test_train_starts_the_executor_forkserver_before_importing_the_pipeline():
     imports and the controller's run side by side: importing the CLI and
     llamarl_core.forkserver imports no torch, start() comes before the pipeline is
     imported, and a process started in the server's context begins with
-    torch.distributed and transformers' Llama imported and SIGINT ignored."""
+    torch.distributed and transformers' Llama imported, SIGINT ignored and
+    OpenMP's spin bounded (GOMP_SPINCOUNT, in the server's environment alone)."""
     import subprocess
     import sys
 
     preloaded = " and ".join(f"{name!r} in sys.modules" for name in ("torch.distributed",
                                                                    "transformers.models.llama.modeling_llama"))
-    child = (f"import signal, sys; sys.exit(0 if {preloaded} and signal.getsignal(signal.SIGINT) == signal.SIG_IGN "
-             "else 3)")
+    child = (f"import os, signal, sys; sys.exit(0 if {preloaded} and signal.getsignal(signal.SIGINT) == signal.SIG_IGN "
+             "and os.environ.get('GOMP_SPINCOUNT') == '10000' else 3)")
     script = "\n".join([
         "import sys",
         "from llamarl_core import cli, forkserver",
@@ -98,6 +99,7 @@ def test_train_starts_the_executor_forkserver_before_importing_the_pipeline():
         "def start():",
         "    assert 'llamarl_core.pipeline' not in sys.modules, 'the pipeline was imported before the forkserver started'",
         "    real_start()",
+        "    assert 'GOMP_SPINCOUNT' not in __import__('os').environ, 'the caller kept the server environment'",
         f"    child = forkserver.context().Process(target=exec, args=({child!r},))",
         "    child.start()",
         "    child.join(120)",
@@ -107,6 +109,21 @@ def test_train_starts_the_executor_forkserver_before_importing_the_pipeline():
         "sys.exit(4)  # start() was never called",
     ])
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd="/")
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_a_callers_own_openmp_wait_setting_is_left_to_the_executors():
+    """With OMP_WAIT_POLICY (or GOMP_SPINCOUNT) set by the caller, the forkserver
+    adds no spin count of its own: its processes get the caller's environment."""
+    import subprocess
+    import sys
+
+    script = ("import os\nfrom llamarl_core import forkserver\n"
+              "child = forkserver.context().Process(target=exec, args=(\"import os, sys; sys.exit(0 if "
+              "'GOMP_SPINCOUNT' not in os.environ and os.environ['OMP_WAIT_POLICY'] == 'PASSIVE' else 3)\",))\n"
+              "child.start(); child.join(120); raise SystemExit(child.exitcode)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd="/",
+                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
 
 

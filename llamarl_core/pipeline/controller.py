@@ -275,10 +275,15 @@ class Controller:
 
     # -- event handling ----------------------------------------------------------------
     def _handle(self, event: Event) -> None:
-        """Take one executor's report (messages.py): its spans go to the trace, the values
-        it refused to the metrics, and the report to its handler (_HANDLERS)."""
+        """Take one executor's report (messages.py): the values it refused go to the
+        metrics, the report to its handler (_HANDLERS), then its spans to the trace."""
+        try:
+            self._dispatch(event)
+        finally:  # after the handler, which may send the next executor its work; a failure's spans too
+            self.recorder.trace.add([(event.role, event.rank, *span) for span in event.spans])
+
+    def _dispatch(self, event: Event) -> None:
         role, rank, report = event.role, event.rank, event.body
-        self.recorder.trace.add([(role, rank, *span) for span in event.spans])
         if event.refused is not None:  # every report but a heartbeat
             self.refused_by[(role, rank, event.incarnation)] = event.refused
         if role == GENERATOR and event.incarnation != self.replicas.incarnation[rank // self.generator_tp]:
@@ -319,15 +324,16 @@ class Controller:
     def _on_samples(self, role: str, rank: int, report: Samples) -> None:
         replica = rank // self.generator_tp
         samples = report.samples
-        self._check_samples(samples)
-        self.gen_busy += report.busy
-        self.generating[replica] -= sum(not x.eval for x in samples)
         # The reward executor gets what it scores by (a prompt group, held out or not, the
-        # completion's tokens) and answers with the rewards; the samples wait here.
+        # completion's tokens) and answers with the rewards; the samples wait here. Sent
+        # first: the checks below raise before a reward is taken (the run stops on them).
         self.bunches += 1
-        self.scoring[self.bunches] = (samples, replica, self.replicas.incarnation[replica])
         self.inboxes[(REWARD, 0)].put(Score(bunch=self.bunches, groups=[x.group for x in samples],
                                             eval=[x.eval for x in samples], tokens=[x.tokens for x in samples]))
+        self._check_samples(samples)
+        self.scoring[self.bunches] = (samples, replica, self.replicas.incarnation[replica])
+        self.gen_busy += report.busy
+        self.generating[replica] -= sum(not x.eval for x in samples)
 
     def _on_received(self, role: str, rank: int, report: Received) -> None:
         replica = rank // self.generator_tp
@@ -395,23 +401,10 @@ class Controller:
                  Synced: "_on_synced", Checkpointed: "_on_checkpointed", SyncFailed: "_on_sync_failed"}
 
     def _check_samples(self, samples: list) -> None:
-        """PipelineError naming the generator for a sample that breaks the Generator
-        contract (a generator of the user's): no tokens, or a token without its
-        log-prob or the version that sampled it, or a version not sent yet."""
-        newest = self.scheduler.step  # the last version sent (or being sent)
-        vocab, budget = self.data.model_config.vocab_size, self.data.max_new_tokens
+        """PipelineError naming the generator for a sample that breaks the Generator contract."""
         for x in samples:
-            problem = None
-            if not (len(x.tokens) == len(x.logprobs) == len(x.versions) > 0) or not all(
-                    isinstance(v, int) and 0 <= v <= newest for v in x.versions):
-                problem = (f"{len(x.tokens)} tokens, {len(x.logprobs)} log-probs and versions "
-                           f"{sorted(set(x.versions))}: every sample needs tokens, each with its log-prob and the "
-                           f"version (0 to {newest}) that sampled it")
-            elif not 0 <= min(x.tokens) <= max(x.tokens) < vocab:
-                problem = f"token ids from {min(x.tokens)} to {max(x.tokens)}, outside the vocabulary [0, {vocab})"
-            elif len(x.tokens) > budget or (len(x.tokens) < budget and not x.finished):
-                problem = (f"{len(x.tokens)} tokens, finished {x.finished}: a sample is returned finished (a stop "
-                           f"token) or at max_new_tokens {budget}, never past it")
+            problem = x.contract_problem(self.scheduler.step, self.data.model_config.vocab_size,
+                                         self.data.max_new_tokens)
             if problem:
                 raise PipelineError(f"generator {self.config.generator.backend!r} returned a sample of prompt group "
                                     f"{x.group} with {problem}")
@@ -435,8 +428,10 @@ class Controller:
         return bool(self.scoring)
 
     def _sync_complete(self, version: int) -> None:
-        for step in sorted(s for s in self.records if s < version):  # steps whose weights have now landed
-            self._finish_step(step, version)
+        """Steps whose weights have now landed: written by _write_landed, after the prompts go out."""
+        for step in sorted(s for s in self.records if s < version):
+            self.landed.append(self.records.pop(step) | {"sync_time_s": self.sync_seconds.pop(version, 0.0),
+                                                         "stall_time_s": self.stall_seconds.pop(version, 0.0)})
         for times in (self.sync_seconds, self.stall_seconds):  # versions no step record will read (the first, re-syncs)
             for old in [v for v in times if v <= version]:
                 del times[old]
@@ -465,8 +460,14 @@ class Controller:
 
     def _step_trained(self) -> None:
         reports, self.trained = self.trained, []
-        stats = [dataclasses.asdict(r.stats) for r in reports]
         batch = self.scheduler.trained()
+        self._begin_sync(self.scheduler.step)  # first: the weights move while the step's record is made
+        if self.config.run.mode == "sync" and self.scheduler.step in self.replicas.pending:
+            # The next step's prompts, right behind the weights, to the replicas receiving them:
+            # a generator runs its commands in order, so it samples them with that version
+            # as soon as it has landed, without a round trip through here.
+            self._issue_prompts({r: True for r in self.replicas.pending[self.scheduler.step].replicas})
+        stats = [dataclasses.asdict(r.stats) for r in reports]
         s, samples = batch.step, batch.samples
         self.records[s] = {
             "step": s,
@@ -489,26 +490,28 @@ class Controller:
                                        sum(key in r.hook for r in reports) for key in sorted(hooked)}
         if self.config.run.log_rollouts:
             self.recorder.rollouts(s, samples)
-        self._begin_sync(self.scheduler.step)
 
-    def _finish_step(self, step: int, version: int) -> None:
-        now = time.monotonic()
-        record = self.records.pop(step)
-        # gen_time_s: the replicas' generating seconds since the last step, per replica.
-        record.update(step_time_s=now - self.last_step_end, gen_time_s=self.gen_busy / self.num_replicas,
-                      sync_time_s=self.sync_seconds.pop(version, 0.0), stall_time_s=self.stall_seconds.pop(version, 0.0),
-                      **self.recorder.clocks(now),
-                      # Messages and Store values refused so far (forged, or not parsing), by this process
-                      # and every executor, since this run started.
-                      forged_messages=refused_count() - self.refused_before + sum(self.refused_by.values()))
-        self.gen_busy, self.last_step_end = 0.0, now
-        self.recorder.step(record)
+    def _write_landed(self) -> None:
+        """Write the records _sync_complete took (metrics.jsonl, the step hook)."""
+        for record in self.landed:
+            now = time.monotonic()
+            # gen_time_s: the replicas' generating seconds since the last step, per replica.
+            record.update(step_time_s=now - self.last_step_end, gen_time_s=self.gen_busy / self.num_replicas,
+                          **self.recorder.clocks(now),
+                          # Messages and Store values refused so far (forged, or not parsing), by this process
+                          # and every executor, since this run started.
+                          forged_messages=refused_count() - self.refused_before + sum(self.refused_by.values()))
+            self.gen_busy, self.last_step_end = 0.0, now
+            self.recorder.step(record)
+        self.landed = []
 
     # -- scheduling --------------------------------------------------------------------
-    def _issue_prompts(self) -> None:
+    def _issue_prompts(self, holding: dict[int, bool] | None = None) -> None:
         # The replicas holding weights; landed: version `step`, every sync reported, no
-        # trained step waiting for its weights to land.
-        holding = self.replicas.holding(self.scheduler.step, settled=not self.records)
+        # trained step waiting for its weights to land (or, given, the replicas that will
+        # hold version `step` before they read these prompts).
+        if holding is None:
+            holding = self.replicas.holding(self.scheduler.step, settled=not self.records)
         for replica, groups in self.scheduler.issue(holding).items():
             self._tell_replica(replica, Prompts(groups=[(g, self.data.prompt_ids(g)) for g in groups]))
             self.generating[replica] += len(groups) * self.config.run.samples_per_prompt
@@ -602,8 +605,8 @@ class Controller:
             self.recorder.close()
 
     def _next_event(self, deadline_what: str) -> None:
-        """Handle the next event, if one comes within EVENT_POLL_S; then check that
-        every executor is alive (a dead generator is restarted here)."""
+        """Handle the next event, if one comes within EVENT_POLL_S (the caller then
+        checks that every executor is alive, _check_alive)."""
         event = self.events.get(EVENT_POLL_S)
         if event is None:
             if time.monotonic() - self.last_progress > self.config.run.timeout_s:
@@ -612,7 +615,6 @@ class Controller:
                                     f"checkpoint is in {self.out / 'checkpoint'})")
         else:
             self._handle(event)
-        self._check_alive()
 
     def _outstanding(self) -> str:
         """What the run was waiting on, for the error of a stalled run."""
@@ -632,6 +634,7 @@ class Controller:
         everyone = self._everyone()
         while not everyone <= self.ready_ranks:
             self._next_event("the executors to start")
+            self._check_alive()
         self.recorder.keep_until(self.scheduler.step)  # a resumed run's records of the steps before its checkpoint
         self._begin_sync(self.scheduler.step)  # the trainer's weights (fresh, warmed up or resumed) go to the generator
         self.last_step_end = time.monotonic()
@@ -647,6 +650,7 @@ class Controller:
         self.scheduler = Scheduler(self.config)
         self.trained: list[dict] = []  # the trainer ranks' reports of the step in training
         self.records: dict[int, dict] = {}  # trained steps whose new weights have not landed yet
+        self.landed: list[dict] = []  # the records of steps whose weights landed, not written yet
         self.replicas = ReplicaSyncs(self.num_replicas, self.config.trainer.world)  # and the syncs in flight
         self.sync_seconds: dict[int, float] = {}  # version -> the trainer ranks' longest send()
         self.stall_seconds: dict[int, float] = {}  # version -> the replicas' longest receive()
@@ -671,6 +675,9 @@ class Controller:
                 self._begin_sync(self.scheduler.step)
             self._maybe_train()
             self._issue_prompts()  # after: a batch just handed to the trainer frees room for the next
+            self._write_landed()
+            self._check_alive()  # a dead generator is restarted here
+        self._write_landed()  # what the last _check_alive took in
 
     def _shutdown(self) -> None:
         for inbox in self.inboxes.values():

@@ -44,6 +44,24 @@ class Sample:
     def oldest_version(self) -> int:
         return min(self.versions)
 
+    def contract_problem(self, newest: int, vocab: int, budget: int) -> str | None:
+        """What in this sample breaks the Generator contract (generators.py), None if
+        nothing: no tokens, a token without its log-prob or the version that sampled
+        it, a version past `newest` (the last one sent), a token id outside the
+        vocabulary, or a length other than a finished one within `budget` tokens or
+        exactly `budget`."""
+        if not (len(self.tokens) == len(self.logprobs) == len(self.versions) > 0) or not all(
+                isinstance(v, int) and 0 <= v <= newest for v in self.versions):
+            return (f"{len(self.tokens)} tokens, {len(self.logprobs)} log-probs and versions "
+                    f"{sorted(set(self.versions))}: every sample needs tokens, each with its log-prob and the "
+                    f"version (0 to {newest}) that sampled it")
+        if not 0 <= min(self.tokens) <= max(self.tokens) < vocab:
+            return f"token ids from {min(self.tokens)} to {max(self.tokens)}, outside the vocabulary [0, {vocab})"
+        if len(self.tokens) > budget or (len(self.tokens) < budget and not self.finished):
+            return (f"{len(self.tokens)} tokens, finished {self.finished}: a sample is returned finished (a stop "
+                    f"token) or at max_new_tokens {budget}, never past it")
+        return None
+
 
 @dataclass
 class EngineStats:

@@ -74,7 +74,8 @@ class Scheduler:
         first those a lost generator held (lowest first), then new data positions,
         until groups_in_flight are outstanding, each to the replica sampling the fewest
         (the lowest-numbered of equals). `replicas`: the replicas that hold weights,
-        each with whether it holds version `step` with no sync or step pending. Sync
+        each with whether it holds version `step` with no sync or step pending (or
+        will, before it reads what is issued now: its receive queued ahead). Sync
         mode (max_staleness 0) takes turns: nothing is issued while a batch is in
         training, nor to a replica without version `step`, so every token of step s is
         sampled with version s."""
