@@ -85,6 +85,20 @@ def test_waits_time_out_rings_count_and_slots_are_checked():
         TicketBoard.open(board.handle(), 2)
 
 
+def test_an_answer_after_a_writer_died_mid_answer_reads_whole_and_only_served_counts_an_offer():
+    """A writer killed between the two stores of a slot's sequence count leaves it
+    odd: the next answer still reads whole (the count taken up from there). A STALE
+    or FAILED answer leaves the count of the send that last served as it was."""
+    board = TicketBoard.create(1, "the test")
+    board.answer(0, 1, SERVED, 3, True, 7)
+    board._store(board._slot(0, _DONE_SEQ), board._load(board._slot(0, _DONE_SEQ)) + 1)  # died mid-answer
+    assert board.answers(1, [0]) == [None]  # a count left odd: no answer reads
+    board.answer(0, 2, STALE, 4, False)
+    assert board.answers(2, [0]) == [(STALE, 4, False)] and board.served_offer(0) == 7
+    board.answer(0, 3, FAILED, 0, True)
+    assert board.answers(3, [0]) == [(FAILED, 0, True)] and board.served_offer(0) == 7
+
+
 def test_native_words_refuse_unaligned_addresses():
     board = TicketBoard.create(1, "the test")
     with pytest.raises(RuntimeError, match="aligned"):

@@ -24,8 +24,8 @@ from helpers import (
     small_config,
     store_client,
 )
-from llamarl_core.sync import (SendHandle, SyncError, SyncTimeoutError, TornWeightsError, WeightReceiver, WeightSender,
-                               module_sender)
+from llamarl_core.sync import (SendHandle, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError,
+                               WeightReceiver, WeightSender, module_sender)
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards
 
@@ -145,6 +145,22 @@ def test_pending_before_an_offer_after_it_and_after_receive(store, transport):
         assert receiver.pending() is None
         assert handle.wait(timeout=10) > 0 and handle.done() and handle.exception() is None
         assert receiver.pending() is None
+    sender.close()
+    receiver.close()
+
+
+def test_a_receive_told_its_version_will_not_come_leaves_the_offer_standing(store):
+    """The sender holds version 2 and the receive asks for version 1: it is told
+    version 1 will not come (StaleReceiveError, untouched), and the offer of version
+    2 still stands for pending(), which the next receive takes."""
+    (sender,), receiver = _pair(store, "stale-offer")
+    handle = sender.send(2, wait=False)
+    _poll(lambda: receiver.pending() == 2)
+    with pytest.raises(StaleReceiveError, match="version 1 will not come"):
+        receiver.receive(expect=1, timeout=10)
+    assert not receiver.torn and receiver.pending() == 2
+    assert receiver.receive(timeout=10) == 2 and handle.wait(timeout=10) > 0
+    assert receiver.pending() is None
     sender.close()
     receiver.close()
 

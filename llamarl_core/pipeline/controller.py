@@ -11,8 +11,10 @@ token was sampled with version v >= s - max_staleness (older ones are dropped
 and counted) and produces version s + 1, which the trainer ranks then push
 straight into the generator ranks' parameters; the generator takes it between
 two decode steps. In sync mode (max_staleness 0) generation and training take
-turns: prompts for step s go out only once version s has landed, and the
-trainer waits for them.
+turns: prompts for step s go to each replica right behind its command to receive
+version s (it samples them once that version has landed: a generator runs its
+commands in order; a replica whose receive fails samples nothing trained on), and
+the trainer waits for them.
 """
 
 from __future__ import annotations
@@ -666,18 +668,19 @@ class Controller:
 
     def _loop(self) -> None:
         cfg = self.config
-        # Until the last step's weights have landed (its record written) and its checkpoint is saved.
-        while (self.scheduler.step < cfg.run.steps or self.records or self.replicas.pending or self.checkpointing
-               or self.recorder.evals_pending()):
-            self._next_event(f"trainer step {self.scheduler.step}")
-            if self.resync_pending and self.replicas.up[0] and not self.replicas.pending:
-                self.resync_pending = False
-                self._begin_sync(self.scheduler.step)
-            self._maybe_train()
-            self._issue_prompts()  # after: a batch just handed to the trainer frees room for the next
-            self._write_landed()
-            self._check_alive()  # a dead generator is restarted here
-        self._write_landed()  # what the last _check_alive took in
+        try:  # until the last step's weights have landed (its record written) and its checkpoint is saved
+            while (self.scheduler.step < cfg.run.steps or self.records or self.replicas.pending or self.checkpointing
+                   or self.recorder.evals_pending()):
+                self._next_event(f"trainer step {self.scheduler.step}")
+                if self.resync_pending and self.replicas.up[0] and not self.replicas.pending:
+                    self.resync_pending = False
+                    self._begin_sync(self.scheduler.step)
+                self._maybe_train()
+                self._issue_prompts()  # after: a batch just handed to the trainer frees room for the next
+                self._write_landed()
+                self._check_alive()  # a dead generator is restarted here
+        finally:
+            self._write_landed()  # what the last _check_alive took in, also when it raised
 
     def _shutdown(self) -> None:
         for inbox in self.inboxes.values():

@@ -195,16 +195,18 @@ class TicketBoard:
         """The last ticket the receiver opened (0: none yet)."""
         return self._load(_OPENED)
 
-    def answer(self, src: int, ticket: int, kind: int, version: int, wrote: bool, offer: int) -> None:
+    def answer(self, src: int, ticket: int, kind: int, version: int, wrote: bool, offer: int | None = None) -> None:
         """Sender `src`'s answer to `ticket` (SERVED `version`; STALE, holding
-        `version`; FAILED), in its `offer`-th send to this receiver; wrote: whether it
-        wrote, or may have, into the receiver's memory. One thread of the sender at a time."""
-        seq = self._load(self._slot(src, _DONE_SEQ))
-        self._store(self._slot(src, _DONE_SEQ), seq + 1)
-        for field, value in ((_DONE_TICKET, ticket), (_DONE_KIND, kind), (_DONE_VERSION, version),
-                             (_DONE_WROTE, int(wrote)), (_DONE_OFFER, offer)):
+        `version`; FAILED); wrote: whether it wrote, or may have, into the receiver's
+        memory; offer: the count of the send that served (SERVED only: what pending()
+        takes as served). One thread of one sender at a time; a count left odd by a
+        writer that died between its two stores is taken up from there."""
+        seq = self._load(self._slot(src, _DONE_SEQ)) | 1
+        self._store(self._slot(src, _DONE_SEQ), seq)
+        fields = [(_DONE_TICKET, ticket), (_DONE_KIND, kind), (_DONE_VERSION, version), (_DONE_WROTE, int(wrote))]
+        for field, value in fields + ([(_DONE_OFFER, offer)] if offer is not None else []):
             self._store(self._slot(src, field), value)
-        self._store(self._slot(src, _DONE_SEQ), seq + 2)
+        self._store(self._slot(src, _DONE_SEQ), seq + 1)
         self.notify()
 
     def ring(self) -> None:

@@ -129,7 +129,9 @@ class WeightSender(Endpoint):
         # Receiver on this host -> its ticket board (board.py): never unmapped before this object
         # goes (one page each), so that no thread's abort() can answer on an unmapped board.
         self._boards: dict[int, TicketBoard] = {}
-        self._answering = threading.Lock()  # one thread at a time answers on a board (the send's, abort()'s)
+        self._closed = False
+        # One thread at a time answers on a board (the send's, abort()'s) or maps one anew.
+        self._answering = threading.RLock()
         self._opened: dict[int, object] = {}  # receiver on this host -> its memory, mapped (closed by close())
         self._state = threading.Condition()  # guards _sending, _stop and _closed
         self._sending: int | None = None  # the version of the send running now
@@ -178,7 +180,11 @@ class WeightSender(Endpoint):
             # alone writes (a relay's child rank) is served at once: all of it is written
             # again, and it may be waiting for exactly the version the predecessor died on.
             sole = {dst for dst in local if len(self.plan.senders_of(dst)) == 1}
-            self._served = {dst: max(self._boards[dst].opened() - (dst in sole), 0) for dst in local}
+            for dst in local:
+                opened = self._boards[dst].opened()
+                # (Not one the predecessor answered already: that receive is over, or about to be.)
+                again = dst in sole and self._boards[dst].answers(opened, [self.rank])[0] is None
+                self._served[dst] = max(opened - again, 0)
             self.reports.withdraw(local)  # what the predecessor offered will not come
             # Receivers whose open ticket the predecessor may have half written: any answer
             # this rank gives them says it wrote, until it has served them whole.
@@ -213,8 +219,9 @@ class WeightSender(Endpoint):
             opened = self._opened[dst] = OpenedCudaHandles(handle, self.device)
         self._dst_addresses[dst] = opened.addresses
         self._dst_incarnations[dst] = handle.get("incarnation", 0)
-        self._boards[dst] = TicketBoard.open(board, self.plan.src_layout.world_size, f"sender rank {self.rank}")
-        self._served[dst] = 0
+        opened_board = TicketBoard.open(board, self.plan.src_layout.world_size, f"sender rank {self.rank}")
+        with self._answering:
+            self._boards[dst], self._served[dst] = opened_board, 0
 
     def _follow_reregistered(self, deadline: float) -> None:
         """Receivers on this host that registered again under this sync's name since
@@ -514,14 +521,17 @@ class WeightSender(Endpoint):
         # _maybe_written too: a restarted rank's failure outside a send (abort, a send
         # refused before it ran) still answers "wrote" for what its predecessor may have written.
         wrote = self._wrote | self._maybe_written
+        if self._closed:  # its boards are another sender's to answer on now (a rank registered again)
+            return
         for dst in self._local_receivers:
-            board = self._boards.get(dst)
-            if board is None:  # not mapped yet: the receiver sees the report in the Store
-                continue
-            current = to_serve(self._served.get(dst, 0), board.current())
-            if current is not None:
-                self._answer(dst, current[0], FAILED, 0, dst in wrote)
-            board.ring()
+            with self._answering:
+                board = self._boards.get(dst)
+                if board is None:  # not mapped yet: the receiver sees the report in the Store
+                    continue
+                current = to_serve(self._served.get(dst, 0), board.current())
+                if current is not None:
+                    self._answer(dst, current[0], FAILED, 0, dst in wrote)
+                board.ring()
 
     def _answer(self, dst: int, ticket: int, kind: int, version: int, wrote: bool) -> None:
         """Answer `ticket` of receiver `dst` on its board (SERVED, STALE, FAILED): done
@@ -532,7 +542,8 @@ class WeightSender(Endpoint):
             if kind == FAILED and ticket <= self._served.get(dst, 0):
                 return
             self._served[dst] = max(self._served.get(dst, 0), ticket)
-            self._boards[dst].answer(self.rank, ticket, kind, version, wrote, self._sends.get(dst, 0))
+            self._boards[dst].answer(self.rank, ticket, kind, version, wrote,
+                                     self._sends.get(dst, 0) if kind == SERVED else None)
 
     def _report_raised(self, exc: BaseException) -> None:
         try:
