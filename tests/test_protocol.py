@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 from llamarl_core.sync import board
-from llamarl_core.sync.protocol import FAILED, LANDED, MIXED, STALE, board_answers, decide_receive
+from llamarl_core.sync.protocol import FAILED, LANDED, MIXED, STALE, SenderBook, board_answers, decide_receive
 
 
 def random_answers(rng: random.Random, senders: list[int]) -> list:
@@ -157,3 +157,74 @@ def test_a_sender_serves_every_receive_it_can_and_nothing_closed_or_served():
             served_any += 1
         assert all(v != "served" for t, v in state.items() if t > served), state
     assert served_any > 10_000 and skipped_any > 300  # both kinds of run met, often
+
+
+def test_a_senders_book_never_calls_a_receive_it_wrote_untouched():
+    """3,000 random runs of one sender (killed and registered again at random: mid
+    copy, or after answering) serving one receiver whose receives open, time out
+    and close at random: a STALE or FAILED answer says the weights are untouched
+    only for a receive no incarnation of the sender began to write; a sender never
+    serves a ticket it (or, where other senders write too, its predecessor) served
+    or began; its offers' counts only grow, across incarnations too."""
+    from llamarl_core.sync.board import to_serve
+
+    rng = random.Random(3)
+    clean = {"stale": 0, "failed": 0}
+    restarted = 0
+    for _ in range(3_000):
+        sole = rng.random() < 0.5  # the receiver's only writer (a relay's child rank), or one of several
+        incarnation, book = 1, SenderBook(1)
+        book.new_board(0)
+        opened = closed = 0
+        written: dict[int, bool] = {}  # ticket -> a copy of some incarnation began while it was open
+        offers = []
+
+        def open_now():
+            return (opened, None) if opened > closed else None
+
+        def check_untouched(kind: str, ticket: int) -> None:
+            if not book.wrote(0):
+                assert not written.get(ticket), (kind, ticket, written)
+                clean[kind] += 1
+
+        for _ in range(rng.randint(5, 40)):
+            event = rng.random()
+            if opened == closed and event < 0.3:
+                opened += 1  # the receiver's next receive opens its ticket
+            elif opened > closed and event < 0.4:
+                closed = opened  # it timed out, or got its answers
+            elif event < 0.75:  # a send
+                book.send_begins()
+                offers.append(book.offer(0))
+                choice = to_serve(book.served.get(0, 0), open_now())
+                if choice is None:
+                    continue
+                ticket = choice[0]
+                how = rng.choice(["stale", "whole", "aborted", "died", "answered-then-died"])
+                if how == "stale":
+                    assert book.answers(0, ticket)
+                    check_untouched("stale", ticket)
+                    continue
+                book.writes(0)
+                written[ticket] = True
+                if how == "aborted":
+                    if book.answers(0, ticket, failed=True):
+                        assert book.wrote(0)
+                    continue
+                if how in ("whole", "answered-then-died"):
+                    book.withdraw([0])
+                    assert book.answers(0, ticket)
+                    book.served_whole(0)
+                if how in ("died", "answered-then-died"):
+                    incarnation, book = incarnation + 1, SenderBook(incarnation + 1)
+                    book.new_board(0)
+                    book.inherit(0, opened, sole, answered=how == "answered-then-died")
+                    restarted += 1
+                    if not sole or how == "answered-then-died":
+                        assert book.served[0] >= ticket  # that receive is not served again
+            else:  # an abort between sends
+                current = to_serve(book.served.get(0, 0), open_now())
+                if current is not None and book.answers(0, current[0], failed=True):
+                    check_untouched("failed", current[0])
+        assert offers == sorted(set(offers)), offers
+    assert min(clean.values()) > 500 and restarted > 1000, (clean, restarted)

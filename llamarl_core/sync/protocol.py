@@ -1,7 +1,9 @@
 """The Store side of a weight sync: a namespaced channel with JSON values and waits
 that always time out, the keys senders and receivers exchange, and the decisions
-taken on what they say (a sender's reports and offers, a receiver's view of them,
-what a receive's answers did to its weights: decide_receive).
+taken on what they say, as plain classes and functions (no Store, board, thread
+or clock inside): a sender's account of its receivers (SenderBook: which ticket
+it serves, what its answers say it wrote), what a board's answers stand for
+(board_answers) and what a receive's answers did to the weights (decide_receive).
 
 One channel per pair of ranks: the Store for set-up, offers and failure
 reports; a receiver's ticket board (board.py) for the hand-shakes of every
@@ -262,6 +264,82 @@ class SenderWatch:
                for offer, taken in zip(offers, received.values())):
             return None
         return max(version for version, _ in offers)
+
+
+class SenderBook:
+    """One sender's account of its receivers, kept event by event with no Store,
+    board, thread or clock (WeightSender does the I/O around it): the last ticket
+    it answered on each receiver's board (it serves only a later one:
+    board.to_serve), the count of its latest send offered to each receiver, whose
+    offer stands, and whose memory it may have written since it last served it
+    whole: what any answer it gives that receiver says (`wrote`), so that no
+    answer calls weights untouched that a copy began to write."""
+
+    def __init__(self, incarnation: int):
+        # Offers count on from (incarnation - 1) * 2**32: a restarted rank's count above its
+        # predecessor's (a receiver's board keeps the count of the send that served it last).
+        self._first_offer = (incarnation - 1) << 32
+        self.served: dict[int, int] = {}
+        self.sends: dict[int, int] = {}
+        self.offered: set[int] = set()
+        self._inherited: set[int] = set()  # receivers a predecessor of this rank may have half written
+        self._writing: set[int] = set()  # receivers the last send began to write and did not finish
+
+    def new_board(self, dst: int) -> None:
+        """Receiver `dst`'s board was mapped anew (its tickets count from 1 again)."""
+        self.served[dst] = 0
+
+    def inherit(self, dst: int, opened: int, sole: bool, answered: bool) -> None:
+        """A restarted sender meets receiver `dst`, whose board last opened ticket
+        `opened`, which this rank's predecessor `answered` or not. Where other senders
+        write too (not `sole`), a receive open now may hold their previous version
+        beside the predecessor's partial writes: joining it would mix versions, so it
+        serves from the next ticket on. A receiver this rank alone writes (a relay's
+        child rank) it serves at once (all of it is written again, and it may be
+        waiting for exactly the version the predecessor died on), unless the
+        predecessor answered that ticket; until served whole, any answer says written."""
+        self.served[dst] = max(opened - (sole and not answered), 0)
+        if sole:
+            self._inherited.add(dst)
+
+    def offer(self, dst: int) -> int:
+        """This rank offers receiver `dst` a send: its count."""
+        self.sends[dst] = self.sends.get(dst, self._first_offer) + 1
+        self.offered.add(dst)
+        return self.sends[dst]
+
+    def withdraw(self, dsts: Iterable[int] | None = None) -> list[int]:
+        """These offers (default: every standing one) no longer stand: the ones that did."""
+        gone = sorted(self.offered if dsts is None else self.offered & set(dsts))
+        self.offered -= set(gone)
+        return gone
+
+    def send_begins(self) -> None:
+        """A send begins: what an earlier one began to write belongs to an earlier receive."""
+        self._writing = set()
+
+    def writes(self, dst: int) -> None:
+        """A copy into receiver `dst`'s memory begins."""
+        self._writing.add(dst)
+
+    def wrote(self, dst: int) -> bool:
+        """Whether this rank (or its predecessor) may have written receiver `dst`'s
+        memory since it last served it whole."""
+        return dst in self._writing or dst in self._inherited
+
+    def answers(self, dst: int, ticket: int, failed: bool = False) -> bool:
+        """Whether to answer `ticket` of receiver `dst` (a FAILED answer to a ticket
+        served meanwhile is not given: that copy is whole); the ticket is then done
+        with (the next send serves a later one)."""
+        if failed and ticket <= self.served.get(dst, 0):
+            return False
+        self.served[dst] = max(self.served.get(dst, 0), ticket)
+        return True
+
+    def served_whole(self, dst: int) -> None:
+        """Receiver `dst` got the whole version (its SERVED answer is given)."""
+        self._writing.discard(dst)
+        self._inherited.discard(dst)
 
 
 def abandon_receivers(store: dist.Store, name: str, reason: str, *, secret: bytes | None = None) -> None:

@@ -23,7 +23,8 @@ from .amax import AmaxExchange
 from .board import FAILED, SERVED, STALE, TicketBoard, to_serve
 from .fp8 import Fp8Sources
 from .plan import DEFAULT_BUCKET_BYTES, source_address
-from .protocol import ABANDONED, DEFAULT_TIMEOUT_S, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderReports
+from .protocol import (ABANDONED, DEFAULT_TIMEOUT_S, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderBook,
+                       SenderReports)
 from .stream import NOTHING_FOLLOWS, P2PStream
 from .transports import P2P, SHM, OpenedCudaHandles, OpenedSharedStorages
 
@@ -115,15 +116,8 @@ class WeightSender(Endpoint):
         channel = Channel(store, name, secret)
         self.reports = SenderReports(channel, rank)
         self.rank = rank
-        self._served: dict[int, int] = {}  # receiver -> the last ticket this rank served it
-        # Receiver -> the count of this rank's latest send offered to it, counted on from
-        # (incarnation - 1) * 2**32: a restarted rank's offers count above its predecessor's
-        # (a receiver's board keeps the count of the send that served it last, see pending()).
-        self._sends: dict[int, int] = {}
-        self._offered: set[int] = set()  # receivers whose offer from this rank stands
+        self.book = SenderBook(1)  # its incarnation's once registered (_connect)
         self._reported = False  # whether this rank's failure report stands
-        self._maybe_written: set[int] = set()  # see _connect
-        self._wrote: set[int] = set()  # receivers on this host the running send may have written to
         self._unfinished_headers: dict[int, list] = {}  # receiver -> [(work, header, what)] of "nothing follows"
         self._local_receivers: list[int] = []
         # Receiver on this host -> its ticket board (board.py): never unmapped before this object
@@ -171,24 +165,15 @@ class WeightSender(Endpoint):
         self._dst_incarnations: dict[int, int] = {}  # receiver -> the incarnation whose memory is mapped
         self._reregistered = self.channel.counter(REREGISTERED)  # before any handle is read
         deadline = time.monotonic() + self.timeout
+        self.book = SenderBook(self._incarnation)
         for dst in self._local_receivers:
             self._map_receiver(dst, deadline)
-        if self._incarnation > 1:
-            # A restarted sender: a receive() open now, where other senders write too, may
-            # hold their previous version beside the predecessor's partial writes; joining
-            # it would mix versions: serve from the next ticket on. A receiver this rank
-            # alone writes (a relay's child rank) is served at once: all of it is written
-            # again, and it may be waiting for exactly the version the predecessor died on.
-            sole = {dst for dst in local if len(self.plan.senders_of(dst)) == 1}
+        if self._incarnation > 1:  # a restarted sender (SenderBook.inherit)
             for dst in local:
                 opened = self._boards[dst].opened()
-                # (Not one the predecessor answered already: that receive is over, or about to be.)
-                again = dst in sole and self._boards[dst].answers(opened, [self.rank])[0] is None
-                self._served[dst] = max(opened - again, 0)
+                self.book.inherit(dst, opened, len(self.plan.senders_of(dst)) == 1,
+                                  self._boards[dst].answers(opened, [self.rank])[0] is not None)
             self.reports.withdraw(local)  # what the predecessor offered will not come
-            # Receivers whose open ticket the predecessor may have half written: any answer
-            # this rank gives them says it wrote, until it has served them whole.
-            self._maybe_written = sole
         self._staging_bufs = self._staging([self.plan.buckets[(self.rank, d)] for d in self._p2p_peers])
         self._build_tables()
 
@@ -221,7 +206,8 @@ class WeightSender(Endpoint):
         self._dst_incarnations[dst] = handle.get("incarnation", 0)
         opened_board = TicketBoard.open(board, self.plan.src_layout.world_size, f"sender rank {self.rank}")
         with self._answering:
-            self._boards[dst], self._served[dst] = opened_board, 0
+            self._boards[dst] = opened_board
+            self.book.new_board(dst)
 
     def _follow_reregistered(self, deadline: float) -> None:
         """Receivers on this host that registered again under this sync's name since
@@ -288,7 +274,7 @@ class WeightSender(Endpoint):
         while True:
             self._check_stop()
             board = self._boards[dst]
-            found = board.wait_until(lambda: to_serve(self._served.get(dst, 0), board.current()) or
+            found = board.wait_until(lambda: to_serve(self.book.served.get(dst, 0), board.current()) or
                                      (None if self._stop is None else False),
                                      min(deadline, time.monotonic() + FAILURE_POLL_S))
             self._check_stop()
@@ -381,7 +367,7 @@ class WeightSender(Endpoint):
         return written
 
     def _send(self, version: int, deadline: float) -> int:
-        self._wrote = set(self._maybe_written)
+        self.book.send_begins()
         try:
             if self.fp8 is not None:  # before any offer: a receiver asks for what is ready to copy
                 self._quantize_fp8(version, deadline)
@@ -408,21 +394,19 @@ class WeightSender(Endpoint):
                     # The receive asks for an older version, which nobody will send now (its sender
                     # died): tell it so, untouched, rather than fill it with this one, then serve the
                     # receive that follows.
-                    self._answer(dst, ticket, STALE, version, dst in self._wrote)
+                    self._answer(dst, ticket, STALE, version)
                     ticket, wanted = self._await_ticket(dst, deadline)
                 for table in self._tables[dst]:
-                    self._wrote.add(dst)  # before the stop check: an abort in between answers "wrote"
+                    self.book.writes(dst)  # before the stop check: an abort in between answers "wrote"
                     self._check_stop()
                     written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
                 # An abort before this check answered the ticket FAILED and stops the send here;
                 # one after it may see its FAILED replaced by the version below: the copy is whole.
                 self._check_stop()
                 # Withdrawn before the answer: a receiver that has the version never sees the offer stand.
-                self.reports.withdraw([dst])
-                self._offered.discard(dst)
-                self._answer(dst, ticket, SERVED, version, True)
-                self._wrote.discard(dst)  # served whole
-                self._maybe_written.discard(dst)
+                self.reports.withdraw(self.book.withdraw([dst]))
+                self._answer(dst, ticket, SERVED, version)
+                self.book.served_whole(dst)
             for dst in self._p2p_peers:  # in round order
                 self._check_stop()
                 started += 1
@@ -441,8 +425,7 @@ class WeightSender(Endpoint):
             exc.llamarl_reported = True
             return
         try:
-            self.reports.withdraw(sorted(self._offered))
-            self._offered.clear()
+            self.reports.withdraw(self.book.withdraw())
         except Exception as failure:  # noqa: BLE001 - `exc` is what the send raises
             exc.add_note(f"sender rank {self.rank} could not withdraw its offers: {failure!r}")
 
@@ -459,7 +442,7 @@ class WeightSender(Endpoint):
             try:
                 if offer:
                     self._offer(dst, version)
-                header = torch.tensor([version, NOTHING_FOLLOWS, self._sends[dst]], dtype=torch.int64,
+                header = torch.tensor([version, NOTHING_FOLLOWS, self.book.sends[dst]], dtype=torch.int64,
                                       device=self.device)
                 peer = self.plan.src_layout.world_size + dst
                 what = f"telling receiver {dst} that version {version} will not come"
@@ -491,9 +474,7 @@ class WeightSender(Endpoint):
         fp8.quantize(self.tensors, amax)
 
     def _offer(self, dst: int, version: int) -> None:
-        self._sends[dst] = self._sends.get(dst, (self._incarnation - 1) << 32) + 1
-        self.reports.offer(dst, version, self._sends[dst])
-        self._offered.add(dst)
+        self.reports.offer(dst, version, self.book.offer(dst))
 
     def _check_stop(self) -> None:
         if self._stop is not None:
@@ -515,12 +496,8 @@ class WeightSender(Endpoint):
         answer FAILED on the open ticket of every receiver of this host it has not
         served, and ring every board (a receiver waiting on one reads the report)."""
         self._reported = True  # first: a report published in part is cleared by the next send too
-        self.reports.withdraw(sorted(self._offered))
-        self._offered.clear()
+        self.reports.withdraw(self.book.withdraw())
         self.reports.fail(message)
-        # _maybe_written too: a restarted rank's failure outside a send (abort, a send
-        # refused before it ran) still answers "wrote" for what its predecessor may have written.
-        wrote = self._wrote | self._maybe_written
         if self._closed:  # its boards are another sender's to answer on now (a rank registered again)
             return
         for dst in self._local_receivers:
@@ -528,22 +505,18 @@ class WeightSender(Endpoint):
                 board = self._boards.get(dst)
                 if board is None:  # not mapped yet: the receiver sees the report in the Store
                     continue
-                current = to_serve(self._served.get(dst, 0), board.current())
+                current = to_serve(self.book.served.get(dst, 0), board.current())
                 if current is not None:
-                    self._answer(dst, current[0], FAILED, 0, dst in wrote)
+                    self._answer(dst, current[0], FAILED, 0)
                 board.ring()
 
-    def _answer(self, dst: int, ticket: int, kind: int, version: int, wrote: bool) -> None:
-        """Answer `ticket` of receiver `dst` on its board (SERVED, STALE, FAILED): done
-        with that ticket (the next send waits for a later one), then the answer. A
-        FAILED answer (abort() in another thread) to a ticket the send served
-        meanwhile is not given: that copy is whole."""
+    def _answer(self, dst: int, ticket: int, kind: int, version: int) -> None:
+        """Answer `ticket` of receiver `dst` on its board (SERVED, STALE, FAILED), as
+        the book says (SenderBook.answers; its `wrote` for STALE and FAILED)."""
         with self._answering:
-            if kind == FAILED and ticket <= self._served.get(dst, 0):
-                return
-            self._served[dst] = max(self._served.get(dst, 0), ticket)
-            self._boards[dst].answer(self.rank, ticket, kind, version, wrote,
-                                     self._sends.get(dst, 0) if kind == SERVED else None)
+            if self.book.answers(dst, ticket, failed=kind == FAILED):
+                self._boards[dst].answer(self.rank, ticket, kind, version, kind == SERVED or self.book.wrote(dst),
+                                         self.book.sends.get(dst, 0) if kind == SERVED else None)
 
     def _report_raised(self, exc: BaseException) -> None:
         try:

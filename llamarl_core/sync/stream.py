@@ -40,7 +40,7 @@ class P2PStream:
         self.peer = sender.plan.src_layout.world_size + dst
         self.tables = sender._tables[dst]
         self.what = f"sending version {version} to receiver {dst}"
-        self.header = torch.tensor([version, len(self.tables), sender._sends[dst]], dtype=torch.int64,
+        self.header = torch.tensor([version, len(self.tables), sender.book.sends[dst]], dtype=torch.int64,
                                    device=sender.device)
         self.in_flight = [sender._post("send", self.header, self.peer, 0, self.what), None, None]
         self.sent = 0  # buckets posted
