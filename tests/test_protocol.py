@@ -170,7 +170,8 @@ def test_a_senders_book_never_calls_a_receive_it_wrote_untouched():
 
     rng = random.Random(3)
     clean = {"stale": 0, "failed": 0}
-    restarted = 0
+    dirty = {"stale": 0, "failed": 0}  # answers that said written, on a ticket a copy began to write
+    restarted = late_aborts = 0
     for _ in range(3_000):
         sole = rng.random() < 0.5  # the receiver's only writer (a relay's child rank), or one of several
         incarnation, book = 1, SenderBook(1)
@@ -186,6 +187,8 @@ def test_a_senders_book_never_calls_a_receive_it_wrote_untouched():
             if not book.wrote(0):
                 assert not written.get(ticket), (kind, ticket, written)
                 clean[kind] += 1
+            elif written.get(ticket):
+                dirty[kind] += 1
 
         for _ in range(rng.randint(5, 40)):
             event = rng.random()
@@ -215,6 +218,9 @@ def test_a_senders_book_never_calls_a_receive_it_wrote_untouched():
                     book.withdraw([0])
                     assert book.answers(0, ticket)
                     book.served_whole(0)
+                    if rng.random() < 0.3:  # an abort() that read the ticket before it was served comes now
+                        assert not book.answers(0, ticket, failed=True)  # that copy is whole: no FAILED over it
+                        late_aborts += 1
                 if how in ("died", "answered-then-died"):
                     incarnation, book = incarnation + 1, SenderBook(incarnation + 1)
                     book.new_board(0)
@@ -227,4 +233,5 @@ def test_a_senders_book_never_calls_a_receive_it_wrote_untouched():
                 if current is not None and book.answers(0, current[0], failed=True):
                     check_untouched("failed", current[0])
         assert offers == sorted(set(offers)), offers
-    assert min(clean.values()) > 500 and restarted > 1000, (clean, restarted)
+    assert min(clean.values()) > 500 and min(dirty.values()) > 10, (clean, dirty)
+    assert restarted > 1000 and late_aborts > 300, (restarted, late_aborts)
