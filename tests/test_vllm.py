@@ -390,7 +390,11 @@ def test_train_qwen3_moe_with_vllm_generator(tmp_path):
 
 def test_bench_sync_into_vllm_prints_json_alone_on_stdout():
     """`llamarl bench sync --into vllm --json`: stdout parses as JSON, the engine's
-    logs going to stderr (before, some 90 lines of them came first on stdout)."""
+    logs going to stderr (before, some 90 lines of them came first on stdout); its
+    figures hold together: the model's bytes are its parameters' (counted here by
+    transformers), every byte sent once by the one trainer rank, each rate the
+    model's bytes over its time, the ratio the peer's time over DDMA's, and the
+    workers' commit a part of DDMA's pause."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tiny = ["--hidden", "128", "--intermediate", "256", "--layers", "1", "--heads", "4", "--kv-heads", "2",
             "--vocab", "256", "--warmup", "0", "--repeats", "1"]
@@ -398,5 +402,16 @@ def test_bench_sync_into_vllm_prints_json_alone_on_stdout():
                           capture_output=True, text=True, timeout=300, cwd="/", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    assert result["model_bytes"] > 0 and result["seconds"]["llamarl_ddma"]["median"] > 0
+    config = transformers.LlamaConfig(**{k: v for k, v in result["config"].items() if k != "model_type"})
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+    assert result["model_bytes"] == 4 * parameters  # float32
+    assert result["shard_bytes_by_rank"] == result["sent_bytes_by_rank"] == [result["model_bytes"]]
+    seconds = {method: figures["median"] for method, figures in result["seconds"].items()}
+    assert set(seconds) | set(result["failures"]) == {"llamarl_ddma", "reload_weights", "load_weights"}
+    for method, median in seconds.items():
+        assert math.isclose(result["gbps"][method], result["model_bytes"] / median / 1e9, rel_tol=1e-9), method
+    assert math.isclose(result["ratios"]["ddma_vs_reload_weights"], seconds["reload_weights"] / seconds["llamarl_ddma"],
+                        rel_tol=1e-9)
+    assert 0 < result["ddma_commit_seconds"]["median"] <= seconds["llamarl_ddma"]
     assert "(llamarl-vllm-engine pid=" in proc.stderr  # vLLM's log, prefixed with the engine process's name
