@@ -2,6 +2,7 @@
 sizes; no timing is asserted here: figures live in bench/RESULTS.md)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -9,6 +10,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
 
 def _run(*args: str) -> dict:
@@ -25,18 +28,39 @@ TINY_SYNC = ["--hidden", "64", "--intermediate", "128", "--layers", "1", "--head
              "--vocab", "256", "--warmup", "0", "--repeats", "1"]
 
 
+def _figures_hold_together(result: dict) -> None:
+    """Each rate is the model's bytes over its method's median time; each ratio
+    "a_vs_b" is the rate of a (engine: the engine over `auto`; p2p: over p2p) over
+    the rate of b."""
+    seconds = {method: figures["median"] for method, figures in result["seconds"].items()}
+    assert set(seconds) == set(result["gbps"])
+    for method, median in seconds.items():
+        assert math.isclose(result["gbps"][method], result["model_bytes"] / median / 1e9, rel_tol=1e-9), method
+    methods = {"engine": "engine_auto", "p2p": "engine_p2p"}
+    for name, ratio in result["ratios"].items():
+        ours, peer = name.split("_vs_")
+        assert math.isclose(ratio, result["gbps"][methods.get(ours, ours)] / result["gbps"][peer], rel_tol=1e-9), name
+
+
 def test_bench_sync_reports_every_method():
+    """Every method beside the engine, their figures holding together, the model's
+    bytes its parameters' in the generator's bf16 (counted here by transformers)."""
     result = _run("sync", *TINY_SYNC)
     assert set(result["gbps"]) == {"memcpy", "engine_auto", "engine_p2p", "gloo_broadcast", "mp_shared"}
-    assert all(v > 0 for v in result["gbps"].values())
     assert set(result["ratios"]) == {"engine_vs_memcpy", "engine_vs_gloo_broadcast", "engine_vs_mp_shared",
                                      "p2p_vs_gloo_broadcast"}
+    _figures_hold_together(result)
+    config = transformers.LlamaConfig(**{k: v for k, v in result["config"].items() if k != "model_type"})
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+    assert result["model_bytes"] == 2 * parameters
 
 
 def test_bench_sync_into_fp8_destinations_reports_the_engine_beside_its_limit():
     result = _run("sync", "--fp8", "channel", "--src-dtype", "fp32", "--transports", "auto", *TINY_SYNC)
     assert set(result["gbps"]) == {"memcpy", "engine_auto"} and result["fp8"] == "channel"
-    assert all(v > 0 for v in result["gbps"].values()) and set(result["ratios"]) == {"engine_vs_memcpy"}
+    assert set(result["ratios"]) == {"engine_vs_memcpy"}
+    _figures_hold_together(result)
 
 
 def test_bench_sync_replicas_reports_each_count_beside_naive_and_limit():
@@ -125,8 +149,6 @@ def test_bench_aipo_liger_peer_has_our_gradients(loss_type):
     liger-kernel."""
     pytest.importorskip("liger_kernel.chunked_loss")
     import types
-
-    import torch
 
     from llamarl_core.bench import bench_aipo
     from llamarl_core.ops.aipo import linear_aipo_loss
