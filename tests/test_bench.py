@@ -192,7 +192,12 @@ def test_bench_pipeline_reports_both_modes():
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert set(result) == {"llamarl_async", "llamarl_sync"}
-    assert all(r["tokens_per_s"] > 0 and r["completion_tokens"] > 0 for r in result.values())
+    for name, r in result.items():  # one run each: its figures, not medians of several
+        assert r["completion_tokens"] > 0 and r["tokens_per_s_runs"] == [round(r["tokens_per_s"])], name
+        assert math.isclose(r["tokens_per_s"], r["completion_tokens"] / r["rl_time_s"], rel_tol=1e-9), name
+        assert r["rl_time_s"] <= r["wall_time_s"] and r["tokens_per_s_with_startup"] <= r["tokens_per_s"], name
+        # samples a second x tokens a sample: tokens a second
+        assert math.isclose(r["samples_per_s"] * r["mean_completion_tokens"], r["tokens_per_s"], rel_tol=1e-9), name
 
 
 def _synthetic_run(folder: Path) -> list[dict]:
