@@ -222,7 +222,6 @@ class SenderWatch:
     def __init__(self, channel: Channel, rank: int):
         self.channel, self.rank = channel, rank
         self._seen = 0  # the failure count when no sender watched had a failure standing
-        self._read = 0  # the failure count `failure` read last
         self.offer_counts: dict[int, int] = {}  # sender -> the count of its latest offer `offered` read
         # The counter's key made now (reading it creates it), whichever waits ask it later: a
         # sync's keys in the Store are the same whatever path its receives take.
@@ -232,7 +231,7 @@ class SenderWatch:
         """"sender rank s failed: <its error>" for the first of `senders` whose failure
         stands, else None. One request while no failure was reported since the last
         call that found none; then one more per sender."""
-        count = self._read = self.channel.counter(FAILURES)
+        count = self.channel.counter(FAILURES)
         if count == self._seen:
             return None
         for src in senders:
@@ -242,14 +241,14 @@ class SenderWatch:
         self._seen = count
         return None
 
-    def reported_since(self) -> bool:
-        """Whether a failure was reported (by any sender) since `failure` last looked: one request."""
-        return self.channel.counter(FAILURES) != self._read
+    def error(self, src: int) -> str | None:
+        """The error sender `src` published, while its failure stands (else None): one request."""
+        return self.channel.genuine(error_key(src))
 
     def report(self, src: int) -> str | None:
         """"sender rank s failed: <its error>" if sender `src`'s failure stands, else
         None: one request, whatever `failure` saw before."""
-        error = self.channel.genuine(error_key(src))
+        error = self.error(src)
         return None if error is None else f"sender rank {src} failed: {error}"
 
     def offered(self, received: Mapping[int, int | None]) -> int | None:
@@ -415,11 +414,11 @@ def board_answers(slots: list, senders: list[int], expect: int | None,
     def failure(src: int) -> str:
         return report(src) or "its report no longer stands (it sends again)"
 
-    failed = [(src, slot) for src, slot in zip(senders, slots) if slot is not None and slot[0] == FAILED_SLOT]
+    failed = [src for src, slot in zip(senders, slots) if slot is not None and slot[0] == FAILED_SLOT]
     answers = []
     for src, slot in zip(senders, slots):
         if slot is None:
-            answers.append({"failed": failed[0][0], "error": failure(failed[0][0])})
+            answers.append({"failed": failed[0], "error": failure(failed[0])})
         elif slot[0] == FAILED_SLOT:
             answers.append({"failed": src, "error": failure(src), "wrote": slot[2]})
         elif slot[0] == STALE_SLOT:

@@ -18,7 +18,7 @@ from .board import TicketBoard
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES, check_replica, relay_tree
 from .protocol import (DEFAULT_TIMEOUT_S, DST, FAILED, FAILURE_POLL_S, LANDED, MIXED, REREGISTERED, Channel,
-                       ReceiveOutcome, SenderWatch, board_answers, decide_receive, error_key, relay_name)
+                       ReceiveOutcome, SenderWatch, board_answers, decide_receive, relay_name)
 from .relay import Forwarding, Relays, arrival_regions
 from .sender import WeightSender
 from .stream import NOTHING_FOLLOWS
@@ -296,7 +296,7 @@ class WeightReceiver(Endpoint):
             slots = board.wait_until(lambda: settled() or (None if board.rings() == rings else False),
                                      min(deadline, time.monotonic() + FAILURE_POLL_S))
             if slots:
-                return board_answers(slots, senders, expect, lambda src: self.channel.genuine(error_key(src)))
+                return board_answers(slots, senders, expect, self.watch.error)
             rings = board.rings()
             now = time.monotonic()
             slots = board.answers(ticket, senders)

@@ -43,11 +43,12 @@ class Relays:
     that feeds it, naming it, instead of this replica's start). forwarded: whether
     a relay set up point to point is fed bucket by bucket as the version lands
     (the relay's buckets mirror the received ones: `arrival_regions`). rank,
-    replica: the receiver's, as errors name them. A relay that breaks off in the middle of a
-    version fails every later receive that feeds it, at once, until `replace`."""
+    replica: the receiver's, as errors name them. A relay that breaks off in the
+    middle of a version fails every later receive that feeds it, at once, until
+    `replace`."""
 
-    def __init__(self, store: dist.Store, names: Mapping[int, str], make_sender: Callable[[dist.Store, str], WeightSender],
-                 forwarded: bool, rank: int, replica: int):
+    def __init__(self, store: dist.Store, names: Mapping[int, str],
+                 make_sender: Callable[[dist.Store, str], WeightSender], forwarded: bool, rank: int, replica: int):
         self._store, self._make_sender, self._forwarded = store, make_sender, forwarded
         self.rank, self.replica = rank, replica
         self._relays: dict[int, WeightSender | Future] = {child: self._set_up(child, name)
@@ -99,8 +100,9 @@ class Relays:
             except (ValueError, RuntimeError) as exc:  # SyncError, and set-up's errors too; the other children go on
                 failed[child] = f"{type(exc).__name__}: {exc}"
         if failed:
-            raise RelayError(f"receiver rank {self.rank} of replica {self.replica}: version {version} landed here, but relaying it failed: "
-                             + "; ".join(f"to replica {c}: {m}" for c, m in failed.items()), version, failed)
+            raise RelayError(f"receiver rank {self.rank} of replica {self.replica}: version {version} landed here, but "
+                             "relaying it failed: " + "; ".join(f"to replica {c}: {m}" for c, m in failed.items()),
+                             version, failed)
 
     def ready(self, child: int, deadline: float) -> WeightSender:
         """The relay to `child`, waiting for its set-up until `deadline`; raises what
