@@ -56,6 +56,14 @@ MODEL_CLASSES = {
 }
 
 
+def llama_parameter_count(config: Mapping) -> int:
+    """The parameters of transformers' Llama built from a bench's JSON `config` (on the meta device)."""
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **{k: v for k, v in config.items() if k != "model_type"}))
+    return sum(p.numel() for p in model.parameters())
+
+
 def hf_state_dict(config, seed: int) -> dict[str, torch.Tensor]:
     """named_parameters() of the real Hugging Face model class, every parameter
     (norms and biases too, which init to ones / zeros) redrawn from N(0, 1)."""

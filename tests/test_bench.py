@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
+
+from helpers import llama_parameter_count
 
 
 def _run(*args: str) -> dict:
@@ -50,10 +51,7 @@ def test_bench_sync_reports_every_method():
     assert set(result["ratios"]) == {"engine_vs_memcpy", "engine_vs_gloo_broadcast", "engine_vs_mp_shared",
                                      "p2p_vs_gloo_broadcast"}
     _figures_hold_together(result)
-    config = transformers.LlamaConfig(**{k: v for k, v in result["config"].items() if k != "model_type"})
-    with torch.device("meta"):
-        parameters = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
-    assert result["model_bytes"] == 2 * parameters
+    assert result["model_bytes"] == 2 * llama_parameter_count(result["config"])
 
 
 def test_bench_sync_into_fp8_destinations_reports_the_engine_beside_its_limit():

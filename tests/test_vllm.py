@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from helpers import run_processes
+from helpers import llama_parameter_count, run_processes
 from llamarl_core.control import auth
 from llamarl_core.integrations.vllm.host import EngineError, EngineProcess
 from llamarl_core.sync import Layout
@@ -402,10 +402,7 @@ def test_bench_sync_into_vllm_prints_json_alone_on_stdout():
                           capture_output=True, text=True, timeout=300, cwd="/", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    config = transformers.LlamaConfig(**{k: v for k, v in result["config"].items() if k != "model_type"})
-    with torch.device("meta"):
-        parameters = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
-    assert result["model_bytes"] == 4 * parameters  # float32
+    assert result["model_bytes"] == 4 * llama_parameter_count(result["config"])  # float32
     assert result["shard_bytes_by_rank"] == result["sent_bytes_by_rank"] == [result["model_bytes"]]
     seconds = {method: figures["median"] for method, figures in result["seconds"].items()}
     assert set(seconds) | set(result["failures"]) == {"llamarl_ddma", "reload_weights", "load_weights"}
