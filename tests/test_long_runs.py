@@ -19,20 +19,20 @@ RUN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 def test_soak_keeps_the_store_files_and_threads_flat(tmp_path):
-    """150 steps of the default pipeline (a checkpoint every 25, an evaluation every
-    50) and 150 syncs, sampled every 50 steps: from the first sample to the last the
+    """90 steps of the default pipeline (a checkpoint every 15, an evaluation every
+    30) and 90 syncs, sampled every 30 steps: from the first sample to the last the
     Store holds the same keys (2 of slack: messages in flight), and no process gains
     a file descriptor or a thread (1 of slack). Before ticket keys were deleted, the
-    sync alone left 3 keys per version (300 more here)."""
-    done = subprocess.run([sys.executable, "-m", "llamarl_core.bench.bench_soak", "--steps", "150", "--every", "50",
-                           "--from", "50", "--checkpoint-every", "25", "--json", "--out", str(tmp_path / "run")],
+    sync alone left 3 keys per version (180 more here)."""
+    done = subprocess.run([sys.executable, "-m", "llamarl_core.bench.bench_soak", "--steps", "90", "--every", "30",
+                           "--from", "30", "--checkpoint-every", "15", "--json", "--out", str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=600, env=RUN_ENV, cwd=tmp_path)
     results = json.loads(done.stdout.splitlines()[-1]) if done.stdout.strip() else None
     assert results is not None, done.stderr[-3000:]
     for loop in ("sync", "pipeline"):
         rows = results[loop]["rows"]
         print(loop, json.dumps(rows))
-        assert [r["step"] for r in rows] == [50, 100, 150]
+        assert [r["step"] for r in rows] == [30, 60, 90]
         verdict = results[loop]["verdict"]
         counts = [k for k in verdict if k == "keys" or k.endswith((" fds", " threads"))]
         assert "keys" in counts and len(counts) >= 5, counts  # the keys, and two or more processes' fds and threads
@@ -47,7 +47,7 @@ def test_a_killed_run_leaves_a_trace_and_metrics_that_parse(tmp_path):
     metrics.jsonl parses."""
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "llamarl_core.cli", "train", "--out", str(out), "--steps", "1000",
-                             "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=RUN_ENV, cwd=tmp_path,
+                             "--warmup-steps", "5", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=RUN_ENV, cwd=tmp_path,
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 180

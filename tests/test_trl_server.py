@@ -64,7 +64,10 @@ def server(tmp_path_factory):
          "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "64",
          "--max-num-seqs", "16", "--logprobs-mode", "processed_logprobs", "--enforce-eager",
          "--weight-transfer-config", '{"backend": "llamarl_ddma"}'],
-        env=dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1"), stdout=log, stderr=subprocess.STDOUT,
+        # VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's CPU platform then leaves the one worker inside the engine
+        # core's process (the server keeps its engine core apart): one process fewer importing vLLM.
+        env=dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+        stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True, cwd=logs)  # not the repository root, which `-m` puts first on sys.path
     url = f"http://127.0.0.1:{port}"
     try:
@@ -79,7 +82,7 @@ def server(tmp_path_factory):
             except requests.RequestException:
                 pass
             assert time.monotonic() < deadline, f"the vLLM server did not start within {STARTUP_S} s"
-            time.sleep(1)
+            time.sleep(0.2)
         yield url, folder
     finally:
         os.killpg(process.pid, signal.SIGTERM)
@@ -223,10 +226,13 @@ def test_async_grpo_trainer_with_the_ddma_backend(server, monkeypatch):
     monkeypatch.setattr(packing, "_flash_attn", lambda: VarlenAttention)
 
     url, folder = server
+    # A short rollout queue and few requests in flight: by default the rollout worker keeps generating into a
+    # queue of 1024 while 2 steps train, and at the end its process waits out a 15 s join, blocked writing the
+    # unread samples into the queue's pipe.
     args = AsyncGRPOConfig(output_dir=os.path.join(folder, "async"), vllm_server_base_url=url, num_generations=4,
                            max_completion_length=6, per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2,
                            report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, bf16=False,
-                           weight_sync_steps=1)
+                           weight_sync_steps=1, queue_maxsize=8, max_inflight_tasks=4)
     conversations = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": p["prompt"]}]}
                                                 for p in prompts()])
     transfer = DdmaWeightTransfer(url)
