@@ -29,12 +29,6 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# The forkserver the tests' rank processes are forked from (helpers.run_processes)
-# starts now, with the session's environment and sys.path: started inside a test,
-# it would keep that test's monkeypatched variables for the rest of the session.
-from llamarl_core import forkserver  # noqa: E402
-
-forkserver.start()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -112,8 +106,17 @@ def _xdist_controller(config) -> bool:
 
 
 def pytest_configure(config):
-    if _xdist_controller(config) and config.option.testrunuid is None:
-        config.option.testrunuid = uuid.uuid4().hex  # the workers' lock files' name, known here to remove them
+    if _xdist_controller(config):
+        if config.option.testrunuid is None:
+            config.option.testrunuid = uuid.uuid4().hex  # the workers' lock files' name, known here to remove them
+        return  # it runs no test
+    # The forkserver the tests' rank processes are forked from (helpers.run_processes)
+    # starts now, before the test modules are imported, with the session's environment
+    # and sys.path: started inside a test, it would keep that test's monkeypatched
+    # variables for the rest of the session.
+    from llamarl_core import forkserver
+
+    forkserver.start()
 
 
 def pytest_unconfigure(config):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import llamarl_here
 
 from llamarl_core.pipeline import TrainConfig
 from llamarl_core.pipeline.gpu_share import CONTROL, MpsDaemon, generator_percent, role_percent
@@ -42,8 +43,7 @@ def test_gpu_share_needs_our_generator_on_a_gpu_in_async_mode():
 
 
 def test_the_cli_names_the_flag(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "train", "--out", str(tmp_path / "run"),
-                           "--gpu-share", "mps:120"], capture_output=True, text=True, timeout=120)
+    proc = llamarl_here("train", "--out", str(tmp_path / "run"), "--gpu-share", "mps:120")
     assert proc.returncode != 0 and "--gpu-share mps:120: must be 'none' or 'mps:P'" in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()
 
