@@ -1,8 +1,8 @@
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
-import uuid
 
 import pytest
 import torch
@@ -57,15 +57,17 @@ def _busy_cpu_seconds() -> float:
 
 class Turns:
     """Under pytest-xdist, a test marked `serial` runs with no other test running:
-    two lock files (flock) the workers share. Every test holds RUN shared while it
-    runs, a serial test holds it exclusive; a serial test first takes GATE
-    exclusive, which the others take shared and drop before they start, so that
-    new tests queue behind a waiting serial test instead of starving it."""
+    two lock files in `folder` (the controller's, handed to every worker). Every
+    test holds RUN shared while it runs (its fixtures' set-up and tear-down
+    included), a serial test holds it exclusive; a serial test first takes GATE
+    exclusive, which the others take shared and drop before they start, so that new
+    tests queue behind a waiting serial test instead of starving it. POSIX record
+    locks (lockf): a child a test forks does not inherit them."""
 
-    WAIT_S = 1800.0
+    WAIT_S = 900.0
 
-    def __init__(self, prefix: str):
-        self.gate, self.run = f"{prefix}-gate", f"{prefix}-run"
+    def __init__(self, folder: str):
+        self.gate, self.run = os.path.join(folder, "gate"), os.path.join(folder, "run")
 
     @staticmethod
     def _lock(file, mode: int) -> None:
@@ -75,9 +77,9 @@ class Turns:
         deadline = time.monotonic() + Turns.WAIT_S
         while True:
             try:
-                fcntl.flock(file, mode | fcntl.LOCK_NB)
+                fcntl.lockf(file, mode | fcntl.LOCK_NB)
                 return
-            except BlockingIOError:
+            except OSError:  # held by another worker (EAGAIN / EACCES)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"waited {Turns.WAIT_S:.0f} s for {file.name}") from None
                 time.sleep(0.05)
@@ -86,30 +88,29 @@ class Turns:
     def turn(self, serial: bool):
         import fcntl
 
-        with open(self.gate, "a") as gate, open(self.run, "a") as run:  # closed: unlocked
+        with open(self.gate, "a+") as gate, open(self.run, "a+") as run:  # closed: unlocked
             if serial:
                 self._lock(gate, fcntl.LOCK_EX)
                 self._lock(run, fcntl.LOCK_EX)
             else:
                 self._lock(gate, fcntl.LOCK_SH)
-                fcntl.flock(gate, fcntl.LOCK_UN)
+                fcntl.lockf(gate, fcntl.LOCK_UN)
                 self._lock(run, fcntl.LOCK_SH)
             yield
 
-    @staticmethod
-    def prefix(uid: str) -> str:
-        return os.path.join(tempfile.gettempdir(), f"pytest-serial-{uid}")
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist's controller, for each worker it starts: the folder of the workers' Turns."""
+    config = node.config
+    if not hasattr(config, "llamarl_turns"):
+        config.llamarl_turns = tempfile.mkdtemp(prefix="pytest-turns-")
+    node.workerinput["llamarl_turns"] = config.llamarl_turns
 
 
-def _xdist_controller(config) -> bool:
-    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
-
-
-def pytest_configure(config):
-    if _xdist_controller(config):
-        if config.option.testrunuid is None:
-            config.option.testrunuid = uuid.uuid4().hex  # the workers' lock files' name, known here to remove them
-        return  # it runs no test
+def pytest_sessionstart(session):
+    if session.config.pluginmanager.hasplugin("dsession"):
+        return  # pytest-xdist's controller: it runs no test
     # The forkserver the tests' rank processes are forked from (helpers.run_processes)
     # starts now, before the test modules are imported, with the session's environment
     # and sys.path: started inside a test, it would keep that test's monkeypatched
@@ -120,18 +121,15 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    if _xdist_controller(config):
-        turns = Turns(Turns.prefix(config.option.testrunuid))
-        for path in (turns.gate, turns.run):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+    if hasattr(config, "llamarl_turns"):
+        shutil.rmtree(config.llamarl_turns, ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    workerinput = getattr(item.config, "workerinput", None)
-    turn = contextlib.nullcontext() if workerinput is None else \
-        Turns(Turns.prefix(workerinput["testrunuid"])).turn("serial" in item.keywords)
+    folder = getattr(item.config, "workerinput", {}).get("llamarl_turns")
+    turn = contextlib.nullcontext() if folder is None else \
+        Turns(folder).turn(item.get_closest_marker("serial") is not None)
     path = item.config.getoption("--cpu-log")
     with turn:
         if path is None:

@@ -4,7 +4,9 @@ same code at tiny shapes on the CPU."""
 
 import json
 import random
+import subprocess
 import sys
+import tempfile
 
 import pytest
 from helpers import llamarl_here
@@ -146,7 +148,10 @@ def test_step_names_are_those_the_plans_run(tmp_path):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="with a GPU, llamarl check gpu runs the GPU steps")
 def test_check_gpu_without_a_gpu_writes_its_json_and_skips_what_the_budget_does_not_cover(tmp_path):
-    out = llamarl_here("check", "gpu", "--budget", "5", "--json", str(tmp_path / "gpu.json"), "--commit", "abc123")
+    # A command of its own: the budget counts from the process's start, interpreter and imports included.
+    out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "check", "gpu", "--budget", "5", "--json",
+                          str(tmp_path / "gpu.json"), "--commit", "abc123"], capture_output=True, text=True,
+                         timeout=120, cwd=tempfile.gettempdir())
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads((tmp_path / "gpu.json").read_text())
     assert set(result) == {"commit", "device", "driver", "torch", "triton", "seconds", "budget_s", "complete", "steps",
@@ -163,7 +168,9 @@ def test_check_gpu_without_a_gpu_writes_its_json_and_skips_what_the_budget_does_
                                  ("--json", "/nonexistent/x.json", "--json: the folder /nonexistent does not exist")):
         bad = llamarl_here("check", "gpu", flag, value)
         assert bad.returncode == 2 and message in bad.stderr
-    left_out = llamarl_here("check", "gpu", "--skip", "compile check", "--json", str(tmp_path / "left.json"))
+    left_out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "check", "gpu", "--skip", "compile check",
+                               "--json", str(tmp_path / "left.json")], capture_output=True, text=True, timeout=120,
+                              cwd=tempfile.gettempdir())
     assert left_out.returncode == 0, left_out.stdout + left_out.stderr
     steps = json.loads((tmp_path / "left.json").read_text())["steps"]
     assert [(s["name"], s["status"], s["summary"]) for s in steps] == [

@@ -771,10 +771,10 @@ def test_a_stalled_reward_stops_the_run_naming_what_it_waited_for(tmp_path):
     outstanding, and no executor is left."""
     out = tmp_path / "run"
     start = time.monotonic()
-    proc = llamarl("--task", "pipeline_tasks:hanging_reward_task", "--out", str(out), *FAST, "--timeout-s", "4")
+    proc = llamarl("--task", "pipeline_tasks:hanging_reward_task", "--out", str(out), *FAST, "--timeout-s", "6")
     took, last_step = time.monotonic() - start, time.time() - (out / "metrics.jsonl").stat().st_mtime
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "no executor reported anything for 4 s while waiting for trainer step" in proc.stderr, proc.stderr[-3000:]
+    assert "no executor reported anything for 6 s while waiting for trainer step" in proc.stderr, proc.stderr[-3000:]
     assert "the reward executor scoring" in proc.stderr and f"the last checkpoint is in {out}" in proc.stderr
     steps = len(read_metrics(out))
     assert 0 < steps < 12  # it hangs from the 121st completion scored, 16 a step
@@ -868,7 +868,7 @@ def test_killed_replicas_are_restarted_alone_while_the_other_generates(tmp_path)
     and its parent feeds the new one. Then replica 0 killed: replica 1 generates
     while the trainer reconnects and re-syncs the new replica 0. The run completes."""
     out = tmp_path / "run"
-    args = ["--generator-replicas", "2", "--steps", "120", "--warmup-steps", "5", "--prompts-per-step", "4",
+    args = ["--generator-replicas", "2", "--steps", "180", "--warmup-steps", "5", "--prompts-per-step", "4",
             "--sync-timeout-s", "5", "--quiet"]
     proc = subprocess.Popen([*TRAIN, "--out", str(out), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/", start_new_session=True,
@@ -894,7 +894,7 @@ def test_killed_replicas_are_restarted_alone_while_the_other_generates(tmp_path)
     print(f"killed replica -> new process started: {detect[1]:.2f} s (replica 1), {detect[0]:.2f} s (replica 0)")
     assert "restarting it and re-syncing it with the next version (replicas 1; the others go on)" in stderr
     assert "restarting it and re-syncing weights" in stderr and "(replicas 0)" in stderr
-    assert json.loads((out / "summary.json").read_text())["steps"] == 120
+    assert json.loads((out / "summary.json").read_text())["steps"] == 180
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     generator = next(e["pid"] for e in events if e["ph"] == "M" and e["args"]["name"] == "generator")
     spans = [e for e in events if e["ph"] == "X" and e["pid"] == generator]
