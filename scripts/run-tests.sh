@@ -13,7 +13,6 @@ bash "$root/scripts/fetch-smollm2.sh" "$venv/bin/python"
 cd "$root"
 # The installed package is tested, not the source tree: pytest (not `python -m
 # pytest`) keeps the repository root off sys.path. Two pytest-xdist workers, each
-# taking whole modules (their shared runs and engines stay in one process) in the
-# order collected, the longest first (tests/conftest.py LONGEST_FIRST); a test
-# marked `serial` runs while the other worker waits (conftest.py Turns).
-"$venv/bin/pytest" -n "${LLAMARL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+# taking whole modules (their shared runs and engines stay in one process); a test
+# marked `serial` runs while the other worker waits (tests/conftest.py Turns).
+"$venv/bin/pytest" -n "${LLAMARL_TEST_WORKERS:-2}" --dist loadfile "$@"

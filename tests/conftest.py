@@ -31,18 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 
-# The modules that take longest here (most of a minute or more of the 2-core machine),
-# longest first, ahead of the others in their order: pytest-xdist (run-tests.sh,
-# --no-loadscope-reorder) hands modules to its workers in the order collected, so
-# that the run ends on short modules instead of one worker finishing a long one alone.
-LONGEST_FIRST = ("test_vllm.py", "test_trl.py", "test_pipeline.py", "test_launch.py", "test_trl_server.py",
-                 "test_bench.py", "test_sync.py", "test_real_model.py", "test_checkpoints.py", "test_long_runs.py",
-                 "test_hosts.py", "test_objectives.py", "test_control_plane.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module's tests in their order
     # With a GPU the CPU tests' Triton cases run on CUDA tensors ("triton-cuda"); they are
     # not marked gpu: `pytest -m gpu` (llamarl check gpu) takes only the tests written for a GPU.
     if torch.cuda.is_available():
