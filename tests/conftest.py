@@ -1,8 +1,10 @@
 import contextlib
+import fcntl
 import os
 import shutil
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -28,7 +30,6 @@ if not torch.cuda.is_available():
         import llamarl_core.kernels.logprob  # noqa: F401
 
 sys.path.insert(0, os.path.dirname(__file__))
-
 
 
 def pytest_collection_modifyitems(config, items):
@@ -71,9 +72,6 @@ class Turns:
 
     @staticmethod
     def _lock(file, mode: int) -> None:
-        import fcntl
-        import time
-
         deadline = time.monotonic() + Turns.WAIT_S
         while True:
             try:
@@ -86,8 +84,6 @@ class Turns:
 
     @contextlib.contextmanager
     def turn(self, serial: bool):
-        import fcntl
-
         with open(self.gate, "a+") as gate, open(self.run, "a+") as run:  # closed: unlocked
             if serial:
                 self._lock(gate, fcntl.LOCK_EX)
@@ -135,8 +131,6 @@ def pytest_runtest_protocol(item, nextitem):
         if path is None:
             yield
             return
-        import time
-
         busy, start = _busy_cpu_seconds(), time.monotonic()
         yield
         with open(path, "a") as log:

@@ -88,18 +88,22 @@ def test_a_reward_with_the_wrong_signature_stops_the_cli_at_once(tmp_path):
     assert not (tmp_path / "run" / "executors.json").exists()  # no executor was started
 
 
-def _script(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+def _my_run(tmp_path: Path, body: str) -> Path:
+    """A user's script `body`, written to tmp_path/my_run.py."""
     script = tmp_path / "my_run.py"
     script.write_text(textwrap.dedent(body))
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env=TASKS_ENV)  # tests/ on the path
+    return script
+
+
+def _script(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(_my_run(tmp_path, body))], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=TASKS_ENV)  # tests/ on the path
 
 
 def _run_as_main(tmp_path: Path, monkeypatch, body: str) -> None:
     """The script `body` run in this process as `python my_run.py` runs it (runpy:
     its module is __main__ while it runs), from tmp_path."""
-    script = tmp_path / "my_run.py"
-    script.write_text(textwrap.dedent(body))
+    script = _my_run(tmp_path, body)
     monkeypatch.chdir(tmp_path)
     runpy.run_path(str(script), run_name="__main__")
 
