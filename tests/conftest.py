@@ -1,9 +1,5 @@
-import contextlib
-import fcntl
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 import pytest
@@ -56,54 +52,6 @@ def _busy_cpu_seconds() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
 
 
-class Turns:
-    """Under pytest-xdist, a test marked `serial` runs with no other test running:
-    two lock files in `folder` (the controller's, handed to every worker). Every
-    test holds RUN shared while it runs (its fixtures' set-up and tear-down
-    included), a serial test holds it exclusive; a serial test first takes GATE
-    exclusive, which the others take shared and drop before they start, so that new
-    tests queue behind a waiting serial test instead of starving it. POSIX record
-    locks (lockf): a child a test forks does not inherit them."""
-
-    WAIT_S = 900.0
-
-    def __init__(self, folder: str):
-        self.gate, self.run = os.path.join(folder, "gate"), os.path.join(folder, "run")
-
-    @staticmethod
-    def _lock(file, mode: int) -> None:
-        deadline = time.monotonic() + Turns.WAIT_S
-        while True:
-            try:
-                fcntl.lockf(file, mode | fcntl.LOCK_NB)
-                return
-            except OSError:  # held by another worker (EAGAIN / EACCES)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"waited {Turns.WAIT_S:.0f} s for {file.name}") from None
-                time.sleep(0.05)
-
-    @contextlib.contextmanager
-    def turn(self, serial: bool):
-        with open(self.gate, "a+") as gate, open(self.run, "a+") as run:  # closed: unlocked
-            if serial:
-                self._lock(gate, fcntl.LOCK_EX)
-                self._lock(run, fcntl.LOCK_EX)
-            else:
-                self._lock(gate, fcntl.LOCK_SH)
-                fcntl.lockf(gate, fcntl.LOCK_UN)
-                self._lock(run, fcntl.LOCK_SH)
-            yield
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    """pytest-xdist's controller, for each worker it starts: the folder of the workers' Turns."""
-    config = node.config
-    if not hasattr(config, "llamarl_turns"):
-        config.llamarl_turns = tempfile.mkdtemp(prefix="pytest-turns-")
-    node.workerinput["llamarl_turns"] = config.llamarl_turns
-
-
 def pytest_sessionstart(session):
     if session.config.pluginmanager.hasplugin("dsession"):
         return  # pytest-xdist's controller: it runs no test
@@ -116,22 +64,13 @@ def pytest_sessionstart(session):
     forkserver.start()
 
 
-def pytest_unconfigure(config):
-    if hasattr(config, "llamarl_turns"):
-        shutil.rmtree(config.llamarl_turns, ignore_errors=True)
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    folder = getattr(item.config, "workerinput", {}).get("llamarl_turns")
-    turn = contextlib.nullcontext() if folder is None else \
-        Turns(folder).turn(item.get_closest_marker("serial") is not None)
     path = item.config.getoption("--cpu-log")
-    with turn:
-        if path is None:
-            yield
-            return
-        busy, start = _busy_cpu_seconds(), time.monotonic()
+    if path is None:
         yield
-        with open(path, "a") as log:
-            log.write(f"{item.nodeid}\t{time.monotonic() - start:.2f}\t{_busy_cpu_seconds() - busy:.2f}\n")
+        return
+    busy, start = _busy_cpu_seconds(), time.monotonic()
+    yield
+    with open(path, "a") as log:
+        log.write(f"{item.nodeid}\t{time.monotonic() - start:.2f}\t{_busy_cpu_seconds() - busy:.2f}\n")

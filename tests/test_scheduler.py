@@ -62,6 +62,19 @@ def test_sync_mode_issues_a_step_only_when_its_weights_have_landed():
     assert sched.issue({0: True}) == {0: [2, 3]}
 
 
+def test_the_last_steps_issue_only_what_they_train():
+    sched = Scheduler(TrainConfig(steps=2, prompts_per_step=2, samples_per_prompt=2, max_staleness=3))
+    assert sched.issue({0: True}) == {0: [0, 1, 2, 3]}  # two steps' worth, not three
+    sched.add_samples(group(0, [[0], [0]]) + group(1, [[0], [0]]))
+    sched.take_batch()
+    sched.trained()
+    assert sched.issue({0: True}) == {}  # the last step's groups are out
+    sched.add_samples(group(2, [[0], [0]]) + group(3, [[0], [0]]))
+    sched.take_batch()
+    sched.trained()
+    assert sched.step == 2 and not sched.outstanding and sched.issue({0: True}) == {}
+
+
 def test_resumed_scheduler_issues_from_its_data_position():
     sched = Scheduler(TrainConfig(prompts_per_step=2, samples_per_prompt=2, max_staleness=1), 10, 37)
     assert sched.issue({0: True}) == {0: [37, 38]} and sched.step == 10
@@ -70,6 +83,7 @@ def test_resumed_scheduler_issues_from_its_data_position():
 # ----------------------------------------------------------------------------- random runs
 
 # Per run of 400 events: about 5.5 trained steps and 1.4 lost generators (0.1 of 28.1 weights).
+# Half the runs are 1-8 steps long, so that they end among the events or in the drain.
 EVENTS = ("issue", "decode", "finish", "score", "deliver", "take", "train", "land", "lose")
 EVENT_CUM_WEIGHTS = tuple(itertools.accumulate([2, 6, 4, 3, 4, 3, 3, 3, 0.1]))
 
@@ -87,7 +101,7 @@ class _Run:
         self.rng = rng = random.Random(seed)
         mode = rng.choice(["async", "async", "sync"])
         self.config = TrainConfig(mode=mode, prompts_per_step=rng.randint(1, 4), samples_per_prompt=rng.randint(2, 3),
-                                  max_staleness=rng.randint(1, 3))
+                                  max_staleness=rng.randint(1, 3), steps=rng.choice([rng.randint(1, 8), 1200]))
         self.sched = Scheduler(self.config)
         self.num_replicas = rng.randint(1, 3)
         self.versions: list[int | None] = [0] * self.num_replicas  # per replica; None: waiting for its weights
@@ -124,6 +138,7 @@ class _Run:
             self.issued.add(g)
             self.delivered[g] = []
         assert len(self.sched.outstanding) == before + len(groups) <= self.config.groups_in_flight
+        self.check_left_to_train()
 
     def take(self):
         before, step, position = self.sched.outstanding, self.sched.step, self.sched.data_position
@@ -235,6 +250,13 @@ class _Run:
         self.take()
         self.train()
 
+    def check_left_to_train(self):
+        """No group is held beyond what the steps left to train take: at the last step,
+        none."""
+        run, sched = self.config.run, self.sched
+        held = len(sched.outstanding) + len(sched.to_reissue) + (sched.training is not None) * run.prompts_per_step
+        assert held <= (run.steps - sched.step) * run.prompts_per_step, (held, sched.step, run.steps)
+
     def check_accounting(self):
         """Every group issued is trained, or dropped (and counted), or still held."""
         held = self.sched.outstanding | set(self.sched.to_reissue)
@@ -252,6 +274,7 @@ def test_random_runs_never_train_a_sample_staler_than_the_bound(first_seed):
         try:
             for _ in range(400):
                 run.random_event()
+                run.check_left_to_train()
                 if run.rng.random() < 0.05:
                     run.check_accounting()
             in_flight = run.issued | run.lost
@@ -259,5 +282,6 @@ def test_random_runs_never_train_a_sample_staler_than_the_bound(first_seed):
                 run.drain_round()
             assert not in_flight & (run.sched.outstanding | set(run.sched.to_reissue) | run.lost)
             run.check_accounting()
+            run.check_left_to_train()
         except AssertionError as exc:
             raise AssertionError(f"seed {seed}, {run.config}: {exc}") from exc

@@ -43,9 +43,10 @@ def store():
     yield store
 
 
-# Engines of these configs run tensor-parallel (2 worker processes), the others on one worker;
-# Qwen2's caches prefixes in blocks of 32 tokens, so that LONG_PROMPT leaves two full blocks cached.
-ENGINE_KWARGS = {"qwen3": dict(tensor_parallel_size=2), "qwen3_moe": dict(tensor_parallel_size=2),
+# Qwen3-MoE's engine runs tensor-parallel (2 worker processes: its attention, one dense MLP layer
+# and its experts split in two), the others on one worker; Qwen2's caches prefixes in blocks of
+# 32 tokens, so that LONG_PROMPT leaves two full blocks cached.
+ENGINE_KWARGS = {"qwen3_moe": dict(tensor_parallel_size=2),
                  "qwen2_tied": dict(block_size=32, enable_prefix_caching=True)}
 LONG_PROMPT = [1] + [(7 * i) % 990 + 3 for i in range(69)]
 
@@ -160,11 +161,12 @@ def assert_matches_transformers(kind: str, state: dict, outputs, prompts=PROMPTS
 @pytest.mark.parametrize("kind, world", [("llama", 2), ("qwen2_tied", 2), ("qwen3", 2), ("qwen3_moe", 2), ("mixtral", 2)])
 def test_sync_from_fsdp_trainer_matches_transformers(llama_engine, store, kind, world, tmp_path, tmp_path_factory):
     """Two versions (the second after an AdamW step) from a trainer of 2 FSDP2
-    ranks into an engine started with dummy weights (Qwen3 and Qwen3-MoE: 2
-    tensor-parallel workers): vLLM's greedy tokens equal transformers' on the
-    trainer's weights, log-probs within 1e-4. The engine's layout is derived from
-    its own loaders (Qwen2's tied embedding, Qwen3's q/k norms, MoE experts
-    stacked from transformers' fused ones, 2 + 1 experts per trainer rank), and
+    ranks into an engine started with dummy weights (Qwen3-MoE: 2 tensor-parallel
+    workers): vLLM's greedy tokens equal transformers' on the trainer's weights,
+    log-probs within 1e-4. The engine's layout is derived from its own loaders
+    (Qwen2's tied embedding, Qwen3's q/k norms, MoE experts stacked from
+    transformers' fused ones, 2 + 1 experts per trainer rank, a dense MLP layer
+    among Qwen3-MoE's sparse ones), and
     what the sync wrote equals, bit for bit, what vLLM's load_weights writes from
     the same weights. No KV of version 1 serves version 2: with Qwen2's prefix
     cache on, a 70-token prompt completed under version 1 leaves two blocks of

@@ -16,7 +16,8 @@ def tiny_config(kind: str):
     (1000 -> 1024), weights large enough that greedy tokens are clear; past the
     Llama family, Qwen3 (q/k norms) and two MoE models with 3 experts (uneven
     over 2 FSDP ranks) whose expert width vLLM's CPU kernel does not pad (a
-    multiple of 32 per tensor-parallel rank)."""
+    multiple of 32 per tensor-parallel rank); Qwen3-MoE's second layer a dense
+    MLP (mlp_only_layers)."""
     common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256, initializer_range=0.2,
                   torch_dtype="float32", bos_token_id=1, eos_token_id=2)
@@ -32,7 +33,8 @@ def tiny_config(kind: str):
         return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
     if kind == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, head_dim=32, moe_intermediate_size=64, num_experts=3,
-                                           num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=False,
+                                           num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
+                                           tie_word_embeddings=False,
                                            architectures=["Qwen3MoeForCausalLM"])
     if kind == "mixtral":
         return transformers.MixtralConfig(**{**common, "intermediate_size": 64}, num_local_experts=3,

@@ -8,8 +8,9 @@ orders.
 A group is a data position: group g is the task's prompt g, sampled
 samples_per_prompt times by one generator replica. It is outstanding from the
 moment it is issued to a replica until the trainer takes it or it is dropped; at
-most groups_in_flight are outstanding at once, each new one dealt to the replica
-sampling the fewest. Step s trains weight version s on prompts_per_step complete
+most groups_in_flight are outstanding at once, and never more than the steps left
+to train need (the run's last steps sample nothing they would not train), each new
+one dealt to the replica sampling the fewest. Step s trains weight version s on prompts_per_step complete
 groups, and every sample it trains has s - oldest_version <= max_staleness (the
 oldest version among its tokens: a partial rollout's tokens may span versions).
 """
@@ -72,8 +73,10 @@ class Scheduler:
     def issue(self, replicas: dict[int, bool]) -> dict[int, list[int]]:
         """The groups to hand to each replica now (replica -> groups, lowest first):
         first those a lost generator held (lowest first), then new data positions,
-        until groups_in_flight are outstanding, each to the replica sampling the fewest
-        (the lowest-numbered of equals). `replicas`: the replicas that hold weights,
+        until groups_in_flight are outstanding, or as many as the steps left to train
+        need (those of the batch in training counted), each to the replica sampling
+        the fewest (the lowest-numbered of equals): at the run's last step nothing is
+        outstanding. `replicas`: the replicas that hold weights,
         each with whether it holds version `step` with no sync or step pending (or
         will, before it reads what is issued now: its receive queued ahead). Sync
         mode (max_staleness 0) takes turns: nothing is issued while a batch is in
@@ -88,7 +91,9 @@ class Scheduler:
         for replica in self._replica_of.values():
             if replica in load:
                 load[replica] += 1
-        while len(self._sampling) + len(self._ready) < self.config.groups_in_flight:
+        pps = self.config.run.prompts_per_step
+        needed = (self.config.run.steps - self.step - (self.training is not None)) * pps
+        while len(self._sampling) + len(self._ready) < min(self.config.groups_in_flight, needed):
             if self._to_reissue:
                 group = self._to_reissue.popleft()
             else:
