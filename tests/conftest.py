@@ -2,8 +2,16 @@ import os
 import sys
 import time
 
-import pytest
-import torch
+# Two pytest-xdist workers, and the processes their tests start, share the cores. An
+# OpenMP thread done with its part of an op sleeps at once instead of spinning for the
+# next: spinning, it took the core another process needed (a SmolLM2 test took 20 s
+# beside a copy of itself, 7.5 s alone, 7.6 s beside it with this). Set before torch
+# loads its OpenMP runtime; inherited by every process a test starts.
+assert "torch" not in sys.modules, "conftest must set OMP_WAIT_POLICY before torch is imported"
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from llamarl_core.control.auth import SECRET_ENV, new_secret
 
