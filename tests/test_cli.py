@@ -108,7 +108,9 @@ def test_train_starts_the_executor_forkserver_before_importing_the_pipeline():
         "cli.main(['train', '--steps', '1'])",
         "sys.exit(4)  # start() was never called",
     ])
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd="/")
+    # A caller's own OpenMP setting is left alone (the next test), the tests' own (conftest) among them.
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd="/", env=env)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
 
 
