@@ -64,6 +64,7 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), in
     sender's send must then fail); its "send_after" maps a send's index to a Store
     key (or a list of keys) to wait for first; "stall_amax" = (rank, step, seconds) delays that rank's
     FP8 amaxes in that send, so the other ranks reach the exchange first;
+    "delta" makes the senders send deltas (WeightSender delta=True);
     "register_late" = (rank, seconds) has that rank count its registration (its
     incarnation, once every rank's set-up info is read) that much later; with
     "amax_group" the senders reduce FP8 amaxes over a gloo group of their own.
@@ -91,7 +92,8 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), in
             late = _late_registration(rank, s["register_late"][1])
         with late, WeightSender(store, hf_llama_fsdp(config, s["fsdp"], dtype), rank, shards,
                           name=scenario_name(s), transport=s["transport"], timeout=60, group=group,
-                          bucket_bytes=s.get("bucket_bytes", DEFAULT_BUCKET_BYTES)) as sender:
+                          bucket_bytes=s.get("bucket_bytes", DEFAULT_BUCKET_BYTES),
+                          delta=s.get("delta", False)) as sender:
             stall_rank, stall_step, stall_s = s.get("stall_amax", (None, None, 0))
             for step, v in enumerate(s.get("versions", versions)):
                 if step in s.get("send_after", {}):

@@ -104,6 +104,9 @@ def _amax_scenarios() -> dict[str, dict]:
         "plain-p2p": dict(base, config="mistral", transport="p2p", seed=3040),
         "nan-channel-shm": dict(base, config="llama_gqa_bias", transport="auto", fp8="channel", seed=3050, **nan),
         "nan-tensor-p2p": dict(base, config="qwen2", transport="p2p", fp8="tensor", seed=3060, **nan),
+        # The same with deltas: each "nothing follows" takes its receiver's word as a stream does.
+        "nan-tensor-p2p-delta": dict(base, config="qwen2", transport="p2p", fp8="tensor", seed=3100, delta=True,
+                                     **nan),
         "nan-block-shm-group": dict(base, config="llama_tied", transport="auto", fp8="block", seed=3070,
                                     amax_group=True, **nan),
         "tensor-p2p-group": dict(base, config="mistral", transport="p2p", fp8="tensor", seed=3080, amax_group=True),
@@ -157,7 +160,7 @@ def test_fp8_nan_on_one_sender_fails_every_send_before_a_byte_moves(amax_runs):
     2 s before sender 0: it waits for sender 0's fresh amaxes instead of reading
     the failed attempt's "nonfinite"; no amax key is left."""
     received, failed, _, left = amax_runs
-    for name in ["nan-channel-shm", "nan-tensor-p2p", "nan-block-shm-group"]:
+    for name in ["nan-channel-shm", "nan-tensor-p2p", "nan-tensor-p2p-delta", "nan-block-shm-group"]:
         sender0, sender1 = failed[name]
         assert len(sender0) == 1 and re.match(
             r"step 1: sender rank 0, version 2: source 'model\.layers\.0\.self_attn\.q_proj\.weight' \(for FP8 "
@@ -167,7 +170,7 @@ def test_fp8_nan_on_one_sender_fails_every_send_before_a_byte_moves(amax_runs):
                            "destination; nothing was written"], (name, sender1)
         for rank, lines in enumerate(received[name]):
             assert len(lines) == 1 and re.match(rf"step 1: torn (True|False): receiver rank {rank}: sender rank", lines[0]), (name, lines)
-            if name.endswith("p2p"):  # both senders' headers said so, and their reports are read
+            if "p2p" in name:  # both senders' headers said so, and their reports are read
                 assert lines[0].startswith(f"step 1: torn False: receiver rank {rank}: sender ranks "), lines[0]
                 # Each sender's report, unless it already sends again (the retry clears it).
                 for rank_line in ("sender rank 0 failed: SyncError: sender rank 0, version 2: source 'model",

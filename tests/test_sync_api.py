@@ -69,7 +69,7 @@ def test_endpoints_show_their_real_parameters():
     """help() and inspect.signature show the parameters themselves, not (*args, **kwargs)."""
     common = ["store", "layout", "rank", "tensors", "name", "transport", "timeout", "bucket_bytes", "num_threads"]
     sender, receiver = inspect.signature(WeightSender), inspect.signature(WeightReceiver)
-    assert list(sender.parameters) == [*common, "relay_buckets", "group", "secret"]
+    assert list(sender.parameters) == [*common, "relay_buckets", "group", "secret", "delta"]
     assert list(receiver.parameters) == [*common, "p2p_bucket_bytes", "replica", "num_replicas", "relay_names",
                                          "secret"]
     for signature in (sender, receiver):

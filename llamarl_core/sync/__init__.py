@@ -32,7 +32,8 @@ and the decisions on them; `abandon_receivers`, `DEFAULT_TIMEOUT_S`), probe.py
 The rest are this package's own: endpoint.py (each side's set-up, register_sender and
 register_receiver, over shared steps),
 sender.py, receiver.py, relay.py (generator replicas), stream.py, board.py,
-transports.py, engine.py, fp8.py, amax.py.
+transports.py, engine.py, fp8.py, amax.py, delta.py (a point-to-point bucket's
+delta: `WeightSender(..., delta=True)`).
 """
 
 from __future__ import annotations

@@ -52,14 +52,15 @@ class Registration:
 
 def register_sender(channel: Channel, layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor],
                     device: torch.device, *, transport: str, timeout: float, bucket_bytes: int,
-                    relay_buckets: list | None) -> Registration:
+                    relay_buckets: list | None, delta: bool = False) -> Registration:
     """Sender `rank`'s set-up: publishes its relay buckets (None but on a relay),
-    its device info and, on rank 0, the plan's bucket size and the senders' layout;
-    then meets the receivers (see `_meet`). Its set-up waits block (nobody reports
-    failures to a sender)."""
+    its device info (with whether it sends deltas to its point-to-point receivers)
+    and, on rank 0, the plan's bucket size and the senders' layout; then meets the
+    receivers (see `_meet`). Its set-up waits block (nobody reports failures to a
+    sender)."""
     deadline = time.monotonic() + timeout
     channel.set(f"{SRC}/{rank}/relay_buckets", relay_buckets)  # before the info key, which receivers wait for
-    channel.set(f"{SRC}/{rank}/info", {**device_info(device, None), "transport": transport})
+    channel.set(f"{SRC}/{rank}/info", {**device_info(device, None), "transport": transport, "delta": delta})
     if rank == 0:  # before the layout, which the receivers wait for
         channel.set(f"{SRC}/bucket_bytes", bucket_bytes)
         channel.set(f"{SRC}/layout", layout.to_dict())

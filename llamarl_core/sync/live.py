@@ -408,13 +408,13 @@ class ModuleSender(WeightSender):
     def __init__(self, store: dist.Store, model: torch.nn.Module, rank: int, world_size: int, *,
                  name: str = "weights", transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_threads: int | None = None,
-                 secret: bytes | None = None):
+                 secret: bytes | None = None, delta: bool = False):
         model = _unwrapped(model)
         layout = module_layout(model, world_size)
         self.model = model
         self._live = _Registered(model, "trainer", "sender")
         super().__init__(store, layout, rank, self._live.shards(), name=name, transport=transport, timeout=timeout,
-                         bucket_bytes=bucket_bytes, num_threads=num_threads, secret=secret)
+                         bucket_bytes=bucket_bytes, num_threads=num_threads, secret=secret, delta=delta)
 
     def check_storage(self) -> None:
         """SyncError naming the first parameter whose storage is not the registered one."""
@@ -427,12 +427,13 @@ class ModuleSender(WeightSender):
 
 def module_sender(store: dist.Store, model: torch.nn.Module, rank: int, world_size: int, *, name: str = "weights",
                   transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
-                  num_threads: int | None = None, secret: bytes | None = None) -> ModuleSender:
+                  num_threads: int | None = None, secret: bytes | None = None, delta: bool = False) -> ModuleSender:
     """A sender over any `nn.Module`'s local shards, in place, under the layout
     `module_layout(model, world_size)` (its `.layout`): plain tensors on one
-    rank, FSDP2 / tensor-parallel / HSDP DTensors on `world_size` ranks."""
+    rank, FSDP2 / tensor-parallel / HSDP DTensors on `world_size` ranks. delta:
+    as WeightSender's."""
     return ModuleSender(store, model, rank, world_size, name=name, transport=transport, timeout=timeout,
-                        num_threads=num_threads, secret=secret)
+                        num_threads=num_threads, secret=secret, delta=delta)
 
 
 class ModuleReceiver(WeightReceiver):

@@ -15,6 +15,7 @@ from .engine import (check_distinct_memory, prepared_table, run_segment_table, s
 from .errors import StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
 from .board import FAILED as FAILED_SLOT
 from .board import TicketBoard
+from .delta import DENSE, HOLDING_TAG, PairHeld, pair_codecs
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES, check_replica, relay_tree
 from .protocol import (DEFAULT_TIMEOUT_S, DST, FAILED, FAILURE_POLL_S, LANDED, MIXED, REREGISTERED, Channel,
@@ -66,6 +67,11 @@ class WeightReceiver(Endpoint):
     FP8 parameters (layout `fp8=`) are registered as their float8_e4m3fn weight
     and float32 scale; the senders quantize (fp8.py), so the receiver holds
     nothing more and does no arithmetic (its relays copy both as they are).
+    A point-to-point sender made with `delta=True` (WeightSender) sends deltas:
+    before each version this rank tells it what it holds of it (the version, and a
+    checksum of each bucket read from its tensors: one pass over the bytes that
+    sender writes) and applies what comes in place; its relays forward whole
+    versions.
     replica / num_replicas: this rank's generator replica, of that many
     data-parallel copies of `layout` (each a tensor-parallel group). The trainer
     ranks send to replica 0 only; a version then goes down the replicas'
@@ -174,6 +180,9 @@ class WeightReceiver(Endpoint):
                 table = segment_table(packed(bucket)[1], lambda seg: staging,
                                       lambda seg: self.tensors[seg.dst_name].data_ptr())
                 self._unpack[src].append((prepared_table(table, self.device), sum(seg.nbytes for seg in bucket)))
+        # Point-to-point sender of deltas -> what this rank holds of it (delta.py).
+        self._held = {src: PairHeld(pair_codecs(self.plan.buckets[(src, self.rank)])) for src in self._p2p_peers
+                      if self._src_infos[src].get("delta")}
         # Where the senders' segments (and the unpack tables) write: checked before every receive().
         self._dst_keys = {name: storage_key(t) for name, t in self.tensors.items()}
         self.replica = replica
@@ -341,9 +350,19 @@ class WeightReceiver(Endpoint):
         was_torn, self.torn = self.torn, True
         for src in self._p2p_peers:  # in round order
             what = f"receiving from sender {src}"
+            held = self._held.get(src)
+            if held is not None and held.broken:
+                raise SyncError(f"receiver rank {self.rank}: {held.broken}; its messages can no longer be read "
+                                "in step: register every sender and receiver again under a new name")
             while True:
+                word = None
+                if held is not None:  # a sender of deltas takes this before each header
+                    holding = held.holding(self.tensors, self.device)
+                    word = self._post("send", holding, src, HOLDING_TAG, what)
                 header = torch.empty(3, dtype=torch.int64, device=self.device)
                 self._wait_work(self._post("recv", header, src, 0, what), deadline, what)
+                if word is not None:
+                    self._wait_work(word, deadline, what)
                 version, num_buckets, offered = (int(x) for x in header.tolist())
                 self._taken[src] = offered  # the sender's offers so far: pending() compares the next with it
                 # A "nothing follows" of a send superseded by one pending() has seen offered
@@ -359,6 +378,9 @@ class WeightReceiver(Endpoint):
             versions.add(version)
             forwarding.start(version)
             what = f"version {version} from sender {src}"
+            if held is not None:
+                self._receive_deltas(src, held, version, deadline, forwarding)
+                continue
             pending = self._post("recv", self._staging_bufs[0][: tables[0][1]], src, 1, what) if tables else None
             for i, (table, _) in enumerate(tables):
                 self._wait_work(pending, deadline, what)
@@ -375,6 +397,41 @@ class WeightReceiver(Endpoint):
                             f"writing version {failed[0][1]} ({reports})"
                             + "; " + _outcome(wrote, was_torn))
         return versions
+
+    def _receive_deltas(self, src: int, held: PairHeld, version: int, deadline: float,
+                        forwarding: Forwarding) -> None:
+        """Sender `src`'s buckets of `version`, each a description (encoding, payload
+        bytes, changed elements; tag 1 + 2i) and its payload (tag 2 + 2i): DENSE
+        unpacked as a full send's, a delta applied in place (delta.py). What it holds
+        of `src` counts from the first byte until the last has landed."""
+        what = f"version {version} from sender {src}"
+        held.version = None
+        failure = None  # a bucket refused: the rest are taken off the wire, not applied, then it is raised
+        for i, ((table, nbytes), codec) in enumerate(zip(self._unpack[src], held.codecs)):
+            meta = torch.empty(3, dtype=torch.int64, device=self.device)
+            self._wait_work(self._post("recv", meta, src, 1 + 2 * i, what), deadline, what)
+            encoding, size, changed = (int(x) for x in meta.tolist())
+            if not 0 <= size <= nbytes or (encoding == DENSE and size != nbytes):
+                # Its payload cannot be taken off the wire: the pair's next messages would be misread.
+                held.broken = (f"sender {src} described bucket {i} of {what} as {size} bytes (encoding "
+                               f"{encoding}); the bucket holds {nbytes}")
+                raise SyncError(f"receiver rank {self.rank}: {held.broken}")
+            payload = self._staging_bufs[i % 2][:size]  # where the bucket's unpack table reads
+            self._wait_work(self._post("recv", payload, src, 2 + 2 * i, what), deadline, what)
+            if failure is not None:
+                continue
+            if encoding == DENSE:
+                run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
+            else:
+                try:
+                    codec.apply(encoding, payload, changed, self.tensors)
+                except ValueError as exc:
+                    failure = SyncError(f"receiver rank {self.rank}: bucket {i} of {what}: {exc}")
+                    continue
+            forwarding.landed()
+        if failure is not None:
+            raise failure
+        held.version = version
 
     def _adopt(self, outcome: ReceiveOutcome, was_torn: bool) -> int:
         """The receive's outcome taken on: the version that landed, or its error raised."""

@@ -21,6 +21,7 @@ from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
 from .amax import AmaxExchange
 from .board import FAILED, SERVED, STALE, TicketBoard, to_serve
+from .delta import HOLDING_TAG, PairBase, SendStats, pair_codecs
 from .fp8 import Fp8Sources
 from .plan import DEFAULT_BUCKET_BYTES, source_address
 from .protocol import (ABANDONED, DEFAULT_TIMEOUT_S, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderBook,
@@ -94,6 +95,16 @@ class WeightSender(Endpoint):
     leaves the group out of step: register the senders again, with a new group.
     An NCCL group of your own tears the process down on a timeout unless made
     with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (a gloo group does not).
+    delta: send each version to every point-to-point receiver as a delta against
+    the version it holds (delta.py): per bucket only the elements whose destination
+    bytes changed, applied by the receiver in place; a bucket the receiver does not
+    hold as this sender last sent it (its first version, a receive that failed, its
+    bytes changed since: each bucket's checksum tells) goes whole, decided before a
+    byte moves. The sender keeps what it last sent to each such receiver: one more
+    byte of memory, on its device, per byte it sends them (plan.bytes_sent_by_src_rank,
+    less the pairs on this host). Receivers on this host are written in place,
+    whole, as without it. `last_send` (delta.SendStats): what the last send that
+    completed moved (None before the first).
     secret: the sync's (auth.py), the same bytes on every sender and receiver;
     None reads LLAMARL_SECRET / LLAMARL_SECRET_FILE, and with neither set the
     constructor raises ValueError. Every value the sync keeps in the Store carries
@@ -112,7 +123,7 @@ class WeightSender(Endpoint):
                  name: str = "weights", transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, num_threads: int | None = None,
                  relay_buckets: list | None = None, group: dist.ProcessGroup | None = None,
-                 secret: bytes | None = None):
+                 secret: bytes | None = None, delta: bool = False):
         channel = Channel(store, name, secret)
         self.reports = SenderReports(channel, rank)
         self.rank = rank
@@ -136,13 +147,20 @@ class WeightSender(Endpoint):
             # A failure this rank reported before it registered again no longer stands.
             self.reports.clear()
             device = check_endpoint(self.side, layout, rank, tensors, transport, timeout, bucket_bytes=bucket_bytes)
+            if not isinstance(delta, bool):
+                raise ValueError(f"delta must be True or False, got {delta!r}")
+            if delta and relay_buckets is not None:
+                raise ValueError("delta: a relay forwards whole versions")
             registration = register_sender(channel, layout, rank, tensors, device, transport=transport,
-                                           timeout=timeout, bucket_bytes=bucket_bytes, relay_buckets=relay_buckets)
+                                           timeout=timeout, bucket_bytes=bucket_bytes, relay_buckets=relay_buckets,
+                                           delta=delta)
             super().__init__(channel, layout, rank, tensors, device, registration, timeout=timeout,
                              num_threads=num_threads)
             if group is not None and (group.size(), group.rank()) != (layout.world_size, rank):
                 raise ValueError(f"sender rank {rank}: group= must span the {layout.world_size} sender ranks in "
                                  f"rank order, got rank {group.rank()} of {group.size()}")
+            self.delta = delta
+            self.last_send: SendStats | None = None
             self.fp8 = self._amax = None
             if self.plan.fp8 is not None:
                 self.fp8 = Fp8Sources(self.plan.fp8, rank, self.device)
@@ -175,6 +193,9 @@ class WeightSender(Endpoint):
                                   self._boards[dst].answers(opened, [self.rank])[0] is not None)
             self.reports.withdraw(local)  # what the predecessor offered will not come
         self._staging_bufs = self._staging([self.plan.buckets[(self.rank, d)] for d in self._p2p_peers])
+        # Point-to-point receiver -> the base its deltas are made against (delta.py).
+        self._bases = {d: PairBase(pair_codecs(self.plan.buckets[(self.rank, d)]), self.device)
+                       for d in self._p2p_peers} if self.delta else {}
         self._build_tables()
 
     def _map_receiver(self, dst: int, deadline: float, incarnation: int = 0) -> None:
@@ -290,7 +311,8 @@ class WeightSender(Endpoint):
     def send(self, version: int, timeout: float | None = None, *, wait: bool = True) -> int | SendHandle:
         """Move `version` of this rank's shards to every receiver that needs them.
 
-        wait=True (the default): returns the bytes written once every byte read from
+        wait=True (the default): returns the bytes written (in place, or put on the
+        wire: a delta's payloads and their descriptions) once every byte read from
         the tensors has been copied, so the optimizer step after it cannot tear a copy.
         wait=False: returns a SendHandle at once, the send running in this sender's
         background thread (on GPU its copies wait for the kernels queued on the
@@ -385,6 +407,7 @@ class WeightSender(Endpoint):
         for dst in [*self._local_receivers, *self._p2p_peers]:
             self._offer(dst, version)
         written, started = 0, 0
+        stats = SendStats(version)
         try:
             # Receivers on this host first: their receive() opens its ticket before it
             # waits on any point-to-point peer, so these copies never wait on a round.
@@ -399,7 +422,9 @@ class WeightSender(Endpoint):
                 for table in self._tables[dst]:
                     self.book.writes(dst)  # before the stop check: an abort in between answers "wrote"
                     self._check_stop()
-                    written += run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
+                    wrote = run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
+                    written += wrote
+                    stats.add_full(wrote)
                 # An abort before this check answered the ticket FAILED and stops the send here;
                 # one after it may see its FAILED replaced by the version below: the copy is whole.
                 self._check_stop()
@@ -410,11 +435,12 @@ class WeightSender(Endpoint):
             for dst in self._p2p_peers:  # in round order
                 self._check_stop()
                 started += 1
-                written += P2PStream(self, dst, version, deadline, offered=True).finish()
+                written += P2PStream(self, dst, version, deadline, offered=True, stats=stats).finish()
         except BaseException as exc:
             self._report_early(exc)
             self._tell_nothing_follows(self._p2p_peers[started:], version, exc)
             raise
+        self.last_send = stats
         return written
 
     def _report_early(self, exc: BaseException) -> None:
@@ -446,10 +472,17 @@ class WeightSender(Endpoint):
                                       device=self.device)
                 peer = self.plan.src_layout.world_size + dst
                 what = f"telling receiver {dst} that version {version} will not come"
-                self._unfinished_headers.setdefault(dst, []).append((self._post("send", header, peer, 0, what),
-                                                                     header, what))
+                unfinished = self._unfinished_headers.setdefault(dst, [])
+                if dst in self._bases:  # the receiver's word before each header, taken as the stream takes it
+                    holding = self._holding_buffer(dst)
+                    unfinished.append((self._post("recv", holding, peer, HOLDING_TAG, what), holding, what))
+                unfinished.append((self._post("send", header, peer, 0, what), header, what))
             except Exception as failure:  # noqa: BLE001 - `exc` is what the send raises
                 exc.add_note(f"sender rank {self.rank} could not tell receiver {dst} that nothing follows: {failure}")
+
+    def _holding_buffer(self, dst: int) -> torch.Tensor:
+        """Where receiver `dst`'s word on what it holds lands (PairHeld.holding)."""
+        return torch.empty(1 + len(self._tables[dst]), dtype=torch.int64, device=self.device)
 
     def _finish_header(self, dst: int, deadline: float) -> None:
         """Wait for the "nothing follows" headers posted to `dst` still in flight (its

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .delta import HOLDING_TAG, SendStats
 from .engine import run_segment_table
 
 if TYPE_CHECKING:
@@ -30,37 +31,73 @@ class P2PStream:
     sends the buckets one at a time (a relay sends each as it lands on its own
     rank); `finish` sends the rest and waits for every send. The receiver is
     offered the version first (here, or by the caller: `offered`): a pair's
-    versions arrive in order, so the receiver counts what it took."""
+    versions arrive in order, so the receiver counts what it took.
+    A sender of deltas (its PairBase for this receiver, delta.py) first takes the
+    receiver's word on what it holds (tag HOLDING_TAG, before every header,
+    "nothing follows" ones included), and sends bucket i as a description
+    (encoding, payload bytes, changed elements; tag 1 + 2i) and its payload (tag
+    2 + 2i)."""
 
-    def __init__(self, sender: WeightSender, dst: int, version: int, deadline: float, offered: bool = False):
-        self.sender, self.deadline = sender, deadline
+    def __init__(self, sender: WeightSender, dst: int, version: int, deadline: float, offered: bool = False,
+                 stats: SendStats | None = None):
+        self.sender, self.deadline, self.version, self.stats = sender, deadline, version, stats
         sender._finish_header(dst, deadline)
         if not offered:
             sender._offer(dst, version)
         self.peer = sender.plan.src_layout.world_size + dst
         self.tables = sender._tables[dst]
         self.what = f"sending version {version} to receiver {dst}"
+        # A sender of deltas (delta.py) first takes the receiver's word on what it holds,
+        # and decides each bucket before a byte moves; its base stands again once all is sent.
+        self.base = sender._bases.get(dst)
+        if self.base is not None:
+            holding = sender._holding_buffer(dst)
+            sender._wait_work(sender._post("recv", holding, self.peer, HOLDING_TAG, self.what), deadline, self.what)
+            self.use_delta = self.base.usable(holding.tolist())
+            self.base.version = None
+            if stats is not None and not any(self.use_delta):
+                stats.full_receivers += 1
         self.header = torch.tensor([version, len(self.tables), sender.book.sends[dst]], dtype=torch.int64,
                                    device=sender.device)
-        self.in_flight = [sender._post("send", self.header, self.peer, 0, self.what), None, None]
+        # The works in flight: the header's, and those reading staging buffer 0 and 1 (with their tensors).
+        self.in_flight: list[list] = [[(sender._post("send", self.header, self.peer, 0, self.what), self.header)],
+                                      [], []]
         self.sent = 0  # buckets posted
         self.written = 0
 
     def forward(self) -> None:
-        """Pack and post the next bucket, once the send still reading its buffer is done."""
+        """Pack and post the next bucket, once the sends still reading its buffer are done."""
         s, i = self.sender, self.sent
         table, nbytes = self.tables[i]
-        if self.in_flight[1 + i % 2] is not None:
-            s._wait_work(self.in_flight[1 + i % 2], self.deadline, self.what)
-        self.written += run_segment_table(table, s.device, s.num_threads, s._copy_timeout(self.deadline))
-        self.in_flight[1 + i % 2] = s._post("send", s._staging_bufs[i % 2][:nbytes], self.peer, 1 + i, self.what)
+        slot = self.in_flight[1 + i % 2]
+        for work, _tensor in slot:
+            s._wait_work(work, self.deadline, self.what)
+        slot.clear()
+        packed = run_segment_table(table, s.device, s.num_threads, s._copy_timeout(self.deadline))
+        staging = s._staging_bufs[i % 2][:nbytes]
+        if self.base is None:
+            self.written += packed
+            slot.append((s._post("send", staging, self.peer, 1 + i, self.what), staging))
+            if self.stats is not None:
+                self.stats.add_full(packed)
+        else:
+            delta = self.base.encode(i, staging, self.use_delta[i])
+            meta = torch.tensor([delta.encoding, delta.nbytes, delta.changed], dtype=torch.int64, device=s.device)
+            slot.append((s._post("send", meta, self.peer, 1 + 2 * i, self.what), meta))
+            slot.append((s._post("send", delta.payload, self.peer, 2 + 2 * i, self.what), delta.payload))
+            self.written += delta.nbytes + 24
+            if self.stats is not None:
+                self.stats.add(delta, packed, described=True)
         self.sent += 1
 
     def finish(self) -> int:
-        """Send the buckets not sent yet, wait for every send; returns the bytes packed."""
+        """Send the buckets not sent yet, wait for every send; returns the bytes put on
+        the wire (a full send: the bytes packed)."""
         while self.sent < len(self.tables):
             self.forward()
-        for work in self.in_flight:
-            if work is not None:
+        for slot in self.in_flight:
+            for work, _tensor in slot:
                 self.sender._wait_work(work, self.deadline, self.what)
+        if self.base is not None:
+            self.base.version = self.version
         return self.written

@@ -1,0 +1,92 @@
+"""Worker processes for test_delta.py: trainer ranks sending deltas point to point,
+generator ranks receiving them, both walking the same versions of one model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from helpers import hf_state_dict, mismatches, poisoned_destination, small_config
+from llamarl_core.sync import WeightReceiver, WeightSender
+from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
+from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards
+from sync_workers import connect
+
+# What each version after the first changes in the trainer's float32 weights.
+CHANGES = ("nothing", "one element", "a hundredth", "specials", "a hundredth", "everything", "a hundredth")
+POKED_AFTER = 4  # the receivers change one element of their own weights after this version lands
+
+
+def states(config_name: str, seed: int) -> list[dict[str, torch.Tensor]]:
+    """The trainer's full state at versions 1, 2, ... (CHANGES), the same in every process."""
+    state = hf_state_dict(small_config(config_name), seed)
+    out = [state]
+    gen = torch.Generator().manual_seed(seed + 1)
+    for change in CHANGES:
+        state = {k: v.clone() for k, v in state.items()}
+        names = sorted(state)
+        if change == "one element":
+            state[names[3]].view(-1)[5] += 1.0
+        elif change == "a hundredth":
+            for name in names:
+                flat = state[name].view(-1)
+                picked = torch.rand(flat.numel(), generator=gen) < 0.01
+                flat[picked] += torch.randn(int(picked.sum()), generator=gen)
+        elif change == "specials":  # -0.0 for 0.0 changes the sign bit alone; NaN and inf are bytes like any other
+            flat = state[names[1]].view(-1)
+            flat[:4] = torch.tensor([0.0, float("inf"), -float("inf"), float("nan")])
+            state[names[2]].view(-1)[0] = -0.0
+        elif change == "everything":
+            for name in names:
+                state[name].mul_(1.5)
+        out.append(state)
+    return out
+
+
+def sender(port: int, rank: int, world: int, tp: int, config_name: str, seed: int, bucket_bytes: int) -> list[dict]:
+    """Send every version with delta=True; returns each send's last_send, as a dict."""
+    torch.set_num_threads(1)
+    config = small_config(config_name)
+    layout = hf_llama_fsdp(config, world, torch.float32)
+    versions = states(config_name, seed)
+    shards = {n: t.clone() for n, t in reference_fsdp_shards(versions[0], world, torch.float32)[rank].items()}
+    stats = []
+    with WeightSender(connect(port), layout, rank, shards, name="delta", transport="p2p", timeout=60,
+                      bucket_bytes=bucket_bytes, delta=True) as sync:
+        for version, state in enumerate(versions, start=1):
+            for name, shard in reference_fsdp_shards(state, world, torch.float32)[rank].items():
+                shards[name].copy_(shard)  # in place, as an optimizer step
+            wrote = sync.send(version)
+            stats.append(dataclasses.asdict(sync.last_send) | {"returned": wrote})
+    return stats
+
+
+def _engine_nans(shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The reference's NaNs as the copy engine casts every float32 NaN (the quiet NaN
+    0x7FC0, csrc/copy_segments.h; torch's own cast gives 0x7FC0 or 0xFFFF)."""
+    for tensor in shards.values():
+        tensor.view(torch.int16)[tensor.isnan()] = 0x7FC0
+    return shards
+
+
+def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica: int = 0,
+             num_replicas: int = 1) -> list[list[str]]:
+    """Receive every version into NaN-poisoned parameters (generator replica
+    `replica` of `num_replicas`: replica 0 from the trainer, the others relayed);
+    returns per version the mismatches against the reference shards of that version."""
+    torch.set_num_threads(1)
+    config = small_config(config_name)
+    layout = vllm_llama_tp(config, tp, torch.bfloat16)
+    params = poisoned_destination(layout, rank)
+    out = []
+    with WeightReceiver(connect(port), layout, rank, params, name="delta", transport="p2p", timeout=60,
+                        replica=replica, num_replicas=num_replicas) as sync:
+        for version, state in enumerate(states(config_name, seed), start=1):
+            assert sync.receive() == version
+            out.append(mismatches(_engine_nans(reference_vllm_tp_shards(state, config, tp, torch.bfloat16)[rank]),
+                                  params))
+            if version == POKED_AFTER:  # bytes changed outside the sync: the next version must still land whole
+                name = sorted(params)[0]
+                params[name].view(-1)[0] = 123.0
+    return out

@@ -1,0 +1,265 @@
+"""The delta codec of one point-to-point bucket (llamarl_core/sync/delta.py): for the
+buckets of real plans (FSDP trainer -> tensor-parallel bf16 and FP8 generators, fused
+q/k/v and gate/up, GQA heads replicated, padded vocabulary, MoE experts) and random
+change patterns, a delta applied into a receiver that holds the base leaves every
+destination byte equal to what a full send of the new version writes."""
+
+import random
+
+import pytest
+import torch
+
+from helpers import small_config
+from llamarl_core.sync import Layout, ParamSpec, Replicate, Shard, plan_transfer
+from llamarl_core.sync.delta import DENSE, MASK, RUNS, BucketCodec, bucket_checksum
+from llamarl_core.sync.endpoint import packed
+from llamarl_core.sync.engine import run_segment_table, segment_table
+from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
+
+
+def _plans():
+    """(name, plan) of a few layouts, with small buckets so that segments are cut
+    and buckets mix tensors (and, for FP8, itemsizes: FP8 weights, fp32 scales)."""
+    llama = small_config("llama_gqa_bias")
+    qwen = small_config("qwen2")
+    yield "llama fsdp3 -> tp2 bf16", plan_transfer(hf_llama_fsdp(llama, 3, torch.float32),
+                                                   vllm_llama_tp(llama, 2, torch.bfloat16), bucket_bytes=3000)
+    yield "qwen2 fsdp2 -> tp1 fp32", plan_transfer(hf_llama_fsdp(qwen, 2, torch.float32),
+                                                   vllm_llama_tp(qwen, 1, torch.float32), bucket_bytes=5000)
+    # A column-split trainer into a row-split generator: each segment's rows lie apart in the destination.
+    yield "cols2 -> rows3 bf16", plan_transfer(
+        Layout(2, [ParamSpec("w", (30, 40), torch.float32, Shard(1)), ParamSpec("b", (40,), torch.float32, Shard(0))]),
+        Layout(3, [ParamSpec("w", (30, 40), torch.bfloat16, Shard(0)), ParamSpec("b", (40,), torch.bfloat16,
+                                                                                  Replicate())]), bucket_bytes=700)
+    yield "llama fsdp3 -> tp2 fp8 block", plan_transfer(
+        hf_llama_fsdp(llama, 3, torch.float32), vllm_llama_tp(llama, 2, torch.bfloat16, fp8="block"),
+        bucket_bytes=2000)
+
+
+PLANS = list(_plans())
+
+
+def _buckets(per_plan=8):
+    """(label, destination layout, receiver rank, bucket): `per_plan` buckets of
+    each plan, drawn at random (seeded), and each plan's buckets that mix itemsizes."""
+    rng = random.Random(0)
+    for name, plan in PLANS:
+        every = [(f"{name} {src}->{dst} #{i}", plan.dst_layout, dst, bucket)
+                 for (src, dst), buckets in plan.buckets.items() for i, bucket in enumerate(buckets)]
+        mixed = [case for case in every if len({seg.itemsize for seg in case[3]}) > 1]
+        apart = [case for case in every if any(seg.height > 1 and seg.dst_pitch != seg.width * seg.itemsize
+                                              for seg in case[3])]
+        yield from rng.sample(every, min(per_plan, len(every))) + mixed[:2] + apart[:2]
+
+
+BUCKETS = list(_buckets())
+
+
+def _receiver(layout, rank, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randint(0, 256, (int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size(),),
+                                dtype=torch.uint8, generator=gen).view(dtype).view(shape)
+            for name, (shape, dtype) in layout.local_tensor_specs(rank).items()}
+
+
+def _unpack(unpack, data, tensors):
+    """A full send's write of a bucket's bytes `data` into `tensors` (the copy engine)."""
+    table = segment_table(unpack, lambda seg: data.data_ptr(), lambda seg: tensors[seg.dst_name].data_ptr())
+    run_segment_table(table, torch.device("cpu"), 1)
+
+
+def _same(a, b):
+    return all(torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8)) for k in a)
+
+
+def _elements(codec, data):
+    """The bucket's bytes split per element."""
+    out = []
+    for start, end, size, _ in codec.stretches:
+        out += [data[i:i + size] for i in range(start, end, size)]
+    return out
+
+
+def _changed(rng, codec, base, pattern):
+    """New bytes: `base` with the elements `pattern` picks changed."""
+    new = base.clone()
+    elements = _elements(codec, new)
+    n = len(elements)
+    if pattern == "none":
+        picked = []
+    elif pattern == "one":
+        picked = [rng.randrange(n)]
+    elif pattern == "every":
+        picked = range(n)
+    elif pattern == "runs":
+        start = rng.randrange(n)
+        picked = list(range(start, min(n, start + rng.randint(1, 9)))) + rng.sample(range(n), min(n, 3))
+    else:  # a random fraction
+        picked = rng.sample(range(n), rng.randint(1, n))
+    for i in picked:
+        element = elements[i]
+        special = rng.random() < 0.3 and element.numel() in (2, 4)
+        if special:  # -0.0 for +0.0 (the sign byte alone), or a NaN / inf bit pattern
+            element.copy_(torch.tensor([rng.choice([-0.0, float("nan"), float("inf"), -float("inf")])],
+                                       dtype=torch.bfloat16 if element.numel() == 2 else torch.float32).view(torch.uint8))
+        if not special or torch.equal(element, base[element.data_ptr() - new.data_ptr():][:element.numel()]):
+            element[rng.randrange(element.numel())] ^= rng.randint(1, 255)  # at least one bit differs
+    return new
+
+
+@pytest.mark.parametrize("pattern", ["none", "one", "every", "runs", "random"])
+def test_a_delta_applied_onto_its_base_equals_a_full_send(pattern):
+    rng = random.Random(pattern)
+    seen, auto_sizes = set(), []
+    for index, (label, layout, rank, bucket) in enumerate(BUCKETS):
+        _, unpack = packed(bucket)
+        codec = BucketCodec(unpack)
+        base = torch.randint(0, 256, (codec.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(index))
+        new = _changed(rng, codec, base, pattern)
+        mask = codec.changed_mask(new, base)
+        expected_changed = sum(not torch.equal(a, b) for a, b in zip(_elements(codec, new), _elements(codec, base)))
+        assert int(mask.sum()) == expected_changed, label
+        full = _receiver(layout, rank, index)
+        _unpack(unpack, new, full)
+        for encoding in (None, MASK, RUNS, DENSE):
+            held = _receiver(layout, rank, index)  # the receiver's other bytes: kept as they were
+            _unpack(unpack, base, held)
+            assert int(codec.destination_checksum(held)) == bucket_checksum(base), label
+            delta = codec.diff(new, base, encoding)
+            assert delta.changed == expected_changed and delta.elements == codec.elements
+            if delta.encoding == DENSE:
+                assert torch.equal(delta.payload, new)
+                _unpack(unpack, delta.payload, held)
+            else:
+                # What crosses the wire is bytes: the receiver decodes its own copy.
+                wrote = codec.apply(delta.encoding, delta.payload.clone(), delta.changed, held)
+                assert wrote == codec._values_nbytes(torch.nonzero(mask).reshape(-1))
+            assert _same(held, full), (label, encoding, pattern)
+            assert int(codec.destination_checksum(held)) == bucket_checksum(new), label
+            if encoding is None:
+                seen.add(delta.encoding)
+                auto_sizes.append(delta.nbytes)
+                sizes = [codec.diff(new, base, e).nbytes for e in (DENSE, MASK, RUNS)]
+                assert delta.nbytes == min(sizes), (label, sizes)
+    if pattern == "none":  # a run count alone (8 bytes), or a mask of zeros where it is shorter
+        assert seen <= {MASK, RUNS} and max(auto_sizes) <= 8
+    if pattern == "every":
+        assert seen == {DENSE}
+
+
+def test_buckets_mix_itemsizes_and_tensors():
+    """The cases above cover what the codec must handle: buckets of several tensors,
+    FP8 weights (1 byte) beside their fp32 scales in one bucket, segments cut
+    mid-tensor, rows apart in the destination (tensor-parallel shards)."""
+    sizes = {tuple(s[2] for s in BucketCodec(packed(b)[1]).stretches) for _, _, _, b in BUCKETS}
+    assert any(len(set(s)) > 1 for s in sizes) and {1, 2, 4} <= {x for s in sizes for x in s}
+    assert any(len({seg.dst_name for seg in b}) > 1 for _, _, _, b in BUCKETS)
+    assert any(seg.height > 1 and seg.dst_pitch != seg.width * seg.itemsize for _, _, _, b in BUCKETS for seg in b)
+
+
+def test_the_checksum_tells_apart_another_base():
+    label, layout, rank, bucket = BUCKETS[0]
+    codec = BucketCodec(packed(bucket)[1])
+    base = torch.randint(0, 256, (codec.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    held = _receiver(layout, rank, 0)
+    _unpack(codec.segments, base, held)
+    rng = random.Random(0)
+    for _ in range(200):
+        other = base.clone()
+        i, j = rng.sample(range(codec.nbytes), 2)
+        if rng.random() < 0.5:
+            other[i] ^= rng.randint(1, 255)  # one byte changed
+        elif other[i] != other[j]:
+            other[i], other[j] = other[j].clone(), other[i].clone()  # two bytes swapped
+        else:
+            continue
+        assert bucket_checksum(other) != bucket_checksum(base)
+    # Patterns a position-weighted linear sum misses (the changes and their moments sum to zero).
+    for pattern in ({10: 1, 14: -2, 18: 1}, {0: 1, 1: -1, 9: -1, 10: 1}):
+        other = base.clone()
+        for at, change in pattern.items():
+            other[at] = 100 + change
+            base[at] = 100
+        assert bucket_checksum(other) != bucket_checksum(base), pattern
+    _unpack(codec.segments, base, held)
+    first = codec.segments[0]
+    tensor = held[first.dst_name].view(-1).view(torch.uint8)
+    tensor[first.dst_offset] ^= 1  # the receiver's bytes changed outside the sync
+    assert int(codec.destination_checksum(held)) != bucket_checksum(base)
+
+
+def test_bad_payloads_are_refused_with_nothing_written():
+    label, layout, rank, bucket = BUCKETS[1]
+    codec = BucketCodec(packed(bucket)[1])
+    base = torch.zeros(codec.nbytes, dtype=torch.uint8)
+    new = base.clone()
+    new[::7] = 1
+    held = _receiver(layout, rank, 3)
+    before = {k: v.clone() for k, v in held.items()}
+    mask_delta, runs_delta = codec.diff(new, base, MASK), codec.diff(new, base, RUNS)
+    runs = runs_delta.payload[8:8 + 16].clone().view(torch.int32)
+    swapped = runs_delta.payload.clone()
+    swapped[8:8 + 16] = runs.flip(0).view(-1, 2).flip(1).reshape(-1).view(torch.uint8)  # two runs out of order
+    cases = [
+        (MASK, mask_delta.payload[:-1], mask_delta.changed, "elements and"),
+        (MASK, mask_delta.payload[:3], mask_delta.changed, "shorter than its mask"),
+        (MASK, mask_delta.payload, mask_delta.changed + 1, "which says it holds"),
+        (RUNS, runs_delta.payload[:5], runs_delta.changed, "shorter than its run count"),
+        (RUNS, runs_delta.payload[:20], runs_delta.changed, "says it holds"),
+        (RUNS, swapped, runs_delta.changed, "not increasing"),
+        (DENSE, new, 0, "MASK .* or RUNS"),
+    ]
+    for encoding, payload, changed, match in cases:
+        with pytest.raises(ValueError, match=match):
+            codec.apply(encoding, payload, changed, held)
+        assert _same(held, before)
+    with pytest.raises(ValueError, match="bucket's .* bytes as a 1-D uint8"):
+        codec.diff(new[:-1], base)
+    with pytest.raises(ValueError, match="encoding must be one of"):
+        codec.diff(new, base, 7)
+
+
+# ----------------------------------------------------------------------------- between processes
+
+
+def test_deltas_point_to_point_land_every_version_whole(tmp_path):
+    """Two FSDP trainer ranks send eight versions with delta=True, point to point
+    (gloo) in 4 KiB buckets, to two tensor-parallel bf16 generator ranks, which
+    relay each version whole to a second replica as its buckets land: the
+    first whole, then nothing changed, one element, a hundredth of the elements
+    (three times), -0.0 / NaN / inf written over finite values, and everything
+    (x1.5). Every version equals the reference bit for bit on every receiver,
+    including the one after a receiver changed an element of its own weights (the
+    sender learns it from the checksum and sends that bucket whole), on both
+    replicas. send()
+    returns the bytes put on the wire, last_send counts them."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import delta_workers
+    from helpers import run_processes
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+    case = dict(tp=2, config_name="llama_gqa_bias", seed=7)
+    jobs = [(delta_workers.sender, dict(port=store.port, rank=r, world=2, bucket_bytes=4096, **case)) for r in range(2)]
+    jobs += [(delta_workers.receiver, dict(port=store.port, rank=r, replica=replica, num_replicas=2, **case))
+             for replica in range(2) for r in range(2)]
+    results = run_processes(jobs, timeout=240)
+    senders, receivers = results[:2], results[2:]
+    for index, versions in enumerate(receivers):
+        assert all(lines == [] for lines in versions), (f"replica {index // 2} rank {index % 2}", versions)
+    total = [{k: sum(s[v][k] for s in senders) for k in senders[0][v] if k != "version"}
+             for v in range(len(senders[0]))]
+    assert all(s["returned"] == s["wire_bytes"] for stats in senders for s in stats)
+    first, nothing, one, hundredth, specials, _, everything, _ = total
+    assert first["delta_buckets"] == 0 and first["full_receivers"] == 4
+    assert first["wire_bytes"] == first["full_bytes"] + 24 * first["dense_buckets"]  # each bucket described
+    assert nothing["changed"] == 0 and nothing["dense_buckets"] == 0 and nothing["full_receivers"] == 0
+    assert nothing["wire_bytes"] <= 0.02 * nothing["full_bytes"], nothing
+    assert 1 <= one["changed"] <= 2, one  # a row replicated on both tensor-parallel ranks: twice
+    assert hundredth["wire_bytes"] <= 0.2 * hundredth["full_bytes"], hundredth
+    assert 0.005 < hundredth["changed"] / hundredth["elements"] < 0.02, hundredth
+    # The two buckets the receivers changed behind the sync, one each (no other is dense by its size).
+    assert specials["dense_buckets"] == 2 and specials["full_receivers"] == 0, specials
+    assert everything["wire_bytes"] >= 0.9 * everything["full_bytes"], everything
