@@ -45,7 +45,9 @@ With --hosts it syncs across network-namespace hosts over links shaped to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
 import math
 import os
 import sys
@@ -94,9 +96,12 @@ def _connect(store_at: str) -> dist.Store:
     return dist.TCPStore(host, int(port), is_master=False, timeout=_WAIT)
 
 
-def _timed_rounds(store: dist.Store, method: str, who: str, rounds: int, step) -> None:
-    """Run `step(i)` when the parent says go, and post (start, end) for each round."""
+def _timed_rounds(store: dist.Store, method: str, who: str, rounds: int, step, prepare=None) -> None:
+    """Run `step(i)` when the parent says go, and post (start, end) for each round;
+    `prepare(i)`, untimed, before waiting for round i's go."""
     for i in range(rounds):
+        if prepare is not None:
+            prepare(i)
         store.wait([f"{method}/go/{i}"], _WAIT)
         start = time.perf_counter()
         step(i)
@@ -114,19 +119,37 @@ def _zeros(layout, rank: int, device: str = "cpu") -> dict[str, torch.Tensor]:
             layout.local_tensor_specs(rank).items()}
 
 
+def _perturb(shards: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
+    """Add 1 to `fraction` of each shard's elements, drawn at random (with repeats):
+    every one drawn changes in bf16 (the shards are normal draws)."""
+    gen = torch.Generator().manual_seed(seed)
+    for t in shards.values():
+        flat = t.view(-1)
+        count = round(fraction * flat.numel())
+        if count:
+            flat[torch.randint(0, flat.numel(), (count,), generator=gen).to(flat.device)] += 1.0
+
+
 def _engine_rank(store_at, role, rank, spec, transport, rounds, threads, replica=0, num_replicas=1, method=None,
-                 relay_threads=None) -> None:
+                 relay_threads=None, delta_fraction=None) -> None:
     """One trainer ("src") or generator ("dst") rank of the engine. With
     `num_replicas` > 1 the generator rank belongs to `replica` and relays each
-    version it receives with `relay_threads` copy threads."""
+    version it receives with `relay_threads` copy threads. With `delta_fraction`
+    the trainer ranks send deltas, that fraction of their elements changed before
+    every round after the first (untimed), and post their last send's SendStats."""
     torch.set_num_threads(1)
     store, config = _connect(store_at), model_config(spec)
     method = method or f"engine_{transport}"
     if role == "src":
         layout = hf_llama_fsdp(config, spec.fsdp, DTYPES[spec.src_dtype])
-        ep = WeightSender(store, layout, rank, _random_shards(layout, rank, 0, spec.device), name=method,
-                          transport=transport, timeout=300, num_threads=threads)
-        _timed_rounds(store, method, f"src{rank}", rounds, lambda i: ep.send(i))
+        shards = _random_shards(layout, rank, 0, spec.device)
+        ep = WeightSender(store, layout, rank, shards, name=method, transport=transport, timeout=300,
+                          num_threads=threads, delta=delta_fraction is not None)
+        prepare = None if delta_fraction is None else \
+            (lambda i: i and _perturb(shards, delta_fraction, 1000 * i + rank))
+        _timed_rounds(store, method, f"src{rank}", rounds, lambda i: ep.send(i), prepare)
+        if delta_fraction is not None:
+            store.set(f"{method}/stats/{rank}", json.dumps(dataclasses.asdict(ep.last_send)))
     else:
         layout = vllm_llama_tp(config, spec.tp, torch.bfloat16, fp8=spec.fp8)
         relay = {} if relay_threads is None else {"num_threads": relay_threads}
@@ -507,6 +530,13 @@ def report_replicas(result: dict) -> str:
             f"{', '.join(sent)}.\n")
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"a fraction of the elements, from 0 to 1, got {text}")
+    return value
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="llamarl bench sync", description=__doc__,
                                 formatter_class=HelpFormatter)
@@ -528,6 +558,10 @@ def parse_args(argv):
                         "and a gloo broadcast (see llamarl_core.bench.bench_sync_hosts)")
     p.add_argument("--link-rate", default="1gbit",
                    help="with --hosts: every host's sending rate, in tc's syntax (1gbit, 500mbit)")
+    p.add_argument("--delta", nargs="+", type=_fraction, metavar="FRACTION",
+                   help="with --hosts: also send deltas (WeightSender delta=True) into one replica, that fraction of "
+                        "the trainer's elements changed before each sync, one run per fraction, beside the full sync "
+                        "of the same run (e.g. --delta 0 0.001 0.01 0.05 0.2 0.5)")
     p.add_argument("--fp8", choices=["tensor", "channel", "block"],
                    help="the generator's linear weights in FP8 of this granularity (the engine alone, beside the copy "
                         "bandwidth over the bytes it must move; default: none, bf16 weights)")
@@ -578,6 +612,11 @@ def _main_hosts(spec) -> int:
                                            "speedup_vs_broadcast": row["speedup_vs_broadcast"]},
                {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype,
                 "link_rate": spec.link_rate, "replicas": row["replicas"]}, section, report_hosts(result))
+    for row in result["deltas"]:
+        record(spec.record, "sync_delta_hosts", {"seconds": row["seconds"]["median"],
+                                                 "time_vs_full": row["time_vs_full"], "wire_vs_full": row["wire_vs_full"]},
+               {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype,
+                "link_rate": spec.link_rate, "fraction": row["fraction"]}, section, report_hosts(result))
     emit(spec, result, report_hosts(result))
     return 0
 
@@ -593,6 +632,10 @@ def main(argv=None) -> int:
         raise SystemExit("--device cuda needs a CUDA device")
     if spec.fp8 and (spec.hosts or spec.replicas is not None):
         raise SystemExit("--fp8 times one sync on this host (FP8 destinations are not relayed to replicas)")
+    if spec.delta and not spec.hosts:
+        raise SystemExit("--delta measures deltas across hosts: it needs --hosts")
+    if spec.delta and spec.warmup < 1:
+        raise SystemExit(f"--delta needs --warmup 1 or more (a delta sender's first sync is whole), got {spec.warmup}")
     if spec.hosts:
         return _main_hosts(spec)
     if spec.replicas is not None:

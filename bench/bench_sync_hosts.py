@@ -95,7 +95,8 @@ def _rank_main(call: dict) -> None:
     spec = SimpleNamespace(**call["spec"])
     if call["kind"] == "engine":
         _engine_rank(call["store_at"], call["role"], call["rank"], spec, "auto", call["rounds"], call["threads"],
-                     replica=call["replica"], num_replicas=call["num_replicas"], method=call["method"])
+                     replica=call["replica"], num_replicas=call["num_replicas"], method=call["method"],
+                     delta_fraction=call.get("delta_fraction"))
     else:
         _broadcast_rank(call["store_at"], call["rank"], spec, call["rounds"], receivers=call["receivers"],
                         method=call["method"])
@@ -121,7 +122,21 @@ def _drive(spec: SimpleNamespace, hosts: list[dict]) -> dict:
                            {**common, "kind": "bcast", "method": method, "rank": rank, "receivers": receivers})
                  for rank in range(1 + receivers)]
         methods[method] = (ranks, [f"rank{rank}" for rank in range(1 + receivers)])
-    return _run_methods(store, methods, rounds, spec.warmup)
+    for fraction in spec.delta or []:
+        method = f"delta{fraction}"
+        methods[method] = _engine_ranks(spec, 1, lambda role, rank, replica: _HostRank(
+            hosts[0] if role == "src" else hosts[1],
+            {**common, "kind": "engine", "method": method, "role": role, "rank": rank, "threads": threads,
+             "replica": 0, "num_replicas": 1, "delta_fraction": fraction}))
+    times = _run_methods(store, methods, rounds, spec.warmup)
+    # What each delta method's trainer ranks put on the wire in their last sync, beside a full sync's bytes.
+    sent = {}
+    for fraction in spec.delta or []:
+        stats = [json.loads(store.get(f"delta{fraction}/stats/{rank}")) for rank in range(spec.fsdp)]
+        sent[str(fraction)] = {key: sum(s[key] for s in stats) for key in ("wire_bytes", "full_bytes", "changed",
+                                                                            "elements", "dense_buckets",
+                                                                            "delta_buckets")}
+    return {"times": times, "sent": sent}
 
 
 def _busiest_link(replicas: int) -> int:
@@ -144,7 +159,7 @@ def _check_fits(spec, counts: list[int], nbytes: int, rate_bits: int) -> None:
     line_s = nbytes * 8 / rate_bits
     # Per round: each R's engine sync (a version goes down the tree whole, link after link) and
     # its broadcast (the full model to each of the R x tp ranks from one link).
-    round_s = sum(_relay_depth(r) * line_s + r * spec.tp * line_s for r in counts)
+    round_s = sum(_relay_depth(r) * line_s + r * spec.tp * line_s for r in counts) + len(spec.delta or []) * line_s
     if round_s > ROUND_SHARE_OF_WAIT * _WAIT.total_seconds():
         raise SystemExit(f"--hosts: one round of every method would take about {round_s:.0f} s at {spec.link_rate} "
                          f"({nbytes / 2**20:.0f} MiB model, R = {counts}), past the ranks' "
@@ -153,6 +168,7 @@ def _check_fits(spec, counts: list[int], nbytes: int, rate_bits: int) -> None:
     # Trainer shards, each replica's tensors, the broadcast's full copies on every rank.
     src_bytes = nbytes * DTYPES[spec.src_dtype].itemsize // torch.bfloat16.itemsize
     needed = sum(src_bytes + r * nbytes + (1 + r * spec.tp) * nbytes for r in counts)
+    needed += len(spec.delta or []) * (src_bytes + 2 * nbytes)  # shards, the senders' bases, the replica
     with open("/proc/meminfo") as f:
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     if needed > MEMORY_SHARE * available:
@@ -175,7 +191,7 @@ def run_hosts(spec) -> dict:
     _check_fits(spec, counts, nbytes, rate_bits)
     drive = {key: value for key, value in vars(spec).items() if key in (
         "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "fsdp", "tp", "src_dtype", "threads",
-        "warmup", "repeats")}
+        "warmup", "repeats", "delta")}
     drive.update(counts=counts, device="cpu", fp8=None)  # --fp8 is refused with --hosts
     try:
         hosts = NetnsHosts(1 + max(counts)).start()
@@ -196,7 +212,8 @@ def run_hosts(spec) -> dict:
                              f"{(error.stderr or '')[-4000:]}") from None
     if done.returncode != 0:
         raise SystemExit(f"--hosts: the measurement failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    times = json.loads(done.stdout)
+    measured = json.loads(done.stdout)
+    times = measured["times"]
     single = summarize(times["engine1"])["median"]
     rows = []
     for r in counts:
@@ -206,9 +223,16 @@ def run_hosts(spec) -> dict:
                      "broadcast_seconds": bcast, "line_rate_seconds": line_rate_s,
                      "fraction_of_line_rate": line_rate_s / engine["median"],
                      "speedup_vs_broadcast": bcast["median"] / engine["median"]})
+    deltas = []
+    for fraction in spec.delta or []:
+        delta, wire = summarize(times[f"delta{fraction}"]), measured["sent"][str(fraction)]
+        deltas.append({"fraction": fraction, "seconds": delta, "full_seconds": single,
+                       "time_vs_full": delta["median"] / single, "wire_vs_full": wire["wire_bytes"] / wire["full_bytes"],
+                       "changed_fraction": wire["changed"] / max(1, wire["elements"]), **wire})
     return {"model_bytes": nbytes, "config": dict(vars(config)), "fsdp": spec.fsdp, "tp": spec.tp,
             "src_dtype": spec.src_dtype, "link_rate": spec.link_rate, "link_rate_bits": rate_bits,
-            "repeats": spec.repeats, "bytes_sent_by_src_rank": {str(r): b for r, b in sent.items()}, "rows": rows}
+            "repeats": spec.repeats, "bytes_sent_by_src_rank": {str(r): b for r, b in sent.items()}, "rows": rows,
+            "deltas": deltas}
 
 
 def report_hosts(result: dict) -> str:
@@ -228,8 +252,20 @@ def report_hosts(result: dict) -> str:
             f"rate is the bytes of the busiest link (the model once, twice from R = 3: replica 0 feeds two "
             f"replicas) at the link's rate; the gloo broadcast sends every full tensor from trainer rank 0 to "
             f"each generator rank.")
-    return (f"{head}\n\n{table(rows)}\n\nBytes sent per trainer rank per sync: {per_rank}, the same for R = "
+    text = (f"{head}\n\n{table(rows)}\n\nBytes sent per trainer rank per sync: {per_rank}, the same for R = "
             f"{', '.join(sent)}.\n")
+    if result.get("deltas"):
+        rows = [["elements changed", "delta sync median s", "min s", "max s", "full sync s (same run)",
+                 "delta / full", "wire bytes / full", "buckets whole"]]
+        for row in result["deltas"]:
+            s = row["seconds"]
+            rows.append([f"{row['fraction']:g}", f"{s['median']:.3f}", f"{s['min']:.3f}", f"{s['max']:.3f}",
+                         f"{row['full_seconds']:.3f}", f"{row['time_vs_full']:.3f}", f"{row['wire_vs_full']:.4f}",
+                         f"{row['dense_buckets']} of {row['dense_buckets'] + row['delta_buckets']}"])
+        text += (f"\nDeltas (WeightSender delta=True) into one replica: before every sync after the first, each "
+                 f"trainer rank changes that fraction of its elements (drawn at random, with repeats); wire bytes "
+                 f"and buckets sent whole are its last sync's (WeightSender.last_send).\n\n{table(rows)}\n")
+    return text
 
 
 if __name__ == "__main__":

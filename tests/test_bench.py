@@ -78,7 +78,7 @@ def test_bench_sync_hosts_reports_each_count_beside_line_rate_and_broadcast():
     if os.geteuid() != 0:
         pytest.skip("network namespace hosts need root")
     result = _run("sync", "--hosts", "--replicas", "2", "--fsdp", "1", "--tp", "1", "--link-rate", "1gbit",
-                  *TINY_SYNC)
+                  "--delta", "0", "0.5", *TINY_SYNC, "--warmup", "1")
     assert [row["replicas"] for row in result["rows"]] == [1, 2]
     line_rate_s = result["model_bytes"] * 8 / 1e9
     for row in result["rows"]:
@@ -87,6 +87,14 @@ def test_bench_sync_hosts_reports_each_count_beside_line_rate_and_broadcast():
     assert result["rows"][1]["naive_seconds"] == 2 * result["rows"][0]["seconds"]["median"]
     sent = result["bytes_sent_by_src_rank"]
     assert sent["1"] == sent["2"] and sum(sent["1"].values()) == result["model_bytes"]
+    # Deltas: nothing changed puts next to nothing on the wire; half the elements drawn (with repeats) change
+    # 1 - e^-0.5 of them.
+    unchanged, half = result["deltas"]
+    assert [unchanged["fraction"], half["fraction"]] == [0, 0.5]
+    assert unchanged["changed"] == 0 and unchanged["wire_vs_full"] < 0.01 and unchanged["full_bytes"] == result["model_bytes"]
+    assert 0.36 < half["changed_fraction"] < 0.43 and half["wire_vs_full"] > 0.36, half
+    assert all(row["time_vs_full"] == row["seconds"]["median"] / result["rows"][0]["seconds"]["median"]
+               for row in result["deltas"])
 
 
 def _files(folder: Path) -> dict[str, int]:

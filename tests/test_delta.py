@@ -6,6 +6,7 @@ destination byte equal to what a full send of the new version writes."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -124,7 +125,7 @@ def test_a_delta_applied_onto_its_base_equals_a_full_send(pattern):
         for encoding in (None, MASK, RUNS, DENSE):
             held = _receiver(layout, rank, index)  # the receiver's other bytes: kept as they were
             _unpack(unpack, base, held)
-            assert int(codec.destination_checksum(held)) == bucket_checksum(base), label
+            assert codec.destination_checksum(held) == bucket_checksum(base), label
             delta = codec.diff(new, base, encoding)
             assert delta.changed == expected_changed and delta.elements == codec.elements
             if delta.encoding == DENSE:
@@ -135,7 +136,7 @@ def test_a_delta_applied_onto_its_base_equals_a_full_send(pattern):
                 wrote = codec.apply(delta.encoding, delta.payload.clone(), delta.changed, held)
                 assert wrote == codec._values_nbytes(torch.nonzero(mask).reshape(-1))
             assert _same(held, full), (label, encoding, pattern)
-            assert int(codec.destination_checksum(held)) == bucket_checksum(new), label
+            assert codec.destination_checksum(held) == bucket_checksum(new), label
             if encoding is None:
                 seen.add(delta.encoding)
                 auto_sizes.append(delta.nbytes)
@@ -185,7 +186,7 @@ def test_the_checksum_tells_apart_another_base():
     first = codec.segments[0]
     tensor = held[first.dst_name].view(-1).view(torch.uint8)
     tensor[first.dst_offset] ^= 1  # the receiver's bytes changed outside the sync
-    assert int(codec.destination_checksum(held)) != bucket_checksum(base)
+    assert codec.destination_checksum(held) != bucket_checksum(base)
 
 
 def test_bad_payloads_are_refused_with_nothing_written():
@@ -263,3 +264,20 @@ def test_deltas_point_to_point_land_every_version_whole(tmp_path):
     # The two buckets the receivers changed behind the sync, one each (no other is dense by its size).
     assert specials["dense_buckets"] == 2 and specials["full_receivers"] == 0, specials
     assert everything["wire_bytes"] >= 0.9 * everything["full_bytes"], everything
+
+
+def test_the_native_checksum_equals_the_torch_one():
+    """The host's checksum (csrc/host/checksum.cpp) and the torch ops a GPU runs
+    (delta._device_sum, run here on the CPU) give the same sum, on random bytes and
+    on runs of one value, from any first position."""
+    from llamarl_core._native import native
+    from llamarl_core.sync.delta import _device_sum
+
+    gen = torch.Generator().manual_seed(0)
+    for size, first in [(1, 0), (77, 0), (5000, 12345), (1 << 16, 2**40)]:
+        for data in (torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen),
+                     torch.full((size,), 255, dtype=torch.uint8)):
+            total = torch.zeros((), dtype=torch.int64)
+            _device_sum(data, first, total)
+            row = np.array([[data.data_ptr(), size, size, 1, first]], dtype=np.int64)
+            assert native().checksum_rows_host(row) == int(total), (size, first)

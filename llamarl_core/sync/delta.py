@@ -35,8 +35,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
+from .._native import native
 from .endpoint import packed
 from .plan import Segment
 
@@ -67,32 +69,56 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+# csrc/host/checksum.h checksum_term's constants, as int64.
 _K_POS, _K_BYTE = _signed(0x9E3779B97F4A7C15), _signed(0xC2B2AE3D27D4EB4F)
 _K_MIX1, _K_MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
 
 
-def _mixed_sum(data: torch.Tensor, first_position: int, total: torch.Tensor) -> None:
-    """Add to `total` (an int64 scalar on data's device) the sum, modulo 2**64, of
-    mix(position, byte) over a 1-D uint8 tensor whose first byte sits at
-    `first_position`: each term a 64-bit mix of both (splitmix64's finaliser, with
-    arithmetic shifts), so that no small pattern of changes cancels out, as it can in
-    a linear sum. No host synchronisation."""
+def _shifted(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """v >> bits with zeros shifted in (torch shifts int64 arithmetically)."""
+    return (v >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _device_sum(data: torch.Tensor, first_position: int, total: torch.Tensor) -> None:
+    """Add to `total` (an int64 scalar on data's device) csrc/host/checksum.h's sum
+    over a 1-D uint8 tensor whose first byte sits at `first_position`, with torch
+    ops (a GPU's; the host's goes native). No host synchronisation."""
     for start in range(0, data.numel(), _CHUNK):
         part = data[start:start + _CHUNK].to(torch.int64)
         v = torch.arange(first_position + start, first_position + start + part.numel(), dtype=torch.int64,
                          device=data.device)
         v.mul_(_K_POS).add_((part + 1) * _K_BYTE)
-        v.bitwise_xor_(v >> 30).mul_(_K_MIX1)
-        v.bitwise_xor_(v >> 27).mul_(_K_MIX2)
-        v.bitwise_xor_(v >> 31)
+        v.bitwise_xor_(_shifted(v, 30)).mul_(_K_MIX1)
+        v.bitwise_xor_(_shifted(v, 27)).mul_(_K_MIX2)
+        v.bitwise_xor_(_shifted(v, 31))
         total.add_(v.sum())
 
 
-def bucket_checksum(data: torch.Tensor) -> int:
-    """The checksum of a bucket's bytes (1-D uint8, packed order), a signed 64-bit int."""
-    total = torch.zeros((), dtype=torch.int64, device=data.device)
-    _mixed_sum(data, 0, total)
+def _checksum_rows(rows: list[tuple[torch.Tensor, int, int, int, int]], device: torch.device) -> int:
+    """The checksum of byte rows, each (tensor, byte offset, pitch, row bytes, height)
+    with its first byte at the position that follows the previous row's last
+    (positions from 0): the native engine's on the host, torch's on a GPU."""
+    if device.type == "cpu":
+        table, position = [], 0
+        for tensor, offset, pitch, row_bytes, height in rows:
+            table.append((tensor.data_ptr() + offset, pitch, row_bytes, height, position))
+            position += row_bytes * height
+        return native().checksum_rows_host(np.array(table, dtype=np.int64).reshape(len(table), 5))
+    total, position = torch.zeros((), dtype=torch.int64, device=device), 0
+    for tensor, offset, pitch, row_bytes, height in rows:
+        view = _byte_view(tensor).as_strided((height, row_bytes), (pitch, 1), offset)
+        step = max(1, _CHUNK // max(1, row_bytes))
+        for r in range(0, height, step):
+            _device_sum(view[r:r + step].reshape(-1), position + r * row_bytes, total)
+        position += row_bytes * height
     return int(total)
+
+
+def bucket_checksum(data: torch.Tensor) -> int:
+    """The checksum of a bucket's bytes (1-D uint8, packed order), a signed 64-bit
+    int: the sum modulo 2**64 of a 64-bit mix of each byte's position and value
+    (csrc/host/checksum.h)."""
+    return _checksum_rows([(data, 0, data.numel(), data.numel(), 1)], data.device)
 
 
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -110,6 +136,18 @@ def _unpack_bits(bits: torch.Tensor, count: int) -> torch.Tensor:
     """The first `count` bits of _pack_bits' bytes, as bools."""
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
     return ((bits[:, None] >> shifts) & 1).reshape(-1)[:count].bool()
+
+
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _differs(new: torch.Tensor, base: torch.Tensor, size: int) -> torch.Tensor:
+    """Per element of `size` bytes, whether its bytes differ: compared as integers of
+    that size where both spans are aligned to it, else byte by byte."""
+    kind = _INT_OF_SIZE.get(size)
+    if kind is not None and new.data_ptr() % size == 0 and base.data_ptr() % size == 0:
+        return new.view(kind) != base.view(kind)
+    return (new != base).view(-1, size).any(1)
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -149,15 +187,14 @@ class BucketCodec:
         bucket's bytes, 1-D uint8)."""
         self._check_bytes(new, "new")
         self._check_bytes(base, "base")
-        differs = new != base
-        return torch.cat([differs[start:end].view(-1, size).any(1) for start, end, size, _ in self.stretches]) \
-            if self.stretches else differs[:0]
+        return torch.cat([_differs(new[start:end], base[start:end], size) for start, end, size, _ in self.stretches]) \
+            if self.stretches else new[:0].bool()
 
     def diff(self, new: torch.Tensor, base: torch.Tensor, encoding: int | None = None) -> BucketDelta:
         """The delta from `base` to `new` (the bucket's bytes, 1-D uint8 on one
         device), in the smallest encoding, or in `encoding` when given."""
         mask = self.changed_mask(new, base)
-        changed = int(mask.sum())
+        changed = int(torch.count_nonzero(mask))
         values = self._values(new, mask)
         index = torch.tensor(0, dtype=self.index_dtype).element_size()
         sizes = {DENSE: self.nbytes, MASK: (self.elements + 7) // 8 + values.numel(),
@@ -188,8 +225,7 @@ class BucketCodec:
     def _run_count(mask: torch.Tensor) -> int:
         if mask.numel() == 0:
             return 0
-        m = mask.to(torch.int8)
-        return int(m[0]) + int((m[1:] > m[:-1]).sum())
+        return int(mask[0]) + int(torch.count_nonzero(mask[1:] & ~mask[:-1]))
 
     @staticmethod
     def _runs(mask: torch.Tensor) -> torch.Tensor:
@@ -279,21 +315,14 @@ class BucketCodec:
         which = torch.searchsorted(firsts, index, right=True) - 1
         return starts[which] + (index - firsts[which]) * sizes[which], sizes[which]
 
-    def destination_checksum(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def destination_checksum(self, tensors: Mapping[str, torch.Tensor]) -> int:
         """bucket_checksum of the bytes the segments cover in `tensors`, read in
-        place (what a full send of the same bytes would make equal), as an int64
-        scalar on their device (not synchronised)."""
-        total = None
-        for seg in self.segments:
-            row_bytes = seg.width * seg.itemsize
-            target = _byte_view(tensors[seg.dst_name])
-            if total is None:
-                total = torch.zeros((), dtype=torch.int64, device=target.device)
-            rows = target.as_strided((seg.height, row_bytes), (seg.dst_pitch, 1), seg.dst_offset)
-            step = max(1, _CHUNK // max(1, row_bytes))
-            for r in range(0, seg.height, step):
-                _mixed_sum(rows[r:r + step].reshape(-1), seg.src_offset + r * row_bytes, total)
-        return torch.zeros((), dtype=torch.int64) if total is None else total
+        place (what a full send of the same bytes would make equal)."""
+        if not self.segments:
+            return 0
+        rows = [(tensors[seg.dst_name], seg.dst_offset, seg.dst_pitch, seg.width * seg.itemsize, seg.height)
+                for seg in self.segments]
+        return _checksum_rows(rows, tensors[self.segments[0].dst_name].device)
 
     def _check_bytes(self, data: torch.Tensor, what: str) -> None:
         if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != self.nbytes:
@@ -367,9 +396,8 @@ class PairHeld:
     def holding(self, tensors: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
         """The word sent before each header: [version or -1, checksum of each bucket
         over the bytes the pair writes in `tensors`, read now]."""
-        held = torch.tensor([-1 if self.version is None else self.version], dtype=torch.int64, device=device)
-        return torch.cat([held, *(codec.destination_checksum(tensors).to(device).reshape(1)
-                                  for codec in self.codecs)])
+        sums = [codec.destination_checksum(tensors) for codec in self.codecs]
+        return torch.tensor([-1 if self.version is None else self.version, *sums], dtype=torch.int64, device=device)
 
 
 @dataclass

@@ -1,0 +1,29 @@
+// Position-mixed checksum of byte rows: the base check of delta weight sync
+// (llamarl_core/sync/delta.py computes the same sum with torch on a GPU).
+#pragma once
+
+#include <cstdint>
+
+namespace llamarl {
+
+// One byte's term: a 64-bit mix of its position and value (splitmix64's
+// finaliser, logical shifts), so that no small pattern of changes cancels out in
+// the sum, as it can in a linear one.
+inline uint64_t checksum_term(uint64_t position, uint64_t byte) {
+  uint64_t v = position * 0x9E3779B97F4A7C15ull + (byte + 1) * 0xC2B2AE3D27D4EB4Full;
+  v ^= v >> 30;
+  v *= 0xBF58476D1CE4E5B9ull;
+  v ^= v >> 27;
+  v *= 0x94D049BB133111EBull;
+  v ^= v >> 31;
+  return v;
+}
+
+// rows: `count` rows of 5 int64 [address, pitch, row_bytes, height, first_position]:
+// `height` rows of `row_bytes` bytes, `pitch` bytes apart, whose bytes sit at
+// positions first_position, first_position + 1, ... (row after row). Returns the
+// sum modulo 2**64 of checksum_term over every byte, as a signed int64. Reads
+// only; nothing is validated beyond non-negative sizes.
+int64_t checksum_rows_host(const int64_t* rows, int64_t count);
+
+}  // namespace llamarl
