@@ -593,7 +593,7 @@ def _main_replicas(spec) -> int:
 
 
 def _main_hosts(spec) -> int:
-    from llamarl_core.bench.bench_sync_hosts import report_hosts, run_hosts
+    from llamarl_core.bench.bench_sync_hosts import report_deltas, report_hosts, run_hosts
     from llamarl_core.bench.netns import parse_rate_bits
 
     if spec.device != "cpu" or spec.transports:
@@ -606,18 +606,24 @@ def _main_hosts(spec) -> int:
     result = run_hosts(spec)
     section = (f"Weight sync across hosts: {result['model_bytes'] / 2**20:.0f} MiB, FSDP {spec.fsdp} {spec.src_dtype} "
                f"-> R x TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench sync --hosts`)")
-    for row in result["rows"]:
-        record(spec.record, "sync_hosts", {"seconds": row["seconds"]["median"],
-                                           "fraction_of_line_rate": row["fraction_of_line_rate"],
-                                           "speedup_vs_broadcast": row["speedup_vs_broadcast"]},
-               {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype,
-                "link_rate": spec.link_rate, "replicas": row["replicas"]}, section, report_hosts(result))
-    for row in result["deltas"]:
-        record(spec.record, "sync_delta_hosts", {"seconds": row["seconds"]["median"],
-                                                 "time_vs_full": row["time_vs_full"], "wire_vs_full": row["wire_vs_full"]},
-               {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype,
-                "link_rate": spec.link_rate, "fraction": row["fraction"]}, section, report_hosts(result))
-    emit(spec, result, report_hosts(result))
+    params = {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype,
+              "link_rate": spec.link_rate}
+    if spec.delta:  # a section of its own: the replicas' section keeps its counts
+        section = (f"Delta weight sync across hosts: {result['model_bytes'] / 2**20:.0f} MiB, FSDP {spec.fsdp} "
+                   f"{spec.src_dtype} -> TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench sync --hosts "
+                   "--delta`)")
+        for row in result["deltas"]:
+            record(spec.record, "sync_delta_hosts", {"seconds": row["seconds"]["median"],
+                                                     "time_vs_full": row["time_vs_full"],
+                                                     "wire_vs_full": row["wire_vs_full"]},
+                   params | {"fraction": row["fraction"]}, section, report_deltas(result))
+    else:
+        for row in result["rows"]:
+            record(spec.record, "sync_hosts", {"seconds": row["seconds"]["median"],
+                                               "fraction_of_line_rate": row["fraction_of_line_rate"],
+                                               "speedup_vs_broadcast": row["speedup_vs_broadcast"]},
+                   params | {"replicas": row["replicas"]}, section, report_hosts(result))
+    emit(spec, result, report_hosts(result) + ("\n" + report_deltas(result) if spec.delta else ""))
     return 0
 
 

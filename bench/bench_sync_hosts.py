@@ -252,8 +252,13 @@ def report_hosts(result: dict) -> str:
             f"rate is the bytes of the busiest link (the model once, twice from R = 3: replica 0 feeds two "
             f"replicas) at the link's rate; the gloo broadcast sends every full tensor from trainer rank 0 to "
             f"each generator rank.")
-    text = (f"{head}\n\n{table(rows)}\n\nBytes sent per trainer rank per sync: {per_rank}, the same for R = "
+    return (f"{head}\n\n{table(rows)}\n\nBytes sent per trainer rank per sync: {per_rank}, the same for R = "
             f"{', '.join(sent)}.\n")
+
+
+def report_deltas(result: dict) -> str:
+    """The --delta table (empty without --delta)."""
+    text = ""
     if result.get("deltas"):
         rows = [["elements changed", "delta sync median s", "min s", "max s", "full sync s (same run)",
                  "delta / full", "wire bytes / full", "buckets whole"]]
@@ -262,9 +267,12 @@ def report_hosts(result: dict) -> str:
             rows.append([f"{row['fraction']:g}", f"{s['median']:.3f}", f"{s['min']:.3f}", f"{s['max']:.3f}",
                          f"{row['full_seconds']:.3f}", f"{row['time_vs_full']:.3f}", f"{row['wire_vs_full']:.4f}",
                          f"{row['dense_buckets']} of {row['dense_buckets'] + row['delta_buckets']}"])
-        text += (f"\nDeltas (WeightSender delta=True) into one replica: before every sync after the first, each "
-                 f"trainer rank changes that fraction of its elements (drawn at random, with repeats); wire bytes "
-                 f"and buckets sent whole are its last sync's (WeightSender.last_send).\n\n{table(rows)}\n")
+        text = (f"Model {result['model_bytes'] / 2**20:.1f} MiB bf16, FSDP {result['fsdp']} ({result['src_dtype']}) on "
+                f"host 0 -> one replica (TP {result['tp']}, bf16) on host 1, links shaped to {result['link_rate']}; "
+                f"deltas (WeightSender delta=True): before every sync after the first, each trainer rank changes "
+                f"that fraction of its elements (drawn at random, with repeats); {result['repeats']} timed syncs "
+                f"each, interleaved with the full sync's; wire bytes and buckets sent whole are the last sync's "
+                f"(WeightSender.last_send).\n\n{table(rows)}\n")
     return text
 
 
