@@ -278,7 +278,14 @@ class BucketCodec:
         return index, values
 
     def _values_nbytes(self, index: torch.Tensor) -> int:
-        return int(self._byte_positions(index)[1].sum()) if index.numel() else 0
+        """The bytes of the elements `index` (increasing) names."""
+        cuts = self._stretch_cuts(index)
+        return sum((cuts[i + 1] - cuts[i]) * size for i, (_, _, size, _) in enumerate(self.stretches))
+
+    def _stretch_cuts(self, index: torch.Tensor) -> list[int]:
+        """Where each stretch's elements begin in `index` (increasing), and its end."""
+        firsts = torch.tensor([s[3] for s in self.stretches[1:]], dtype=torch.int64, device=index.device)
+        return [0, *torch.searchsorted(index, firsts).tolist(), index.numel()]
 
     def apply(self, encoding: int, payload: torch.Tensor, changed: int, tensors: Mapping[str, torch.Tensor]) -> int:
         """Write a MASK or RUNS delta into `tensors` (the receiver's, by the
@@ -286,34 +293,44 @@ class BucketCodec:
         segments; returns the bytes written. The payload is checked whole first
         (ValueError, nothing written)."""
         index, values = self.changed_elements(encoding, payload, changed)
-        positions, sizes = self._byte_positions(index)  # increasing, as the index is
+        # Each element's first byte in the bucket (increasing, as the index is), stretch by stretch.
+        cuts = self._stretch_cuts(index)
+        positions = torch.cat([index[cuts[i]:cuts[i + 1]] * size + (start - first * size)
+                               for i, (start, _, size, first) in enumerate(self.stretches)]) \
+            if self.stretches else index
         seg_ends = torch.tensor([seg.src_offset + seg.nbytes for seg in self.segments], dtype=torch.int64,
                                 device=index.device)
         bounds = [0, *torch.searchsorted(positions, seg_ends).tolist()]  # each segment's slice of the elements
-        value_starts = torch.cumsum(sizes, 0) - sizes
+        # Each segment's slice of the values' bytes: a segment lies within one stretch.
+        value_starts = [0]
+        for i, (_, _, size, _) in enumerate(self.stretches):
+            value_starts.append(value_starts[-1] + (cuts[i + 1] - cuts[i]) * size)
+
+        def value_at(count: int) -> int:
+            i = next(i for i in range(len(self.stretches)) if count <= cuts[i + 1])
+            return value_starts[i] + (count - cuts[i]) * self.stretches[i][2]
+
+        value_bounds = [value_at(b) for b in bounds]
         written = 0
         for j, seg in enumerate(self.segments):
             lo, hi = bounds[j], bounds[j + 1]
             if lo == hi:
                 continue
-            row_bytes = seg.width * seg.itemsize
-            local = positions[lo:hi] - seg.src_offset
-            dst = seg.dst_offset + (local // row_bytes) * seg.dst_pitch + local % row_bytes
-            byte = torch.arange(seg.itemsize, device=index.device)
-            target = _byte_view(tensors[seg.dst_name])
-            target[(dst[:, None] + byte).reshape(-1)] = values[(value_starts[lo:hi, None] + byte).reshape(-1)]
-            written += (hi - lo) * seg.itemsize
+            k = seg.itemsize
+            # Element-wise, through views of the destination and of the values as integers of the
+            # element's size (a segment's values copied out first where the payload misaligns them).
+            local = (positions[lo:hi] - seg.src_offset) // k
+            dst = seg.dst_offset // k + (local // seg.width) * (seg.dst_pitch // k) + local % seg.width
+            part = values[value_bounds[j]:value_bounds[j + 1]]
+            kind = _INT_OF_SIZE.get(k, torch.uint8)
+            if k > 1 and part.data_ptr() % k:
+                part = part.clone()
+            target = _byte_view(tensors[seg.dst_name]).view(kind)
+            target[dst] = part.view(kind)
+            written += (hi - lo) * k
         if index.is_cuda:  # landed before the caller reads or forwards it, from any stream
             torch.cuda.current_stream(index.device).synchronize()
         return written
-
-    def _byte_positions(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each element's first byte in the bucket, and its size."""
-        firsts = torch.tensor([s[3] for s in self.stretches], dtype=torch.int64, device=index.device)
-        starts = torch.tensor([s[0] for s in self.stretches], dtype=torch.int64, device=index.device)
-        sizes = torch.tensor([s[2] for s in self.stretches], dtype=torch.int64, device=index.device)
-        which = torch.searchsorted(firsts, index, right=True) - 1
-        return starts[which] + (index - firsts[which]) * sizes[which], sizes[which]
 
     def destination_checksum(self, tensors: Mapping[str, torch.Tensor]) -> int:
         """bucket_checksum of the bytes the segments cover in `tensors`, read in
