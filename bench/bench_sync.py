@@ -98,14 +98,18 @@ def _connect(store_at: str) -> dist.Store:
 
 def _timed_rounds(store: dist.Store, method: str, who: str, rounds: int, step, prepare=None) -> None:
     """Run `step(i)` when the parent says go, and post (start, end) for each round;
-    `prepare(i)`, untimed, before waiting for round i's go."""
+    `prepare(i)` untimed, before round i: after round i - 1's end and before its
+    time is posted, which the parent waits for before it times any other round."""
+    if prepare is not None:
+        prepare(0)
     for i in range(rounds):
-        if prepare is not None:
-            prepare(i)
         store.wait([f"{method}/go/{i}"], _WAIT)
         start = time.perf_counter()
         step(i)
-        store.set(f"{method}/time/{i}/{who}", f"{start},{time.perf_counter()}")
+        end = time.perf_counter()
+        if prepare is not None and i + 1 < rounds:
+            prepare(i + 1)
+        store.set(f"{method}/time/{i}/{who}", f"{start},{end}")
 
 
 def _random_shards(layout, rank: int, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -561,7 +565,7 @@ def parse_args(argv):
     p.add_argument("--delta", nargs="+", type=_fraction, metavar="FRACTION",
                    help="with --hosts: also send deltas (WeightSender delta=True) into one replica, that fraction of "
                         "the trainer's elements changed before each sync, one run per fraction, beside the full sync "
-                        "of the same run (e.g. --delta 0 0.001 0.01 0.05 0.2 0.5)")
+                        "of the same run, e.g. --delta 0 0.001 0.01 0.05 0.2 0.5 (default: none, full syncs only)")
     p.add_argument("--fp8", choices=["tensor", "channel", "block"],
                    help="the generator's linear weights in FP8 of this granularity (the engine alone, beside the copy "
                         "bandwidth over the bytes it must move; default: none, bf16 weights)")
@@ -640,6 +644,8 @@ def main(argv=None) -> int:
         raise SystemExit("--fp8 times one sync on this host (FP8 destinations are not relayed to replicas)")
     if spec.delta and not spec.hosts:
         raise SystemExit("--delta measures deltas across hosts: it needs --hosts")
+    if spec.delta and len(set(spec.delta)) != len(spec.delta):
+        raise SystemExit(f"--delta: a fraction given twice ({' '.join(map(str, spec.delta))})")
     if spec.delta and spec.warmup < 1:
         raise SystemExit(f"--delta needs --warmup 1 or more (a delta sender's first sync is whole), got {spec.warmup}")
     if spec.hosts:

@@ -159,7 +159,8 @@ def _check_fits(spec, counts: list[int], nbytes: int, rate_bits: int) -> None:
     line_s = nbytes * 8 / rate_bits
     # Per round: each R's engine sync (a version goes down the tree whole, link after link) and
     # its broadcast (the full model to each of the R x tp ranks from one link).
-    round_s = sum(_relay_depth(r) * line_s + r * spec.tp * line_s for r in counts) + len(spec.delta or []) * line_s
+    # A delta sync: up to about 4 line-times here (its computation, at half the elements changed).
+    round_s = sum(_relay_depth(r) * line_s + r * spec.tp * line_s for r in counts) + 4 * len(spec.delta or []) * line_s
     if round_s > ROUND_SHARE_OF_WAIT * _WAIT.total_seconds():
         raise SystemExit(f"--hosts: one round of every method would take about {round_s:.0f} s at {spec.link_rate} "
                          f"({nbytes / 2**20:.0f} MiB model, R = {counts}), past the ranks' "

@@ -271,7 +271,7 @@ def test_the_native_checksum_equals_the_torch_one():
     (delta._device_sum, run here on the CPU) give the same sum, on random bytes and
     on runs of one value, from any first position."""
     from llamarl_core._native import native
-    from llamarl_core.sync.delta import _device_sum
+    from llamarl_core.sync.delta import _checksum_rows, _device_sum
 
     gen = torch.Generator().manual_seed(0)
     for size, first in [(1, 0), (77, 0), (5000, 12345), (1 << 16, 2**40)]:
@@ -281,3 +281,11 @@ def test_the_native_checksum_equals_the_torch_one():
             _device_sum(data, first, total)
             row = np.array([[data.data_ptr(), size, size, 1, first]], dtype=np.int64)
             assert native().checksum_rows_host(row) == int(total), (size, first)
+    # Rows apart, in a tensor that starts inside its storage (a parameter that is a view).
+    view = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=gen)[100:].view(torch.int16)
+    rows = [(view, 7, 50, 30, 20), (view, 1500, 40, 40, 3), (view, 4000, 0, 0, 0)]
+    cpu = torch.device("cpu")
+    assert _checksum_rows(rows, cpu, host=True) == _checksum_rows(rows, cpu, host=False)
+    for bad in [(view, 4890, 10, 10, 2), (view, -1, 1, 1, 1), (view[::2], 0, 1, 1, 1)]:
+        with pytest.raises(ValueError, match="outside its"):
+            _checksum_rows([bad], cpu)

@@ -146,8 +146,11 @@ def test_a_transformers_generate_generator_learns_under_the_controller(tmp_path)
     gives the same rewards on a busy machine (asynchronous, the rise at seed 0
     fell under the bound beside another pytest-xdist worker's tests, 0.076 ->
     0.095). Every token carries the version its step trains. The per-step
-    callback sees every step. Run as a script of its own, as a user's."""
-    out = tmp_path / "run"
+    callback sees every step. Then 12 asynchronous steps (max_staleness 2) of the
+    same generator, whose partial rollouts go on under newer weights: every token
+    carries the version that sampled it, and staleness stays within the bound as
+    with ours. Run as a script of its own, as a user's."""
+    out, async_out = tmp_path / "run", tmp_path / "async"
     proc = _script(tmp_path, f"""\
         import json
         from pipeline_tasks import HFGenerateGenerator
@@ -158,6 +161,9 @@ def test_a_transformers_generate_generator_learns_under_the_controller(tmp_path)
             config = TrainConfig(generator=HFGenerateGenerator, mode="sync", seed=1, steps=60, warmup_steps=0,
                                  lr_schedule="constant", log_rollouts=True, checkpoint_every=60)
             summary = Controller(config, {str(out)!r}, on_step=lambda m: seen.append(m["step"])).run()
+            config = TrainConfig(generator=HFGenerateGenerator, steps=12, max_staleness=2, warmup_steps=0,
+                                 log_rollouts=True, checkpoint_every=12)
+            Controller(config, {str(async_out)!r}).run()
             print(json.dumps({{"seen": seen, "steps": summary["steps"]}}))
         """)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -171,6 +177,13 @@ def test_a_transformers_generate_generator_learns_under_the_controller(tmp_path)
     rollouts = _rollouts(out)
     assert len(rollouts) == 60 * 64 and all(r["versions"] == [r["step"], r["step"]] for r in rollouts)
     assert json.loads((out / "config.json").read_text())["generator"]["backend"] == "pipeline_tasks:HFGenerateGenerator"
+    metrics = read_metrics(async_out)
+    assert [m["step"] for m in metrics] == list(range(12))
+    for m in metrics:
+        assert all(0 <= int(k) <= 2 for k in m["staleness"]), m["staleness"]
+    for r in _rollouts(async_out):  # the oldest and newest version of its tokens (the controller checked each has one)
+        oldest, newest = r["versions"]
+        assert 0 <= r["step"] - oldest <= 2 and oldest <= newest <= r["step"]
 
 
 def test_plugins_by_name_on_the_command_line(tmp_path):

@@ -9,8 +9,9 @@ int64_t checksum_rows_host(const int64_t* rows, int64_t count) {
   for (int64_t i = 0; i < count; ++i) {
     const int64_t* row = rows + 5 * i;
     const int64_t pitch = row[1], row_bytes = row[2], height = row[3];
-    LLAMARL_CHECK(row_bytes >= 0 && height >= 0 && row[4] >= 0,
-                  "checksum row " << i << ": negative size or position");
+    LLAMARL_CHECK(pitch >= 0 && row_bytes >= 0 && height >= 0 && row[4] >= 0,
+                  "checksum row " << i << ": negative pitch, size or position");
+    LLAMARL_CHECK(row[0] != 0 || row_bytes == 0 || height == 0, "checksum row " << i << ": null address");
     auto* base = reinterpret_cast<const unsigned char*>(row[0]);
     uint64_t position = static_cast<uint64_t>(row[4]);
     for (int64_t r = 0; r < height; ++r) {

@@ -23,7 +23,8 @@ inline uint64_t checksum_term(uint64_t position, uint64_t byte) {
 // `height` rows of `row_bytes` bytes, `pitch` bytes apart, whose bytes sit at
 // positions first_position, first_position + 1, ... (row after row). Returns the
 // sum modulo 2**64 of checksum_term over every byte, as a signed int64. Reads
-// only; nothing is validated beyond non-negative sizes.
+// only; the caller keeps every row inside its memory (delta.py checks each
+// against its tensor), this checks only non-negative sizes and a non-null address.
 int64_t checksum_rows_host(const int64_t* rows, int64_t count);
 
 }  // namespace llamarl

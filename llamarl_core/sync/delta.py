@@ -27,7 +27,8 @@ base it was made against (a receiver that restarted, tore, or had its weights
 changed outside the sync), not a defence against a forger (the sync's values are
 authenticated for that).
 
-Pure torch on the tensors' device (CPU or CUDA); no process, no I/O.
+Torch on the tensors' device (CPU or CUDA), the host's checksum native
+(csrc/host/checksum.cpp); no process, no I/O.
 """
 
 from __future__ import annotations
@@ -94,11 +95,19 @@ def _device_sum(data: torch.Tensor, first_position: int, total: torch.Tensor) ->
         total.add_(v.sum())
 
 
-def _checksum_rows(rows: list[tuple[torch.Tensor, int, int, int, int]], device: torch.device) -> int:
+def _checksum_rows(rows: list[tuple[torch.Tensor, int, int, int, int]], device: torch.device,
+                   host: bool | None = None) -> int:
     """The checksum of byte rows, each (tensor, byte offset, pitch, row bytes, height)
     with its first byte at the position that follows the previous row's last
-    (positions from 0): the native engine's on the host, torch's on a GPU."""
-    if device.type == "cpu":
+    (positions from 0): the native engine's on the host, torch's on a GPU (or with
+    host=False). ValueError for a row outside its tensor, before anything is read."""
+    for tensor, offset, pitch, row_bytes, height in rows:
+        end = offset + (height - 1) * pitch + row_bytes if height and row_bytes else offset
+        if not tensor.is_contiguous() or min(offset, pitch, row_bytes, height) < 0 or \
+                end > tensor.numel() * tensor.element_size() or tensor.device != device:
+            raise ValueError(f"a checksum row ({offset}, {pitch}, {row_bytes}, {height}) outside its "
+                             f"{tensor.dtype} {tuple(tensor.shape)} tensor on {tensor.device}")
+    if device.type == "cpu" if host is None else host:
         table, position = [], 0
         for tensor, offset, pitch, row_bytes, height in rows:
             table.append((tensor.data_ptr() + offset, pitch, row_bytes, height, position))
@@ -106,7 +115,8 @@ def _checksum_rows(rows: list[tuple[torch.Tensor, int, int, int, int]], device: 
         return native().checksum_rows_host(np.array(table, dtype=np.int64).reshape(len(table), 5))
     total, position = torch.zeros((), dtype=torch.int64, device=device), 0
     for tensor, offset, pitch, row_bytes, height in rows:
-        view = _byte_view(tensor).as_strided((height, row_bytes), (pitch, 1), offset)
+        flat = _byte_view(tensor)  # as_strided counts from its storage's start
+        view = flat.as_strided((height, row_bytes), (pitch, 1), flat.storage_offset() + offset)
         step = max(1, _CHUNK // max(1, row_bytes))
         for r in range(0, height, step):
             _device_sum(view[r:r + step].reshape(-1), position + r * row_bytes, total)
@@ -167,6 +177,8 @@ class BucketCodec:
         for seg in self.segments:
             if seg.src_offset != offset or seg.src_pitch != seg.width * seg.itemsize or seg.cast:
                 raise ValueError("BucketCodec takes a bucket's unpack segments (endpoint.packed), in packed order")
+            if seg.itemsize not in (1, *_INT_OF_SIZE):
+                raise ValueError(f"{seg.dst_name!r}: elements of {seg.itemsize} bytes (1, 2, 4 or 8 are delta-coded)")
             offset += seg.nbytes
         # Stretches: consecutive segments of one itemsize, contiguous in the bucket's bytes.
         stretches: list[list[int]] = []  # [first byte, end byte, itemsize, first element]
@@ -323,7 +335,7 @@ class BucketCodec:
             dst = seg.dst_offset // k + (local // seg.width) * (seg.dst_pitch // k) + local % seg.width
             part = values[value_bounds[j]:value_bounds[j + 1]]
             kind = _INT_OF_SIZE.get(k, torch.uint8)
-            if k > 1 and part.data_ptr() % k:
+            if k > 1 and part.storage_offset() % k:
                 part = part.clone()
             target = _byte_view(tensors[seg.dst_name]).view(kind)
             target[dst] = part.view(kind)
@@ -353,7 +365,12 @@ HOLDING_TAG = 1 << 30
 
 
 def pair_codecs(buckets) -> list[BucketCodec]:
-    """The codecs of a point-to-point pair's buckets (plan.buckets[(src, dst)])."""
+    """The codecs of a point-to-point pair's buckets (plan.buckets[(src, dst)]).
+    RuntimeError when the native module predates delta sync (a pull without a
+    rebuild)."""
+    if not hasattr(native(), "checksum_rows_host"):
+        raise RuntimeError("delta sync: llamarl_core._C has no checksum_rows_host (built before delta sync): "
+                           "rebuild it with `pip install -e .` from the repository root")
     return [BucketCodec(packed(bucket)[1]) for bucket in buckets]
 
 
