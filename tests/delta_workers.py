@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from helpers import hf_state_dict, mismatches, poisoned_destination, small_config
-from llamarl_core.sync import WeightReceiver, WeightSender
+from llamarl_core.sync import SyncError, WeightReceiver, WeightSender
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards
 from sync_workers import connect
@@ -44,9 +44,32 @@ def states(config_name: str, seed: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def sender(port: int, rank: int, world: int, tp: int, config_name: str, seed: int, bucket_bytes: int) -> list[dict]:
-    """Send every version with delta=True; returns each send's last_send, as a dict."""
+def _corrupting(versions_sent: list[int], version: int) -> None:
+    """From now on in this process, the first delta bucket encoded while `version` is
+    the last of `versions_sent` says it holds one element more than it does."""
+    from llamarl_core.sync.delta import DENSE, PairBase
+
+    encode, done = PairBase.encode, []
+
+    def lying(self, index, new, delta):
+        out = encode(self, index, new, delta)
+        if versions_sent[-1] == version and not done and out.encoding != DENSE:
+            done.append(index)
+            return dataclasses.replace(out, changed=out.changed + 1)
+        return out
+
+    PairBase.encode = lying
+
+
+def sender(port: int, rank: int, world: int, tp: int, config_name: str, seed: int, bucket_bytes: int,
+           corrupt_version: int | None = None) -> list[dict]:
+    """Send every version with delta=True; returns each send's last_send, as a dict.
+    corrupt_version: in that version, this rank's first delta bucket lies about its
+    size (the receiver must refuse it)."""
     torch.set_num_threads(1)
+    sent = [0]
+    if corrupt_version is not None:
+        _corrupting(sent, corrupt_version)
     config = small_config(config_name)
     layout = hf_llama_fsdp(config, world, torch.float32)
     versions = states(config_name, seed)
@@ -57,6 +80,7 @@ def sender(port: int, rank: int, world: int, tp: int, config_name: str, seed: in
         for version, state in enumerate(versions, start=1):
             for name, shard in reference_fsdp_shards(state, world, torch.float32)[rank].items():
                 shards[name].copy_(shard)  # in place, as an optimizer step
+            sent.append(version)
             wrote = sync.send(version)
             stats.append(dataclasses.asdict(sync.last_send) | {"returned": wrote})
     return stats
@@ -74,7 +98,8 @@ def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica
              num_replicas: int = 1) -> list[list[str]]:
     """Receive every version into NaN-poisoned parameters (generator replica
     `replica` of `num_replicas`: replica 0 from the trainer, the others relayed);
-    returns per version the mismatches against the reference shards of that version."""
+    returns per version the mismatches against the reference shards of that version,
+    or ["refused: <error>"] for a receive that raised SyncError naming a refused bucket."""
     torch.set_num_threads(1)
     config = small_config(config_name)
     layout = vllm_llama_tp(config, tp, torch.bfloat16)
@@ -83,7 +108,13 @@ def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica
     with WeightReceiver(connect(port), layout, rank, params, name="delta", transport="p2p", timeout=60,
                         replica=replica, num_replicas=num_replicas) as sync:
         for version, state in enumerate(states(config_name, seed), start=1):
-            assert sync.receive() == version
+            try:
+                assert sync.receive() == version
+            except SyncError as exc:
+                if "refused" not in str(exc):
+                    raise
+                out.append([f"refused: {exc}"])
+                continue
             out.append(mismatches(_engine_nans(reference_vllm_tp_shards(state, config, tp, torch.bfloat16)[rank]),
                                   params))
             if version == POKED_AFTER:  # bytes changed outside the sync: the next version must still land whole

@@ -289,3 +289,32 @@ def test_the_native_checksum_equals_the_torch_one():
     for bad in [(view, 4890, 10, 10, 2), (view, -1, 1, 1, 1), (view[::2], 0, 1, 1, 1)]:
         with pytest.raises(ValueError, match="outside its"):
             _checksum_rows([bad], cpu)
+
+
+def test_a_refused_delta_bucket_tears_one_version_and_the_next_comes_whole():
+    """Sender 0 describes one delta bucket of version 4 as holding one element more
+    than it does: the receiver it goes to refuses it before writing it, takes the
+    rest of both senders' streams off the wire, and raises SyncError (weights
+    torn); the other receiver lands version 4. Sender 0 then sends that receiver
+    version 5 whole (its word says it holds nothing of sender 0), and every later
+    version lands bit for bit on both, deltas again from version 6."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import delta_workers
+    from helpers import run_processes
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+    case = dict(tp=2, config_name="qwen2", seed=11)
+    jobs = [(delta_workers.sender, dict(port=store.port, rank=r, world=2, bucket_bytes=8192,
+                                        corrupt_version=4 if r == 0 else None, **case)) for r in range(2)]
+    jobs += [(delta_workers.receiver, dict(port=store.port, rank=r, **case)) for r in range(2)]
+    results = run_processes(jobs, timeout=240)
+    senders, receivers = results[:2], results[2:]
+    refused = [rank for rank, versions in enumerate(receivers) if versions[3][:1] and versions[3][0].startswith("refused")]
+    assert len(refused) == 1 and "bucket" in receivers[refused[0]][3][0], receivers
+    for rank, versions in enumerate(receivers):
+        assert all(lines == [] for v, lines in enumerate(versions) if not (v == 3 and rank in refused)), versions
+    assert senders[0][4]["full_receivers"] == 1 and senders[1][4]["full_receivers"] == 0  # version 5
+    assert all(s[5]["full_receivers"] == 0 and s[5]["delta_buckets"] > 0 for s in senders)  # version 6

@@ -42,6 +42,11 @@ def _outcome(wrote: bool, was_torn: bool) -> str:
     return "nothing was written" + (" (the weights are still torn from an earlier receive)" if was_torn else "")
 
 
+class _Refused(SyncError):
+    """A sender's delta bucket refused (it did not describe itself truly); the rest of
+    that sender's version was taken off the wire, so the pair stays in step."""
+
+
 class WeightReceiver(Endpoint):
     """A generator rank: registers its own parameter tensors once, then
     `receive()` per sync. The destination is the tensors' own storage.
@@ -346,7 +351,7 @@ class WeightReceiver(Endpoint):
         sender that failed before writing sends a header saying so: the other
         senders are still received, then SyncError names it (the weights counted
         torn if another sender wrote, or may have: one on this host)."""
-        versions, failed = set(), []
+        versions, failed, refused = set(), [], []
         was_torn, self.torn = self.torn, True
         for src in self._p2p_peers:  # in round order
             what = f"receiving from sender {src}"
@@ -379,7 +384,10 @@ class WeightReceiver(Endpoint):
             forwarding.start(version)
             what = f"version {version} from sender {src}"
             if held is not None:
-                self._receive_deltas(src, held, version, deadline, forwarding)
+                try:
+                    self._receive_deltas(src, held, version, deadline, forwarding)
+                except _Refused as exc:  # that sender's stream was drained: the others are still taken
+                    refused.append(str(exc))
                 continue
             pending = self._post("recv", self._staging_bufs[0][: tables[0][1]], src, 1, what) if tables else None
             for i, (table, _) in enumerate(tables):
@@ -388,6 +396,8 @@ class WeightReceiver(Endpoint):
                     pending = self._post("recv", self._staging_bufs[(i + 1) % 2][: tables[i + 1][1]], src, 2 + i, what)
                 run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
                 forwarding.landed()
+        if refused:
+            raise SyncError("; ".join(refused) + "; weights torn (the next version comes whole from that sender)")
         if failed:
             wrote = bool(versions) or bool(self._local_senders)
             self.torn = was_torn or wrote
@@ -426,7 +436,7 @@ class WeightReceiver(Endpoint):
                 try:
                     codec.apply(encoding, payload, changed, self.tensors)
                 except ValueError as exc:
-                    failure = SyncError(f"receiver rank {self.rank}: bucket {i} of {what}: {exc}")
+                    failure = _Refused(f"receiver rank {self.rank}: bucket {i} of {what} refused: {exc}")
                     continue
             forwarding.landed()
         if failure is not None:
