@@ -8,6 +8,7 @@
 #include "copy_segments.h"
 #include "host/board.h"
 #include "host/checksum.h"
+#include "host/delta_codec.h"
 #include "host/host_copy.h"
 #include "host/shared_memory.h"
 #ifdef LLAMARL_WITH_CUDA
@@ -84,6 +85,54 @@ void register_host(py::module_& m) {
       py::arg("rows"),
       "The checksum of (n, 5) int64 rows [address, pitch, row_bytes, height, first_position] "
       "(host/checksum.h): the sum mod 2**64 of a mix of each byte's position and value.");
+  // Delta codec (host/delta_codec.h): addresses and sizes from delta.py, which checks them against its tensors.
+  m.def(
+      "delta_scan_host",
+      [](int64_t fresh, int64_t base, int64_t nbytes, const SegmentArray& stretches, int64_t mask, bool update_base) {
+        LLAMARL_CHECK(stretches.ndim() == 2 && stretches.shape(1) == 4, "stretches must be an int64 array (n, 4)");
+        const int64_t* rows = stretches.data();
+        const int64_t count = stretches.shape(0);
+        DeltaScan r;
+        {
+          py::gil_scoped_release release;
+          r = delta_scan_host(reinterpret_cast<const uint8_t*>(fresh), reinterpret_cast<uint8_t*>(base), nbytes, rows,
+                              count, reinterpret_cast<uint8_t*>(mask), update_base);
+        }
+        return py::make_tuple(r.changed, r.runs, r.value_bytes, r.checksum_change);
+      },
+      py::arg("fresh"), py::arg("base"), py::arg("nbytes"), py::arg("stretches"), py::arg("mask"),
+      py::arg("update_base"),
+      "Mark in `mask` the elements whose bytes differ; (changed, runs, value_bytes, checksum_change).");
+  m.def(
+      "delta_gather_host",
+      [](int64_t fresh, const SegmentArray& stretches, int64_t mask, int64_t elements, int64_t values,
+         int64_t value_bytes, int64_t runs, int64_t run_count, int64_t index_size) {
+        LLAMARL_CHECK(stretches.ndim() == 2 && stretches.shape(1) == 4, "stretches must be an int64 array (n, 4)");
+        const int64_t* rows = stretches.data();
+        const int64_t count = stretches.shape(0);
+        py::gil_scoped_release release;
+        delta_gather_host(reinterpret_cast<const uint8_t*>(fresh), rows, count, reinterpret_cast<const uint8_t*>(mask),
+                          elements, reinterpret_cast<uint8_t*>(values), value_bytes,
+                          reinterpret_cast<uint8_t*>(runs), run_count, index_size);
+      },
+      py::arg("fresh"), py::arg("stretches"), py::arg("mask"), py::arg("elements"), py::arg("values"),
+      py::arg("value_bytes"), py::arg("runs"), py::arg("run_count"), py::arg("index_size"),
+      "Copy out the marked elements' bytes (and their runs when `runs` is not 0).");
+  m.def(
+      "delta_apply_host",
+      [](int64_t encoding, int64_t index, int64_t index_bytes, int64_t index_size, int64_t values,
+         int64_t value_bytes, int64_t changed, const SegmentArray& segments) {
+        LLAMARL_CHECK(segments.ndim() == 2 && segments.shape(1) == 5, "segments must be an int64 array (n, 5)");
+        const int64_t* rows = segments.data();
+        const int64_t count = segments.shape(0);
+        py::gil_scoped_release release;
+        return delta_apply_host(encoding, reinterpret_cast<const uint8_t*>(index), index_bytes, index_size,
+                                reinterpret_cast<const uint8_t*>(values), value_bytes, changed, rows, count);
+      },
+      py::arg("encoding"), py::arg("index"), py::arg("index_bytes"), py::arg("index_size"), py::arg("values"),
+      py::arg("value_bytes"), py::arg("changed"), py::arg("segments"),
+      "Check a MASK or RUNS delta whole, then write it through (n, 5) segments "
+      "[address, pitch, width, height, itemsize]; returns the bytes written.");
   m.def("float_to_bf16_bits", &float_to_bf16_rne, py::arg("fp32_bits"),
         "The engine's fp32 -> bf16 rounding of one value's bits (shared with the CUDA kernel).");
 

@@ -51,8 +51,8 @@ def _corrupting(versions_sent: list[int], version: int) -> None:
 
     encode, done = PairBase.encode, []
 
-    def lying(self, index, new, delta):
-        out = encode(self, index, new, delta)
+    def lying(self, index, new, scan, delta):
+        out = encode(self, index, new, scan, delta)
         if versions_sent[-1] == version and not done and out.encoding != DENSE:
             done.append(index)
             return dataclasses.replace(out, changed=out.changed + 1)

@@ -73,6 +73,12 @@ def _same(a, b):
     return all(torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8)) for k in a)
 
 
+def _wrapped(value):
+    """An int as the signed 64-bit int it is modulo 2**64."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def _elements(codec, data):
     """The bucket's bytes split per element."""
     out = []
@@ -115,33 +121,44 @@ def test_a_delta_applied_onto_its_base_equals_a_full_send(pattern):
     for index, (label, layout, rank, bucket) in enumerate(BUCKETS):
         _, unpack = packed(bucket)
         codec = BucketCodec(unpack)
+        on_torch = BucketCodec(unpack, native_host=False)  # the path a GPU's tensors take
         base = torch.randint(0, 256, (codec.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(index))
         new = _changed(rng, codec, base, pattern)
         mask = codec.changed_mask(new, base)
         expected_changed = sum(not torch.equal(a, b) for a, b in zip(_elements(codec, new), _elements(codec, base)))
         assert int(mask.sum()) == expected_changed, label
+        scan, torch_scan = codec.scan(new, base), on_torch.scan(new, base)
+        assert (scan.changed, scan.runs, scan.value_bytes) == \
+            (torch_scan.changed, torch_scan.runs, torch_scan.value_bytes) and torch.equal(scan.bits, torch_scan.bits)
+        assert scan.checksum_change == _wrapped(bucket_checksum(new) - bucket_checksum(base)), label
         full = _receiver(layout, rank, index)
         _unpack(unpack, new, full)
         for encoding in (None, MASK, RUNS, DENSE):
-            held = _receiver(layout, rank, index)  # the receiver's other bytes: kept as they were
-            _unpack(unpack, base, held)
-            assert codec.destination_checksum(held) == bucket_checksum(base), label
             delta = codec.diff(new, base, encoding)
             assert delta.changed == expected_changed and delta.elements == codec.elements
-            if delta.encoding == DENSE:
-                assert torch.equal(delta.payload, new)
-                _unpack(unpack, delta.payload, held)
-            else:
-                # What crosses the wire is bytes: the receiver decodes its own copy.
-                wrote = codec.apply(delta.encoding, delta.payload.clone(), delta.changed, held)
-                assert wrote == codec._values_nbytes(torch.nonzero(mask).reshape(-1))
-            assert _same(held, full), (label, encoding, pattern)
-            assert codec.destination_checksum(held) == bucket_checksum(new), label
+            torch_delta = on_torch.diff(new, base, encoding)
+            assert delta.encoding == torch_delta.encoding and torch.equal(delta.payload, torch_delta.payload), label
+            for applier in (codec, on_torch):
+                held = _receiver(layout, rank, index)  # the receiver's other bytes: kept as they were
+                _unpack(unpack, base, held)
+                assert codec.destination_checksum(held) == bucket_checksum(base), label
+                if delta.encoding == DENSE:
+                    assert torch.equal(delta.payload, new)
+                    _unpack(unpack, delta.payload, held)
+                else:
+                    # What crosses the wire is bytes: the receiver decodes its own copy.
+                    wrote = applier.apply(delta.encoding, delta.payload.clone(), delta.changed, held)
+                    assert wrote == codec._values_nbytes(torch.nonzero(mask).reshape(-1)) == scan.value_bytes
+                assert _same(held, full), (label, encoding, pattern, applier.native_host)
+                assert codec.destination_checksum(held) == bucket_checksum(new), label
             if encoding is None:
                 seen.add(delta.encoding)
                 auto_sizes.append(delta.nbytes)
                 sizes = [codec.diff(new, base, e).nbytes for e in (DENSE, MASK, RUNS)]
                 assert delta.nbytes == min(sizes), (label, sizes)
+        kept = base.clone()
+        codec.scan(new, kept, update_base=True)  # the sender's base takes the version it sends
+        assert torch.equal(kept, new), label
     if pattern == "none":  # a run count alone (8 bytes), or a mask of zeros where it is shorter
         assert seen <= {MASK, RUNS} and max(auto_sizes) <= 8
     if pattern == "every":
@@ -210,10 +227,11 @@ def test_bad_payloads_are_refused_with_nothing_written():
         (RUNS, swapped, runs_delta.changed, "not increasing"),
         (DENSE, new, 0, "MASK .* or RUNS"),
     ]
-    for encoding, payload, changed, match in cases:
-        with pytest.raises(ValueError, match=match):
-            codec.apply(encoding, payload, changed, held)
-        assert _same(held, before)
+    for applier in (codec, BucketCodec(packed(bucket)[1], native_host=False)):
+        for encoding, payload, changed, match in cases:
+            with pytest.raises(ValueError, match=match):
+                applier.apply(encoding, payload, changed, held)
+            assert _same(held, before)
     with pytest.raises(ValueError, match="bucket's .* bytes as a 1-D uint8"):
         codec.diff(new[:-1], base)
     with pytest.raises(ValueError, match="encoding must be one of"):
@@ -266,26 +284,58 @@ def test_deltas_point_to_point_land_every_version_whole(tmp_path):
     assert everything["wire_bytes"] >= 0.9 * everything["full_bytes"], everything
 
 
+def _reference_checksum(data: bytes, first: int) -> int:
+    """csrc/host/checksum.h's sum in plain Python ints: each 8-byte word the bytes
+    touch (bytes at positions 8w .. 8w + 7, little-endian, absent ones zero) mixed
+    with its index w, summed mod 2**64, as a signed int."""
+    mask = (1 << 64) - 1
+    words: dict[int, int] = {}
+    for i, byte in enumerate(data):
+        w, at = divmod(first + i, 8)
+        words[w] = words.get(w, 0) | byte << (8 * at)
+    total = 0
+    for w, value in words.items():
+        v = (w * 0x9E3779B97F4A7C15 + (value + 1) * 0xC2B2AE3D27D4EB4F) & mask
+        v ^= v >> 30
+        v = (v * 0xBF58476D1CE4E5B9) & mask
+        v ^= v >> 27
+        v = (v * 0x94D049BB133111EB) & mask
+        total = (total + (v ^ (v >> 31))) & mask
+    return total - (1 << 64) if total >= 1 << 63 else total
+
+
 def test_the_native_checksum_equals_the_torch_one():
-    """The host's checksum (csrc/host/checksum.cpp) and the torch ops a GPU runs
-    (delta._device_sum, run here on the CPU) give the same sum, on random bytes and
-    on runs of one value, from any first position."""
+    """The host's checksum (csrc/host/checksum.cpp), the torch ops a GPU runs
+    (delta._DeviceSum, run here on the CPU) and a plain-Python reference give the
+    same sum, on random bytes and on runs of one value, from any first position,
+    in one row or cut into rows that split words."""
     from llamarl_core._native import native
-    from llamarl_core.sync.delta import _checksum_rows, _device_sum
+    from llamarl_core.sync.delta import _checksum_rows, _DeviceSum
 
     gen = torch.Generator().manual_seed(0)
-    for size, first in [(1, 0), (77, 0), (5000, 12345), (1 << 16, 2**40)]:
+    rng = random.Random(0)
+    for size, first in [(1, 0), (7, 3), (77, 0), (5000, 12345), (1 << 16, 2**40 + 5)]:
         for data in (torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen),
                      torch.full((size,), 255, dtype=torch.uint8)):
-            total = torch.zeros((), dtype=torch.int64)
-            _device_sum(data, first, total)
+            want = _reference_checksum(bytes(data.tolist()), first) if size <= 5000 else None
             row = np.array([[data.data_ptr(), size, size, 1, first]], dtype=np.int64)
-            assert native().checksum_rows_host(row) == int(total), (size, first)
+            got = native().checksum_rows_host(row)
+            cuts = sorted({0, size, *(rng.randrange(size + 1) for _ in range(5))})
+            rows = np.array([[data.data_ptr() + a, b - a, b - a, 1, first + a] for a, b in zip(cuts, cuts[1:])],
+                            dtype=np.int64)
+            total = _DeviceSum(torch.device("cpu"))
+            for a, b in zip(cuts, cuts[1:]):
+                total.add(data[a:b], first + a)
+            assert got == native().checksum_rows_host(rows) == total.value(), (size, first, cuts)
+            assert want is None or got == want, (size, first)
     # Rows apart, in a tensor that starts inside its storage (a parameter that is a view).
     view = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=gen)[100:].view(torch.int16)
     rows = [(view, 7, 50, 30, 20), (view, 1500, 40, 40, 3), (view, 4000, 0, 0, 0)]
     cpu = torch.device("cpu")
-    assert _checksum_rows(rows, cpu, host=True) == _checksum_rows(rows, cpu, host=False)
+    stream = b"".join(bytes(view.view(torch.uint8)[o + r * p:o + r * p + n].tolist())
+                      for _, o, p, n, h in rows for r in range(h))
+    assert _checksum_rows(rows, cpu, host=True) == _checksum_rows(rows, cpu, host=False) == \
+        _reference_checksum(stream, 0)
     for bad in [(view, 4890, 10, 10, 2), (view, -1, 1, 1, 1), (view[::2], 0, 1, 1, 1)]:
         with pytest.raises(ValueError, match="outside its"):
             _checksum_rows([bad], cpu)

@@ -1,11 +1,68 @@
 #include "checksum.h"
 
+#include <cstring>
+
 #include "../common.h"
 
 namespace llamarl {
+namespace {
+
+// The running sum over a stream of bytes at increasing positions; a word is mixed
+// once all its bytes that the stream holds have come.
+class WordSum {
+ public:
+  void add(uint64_t position, const unsigned char* bytes, int64_t n) {
+    while (n > 0) {
+      const uint64_t word = position >> 3;
+      const int offset = static_cast<int>(position & 7);
+      if (offset == 0 && n >= 8) {  // whole words straight from memory
+        flush();
+        const int64_t words = n >> 3;
+        for (int64_t k = 0; k < words; ++k) {
+          uint64_t value;
+          std::memcpy(&value, bytes + 8 * k, 8);
+          total_ += checksum_term(word + k, value);
+        }
+        position += 8 * words;
+        bytes += 8 * words;
+        n -= 8 * words;
+        continue;
+      }
+      if (!pending_ || pending_word_ != word) {
+        flush();
+        pending_ = true;
+        pending_word_ = word;
+      }
+      const int64_t take = n < 8 - offset ? n : 8 - offset;
+      for (int64_t j = 0; j < take; ++j) pending_value_ |= static_cast<uint64_t>(bytes[j]) << (8 * (offset + j));
+      position += take;
+      bytes += take;
+      n -= take;
+    }
+  }
+
+  uint64_t finish() {
+    flush();
+    return total_;
+  }
+
+ private:
+  void flush() {
+    if (pending_) total_ += checksum_term(pending_word_, pending_value_);
+    pending_ = false;
+    pending_value_ = 0;
+  }
+
+  uint64_t total_ = 0;
+  bool pending_ = false;
+  uint64_t pending_word_ = 0;
+  uint64_t pending_value_ = 0;
+};
+
+}  // namespace
 
 int64_t checksum_rows_host(const int64_t* rows, int64_t count) {
-  uint64_t total = 0;
+  WordSum sum;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t* row = rows + 5 * i;
     const int64_t pitch = row[1], row_bytes = row[2], height = row[3];
@@ -14,12 +71,9 @@ int64_t checksum_rows_host(const int64_t* rows, int64_t count) {
     LLAMARL_CHECK(row[0] != 0 || row_bytes == 0 || height == 0, "checksum row " << i << ": null address");
     auto* base = reinterpret_cast<const unsigned char*>(row[0]);
     uint64_t position = static_cast<uint64_t>(row[4]);
-    for (int64_t r = 0; r < height; ++r) {
-      const unsigned char* bytes = base + r * pitch;
-      for (int64_t b = 0; b < row_bytes; ++b) total += checksum_term(position++, bytes[b]);
-    }
+    for (int64_t r = 0; r < height; ++r, position += row_bytes) sum.add(position, base + r * pitch, row_bytes);
   }
-  return static_cast<int64_t>(total);
+  return static_cast<int64_t>(sum.finish());
 }
 
 }  // namespace llamarl

@@ -6,11 +6,12 @@
 
 namespace llamarl {
 
-// One byte's term: a 64-bit mix of its position and value (splitmix64's
+// One 8-byte word's term: a 64-bit mix of its index and value (splitmix64's
 // finaliser, logical shifts), so that no small pattern of changes cancels out in
-// the sum, as it can in a linear one.
-inline uint64_t checksum_term(uint64_t position, uint64_t byte) {
-  uint64_t v = position * 0x9E3779B97F4A7C15ull + (byte + 1) * 0xC2B2AE3D27D4EB4Full;
+// the sum, as it can in a linear one. Word w holds the bytes at positions 8w ..
+// 8w + 7, little-endian; positions past the data read as zero bytes.
+inline uint64_t checksum_term(uint64_t word_index, uint64_t value) {
+  uint64_t v = word_index * 0x9E3779B97F4A7C15ull + (value + 1) * 0xC2B2AE3D27D4EB4Full;
   v ^= v >> 30;
   v *= 0xBF58476D1CE4E5B9ull;
   v ^= v >> 27;
@@ -22,9 +23,12 @@ inline uint64_t checksum_term(uint64_t position, uint64_t byte) {
 // rows: `count` rows of 5 int64 [address, pitch, row_bytes, height, first_position]:
 // `height` rows of `row_bytes` bytes, `pitch` bytes apart, whose bytes sit at
 // positions first_position, first_position + 1, ... (row after row). Returns the
-// sum modulo 2**64 of checksum_term over every byte, as a signed int64. Reads
-// only; the caller keeps every row inside its memory (delta.py checks each
-// against its tensor), this checks only non-negative sizes and a non-null address.
+// sum modulo 2**64 of checksum_term over every word the bytes touch, as a signed
+// int64. A word's bytes may come from several rows, given in position order (a
+// word's partial bytes are completed from the rows that follow before it is
+// mixed). Reads only; the caller keeps every row inside its memory (delta.py
+// checks each against its tensor), this checks only non-negative sizes and a
+// non-null address.
 int64_t checksum_rows_host(const int64_t* rows, int64_t count);
 
 }  // namespace llamarl

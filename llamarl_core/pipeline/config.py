@@ -270,6 +270,10 @@ class SyncConfig:
     """The weight sync from the trainer ranks to the generator."""
 
     timeout_s: float = 20.0  # longest weight sync
+    # Each trainer rank sends each version to a generator rank on another host as a delta against the
+    # version it sent it before (WeightSender delta=True; llamarl_core/sync/delta.py); pairs on one host
+    # write whole versions as without it.
+    delta: bool = False
 
 
 SECTIONS = {"run": RunConfig, "generator": GeneratorConfig, "trainer": TrainerConfig, "loss": LossConfig,
@@ -280,7 +284,8 @@ _RENAMED = {"generator": ("generator", "backend"), "generator_tp": ("generator",
             "generator_replicas": ("generator", "replicas"), "generator_fp8": ("generator", "fp8"),
             "generator_fp8_gemm": ("generator", "fp8_gemm"), "trainer_world": ("trainer", "world"),
             "loss": ("loss", "objective"), "loss_normalizer": ("loss", "normalizer"),
-            "loss_reduction": ("loss", "reduction"), "sync_timeout_s": ("sync", "timeout_s")}
+            "loss_reduction": ("loss", "reduction"), "sync_timeout_s": ("sync", "timeout_s"),
+            "sync_delta": ("sync", "delta")}
 _FLAT_OF = {where: flat for flat, where in _RENAMED.items()}
 # Flat name -> (section, field), every field of every section.
 FLAT = {_FLAT_OF.get((section, f.name), f.name): (section, f.name)

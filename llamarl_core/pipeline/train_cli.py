@@ -169,6 +169,10 @@ def parse_args(argv):
                         help="leave completions that hit --max-new-tokens out of the loss (counted either way)")
     parser.add_argument("--log-rollouts", action="store_true",
                         help="write every trained sample (prompt, completion, reward, versions) to rollouts.jsonl")
+    parser.add_argument("--sync-delta", action="store_true",
+                        help="send each version to generator ranks on other hosts as a delta against the last "
+                             "(only the elements whose generator bytes changed; docs/delta.md says where it pays); "
+                             "ranks on the trainer's host take whole versions as without it")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="encode prompts as plain text even where the model's tokenizer has a chat template")
     # Parsed as None when not given (so that --resume and --model can tell what was given); the help says the
@@ -205,6 +209,8 @@ def _config(args, mode: str) -> TrainConfig:
         values["log_rollouts"] = True
     if args.no_chat_template:
         values["chat_template"] = False
+    if args.sync_delta:
+        values["sync_delta"] = True
     if args.generator is not None:
         values["generator"] = args.generator
     if args.generator == "vllm":

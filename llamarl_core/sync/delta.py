@@ -80,19 +80,64 @@ def _shifted(v: torch.Tensor, bits: int) -> torch.Tensor:
     return (v >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def _device_sum(data: torch.Tensor, first_position: int, total: torch.Tensor) -> None:
-    """Add to `total` (an int64 scalar on data's device) csrc/host/checksum.h's sum
-    over a 1-D uint8 tensor whose first byte sits at `first_position`, with torch
-    ops (a GPU's; the host's goes native). No host synchronisation."""
-    for start in range(0, data.numel(), _CHUNK):
-        part = data[start:start + _CHUNK].to(torch.int64)
-        v = torch.arange(first_position + start, first_position + start + part.numel(), dtype=torch.int64,
-                         device=data.device)
-        v.mul_(_K_POS).add_((part + 1) * _K_BYTE)
-        v.bitwise_xor_(_shifted(v, 30)).mul_(_K_MIX1)
-        v.bitwise_xor_(_shifted(v, 27)).mul_(_K_MIX2)
-        v.bitwise_xor_(_shifted(v, 31))
-        total.add_(v.sum())
+def _word_terms(words: torch.Tensor, first_word: int) -> torch.Tensor:
+    """csrc/host/checksum.h checksum_term of int64 words whose first is word
+    `first_word`, with torch ops (wrapping int64 arithmetic)."""
+    v = torch.arange(first_word, first_word + words.numel(), dtype=torch.int64, device=words.device)
+    v.mul_(_K_POS).add_((words + 1) * _K_BYTE)
+    v.bitwise_xor_(_shifted(v, 30)).mul_(_K_MIX1)
+    v.bitwise_xor_(_shifted(v, 27)).mul_(_K_MIX2)
+    return v.bitwise_xor_(_shifted(v, 31))
+
+
+class _DeviceSum:
+    """csrc/host/checksum.cpp's sum over a stream of byte tensors at increasing
+    positions, with torch ops on their device (a GPU's; the host's goes native):
+    whole words summed as they come, a word's partial bytes kept until the bytes
+    that complete it (or the end). No host synchronisation until `value`."""
+
+    def __init__(self, device: torch.device):
+        self.total = torch.zeros((), dtype=torch.int64, device=device)
+        self.pending = torch.zeros(0, dtype=torch.uint8, device=device)  # the bytes of a word begun
+        self.position = 0  # of pending's first byte
+
+    def add(self, data: torch.Tensor, position: int) -> None:
+        """Add a 1-D uint8 tensor whose first byte sits at `position` (at or past the
+        end of what came before)."""
+        if self.pending.numel() and position // 8 != (self.position + self.pending.numel() - 1) // 8:
+            self._flush()
+        if self.pending.numel() and position != self.position + self.pending.numel():  # a gap inside one word
+            gap = position - self.position - self.pending.numel()
+            self.pending = torch.cat([self.pending, self.pending.new_zeros(gap)])
+        if not self.pending.numel():
+            lead = position % 8
+            self.pending, self.position = data.new_zeros(lead), position - lead
+        data = torch.cat([self.pending, data])
+        whole = data.numel() // 8 * 8
+        if whole:
+            self.total.add_(_word_terms(data[:whole].view(torch.int64), self.position // 8).sum())
+        self.pending, self.position = data[whole:].clone(), self.position + whole
+
+    def _flush(self) -> None:
+        if self.pending.numel():
+            word = torch.cat([self.pending, self.pending.new_zeros(8 - self.pending.numel())]).view(torch.int64)
+            self.total.add_(_word_terms(word, self.position // 8).sum())
+        self.pending = self.pending[:0]
+
+    def value(self) -> int:
+        self._flush()
+        return int(self.total)
+
+
+def _checked_rows(rows: list[tuple[torch.Tensor, int, int, int, int]], device: torch.device) -> None:
+    """ValueError for a byte row (tensor, byte offset, pitch, row bytes, height) outside
+    its tensor, or a tensor not contiguous or not on `device`."""
+    for tensor, offset, pitch, row_bytes, height in rows:
+        end = offset + (height - 1) * pitch + row_bytes if height and row_bytes else offset
+        if not tensor.is_contiguous() or min(offset, pitch, row_bytes, height) < 0 or \
+                end > tensor.numel() * tensor.element_size() or tensor.device != device:
+            raise ValueError(f"a byte row ({offset}, {pitch}, {row_bytes}, {height}) outside its "
+                             f"{tensor.dtype} {tuple(tensor.shape)} tensor on {tensor.device}")
 
 
 def _checksum_rows(rows: list[tuple[torch.Tensor, int, int, int, int]], device: torch.device,
@@ -101,33 +146,28 @@ def _checksum_rows(rows: list[tuple[torch.Tensor, int, int, int, int]], device: 
     with its first byte at the position that follows the previous row's last
     (positions from 0): the native engine's on the host, torch's on a GPU (or with
     host=False). ValueError for a row outside its tensor, before anything is read."""
-    for tensor, offset, pitch, row_bytes, height in rows:
-        end = offset + (height - 1) * pitch + row_bytes if height and row_bytes else offset
-        if not tensor.is_contiguous() or min(offset, pitch, row_bytes, height) < 0 or \
-                end > tensor.numel() * tensor.element_size() or tensor.device != device:
-            raise ValueError(f"a checksum row ({offset}, {pitch}, {row_bytes}, {height}) outside its "
-                             f"{tensor.dtype} {tuple(tensor.shape)} tensor on {tensor.device}")
+    _checked_rows(rows, device)
     if device.type == "cpu" if host is None else host:
         table, position = [], 0
         for tensor, offset, pitch, row_bytes, height in rows:
             table.append((tensor.data_ptr() + offset, pitch, row_bytes, height, position))
             position += row_bytes * height
         return native().checksum_rows_host(np.array(table, dtype=np.int64).reshape(len(table), 5))
-    total, position = torch.zeros((), dtype=torch.int64, device=device), 0
+    total, position = _DeviceSum(device), 0
     for tensor, offset, pitch, row_bytes, height in rows:
         flat = _byte_view(tensor)  # as_strided counts from its storage's start
         view = flat.as_strided((height, row_bytes), (pitch, 1), flat.storage_offset() + offset)
         step = max(1, _CHUNK // max(1, row_bytes))
         for r in range(0, height, step):
-            _device_sum(view[r:r + step].reshape(-1), position + r * row_bytes, total)
+            total.add(view[r:r + step].reshape(-1), position + r * row_bytes)
         position += row_bytes * height
-    return int(total)
+    return total.value()
 
 
 def bucket_checksum(data: torch.Tensor) -> int:
     """The checksum of a bucket's bytes (1-D uint8, packed order), a signed 64-bit
-    int: the sum modulo 2**64 of a 64-bit mix of each byte's position and value
-    (csrc/host/checksum.h)."""
+    int: the sum modulo 2**64 of a 64-bit mix of each 8-byte word's index and value
+    (csrc/host/checksum.h; the last word padded with zero bytes)."""
     return _checksum_rows([(data, 0, data.numel(), data.numel(), 1)], data.device)
 
 
@@ -165,13 +205,36 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+@dataclass(frozen=True)
+class Scan:
+    """What changed in one bucket against a base (BucketCodec.scan): `bits` the
+    changed-element bitmask (uint8, numpy's little-endian bit order), `changed`
+    elements, `runs` of consecutive changed elements, `value_bytes` their bytes,
+    `checksum_change` bucket_checksum(new) - bucket_checksum(base) mod 2**64 as a
+    signed int (None where the scan was torch's)."""
+
+    bits: torch.Tensor
+    changed: int
+    runs: int
+    value_bytes: int
+    checksum_change: int | None
+
+
+def _on_host(data: torch.Tensor, native_host: bool) -> bool:
+    return native_host and data.device.type == "cpu"
+
+
 class BucketCodec:
     """The delta codec of one bucket, from its unpack segments (endpoint.packed's
     second list: `src_offset` the segment's place in the bucket's bytes, `dst_*`
-    where it lands in the receiver's tensors)."""
+    where it lands in the receiver's tensors). Host tensors go through the native
+    codec (csrc/host/delta_codec.cpp: one pass over the bytes, equal 64-byte blocks
+    read once), device tensors through torch ops; `native_host=False` sends host
+    tensors through torch too. Both make the same payloads."""
 
-    def __init__(self, unpack: Sequence[Segment]):
+    def __init__(self, unpack: Sequence[Segment], native_host: bool = True):
         self.segments = list(unpack)
+        self.native_host = native_host
         self.nbytes = sum(seg.nbytes for seg in self.segments)
         offset = 0
         for seg in self.segments:
@@ -190,8 +253,10 @@ class BucketCodec:
                 stretches.append([seg.src_offset, seg.src_offset + seg.nbytes, seg.itemsize, elements])
             elements += seg.width * seg.height
         self.stretches = [tuple(s) for s in stretches]
+        self._stretch_table = np.array(self.stretches, dtype=np.int64).reshape(len(self.stretches), 4)
         self.elements = elements
         self.index_dtype = torch.int32 if elements < 2 ** 31 else torch.int64
+        self.mask_bytes = (elements + 7) // 8
 
     # -- the sender's side ------------------------------------------------------------
     def changed_mask(self, new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -202,28 +267,68 @@ class BucketCodec:
         return torch.cat([_differs(new[start:end], base[start:end], size) for start, end, size, _ in self.stretches]) \
             if self.stretches else new[:0].bool()
 
-    def diff(self, new: torch.Tensor, base: torch.Tensor, encoding: int | None = None) -> BucketDelta:
-        """The delta from `base` to `new` (the bucket's bytes, 1-D uint8 on one
-        device), in the smallest encoding, or in `encoding` when given."""
+    def scan(self, new: torch.Tensor, base: torch.Tensor, update_base: bool = False) -> Scan:
+        """What changed from `base` to `new` (the bucket's bytes, 1-D uint8 on one
+        device); with `update_base`, base takes new's bytes (on the host only the
+        words that differ are written)."""
+        self._check_bytes(new, "new")
+        self._check_bytes(base, "base")
+        if _on_host(new, self.native_host) and base.device.type == "cpu":
+            bits = torch.zeros(self.mask_bytes, dtype=torch.uint8)
+            changed, runs, value_bytes, checksum_change = native().delta_scan_host(
+                new.data_ptr(), base.data_ptr(), self.nbytes, self._stretch_table, bits.data_ptr(), update_base)
+            return Scan(bits, changed, runs, value_bytes, checksum_change)
         mask = self.changed_mask(new, base)
-        changed = int(torch.count_nonzero(mask))
-        values = self._values(new, mask)
-        index = torch.tensor(0, dtype=self.index_dtype).element_size()
-        sizes = {DENSE: self.nbytes, MASK: (self.elements + 7) // 8 + values.numel(),
-                 RUNS: 8 + 2 * index * self._run_count(mask) + values.numel()}
+        cuts = [0, *[s[3] for s in self.stretches[1:]], self.elements]
+        value_bytes = sum(int(torch.count_nonzero(mask[cuts[i]:cuts[i + 1]])) * size
+                          for i, (_, _, size, _) in enumerate(self.stretches))
+        if update_base:
+            base.copy_(new)
+        return Scan(_pack_bits(mask), int(torch.count_nonzero(mask)), self._run_count(mask), value_bytes, None)
+
+    def sizes(self, scan: Scan) -> dict[int, int]:
+        """Each encoding's payload bytes for what `scan` found."""
+        index = self.index_dtype.itemsize
+        return {DENSE: self.nbytes, MASK: self.mask_bytes + scan.value_bytes,
+                RUNS: 8 + 2 * index * scan.runs + scan.value_bytes}
+
+    def encode(self, new: torch.Tensor, scan: Scan, encoding: int | None = None) -> BucketDelta:
+        """The delta `scan` found (against the base it was made from) in the
+        smallest encoding, or in `encoding` when given; `new` the bucket's bytes."""
+        sizes = self.sizes(scan)
         if encoding is None:
             encoding = min(sizes, key=lambda e: (sizes[e], e))
         elif encoding not in sizes:
             raise ValueError(f"encoding must be one of {sorted(sizes)} ({', '.join(ENCODINGS)}), got {encoding!r}")
         if encoding == DENSE:
-            payload = new
-        elif encoding == MASK:
-            payload = torch.cat([_pack_bits(mask), values])
+            return BucketDelta(DENSE, new, scan.changed, self.elements)
+        index_bytes = sizes[encoding] - scan.value_bytes
+        if _on_host(new, self.native_host):
+            payload = torch.empty(sizes[encoding], dtype=torch.uint8)
+            runs = 0
+            if encoding == MASK:
+                payload[:index_bytes].copy_(scan.bits)
+            else:
+                payload[:8].view(torch.int64)[0] = scan.runs
+                runs = payload.data_ptr() + 8
+            native().delta_gather_host(new.data_ptr(), self._stretch_table, scan.bits.data_ptr(), self.elements,
+                                       payload.data_ptr() + index_bytes, scan.value_bytes, runs, scan.runs,
+                                       self.index_dtype.itemsize)
+            return BucketDelta(encoding, payload, scan.changed, self.elements)
+        mask = _unpack_bits(scan.bits, self.elements)
+        values = self._values(new, mask)
+        if encoding == MASK:
+            payload = torch.cat([scan.bits, values])
         else:
             runs = self._runs(mask)
             count = torch.tensor([len(runs)], dtype=torch.int64, device=new.device).view(torch.uint8)
             payload = torch.cat([count, runs.to(self.index_dtype).reshape(-1).view(torch.uint8), values])
-        return BucketDelta(encoding, payload, changed, self.elements)
+        return BucketDelta(encoding, payload, scan.changed, self.elements)
+
+    def diff(self, new: torch.Tensor, base: torch.Tensor, encoding: int | None = None) -> BucketDelta:
+        """The delta from `base` to `new` (the bucket's bytes, 1-D uint8 on one
+        device), in the smallest encoding, or in `encoding` when given."""
+        return self.encode(new, self.scan(new, base), encoding)
 
     def _values(self, data: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The bytes of the elements `mask` marks, in order."""
@@ -249,41 +354,44 @@ class BucketCodec:
         return torch.stack([starts, ends - starts], dim=1)
 
     # -- the receiver's side ----------------------------------------------------------
-    def changed_elements(self, encoding: int, payload: torch.Tensor, changed: int) -> tuple[torch.Tensor,
-                                                                                           torch.Tensor]:
-        """(element indices, int64, increasing; the values' bytes, uint8) of a MASK
-        or RUNS payload that says it holds `changed` elements. ValueError for a
-        payload that does not hold what it says (runs out of order or past the
-        bucket, sizes that do not add up)."""
-        device = payload.device
+    def _split(self, encoding: int, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the index part: bitmask or runs; the values' bytes) of a MASK or RUNS
+        payload; ValueError where it is shorter than its index says."""
         if encoding == MASK:
-            mask_bytes = (self.elements + 7) // 8
-            if payload.numel() < mask_bytes:
-                raise ValueError(f"a mask delta of {payload.numel()} bytes, shorter than its mask ({mask_bytes})")
-            index = torch.nonzero(_unpack_bits(payload[:mask_bytes], self.elements)).reshape(-1)
-            values = payload[mask_bytes:]
-        elif encoding == RUNS:
-            item = torch.tensor(0, dtype=self.index_dtype).element_size()
+            if payload.numel() < self.mask_bytes:
+                raise ValueError(f"a mask delta of {payload.numel()} bytes, shorter than its mask ({self.mask_bytes})")
+            return payload[:self.mask_bytes], payload[self.mask_bytes:]
+        if encoding == RUNS:
             if payload.numel() < 8:
                 raise ValueError(f"a runs delta of {payload.numel()} bytes, shorter than its run count")
             count = int(payload[:8].clone().view(torch.int64))
-            end = 8 + 2 * item * count
+            end = 8 + 2 * self.index_dtype.itemsize * count
             if count < 0 or payload.numel() < end:
                 raise ValueError(f"a runs delta of {payload.numel()} bytes that says it holds {count} runs")
-            runs = payload[8:end].clone().view(self.index_dtype).to(torch.int64).view(-1, 2)
+            return payload[8:end], payload[end:]
+        raise ValueError(f"apply takes a MASK ({MASK}) or RUNS ({RUNS}) delta, got encoding {encoding!r}")
+
+    def changed_elements(self, encoding: int, payload: torch.Tensor, changed: int) -> tuple[torch.Tensor,
+                                                                                           torch.Tensor]:
+        """(element indices, int64, increasing; the values' bytes, uint8) of a MASK
+        or RUNS payload that says it holds `changed` elements, with torch ops.
+        ValueError for a payload that does not hold what it says (runs out of order
+        or past the bucket, sizes that do not add up)."""
+        index_part, values = self._split(encoding, payload)
+        if encoding == MASK:
+            index = torch.nonzero(_unpack_bits(index_part, self.elements)).reshape(-1)
+        else:
+            runs = index_part.clone().view(self.index_dtype).to(torch.int64).view(-1, 2)
             firsts, lengths = runs[:, 0], runs[:, 1]
-            if count and (bool((lengths <= 0).any()) or bool((lengths > self.elements).any())
-                          or bool((firsts < 0).any()) or bool((firsts >= self.elements).any())
-                          or int(firsts[-1] + lengths[-1]) > self.elements
-                          or bool((firsts[1:] <= firsts[:-1] + lengths[:-1]).any())):
+            if runs.numel() and (bool((lengths <= 0).any()) or bool((lengths > self.elements).any())
+                                 or bool((firsts < 0).any()) or bool((firsts >= self.elements).any())
+                                 or int(firsts[-1] + lengths[-1]) > self.elements
+                                 or bool((firsts[1:] <= firsts[:-1] + lengths[:-1]).any())):
                 raise ValueError("a runs delta whose runs are not increasing, apart, non-empty and within the "
                                  f"bucket's {self.elements} elements")
             total = int(lengths.sum())
             index = torch.repeat_interleave(firsts - (torch.cumsum(lengths, 0) - lengths), lengths) + \
-                torch.arange(total, device=device)
-            values = payload[end:]
-        else:
-            raise ValueError(f"apply takes a MASK ({MASK}) or RUNS ({RUNS}) delta, got encoding {encoding!r}")
+                torch.arange(total, device=payload.device)
         if index.numel() != changed or values.numel() != self._values_nbytes(index):
             raise ValueError(f"a delta of {index.numel()} elements and {values.numel()} value bytes, which says it "
                              f"holds {changed} elements")
@@ -304,6 +412,19 @@ class BucketCodec:
         segments' dst_name; contiguous, on the payload's device) through the
         segments; returns the bytes written. The payload is checked whole first
         (ValueError, nothing written)."""
+        if _on_host(payload, self.native_host):
+            index_part, values = self._split(encoding, payload)
+            rows = self._destination_rows(tensors)
+            _checked_rows(rows, payload.device)
+            table = np.array([(t.data_ptr() + offset, pitch, seg.width, seg.height, seg.itemsize)
+                              for (t, offset, pitch, _, _), seg in zip(rows, self.segments)],
+                             dtype=np.int64).reshape(len(rows), 5)
+            try:
+                return native().delta_apply_host(encoding, index_part.data_ptr(), index_part.numel(),
+                                                 self.index_dtype.itemsize, values.data_ptr(), values.numel(),
+                                                 changed, table)
+            except native().EngineError as error:  # what the payload says does not hold: nothing written
+                raise ValueError(str(error)) from None
         index, values = self.changed_elements(encoding, payload, changed)
         # Each element's first byte in the bucket (increasing, as the index is), stretch by stretch.
         cuts = self._stretch_cuts(index)
@@ -349,9 +470,12 @@ class BucketCodec:
         place (what a full send of the same bytes would make equal)."""
         if not self.segments:
             return 0
-        rows = [(tensors[seg.dst_name], seg.dst_offset, seg.dst_pitch, seg.width * seg.itemsize, seg.height)
+        return _checksum_rows(self._destination_rows(tensors), tensors[self.segments[0].dst_name].device)
+
+    def _destination_rows(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, int, int, int, int]]:
+        """The segments' byte rows in `tensors` (_checksum_rows' form)."""
+        return [(tensors[seg.dst_name], seg.dst_offset, seg.dst_pitch, seg.width * seg.itemsize, seg.height)
                 for seg in self.segments]
-        return _checksum_rows(rows, tensors[self.segments[0].dst_name].device)
 
     def _check_bytes(self, data: torch.Tensor, what: str) -> None:
         if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != self.nbytes:
@@ -362,6 +486,8 @@ class BucketCodec:
 # The tag of a receiver's word on what it holds (PairHeld.holding), sent before every
 # header it takes from a sender of deltas: far above the buckets' tags (1 + 2i, 2 + 2i).
 HOLDING_TAG = 1 << 30
+# A delta bucket's description on the wire: int64 [encoding, payload bytes, changed elements].
+DESCRIPTION_BYTES = 24
 
 
 def pair_codecs(buckets) -> list[BucketCodec]:
@@ -390,29 +516,51 @@ class PairBase:
         self.sums: list[int | None] = [None] * len(codecs)
         self.version: int | None = None
 
-    def usable(self, holding: list[int]) -> list[bool]:
-        """Per bucket, whether a delta against this base lands right on the receiver
-        that sent `holding` (PairHeld.holding: the version it holds from this
-        sender, -1 for none, then its checksum of each bucket)."""
-        held, sums = holding[0], holding[1:]
-        whole = self.version is not None and held == self.version
-        return [whole and mine == theirs for mine, theirs in zip(self.sums, sums)]
+    def begin(self) -> tuple[int | None, list[int | None]]:
+        """A send begins: the base's version and bucket checksums as they stand (what
+        `usable` holds a receiver's word against); no whole version stands from
+        here until the caller sets `version` again, once every bucket is sent."""
+        standing = (self.version, list(self.sums))
+        self.version = None
+        return standing
 
-    def encode(self, index: int, new: torch.Tensor, delta: bool) -> BucketDelta:
-        """Bucket `index` of the version being sent (`new`, its packed bytes): a delta
-        against the base when `delta`, else DENSE; the base takes `new` after (a
-        bucket whose delta or checksum could not be made goes DENSE, and counts as
-        held by no receiver until it is sent again)."""
+    @staticmethod
+    def usable(standing: tuple[int | None, list[int | None]], holding: list[int]) -> list[bool]:
+        """Per bucket, whether a delta against the base `standing` (begin's) lands
+        right on the receiver that sent `holding` (PairHeld.holding: the version it
+        holds from this sender, -1 for none, then its checksum of each bucket)."""
+        version, mine = standing
+        whole = version is not None and holding[0] == version
+        return [whole and a == b for a, b in zip(mine, holding[1:])]
+
+    def scan(self, index: int, new: torch.Tensor) -> Scan | None:
+        """Bucket `index` of the version being sent (`new`, its packed bytes) against
+        the base, which takes new's bytes and checksum (the checksum moved by the
+        words that changed, on the host). None where the scan could not be made (out
+        of memory, say): the bucket goes whole, and counts as held by no receiver
+        until it is sent again."""
         codec, base = self.codecs[index], self.bytes[self.starts[index]:self.starts[index + 1]]
-        dense = BucketDelta(DENSE, new, codec.elements, codec.elements)
         try:
-            out = codec.diff(new, base) if delta else dense
-            base.copy_(new)
-            self.sums[index] = bucket_checksum(new)
-        except RuntimeError:  # out of memory, say: the bucket goes whole, and no delta is made against it
+            scan = codec.scan(new, base, update_base=True)
+            old = self.sums[index]
+            self.sums[index] = bucket_checksum(new) if old is None or scan.checksum_change is None else \
+                _signed((old + scan.checksum_change) & ((1 << 64) - 1))
+        except RuntimeError:
             self.sums[index] = None
-            return dense
-        return out
+            return None
+        return scan
+
+    def encode(self, index: int, new: torch.Tensor, scan: Scan | None, delta: bool) -> BucketDelta:
+        """Bucket `index` (`new`, its packed bytes; `scan`, this base's scan of it) as
+        the smallest delta when `delta`, else DENSE (also where the delta cannot be
+        made)."""
+        codec = self.codecs[index]
+        if scan is not None and delta:
+            try:
+                return codec.encode(new, scan)
+            except RuntimeError:  # out of memory, say: the bucket goes whole
+                pass
+        return BucketDelta(DENSE, new, codec.elements, codec.elements)
 
 
 class PairHeld:
@@ -437,7 +585,7 @@ class PairHeld:
 @dataclass
 class SendStats:
     """What one send of `version` moved (WeightSender.last_send): `wire_bytes` put on
-    the wire or copied in place (a delta's payloads and their 24-byte descriptions;
+    the wire or copied in place (a delta's payloads and their descriptions, DESCRIPTION_BYTES each;
     a full send's bytes), `full_bytes` what a full send of the same version moves,
     `changed` elements in delta buckets, `elements` in those buckets, `dense_buckets`
     sent whole (chosen by size, or for want of a base), `delta_buckets`, and
@@ -458,7 +606,7 @@ class SendStats:
         self.full_bytes += nbytes
 
     def add(self, delta: BucketDelta, full_bytes: int, described: bool) -> None:
-        self.wire_bytes += delta.nbytes + (24 if described else 0)
+        self.wire_bytes += delta.nbytes + (DESCRIPTION_BYTES if described else 0)
         self.full_bytes += full_bytes
         if delta.encoding == DENSE:
             self.dense_buckets += 1

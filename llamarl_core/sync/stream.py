@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .delta import HOLDING_TAG, SendStats
+from .delta import DESCRIPTION_BYTES, HOLDING_TAG, SendStats
 from .engine import run_segment_table
 
 if TYPE_CHECKING:
@@ -47,16 +47,15 @@ class P2PStream:
         self.peer = sender.plan.src_layout.world_size + dst
         self.tables = sender._tables[dst]
         self.what = f"sending version {version} to receiver {dst}"
-        # A sender of deltas (delta.py) first takes the receiver's word on what it holds,
-        # and decides each bucket before a byte moves; its base stands again once all is sent.
+        # A sender of deltas (delta.py) first takes the receiver's word on what it holds, and
+        # decides each bucket before a byte of it moves; the first bucket is packed and scanned
+        # while the word is on its way. Its base stands again once all is sent.
         self.base = sender._bases.get(dst)
+        self.holding = self.use_delta = None
         if self.base is not None:
-            holding = sender._holding_buffer(dst)
-            sender._wait_work(sender._post("recv", holding, self.peer, HOLDING_TAG, self.what), deadline, self.what)
-            self.use_delta = self.base.usable(holding.tolist())
-            self.base.version = None
-            if stats is not None and not any(self.use_delta):
-                stats.full_receivers += 1
+            self.standing = self.base.begin()
+            buffer = sender._holding_buffer(dst)
+            self.holding = (sender._post("recv", buffer, self.peer, HOLDING_TAG, self.what), buffer)
         self.header = torch.tensor([version, len(self.tables), sender.book.sends[dst]], dtype=torch.int64,
                                    device=sender.device)
         # The works in flight: the header's, and those reading staging buffer 0 and 1 (with their tensors).
@@ -81,14 +80,26 @@ class P2PStream:
             if self.stats is not None:
                 self.stats.add_full(packed)
         else:
-            delta = self.base.encode(i, staging, self.use_delta[i])
+            scan = self.base.scan(i, staging)
+            delta = self.base.encode(i, staging, scan, self._use_delta()[i])
             meta = torch.tensor([delta.encoding, delta.nbytes, delta.changed], dtype=torch.int64, device=s.device)
             slot.append((s._post("send", meta, self.peer, 1 + 2 * i, self.what), meta))
             slot.append((s._post("send", delta.payload, self.peer, 2 + 2 * i, self.what), delta.payload))
-            self.written += delta.nbytes + 24
+            self.written += delta.nbytes + DESCRIPTION_BYTES
             if self.stats is not None:
                 self.stats.add(delta, packed, described=True)
         self.sent += 1
+
+    def _use_delta(self) -> list[bool]:
+        """Per bucket, whether it may go as a delta: the receiver's word on what it
+        holds, taken once, against the base as it stood when the send began."""
+        if self.use_delta is None:
+            work, buffer = self.holding
+            self.sender._wait_work(work, self.deadline, self.what)
+            self.use_delta = self.base.usable(self.standing, buffer.tolist())
+            if self.stats is not None and not any(self.use_delta):
+                self.stats.full_receivers += 1
+        return self.use_delta
 
     def finish(self) -> int:
         """Send the buckets not sent yet, wait for every send; returns the bytes put on
@@ -99,5 +110,6 @@ class P2PStream:
             for work, _tensor in slot:
                 self.sender._wait_work(work, self.deadline, self.what)
         if self.base is not None:
+            self._use_delta()  # taken even where the pair has no bucket
             self.base.version = self.version
         return self.written

@@ -132,9 +132,11 @@ class TrainerRank:
 
     def _connect(self):
         """This rank's sender to generator incarnation `self.generator` (its own Store namespace);
-        set-up waits as long as a generator may take to start, each send sync_timeout_s."""
+        set-up waits as long as a generator may take to start, each send sync_timeout_s; deltas to
+        generator ranks on other hosts with sync_delta."""
         return module_sender(self.store, self.model, self.rank, self.world, name=sync_name_of(self.generator),
-                             timeout=self.config.run.timeout_s, num_threads=1, secret=self.link.secret)
+                             timeout=self.config.run.timeout_s, num_threads=1, secret=self.link.secret,
+                             delta=self.config.sync.delta)
 
     def run(self) -> None:
         transports = {f"trainer {src} -> generator {dst}": t for (src, dst), t in self.sender.transports.items()
@@ -151,7 +153,9 @@ class TrainerRank:
             self.link.send(SyncFailed(version=command.version, message=str(exc), generator=self.generator))
             return
         end = time.monotonic()
-        self.link.span("send weights", start, end, version=command.version)
+        sent = self.sender.last_send
+        self.link.span("send weights", start, end, version=command.version, wire_bytes=sent.wire_bytes,
+                       full_bytes=sent.full_bytes)
         self.link.send(Synced(version=command.version, seconds=end - start, generator=self.generator))
 
     def train(self, command: Train) -> None:

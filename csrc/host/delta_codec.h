@@ -1,0 +1,49 @@
+// The host side of delta weight sync's codec (llamarl_core/sync/delta.py holds
+// the format and a torch version of each call for GPU tensors): the sender's scan
+// of a bucket against its base and gather of the changed elements, the receiver's
+// apply of them through the bucket's segments. Pointers and sizes only; one thread.
+#pragma once
+
+#include <cstdint>
+
+namespace llamarl {
+
+// A bucket's bytes are stretches of elements of one size, back to back from byte
+// 0: rows of 4 int64 [first byte, end byte, itemsize (1, 2, 4 or 8), first element].
+struct DeltaScan {
+  int64_t changed;       // elements with any byte differing
+  int64_t runs;          // runs of consecutive changed elements
+  int64_t value_bytes;   // the changed elements' bytes
+  int64_t checksum_change;  // checksum_rows_host(fresh) - checksum_rows_host(base), mod 2**64
+};
+
+// Compares `fresh` with `base` (`nbytes` each) and sets, in `mask` (zeroed by the
+// caller, one bit per element, little-endian within each byte), the bit of every
+// element that differs. With `update_base`, copies each differing word of fresh
+// into base (base then equals fresh). Reads equal 64-byte blocks once each.
+DeltaScan delta_scan_host(const uint8_t* fresh, uint8_t* base, int64_t nbytes, const int64_t* stretches,
+                          int64_t stretch_count, uint8_t* mask, bool update_base);
+
+// Writes the bytes of the elements `mask` marks (the first `elements` bits) into
+// `values`, in order, and, when `runs` is not null, each run of them as (first
+// element, count) of `index_size` (4 or 8) bytes each. Checks that exactly
+// `value_bytes` and `run_count` came out (a scan's figures).
+void delta_gather_host(const uint8_t* fresh, const int64_t* stretches, int64_t stretch_count,
+                       const uint8_t* mask, int64_t elements, uint8_t* values, int64_t value_bytes,
+                       uint8_t* runs, int64_t run_count, int64_t index_size);
+
+// Destination segments, in the bucket's order: rows of 5 int64 [address, pitch,
+// width (elements), height, itemsize]; segment k holds the width * height elements
+// that follow segment k - 1's.
+//
+// Writes a delta into the segments: `encoding` 1 (MASK: `index` is the bitmask of
+// `index_bytes` bytes) or 2 (RUNS: `index` is `index_bytes / (2 * index_size)`
+// (first, count) pairs), `values` the changed elements' bytes. Checks the whole
+// delta before writing a byte: runs increasing, apart, non-empty and within the
+// elements, `changed` elements and `value_bytes` bytes in all; throws Error
+// naming what does not hold. Returns the bytes written.
+int64_t delta_apply_host(int64_t encoding, const uint8_t* index, int64_t index_bytes, int64_t index_size,
+                         const uint8_t* values, int64_t value_bytes, int64_t changed, const int64_t* segments,
+                         int64_t segment_count);
+
+}  // namespace llamarl
