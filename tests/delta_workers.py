@@ -4,6 +4,7 @@ generator ranks receiving them, both walking the same versions of one model."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -98,18 +99,23 @@ def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica
              num_replicas: int = 1) -> list[list[str]]:
     """Receive every version into NaN-poisoned parameters (generator replica
     `replica` of `num_replicas`: replica 0 from the trainer, the others relayed);
-    returns per version the mismatches against the reference shards of that version,
-    or ["refused: <error>"] for a receive that raised SyncError naming a refused bucket."""
+    returns "mismatches": per version the mismatches against the reference shards of
+    that version, or ["refused: <error>"] for a receive that raised SyncError naming a
+    refused bucket; "relayed": per version and child replica, the relay's
+    last_send (delta.SendStats as a dict)."""
     torch.set_num_threads(1)
     config = small_config(config_name)
     layout = vllm_llama_tp(config, tp, torch.bfloat16)
     params = poisoned_destination(layout, rank)
-    out = []
+    out, relayed = [], []
     with WeightReceiver(connect(port), layout, rank, params, name="delta", transport="p2p", timeout=60,
                         replica=replica, num_replicas=num_replicas) as sync:
         for version, state in enumerate(states(config_name, seed), start=1):
             try:
                 assert sync.receive() == version
+                for child in sync.relays.children:  # what the relay to each child put on the wire
+                    stats = sync.relays.ready(child, time.monotonic() + 1).last_send
+                    relayed.append({"version": version, "child": child, **dataclasses.asdict(stats)})
             except SyncError as exc:
                 if "refused" not in str(exc):
                     raise
@@ -120,4 +126,4 @@ def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica
             if version == POKED_AFTER:  # bytes changed outside the sync: the next version must still land whole
                 name = sorted(params)[0]
                 params[name].view(-1)[0] = 123.0
-    return out
+    return {"mismatches": out, "relayed": relayed}

@@ -38,6 +38,7 @@ def _plans():
 
 
 PLANS = list(_plans())
+RANDOM_RUNS = 600
 
 
 def _buckets(per_plan=8):
@@ -67,6 +68,17 @@ def _unpack(unpack, data, tensors):
     """A full send's write of a bucket's bytes `data` into `tensors` (the copy engine)."""
     table = segment_table(unpack, lambda seg: data.data_ptr(), lambda seg: tensors[seg.dst_name].data_ptr())
     run_segment_table(table, torch.device("cpu"), 1)
+
+
+def _destination_bytes(unpack, tensors):
+    """The bytes the segments `unpack` cover in `tensors`, in the bucket's order."""
+    parts = []
+    for seg in unpack:
+        flat = tensors[seg.dst_name].view(-1).view(torch.uint8)
+        rows = flat.as_strided((seg.height, seg.width * seg.itemsize), (seg.dst_pitch, 1),
+                               flat.storage_offset() + seg.dst_offset)
+        parts.append(rows.reshape(-1))
+    return torch.cat(parts)
 
 
 def _same(a, b):
@@ -238,13 +250,93 @@ def test_bad_payloads_are_refused_with_nothing_written():
         codec.diff(new, base, 7)
 
 
+def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_to_another_base():
+    """The delta protocol's decisions (PairBase.begin / usable / scan / encode on
+    the sender, PairHeld.holding on the receiver), driven as stream.py and
+    receiver.py drive them, through 600 random runs of 3-8 events: a version sent
+    whole to its end, a send that breaks off after a random bucket (the receiver
+    holds part of it), a receiver restarted (its weights poisoned afresh, nothing
+    held), a sender restarted (no base), bytes of the receiver changed outside the
+    sync. Every delta is applied to exactly the bytes it was made against, and
+    after every completed send the receiver's tensors equal, bit for bit, those of
+    a receiver that took every version whole."""
+    from llamarl_core.sync.delta import PairBase, PairHeld, pair_codecs
+
+    llama = small_config("llama_gqa_bias")
+    plan = plan_transfer(hf_llama_fsdp(llama, 3, torch.float32), vllm_llama_tp(llama, 2, torch.bfloat16),
+                         bucket_bytes=40000)
+    pair = max(plan.buckets, key=lambda p: len(plan.buckets[p]))
+    buckets = plan.buckets[pair]
+    codecs = pair_codecs(buckets)
+    unpacks = [packed(b)[1] for b in buckets]
+    layout, rank, cpu = plan.dst_layout, pair[1], torch.device("cpu")
+    rng = random.Random(41)
+    deltas = fulls = 0
+    for run in range(RANDOM_RUNS):
+        gen = torch.Generator().manual_seed(run)
+        version_bytes = [torch.randint(0, 256, (c.nbytes,), dtype=torch.uint8, generator=gen) for c in codecs]
+        base, held = PairBase(codecs, cpu), PairHeld(codecs)
+        tensors = _receiver(layout, rank, run)
+        reference = {name: t.clone() for name, t in tensors.items()}
+        version = 0
+        for _ in range(rng.randint(3, 8)):
+            event = rng.choices(["send", "break", "receiver restart", "sender restart", "poke"], [6, 2, 1, 1, 1])[0]
+            if event == "receiver restart":
+                tensors, held = _receiver(layout, rank, rng.randrange(1 << 30)), PairHeld(codecs)
+                reference = {name: t.clone() for name, t in tensors.items()}
+                continue
+            if event == "sender restart":
+                base = PairBase(codecs, cpu)
+                continue
+            if event == "poke":  # one byte the pair writes, changed behind the sync (here and in the reference)
+                seg = rng.choice([seg for u in unpacks for seg in u])
+                at = seg.dst_offset + rng.randrange(seg.height) * seg.dst_pitch + rng.randrange(seg.width * seg.itemsize)
+                for t in (tensors, reference):
+                    t[seg.dst_name].view(-1).view(torch.uint8)[at] ^= 1 + rng.randrange(255)
+                continue
+            version += 1
+            fraction = rng.choice([0.0, 0.002, 0.05, 1.0])
+            for data in version_bytes:  # the next version: none, a few, a twentieth or every byte changed
+                if fraction == 1.0:
+                    data ^= 1
+                elif fraction:
+                    data[torch.randint(0, data.numel(), (int(fraction * data.numel()) + 1,), generator=gen)] ^= 1
+            holding = held.holding(tensors, cpu).tolist()
+            standing = base.begin()
+            use = PairBase.usable(standing, holding)
+            held.version = None
+            last = len(codecs) if event == "send" else rng.randrange(len(codecs))
+            for i, (codec, unpack, data) in enumerate(zip(codecs, unpacks, version_bytes)):
+                if i == last:
+                    break
+                was = base.bytes[base.starts[i]:base.starts[i + 1]].clone()
+                scan = base.scan(i, data)
+                delta = base.encode(i, data, scan, use[i])
+                if delta.encoding == DENSE:
+                    fulls += 1
+                    _unpack(unpack, delta.payload, tensors)
+                else:
+                    deltas += 1
+                    assert torch.equal(_destination_bytes(unpack, tensors), was), (run, event, i)
+                    codec.apply(delta.encoding, delta.payload.clone(), delta.changed, tensors)
+            if event == "send":
+                base.version = held.version = version
+                for unpack, data in zip(unpacks, version_bytes):
+                    _unpack(unpack, data, reference)
+                assert _same(tensors, reference), (run, version)
+            else:  # the reference takes the whole version once the next send completes
+                for unpack, data in zip(unpacks, version_bytes):
+                    _unpack(unpack, data, reference)
+    assert deltas > 500 and fulls > 500, (deltas, fulls)
+
+
 # ----------------------------------------------------------------------------- between processes
 
 
 def test_deltas_point_to_point_land_every_version_whole(tmp_path):
     """Two FSDP trainer ranks send eight versions with delta=True, point to point
     (gloo) in 4 KiB buckets, to two tensor-parallel bf16 generator ranks, which
-    relay each version whole to a second replica as its buckets land: the
+    relay each version, as deltas too, to a second replica as its buckets land: the
     first whole, then nothing changed, one element, a hundredth of the elements
     (three times), -0.0 / NaN / inf written over finite values, and everything
     (x1.5). Every version equals the reference bit for bit on every receiver,
@@ -266,10 +358,18 @@ def test_deltas_point_to_point_land_every_version_whole(tmp_path):
              for replica in range(2) for r in range(2)]
     results = run_processes(jobs, timeout=240)
     senders, receivers = results[:2], results[2:]
-    for index, versions in enumerate(receivers):
-        assert all(lines == [] for lines in versions), (f"replica {index // 2} rank {index % 2}", versions)
+    for index, got in enumerate(receivers):
+        assert all(lines == [] for lines in got["mismatches"]), (f"replica {index // 2} rank {index % 2}", got)
     total = [{k: sum(s[v][k] for s in senders) for k in senders[0][v] if k != "version"}
              for v in range(len(senders[0]))]
+    # Replica 0's relays send deltas too: what changed on the trainer side changes on the way to replica 1.
+    fields = ("wire_bytes", "full_bytes", "changed", "dense_buckets", "delta_buckets", "full_receivers")
+    relayed = [{k: sum(r["relayed"][v][k] for r in receivers[:2]) for k in fields} for v in range(len(total))]
+    assert all(r["relayed"] == [] for r in receivers[2:])
+    assert relayed[0]["full_receivers"] == 2 and relayed[0]["delta_buckets"] == 0, relayed[0]
+    for v in (1, 2, 3):  # nothing, one element, a hundredth: no bucket whole, the same elements changed
+        assert relayed[v]["dense_buckets"] == 0 and relayed[v]["changed"] == total[v]["changed"], (v, relayed[v])
+        assert relayed[v]["wire_bytes"] <= 0.2 * relayed[v]["full_bytes"], (v, relayed[v])
     assert all(s["returned"] == s["wire_bytes"] for stats in senders for s in stats)
     first, nothing, one, hundredth, specials, _, everything, _ = total
     assert first["delta_buckets"] == 0 and first["full_receivers"] == 4
@@ -362,6 +462,7 @@ def test_a_refused_delta_bucket_tears_one_version_and_the_next_comes_whole():
     jobs += [(delta_workers.receiver, dict(port=store.port, rank=r, **case)) for r in range(2)]
     results = run_processes(jobs, timeout=240)
     senders, receivers = results[:2], results[2:]
+    receivers = [got["mismatches"] for got in receivers]
     refused = [rank for rank, versions in enumerate(receivers) if versions[3][:1] and versions[3][0].startswith("refused")]
     assert len(refused) == 1 and "bucket" in receivers[refused[0]][3][0], receivers
     for rank, versions in enumerate(receivers):

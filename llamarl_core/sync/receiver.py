@@ -75,8 +75,9 @@ class WeightReceiver(Endpoint):
     A point-to-point sender made with `delta=True` (WeightSender) sends deltas:
     before each version this rank tells it what it holds of it (the version, and a
     checksum of each bucket read from its tensors: one pass over the bytes that
-    sender writes) and applies what comes in place; its relays forward whole
-    versions.
+    sender writes) and applies what comes in place; its relays then send deltas
+    too (each against what it last sent its child rank, point to point: the same
+    elements, as each bucket lands).
     replica / num_replicas: this rank's generator replica, of that many
     data-parallel copies of `layout` (each a tensor-parallel group). The trainer
     ranks send to replica 0 only; a version then goes down the replicas'
@@ -191,7 +192,9 @@ class WeightReceiver(Endpoint):
         # Where the senders' segments (and the unpack tables) write: checked before every receive().
         self._dst_keys = {name: storage_key(t) for name, t in self.tensors.items()}
         self.replica = replica
-        relay_kwargs = dict(transport=transport, bucket_bytes=bucket_bytes, num_threads=num_threads, secret=secret)
+        # A receiver that takes deltas relays deltas: each relay keeps its own base per child rank.
+        relay_kwargs = dict(transport=transport, bucket_bytes=bucket_bytes, num_threads=num_threads, secret=secret,
+                            delta=bool(self._held))
         regions = arrival_regions(self.plan, self.rank, self._p2p_peers, self._local_senders)
         self.relays = Relays(store, relay_names, lambda relay_store, relay: WeightSender(
             relay_store, layout, rank, self.tensors, name=relay, timeout=timeout, relay_buckets=regions,

@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from .delta import SendStats
 from .errors import RelayError, SyncError, SyncTimeoutError
 from .plan import TransferPlan
 from .sender import WeightSender
@@ -232,7 +233,8 @@ class Forwarding:
     def _feed(self, child: int, relay: WeightSender, version: int) -> None:
         try:
             with torch.cuda.stream(torch.cuda.Stream(relay.device)) if relay.device.type == "cuda" else nullcontext():
-                stream = P2PStream(relay, relay.rank, version, self.deadline)
+                stats = SendStats(version)
+                stream = P2PStream(relay, relay.rank, version, self.deadline, stats=stats)
                 while True:
                     with self._changed:
                         self._changed.wait_for(lambda: self._aborted or self._all_landed or stream.sent < self._landed,
@@ -246,5 +248,6 @@ class Forwarding:
                             raise SyncTimeoutError("the relay waited past the deadline for buckets to land")
                     stream.forward()
                 stream.finish()
+                relay.last_send = stats
         except BaseException as exc:  # noqa: BLE001 - any failure is this relay's; receive() reports it
             self._fail(child, f"{type(exc).__name__}: {exc}")

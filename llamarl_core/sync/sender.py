@@ -149,8 +149,6 @@ class WeightSender(Endpoint):
             device = check_endpoint(self.side, layout, rank, tensors, transport, timeout, bucket_bytes=bucket_bytes)
             if not isinstance(delta, bool):
                 raise ValueError(f"delta must be True or False, got {delta!r}")
-            if delta and relay_buckets is not None:
-                raise ValueError("delta: a relay forwards whole versions")
             registration = register_sender(channel, layout, rank, tensors, device, transport=transport,
                                            timeout=timeout, bucket_bytes=bucket_bytes, relay_buckets=relay_buckets,
                                            delta=delta)
