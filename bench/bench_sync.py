@@ -52,6 +52,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -62,7 +63,9 @@ from llamarl_core import forkserver
 from llamarl_core.sync import WeightReceiver, WeightSender, plan_transfer
 from llamarl_core.models.llama_family import hf_llama_shapes
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
+from llamarl_core.sync.reference import reference_fsdp_shards
 
+from llamarl_core.bench.versions import load_versions, read_version
 from llamarl_core.bench.harness import add_model_args, add_output_args, emit, record, share_secret, summarize, table
 from llamarl_core.cli import HelpFormatter
 
@@ -79,6 +82,10 @@ def _replica_count(text: str) -> int:
 
 
 def model_config(args) -> SimpleNamespace:
+    """The Llama-family config the bench syncs: the --delta-versions folders' own, or
+    one of the --hidden ... --vocab sizes."""
+    if getattr(args, "delta_versions", None):
+        return SimpleNamespace(**load_versions(args.delta_versions[0])[0])
     return SimpleNamespace(
         hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
@@ -134,26 +141,55 @@ def _perturb(shards: dict[str, torch.Tensor], fraction: float, seed: int) -> Non
             flat[torch.randint(0, flat.numel(), (count,), generator=gen).to(flat.device)] += 1.0
 
 
+def _version_shards(files, index: int, fsdp: int, rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Trainer rank `rank`'s FSDP shards of version `index` (a save_versions file)."""
+    return reference_fsdp_shards(read_version(files[index]), fsdp, dtype)[rank]
+
+
+def _version_loader(files, shards: dict[str, torch.Tensor], fsdp: int, rank: int, dtype: torch.dtype):
+    """prepare(i) of a --delta-versions sender: version i into its registered tensors, in place."""
+    def prepare(i: int) -> None:
+        if i:
+            for name, piece in _version_shards(files, i, fsdp, rank, dtype).items():
+                shards[name].copy_(piece)
+    return prepare
+
+
 def _engine_rank(store_at, role, rank, spec, transport, rounds, threads, replica=0, num_replicas=1, method=None,
-                 relay_threads=None, delta_fraction=None) -> None:
+                 relay_threads=None, delta_fraction=None, delta_versions=None) -> None:
     """One trainer ("src") or generator ("dst") rank of the engine. With
     `num_replicas` > 1 the generator rank belongs to `replica` and relays each
     version it receives with `relay_threads` copy threads. With `delta_fraction`
     the trainer ranks send deltas, that fraction of their elements changed before
-    every round after the first (untimed), and post their last send's SendStats."""
+    every round after the first (untimed); with `delta_versions` (a folder of
+    save_versions) they send deltas of version i of that run in round i (loaded
+    before it, untimed). Both post every round's SendStats."""
     torch.set_num_threads(1)
     store, config = _connect(store_at), model_config(spec)
     method = method or f"engine_{transport}"
     if role == "src":
-        layout = hf_llama_fsdp(config, spec.fsdp, DTYPES[spec.src_dtype])
-        shards = _random_shards(layout, rank, 0, spec.device)
+        dtype = DTYPES[spec.src_dtype]
+        layout = hf_llama_fsdp(config, spec.fsdp, dtype)
+        delta = delta_fraction is not None or delta_versions is not None
+        if delta_versions is not None:
+            files = load_versions(delta_versions)[1]
+            shards = _version_shards(files, 0, spec.fsdp, rank, dtype)
+            prepare = _version_loader(files, shards, spec.fsdp, rank, dtype)
+        else:
+            shards = _random_shards(layout, rank, 0, spec.device)
+            prepare = None if delta_fraction is None else \
+                (lambda i: i and _perturb(shards, delta_fraction, 1000 * i + rank))
         ep = WeightSender(store, layout, rank, shards, name=method, transport=transport, timeout=300,
-                          num_threads=threads, delta=delta_fraction is not None)
-        prepare = None if delta_fraction is None else \
-            (lambda i: i and _perturb(shards, delta_fraction, 1000 * i + rank))
-        _timed_rounds(store, method, f"src{rank}", rounds, lambda i: ep.send(i), prepare)
-        if delta_fraction is not None:
-            store.set(f"{method}/stats/{rank}", json.dumps(dataclasses.asdict(ep.last_send)))
+                          num_threads=threads, delta=delta)
+        sent = []
+
+        def step(i):
+            ep.send(i)
+            sent.append(dataclasses.asdict(ep.last_send))
+
+        _timed_rounds(store, method, f"src{rank}", rounds, step, prepare)
+        if delta:
+            store.set(f"{method}/stats/{rank}", json.dumps(sent))
     else:
         layout = vllm_llama_tp(config, spec.tp, torch.bfloat16, fp8=spec.fp8)
         relay = {} if relay_threads is None else {"num_threads": relay_threads}
@@ -566,6 +602,11 @@ def parse_args(argv):
                    help="with --hosts: also send deltas (WeightSender delta=True) into one replica, that fraction of "
                         "the trainer's elements changed before each sync, one run per fraction, beside the full sync "
                         "of the same run, e.g. --delta 0 0.001 0.01 0.05 0.2 0.5 (default: none, full syncs only)")
+    p.add_argument("--delta-versions", nargs="+", metavar="DIR",
+                   help="with --hosts: also send the consecutive versions of a real run as deltas into one replica, "
+                        "version i in round i (--warmup + --repeats of them at most), one run per folder, beside the "
+                        "full sync of the same model; each folder written by llamarl_core.bench.versions:save_versions "
+                        "(its docstring says how), whose config.json gives the model (--hidden ... --vocab unused)")
     p.add_argument("--fp8", choices=["tensor", "channel", "block"],
                    help="the generator's linear weights in FP8 of this granularity (the engine alone, beside the copy "
                         "bandwidth over the bytes it must move; default: none, bf16 weights)")
@@ -596,8 +637,34 @@ def _main_replicas(spec) -> int:
     return 0
 
 
+def _check_versions(spec) -> None:
+    """--delta-versions' folders: readable, one model, enough versions for the rounds."""
+    if not spec.hosts:
+        raise SystemExit("--delta-versions measures deltas across hosts: it needs --hosts")
+    if spec.warmup < 1:
+        raise SystemExit(f"--delta-versions needs --warmup 1 or more (a delta sender's first sync is whole), "
+                         f"got {spec.warmup}")
+    configs = []
+    for folder in spec.delta_versions:
+        try:
+            config, files = load_versions(folder)
+        except ValueError as error:
+            raise SystemExit(f"--delta-versions: {error}") from None
+        if len(files) < spec.warmup + spec.repeats:
+            raise SystemExit(f"--delta-versions: {folder} holds {len(files)} versions, fewer than --warmup "
+                             f"{spec.warmup} + --repeats {spec.repeats} rounds")
+        configs.append(config)
+    if any(c != configs[0] for c in configs):
+        raise SystemExit("--delta-versions: the folders hold different models (their config.json differ)")
+    try:
+        plan_transfer(hf_llama_fsdp(model_config(spec), spec.fsdp, DTYPES[spec.src_dtype]),
+                      vllm_llama_tp(model_config(spec), spec.tp, torch.bfloat16))
+    except ValueError as error:
+        raise SystemExit(f"--delta-versions: the folders' model at --fsdp {spec.fsdp} --tp {spec.tp}: {error}") from None
+
+
 def _main_hosts(spec) -> int:
-    from llamarl_core.bench.bench_sync_hosts import report_deltas, report_hosts, run_hosts
+    from llamarl_core.bench.bench_sync_hosts import report_deltas, report_hosts, report_versions, run_hosts
     from llamarl_core.bench.netns import parse_rate_bits
 
     if spec.device != "cpu" or spec.transports:
@@ -612,6 +679,15 @@ def _main_hosts(spec) -> int:
                f"-> R x TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench sync --hosts`)")
     params = {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype,
               "link_rate": spec.link_rate}
+    if spec.delta_versions:
+        section = (f"Delta weight sync across hosts, a real run's versions: {result['model_bytes'] / 2**20:.0f} MiB, "
+                   f"FSDP {spec.fsdp} {spec.src_dtype} -> TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench "
+                   "sync --hosts --delta-versions`)")
+        for row in result["versions"]:
+            record(spec.record, "sync_delta_versions", {"seconds": row["seconds"]["median"],
+                                                        "time_vs_full": row["time_vs_full"],
+                                                        "wire_vs_full": row["wire_vs_full"]},
+                   params | {"versions": Path(row["folder"]).name}, section, report_versions(result))
     if spec.delta:  # a section of its own: the replicas' section keeps its counts
         section = (f"Delta weight sync across hosts: {result['model_bytes'] / 2**20:.0f} MiB, FSDP {spec.fsdp} "
                    f"{spec.src_dtype} -> TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench sync --hosts "
@@ -621,13 +697,14 @@ def _main_hosts(spec) -> int:
                                                      "time_vs_full": row["time_vs_full"],
                                                      "wire_vs_full": row["wire_vs_full"]},
                    params | {"fraction": row["fraction"]}, section, report_deltas(result))
-    else:
+    if not (spec.delta or spec.delta_versions):
         for row in result["rows"]:
             record(spec.record, "sync_hosts", {"seconds": row["seconds"]["median"],
                                                "fraction_of_line_rate": row["fraction_of_line_rate"],
                                                "speedup_vs_broadcast": row["speedup_vs_broadcast"]},
                    params | {"replicas": row["replicas"]}, section, report_hosts(result))
-    emit(spec, result, report_hosts(result) + ("\n" + report_deltas(result) if spec.delta else ""))
+    emit(spec, result, report_hosts(result) + ("\n" + report_deltas(result) if spec.delta else "")
+         + ("\n" + report_versions(result) if spec.delta_versions else ""))
     return 0
 
 
@@ -648,6 +725,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--delta: a fraction given twice ({' '.join(map(str, spec.delta))})")
     if spec.delta and spec.warmup < 1:
         raise SystemExit(f"--delta needs --warmup 1 or more (a delta sender's first sync is whole), got {spec.warmup}")
+    if spec.delta_versions:
+        _check_versions(spec)
     if spec.hosts:
         return _main_hosts(spec)
     if spec.replicas is not None:

@@ -96,7 +96,7 @@ def _rank_main(call: dict) -> None:
     if call["kind"] == "engine":
         _engine_rank(call["store_at"], call["role"], call["rank"], spec, "auto", call["rounds"], call["threads"],
                      replica=call["replica"], num_replicas=call["num_replicas"], method=call["method"],
-                     delta_fraction=call.get("delta_fraction"))
+                     delta_fraction=call.get("delta_fraction"), delta_versions=call.get("delta_versions"))
     else:
         _broadcast_rank(call["store_at"], call["rank"], spec, call["rounds"], receivers=call["receivers"],
                         method=call["method"])
@@ -128,14 +128,19 @@ def _drive(spec: SimpleNamespace, hosts: list[dict]) -> dict:
             hosts[0] if role == "src" else hosts[1],
             {**common, "kind": "engine", "method": method, "role": role, "rank": rank, "threads": threads,
              "replica": 0, "num_replicas": 1, "delta_fraction": fraction}))
+    for index, folder in enumerate(spec.delta_versions or []):
+        method = f"versions{index}"
+        methods[method] = _engine_ranks(spec, 1, lambda role, rank, replica: _HostRank(
+            hosts[0] if role == "src" else hosts[1],
+            {**common, "kind": "engine", "method": method, "role": role, "rank": rank, "threads": threads,
+             "replica": 0, "num_replicas": 1, "delta_versions": folder}))
     times = _run_methods(store, methods, rounds, spec.warmup)
-    # What each delta method's trainer ranks put on the wire in their last sync, beside a full sync's bytes.
+    # What each delta method's trainer ranks put on the wire in every round, beside a full sync's bytes.
+    keys = ("wire_bytes", "full_bytes", "changed", "elements", "dense_buckets", "delta_buckets")
     sent = {}
-    for fraction in spec.delta or []:
-        stats = [json.loads(store.get(f"delta{fraction}/stats/{rank}")) for rank in range(spec.fsdp)]
-        sent[str(fraction)] = {key: sum(s[key] for s in stats) for key in ("wire_bytes", "full_bytes", "changed",
-                                                                            "elements", "dense_buckets",
-                                                                            "delta_buckets")}
+    for method in [f"delta{f}" for f in spec.delta or []] + [f"versions{i}" for i in range(len(spec.delta_versions or []))]:
+        ranks = [json.loads(store.get(f"{method}/stats/{rank}")) for rank in range(spec.fsdp)]
+        sent[method] = [{key: sum(r[i][key] for r in ranks) for key in keys} for i in range(rounds)]
     return {"times": times, "sent": sent}
 
 
@@ -160,7 +165,8 @@ def _check_fits(spec, counts: list[int], nbytes: int, rate_bits: int) -> None:
     # Per round: each R's engine sync (a version goes down the tree whole, link after link) and
     # its broadcast (the full model to each of the R x tp ranks from one link).
     # A delta sync: up to about 4 line-times here (its computation, at half the elements changed).
-    round_s = sum(_relay_depth(r) * line_s + r * spec.tp * line_s for r in counts) + 4 * len(spec.delta or []) * line_s
+    deltas = len(spec.delta or []) + len(spec.delta_versions or [])
+    round_s = sum(_relay_depth(r) * line_s + r * spec.tp * line_s for r in counts) + 4 * deltas * line_s
     if round_s > ROUND_SHARE_OF_WAIT * _WAIT.total_seconds():
         raise SystemExit(f"--hosts: one round of every method would take about {round_s:.0f} s at {spec.link_rate} "
                          f"({nbytes / 2**20:.0f} MiB model, R = {counts}), past the ranks' "
@@ -169,7 +175,7 @@ def _check_fits(spec, counts: list[int], nbytes: int, rate_bits: int) -> None:
     # Trainer shards, each replica's tensors, the broadcast's full copies on every rank.
     src_bytes = nbytes * DTYPES[spec.src_dtype].itemsize // torch.bfloat16.itemsize
     needed = sum(src_bytes + r * nbytes + (1 + r * spec.tp) * nbytes for r in counts)
-    needed += len(spec.delta or []) * (src_bytes + 2 * nbytes)  # shards, the senders' bases, the replica
+    needed += deltas * (src_bytes + 2 * nbytes)  # shards, the senders' bases, the replica
     with open("/proc/meminfo") as f:
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     if needed > MEMORY_SHARE * available:
@@ -192,7 +198,7 @@ def run_hosts(spec) -> dict:
     _check_fits(spec, counts, nbytes, rate_bits)
     drive = {key: value for key, value in vars(spec).items() if key in (
         "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "fsdp", "tp", "src_dtype", "threads",
-        "warmup", "repeats", "delta")}
+        "warmup", "repeats", "delta", "delta_versions")}
     drive.update(counts=counts, device="cpu", fp8=None)  # --fp8 is refused with --hosts
     try:
         hosts = NetnsHosts(1 + max(counts)).start()
@@ -226,14 +232,25 @@ def run_hosts(spec) -> dict:
                      "speedup_vs_broadcast": bcast["median"] / engine["median"]})
     deltas = []
     for fraction in spec.delta or []:
-        delta, wire = summarize(times[f"delta{fraction}"]), measured["sent"][str(fraction)]
+        delta, wire = summarize(times[f"delta{fraction}"]), measured["sent"][f"delta{fraction}"][-1]
         deltas.append({"fraction": fraction, "seconds": delta, "full_seconds": single,
                        "time_vs_full": delta["median"] / single, "wire_vs_full": wire["wire_bytes"] / wire["full_bytes"],
                        "changed_fraction": wire["changed"] / max(1, wire["elements"]), **wire})
+    versions = []
+    for index, folder in enumerate(spec.delta_versions or []):
+        timed = measured["sent"][f"versions{index}"][spec.warmup:]  # the timed rounds, versions warmup ..
+        delta = summarize(times[f"versions{index}"])
+        versions.append({
+            "folder": folder, "versions": [spec.warmup, spec.warmup + len(timed) - 1], "seconds": delta,
+            "full_seconds": single, "time_vs_full": delta["median"] / single,
+            "wire_vs_full": sum(r["wire_bytes"] for r in timed) / sum(r["full_bytes"] for r in timed),
+            "changed_fraction": [r["changed"] / max(1, r["elements"]) for r in timed],
+            "dense_buckets": sum(r["dense_buckets"] for r in timed),
+            "buckets": sum(r["dense_buckets"] + r["delta_buckets"] for r in timed)})
     return {"model_bytes": nbytes, "config": dict(vars(config)), "fsdp": spec.fsdp, "tp": spec.tp,
             "src_dtype": spec.src_dtype, "link_rate": spec.link_rate, "link_rate_bits": rate_bits,
             "repeats": spec.repeats, "bytes_sent_by_src_rank": {str(r): b for r, b in sent.items()}, "rows": rows,
-            "deltas": deltas}
+            "deltas": deltas, "versions": versions}
 
 
 def report_hosts(result: dict) -> str:
@@ -275,6 +292,27 @@ def report_deltas(result: dict) -> str:
                 f"each, interleaved with the full sync's; wire bytes and buckets sent whole are the last sync's "
                 f"(WeightSender.last_send).\n\n{table(rows)}\n")
     return text
+
+
+def report_versions(result: dict) -> str:
+    """The --delta-versions table (empty without it)."""
+    if not result.get("versions"):
+        return ""
+    rows = [["run (folder)", "versions", "delta sync median s", "min s", "max s", "full sync s (same run)",
+             "delta / full", "wire bytes / full", "elements changed per version", "buckets whole"]]
+    for row in result["versions"]:
+        s, changed = row["seconds"], row["changed_fraction"]
+        rows.append([os.path.basename(row["folder"].rstrip("/")), f"{row['versions'][0]}-{row['versions'][1]}",
+                     f"{s['median']:.3f}", f"{s['min']:.3f}", f"{s['max']:.3f}", f"{row['full_seconds']:.3f}",
+                     f"{row['time_vs_full']:.3f}", f"{row['wire_vs_full']:.4f}",
+                     f"{100 * min(changed):.2f}-{100 * max(changed):.2f}%",
+                     f"{row['dense_buckets']} of {row['buckets']}"])
+    return (f"Model {result['model_bytes'] / 2**20:.1f} MiB bf16, FSDP {result['fsdp']} ({result['src_dtype']}) on "
+            f"host 0 -> one replica (TP {result['tp']}, bf16) on host 1, links shaped to {result['link_rate']}; "
+            "deltas (WeightSender delta=True) of a real run's consecutive versions (saved by "
+            "llamarl_core.bench.versions:save_versions, bf16): round i sends version i, the first rounds untimed; "
+            "beside the full sync of the same model in the same run; wire bytes summed over the timed rounds "
+            "(WeightSender.last_send).\n\n" + table(rows) + "\n")
 
 
 if __name__ == "__main__":

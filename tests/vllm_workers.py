@@ -3,7 +3,9 @@ greedy decoding as the reference (the engine: integrations.vllm.host)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
 import os
 
 import torch
@@ -55,13 +57,19 @@ def tiny_config(kind: str):
 
 def trainer_rank(port: int, rank: int, world: int, kind: str, seed: int, versions: list[int], name: str,
                  die_before_send: int | None = None, send_after: dict[int, str] | None = None,
-                 timeout_s: float = 60.0) -> list[dict] | None:
+                 timeout_s: float = 60.0, transport: str = "auto", delta: bool = False,
+                 steps: dict[int, str] | None = None) -> list[dict] | None:
     """One FSDP2 trainer rank (world > 1: fully_shard over gloo): registers its shards
     with module_sender, sends each version (an AdamW step on a random batch between
     versions, and a forward with no backward just before each send), and returns
     the full state dict of every version sent (rank 0).
     die_before_send: the index of a send this rank never makes (it exits at once).
-    send_after: send index -> a Store key to wait for before that version's step."""
+    send_after: send index -> a Store key to wait for before that version's step.
+    transport, delta: module_sender's; each send's last_send goes into the Store
+    under <name>/sent/<rank>/<version> (JSON).
+    steps: send index -> what changes the weights before it instead of the AdamW
+    step: "few" (three elements of this rank's shard of each matrix, +0.25),
+    "none"."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from llamarl_core.sync import module_sender
@@ -84,11 +92,19 @@ def trainer_rank(port: int, rank: int, world: int, kind: str, seed: int, version
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     states = []
     try:
-        with module_sender(store, model, rank, world, name=name, timeout=timeout_s) as sender:
+        with module_sender(store, model, rank, world, name=name, timeout=timeout_s, transport=transport,
+                           delta=delta) as sender:
             for i, version in enumerate(versions):
                 if i in (send_after or {}):
                     store.wait([send_after[i]], datetime.timedelta(seconds=timeout_s))
-                if i:
+                step = (steps or {}).get(i, "adamw")
+                if i and step == "few":
+                    with torch.no_grad():
+                        for param in model.parameters():
+                            local = param.to_local() if hasattr(param, "to_local") else param
+                            if local.dim() == 2 and local.numel():
+                                local.view(-1)[:3] += 0.25
+                elif i and step == "adamw":
                     gen = torch.Generator().manual_seed(seed + i)
                     ids = torch.randint(3, config.vocab_size, (2, 12), generator=gen)
                     model(input_ids=ids, labels=ids).loss.backward()
@@ -100,6 +116,7 @@ def trainer_rank(port: int, rank: int, world: int, kind: str, seed: int, version
                 # A forward with no backward (FSDP2 leaves the root unsharded): the sender reshards.
                 model(input_ids=torch.tensor([[5, 6, 7]]))
                 sender.send(version, timeout=timeout_s)
+                store.set(f"{name}/sent/{rank}/{version}", json.dumps(dataclasses.asdict(sender.last_send)))
                 states.append({k: v.numpy().copy() for k, v in state.items()})  # numpy: outlives this process
     finally:
         if world > 1 and dist.is_initialized():
