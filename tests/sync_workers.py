@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import multiprocessing as mp
 import os
@@ -54,6 +55,23 @@ def _late_registration(rank: int, seconds: float):
         Channel.counter = counter
 
 
+def version_state(config, s: dict, v: int) -> dict:
+    """The trainer's full state at version `v` of scenario `s`: fresh random weights
+    for every version, or, where s["changes"] == "few", the first version's with a
+    few elements changed by each version after it (what deltas send), the first row
+    of the first layer's q_proj scaled up at version 3 (FP8: its scale changes)."""
+    if s.get("changes") != "few":
+        return hf_state_dict(config, s["seed"] + v)
+    state = hf_state_dict(config, s["seed"])
+    for k in range(2, v + 1):
+        for i, t in enumerate(state.values()):
+            flat = t.view(-1)
+            flat[(7 * k + 13 * i) % flat.numel()] += 0.125 * k
+        if k == 3:
+            state["model.layers.0.self_attn.q_proj.weight"][0] *= 4.0
+    return state
+
+
 def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), interpreter: bool = True) -> dict:
     """For each scenario this rank belongs to: register FSDP shards, send each version
     (the shards updated in place between versions, as an optimizer step does).
@@ -99,7 +117,7 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), in
                 if step in s.get("send_after", {}):
                     keys = s["send_after"][step]
                     store.wait([keys] if isinstance(keys, str) else keys, datetime.timedelta(seconds=60))
-                state = hf_state_dict(config, s["seed"] + v)
+                state = version_state(config, s, v)
                 if step in s.get("poisoned", ()):
                     state["model.layers.0.self_attn.q_proj.weight"][0, 0] = float("nan")
                 fresh = reference_fsdp_shards(state, s["fsdp"], dtype)[rank]
@@ -110,6 +128,8 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), in
                     sender.fp8.local_amax = lambda tensors: (time.sleep(stall_s), local_amax(tensors))[1]
                 try:
                     sender.send(v)
+                    if sender.delta:
+                        out.setdefault(f"{scenario_name(s)}/sent", []).append(dataclasses.asdict(sender.last_send))
                 except SyncError as exc:
                     if step not in s.get("poisoned", ()):
                         raise
@@ -167,7 +187,7 @@ def receiver_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), 
                     problems.append(f"step {step}: received version {got}, expected SyncError")
                 if got != v:
                     problems.append(f"version {got} reported, expected {v}")
-                state = hf_state_dict(config, s["seed"] + v)
+                state = version_state(config, s, v)
                 if s.get("fp8"):
                     expected = reference_vllm_fp8_shards(state, config, s["tp"], s["fp8"],
                                                          source_dtype=DTYPES[s["src_dtype"]])[rank]

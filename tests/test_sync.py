@@ -107,6 +107,11 @@ def _amax_scenarios() -> dict[str, dict]:
         # The same with deltas: each "nothing follows" takes its receiver's word as a stream does.
         "nan-tensor-p2p-delta": dict(base, config="qwen2", transport="p2p", fp8="tensor", seed=3100, delta=True,
                                      **nan),
+        # Deltas of FP8 destinations: versions 2-4 change a few elements each, version 3 a scale too.
+        "block-p2p-delta": dict(base, config="llama_gqa_bias", transport="p2p", fp8="block", seed=3110, delta=True,
+                                changes="few"),
+        "tensor-p2p-delta": dict(base, config="qwen2", transport="p2p", fp8="tensor", seed=3120, delta=True,
+                                 changes="few"),
         "nan-block-shm-group": dict(base, config="llama_tied", transport="auto", fp8="block", seed=3070,
                                     amax_group=True, **nan),
         "tensor-p2p-group": dict(base, config="mistral", transport="p2p", fp8="tensor", seed=3080, amax_group=True),
@@ -132,7 +137,8 @@ def amax_runs():
     received = {k: [results[2 + r][workers.scenario_name(s)] for r in range(2)] for k, s in scenarios.items()}
     failed = {k: [results[r][f"{workers.scenario_name(s)}/failed"] for r in range(2)] for k, s in scenarios.items()}
     left = {k: workers.amax_keys_left(stores[k], s, versions=(1, 2, 3, 4)) for k, s in scenarios.items()}
-    return received, failed, {k: store.num_keys() for k, store in stores.items()}, left
+    sent = {k: [results[r].get(f"{workers.scenario_name(s)}/sent") for r in range(2)] for k, s in scenarios.items()}
+    return received, failed, {k: store.num_keys() for k, store in stores.items()}, left, sent
 
 
 def test_fp8_syncs_leave_no_amax_keys_in_the_store(amax_runs):
@@ -142,7 +148,7 @@ def test_fp8_syncs_leave_no_amax_keys_in_the_store(amax_runs):
     where a sender registered after the other reached its first exchange (both then
     read each other's registration before naming the exchange's keys; before, each
     waited under keys of its own until both timed out)."""
-    received, failed, num_keys, left = amax_runs
+    received, failed, num_keys, left, _ = amax_runs
     for fp8, plain in [("channel-shm", "plain-shm"), ("tensor-shm", "plain-shm"), ("tensor-p2p", "plain-p2p"),
                        ("tensor-shm-late", "plain-shm")]:
         assert received[fp8] == [[], []] and failed[fp8] == [[], []], fp8
@@ -159,7 +165,7 @@ def test_fp8_nan_on_one_sender_fails_every_send_before_a_byte_moves(amax_runs):
     both receivers, equal to the reference, though sender 1 reaches its exchange
     2 s before sender 0: it waits for sender 0's fresh amaxes instead of reading
     the failed attempt's "nonfinite"; no amax key is left."""
-    received, failed, _, left = amax_runs
+    received, failed, _, left, _ = amax_runs
     for name in ["nan-channel-shm", "nan-tensor-p2p", "nan-tensor-p2p-delta", "nan-block-shm-group"]:
         sender0, sender1 = failed[name]
         assert len(sender0) == 1 and re.match(
@@ -181,11 +187,31 @@ def test_fp8_nan_on_one_sender_fails_every_send_before_a_byte_moves(amax_runs):
         assert left[name] == []
 
 
+def test_fp8_deltas_equal_full_fp8_syncs_and_send_only_what_changed(amax_runs):
+    """FP8 destinations with delta=True, point to point: every version lands equal,
+    bit for bit, to the reference quantization of the senders' float32 (what a full
+    FP8 sync writes); versions that change a few elements send a small part of the
+    bytes, the one that rescales a row's block (a channel, a tensor) more: every
+    FP8 byte under a changed scale changes with it."""
+    received, failed, _, _, sent = amax_runs
+    for name in ("block-p2p-delta", "tensor-p2p-delta"):
+        assert received[name] == [[], []] and failed[name] == [[], []], name
+        total = [{k: sum(rank[v][k] for rank in sent[name]) for k in ("wire_bytes", "full_bytes", "changed",
+                                                                        "dense_buckets", "full_receivers")}
+                 for v in range(4)]
+        assert total[0]["full_receivers"] == 4 and total[0]["wire_bytes"] >= total[0]["full_bytes"], (name, total)
+        for v in (1, 3):  # a few elements: their FP8 bytes (a scale moves with them only if the amax does)
+            assert 0 < total[v]["changed"] and total[v]["wire_bytes"] < 0.1 * total[v]["full_bytes"], (name, total)
+        assert total[2]["changed"] > total[1]["changed"], (name, total)  # the rescaled row's block / tensor
+    # Per tensor, the rescale changes every byte of the q_proj tensor; per block, one 128-wide block's.
+    assert sum(r[2]["changed"] for r in sent["tensor-p2p-delta"]) > sum(r[2]["changed"] for r in sent["block-p2p-delta"])
+
+
 def test_fp8_amaxes_reduced_over_the_senders_group_equal_reference(amax_runs):
     """group=: the shared amaxes go through an all-reduce over the senders' own gloo
     group (no Store keys), bitwise equal to the reference; the NaN scenario above
     runs over a group too."""
-    received, failed, num_keys, _ = amax_runs
+    received, failed, num_keys, _, _ = amax_runs
     assert received["tensor-p2p-group"] == [[], []] and failed["tensor-p2p-group"] == [[], []]
 
 
