@@ -131,14 +131,14 @@ def _zeros(layout, rank: int, device: str = "cpu") -> dict[str, torch.Tensor]:
 
 
 def _perturb(shards: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
-    """Add 1 to `fraction` of each shard's elements, drawn at random (with repeats):
-    every one drawn changes in bf16 (the shards are normal draws)."""
+    """Add 1 to `fraction` of each shard's elements, drawn at random (each at most
+    once): every one drawn changes in bf16 (the shards are normal draws)."""
     gen = torch.Generator().manual_seed(seed)
     for t in shards.values():
         flat = t.view(-1)
         count = round(fraction * flat.numel())
         if count:
-            flat[torch.randint(0, flat.numel(), (count,), generator=gen).to(flat.device)] += 1.0
+            flat[torch.randperm(flat.numel(), generator=gen)[:count].to(flat.device)] += 1.0
 
 
 def _version_shards(files, index: int, fsdp: int, rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -278,17 +278,18 @@ def report_deltas(result: dict) -> str:
     """The --delta table (empty without --delta)."""
     text = ""
     if result.get("deltas"):
-        rows = [["elements changed", "delta sync median s", "min s", "max s", "full sync s (same run)",
-                 "delta / full", "wire bytes / full", "buckets whole"]]
+        rows = [["elements changed", "changed, last sync", "delta sync median s", "min s", "max s",
+                 "full sync s (same run)", "delta / full", "wire bytes / full", "buckets whole"]]
         for row in result["deltas"]:
             s = row["seconds"]
-            rows.append([f"{row['fraction']:g}", f"{s['median']:.3f}", f"{s['min']:.3f}", f"{s['max']:.3f}",
+            rows.append([f"{row['fraction']:g}", f"{row['changed_fraction']:.4f}", f"{s['median']:.3f}",
+                         f"{s['min']:.3f}", f"{s['max']:.3f}",
                          f"{row['full_seconds']:.3f}", f"{row['time_vs_full']:.3f}", f"{row['wire_vs_full']:.4f}",
                          f"{row['dense_buckets']} of {row['dense_buckets'] + row['delta_buckets']}"])
         text = (f"Model {result['model_bytes'] / 2**20:.1f} MiB bf16, FSDP {result['fsdp']} ({result['src_dtype']}) on "
                 f"host 0 -> one replica (TP {result['tp']}, bf16) on host 1, links shaped to {result['link_rate']}; "
                 f"deltas (WeightSender delta=True): before every sync after the first, each trainer rank changes "
-                f"that fraction of its elements (drawn at random, with repeats); {result['repeats']} timed syncs "
+                f"that fraction of its elements (drawn at random, each at most once); {result['repeats']} timed syncs "
                 f"each, interleaved with the full sync's; wire bytes and buckets sent whole are the last sync's "
                 f"(WeightSender.last_send).\n\n{table(rows)}\n")
     return text

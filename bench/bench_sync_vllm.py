@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl_core import forkserver
+from llamarl_core.bench.bench_sync import _fraction, _perturb
 from llamarl_core.bench.harness import add_model_args, add_output_args, emit, record, share_secret, summarize, table
 from llamarl_core.cli import HelpFormatter
 from llamarl_core.sync import Layout, WeightSender
@@ -62,22 +63,50 @@ def trainer_layout(config, world: int) -> Layout:
     return fsdp_layout(model, world, torch.float32)
 
 
-def _trainer(port: int, layout_dict: dict, rank: int, versions: list[int], name: str) -> None:
+def _trainer(port: int, layout_dict: dict, rank: int, versions: list[int], name: str, transport: str = "auto",
+             delta_fraction: float | None = None) -> None:
     """One trainer rank: random fp32 tensors shaped as its FSDP2 shards, one send per
-    version (each waits for the engine)."""
+    version (each waits for the engine). With `delta_fraction` it sends deltas, that
+    fraction of its elements changed before every version after the first."""
     torch.set_num_threads(1)
     layout = Layout.from_dict(layout_dict)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_WAIT)
     gen = torch.Generator().manual_seed(rank)
     shards = {n: torch.randn(shape, generator=gen) * 0.02 for n, (shape, _) in layout.local_tensor_specs(rank).items()}
-    with WeightSender(store, layout, rank, shards, name=name, timeout=600) as sender:
-        for version in versions:
+    with WeightSender(store, layout, rank, shards, name=name, timeout=600, transport=transport,
+                      delta=delta_fraction is not None) as sender:
+        for i, version in enumerate(versions):
+            if i and delta_fraction is not None:
+                _perturb(shards, delta_fraction, 1000 * i + rank)
             sender.send(version)
+
+
+def _ddma_rounds(engine, store, layout, spec, name: str, transport: str,
+                 delta_fraction: float | None) -> tuple[list, dict]:
+    """One llamarl_ddma method: trainer processes and the engine's init, one update per
+    round, shut down after; (every round's (paused, commit) seconds, the bytes each
+    trainer rank's plan sends)."""
+    from llamarl_core.integrations.vllm import ddma_init_info
+
+    rounds = spec.warmup + spec.repeats
+    ctx = forkserver.context()  # trainer ranks forked with torch imported
+    trainers = [ctx.Process(target=_trainer, args=(store.port, layout.to_dict(), rank, list(range(1, rounds + 1)),
+                                                   name, transport, delta_fraction), daemon=True)
+                for rank in range(spec.trainer_world)]
+    for trainer in trainers:
+        trainer.start()
+    engine.call("init", ddma_init_info("127.0.0.1", store.port, layout, name=name, timeout_s=600,
+                                       transport=transport), timeout=600)
+    planned = engine.call("planned_bytes_by_src_rank")
+    updates = [engine.call("ddma_update", v, 600.0, timeout=600) for v in range(1, rounds + 1)]
+    for trainer in trainers:
+        trainer.join(timeout=60)
+    engine.call("shutdown_transfer")
+    return updates, planned
 
 
 def run(spec) -> dict:
     share_secret()
-    from llamarl_core.integrations.vllm import ddma_init_info
     from llamarl_core.integrations.vllm.host import EngineError, EngineProcess
 
     config = model_config(spec)
@@ -88,26 +117,21 @@ def run(spec) -> dict:
                    for r in range(spec.trainer_world)]
     rounds = spec.warmup + spec.repeats
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=_WAIT)
-    seconds, failures = {}, {}
+    seconds, failures, transfers = {}, {}, {}
     with tempfile.TemporaryDirectory() as model_dir:
         config.save_pretrained(model_dir)
         with EngineProcess(model_dir, dtype="float32", max_model_len=256, seed=0) as engine:
-            ctx = forkserver.context()  # trainer ranks forked with torch imported
-            trainers = [ctx.Process(target=_trainer, args=(store.port, layout.to_dict(), rank,
-                                                           list(range(1, rounds + 1)), "bench"), daemon=True)
-                        for rank in range(spec.trainer_world)]
-            for trainer in trainers:
-                trainer.start()
-            info = ddma_init_info("127.0.0.1", store.port, layout, name="bench", timeout_s=600)
-            engine.call("init", info, timeout=600)
-            sent = engine.call("planned_bytes_by_src_rank")
+            ddma, sent = _ddma_rounds(engine, store, layout, spec, "bench", "auto", None)
             sent_bytes = [sent.get(rank, 0) for rank in range(spec.trainer_world)]
-            ddma = [engine.call("ddma_update", v, 600.0, timeout=600) for v in range(1, rounds + 1)]
-            for trainer in trainers:
-                trainer.join(timeout=60)
-            engine.call("shutdown_transfer")
             seconds["llamarl_ddma"] = [paused for paused, _ in ddma[spec.warmup:]]
             commit = summarize([c for _, c in ddma[spec.warmup:]])
+            # Deltas point to point (as across hosts), beside the full point-to-point sync: the pause
+            # less the commit (the CPU re-pack, which a GPU engine does not do) is the transfer.
+            for fraction in [None, *spec.delta] if spec.delta else []:
+                method = "p2p" if fraction is None else f"p2p_delta{fraction:g}"
+                rounds_of = _ddma_rounds(engine, store, layout, spec, f"bench-{method}", "p2p", fraction)[0][spec.warmup:]
+                transfers[method] = {"fraction": fraction, "paused": summarize([p for p, _ in rounds_of]),
+                                     "transfer": summarize([p - c for p, c in rounds_of])}
             engine.call("make_hf_weights", "hf", logical, 1, timeout=600)
             for path in ("reload_weights", "load_weights"):
                 try:
@@ -124,7 +148,7 @@ def run(spec) -> dict:
     return {"model_bytes": nbytes, "config": {k: getattr(config, k) for k in keys if hasattr(config, k)},
             "trainer_world": spec.trainer_world, "shard_bytes_by_rank": shard_bytes,
             "sent_bytes_by_rank": sent_bytes, "repeats": spec.repeats, "ddma_commit_seconds": commit,
-            "seconds": stats, "gbps": gbps, "ratios": ratios, "failures": failures}
+            "seconds": stats, "gbps": gbps, "ratios": ratios, "failures": failures, "deltas": transfers}
 
 
 LABELS = {
@@ -154,7 +178,19 @@ def report(result: dict) -> str:
     commit = (f"- of llamarl_ddma's pause, committing the landed version (CPU: copying embeddings and norms, "
               f"re-packing every linear and lm_head for oneDNN, pre-packing experts again): median "
               f"{result['ddma_commit_seconds']['median']:.3f} s")
-    return f"{head}\n\n{table(rows)}\n\n{ratios}\n{sent}\n{commit}\n"
+    text = f"{head}\n\n{table(rows)}\n\n{ratios}\n{sent}\n{commit}\n"
+    if result.get("deltas"):
+        full = result["deltas"]["p2p"]["transfer"]["median"]
+        rows = [["llamarl_ddma, point to point", "paused, median s", "transfer (paused less commit), median s",
+                 "transfer / full's"]]
+        for method, row in result["deltas"].items():
+            rows.append(["full sync" if row["fraction"] is None else f"delta, {row['fraction']:g} of the elements changed",
+                         f"{row['paused']['median']:.3f}", f"{row['transfer']['median']:.3f}",
+                         f"{row['transfer']['median'] / full:.3f}"])
+        text += (f"\nDeltas (WeightSender delta=True) into the same engine, point to point over this host's loopback "
+                 f"(transport p2p, as across hosts), beside the full point-to-point sync; the trainer changes that "
+                 f"fraction of its elements before every version after the first:\n\n{table(rows)}\n")
+    return text
 
 
 def parse_args(argv):
@@ -169,6 +205,10 @@ def parse_args(argv):
     p.add_argument("--expert-intermediate", type=int, default=768,
                    help="qwen3_moe: each expert's MLP size (a multiple of 32: vLLM's CPU kernel pads others)")
     p.add_argument("--trainer-world", type=int, default=1, help="FSDP2 trainer ranks (processes) sending")
+    p.add_argument("--delta", nargs="+", type=_fraction, metavar="FRACTION",
+                   help="also llamarl_ddma point to point (transport p2p, as across hosts) with deltas, that fraction of "
+                        "the trainer's elements changed before each version, beside the full point-to-point sync, "
+                        "e.g. --delta 0 0.01 (default: none)")
     p.add_argument("--warmup", type=int, default=1, help="untimed syncs first")
     p.add_argument("--repeats", type=int, default=3, help="timed syncs of each method")
     add_output_args(p)
@@ -184,6 +224,11 @@ def main(argv=None) -> int:
     try:
         if spec.trainer_world < 1:
             raise ValueError(f"--trainer-world must be >= 1, got {spec.trainer_world}")
+        if spec.delta and spec.warmup < 1:
+            raise ValueError(f"--delta needs --warmup 1 or more (a delta sender's first sync is whole), got "
+                             f"{spec.warmup}")
+        if spec.delta and len(set(spec.delta)) != len(spec.delta):
+            raise ValueError(f"--delta: a fraction given twice ({' '.join(map(str, spec.delta))})")
         check_cpu_vllm(model_config(spec))
     except ValueError as exc:
         raise SystemExit(f"llamarl bench sync --into vllm: {exc}") from None

@@ -123,7 +123,7 @@ def _job_store(rdzv_id: str, deadline: float) -> tuple[str, int]:
 def test_run_across_two_hosts_learns(netns_hosts, tmp_path):
     """torchrun agents on two namespace hosts (2 ranks each, c10d rendezvous on host
     0): the controller and trainer on one host, the reward and generator on the
-    other. 300 steps of the default task complete and learn (its reward's last
+    other, weights sent as deltas (--sync-delta). 300 steps of the default task complete and learn (its reward's last
     tenth well above its first; 0.535 -> 0.801 and 0.527 -> 0.793 on one host here), every weight
     version reaching the generator point-to-point. Meanwhile a stranger on the
     generator's host, who reaches the workers' Store on the other (its port found as
@@ -131,7 +131,8 @@ def test_run_across_two_hosts_learns(netns_hosts, tmp_path):
     the launcher and values into the weight sync's keys: the run learns all the same, nothing of theirs runs, and the
     ranks count what they dropped."""
     out, marker = tmp_path / "run", tmp_path / "pwned"
-    procs = _agents_on_two_hosts(netns_hosts, tmp_path, "learns", ["--steps", "300", "--quiet", "--out", str(out)])
+    procs = _agents_on_two_hosts(netns_hosts, tmp_path, "learns", ["--steps", "300", "--quiet", "--out", str(out),
+                                                                   "--sync-delta"])
     address, port = _job_store("learns", deadline=time.monotonic() + 60)
     stranger = netns_hosts[1].popen([sys.executable, str(Path(__file__).with_name("stranger.py")),
                                      address, str(port), str(marker), "280"],
@@ -160,6 +161,12 @@ def test_run_across_two_hosts_learns(netns_hosts, tmp_path):
     spans = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
     received = [e["args"]["version"] for e in spans if e["name"] == "receive weights"]
     assert sorted(received) == list(range(301))
+    # --sync-delta: each version went as a delta against the last (the first whole); the toy's float32
+    # generator changes most elements each step, so most of a full send's bytes still move.
+    sent = sorted((e["args"] for e in spans if e["name"] == "send weights"), key=lambda a: a["version"])
+    assert len(sent) == 301 and all(a["wire_bytes"] > 0 and a["full_bytes"] > 0 for a in sent)
+    print(f"--sync-delta: wire / full bytes {sum(a['wire_bytes'] for a in sent[1:]) / sum(a['full_bytes'] for a in sent[1:]):.3f} "
+          f"after the first version")
     assert Path(out / "model" / "config.json").exists()
 
 
