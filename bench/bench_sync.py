@@ -52,7 +52,6 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -63,9 +62,8 @@ from llamarl_core import forkserver
 from llamarl_core.sync import WeightReceiver, WeightSender, plan_transfer
 from llamarl_core.models.llama_family import hf_llama_shapes
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
-from llamarl_core.sync.reference import reference_fsdp_shards
 
-from llamarl_core.bench.versions import load_versions, read_version
+from llamarl_core.bench.versions import fraction_arg, load_versions, perturb, version_loader, version_shards
 from llamarl_core.bench.harness import add_model_args, add_output_args, emit, record, share_secret, summarize, table
 from llamarl_core.cli import HelpFormatter
 
@@ -130,31 +128,6 @@ def _zeros(layout, rank: int, device: str = "cpu") -> dict[str, torch.Tensor]:
             layout.local_tensor_specs(rank).items()}
 
 
-def _perturb(shards: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
-    """Add 1 to `fraction` of each shard's elements, drawn at random (each at most
-    once): every one drawn changes in bf16 (the shards are normal draws)."""
-    gen = torch.Generator().manual_seed(seed)
-    for t in shards.values():
-        flat = t.view(-1)
-        count = round(fraction * flat.numel())
-        if count:
-            flat[torch.randperm(flat.numel(), generator=gen)[:count].to(flat.device)] += 1.0
-
-
-def _version_shards(files, index: int, fsdp: int, rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Trainer rank `rank`'s FSDP shards of version `index` (a save_versions file)."""
-    return reference_fsdp_shards(read_version(files[index]), fsdp, dtype)[rank]
-
-
-def _version_loader(files, shards: dict[str, torch.Tensor], fsdp: int, rank: int, dtype: torch.dtype):
-    """prepare(i) of a --delta-versions sender: version i into its registered tensors, in place."""
-    def prepare(i: int) -> None:
-        if i:
-            for name, piece in _version_shards(files, i, fsdp, rank, dtype).items():
-                shards[name].copy_(piece)
-    return prepare
-
-
 def _engine_rank(store_at, role, rank, spec, transport, rounds, threads, replica=0, num_replicas=1, method=None,
                  relay_threads=None, delta_fraction=None, delta_versions=None) -> None:
     """One trainer ("src") or generator ("dst") rank of the engine. With
@@ -173,12 +146,12 @@ def _engine_rank(store_at, role, rank, spec, transport, rounds, threads, replica
         delta = delta_fraction is not None or delta_versions is not None
         if delta_versions is not None:
             files = load_versions(delta_versions)[1]
-            shards = _version_shards(files, 0, spec.fsdp, rank, dtype)
-            prepare = _version_loader(files, shards, spec.fsdp, rank, dtype)
+            shards = version_shards(files, 0, spec.fsdp, rank, dtype)
+            prepare = version_loader(files, shards, spec.fsdp, rank, dtype)
         else:
             shards = _random_shards(layout, rank, 0, spec.device)
             prepare = None if delta_fraction is None else \
-                (lambda i: i and _perturb(shards, delta_fraction, 1000 * i + rank))
+                (lambda i: i and perturb(shards, delta_fraction, 1000 * i + rank))
         ep = WeightSender(store, layout, rank, shards, name=method, transport=transport, timeout=300,
                           num_threads=threads, delta=delta)
         sent = []
@@ -570,13 +543,6 @@ def report_replicas(result: dict) -> str:
             f"{', '.join(sent)}.\n")
 
 
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"a fraction of the elements, from 0 to 1, got {text}")
-    return value
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="llamarl bench sync", description=__doc__,
                                 formatter_class=HelpFormatter)
@@ -598,7 +564,7 @@ def parse_args(argv):
                         "and a gloo broadcast (see llamarl_core.bench.bench_sync_hosts)")
     p.add_argument("--link-rate", default="1gbit",
                    help="with --hosts: every host's sending rate, in tc's syntax (1gbit, 500mbit)")
-    p.add_argument("--delta", nargs="+", type=_fraction, metavar="FRACTION",
+    p.add_argument("--delta", nargs="+", type=fraction_arg, metavar="FRACTION",
                    help="with --hosts: also send deltas (WeightSender delta=True) into one replica, that fraction of "
                         "the trainer's elements changed before each sync, one run per fraction, beside the full sync "
                         "of the same run, e.g. --delta 0 0.001 0.01 0.05 0.2 0.5 (default: none, full syncs only)")
@@ -637,77 +603,6 @@ def _main_replicas(spec) -> int:
     return 0
 
 
-def _check_versions(spec) -> None:
-    """--delta-versions' folders: readable, one model, enough versions for the rounds."""
-    if not spec.hosts:
-        raise SystemExit("--delta-versions measures deltas across hosts: it needs --hosts")
-    if spec.warmup < 1:
-        raise SystemExit(f"--delta-versions needs --warmup 1 or more (a delta sender's first sync is whole), "
-                         f"got {spec.warmup}")
-    configs = []
-    for folder in spec.delta_versions:
-        try:
-            config, files = load_versions(folder)
-        except ValueError as error:
-            raise SystemExit(f"--delta-versions: {error}") from None
-        if len(files) < spec.warmup + spec.repeats:
-            raise SystemExit(f"--delta-versions: {folder} holds {len(files)} versions, fewer than --warmup "
-                             f"{spec.warmup} + --repeats {spec.repeats} rounds")
-        configs.append(config)
-    if any(c != configs[0] for c in configs):
-        raise SystemExit("--delta-versions: the folders hold different models (their config.json differ)")
-    try:
-        plan_transfer(hf_llama_fsdp(model_config(spec), spec.fsdp, DTYPES[spec.src_dtype]),
-                      vllm_llama_tp(model_config(spec), spec.tp, torch.bfloat16))
-    except ValueError as error:
-        raise SystemExit(f"--delta-versions: the folders' model at --fsdp {spec.fsdp} --tp {spec.tp}: {error}") from None
-
-
-def _main_hosts(spec) -> int:
-    from llamarl_core.bench.bench_sync_hosts import report_deltas, report_hosts, report_versions, run_hosts
-    from llamarl_core.bench.netns import parse_rate_bits
-
-    if spec.device != "cpu" or spec.transports:
-        raise SystemExit("--hosts times host tensors with the transports a run picks: no --device cuda, no --transports")
-    spec.replicas = spec.replicas or [1]
-    try:
-        parse_rate_bits(spec.link_rate)
-    except ValueError as error:
-        raise SystemExit(f"--link-rate: {error}") from None
-    result = run_hosts(spec)
-    section = (f"Weight sync across hosts: {result['model_bytes'] / 2**20:.0f} MiB, FSDP {spec.fsdp} {spec.src_dtype} "
-               f"-> R x TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench sync --hosts`)")
-    params = {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype,
-              "link_rate": spec.link_rate}
-    if spec.delta_versions:
-        section = (f"Delta weight sync across hosts, a real run's versions: {result['model_bytes'] / 2**20:.0f} MiB, "
-                   f"FSDP {spec.fsdp} {spec.src_dtype} -> TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench "
-                   "sync --hosts --delta-versions`)")
-        for row in result["versions"]:
-            record(spec.record, "sync_delta_versions", {"seconds": row["seconds"]["median"],
-                                                        "time_vs_full": row["time_vs_full"],
-                                                        "wire_vs_full": row["wire_vs_full"]},
-                   params | {"versions": Path(row["folder"]).name}, section, report_versions(result))
-    if spec.delta:  # a section of its own: the replicas' section keeps its counts
-        section = (f"Delta weight sync across hosts: {result['model_bytes'] / 2**20:.0f} MiB, FSDP {spec.fsdp} "
-                   f"{spec.src_dtype} -> TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench sync --hosts "
-                   "--delta`)")
-        for row in result["deltas"]:
-            record(spec.record, "sync_delta_hosts", {"seconds": row["seconds"]["median"],
-                                                     "time_vs_full": row["time_vs_full"],
-                                                     "wire_vs_full": row["wire_vs_full"]},
-                   params | {"fraction": row["fraction"]}, section, report_deltas(result))
-    if not (spec.delta or spec.delta_versions):
-        for row in result["rows"]:
-            record(spec.record, "sync_hosts", {"seconds": row["seconds"]["median"],
-                                               "fraction_of_line_rate": row["fraction_of_line_rate"],
-                                               "speedup_vs_broadcast": row["speedup_vs_broadcast"]},
-                   params | {"replicas": row["replicas"]}, section, report_hosts(result))
-    emit(spec, result, report_hosts(result) + ("\n" + report_deltas(result) if spec.delta else "")
-         + ("\n" + report_versions(result) if spec.delta_versions else ""))
-    return 0
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--into" in argv or any(a.startswith("--into=") for a in argv):
@@ -725,10 +620,10 @@ def main(argv=None) -> int:
         raise SystemExit(f"--delta: a fraction given twice ({' '.join(map(str, spec.delta))})")
     if spec.delta and spec.warmup < 1:
         raise SystemExit(f"--delta needs --warmup 1 or more (a delta sender's first sync is whole), got {spec.warmup}")
-    if spec.delta_versions:
-        _check_versions(spec)
-    if spec.hosts:
-        return _main_hosts(spec)
+    if spec.hosts or spec.delta_versions:
+        from llamarl_core.bench.bench_sync_hosts import main_hosts
+
+        return main_hosts(spec)
     if spec.replicas is not None:
         return _main_replicas(spec)
     spec.transports = spec.transports or ["auto", "p2p"]

@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -41,8 +42,9 @@ from llamarl_core.bench.bench_sync import (
     model_bytes,
     model_config,
 )
-from llamarl_core.bench.harness import share_secret, summarize, table
+from llamarl_core.bench.harness import emit, record, share_secret, summarize, table
 from llamarl_core.bench.netns import NetnsHosts, NetnsUnavailable, parse_rate_bits
+from llamarl_core.bench.versions import check_version_folders
 from llamarl_core.sync import plan_transfer
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 from llamarl_core.sync.plan import relay_tree
@@ -314,6 +316,67 @@ def report_versions(result: dict) -> str:
             "llamarl_core.bench.versions:save_versions, bf16): round i sends version i, the first rounds untimed; "
             "beside the full sync of the same model in the same run; wire bytes summed over the timed rounds "
             "(WeightSender.last_send).\n\n" + table(rows) + "\n")
+
+
+def _check_versions(spec) -> None:
+    """--delta-versions' folders: readable, one model, enough versions for the
+    rounds, a plan at --fsdp / --tp."""
+    if not spec.hosts:
+        raise SystemExit("--delta-versions measures deltas across hosts: it needs --hosts")
+    if spec.warmup < 1:
+        raise SystemExit(f"--delta-versions needs --warmup 1 or more (a delta sender's first sync is whole), "
+                         f"got {spec.warmup}")
+    try:
+        check_version_folders(spec.delta_versions, spec.warmup + spec.repeats)
+        plan_transfer(hf_llama_fsdp(model_config(spec), spec.fsdp, DTYPES[spec.src_dtype]),
+                      vllm_llama_tp(model_config(spec), spec.tp, torch.bfloat16))
+    except ValueError as error:
+        raise SystemExit(f"--delta-versions: {error}") from None
+
+
+def main_hosts(spec) -> int:
+    """`llamarl bench sync --hosts` (and --delta, --delta-versions): measure, record, print."""
+    if spec.delta_versions:
+        _check_versions(spec)
+    if spec.device != "cpu" or spec.transports:
+        raise SystemExit("--hosts times host tensors with the transports a run picks: no --device cuda, no --transports")
+    spec.replicas = spec.replicas or [1]
+    try:
+        parse_rate_bits(spec.link_rate)
+    except ValueError as error:
+        raise SystemExit(f"--link-rate: {error}") from None
+    result = run_hosts(spec)
+    section = (f"Weight sync across hosts: {result['model_bytes'] / 2**20:.0f} MiB, FSDP {spec.fsdp} {spec.src_dtype} "
+               f"-> R x TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench sync --hosts`)")
+    params = {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype,
+              "link_rate": spec.link_rate}
+    if spec.delta_versions:
+        section = (f"Delta weight sync across hosts, a real run's versions: {result['model_bytes'] / 2**20:.0f} MiB, "
+                   f"FSDP {spec.fsdp} {spec.src_dtype} -> TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench "
+                   "sync --hosts --delta-versions`)")
+        for row in result["versions"]:
+            record(spec.record, "sync_delta_versions", {"seconds": row["seconds"]["median"],
+                                                        "time_vs_full": row["time_vs_full"],
+                                                        "wire_vs_full": row["wire_vs_full"]},
+                   params | {"versions": Path(row["folder"]).name}, section, report_versions(result))
+    if spec.delta:  # a section of its own: the replicas' section keeps its counts
+        section = (f"Delta weight sync across hosts: {result['model_bytes'] / 2**20:.0f} MiB, FSDP {spec.fsdp} "
+                   f"{spec.src_dtype} -> TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench sync --hosts "
+                   "--delta`)")
+        for row in result["deltas"]:
+            record(spec.record, "sync_delta_hosts", {"seconds": row["seconds"]["median"],
+                                                     "time_vs_full": row["time_vs_full"],
+                                                     "wire_vs_full": row["wire_vs_full"]},
+                   params | {"fraction": row["fraction"]}, section, report_deltas(result))
+    if not (spec.delta or spec.delta_versions):
+        for row in result["rows"]:
+            record(spec.record, "sync_hosts", {"seconds": row["seconds"]["median"],
+                                               "fraction_of_line_rate": row["fraction_of_line_rate"],
+                                               "speedup_vs_broadcast": row["speedup_vs_broadcast"]},
+                   params | {"replicas": row["replicas"]}, section, report_hosts(result))
+    emit(spec, result, report_hosts(result) + ("\n" + report_deltas(result) if spec.delta else "")
+         + ("\n" + report_versions(result) if spec.delta_versions else ""))
+    return 0
 
 
 if __name__ == "__main__":

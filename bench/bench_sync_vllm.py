@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from llamarl_core import forkserver
-from llamarl_core.bench.bench_sync import _fraction, _perturb
+from llamarl_core.bench.versions import fraction_arg, perturb
 from llamarl_core.bench.harness import add_model_args, add_output_args, emit, record, share_secret, summarize, table
 from llamarl_core.cli import HelpFormatter
 from llamarl_core.sync import Layout, WeightSender
@@ -66,8 +66,10 @@ def trainer_layout(config, world: int) -> Layout:
 def _trainer(port: int, layout_dict: dict, rank: int, versions: list[int], name: str, transport: str = "auto",
              delta_fraction: float | None = None) -> None:
     """One trainer rank: random fp32 tensors shaped as its FSDP2 shards, one send per
-    version (each waits for the engine). With `delta_fraction` it sends deltas, that
-    fraction of its elements changed before every version after the first."""
+    version (each waits for the engine), each once its tensors hold that version
+    (Store key <name>/ready/<version>/<rank>: the engine's pause starts after it).
+    With `delta_fraction` it sends deltas, that fraction of its elements changed
+    before every version after the first."""
     torch.set_num_threads(1)
     layout = Layout.from_dict(layout_dict)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_WAIT)
@@ -77,7 +79,8 @@ def _trainer(port: int, layout_dict: dict, rank: int, versions: list[int], name:
                       delta=delta_fraction is not None) as sender:
         for i, version in enumerate(versions):
             if i and delta_fraction is not None:
-                _perturb(shards, delta_fraction, 1000 * i + rank)
+                perturb(shards, delta_fraction, 1000 * i + rank)
+            store.set(f"{name}/ready/{version}/{rank}", b"1")
             sender.send(version)
 
 
@@ -98,7 +101,10 @@ def _ddma_rounds(engine, store, layout, spec, name: str, transport: str,
     engine.call("init", ddma_init_info("127.0.0.1", store.port, layout, name=name, timeout_s=600,
                                        transport=transport), timeout=600)
     planned = engine.call("planned_bytes_by_src_rank")
-    updates = [engine.call("ddma_update", v, 600.0, timeout=600) for v in range(1, rounds + 1)]
+    updates = []
+    for v in range(1, rounds + 1):  # the pause begins once every trainer rank holds version v
+        store.wait([f"{name}/ready/{v}/{rank}" for rank in range(spec.trainer_world)], _WAIT)
+        updates.append(engine.call("ddma_update", v, 600.0, timeout=600))
     for trainer in trainers:
         trainer.join(timeout=60)
     engine.call("shutdown_transfer")
@@ -205,7 +211,7 @@ def parse_args(argv):
     p.add_argument("--expert-intermediate", type=int, default=768,
                    help="qwen3_moe: each expert's MLP size (a multiple of 32: vLLM's CPU kernel pads others)")
     p.add_argument("--trainer-world", type=int, default=1, help="FSDP2 trainer ranks (processes) sending")
-    p.add_argument("--delta", nargs="+", type=_fraction, metavar="FRACTION",
+    p.add_argument("--delta", nargs="+", type=fraction_arg, metavar="FRACTION",
                    help="also llamarl_ddma point to point (transport p2p, as across hosts) with deltas, that fraction of "
                         "the trainer's elements changed before each version, beside the full point-to-point sync, "
                         "e.g. --delta 0 0.01 (default: none)")

@@ -1,6 +1,7 @@
-"""The consecutive weight versions of a real `llamarl train` run, for `llamarl bench
-sync --hosts --delta-versions`: a step hook that saves the policy as the generator
-holds it (bf16, torch's round-to-nearest-even cast of the float32 masters, as the
+"""What the delta benches send: a fraction of the trainer's elements changed
+(`perturb`, `llamarl bench sync --delta`), or the consecutive weight versions of a
+real `llamarl train` run (`llamarl bench sync --hosts --delta-versions`), saved by
+a step hook that saves the policy as the generator holds it (bf16, torch's round-to-nearest-even cast of the float32 masters, as the
 sync casts them) before the first step and after every step.
 
     LLAMARL_SAVE_VERSIONS=/tmp/versions-lr1e-6 llamarl train --model SmolLM2-135M-Instruct \\
@@ -13,12 +14,15 @@ parameter (DTensor.full_tensor) and rank 0 writes."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from llamarl_core.sync.reference import reference_fsdp_shards
 
 ENV = "LLAMARL_SAVE_VERSIONS"
 DTYPE = torch.bfloat16
@@ -73,3 +77,50 @@ def load_versions(folder: str | Path) -> tuple[dict, list[Path]]:
 
 def read_version(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
+
+
+def check_version_folders(folders: list[str], rounds: int) -> None:
+    """ValueError unless every folder holds save_versions' files, at least `rounds`
+    versions each, all of one model."""
+    configs = []
+    for folder in folders:
+        config, files = load_versions(folder)
+        if len(files) < rounds:
+            raise ValueError(f"{folder} holds {len(files)} versions, fewer than the {rounds} rounds "
+                             "(--warmup + --repeats)")
+        configs.append(config)
+    if any(c != configs[0] for c in configs):
+        raise ValueError("the folders hold different models (their config.json differ)")
+
+
+def version_shards(files, index: int, fsdp: int, rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Trainer rank `rank`'s FSDP shards of version `index` (a save_versions file)."""
+    return reference_fsdp_shards(read_version(files[index]), fsdp, dtype)[rank]
+
+
+def version_loader(files, shards: dict[str, torch.Tensor], fsdp: int, rank: int, dtype: torch.dtype):
+    """prepare(i) of a --delta-versions sender: version i into its registered tensors, in place."""
+    def prepare(i: int) -> None:
+        if i:
+            for name, piece in version_shards(files, i, fsdp, rank, dtype).items():
+                shards[name].copy_(piece)
+    return prepare
+
+
+def fraction_arg(text: str) -> float:
+    """An argparse type: a fraction of the elements, 0 to 1."""
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"a fraction of the elements, from 0 to 1, got {text}")
+    return value
+
+
+def perturb(shards: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
+    """Add 1 to `fraction` of each shard's elements, drawn at random (each at most
+    once): every one drawn changes in bf16 (the shards are normal draws)."""
+    gen = torch.Generator().manual_seed(seed)
+    for t in shards.values():
+        flat = t.view(-1)
+        count = round(fraction * flat.numel())
+        if count:
+            flat[torch.randperm(flat.numel(), generator=gen)[:count].to(flat.device)] += 1.0

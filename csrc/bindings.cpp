@@ -84,7 +84,7 @@ void register_host(py::module_& m) {
       },
       py::arg("rows"),
       "The checksum of (n, 5) int64 rows [address, pitch, row_bytes, height, first_position] "
-      "(host/checksum.h): the sum mod 2**64 of a mix of each byte's position and value.");
+      "(host/checksum.h): the sum mod 2**64 of a mix of each 8-byte word's index and value.");
   // Delta codec (host/delta_codec.h): addresses and sizes from delta.py, which checks them against its tensors.
   m.def(
       "delta_scan_host",

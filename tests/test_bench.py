@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -260,3 +261,54 @@ def test_transformers_char_tokenizer_has_our_ids():
         assert theirs(prompt)["input_ids"] == ours.encode(prompt)
         ids = ours.encode(task.reference(prompt))[1:] + [ours.eos_token_id, ours.pad_token_id]
         assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids) == task.reference(prompt)
+
+
+def test_bench_sync_delta_versions_refuses_bad_folders_before_any_host(tmp_path):
+    """--delta-versions: named in one line each, before a host is made: without
+    --hosts, a folder save_versions did not write, one with fewer versions than the
+    rounds."""
+    from safetensors.torch import save_file
+
+    short = tmp_path / "short"
+    short.mkdir()
+    (short / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"w": torch.zeros(2)}, str(short / "version-0000.safetensors"))
+    cases = [([str(short)], [], "needs --hosts"),
+             ([str(tmp_path)], ["--hosts"], "no config.json and version-"),
+             ([str(short)], ["--hosts", "--warmup", "1", "--repeats", "2"], "holds 1 versions, fewer than the 3 rounds")]
+    for folders, flags, message in cases:
+        out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "bench", "sync", "--delta-versions", *folders,
+                              *flags], capture_output=True, text=True, timeout=120, cwd=tempfile.gettempdir())
+        assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_save_versions_hook_writes_each_version_as_the_generator_holds_it(tmp_path, monkeypatch):
+    """The step hook of llamarl_core.bench.versions, around two real AdamW steps of a
+    tiny Llama: version 0 before the first step, one after each, bf16, under the
+    model's parameter names, with the model's config; load_versions reads them back."""
+    import transformers
+
+    from llamarl_core.bench.versions import ENV, load_versions, read_version, save_versions
+
+    monkeypatch.setenv(ENV, str(tmp_path / "versions"))
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64)
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step():
+        ids = torch.randint(0, 64, (2, 8))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for i in range(2):
+        save_versions(types.SimpleNamespace(step=i, rank=0, model=model), step)
+    saved, files = load_versions(tmp_path / "versions")
+    assert saved["hidden_size"] == 32 and [f.name for f in files] == [f"version-000{i}.safetensors" for i in range(3)]
+    last = read_version(files[-1])
+    assert set(last) == {n for n, _ in model.named_parameters()}
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, p.detach().to(torch.bfloat16))
+               for (n, p), t in zip(model.named_parameters(), (last[n] for n, _ in model.named_parameters())))
+    first = read_version(files[0])
+    assert any(not torch.equal(first[n], last[n]) for n in last)

@@ -244,10 +244,12 @@ def test_bad_payloads_are_refused_with_nothing_written():
             with pytest.raises(ValueError, match=match):
                 applier.apply(encoding, payload, changed, held)
             assert _same(held, before)
-    with pytest.raises(ValueError, match="bucket's .* bytes as a 1-D uint8"):
+    with pytest.raises(ValueError, match="bucket's .* bytes as a contiguous 1-D uint8"):
         codec.diff(new[:-1], base)
     with pytest.raises(ValueError, match="encoding must be one of"):
         codec.diff(new, base, 7)
+    with pytest.raises(ValueError, match="contiguous"):  # native code reads it by address
+        codec.diff(torch.zeros(2 * codec.nbytes, dtype=torch.uint8)[::2], base)
 
 
 def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_to_another_base():
@@ -276,6 +278,7 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
         gen = torch.Generator().manual_seed(run)
         version_bytes = [torch.randint(0, 256, (c.nbytes,), dtype=torch.uint8, generator=gen) for c in codecs]
         base, held = PairBase(codecs, cpu), PairHeld(codecs)
+        base.density.observe = lambda *timing: None  # by size alone: the timed limit has a test of its own
         tensors = _receiver(layout, rank, run)
         reference = {name: t.clone() for name, t in tensors.items()}
         version = 0
@@ -309,7 +312,7 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
             for i, (codec, unpack, data) in enumerate(zip(codecs, unpacks, version_bytes)):
                 if i == last:
                     break
-                was = base.bytes[base.starts[i]:base.starts[i + 1]].clone()
+                was = base.bytes[base.starts[i]:base.starts[i] + codec.nbytes].clone()
                 scan = base.scan(i, data)
                 delta = base.encode(i, data, scan, use[i])
                 if delta.encoding == DENSE:
@@ -320,7 +323,8 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
                     assert torch.equal(_destination_bytes(unpack, tensors), was), (run, event, i)
                     codec.apply(delta.encoding, delta.payload.clone(), delta.changed, tensors)
             if event == "send":
-                base.version = held.version = version
+                base.finish(version, sum(c.nbytes for c in codecs))
+                held.version = version
                 for unpack, data in zip(unpacks, version_bytes):
                     _unpack(unpack, data, reference)
                 assert _same(tensors, reference), (run, version)
@@ -328,6 +332,39 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
                 for unpack, data in zip(unpacks, version_bytes):
                     _unpack(unpack, data, reference)
     assert deltas > 500 and fulls > 500, (deltas, fulls)
+
+
+def test_the_density_limit_follows_the_measured_times_in_random_orders():
+    """DensityLimit over 3,000 random runs of timed sends: versions whole, and
+    versions with delta buckets of random densities taking random times. Before any
+    whole version is timed the limit stays at 1 (bytes alone choose). A delta
+    version slower than a full send of its bytes makes its densest bucket's density
+    go whole from then on; a faster one lets it go as a delta; the limit stays in
+    [0, 1]; a whole version sets the seconds per byte a delta is held against."""
+    from llamarl_core.sync.delta import DensityLimit
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        limit = DensityLimit()
+        for _ in range(rng.randint(1, 12)):
+            full_bytes = rng.randint(1, 1 << 30)
+            seconds = rng.uniform(1e-4, 10.0)
+            if rng.random() < 0.3:  # a version sent whole
+                limit.observe(seconds, full_bytes, [])
+                assert limit.full_seconds_per_byte == seconds / full_bytes
+                continue
+            densities = [rng.choice([0.0, rng.random(), rng.random() * 0.01]) for _ in range(rng.randint(1, 4))]
+            before, per_byte = limit.limit, limit.full_seconds_per_byte
+            limit.observe(seconds, full_bytes, densities)
+            densest = max(densities)
+            if per_byte is None:
+                assert limit.limit == before == 1.0
+            elif seconds > per_byte * full_bytes:  # the deltas lost
+                assert limit.limit <= before and (densest == 0 or limit.whole(round(densest * 1e6), 10 ** 6))
+            else:
+                assert limit.limit >= before and not limit.whole(int(densest * 1e6), 10 ** 6)
+            assert 0.0 <= limit.limit <= 1.0
+    assert not DensityLimit().whole(10, 10) and not DensityLimit().whole(0, 0)
 
 
 # ----------------------------------------------------------------------------- between processes

@@ -120,6 +120,7 @@ void delta_gather_host(const uint8_t* fresh, const int64_t* stretch_rows, int64_
   const std::vector<Stretch> st = stretches_of(stretch_rows, stretch_count, nbytes);
   const int64_t total = st.empty() ? 0 : st.back().first + st.back().count;
   LLAMARL_CHECK(elements == total, "a mask of " << elements << " elements over stretches of " << total);
+  LLAMARL_CHECK(index_size == 8 || elements <= INT32_MAX, "int32 runs for a bucket of " << elements << " elements");
   int64_t written = 0, run = 0;
   size_t s = 0;
   for_each_mask_run(mask, elements, [&](int64_t first, int64_t count) {

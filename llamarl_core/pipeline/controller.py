@@ -23,6 +23,7 @@ import dataclasses
 import json
 import shutil
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -322,6 +323,10 @@ class Controller:
         (self.out / "hosts.json").write_text(json.dumps(self.hosts, indent=2, sort_keys=True) + "\n")
         if role == TRAINER:  # where a resumed run goes on (every rank reports the same)
             self.scheduler = Scheduler(self.config, report.step, report.data_position)
+            if rank == 0 and self.config.sync.delta and "p2p" not in report.transports.values():
+                warnings.warn(f"{option('sync_delta')}: trainer rank 0 reaches every generator rank it writes through "
+                              f"{', '.join(sorted(set(report.transports.values())))} on its own host, where versions "
+                              "go whole (deltas go point to point, to generator ranks on other hosts)", stacklevel=1)
 
     def _on_samples(self, role: str, rank: int, report: Samples) -> None:
         replica = rank // self.generator_tp

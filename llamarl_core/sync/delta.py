@@ -33,6 +33,7 @@ Torch on the tensors' device (CPU or CUDA), the host's checksum native
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -46,7 +47,7 @@ from .plan import Segment
 DENSE, MASK, RUNS = 0, 1, 2
 ENCODINGS = ("dense", "mask", "runs")
 
-# Bytes the checksums read at once (their int64 temporaries are 16x this).
+# Bytes the torch checksum reads at once (its int64 temporaries are about 16x this).
 _CHUNK = 1 << 22
 
 
@@ -103,7 +104,12 @@ class _DeviceSum:
 
     def add(self, data: torch.Tensor, position: int) -> None:
         """Add a 1-D uint8 tensor whose first byte sits at `position` (at or past the
-        end of what came before)."""
+        end of what came before), _CHUNK bytes at a time (temporaries of about 16x
+        that)."""
+        for start in range(0, data.numel(), _CHUNK):
+            self._add(data[start:start + _CHUNK], position + start)
+
+    def _add(self, data: torch.Tensor, position: int) -> None:
         if self.pending.numel() and position // 8 != (self.position + self.pending.numel() - 1) // 8:
             self._flush()
         if self.pending.numel() and position != self.position + self.pending.numel():  # a gap inside one word
@@ -211,13 +217,15 @@ class Scan:
     changed-element bitmask (uint8, numpy's little-endian bit order), `changed`
     elements, `runs` of consecutive changed elements, `value_bytes` their bytes,
     `checksum_change` bucket_checksum(new) - bucket_checksum(base) mod 2**64 as a
-    signed int (None where the scan was torch's)."""
+    signed int (None where the scan was torch's), and on the torch path the bool
+    per element `bits` packs (`mask`)."""
 
     bits: torch.Tensor
     changed: int
     runs: int
     value_bytes: int
     checksum_change: int | None
+    mask: torch.Tensor | None = None
 
 
 def _on_host(data: torch.Tensor, native_host: bool) -> bool:
@@ -279,12 +287,15 @@ class BucketCodec:
                 new.data_ptr(), base.data_ptr(), self.nbytes, self._stretch_table, bits.data_ptr(), update_base)
             return Scan(bits, changed, runs, value_bytes, checksum_change)
         mask = self.changed_mask(new, base)
+        # Every count in one transfer: the changed elements of each stretch, then the runs' starts.
         cuts = [0, *[s[3] for s in self.stretches[1:]], self.elements]
-        value_bytes = sum(int(torch.count_nonzero(mask[cuts[i]:cuts[i + 1]])) * size
-                          for i, (_, _, size, _) in enumerate(self.stretches))
+        counts = [torch.count_nonzero(mask[cuts[i]:cuts[i + 1]]) for i in range(len(self.stretches))]
+        starts = torch.count_nonzero(mask[1:] & ~mask[:-1]) + mask[:1].sum() if mask.numel() else mask.new_zeros(())
+        *per_stretch, runs = torch.stack([*counts, starts.to(torch.int64)]).tolist()
         if update_base:
             base.copy_(new)
-        return Scan(_pack_bits(mask), int(torch.count_nonzero(mask)), self._run_count(mask), value_bytes, None)
+        value_bytes = sum(n * size for n, (_, _, size, _) in zip(per_stretch, self.stretches))
+        return Scan(_pack_bits(mask), sum(per_stretch), runs, value_bytes, None, mask)
 
     def sizes(self, scan: Scan) -> dict[int, int]:
         """Each encoding's payload bytes for what `scan` found."""
@@ -300,6 +311,9 @@ class BucketCodec:
             encoding = min(sizes, key=lambda e: (sizes[e], e))
         elif encoding not in sizes:
             raise ValueError(f"encoding must be one of {sorted(sizes)} ({', '.join(ENCODINGS)}), got {encoding!r}")
+        self._check_bytes(new, "new")
+        if scan.bits.numel() != self.mask_bytes:
+            raise ValueError(f"a scan of {scan.bits.numel() * 8} elements' bits for a bucket of {self.elements}")
         if encoding == DENSE:
             return BucketDelta(DENSE, new, scan.changed, self.elements)
         index_bytes = sizes[encoding] - scan.value_bytes
@@ -315,7 +329,7 @@ class BucketCodec:
                                        payload.data_ptr() + index_bytes, scan.value_bytes, runs, scan.runs,
                                        self.index_dtype.itemsize)
             return BucketDelta(encoding, payload, scan.changed, self.elements)
-        mask = _unpack_bits(scan.bits, self.elements)
+        mask = scan.mask if scan.mask is not None else _unpack_bits(scan.bits, self.elements)
         values = self._values(new, mask)
         if encoding == MASK:
             payload = torch.cat([scan.bits, values])
@@ -337,12 +351,6 @@ class BucketCodec:
             count = (end - start) // size
             parts.append(data[start:end].view(count, size)[mask[first:first + count]].reshape(-1))
         return torch.cat(parts) if parts else data[:0]
-
-    @staticmethod
-    def _run_count(mask: torch.Tensor) -> int:
-        if mask.numel() == 0:
-            return 0
-        return int(mask[0]) + int(torch.count_nonzero(mask[1:] & ~mask[:-1]))
 
     @staticmethod
     def _runs(mask: torch.Tensor) -> torch.Tensor:
@@ -478,9 +486,9 @@ class BucketCodec:
                 for seg in self.segments]
 
     def _check_bytes(self, data: torch.Tensor, what: str) -> None:
-        if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != self.nbytes:
-            raise ValueError(f"{what}: the bucket's {self.nbytes} bytes as a 1-D uint8 tensor, got "
-                             f"{data.dtype} {tuple(data.shape)}")
+        if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != self.nbytes or not data.is_contiguous():
+            raise ValueError(f"{what}: the bucket's {self.nbytes} bytes as a contiguous 1-D uint8 tensor, got "
+                             f"{data.dtype} {tuple(data.shape)} with strides {data.stride()}")
 
 
 # The tag of a receiver's word on what it holds (PairHeld.holding), sent before every
@@ -500,6 +508,42 @@ def pair_codecs(buckets) -> list[BucketCodec]:
     return [BucketCodec(packed(bucket)[1]) for bucket in buckets]
 
 
+class DensityLimit:
+    """The changed fraction above which a point-to-point pair's buckets go whole
+    rather than as deltas, from the measured time of its last sends (the sender's
+    stream, first header to last send done): a version sent whole gives the seconds
+    per byte of a full send; a version with delta buckets that took longer than a
+    full send of its bytes would have lowers the limit below the densest delta it
+    sent (0.8x), one that took less raises it above that (1.25x, at most 1). Bytes
+    alone choose while no full send was timed. On a slow link (1 Gbit) the limit
+    settles near the break-even density; on one faster than the codec, near 0."""
+
+    LOWER, RAISE = 0.8, 1.25
+
+    def __init__(self) -> None:
+        self.limit = 1.0
+        self.full_seconds_per_byte: float | None = None
+
+    def whole(self, changed: int, elements: int) -> bool:
+        """Whether a bucket with `changed` of its `elements` changed goes whole."""
+        return elements > 0 and changed / elements > self.limit
+
+    def observe(self, seconds: float, full_bytes: int, densities: list[float]) -> None:
+        """A version's send took `seconds` for bytes a full send moves in `full_bytes`;
+        `densities`: the changed fraction of each bucket it sent as a delta (none: it
+        went whole)."""
+        if not densities:
+            if full_bytes > 0:
+                self.full_seconds_per_byte = seconds / full_bytes
+            return
+        if self.full_seconds_per_byte is None:
+            return
+        if seconds > self.full_seconds_per_byte * full_bytes:
+            self.limit = min(self.limit, self.LOWER * max(densities))
+        else:
+            self.limit = min(1.0, max(self.limit, self.RAISE * max(densities)))
+
+
 class PairBase:
     """A sender's base for one point-to-point receiver: the bytes of every bucket
     of the pair as it last sent them (packed order, destination dtype: one byte of
@@ -509,20 +553,30 @@ class PairBase:
 
     def __init__(self, codecs: list[BucketCodec], device: torch.device):
         self.codecs = codecs
-        self.starts = [0]
+        self.starts = [0]  # each bucket's base from a 64-byte boundary (whole words for the compares)
         for codec in codecs:
-            self.starts.append(self.starts[-1] + codec.nbytes)
+            self.starts.append(self.starts[-1] + (codec.nbytes + 63) // 64 * 64)
         self.bytes = torch.zeros(self.starts[-1], dtype=torch.uint8, device=device)
         self.sums: list[int | None] = [None] * len(codecs)
         self.version: int | None = None
+        self.density = DensityLimit()
+        self._densities: list[float] = []  # of the delta buckets of the send under way
+        self._started = 0.0
 
     def begin(self) -> tuple[int | None, list[int | None]]:
         """A send begins: the base's version and bucket checksums as they stand (what
         `usable` holds a receiver's word against); no whole version stands from
-        here until the caller sets `version` again, once every bucket is sent."""
+        here until `finish`, once every bucket is sent."""
         standing = (self.version, list(self.sums))
         self.version = None
+        self._densities, self._started = [], time.monotonic()
         return standing
+
+    def finish(self, version: int, full_bytes: int) -> None:
+        """Every bucket of `version` is sent (`full_bytes`: what a full send moves): it
+        is the base now, and the send's time goes to the density limit."""
+        self.version = version
+        self.density.observe(time.monotonic() - self._started, full_bytes, self._densities)
 
     @staticmethod
     def usable(standing: tuple[int | None, list[int | None]], holding: list[int]) -> list[bool]:
@@ -539,7 +593,8 @@ class PairBase:
         words that changed, on the host). None where the scan could not be made (out
         of memory, say): the bucket goes whole, and counts as held by no receiver
         until it is sent again."""
-        codec, base = self.codecs[index], self.bytes[self.starts[index]:self.starts[index + 1]]
+        codec = self.codecs[index]
+        base = self.bytes[self.starts[index]:self.starts[index] + codec.nbytes]
         try:
             scan = codec.scan(new, base, update_base=True)
             old = self.sums[index]
@@ -552,14 +607,18 @@ class PairBase:
 
     def encode(self, index: int, new: torch.Tensor, scan: Scan | None, delta: bool) -> BucketDelta:
         """Bucket `index` (`new`, its packed bytes; `scan`, this base's scan of it) as
-        the smallest delta when `delta`, else DENSE (also where the delta cannot be
-        made)."""
+        the smallest delta when `delta` and it is no denser than the density limit,
+        else DENSE (also where the delta cannot be made)."""
         codec = self.codecs[index]
-        if scan is not None and delta:
+        if scan is not None and delta and not self.density.whole(scan.changed, codec.elements):
             try:
-                return codec.encode(new, scan)
+                out = codec.encode(new, scan)
             except RuntimeError:  # out of memory, say: the bucket goes whole
                 pass
+            else:
+                if out.encoding != DENSE:
+                    self._densities.append(scan.changed / max(1, codec.elements))
+                return out
         return BucketDelta(DENSE, new, codec.elements, codec.elements)
 
 

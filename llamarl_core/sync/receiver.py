@@ -365,7 +365,11 @@ class WeightReceiver(Endpoint):
             while True:
                 word = None
                 if held is not None:  # a sender of deltas takes this before each header
-                    holding = held.holding(self.tensors, self.device)
+                    try:
+                        holding = held.holding(self.tensors, self.device)
+                    except Exception as exc:  # the sender waits for a word that does not come: out of step
+                        held.broken = f"its word on what it holds of sender {src} could not be made: {exc}"
+                        raise SyncError(f"receiver rank {self.rank}: {held.broken}") from exc
                     word = self._post("send", holding, src, HOLDING_TAG, what)
                 header = torch.empty(3, dtype=torch.int64, device=self.device)
                 self._wait_work(self._post("recv", header, src, 0, what), deadline, what)
@@ -416,9 +420,23 @@ class WeightReceiver(Endpoint):
         """Sender `src`'s buckets of `version`, each a description (encoding, payload
         bytes, changed elements; tag 1 + 2i) and its payload (tag 2 + 2i): DENSE
         unpacked as a full send's, a delta applied in place (delta.py). What it holds
-        of `src` counts from the first byte until the last has landed."""
+        of `src` counts from the first byte until the last has landed. A bucket
+        refused (_Refused) leaves the pair in step (the rest was taken off the wire);
+        any other failure part way marks the pair broken."""
         what = f"version {version} from sender {src}"
         held.version = None
+        try:
+            self._take_deltas(src, held, version, deadline, forwarding, what)
+        except _Refused:
+            raise
+        except BaseException as exc:  # messages of this version may be left on the wire: out of step
+            held.broken = held.broken or f"receiving {what} stopped part way ({type(exc).__name__}: {exc})"
+            raise
+        held.version = version
+
+    def _take_deltas(self, src: int, held: PairHeld, version: int, deadline: float, forwarding: Forwarding,
+                     what: str) -> None:
+        """_receive_deltas' loop over the buckets."""
         failure = None  # a bucket refused: the rest are taken off the wire, not applied, then it is raised
         for i, ((table, nbytes), codec) in enumerate(zip(self._unpack[src], held.codecs)):
             meta = torch.empty(3, dtype=torch.int64, device=self.device)
@@ -438,13 +456,13 @@ class WeightReceiver(Endpoint):
             else:
                 try:
                     codec.apply(encoding, payload, changed, self.tensors)
-                except ValueError as exc:
-                    failure = _Refused(f"receiver rank {self.rank}: bucket {i} of {what} refused: {exc}")
+                except Exception as exc:  # a payload refused, or out of memory: the rest still taken off the wire
+                    failure = _Refused(f"receiver rank {self.rank}: bucket {i} of {what} refused: "
+                                       f"{type(exc).__name__}: {exc}")
                     continue
             forwarding.landed()
         if failure is not None:
             raise failure
-        held.version = version
 
     def _adopt(self, outcome: ReceiveOutcome, was_torn: bool) -> int:
         """The receive's outcome taken on: the version that landed, or its error raised."""

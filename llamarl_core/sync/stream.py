@@ -63,6 +63,7 @@ class P2PStream:
                                       [], []]
         self.sent = 0  # buckets posted
         self.written = 0
+        self.full_bytes = 0  # what a full send of the buckets posted moves
 
     def forward(self) -> None:
         """Pack and post the next bucket, once the sends still reading its buffer are done."""
@@ -74,6 +75,7 @@ class P2PStream:
         slot.clear()
         packed = run_segment_table(table, s.device, s.num_threads, s._copy_timeout(self.deadline))
         staging = s._staging_bufs[i % 2][:nbytes]
+        self.full_bytes += packed
         if self.base is None:
             self.written += packed
             slot.append((s._post("send", staging, self.peer, 1 + i, self.what), staging))
@@ -97,7 +99,7 @@ class P2PStream:
             work, buffer = self.holding
             self.sender._wait_work(work, self.deadline, self.what)
             self.use_delta = self.base.usable(self.standing, buffer.tolist())
-            if self.stats is not None and not any(self.use_delta):
+            if self.stats is not None and self.use_delta and not any(self.use_delta):
                 self.stats.full_receivers += 1
         return self.use_delta
 
@@ -111,5 +113,5 @@ class P2PStream:
                 self.sender._wait_work(work, self.deadline, self.what)
         if self.base is not None:
             self._use_delta()  # taken even where the pair has no bucket
-            self.base.version = self.version
+            self.base.finish(self.version, self.full_bytes)
         return self.written

@@ -155,7 +155,8 @@ class TrainerRank:
         end = time.monotonic()
         sent = self.sender.last_send
         self.link.span("send weights", start, end, version=command.version, wire_bytes=sent.wire_bytes,
-                       full_bytes=sent.full_bytes)
+                       full_bytes=sent.full_bytes, full_receivers=sent.full_receivers,
+                       delta_buckets=sent.delta_buckets)
         self.link.send(Synced(version=command.version, seconds=end - start, generator=self.generator))
 
     def train(self, command: Train) -> None:
