@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from helpers import hf_state_dict, mismatches, poisoned_destination, small_config
+from helpers import deltas_by_size, hf_state_dict, mismatches, poisoned_destination, small_config
 from llamarl_core.sync import SyncError, WeightReceiver, WeightSender
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards
@@ -68,6 +68,7 @@ def sender(port: int, rank: int, world: int, tp: int, config_name: str, seed: in
     corrupt_version: in that version, this rank's first delta bucket lies about its
     size (the receiver must refuse it)."""
     torch.set_num_threads(1)
+    deltas_by_size()
     sent = [0]
     if corrupt_version is not None:
         _corrupting(sent, corrupt_version)
@@ -104,6 +105,7 @@ def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica
     refused bucket; "relayed": per version and child replica, the relay's
     last_send (delta.SendStats as a dict)."""
     torch.set_num_threads(1)
+    deltas_by_size()  # its relays'
     config = small_config(config_name)
     layout = vllm_llama_tp(config, tp, torch.bfloat16)
     params = poisoned_destination(layout, rank)

@@ -95,6 +95,16 @@ def local_tensors(full: torch.Tensor, placement, world: int) -> list[torch.Tenso
     return chunks(full, world, placement.dim)
 
 
+def deltas_by_size() -> None:
+    """In this process, delta senders choose each bucket's encoding by its bytes alone:
+    their density limits (delta.DensityLimit) stop following the sends' times, so
+    that a test of what goes on the wire does not depend on how fast this machine
+    is. The limit itself has a test of its own (test_delta)."""
+    from llamarl_core.sync.delta import DensityLimit
+
+    DensityLimit.observe = lambda self, seconds, full_bytes, densities: None
+
+
 def poisoned_destination(layout: Layout, rank: int) -> dict[str, torch.Tensor]:
     """Every tensor of `rank` (FP8 weights and scales included) NaN where a sync must
     write, zeros in padding rows (as vLLM allocates them)."""

@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from helpers import hf_state_dict, mismatches, poisoned_destination, small_config
+from helpers import deltas_by_size, hf_state_dict, mismatches, poisoned_destination, small_config
 from llamarl_core.sync import RelayError, SyncError, WeightReceiver, WeightSender
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards
@@ -91,6 +91,7 @@ def sender_body(port: int, rank: int, scenarios: list[dict], versions=(1, 2), in
     whose subject is not the kernels: test_plan.py checks them against that path)."""
     out = {}
     torch.set_num_threads(1)
+    deltas_by_size()  # the "delta" scenarios check what goes on the wire
     if not interpreter:
         os.environ["TRITON_INTERPRET"] = "0"
     for s in scenarios:

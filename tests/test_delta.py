@@ -259,7 +259,8 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
     whole to its end, a send that breaks off after a random bucket (the receiver
     holds part of it), a receiver restarted (its weights poisoned afresh, nothing
     held), a sender restarted (no base), bytes of the receiver changed outside the
-    sync. Every delta is applied to exactly the bytes it was made against, and
+    sync; density limits that send changed buckets whole, unscanned. Every delta is
+    applied to exactly the bytes it was made against, and
     after every completed send the receiver's tensors equal, bit for bit, those of
     a receiver that took every version whole."""
     from llamarl_core.sync.delta import PairBase, PairHeld, pair_codecs
@@ -278,7 +279,8 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
         gen = torch.Generator().manual_seed(run)
         version_bytes = [torch.randint(0, 256, (c.nbytes,), dtype=torch.uint8, generator=gen) for c in codecs]
         base, held = PairBase(codecs, cpu), PairHeld(codecs)
-        base.density.observe = lambda *timing: None  # by size alone: the timed limit has a test of its own
+        base.density.observe = lambda *timing: None  # the timed limit has a test of its own: here one drawn
+        base.density.limit = rng.choice([1.0, 1.0, 0.01, 0.0])  # 0: buckets found changed go whole unscanned
         tensors = _receiver(layout, rank, run)
         reference = {name: t.clone() for name, t in tensors.items()}
         version = 0
@@ -340,30 +342,42 @@ def test_the_density_limit_follows_the_measured_times_in_random_orders():
     whole version is timed the limit stays at 1 (bytes alone choose). A delta
     version slower than a full send of its bytes makes its densest bucket's density
     go whole from then on; a faster one lets it go as a delta; the limit stays in
-    [0, 1]; a whole version sets the seconds per byte a delta is held against."""
+    [0, 1]; a whole version sets the seconds per byte a delta is held against and
+    ends a probe. A probe (every bucket whole) follows a delta version that took
+    more than half a full send's time, only while one whole version was timed or
+    PROBE_EVERY versions after the last."""
     from llamarl_core.sync.delta import DensityLimit
 
     rng = random.Random(7)
+    probes = 0
     for _ in range(3000):
         limit = DensityLimit()
-        for _ in range(rng.randint(1, 12)):
+        for _ in range(rng.randint(1, 40)):
             full_bytes = rng.randint(1, 1 << 30)
             seconds = rng.uniform(1e-4, 10.0)
-            if rng.random() < 0.3:  # a version sent whole
+            if limit.probe or rng.random() < 0.1:  # a version sent whole
                 limit.observe(seconds, full_bytes, [])
-                assert limit.full_seconds_per_byte == seconds / full_bytes
+                assert limit.full_seconds_per_byte == seconds / full_bytes and not limit.probe
                 continue
             densities = [rng.choice([0.0, rng.random(), rng.random() * 0.01]) for _ in range(rng.randint(1, 4))]
-            before, per_byte = limit.limit, limit.full_seconds_per_byte
+            before, per_byte, timed, since = limit.limit, limit.full_seconds_per_byte, limit.timed_whole, \
+                limit.since_whole
             limit.observe(seconds, full_bytes, densities)
             densest = max(densities)
             if per_byte is None:
-                assert limit.limit == before == 1.0
-            elif seconds > per_byte * full_bytes:  # the deltas lost
-                assert limit.limit <= before and (densest == 0 or limit.whole(round(densest * 1e6), 10 ** 6))
+                assert limit.limit == before == 1.0 and not limit.probe
+                continue
+            ratio = seconds / (per_byte * full_bytes)
+            if ratio > 1:  # the deltas lost
+                assert limit.limit <= before and (densest == 0 or densest > limit.limit)
             else:
-                assert limit.limit >= before and not limit.whole(int(densest * 1e6), 10 ** 6)
+                assert limit.limit >= before and not densest > limit.limit
             assert 0.0 <= limit.limit <= 1.0
+            assert limit.probe == (ratio > limit.CLOSE and (timed < 2 or since + 1 >= limit.PROBE_EVERY))
+            if limit.probe:
+                probes += 1
+                assert limit.whole(0, 10)  # every bucket, unchanged ones too
+    assert probes > 100
     assert not DensityLimit().whole(10, 10) and not DensityLimit().whole(0, 0)
 
 
@@ -405,7 +419,7 @@ def test_deltas_point_to_point_land_every_version_whole(tmp_path):
     assert all(r["relayed"] == [] for r in receivers[2:])
     assert relayed[0]["full_receivers"] == 2 and relayed[0]["delta_buckets"] == 0, relayed[0]
     for v in (1, 2, 3):  # nothing, one element, a hundredth: no bucket whole, the same elements changed
-        assert relayed[v]["dense_buckets"] == 0 and relayed[v]["changed"] == total[v]["changed"], (v, relayed[v])
+        assert relayed[v]["dense_buckets"] == 0 and relayed[v]["changed"] == total[v]["changed"], (v, relayed, total)
         assert relayed[v]["wire_bytes"] <= 0.2 * relayed[v]["full_bytes"], (v, relayed[v])
     assert all(s["returned"] == s["wire_bytes"] for stats in senders for s in stats)
     first, nothing, one, hundredth, specials, _, everything, _ = total

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from helpers import deltas_by_size
+
 
 def tiny_config(kind: str):
     """Configs vLLM's CPU attention takes (head_dim 32), a vocabulary vLLM pads
@@ -75,6 +77,8 @@ def trainer_rank(port: int, rank: int, world: int, kind: str, seed: int, version
     from llamarl_core.sync import module_sender
 
     torch.set_num_threads(1)
+    if delta:
+        deltas_by_size()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     if world > 1:
         dist.init_process_group("gloo", store=dist.PrefixStore(f"pg/{name}/", store), rank=rank, world_size=world)

@@ -82,25 +82,41 @@ DeltaScan delta_scan_host(const uint8_t* fresh, uint8_t* base, int64_t nbytes, c
   uint64_t change = 0;
   size_t s = 0;
   int64_t last = -1;  // the last element marked (marks come in increasing order)
+  auto mark = [&](int64_t e, int64_t size) {
+    if (e == last) return;
+    mask[e >> 3] |= static_cast<uint8_t>(1u << (e & 7));
+    out.changed += 1;
+    out.value_bytes += size;
+    if (last < 0 || e != last + 1) out.runs += 1;
+    last = e;
+  };
   auto word = [&](int64_t offset, int64_t len) {
     const uint64_t now = load_word(fresh + offset, len), was = load_word(base + offset, len);
     if (now == was) return;
     change += checksum_term(static_cast<uint64_t>(offset) >> 3, now) -
               checksum_term(static_cast<uint64_t>(offset) >> 3, was);
-    for (uint64_t x = now ^ was; x;) {
+    if (update_base) std::memcpy(base + offset, fresh + offset, static_cast<size_t>(len));
+    uint64_t x = now ^ was;
+    while (offset >= st[s].end) ++s;
+    const Stretch& t = st[s];
+    if (len == 8 && offset + 8 <= t.end && ((offset - t.start) & (t.size - 1)) == 0) {
+      // The word holds whole elements of one stretch: one test per element.
+      const int lane_bits = static_cast<int>(8 * t.size);
+      const uint64_t lane = lane_bits == 64 ? ~uint64_t{0} : (uint64_t{1} << lane_bits) - 1;
+      const int64_t e0 = t.first + ((offset - t.start) >> t.shift);
+      for (int j = 0; x; ++j, x = lane_bits == 64 ? 0 : x >> lane_bits) {
+        if (x & lane) mark(e0 + j, t.size);
+      }
+      return;
+    }
+    while (x) {  // element by element through the bytes that differ
       const int byte = __builtin_ctzll(x) >> 3;
       x &= ~(uint64_t{0xFF} << (8 * byte));
       const int64_t position = offset + byte;
-      while (position >= st[s].end) ++s;
-      const int64_t e = st[s].first + ((position - st[s].start) >> st[s].shift);
-      if (e == last) continue;
-      mask[e >> 3] |= static_cast<uint8_t>(1u << (e & 7));
-      out.changed += 1;
-      out.value_bytes += st[s].size;
-      if (last < 0 || e != last + 1) out.runs += 1;
-      last = e;
+      size_t k = s;
+      while (position >= st[k].end) ++k;
+      mark(st[k].first + ((position - st[k].start) >> st[k].shift), st[k].size);
     }
-    if (update_base) std::memcpy(base + offset, fresh + offset, static_cast<size_t>(len));
   };
   int64_t offset = 0;
   for (; offset + 64 <= nbytes; offset += 64) {

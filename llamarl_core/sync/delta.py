@@ -511,22 +511,28 @@ def pair_codecs(buckets) -> list[BucketCodec]:
 class DensityLimit:
     """The changed fraction above which a point-to-point pair's buckets go whole
     rather than as deltas, from the measured time of its last sends (the sender's
-    stream, first header to last send done): a version sent whole gives the seconds
-    per byte of a full send; a version with delta buckets that took longer than a
+    stream, first header to last send done). A version sent whole gives the seconds
+    per byte of a full send. A version with delta buckets that took longer than a
     full send of its bytes would have lowers the limit below the densest delta it
-    sent (0.8x), one that took less raises it above that (1.25x, at most 1). Bytes
-    alone choose while no full send was timed. On a slow link (1 Gbit) the limit
-    settles near the break-even density; on one faster than the codec, near 0."""
+    sent (0.8x); one that took less raises it above that (1.25x, at most 1). Bytes
+    alone choose while no full send was timed. A delta version that took more than
+    half a full send's time asks for a probe, the next version whole to time a full
+    send again: while only the first (slowed by the pair's set-up) was timed, then
+    at most every PROBE_EVERY versions. On a slow link (1 Gbit) the limit settles
+    near the break-even density; on one faster than the codec, near 0."""
 
-    LOWER, RAISE = 0.8, 1.25
+    LOWER, RAISE, CLOSE, PROBE_EVERY = 0.8, 1.25, 0.5, 16
 
     def __init__(self) -> None:
         self.limit = 1.0
         self.full_seconds_per_byte: float | None = None
+        self.timed_whole = 0  # whole versions timed
+        self.since_whole = 0  # versions sent since the last whole one
+        self.probe = False  # the next version goes whole
 
     def whole(self, changed: int, elements: int) -> bool:
         """Whether a bucket with `changed` of its `elements` changed goes whole."""
-        return elements > 0 and changed / elements > self.limit
+        return self.probe or (elements > 0 and changed / elements > self.limit)
 
     def observe(self, seconds: float, full_bytes: int, densities: list[float]) -> None:
         """A version's send took `seconds` for bytes a full send moves in `full_bytes`;
@@ -535,13 +541,19 @@ class DensityLimit:
         if not densities:
             if full_bytes > 0:
                 self.full_seconds_per_byte = seconds / full_bytes
+                self.timed_whole += 1
+            self.since_whole, self.probe = 0, False
             return
-        if self.full_seconds_per_byte is None:
+        self.since_whole += 1
+        if self.full_seconds_per_byte is None or full_bytes <= 0:
             return
-        if seconds > self.full_seconds_per_byte * full_bytes:
+        ratio = seconds / (self.full_seconds_per_byte * full_bytes)
+        if ratio > 1:
             self.limit = min(self.limit, self.LOWER * max(densities))
         else:
             self.limit = min(1.0, max(self.limit, self.RAISE * max(densities)))
+        if ratio > self.CLOSE and (self.timed_whole < 2 or self.since_whole >= self.PROBE_EVERY):
+            self.probe = True
 
 
 class PairBase:
@@ -561,6 +573,8 @@ class PairBase:
         self.version: int | None = None
         self.density = DensityLimit()
         self._densities: list[float] = []  # of the delta buckets of the send under way
+        self._last_density: list[float | None] = [None] * len(codecs)  # each bucket's, at its last scan
+        self._unscanned = [0] * len(codecs)  # versions each bucket went whole unscanned since
         self._started = 0.0
 
     def begin(self) -> tuple[int | None, list[int | None]]:
@@ -590,12 +604,21 @@ class PairBase:
     def scan(self, index: int, new: torch.Tensor) -> Scan | None:
         """Bucket `index` of the version being sent (`new`, its packed bytes) against
         the base, which takes new's bytes and checksum (the checksum moved by the
-        words that changed, on the host). None where the scan could not be made (out
-        of memory, say): the bucket goes whole, and counts as held by no receiver
-        until it is sent again."""
+        words that changed, on the host). None where the bucket goes whole unscanned:
+        its last scan found it denser than the density limit, fewer than
+        DensityLimit.PROBE_EVERY versions ago (the base then takes a copy and a whole
+        checksum, cheaper than a scan of a dense change), or the scan could not be
+        made (out of memory, say: the bucket then counts as held by no receiver until
+        it is sent again)."""
         codec = self.codecs[index]
         base = self.bytes[self.starts[index]:self.starts[index] + codec.nbytes]
+        last = self._last_density[index]
         try:
+            if last is not None and last > self.density.limit and self._unscanned[index] < self.density.PROBE_EVERY:
+                self._unscanned[index] += 1
+                base.copy_(new)
+                self.sums[index] = bucket_checksum(new)
+                return None
             scan = codec.scan(new, base, update_base=True)
             old = self.sums[index]
             self.sums[index] = bucket_checksum(new) if old is None or scan.checksum_change is None else \
@@ -603,6 +626,7 @@ class PairBase:
         except RuntimeError:
             self.sums[index] = None
             return None
+        self._last_density[index], self._unscanned[index] = scan.changed / max(1, codec.elements), 0
         return scan
 
     def encode(self, index: int, new: torch.Tensor, scan: Scan | None, delta: bool) -> BucketDelta:

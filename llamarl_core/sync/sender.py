@@ -472,15 +472,17 @@ class WeightSender(Endpoint):
                 what = f"telling receiver {dst} that version {version} will not come"
                 unfinished = self._unfinished_headers.setdefault(dst, [])
                 if dst in self._bases:  # the receiver's word before each header, taken as the stream takes it
-                    holding = self._holding_buffer(dst)
-                    unfinished.append((self._post("recv", holding, peer, HOLDING_TAG, what), holding, what))
+                    unfinished.append((*self._post_holding(dst, what), what))
                 unfinished.append((self._post("send", header, peer, 0, what), header, what))
             except Exception as failure:  # noqa: BLE001 - `exc` is what the send raises
                 exc.add_note(f"sender rank {self.rank} could not tell receiver {dst} that nothing follows: {failure}")
 
-    def _holding_buffer(self, dst: int) -> torch.Tensor:
-        """Where receiver `dst`'s word on what it holds lands (PairHeld.holding)."""
-        return torch.empty(1 + len(self._tables[dst]), dtype=torch.int64, device=self.device)
+    def _post_holding(self, dst: int, what: str) -> tuple:
+        """Post the receive of delta receiver `dst`'s word on what it holds
+        (PairHeld.holding), which it sends before every header it takes from this
+        rank: (the work, the buffer it lands in)."""
+        buffer = torch.empty(1 + len(self._tables[dst]), dtype=torch.int64, device=self.device)
+        return self._post("recv", buffer, self.plan.src_layout.world_size + dst, HOLDING_TAG, what), buffer
 
     def _finish_header(self, dst: int, deadline: float) -> None:
         """Wait for the "nothing follows" headers posted to `dst` still in flight (its

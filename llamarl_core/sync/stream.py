@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .delta import DESCRIPTION_BYTES, HOLDING_TAG, SendStats
+from .delta import DESCRIPTION_BYTES, SendStats
 from .engine import run_segment_table
 
 if TYPE_CHECKING:
@@ -54,8 +54,7 @@ class P2PStream:
         self.holding = self.use_delta = None
         if self.base is not None:
             self.standing = self.base.begin()
-            buffer = sender._holding_buffer(dst)
-            self.holding = (sender._post("recv", buffer, self.peer, HOLDING_TAG, self.what), buffer)
+            self.holding = sender._post_holding(dst, self.what)
         self.header = torch.tensor([version, len(self.tables), sender.book.sends[dst]], dtype=torch.int64,
                                    device=sender.device)
         # The works in flight: the header's, and those reading staging buffer 0 and 1 (with their tensors).
