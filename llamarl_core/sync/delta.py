@@ -33,7 +33,6 @@ Torch on the tensors' device (CPU or CUDA), the host's checksum native
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -200,6 +199,8 @@ _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 def _differs(new: torch.Tensor, base: torch.Tensor, size: int) -> torch.Tensor:
     """Per element of `size` bytes, whether its bytes differ: compared as integers of
     that size where both spans are aligned to it, else byte by byte."""
+    if new.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool, device=new.device)
     kind = _INT_OF_SIZE.get(size)
     if kind is not None and new.data_ptr() % size == 0 and base.data_ptr() % size == 0:
         return new.view(kind) != base.view(kind)
@@ -510,25 +511,39 @@ def pair_codecs(buckets) -> list[BucketCodec]:
 
 class DensityLimit:
     """The changed fraction above which a point-to-point pair's buckets go whole
-    rather than as deltas, from the measured time of its last sends (the sender's
-    stream, first header to last send done). A version sent whole gives the seconds
-    per byte of a full send. A version with delta buckets that took longer than a
-    full send of its bytes would have lowers the limit below the densest delta it
-    sent (0.8x); one that took less raises it above that (1.25x, at most 1). Bytes
-    alone choose while no full send was timed. A delta version that took more than
-    half a full send's time asks for a probe, the next version whole to time a full
-    send again: while only the first (slowed by the pair's set-up) was timed, then
-    at most every PROBE_EVERY versions. On a slow link (1 Gbit) the limit settles
-    near the break-even density; on one faster than the codec, near 0."""
+    rather than as deltas, from the measured time of the pair's sends (the
+    sender's stream from the receiver's word on, less what a relay waited for its
+    buckets to land):
 
-    LOWER, RAISE, CLOSE, PROBE_EVERY = 0.8, 1.25, 0.5, 16
+    - a version sent whole gives the seconds per byte of a full send; the least of
+      the last FULL_KEPT stands (a send slowed by set-up or a late receiver does not);
+    - a version with delta buckets that changed something, slower than a full send
+      of its bytes: the limit drops below its densest delta (LOWER x); faster: it
+      rises above it (RAISE x, at most 1). Bytes alone choose while no full send
+      was timed;
+    - PROBE_EVERY versions without a move or a lost delta version, the limit
+      doubles (at most 1): denser deltas are tried again, a lost try costing one
+      version;
+    - a probe, the next version whole to time a full send again: after the first
+      delta version (the first full send is slowed by the pair's set-up), then
+      every PROBE_EVERY versions while deltas take over CLOSE of a full send's time.
+
+    On a slow link (1 Gbit) the limit settles near the break-even density; on one
+    faster than the codec, near 0."""
+
+    LOWER, RAISE, CLOSE, PROBE_EVERY, FULL_KEPT = 0.8, 1.25, 0.5, 16, 4
 
     def __init__(self) -> None:
         self.limit = 1.0
-        self.full_seconds_per_byte: float | None = None
-        self.timed_whole = 0  # whole versions timed
-        self.since_whole = 0  # versions sent since the last whole one
         self.probe = False  # the next version goes whole
+        self._full: list[float] = []  # seconds per byte of the last whole versions
+        self._delta_versions = 0
+        self._since_whole = 0  # versions since the last whole one
+        self._since_move = 0  # versions since the limit last moved
+
+    @property
+    def full_seconds_per_byte(self) -> float | None:
+        return min(self._full) if self._full else None
 
     def whole(self, changed: int, elements: int) -> bool:
         """Whether a bucket with `changed` of its `elements` changed goes whole."""
@@ -538,22 +553,27 @@ class DensityLimit:
         """A version's send took `seconds` for bytes a full send moves in `full_bytes`;
         `densities`: the changed fraction of each bucket it sent as a delta (none: it
         went whole)."""
+        before, lost = self.limit, False
         if not densities:
-            if full_bytes > 0:
-                self.full_seconds_per_byte = seconds / full_bytes
-                self.timed_whole += 1
-            self.since_whole, self.probe = 0, False
-            return
-        self.since_whole += 1
-        if self.full_seconds_per_byte is None or full_bytes <= 0:
-            return
-        ratio = seconds / (self.full_seconds_per_byte * full_bytes)
-        if ratio > 1:
-            self.limit = min(self.limit, self.LOWER * max(densities))
+            if full_bytes > 0 and seconds > 0:
+                self._full = (self._full + [seconds / full_bytes])[-self.FULL_KEPT:]
+            self._since_whole, self.probe = 0, False
         else:
-            self.limit = min(1.0, max(self.limit, self.RAISE * max(densities)))
-        if ratio > self.CLOSE and (self.timed_whole < 2 or self.since_whole >= self.PROBE_EVERY):
-            self.probe = True
+            self._delta_versions += 1
+            self._since_whole += 1
+            per_byte, densest = self.full_seconds_per_byte, max(densities)
+            if per_byte is not None and full_bytes > 0:
+                ratio = seconds / (per_byte * full_bytes)
+                lost = densest > 0 and ratio > 1
+                if lost:
+                    self.limit = min(self.limit, self.LOWER * densest)
+                elif densest > 0:
+                    self.limit = min(1.0, max(self.limit, self.RAISE * densest))
+                if self._delta_versions == 1 or (ratio > self.CLOSE and self._since_whole >= self.PROBE_EVERY):
+                    self.probe = True
+        self._since_move = 0 if lost or self.limit != before else self._since_move + 1
+        if self._since_move >= self.PROBE_EVERY and self.limit < 1.0:
+            self.limit, self._since_move = min(1.0, max(2 * self.limit, 1e-3)), 0
 
 
 class PairBase:
@@ -575,7 +595,7 @@ class PairBase:
         self._densities: list[float] = []  # of the delta buckets of the send under way
         self._last_density: list[float | None] = [None] * len(codecs)  # each bucket's, at its last scan
         self._unscanned = [0] * len(codecs)  # versions each bucket went whole unscanned since
-        self._started = 0.0
+        self._rescan_after = [1] * len(codecs)  # ... and how many before its next scan (1, 2, 4 .. 16)
 
     def begin(self) -> tuple[int | None, list[int | None]]:
         """A send begins: the base's version and bucket checksums as they stand (what
@@ -583,14 +603,14 @@ class PairBase:
         here until `finish`, once every bucket is sent."""
         standing = (self.version, list(self.sums))
         self.version = None
-        self._densities, self._started = [], time.monotonic()
+        self._densities = []
         return standing
 
-    def finish(self, version: int, full_bytes: int) -> None:
-        """Every bucket of `version` is sent (`full_bytes`: what a full send moves): it
-        is the base now, and the send's time goes to the density limit."""
+    def finish(self, version: int, full_bytes: int, seconds: float) -> None:
+        """Every bucket of `version` is sent (`full_bytes`: what a full send moves,
+        `seconds`: the send's time as DensityLimit counts it): it is the base now."""
         self.version = version
-        self.density.observe(time.monotonic() - self._started, full_bytes, self._densities)
+        self.density.observe(seconds, full_bytes, self._densities)
 
     @staticmethod
     def usable(standing: tuple[int | None, list[int | None]], holding: list[int]) -> list[bool]:
@@ -605,16 +625,18 @@ class PairBase:
         """Bucket `index` of the version being sent (`new`, its packed bytes) against
         the base, which takes new's bytes and checksum (the checksum moved by the
         words that changed, on the host). None where the bucket goes whole unscanned:
-        its last scan found it denser than the density limit, fewer than
-        DensityLimit.PROBE_EVERY versions ago (the base then takes a copy and a whole
-        checksum, cheaper than a scan of a dense change), or the scan could not be
+        its last scan found it denser than the density limit, fewer versions ago than
+        its rescan interval (1, doubling while rescans find it as dense, up to
+        DensityLimit.PROBE_EVERY; the base then takes a copy and a whole checksum,
+        cheaper than a scan of a dense change), or the scan could not be
         made (out of memory, say: the bucket then counts as held by no receiver until
         it is sent again)."""
         codec = self.codecs[index]
         base = self.bytes[self.starts[index]:self.starts[index] + codec.nbytes]
         last = self._last_density[index]
+        dense = last is not None and last > self.density.limit
         try:
-            if last is not None and last > self.density.limit and self._unscanned[index] < self.density.PROBE_EVERY:
+            if dense and self._unscanned[index] < self._rescan_after[index]:
                 self._unscanned[index] += 1
                 base.copy_(new)
                 self.sums[index] = bucket_checksum(new)
@@ -626,7 +648,11 @@ class PairBase:
         except RuntimeError:
             self.sums[index] = None
             return None
-        self._last_density[index], self._unscanned[index] = scan.changed / max(1, codec.elements), 0
+        density = scan.changed / max(1, codec.elements)
+        if dense:  # a rescan: still as dense, the next comes later
+            self._rescan_after[index] = min(2 * self._rescan_after[index], self.density.PROBE_EVERY) \
+                if density > self.density.limit else 1
+        self._last_density[index], self._unscanned[index] = density, 0
         return scan
 
     def encode(self, index: int, new: torch.Tensor, scan: Scan | None, delta: bool) -> BucketDelta:

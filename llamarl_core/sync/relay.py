@@ -237,8 +237,10 @@ class Forwarding:
                 stream = P2PStream(relay, relay.rank, version, self.deadline, stats=stats)
                 while True:
                     with self._changed:
+                        waiting = time.monotonic()
                         self._changed.wait_for(lambda: self._aborted or self._all_landed or stream.sent < self._landed,
                                                timeout=max(self.deadline - time.monotonic(), 0.0))
+                        stream.paused(time.monotonic() - waiting)
                         if self._aborted:
                             self._fail(child, "SyncError: stopped in the middle of the version")  # the lock is an RLock
                             return

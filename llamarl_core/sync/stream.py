@@ -3,6 +3,7 @@ WeightSender or from a generator replica's relay (relay.py) to one receiver."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,6 +64,8 @@ class P2PStream:
         self.sent = 0  # buckets posted
         self.written = 0
         self.full_bytes = 0  # what a full send of the buckets posted moves
+        self.clock: float | None = None  # the send's time for the density limit, from the receiver's word on
+        self.waited = 0.0  # ... less what a relay waited for buckets to land meanwhile (`paused`)
 
     def forward(self) -> None:
         """Pack and post the next bucket, once the sends still reading its buffer are done."""
@@ -91,6 +94,11 @@ class P2PStream:
                 self.stats.add(delta, packed, described=True)
         self.sent += 1
 
+    def paused(self, seconds: float) -> None:
+        """The caller (a relay) waited `seconds` for buckets to land: not the pair's time."""
+        if self.clock is not None:
+            self.waited += seconds
+
     def _use_delta(self) -> list[bool]:
         """Per bucket, whether it may go as a delta: the receiver's word on what it
         holds, taken once, against the base as it stood when the send began."""
@@ -98,6 +106,7 @@ class P2PStream:
             work, buffer = self.holding
             self.sender._wait_work(work, self.deadline, self.what)
             self.use_delta = self.base.usable(self.standing, buffer.tolist())
+            self.clock = time.monotonic()
             if self.stats is not None and self.use_delta and not any(self.use_delta):
                 self.stats.full_receivers += 1
         return self.use_delta
@@ -112,5 +121,5 @@ class P2PStream:
                 self.sender._wait_work(work, self.deadline, self.what)
         if self.base is not None:
             self._use_delta()  # taken even where the pair has no bucket
-            self.base.finish(self.version, self.full_bytes)
+            self.base.finish(self.version, self.full_bytes, time.monotonic() - self.clock - self.waited)
         return self.written
