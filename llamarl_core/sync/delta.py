@@ -525,13 +525,15 @@ class DensityLimit:
       doubles (at most 1): denser deltas are tried again, a lost try costing one
       version;
     - a probe, the next version whole to time a full send again: after the first
-      delta version (the first full send is slowed by the pair's set-up), then
-      every PROBE_EVERY versions while deltas take over CLOSE of a full send's time.
+      delta version (the first full send is slowed by the pair's set-up) unless it
+      took under FIRST_PROBE_ABOVE of that send's time (the set-up would have had
+      to slow it over 6x to hide a loss), then every PROBE_EVERY versions while
+      deltas take over CLOSE of a full send's time.
 
     On a slow link (1 Gbit) the limit settles near the break-even density; on one
     faster than the codec, near 0."""
 
-    LOWER, RAISE, CLOSE, PROBE_EVERY, FULL_KEPT = 0.8, 1.25, 0.5, 16, 4
+    LOWER, RAISE, CLOSE, PROBE_EVERY, FULL_KEPT, FIRST_PROBE_ABOVE = 0.8, 1.25, 0.5, 16, 4, 0.15
 
     def __init__(self) -> None:
         self.limit = 1.0
@@ -569,7 +571,8 @@ class DensityLimit:
                     self.limit = min(self.limit, self.LOWER * densest)
                 elif densest > 0:
                     self.limit = min(1.0, max(self.limit, self.RAISE * densest))
-                if self._delta_versions == 1 or (ratio > self.CLOSE and self._since_whole >= self.PROBE_EVERY):
+                first = self._delta_versions == 1 and ratio > self.FIRST_PROBE_ABOVE
+                if first or (ratio > self.CLOSE and self._since_whole >= self.PROBE_EVERY):
                     self.probe = True
         self._since_move = 0 if lost or self.limit != before else self._since_move + 1
         if self._since_move >= self.PROBE_EVERY and self.limit < 1.0:
