@@ -350,24 +350,21 @@ def main_hosts(spec) -> int:
                f"-> R x TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench sync --hosts`)")
     params = {"fsdp": spec.fsdp, "tp": spec.tp, "bytes": result["model_bytes"], "src_dtype": spec.src_dtype,
               "link_rate": spec.link_rate}
+    mib, flow = result["model_bytes"] / 2**20, f"FSDP {spec.fsdp} {spec.src_dtype} -> TP {spec.tp} bf16"
+    tables = []  # (bench, its section, its rows, the row's own parameter, the table)
     if spec.delta_versions:
-        section = (f"Delta weight sync across hosts, a real run's versions: {result['model_bytes'] / 2**20:.0f} MiB, "
-                   f"FSDP {spec.fsdp} {spec.src_dtype} -> TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench "
-                   "sync --hosts --delta-versions`)")
-        for row in result["versions"]:
-            record(spec.record, "sync_delta_versions", {"seconds": row["seconds"]["median"],
-                                                        "time_vs_full": row["time_vs_full"],
-                                                        "wire_vs_full": row["wire_vs_full"]},
-                   params | {"versions": Path(row["folder"]).name}, section, report_versions(result))
+        tables.append(("sync_delta_versions", f"Delta weight sync across hosts, a real run's versions: {mib:.0f} MiB, "
+                       f"{flow}, links at {spec.link_rate} (`llamarl bench sync --hosts --delta-versions`)",
+                       [(row, {"versions": Path(row["folder"]).name}) for row in result["versions"]],
+                       report_versions(result)))
     if spec.delta:  # a section of its own: the replicas' section keeps its counts
-        section = (f"Delta weight sync across hosts: {result['model_bytes'] / 2**20:.0f} MiB, FSDP {spec.fsdp} "
-                   f"{spec.src_dtype} -> TP {spec.tp} bf16, links at {spec.link_rate} (`llamarl bench sync --hosts "
-                   "--delta`)")
-        for row in result["deltas"]:
-            record(spec.record, "sync_delta_hosts", {"seconds": row["seconds"]["median"],
-                                                     "time_vs_full": row["time_vs_full"],
-                                                     "wire_vs_full": row["wire_vs_full"]},
-                   params | {"fraction": row["fraction"]}, section, report_deltas(result))
+        tables.append(("sync_delta_hosts", f"Delta weight sync across hosts: {mib:.0f} MiB, {flow}, links at "
+                       f"{spec.link_rate} (`llamarl bench sync --hosts --delta`)",
+                       [(row, {"fraction": row["fraction"]}) for row in result["deltas"]], report_deltas(result)))
+    for bench, delta_section, rows, text in tables:
+        for row, own in rows:
+            record(spec.record, bench, {"seconds": row["seconds"]["median"], "time_vs_full": row["time_vs_full"],
+                                        "wire_vs_full": row["wire_vs_full"]}, params | own, delta_section, text)
     if not (spec.delta or spec.delta_versions):
         for row in result["rows"]:
             record(spec.record, "sync_hosts", {"seconds": row["seconds"]["median"],
