@@ -572,7 +572,8 @@ def parse_args(argv):
                    help="with --hosts: also send the consecutive versions of a real run as deltas into one replica, "
                         "version i in round i (--warmup + --repeats of them at most), one run per folder, beside the "
                         "full sync of the same model; each folder written by llamarl_core.bench.versions:save_versions "
-                        "(its docstring says how), whose config.json gives the model (--hidden ... --vocab unused)")
+                        "(its docstring says how), whose config.json gives the model (--hidden ... --vocab unused; "
+                        "default: none)")
     p.add_argument("--fp8", choices=["tensor", "channel", "block"],
                    help="the generator's linear weights in FP8 of this granularity (the engine alone, beside the copy "
                         "bandwidth over the bytes it must move; default: none, bf16 weights)")
