@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 # Two pytest-xdist workers, and the processes their tests start, share the cores. An
@@ -9,6 +12,11 @@ import time
 # loads its OpenMP runtime; inherited by every process a test starts.
 assert "torch" not in sys.modules, "conftest must set OMP_WAIT_POLICY before torch is imported"
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# vLLM's engines (TRL's server's, ours) make their ZeroMQ sockets in this folder and leave them there: a
+# folder of this process's, removed when it exits (every engine it started has stopped by then).
+_VLLM_SOCKETS = tempfile.mkdtemp(prefix="llamarl-test-vllm-ipc-")
+os.environ["VLLM_RPC_BASE_PATH"] = _VLLM_SOCKETS
+atexit.register(shutil.rmtree, _VLLM_SOCKETS, ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
