@@ -386,6 +386,11 @@ class BucketCodec:
         or RUNS payload that says it holds `changed` elements, with torch ops.
         ValueError for a payload that does not hold what it says (runs out of order
         or past the bucket, sizes that do not add up)."""
+        return self._decode(encoding, payload, changed)[:2]
+
+    def _decode(self, encoding: int, payload: torch.Tensor, changed: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                  list[int]]:
+        """changed_elements, and where each stretch's elements begin in the index."""
         index_part, values = self._split(encoding, payload)
         if encoding == MASK:
             index = torch.nonzero(_unpack_bits(index_part, self.elements)).reshape(-1)
@@ -401,14 +406,15 @@ class BucketCodec:
             total = int(lengths.sum())
             index = torch.repeat_interleave(firsts - (torch.cumsum(lengths, 0) - lengths), lengths) + \
                 torch.arange(total, device=payload.device)
-        if index.numel() != changed or values.numel() != self._values_nbytes(index):
+        cuts = self._stretch_cuts(index)
+        if index.numel() != changed or values.numel() != self._values_nbytes(index, cuts):
             raise ValueError(f"a delta of {index.numel()} elements and {values.numel()} value bytes, which says it "
                              f"holds {changed} elements")
-        return index, values
+        return index, values, cuts
 
-    def _values_nbytes(self, index: torch.Tensor) -> int:
-        """The bytes of the elements `index` (increasing) names."""
-        cuts = self._stretch_cuts(index)
+    def _values_nbytes(self, index: torch.Tensor, cuts: list[int] | None = None) -> int:
+        """The bytes of the elements `index` (increasing) names (`cuts`: its _stretch_cuts, when known)."""
+        cuts = self._stretch_cuts(index) if cuts is None else cuts
         return sum((cuts[i + 1] - cuts[i]) * size for i, (_, _, size, _) in enumerate(self.stretches))
 
     def _stretch_cuts(self, index: torch.Tensor) -> list[int]:
@@ -434,9 +440,8 @@ class BucketCodec:
                                                  changed, table)
             except native().EngineError as error:  # what the payload says does not hold: nothing written
                 raise ValueError(str(error)) from None
-        index, values = self.changed_elements(encoding, payload, changed)
+        index, values, cuts = self._decode(encoding, payload, changed)
         # Each element's first byte in the bucket (increasing, as the index is), stretch by stretch.
-        cuts = self._stretch_cuts(index)
         positions = torch.cat([index[cuts[i]:cuts[i + 1]] * size + (start - first * size)
                                for i, (start, _, size, first) in enumerate(self.stretches)]) \
             if self.stretches else index
@@ -717,8 +722,8 @@ class SendStats:
         self.wire_bytes += nbytes
         self.full_bytes += nbytes
 
-    def add(self, delta: BucketDelta, full_bytes: int, described: bool) -> None:
-        self.wire_bytes += delta.nbytes + (DESCRIPTION_BYTES if described else 0)
+    def add(self, delta: BucketDelta, full_bytes: int) -> None:
+        self.wire_bytes += delta.nbytes + DESCRIPTION_BYTES
         self.full_bytes += full_bytes
         if delta.encoding == DENSE:
             self.dense_buckets += 1

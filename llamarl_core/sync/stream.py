@@ -91,7 +91,7 @@ class P2PStream:
             slot.append((s._post("send", delta.payload, self.peer, 2 + 2 * i, self.what), delta.payload))
             self.written += delta.nbytes + DESCRIPTION_BYTES
             if self.stats is not None:
-                self.stats.add(delta, packed, described=True)
+                self.stats.add(delta, packed)
         self.sent += 1
 
     def paused(self, seconds: float) -> None:
