@@ -10,6 +10,7 @@
     llamarl bench gpu [options]     the GPU kernels and CUDA copy engine beside the copy bandwidth
     llamarl bench soak [options]    memory, Store keys, files and threads over thousands of steps
     llamarl bench trl [options]     one GRPO run through TRL's GRPOTrainer and through llamarl's
+    llamarl plan SCENARIO.json      a run's step time, memory and bottleneck predicted before it starts
     llamarl check gpu [options]     every GPU figure and test within a time budget (the compile check without a GPU)
 """
 
@@ -50,6 +51,10 @@ commands:
   bench trl     one GRPO run through TRL's GRPOTrainer and through llamarl's
                 (one import changed): loss time and memory, step time, equal
                 losses (llamarl bench trl --help)
+  plan          SCENARIO.json: a run's step time, each phase's time, memory
+                per GPU and the bottleneck, predicted; --choose the placement;
+                --paper LlamaRL's and NeMo-RL's tables; plan fit RUNS.json
+                (llamarl plan --help)
   check gpu     the build for this GPU, every `gpu` test, the GPU benches,
                 the pipeline on one GPU and compute-sanitizer within a time
                 budget (--budget), one table and --json; without a GPU, every
@@ -110,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         from .pipeline.arithmetic import main as arithmetic_main
 
         return arithmetic_main(argv[2:])
+    if argv and argv[0] == "plan":
+        from .planner.cli import main as plan_main
+
+        return plan_main(argv[1:])
     if argv and argv[0] == "check":
         from .check import main as check_main
 

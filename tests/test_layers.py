@@ -12,12 +12,13 @@ PACKAGE = ROOT / "llamarl_core"
 
 # What each package of llamarl_core may import at module level (besides itself and
 # the top-level helper modules of ALWAYS). Beneath everything: control (the
-# control plane) and ops (kernels); sync builds on both; models on sync; the
-# pipeline and the integrations on all of those.
+# control plane), ops (kernels) and the planner (plain arithmetic); sync builds on
+# control and ops; models on sync; the pipeline and the integrations on all of those.
 ALWAYS = {"llamarl_core", "llamarl_core._moved", "llamarl_core._native", "llamarl_core.spelling"}
 MAY_IMPORT = {
     "control": set(),
     "ops": set(),
+    "planner": set(),
     "sync": {"control", "ops", "models.llama_family"},
     "models": {"control", "ops", "sync"},
     "pipeline": {"control", "ops", "sync", "models", "forkserver"},

@@ -1,0 +1,289 @@
+"""`llamarl plan`: predict a run's step time before it starts.
+
+    llamarl plan SCENARIO.json [--calibration CAL.json] [--json] [--choose [--top N]]
+    llamarl plan --paper [--calibration CAL.json] [--json]
+    llamarl plan fit RUNS.json -o CAL.json [--no-leave-one-out]
+
+SCENARIO.json: one row in the published-runs format (the field names of
+llamarl_core/planner/data/nemo_rl_h100_runs.json; its `measured`, if any, shown
+beside the prediction, never used), or a file of them ({"runs": [...]}), each
+predicted. Without --calibration the H100 calibration that ships with the package
+(fit on NeMo-RL's published H100 runs by `llamarl plan fit`) is used, for another
+GPU of the table with that GPU's published peaks (said in the assumptions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from importlib import resources
+from pathlib import Path
+
+from .calibration import Calibration, fit, leave_one_out
+from .cost import FACTORS
+from .devices import PlanError
+from .scenario import from_row
+from .search import choose, describe
+
+SHIPPED_CALIBRATION = "h100.json"
+PUBLISHED_RUNS = "nemo_rl_h100_runs.json"
+PAPER_RUNS = "llamarl_paper.json"
+
+
+def data_path(name: str) -> Path:
+    return Path(str(resources.files("llamarl_core.planner") / "data" / name))
+
+
+def _read_json(path: str, flag: str):
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise PlanError(f"{flag} {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{flag} {path}: not JSON ({exc})") from None
+
+
+def _rows(data, flag: str, path: str) -> list[dict]:
+    if isinstance(data, dict) and isinstance(data.get("runs"), list):
+        return data["runs"]
+    if isinstance(data, dict) and {"run", "generator", "trainer"} <= set(data) and "hf_config" not in data:
+        raise PlanError(f"{flag} {path}: a `llamarl train` run's config.json; predicting a run on this machine "
+                        "needs a calibration of its CPU, which `llamarl plan` cannot make yet: give a row in the "
+                        "published-runs format")
+    if isinstance(data, dict):
+        return [data]
+    raise PlanError(f"{flag} {path}: a scenario is a JSON object (a row) or {{\"runs\": [rows]}}")
+
+
+def _measured(row: dict) -> float | None:
+    value = (row.get("measured") or {}).get("step_time_s") if isinstance(row.get("measured"), dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _calibration(path: str | None) -> Calibration:
+    return Calibration.load(path or data_path(SHIPPED_CALIBRATION))
+
+
+def _line(name: str, measured: float | None, p) -> str:
+    error = f"{p.step_time_s / measured - 1:+7.1%}" if measured else "       "
+    shown = f"{measured:8.1f}" if measured else "       -"
+    return (f"{name[:44]:44s} {shown} {p.step_time_s:9.1f} {error} {p.gen_time_s:7.1f} {p.train_time_s:7.1f} "
+            f"{p.sync_time_s:6.1f} {p.swap_time_s:6.1f}  {p.memory_gib_per_gpu['generator']:5.1f}/"
+            f"{p.memory_gib_per_gpu['trainer']:5.1f}")
+
+
+HEADER = (f"{'scenario':44s} {'measured':>8s} {'predicted':>9s} {'error':>7s} {'gen s':>7s} {'train s':>7s} "
+          f"{'sync s':>6s} {'swap s':>6s}  GiB gen/train")
+
+
+def _print_one(scenario, prediction, measured: float | None) -> None:
+    print(HEADER)
+    print(_line(scenario.name, measured, prediction))
+    print(f"bottleneck: {prediction.bottleneck}")
+    print("assumptions:")
+    for line in prediction.assumptions:
+        print(f"  - {line}")
+
+
+def _predict(args) -> int:
+    calibration = _calibration(args.calibration)
+    model = calibration.model()
+    rows = _rows(_read_json(args.scenario, "SCENARIO"), "SCENARIO", args.scenario)
+    results = []
+    for row in rows:
+        scenario = calibration.scenario(row, base=Path(args.scenario).parent)
+        results.append((row, scenario, model.predict(scenario)))
+    if args.choose:
+        if len(results) != 1:
+            raise PlanError(f"--choose takes one scenario; {args.scenario} holds {len(results)}")
+        row, scenario, prediction = results[0]
+        best = choose(model, scenario, top=args.top)
+        if args.json:
+            print(json.dumps({"given": {"placement": describe(scenario), **prediction.as_json()},
+                              "best": [{"placement": describe(s), **p.as_json()} for s, p in best]}, indent=1))
+            return 0
+        print(f"{'placement':78s} {'step s':>8s} {'gen s':>7s} {'train s':>7s}")
+        for label, s, p in [("given", scenario, prediction)] + [(f"#{i + 1}", s, p) for i, (s, p) in enumerate(best)]:
+            print(f"{label:6s}{describe(s)[:72]:72s} {p.step_time_s:8.1f} {p.gen_time_s:7.1f} {p.train_time_s:7.1f}")
+        print(f"best: {best[0][1].bottleneck}")
+        return 0
+    if args.json:
+        objects = [{"name": s.name, "measured_step_time_s": _measured(row), **p.as_json()} for row, s, p in results]
+        print(json.dumps(objects[0] if len(objects) == 1 else {"runs": objects}, indent=1))
+        return 0
+    if len(results) == 1:
+        row, scenario, prediction = results[0]
+        _print_one(scenario, prediction, _measured(row))
+        return 0
+    print(HEADER)
+    for row, scenario, prediction in results:
+        print(_line(scenario.name, _measured(row), prediction))
+    _print_errors([p.step_time_s / m - 1 for row, _, p in results if (m := _measured(row))])
+    return 0
+
+
+def _print_errors(errors: list[float]) -> None:
+    if errors:
+        print(f"absolute error: median {statistics.median(abs(e) for e in errors):.1%}, "
+              f"max {max(abs(e) for e in errors):.1%} over {len(errors)} measured")
+
+
+def _parallel(text: str) -> dict:
+    """"PP16xEP16" -> {"pp": 16, "ep": 16}."""
+    return {part[:2].lower(): int(part[2:]) for part in text.split("x")}
+
+
+def refits(calibration: Calibration) -> list[dict]:
+    """NeMo-RL's published weight-refit times (context for the sync term, never fit
+    on) beside the weight sync predicted for a colocated run of that resharding,
+    for the models whose config the published runs hold."""
+    published = json.loads(data_path(PUBLISHED_RUNS).read_text())
+    configs = {row["model"]: row for row in published["runs"]}
+    model = calibration.model()
+    out = []
+    for refit in published["weight_refit"]:
+        entry = {"model": refit["model"], "from": refit["from"], "to": refit["to"], "published_s": refit["seconds"],
+                 "predicted_s": None}
+        base = configs.get(refit["model"])
+        if base is not None:
+            trainer, generator = _parallel(refit["from"]), _parallel(refit["to"])
+            gpus = generator["tp"] * generator.get("dp", 1)
+            row = {**base, "name": f"refit {refit['model']} {refit['from']} -> {refit['to']}",
+                   "placement": {"mode": "sync", "gpus": gpus}, "generator": {"tp": generator["tp"]},
+                   "trainer": {"tp": trainer.get("tp", 1), "pp": trainer.get("pp", 1), "ep": trainer.get("ep", 1)}}
+            entry["predicted_s"] = model.sync(calibration.scenario(row))
+        out.append(entry)
+    return out
+
+
+def _paper(args) -> int:
+    calibration = _calibration(args.calibration)
+    model = calibration.model()
+    out = {"llamarl": [], "nemo_rl": []}
+    for key, name in (("llamarl", PAPER_RUNS), ("nemo_rl", PUBLISHED_RUNS)):
+        for row in json.loads(data_path(name).read_text())["runs"]:
+            scenario = calibration.scenario(row)
+            out[key].append((row, scenario, model.predict(scenario)))
+    loo = {r["name"]: r for r in calibration.fit.get("leave_one_out", [])}
+    weight_refits = refits(calibration)
+    if args.json:
+        print(json.dumps({**{key: [{"name": s.name, "measured_step_time_s": _measured(row),
+                                    "leave_one_out_step_time_s": loo.get(s.name, {}).get("predicted_s"),
+                                    "notes": row.get("notes"), **p.as_json()} for row, s, p in rows]
+                             for key, rows in out.items()}, "weight_refit": weight_refits}, indent=1))
+        return 0
+    print("LlamaRL (arXiv 2505.24034), step time sync baseline -> async, beside the prediction:")
+    print(HEADER)
+    for row, scenario, prediction in out["llamarl"]:
+        print(_line(scenario.name, _measured(row), prediction))
+    print(f"assumptions: {out['llamarl'][0][0]['notes']}")
+    print(f"\nNeMo-RL v0.5 on H100 (the calibration's runs), in-sample and leave-one-out "
+          f"({calibration.device} calibration):")
+    print(HEADER + "  leave-one-out")
+    for row, scenario, prediction in out["nemo_rl"]:
+        held = loo.get(scenario.name)
+        extra = f"  {held['predicted_s']:8.1f} {held['error']:+7.1%}" if held else ""
+        print(_line(scenario.name, _measured(row), prediction) + extra)
+    _print_errors([p.step_time_s / m - 1 for row, _, p in out["nemo_rl"] if (m := _measured(row))])
+    if loo:
+        print(f"leave-one-out: median {statistics.median(abs(r['error']) for r in loo.values()):.1%}")
+    print("\nNeMo-RL's published weight refits (context, not fit on) beside the predicted weight sync:")
+    for entry in weight_refits:
+        low, high = entry["published_s"]
+        predicted = f"{entry['predicted_s']:6.2f} s" if entry["predicted_s"] is not None else \
+            "(no config of this model in the runs)"
+        print(f"  {entry['model']:16s} {entry['from']:>14s} -> {entry['to']:10s} published {low}-{high} s, "
+              f"predicted {predicted}")
+    return 0
+
+
+def _hold(text: str) -> tuple[str, float]:
+    name, _, value = text.partition("=")
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hold takes NAME=VALUE, got {text!r}") from None
+
+
+def _fit(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="llamarl plan fit", description=(
+        "Fit the cost model's factors on measured runs of one device kind (RUNS.json: {\"runs\": [rows]}, each "
+        "with measured.step_time_s), then refit without each run in turn to predict it (leave-one-out)."))
+    parser.add_argument("runs", help="RUNS.json")
+    parser.add_argument("-o", "--out", required=True, help="the calibration JSON to write")
+    parser.add_argument("--hold", type=_hold, action="append", default=[], metavar="NAME=VALUE",
+                        help="hold a factor at a value instead of fitting it (repeatable)")
+    parser.add_argument("--no-leave-one-out", action="store_true",
+                        help="skip the leave-one-out refits (one fit per run: minutes for ten runs)")
+    args = parser.parse_args(argv)
+    base = Path(args.runs).parent
+    rows = _rows(_read_json(args.runs, "RUNS"), "RUNS", args.runs)
+    runs, kinds = [], set()
+    for row in rows:
+        measured = _measured(row)
+        if measured is None or measured <= 0:
+            raise PlanError(f"RUNS {args.runs}: {row.get('name', 'a row')}: measured.step_time_s must be a "
+                            f"positive number, got {(row.get('measured') or {}).get('step_time_s')!r}")
+        scenario = from_row(row, base=base)
+        kinds.add(scenario.device.name)
+        runs.append((scenario, measured))
+    if len(kinds) != 1:
+        raise PlanError(f"RUNS {args.runs}: one calibration per kind of device; these runs are on {sorted(kinds)}")
+    kind = kinds.pop()
+    held = dict(args.hold)
+    calibration = fit(runs, kind, held)
+    if not args.no_leave_one_out:
+        calibration.fit["leave_one_out"] = leave_one_out(runs, kind, held)
+        calibration.fit["leave_one_out_median_abs_error"] = statistics.median(
+            abs(r["error"]) for r in calibration.fit["leave_one_out"])
+    calibration.save(args.out)
+    print(f"{'factor':22s} {'value':>10s}  bounds, meaning")
+    for name, value in calibration.factors.items():
+        lo, hi, meaning = FACTORS[name]
+        pinned = "  (at its bound)" if min(value - lo, hi - value) <= 1e-3 * (hi - lo) else ""
+        note = "  (held, not fit)" if name in calibration.fit["held"] else pinned
+        print(f"{name:22s} {value:10.4g}  [{lo:g}, {hi:g}] {meaning}{note}")
+    if "warning" in calibration.fit:
+        print(f"warning: {calibration.fit['warning']}")
+    model = calibration.model()
+    print(HEADER + ("  leave-one-out" if "leave_one_out" in calibration.fit else ""))
+    for i, (scenario, measured) in enumerate(runs):
+        extra = ""
+        if "leave_one_out" in calibration.fit:
+            out = calibration.fit["leave_one_out"][i]
+            extra = f"  {out['predicted_s']:8.1f} {out['error']:+7.1%}"
+        print(_line(scenario.name, measured, model.predict(scenario)) + extra)
+    print(f"in sample: median absolute error {calibration.fit['median_abs_error']:.1%}")
+    if "leave_one_out" in calibration.fit:
+        print(f"leave-one-out: median absolute error {calibration.fit['leave_one_out_median_abs_error']:.1%}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    try:
+        if argv[:1] == ["fit"]:
+            return _fit(argv[1:])
+        parser = argparse.ArgumentParser(prog="llamarl plan", description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("scenario", nargs="?", help="SCENARIO.json: a row, or {\"runs\": [rows]}")
+        parser.add_argument("--calibration", help="a calibration JSON (default: the shipped H100 fit)")
+        parser.add_argument("--json", action="store_true", help="print one JSON object")
+        parser.add_argument("--choose", action="store_true",
+                            help="search the mode, the split and each side's parallelism for the lowest step time")
+        parser.add_argument("--top", type=int, default=5, help="placements --choose prints (default: 5)")
+        parser.add_argument("--paper", action="store_true",
+                            help="LlamaRL's table and NeMo-RL's calibration runs beside the predictions")
+        args = parser.parse_args(argv)
+        if args.top < 1:
+            parser.error("--top must be at least 1")
+        if args.paper == (args.scenario is not None):
+            parser.error("give SCENARIO.json or --paper (one of them)")
+        if args.paper and args.choose:
+            parser.error("--choose takes a SCENARIO.json, not --paper")
+        return _paper(args) if args.paper else _predict(args)
+    except PlanError as exc:
+        print(f"llamarl plan: {exc}", file=sys.stderr)
+        return 2
