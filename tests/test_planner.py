@@ -263,6 +263,8 @@ def test_fit_recovers_known_factors_and_leave_one_out_predicts_held_runs():
     held = leave_one_out(runs[:4], "H100-SXM-80GB", fixed)
     assert [r["name"] for r in held] == [s.name for s, _ in runs[:4]]
     assert all(abs(r["error"]) < 1e-3 for r in held)
+    assert leave_one_out(runs[:3], "H100-SXM-80GB", fixed, workers=2) == leave_one_out(
+        runs[:3], "H100-SXM-80GB", fixed)  # processes or not: the same refits
 
 
 def test_shipped_calibration_is_the_fit_of_the_published_runs():

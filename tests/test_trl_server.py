@@ -244,6 +244,33 @@ def test_async_grpo_trainer_with_the_ddma_backend(server, monkeypatch):
 
 
 @pytest.mark.vllm
+def test_deltas_into_the_server_point_to_point(server):
+    """DdmaWeightTransfer(delta=True) over p2p: after a whole first sync, a sync
+    that changed three elements puts under a tenth of the bytes on the wire, and
+    the server computes with the trainer's weights after it."""
+    url, folder = server
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    transfer = DdmaWeightTransfer(url, transport="p2p", delta=True)
+    assert transfer.last_send is None
+    transfer.init_weight_transfer()
+    try:
+        transfer.send_weights(model.named_parameters())
+        first = transfer.last_send
+        assert first.full_receivers == 1 and first.delta_buckets == 0  # no base yet: whole
+        with torch.no_grad():
+            model.model.norm.weight[:3] += 0.5
+        transfer.send_weights(model.named_parameters())
+        sent = transfer.last_send
+        assert sent.changed == 3 and sent.wire_bytes < 0.1 * sent.full_bytes, sent
+        ids = tokenizer()("hello=abc")["input_ids"]
+        torch.testing.assert_close(server_logprobs(url, folder, ids), model_logprobs(model, ids), rtol=0, atol=1e-4)
+    finally:
+        transfer.destroy()
+    with pytest.raises(ValueError, match="delta must be True or False"):
+        DdmaWeightTransfer(url, delta="yes")
+
+
+@pytest.mark.vllm
 def test_what_the_transfer_refuses_is_named(server):
     """A URL without a scheme, no secret, a later sync handing a name the first did
     not or another shape: refused naming it, before anything is sent, TRL's

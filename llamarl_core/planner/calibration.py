@@ -13,9 +13,11 @@ A calibration file (JSON): {"device", "factors": {name: value}, "fit": {...},
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import math
+import multiprocessing
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,14 +210,23 @@ def fit(runs: list[tuple[Scenario, float]], device_name: str, fixed: dict | None
     return Calibration(device_name, model.f, result)
 
 
-def leave_one_out(runs: list[tuple[Scenario, float]], device_name: str, fixed: dict | None = None) -> list[dict]:
-    """For each run: the fit on the others, its prediction of this one and the error."""
+def _held_out(args) -> dict:
+    runs, i, device_name, fixed = args
+    scenario, measured = runs[i]
+    predicted = fit(runs[:i] + runs[i + 1:], device_name, fixed).model().predict(scenario).step_time_s
+    return {"name": scenario.name, "measured_s": measured, "predicted_s": predicted, "error": predicted / measured - 1}
+
+
+def leave_one_out(runs: list[tuple[Scenario, float]], device_name: str, fixed: dict | None = None,
+                  workers: int = 1) -> list[dict]:
+    """For each run: the fit on the others, its prediction of this one and the
+    error, in the runs' order. workers > 1: the refits in that many processes
+    (spawned: each imports the planner alone)."""
     if len(runs) < 2:
         raise PlanError(f"leave-one-out needs 2 runs or more, got {len(runs)}")
-    out = []
-    for i, (scenario, measured) in enumerate(runs):
-        calibration = fit(runs[:i] + runs[i + 1:], device_name, fixed)
-        predicted = calibration.model().predict(scenario).step_time_s
-        out.append({"name": scenario.name, "measured_s": measured, "predicted_s": predicted,
-                    "error": predicted / measured - 1})
-    return out
+    jobs = [(runs, i, device_name, fixed) for i in range(len(runs))]
+    if workers <= 1:
+        return [_held_out(job) for job in jobs]
+    with concurrent.futures.ProcessPoolExecutor(min(workers, len(jobs)),
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_held_out, jobs))

@@ -64,7 +64,12 @@ class DdmaWeightTransfer:
     the set-up and each sync. secret: the sync's, else LLAMARL_SECRET /
     LLAMARL_SECRET_FILE of this process; the server's workers read theirs from
     their environment (never sent over HTTP). transport: DDMA's ("auto", "shm",
-    "cuda_ipc", "p2p").
+    "cuda_ipc", "p2p"). delta: each sync after the first sends point-to-point
+    workers (a server on another host) only the elements whose server bytes
+    changed, applied straight into their parameters, bit for bit what a whole
+    sync writes (WeightSender delta=True, docs/delta.md); workers on this host
+    are written whole as without it. `last_send` reports what the last sync put
+    on the wire.
 
     Raises (RuntimeError, naming the server and what to change) when the server
     does not answer within timeout_s or does not run the llamarl_ddma backend;
@@ -78,7 +83,8 @@ class DdmaWeightTransfer:
     a server it cannot reach is warned about."""
 
     def __init__(self, server_url: str = "http://localhost:8000", *, store_host: str = "127.0.0.1",
-                 timeout_s: float = DEFAULT_TIMEOUT_S, secret: bytes | None = None, transport: str = "auto"):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, secret: bytes | None = None, transport: str = "auto",
+                 delta: bool = False):
         if not isinstance(server_url, str) or not server_url.startswith(("http://", "https://")):
             raise ValueError(f"server_url must be an http(s) URL, got {server_url!r}")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
@@ -87,12 +93,21 @@ class DdmaWeightTransfer:
         self.store_host = store_host
         self.timeout_s = float(timeout_s)
         self.secret = required_secret(secret, "DdmaWeightTransfer")
+        if not isinstance(delta, bool):
+            raise ValueError(f"delta must be True or False, got {delta!r}")
         self.transport = transport
+        self.delta = delta
         self.version = 0
         self._store: dist.TCPStore | None = None
         self._server_dtype = ""
         self._sources: dict[str, torch.Tensor] | None = None  # the copy the sender sends from
         self._sender: WeightSender | None = None
+
+    @property
+    def last_send(self):
+        """What the last sync moved (delta.SendStats: wire bytes, a full send's
+        bytes, changed elements), None before the first."""
+        return None if self._sender is None else self._sender.last_send
 
     # -- HTTP ------------------------------------------------------------------------
     def _call(self, method: str, route: str, **kwargs) -> dict:
@@ -210,7 +225,7 @@ class DdmaWeightTransfer:
         self._call("POST", "/shutdown_weight_transfer_engine")  # an earlier trainer's receivers, if any
         self._sender = register_while(
             lambda: WeightSender(self._store, layout, 0, sources, name=SYNC_NAME, transport=self.transport,
-                                 timeout=self.timeout_s, secret=self.secret),
+                                 delta=self.delta, timeout=self.timeout_s, secret=self.secret),
             lambda: self._call("POST", "/init_weight_transfer_engine", json={"init_info": info}), self.timeout_s)
         self._sources = sources
 
