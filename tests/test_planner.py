@@ -5,6 +5,7 @@ factors, --choose, bad input named, and the command."""
 
 import copy
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -12,8 +13,8 @@ import random
 import pytest
 
 from helpers import llamarl_here
-from llamarl_core.planner import (FACTORS, Calibration, CostModel, PlanError, choose, device, fit, from_row,
-                                  leave_one_out, model_shape)
+from llamarl_core.planner import (FACTORS, Calibration, CostModel, PlanError, Side, choose, describe, device, fit,
+                                  from_row, leave_one_out, model_shape)
 from llamarl_core.planner.cli import PAPER_RUNS, PUBLISHED_RUNS, SHIPPED_CALIBRATION, data_path
 from llamarl_core.planner.cost import LengthDist, kv_per_token
 
@@ -156,9 +157,6 @@ def test_length_distribution_matches_its_mean_and_cap():
             assert dist.longest(1.01 / above) == cap
             assert 0.99 / above < 2 or dist.longest(0.99 / above) < cap
         assert dist.longest(8) <= dist.longest(64) <= cap
-    # Shape 1: a truncated exponential, E[min(X, c)] = theta (1 - exp(-c / theta)).
-    dist = LengthDist(300, 1000, 1.0)
-    assert dist.scale * (1 - math.exp(-1000 / dist.scale)) == pytest.approx(300, rel=1e-3)
 
 
 def _factors(rng):
@@ -223,6 +221,20 @@ def test_links_follow_the_node():
     assert model.predict(four).gen_time_s > model.predict(eight).gen_time_s
 
 
+def test_deltas_price_only_the_syncs_between_nodes():
+    model = CostModel(FACTORS_MID)
+    within = from_row(row(BY_MODEL["Llama-3.1-8B"], mode="async", gpus=8))  # 4 + 4 on one node: written whole
+    across = from_row(row(BY_MODEL["Llama-3.1-8B"], mode="async", gpus=16))
+    for s, cheaper in ((within, False), (across, True)):
+        delta = dataclasses.replace(s, delta_fraction=0.01)
+        assert (model.sync(delta) < model.sync(s)) == cheaper
+        assert any("delta sync" in line for line in model.predict(delta).assumptions)
+    # A sync-mode trainer with pipeline stages spans every GPU: its copy crosses the nodes.
+    staged = from_row(row(BY_MODEL["Llama-3.1-8B"], gpus=16, trainer={"pp": 2}))
+    assert model.sync_span(staged) == 16 and model.sync_span(dataclasses.replace(
+        staged, trainer=dataclasses.replace(staged.trainer, pp=1))) == 1
+
+
 def test_sync_equals_async_where_nothing_overlaps():
     rng = random.Random(2)
     for trial in range(400):
@@ -281,14 +293,41 @@ def test_shipped_calibration_is_the_fit_of_the_published_runs():
     assert calibration.fit["leave_one_out_median_abs_error"] <= 0.2
 
 
-def test_choose_finds_a_placement_wherever_the_given_one_fits():
+def test_choose_finds_placements_beyond_the_given_one():
     model = CostModel(FACTORS_MID)
+    # A global batch of 12 rules out a trainer of one GPU a data-parallel rank on 8: the generator's
+    # candidates are ranked without the trainer's checks.
     given = from_row(row(BY_MODEL["Llama-3.1-8B"], mode="async", gpus=16, trainer={"tp": 2},
                          batch={"train_global_batch": 12, "prompts": 3}))
-    best = choose(model, given, top=3)
-    assert best[0][1].step_time_s <= model.predict(given).step_time_s
-    chosen = [s for s, _ in best if s.trainer.pp != 1]
-    assert all("trainer pp 1" not in model.predict(s).assumptions for s in chosen)
+    best = choose(model, given, top=6)
+    assert len({describe(s) for s, _ in best}) == 6 and any(s != given for s, _ in best)
+    for candidate, prediction in best:  # what it chose is no longer said to be assumed; the given's still is
+        assert ("trainer pp 1" in prediction.assumptions) == (candidate is given)
+
+
+def _brute_force(model, s):
+    """The lowest predicted step over every placement the search spans, tried one by one."""
+    from llamarl_core.planner.search import PIPELINES, POWERS, splits
+
+    best = math.inf
+    experts = [1] + [p for p in POWERS[1:] if s.model.moe and s.model.experts % p == 0]
+    layouts = [("sync", 0, s.gpus, s.gpus)] + [("async", 1, g, s.gpus - g) for g in splits(s.gpus, 8)]
+    for mode, staleness, gen_gpus, train_gpus in layouts:
+        for gtp, ttp, pp, ep in itertools.product(POWERS, POWERS[:4], PIPELINES, experts):
+            try:
+                candidate = s.with_placement(mode, Side(gen_gpus, gtp), Side(train_gpus, ttp, pp, s.trainer.cp, ep),
+                                             staleness)
+                best = min(best, model.predict(candidate).step_time_s)
+            except PlanError:
+                continue
+    return best
+
+
+def test_choose_lands_within_a_percent_of_every_placement_tried():
+    model = Calibration.load(data_path(SHIPPED_CALIBRATION)).model()
+    for r in (PUBLISHED[0], PUBLISHED[6]):  # Llama-3.1-8B on 16 GPUs, Qwen3-30B-A3B on 32
+        s = from_row(r)
+        assert choose(model, s, top=1)[0][1].step_time_s <= 1.01 * _brute_force(model, s)
 
 
 def test_choose_is_no_slower_than_the_given_placement():
@@ -319,13 +358,20 @@ def test_choose_is_no_slower_than_the_given_placement():
     (lambda r: r.update(extra=1), "unknown field(s) ['extra']"),
     (lambda r: r.update(gpu="cpu"), "'cpu' has no published figures"),
     (lambda r: r["placement"].update(mode="colocated"), "placement.mode"),
-    (lambda r: r.update(cluster={"nic_GBps": "fast"}), "cluster.nic_GBps must be a positive number"),
-    (lambda r: r.update(cluster={"nic_GBps": 0}), "cluster.nic_GBps must be a positive number"),
+    (lambda r: r.update(cluster={"nic_GBps": "fast"}), "cluster.nic_GBps must be a number of GB/s"),
+    (lambda r: r.update(cluster={"nic_GBps": 0}), "cluster.nic_GBps must be a number of GB/s"),
     (lambda r: r["hf_config"].update(num_attention_heads=0), "num_attention_heads must be a positive integer"),
     (lambda r: r["hf_config"].update(hidden_size=-4096), "hidden_size must be a positive integer"),
     (lambda r: r["hf_config"].update(num_experts=4, num_experts_per_tok=8, model_type="qwen3_moe"),
      "num_experts_per_tok 8 is more than its 4 experts"),
     (lambda r: r.update(hf_config=[1, 2]), "hf_config must be a config object"),
+    (lambda r: r.update(cluster={"nic_GBps": 1e-300}), "cluster.nic_GBps must be a number of GB/s"),
+    (lambda r: r["batch"].update(train_global_batch=64), "train_global_batch 64 is more than the step's 32"),
+    (lambda r: r["batch"].update(logprob_passes=True), "batch.logprob_passes must be 0, 1 or 2"),
+    (lambda r: r["hf_config"].update(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),
+    (lambda r: r["hf_config"].update(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                                     n_shared_experts="x"), "n_shared_experts must be an integer >= 0"),
+    (lambda r: r.update(gpu="cpu", cluster={"nic_GBps": 10}), "its measured figures (device_specs) need"),
 ])
 def test_bad_scenarios_are_named(change, culprit):
     bad = copy.deepcopy(row(BY_MODEL["Llama-3.1-8B"], gpus=16))
@@ -343,7 +389,7 @@ def test_placements_that_do_not_fit_are_refused_naming_what_overflows():
         model.predict(from_row(row(big, gpus=64, gen_tp=1, trainer={"tp": 8, "pp": 8})))
     with pytest.raises(PlanError, match="the trainer needs"):
         model.predict(from_row(row(big, gpus=64, gen_tp=16, trainer={"tp": 1, "pp": 1},
-                                   batch={"train_global_batch": 64})))
+                                   batch={"train_global_batch": 64, "prompts": 16})))
     # Every published run fits.
     for r in PUBLISHED:
         model.predict(from_row(r))
@@ -371,7 +417,8 @@ def test_plan_command(tmp_path):
     assert len(papers["llamarl"]) == len(json.loads(data_path(PAPER_RUNS).read_text())["runs"])
     assert all(r["leave_one_out_step_time_s"] for r in papers["nemo_rl"])
     refit = {r["model"]: r for r in papers["weight_refit"]}
-    assert refit["DeepSeek-V3"]["predicted_s"] > 0 and refit["Qwen3-4B"]["predicted_s"] is None
+    assert refit["DeepSeek-V3"]["predicted_s"] > 0 and refit["Qwen3-4B"]["predicted_s"] > 0
+    assert refit["Qwen3.5-397B"]["predicted_s"] is None
     # Bad input: one line naming it, exit status 2.
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**PUBLISHED[0], "gpu": "TPUv5"}))
@@ -379,6 +426,19 @@ def test_plan_command(tmp_path):
     assert result.returncode == 2 and "device 'TPUv5'" in result.stderr
     result = llamarl_here("plan", str(tmp_path / "missing.json"))
     assert result.returncode == 2 and "SCENARIO" in result.stderr
+    # --choose where the given placement does not fit: said, and the placements that do.
+    tight = tmp_path / "tight.json"
+    tight.write_text(json.dumps({**PUBLISHED[2], "generator": {"tp": 8, "dtype": "bf16"}}))
+    result = llamarl_here("plan", str(tight), "--choose", "--json")
+    assert result.returncode == 0, result.stderr
+    chosen = json.loads(result.stdout)
+    assert "raise generator.tp" in chosen["given"]["does_not_fit"] and chosen["best"]
+    bad_runs = tmp_path / "bad_runs.json"
+    bad_runs.write_text(json.dumps({"runs": [5]}))
+    result = llamarl_here("plan", "fit", str(bad_runs), "-o", str(tmp_path / "x.json"))
+    assert result.returncode == 2 and "runs[0] is not a row" in result.stderr
+    result = llamarl_here("plan", "fit", str(bad_runs), "-o", str(tmp_path / "no" / "x.json"))
+    assert result.returncode == 2 and "its folder does not exist" in result.stderr
     # A fit without leave-one-out on two runs writes a calibration that loads.
     runs = tmp_path / "runs.json"
     runs.write_text(json.dumps({"runs": PUBLISHED[:2]}))

@@ -134,7 +134,19 @@ class Calibration:
             if not isinstance(value, (int, float)) or not lo <= value <= hi:
                 raise PlanError(f"--calibration {path}: factor {name} = {value!r} is outside [{lo}, {hi}]")
         CostModel(factors)  # every factor present
-        return cls(data["device"], factors, data.get("fit") or {}, data.get("device_specs"))
+        fit_info = data.get("fit") or {}
+        if not isinstance(fit_info, dict):
+            raise PlanError(f"--calibration {path}: fit must be an object, got {type(fit_info).__name__}")
+        unknown = [name for name in fit_info.get("held") or [] if name not in FACTORS]
+        if unknown:
+            raise PlanError(f"--calibration {path}: fit.held names unknown factors {unknown}")
+        for entry in fit_info.get("leave_one_out") or []:
+            if not isinstance(entry, dict) or not {"name", "predicted_s", "error"} <= set(entry):
+                raise PlanError(f"--calibration {path}: a fit.leave_one_out entry lacks name, predicted_s or error")
+        specs = data.get("device_specs")
+        if specs is not None and not isinstance(specs, dict):
+            raise PlanError(f"--calibration {path}: device_specs must be an object")
+        return cls(data["device"], factors, fit_info, specs)
 
 
 def _loss(model_of, runs: list[tuple[Scenario, float]], z: np.ndarray) -> float:

@@ -31,6 +31,7 @@ from .search import choose, describe
 SHIPPED_CALIBRATION = "h100.json"
 PUBLISHED_RUNS = "nemo_rl_h100_runs.json"
 PAPER_RUNS = "llamarl_paper.json"
+REFIT_MODELS = "refit_models.json"
 
 
 def data_path(name: str) -> Path:
@@ -48,6 +49,10 @@ def _read_json(path: str, flag: str):
 
 def _rows(data, flag: str, path: str) -> list[dict]:
     if isinstance(data, dict) and isinstance(data.get("runs"), list):
+        for index, row in enumerate(data["runs"]):
+            if not isinstance(row, dict):
+                raise PlanError(f"{flag} {path}: runs[{index}] is not a row (a JSON object), got "
+                                f"{type(row).__name__}")
         return data["runs"]
     if isinstance(data, dict) and {"run", "generator", "trainer"} <= set(data) and "hf_config" not in data:
         raise PlanError(f"{flag} {path}: a `llamarl train` run's config.json; predicting a run on this machine "
@@ -92,24 +97,12 @@ def _predict(args) -> int:
     calibration = _calibration(args.calibration)
     model = calibration.model()
     rows = _rows(_read_json(args.scenario, "SCENARIO"), "SCENARIO", args.scenario)
-    results = []
-    for row in rows:
-        scenario = calibration.scenario(row, base=Path(args.scenario).parent)
-        results.append((row, scenario, model.predict(scenario)))
+    scenarios = [(row, calibration.scenario(row, base=Path(args.scenario).parent)) for row in rows]
     if args.choose:
-        if len(results) != 1:
-            raise PlanError(f"--choose takes one scenario; {args.scenario} holds {len(results)}")
-        row, scenario, prediction = results[0]
-        best = choose(model, scenario, top=args.top)
-        if args.json:
-            print(json.dumps({"given": {"placement": describe(scenario), **prediction.as_json()},
-                              "best": [{"placement": describe(s), **p.as_json()} for s, p in best]}, indent=1))
-            return 0
-        print(f"{'placement':78s} {'step s':>8s} {'gen s':>7s} {'train s':>7s}")
-        for label, s, p in [("given", scenario, prediction)] + [(f"#{i + 1}", s, p) for i, (s, p) in enumerate(best)]:
-            print(f"{label:6s}{describe(s)[:72]:72s} {p.step_time_s:8.1f} {p.gen_time_s:7.1f} {p.train_time_s:7.1f}")
-        print(f"best: {best[0][1].bottleneck}")
-        return 0
+        if len(scenarios) != 1:
+            raise PlanError(f"--choose takes one scenario; {args.scenario} holds {len(scenarios)}")
+        return _choose(model, scenarios[0][1], args)
+    results = [(row, scenario, model.predict(scenario)) for row, scenario in scenarios]
     if args.json:
         objects = [{"name": s.name, "measured_step_time_s": _measured(row), **p.as_json()} for row, s, p in results]
         print(json.dumps(objects[0] if len(objects) == 1 else {"runs": objects}, indent=1))
@@ -122,6 +115,28 @@ def _predict(args) -> int:
     for row, scenario, prediction in results:
         print(_line(scenario.name, _measured(row), prediction))
     _print_errors([p.step_time_s / m - 1 for row, _, p in results if (m := _measured(row))])
+    return 0
+
+
+def _choose(model, scenario, args) -> int:
+    """The given placement (or why it does not fit) beside the best few that do."""
+    try:
+        given, why = model.predict(scenario), None
+    except PlanError as exc:
+        given, why = None, str(exc)
+    best = choose(model, scenario, top=args.top)
+    if args.json:
+        head = {"placement": describe(scenario), **(given.as_json() if given else {"does_not_fit": why})}
+        print(json.dumps({"given": head, "best": [{"placement": describe(s), **p.as_json()} for s, p in best]},
+                         indent=1))
+        return 0
+    print(f"{'placement':78s} {'step s':>8s} {'gen s':>7s} {'train s':>7s}")
+    if given is None:
+        print(f"given {describe(scenario)[:72]:72s} does not fit: {why}")
+    rows = ([("given", scenario, given)] if given else []) + [(f"#{i + 1}", s, p) for i, (s, p) in enumerate(best)]
+    for label, s, p in rows:
+        print(f"{label:6s}{describe(s)[:72]:72s} {p.step_time_s:8.1f} {p.gen_time_s:7.1f} {p.train_time_s:7.1f}")
+    print(f"best: {best[0][1].bottleneck}")
     return 0
 
 
@@ -139,9 +154,12 @@ def _parallel(text: str) -> dict:
 def refits(calibration: Calibration) -> list[dict]:
     """NeMo-RL's published weight-refit times (context for the sync term, never fit
     on) beside the weight sync predicted for a colocated run of that resharding,
-    for the models whose config the published runs hold."""
+    for the models whose config the published runs or data/refit_models.json hold."""
     published = json.loads(data_path(PUBLISHED_RUNS).read_text())
     configs = {row["model"]: row for row in published["runs"]}
+    template = published["runs"][0]  # batch and device of a published run; the refit does not depend on them
+    for model_name, config in json.loads(data_path(REFIT_MODELS).read_text())["models"].items():
+        configs.setdefault(model_name, {**template, "model": model_name, "hf_config": config})
     model = calibration.model()
     out = []
     for refit in published["weight_refit"]:
@@ -194,7 +212,7 @@ def _paper(args) -> int:
     for entry in weight_refits:
         low, high = entry["published_s"]
         predicted = f"{entry['predicted_s']:6.2f} s" if entry["predicted_s"] is not None else \
-            "(no config of this model in the runs)"
+            "(no config of this model: its architecture is not one the planner describes)"
         print(f"  {entry['model']:16s} {entry['from']:>14s} -> {entry['to']:10s} published {low}-{high} s, "
               f"predicted {predicted}")
     return 0
@@ -220,6 +238,8 @@ def _fit(argv: list[str]) -> int:
                         help="skip the leave-one-out refits (one fit per run, spread over the cores: 3 minutes for "
                              "ten runs on 2 cores)")
     args = parser.parse_args(argv)
+    if not Path(args.out).resolve().parent.is_dir():
+        parser.error(f"-o {args.out}: its folder does not exist")
     base = Path(args.runs).parent
     rows = _rows(_read_json(args.runs, "RUNS"), "RUNS", args.runs)
     runs, kinds = [], set()

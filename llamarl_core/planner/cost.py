@@ -6,9 +6,9 @@ Generation (per replica of `tp` GPUs, its share of the samples): a prefill, then
 decode steps, each max(bytes read / bandwidth, FLOPs / peak) plus a fixed cost per
 step and the tensor-parallel all-reduces. Bytes read are the weights the batch
 touches (all dense weights; the routed experts its tokens reach) and the KV cache
-of every running sequence. Completion lengths follow a truncated exponential with
-the batch's mean and cap (the mass above the cap sits at it, as truncated
-completions do): the batch shrinks as sequences end and the longest sets the
+of every running sequence. Completion lengths follow a Weibull (its shape a
+factor) truncated at the batch's cap with the batch's mean (the mass above the cap
+sits at it, as truncated completions do): the batch shrinks as sequences end and the longest sets the
 number of steps. When the KV cache cannot hold a replica's share at once, it runs
 saturated at the concurrency it holds, then drains.
 
@@ -21,9 +21,12 @@ and the Adam update over the local shard.
 
 Weight sync: the generator's bytes into each generator GPU and out of each
 trainer GPU (every replica gets a copy), over NVLink when both sides sit within
-one NVLink domain, else the NICs; a delta sync moves the changed fraction in the
-cheaper of a bitmask or index encoding. Sync mode also moves the trainer's
-gradients and optimizer state to the host and back around generation (the
+one NVLink domain, else the NICs (Megatron's rank order: tensor, context and data
+ranks inside a pipeline stage, the stages outermost, so a model copy with pp > 1
+spans every trainer GPU); a delta sync, which goes point to point between nodes
+only (same-node receivers are written whole, as the library does), moves the
+changed fraction in the cheaper of a bitmask or index encoding. Sync mode also
+moves the trainer's state and the generator's weights to the host and back (the
 colocated swap).
 
 Step: sync mode, gen + train + sync + swap + overhead on all GPUs; async with a
@@ -133,12 +136,33 @@ def lengths_of(mean: float, cap: float, shape: float) -> LengthDist:
     return LengthDist(mean, cap, shape)
 
 
+def kv_share(m, tp: int) -> float:
+    """The share of a layer's K and V heads one of `tp` tensor-parallel ranks holds
+    (a head replicated where tp exceeds them)."""
+    return max(1.0, m.kv_heads / tp) / m.kv_heads
+
+
 def kv_per_token(s: Scenario) -> float:
-    """KV-cache bytes a token holds on one generator GPU: its share of the KV heads
-    (a head replicated where tp exceeds them), or MLA's whole latent (every rank keeps it)."""
+    """KV-cache bytes a token holds on one generator GPU: its share of the KV heads,
+    or MLA's whole latent (every rank keeps it)."""
     m = s.model
-    share = 1.0 if m.mla else max(1.0, m.kv_heads / s.generator.tp) / m.kv_heads
-    return m.kv_bytes_per_token_layer / 2 * KV_BYTES * m.layers * share
+    return m.kv_bytes_per_token_layer / 2 * KV_BYTES * m.layers * (1.0 if m.mla else kv_share(m, s.generator.tp))
+
+
+def held_context(b, lengths: LengthDist) -> float:
+    """Tokens a running sequence holds on average: the prompt and the length-biased mean context."""
+    return b.prompt_tokens + lengths.second_moment / (2 * lengths.mean)
+
+
+def expert_dp(t) -> int:
+    """Ranks one expert's weights are replicated over (Megatron: dp x cp x tp / ep)."""
+    return max(1, t.dp * t.cp * t.tp // t.ep)
+
+
+def model_span(t) -> int:
+    """Consecutive ranks one trainer model copy spans: with pipeline stages (outermost) all of the
+    trainer's GPUs, else its tensor x context group, or tensor x expert where experts spread wider."""
+    return t.gpus if t.pp > 1 else t.tp * max(t.cp, t.ep)
 
 
 class CostModel:
@@ -170,12 +194,15 @@ class CostModel:
         parts["decode all-reduces"] = parts.get("decode all-reduces", 0.0) + steps * comm
         return max(t_mem, t_flops) + f["decode_step_s"] + comm
 
+    @staticmethod
+    def generator_room(s: Scenario) -> float:
+        """Bytes vLLM takes of a generator GPU for weights and KV cache."""
+        return s.device.memory_bytes * GPU_MEMORY_UTILIZATION - GENERATOR_RESERVE_GiB * GiB
+
     def kv_capacity_tokens(self, s: Scenario) -> float:
         """Tokens of KV cache one generator GPU (and so its replica) holds after its weights."""
         m, g = s.model, s.generator
-        free = (s.device.memory_bytes * GPU_MEMORY_UTILIZATION - GENERATOR_RESERVE_GiB * GiB
-                - m.total_params * g.weight_bytes / g.tp)
-        return max(free, 0.0) / kv_per_token(s)
+        return max(self.generator_room(s) - m.total_params * g.weight_bytes / g.tp, 0.0) / kv_per_token(s)
 
     def generation(self, s: Scenario, parts: dict) -> float:
         f, m, b, g = self.f, s.model, s.batch, s.generator
@@ -183,8 +210,7 @@ class CostModel:
         n = math.ceil(b.samples / replicas)
         lengths = lengths_of(b.mean_new_tokens, b.cap, self.f["length_shape"])
         capacity = self.kv_capacity_tokens(s)
-        # Running sequences hold prompt + the length-biased mean context on average.
-        held = b.prompt_tokens + lengths.second_moment / (2 * lengths.mean)
+        held = held_context(b, lengths)
         concurrency = max(1.0, min(float(n), capacity / held))
         prefill_flops = n * b.prompt_tokens * (2 * m.active_params
                                                + m.layers * m.attn_flops_per_position * b.prompt_tokens / 2) / g.tp
@@ -232,9 +258,9 @@ class CostModel:
             link = d.link(t.tp * t.cp, s.gpus_per_node) * f["link_efficiency"]
             # Ring attention: each rank's K and V (decompressed for MLA; a KV head a rank beyond the heads)
             # pass the other cp - 1 ranks.
-            kv_share = 1.0 / t.tp if m.mla else max(1.0, m.kv_heads / t.tp) / m.kv_heads
+            share = 1.0 / t.tp if m.mla else kv_share(m, t.tp)
             cp_comm = (m.layers / t.pp) * passes * (tokens / (t.dp * t.cp)) * m.train_kv_bytes_per_token_layer \
-                * kv_share * (t.cp - 1) / link
+                * share * (t.cp - 1) / link
         if t.pp > 1:  # each stage boundary passes a micro-batch's activations forward and their gradient back
             link = d.link(t.gpus, s.gpus_per_node) * f["link_efficiency"]
             pp_comm = (2 + b.logprob_passes) * (tokens / (t.dp * t.cp * t.tp)) * m.hidden * 2 / link
@@ -244,10 +270,10 @@ class CostModel:
         bubble = (micro + t.pp - 1) / micro
         dense_local, expert_local = self._local_params(s)
         dp_group = t.dp * t.cp
-        expert_dp = max(1, t.dp * t.cp * t.tp // t.ep)
+        replicas = expert_dp(t)
         link = d.link(t.gpus // t.pp, s.gpus_per_node) * f["link_efficiency"]  # a stage's data-parallel group
-        grads = 2 * 2 * (dense_local * (dp_group - 1) / dp_group + expert_local * (expert_dp - 1) / expert_dp) / link
-        adam = ADAM_TOUCHED_BYTES * (dense_local / dp_group + expert_local / expert_dp) / d.hbm
+        grads = 2 * 2 * (dense_local * (dp_group - 1) / dp_group + expert_local * (replicas - 1) / replicas) / link
+        adam = ADAM_TOUCHED_BYTES * (dense_local / dp_group + expert_local / replicas) / d.hbm
         traffic = tp_comm + ep_comm + cp_comm + pp_comm
         parts["training compute"] = compute
         parts["tp / ep / cp / pp traffic"] = traffic
@@ -267,13 +293,20 @@ class CostModel:
         index = s.delta_fraction * (size + 4) / size
         return min(1.0, bitmask, index)
 
+    def sync_span(self, s: Scenario) -> int:
+        """Consecutive ranks a version's way from the trainer to a generator replica
+        spans: colocated (sync mode), the wider of a replica and a trainer model copy;
+        apart (async), both sides."""
+        g, t = s.generator, s.trainer
+        return max(g.tp, model_span(t)) if s.mode == "sync" else g.gpus + t.gpus
+
     def sync(self, s: Scenario) -> float:
         m, g, t, d = s.model, s.generator, s.trainer, s.device
-        total = m.total_params * g.weight_bytes * self.wire_fraction(s)
-        replicas = g.gpus // g.tp
+        span = self.sync_span(s)
+        across = span > (d.nvlink_domain or s.gpus_per_node)
+        total = m.total_params * g.weight_bytes * (self.wire_fraction(s) if across else 1.0)
         into = total / g.tp
-        out = total * replicas / t.gpus
-        span = max(g.tp, t.tp * t.cp * t.pp) if s.mode == "sync" else g.gpus + t.gpus
+        out = total * (g.gpus // g.tp) / t.gpus
         return max(into, out) / (d.link(span, s.gpus_per_node) * self.f["link_efficiency"])
 
     def swap(self, s: Scenario) -> float:
@@ -290,16 +323,15 @@ class CostModel:
         dense_local, expert_local = self._local_params(s)
         t = s.trainer
         return TRAINER_BYTES * (dense_local + expert_local) + OPTIMIZER_BYTES * (
-            dense_local / (t.dp * t.cp) + expert_local / max(1, t.dp * t.cp * t.tp // t.ep))
+            dense_local / (t.dp * t.cp) + expert_local / expert_dp(t))
 
     # ---- memory ----
     def generator_memory(self, s: Scenario) -> float:
         """GiB a generator GPU holds (weights, the KV cache its share of the batch
         fills, vLLM's reserve); PlanError when its weights do not fit."""
         m, g, b = s.model, s.generator, s.batch
-        limit = s.device.memory_bytes * GPU_MEMORY_UTILIZATION - GENERATOR_RESERVE_GiB * GiB
         weights = m.total_params * g.weight_bytes / g.tp
-        if weights > limit:
+        if weights > self.generator_room(s):
             raise PlanError(f"{s.name}: the generator's weights, {weights / GiB:.1f} GiB a GPU at tp {g.tp}, do not "
                             f"fit in {GPU_MEMORY_UTILIZATION:.0%} of {s.device.name}'s {s.device.memory_GiB:g} GiB "
                             "less vLLM's reserve: raise generator.tp")
@@ -309,8 +341,7 @@ class CostModel:
                             f"{b.max_total_tokens} beside its weights ({capacity:.0f} tokens a GPU at tp {g.tp}): "
                             "raise generator.tp")
         lengths = lengths_of(b.mean_new_tokens, b.cap, self.f["length_shape"])
-        held = b.prompt_tokens + lengths.second_moment / (2 * lengths.mean)
-        need = min(math.ceil(b.samples / (g.gpus // g.tp)) * held, capacity)
+        need = min(math.ceil(b.samples / (g.gpus // g.tp)) * held_context(b, lengths), capacity)
         return (weights + need * kv_per_token(s) + GENERATOR_RESERVE_GiB * GiB) / GiB
 
     def trainer_memory(self, s: Scenario) -> float:
@@ -318,11 +349,12 @@ class CostModel:
         activations); PlanError naming what overflows."""
         m, t, b = s.model, s.trainer, s.batch
         state = self._trainer_state(s)
-        # Full activation recomputation, one sequence of max_total_tokens a micro-batch: each layer's input kept
-        # for the micro-batches in flight on the first stage (pp of them), one layer's working set (~34 values
-        # a token and hidden unit, Korthikanti et al.), and the fp32 logits and their gradient.
+        # Full activation recomputation, one sequence of max_total_tokens a micro-batch: each of the first
+        # stage's layers / pp layers keeps its bf16 input for the pp micro-batches in flight (layers inputs in
+        # all), one layer's working set (~34 bytes a token and hidden unit, Korthikanti et al.), and the fp32
+        # logits and their gradient.
         tokens = b.max_total_tokens / (t.tp * t.cp)
-        activations = (tokens * m.hidden * 2 * (m.layers / t.pp) * t.pp + 34 * tokens * m.hidden
+        activations = (tokens * m.hidden * 2 * m.layers + 34 * tokens * m.hidden
                        + 2 * 4 * b.max_total_tokens / t.cp * m.vocab / t.tp)
         if state + activations > s.device.memory_bytes:
             raise PlanError(f"{s.name}: the trainer needs {(state + activations) / GiB:.1f} GiB a GPU (weights, "
@@ -359,7 +391,9 @@ class CostModel:
                 top = max(inner, key=inner.get)
                 bottleneck += f"; {top} {inner[top] / terms[side]:.0%} of it"
             bottleneck += ")"
-        assumptions = [text for _, text in s.assumptions] + list(self.notes) + [
+        delta = [] if s.delta_fraction is None else [
+            "delta sync: only between nodes (receivers within one are written whole, as the library sends)"]
+        assumptions = [text for _, text in s.assumptions] + list(self.notes) + delta + [
             f"completion lengths: a Weibull of shape {self.f['length_shape']:.2f} truncated at the cap, with the "
             "batch's mean",
             f"generator: vLLM-like, {GPU_MEMORY_UTILIZATION:.0%} of GPU memory, KV cache in bf16",

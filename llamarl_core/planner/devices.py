@@ -15,6 +15,7 @@ links (a row's `cluster`). fp32 math runs as TF32 on tensor cores: half the bf16
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 
 
@@ -84,6 +85,12 @@ def device(name: str, measured: dict | None = None) -> Device:
         if not measured:
             raise PlanError("device 'cpu' has no published figures: it needs a calibration holding this machine's "
                             "measured figures (device_specs), which `llamarl plan` cannot make yet")
+        fields = [f.name for f in dataclasses.fields(Device) if f.name not in ("name", "nvlink_domain")]
+        missing = [f for f in fields if not isinstance(measured.get(f), (int, float)) or not measured[f] > 0]
+        unknown = sorted(set(measured) - set(fields) - {"nvlink_domain"})
+        if missing or unknown:
+            raise PlanError(f"device 'cpu': its measured figures (device_specs) need a positive {', '.join(fields)}; "
+                            f"missing or not positive: {missing}, unknown: {unknown}")
         return Device(name=CPU, **measured)
     raise PlanError(f"device {name!r} is not in the planner's table: one of {sorted(DEVICES)} (or their short "
                     f"names {sorted(ALIASES)}), or 'cpu' with a calibration")

@@ -171,8 +171,8 @@ def from_row(row: dict, measured_specs: dict | None = None, base: Path | None = 
         raise PlanError(f"{name}: {exc}") from None
     cluster = _section(row, "cluster", CLUSTER_KEYS, name)
     for key, value in cluster.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-            raise PlanError(f"{name}: cluster.{key} must be a positive number (GB/s), got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.1 <= value <= 100_000:
+            raise PlanError(f"{name}: cluster.{key} must be a number of GB/s in [0.1, 100000], got {value!r}")
     specs = {k: float(v) for k, v in cluster.items()}
     dev = device(row["gpu"], {**(measured_specs or {}), **specs} or None)
     gpus_per_node = _positive_int(row.get("gpus_per_node", 8), f"{name}: gpus_per_node")
@@ -227,8 +227,12 @@ def from_row(row: dict, measured_specs: dict | None = None, base: Path | None = 
         assumptions.append(("batch.train_global_batch", DEFAULTS["batch.train_global_batch"][1]))
         global_batch = samples
     batch_values["train_global_batch"] = _positive_int(global_batch, f"{name}: batch.train_global_batch")
+    if batch_values["train_global_batch"] > samples:
+        raise PlanError(f"{name}: batch.train_global_batch {global_batch} is more than the step's {samples} samples "
+                        "(prompts x samples_per_prompt)")
     batch_values["logprob_passes"] = _get(batch_in, "logprob_passes", "batch.logprob_passes", assumptions)
-    if batch_values["logprob_passes"] not in (0, 1, 2):
+    passes = batch_values["logprob_passes"]
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes not in (0, 1, 2):
         raise PlanError(f"{name}: batch.logprob_passes must be 0, 1 or 2, got {batch_values['logprob_passes']!r}")
     batch = Batch(mean_new_tokens=float(mean), **batch_values)
     delta = sync.get("delta_fraction")

@@ -22,7 +22,7 @@ from .scenario import Scenario, Side, check_generator, check_trainer
 
 POWERS = (1, 2, 4, 8, 16, 32, 64)
 PIPELINES = (1, 2, 4, 8, 16)
-KEEP = 3  # candidates per side predicted together
+KEEP = 4  # candidates per side predicted together
 MAX_SPLITS = 32
 
 
@@ -67,7 +67,8 @@ def _trainers(model: CostModel, s: Scenario, mode: str, gpus: int, others: int) 
         side = Side(gpus=gpus, tp=tp, pp=pp, cp=s.trainer.cp, ep=ep, dtype=s.trainer.dtype)
         probe = _alone(s, mode, dataclasses.replace(s.generator, gpus=others), side, check_trainer)
         if probe is not None and _fits(lambda: model.trainer_memory(probe)) is not None:
-            ranked.append((model.training(probe, {}), side))
+            # Colocated, the trainer's state also sets the swap: ranked with it.
+            ranked.append((model.training(probe, {}) + model.swap(probe), side))
     return [side for _, side in sorted(ranked, key=lambda pair: pair[0])[:KEEP]]
 
 

@@ -21,14 +21,14 @@ MODEL_TYPES = DENSE + MOE + MLA
 TIED_BY_DEFAULT = ("gemma", "gemma2")  # transformers' default tie_word_embeddings for these is True
 
 
-def _field(config: dict, *names, default=None, required=True):
-    """The first of `names` the config sets, a positive integer (PlanError naming it otherwise)."""
+def _field(config: dict, *names, default=None, required=True, minimum=1):
+    """The first of `names` the config sets, an integer >= minimum (PlanError naming it otherwise)."""
     for name in names:
         if config.get(name) is not None:
             value = config[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanError(f"hf_config ({config.get('model_type')}): {name} must be a positive integer, got "
-                                f"{value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+                raise PlanError(f"hf_config ({config.get('model_type')}): {name} must be {kind}, got {value!r}")
             return value
     if required and default is None:
         raise PlanError(f"hf_config ({config.get('model_type')}): no {names[0]!r}")
@@ -136,11 +136,13 @@ def model_shape(source) -> ModelShape:
     layers = int(_field(config, "num_hidden_layers"))
     heads = int(_field(config, "num_attention_heads"))
     vocab = int(_field(config, "vocab_size"))
-    tied = bool(config.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT))
+    tied = config.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT)
+    if not isinstance(tied, bool):
+        raise PlanError(f"hf_config ({model_type}): tie_word_embeddings must be true or false, got {tied!r}")
     inter = int(_field(config, "intermediate_size"))
     mla = model_type in MLA
     if mla:
-        q_lora = _field(config, "q_lora_rank", default=0, required=False)
+        q_lora = _field(config, "q_lora_rank", default=0, required=False, minimum=0)
         kv_lora = int(_field(config, "kv_lora_rank"))
         nope = int(_field(config, "qk_nope_head_dim"))
         rope = int(_field(config, "qk_rope_head_dim"))
@@ -163,7 +165,8 @@ def model_shape(source) -> ModelShape:
         kv_bytes = 2.0 * 2 * kv_heads * head_dim
         attn_flops = 4.0 * heads * head_dim
         decode_attn_flops, train_kv_bytes = attn_flops, kv_bytes
-    experts = int(_field(config, "n_routed_experts", "num_experts", "num_local_experts", default=0, required=False))
+    experts = _field(config, "n_routed_experts", "num_experts", "num_local_experts", default=0, required=False,
+                     minimum=0)
     moe_layers, k, expert, shared = 0, 0, 0, 0
     if experts:
         k = int(_field(config, "num_experts_per_tok"))
@@ -171,11 +174,11 @@ def model_shape(source) -> ModelShape:
             raise PlanError(f"hf_config ({model_type}): num_experts_per_tok {k} is more than its {experts} experts")
         expert_inter = int(_field(config, "moe_intermediate_size", default=inter))
         expert = 3 * hidden * expert_inter
-        n_shared = int(config.get("n_shared_experts") or 0)
-        shared_inter = config.get("shared_expert_intermediate_size")
-        shared = 3 * hidden * (int(shared_inter) if shared_inter else n_shared * expert_inter) + hidden * experts
+        n_shared = _field(config, "n_shared_experts", default=0, required=False, minimum=0)
+        shared_inter = _field(config, "shared_expert_intermediate_size", default=0, required=False, minimum=0)
+        shared = 3 * hidden * (shared_inter or n_shared * expert_inter) + hidden * experts
         if mla:  # DeepSeek: layer i routes from first_k_dense_replace on, every moe_layer_freq-th
-            first_dense = int(config.get("first_k_dense_replace") or 0)
+            first_dense = _field(config, "first_k_dense_replace", default=0, required=False, minimum=0)
             freq = _field(config, "moe_layer_freq", default=1, required=False)
             moe_layers = sum(1 for i in range(layers) if i >= first_dense and i % freq == 0)
         else:  # Qwen-MoE: layer i routes when (i + 1) is a multiple of decoder_sparse_step, bar mlp_only_layers

@@ -68,8 +68,8 @@ class DdmaWeightTransfer:
     workers (a server on another host) only the elements whose server bytes
     changed, applied straight into their parameters, bit for bit what a whole
     sync writes (WeightSender delta=True, docs/delta.md); workers on this host
-    are written whole as without it. `last_send` reports what the last sync put
-    on the wire.
+    are written whole as without it. `last_send` reports what the last sync that
+    completed put on the wire.
 
     Raises (RuntimeError, naming the server and what to change) when the server
     does not answer within timeout_s or does not run the llamarl_ddma backend;
@@ -105,8 +105,8 @@ class DdmaWeightTransfer:
 
     @property
     def last_send(self):
-        """What the last sync moved (delta.SendStats: wire bytes, a full send's
-        bytes, changed elements), None before the first."""
+        """What the last sync that completed moved (delta.SendStats: wire bytes, a
+        full send's bytes, changed elements), None before the first."""
         return None if self._sender is None else self._sender.last_send
 
     # -- HTTP ------------------------------------------------------------------------
