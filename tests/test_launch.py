@@ -25,7 +25,10 @@ from llamarl_core.control import auth
 # gets the job's secret from its environment, as the launcher's docstring says.
 SECRET = auth.new_secret()
 RUN_ENV = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, auth.SECRET_ENV: SECRET.hex()}
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+def torchrun(tmp_path: Path) -> list[str]:
+    """torchrun, its agent's logs in the test's folder (without --log-dir each agent leaves a
+    torchelastic_* folder in /tmp for good)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "torchelastic")]
 LAUNCH = ["-m", "llamarl_core.launch", "train"]
 SMALL = ["--steps", "12", "--prompts-per-step", "8", "--samples-per-prompt", "4", "--warmup-steps", "20",
          "--checkpoint-every", "12", "--quiet"]
@@ -48,7 +51,8 @@ def test_torchrun_on_one_host(tmp_path):
     generator): the run completes, every executor on this host, the weights by
     shared memory, the generator generating with every version it received."""
     out = tmp_path / "run"
-    proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "4", *LAUNCH, *SMALL, "--out", str(out)],
+    proc = subprocess.run([*torchrun(tmp_path), "--standalone", "--nproc-per-node", "4", *LAUNCH, *SMALL, "--out",
+                           str(out)],
                           capture_output=True, text=True, timeout=240, cwd=tmp_path, env=RUN_ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "async: 12 steps" in proc.stdout
@@ -67,7 +71,7 @@ def test_bad_placement_stops_every_rank(tmp_path):
     """A placement that does not fit the run is refused by the controller's rank in
     one line, and every other rank (waiting for an assignment) ends with it."""
     start = time.monotonic()
-    proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "4", *LAUNCH,
+    proc = subprocess.run([*torchrun(tmp_path), "--standalone", "--nproc-per-node", "4", *LAUNCH,
                            "--placement", "controller:0,trainer:1,generator:2-3", *SMALL, "--out", str(tmp_path / "r")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env=RUN_ENV)
     assert proc.returncode != 0
@@ -87,7 +91,7 @@ def _agents_on_two_hosts(hosts, tmp_path: Path, rdzv_id: str, train_args: list[s
     secrets = [{auth.SECRET_ENV: SECRET.hex()}, {auth.SECRET_FILE_ENV: str(secret_file)}]
     procs = []
     for node, host in enumerate(hosts):
-        argv = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+        argv = [*torchrun(tmp_path / f"host{node}"), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{hosts[0].addr}:29400", "--rdzv-id", rdzv_id,
                 "--rdzv-conf", f"is_host={int(node == 0)}",
                 # The hosts' shared hostname resolves to 127.0.0.1: each agent names its own address.

@@ -415,8 +415,8 @@ def engine_matches(llm, model) -> bool:
 def torchrun_ranks(worker: str, out: Path, *args: str, env: dict | None = None) -> list[dict]:
     """Two torchrun ranks of `worker` (a script beside this file) run with ARGS
     then OUT; the findings each rank wrote to OUT/rank{r}.json."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           str(Path(__file__).parent / worker), *args, str(out)],
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--log-dir", str(out / "torchelastic"),
+                           "--nproc-per-node", "2", str(Path(__file__).parent / worker), *args, str(out)],
                           capture_output=True, text=True, timeout=600, cwd=out, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
