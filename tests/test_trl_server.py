@@ -125,16 +125,19 @@ def assert_the_server_computes_with(model: torch.nn.Module, url: str, folder: st
 
 
 @pytest.mark.vllm
-def test_grpo_trainer_in_server_mode_syncs_the_server_by_ddma(server):
+def test_grpo_trainer_in_server_mode_syncs_the_server_by_ddma(server, monkeypatch):
     """GRPOTrainer(use_vllm=True, vllm_mode="server") on a llamarl_ddma server: its
     generation by TRL's client, its syncs by DDMA (TRL's own needs NCCL on CUDA);
-    after two steps and a last sync the server computes with the trained model."""
+    after two steps and a last sync the server computes with the trained model.
+    LLAMARL_SYNC_DELTA=1 reaches the transfer (a server on this host is written
+    whole all the same; deltas point to point: the test below)."""
     url, folder = server
+    monkeypatch.setenv("LLAMARL_SYNC_DELTA", "1")
     args = config("dapo", use_vllm=True, vllm_mode="server", vllm_server_base_url=url, max_steps=2,
                   learning_rate=1e-2)
     trainer = GRPOTrainer(model=folder, reward_funcs=length_reward, args=args, train_dataset=prompts(),
                           processing_class=tokenizer())
-    assert trainer.vllm_generation.transfer is not None
+    assert trainer.vllm_generation.transfer is not None and trainer.vllm_generation.transfer.delta
     try:
         trainer.train()
         assert trainer.vllm_generation.transfer.version == 2  # one sync before each step's generation
@@ -268,6 +271,19 @@ def test_deltas_into_the_server_point_to_point(server):
         transfer.destroy()
     with pytest.raises(ValueError, match="delta must be True or False"):
         DdmaWeightTransfer(url, delta="yes")
+
+
+def test_sync_delta_reads_its_variable(monkeypatch):
+    from llamarl_core.integrations.trl.generation import sync_delta
+
+    monkeypatch.delenv("LLAMARL_SYNC_DELTA", raising=False)
+    assert sync_delta() is False
+    for value, expected in (("0", False), ("1", True)):
+        monkeypatch.setenv("LLAMARL_SYNC_DELTA", value)
+        assert sync_delta() is expected
+    monkeypatch.setenv("LLAMARL_SYNC_DELTA", "yes")
+    with pytest.raises(ValueError, match="LLAMARL_SYNC_DELTA must be 0 or 1, got 'yes'"):
+        sync_delta()
 
 
 @pytest.mark.vllm

@@ -73,6 +73,7 @@ from .server import DdmaWeightTransfer
 
 SYNC_NAME = "trl-colocate"
 STORE_HOST_ENV = "LLAMARL_STORE_HOST"  # the trainer's address as a vLLM server reaches it (server mode)
+DELTA_ENV = "LLAMARL_SYNC_DELTA"  # "1": server mode's syncs go as deltas to a server on another host
 TIMEOUT_S = 300.0
 
 
@@ -182,6 +183,16 @@ def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enabl
     return _peft_refusal(configs)
 
 
+def sync_delta() -> bool:
+    """LLAMARL_SYNC_DELTA: "1" sends server mode's syncs after the first to a server
+    on another host as deltas (DdmaWeightTransfer delta=True); "0" or unset, whole.
+    ValueError naming the variable for anything else."""
+    value = os.environ.get(DELTA_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{DELTA_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def _address_toward(host: str) -> str:
     """This host's address on the route to `host` (the trainer's Store, as a
     server there reaches it); the loopback address for a server on this host;
@@ -260,7 +271,8 @@ class DdmaVLLMGeneration(VLLMGeneration):
                 backend = (self.vllm_client.get_server_info().get("weight_transfer_config") or {}).get("backend")
                 if backend == BACKEND:
                     self.transfer = DdmaWeightTransfer(
-                        base_url, store_host=_address_toward(urlparse(base_url).hostname), timeout_s=TIMEOUT_S)
+                        base_url, store_host=_address_toward(urlparse(base_url).hostname), timeout_s=TIMEOUT_S,
+                        delta=sync_delta())
                     self.transfer.init_weight_transfer()
                     finding[0] = 1
                 else:
