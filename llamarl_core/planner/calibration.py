@@ -8,7 +8,7 @@ unreachable (a logistic map). `leave_one_out(runs)` refits without each run in
 turn and predicts it: the error a new run of the kind may expect.
 
 A calibration file (JSON): {"device", "factors": {name: value}, "fit": {...},
-"device_specs": {...} (for "cpu": what `llamarl plan calibrate` measured)}.
+"device_specs": {...} (for "cpu": the machine's measured figures)}.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def nelder_mead(fn, x0: np.ndarray, step: float = 1.0, iterations: int = 3000, t
 @dataclass
 class Calibration:
     """A device kind's factors (cost.FACTORS), how the fit went, and for "cpu" the
-    figures `llamarl plan calibrate` measured (device_specs)."""
+    machine's measured figures (device_specs)."""
 
     device: str
     factors: dict
@@ -149,14 +149,6 @@ class Calibration:
         return cls(data["device"], factors, fit_info, specs)
 
 
-def _loss(model_of, runs: list[tuple[Scenario, float]], z: np.ndarray) -> float:
-    model = model_of(z)
-    total = 0.0
-    for scenario, measured in runs:
-        total += math.log(model.predict(scenario).step_time_s / measured) ** 2
-    return total
-
-
 STARTS = ({"decode_bandwidth": 0.5, "generation_compute": 0.5, "decode_step_s": 0.005,
            "collective_latency_s": 2e-5, "train_mfu_dense": 0.4, "train_mfu_moe": 0.2, "link_efficiency": 0.5,
            "host_link_efficiency": 0.5, "step_overhead_s": 5.0, "length_shape": 1.0},
@@ -206,7 +198,8 @@ def fit(runs: list[tuple[Scenario, float]], device_name: str, fixed: dict | None
         return CostModel({**_to_factors(free, z), **fixed})
 
     def loss(z):
-        return _loss(model_of, runs, z)
+        model = model_of(z)
+        return sum(math.log(model.predict(scenario).step_time_s / measured) ** 2 for scenario, measured in runs)
 
     tried = [nelder_mead(loss, _from_factors(free, start), iterations=600) for start in STARTS]
     z, value = min(tried, key=lambda pair: pair[1])

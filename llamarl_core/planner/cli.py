@@ -63,8 +63,18 @@ def _rows(data, flag: str, path: str) -> list[dict]:
     raise PlanError(f"{flag} {path}: a scenario is a JSON object (a row) or {{\"runs\": [rows]}}")
 
 
+def _data(name: str) -> dict:
+    """One of the package's data files (data/), read."""
+    return json.loads(data_path(name).read_text())
+
+
+def _loo_column(entry: dict | None) -> str:
+    """A run's leave-one-out prediction and error, as the tables print it ("" without one)."""
+    return f"  {entry['predicted_s']:8.1f} {entry['error']:+7.1%}" if entry else ""
+
+
 def _measured(row: dict) -> float | None:
-    value = (row.get("measured") or {}).get("step_time_s") if isinstance(row.get("measured"), dict) else None
+    value = row["measured"].get("step_time_s") if isinstance(row.get("measured"), dict) else None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
@@ -151,14 +161,14 @@ def _parallel(text: str) -> dict:
     return {part[:2].lower(): int(part[2:]) for part in text.split("x")}
 
 
-def refits(calibration: Calibration) -> list[dict]:
-    """NeMo-RL's published weight-refit times (context for the sync term, never fit
-    on) beside the weight sync predicted for a colocated run of that resharding,
-    for the models whose config the published runs or data/refit_models.json hold."""
-    published = json.loads(data_path(PUBLISHED_RUNS).read_text())
+def refits(calibration: Calibration, published: dict) -> list[dict]:
+    """NeMo-RL's published weight-refit times (`published`: the published-runs file,
+    read; context for the sync term, never fit on) beside the weight sync predicted
+    for a colocated run of that resharding, for the models whose config the published
+    runs or data/refit_models.json hold."""
     configs = {row["model"]: row for row in published["runs"]}
     template = published["runs"][0]  # batch and device of a published run; the refit does not depend on them
-    for model_name, config in json.loads(data_path(REFIT_MODELS).read_text())["models"].items():
+    for model_name, config in _data(REFIT_MODELS)["models"].items():
         configs.setdefault(model_name, {**template, "model": model_name, "hf_config": config})
     model = calibration.model()
     out = []
@@ -180,13 +190,14 @@ def refits(calibration: Calibration) -> list[dict]:
 def _paper(args) -> int:
     calibration = _calibration(args.calibration)
     model = calibration.model()
+    published = _data(PUBLISHED_RUNS)
     out = {"llamarl": [], "nemo_rl": []}
-    for key, name in (("llamarl", PAPER_RUNS), ("nemo_rl", PUBLISHED_RUNS)):
-        for row in json.loads(data_path(name).read_text())["runs"]:
+    for key, data in (("llamarl", _data(PAPER_RUNS)), ("nemo_rl", published)):
+        for row in data["runs"]:
             scenario = calibration.scenario(row)
             out[key].append((row, scenario, model.predict(scenario)))
     loo = {r["name"]: r for r in calibration.fit.get("leave_one_out", [])}
-    weight_refits = refits(calibration)
+    weight_refits = refits(calibration, published)
     if args.json:
         print(json.dumps({**{key: [{"name": s.name, "measured_step_time_s": _measured(row),
                                     "leave_one_out_step_time_s": loo.get(s.name, {}).get("predicted_s"),
@@ -202,9 +213,7 @@ def _paper(args) -> int:
           f"({calibration.device} calibration):")
     print(HEADER + "  leave-one-out")
     for row, scenario, prediction in out["nemo_rl"]:
-        held = loo.get(scenario.name)
-        extra = f"  {held['predicted_s']:8.1f} {held['error']:+7.1%}" if held else ""
-        print(_line(scenario.name, _measured(row), prediction) + extra)
+        print(_line(scenario.name, _measured(row), prediction) + _loo_column(loo.get(scenario.name)))
     _print_errors([p.step_time_s / m - 1 for row, _, p in out["nemo_rl"] if (m := _measured(row))])
     if loo:
         print(f"leave-one-out: median {statistics.median(abs(r['error']) for r in loo.values()):.1%}")
@@ -271,12 +280,9 @@ def _fit(argv: list[str]) -> int:
         print(f"warning: {calibration.fit['warning']}")
     model = calibration.model()
     print(HEADER + ("  leave-one-out" if "leave_one_out" in calibration.fit else ""))
-    for i, (scenario, measured) in enumerate(runs):
-        extra = ""
-        if "leave_one_out" in calibration.fit:
-            out = calibration.fit["leave_one_out"][i]
-            extra = f"  {out['predicted_s']:8.1f} {out['error']:+7.1%}"
-        print(_line(scenario.name, measured, model.predict(scenario)) + extra)
+    held_out = calibration.fit.get("leave_one_out") or [None] * len(runs)
+    for (scenario, measured), entry in zip(runs, held_out):
+        print(_line(scenario.name, measured, model.predict(scenario)) + _loo_column(entry))
     print(f"in sample: median absolute error {calibration.fit['median_abs_error']:.1%}")
     if "leave_one_out" in calibration.fit:
         print(f"leave-one-out: median absolute error {calibration.fit['leave_one_out_median_abs_error']:.1%}")

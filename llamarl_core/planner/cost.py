@@ -186,8 +186,8 @@ class CostModel:
         t_flops = flops / (d.peak_flops(g.dtype) * f["generation_compute"])
         comm = 0.0
         if g.tp > 1:
-            link = d.link(g.tp, s.gpus_per_node) * f["link_efficiency"]
-            comm = m.layers * 2 * (f["collective_latency_s"] + batch * m.hidden * 2 * 2 * (g.tp - 1) / g.tp / link)
+            comm = m.layers * 2 * (f["collective_latency_s"]
+                                   + batch * m.hidden * 2 * 2 * (g.tp - 1) / g.tp / self._link(s, g.tp))
         key = "decode memory-bound" if t_mem >= t_flops else "decode compute-bound"
         parts[key] = parts.get(key, 0.0) + steps * max(t_mem, t_flops)
         parts["decode fixed cost"] = parts.get("decode fixed cost", 0.0) + steps * f["decode_step_s"]
@@ -208,7 +208,7 @@ class CostModel:
         f, m, b, g = self.f, s.model, s.batch, s.generator
         replicas = g.gpus // g.tp
         n = math.ceil(b.samples / replicas)
-        lengths = lengths_of(b.mean_new_tokens, b.cap, self.f["length_shape"])
+        lengths = self._lengths(b)
         capacity = self.kv_capacity_tokens(s)
         held = held_context(b, lengths)
         concurrency = max(1.0, min(float(n), capacity / held))
@@ -228,6 +228,13 @@ class CostModel:
             time += width * self._decode_step(s, alive, b.prompt_tokens + t, parts, width)
         return time
 
+    def _lengths(self, b) -> LengthDist:
+        return lengths_of(b.mean_new_tokens, b.cap, self.f["length_shape"])
+
+    def _link(self, s: Scenario, group_span: int) -> float:
+        """Bytes/s a GPU reaches over the link a group of `group_span` ranks uses."""
+        return s.device.link(group_span, s.gpus_per_node) * self.f["link_efficiency"]
+
     # ---- training ----
     def _local_params(self, s: Scenario) -> tuple[float, float]:
         """(non-expert, expert) parameters one trainer GPU holds."""
@@ -236,7 +243,7 @@ class CostModel:
 
     def training(self, s: Scenario, parts: dict) -> float:
         f, m, b, t, d = self.f, s.model, s.batch, s.trainer, s.device
-        lengths = lengths_of(b.mean_new_tokens, b.cap, self.f["length_shape"])
+        lengths = self._lengths(b)
         p = b.prompt_tokens
         tokens = b.samples * (p + lengths.mean)
         squared = b.samples * (p * p + 2 * p * lengths.mean + lengths.second_moment)
@@ -245,34 +252,28 @@ class CostModel:
         mfu = f["train_mfu_moe"] if m.moe else f["train_mfu_dense"]
         compute = flops / (t.gpus * d.peak_flops(t.dtype) * mfu)
         collectives = 4 + 2 * b.logprob_passes  # per layer: 2 forward + 2 backward, 2 per log-prob forward
-        tp_comm = ep_comm = cp_comm = 0.0
+        tp_comm = ep_comm = cp_comm = pp_comm = 0.0
         if t.tp > 1:
-            link = d.link(t.tp, s.gpus_per_node) * f["link_efficiency"]
             tp_comm = (m.layers / t.pp) * collectives * (tokens / (t.dp * t.cp)) * m.hidden * 2 \
-                * 2 * (t.tp - 1) / t.tp / link
+                * 2 * (t.tp - 1) / t.tp / self._link(s, t.tp)
         if t.ep > 1:
-            link = d.link(t.tp * t.ep, s.gpus_per_node) * f["link_efficiency"]
             ep_comm = (m.moe_layers / t.pp) * collectives * (tokens / (t.dp * t.cp * t.tp)) \
-                * m.experts_per_token * m.hidden * 2 * (t.ep - 1) / t.ep / link
+                * m.experts_per_token * m.hidden * 2 * (t.ep - 1) / t.ep / self._link(s, t.tp * t.ep)
         if t.cp > 1:
-            link = d.link(t.tp * t.cp, s.gpus_per_node) * f["link_efficiency"]
             # Ring attention: each rank's K and V (decompressed for MLA; a KV head a rank beyond the heads)
             # pass the other cp - 1 ranks.
             share = 1.0 / t.tp if m.mla else kv_share(m, t.tp)
             cp_comm = (m.layers / t.pp) * passes * (tokens / (t.dp * t.cp)) * m.train_kv_bytes_per_token_layer \
-                * share * (t.cp - 1) / link
+                * share * (t.cp - 1) / self._link(s, t.tp * t.cp)
         if t.pp > 1:  # each stage boundary passes a micro-batch's activations forward and their gradient back
-            link = d.link(t.gpus, s.gpus_per_node) * f["link_efficiency"]
-            pp_comm = (2 + b.logprob_passes) * (tokens / (t.dp * t.cp * t.tp)) * m.hidden * 2 / link
-        else:
-            pp_comm = 0.0
+            pp_comm = (2 + b.logprob_passes) * (tokens / (t.dp * t.cp * t.tp)) * m.hidden * 2 / self._link(s, t.gpus)
         micro = b.train_global_batch / t.dp
         bubble = (micro + t.pp - 1) / micro
         dense_local, expert_local = self._local_params(s)
         dp_group = t.dp * t.cp
         replicas = expert_dp(t)
-        link = d.link(t.gpus // t.pp, s.gpus_per_node) * f["link_efficiency"]  # a stage's data-parallel group
-        grads = 2 * 2 * (dense_local * (dp_group - 1) / dp_group + expert_local * (replicas - 1) / replicas) / link
+        grads = 2 * 2 * (dense_local * (dp_group - 1) / dp_group + expert_local * (replicas - 1) / replicas) \
+            / self._link(s, t.gpus // t.pp)  # a stage's data-parallel group
         adam = ADAM_TOUCHED_BYTES * (dense_local / dp_group + expert_local / replicas) / d.hbm
         traffic = tp_comm + ep_comm + cp_comm + pp_comm
         parts["training compute"] = compute
@@ -301,13 +302,13 @@ class CostModel:
         return max(g.tp, model_span(t)) if s.mode == "sync" else g.gpus + t.gpus
 
     def sync(self, s: Scenario) -> float:
-        m, g, t, d = s.model, s.generator, s.trainer, s.device
+        m, g, t = s.model, s.generator, s.trainer
         span = self.sync_span(s)
-        across = span > (d.nvlink_domain or s.gpus_per_node)
+        across = s.device.crosses(span, s.gpus_per_node)
         total = m.total_params * g.weight_bytes * (self.wire_fraction(s) if across else 1.0)
         into = total / g.tp
         out = total * (g.gpus // g.tp) / t.gpus
-        return max(into, out) / (d.link(span, s.gpus_per_node) * self.f["link_efficiency"])
+        return max(into, out) / self._link(s, span)
 
     def swap(self, s: Scenario) -> float:
         """Sync mode: the trainer's state (weights, gradients, optimizer) to the host
@@ -340,7 +341,7 @@ class CostModel:
             raise PlanError(f"{s.name}: the generator's KV cache does not hold one sequence of max_total_tokens "
                             f"{b.max_total_tokens} beside its weights ({capacity:.0f} tokens a GPU at tp {g.tp}): "
                             "raise generator.tp")
-        lengths = lengths_of(b.mean_new_tokens, b.cap, self.f["length_shape"])
+        lengths = self._lengths(b)
         need = min(math.ceil(b.samples / (g.gpus // g.tp)) * held_context(b, lengths), capacity)
         return (weights + need * kv_per_token(s) + GENERATOR_RESERVE_GiB * GiB) / GiB
 

@@ -51,10 +51,13 @@ class Device:
 
     def link(self, group_span: int, gpus_per_node: int) -> float:
         """Bytes/s per GPU per direction for a group of consecutive GPUs spanning
-        `group_span` ranks: NVLink when it stays within one NVLink domain (the node,
-        or the device's rack-scale domain), else the NICs."""
-        domain = self.nvlink_domain or gpus_per_node
-        return (self.nvlink_GBps if group_span <= domain else self.nic_GBps) * 1e9
+        `group_span` ranks: NVLink when it stays within one NVLink domain, else the NICs."""
+        return (self.nic_GBps if self.crosses(group_span, gpus_per_node) else self.nvlink_GBps) * 1e9
+
+    def crosses(self, group_span: int, gpus_per_node: int) -> bool:
+        """Whether `group_span` consecutive ranks leave one NVLink domain (the node, or
+        the device's rack-scale domain)."""
+        return group_span > (self.nvlink_domain or gpus_per_node)
 
 
 # Sources: NVIDIA H100 / H200 / H20 / H800 / HGX B200 / GB200 NVL72 datasheets (dense figures).

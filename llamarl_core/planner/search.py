@@ -26,7 +26,8 @@ KEEP = 4  # candidates per side predicted together
 MAX_SPLITS = 32
 
 
-def _fits(fn) -> float | None:
+def _fits(fn):
+    """fn(), or None where it raises PlanError (a placement that does not divide or fit)."""
     try:
         return fn()
     except PlanError:
