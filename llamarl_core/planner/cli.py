@@ -3,7 +3,11 @@
     llamarl plan SCENARIO.json [--calibration CAL.json] [--json] [--choose [--top N]]
     llamarl plan --paper [--calibration CAL.json] [--json]
     llamarl plan fit RUNS.json -o CAL.json [--no-leave-one-out]
+    llamarl plan calibrate -o CAL.json
+    llamarl plan RUN/config.json --calibration CAL.json [--json] [--choose [--top N]]
 
+RUN/config.json (or the run folder): a `llamarl train` run, predicted on this
+machine's CPU under the local calibration that `llamarl plan calibrate` writes.
 SCENARIO.json: one row in the published-runs format (the field names of
 llamarl_core/planner/data/nemo_rl_h100_runs.json; its `measured`, if any, shown
 beside the prediction, never used), or a file of them ({"runs": [...]}), each
@@ -54,10 +58,6 @@ def _rows(data, flag: str, path: str) -> list[dict]:
                 raise PlanError(f"{flag} {path}: runs[{index}] is not a row (a JSON object), got "
                                 f"{type(row).__name__}")
         return data["runs"]
-    if isinstance(data, dict) and {"run", "generator", "trainer"} <= set(data) and "hf_config" not in data:
-        raise PlanError(f"{flag} {path}: a `llamarl train` run's config.json; predicting a run on this machine "
-                        "needs a calibration of its CPU, which `llamarl plan` cannot make yet: give a row in the "
-                        "published-runs format")
     if isinstance(data, dict):
         return [data]
     raise PlanError(f"{flag} {path}: a scenario is a JSON object (a row) or {{\"runs\": [rows]}}")
@@ -103,7 +103,19 @@ def _print_one(scenario, prediction, measured: float | None) -> None:
         print(f"  - {line}")
 
 
+def _is_run_config(path: str) -> bool:
+    """Whether SCENARIO is a `llamarl train` run (its folder, or its config.json: sections run, generator, trainer)."""
+    if Path(path).is_dir():
+        return True
+    data = _read_json(path, "SCENARIO")
+    return isinstance(data, dict) and {"run", "generator", "trainer"} <= set(data) and "hf_config" not in data
+
+
 def _predict(args) -> int:
+    if _is_run_config(args.scenario):
+        from ..pipeline.plan_local import predict
+
+        return predict(args.scenario, args.calibration, args.json, args.choose, args.top)
     calibration = _calibration(args.calibration)
     model = calibration.model()
     rows = _rows(_read_json(args.scenario, "SCENARIO"), "SCENARIO", args.scenario)
@@ -290,14 +302,36 @@ def _fit(argv: list[str]) -> int:
     return 0
 
 
+def _calibrate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="llamarl plan calibrate", description=(
+        "Calibrate the local model on this machine: time matmuls and a copy, run short probes of the pipeline "
+        "(sync and async, generator tp 1 and 2, 2 replicas, trainer world 2, at model shapes and batches of their "
+        "own), fit the local factors on their step, generation, training and sync times, and write CAL.json for "
+        "`llamarl plan RUN/config.json --calibration CAL.json` and `llamarl train --auto-placement`."))
+    parser.add_argument("-o", "--out", required=True, help="the calibration JSON to write")
+    parser.add_argument("--steps", type=int, default=40, help="steps of each probe run")
+    args = parser.parse_args(argv)
+    if args.steps < 5:
+        parser.error(f"--steps must be at least 5 (the first step fills the pipeline), got {args.steps}")
+    if not Path(args.out).resolve().parent.is_dir():
+        parser.error(f"-o {args.out}: its folder does not exist")
+    from ..pipeline.probes import main_calibrate
+
+    return main_calibrate(Path(args.out), args.steps)
+
+
 def main(argv: list[str]) -> int:
     try:
         if argv[:1] == ["fit"]:
             return _fit(argv[1:])
+        if argv[:1] == ["calibrate"]:
+            return _calibrate(argv[1:])
         parser = argparse.ArgumentParser(prog="llamarl plan", description=__doc__,
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
-        parser.add_argument("scenario", nargs="?", help="SCENARIO.json: a row, or {\"runs\": [rows]}")
-        parser.add_argument("--calibration", help="a calibration JSON (default: the shipped H100 fit)")
+        parser.add_argument("scenario", nargs="?", help="SCENARIO.json: a row, or {\"runs\": [rows]}; or a `llamarl "
+                                                        "train` run, its folder or config.json")
+        parser.add_argument("--calibration", help="a calibration JSON (default: the shipped H100 fit; a `llamarl "
+                                                  "train` run takes this machine's, from `llamarl plan calibrate`)")
         parser.add_argument("--json", action="store_true", help="print one JSON object")
         parser.add_argument("--choose", action="store_true",
                             help="search the mode, the split and each side's parallelism for the lowest step time")

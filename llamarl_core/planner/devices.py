@@ -86,8 +86,9 @@ def device(name: str, measured: dict | None = None) -> Device:
         return replace(base, **measured) if measured else base
     if str(name).lower() == CPU:
         if not measured:
-            raise PlanError("device 'cpu' has no published figures: it needs a calibration holding this machine's "
-                            "measured figures (device_specs), which `llamarl plan` cannot make yet")
+            raise PlanError("device 'cpu' has no published figures: a row on it needs a calibration holding the "
+                            "machine's measured figures (device_specs); a `llamarl train` run of this machine is "
+                            "predicted from its config.json under `llamarl plan calibrate`'s calibration instead")
         fields = [f.name for f in dataclasses.fields(Device) if f.name not in ("name", "nvlink_domain")]
         missing = [f for f in fields if not isinstance(measured.get(f), (int, float)) or not measured[f] > 0]
         unknown = sorted(set(measured) - set(fields) - {"nvlink_domain"})

@@ -21,18 +21,19 @@ def setup_threads(config: TrainConfig, role: str, rank: int, launched: bool) -> 
     """Async mode: one thread per executor and, with enough cores, the generator
     and trainer ranks pinned to cores of their own (the two phases run at once;
     measured on a 2-core machine: one core each beats sharing both). Sync
-    mode: each phase has every core while it runs. Under torchrun, a host's
+    mode: each phase has every core while it runs, shared by its ranks. Under torchrun, a host's
     cores are shared evenly by its ranks (torchrun's own OMP_NUM_THREADS is 1),
     unpinned: which roles share a host is the placement's choice."""
     cores = sorted(os.sched_getaffinity(0))
     if launched:
         torch.set_num_threads(max(1, len(cores) // int(os.environ["LOCAL_WORLD_SIZE"])))
         return
-    if config.run.mode == "sync":
-        torch.set_num_threads(len(cores))
+    generator_ranks = config.generator.tp * config.generator.replicas
+    if config.run.mode == "sync":  # the phase's ranks share the cores (a thread per core in each: tp 2's generation 1.7x slower)
+        ranks = generator_ranks if role == GENERATOR else config.trainer.world if role == TRAINER else 1
+        torch.set_num_threads(max(1, len(cores) // ranks))
         return
     torch.set_num_threads(1)
-    generator_ranks = config.generator.tp * config.generator.replicas
     pinned = generator_ranks + config.trainer.world
     if role != REWARD and pinned <= len(cores):
         index = rank if role == GENERATOR else generator_ranks + rank
