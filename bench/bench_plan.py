@@ -30,8 +30,10 @@ from pathlib import Path
 from llamarl_core.bench.harness import add_output_args, emit, record, table
 from llamarl_core.cli import HelpFormatter
 from llamarl_core.pipeline import Controller, TrainConfig
-from llamarl_core.pipeline.probes import calibrate, local_run
-from llamarl_core.planner.local import LocalCalibration, choose_local, describe_local
+from llamarl_core.pipeline.plan_local import local_run
+from llamarl_core.pipeline.probes import calibrate
+from llamarl_core.planner.local import choose_local, describe_local
+from llamarl_core.planner.local_calibration import LocalCalibration
 
 BIG = {"hidden_size": 256, "intermediate_size": 512, "num_layers": 4}
 CONFIGS = {
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
         if pick_name is None:  # a placement none of the configurations has: measured too
             pick_name = f"pick: {describe_local(pick)}"
             configs[pick_name] = configs["async"].replace(
-                mode=pick.mode, generator_tp=pick.generator_tp, generator_replicas=pick.replicas,
+                mode=pick.mode, generator_tp=pick.generator_tp, generator_replicas=pick.generator_replicas,
                 trainer_world=pick.trainer_world)
         measured = measure(configs, args.repeats, tmp)
     rows = [["configuration", "measured step ms (median)", "predicted ms", "error", "gen ms meas / pred",

@@ -121,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return arithmetic_main(argv[2:])
     if argv and argv[0] == "plan":
+        from .pipeline import plan_local
         from .planner.cli import main as plan_main
 
-        return plan_main(argv[1:])
+        return plan_main(argv[1:], local=plan_local)
     if argv and argv[0] == "check":
         from .check import main as check_main
 

@@ -1,13 +1,11 @@
-"""`llamarl plan calibrate`'s measurements, and a `llamarl train` run as the
-planner's local model sees it (planner/local.py holds the arithmetic).
+"""`llamarl plan calibrate`: this machine measured, and the local model fit on it
+(planner/local.py holds the arithmetic, planner/local_calibration.py the fit).
 
 `measure_machine()` times fp32 matmuls (one thread, a thread per core) and a large
 copy, and reads the memory. `calibrate()` adds short probe runs of the pipeline
 (PROBES: sync and async, generator tp 1 and 2, 2 replicas, trainer world 2, at
 model shapes and batches of their own, none the shape of the default run) and fits
-the local factors on their measured step, generation, training and sync times.
-`local_run(config)` reads what the model needs from a TrainConfig: the model's
-shape, the task's prompt and answer lengths, each side's parallelism."""
+the local factors on their measured step, generation, training and sync times."""
 
 from __future__ import annotations
 
@@ -20,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from ..planner.devices import PlanError
-from ..planner.local import LocalCalibration, LocalRun, Machine, fit_local
-from ..planner.shapes import model_shape
+from ..planner.local import Machine
+from ..planner.local_calibration import LocalCalibration, fit_local
 from .config import TrainConfig
-from .data import RunData
+from .plan_local import local_run
+from .report import read_lines
 
 # Probe runs: steps each, and the settings of each beside the defaults (the default task, warmed up as a run is).
 PROBE_STEPS = 40
@@ -46,8 +44,7 @@ PROBES = {
     "async-huge-p4": {"mode": "async", "prompts_per_step": 4, **HUGE},
 }
 FIGURES = ("step_time_s", "gen_time_s", "train_time_s", "sync_time_s")
-# A dataset's (or a task's without reference answers) completions: assumed to fill this share of the budget.
-UNKNOWN_LENGTH_SHARE = 0.5
+TRIM = 0.1  # each end's share of a probe's steps left out of its means (a transient of the machine)
 
 
 def _timed(fn, seconds: float) -> float:
@@ -83,53 +80,21 @@ def measure_machine(seconds: float = 0.5) -> Machine:
                    memory_GiB=memory)
 
 
-def local_run(config: TrainConfig, name: str = "run", new_tokens: float | None = None) -> LocalRun:
-    """`config` as the local model's LocalRun: PlanError naming what the model does
-    not describe (a GPU run, a generator other than ours, FP8 weights, a GGUF
-    file). The mean completion length is `new_tokens` when given (a run that was
-    measured), else the task's reference answers' (eos included; said in the
-    assumptions)."""
-    run, gen = config.run, config.generator
-    if run.device != "cpu":
-        raise PlanError(f"{name}: device {run.device!r}: the local model is calibrated on this machine's CPU cores")
-    if gen.backend != "llama":
-        raise PlanError(f"{name}: generator {gen.backend!r}: the local model describes our generator ('llama')")
-    if gen.fp8 is not None:
-        raise PlanError(f"{name}: generator_fp8 {gen.fp8!r}: the local model prices the generator's weights in "
-                        f"{run.dtype}, not FP8")
-    if run.model is not None and not Path(run.model).is_dir():
-        raise PlanError(f"{name}: model {run.model!r}: the planner reads a model folder's config.json (not a "
-                        "GGUF file)")
-    data = RunData(config)
-    shape = model_shape(run.model if run.model is not None else data.model_config.to_dict())
-    problems = [data.problem(i) for i in range(min(256, data.train_size or 256))]
-    prompts = [len(data.tokenizer.encode(p.prompt)) for p in problems]
-    cap = data.max_new_tokens
-    assumptions = []
-    if new_tokens is None:
-        task = data.task
-        if task is not None and task.reference is not None:
-            lengths = [min(cap, len(data.tokenizer.encode(task.reference(p.prompt))) - 1 + 1) for p in problems]
-            new_tokens = statistics.fmean(lengths)
-            assumptions.append(("new_tokens", f"completions as long as the task's reference answers "
-                                              f"({new_tokens:.1f} tokens with eos)"))
-        else:
-            new_tokens = UNKNOWN_LENGTH_SHARE * cap
-            assumptions.append(("new_tokens", f"completions fill {UNKNOWN_LENGTH_SHARE:.0%} of the budget "
-                                              f"({new_tokens:.0f} of {cap} tokens): no reference answers"))
-    weight_bytes = 2 if run.torch_dtype == torch.bfloat16 else 4
-    return LocalRun(name, shape, run.mode, run.prompts_per_step, run.samples_per_prompt,
-                    statistics.fmean(prompts), float(new_tokens), cap, gen.segment_tokens, run.max_staleness,
-                    gen.tp, gen.replicas, config.trainer.world, weight_bytes, config.loss.kl_coef > 0,
-                    tuple(assumptions))
+def _trimmed_mean(values: list[float]) -> float:
+    values = sorted(values)
+    cut = int(len(values) * TRIM)
+    return statistics.fmean(values[cut:len(values) - cut])
 
 
 def probe_run(config: TrainConfig, out: Path) -> dict:
-    """One run of `config` into `out`: its summary's FIGURES and mean completion tokens."""
+    """One run of `config` into `out`: FIGURES, each the mean over its steps but the
+    first (which fills the pipeline) less the TRIM share at each end, the mean
+    completion tokens, and the CPU steal of the run."""
     from .controller import Controller
 
     summary = Controller(config, out).run()
-    return {**{key: summary[key] for key in FIGURES},
+    steps = read_lines(out / "metrics.jsonl")[1:]
+    return {**{key: _trimmed_mean([m[key] for m in steps]) for key in FIGURES},
             "new_tokens": summary["completion_tokens"] / summary["samples"], "cpu_steal": summary["cpu_steal"]}
 
 
@@ -145,9 +110,11 @@ def calibrate(path: Path, steps: int = PROBE_STEPS, log=print) -> LocalCalibrati
             config = TrainConfig(steps=steps, checkpoint_every=steps, **settings)
             start = time.monotonic()
             measured = probe_run(config, Path(tmp) / name)
+            steal = f", CPU steal {measured['cpu_steal']:.0%}: the host took cores" if measured["cpu_steal"] > 0.05 \
+                else ""
             log(f"probe {name}: step {measured['step_time_s'] * 1e3:.1f} ms (gen {measured['gen_time_s'] * 1e3:.1f}, "
                 f"train {measured['train_time_s'] * 1e3:.1f}, sync {measured['sync_time_s'] * 1e3:.2f}); "
-                f"{time.monotonic() - start:.0f} s")
+                f"{time.monotonic() - start:.0f} s{steal}")
             runs.append((local_run(config, name, measured["new_tokens"]), measured))
             probes.append({"name": name, "settings": settings, "steps": steps, "measured": measured})
     result = fit_local(machine, runs)
@@ -156,13 +123,28 @@ def calibrate(path: Path, steps: int = PROBE_STEPS, log=print) -> LocalCalibrati
     return calibration
 
 
-def main_calibrate(out: Path, steps: int) -> int:
+def main_calibrate(argv: list[str]) -> int:
+    """`llamarl plan calibrate -o CAL.json [--steps N]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="llamarl plan calibrate", description=(
+        "Calibrate the local model on this machine: time matmuls and a copy, run short probes of the pipeline "
+        "(sync and async, generator tp 1 and 2, 2 replicas, trainer world 2, at model shapes and batches of their "
+        "own), fit the local factors on their step, generation, training and sync times, and write CAL.json for "
+        "`llamarl plan RUN --calibration CAL.json` and `llamarl train --auto-placement`."))
+    parser.add_argument("-o", "--out", required=True, type=Path, help="the calibration JSON to write")
+    parser.add_argument("--steps", type=int, default=PROBE_STEPS, help="steps of each probe run")
+    args = parser.parse_args(argv)
+    if args.steps < 5:
+        parser.error(f"--steps must be at least 5 (the first step fills the pipeline), got {args.steps}")
+    if not args.out.resolve().parent.is_dir():
+        parser.error(f"-o {args.out}: its folder does not exist")
     start = time.monotonic()
-    calibration = calibrate(out, steps, log=lambda line: print(line, file=sys.stderr, flush=True))
+    calibration = calibrate(args.out, args.steps, log=lambda line: print(line, file=sys.stderr, flush=True))
     fit = calibration.fit
     print(f"fit on {fit['runs']} probe runs: step time median error {fit['median_abs_step_error']:.1%}, largest "
           f"{fit['max_abs_step_error']:.1%}")
     for name, value in calibration.factors.items():
         print(f"  {name:22s} {value:.4g}")
-    print(f"wrote {out} ({time.monotonic() - start:.0f} s)")
+    print(f"wrote {args.out} ({time.monotonic() - start:.0f} s)")
     return 0

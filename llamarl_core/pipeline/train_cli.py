@@ -364,6 +364,12 @@ def _main(argv, executors_for) -> int:
     if args.auto_placement and (args.compare or args.resume):
         raise SystemExit(f"--auto-placement chooses one run's placement, mode included; not with "
                          f"{'--compare' if args.compare else '--resume'}")
+    placed = [flag for flag, given in (("--mode", args.mode), ("--generator-tp", args.generator_tp),
+                                       ("--generator-replicas", args.generator_replicas),
+                                       ("--trainer-world", args.trainer_world)) if given is not None]
+    if args.auto_placement and placed:
+        raise SystemExit(f"--auto-placement chooses the mode, --generator-tp, --generator-replicas and "
+                         f"--trainer-world; drop {' '.join(placed)}")
     if args.auto_placement and args.calibration is None:
         raise SystemExit("--auto-placement needs --calibration CAL.json: this machine's calibration, made once by "
                          "`llamarl plan calibrate -o CAL.json` (about 2 minutes)")

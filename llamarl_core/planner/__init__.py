@@ -17,7 +17,8 @@ docs/planner.md shows a run predicted before it is bought.
 from .calibration import Calibration, fit, leave_one_out
 from .cost import FACTORS, CostModel, Prediction
 from .devices import DEVICES, Device, PlanError, device
-from .local import LocalCalibration, LocalModel, LocalRun, Machine, choose_local
+from .local import LocalModel, LocalRun, Machine, choose_local
+from .local_calibration import LocalCalibration
 from .scenario import Batch, Scenario, Side, from_row
 from .search import choose, describe
 from .shapes import ModelShape, model_shape

@@ -103,19 +103,9 @@ def _print_one(scenario, prediction, measured: float | None) -> None:
         print(f"  - {line}")
 
 
-def _is_run_config(path: str) -> bool:
-    """Whether SCENARIO is a `llamarl train` run (its folder, or its config.json: sections run, generator, trainer)."""
-    if Path(path).is_dir():
-        return True
-    data = _read_json(path, "SCENARIO")
-    return isinstance(data, dict) and {"run", "generator", "trainer"} <= set(data) and "hf_config" not in data
-
-
-def _predict(args) -> int:
-    if _is_run_config(args.scenario):
-        from ..pipeline.plan_local import predict
-
-        return predict(args.scenario, args.calibration, args.json, args.choose, args.top)
+def _predict(args, local) -> int:
+    if local is not None and local.is_run(args.scenario):
+        return local.predict(args.scenario, args.calibration, args.json, args.choose, args.top)
     calibration = _calibration(args.calibration)
     model = calibration.model()
     rows = _rows(_read_json(args.scenario, "SCENARIO"), "SCENARIO", args.scenario)
@@ -147,18 +137,32 @@ def _choose(model, scenario, args) -> int:
     except PlanError as exc:
         given, why = None, str(exc)
     best = choose(model, scenario, top=args.top)
-    if args.json:
-        head = {"placement": describe(scenario), **(given.as_json() if given else {"does_not_fit": why})}
-        print(json.dumps({"given": head, "best": [{"placement": describe(s), **p.as_json()} for s, p in best]},
-                         indent=1))
+    return show_choice(scenario, given, why, best, describe=describe, placement=describe, as_json=args.json)
+
+
+def show_choice(given_case, given, why, best, *, describe, placement, as_json: bool, unit: str = "s",
+                scale: float = 1.0, width: int = 72, notes: list | None = None) -> int:
+    """--choose's output: the given placement's prediction (or why it does not fit)
+    beside the best few (case, prediction) pairs, as a table in `unit` (seconds x
+    `scale`) or as JSON (placement(case) names each); notes (None: none): lines said
+    after the best one's assumptions, and in the JSON."""
+    if as_json:
+        head = {"placement": placement(given_case), **(given.as_json() if given else {"does_not_fit": why})}
+        print(json.dumps({"given": head, "best": [{"placement": placement(c), **p.as_json()} for c, p in best],
+                          **({"notes": notes} if notes is not None else {})}, indent=1))
         return 0
-    print(f"{'placement':78s} {'step s':>8s} {'gen s':>7s} {'train s':>7s}")
+    print(f"{'placement':{width + 6}s} {'step ' + unit:>8s} {'gen ' + unit:>8s} {'train ' + unit:>8s}")
     if given is None:
-        print(f"given {describe(scenario)[:72]:72s} does not fit: {why}")
-    rows = ([("given", scenario, given)] if given else []) + [(f"#{i + 1}", s, p) for i, (s, p) in enumerate(best)]
-    for label, s, p in rows:
-        print(f"{label:6s}{describe(s)[:72]:72s} {p.step_time_s:8.1f} {p.gen_time_s:7.1f} {p.train_time_s:7.1f}")
+        print(f"given {describe(given_case)[:width]:{width}s} does not fit: {why}")
+    rows = ([("given", given_case, given)] if given else []) + [(f"#{i + 1}", c, p) for i, (c, p) in enumerate(best)]
+    for label, c, p in rows:
+        print(f"{label:6s}{describe(c)[:width]:{width}s} {p.step_time_s * scale:8.1f} {p.gen_time_s * scale:8.1f} "
+              f"{p.train_time_s * scale:8.1f}")
     print(f"best: {best[0][1].bottleneck}")
+    if notes is not None:
+        print("assumptions:")
+        for line in best[0][1].assumptions + notes:
+            print(f"  - {line}")
     return 0
 
 
@@ -302,30 +306,18 @@ def _fit(argv: list[str]) -> int:
     return 0
 
 
-def _calibrate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="llamarl plan calibrate", description=(
-        "Calibrate the local model on this machine: time matmuls and a copy, run short probes of the pipeline "
-        "(sync and async, generator tp 1 and 2, 2 replicas, trainer world 2, at model shapes and batches of their "
-        "own), fit the local factors on their step, generation, training and sync times, and write CAL.json for "
-        "`llamarl plan RUN/config.json --calibration CAL.json` and `llamarl train --auto-placement`."))
-    parser.add_argument("-o", "--out", required=True, help="the calibration JSON to write")
-    parser.add_argument("--steps", type=int, default=40, help="steps of each probe run")
-    args = parser.parse_args(argv)
-    if args.steps < 5:
-        parser.error(f"--steps must be at least 5 (the first step fills the pipeline), got {args.steps}")
-    if not Path(args.out).resolve().parent.is_dir():
-        parser.error(f"-o {args.out}: its folder does not exist")
-    from ..pipeline.probes import main_calibrate
-
-    return main_calibrate(Path(args.out), args.steps)
-
-
-def main(argv: list[str]) -> int:
+def main(argv: list[str], local=None) -> int:
+    """`llamarl plan`. local: what predicts a `llamarl train` run and calibrates this
+    machine (pipeline/plan_local.py: is_run, predict, calibrate; the CLI hands it
+    over); None: rows only."""
     try:
         if argv[:1] == ["fit"]:
             return _fit(argv[1:])
         if argv[:1] == ["calibrate"]:
-            return _calibrate(argv[1:])
+            if local is None:
+                raise PlanError("calibrate: this machine's calibration runs the pipeline; call it as `llamarl plan "
+                                "calibrate`")
+            return local.calibrate(argv[1:])
         parser = argparse.ArgumentParser(prog="llamarl plan", description=__doc__,
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("scenario", nargs="?", help="SCENARIO.json: a row, or {\"runs\": [rows]}; or a `llamarl "
@@ -345,7 +337,7 @@ def main(argv: list[str]) -> int:
             parser.error("give SCENARIO.json or --paper (one of them)")
         if args.paper and args.choose:
             parser.error("--choose takes a SCENARIO.json, not --paper")
-        return _paper(args) if args.paper else _predict(args)
+        return _paper(args) if args.paper else _predict(args, local)
     except PlanError as exc:
         print(f"llamarl plan: {exc}", file=sys.stderr)
         return 2

@@ -8,8 +8,11 @@ What a step costs, per the way the pipeline runs (pipeline/rollout.py,
 pipeline/learner.py, pipeline/executors/resources.py):
 
 - Generation, per replica (its share n of the step's samples): `cap` decode steps
-  (with n samples the longest reaches the completion budget) and a prefill per
-  segment of `segment_tokens` (a weight update or new prompts rebuild the batch);
+  (with n samples the longest reaches the completion budget), one prefill of the
+  step's prompt groups, and in async mode one more of every running sample when
+  the next version lands while the batch decodes (as likely as the generator is
+  busy in the step: measured, a batch that ends before the update is not
+  re-prefilled);
   each forward pays a fixed cost per layer (Python, dispatch) and, at tp > 1,
   2 x layers + 2 collectives (the embedding's and each row-parallel output's
   all-reduce, the logits' gather); the math (2 x parameters a token) at the
@@ -17,7 +20,8 @@ pipeline/learner.py, pipeline/executors/resources.py):
   more threads to help).
 - Training, per trainer rank (its share of the samples, packed without padding):
   a forward and backward (3 forwards' math; a reference forward more with a KL
-  penalty), a fixed cost per trainer step and per sample, Adam over its shard, and
+  penalty), a fixed cost per trainer step and per sample, a forward's fixed cost
+  per micro-batch, Adam over its shard, and
   at world > 1 FSDP2's all-gathers (forward and backward) and reduce-scatter per
   unit (each layer and the root).
 - Weight sync: a fixed cost per trainer x generator rank pair and the bytes of
@@ -32,13 +36,11 @@ pipeline/learner.py, pipeline/executors/resources.py):
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
-import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .calibration import check_factors, from_factors, nelder_mead, read_calibration, to_factors
+from .calibration import check_factors
 from .cost import Prediction
 from .devices import PlanError
 from .shapes import ModelShape
@@ -61,6 +63,7 @@ LOCAL_FACTORS = {
 ADAM_BYTES = 32  # read and written per parameter by an AdamW step (weight, gradient, two moments; fp32)
 TRAINER_BYTES = 16  # per parameter a trainer rank holds of its shard: fp32 weight, gradient, two moments
 ACTIVATION_BYTES = 34 * 4  # per token and hidden unit kept for the backward, in fp32 (~34 elements, Korthikanti et al.)
+LOGIT_BYTES = 4 * 2  # per token and vocabulary entry: the fp32 logits and their gradient
 
 
 @dataclass(frozen=True)
@@ -73,25 +76,35 @@ class Machine:
     copy_GBps: float  # bytes read + written per second by a large memcpy
     memory_GiB: float
 
+    def __post_init__(self):
+        names = [f.name for f in dataclasses.fields(self)]
+        bad = [n for n in names if isinstance(getattr(self, n), bool) or not isinstance(getattr(self, n), (int, float))
+               or not 0 < getattr(self, n) < math.inf]
+        if bad:
+            raise PlanError(f"machine: {', '.join(bad)} must be positive finite numbers, got "
+                            f"{ {n: getattr(self, n) for n in bad} }")
+        if not isinstance(self.cores, int):
+            raise PlanError(f"machine: cores must be an integer, got {self.cores!r}")
+
     @classmethod
-    def from_dict(cls, data: dict, where: str) -> "Machine":
-        names = [f for f in cls.__dataclass_fields__]
-        if not isinstance(data, dict):
-            raise PlanError(f"{where}: machine must be an object with {names}")
-        bad = [n for n in names if isinstance(data.get(n), bool) or not isinstance(data.get(n), (int, float))
-               or not data[n] > 0]
-        unknown = sorted(set(data) - set(names))
-        if bad or unknown:
-            raise PlanError(f"{where}: machine needs a positive {', '.join(names)}; missing or not positive: {bad}, "
-                            f"unknown: {unknown}")
-        if data["cores"] != int(data["cores"]):
-            raise PlanError(f"{where}: machine.cores must be an integer, got {data['cores']!r}")
-        return cls(**{**data, "cores": int(data["cores"])})
+    def from_dict(cls, data, where: str) -> "Machine":
+        names = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(data, dict) or set(data) != set(names):
+            raise PlanError(f"{where}: machine must be an object with exactly {names}, got {data!r}")
+        try:
+            return cls(**{**data, "cores": int(data["cores"]) if data["cores"] == int(data["cores"]) else
+                          data["cores"]})
+        except (TypeError, ValueError, OverflowError, PlanError) as exc:
+            raise PlanError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True)
 class LocalRun:
-    """A `llamarl train` run as the local model sees it (LocalRun.from_config reads a config.json)."""
+    """A `llamarl train` run as the local model sees it (pipeline/plan_local.local_run
+    reads one from a TrainConfig). tp_choices: the generator tp sizes the pipeline
+    takes for this model (its heads, MLP and padded vocabulary divide), which a
+    placement may use; micro_batch: samples per forward and backward (0: all of a
+    rank's at once). Every field is checked here: PlanError naming it."""
 
     name: str
     model: ModelShape
@@ -102,13 +115,47 @@ class LocalRun:
     new_tokens: float  # mean completion tokens, eos included
     cap: int  # the completion budget
     segment_tokens: int = 4
-    max_staleness: int = 1
+    max_staleness: int = 1  # 0 in sync mode
     generator_tp: int = 1
-    replicas: int = 1
+    generator_replicas: int = 1
     trainer_world: int = 1
     weight_bytes: int = 4  # the generator's dtype
     reference_pass: bool = False  # a KL penalty: the reference policy's forward too
+    micro_batch: int = 0
+    tp_choices: tuple = (1,)
     assumptions: tuple = field(default=(), compare=False)
+
+    def __post_init__(self):
+        name = self.name
+        if self.mode not in ("sync", "async"):
+            raise PlanError(f"{name}: mode must be sync or async, got {self.mode!r}")
+        for key in ("prompts", "samples_per_prompt", "cap", "segment_tokens", "generator_tp", "generator_replicas",
+                    "trainer_world"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name}: {key} must be a positive integer, got {value!r}")
+        if self.samples_per_prompt < 2:
+            raise PlanError(f"{name}: samples_per_prompt must be >= 2 (a group), got {self.samples_per_prompt}")
+        for key in ("micro_batch", "max_staleness"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PlanError(f"{name}: {key} must be an integer >= 0, got {value!r}")
+        if (self.mode == "sync") != (self.max_staleness == 0):
+            raise PlanError(f"{name}: max_staleness {self.max_staleness} with mode {self.mode!r} (sync is 0, "
+                            "async >= 1)")
+        if self.weight_bytes not in (1, 2, 4):
+            raise PlanError(f"{name}: weight_bytes must be 1, 2 or 4, got {self.weight_bytes!r}")
+        if not (isinstance(self.prompt_tokens, (int, float)) and 1 <= self.prompt_tokens < math.inf):
+            raise PlanError(f"{name}: prompt_tokens (the mean) must be a number >= 1, got {self.prompt_tokens!r}")
+        if not (isinstance(self.new_tokens, (int, float)) and 0 < self.new_tokens <= self.cap):
+            raise PlanError(f"{name}: mean completion tokens {self.new_tokens!r} must be in (0, cap {self.cap}]")
+        if not self.tp_choices or self.generator_tp not in self.tp_choices:
+            raise PlanError(f"{name}: generator tp {self.generator_tp} is not one the model takes "
+                            f"({', '.join(map(str, self.tp_choices))}: its heads, MLP and padded vocabulary "
+                            "divide)")
+        if self.prompts % self.trainer_world:
+            raise PlanError(f"{name}: trainer world {self.trainer_world} does not divide prompts_per_step "
+                            f"{self.prompts}")
 
     @property
     def samples(self) -> int:
@@ -116,50 +163,34 @@ class LocalRun:
 
     @property
     def generator_ranks(self) -> int:
-        return self.generator_tp * self.replicas
+        return self.generator_tp * self.generator_replicas
 
-    def with_placement(self, mode: str, generator_tp: int, replicas: int, trainer_world: int) -> "LocalRun":
-        changed = LocalRun(self.name, self.model, mode, self.prompts, self.samples_per_prompt, self.prompt_tokens,
-                           self.new_tokens, self.cap, self.segment_tokens,
-                           (0 if mode == "sync" else max(1, self.max_staleness)), generator_tp, replicas,
-                           trainer_world, self.weight_bytes, self.reference_pass, self.assumptions)
-        check_local(changed)
-        return changed
+    def micro_batches(self) -> int:
+        """Forward and backward passes a trainer rank makes a step."""
+        share = self.samples // self.trainer_world
+        return math.ceil(share / self.micro_batch) if self.micro_batch else 1
+
+    def with_placement(self, mode: str, generator_tp: int, generator_replicas: int,
+                       trainer_world: int) -> "LocalRun":
+        """This run under another placement (checked); async keeps the run's staleness bound (or 1)."""
+        return dataclasses.replace(self, mode=mode, generator_tp=generator_tp, generator_replicas=generator_replicas,
+                                   trainer_world=trainer_world,
+                                   max_staleness=0 if mode == "sync" else max(1, self.max_staleness))
 
     def placement(self) -> dict:
-        return {"mode": self.mode, "generator_tp": self.generator_tp, "generator_replicas": self.replicas,
+        return {"mode": self.mode, "generator_tp": self.generator_tp, "generator_replicas": self.generator_replicas,
                 "trainer_world": self.trainer_world}
 
 
-def check_local(run: LocalRun) -> None:
-    """PlanError naming the setting that the pipeline would refuse (or that the
-    model does not describe): a tensor-parallel degree that does not divide the
-    heads, a trainer world that does not divide the prompts."""
-    m = run.model
-    if run.mode not in ("sync", "async"):
-        raise PlanError(f"{run.name}: mode must be sync or async, got {run.mode!r}")
-    for name in ("generator_tp", "replicas", "trainer_world", "prompts", "samples_per_prompt", "cap",
-                 "segment_tokens"):
-        value = getattr(run, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PlanError(f"{run.name}: {name} must be a positive integer, got {value!r}")
-    if m.heads % run.generator_tp or m.kv_heads % run.generator_tp:
-        raise PlanError(f"{run.name}: generator tp {run.generator_tp} does not divide the model's {m.heads} heads "
-                        f"and {m.kv_heads} key / value heads")
-    if run.prompts % run.trainer_world:
-        raise PlanError(f"{run.name}: trainer world {run.trainer_world} does not divide prompts_per_step "
-                        f"{run.prompts}")
-    if not 0 < run.new_tokens <= run.cap:
-        raise PlanError(f"{run.name}: mean completion tokens {run.new_tokens} must be in (0, cap {run.cap}]")
-
-
 class LocalModel:
-    """Predictions of local runs from a Machine and factors (LOCAL_FACTORS' names)."""
+    """Predictions of local runs from a Machine and factors (LOCAL_FACTORS' names,
+    each within its bounds)."""
 
     def __init__(self, machine: Machine, factors: dict, notes: tuple = ()):
-        missing, extra = set(LOCAL_FACTORS) - set(factors), set(factors) - set(LOCAL_FACTORS)
-        if missing or extra:
-            raise PlanError(f"local factors: missing {sorted(missing)}, unknown {sorted(extra)}")
+        missing = set(LOCAL_FACTORS) - set(factors)
+        if missing:
+            raise PlanError(f"local factors: missing {sorted(missing)}")
+        check_factors(factors, LOCAL_FACTORS, "local factors")
         self.machine, self.f, self.notes = machine, dict(factors), tuple(notes)
 
     def _rate(self, threads: int) -> float:
@@ -172,16 +203,16 @@ class LocalModel:
     def _forward(self, layers: int) -> float:
         return self.f["forward_s"] * (layers + 2)  # the layers, the embedding and the head
 
-    def generation(self, r: LocalRun, rate: float, parts: dict) -> float:
+    def generation(self, r: LocalRun, rate: float, parts: dict, refills: float = 0.0) -> float:
         """One replica's generating seconds a step; `rate`: the FLOP/s of one thread (a
-        decode step's products are too small for more)."""
+        decode step's products are too small for more); `refills`: expected re-prefills
+        of every running sample (a version landing mid-batch)."""
         m = r.model
-        n = r.samples / r.replicas
-        groups = r.prompts / r.replicas
-        prefills = math.ceil(r.cap / r.segment_tokens)
-        # The first prefill runs each prompt group once; the later ones every sample's prompt and prefix.
-        tokens = groups * r.prompt_tokens + (prefills - 1) * n * (r.prompt_tokens + r.cap / 2) + n * r.new_tokens
-        forwards = r.cap - 1 + prefills  # the longest's last token is sampled with no forward after it
+        n = r.samples / r.generator_replicas
+        groups = r.prompts / r.generator_replicas
+        # The step's prompt groups once each, the generated tokens, and a re-prefill's prompts and prefixes.
+        tokens = groups * r.prompt_tokens + n * r.new_tokens + refills * n * (r.prompt_tokens + r.cap / 2)
+        forwards = r.cap + refills  # a prefill, then a forward per token but the longest's last
         parts["forward fixed cost"] = forwards * self._forward(m.layers)
         parts["math"] = 2 * m.active_params * tokens / r.generator_tp / (rate * self.f["generation_efficiency"])
         parts["tp collectives"] = (forwards * (2 * m.layers + 2) * self.f["collective_s"]
@@ -192,38 +223,41 @@ class LocalModel:
         """One trainer rank's seconds a step, its math at `rate` FLOP/s."""
         m, w = r.model, r.trainer_world
         tokens = r.samples / w * (r.prompt_tokens + r.new_tokens)
-        passes = 3 + (1 if r.reference_pass else 0)
-        parts["math"] = passes * 2 * m.active_params * tokens / (rate * self.f["train_efficiency"])
-        parts["forward fixed cost"] = (2 + (1 if r.reference_pass else 0)) * self._forward(m.layers)
+        forwards = 2 + (1 if r.reference_pass else 0)  # a backward costs about a forward's fixed cost
+        parts["math"] = (forwards + 1) * 2 * m.active_params * tokens / (rate * self.f["train_efficiency"])
+        parts["forward fixed cost"] = forwards * r.micro_batches() * self._forward(m.layers)
         parts["step fixed cost"] = self.f["train_step_s"]
         parts["per-sample cost"] = self.f["sample_s"] * r.samples / w
         parts["Adam"] = ADAM_BYTES * m.total_params / w / (self.machine.copy_GBps * 1e9)
         parts["FSDP collectives"] = 0.0
         if w > 1:  # per unit all-gathers (forward, backward) and a reduce-scatter, and their bytes
             traffic = 3 * m.total_params * 4 * (w - 1) / w / (self.machine.copy_GBps * 1e9)
-            parts["FSDP collectives"] = (m.layers + 1) * self.f["fsdp_unit_s"] + traffic
+            parts["FSDP collectives"] = (m.layers + 1) * r.micro_batches() * self.f["fsdp_unit_s"] + traffic
         return sum(parts.values())
 
     def sync(self, r: LocalRun) -> float:
         pairs = r.trainer_world * r.generator_tp
-        copies = r.model.total_params * r.weight_bytes * r.replicas
-        return self.f["sync_s"] * pairs * r.replicas + copies / (self.machine.copy_GBps * 1e9)
+        copies = r.model.total_params * r.weight_bytes * r.generator_replicas
+        return self.f["sync_s"] * pairs * r.generator_replicas + copies / (self.machine.copy_GBps * 1e9)
 
     def generator_memory(self, r: LocalRun) -> float:
         """GiB one generator rank holds: its share of the weights and the KV cache of its batch."""
         m = r.model
-        batch = max(1, r.max_staleness) * r.samples / r.replicas
-        kv = batch * (r.prompt_tokens + r.cap) * m.layers * 2 * m.kv_heads * (m.hidden // m.heads) \
-            * r.weight_bytes / r.generator_tp
+        batch = max(1, r.max_staleness) * r.samples / r.generator_replicas
+        kv = batch * (r.prompt_tokens + r.cap) * m.layers * m.kv_bytes_per_token_layer / 2 * r.weight_bytes \
+            / r.generator_tp
         return (m.total_params * r.weight_bytes / r.generator_tp + kv) / GiB
 
     def trainer_memory(self, r: LocalRun) -> float:
         """GiB one trainer rank holds: its shard's weights, gradients and Adam's moments
-        (FSDP2), the gathered weights while it computes, and the activations of its samples."""
+        (FSDP2), the gathered weights while it computes, the reference policy's weights
+        (a KL penalty), and one micro-batch's activations and logits."""
         m, w = r.model, r.trainer_world
-        tokens = r.samples / w * (r.prompt_tokens + r.new_tokens)
-        activations = tokens * m.hidden * m.layers * ACTIVATION_BYTES + tokens * m.vocab * 4 * 2
-        return (TRAINER_BYTES * m.total_params / w + (4 * m.total_params if w > 1 else 0) + activations) / GiB
+        tokens = r.samples / w / r.micro_batches() * (r.prompt_tokens + r.new_tokens)
+        activations = tokens * (m.hidden * m.layers * ACTIVATION_BYTES + m.vocab * LOGIT_BYTES)
+        weights = TRAINER_BYTES * m.total_params / w + (4 * m.total_params if w > 1 else 0) \
+            + (4 * m.total_params if r.reference_pass else 0)
+        return (weights + activations) / GiB
 
     def _memory(self, r: LocalRun) -> dict:
         memory = {"generator": self.generator_memory(r), "trainer": self.trainer_memory(r)}
@@ -235,14 +269,13 @@ class LocalModel:
         return memory
 
     @staticmethod
-    def _slowed(phase, r: LocalRun, rate: float, slow: float, parts: dict) -> float:
+    def _slowed(phase, r: LocalRun, rate: float, slow: float, parts: dict, **extra) -> float:
         """`phase` at `rate`, all of it `slow` times slower (processes sharing its cores)."""
-        phase(r, rate, parts)
+        phase(r, rate, parts, **extra)
         parts.update({k: v * slow for k, v in parts.items()})
         return sum(parts.values())
 
     def predict(self, r: LocalRun) -> Prediction:
-        check_local(r)
         memory = self._memory(r)
         cores = self.machine.cores
         gen_parts: dict = {}
@@ -256,15 +289,17 @@ class LocalModel:
             step = gen + train + sync + overhead
         else:
             over = max(1.0, (r.generator_ranks + r.trainer_world) / cores)  # > 1: unpinned, the sides time-share
-            gen_alone = self.generation(r, self._rate(1), {})
             train_alone = self.training(r, self._rate(1), {})
             gen_slow = train_slow = 1.0
-            for _ in range(30):  # each side slowed by the other's busy share of the step (a fixed point)
-                gen, train = gen_alone * gen_slow, train_alone * train_slow
+            refills = 0.0
+            for _ in range(30):  # a fixed point: each side slowed by the other's busy share of the step
+                gen = self.generation(r, self._rate(1), {}, refills) * gen_slow
+                train = train_alone * train_slow
                 step = max(gen, train) + sync + overhead
+                refills = min(1.0, gen / step)  # the next version lands while the batch decodes
                 gen_slow = 1.0 + self.f["time_sharing"] * (over - 1.0) * min(1.0, train / step)
                 train_slow = 1.0 + self.f["time_sharing"] * (over - 1.0) * min(1.0, gen / step)
-            gen = self._slowed(self.generation, r, self._rate(1), gen_slow, gen_parts)
+            gen = self._slowed(self.generation, r, self._rate(1), gen_slow, gen_parts, refills=refills)
             train = self._slowed(self.training, r, self._rate(1), train_slow, train_parts)
             sync *= max(gen_slow, train_slow)
             step = max(gen, train) + sync + overhead
@@ -295,106 +330,14 @@ class LocalModel:
         return Prediction(step, gen, train, sync, 0.0, memory, bottleneck, assumptions, breakdown)
 
 
-# What a probe's summary gives the fit, and its weight: the step and each phase; the sync, a few
-# milliseconds, at a quarter.
-FIGURES = {"step_time_s": 1.0, "gen_time_s": 1.0, "train_time_s": 1.0, "sync_time_s": 0.25}
-LOCAL_STARTS = ({"forward_s": 1e-4, "generation_efficiency": 0.3, "train_efficiency": 0.3, "collective_s": 1e-4,
-                 "fsdp_unit_s": 1e-3, "time_sharing": 0.5, "train_step_s": 0.01, "sample_s": 1e-4, "sync_s": 1e-3,
-                 "step_overhead_s": 0.005},
-                {"forward_s": 3e-4, "generation_efficiency": 0.6, "train_efficiency": 0.6, "collective_s": 1e-3,
-                 "fsdp_unit_s": 5e-3, "time_sharing": 0.9, "train_step_s": 0.003, "sample_s": 3e-5, "sync_s": 3e-4,
-                 "step_overhead_s": 0.002})
-KIND = "local"
-
-
-def _figures(prediction: Prediction) -> dict:
-    return {"step_time_s": prediction.step_time_s, "gen_time_s": prediction.gen_time_s,
-            "train_time_s": prediction.train_time_s, "sync_time_s": prediction.sync_time_s}
-
-
-def fit_local(machine: Machine, runs: list[tuple[LocalRun, dict]]) -> dict:
-    """Factors for `runs` ((run, its measured FIGURES) on this machine), minimising
-    the weighted sum of log(predicted / measured)^2 over the figures (Nelder-Mead
-    from LOCAL_STARTS, the best restarted with smaller simplices); returns
-    {"factors", "fit"} (the fit's median and largest step-time errors)."""
-    if not runs:
-        raise PlanError("fit: no probe runs")
-    names = tuple(LOCAL_FACTORS)
-
-    def model_of(z):
-        return LocalModel(machine, to_factors(names, z, LOCAL_FACTORS))
-
-    def loss(z):
-        model, total = model_of(z), 0.0
-        for run, measured in runs:
-            predicted = _figures(model.predict(run))
-            total += sum(weight * math.log(predicted[key] / measured[key]) ** 2 for key, weight in FIGURES.items())
-        return total
-
-    tried = [nelder_mead(loss, from_factors(names, start, LOCAL_FACTORS), iterations=800) for start in LOCAL_STARTS]
-    z, value = min(tried, key=lambda pair: pair[1])
-    for step in (0.5, 0.1):
-        z, value = nelder_mead(loss, z, step=step, iterations=1000)
-    model = model_of(z)
-    errors = [model.predict(run).step_time_s / measured["step_time_s"] - 1 for run, measured in runs]
-    return {"factors": model.f, "fit": {"runs": len(runs), "free_factors": len(names),
-                                         "median_abs_step_error": statistics.median(abs(e) for e in errors),
-                                         "max_abs_step_error": max(abs(e) for e in errors),
-                                         "step_errors": {run.name: e for (run, _), e in zip(runs, errors)}}}
-
-
-@dataclass
-class LocalCalibration:
-    """This machine's figures, the local factors fit on its probe runs, and the probes
-    (each one's placement, shape and measured figures)."""
-
-    machine: Machine
-    factors: dict
-    fit: dict = field(default_factory=dict)
-    probes: list = field(default_factory=list)
-
-    def model(self) -> LocalModel:
-        return LocalModel(self.machine, self.factors, (
-            f"local calibration: {len(self.probes)} probe runs on this machine, step time within "
-            f"{self.fit.get('max_abs_step_error', float('nan')):.0%} of each probe",))
-
-    def save(self, path) -> None:
-        Path(path).write_text(json.dumps({"kind": KIND, "device": "cpu", "machine": self.machine.__dict__,
-                                          "factors": self.factors, "fit": self.fit, "probes": self.probes},
-                                         indent=1) + "\n")
-
-    @classmethod
-    def from_dict(cls, data, where: str) -> "LocalCalibration":
-        if not isinstance(data, dict) or data.get("kind") != KIND:
-            raise PlanError(f"{where}: not a local calibration (`llamarl plan calibrate` writes one); a GPU "
-                            "calibration predicts rows in the published-runs format, not a `llamarl train` run")
-        machine = Machine.from_dict(data.get("machine"), where)
-        factors = data.get("factors")
-        if not isinstance(factors, dict):
-            raise PlanError(f"{where}: factors must be an object")
-        check_factors(factors, LOCAL_FACTORS, where)
-        LocalModel(machine, factors)  # every factor present
-        fit_info, probes = data.get("fit") or {}, data.get("probes") or []
-        if not isinstance(fit_info, dict) or not isinstance(probes, list):
-            raise PlanError(f"{where}: fit must be an object and probes a list")
-        return cls(machine, dict(factors), fit_info, probes)
-
-    @classmethod
-    def load(cls, path) -> "LocalCalibration":
-        return cls.from_dict(read_calibration(path), f"--calibration {path}")
-
-
 def placements(run: LocalRun, cores: int) -> list[LocalRun]:
     """`run` under every placement the pipeline takes on `cores` cores: sync and
-    async, generator tp dividing the heads and key / value heads (up to the cores),
-    1 to `cores` replicas, trainer worlds dividing the prompts (up to the cores),
-    at most two ranks a core."""
-    m = run.model
+    async, generator tp of the run's tp_choices up to the cores, 1 to `cores`
+    replicas, trainer worlds dividing the prompts up to the cores, at most two ranks
+    a core."""
     out = []
     for mode in ("async", "sync"):
-        for tp in range(1, cores + 1):
-            if m.heads % tp or m.kv_heads % tp:
-                continue
+        for tp in (tp for tp in run.tp_choices if tp <= cores):
             for replicas in range(1, cores + 1):
                 for world in range(1, cores + 1):
                     if run.prompts % world or tp * replicas + world > 2 * cores:
@@ -405,17 +348,20 @@ def placements(run: LocalRun, cores: int) -> list[LocalRun]:
 
 def choose_local(model: LocalModel, run: LocalRun, top: int = 5) -> list[tuple[LocalRun, Prediction]]:
     """The `top` placements of `run` (placements()) with the lowest predicted step
-    time that fit in memory, best first."""
-    ranked = []
+    time that fit in memory, best first; PlanError when none fits."""
+    ranked, why = [], None
     for candidate in placements(run, model.machine.cores):
         try:
             ranked.append((candidate, model.predict(candidate)))
-        except PlanError:
-            continue  # does not fit
+        except PlanError as exc:  # does not fit
+            why = exc
+    if not ranked:
+        raise PlanError(f"{run.name}: no placement fits on this machine ({why})")
     ranked.sort(key=lambda pair: pair[1].step_time_s)
     return ranked[:top]
 
 
 def describe_local(run: LocalRun) -> str:
-    return (f"{run.mode} generator tp {run.generator_tp} x {run.replicas} replica{'s' if run.replicas > 1 else ''}, "
+    replicas = run.generator_replicas
+    return (f"{run.mode} generator tp {run.generator_tp} x {replicas} replica{'s' if replicas > 1 else ''}, "
             f"trainer world {run.trainer_world}")
