@@ -10,7 +10,6 @@ the local factors on their measured step, generation, training and sync times.""
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -22,7 +21,6 @@ from ..planner.local import Machine
 from ..planner.local_calibration import LocalCalibration, fit_local
 from .config import TrainConfig
 from .plan_local import local_run
-from .report import read_lines
 
 # Probe runs: steps each, and the settings of each beside the defaults (the default task, warmed up as a run is).
 PROBE_STEPS = 40
@@ -44,7 +42,6 @@ PROBES = {
     "async-huge-p4": {"mode": "async", "prompts_per_step": 4, **HUGE},
 }
 FIGURES = ("step_time_s", "gen_time_s", "train_time_s", "sync_time_s")
-TRIM = 0.1  # each end's share of a probe's steps left out of its means (a transient of the machine)
 
 
 def _timed(fn, seconds: float) -> float:
@@ -80,21 +77,14 @@ def measure_machine(seconds: float = 0.5) -> Machine:
                    memory_GiB=memory)
 
 
-def _trimmed_mean(values: list[float]) -> float:
-    values = sorted(values)
-    cut = int(len(values) * TRIM)
-    return statistics.fmean(values[cut:len(values) - cut])
-
-
 def probe_run(config: TrainConfig, out: Path) -> dict:
-    """One run of `config` into `out`: FIGURES, each the mean over its steps but the
-    first (which fills the pipeline) less the TRIM share at each end, the mean
-    completion tokens, and the CPU steal of the run."""
+    """One run of `config` into `out`: its summary's FIGURES (each a mean over the
+    steps but the first, which fills the pipeline: what summary.json and `llamarl
+    bench plan` report), the mean completion tokens, and the run's CPU steal."""
     from .controller import Controller
 
     summary = Controller(config, out).run()
-    steps = read_lines(out / "metrics.jsonl")[1:]
-    return {**{key: _trimmed_mean([m[key] for m in steps]) for key in FIGURES},
+    return {**{key: summary[key] for key in FIGURES},
             "new_tokens": summary["completion_tokens"] / summary["samples"], "cpu_steal": summary["cpu_steal"]}
 
 

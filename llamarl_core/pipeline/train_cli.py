@@ -372,7 +372,7 @@ def _main(argv, executors_for) -> int:
                          f"--trainer-world; drop {' '.join(placed)}")
     if args.auto_placement and args.calibration is None:
         raise SystemExit("--auto-placement needs --calibration CAL.json: this machine's calibration, made once by "
-                         "`llamarl plan calibrate -o CAL.json` (about 2 minutes)")
+                         "`llamarl plan calibrate -o CAL.json` (about a minute and a half on 2 cores)")
     if not args.resume and args.out is not None and (args.out / "config.json").exists():
         raise SystemExit(f"{args.out} already holds a run; pass --resume to continue it or pick another --out")
     mode = args.mode or "async"
