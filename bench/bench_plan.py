@@ -8,11 +8,11 @@ generator tp 1 and 2, 2 replicas, trainer world 2, two model sizes. Each runs
 table gives the median measured step time beside the prediction made before any
 run from the calibration alone (the completion lengths the task's reference
 answers have: the prediction cannot know what the policy will write; the measured
-mean is shown beside). Then `choose_local` ranks the default run's placements;
-its pick is measured (unless it is one of the configurations) and compared with
-the default placement and the best configuration of the same model. Targets: each
-prediction within 20% of the median, the median error within 10%; the pick no
-slower than the default and within 10% of the best measured.
+mean is shown beside). Then `choose_local` ranks each model's placements; its
+pick is measured (unless it is one of the configurations) and compared with the
+default placement and the best configuration of the same model. Targets: each
+prediction within 20% of the median, the median error within 10%; each pick no
+slower than its model's default and within 10% of its best measured.
 
 Without --calibration the bench runs `llamarl plan calibrate` first (about a
 minute and a half here) and uses that.
@@ -21,6 +21,7 @@ minute and a half here) and uses that.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -45,7 +46,9 @@ CONFIGS = {
     "async big": {"mode": "async", **BIG},
     "sync big": {"mode": "sync", **BIG},
 }
-SAME_MODEL = [name for name, settings in CONFIGS.items() if not set(settings) & set(BIG)]  # the default model
+# The configurations of each model, its default placement ("async") first: --choose is measured on both.
+MODELS = {"default model": [name for name, settings in CONFIGS.items() if not set(settings) & set(BIG)],
+          "big model": [name for name, settings in CONFIGS.items() if set(settings) & set(BIG)]}
 TARGET_EACH, TARGET_MEDIAN, TARGET_PICK = 0.20, 0.10, 0.10
 
 
@@ -89,16 +92,18 @@ def main(argv=None) -> int:
         model = calibration.model()
         configs = {name: TrainConfig(steps=args.steps, checkpoint_every=args.steps, **settings)
                    for name, settings in CONFIGS.items()}
-        predicted = {name: model.predict(local_run(config, name)) for name, config in configs.items()}
-        default = local_run(configs["async"], "default")
-        pick, pick_prediction = choose_local(model, default, top=1)[0]
-        pick_name = next((name for name in SAME_MODEL
-                          if local_run(configs[name]).placement() == pick.placement()), None)
-        if pick_name is None:  # a placement none of the configurations has: measured too
-            pick_name = f"pick: {describe_local(pick)}"
-            configs[pick_name] = configs["async"].replace(
-                mode=pick.mode, generator_tp=pick.generator_tp, generator_replicas=pick.generator_replicas,
-                trainer_world=pick.trainer_world)
+        runs = {name: local_run(config, name) for name, config in configs.items()}
+        predicted = {name: model.predict(run) for name, run in runs.items()}
+        picks = {}
+        for label, names in MODELS.items():
+            pick, prediction = choose_local(model, runs[names[0]], top=1)[0]
+            as_name = next((name for name in names if runs[name].placement() == pick.placement()), None)
+            if as_name is None:  # a placement none of the configurations has: measured too
+                as_name = f"pick, {label}: {describe_local(pick)}"
+                configs[as_name] = configs[names[0]].replace(
+                    mode=pick.mode, generator_tp=pick.generator_tp, generator_replicas=pick.generator_replicas,
+                    trainer_world=pick.trainer_world)
+            picks[label] = (pick, prediction, as_name)
         measured = measure(configs, args.repeats, tmp)
     rows = [["configuration", "measured step ms (median)", "predicted ms", "error", "gen ms meas / pred",
              "train ms meas / pred", "completion tokens meas / assumed"]]
@@ -111,34 +116,39 @@ def main(argv=None) -> int:
         rows.append([name, f"{step * 1e3:.1f}", f"{pr.step_time_s * 1e3:.1f}", f"{errors[name]:+.1%}",
                      f"{_median(m, 'gen_time_s') * 1e3:.1f} / {pr.gen_time_s * 1e3:.1f}",
                      f"{_median(m, 'train_time_s') * 1e3:.1f} / {pr.train_time_s * 1e3:.1f}",
-                     f"{tokens:.2f} / {local_run(configs[name]).new_tokens:.2f}"])
+                     f"{tokens:.2f} / {runs[name].new_tokens:.2f}"])
     median_error = statistics.median(abs(e) for e in errors.values())
     worst = max(abs(e) for e in errors.values())
-    best_name = min(SAME_MODEL, key=lambda name: _median(measured[name], "step_time_s"))
-    pick_step = _median(measured[pick_name], "step_time_s")
-    default_step = _median(measured["async"], "step_time_s")
-    best_step = _median(measured[best_name], "step_time_s")
+    verdict = lambda ok: "met" if ok else "NOT met"  # noqa: E731
+    choices, lines = {}, []
+    for label, (pick, prediction, as_name) in picks.items():
+        names = MODELS[label]
+        best_name = min(names, key=lambda name: _median(measured[name], "step_time_s"))
+        pick_step, default_step, best_step = (_median(measured[name], "step_time_s")
+                                              for name in (as_name, names[0], best_name))
+        choices[label] = {"placement": pick.placement(), "predicted_step_s": prediction.step_time_s,
+                          "measured_step_s": pick_step, "default_step_s": default_step,
+                          "best_measured": {"name": best_name, "step_s": best_step}}
+        lines.append(
+            f"--choose on the {label}'s run picks {describe_local(pick)} (predicted "
+            f"{prediction.step_time_s * 1e3:.1f} ms), measured {pick_step * 1e3:.1f} ms"
+            + (": the default placement itself" if as_name == names[0] else
+               f"; the default ({names[0]}) {default_step * 1e3:.1f} ms ({verdict(pick_step <= default_step)}: "
+               "no slower)")
+            + f"; the best measured configuration of the model, {best_name}, {best_step * 1e3:.1f} ms "
+            f"({verdict(pick_step <= best_step * (1 + TARGET_PICK))}: within {TARGET_PICK:.0%})")
     result = {
-        "errors": errors, "median_abs_error": median_error, "max_abs_error": worst,
-        "pick": {"placement": pick.placement(), "predicted_step_s": pick_prediction.step_time_s,
-                 "measured_step_s": pick_step, "as": pick_name},
-        "default_step_s": default_step, "best_measured": {"name": best_name, "step_s": best_step},
-        "factors": calibration.factors, "machine": calibration.machine.__dict__,
+        "errors": errors, "median_abs_error": median_error, "max_abs_error": worst, "choose": choices,
+        "factors": calibration.factors, "machine": dataclasses.asdict(calibration.machine),
         "seconds": time.monotonic() - start,
     }
-    verdict = lambda ok: "met" if ok else "NOT met"  # noqa: E731
     text = "\n".join([
         table(rows),
         "",
         f"median absolute error {median_error:.1%} (target <= {TARGET_MEDIAN:.0%}: "
         f"{verdict(median_error <= TARGET_MEDIAN)}); largest {worst:.1%} (each within {TARGET_EACH:.0%}: "
         f"{verdict(worst <= TARGET_EACH)})",
-        f"--choose on the default run picks {describe_local(pick)} (predicted {pick_prediction.step_time_s * 1e3:.1f}"
-        f" ms), measured {pick_step * 1e3:.1f} ms ({pick_name}): "
-        + ("the default placement itself" if pick_name == "async" else
-           f"the default {default_step * 1e3:.1f} ms ({verdict(pick_step <= default_step)}: no slower)")
-        + f"; the best measured placement of the model, {best_name}, {best_step * 1e3:.1f} ms "
-        f"({verdict(pick_step <= best_step * (1 + TARGET_PICK))}: within {TARGET_PICK:.0%})",
+        *lines,
         "calibration factors: " + ", ".join(f"{k} {v:.3g}" for k, v in calibration.factors.items()),
         f"{args.repeats} runs of {args.steps} steps each; {result['seconds']:.0f} s in all",
     ])

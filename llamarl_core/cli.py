@@ -121,10 +121,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return arithmetic_main(argv[2:])
     if argv and argv[0] == "plan":
-        from .pipeline import plan_local
         from .planner.cli import main as plan_main
 
-        return plan_main(argv[1:], local=plan_local)
+        return plan_main(argv[1:], local=_LocalPlanner())
     if argv and argv[0] == "check":
         from .check import main as check_main
 
@@ -135,6 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(BENCHES[argv[1]]).main(argv[2:])
     print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
     return 0 if argv and argv[0] in ("-h", "--help") else 2
+
+
+class _LocalPlanner:
+    """`llamarl plan`'s side in the pipeline (pipeline/plan_local.py: is_run, predict,
+    calibrate), imported when a run of this machine is planned, not for rows."""
+
+    def __getattr__(self, name):
+        from .pipeline import plan_local
+
+        return getattr(plan_local, name)
 
 
 def _export(argv: list[str]) -> int:

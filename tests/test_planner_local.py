@@ -10,9 +10,10 @@ import json
 import math
 import os
 import random
+import subprocess
+import sys
 
 import pytest
-import torch
 
 from helpers import llamarl_here
 from llamarl_core.pipeline.config import TrainConfig
@@ -36,7 +37,7 @@ def toy(hidden=96, intermediate=192, layers=2, heads=4, kv_heads=2, vocab=12):
 
 
 def run(mode="async", tp=1, replicas=1, world=1, prompts=8, **shape) -> LocalRun:
-    return LocalRun("case", toy(**shape), mode, prompts, 8, 6.5, 5.5, 7, 4, 0 if mode == "sync" else 1, tp,
+    return LocalRun("case", toy(**shape), mode, prompts, 8, 6.5, 5.5, 7, 0 if mode == "sync" else 1, tp,
                     replicas, world, tp_choices=(1, 2))
 
 
@@ -77,7 +78,7 @@ def test_monotonic_in_sizes_rates_and_ranks_beyond_the_cores():
         # Async: ranks beyond the cores time-share them; the same ranks on twice the cores do not.
         crowded = base.with_placement("async", 1, CORES, 1)
         roomy = LocalModel(dataclasses.replace(MACHINE, cores=2 * CORES), factors)
-        assert model.predict(crowded).train_time_s >= roomy.predict(crowded).train_time_s
+        assert model.predict(crowded).train_time_s > roomy.predict(crowded).train_time_s
         # Micro-batches: less memory a trainer rank, more fixed cost.
         micro = dataclasses.replace(base, micro_batch=4)
         assert model.trainer_memory(micro) < model.trainer_memory(base)
@@ -117,9 +118,9 @@ def test_fit_recovers_known_factors():
         p = truth.predict(r)
         runs.append((r, {"step_time_s": p.step_time_s, "gen_time_s": p.gen_time_s,
                          "train_time_s": p.train_time_s, "sync_time_s": p.sync_time_s}))
-    result = fit_local(MACHINE, runs)
-    assert result["fit"]["max_abs_step_error"] < 0.01
-    fitted = LocalModel(MACHINE, result["factors"])
+    calibration = fit_local(MACHINE, runs)
+    assert calibration.fit["max_abs_step_error"] < 0.01
+    fitted = calibration.model()
     held_out = run("async", 2, 1, 1, prompts=8, hidden=128, intermediate=256, layers=2)
     assert fitted.predict(held_out).step_time_s == pytest.approx(truth.predict(held_out).step_time_s, rel=0.03)
 
@@ -209,7 +210,8 @@ def test_a_train_config_as_the_model_sees_it():
     assert 5.5 < r.prompt_tokens < 7.5 and 4.5 < r.new_tokens < 6.5
     assert any("reference answers" in text for _, text in r.assumptions)
     measured = local_run(config, new_tokens=6.25)
-    assert measured.new_tokens == 6.25 and not measured.assumptions
+    assert measured.new_tokens == 6.25 and "new_tokens" not in dict(measured.assumptions)
+    assert "checkpoint_every" in dict(measured.assumptions)  # every 50 of 1200 steps
     bf16 = local_run(TrainConfig(dtype="bfloat16", eval_every=5, step_hook="mymod:hook"))
     assert bf16.weight_bytes == 2 and {"dtype", "eval_every", "step_hook"} <= {key for key, _ in bf16.assumptions}
     for bad, culprit in (({"device": "cuda"}, "device 'cuda'"), ({"generator": "vllm"}, "generator 'vllm'"),
@@ -256,6 +258,10 @@ def test_plan_and_auto_placement_commands(tmp_path):
                           ([str(tmp_path), "--calibration", str(cal)], "holds no run (no config.json)")):
         result = llamarl_here("plan", *args)
         assert result.returncode == 2 and culprit in result.stderr, result.stderr
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(bytes(range(128, 256)))
+    result = llamarl_here("plan", str(binary))
+    assert result.returncode == 2 and "not JSON" in result.stderr
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"run": {"steps": 0}, "generator": {}, "trainer": {}}))
@@ -293,16 +299,21 @@ def test_train_with_auto_placement(tmp_path):
         assert not (tmp_path / "x").exists()
 
 
-def test_sync_mode_ranks_share_the_cores():
-    from llamarl_core.pipeline.executors.link import GENERATOR, TRAINER
-    from llamarl_core.pipeline.executors.resources import setup_threads
+SYNC_THREADS = """
+import torch
+from llamarl_core.pipeline.config import TrainConfig
+from llamarl_core.pipeline.executors.link import GENERATOR, TRAINER
+from llamarl_core.pipeline.executors.resources import setup_threads
+config = TrainConfig(mode="sync", generator_tp=2, trainer_world=1)
+for role in (GENERATOR, TRAINER):
+    setup_threads(config, role, 0, launched=False)
+    print(torch.get_num_threads())
+"""
 
-    threads = torch.get_num_threads()
-    try:
-        config = TrainConfig(mode="sync", generator_tp=2, trainer_world=1)
-        setup_threads(config, GENERATOR, 0, launched=False)
-        assert torch.get_num_threads() == max(1, CORES // 2)
-        setup_threads(config, TRAINER, 0, launched=False)
-        assert torch.get_num_threads() == CORES
-    finally:
-        torch.set_num_threads(threads)
+
+def test_sync_mode_ranks_share_the_cores():
+    # A process of its own: vLLM's CPU worker, once loaded in this one by another test, replaces
+    # torch.set_num_threads.
+    out = subprocess.run([sys.executable, "-c", SYNC_THREADS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(max(1, CORES // 2)), str(CORES)]

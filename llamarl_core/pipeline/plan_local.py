@@ -19,11 +19,12 @@ import torch
 
 from ..planner.devices import PlanError
 from ..planner.local import LocalModel, LocalRun, choose_local, describe_local
-from ..planner.cli import show_choice
+from ..planner.cli import print_assumptions, show_choice
 from ..planner.local_calibration import LocalCalibration
 from ..planner.shapes import model_shape
 from ..sync.presets import vllm_llama_tp
 from .config import FLAT, SECTIONS, TrainConfig
+from ..models.checkpoint import check_generator_config
 from .data import RunData
 
 # A dataset's (or a task's without reference answers) completions: assumed to fill this share of the budget.
@@ -31,12 +32,12 @@ UNKNOWN_LENGTH_SHARE = 0.5
 PROBLEMS_READ = 256  # prompts (and reference answers) whose lengths are averaged
 
 
-def _tp_choices(config: TrainConfig, model_config) -> tuple[int, ...]:
+def _tp_choices(model_config) -> tuple[int, ...]:
     """The generator tp sizes the pipeline takes for this model (its own check, vllm_llama_tp)."""
     choices = []
-    for tp in range(1, getattr(model_config, "num_attention_heads", 1) + 1):
+    for tp in range(1, model_config.num_attention_heads + 1):
         try:
-            vllm_llama_tp(model_config, tp, torch.float32, fp8=config.generator.fp8)
+            vllm_llama_tp(model_config, tp, torch.float32)
         except ValueError:
             continue
         choices.append(tp)
@@ -62,6 +63,8 @@ def _unpriced(config: TrainConfig) -> list[tuple[str, str]]:
         out.append(("eval_every", f"held-out evaluations every {run.eval_every} versions are not priced"))
     if trainer.step_hook:
         out.append(("step_hook", f"the step hook {trainer.step_hook} is not priced"))
+    if run.checkpoint_every < run.steps:
+        out.append(("checkpoint_every", f"checkpoints every {run.checkpoint_every} steps are not priced"))
     if ":" in loss.objective or ":" in loss.advantage:
         out.append(("loss", "a loss or advantage of yours is priced as the built-in ones"))
     if run.torch_dtype == torch.bfloat16:
@@ -84,12 +87,14 @@ def local_run(config: TrainConfig, name: str = "run", new_tokens: float | None =
     if gen.fp8 is not None:
         raise PlanError(f"{name}: generator_fp8 {gen.fp8!r}: the local model prices the generator's weights in "
                         f"{run.dtype}, not FP8")
-    if run.model is not None and not Path(run.model).is_dir():
+    folder = None if run.model is None else Path(run.model).expanduser()
+    if folder is not None and not folder.is_dir():
         raise PlanError(f"{name}: model {run.model!r}: " + ("a GGUF file; the planner reads a model folder's "
-                                                           "config.json" if Path(run.model).is_file() else
-                                                           "no such folder"))
+                                                           "config.json" if folder.is_file() else "no such folder"))
     try:
         data = RunData(config)
+        check_generator_config(data.model_config, gen.backend, f"model {run.model!r}" if run.model else
+                               "the built-in model")
         problems = [data.problem(i) for i in range(min(PROBLEMS_READ, data.train_size or PROBLEMS_READ))]
         prompts = [len(data.tokenizer.encode(p.prompt)) for p in problems]
         task = data.task
@@ -97,7 +102,11 @@ def local_run(config: TrainConfig, name: str = "run", new_tokens: float | None =
                       if new_tokens is None and task is not None and task.reference is not None else None)
     except (ValueError, TypeError, OSError) as exc:
         raise PlanError(f"{name}: {exc}") from None
-    shape = model_shape(run.model if run.model is not None else data.model_config.to_dict())
+    shape = model_shape(data.model_config.to_dict())  # as the pipeline reads it, defaults filled in
+    tp_choices = _tp_choices(data.model_config)
+    if not tp_choices:
+        raise PlanError(f"{name}: our generator splits this model at no tensor-parallel size (its heads, MLP or "
+                        "padded vocabulary)")
     cap = data.max_new_tokens
     assumptions = _unpriced(config)
     if new_tokens is None and references is not None:
@@ -109,10 +118,9 @@ def local_run(config: TrainConfig, name: str = "run", new_tokens: float | None =
         assumptions.append(("new_tokens", f"completions fill {UNKNOWN_LENGTH_SHARE:.0%} of the budget "
                                           f"({new_tokens:.0f} of {cap} tokens): no reference answers"))
     return LocalRun(name, shape, run.mode, run.prompts_per_step, run.samples_per_prompt,
-                    sum(prompts) / len(prompts), float(new_tokens), cap, gen.segment_tokens, run.max_staleness,
-                    gen.tp, gen.replicas, config.trainer.world, 2 if run.torch_dtype == torch.bfloat16 else 4,
-                    config.loss.kl_coef > 0, config.trainer.micro_batch_size,
-                    _tp_choices(config, data.model_config), tuple(assumptions))
+                    sum(prompts) / len(prompts), float(new_tokens), cap, run.max_staleness, gen.tp, gen.replicas,
+                    config.trainer.world, 2 if run.torch_dtype == torch.bfloat16 else 4, config.loss.kl_coef > 0,
+                    config.trainer.micro_batch_size, tp_choices, tuple(assumptions))
 
 
 def load_run_config(path: str) -> TrainConfig:
@@ -127,7 +135,7 @@ def load_run_config(path: str) -> TrainConfig:
         file = file / "config.json"
     try:
         return TrainConfig.load(file)
-    except (OSError, json.JSONDecodeError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError, AttributeError) as exc:  # AttributeError: JSON that is no object
         raise PlanError(f"SCENARIO {path}: {exc}") from None
 
 
@@ -138,8 +146,8 @@ def is_run(path: str) -> bool:
         return True
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return False  # planner/cli.py says what is wrong with it
+    except (OSError, ValueError):  # not JSON, or not text: planner/cli.py says what is wrong with it
+        return False
     return isinstance(data, dict) and bool(data) and set(data) <= set(SECTIONS) | set(FLAT)
 
 
@@ -183,14 +191,8 @@ def predict(path: str, calibration_path: str | None, as_json: bool, choose: bool
           f"({'overlapped' if run.mode == 'async' else 'one after the other'}); memory GiB a rank: generator "
           f"{given.memory_gib_per_gpu['generator']:.3f}, trainer {given.memory_gib_per_gpu['trainer']:.3f}")
     print(f"bottleneck: {given.bottleneck}")
-    _print_assumptions(given.assumptions + notes)
+    print_assumptions(given.assumptions + notes)
     return 0
-
-
-def _print_assumptions(lines: list[str]) -> None:
-    print("assumptions:")
-    for line in lines:
-        print(f"  - {line}")
 
 
 def auto_placement(config: TrainConfig, calibration_path: str | None) -> tuple[TrainConfig, str]:

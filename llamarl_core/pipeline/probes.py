@@ -9,6 +9,7 @@ the local factors on their measured step, generation, training and sync times.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..planner.devices import PlanError
 from ..planner.local import Machine
 from ..planner.local_calibration import LocalCalibration, fit_local
 from .config import TrainConfig
@@ -99,7 +101,10 @@ def calibrate(path: Path, steps: int = PROBE_STEPS, log=print) -> LocalCalibrati
         for name, settings in PROBES.items():
             config = TrainConfig(steps=steps, checkpoint_every=steps, **settings)
             start = time.monotonic()
-            measured = probe_run(config, Path(tmp) / name)
+            try:
+                measured = probe_run(config, Path(tmp) / name)
+            except Exception as exc:  # the run's own error (PipelineError, a ValueError), as one line
+                raise PlanError(f"calibrate: probe {name} stopped: {type(exc).__name__}: {exc}") from exc
             steal = f", CPU steal {measured['cpu_steal']:.0%}: the host took cores" if measured["cpu_steal"] > 0.05 \
                 else ""
             log(f"probe {name}: step {measured['step_time_s'] * 1e3:.1f} ms (gen {measured['gen_time_s'] * 1e3:.1f}, "
@@ -107,8 +112,7 @@ def calibrate(path: Path, steps: int = PROBE_STEPS, log=print) -> LocalCalibrati
                 f"{time.monotonic() - start:.0f} s{steal}")
             runs.append((local_run(config, name, measured["new_tokens"]), measured))
             probes.append({"name": name, "settings": settings, "steps": steps, "measured": measured})
-    result = fit_local(machine, runs)
-    calibration = LocalCalibration(machine, result["factors"], result["fit"], probes)
+    calibration = dataclasses.replace(fit_local(machine, runs), probes=probes)
     calibration.save(path)
     return calibration
 

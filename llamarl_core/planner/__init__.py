@@ -17,12 +17,13 @@ docs/planner.md shows a run predicted before it is bought.
 from .calibration import Calibration, fit, leave_one_out
 from .cost import FACTORS, CostModel, Prediction
 from .devices import DEVICES, Device, PlanError, device
-from .local import LocalModel, LocalRun, Machine, choose_local
-from .local_calibration import LocalCalibration
+from .local import LocalModel, LocalRun, Machine, choose_local, describe_local
+from .local_calibration import LocalCalibration, fit_local
 from .scenario import Batch, Scenario, Side, from_row
 from .search import choose, describe
 from .shapes import ModelShape, model_shape
 
 __all__ = ["Batch", "Calibration", "CostModel", "DEVICES", "Device", "FACTORS", "LocalCalibration", "LocalModel",
            "LocalRun", "Machine", "ModelShape", "PlanError", "Prediction", "Scenario", "Side", "choose",
-           "choose_local", "describe", "device", "fit", "from_row", "leave_one_out", "model_shape"]
+           "choose_local", "describe", "describe_local", "device", "fit", "fit_local", "from_row", "leave_one_out",
+           "model_shape"]

@@ -36,7 +36,7 @@ def to_factors(names, z, table: dict = FACTORS) -> dict:
     out = {}
     for name, value in zip(names, z):
         lo, hi, _ = table[name]
-        out[name] = lo + (hi - lo) / (1 + math.exp(-float(np.clip(value, -40, 40))))
+        out[name] = min(hi, max(lo, lo + (hi - lo) / (1 + math.exp(-float(np.clip(value, -40, 40))))))
     return out
 
 
@@ -86,7 +86,7 @@ def read_calibration(path):
     """A calibration file's JSON: PlanError naming --calibration PATH when it cannot be read."""
     try:
         return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not text
         raise PlanError(f"--calibration {path}: {exc}") from None
 
 
@@ -98,6 +98,15 @@ def check_factors(factors: dict, table: dict, where: str) -> None:
         lo, hi, _ = table[name]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
             raise PlanError(f"{where}: factor {name} = {value!r} is outside [{lo}, {hi}]")
+
+
+def minimize(loss, starts: list, iterations: int):
+    """(z, loss(z)): Nelder-Mead from each of `starts` for `iterations`, then the best
+    restarted twice with smaller simplices (it stalls on ridges). Deterministic."""
+    z, value = min((nelder_mead(loss, start, iterations=iterations) for start in starts), key=lambda pair: pair[1])
+    for step in (0.5, 0.1):
+        z, value = nelder_mead(loss, z, step=step, iterations=1000)
+    return z, value
 
 
 @dataclass
@@ -214,10 +223,7 @@ def fit(runs: list[tuple[Scenario, float]], device_name: str, fixed: dict | None
         model = model_of(z)
         return sum(math.log(model.predict(scenario).step_time_s / measured) ** 2 for scenario, measured in runs)
 
-    tried = [nelder_mead(loss, from_factors(free, start), iterations=600) for start in STARTS]
-    z, value = min(tried, key=lambda pair: pair[1])
-    for step in (0.5, 0.1):  # Nelder-Mead stalls on ridges: restart from the best point
-        z, value = nelder_mead(loss, z, step=step, iterations=1000)
+    z, value = minimize(loss, [from_factors(free, start) for start in STARTS], iterations=600)
     model = model_of(z)
     errors = [model.predict(s).step_time_s / measured - 1 for s, measured in runs]
     result = {"runs": len(runs), "free_factors": len(free), "rms_log_error": math.sqrt(value / len(runs)),

@@ -47,7 +47,7 @@ def _read_json(path: str, flag: str):
         return json.loads(Path(path).read_text())
     except OSError as exc:
         raise PlanError(f"{flag} {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # not JSON, or not text
         raise PlanError(f"{flag} {path}: not JSON ({exc})") from None
 
 
@@ -94,17 +94,31 @@ HEADER = (f"{'scenario':44s} {'measured':>8s} {'predicted':>9s} {'error':>7s} {'
           f"{'sync s':>6s} {'swap s':>6s}  GiB gen/train")
 
 
+def print_assumptions(lines: list[str]) -> None:
+    print("assumptions:")
+    for line in lines:
+        print(f"  - {line}")
+
+
 def _print_one(scenario, prediction, measured: float | None) -> None:
     print(HEADER)
     print(_line(scenario.name, measured, prediction))
     print(f"bottleneck: {prediction.bottleneck}")
-    print("assumptions:")
-    for line in prediction.assumptions:
-        print(f"  - {line}")
+    print_assumptions(prediction.assumptions)
+
+
+def _row_like(path: str) -> bool:
+    """A file whose JSON is a row or {"runs": [...]} by its own fields (no need to ask
+    the pipeline, and to import it, whether it is a `llamarl train` run)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and bool({"hf_config", "runs", "placement", "batch"} & set(data))
 
 
 def _predict(args, local) -> int:
-    if local is not None and local.is_run(args.scenario):
+    if local is not None and not _row_like(args.scenario) and local.is_run(args.scenario):
         return local.predict(args.scenario, args.calibration, args.json, args.choose, args.top)
     calibration = _calibration(args.calibration)
     model = calibration.model()
@@ -160,9 +174,7 @@ def show_choice(given_case, given, why, best, *, describe, placement, as_json: b
               f"{p.train_time_s * scale:8.1f}")
     print(f"best: {best[0][1].bottleneck}")
     if notes is not None:
-        print("assumptions:")
-        for line in best[0][1].assumptions + notes:
-            print(f"  - {line}")
+        print_assumptions(best[0][1].assumptions + notes)
     return 0
 
 

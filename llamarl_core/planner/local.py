@@ -114,7 +114,6 @@ class LocalRun:
     prompt_tokens: float  # mean, bos included
     new_tokens: float  # mean completion tokens, eos included
     cap: int  # the completion budget
-    segment_tokens: int = 4
     max_staleness: int = 1  # 0 in sync mode
     generator_tp: int = 1
     generator_replicas: int = 1
@@ -129,8 +128,7 @@ class LocalRun:
         name = self.name
         if self.mode not in ("sync", "async"):
             raise PlanError(f"{name}: mode must be sync or async, got {self.mode!r}")
-        for key in ("prompts", "samples_per_prompt", "cap", "segment_tokens", "generator_tp", "generator_replicas",
-                    "trainer_world"):
+        for key in ("prompts", "samples_per_prompt", "cap", "generator_tp", "generator_replicas", "trainer_world"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name}: {key} must be a positive integer, got {value!r}")
@@ -245,7 +243,7 @@ class LocalModel:
         m = r.model
         batch = max(1, r.max_staleness) * r.samples / r.generator_replicas
         kv = batch * (r.prompt_tokens + r.cap) * m.layers * m.kv_bytes_per_token_layer / 2 * r.weight_bytes \
-            / r.generator_tp
+            / min(r.generator_tp, m.kv_heads)  # beyond the kv heads, each rank holds a head of its own
         return (m.total_params * r.weight_bytes / r.generator_tp + kv) / GiB
 
     def trainer_memory(self, r: LocalRun) -> float:

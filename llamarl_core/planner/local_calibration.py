@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .calibration import from_factors, nelder_mead, read_calibration, to_factors
+from .calibration import from_factors, minimize, read_calibration, to_factors
 from .cost import Prediction
 from .devices import PlanError
 from .local import LOCAL_FACTORS, LocalModel, LocalRun, Machine
@@ -33,11 +33,11 @@ def _figures(prediction: Prediction) -> dict:
             "train_time_s": prediction.train_time_s, "sync_time_s": prediction.sync_time_s}
 
 
-def fit_local(machine: Machine, runs: list[tuple[LocalRun, dict]]) -> dict:
-    """Factors for `runs` ((run, its measured FIT_WEIGHTS figures) on this machine), minimising
-    the weighted sum of log(predicted / measured)^2 over the figures (Nelder-Mead
-    from LOCAL_STARTS, the best restarted with smaller simplices); returns
-    {"factors", "fit"} (the fit's median and largest step-time errors)."""
+def fit_local(machine: Machine, runs: list[tuple[LocalRun, dict]]) -> "LocalCalibration":
+    """The calibration of `runs` ((run, its measured FIT_WEIGHTS figures) on `machine`):
+    the factors minimising the weighted sum of log(predicted / measured)^2 over the
+    figures (calibration.minimize from LOCAL_STARTS), and how the fit went (its
+    median and largest step-time errors); no probes recorded (calibrate adds them)."""
     if not runs:
         raise PlanError("fit: no probe runs")
     names = tuple(LOCAL_FACTORS)
@@ -52,16 +52,12 @@ def fit_local(machine: Machine, runs: list[tuple[LocalRun, dict]]) -> dict:
             total += sum(weight * math.log(predicted[key] / measured[key]) ** 2 for key, weight in FIT_WEIGHTS.items())
         return total
 
-    tried = [nelder_mead(loss, from_factors(names, start, LOCAL_FACTORS), iterations=800) for start in LOCAL_STARTS]
-    z, value = min(tried, key=lambda pair: pair[1])
-    for step in (0.5, 0.1):
-        z, value = nelder_mead(loss, z, step=step, iterations=1000)
+    z, _ = minimize(loss, [from_factors(names, start, LOCAL_FACTORS) for start in LOCAL_STARTS], iterations=800)
     model = model_of(z)
     errors = [model.predict(run).step_time_s / measured["step_time_s"] - 1 for run, measured in runs]
-    return {"factors": model.f, "fit": {"runs": len(runs), "free_factors": len(names),
-                                         "median_abs_step_error": statistics.median(abs(e) for e in errors),
-                                         "max_abs_step_error": max(abs(e) for e in errors),
-                                         "step_errors": {run.name: e for (run, _), e in zip(runs, errors)}}}
+    return LocalCalibration(machine, model.f, {
+        "runs": len(runs), "free_factors": len(names), "median_abs_step_error": statistics.median(map(abs, errors)),
+        "max_abs_step_error": max(map(abs, errors)), "step_errors": {run.name: e for (run, _), e in zip(runs, errors)}})
 
 
 @dataclass
@@ -75,9 +71,10 @@ class LocalCalibration:
     probes: list = field(default_factory=list)
 
     def model(self) -> LocalModel:
+        worst = self.fit.get("max_abs_step_error")
         return LocalModel(self.machine, self.factors, (
-            f"local calibration: {len(self.probes)} probe runs on this machine, step time within "
-            f"{self.fit.get('max_abs_step_error', float('nan')):.0%} of each probe",))
+            f"local calibration: {len(self.probes)} probe runs on the calibrated machine"
+            + (f", step time within {worst:.0%} of each probe" if isinstance(worst, (int, float)) else ""),))
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps({"kind": KIND, "device": "cpu", "machine": dataclasses.asdict(self.machine),

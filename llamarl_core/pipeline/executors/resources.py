@@ -28,12 +28,14 @@ def setup_threads(config: TrainConfig, role: str, rank: int, launched: bool) -> 
     if launched:
         torch.set_num_threads(max(1, len(cores) // int(os.environ["LOCAL_WORLD_SIZE"])))
         return
-    generator_ranks = config.generator.tp * config.generator.replicas
-    if config.run.mode == "sync":  # the phase's ranks share the cores (a thread per core in each: tp 2's generation 1.7x slower)
-        ranks = generator_ranks if role == GENERATOR else config.trainer.world if role == TRAINER else 1
+    if config.run.mode == "sync":  # the phase's processes share the cores (a thread per core in each: tp 2's
+        # generation 1.7x slower); an engine's own workers (vLLM) are its business
+        ranks = {GENERATOR: config.generator.processes * config.generator.replicas,
+                 TRAINER: config.trainer.world}.get(role, 1)
         torch.set_num_threads(max(1, len(cores) // ranks))
         return
     torch.set_num_threads(1)
+    generator_ranks = config.generator.tp * config.generator.replicas
     pinned = generator_ranks + config.trainer.world
     if role != REWARD and pinned <= len(cores):
         index = rank if role == GENERATOR else generator_ranks + rank
