@@ -529,11 +529,13 @@ class DensityLimit:
     - PROBE_EVERY versions without a move or a lost delta version, the limit
       doubles (at most 1): denser deltas are tried again, a lost try costing one
       version;
-    - a probe, the next version whole to time a full send again: after the first
-      delta version (the first full send is slowed by the pair's set-up) unless it
-      took under FIRST_PROBE_ABOVE of that send's time (the set-up would have had
-      to slow it over 6x to hide a loss), then every PROBE_EVERY versions while
-      deltas take over CLOSE of a full send's time.
+    - a probe, the next version whole to time a full send again: after the second
+      delta version (the first full send is slowed by the pair's set-up) when both
+      first delta versions took over FIRST_PROBE_ABOVE of that send's time (the
+      set-up would have had to slow it over 6x to hide a loss; one dense version,
+      such as the first Adam step's, which moves every element by lr, does not
+      cost a whole version), then every PROBE_EVERY versions while deltas take
+      over CLOSE of a full send's time.
 
     On a slow link (1 Gbit) the limit settles near the break-even density; on one
     faster than the codec, near 0."""
@@ -544,7 +546,7 @@ class DensityLimit:
         self.limit = 1.0
         self.probe = False  # the next version goes whole
         self._full: list[float] = []  # seconds per byte of the last whole versions
-        self._delta_versions = 0
+        self._first_ratios: list[float] = []  # the first two delta versions' time over a full send's
         self._since_whole = 0  # versions since the last whole one
         self._since_move = 0  # versions since the limit last moved
 
@@ -566,7 +568,6 @@ class DensityLimit:
                 self._full = (self._full + [seconds / full_bytes])[-self.FULL_KEPT:]
             self._since_whole, self.probe = 0, False
         else:
-            self._delta_versions += 1
             self._since_whole += 1
             per_byte, densest = self.full_seconds_per_byte, max(densities)
             if per_byte is not None and full_bytes > 0:
@@ -576,7 +577,10 @@ class DensityLimit:
                     self.limit = min(self.limit, self.LOWER * densest)
                 elif densest > 0:
                     self.limit = min(1.0, max(self.limit, self.RAISE * densest))
-                first = self._delta_versions == 1 and ratio > self.FIRST_PROBE_ABOVE
+                first = False
+                if len(self._first_ratios) < 2:
+                    self._first_ratios.append(ratio)
+                    first = len(self._first_ratios) == 2 and min(self._first_ratios) > self.FIRST_PROBE_ABOVE
                 if first or (ratio > self.CLOSE and self._since_whole >= self.PROBE_EVERY):
                     self.probe = True
         self._since_move = 0 if lost or self.limit != before else self._since_move + 1
