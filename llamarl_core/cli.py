@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _LocalPlanner:
-    """`llamarl plan`'s side in the pipeline (pipeline/plan_local.py: is_run, predict,
+    """`llamarl plan`'s side in the pipeline (pipeline/plan_local.py: is_run_config, predict,
     calibrate), imported when a run of this machine is planned, not for rows."""
 
     def __getattr__(self, name):

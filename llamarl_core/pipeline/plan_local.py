@@ -5,7 +5,7 @@ planner's local model sees it (planner/local.py holds the arithmetic).
     llamarl plan RUN [--calibration CAL.json] [--json] [--choose [--top N]]
 
 RUN is a run's folder or its config.json (sections, or the flat names of before
-them). planner/cli.py parses `llamarl plan` and calls is_run, predict and
+them). planner/cli.py parses `llamarl plan` and calls is_run_config, predict and
 calibrate here (the CLI hands them over: the planner imports nothing of the
 pipeline). `auto_placement` is `llamarl train --auto-placement`'s choice."""
 
@@ -139,15 +139,9 @@ def load_run_config(path: str) -> TrainConfig:
         raise PlanError(f"SCENARIO {path}: {exc}") from None
 
 
-def is_run(path: str) -> bool:
-    """Whether SCENARIO names a `llamarl train` run: a folder, or a JSON object of
-    config sections or flat config names (a published-runs row has fields of its own)."""
-    if Path(path).is_dir():
-        return True
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):  # not JSON, or not text: planner/cli.py says what is wrong with it
-        return False
+def is_run_config(data) -> bool:
+    """Whether SCENARIO's JSON is a `llamarl train` run's config: an object of config
+    sections or flat config names (a published-runs row has fields of its own)."""
     return isinstance(data, dict) and bool(data) and set(data) <= set(SECTIONS) | set(FLAT)
 
 
@@ -159,12 +153,12 @@ def _calibration(path: str | None) -> LocalCalibration:
     return LocalCalibration.load(path)
 
 
-def _here(model: LocalModel) -> list[str]:
-    """A line when the calibration's cores are not this process's (another machine, or a CPU limit)."""
+def _other_machine(model: LocalModel) -> str | None:
+    """What differs when the calibration's cores are not this process's (another
+    machine, or a CPU limit); None when they are."""
     cores = len(os.sched_getaffinity(0))
-    return [] if cores == model.machine.cores else [
-        f"calibrated on {model.machine.cores} cores; this machine gives this process {cores}: the prediction is "
-        "the calibrated machine's"]
+    return None if cores == model.machine.cores else \
+        f"calibrated on {model.machine.cores} cores; this machine gives this process {cores}"
 
 
 def predict(path: str, calibration_path: str | None, as_json: bool, choose: bool, top: int) -> int:
@@ -176,7 +170,8 @@ def predict(path: str, calibration_path: str | None, as_json: bool, choose: bool
         if not choose:
             raise
         given, why = None, str(exc)
-    notes = _here(model)
+    other = _other_machine(model)
+    notes = [f"{other}: the prediction is the calibrated machine's"] if other else []
     if choose:
         best = choose_local(model, run, top)
         return show_choice(run, given, why, best, describe=describe_local, placement=LocalRun.placement,
@@ -201,10 +196,9 @@ def auto_placement(config: TrainConfig, calibration_path: str | None) -> tuple[T
     placement's prediction, or why it does not fit, and the assumptions).
     PlanError when the calibration is another machine's (its cores)."""
     model = _calibration(calibration_path).model()
-    mismatch = _here(model)
-    if mismatch:
-        raise PlanError(mismatch[0].replace("the prediction is the calibrated machine's",
-                                            "calibrate this one (`llamarl plan calibrate`)"))
+    other = _other_machine(model)
+    if other:
+        raise PlanError(f"{other}: calibrate this one (`llamarl plan calibrate`)")
     run = local_run(config, "this run")
     try:
         given = f"{model.predict(run).step_time_s * 1e3:.1f} ms"

@@ -244,6 +244,11 @@ def _one_line_errors():
         raise SystemExit(f"llamarl train: {exc}") from None
 
 
+def _fresh_out(label: str) -> Path:
+    """A run's folder when --out is not given: runs/<time>-<label>."""
+    return Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{label}")
+
+
 def _auto_placement(config: TrainConfig, calibration: Path) -> TrainConfig:
     """`config` placed by the local cost model (pipeline/plan_local.py), what it chose printed."""
     from ..planner.devices import PlanError
@@ -376,18 +381,18 @@ def _main(argv, executors_for) -> int:
     if not args.resume and args.out is not None and (args.out / "config.json").exists():
         raise SystemExit(f"{args.out} already holds a run; pass --resume to continue it or pick another --out")
     mode = args.mode or "async"
-    out = args.out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{'compare' if args.compare else mode}")
     if not args.compare:
-        config = _resumed_config(out, args.steps) if args.resume else _config(args, mode)
+        config = _resumed_config(args.out, args.steps) if args.resume else _config(args, mode)
         if args.auto_placement:
             config = _auto_placement(config, args.calibration)
-            out = args.out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{config.run.mode}")
+        out = args.out or _fresh_out(config.run.mode)
         summary, _ = run_one(config, out, args.quiet, executors_for, resume=args.resume)
         _print_summary(summary)
         print(f"wrote {out}/: metrics.jsonl summary.json reward.png trace.json checkpoint/ model/ (the trained policy, "
               "a transformers model folder)")
         return 0
     configs = {mode: _config(args, mode) for mode in ("sync", "async")}  # both checked before either runs
+    out = args.out or _fresh_out("compare")
     runs = {mode: run_one(config, out / mode, args.quiet, executors_for) for mode, config in configs.items()}
     (sync, sync_metrics), (asyn, async_metrics) = runs["sync"], runs["async"]
     result = {

@@ -107,22 +107,20 @@ def _print_one(scenario, prediction, measured: float | None) -> None:
     print_assumptions(prediction.assumptions)
 
 
-def _row_like(path: str) -> bool:
-    """A file whose JSON is a row or {"runs": [...]} by its own fields (no need to ask
-    the pipeline, and to import it, whether it is a `llamarl train` run)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return False
+def _row_like(data) -> bool:
+    """JSON that is a row or {"runs": [...]} by its own fields (no need to ask the
+    pipeline, and to import it, whether it is a `llamarl train` run)."""
     return isinstance(data, dict) and bool({"hf_config", "runs", "placement", "batch"} & set(data))
 
 
 def _predict(args, local) -> int:
-    if local is not None and not _row_like(args.scenario) and local.is_run(args.scenario):
+    # A run's folder, or JSON read once: a row, or (the pipeline's side decides) a run's config.
+    data = None if local is not None and Path(args.scenario).is_dir() else _read_json(args.scenario, "SCENARIO")
+    if local is not None and (data is None or not _row_like(data) and local.is_run_config(data)):
         return local.predict(args.scenario, args.calibration, args.json, args.choose, args.top)
     calibration = _calibration(args.calibration)
     model = calibration.model()
-    rows = _rows(_read_json(args.scenario, "SCENARIO"), "SCENARIO", args.scenario)
+    rows = _rows(data, "SCENARIO", args.scenario)
     scenarios = [(row, calibration.scenario(row, base=Path(args.scenario).parent)) for row in rows]
     if args.choose:
         if len(scenarios) != 1:
@@ -320,7 +318,7 @@ def _fit(argv: list[str]) -> int:
 
 def main(argv: list[str], local=None) -> int:
     """`llamarl plan`. local: what predicts a `llamarl train` run and calibrates this
-    machine (pipeline/plan_local.py: is_run, predict, calibrate; the CLI hands it
+    machine (pipeline/plan_local.py: is_run_config, predict, calibrate; the CLI hands it
     over); None: rows only."""
     try:
         if argv[:1] == ["fit"]:
