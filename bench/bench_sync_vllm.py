@@ -69,7 +69,8 @@ def _trainer(port: int, layout_dict: dict, rank: int, versions: list[int], name:
     version (each waits for the engine), each once its tensors hold that version
     (Store key <name>/ready/<version>/<rank>: the engine's pause starts after it).
     With `delta_fraction` it sends deltas, that fraction of its elements changed
-    before every version after the first."""
+    before every version after the first, once the engine has taken the version
+    before (key <name>/done/<version>): the change does not run beside a pause."""
     torch.set_num_threads(1)
     layout = Layout.from_dict(layout_dict)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_WAIT)
@@ -79,6 +80,7 @@ def _trainer(port: int, layout_dict: dict, rank: int, versions: list[int], name:
                       delta=delta_fraction is not None) as sender:
         for i, version in enumerate(versions):
             if i and delta_fraction is not None:
+                store.wait([f"{name}/done/{versions[i - 1]}"], _WAIT)
                 perturb(shards, delta_fraction, 1000 * i + rank)
             store.set(f"{name}/ready/{version}/{rank}", b"1")
             sender.send(version)
@@ -105,6 +107,7 @@ def _ddma_rounds(engine, store, layout, spec, name: str, transport: str,
     for v in range(1, rounds + 1):  # the pause begins once every trainer rank holds version v
         store.wait([f"{name}/ready/{v}/{rank}" for rank in range(spec.trainer_world)], _WAIT)
         updates.append(engine.call("ddma_update", v, 600.0, timeout=600))
+        store.set(f"{name}/done/{v}", b"1")
     for trainer in trainers:
         trainer.join(timeout=60)
     engine.call("shutdown_transfer")

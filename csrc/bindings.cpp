@@ -11,6 +11,7 @@
 #include "host/delta_codec.h"
 #include "host/host_copy.h"
 #include "host/shared_memory.h"
+#include "host/simd.h"
 #ifdef LLAMARL_WITH_CUDA
 #include "cuda/cuda_engine.h"
 #endif
@@ -88,7 +89,8 @@ void register_host(py::module_& m) {
   // Delta codec (host/delta_codec.h): addresses and sizes from delta.py, which checks them against its tensors.
   m.def(
       "delta_scan_host",
-      [](int64_t fresh, int64_t base, int64_t nbytes, const SegmentArray& stretches, int64_t mask, bool update_base) {
+      [](int64_t fresh, int64_t base, int64_t nbytes, const SegmentArray& stretches, int64_t mask, bool update_base,
+         int64_t values, int64_t threads) {
         LLAMARL_CHECK(stretches.ndim() == 2 && stretches.shape(1) == 4, "stretches must be an int64 array (n, 4)");
         const int64_t* rows = stretches.data();
         const int64_t count = stretches.shape(0);
@@ -96,28 +98,49 @@ void register_host(py::module_& m) {
         {
           py::gil_scoped_release release;
           r = delta_scan_host(reinterpret_cast<const uint8_t*>(fresh), reinterpret_cast<uint8_t*>(base), nbytes, rows,
-                              count, reinterpret_cast<uint8_t*>(mask), update_base);
+                              count, reinterpret_cast<uint8_t*>(mask), update_base, reinterpret_cast<uint8_t*>(values),
+                              threads);
         }
         return py::make_tuple(r.changed, r.runs, r.value_bytes, r.checksum_change);
       },
       py::arg("fresh"), py::arg("base"), py::arg("nbytes"), py::arg("stretches"), py::arg("mask"),
-      py::arg("update_base"),
-      "Mark in `mask` the elements whose bytes differ; (changed, runs, value_bytes, checksum_change).");
+      py::arg("update_base"), py::arg("values"), py::arg("threads"),
+      "Mark in `mask` the elements whose bytes differ, their bytes copied to `values` unless it is 0; "
+      "(changed, runs, value_bytes, checksum_change).");
   m.def(
-      "delta_gather_host",
-      [](int64_t fresh, const SegmentArray& stretches, int64_t mask, int64_t elements, int64_t values,
-         int64_t value_bytes, int64_t runs, int64_t run_count, int64_t index_size) {
+      "delta_scan_packing_host",
+      [](const SegmentArray& pack, int64_t staging, int64_t base, int64_t nbytes, const SegmentArray& stretches,
+         int64_t mask, bool update_base, int64_t values, int64_t threads) {
         LLAMARL_CHECK(stretches.ndim() == 2 && stretches.shape(1) == 4, "stretches must be an int64 array (n, 4)");
+        int64_t pack_count = 0;
+        const CopySegment* segs = segments_of(pack, &pack_count);
         const int64_t* rows = stretches.data();
         const int64_t count = stretches.shape(0);
-        py::gil_scoped_release release;
-        delta_gather_host(reinterpret_cast<const uint8_t*>(fresh), rows, count, reinterpret_cast<const uint8_t*>(mask),
-                          elements, reinterpret_cast<uint8_t*>(values), value_bytes,
-                          reinterpret_cast<uint8_t*>(runs), run_count, index_size);
+        DeltaScan r;
+        {
+          py::gil_scoped_release release;
+          r = delta_scan_packing_host(segs, pack_count, staging, reinterpret_cast<uint8_t*>(base), nbytes, rows, count,
+                                      reinterpret_cast<uint8_t*>(mask), update_base,
+                                      reinterpret_cast<uint8_t*>(values), threads);
+        }
+        return py::make_tuple(r.changed, r.runs, r.value_bytes, r.checksum_change);
       },
-      py::arg("fresh"), py::arg("stretches"), py::arg("mask"), py::arg("elements"), py::arg("values"),
-      py::arg("value_bytes"), py::arg("runs"), py::arg("run_count"), py::arg("index_size"),
-      "Copy out the marked elements' bytes (and their runs when `runs` is not 0).");
+      py::arg("pack"), py::arg("staging"), py::arg("base"), py::arg("nbytes"), py::arg("stretches"), py::arg("mask"),
+      py::arg("update_base"), py::arg("values"), py::arg("threads"),
+      "delta_scan_host of the bytes the (n, 7) pack segments would write to `staging`, read through them.");
+  m.def(
+      "delta_runs_host",
+      [](int64_t mask, int64_t elements, int64_t runs, int64_t run_count, int64_t index_size) {
+        py::gil_scoped_release release;
+        delta_runs_host(reinterpret_cast<const uint8_t*>(mask), elements, reinterpret_cast<uint8_t*>(runs), run_count,
+                        index_size);
+      },
+      py::arg("mask"), py::arg("elements"), py::arg("runs"), py::arg("run_count"), py::arg("index_size"),
+      "Write the marked elements' runs as (first, count) pairs of index_size bytes.");
+  m.def("host_simd", []() { return static_cast<int>(host_simd()); },
+        "The vector level of the host's byte loops (host/simd.h): 0 plain, 1 AVX2, 2 AVX-512.");
+  m.def("set_host_simd", &set_host_simd, py::arg("cap"),
+        "Cap the vector level of the host's byte loops (0 plain, 1 AVX2, 2 AVX-512); returns the cap before.");
   m.def(
       "delta_apply_host",
       [](int64_t encoding, int64_t index, int64_t index_bytes, int64_t index_size, int64_t values,

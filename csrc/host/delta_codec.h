@@ -1,10 +1,14 @@
 // The host side of delta weight sync's codec (llamarl_core/sync/delta.py holds
 // the format and a torch version of each call for GPU tensors): the sender's scan
-// of a bucket against its base and gather of the changed elements, the receiver's
-// apply of them through the bucket's segments. Pointers and sizes only; one thread.
+// of a bucket against its base, which also copies out the changed elements, the
+// runs of a scan's bitmask, the receiver's apply through the bucket's segments.
+// Pointers and sizes only; AVX-512 where the CPU has it (simd.h); the scans split
+// over threads.
 #pragma once
 
 #include <cstdint>
+
+#include "../copy_segments.h"
 
 namespace llamarl {
 
@@ -19,18 +23,29 @@ struct DeltaScan {
 
 // Compares `fresh` with `base` (`nbytes` each) and sets, in `mask` (zeroed by the
 // caller, one bit per element, little-endian within each byte), the bit of every
-// element that differs. With `update_base`, copies each differing word of fresh
+// element that differs; unless `values` is null, writes those elements' bytes
+// there, in order (room for `nbytes` + 64 x threads: every element may differ,
+// AVX-512 stores a block's changed elements 64 bytes at a time, and each thread
+// writes its own from where its bytes begin). Up to `threads` threads, each over
+// whole 64 KiB blocks, at least 4 MiB. With
+// `update_base`, copies each differing word (64-byte block, with AVX-512) of fresh
 // into base (base then equals fresh). Reads equal 64-byte blocks once each.
 DeltaScan delta_scan_host(const uint8_t* fresh, uint8_t* base, int64_t nbytes, const int64_t* stretches,
-                          int64_t stretch_count, uint8_t* mask, bool update_base);
+                          int64_t stretch_count, uint8_t* mask, bool update_base, uint8_t* values, int64_t threads);
 
-// Writes the bytes of the elements `mask` marks (the first `elements` bits) into
-// `values`, in order, and, when `runs` is not null, each run of them as (first
-// element, count) of `index_size` (4 or 8) bytes each. Checks that exactly
-// `value_bytes` and `run_count` came out (a scan's figures).
-void delta_gather_host(const uint8_t* fresh, const int64_t* stretches, int64_t stretch_count,
-                       const uint8_t* mask, int64_t elements, uint8_t* values, int64_t value_bytes,
-                       uint8_t* runs, int64_t run_count, int64_t index_size);
+// delta_scan_host of the bytes the pack segments `pack` (copy_segments.h; their
+// destination rows back to back from address `staging`, in order, `nbytes` in
+// all) would write, read through them instead: 4 KiB at a time packed into a
+// scratch buffer and scanned, `staging` never written (a bucket scanned straight
+// from the sender's tensors). Checks the segments first.
+DeltaScan delta_scan_packing_host(const CopySegment* pack, int64_t pack_count, int64_t staging, uint8_t* base,
+                                  int64_t nbytes, const int64_t* stretches, int64_t stretch_count, uint8_t* mask,
+                                  bool update_base, uint8_t* values, int64_t threads);
+
+// Writes each run of the elements `mask` marks (its first `elements` bits) into
+// `runs` as (first element, count), `index_size` (4 or 8) bytes each; checks that
+// exactly `run_count` (a scan's figure) came out.
+void delta_runs_host(const uint8_t* mask, int64_t elements, uint8_t* runs, int64_t run_count, int64_t index_size);
 
 // Destination segments, in the bucket's order: rows of 5 int64 [address, pitch,
 // width (elements), height, itemsize]; segment k holds the width * height elements

@@ -6,9 +6,8 @@
 #include <vector>
 
 namespace llamarl {
-namespace {
 
-void run_segment(const CopySegment& seg) {
+void copy_segment_host(const CopySegment& seg) {
   auto* src = reinterpret_cast<const unsigned char*>(seg.src);
   auto* dst = reinterpret_cast<unsigned char*>(seg.dst);
   if (seg.kind == kCopyBytes) {
@@ -31,8 +30,10 @@ void run_segment(const CopySegment& seg) {
   }
 }
 
+namespace {
+
 void run_part(const std::vector<CopySegment>& part) {
-  for (const CopySegment& seg : part) run_segment(seg);
+  for (const CopySegment& seg : part) copy_segment_host(seg);
 }
 
 }  // namespace

@@ -218,8 +218,9 @@ class Scan:
     changed-element bitmask (uint8, numpy's little-endian bit order), `changed`
     elements, `runs` of consecutive changed elements, `value_bytes` their bytes,
     `checksum_change` bucket_checksum(new) - bucket_checksum(base) mod 2**64 as a
-    signed int (None where the scan was torch's), and on the torch path the bool
-    per element `bits` packs (`mask`)."""
+    signed int (None where the scan was torch's), on the torch path the bool per
+    element `bits` packs (`mask`), on the host the changed elements' bytes in order
+    (`values`, copied out by the scan)."""
 
     bits: torch.Tensor
     changed: int
@@ -227,6 +228,7 @@ class Scan:
     value_bytes: int
     checksum_change: int | None
     mask: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
 
 def _on_host(data: torch.Tensor, native_host: bool) -> bool:
@@ -237,8 +239,9 @@ class BucketCodec:
     """The delta codec of one bucket, from its unpack segments (endpoint.packed's
     second list: `src_offset` the segment's place in the bucket's bytes, `dst_*`
     where it lands in the receiver's tensors). Host tensors go through the native
-    codec (csrc/host/delta_codec.cpp: one pass over the bytes, equal 64-byte blocks
-    read once), device tensors through torch ops; `native_host=False` sends host
+    codec (csrc/host/delta_scan.cpp and delta_apply.cpp: one pass over the bytes,
+    equal 64-byte blocks read once, AVX-512 where the CPU has it, the scan split
+    over threads), device tensors through torch ops; `native_host=False` sends host
     tensors through torch too. Both make the same payloads."""
 
     def __init__(self, unpack: Sequence[Segment], native_host: bool = True):
@@ -276,17 +279,17 @@ class BucketCodec:
         return torch.cat([_differs(new[start:end], base[start:end], size) for start, end, size, _ in self.stretches]) \
             if self.stretches else new[:0].bool()
 
-    def scan(self, new: torch.Tensor, base: torch.Tensor, update_base: bool = False) -> Scan:
+    def scan(self, new: torch.Tensor, base: torch.Tensor, update_base: bool = False, threads: int = 1) -> Scan:
         """What changed from `base` to `new` (the bucket's bytes, 1-D uint8 on one
         device); with `update_base`, base takes new's bytes (on the host only the
-        words that differ are written)."""
+        words, or 64-byte blocks, that differ are written). On the host up to
+        `threads` threads scan it, each at least 4 MiB."""
         self._check_bytes(new, "new")
         self._check_bytes(base, "base")
         if _on_host(new, self.native_host) and base.device.type == "cpu":
-            bits = torch.zeros(self.mask_bytes, dtype=torch.uint8)
-            changed, runs, value_bytes, checksum_change = native().delta_scan_host(
-                new.data_ptr(), base.data_ptr(), self.nbytes, self._stretch_table, bits.data_ptr(), update_base)
-            return Scan(bits, changed, runs, value_bytes, checksum_change)
+            return self._host_scan(threads, lambda bits, values: native().delta_scan_host(
+                new.data_ptr(), base.data_ptr(), self.nbytes, self._stretch_table, bits, update_base, values,
+                threads))
         mask = self.changed_mask(new, base)
         # Every count in one transfer: the changed elements of each stretch, then the runs' starts.
         cuts = [0, *[s[3] for s in self.stretches[1:]], self.elements]
@@ -297,6 +300,36 @@ class BucketCodec:
             base.copy_(new)
         value_bytes = sum(n * size for n, (_, _, size, _) in zip(per_stretch, self.stretches))
         return Scan(_pack_bits(mask), sum(per_stretch), runs, value_bytes, None, mask)
+
+    def scan_packing(self, table: np.ndarray, staging: torch.Tensor, base: torch.Tensor,
+                     update_base: bool = False, threads: int = 1) -> Scan:
+        """scan of the bytes the pack `table` (engine.segment_table rows that write
+        the bucket's bytes into `staging`, in packed order) would write, read through
+        it from the sender's tensors on the host (native, 4 KiB at a time, up to
+        `threads` threads): `staging` is not written. ValueError off the host or
+        for a table that does not write `staging` back to back."""
+        self._check_bytes(staging, "staging")
+        self._check_bytes(base, "base")
+        if not (_on_host(staging, self.native_host) and base.device.type == "cpu"):
+            raise ValueError("scan_packing reads through a pack table on the host (native codec) only")
+        try:
+            return self._host_scan(threads, lambda bits, values: native().delta_scan_packing_host(
+                table, staging.data_ptr(), base.data_ptr(), self.nbytes, self._stretch_table, bits, update_base,
+                values, threads))
+        except native().EngineError as error:
+            raise ValueError(str(error)) from None
+
+    def _host_scan(self, threads: int, run) -> Scan:
+        """A native scan on up to `threads` threads: `run(bits address, values
+        address)` returns (changed, runs, value bytes, checksum change)."""
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        bits = torch.zeros(self.mask_bytes, dtype=torch.uint8)
+        # Room for every element, and the 64 bytes a thread's native scan may write past its
+        # values; pages past what it writes stay untouched.
+        values = torch.empty(self.nbytes + 64 * threads, dtype=torch.uint8)
+        changed, runs, value_bytes, checksum_change = run(bits.data_ptr(), values.data_ptr())
+        return Scan(bits, changed, runs, value_bytes, checksum_change, values=values[:value_bytes])
 
     def sizes(self, scan: Scan) -> dict[int, int]:
         """Each encoding's payload bytes for what `scan` found."""
@@ -318,26 +351,25 @@ class BucketCodec:
         if encoding == DENSE:
             return BucketDelta(DENSE, new, scan.changed, self.elements)
         index_bytes = sizes[encoding] - scan.value_bytes
-        if _on_host(new, self.native_host):
-            payload = torch.empty(sizes[encoding], dtype=torch.uint8)
-            runs = 0
-            if encoding == MASK:
-                payload[:index_bytes].copy_(scan.bits)
-            else:
-                payload[:8].view(torch.int64)[0] = scan.runs
-                runs = payload.data_ptr() + 8
-            native().delta_gather_host(new.data_ptr(), self._stretch_table, scan.bits.data_ptr(), self.elements,
-                                       payload.data_ptr() + index_bytes, scan.value_bytes, runs, scan.runs,
-                                       self.index_dtype.itemsize)
-            return BucketDelta(encoding, payload, scan.changed, self.elements)
-        mask = scan.mask if scan.mask is not None else _unpack_bits(scan.bits, self.elements)
-        values = self._values(new, mask)
+        host = _on_host(new, self.native_host)
+        mask = None
+        if not host or scan.values is None:
+            mask = scan.mask if scan.mask is not None else _unpack_bits(scan.bits, self.elements)
+        values = scan.values if scan.values is not None else self._values(new, mask)
+        if values.numel() != scan.value_bytes:
+            raise ValueError(f"a scan of {scan.value_bytes} value bytes whose values hold {values.numel()}")
+        payload = torch.empty(sizes[encoding], dtype=torch.uint8, device=new.device)
         if encoding == MASK:
-            payload = torch.cat([scan.bits, values])
+            payload[:index_bytes].copy_(scan.bits)
         else:
-            runs = self._runs(mask)
-            count = torch.tensor([len(runs)], dtype=torch.int64, device=new.device).view(torch.uint8)
-            payload = torch.cat([count, runs.to(self.index_dtype).reshape(-1).view(torch.uint8), values])
+            payload[:8].copy_(torch.tensor([scan.runs], dtype=torch.int64).view(torch.uint8))
+            if host:
+                if scan.runs:  # (none: the count alone)
+                    native().delta_runs_host(scan.bits.data_ptr(), self.elements, payload.data_ptr() + 8, scan.runs,
+                                             self.index_dtype.itemsize)
+            else:
+                payload[8:index_bytes].copy_(self._runs(mask).to(self.index_dtype).reshape(-1).view(torch.uint8))
+        payload[index_bytes:].copy_(values)
         return BucketDelta(encoding, payload, scan.changed, self.elements)
 
     def diff(self, new: torch.Tensor, base: torch.Tensor, encoding: int | None = None) -> BucketDelta:
@@ -497,8 +529,9 @@ class BucketCodec:
                              f"{data.dtype} {tuple(data.shape)} with strides {data.stride()}")
 
 
-# The tag of a receiver's word on what it holds (PairHeld.holding), sent before every
-# header it takes from a sender of deltas: far above the buckets' tags (1 + 2i, 2 + 2i).
+# The tag of a receiver's first word on what it holds (PairHeld.word; word i goes with
+# tag HOLDING_TAG + i), sent before every header it takes from a sender of deltas: far
+# above the buckets' tags (1 + 2i, 2 + 2i).
 HOLDING_TAG = 1 << 30
 # A delta bucket's description on the wire: int64 [encoding, payload bytes, changed elements].
 DESCRIPTION_BYTES = 24
@@ -625,37 +658,51 @@ class PairBase:
         self.density.observe(seconds, full_bytes, self._densities)
 
     @staticmethod
-    def usable(standing: tuple[int | None, list[int | None]], holding: list[int]) -> list[bool]:
-        """Per bucket, whether a delta against the base `standing` (begin's) lands
-        right on the receiver that sent `holding` (PairHeld.holding: the version it
-        holds from this sender, -1 for none, then its checksum of each bucket)."""
-        version, mine = standing
-        whole = version is not None and holding[0] == version
-        return [whole and a == b for a, b in zip(mine, holding[1:])]
+    def usable(standing: tuple[int | None, list[int | None]], version: int, index: int, checksum: int) -> bool:
+        """Whether a delta of bucket `index` against the base `standing` (begin's)
+        lands right on the receiver whose words (PairHeld.word) say it holds
+        `version` from this sender (-1 for none) and `checksum` of that bucket."""
+        mine, sums = standing
+        return mine is not None and version == mine and sums[index] == checksum
 
-    def scan(self, index: int, new: torch.Tensor) -> Scan | None:
-        """Bucket `index` of the version being sent (`new`, its packed bytes) against
-        the base, which takes new's bytes and checksum (the checksum moved by the
-        words that changed, on the host). None where the bucket goes whole unscanned:
-        its last scan found it denser than the density limit, fewer versions ago than
-        its rescan interval (1, doubling while rescans find it as dense, up to
-        DensityLimit.PROBE_EVERY; the base then takes a copy and a whole checksum,
-        cheaper than a scan of a dense change), or the scan could not be
-        made (out of memory, say: the bucket then counts as held by no receiver until
-        it is sent again)."""
+    def reads_through(self, index: int, new: torch.Tensor) -> bool:
+        """Whether bucket `index` (to be packed into `new`) is scanned straight from
+        the sender's tensors through its pack table (`scan` with `table`): on the
+        host, unless it goes whole unscanned."""
+        return _on_host(new, self.codecs[index].native_host) and not self._skips_scan(index)
+
+    def _skips_scan(self, index: int) -> bool:
+        last = self._last_density[index]
+        return last is not None and last > self.density.limit and self._unscanned[index] < self._rescan_after[index]
+
+    def scan(self, index: int, new: torch.Tensor, table: np.ndarray | None = None, threads: int = 1) -> Scan | None:
+        """Bucket `index` of the version being sent (`new`, its packed bytes; with
+        `table`, where reads_through says so, the pack table that would write them
+        there, read through instead and `new` left unwritten) against the base,
+        which takes its bytes and checksum (the checksum moved by the words that
+        changed). None where the bucket goes whole unscanned: its last scan found it
+        denser than the density limit, fewer versions ago than its rescan interval
+        (1, doubling while rescans find it as dense, up to DensityLimit.PROBE_EVERY;
+        the base then takes a copy and a whole checksum, cheaper than a scan of a
+        dense change), or the scan could not be made (out of memory, say: the
+        bucket then counts as held by no receiver until it is sent again)."""
         codec = self.codecs[index]
         base = self.bytes[self.starts[index]:self.starts[index] + codec.nbytes]
-        last = self._last_density[index]
-        dense = last is not None and last > self.density.limit
+        dense = self._last_density[index] is not None and self._last_density[index] > self.density.limit
         try:
-            if dense and self._unscanned[index] < self._rescan_after[index]:
+            if self._skips_scan(index):
+                if table is not None:
+                    raise ValueError(f"bucket {index} goes whole unscanned: pack it, then scan it (reads_through)")
                 self._unscanned[index] += 1
                 base.copy_(new)
                 self.sums[index] = bucket_checksum(new)
                 return None
-            scan = codec.scan(new, base, update_base=True)
             old = self.sums[index]
-            self.sums[index] = bucket_checksum(new) if old is None or scan.checksum_change is None else \
+            if old is None:  # the base's own, for the scan's change to move
+                old = bucket_checksum(base)
+            scan = codec.scan(new, base, update_base=True, threads=threads) if table is None else \
+                codec.scan_packing(table, new, base, update_base=True, threads=threads)
+            self.sums[index] = bucket_checksum(new) if scan.checksum_change is None else \
                 _signed((old + scan.checksum_change) & ((1 << 64) - 1))
         except RuntimeError:
             self.sums[index] = None
@@ -696,11 +743,21 @@ class PairHeld:
         self.version: int | None = None
         self.broken: str | None = None  # why the pair's messages can no longer be read in step
 
-    def holding(self, tensors: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-        """The word sent before each header: [version or -1, checksum of each bucket
-        over the bytes the pair writes in `tensors`, read now]."""
-        sums = [codec.destination_checksum(tensors) for codec in self.codecs]
-        return torch.tensor([-1 if self.version is None else self.version, *sums], dtype=torch.int64, device=device)
+    @staticmethod
+    def words(buckets: int) -> int:
+        """How many words on what it holds a receiver sends before each header of a
+        pair of `buckets` buckets: one a bucket, at least one."""
+        return max(1, buckets)
+
+    def word(self, index: int, tensors: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Word `index` (tag HOLDING_TAG + index) on what the receiver holds, one a
+        bucket, sent as each is made, before each header, so that the sender decides
+        bucket i as soon as word i comes: word 0 [version or -1, checksum of bucket
+        0], word i > 0 [checksum of bucket i], over the bytes the pair writes in
+        `tensors`, read now; a pair without buckets: [version or -1]."""
+        sums = [self.codecs[index].destination_checksum(tensors)] if index < len(self.codecs) else []
+        head = [-1 if self.version is None else self.version] if index == 0 else []
+        return torch.tensor(head + sums, dtype=torch.int64, device=device)
 
 
 @dataclass

@@ -363,18 +363,18 @@ class WeightReceiver(Endpoint):
                 raise SyncError(f"receiver rank {self.rank}: {held.broken}; its messages can no longer be read "
                                 "in step: register every sender and receiver again under a new name")
             while True:
-                word = None
-                if held is not None:  # a sender of deltas takes this before each header
+                words = []  # a sender of deltas takes these before each header, one a bucket, each sent when made
+                for i in range(PairHeld.words(len(self._unpack[src])) if held is not None else 0):
                     try:
-                        holding = held.holding(self.tensors, self.device)
+                        word = held.word(i, self.tensors, self.device)
                     except Exception as exc:  # the sender waits for a word that does not come: out of step
                         held.broken = f"its word on what it holds of sender {src} could not be made: {exc}"
                         raise SyncError(f"receiver rank {self.rank}: {held.broken}") from exc
-                    word = self._post("send", holding, src, HOLDING_TAG, what)
+                    words.append((self._post("send", word, src, HOLDING_TAG + i, what), word))
                 header = torch.empty(3, dtype=torch.int64, device=self.device)
                 self._wait_work(self._post("recv", header, src, 0, what), deadline, what)
-                if word is not None:
-                    self._wait_work(word, deadline, what)
+                for work, _word in words:
+                    self._wait_work(work, deadline, what)
                 version, num_buckets, offered = (int(x) for x in header.tolist())
                 self._taken[src] = offered  # the sender's offers so far: pending() compares the next with it
                 # A "nothing follows" of a send superseded by one pending() has seen offered

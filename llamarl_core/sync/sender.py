@@ -21,7 +21,7 @@ from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
 from .amax import AmaxExchange
 from .board import FAILED, SERVED, STALE, TicketBoard, to_serve
-from .delta import HOLDING_TAG, PairBase, SendStats, pair_codecs
+from .delta import HOLDING_TAG, PairBase, PairHeld, SendStats, pair_codecs
 from .fp8 import Fp8Sources
 from .plan import DEFAULT_BUCKET_BYTES, source_address
 from .protocol import (ABANDONED, DEFAULT_TIMEOUT_S, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderBook,
@@ -471,18 +471,22 @@ class WeightSender(Endpoint):
                 peer = self.plan.src_layout.world_size + dst
                 what = f"telling receiver {dst} that version {version} will not come"
                 unfinished = self._unfinished_headers.setdefault(dst, [])
-                if dst in self._bases:  # the receiver's word before each header, taken as the stream takes it
-                    unfinished.append((*self._post_holding(dst, what), what))
+                if dst in self._bases:  # the receiver's words before each header, taken as the stream takes them
+                    unfinished += [(work, buffer, what) for work, buffer in self._post_holding(dst, what)]
                 unfinished.append((self._post("send", header, peer, 0, what), header, what))
             except Exception as failure:  # noqa: BLE001 - `exc` is what the send raises
                 exc.add_note(f"sender rank {self.rank} could not tell receiver {dst} that nothing follows: {failure}")
 
-    def _post_holding(self, dst: int, what: str) -> tuple:
-        """Post the receive of delta receiver `dst`'s word on what it holds
-        (PairHeld.holding), which it sends before every header it takes from this
-        rank: (the work, the buffer it lands in)."""
-        buffer = torch.empty(1 + len(self._tables[dst]), dtype=torch.int64, device=self.device)
-        return self._post("recv", buffer, self.plan.src_layout.world_size + dst, HOLDING_TAG, what), buffer
+    def _post_holding(self, dst: int, what: str) -> list[tuple]:
+        """Post the receives of delta receiver `dst`'s words on what it holds
+        (PairHeld.word), which it sends before every header it takes from this rank:
+        per word, (the work, the buffer it lands in)."""
+        buckets, posted = len(self._tables[dst]), []
+        for i in range(PairHeld.words(buckets)):
+            buffer = torch.empty((i == 0) + (i < buckets), dtype=torch.int64, device=self.device)
+            posted.append((self._post("recv", buffer, self.plan.src_layout.world_size + dst, HOLDING_TAG + i, what),
+                           buffer))
+        return posted
 
     def _finish_header(self, dst: int, deadline: float) -> None:
         """Wait for the "nothing follows" headers posted to `dst` still in flight (its

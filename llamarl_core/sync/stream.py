@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .delta import DESCRIPTION_BYTES, SendStats
-from .engine import run_segment_table
+from .delta import DENSE, DESCRIPTION_BYTES, SendStats
+from .engine import default_num_threads, run_segment_table
 
 if TYPE_CHECKING:
     from .sender import WeightSender
@@ -33,11 +33,13 @@ class P2PStream:
     rank); `finish` sends the rest and waits for every send. The receiver is
     offered the version first (here, or by the caller: `offered`): a pair's
     versions arrive in order, so the receiver counts what it took.
-    A sender of deltas (its PairBase for this receiver, delta.py) first takes the
-    receiver's word on what it holds (tag HOLDING_TAG, before every header,
-    "nothing follows" ones included), and sends bucket i as a description
-    (encoding, payload bytes, changed elements; tag 1 + 2i) and its payload (tag
-    2 + 2i)."""
+    A sender of deltas (its PairBase for this receiver, delta.py) takes the
+    receiver's words on what it holds (one a bucket, tags HOLDING_TAG + i, sent
+    before every header, "nothing follows" ones included), decides bucket i once
+    word i has come, and sends it as a description (encoding, payload bytes,
+    changed elements; tag 1 + 2i) and its payload (tag 2 + 2i). On the host it
+    scans a bucket straight from the tensors (PairBase.reads_through) and packs it
+    only if it goes whole."""
 
     def __init__(self, sender: WeightSender, dst: int, version: int, deadline: float, offered: bool = False,
                  stats: SendStats | None = None):
@@ -48,11 +50,13 @@ class P2PStream:
         self.peer = sender.plan.src_layout.world_size + dst
         self.tables = sender._tables[dst]
         self.what = f"sending version {version} to receiver {dst}"
-        # A sender of deltas (delta.py) first takes the receiver's word on what it holds, and
-        # decides each bucket before a byte of it moves; the first bucket is packed and scanned
-        # while the word is on its way. Its base stands again once all is sent.
+        # A sender of deltas (delta.py) takes the receiver's words on what it holds, and decides
+        # each bucket before a byte of it moves; a bucket is scanned while its word is on its way.
+        # Its base stands again once all is sent.
         self.base = sender._bases.get(dst)
-        self.holding = self.use_delta = None
+        self.holding: list = []
+        self.use_delta: list[bool] = []  # per bucket, from the words taken so far
+        self.held_version: int | None = None
         if self.base is not None:
             self.standing = self.base.begin()
             self.holding = sender._post_holding(dst, self.what)
@@ -75,23 +79,34 @@ class P2PStream:
         for work, _tensor in slot:
             s._wait_work(work, self.deadline, self.what)
         slot.clear()
-        packed = run_segment_table(table, s.device, s.num_threads, s._copy_timeout(self.deadline))
         staging = s._staging_bufs[i % 2][:nbytes]
-        self.full_bytes += packed
+        self.full_bytes += nbytes
+
+        def pack() -> None:
+            run_segment_table(table, s.device, s.num_threads, s._copy_timeout(self.deadline))
+
         if self.base is None:
-            self.written += packed
+            pack()
+            self.written += nbytes
             slot.append((s._post("send", staging, self.peer, 1 + i, self.what), staging))
             if self.stats is not None:
-                self.stats.add_full(packed)
+                self.stats.add_full(nbytes)
         else:
-            scan = self.base.scan(i, staging)
-            delta = self.base.encode(i, staging, scan, self._use_delta()[i])
+            # On the host a bucket is scanned straight from the tensors, and packed only if it goes whole.
+            through = self.base.reads_through(i, staging)
+            if not through:
+                pack()
+            scan = self.base.scan(i, staging, table if through else None,
+                                  threads=s.num_threads or default_num_threads())
+            delta = self.base.encode(i, staging, scan, self._usable(i))
+            if through and delta.encoding == DENSE:
+                pack()
             meta = torch.tensor([delta.encoding, delta.nbytes, delta.changed], dtype=torch.int64, device=s.device)
             slot.append((s._post("send", meta, self.peer, 1 + 2 * i, self.what), meta))
             slot.append((s._post("send", delta.payload, self.peer, 2 + 2 * i, self.what), delta.payload))
             self.written += delta.nbytes + DESCRIPTION_BYTES
             if self.stats is not None:
-                self.stats.add(delta, packed)
+                self.stats.add(delta, nbytes)
         self.sent += 1
 
     def paused(self, seconds: float) -> None:
@@ -99,17 +114,23 @@ class P2PStream:
         if self.clock is not None:
             self.waited += seconds
 
-    def _use_delta(self) -> list[bool]:
-        """Per bucket, whether it may go as a delta: the receiver's word on what it
-        holds, taken once, against the base as it stood when the send began."""
-        if self.use_delta is None:
-            work, buffer = self.holding
+    def _usable(self, index: int) -> bool:
+        """Whether bucket `index` may go as a delta: the receiver's words on what it
+        holds, taken in order up to word `index`, against the base as it stood when
+        the send began."""
+        while len(self.use_delta) <= index:
+            i = len(self.use_delta)
+            work, buffer = self.holding[i]
             self.sender._wait_work(work, self.deadline, self.what)
-            self.use_delta = self.base.usable(self.standing, buffer.tolist())
-            self.clock = time.monotonic()
-            if self.stats is not None and self.use_delta and not any(self.use_delta):
-                self.stats.full_receivers += 1
-        return self.use_delta
+            word = buffer.tolist()
+            if i == 0:
+                self.held_version, word = word[0], word[1:]
+                self.clock = time.monotonic()
+            if i < len(self.tables):
+                self.use_delta.append(self.base.usable(self.standing, self.held_version, i, word[0]))
+            else:  # a pair without buckets: its one word says the version alone
+                return False
+        return self.use_delta[index]
 
     def finish(self) -> int:
         """Send the buckets not sent yet, wait for every send; returns the bytes put on
@@ -120,6 +141,8 @@ class P2PStream:
             for work, _tensor in slot:
                 self.sender._wait_work(work, self.deadline, self.what)
         if self.base is not None:
-            self._use_delta()  # taken even where the pair has no bucket
+            self._usable(len(self.tables) - 1 if self.tables else 0)  # every word taken, where the pair has no bucket too
+            if self.stats is not None and self.use_delta and not any(self.use_delta):
+                self.stats.full_receivers += 1
             self.base.finish(self.version, self.full_bytes, time.monotonic() - self.clock - self.waited)
         return self.written
