@@ -304,22 +304,28 @@ def test_a_scan_through_the_pack_table_equals_one_of_the_packed_bytes(simd):
 def test_a_scan_split_over_threads_equals_one_on_one_thread(simd):
     """A bucket of 13 MiB scanned on 3 threads (parts of whole 64 KiB blocks),
     with and without the pack table, finds what one thread finds: float32
-    elements from byte 0 (a part's first element follows the part before's last)
-    and from byte 3, after 3 one-byte elements (one straddles every part
-    boundary); changes at random, at each boundary, and a run across each."""
-    from llamarl_core.sync.engine import KIND_COPY
+    elements from byte 0 (a part's first element follows the part before's last),
+    from byte 3 after 3 one-byte elements (one straddles every part boundary), and
+    bf16 cast from float32 from byte 3; changes at random, at each boundary, and a
+    run across each. A scan through the table without its values makes no delta."""
+    from llamarl_core.sync.engine import KIND_COPY, KIND_F32_TO_BF16
     from llamarl_core.sync.plan import Segment
 
-    count = 13 * (1 << 20) // 4
     gen = torch.Generator().manual_seed(3)
-    for prefix in (0, 3):
+    for prefix, size in ((0, 4), (3, 4), (3, 2)):
+        count = 13 * (1 << 20) // size
         segments = [Segment(0, "s", 0, prefix, 0, "a", 0, prefix, prefix, 1, 1, False)] if prefix else []
-        segments.append(Segment(0, "s", prefix, 4 * count, 0, "b", 0, 4 * count, count, 1, 4, False))
+        segments.append(Segment(0, "s", prefix, size * count, 0, "b", 0, size * count, count, 1, size, False))
         codec = BucketCodec(segments)
-        new = torch.randint(0, 256, (codec.nbytes,), dtype=torch.uint8, generator=gen)
-        staging = torch.empty_like(new)
-        table = np.array([(new.data_ptr() + seg.src_offset, seg.nbytes, staging.data_ptr() + seg.src_offset,
-                           seg.nbytes, seg.nbytes, 1, KIND_COPY) for seg in segments], dtype=np.int64)
+        source = torch.randint(0, 256, (prefix + 4 * count,), dtype=torch.uint8, generator=gen)
+        staging = torch.empty(codec.nbytes, dtype=torch.uint8)
+        rows = [(source.data_ptr(), prefix, staging.data_ptr(), prefix, prefix, 1, KIND_COPY)] if prefix else []
+        rows.append((source.data_ptr() + prefix, 4 * count, staging.data_ptr() + prefix, size * count,
+                     count if size == 2 else 4 * count, 1, KIND_F32_TO_BF16 if size == 2 else KIND_COPY))
+        table = np.array(rows, dtype=np.int64)
+        new = torch.empty_like(staging)  # the packed bytes
+        run_segment_table(table.copy() + np.array([0, 0, new.data_ptr() - staging.data_ptr(), 0, 0, 0, 0]),
+                          torch.device("cpu"), 1)
         edges = range(1 << 16, codec.nbytes, 1 << 16)
         for change in ("random", "edges", "runs"):
             base = new.clone()
@@ -336,13 +342,17 @@ def test_a_scan_split_over_threads_equals_one_on_one_thread(simd):
             want_base = base.clone()
             want = codec.scan(new, want_base, update_base=True)
             for scan_with in ("bytes", "pack"):
-                kept, label = base.clone(), (prefix, change, scan_with)
+                kept, label = base.clone(), (prefix, size, change, scan_with)
                 got = codec.scan(new, kept, update_base=True, threads=3) if scan_with == "bytes" else \
                     codec.scan_packing(table, staging, kept, update_base=True, threads=3)
                 assert (got.changed, got.runs, got.value_bytes, got.checksum_change) == \
                     (want.changed, want.runs, want.value_bytes, want.checksum_change), label
                 assert torch.equal(got.bits, want.bits) and torch.equal(got.values, want.values), label
                 assert torch.equal(kept, new), label
+    bare = codec.scan_packing(table, staging, base.clone(), values=False)
+    assert bare.values is None and bare.changed == want.changed
+    with pytest.raises(ValueError, match="without its values"):
+        codec.encode(staging, bare, RUNS)
     with pytest.raises(ValueError, match="threads must be an int >= 1"):
         codec.scan(new, base, threads=0)
 
@@ -485,7 +495,7 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
                 if i == last:
                     break
                 was = base.bytes[base.starts[i]:base.starts[i] + codec.nbytes].clone()
-                scan = base.scan(i, data)
+                scan = base.scan(i, data, delta=use[i])  # as the stream scans: no values where use[i] is not
                 delta = base.encode(i, data, scan, use[i])
                 if delta.encoding == DENSE:
                     fulls += 1

@@ -13,6 +13,7 @@ namespace {
 
 using delta_detail::for_each_mask_run;
 using delta_detail::load_word;
+using delta_detail::put_bytes;
 
 // The set bits among bits [lo, hi) of a little-endian bitmask.
 int64_t count_bits(const uint8_t* mask, int64_t lo, int64_t hi) {
@@ -21,23 +22,6 @@ int64_t count_bits(const uint8_t* mask, int64_t lo, int64_t hi) {
   for (; lo + 64 <= hi; lo += 64) n += __builtin_popcountll(load_word(mask + (lo >> 3), 8));
   for (; lo < hi; ++lo) n += (mask[lo >> 3] >> (lo & 7)) & 1;
   return n;
-}
-
-// memcpy, with the sizes of one element inlined.
-inline void put_bytes(uint8_t* dst, const uint8_t* src, int64_t n) {
-  switch (n) {
-    case 2:
-      std::memcpy(dst, src, 2);
-      return;
-    case 4:
-      std::memcpy(dst, src, 4);
-      return;
-    case 8:
-      std::memcpy(dst, src, 8);
-      return;
-    default:
-      std::memcpy(dst, src, static_cast<size_t>(n));
-  }
 }
 
 struct Segment {

@@ -1,5 +1,6 @@
 // What the host's delta codec files share (delta_scan.cpp, delta_apply.cpp): a
-// bucket's stretches, word loads and the walk over a bitmask's runs. Internal.
+// bucket's stretches, word loads and stores, the walk over a bitmask's runs.
+// Internal.
 #pragma once
 
 #include <cstdint>
@@ -42,6 +43,23 @@ inline uint64_t load_word(const uint8_t* p, int64_t len) {
   else
     std::memcpy(&v, p, static_cast<size_t>(len));
   return v;
+}
+
+// memcpy, with the sizes of one element inlined.
+inline void put_bytes(uint8_t* dst, const uint8_t* src, int64_t n) {
+  switch (n) {
+    case 2:
+      std::memcpy(dst, src, 2);
+      return;
+    case 4:
+      std::memcpy(dst, src, 4);
+      return;
+    case 8:
+      std::memcpy(dst, src, 8);
+      return;
+    default:
+      std::memcpy(dst, src, static_cast<size_t>(n));
+  }
 }
 
 // Calls f(first, count) for each run of set bits among the first `elements` bits

@@ -24,6 +24,7 @@ namespace {
 
 using delta_detail::for_each_mask_run;
 using delta_detail::load_word;
+using delta_detail::put_bytes;
 using delta_detail::Stretch;
 using delta_detail::stretches_of;
 
@@ -34,9 +35,10 @@ using delta_detail::stretches_of;
 struct Scanner {
   const std::vector<Stretch>& st;
   uint8_t* base;
-  uint8_t* mask;
+  uint8_t* mask;    // from the bucket's mask byte mask_lo on
   uint8_t* values;  // null: not copied
   bool update_base;
+  int64_t mask_lo = 0;
   DeltaScan out{0, 0, 0, 0};
   int64_t first = -1, last = -1;  // the first and last element marked
   uint64_t change = 0;
@@ -50,8 +52,8 @@ struct Scanner {
   void one(int64_t e, int64_t size, int64_t at) {
     if (e == last) return;
     if (first < 0) first = e;
-    mask[e >> 3] |= static_cast<uint8_t>(1u << (e & 7));
-    if (values != nullptr) std::memcpy(values + out.value_bytes, fresh(at), static_cast<size_t>(size));
+    mask[(e >> 3) - mask_lo] |= static_cast<uint8_t>(1u << (e & 7));
+    if (values != nullptr) put_bytes(values + out.value_bytes, fresh(at), size);
     out.changed += 1;
     out.value_bytes += size;
     if (last < 0 || e != last + 1) out.runs += 1;
@@ -65,7 +67,7 @@ struct Scanner {
     const int shift = static_cast<int>(e0 & 7);
     const unsigned __int128 bits = static_cast<unsigned __int128>(m) << shift;
     for (int i = 0, n = (shift + lanes + 7) >> 3; i < n; ++i)
-      mask[(e0 >> 3) + i] |= static_cast<uint8_t>(bits >> (8 * i));
+      mask[(e0 >> 3) + i - mask_lo] |= static_cast<uint8_t>(bits >> (8 * i));
     if (first < 0) first = e0 + __builtin_ctzll(m);
     const uint64_t before = (last >= 0 && last == e0 - 1) ? 1 : 0;  // a run that goes on into this block
     const int64_t count = __builtin_popcountll(m);
@@ -231,12 +233,20 @@ void pack_window(const std::vector<CopySegment>& packs, const std::vector<int64_
 
 namespace {
 
+// The element that holds byte `at` of the bucket (at < the bucket's size).
+int64_t element_at(const std::vector<Stretch>& st, int64_t at) {
+  size_t t = 0;
+  while (at >= st[t].end) ++t;
+  return st[t].first + ((at - st[t].start) >> st[t].shift);
+}
+
 // A scan of the bucket's bytes in parts of whole kScanChunk blocks, one thread
 // each (at least kMinScanBytes a part): part(scanner, lo, hi) feeds a Scanner bytes
 // [lo, hi). Part 0 marks the caller's mask and writes its values from `values`; part
-// k > 0 marks a mask of its own, ORed in after, and writes its values from
-// values + lo + 64 k (room: nbytes + 64 x threads), moved down after. An element
-// across two parts, marked by both, counts once; a run across them, once.
+// k > 0 marks a mask of its own over the mask bytes of its elements, ORed in after,
+// and writes its values from values + lo + 64 k (room: nbytes + 64 x threads),
+// moved down after. An element across two parts, marked by both, counts once; a
+// run across them, once. A thread that cannot start leaves its part to this one.
 template <typename Part>
 DeltaScan scan_in_parts(const std::vector<Stretch>& st, uint8_t* base, int64_t nbytes, uint8_t* mask, uint8_t* values,
                         bool update_base, int64_t threads, Part&& part) {
@@ -244,16 +254,20 @@ DeltaScan scan_in_parts(const std::vector<Stretch>& st, uint8_t* base, int64_t n
   LLAMARL_CHECK(threads >= 1, "threads must be >= 1, got " << threads);
   const int64_t chunks = (nbytes + kScanChunk - 1) / kScanChunk;
   const int64_t parts = std::max<int64_t>(1, std::min({threads, chunks, nbytes / kMinScanBytes}));
-  const int64_t elements = st.empty() ? 0 : st.back().first + st.back().count;
-  std::vector<std::vector<uint8_t>> masks(parts - 1, std::vector<uint8_t>((elements + 7) / 8));
-  std::vector<Scanner> scanners;
   std::vector<int64_t> bounds;
-  for (int64_t k = 0; k < parts; ++k) {
-    bounds.push_back(std::min(nbytes, chunks * k / parts * kScanChunk));
-    scanners.push_back(Scanner{st, base, k ? masks[k - 1].data() : mask,
-                               values == nullptr ? nullptr : values + (k ? bounds[k] + 64 * k : 0), update_base});
-  }
+  for (int64_t k = 0; k < parts; ++k) bounds.push_back(std::min(nbytes, chunks * k / parts * kScanChunk));
   bounds.push_back(nbytes);
+  std::vector<std::vector<uint8_t>> masks(parts);  // part k's own (k > 0), from mask byte mask_lo on
+  std::vector<Scanner> scanners;
+  for (int64_t k = 0; k < parts; ++k) {
+    scanners.push_back(Scanner{st, base, mask, values == nullptr ? nullptr : values + (k ? bounds[k] + 64 * k : 0),
+                               update_base});
+    if (k == 0) continue;
+    const int64_t lo = element_at(st, bounds[k]) >> 3, hi = element_at(st, bounds[k + 1] - 1) >> 3;
+    masks[k].assign(static_cast<size_t>(hi - lo + 1), 0);
+    scanners[k].mask = masks[k].data();
+    scanners[k].mask_lo = lo;
+  }
   std::vector<std::exception_ptr> errors(parts);
   auto run = [&](int64_t k) {
     try {
@@ -263,8 +277,15 @@ DeltaScan scan_in_parts(const std::vector<Stretch>& st, uint8_t* base, int64_t n
     }
   };
   std::vector<std::thread> workers;
-  for (int64_t k = 1; k < parts; ++k) workers.emplace_back(run, k);
-  run(0);
+  std::vector<int64_t> here = {0};
+  for (int64_t k = 1; k < parts; ++k) {
+    try {
+      workers.emplace_back(run, k);
+    } catch (...) {  // no thread to be had: this one scans the part
+      here.push_back(k);
+    }
+  }
+  for (int64_t k : here) run(k);
   for (auto& worker : workers) worker.join();
   for (auto& error : errors)
     if (error) std::rethrow_exception(error);
@@ -275,7 +296,7 @@ DeltaScan scan_in_parts(const std::vector<Stretch>& st, uint8_t* base, int64_t n
     Scanner& sc = scanners[k];
     change += sc.change;
     if (sc.first < 0) continue;
-    for (int64_t b = sc.first >> 3; b <= sc.last >> 3; ++b) mask[b] |= masks[k - 1][b];
+    for (int64_t b = sc.first >> 3; b <= sc.last >> 3; ++b) mask[b] |= masks[k][b - sc.mask_lo];
     int64_t skip = 0;  // value bytes of an element the part before marked too
     if (last >= 0 && sc.first == last) {
       size_t t = 0;

@@ -33,6 +33,7 @@ Torch on the tensors' device (CPU or CUDA), the host's checksum native
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -220,7 +221,9 @@ class Scan:
     `checksum_change` bucket_checksum(new) - bucket_checksum(base) mod 2**64 as a
     signed int (None where the scan was torch's), on the torch path the bool per
     element `bits` packs (`mask`), on the host the changed elements' bytes in order
-    (`values`, copied out by the scan)."""
+    (`values`, copied out by the scan unless told not to), and whether the bytes
+    scanned were read through a pack table (`read_through`: the staging buffer
+    holds none of them)."""
 
     bits: torch.Tensor
     changed: int
@@ -229,6 +232,7 @@ class Scan:
     checksum_change: int | None
     mask: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    read_through: bool = False
 
 
 def _on_host(data: torch.Tensor, native_host: bool) -> bool:
@@ -279,17 +283,18 @@ class BucketCodec:
         return torch.cat([_differs(new[start:end], base[start:end], size) for start, end, size, _ in self.stretches]) \
             if self.stretches else new[:0].bool()
 
-    def scan(self, new: torch.Tensor, base: torch.Tensor, update_base: bool = False, threads: int = 1) -> Scan:
+    def scan(self, new: torch.Tensor, base: torch.Tensor, update_base: bool = False, threads: int = 1,
+             values: bool = True) -> Scan:
         """What changed from `base` to `new` (the bucket's bytes, 1-D uint8 on one
         device); with `update_base`, base takes new's bytes (on the host only the
         words, or 64-byte blocks, that differ are written). On the host up to
-        `threads` threads scan it, each at least 4 MiB."""
+        `threads` threads scan it, each at least 4 MiB, and copy out the changed
+        elements' bytes unless `values` is False."""
         self._check_bytes(new, "new")
         self._check_bytes(base, "base")
         if _on_host(new, self.native_host) and base.device.type == "cpu":
-            return self._host_scan(threads, lambda bits, values: native().delta_scan_host(
-                new.data_ptr(), base.data_ptr(), self.nbytes, self._stretch_table, bits, update_base, values,
-                threads))
+            return self._host_scan(threads, values, lambda bits, out: native().delta_scan_host(
+                new.data_ptr(), base.data_ptr(), self.nbytes, self._stretch_table, bits, update_base, out, threads))
         mask = self.changed_mask(new, base)
         # Every count in one transfer: the changed elements of each stretch, then the runs' starts.
         cuts = [0, *[s[3] for s in self.stretches[1:]], self.elements]
@@ -302,7 +307,7 @@ class BucketCodec:
         return Scan(_pack_bits(mask), sum(per_stretch), runs, value_bytes, None, mask)
 
     def scan_packing(self, table: np.ndarray, staging: torch.Tensor, base: torch.Tensor,
-                     update_base: bool = False, threads: int = 1) -> Scan:
+                     update_base: bool = False, threads: int = 1, values: bool = True) -> Scan:
         """scan of the bytes the pack `table` (engine.segment_table rows that write
         the bucket's bytes into `staging`, in packed order) would write, read through
         it from the sender's tensors on the host (native, 4 KiB at a time, up to
@@ -313,23 +318,25 @@ class BucketCodec:
         if not (_on_host(staging, self.native_host) and base.device.type == "cpu"):
             raise ValueError("scan_packing reads through a pack table on the host (native codec) only")
         try:
-            return self._host_scan(threads, lambda bits, values: native().delta_scan_packing_host(
-                table, staging.data_ptr(), base.data_ptr(), self.nbytes, self._stretch_table, bits, update_base,
-                values, threads))
+            scan = self._host_scan(threads, values, lambda bits, out: native().delta_scan_packing_host(
+                table, staging.data_ptr(), base.data_ptr(), self.nbytes, self._stretch_table, bits, update_base, out,
+                threads))
         except native().EngineError as error:
             raise ValueError(str(error)) from None
+        return dataclasses.replace(scan, read_through=True)
 
-    def _host_scan(self, threads: int, run) -> Scan:
+    def _host_scan(self, threads: int, values: bool, run) -> Scan:
         """A native scan on up to `threads` threads: `run(bits address, values
-        address)` returns (changed, runs, value bytes, checksum change)."""
+        address or 0)` returns (changed, runs, value bytes, checksum change)."""
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         bits = torch.zeros(self.mask_bytes, dtype=torch.uint8)
         # Room for every element, and the 64 bytes a thread's native scan may write past its
         # values; pages past what it writes stay untouched.
-        values = torch.empty(self.nbytes + 64 * threads, dtype=torch.uint8)
-        changed, runs, value_bytes, checksum_change = run(bits.data_ptr(), values.data_ptr())
-        return Scan(bits, changed, runs, value_bytes, checksum_change, values=values[:value_bytes])
+        out = torch.empty(self.nbytes + 64 * threads, dtype=torch.uint8) if values else None
+        changed, runs, value_bytes, checksum_change = run(bits.data_ptr(), 0 if out is None else out.data_ptr())
+        return Scan(bits, changed, runs, value_bytes, checksum_change,
+                    values=None if out is None else out[:value_bytes])
 
     def sizes(self, scan: Scan) -> dict[int, int]:
         """Each encoding's payload bytes for what `scan` found."""
@@ -352,6 +359,9 @@ class BucketCodec:
             return BucketDelta(DENSE, new, scan.changed, self.elements)
         index_bytes = sizes[encoding] - scan.value_bytes
         host = _on_host(new, self.native_host)
+        if scan.values is None and scan.read_through:
+            raise ValueError("a delta of a scan read through a pack table without its values: the staging buffer "
+                             "holds none of its bytes (scan_packing with values=True)")
         mask = None
         if not host or scan.values is None:
             mask = scan.mask if scan.mask is not None else _unpack_bits(scan.bits, self.elements)
@@ -675,36 +685,43 @@ class PairBase:
         last = self._last_density[index]
         return last is not None and last > self.density.limit and self._unscanned[index] < self._rescan_after[index]
 
-    def scan(self, index: int, new: torch.Tensor, table: np.ndarray | None = None, threads: int = 1) -> Scan | None:
+    def scan(self, index: int, new: torch.Tensor, table: np.ndarray | None = None, threads: int = 1,
+             delta: bool = True) -> Scan | None:
         """Bucket `index` of the version being sent (`new`, its packed bytes; with
         `table`, where reads_through says so, the pack table that would write them
         there, read through instead and `new` left unwritten) against the base,
         which takes its bytes and checksum (the checksum moved by the words that
-        changed). None where the bucket goes whole unscanned: its last scan found it
-        denser than the density limit, fewer versions ago than its rescan interval
-        (1, doubling while rescans find it as dense, up to DensityLimit.PROBE_EVERY;
-        the base then takes a copy and a whole checksum, cheaper than a scan of a
-        dense change), or the scan could not be made (out of memory, say: the
-        bucket then counts as held by no receiver until it is sent again)."""
+        changed); on the host up to `threads` threads scan it. None where the
+        bucket goes whole: `delta` False (the receiver cannot take a delta of it:
+        the scan only moves the base, its values are not copied out), or unscanned,
+        its last scan having found it denser than the density limit fewer versions
+        ago than its rescan interval (1, doubling while rescans find it as dense, up
+        to DensityLimit.PROBE_EVERY; the base then takes a copy and a whole
+        checksum, cheaper than a scan of a dense change), or the scan could not be
+        made (out of memory, or a native failure: the bucket then counts as held by
+        no receiver until it is sent again)."""
         codec = self.codecs[index]
         base = self.bytes[self.starts[index]:self.starts[index] + codec.nbytes]
         dense = self._last_density[index] is not None and self._last_density[index] > self.density.limit
-        try:
-            if self._skips_scan(index):
-                if table is not None:
-                    raise ValueError(f"bucket {index} goes whole unscanned: pack it, then scan it (reads_through)")
-                self._unscanned[index] += 1
+        if self._skips_scan(index):
+            if table is not None:
+                raise ValueError(f"bucket {index} goes whole unscanned: pack it, then scan it (reads_through)")
+            self._unscanned[index] += 1
+            try:
                 base.copy_(new)
                 self.sums[index] = bucket_checksum(new)
-                return None
+            except (RuntimeError, MemoryError):
+                self.sums[index] = None
+            return None
+        try:
             old = self.sums[index]
             if old is None:  # the base's own, for the scan's change to move
                 old = bucket_checksum(base)
-            scan = codec.scan(new, base, update_base=True, threads=threads) if table is None else \
-                codec.scan_packing(table, new, base, update_base=True, threads=threads)
+            scan = codec.scan(new, base, update_base=True, threads=threads, values=delta) if table is None else \
+                codec.scan_packing(table, new, base, update_base=True, threads=threads, values=delta)
             self.sums[index] = bucket_checksum(new) if scan.checksum_change is None else \
                 _signed((old + scan.checksum_change) & ((1 << 64) - 1))
-        except RuntimeError:
+        except (RuntimeError, MemoryError, ValueError):  # ValueError: scan_packing's native failures
             self.sums[index] = None
             return None
         density = scan.changed / max(1, codec.elements)
@@ -712,7 +729,7 @@ class PairBase:
             self._rescan_after[index] = min(2 * self._rescan_after[index], self.density.PROBE_EVERY) \
                 if density > self.density.limit else 1
         self._last_density[index], self._unscanned[index] = density, 0
-        return scan
+        return scan if delta else None
 
     def encode(self, index: int, new: torch.Tensor, scan: Scan | None, delta: bool) -> BucketDelta:
         """Bucket `index` (`new`, its packed bytes; `scan`, this base's scan of it) as

@@ -373,9 +373,14 @@ class WeightReceiver(Endpoint):
                     words.append((self._post("send", word, src, HOLDING_TAG + i, what), word))
                 header = torch.empty(3, dtype=torch.int64, device=self.device)
                 self._wait_work(self._post("recv", header, src, 0, what), deadline, what)
+                version, num_buckets, offered = (int(x) for x in header.tolist())
+                if num_buckets not in (NOTHING_FOLLOWS, len(self._unpack[src])):  # before the words' sends
+                    error = f"sender {src} sends {num_buckets} buckets, the plan has {len(self._unpack[src])}"
+                    if held is not None:  # it took another count of words
+                        held.broken = error
+                    raise SyncError(error)
                 for work, _word in words:
                     self._wait_work(work, deadline, what)
-                version, num_buckets, offered = (int(x) for x in header.tolist())
                 self._taken[src] = offered  # the sender's offers so far: pending() compares the next with it
                 # A "nothing follows" of a send superseded by one pending() has seen offered
                 # since (this receiver was not in receive() when that send failed): skipped.
@@ -385,8 +390,6 @@ class WeightReceiver(Endpoint):
                 failed.append((src, version))
                 continue
             tables = self._unpack[src]
-            if num_buckets != len(tables):
-                raise SyncError(f"sender {src} sends {num_buckets} buckets, the plan has {len(tables)}")
             versions.add(version)
             forwarding.start(version)
             what = f"version {version} from sender {src}"

@@ -96,8 +96,11 @@ class P2PStream:
             through = self.base.reads_through(i, staging)
             if not through:
                 pack()
+            # Whether the receiver may take a delta of it, as far as its words have come:
+            # a base that stands, and no word i saying otherwise.
+            may = self.standing[0] is not None and (len(self.use_delta) <= i or self.use_delta[i])
             scan = self.base.scan(i, staging, table if through else None,
-                                  threads=s.num_threads or default_num_threads())
+                                  threads=s.num_threads or default_num_threads(), delta=may)
             delta = self.base.encode(i, staging, scan, self._usable(i))
             if through and delta.encoding == DENSE:
                 pack()
