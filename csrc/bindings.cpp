@@ -129,6 +129,16 @@ void register_host(py::module_& m) {
       py::arg("update_base"), py::arg("values"), py::arg("threads"),
       "delta_scan_host of the bytes the (n, 7) pack segments would write to `staging`, read through them.");
   m.def(
+      "delta_pack_base_host",
+      [](const SegmentArray& pack, int64_t staging, int64_t base, int64_t nbytes, int64_t threads) {
+        int64_t pack_count = 0;
+        const CopySegment* segs = segments_of(pack, &pack_count);
+        py::gil_scoped_release release;
+        return delta_pack_base_host(segs, pack_count, staging, reinterpret_cast<uint8_t*>(base), nbytes, threads);
+      },
+      py::arg("pack"), py::arg("staging"), py::arg("base"), py::arg("nbytes"), py::arg("threads"),
+      "Pack the bucket into `staging` and `base` at once through the (n, 7) pack segments; returns its checksum.");
+  m.def(
       "delta_runs_host",
       [](int64_t mask, int64_t elements, int64_t runs, int64_t run_count, int64_t index_size) {
         py::gil_scoped_release release;

@@ -296,9 +296,15 @@ def test_a_scan_through_the_pack_table_equals_one_of_the_packed_bytes(simd):
         assert torch.equal(got.bits, want.bits) and torch.equal(got.values, want.values), case
         assert torch.equal(kept[0], packed_bytes) and torch.equal(kept[1], packed_bytes), case
         assert bool((staging == 77).all()), case
+        both = torch.zeros(position, dtype=torch.uint8)  # a bucket sent whole unscanned: staging and base packed
+        assert codec.pack_base(table(staging), staging, both, threads=rng.choice([1, 3])) == \
+            bucket_checksum(packed_bytes), case
+        assert torch.equal(staging, packed_bytes) and torch.equal(both, packed_bytes), case
     shifted = torch.zeros(position + 1, dtype=torch.uint8)[1:]  # a table that does not write `staging`
     with pytest.raises(ValueError, match="does not write the packed bytes"):
         codec.scan_packing(table(shifted), staging, base.clone())
+    with pytest.raises(ValueError, match="does not write the packed bytes"):
+        codec.pack_base(table(shifted), staging, base.clone())
 
 
 def test_a_scan_split_over_threads_equals_one_on_one_thread(simd):
@@ -307,7 +313,8 @@ def test_a_scan_split_over_threads_equals_one_on_one_thread(simd):
     elements from byte 0 (a part's first element follows the part before's last),
     from byte 3 after 3 one-byte elements (one straddles every part boundary), and
     bf16 cast from float32 from byte 3; changes at random, at each boundary, and a
-    run across each. A scan through the table without its values makes no delta."""
+    run across each; packing staging and the base at once, on 3 threads, equals the
+    pack. A scan through the table without its values makes no delta."""
     from llamarl_core.sync.engine import KIND_COPY, KIND_F32_TO_BF16
     from llamarl_core.sync.plan import Segment
 
@@ -349,6 +356,9 @@ def test_a_scan_split_over_threads_equals_one_on_one_thread(simd):
                     (want.changed, want.runs, want.value_bytes, want.checksum_change), label
                 assert torch.equal(got.bits, want.bits) and torch.equal(got.values, want.values), label
                 assert torch.equal(kept, new), label
+        both = torch.zeros_like(new)  # whole unscanned: the bucket packed into staging and the base at once
+        assert codec.pack_base(table, staging, both, threads=3) == bucket_checksum(new), (prefix, size)
+        assert torch.equal(staging, new) and torch.equal(both, new), (prefix, size)
     bare = codec.scan_packing(table, staging, base.clone(), values=False)
     assert bare.values is None and bare.changed == want.changed
     with pytest.raises(ValueError, match="without its values"):
@@ -495,7 +505,11 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
                 if i == last:
                     break
                 was = base.bytes[base.starts[i]:base.starts[i] + codec.nbytes].clone()
-                scan = base.scan(i, data, delta=use[i])  # as the stream scans: no values where use[i] is not
+                if base.skips_scan(i):  # as the stream does: whole unscanned, or no values where use[i] is not
+                    assert base.take_whole(i, data)
+                    scan = None
+                else:
+                    scan = base.scan(i, data, delta=use[i])
                 delta = base.encode(i, data, scan, use[i])
                 if delta.encoding == DENSE:
                     fulls += 1

@@ -31,4 +31,9 @@ inline uint64_t checksum_term(uint64_t word_index, uint64_t value) {
 // non-null address.
 int64_t checksum_rows_host(const int64_t* rows, int64_t count);
 
+// The sum modulo 2**64 of checksum_term over the words of `n` bytes whose first sits
+// at `position` (a multiple of 8), the last word padded with zero bytes: a part of
+// checksum_rows_host's sum over a stream those bytes belong to.
+uint64_t checksum_span(const unsigned char* bytes, int64_t n, int64_t position);
+
 }  // namespace llamarl

@@ -42,6 +42,14 @@ DeltaScan delta_scan_packing_host(const CopySegment* pack, int64_t pack_count, i
                                   int64_t nbytes, const int64_t* stretches, int64_t stretch_count, uint8_t* mask,
                                   bool update_base, uint8_t* values, int64_t threads);
 
+// Packs the bucket as the pack segments `pack` (delta_scan_packing_host's) write it,
+// into `staging` and into `base` at once (a bucket sent whole unscanned: the
+// sender's base takes its bytes), reading the sender's tensors once, on up to
+// `threads` threads; returns the bytes' checksum (checksum.h). Checks the
+// segments first.
+int64_t delta_pack_base_host(const CopySegment* pack, int64_t pack_count, int64_t staging, uint8_t* base,
+                             int64_t nbytes, int64_t threads);
+
 // Writes each run of the elements `mask` marks (its first `elements` bits) into
 // `runs` as (first element, count), `index_size` (4 or 8) bytes each; checks that
 // exactly `run_count` (a scan's figure) came out.

@@ -240,23 +240,58 @@ int64_t element_at(const std::vector<Stretch>& st, int64_t at) {
   return st[t].first + ((at - st[t].start) >> st[t].shift);
 }
 
-// A scan of the bucket's bytes in parts of whole kScanChunk blocks, one thread
-// each (at least kMinScanBytes a part): part(scanner, lo, hi) feeds a Scanner bytes
-// [lo, hi). Part 0 marks the caller's mask and writes its values from `values`; part
-// k > 0 marks a mask of its own over the mask bytes of its elements, ORed in after,
-// and writes its values from values + lo + 64 k (room: nbytes + 64 x threads),
-// moved down after. An element across two parts, marked by both, counts once; a
-// run across them, once. A thread that cannot start leaves its part to this one.
+// The byte bounds of the parts a bucket of `nbytes` is split into for up to
+// `threads` threads: whole 64 KiB blocks, at least 4 MiB a part.
+std::vector<int64_t> part_bounds(int64_t nbytes, int64_t threads) {
+  constexpr int64_t kBlock = 64 << 10, kMinPartBytes = 4 << 20;
+  LLAMARL_CHECK(threads >= 1, "threads must be >= 1, got " << threads);
+  const int64_t blocks = (nbytes + kBlock - 1) / kBlock;
+  const int64_t parts = std::max<int64_t>(1, std::min({threads, blocks, nbytes / kMinPartBytes}));
+  std::vector<int64_t> bounds;
+  for (int64_t k = 0; k < parts; ++k) bounds.push_back(std::min(nbytes, blocks * k / parts * kBlock));
+  bounds.push_back(nbytes);
+  return bounds;
+}
+
+// f(k) for every part k < parts, part 0 on this thread and the others on threads of
+// their own (one that cannot start runs here); the first exception is rethrown once
+// every part has ended.
+template <typename F>
+void run_parts(int64_t parts, F&& f) {
+  std::vector<std::exception_ptr> errors(parts);
+  auto run = [&](int64_t k) {
+    try {
+      f(k);
+    } catch (...) {
+      errors[k] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> workers;
+  std::vector<int64_t> here = {0};
+  for (int64_t k = 1; k < parts; ++k) {
+    try {
+      workers.emplace_back(run, k);
+    } catch (...) {  // no thread to be had: this one runs the part
+      here.push_back(k);
+    }
+  }
+  for (int64_t k : here) run(k);
+  for (auto& worker : workers) worker.join();
+  for (auto& error : errors)
+    if (error) std::rethrow_exception(error);
+}
+
+// A scan of the bucket's bytes in the parts of part_bounds, one thread each:
+// part(scanner, lo, hi) feeds a Scanner bytes [lo, hi). Part 0 marks the caller's
+// mask and writes its values from `values`; part k > 0 marks a mask of its own
+// over the mask bytes of its elements, ORed in after, and writes its values from
+// values + lo + 64 k (room: nbytes + 64 x threads), moved down after. An element
+// across two parts, marked by both, counts once; a run across them, once.
 template <typename Part>
 DeltaScan scan_in_parts(const std::vector<Stretch>& st, uint8_t* base, int64_t nbytes, uint8_t* mask, uint8_t* values,
                         bool update_base, int64_t threads, Part&& part) {
-  constexpr int64_t kScanChunk = 64 << 10, kMinScanBytes = 4 << 20;
-  LLAMARL_CHECK(threads >= 1, "threads must be >= 1, got " << threads);
-  const int64_t chunks = (nbytes + kScanChunk - 1) / kScanChunk;
-  const int64_t parts = std::max<int64_t>(1, std::min({threads, chunks, nbytes / kMinScanBytes}));
-  std::vector<int64_t> bounds;
-  for (int64_t k = 0; k < parts; ++k) bounds.push_back(std::min(nbytes, chunks * k / parts * kScanChunk));
-  bounds.push_back(nbytes);
+  const std::vector<int64_t> bounds = part_bounds(nbytes, threads);
+  const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
   std::vector<std::vector<uint8_t>> masks(parts);  // part k's own (k > 0), from mask byte mask_lo on
   std::vector<Scanner> scanners;
   for (int64_t k = 0; k < parts; ++k) {
@@ -268,27 +303,7 @@ DeltaScan scan_in_parts(const std::vector<Stretch>& st, uint8_t* base, int64_t n
     scanners[k].mask = masks[k].data();
     scanners[k].mask_lo = lo;
   }
-  std::vector<std::exception_ptr> errors(parts);
-  auto run = [&](int64_t k) {
-    try {
-      part(scanners[k], bounds[k], bounds[k + 1]);
-    } catch (...) {
-      errors[k] = std::current_exception();
-    }
-  };
-  std::vector<std::thread> workers;
-  std::vector<int64_t> here = {0};
-  for (int64_t k = 1; k < parts; ++k) {
-    try {
-      workers.emplace_back(run, k);
-    } catch (...) {  // no thread to be had: this one scans the part
-      here.push_back(k);
-    }
-  }
-  for (int64_t k : here) run(k);
-  for (auto& worker : workers) worker.join();
-  for (auto& error : errors)
-    if (error) std::rethrow_exception(error);
+  run_parts(parts, [&](int64_t k) { part(scanners[k], bounds[k], bounds[k + 1]); });
   DeltaScan out = scanners[0].out;
   uint64_t change = scanners[0].change;
   int64_t last = scanners[0].last;
@@ -328,13 +343,18 @@ DeltaScan delta_scan_host(const uint8_t* fresh, uint8_t* base, int64_t nbytes, c
                        [&](Scanner& sc, int64_t lo, int64_t hi) { sc.scan(fresh, 0, lo, hi); });
 }
 
-DeltaScan delta_scan_packing_host(const CopySegment* pack, int64_t pack_count, int64_t staging, uint8_t* base,
-                                  int64_t nbytes, const int64_t* stretch_rows, int64_t stretch_count, uint8_t* mask,
-                                  bool update_base, uint8_t* values, int64_t threads) {
-  LLAMARL_CHECK(nbytes >= 0, "negative bucket size " << nbytes);
-  const std::vector<Stretch> st = stretches_of(stretch_rows, stretch_count, nbytes);
-  std::vector<CopySegment> packs;  // the segments that write a byte, each from position starts[g]
+namespace {
+
+// A pack table's segments that write a byte, each from packed position starts[g]
+// (starts ends with the bucket's size), checked to write the packed bytes of
+// [staging, staging + nbytes) back to back.
+struct Packing {
+  std::vector<CopySegment> packs;
   std::vector<int64_t> starts;
+};
+
+Packing packing_of(const CopySegment* pack, int64_t pack_count, int64_t staging, int64_t nbytes) {
+  Packing out;
   int64_t position = 0;
   for (int64_t i = 0; i < pack_count; ++i) {
     const CopySegment& seg = pack[i];
@@ -344,18 +364,32 @@ DeltaScan delta_scan_packing_host(const CopySegment* pack, int64_t pack_count, i
     LLAMARL_CHECK(seg.dst == staging + position && (seg.height == 1 || seg.dst_pitch == row_bytes),
                   "pack segment " << i << " does not write the packed bytes that follow position " << position
                                   << " (its rows back to back)");
-    packs.push_back(seg);
-    starts.push_back(position);
+    out.packs.push_back(seg);
+    out.starts.push_back(position);
     position += row_bytes * seg.height;
   }
   LLAMARL_CHECK(position == nbytes, "pack segments of " << position << " bytes for a bucket of " << nbytes);
-  starts.push_back(nbytes);
-  // Chunks of 4 KiB, each packed with kMargin bytes either side into a scratch
-  // buffer (in L1), then scanned: the staging buffer is never written. Small
-  // chunks keep the reads of the tensors and of the base close together (64 KiB
-  // chunks scanned 256 MiB 25% slower here, prefetching the base 30% slower).
+  out.starts.push_back(nbytes);
+  return out;
+}
+
+// Chunks of 4 KiB: each packed into a scratch buffer (in L1), then used. Small chunks
+// keep the reads of the tensors and of the base close together (64 KiB chunks
+// scanned 256 MiB 25% slower here, prefetching the base 30% slower).
+constexpr int64_t kChunk = 4 << 10;
+
+}  // namespace
+
+DeltaScan delta_scan_packing_host(const CopySegment* pack, int64_t pack_count, int64_t staging, uint8_t* base,
+                                  int64_t nbytes, const int64_t* stretch_rows, int64_t stretch_count, uint8_t* mask,
+                                  bool update_base, uint8_t* values, int64_t threads) {
+  LLAMARL_CHECK(nbytes >= 0, "negative bucket size " << nbytes);
+  const std::vector<Stretch> st = stretches_of(stretch_rows, stretch_count, nbytes);
+  const Packing p = packing_of(pack, pack_count, staging, nbytes);
+  // Each chunk packed with kMargin bytes either side (an element across its edges
+  // read whole), then scanned: the staging buffer is never written.
   return scan_in_parts(st, base, nbytes, mask, values, update_base, threads, [&](Scanner& sc, int64_t lo, int64_t hi) {
-    constexpr int64_t kChunk = 4 << 10, kMargin = 8;
+    constexpr int64_t kMargin = 8;
     alignas(64) uint8_t scratch[kChunk + 3 * 64];
     for (int64_t at = lo; at < hi; at += kChunk) {
       const int64_t end = std::min(hi, at + kChunk);
@@ -363,10 +397,32 @@ DeltaScan delta_scan_packing_host(const CopySegment* pack, int64_t pack_count, i
       // Byte `at` lands 64-byte aligned (the scan's loads split no cache line), with
       // room for a cast element's byte before `from`.
       uint8_t* out = scratch + 64 - (at - from);
-      pack_window(packs, starts, from, to, out);
+      pack_window(p.packs, p.starts, from, to, out);
       sc.scan(out, from, at, end);
     }
   });
+}
+
+int64_t delta_pack_base_host(const CopySegment* pack, int64_t pack_count, int64_t staging, uint8_t* base,
+                             int64_t nbytes, int64_t threads) {
+  LLAMARL_CHECK(nbytes >= 0, "negative bucket size " << nbytes);
+  const Packing p = packing_of(pack, pack_count, staging, nbytes);
+  const std::vector<int64_t> bounds = part_bounds(nbytes, threads);
+  std::vector<uint64_t> sums(bounds.size() - 1, 0);
+  run_parts(static_cast<int64_t>(sums.size()), [&](int64_t k) {
+    alignas(64) uint8_t scratch[kChunk + 3 * 64];
+    uint8_t* out = scratch + 64;  // room for a cast element's byte on either side
+    for (int64_t at = bounds[k]; at < bounds[k + 1]; at += kChunk) {
+      const int64_t n = std::min(bounds[k + 1], at + kChunk) - at;
+      pack_window(p.packs, p.starts, at, at + n, out);
+      std::memcpy(reinterpret_cast<uint8_t*>(staging) + at, out, static_cast<size_t>(n));
+      std::memcpy(base + at, out, static_cast<size_t>(n));
+      sums[k] += checksum_span(out, n, at);
+    }
+  });
+  uint64_t total = 0;
+  for (uint64_t sum : sums) total += sum;
+  return static_cast<int64_t>(total);
 }
 
 #ifdef LLAMARL_HOST_X86

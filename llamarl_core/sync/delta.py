@@ -325,6 +325,22 @@ class BucketCodec:
             raise ValueError(str(error)) from None
         return dataclasses.replace(scan, read_through=True)
 
+    def pack_base(self, table: np.ndarray, staging: torch.Tensor, base: torch.Tensor, threads: int = 1) -> int:
+        """Pack the bucket through the pack `table` (scan_packing's) into `staging`
+        and into `base` at once, reading the sender's tensors once (native, host, up
+        to `threads` threads); returns bucket_checksum of the bytes. ValueError off
+        the host or for a table that does not write `staging` back to back."""
+        self._check_bytes(staging, "staging")
+        self._check_bytes(base, "base")
+        if not (_on_host(staging, self.native_host) and base.device.type == "cpu"):
+            raise ValueError("pack_base packs through a pack table on the host (native codec) only")
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        try:
+            return native().delta_pack_base_host(table, staging.data_ptr(), base.data_ptr(), self.nbytes, threads)
+        except native().EngineError as error:
+            raise ValueError(str(error)) from None
+
     def _host_scan(self, threads: int, values: bool, run) -> Scan:
         """A native scan on up to `threads` threads: `run(bits address, values
         address or 0)` returns (changed, runs, value bytes, checksum change)."""
@@ -676,14 +692,39 @@ class PairBase:
         return mine is not None and version == mine and sums[index] == checksum
 
     def reads_through(self, index: int, new: torch.Tensor) -> bool:
-        """Whether bucket `index` (to be packed into `new`) is scanned straight from
-        the sender's tensors through its pack table (`scan` with `table`): on the
-        host, unless it goes whole unscanned."""
-        return _on_host(new, self.codecs[index].native_host) and not self._skips_scan(index)
+        """Whether bucket `index` (to be packed into `new`) is read straight from
+        the sender's tensors through its pack table (`scan` and `take_whole` with
+        `table`): on the host."""
+        return _on_host(new, self.codecs[index].native_host)
 
-    def _skips_scan(self, index: int) -> bool:
+    def skips_scan(self, index: int) -> bool:
+        """Whether bucket `index` goes whole unscanned this version (`take_whole`):
+        its last scan found it denser than the density limit, fewer versions ago
+        than its rescan interval (1, doubling while rescans find it as dense, up to
+        DensityLimit.PROBE_EVERY)."""
         last = self._last_density[index]
         return last is not None and last > self.density.limit and self._unscanned[index] < self._rescan_after[index]
+
+    def take_whole(self, index: int, new: torch.Tensor, table: np.ndarray | None = None, threads: int = 1) -> bool:
+        """Bucket `index` goes whole unscanned (skips_scan): the base takes its bytes
+        and their checksum, cheaper than a scan of a dense change. `new` holds the
+        packed bytes, or, with `table` (reads_through), is packed here together with
+        the base. Returns whether `new` holds the packed bytes now (not where the
+        pack through the table failed: the caller packs it); on a failure the bucket
+        counts as held by no receiver until it is sent again."""
+        codec = self.codecs[index]
+        base = self.bytes[self.starts[index]:self.starts[index] + codec.nbytes]
+        self._unscanned[index] += 1
+        try:
+            if table is not None:
+                self.sums[index] = codec.pack_base(table, new, base, threads)
+            else:
+                base.copy_(new)
+                self.sums[index] = bucket_checksum(new)
+        except (RuntimeError, MemoryError, ValueError):
+            self.sums[index] = None
+            return table is None
+        return True
 
     def scan(self, index: int, new: torch.Tensor, table: np.ndarray | None = None, threads: int = 1,
              delta: bool = True) -> Scan | None:
@@ -693,26 +734,18 @@ class PairBase:
         which takes its bytes and checksum (the checksum moved by the words that
         changed); on the host up to `threads` threads scan it. None where the
         bucket goes whole: `delta` False (the receiver cannot take a delta of it:
-        the scan only moves the base, its values are not copied out), or unscanned,
-        its last scan having found it denser than the density limit fewer versions
-        ago than its rescan interval (1, doubling while rescans find it as dense, up
-        to DensityLimit.PROBE_EVERY; the base then takes a copy and a whole
-        checksum, cheaper than a scan of a dense change), or the scan could not be
-        made (out of memory, or a native failure: the bucket then counts as held by
-        no receiver until it is sent again)."""
+        the scan only moves the base, its values are not copied out), a rescan of
+        a bucket found denser than the limit (it measures: found sparse again, the
+        next version goes as a delta), or the scan
+        could not be made (out of memory, or a native failure: the bucket then
+        counts as held by no receiver until it is sent again). Not for a bucket
+        that skips_scan (take_whole)."""
         codec = self.codecs[index]
         base = self.bytes[self.starts[index]:self.starts[index] + codec.nbytes]
         dense = self._last_density[index] is not None and self._last_density[index] > self.density.limit
-        if self._skips_scan(index):
-            if table is not None:
-                raise ValueError(f"bucket {index} goes whole unscanned: pack it, then scan it (reads_through)")
-            self._unscanned[index] += 1
-            try:
-                base.copy_(new)
-                self.sums[index] = bucket_checksum(new)
-            except (RuntimeError, MemoryError):
-                self.sums[index] = None
-            return None
+        if self.skips_scan(index):
+            raise ValueError(f"bucket {index} goes whole unscanned this version: take_whole, not scan")
+        delta = delta and not dense  # a rescan measures: the bucket goes whole this version
         try:
             old = self.sums[index]
             if old is None:  # the base's own, for the scan's change to move

@@ -38,8 +38,9 @@ class P2PStream:
     before every header, "nothing follows" ones included), decides bucket i once
     word i has come, and sends it as a description (encoding, payload bytes,
     changed elements; tag 1 + 2i) and its payload (tag 2 + 2i). On the host it
-    scans a bucket straight from the tensors (PairBase.reads_through) and packs it
-    only if it goes whole."""
+    reads a bucket straight from the tensors (PairBase.reads_through): scanned,
+    then packed only if it goes whole, or, going whole unscanned, packed together
+    with the base."""
 
     def __init__(self, sender: WeightSender, dst: int, version: int, deadline: float, offered: bool = False,
                  stats: SendStats | None = None):
@@ -92,17 +93,22 @@ class P2PStream:
             if self.stats is not None:
                 self.stats.add_full(nbytes)
         else:
-            # On the host a bucket is scanned straight from the tensors, and packed only if it goes whole.
+            # On the host a bucket is read straight from the tensors: scanned, and packed only if it
+            # goes whole; one that goes whole unscanned is packed together with the base.
             through = self.base.reads_through(i, staging)
+            threads = s.num_threads or default_num_threads()
+            scan, packed = None, not through
             if not through:
                 pack()
-            # Whether the receiver may take a delta of it, as far as its words have come:
-            # a base that stands, and no word i saying otherwise.
-            may = self.standing[0] is not None and (len(self.use_delta) <= i or self.use_delta[i])
-            scan = self.base.scan(i, staging, table if through else None,
-                                  threads=s.num_threads or default_num_threads(), delta=may)
+            if self.base.skips_scan(i):
+                packed = self.base.take_whole(i, staging, table if through else None, threads)
+            else:
+                # Whether the receiver may take a delta of it, as far as its words have come:
+                # a base that stands, and no word i saying otherwise.
+                may = self.standing[0] is not None and (len(self.use_delta) <= i or self.use_delta[i])
+                scan = self.base.scan(i, staging, table if through else None, threads=threads, delta=may)
             delta = self.base.encode(i, staging, scan, self._usable(i))
-            if through and delta.encoding == DENSE:
+            if delta.encoding == DENSE and not packed:
                 pack()
             meta = torch.tensor([delta.encoding, delta.nbytes, delta.changed], dtype=torch.int64, device=s.device)
             slot.append((s._post("send", meta, self.peer, 1 + 2 * i, self.what), meta))
