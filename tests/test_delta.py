@@ -307,6 +307,46 @@ def test_a_scan_through_the_pack_table_equals_one_of_the_packed_bytes(simd):
         codec.pack_base(table(shifted), staging, base.clone())
 
 
+def test_a_bucket_sent_whole_unscanned_is_packed_with_its_base_at_once():
+    """PairBase.take_whole on the host with the bucket's pack table, as the stream
+    sends a bucket denser than the limit: staging and the base take the packed
+    bytes, the base's checksum theirs, and the next scan moves from them. A pack
+    through a table that fails says so (the caller packs staging) and leaves the
+    bucket held by no receiver (its checksum unknown)."""
+    from llamarl_core.sync.delta import PairBase
+    from llamarl_core.sync.engine import KIND_COPY, KIND_F32_TO_BF16
+    from llamarl_core.sync.plan import Segment
+
+    gen = torch.Generator().manual_seed(8)
+    source = torch.randn(3 * 5000 + 1, generator=gen)
+    segments = [Segment(0, "s", 0, 3, 0, "a", 0, 3, 3, 1, 1, False),
+                Segment(0, "s", 3, 10000, 0, "b", 0, 10000, 5000, 1, 2, False)]
+    codec = BucketCodec(segments)
+    staging = torch.full((codec.nbytes,), 77, dtype=torch.uint8)
+    table = np.array([(source.data_ptr(), 3, staging.data_ptr(), 3, 3, 1, KIND_COPY),
+                      (source.data_ptr() + 4, 20000, staging.data_ptr() + 3, 10000, 5000, 1, KIND_F32_TO_BF16)],
+                     dtype=np.int64)
+    packed_bytes = torch.empty_like(staging)
+    run_segment_table(table + np.array([0, 0, packed_bytes.data_ptr() - staging.data_ptr(), 0, 0, 0, 0]),
+                      torch.device("cpu"), 1)
+    base = PairBase([codec], torch.device("cpu"))
+    base._last_density[0], base.density.limit = 0.9, 0.5  # found dense last time: whole, unscanned
+    assert base.skips_scan(0) and base.reads_through(0, staging)
+    with pytest.raises(ValueError, match="take_whole, not scan"):
+        base.scan(0, staging, table)
+    assert base.take_whole(0, staging, table, threads=2)
+    assert torch.equal(staging, packed_bytes) and torch.equal(base._base(0), packed_bytes)
+    assert base.sums[0] == bucket_checksum(packed_bytes)
+    source[:2] += 1.0  # the next version: its scan's checksum moves from the base's
+    base._last_density[0] = 0.0
+    scan = base.scan(0, staging, table)
+    assert scan.changed > 0 and base.sums[0] == bucket_checksum(base._base(0))
+    base._last_density[0], base._unscanned[0], base._rescan_after[0] = 0.9, 0, 1
+    shifted = table.copy()
+    shifted[:, 2] += 1  # does not write staging: refused before a byte is written
+    assert not base.take_whole(0, staging, shifted) and base.sums[0] is None
+
+
 def test_a_scan_split_over_threads_equals_one_on_one_thread(simd):
     """A bucket of 13 MiB scanned on 3 threads (parts of whole 64 KiB blocks),
     with and without the pack table, finds what one thread finds: float32
@@ -443,9 +483,9 @@ def test_bad_payloads_are_refused_with_nothing_written():
 
 
 def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_to_another_base():
-    """The delta protocol's decisions (PairBase.begin / usable / scan / encode on
-    the sender, PairHeld.word on the receiver), driven as stream.py and
-    receiver.py drive them, through 600 random runs of 3-8 events: a version sent
+    """The delta protocol's decisions (PairBase.begin / usable / scan / take_whole
+    / encode on the sender, PairHeld.word on the receiver), driven as stream.py
+    and receiver.py drive them, through 600 random runs of 3-8 events: a version sent
     whole to its end, a send that breaks off after a random bucket (the receiver
     holds part of it), a receiver restarted (its weights poisoned afresh, nothing
     held), a sender restarted (no base), bytes of the receiver changed outside the

@@ -377,6 +377,7 @@ Packing packing_of(const CopySegment* pack, int64_t pack_count, int64_t staging,
 // keep the reads of the tensors and of the base close together (64 KiB chunks
 // scanned 256 MiB 25% slower here, prefetching the base 30% slower).
 constexpr int64_t kChunk = 4 << 10;
+static_assert(kChunk % 64 == 0, "chunks start on whole words and blocks (checksum_span, the AVX-512 scan)");
 
 }  // namespace
 

@@ -235,6 +235,11 @@ class Scan:
     read_through: bool = False
 
 
+def _check_threads(threads: int) -> None:
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+
+
 def _on_host(data: torch.Tensor, native_host: bool) -> bool:
     return native_host and data.device.type == "cpu"
 
@@ -313,10 +318,7 @@ class BucketCodec:
         it from the sender's tensors on the host (native, 4 KiB at a time, up to
         `threads` threads): `staging` is not written. ValueError off the host or
         for a table that does not write `staging` back to back."""
-        self._check_bytes(staging, "staging")
-        self._check_bytes(base, "base")
-        if not (_on_host(staging, self.native_host) and base.device.type == "cpu"):
-            raise ValueError("scan_packing reads through a pack table on the host (native codec) only")
+        self._check_through(staging, base, "scan_packing")
         try:
             scan = self._host_scan(threads, values, lambda bits, out: native().delta_scan_packing_host(
                 table, staging.data_ptr(), base.data_ptr(), self.nbytes, self._stretch_table, bits, update_base, out,
@@ -329,23 +331,26 @@ class BucketCodec:
         """Pack the bucket through the pack `table` (scan_packing's) into `staging`
         and into `base` at once, reading the sender's tensors once (native, host, up
         to `threads` threads); returns bucket_checksum of the bytes. ValueError off
-        the host or for a table that does not write `staging` back to back."""
-        self._check_bytes(staging, "staging")
-        self._check_bytes(base, "base")
-        if not (_on_host(staging, self.native_host) and base.device.type == "cpu"):
-            raise ValueError("pack_base packs through a pack table on the host (native codec) only")
-        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        the host, for `threads` not an int >= 1, or for a table that does not write
+        `staging` back to back."""
+        self._check_through(staging, base, "pack_base")
+        _check_threads(threads)
         try:
             return native().delta_pack_base_host(table, staging.data_ptr(), base.data_ptr(), self.nbytes, threads)
         except native().EngineError as error:
             raise ValueError(str(error)) from None
 
+    def _check_through(self, staging: torch.Tensor, base: torch.Tensor, what: str) -> None:
+        """What reading through a pack table needs: the bucket's bytes, on the host."""
+        self._check_bytes(staging, "staging")
+        self._check_bytes(base, "base")
+        if not (_on_host(staging, self.native_host) and base.device.type == "cpu"):
+            raise ValueError(f"{what} reads through a pack table on the host (native codec) only")
+
     def _host_scan(self, threads: int, values: bool, run) -> Scan:
         """A native scan on up to `threads` threads: `run(bits address, values
         address or 0)` returns (changed, runs, value bytes, checksum change)."""
-        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        _check_threads(threads)
         bits = torch.zeros(self.mask_bytes, dtype=torch.uint8)
         # Room for every element, and the 64 bytes a thread's native scan may write past its
         # values; pages past what it writes stay untouched.
@@ -697,11 +702,14 @@ class PairBase:
         `table`): on the host."""
         return _on_host(new, self.codecs[index].native_host)
 
+    def _base(self, index: int) -> torch.Tensor:
+        return self.bytes[self.starts[index]:self.starts[index] + self.codecs[index].nbytes]
+
     def skips_scan(self, index: int) -> bool:
         """Whether bucket `index` goes whole unscanned this version (`take_whole`):
-        its last scan found it denser than the density limit, fewer versions ago
-        than its rescan interval (1, doubling while rescans find it as dense, up to
-        DensityLimit.PROBE_EVERY)."""
+        its last scan found it denser than the density limit as it stands now,
+        fewer versions ago than its rescan interval (1, doubling while rescans find
+        it as dense, up to DensityLimit.PROBE_EVERY)."""
         last = self._last_density[index]
         return last is not None and last > self.density.limit and self._unscanned[index] < self._rescan_after[index]
 
@@ -712,8 +720,7 @@ class PairBase:
         the base. Returns whether `new` holds the packed bytes now (not where the
         pack through the table failed: the caller packs it); on a failure the bucket
         counts as held by no receiver until it is sent again."""
-        codec = self.codecs[index]
-        base = self.bytes[self.starts[index]:self.starts[index] + codec.nbytes]
+        codec, base = self.codecs[index], self._base(index)
         self._unscanned[index] += 1
         try:
             if table is not None:
@@ -735,13 +742,12 @@ class PairBase:
         changed); on the host up to `threads` threads scan it. None where the
         bucket goes whole: `delta` False (the receiver cannot take a delta of it:
         the scan only moves the base, its values are not copied out), a rescan of
-        a bucket found denser than the limit (it measures: found sparse again, the
-        next version goes as a delta), or the scan
+        a bucket found denser than the limit (it measures: found sparse again, and
+        the limit where it was, the next version goes as a delta), or the scan
         could not be made (out of memory, or a native failure: the bucket then
         counts as held by no receiver until it is sent again). Not for a bucket
         that skips_scan (take_whole)."""
-        codec = self.codecs[index]
-        base = self.bytes[self.starts[index]:self.starts[index] + codec.nbytes]
+        codec, base = self.codecs[index], self._base(index)
         dense = self._last_density[index] is not None and self._last_density[index] > self.density.limit
         if self.skips_scan(index):
             raise ValueError(f"bucket {index} goes whole unscanned this version: take_whole, not scan")
