@@ -29,6 +29,13 @@ const CopySegment* segments_of(const SegmentArray& segs, int64_t* count) {
   return reinterpret_cast<const CopySegment*>(segs.data());
 }
 
+// A delta codec's stretch rows (host/delta_codec.h): an (n, 4) int64 array.
+const int64_t* stretches_of_array(const SegmentArray& stretches, int64_t* count) {
+  LLAMARL_CHECK(stretches.ndim() == 2 && stretches.shape(1) == 4, "stretches must be an int64 array (n, 4)");
+  *count = stretches.shape(0);
+  return stretches.data();
+}
+
 void register_host(py::module_& m) {
   py::class_<SharedMemoryRegion>(m, "SharedMemoryRegion", py::buffer_protocol())
       .def_static("create", &SharedMemoryRegion::create, py::arg("nbytes"))
@@ -91,9 +98,8 @@ void register_host(py::module_& m) {
       "delta_scan_host",
       [](int64_t fresh, int64_t base, int64_t nbytes, const SegmentArray& stretches, int64_t mask, bool update_base,
          int64_t values, int64_t threads) {
-        LLAMARL_CHECK(stretches.ndim() == 2 && stretches.shape(1) == 4, "stretches must be an int64 array (n, 4)");
-        const int64_t* rows = stretches.data();
-        const int64_t count = stretches.shape(0);
+        int64_t count = 0;
+        const int64_t* rows = stretches_of_array(stretches, &count);
         DeltaScan r;
         {
           py::gil_scoped_release release;
@@ -111,11 +117,9 @@ void register_host(py::module_& m) {
       "delta_scan_packing_host",
       [](const SegmentArray& pack, int64_t staging, int64_t base, int64_t nbytes, const SegmentArray& stretches,
          int64_t mask, bool update_base, int64_t values, int64_t threads) {
-        LLAMARL_CHECK(stretches.ndim() == 2 && stretches.shape(1) == 4, "stretches must be an int64 array (n, 4)");
-        int64_t pack_count = 0;
+        int64_t pack_count = 0, count = 0;
         const CopySegment* segs = segments_of(pack, &pack_count);
-        const int64_t* rows = stretches.data();
-        const int64_t count = stretches.shape(0);
+        const int64_t* rows = stretches_of_array(stretches, &count);
         DeltaScan r;
         {
           py::gil_scoped_release release;

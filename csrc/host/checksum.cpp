@@ -103,14 +103,9 @@ class WordSum {
 uint64_t checksum_span(const unsigned char* bytes, int64_t n, int64_t position) {
   LLAMARL_CHECK(n >= 0 && position >= 0 && position % 8 == 0,
                 "a checksum span of " << n << " bytes at position " << position << " (a word's first byte)");
-  const uint64_t word = static_cast<uint64_t>(position) >> 3;
-  uint64_t total = sum_words(bytes, n >> 3, word);
-  if (n & 7) {
-    uint64_t tail = 0;
-    std::memcpy(&tail, bytes + (n & ~int64_t{7}), static_cast<size_t>(n & 7));
-    total += checksum_term(word + static_cast<uint64_t>(n >> 3), tail);
-  }
-  return total;
+  WordSum sum;
+  sum.add(static_cast<uint64_t>(position), bytes, n);
+  return sum.finish();
 }
 
 int64_t checksum_rows_host(const int64_t* rows, int64_t count) {

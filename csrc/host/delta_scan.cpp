@@ -228,11 +228,6 @@ void pack_window(const std::vector<CopySegment>& packs, const std::vector<int64_
   }
 }
 
-
-}  // namespace
-
-namespace {
-
 // The element that holds byte `at` of the bucket (at < the bucket's size).
 int64_t element_at(const std::vector<Stretch>& st, int64_t at) {
   size_t t = 0;
@@ -471,7 +466,8 @@ LLAMARL_TARGET_AVX512 int64_t runs_avx512(const uint8_t* mask, int64_t elements,
     ne += bit_positions(down, static_cast<int32_t>(64 * w), stops.data() + ne);
   }
   if (carry) stops[ne++] = static_cast<int32_t>(elements);  // a run to the end of a whole last word
-  if (ns != run_count || ne != ns) return ne != ns ? -1 : ns;
+  if (ne != ns) return -1;
+  if (ns != run_count) return ns;
   for (int64_t r = 0; r < ns; ++r) {
     runs[2 * r] = starts[r];
     runs[2 * r + 1] = stops[r] - starts[r];

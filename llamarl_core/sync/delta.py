@@ -710,8 +710,12 @@ class PairBase:
         its last scan found it denser than the density limit as it stands now,
         fewer versions ago than its rescan interval (1, doubling while rescans find
         it as dense, up to DensityLimit.PROBE_EVERY)."""
+        return self._dense(index) and self._unscanned[index] < self._rescan_after[index]
+
+    def _dense(self, index: int) -> bool:
+        """Whether bucket `index`'s last scan found it denser than the limit as it stands."""
         last = self._last_density[index]
-        return last is not None and last > self.density.limit and self._unscanned[index] < self._rescan_after[index]
+        return last is not None and last > self.density.limit
 
     def take_whole(self, index: int, new: torch.Tensor, table: np.ndarray | None = None, threads: int = 1) -> bool:
         """Bucket `index` goes whole unscanned (skips_scan): the base takes its bytes
@@ -748,7 +752,7 @@ class PairBase:
         counts as held by no receiver until it is sent again). Not for a bucket
         that skips_scan (take_whole)."""
         codec, base = self.codecs[index], self._base(index)
-        dense = self._last_density[index] is not None and self._last_density[index] > self.density.limit
+        dense = self._dense(index)
         if self.skips_scan(index):
             raise ValueError(f"bucket {index} goes whole unscanned this version: take_whole, not scan")
         delta = delta and not dense  # a rescan measures: the bucket goes whole this version
