@@ -63,12 +63,12 @@ def _corrupting(versions_sent: list[int], version: int) -> None:
 
 
 def sender(port: int, rank: int, world: int, tp: int, config_name: str, seed: int, bucket_bytes: int,
-           corrupt_version: int | None = None) -> list[dict]:
-    """Send every version with delta=True; returns each send's last_send, as a dict.
-    corrupt_version: in that version, this rank's first delta bucket lies about its
-    size (the receiver must refuse it)."""
+           corrupt_version: int | None = None, limit: float = 1.0) -> list[dict]:
+    """Send every version with delta=True, under a fixed density `limit`; returns
+    each send's last_send, as a dict. corrupt_version: in that version, this rank's
+    first delta bucket lies about its size (the receiver must refuse it)."""
     torch.set_num_threads(1)
-    deltas_by_size()
+    deltas_by_size(limit)
     sent = [0]
     if corrupt_version is not None:
         _corrupting(sent, corrupt_version)
@@ -97,7 +97,7 @@ def _engine_nans(shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica: int = 0,
-             num_replicas: int = 1) -> list[list[str]]:
+             num_replicas: int = 1, limit: float = 1.0) -> list[list[str]]:
     """Receive every version into NaN-poisoned parameters (generator replica
     `replica` of `num_replicas`: replica 0 from the trainer, the others relayed);
     returns "mismatches": per version the mismatches against the reference shards of
@@ -105,7 +105,7 @@ def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica
     refused bucket; "relayed": per version and child replica, the relay's
     last_send (delta.SendStats as a dict)."""
     torch.set_num_threads(1)
-    deltas_by_size()  # its relays'
+    deltas_by_size(limit)  # its relays'
     config = small_config(config_name)
     layout = vllm_llama_tp(config, tp, torch.bfloat16)
     params = poisoned_destination(layout, rank)

@@ -95,13 +95,21 @@ def local_tensors(full: torch.Tensor, placement, world: int) -> list[torch.Tenso
     return chunks(full, world, placement.dim)
 
 
-def deltas_by_size() -> None:
-    """In this process, delta senders choose each bucket's encoding by its bytes alone:
-    their density limits (delta.DensityLimit) stop following the sends' times, so
-    that a test of what goes on the wire does not depend on how fast this machine
-    is. The limit itself has a test of its own (test_delta)."""
+def deltas_by_size(limit: float = 1.0) -> None:
+    """In this process, delta senders choose each bucket's encoding by its bytes
+    alone, below a fixed density `limit` (above it: whole, and unscanned the next
+    version): their density limits (delta.DensityLimit) stop following the sends'
+    times, so that a test of what goes on the wire does not depend on how fast this
+    machine is. The limit itself has a test of its own (test_delta)."""
     from llamarl_core.sync.delta import DensityLimit
 
+    init = DensityLimit.__init__
+
+    def fixed(self) -> None:
+        init(self)
+        self.limit = limit
+
+    DensityLimit.__init__ = fixed
     DensityLimit.observe = lambda self, seconds, full_bytes, densities: None
 
 

@@ -312,7 +312,9 @@ def test_a_bucket_sent_whole_unscanned_is_packed_with_its_base_at_once():
     sends a bucket denser than the limit: staging and the base take the packed
     bytes, the base's checksum theirs, and the next scan moves from them. A pack
     through a table that fails says so (the caller packs staging) and leaves the
-    bucket held by no receiver (its checksum unknown)."""
+    bucket held by no receiver (its checksum unknown). A first scan, against a
+    base never sent, finds every element changed but records no density: the next
+    version is scanned, not sent whole unscanned."""
     from llamarl_core.sync.delta import PairBase
     from llamarl_core.sync.engine import KIND_COPY, KIND_F32_TO_BF16
     from llamarl_core.sync.plan import Segment
@@ -345,6 +347,10 @@ def test_a_bucket_sent_whole_unscanned_is_packed_with_its_base_at_once():
     shifted = table.copy()
     shifted[:, 2] += 1  # does not write staging: refused before a byte is written
     assert not base.take_whole(0, staging, shifted) and base.sums[0] is None
+    fresh = PairBase([codec], torch.device("cpu"))
+    fresh.density.limit = 0.5
+    assert fresh.scan(0, staging, table, delta=False) is None and fresh.sums[0] == bucket_checksum(fresh._base(0))
+    assert not fresh.skips_scan(0) and fresh.wants_checksums((1, fresh.sums))
 
 
 def test_a_scan_split_over_threads_equals_one_on_one_thread(simd):
@@ -483,17 +489,19 @@ def test_bad_payloads_are_refused_with_nothing_written():
 
 
 def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_to_another_base():
-    """The delta protocol's decisions (PairBase.begin / usable / scan / take_whole
-    / encode on the sender, PairHeld.word on the receiver), driven as stream.py
+    """The delta protocol's decisions (PairBase.begin / wants_checksums / usable /
+    scan / take_whole / encode on the sender, PairHeld.word on the receiver, the
+    version word alone where every bucket goes whole), driven as stream.py
     and receiver.py drive them, through 600 random runs of 3-8 events: a version sent
     whole to its end, a send that breaks off after a random bucket (the receiver
     holds part of it), a receiver restarted (its weights poisoned afresh, nothing
     held), a sender restarted (no base), bytes of the receiver changed outside the
-    sync; density limits that send changed buckets whole, unscanned. Every delta is
+    sync; density limits that send changed buckets whole, unscanned; probes (a
+    version whole, unscanned). Every delta is
     applied to exactly the bytes it was made against, and
     after every completed send the receiver's tensors equal, bit for bit, those of
     a receiver that took every version whole."""
-    from llamarl_core.sync.delta import PairBase, PairHeld, pair_codecs
+    from llamarl_core.sync.delta import WORDS_CHECKSUMS, WORDS_VERSION, PairBase, PairHeld, pair_codecs
 
     llama = small_config("llama_gqa_bias")
     plan = plan_transfer(hf_llama_fsdp(llama, 3, torch.float32), vllm_llama_tp(llama, 2, torch.bfloat16),
@@ -504,7 +512,7 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
     unpacks = [packed(b)[1] for b in buckets]
     layout, rank, cpu = plan.dst_layout, pair[1], torch.device("cpu")
     rng = random.Random(41)
-    deltas = fulls = 0
+    deltas = fulls = whole_versions = 0  # whole_versions: a base stood, yet every bucket went whole unscanned
     for run in range(RANDOM_RUNS):
         gen = torch.Generator().manual_seed(run)
         version_bytes = [torch.randint(0, 256, (c.nbytes,), dtype=torch.uint8, generator=gen) for c in codecs]
@@ -536,9 +544,16 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
                     data ^= 1
                 elif fraction:
                     data[torch.randint(0, data.numel(), (int(fraction * data.numel()) + 1,), generator=gen)] ^= 1
-            words = [held.word(i, tensors, cpu).tolist() for i in range(PairHeld.words(len(codecs)))]
-            standing = base.begin()
-            use = [PairBase.usable(standing, words[0][0], i, words[i][-1]) for i in range(len(codecs))]
+            base.density.probe = rng.random() < 0.1  # a probe: the version whole and unscanned
+            standing = base.begin()  # the header asks for words; the receiver sends them
+            asked = WORDS_CHECKSUMS if base.wants_checksums(standing) else WORDS_VERSION
+            words = [held.word(i, tensors, cpu, checksum=asked == WORDS_CHECKSUMS).tolist()
+                     for i in range(PairHeld.words(len(codecs), asked))]
+            if asked == WORDS_VERSION:  # every bucket goes whole: the receiver read none of what it holds
+                assert words == [[-1 if held.version is None else held.version]]
+                whole_versions += standing[0] is not None
+            use = [asked == WORDS_CHECKSUMS and PairBase.usable(standing, words[0][0], i, words[i][-1])
+                   for i in range(len(codecs))]
             held.version = None
             last = len(codecs) if event == "send" else rng.randrange(len(codecs))
             for i, (codec, unpack, data) in enumerate(zip(codecs, unpacks, version_bytes)):
@@ -551,6 +566,7 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
                 else:
                     scan = base.scan(i, data, delta=use[i])
                 delta = base.encode(i, data, scan, use[i])
+                assert not base.density.probe or (scan is None and delta.encoding == DENSE)
                 if delta.encoding == DENSE:
                     fulls += 1
                     _unpack(unpack, delta.payload, tensors)
@@ -567,7 +583,7 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
             else:  # the reference takes the whole version once the next send completes
                 for unpack, data in zip(unpacks, version_bytes):
                     _unpack(unpack, data, reference)
-    assert deltas > 500 and fulls > 500, (deltas, fulls)
+    assert deltas > 500 and fulls > 500 and whole_versions > 50, (deltas, fulls, whole_versions)
 
 
 def test_the_density_limit_follows_the_measured_times_in_random_orders():
@@ -657,13 +673,14 @@ def test_deltas_point_to_point_land_every_version_whole(tmp_path):
     """Two FSDP trainer ranks send eight versions with delta=True, point to point
     (gloo) in 4 KiB buckets, to two tensor-parallel bf16 generator ranks, which
     relay each version, as deltas too, to a second replica as its buckets land: the
-    first whole, then nothing changed, one element, a hundredth of the elements
-    (three times), -0.0 / NaN / inf written over finite values, and everything
-    (x1.5). Every version equals the reference bit for bit on every receiver,
-    including the one after a receiver changed an element of its own weights (the
-    sender learns it from the checksum and sends that bucket whole), on both
-    replicas. send()
-    returns the bytes put on the wire, last_send counts them."""
+    first whole, then nothing changed, one element, a hundredth of the elements,
+    -0.0 / NaN / inf written over finite values, a hundredth, everything (x1.5),
+    a hundredth, under a fixed density limit of 0.5 (the version after everything
+    changed goes whole unscanned). Every version equals the reference bit for bit
+    on every receiver, including the one after a receiver changed an element of
+    its own weights (the sender learns it from the checksum and sends that bucket
+    whole), on both replicas. send() returns the bytes put on the wire, last_send
+    counts them."""
     import datetime
 
     import torch.distributed as dist
@@ -672,7 +689,7 @@ def test_deltas_point_to_point_land_every_version_whole(tmp_path):
     from helpers import run_processes
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
-    case = dict(tp=2, config_name="llama_gqa_bias", seed=7)
+    case = dict(tp=2, config_name="llama_gqa_bias", seed=7, limit=0.5)
     jobs = [(delta_workers.sender, dict(port=store.port, rank=r, world=2, bucket_bytes=4096, **case)) for r in range(2)]
     jobs += [(delta_workers.receiver, dict(port=store.port, rank=r, replica=replica, num_replicas=2, **case))
              for replica in range(2) for r in range(2)]
@@ -691,7 +708,7 @@ def test_deltas_point_to_point_land_every_version_whole(tmp_path):
         assert relayed[v]["dense_buckets"] == 0 and relayed[v]["changed"] == total[v]["changed"], (v, relayed, total)
         assert relayed[v]["wire_bytes"] <= 0.2 * relayed[v]["full_bytes"], (v, relayed[v])
     assert all(s["returned"] == s["wire_bytes"] for stats in senders for s in stats)
-    first, nothing, one, hundredth, specials, _, everything, _ = total
+    first, nothing, one, hundredth, specials, _, everything, after = total
     assert first["delta_buckets"] == 0 and first["full_receivers"] == 4
     assert first["wire_bytes"] == first["full_bytes"] + 24 * first["dense_buckets"]  # each bucket described
     assert nothing["changed"] == 0 and nothing["dense_buckets"] == 0 and nothing["full_receivers"] == 0
@@ -702,6 +719,11 @@ def test_deltas_point_to_point_land_every_version_whole(tmp_path):
     # The two buckets the receivers changed behind the sync, one each (no other is dense by its size).
     assert specials["dense_buckets"] == 2 and specials["full_receivers"] == 0, specials
     assert everything["wire_bytes"] >= 0.9 * everything["full_bytes"], everything
+    # Past the limit every bucket went whole, and the next version whole unscanned (its
+    # header asked the receivers for the version word alone, no checksum): still bit for bit.
+    assert everything["delta_buckets"] == 0 and after["delta_buckets"] == 0 and after["full_receivers"] == 0
+    assert after["dense_buckets"] == after["unscanned_buckets"] == everything["dense_buckets"], (everything, after)
+    assert everything["unscanned_buckets"] == 0 and all(s["density_limit"] == 0.5 for s in senders[0])
 
 
 def _reference_checksum(data: bytes, first: int) -> int:

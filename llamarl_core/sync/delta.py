@@ -561,9 +561,13 @@ class BucketCodec:
 
 
 # The tag of a receiver's first word on what it holds (PairHeld.word; word i goes with
-# tag HOLDING_TAG + i), sent before every header it takes from a sender of deltas: far
-# above the buckets' tags (1 + 2i, 2 + 2i).
+# tag HOLDING_TAG + i), sent after each header of a sender of deltas that asks for
+# words: far above the buckets' tags (1 + 2i, 2 + 2i).
 HOLDING_TAG = 1 << 30
+# What a header asks of the receiver (its last field, stream.py): no word (a sender
+# without deltas, "nothing follows"), the version word alone (every bucket goes whole),
+# or a word a bucket with the receiver's checksums.
+WORDS_NONE, WORDS_VERSION, WORDS_CHECKSUMS = 0, 1, 2
 # A delta bucket's description on the wire: int64 [encoding, payload bytes, changed elements].
 DESCRIPTION_BYTES = 24
 
@@ -593,7 +597,8 @@ class DensityLimit:
     - PROBE_EVERY versions without a move or a lost delta version, the limit
       doubles (at most 1): denser deltas are tried again, a lost try costing one
       version;
-    - a probe, the next version whole to time a full send again: after the second
+    - a probe, the next version whole and unscanned to time a full send again
+      (PairBase.skips_scan): after the second
       delta version (the first full send is slowed by the pair's set-up) when both
       first delta versions took over FIRST_PROBE_ABOVE of that send's time (the
       set-up would have had to slow it over 6x to hide a loss; one dense version,
@@ -696,6 +701,15 @@ class PairBase:
         mine, sums = standing
         return mine is not None and version == mine and sums[index] == checksum
 
+    def wants_checksums(self, standing: tuple[int | None, list[int | None]]) -> bool:
+        """Whether a send that began at `standing` (begin's) asks the receiver for
+        its checksums (WORDS_CHECKSUMS), or only for the version it holds
+        (WORDS_VERSION): only where some bucket may go as a delta (a base stands, no
+        probe of a whole version, some bucket not found denser than the limit); a
+        version that goes whole costs the receiver no read of what it holds."""
+        return standing[0] is not None and not self.density.probe and \
+            not all(self._dense(i) for i in range(len(self.codecs)))
+
     def reads_through(self, index: int, new: torch.Tensor) -> bool:
         """Whether bucket `index` (to be packed into `new`) is read straight from
         the sender's tensors through its pack table (`scan` and `take_whole` with
@@ -707,10 +721,12 @@ class PairBase:
 
     def skips_scan(self, index: int) -> bool:
         """Whether bucket `index` goes whole unscanned this version (`take_whole`):
+        a probe (DensityLimit.probe: the whole version, timed as a full send is), or
         its last scan found it denser than the density limit as it stands now,
         fewer versions ago than its rescan interval (1, doubling while rescans find
         it as dense, up to DensityLimit.PROBE_EVERY)."""
-        return self._dense(index) and self._unscanned[index] < self._rescan_after[index]
+        return self.density.probe or \
+            self._dense(index) and self._unscanned[index] < self._rescan_after[index]
 
     def _dense(self, index: int) -> bool:
         """Whether bucket `index`'s last scan found it denser than the limit as it stands."""
@@ -756,6 +772,7 @@ class PairBase:
         if self.skips_scan(index):
             raise ValueError(f"bucket {index} goes whole unscanned this version: take_whole, not scan")
         delta = delta and not dense  # a rescan measures: the bucket goes whole this version
+        known = self.sums[index] is not None  # a density against a base never sent (zeros) says nothing
         try:
             old = self.sums[index]
             if old is None:  # the base's own, for the scan's change to move
@@ -771,7 +788,7 @@ class PairBase:
         if dense:  # a rescan: still as dense, the next comes later
             self._rescan_after[index] = min(2 * self._rescan_after[index], self.density.PROBE_EVERY) \
                 if density > self.density.limit else 1
-        self._last_density[index], self._unscanned[index] = density, 0
+        self._last_density[index], self._unscanned[index] = density if known else None, 0
         return scan if delta else None
 
     def encode(self, index: int, new: torch.Tensor, scan: Scan | None, delta: bool) -> BucketDelta:
@@ -804,18 +821,22 @@ class PairHeld:
         self.broken: str | None = None  # why the pair's messages can no longer be read in step
 
     @staticmethod
-    def words(buckets: int) -> int:
-        """How many words on what it holds a receiver sends before each header of a
-        pair of `buckets` buckets: one a bucket, at least one."""
-        return max(1, buckets)
+    def words(buckets: int, asked: int) -> int:
+        """How many words on what it holds a receiver sends after a header of a pair
+        of `buckets` buckets that asks for `asked` (WORDS_*): none, the version word,
+        or one a bucket (at least one)."""
+        if asked not in (WORDS_NONE, WORDS_VERSION, WORDS_CHECKSUMS):
+            raise ValueError(f"a header asking for words {asked!r} (WORDS_NONE, WORDS_VERSION or WORDS_CHECKSUMS)")
+        return max(1, buckets) if asked == WORDS_CHECKSUMS else asked
 
-    def word(self, index: int, tensors: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-        """Word `index` (tag HOLDING_TAG + index) on what the receiver holds, one a
-        bucket, sent as each is made, before each header, so that the sender decides
-        bucket i as soon as word i comes: word 0 [version or -1, checksum of bucket
-        0], word i > 0 [checksum of bucket i], over the bytes the pair writes in
-        `tensors`, read now; a pair without buckets: [version or -1]."""
-        sums = [self.codecs[index].destination_checksum(tensors)] if index < len(self.codecs) else []
+    def word(self, index: int, tensors: Mapping[str, torch.Tensor], device: torch.device,
+             checksum: bool = True) -> torch.Tensor:
+        """Word `index` (tag HOLDING_TAG + index) on what the receiver holds, sent
+        as each is made, so that the sender decides bucket i as soon as word i
+        comes: word 0 [version or -1, checksum of bucket 0], word i > 0 [checksum
+        of bucket i], over the bytes the pair writes in `tensors`, read now; without
+        `checksum` (WORDS_VERSION), or for a pair without buckets: [version or -1]."""
+        sums = [self.codecs[index].destination_checksum(tensors)] if checksum and index < len(self.codecs) else []
         head = [-1 if self.version is None else self.version] if index == 0 else []
         return torch.tensor(head + sums, dtype=torch.int64, device=device)
 
@@ -826,9 +847,13 @@ class SendStats:
     the wire or copied in place (a delta's payloads and their descriptions, DESCRIPTION_BYTES each;
     a full send's bytes), `full_bytes` what a full send of the same version moves,
     `changed` elements in delta buckets, `elements` in those buckets, `dense_buckets`
-    sent whole (chosen by size, or for want of a base), `delta_buckets`, and
+    sent whole (chosen by size, or for want of a base), of them `unscanned_buckets`
+    sent whole unscanned (past the density limit, or a probe), `delta_buckets`,
     `full_receivers`: point-to-point receivers of a delta sender sent the version
-    whole (none held the base: first send, restarted, torn, changed since)."""
+    whole (none held the base: first send, restarted, torn, changed since), and
+    `density_limit`: the lowest density limit of those receivers' pairs once the
+    send ended (DensityLimit.limit: buckets changed past it go whole; 1.0 where
+    none is lower, or without deltas)."""
 
     version: int
     wire_bytes: int = 0
@@ -836,8 +861,10 @@ class SendStats:
     changed: int = 0
     elements: int = 0
     dense_buckets: int = 0
+    unscanned_buckets: int = 0
     delta_buckets: int = 0
     full_receivers: int = 0
+    density_limit: float = 1.0
 
     def add_full(self, nbytes: int) -> None:
         self.wire_bytes += nbytes

@@ -4,6 +4,7 @@ replicas it feeds."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Iterable, Mapping
 
 import torch
@@ -15,7 +16,7 @@ from .engine import (check_distinct_memory, prepared_table, run_segment_table, s
 from .errors import StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
 from .board import FAILED as FAILED_SLOT
 from .board import TicketBoard
-from .delta import DENSE, HOLDING_TAG, PairHeld, pair_codecs
+from .delta import DENSE, HOLDING_TAG, WORDS_CHECKSUMS, WORDS_NONE, WORDS_VERSION, PairHeld, pair_codecs
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES, check_replica, relay_tree
 from .protocol import (DEFAULT_TIMEOUT_S, DST, FAILED, FAILURE_POLL_S, LANDED, MIXED, REREGISTERED, Channel,
@@ -189,6 +190,7 @@ class WeightReceiver(Endpoint):
         # Point-to-point sender of deltas -> what this rank holds of it (delta.py).
         self._held = {src: PairHeld(pair_codecs(self.plan.buckets[(src, self.rank)])) for src in self._p2p_peers
                       if self._src_infos[src].get("delta")}
+        self._writer_pool: ThreadPoolExecutor | None = None  # see _writer
         # Where the senders' segments (and the unpack tables) write: checked before every receive().
         self._dst_keys = {name: storage_key(t) for name, t in self.tensors.items()}
         self.replica = replica
@@ -363,22 +365,29 @@ class WeightReceiver(Endpoint):
                 raise SyncError(f"receiver rank {self.rank}: {held.broken}; its messages can no longer be read "
                                 "in step: register every sender and receiver again under a new name")
             while True:
-                words = []  # a sender of deltas takes these before each header, one a bucket, each sent when made
-                for i in range(PairHeld.words(len(self._unpack[src])) if held is not None else 0):
+                header = torch.empty(4, dtype=torch.int64, device=self.device)
+                self._wait_work(self._post("recv", header, src, 0, what), deadline, what)
+                version, num_buckets, offered, asked = (int(x) for x in header.tolist())
+                error = None
+                if num_buckets not in (NOTHING_FOLLOWS, len(self._unpack[src])):
+                    error = f"sender {src} sends {num_buckets} buckets, the plan has {len(self._unpack[src])}"
+                elif asked not in ((WORDS_NONE,) if held is None or num_buckets == NOTHING_FOLLOWS else
+                                   (WORDS_VERSION, WORDS_CHECKSUMS)):
+                    error = (f"sender {src} asks for words {asked} on what this receiver holds "
+                             f"({'a delta' if held is not None else 'a full'} pair), out of step")
+                if error is not None:  # before any word: a sender of deltas waits for words it asked for
+                    if held is not None:
+                        held.broken = error
+                    raise SyncError(f"receiver rank {self.rank}: {error}")
+                # A sender of deltas decides bucket i once word i has come: each sent as soon as it is made.
+                words = []
+                for i in range(PairHeld.words(num_buckets, asked) if held is not None else 0):
                     try:
-                        word = held.word(i, self.tensors, self.device)
+                        word = held.word(i, self.tensors, self.device, checksum=asked == WORDS_CHECKSUMS)
                     except Exception as exc:  # the sender waits for a word that does not come: out of step
                         held.broken = f"its word on what it holds of sender {src} could not be made: {exc}"
                         raise SyncError(f"receiver rank {self.rank}: {held.broken}") from exc
                     words.append((self._post("send", word, src, HOLDING_TAG + i, what), word))
-                header = torch.empty(3, dtype=torch.int64, device=self.device)
-                self._wait_work(self._post("recv", header, src, 0, what), deadline, what)
-                version, num_buckets, offered = (int(x) for x in header.tolist())
-                if num_buckets not in (NOTHING_FOLLOWS, len(self._unpack[src])):  # before the words' sends
-                    error = f"sender {src} sends {num_buckets} buckets, the plan has {len(self._unpack[src])}"
-                    if held is not None:  # it took another count of words
-                        held.broken = error
-                    raise SyncError(error)
                 for work, _word in words:
                     self._wait_work(work, deadline, what)
                 self._taken[src] = offered  # the sender's offers so far: pending() compares the next with it
@@ -439,33 +448,59 @@ class WeightReceiver(Endpoint):
 
     def _take_deltas(self, src: int, held: PairHeld, version: int, deadline: float, forwarding: Forwarding,
                      what: str) -> None:
-        """_receive_deltas' loop over the buckets."""
-        failure = None  # a bucket refused: the rest are taken off the wire, not applied, then it is raised
-        for i, ((table, nbytes), codec) in enumerate(zip(self._unpack[src], held.codecs)):
-            meta = torch.empty(3, dtype=torch.int64, device=self.device)
-            self._wait_work(self._post("recv", meta, src, 1 + 2 * i, what), deadline, what)
-            encoding, size, changed = (int(x) for x in meta.tolist())
-            if not 0 <= size <= nbytes or (encoding == DENSE and size != nbytes):
-                # Its payload cannot be taken off the wire: the pair's next messages would be misread.
-                held.broken = (f"sender {src} described bucket {i} of {what} as {size} bytes (encoding "
-                               f"{encoding}); the bucket holds {nbytes}")
-                raise SyncError(f"receiver rank {self.rank}: {held.broken}")
-            payload = self._staging_bufs[i % 2][:size]  # where the bucket's unpack table reads
-            self._wait_work(self._post("recv", payload, src, 2 + 2 * i, what), deadline, what)
-            if failure is not None:
-                continue
+        """_receive_deltas' loop over the buckets. Bucket i lands in staging buffer
+        i % 2 and is written in (unpacked, or its delta applied) on the host by the
+        receiver's writer thread while bucket i + 1 comes off the wire; bucket i's
+        payload is received only once bucket i - 2 (the same buffer) is written in,
+        and every write has ended before this returns or raises. On a GPU the
+        writes are queued on the current stream here, as a full receive's."""
+        failure: list[_Refused] = []  # a bucket refused: the rest taken off the wire, not applied, then raised
+
+        def write(i: int, table, encoding: int, payload: torch.Tensor, changed: int, codec) -> None:
+            if failure:
+                return
             if encoding == DENSE:
                 run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
             else:
                 try:
                     codec.apply(encoding, payload, changed, self.tensors)
                 except Exception as exc:  # a payload refused, or out of memory: the rest still taken off the wire
-                    failure = _Refused(f"receiver rank {self.rank}: bucket {i} of {what} refused: "
-                                       f"{type(exc).__name__}: {exc}")
-                    continue
+                    failure.append(_Refused(f"receiver rank {self.rank}: bucket {i} of {what} refused: "
+                                            f"{type(exc).__name__}: {exc}"))
+                    return
             forwarding.landed()
-        if failure is not None:
-            raise failure
+
+        writes: list[Future] = []
+        try:
+            for i, ((table, nbytes), codec) in enumerate(zip(self._unpack[src], held.codecs)):
+                meta = torch.empty(3, dtype=torch.int64, device=self.device)
+                self._wait_work(self._post("recv", meta, src, 1 + 2 * i, what), deadline, what)
+                encoding, size, changed = (int(x) for x in meta.tolist())
+                if not 0 <= size <= nbytes or (encoding == DENSE and size != nbytes):
+                    # Its payload cannot be taken off the wire: the pair's next messages would be misread.
+                    held.broken = (f"sender {src} described bucket {i} of {what} as {size} bytes (encoding "
+                                   f"{encoding}); the bucket holds {nbytes}")
+                    raise SyncError(f"receiver rank {self.rank}: {held.broken}")
+                if i >= 2:
+                    writes[i - 2].result()  # written in from the buffer this bucket lands in
+                payload = self._staging_bufs[i % 2][:size]  # where the bucket's unpack table reads
+                self._wait_work(self._post("recv", payload, src, 2 + 2 * i, what), deadline, what)
+                if self.device.type == "cpu":
+                    writes.append(self._writer().submit(write, i, table, encoding, payload, changed, codec))
+                else:
+                    write(i, table, encoding, payload, changed, codec)
+            for done in writes:
+                done.result()
+        finally:
+            wait(writes)
+        if failure:
+            raise failure[0]
+
+    def _writer(self) -> ThreadPoolExecutor:
+        """The thread that writes delta receives' buckets in on the host (_take_deltas)."""
+        if self._writer_pool is None:
+            self._writer_pool = ThreadPoolExecutor(1, thread_name_prefix=f"receiver-{self.rank}-write")
+        return self._writer_pool
 
     def _adopt(self, outcome: ReceiveOutcome, was_torn: bool) -> int:
         """The receive's outcome taken on: the version that landed, or its error raised."""
@@ -498,3 +533,5 @@ class WeightReceiver(Endpoint):
     def close(self) -> None:
         self._closed = True
         self.relays.close()
+        if self._writer_pool is not None:
+            self._writer_pool.shutdown(wait=True)

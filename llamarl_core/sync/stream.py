@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .delta import DENSE, DESCRIPTION_BYTES, SendStats
+from .delta import DENSE, DESCRIPTION_BYTES, WORDS_CHECKSUMS, WORDS_NONE, WORDS_VERSION, SendStats
 from .engine import default_num_threads, run_segment_table
 
 if TYPE_CHECKING:
@@ -21,9 +21,10 @@ NOTHING_FOLLOWS = -1
 
 class P2PStream:
     """One version from a sender to one point-to-point receiver: a header (tag 0:
-    version, bucket count, how many sends this sender offered the receiver; a
-    count of NOTHING_FOLLOWS: this sender wrote nothing of that version to the
-    receiver, see WeightSender._tell_nothing_follows), then bucket i packed into
+    version, bucket count, how many sends this sender offered the receiver, the
+    words it asks of the receiver (delta.WORDS_*); a count of NOTHING_FOLLOWS: this
+    sender wrote nothing of that version to the receiver, see
+    WeightSender._tell_nothing_follows), then bucket i packed into
     staging buffer i % 2 and sent
     (tag 1 + i), so that packing bucket i + 1 overlaps the send of bucket i.
     Packing is done when run_segment_table returns (on GPU its stream waited for
@@ -33,10 +34,12 @@ class P2PStream:
     rank); `finish` sends the rest and waits for every send. The receiver is
     offered the version first (here, or by the caller: `offered`): a pair's
     versions arrive in order, so the receiver counts what it took.
-    A sender of deltas (its PairBase for this receiver, delta.py) takes the
-    receiver's words on what it holds (one a bucket, tags HOLDING_TAG + i, sent
-    before every header, "nothing follows" ones included), decides bucket i once
-    word i has come, and sends it as a description (encoding, payload bytes,
+    A sender of deltas (its PairBase for this receiver, delta.py) asks in its
+    header for the receiver's words on what it holds, sent once the header has
+    come (tags HOLDING_TAG + i): one a bucket with its checksum where some bucket
+    may go as a delta (WORDS_CHECKSUMS), else the version word alone
+    (WORDS_VERSION: the version goes whole, and the receiver reads none of what it
+    holds); it decides bucket i once word i has come, and sends it as a description (encoding, payload bytes,
     changed elements; tag 1 + 2i) and its payload (tag 2 + 2i). On the host it
     reads a bucket straight from the tensors (PairBase.reads_through): scanned,
     then packed only if it goes whole, or, going whole unscanned, packed together
@@ -55,14 +58,17 @@ class P2PStream:
         # each bucket before a byte of it moves; a bucket is scanned while its word is on its way.
         # Its base stands again once all is sent.
         self.base = sender._bases.get(dst)
-        self.holding: list = []
-        self.use_delta: list[bool] = []  # per bucket, from the words taken so far
+        self.holding: list = []  # the receives of the receiver's words
+        self.taken = 0  # words taken
+        self.use_delta: list[bool] = []  # per bucket, from the checksums taken so far
         self.held_version: int | None = None
+        self.asked = WORDS_NONE
         if self.base is not None:
             self.standing = self.base.begin()
-            self.holding = sender._post_holding(dst, self.what)
-        self.header = torch.tensor([version, len(self.tables), sender.book.sends[dst]], dtype=torch.int64,
-                                   device=sender.device)
+            self.asked = WORDS_CHECKSUMS if self.base.wants_checksums(self.standing) else WORDS_VERSION
+            self.holding = sender._post_holding(dst, self.asked == WORDS_CHECKSUMS, self.what)
+        self.header = torch.tensor([version, len(self.tables), sender.book.sends[dst], self.asked],
+                                   dtype=torch.int64, device=sender.device)
         # The works in flight: the header's, and those reading staging buffer 0 and 1 (with their tensors).
         self.in_flight: list[list] = [[(sender._post("send", self.header, self.peer, 0, self.what), self.header)],
                                       [], []]
@@ -102,10 +108,12 @@ class P2PStream:
                 pack()
             if self.base.skips_scan(i):
                 packed = self.base.take_whole(i, staging, table if through else None, threads)
+                if self.stats is not None:
+                    self.stats.unscanned_buckets += 1
             else:
                 # Whether the receiver may take a delta of it, as far as its words have come:
-                # a base that stands, and no word i saying otherwise.
-                may = self.standing[0] is not None and (len(self.use_delta) <= i or self.use_delta[i])
+                # checksums asked for (a base stands), and no word i saying otherwise.
+                may = self.asked == WORDS_CHECKSUMS and (len(self.use_delta) <= i or self.use_delta[i])
                 scan = self.base.scan(i, staging, table if through else None, threads=threads, delta=may)
             delta = self.base.encode(i, staging, scan, self._usable(i))
             if delta.encoding == DENSE and not packed:
@@ -124,22 +132,24 @@ class P2PStream:
             self.waited += seconds
 
     def _usable(self, index: int) -> bool:
-        """Whether bucket `index` may go as a delta: the receiver's words on what it
-        holds, taken in order up to word `index`, against the base as it stood when
-        the send began."""
-        while len(self.use_delta) <= index:
-            i = len(self.use_delta)
-            work, buffer = self.holding[i]
+        """Whether bucket `index` may go as a delta: the receiver's checksums, taken
+        in order up to word `index`, against the base as it stood when the send
+        began; never where none were asked for."""
+        self._take(index + 1)
+        return self.asked == WORDS_CHECKSUMS and self.use_delta[index]
+
+    def _take(self, count: int) -> None:
+        """Take the receiver's words, up to `count` of those asked for."""
+        while self.taken < min(count, len(self.holding)):
+            work, buffer = self.holding[self.taken]
             self.sender._wait_work(work, self.deadline, self.what)
             word = buffer.tolist()
-            if i == 0:
+            if self.taken == 0:
                 self.held_version, word = word[0], word[1:]
                 self.clock = time.monotonic()
-            if i < len(self.tables):
-                self.use_delta.append(self.base.usable(self.standing, self.held_version, i, word[0]))
-            else:  # a pair without buckets: its one word says the version alone
-                return False
-        return self.use_delta[index]
+            if word:  # bucket `taken`'s checksum
+                self.use_delta.append(self.base.usable(self.standing, self.held_version, self.taken, word[0]))
+            self.taken += 1
 
     def finish(self) -> int:
         """Send the buckets not sent yet, wait for every send; returns the bytes put on
@@ -150,8 +160,11 @@ class P2PStream:
             for work, _tensor in slot:
                 self.sender._wait_work(work, self.deadline, self.what)
         if self.base is not None:
-            self._usable(len(self.tables) - 1 if self.tables else 0)  # every word taken, where the pair has no bucket too
-            if self.stats is not None and self.use_delta and not any(self.use_delta):
-                self.stats.full_receivers += 1
+            self._take(len(self.holding))
+            if self.stats is not None and self.tables and (self.standing[0] is None or self.held_version != self.standing[0] or
+                                           (self.use_delta and not any(self.use_delta))):
+                self.stats.full_receivers += 1  # it held no base: every bucket went whole
             self.base.finish(self.version, self.full_bytes, time.monotonic() - self.clock - self.waited)
+            if self.stats is not None:
+                self.stats.density_limit = min(self.stats.density_limit, self.base.density.limit)
         return self.written
