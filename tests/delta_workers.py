@@ -97,23 +97,49 @@ def _engine_nans(shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica: int = 0,
-             num_replicas: int = 1, limit: float = 1.0) -> list[list[str]]:
+             num_replicas: int = 1, limit: float = 1.0, write_here: bool = False,
+             slow_writes: bool = False) -> list[list[str]]:
     """Receive every version into NaN-poisoned parameters (generator replica
     `replica` of `num_replicas`: replica 0 from the trainer, the others relayed);
     returns "mismatches": per version the mismatches against the reference shards of
     that version, or ["refused: <error>"] for a receive that raised SyncError naming a
     refused bucket; "relayed": per version and child replica, the relay's
-    last_send (delta.SendStats as a dict)."""
+    last_send (delta.SendStats as a dict); "checksums": per version, the buckets
+    whose checksum this rank read for its senders. write_here: each bucket
+    written in on the receiving thread, as on a GPU; slow_writes: every 16th
+    delta applied 5 ms late (a bucket two later must wait to land in its buffer)."""
+    from llamarl_core.sync.delta import BucketCodec
+
     torch.set_num_threads(1)
     deltas_by_size(limit)  # its relays'
+    checksums = [0]
+    checksum = BucketCodec.destination_checksum
+
+    def counted(self, tensors):
+        checksums[-1] += 1
+        return checksum(self, tensors)
+
+    BucketCodec.destination_checksum = counted
+    if slow_writes:
+        apply, applied = BucketCodec.apply, [0]
+
+        def late(self, *args):
+            applied[0] += 1
+            if applied[0] % 16 == 0:
+                time.sleep(0.005)
+            return apply(self, *args)
+
+        BucketCodec.apply = late
     config = small_config(config_name)
     layout = vllm_llama_tp(config, tp, torch.bfloat16)
     params = poisoned_destination(layout, rank)
     out, relayed = [], []
     with WeightReceiver(connect(port), layout, rank, params, name="delta", transport="p2p", timeout=60,
                         replica=replica, num_replicas=num_replicas) as sync:
+        sync._write_here = write_here or sync._write_here
         for version, state in enumerate(states(config_name, seed), start=1):
             try:
+                checksums.append(0)
                 assert sync.receive() == version
                 for child in sync.relays.children:  # what the relay to each child put on the wire
                     stats = sync.relays.ready(child, time.monotonic() + 1).last_send
@@ -128,4 +154,4 @@ def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica
             if version == POKED_AFTER:  # bytes changed outside the sync: the next version must still land whole
                 name = sorted(params)[0]
                 params[name].view(-1)[0] = 123.0
-    return {"mismatches": out, "relayed": relayed}
+    return {"mismatches": out, "relayed": relayed, "checksums": checksums[1:]}

@@ -691,7 +691,9 @@ def test_deltas_point_to_point_land_every_version_whole(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
     case = dict(tp=2, config_name="llama_gqa_bias", seed=7, limit=0.5)
     jobs = [(delta_workers.sender, dict(port=store.port, rank=r, world=2, bucket_bytes=4096, **case)) for r in range(2)]
-    jobs += [(delta_workers.receiver, dict(port=store.port, rank=r, replica=replica, num_replicas=2, **case))
+    # Replica 0 writes each bucket in on its writer thread, some late; replica 1 on the receiving thread.
+    jobs += [(delta_workers.receiver, dict(port=store.port, rank=r, replica=replica, num_replicas=2,
+                                           write_here=replica == 1, slow_writes=replica == 0, **case))
              for replica in range(2) for r in range(2)]
     results = run_processes(jobs, timeout=240)
     senders, receivers = results[:2], results[2:]
@@ -724,6 +726,8 @@ def test_deltas_point_to_point_land_every_version_whole(tmp_path):
     assert everything["delta_buckets"] == 0 and after["delta_buckets"] == 0 and after["full_receivers"] == 0
     assert after["dense_buckets"] == after["unscanned_buckets"] == everything["dense_buckets"], (everything, after)
     assert everything["unscanned_buckets"] == 0 and all(s["density_limit"] == 0.5 for s in senders[0])
+    for got in receivers:  # checksums read only where some bucket could go as a delta: not the first, not after
+        assert got["checksums"][0] == got["checksums"][7] == 0 and min(got["checksums"][1:7]) > 0, got["checksums"]
 
 
 def _reference_checksum(data: bytes, first: int) -> int:

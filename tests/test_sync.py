@@ -373,6 +373,20 @@ def test_transport_request_is_validated(store):
     assert "ipc_error" not in device_info(torch.device("cpu"), shards)
 
 
+def test_ranks_of_another_wire_format_are_refused_by_name():
+    """Set-up compares every rank's point-to-point wire format with this
+    llamarl_core's: a rank of another version (or of one before the format was
+    published) is named, before a message moves."""
+    from llamarl_core.sync.endpoint import check_wire_formats
+    from llamarl_core.sync.protocol import P2P_WIRE_FORMAT
+
+    ours = {"host": "a", "device": "cpu", "wire": P2P_WIRE_FORMAT}
+    check_wire_formats([ours, ours], ["sender rank 0", "receiver rank 0"], "receiver rank 0")
+    with pytest.raises(ValueError, match=r"sender rank 0 \(1\), receiver rank 1 \(none\) speak another"):
+        check_wire_formats([{**ours, "wire": 1}, ours, {"host": "b", "device": "cpu"}],
+                           ["sender rank 0", "receiver rank 0", "receiver rank 1"], "receiver rank 0")
+
+
 def test_transport_per_pair_across_hosts():
     """'auto' shares memory within a host and goes point-to-point between hosts, pair by pair."""
     h1 = [{"host": "h1", "device": "cpu", "process": f"{p}/x"} for p in range(2)]

@@ -827,7 +827,7 @@ class PairHeld:
         or one a bucket (at least one)."""
         if asked not in (WORDS_NONE, WORDS_VERSION, WORDS_CHECKSUMS):
             raise ValueError(f"a header asking for words {asked!r} (WORDS_NONE, WORDS_VERSION or WORDS_CHECKSUMS)")
-        return max(1, buckets) if asked == WORDS_CHECKSUMS else asked
+        return {WORDS_NONE: 0, WORDS_VERSION: 1, WORDS_CHECKSUMS: max(1, buckets)}[asked]
 
     def word(self, index: int, tensors: Mapping[str, torch.Tensor], device: torch.device,
              checksum: bool = True) -> torch.Tensor:
@@ -861,9 +861,9 @@ class SendStats:
     changed: int = 0
     elements: int = 0
     dense_buckets: int = 0
-    unscanned_buckets: int = 0
     delta_buckets: int = 0
     full_receivers: int = 0
+    unscanned_buckets: int = 0
     density_limit: float = 1.0
 
     def add_full(self, nbytes: int) -> None:

@@ -21,7 +21,7 @@ from .engine import DEFAULT_COPY_TIMEOUT_S, check_local_tensors, tensors_device
 from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
 from .plan import Segment, TransferPlan, bipartite_rounds, plan_transfer
-from .protocol import DST, SRC, Channel, SenderWatch
+from .protocol import DST, P2P_WIRE_FORMAT, SRC, Channel, SenderWatch
 from .transports import P2P, check_transport_name, choose_transports, device_info, make_process_group
 
 
@@ -60,7 +60,8 @@ def register_sender(channel: Channel, layout: Layout, rank: int, tensors: Mappin
     sender)."""
     deadline = time.monotonic() + timeout
     channel.set(f"{SRC}/{rank}/relay_buckets", relay_buckets)  # before the info key, which receivers wait for
-    channel.set(f"{SRC}/{rank}/info", {**device_info(device, None), "transport": transport, "delta": delta})
+    channel.set(f"{SRC}/{rank}/info", {**device_info(device, None), "transport": transport, "delta": delta,
+                                       "wire": P2P_WIRE_FORMAT})
     if rank == 0:  # before the layout, which the receivers wait for
         channel.set(f"{SRC}/bucket_bytes", bucket_bytes)
         channel.set(f"{SRC}/layout", layout.to_dict())
@@ -77,7 +78,8 @@ def register_receiver(channel: Channel, layout: Layout, rank: int, tensors: Mapp
     the receivers' layout; then meets the senders (see `_meet`). Its set-up waits
     watch the senders' failure reports (`watch`): a sender that fails ends them."""
     deadline = time.monotonic() + timeout
-    channel.set(f"{DST}/{rank}/info", {**device_info(device, tensors), "transport": transport})
+    channel.set(f"{DST}/{rank}/info", {**device_info(device, tensors), "transport": transport,
+                                       "wire": P2P_WIRE_FORMAT})
     if rank == 0:  # before the layout, which the senders wait for
         channel.set(f"{DST}/bucket_bytes", p2p_bucket_bytes)
         channel.set(f"{DST}/layout", layout.to_dict())
@@ -107,11 +109,23 @@ def _meet(channel: Channel, me: str, layout: Layout, rank: int, deadline: float,
     info_keys |= {f"{DST}/{r}/info": f"receiver rank {r}" for r in range(dst_layout.world_size)}
     channel.wait(info_keys, deadline, "every rank's device info", failure(range(src_layout.world_size)))
     infos = [channel.get(k) for k in info_keys]
+    check_wire_formats(infos, list(info_keys.values()), f"{side} rank {rank}")
     requested = {i["transport"] for i in infos}
     if len(requested) > 1:
         raise ValueError(f"ranks asked for different transports {sorted(requested)}; pass the same to every rank")
     num_src = src_layout.world_size
     return plan, infos, choose_transports(requested.pop(), infos[:num_src], infos[num_src:], plan.pairs)
+
+
+def check_wire_formats(infos: list[dict], names: list[str], me: str) -> None:
+    """ValueError naming the ranks (`names`, beside their device `infos`) whose
+    point-to-point wire format is not this llamarl_core's (P2P_WIRE_FORMAT; none
+    published: a version before it had one)."""
+    other = [f"{name} ({info.get('wire', 'none')})" for name, info in zip(names, infos)
+             if info.get("wire") != P2P_WIRE_FORMAT]
+    if other:
+        raise ValueError(f"{me}: {', '.join(other)} speak another point-to-point wire format than this "
+                         f"llamarl_core's ({P2P_WIRE_FORMAT}): install the same llamarl_core on every rank")
 
 
 def _join(channel: Channel, me: str, rank: int, plan: TransferPlan, infos: list[dict], transports: dict,

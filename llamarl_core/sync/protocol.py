@@ -82,6 +82,10 @@ FAILURES = f"{SRC}/failures"
 # Counter: receivers that registered again under the sync's name (a restarted rank), each
 # once its memory handle is published; a sender reads it at every send.
 REREGISTERED = f"{DST}/reregistered"
+# The point-to-point messages' format (stream.py, receiver.py), in every rank's device
+# info and checked at set-up: ranks of two llamarl_core versions are refused, named,
+# instead of misreading each other. 2: a header of 4 int64 asking for the receiver's words.
+P2P_WIRE_FORMAT = 2
 # The longest pause between two polls of a wait that watches for failures: a failure
 # is seen within this of its report. Every poll is a request or two to the Store (a
 # check of the keys, a read of the failure count), about 8 a second while a wait lasts.

@@ -74,9 +74,10 @@ class WeightReceiver(Endpoint):
     and float32 scale; the senders quantize (fp8.py), so the receiver holds
     nothing more and does no arithmetic (its relays copy both as they are).
     A point-to-point sender made with `delta=True` (WeightSender) sends deltas:
-    before each version this rank tells it what it holds of it (the version, and a
-    checksum of each bucket read from its tensors: one pass over the bytes that
-    sender writes) and applies what comes in place; its relays then send deltas
+    once its header of a version asks, this rank tells it what it holds of it (the
+    version, and where some bucket may go as a delta a checksum of each bucket read
+    from its tensors: one pass over the bytes that sender writes) and applies what
+    comes in place; its relays then send deltas
     too (each against what it last sent its child rank, point to point: the same
     elements, as each bucket lands).
     replica / num_replicas: this rank's generator replica, of that many
@@ -191,6 +192,9 @@ class WeightReceiver(Endpoint):
         self._held = {src: PairHeld(pair_codecs(self.plan.buckets[(src, self.rank)])) for src in self._p2p_peers
                       if self._src_infos[src].get("delta")}
         self._writer_pool: ThreadPoolExecutor | None = None  # see _writer
+        # Whether delta receives write each bucket in on the receiving thread (on a GPU, queued on
+        # its current stream, as a full receive's) rather than on the writer thread (the host's).
+        self._write_here = self.device.type != "cpu"
         # Where the senders' segments (and the unpack tables) write: checked before every receive().
         self._dst_keys = {name: storage_key(t) for name, t in self.tensors.items()}
         self.replica = replica
@@ -454,23 +458,33 @@ class WeightReceiver(Endpoint):
         payload is received only once bucket i - 2 (the same buffer) is written in,
         and every write has ended before this returns or raises. On a GPU the
         writes are queued on the current stream here, as a full receive's."""
-        failure: list[_Refused] = []  # a bucket refused: the rest taken off the wire, not applied, then raised
+        # The first write that failed: a bucket refused (_Refused: the rest taken off the wire, not
+        # applied, then raised) or any other failure (raised before another payload is taken off
+        # the wire: the pair is out of step then); no write after it runs.
+        failure: list[BaseException] = []
 
         def write(i: int, table, encoding: int, payload: torch.Tensor, changed: int, codec) -> None:
             if failure:
                 return
-            if encoding == DENSE:
-                run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
-            else:
-                try:
-                    codec.apply(encoding, payload, changed, self.tensors)
-                except Exception as exc:  # a payload refused, or out of memory: the rest still taken off the wire
-                    failure.append(_Refused(f"receiver rank {self.rank}: bucket {i} of {what} refused: "
-                                            f"{type(exc).__name__}: {exc}"))
-                    return
+            try:
+                if encoding == DENSE:
+                    run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
+                else:
+                    try:
+                        codec.apply(encoding, payload, changed, self.tensors)
+                    except Exception as exc:  # a payload refused, or out of memory: the rest still taken off the wire
+                        raise _Refused(f"receiver rank {self.rank}: bucket {i} of {what} refused: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+            except BaseException as exc:  # noqa: BLE001 - the receiving thread raises it
+                failure.append(exc)
+                return
             forwarding.landed()
 
-        writes: list[Future] = []
+        def check() -> None:
+            if failure and not isinstance(failure[0], _Refused):
+                raise failure[0]
+
+        writes: list[Future | None] = []  # per bucket, its write on the writer thread (None: written here)
         try:
             for i, ((table, nbytes), codec) in enumerate(zip(self._unpack[src], held.codecs)):
                 meta = torch.empty(3, dtype=torch.int64, device=self.device)
@@ -481,18 +495,18 @@ class WeightReceiver(Endpoint):
                     held.broken = (f"sender {src} described bucket {i} of {what} as {size} bytes (encoding "
                                    f"{encoding}); the bucket holds {nbytes}")
                     raise SyncError(f"receiver rank {self.rank}: {held.broken}")
-                if i >= 2:
-                    writes[i - 2].result()  # written in from the buffer this bucket lands in
+                if i >= 2 and writes[i - 2] is not None:
+                    wait([writes[i - 2]])  # written in from the buffer this bucket lands in
+                check()
                 payload = self._staging_bufs[i % 2][:size]  # where the bucket's unpack table reads
                 self._wait_work(self._post("recv", payload, src, 2 + 2 * i, what), deadline, what)
-                if self.device.type == "cpu":
-                    writes.append(self._writer().submit(write, i, table, encoding, payload, changed, codec))
-                else:
+                if self._write_here:
                     write(i, table, encoding, payload, changed, codec)
-            for done in writes:
-                done.result()
+                    writes.append(None)
+                else:
+                    writes.append(self._writer().submit(write, i, table, encoding, payload, changed, codec))
         finally:
-            wait(writes)
+            wait([w for w in writes if w is not None])
         if failure:
             raise failure[0]
 

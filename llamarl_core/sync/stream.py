@@ -66,12 +66,13 @@ class P2PStream:
         if self.base is not None:
             self.standing = self.base.begin()
             self.asked = WORDS_CHECKSUMS if self.base.wants_checksums(self.standing) else WORDS_VERSION
-            self.holding = sender._post_holding(dst, self.asked == WORDS_CHECKSUMS, self.what)
         self.header = torch.tensor([version, len(self.tables), sender.book.sends[dst], self.asked],
                                    dtype=torch.int64, device=sender.device)
         # The works in flight: the header's, and those reading staging buffer 0 and 1 (with their tensors).
         self.in_flight: list[list] = [[(sender._post("send", self.header, self.peer, 0, self.what), self.header)],
                                       [], []]
+        if self.base is not None:  # after the header: NCCL matches a pair's messages in the order posted
+            self.holding = sender._post_holding(dst, self.asked == WORDS_CHECKSUMS, self.what)
         self.sent = 0  # buckets posted
         self.written = 0
         self.full_bytes = 0  # what a full send of the buckets posted moves
@@ -161,8 +162,9 @@ class P2PStream:
                 self.sender._wait_work(work, self.deadline, self.what)
         if self.base is not None:
             self._take(len(self.holding))
-            if self.stats is not None and self.tables and (self.standing[0] is None or self.held_version != self.standing[0] or
-                                           (self.use_delta and not any(self.use_delta))):
+            held_none = self.standing[0] is None or self.held_version != self.standing[0] or \
+                (self.use_delta and not any(self.use_delta))
+            if self.stats is not None and self.tables and held_none:
                 self.stats.full_receivers += 1  # it held no base: every bucket went whole
             self.base.finish(self.version, self.full_bytes, time.monotonic() - self.clock - self.waited)
             if self.stats is not None:
