@@ -177,6 +177,42 @@ def test_a_delta_applied_onto_its_base_equals_a_full_send(pattern):
         assert seen == {DENSE}
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", ["one", "runs", "random"])
+def test_on_a_gpu_the_codec_equals_the_hosts(pattern):
+    """The codec on a GPU's tensors (torch ops: a GPU sender's scan and encode, a
+    GPU receiver's checksums and apply) against the host's native codec on the
+    same bytes: the same changed elements, each encoding's payload bit for bit,
+    the same checksums, and a delta applied into the receiver's GPU tensors equal
+    to a full send of the new bytes; the sender's base on the GPU takes them."""
+    cuda = torch.device("cuda")
+    rng = random.Random(pattern)
+    for index, (label, layout, rank, bucket) in enumerate(BUCKETS):
+        _, unpack = packed(bucket)
+        codec = BucketCodec(unpack)
+        base = torch.randint(0, 256, (codec.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(index))
+        new = _changed(rng, codec, base, pattern)
+        scan, gpu_scan = codec.scan(new, base), codec.scan(new.to(cuda), base.to(cuda))
+        assert (scan.changed, scan.runs, scan.value_bytes) == (gpu_scan.changed, gpu_scan.runs, gpu_scan.value_bytes)
+        assert torch.equal(scan.bits, gpu_scan.bits.cpu()), label
+        assert bucket_checksum(new.to(cuda)) == bucket_checksum(new), label
+        full = _receiver(layout, rank, index)
+        _unpack(unpack, new, full)
+        for encoding in (MASK, RUNS):
+            delta, gpu_delta = codec.diff(new, base, encoding), codec.diff(new.to(cuda), base.to(cuda), encoding)
+            assert gpu_delta.payload.is_cuda and torch.equal(delta.payload, gpu_delta.payload.cpu()), label
+            held = _receiver(layout, rank, index)
+            _unpack(unpack, base, held)
+            held = {name: t.to(cuda) for name, t in held.items()}
+            assert codec.destination_checksum(held) == bucket_checksum(base), label
+            codec.apply(delta.encoding, gpu_delta.payload.clone(), delta.changed, held)
+            assert _same({name: t.cpu() for name, t in held.items()}, full), (label, encoding)
+            assert codec.destination_checksum(held) == bucket_checksum(new), label
+        kept = base.to(cuda)
+        codec.scan(new.to(cuda), kept, update_base=True)
+        assert torch.equal(kept.cpu(), new), label
+
+
 def _simd_levels():
     """The host's vector levels this CPU runs (host/simd.h: 0 plain, 1 AVX2, 2 AVX-512)."""
     from llamarl_core._native import native
