@@ -98,16 +98,19 @@ def _engine_nans(shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica: int = 0,
              num_replicas: int = 1, limit: float = 1.0, write_here: bool = False,
-             slow_writes: bool = False) -> list[list[str]]:
+             slow_writes: bool = False, fail_write_version: int | None = None) -> list[list[str]]:
     """Receive every version into NaN-poisoned parameters (generator replica
     `replica` of `num_replicas`: replica 0 from the trainer, the others relayed);
     returns "mismatches": per version the mismatches against the reference shards of
-    that version, or ["refused: <error>"] for a receive that raised SyncError naming a
-    refused bucket; "relayed": per version and child replica, the relay's
+    that version, or ["not taken: <error>"] for a receive that raised SyncError naming a
+    bucket refused or not written in; "relayed": per version and child replica, the relay's
     last_send (delta.SendStats as a dict); "checksums": per version, the buckets
     whose checksum this rank read for its senders. write_here: each bucket
     written in on the receiving thread, as on a GPU; slow_writes: every 16th
-    delta applied 5 ms late (a bucket two later must wait to land in its buffer)."""
+    delta applied 5 ms late (a bucket two later must wait to land in its buffer);
+    fail_write_version: in that version the second bucket unpacked whole fails to
+    be written in (its copy raises)."""
+    import llamarl_core.sync.receiver as receiver_module
     from llamarl_core.sync.delta import BucketCodec
 
     torch.set_num_threads(1)
@@ -130,6 +133,17 @@ def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica
             return apply(self, *args)
 
         BucketCodec.apply = late
+    receiving, unpacks = [0], []
+    if fail_write_version is not None:
+        copy = receiver_module.run_segment_table
+
+        def failing(*args, **kwargs):
+            unpacks.append(receiving[0])
+            if unpacks.count(fail_write_version) == 2 and unpacks[-1] == fail_write_version:
+                raise RuntimeError("a copy that failed")
+            return copy(*args, **kwargs)
+
+        receiver_module.run_segment_table = failing
     config = small_config(config_name)
     layout = vllm_llama_tp(config, tp, torch.bfloat16)
     params = poisoned_destination(layout, rank)
@@ -140,14 +154,15 @@ def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica
         for version, state in enumerate(states(config_name, seed), start=1):
             try:
                 checksums.append(0)
+                receiving[0] = version
                 assert sync.receive() == version
                 for child in sync.relays.children:  # what the relay to each child put on the wire
                     stats = sync.relays.ready(child, time.monotonic() + 1).last_send
                     relayed.append({"version": version, "child": child, **dataclasses.asdict(stats)})
             except SyncError as exc:
-                if "refused" not in str(exc):
+                if "refused" not in str(exc) and "could not be written in" not in str(exc):
                     raise
-                out.append([f"refused: {exc}"])
+                out.append([f"not taken: {exc}"])
                 continue
             out.append(mismatches(_engine_nans(reference_vllm_tp_shards(state, config, tp, torch.bfloat16)[rank]),
                                   params))

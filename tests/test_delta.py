@@ -178,7 +178,7 @@ def test_a_delta_applied_onto_its_base_equals_a_full_send(pattern):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pattern", ["one", "runs", "random"])
+@pytest.mark.parametrize("pattern", ["none", "one", "every", "runs", "random"])
 def test_on_a_gpu_the_codec_equals_the_hosts(pattern):
     """The codec on a GPU's tensors (torch ops: a GPU sender's scan and encode, a
     GPU receiver's checksums and apply) against the host's native codec on the
@@ -205,7 +205,7 @@ def test_on_a_gpu_the_codec_equals_the_hosts(pattern):
             _unpack(unpack, base, held)
             held = {name: t.to(cuda) for name, t in held.items()}
             assert codec.destination_checksum(held) == bucket_checksum(base), label
-            codec.apply(delta.encoding, gpu_delta.payload.clone(), delta.changed, held)
+            assert codec.apply(delta.encoding, gpu_delta.payload.clone(), delta.changed, held) == scan.value_bytes
             assert _same({name: t.cpu() for name, t in held.items()}, full), (label, encoding)
             assert codec.destination_checksum(held) == bucket_checksum(new), label
         kept = base.to(cuda)
@@ -829,7 +829,10 @@ def test_a_refused_delta_bucket_tears_one_version_and_the_next_comes_whole():
     rest of both senders' streams off the wire, and raises SyncError (weights
     torn); the other receiver lands version 4. Sender 0 then sends that receiver
     version 5 whole (its word says it holds nothing of sender 0), and every later
-    version lands bit for bit on both, deltas again from version 6."""
+    version lands bit for bit on both, deltas again from version 6. The same for
+    a bucket whose write fails: on receiver 1 the copy of version 1's second
+    bucket from sender 0 raises; version 1 fails there, sender 1's part landing
+    whole, and version 2 comes whole from sender 0 only."""
     import datetime
 
     import torch.distributed as dist
@@ -841,13 +844,18 @@ def test_a_refused_delta_bucket_tears_one_version_and_the_next_comes_whole():
     case = dict(tp=2, config_name="qwen2", seed=11)
     jobs = [(delta_workers.sender, dict(port=store.port, rank=r, world=2, bucket_bytes=8192,
                                         corrupt_version=4 if r == 0 else None, **case)) for r in range(2)]
-    jobs += [(delta_workers.receiver, dict(port=store.port, rank=r, **case)) for r in range(2)]
+    jobs += [(delta_workers.receiver, dict(port=store.port, rank=r, fail_write_version=1 if r == 1 else None, **case))
+             for r in range(2)]
     results = run_processes(jobs, timeout=240)
     senders, receivers = results[:2], results[2:]
     receivers = [got["mismatches"] for got in receivers]
-    refused = [rank for rank, versions in enumerate(receivers) if versions[3][:1] and versions[3][0].startswith("refused")]
+    refused = [rank for rank, versions in enumerate(receivers) if versions[3][:1] and "refused" in versions[3][0]]
     assert len(refused) == 1 and "bucket" in receivers[refused[0]][3][0], receivers
+    assert len(receivers[1][0]) == 1 and "bucket 1 of version 1 from sender 0 could not be written in: RuntimeError" \
+        in receivers[1][0][0], receivers[1][0]
     for rank, versions in enumerate(receivers):
-        assert all(lines == [] for v, lines in enumerate(versions) if not (v == 3 and rank in refused)), versions
+        assert all(lines == [] for v, lines in enumerate(versions)
+                   if not (v == 3 and rank in refused) and not (v == 0 and rank == 1)), versions
+    assert senders[0][1]["full_receivers"] == 1 and senders[1][1]["full_receivers"] == 0  # version 2
     assert senders[0][4]["full_receivers"] == 1 and senders[1][4]["full_receivers"] == 0  # version 5
     assert all(s[5]["full_receivers"] == 0 and s[5]["delta_buckets"] > 0 for s in senders)  # version 6

@@ -44,8 +44,9 @@ def _outcome(wrote: bool, was_torn: bool) -> str:
 
 
 class _Refused(SyncError):
-    """A sender's delta bucket refused (it did not describe itself truly); the rest of
-    that sender's version was taken off the wire, so the pair stays in step."""
+    """A sender's delta bucket not taken (refused: it did not describe itself truly;
+    or its write failed); the rest of that sender's version was taken off the wire,
+    so the pair stays in step."""
 
 
 class WeightReceiver(Endpoint):
@@ -458,9 +459,9 @@ class WeightReceiver(Endpoint):
         payload is received only once bucket i - 2 (the same buffer) is written in,
         and every write has ended before this returns or raises. On a GPU the
         writes are queued on the current stream here, as a full receive's."""
-        # The first write that failed: a bucket refused (_Refused: the rest taken off the wire, not
-        # applied, then raised) or any other failure (raised before another payload is taken off
-        # the wire: the pair is out of step then); no write after it runs.
+        # The first write that failed, raised once every payload is off the wire (_Refused: a
+        # payload refused, out of memory, a copy that failed; the pair stays in step), or, not an
+        # Exception, before the next payload. No write after it runs, and the relays stop.
         failure: list[BaseException] = []
 
         def write(i: int, table, encoding: int, payload: torch.Tensor, changed: int, codec) -> None:
@@ -472,13 +473,19 @@ class WeightReceiver(Endpoint):
                 else:
                     try:
                         codec.apply(encoding, payload, changed, self.tensors)
-                    except Exception as exc:  # a payload refused, or out of memory: the rest still taken off the wire
+                    except Exception as exc:
                         raise _Refused(f"receiver rank {self.rank}: bucket {i} of {what} refused: "
                                        f"{type(exc).__name__}: {exc}") from exc
+                forwarding.landed()
+            except _Refused as exc:
+                failure.append(exc)
+            except Exception as exc:  # noqa: BLE001 - raised by the receiving thread, in step
+                failure.append(_Refused(f"receiver rank {self.rank}: bucket {i} of {what} could not be written "
+                                        f"in: {type(exc).__name__}: {exc}"))
             except BaseException as exc:  # noqa: BLE001 - the receiving thread raises it
                 failure.append(exc)
-                return
-            forwarding.landed()
+            if failure:
+                forwarding.abort()  # no child may complete a version that fails here
 
         def check() -> None:
             if failure and not isinstance(failure[0], _Refused):
@@ -546,6 +553,9 @@ class WeightReceiver(Endpoint):
 
     def close(self) -> None:
         self._closed = True
-        self.relays.close()
-        if self._writer_pool is not None:
-            self._writer_pool.shutdown(wait=True)
+        try:
+            self.relays.close()
+        finally:
+            if self._writer_pool is not None:
+                self._writer_pool.shutdown(wait=True)
+                self._writer_pool = None
