@@ -3,6 +3,7 @@ generator ranks receiving them, both walking the same versions of one model."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -133,13 +134,13 @@ def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica
             return apply(self, *args)
 
         BucketCodec.apply = late
-    receiving, unpacks = [0], []
+    receiving, unpacks = [0], collections.Counter()  # the version in receive(); its unpacks so far
     if fail_write_version is not None:
         copy = receiver_module.run_segment_table
 
         def failing(*args, **kwargs):
-            unpacks.append(receiving[0])
-            if unpacks.count(fail_write_version) == 2 and unpacks[-1] == fail_write_version:
+            unpacks[receiving[0]] += 1
+            if receiving[0] == fail_write_version and unpacks[receiving[0]] == 2:
                 raise RuntimeError("a copy that failed")
             return copy(*args, **kwargs)
 

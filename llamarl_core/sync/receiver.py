@@ -471,17 +471,12 @@ class WeightReceiver(Endpoint):
                 if encoding == DENSE:
                     run_segment_table(table, self.device, self.num_threads, self._copy_timeout(deadline))
                 else:
-                    try:
-                        codec.apply(encoding, payload, changed, self.tensors)
-                    except Exception as exc:
-                        raise _Refused(f"receiver rank {self.rank}: bucket {i} of {what} refused: "
-                                       f"{type(exc).__name__}: {exc}") from exc
+                    codec.apply(encoding, payload, changed, self.tensors)
                 forwarding.landed()
-            except _Refused as exc:
-                failure.append(exc)
             except Exception as exc:  # noqa: BLE001 - raised by the receiving thread, in step
-                failure.append(_Refused(f"receiver rank {self.rank}: bucket {i} of {what} could not be written "
-                                        f"in: {type(exc).__name__}: {exc}"))
+                how = "could not be written in" if encoding == DENSE else "refused"
+                failure.append(_Refused(f"receiver rank {self.rank}: bucket {i} of {what} {how}: "
+                                        f"{type(exc).__name__}: {exc}"))
             except BaseException as exc:  # noqa: BLE001 - the receiving thread raises it
                 failure.append(exc)
             if failure:

@@ -21,7 +21,7 @@ from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
 from .amax import AmaxExchange
 from .board import FAILED, SERVED, STALE, TicketBoard, to_serve
-from .delta import HOLDING_TAG, WORDS_CHECKSUMS, WORDS_NONE, WORDS_VERSION, PairBase, PairHeld, SendStats, pair_codecs
+from .delta import HOLDING_TAG, WORDS_CHECKSUMS, WORDS_NONE, PairBase, PairHeld, SendStats, pair_codecs
 from .fp8 import Fp8Sources
 from .plan import DEFAULT_BUCKET_BYTES, source_address
 from .protocol import (ABANDONED, DEFAULT_TIMEOUT_S, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderBook,
@@ -475,14 +475,14 @@ class WeightSender(Endpoint):
             except Exception as failure:  # noqa: BLE001 - `exc` is what the send raises
                 exc.add_note(f"sender rank {self.rank} could not tell receiver {dst} that nothing follows: {failure}")
 
-    def _post_holding(self, dst: int, checksums: bool, what: str) -> list[tuple]:
+    def _post_holding(self, dst: int, asked: int, what: str) -> list[tuple]:
         """Post the receives of delta receiver `dst`'s words on what it holds
-        (PairHeld.word), which it sends after a header of this rank asks for them:
-        with `checksums` one a bucket (WORDS_CHECKSUMS), else the version word alone
-        (WORDS_VERSION); per word, (the work, the buffer it lands in)."""
+        (PairHeld.word), which it sends after a header of this rank asks for `asked`
+        (delta.WORDS_*); per word, (the work, the buffer it lands in)."""
         buckets, posted = len(self._tables[dst]), []
-        for i in range(PairHeld.words(buckets, WORDS_CHECKSUMS if checksums else WORDS_VERSION)):
-            buffer = torch.empty((i == 0) + (checksums and i < buckets), dtype=torch.int64, device=self.device)
+        for i in range(PairHeld.words(buckets, asked)):
+            buffer = torch.empty((i == 0) + (asked == WORDS_CHECKSUMS and i < buckets), dtype=torch.int64,
+                                 device=self.device)
             posted.append((self._post("recv", buffer, self.plan.src_layout.world_size + dst, HOLDING_TAG + i, what),
                            buffer))
         return posted

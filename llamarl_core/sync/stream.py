@@ -72,7 +72,7 @@ class P2PStream:
         self.in_flight: list[list] = [[(sender._post("send", self.header, self.peer, 0, self.what), self.header)],
                                       [], []]
         if self.base is not None:  # after the header: NCCL matches a pair's messages in the order posted
-            self.holding = sender._post_holding(dst, self.asked == WORDS_CHECKSUMS, self.what)
+            self.holding = sender._post_holding(dst, self.asked, self.what)
         self.sent = 0  # buckets posted
         self.written = 0
         self.full_bytes = 0  # what a full send of the buckets posted moves
