@@ -1,4 +1,4 @@
-"""Worker processes for test_delta.py: trainer ranks sending deltas point to point,
+"""Worker processes for test_delta_pair.py: trainer ranks sending deltas point to point,
 generator ranks receiving them, both walking the same versions of one model."""
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def states(config_name: str, seed: int) -> list[dict[str, torch.Tensor]]:
 def _corrupting(versions_sent: list[int], version: int) -> None:
     """From now on in this process, the first delta bucket encoded while `version` is
     the last of `versions_sent` says it holds one element more than it does."""
-    from llamarl_core.sync.delta import DENSE, PairBase
+    from llamarl_core.sync.delta import DENSE
+    from llamarl_core.sync.delta_pair import PairBase
 
     encode, done = PairBase.encode, []
 
@@ -105,7 +106,7 @@ def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica
     returns "mismatches": per version the mismatches against the reference shards of
     that version, or ["not taken: <error>"] for a receive that raised SyncError naming a
     bucket refused or not written in; "relayed": per version and child replica, the relay's
-    last_send (delta.SendStats as a dict); "checksums": per version, the buckets
+    last_send (delta_pair.SendStats as a dict); "checksums": per version, the buckets
     whose checksum this rank read for its senders. write_here: each bucket
     written in on the receiving thread, as on a GPU; slow_writes: every 16th
     delta applied 5 ms late (a bucket two later must wait to land in its buffer);

@@ -98,10 +98,10 @@ def local_tensors(full: torch.Tensor, placement, world: int) -> list[torch.Tenso
 def deltas_by_size(limit: float = 1.0) -> None:
     """In this process, delta senders choose each bucket's encoding by its bytes
     alone, below a fixed density `limit` (above it: whole, and unscanned the next
-    version): their density limits (delta.DensityLimit) stop following the sends'
+    version): their density limits (delta_pair.DensityLimit) stop following the sends'
     times, so that a test of what goes on the wire does not depend on how fast this
-    machine is. The limit itself has a test of its own (test_delta)."""
-    from llamarl_core.sync.delta import DensityLimit
+    machine is. The limit itself has a test of its own (test_delta_pair)."""
+    from llamarl_core.sync.delta_pair import DensityLimit
 
     init = DensityLimit.__init__
 
@@ -124,6 +124,24 @@ def poisoned_destination(layout: Layout, rank: int) -> dict[str, torch.Tensor]:
             t[start:stop] = 0
         out[name] = t
     return out
+
+
+def random_destination(layout: Layout, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor of `rank` filled with random bytes (seeded): a receiver's bytes
+    a sync has not written, NaN patterns included."""
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randint(0, 256, (int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size(),),
+                                dtype=torch.uint8, generator=gen).view(dtype).view(shape)
+            for name, (shape, dtype) in layout.local_tensor_specs(rank).items()}
+
+
+def unpack_bucket(unpack, data: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
+    """A full send's write of a bucket's bytes `data` (1-D uint8, packed order) into
+    `tensors` through its unpack segments (endpoint.packed), by the copy engine."""
+    from llamarl_core.sync.engine import run_segment_table, segment_table
+
+    table = segment_table(unpack, lambda seg: data.data_ptr(), lambda seg: tensors[seg.dst_name].data_ptr())
+    run_segment_table(table, torch.device("cpu"), 1)
 
 
 def mismatches(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor]) -> list[str]:

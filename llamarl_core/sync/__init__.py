@@ -33,7 +33,8 @@ The rest are this package's own: endpoint.py (each side's set-up, register_sende
 register_receiver, over shared steps),
 sender.py, receiver.py, relay.py (generator replicas), stream.py, board.py,
 transports.py, engine.py, fp8.py, amax.py, delta.py (a point-to-point bucket's
-delta: `WeightSender(..., delta=True)`).
+delta codec: `WeightSender(..., delta=True)`) and delta_pair.py (what a pair of
+deltas keeps and decides: the base, the density limit, the receiver's words).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from .engine import (check_distinct_memory, prepared_table, run_segment_table, s
 from .errors import StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError
 from .board import FAILED as FAILED_SLOT
 from .board import TicketBoard
-from .delta import DENSE, HOLDING_TAG, WORDS_CHECKSUMS, WORDS_NONE, WORDS_VERSION, PairHeld, pair_codecs
+from .delta import DENSE, pair_codecs
+from .delta_pair import HOLDING_TAG, WORDS_CHECKSUMS, WORDS_NONE, WORDS_VERSION, PairHeld
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES, check_replica, relay_tree
 from .protocol import (DEFAULT_TIMEOUT_S, DST, FAILED, FAILURE_POLL_S, LANDED, MIXED, REREGISTERED, Channel,
@@ -189,7 +190,7 @@ class WeightReceiver(Endpoint):
                 table = segment_table(packed(bucket)[1], lambda seg: staging,
                                       lambda seg: self.tensors[seg.dst_name].data_ptr())
                 self._unpack[src].append((prepared_table(table, self.device), sum(seg.nbytes for seg in bucket)))
-        # Point-to-point sender of deltas -> what this rank holds of it (delta.py).
+        # Point-to-point sender of deltas -> what this rank holds of it (delta_pair.py PairHeld).
         self._held = {src: PairHeld(pair_codecs(self.plan.buckets[(src, self.rank)])) for src in self._p2p_peers
                       if self._src_infos[src].get("delta")}
         self._writer_pool: ThreadPoolExecutor | None = None  # see _writer

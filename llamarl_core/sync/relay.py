@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from .delta import SendStats
+from .delta_pair import SendStats
 from .errors import RelayError, SyncError, SyncTimeoutError
 from .plan import TransferPlan
 from .sender import WeightSender

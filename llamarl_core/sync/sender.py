@@ -21,7 +21,8 @@ from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
 from .amax import AmaxExchange
 from .board import FAILED, SERVED, STALE, TicketBoard, to_serve
-from .delta import HOLDING_TAG, WORDS_CHECKSUMS, WORDS_NONE, PairBase, PairHeld, SendStats, pair_codecs
+from .delta import pair_codecs
+from .delta_pair import HOLDING_TAG, WORDS_CHECKSUMS, WORDS_NONE, PairBase, PairHeld, SendStats
 from .fp8 import Fp8Sources
 from .plan import DEFAULT_BUCKET_BYTES, source_address
 from .protocol import (ABANDONED, DEFAULT_TIMEOUT_S, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderBook,
@@ -103,7 +104,7 @@ class WeightSender(Endpoint):
     byte moves. The sender keeps what it last sent to each such receiver: one more
     byte of memory, on its device, per byte it sends them (plan.bytes_sent_by_src_rank,
     less the pairs on this host). Receivers on this host are written in place,
-    whole, as without it. `last_send` (delta.SendStats): what the last send that
+    whole, as without it. `last_send` (delta_pair.SendStats): what the last send that
     completed moved (None before the first).
     secret: the sync's (auth.py), the same bytes on every sender and receiver;
     None reads LLAMARL_SECRET / LLAMARL_SECRET_FILE, and with neither set the
@@ -191,7 +192,7 @@ class WeightSender(Endpoint):
                                   self._boards[dst].answers(opened, [self.rank])[0] is not None)
             self.reports.withdraw(local)  # what the predecessor offered will not come
         self._staging_bufs = self._staging([self.plan.buckets[(self.rank, d)] for d in self._p2p_peers])
-        # Point-to-point receiver -> the base its deltas are made against (delta.py).
+        # Point-to-point receiver -> the base its deltas are made against (delta_pair.py PairBase).
         self._bases = {d: PairBase(pair_codecs(self.plan.buckets[(self.rank, d)]), self.device)
                        for d in self._p2p_peers} if self.delta else {}
         self._build_tables()
@@ -478,7 +479,7 @@ class WeightSender(Endpoint):
     def _post_holding(self, dst: int, asked: int, what: str) -> list[tuple]:
         """Post the receives of delta receiver `dst`'s words on what it holds
         (PairHeld.word), which it sends after a header of this rank asks for `asked`
-        (delta.WORDS_*); per word, (the work, the buffer it lands in)."""
+        (delta_pair.WORDS_*); per word, (the work, the buffer it lands in)."""
         buckets, posted = len(self._tables[dst]), []
         for i in range(PairHeld.words(buckets, asked)):
             buffer = torch.empty((i == 0) + (asked == WORDS_CHECKSUMS and i < buckets), dtype=torch.int64,

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .delta import DENSE, DESCRIPTION_BYTES, WORDS_CHECKSUMS, WORDS_NONE, WORDS_VERSION, SendStats
+from .delta import DENSE
+from .delta_pair import DESCRIPTION_BYTES, WORDS_CHECKSUMS, WORDS_NONE, WORDS_VERSION, SendStats
 from .engine import default_num_threads, run_segment_table
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ NOTHING_FOLLOWS = -1
 class P2PStream:
     """One version from a sender to one point-to-point receiver: a header (tag 0:
     version, bucket count, how many sends this sender offered the receiver, the
-    words it asks of the receiver (delta.WORDS_*); a count of NOTHING_FOLLOWS: this
+    words it asks of the receiver (delta_pair.WORDS_*); a count of NOTHING_FOLLOWS: this
     sender wrote nothing of that version to the receiver, see
     WeightSender._tell_nothing_follows), then bucket i packed into
     staging buffer i % 2 and sent
@@ -34,7 +35,7 @@ class P2PStream:
     rank); `finish` sends the rest and waits for every send. The receiver is
     offered the version first (here, or by the caller: `offered`): a pair's
     versions arrive in order, so the receiver counts what it took.
-    A sender of deltas (its PairBase for this receiver, delta.py) asks in its
+    A sender of deltas (its PairBase for this receiver, delta_pair.py) asks in its
     header for the receiver's words on what it holds, sent once the header has
     come (tags HOLDING_TAG + i): one a bucket with its checksum where some bucket
     may go as a delta (WORDS_CHECKSUMS), else the version word alone
@@ -54,7 +55,7 @@ class P2PStream:
         self.peer = sender.plan.src_layout.world_size + dst
         self.tables = sender._tables[dst]
         self.what = f"sending version {version} to receiver {dst}"
-        # A sender of deltas (delta.py) takes the receiver's words on what it holds, and decides
+        # A sender of deltas (delta_pair.py) takes the receiver's words on what it holds, and decides
         # each bucket before a byte of it moves; a bucket is scanned while its word is on its way.
         # Its base stands again once all is sent.
         self.base = sender._bases.get(dst)

@@ -105,7 +105,7 @@ class DdmaWeightTransfer:
 
     @property
     def last_send(self):
-        """What the last sync that completed moved (delta.SendStats: wire bytes, a
+        """What the last sync that completed moved (delta_pair.SendStats: wire bytes, a
         full send's bytes, changed elements), None before the first."""
         return None if self._sender is None else self._sender.last_send
 
