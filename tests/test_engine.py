@@ -4,6 +4,7 @@ import ctypes
 import json
 import multiprocessing as mp
 import os
+import random
 import re
 import shutil
 import signal
@@ -78,6 +79,39 @@ def test_cast_fp32_to_bf16_bitwise_equals_torch(num_threads):
     diff = ((dst.view(torch.int16) != expected.view(torch.int16)) & ~nan).nonzero()
     assert len(diff) == 0, f"{len(diff)} values differ, first {src[tuple(diff[0])].item()!r}"
     assert nan.sum() > 100  # the random bits include NaN patterns, so the branch above is exercised
+
+
+def test_the_cast_is_the_same_bits_at_every_vector_level():
+    """The host cast at each vector level the CPU has (host/simd.h: plain, AVX2, ...;
+    capped with set_host_simd), in rows of 1 to 40 elements from unaligned
+    addresses (whole vectors and tails): torch's bf16 for every non-NaN value and
+    0x7FC0 for every NaN, bit for bit (copy_segments.h float_to_bf16_rne)."""
+    values = _special_fp32()
+    expected = values.to(torch.bfloat16).view(torch.int16).clone()
+    expected[torch.isnan(values)] = 0x7FC0
+    raw = torch.zeros(4 * values.numel() + 4, dtype=torch.uint8)
+    raw[1:1 + 4 * values.numel()] = values.view(torch.uint8)  # every row's fp32 one byte off alignment
+    out = torch.zeros(2 * values.numel() + 2, dtype=torch.uint8)
+    rng = random.Random(5)
+    rows, at = [], 0
+    while at < values.numel():
+        width = min(rng.randint(1, 40), values.numel() - at)
+        rows.append((raw.data_ptr() + 1 + 4 * at, 4 * width, out.data_ptr() + 1 + 2 * at, 2 * width, width, 1,
+                     KIND_F32_TO_BF16))
+        at += width
+    table = np.array(rows, dtype=np.int64)
+    before = native().set_host_simd(2)
+    levels = range(native().host_simd() + 1)
+    try:
+        for level in levels:
+            native().set_host_simd(level)
+            out.zero_()
+            native().execute_segments_host(table, 1)
+            got = out[1:1 + 2 * values.numel()].clone().view(torch.int16)
+            bad = (got != expected).nonzero()
+            assert len(bad) == 0, (level, len(bad), values[bad[0]].item())
+    finally:
+        native().set_host_simd(before)
 
 
 def test_cast_of_each_special_value_alone():

@@ -1,6 +1,6 @@
 // The sender's side of the host delta codec (delta_codec.h): the scan of a bucket
 // against its base, straight from the sender's tensors through the pack table or
-// from packed bytes, split over threads, AVX-512 where the CPU has it; the runs of
+// from packed bytes, split over threads, AVX-512 or AVX2 where the CPU has it; the runs of
 // a scan's bitmask.
 #include <algorithm>
 #include <cstring>
@@ -195,6 +195,94 @@ LLAMARL_TARGET_AVX512 int64_t scan_blocks_avx512(Scanner& sc, int64_t lo, int64_
   sc.change += static_cast<uint64_t>(_mm512_reduce_add_epi64(sum));
   return offset;
 }
+
+// Bit w set where byte group w (bits 8w .. 8w + 7) of x has a bit set.
+inline uint64_t group_bits(uint64_t x) {
+  x |= x >> 4;
+  x |= x >> 2;
+  x |= x >> 1;
+  return ((x & 0x0101010101010101ull) * 0x0102040810204080ull) >> 56;
+}
+
+// Bit e set where element e of a 64-byte block of (1 << shift)-byte elements has a
+// byte whose bit of `bytes` is set (no pext: microcoded on Zen 2 and earlier).
+inline uint64_t element_bits(uint64_t bytes, int shift) {
+  uint64_t x = bytes;
+  switch (shift) {
+    case 0:
+      return x;
+    case 1:
+      x = (x | (x >> 1)) & 0x5555555555555555ull;
+      x = (x | (x >> 1)) & 0x3333333333333333ull;
+      x = (x | (x >> 2)) & 0x0F0F0F0F0F0F0F0Full;
+      x = (x | (x >> 4)) & 0x00FF00FF00FF00FFull;
+      x = (x | (x >> 8)) & 0x0000FFFF0000FFFFull;
+      return (x | (x >> 16)) & 0xFFFFFFFFull;
+    case 2:
+      x = (x | (x >> 1) | (x >> 2) | (x >> 3)) & 0x1111111111111111ull;
+      x = (x | (x >> 3)) & 0x0303030303030303ull;
+      x = (x | (x >> 6)) & 0x000F000F000F000Full;
+      x = (x | (x >> 12)) & 0x000000FF000000FFull;
+      return (x | (x >> 24)) & 0xFFFFull;
+    default:
+      return group_bits(x);
+  }
+}
+
+// The whole 64-byte blocks of [lo, hi) (lo a multiple of 64) with AVX2: a block
+// that differs is marked and its changed elements copied out one by one where it
+// holds whole elements of one stretch, word by word (mark_word) where it does not.
+// Returns the first byte it did not scan (a tail under 64 bytes).
+LLAMARL_TARGET_AVX2 int64_t scan_blocks_avx2(Scanner& sc, int64_t lo, int64_t hi) {
+  const std::vector<Stretch>& st = sc.st;
+  int64_t offset = lo;
+  for (; offset + 64 <= hi; offset += 64) {
+    const uint8_t* fresh = sc.fresh(offset);
+    uint8_t* base = sc.base + offset;
+    const __m256i now0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(fresh));
+    const __m256i now1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(fresh + 32));
+    const __m256i was0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base));
+    const __m256i was1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 32));
+    const __m256i any = _mm256_or_si256(_mm256_xor_si256(now0, was0), _mm256_xor_si256(now1, was1));
+    if (_mm256_testz_si256(any, any)) continue;
+    const uint64_t same = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(now0, was0))) |
+                          static_cast<uint64_t>(static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(now1, was1))))
+                              << 32;
+    const uint64_t bytes = ~same, words = group_bits(bytes);
+    alignas(32) uint64_t a[9], b[8];  // a's ninth word: room for an element's 8-byte copy from its last
+    _mm256_store_si256(reinterpret_cast<__m256i*>(a), now0);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(a + 4), now1);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b), was0);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b + 4), was1);
+    a[8] = 0;
+    for (uint64_t m = words; m; m &= m - 1) {
+      const int w = __builtin_ctzll(m);
+      const uint64_t index = (static_cast<uint64_t>(offset) >> 3) + static_cast<uint64_t>(w);
+      sc.change += checksum_term(index, a[w]) - checksum_term(index, b[w]);
+    }
+    if (sc.update_base) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(base), now0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + 32), now1);
+    }
+    while (offset >= st[sc.s].end) ++sc.s;
+    const Stretch& t = st[sc.s];
+    if (offset + 64 > t.end || ((offset - t.start) & (t.size - 1)) != 0) {
+      for (uint64_t m = words; m; m &= m - 1) {
+        const int w = __builtin_ctzll(m);
+        sc.mark_word(offset + 8 * w, 8, a[w] ^ b[w]);
+      }
+      continue;
+    }
+    const uint64_t m = element_bits(bytes, t.shift);
+    if (sc.values != nullptr) {  // 8 bytes an element: up to 7 past the values (room: 64 a thread)
+      uint8_t* out = sc.values + sc.out.value_bytes;
+      const uint8_t* from = reinterpret_cast<const uint8_t*>(a);
+      for (uint64_t r = m; r; r &= r - 1, out += t.size) std::memcpy(out, from + (__builtin_ctzll(r) << t.shift), 8);
+    }
+    sc.block(t.first + ((offset - t.start) >> t.shift), m, static_cast<int>(64 >> t.shift), t.size);
+  }
+  return offset;
+}
 #endif
 
 void Scanner::scan(const uint8_t* data, int64_t data_lo, int64_t lo, int64_t hi) {
@@ -202,7 +290,10 @@ void Scanner::scan(const uint8_t* data, int64_t data_lo, int64_t lo, int64_t hi)
   window_lo = data_lo;
   int64_t offset = lo;
 #ifdef LLAMARL_HOST_X86
-  if (host_simd() == kSimdAvx512) offset = scan_blocks_avx512(*this, lo, hi);
+  if (host_simd() == kSimdAvx512)
+    offset = scan_blocks_avx512(*this, lo, hi);
+  else if (host_simd() == kSimdAvx2)
+    offset = scan_blocks_avx2(*this, lo, hi);
 #endif
   words(offset, hi);
 }
@@ -489,6 +580,7 @@ void delta_runs_host(const uint8_t* mask, int64_t elements, uint8_t* runs, int64
     return;
   }
 #endif
+
   int64_t run = 0;
   for_each_mask_run(mask, elements, [&](int64_t first, int64_t count) {
     LLAMARL_CHECK(run < run_count, "more than the " << run_count << " runs the scan counted");

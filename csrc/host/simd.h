@@ -1,7 +1,8 @@
-// The vector instructions the host's byte loops use (checksum, delta codec), chosen
-// at run time: the module is built for any x86-64 CPU, and a loop compiled for
-// AVX-512 or AVX2 runs only where the CPU has it. Every level computes the same
-// bytes; set_host_simd caps the level so that one machine tests each.
+// The vector instructions the host's byte loops use (checksum, delta codec, the copy
+// engine's fp32 -> bf16 cast), chosen at run time: the module is built for any
+// x86-64 CPU, and a loop compiled for AVX-512 or AVX2 runs only where the CPU has
+// it. Every level computes the same bytes; set_host_simd caps the level so that
+// one machine tests each.
 #pragma once
 
 namespace llamarl {
