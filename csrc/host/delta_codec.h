@@ -2,8 +2,8 @@
 // the format and a torch version of each call for GPU tensors): the sender's scan
 // of a bucket against its base, which also copies out the changed elements, the
 // runs of a scan's bitmask, the receiver's apply through the bucket's segments.
-// Pointers and sizes only; AVX-512 where the CPU has it (simd.h); the scans split
-// over threads.
+// Pointers and sizes only; AVX-512 where the CPU has it, AVX2 for the scan where it
+// has that (simd.h); the scans split over threads.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +28,7 @@ struct DeltaScan {
 // AVX-512 stores a block's changed elements 64 bytes at a time, and each thread
 // writes its own from where its bytes begin). Up to `threads` threads, each over
 // whole 64 KiB blocks, at least 4 MiB. With
-// `update_base`, copies each differing word (64-byte block, with AVX-512) of fresh
+// `update_base`, copies each differing word (64-byte block, with AVX-512 or AVX2) of fresh
 // into base (base then equals fresh). Reads equal 64-byte blocks once each.
 DeltaScan delta_scan_host(const uint8_t* fresh, uint8_t* base, int64_t nbytes, const int64_t* stretches,
                           int64_t stretch_count, uint8_t* mask, bool update_base, uint8_t* values, int64_t threads);

@@ -463,7 +463,7 @@ Packing packing_of(const CopySegment* pack, int64_t pack_count, int64_t staging,
 // keep the reads of the tensors and of the base close together (64 KiB chunks
 // scanned 256 MiB 25% slower here, prefetching the base 30% slower).
 constexpr int64_t kChunk = 4 << 10;
-static_assert(kChunk % 64 == 0, "chunks start on whole words and blocks (checksum_span, the AVX-512 scan)");
+static_assert(kChunk % 64 == 0, "chunks start on whole words and blocks (checksum_span, the vector scans)");
 
 }  // namespace
 
@@ -580,7 +580,6 @@ void delta_runs_host(const uint8_t* mask, int64_t elements, uint8_t* runs, int64
     return;
   }
 #endif
-
   int64_t run = 0;
   for_each_mask_run(mask, elements, [&](int64_t first, int64_t count) {
     LLAMARL_CHECK(run < run_count, "more than the " << run_count << " runs the scan counted");

@@ -14,7 +14,8 @@ enum HostSimd : int { kSimdNone = 0, kSimdAvx2 = 1, kSimdAvx512 = 2 };
 HostSimd host_simd();
 
 // Caps the level at `cap` (a HostSimd; the CPU's best still bounds it) and returns
-// the cap before. Not for use while another thread runs a codec call.
+// the cap before. Meant for tests, between calls: a call running meanwhile may
+// mix levels, which give the same bytes.
 int set_host_simd(int cap);
 
 }  // namespace llamarl

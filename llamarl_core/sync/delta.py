@@ -251,8 +251,8 @@ class BucketCodec:
     second list: `src_offset` the segment's place in the bucket's bytes, `dst_*`
     where it lands in the receiver's tensors). Host tensors go through the native
     codec (csrc/host/delta_scan.cpp and delta_apply.cpp: one pass over the bytes,
-    equal 64-byte blocks read once, AVX-512 where the CPU has it, the scan split
-    over threads), device tensors through torch ops; `native_host=False` sends host
+    equal 64-byte blocks read once, vector code where the CPU has it: AVX-512,
+    or AVX2 for the scan; the scan split over threads), device tensors through torch ops; `native_host=False` sends host
     tensors through torch too. Both make the same payloads."""
 
     def __init__(self, unpack: Sequence[Segment], native_host: bool = True):
