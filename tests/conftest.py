@@ -44,6 +44,25 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def _simd_levels():
+    """The host's vector levels this CPU runs (host/simd.h: 0 plain, 1 AVX2, 2 AVX-512)."""
+    from llamarl_core._native import native
+
+    native().set_host_simd(2)
+    return list(range(native().host_simd() + 1))
+
+
+@pytest.fixture(params=_simd_levels(), ids=lambda level: ["plain", "avx2", "avx512"][level])
+def simd(request):
+    """The host's byte loops (checksum, delta codec, copy cast) capped at each vector
+    level the CPU has, then uncapped: a test taking it runs once a level."""
+    from llamarl_core._native import native
+
+    before = native().set_host_simd(request.param)
+    yield request.param
+    native().set_host_simd(before)
+
+
 def pytest_collection_modifyitems(config, items):
     # With a GPU the CPU tests' Triton cases run on CUDA tensors ("triton-cuda"); they are
     # not marked gpu: `pytest -m gpu` (llamarl check gpu) takes only the tests written for a GPU.

@@ -184,24 +184,6 @@ def test_on_a_gpu_the_codec_equals_the_hosts(pattern):
         assert torch.equal(kept.cpu(), new), label
 
 
-def _simd_levels():
-    """The host's vector levels this CPU runs (host/simd.h: 0 plain, 1 AVX2, 2 AVX-512)."""
-    from llamarl_core._native import native
-
-    native().set_host_simd(2)
-    return list(range(native().host_simd() + 1))
-
-
-@pytest.fixture(params=_simd_levels(), ids=lambda level: ["plain", "avx2", "avx512"][level])
-def simd(request):
-    """The host's byte loops capped at each vector level the CPU has, then uncapped."""
-    from llamarl_core._native import native
-
-    before = native().set_host_simd(request.param)
-    yield request.param
-    native().set_host_simd(before)
-
-
 def test_native_and_torch_codecs_agree_on_unaligned_layouts(simd):
     """Buckets drawn at random (elements of 1, 2, 4 and 8 bytes, stretches that
     start and end off 8-byte words and 64-byte blocks, long stretches of whole

@@ -81,9 +81,9 @@ def test_cast_fp32_to_bf16_bitwise_equals_torch(num_threads):
     assert nan.sum() > 100  # the random bits include NaN patterns, so the branch above is exercised
 
 
-def test_the_cast_is_the_same_bits_at_every_vector_level():
+def test_the_cast_is_the_same_bits_at_every_vector_level(simd):
     """The host cast at each vector level the CPU has (host/simd.h: plain, AVX2, ...;
-    capped with set_host_simd), in rows of 1 to 40 elements from unaligned
+    the `simd` fixture), in rows of 1 to 40 elements from unaligned
     addresses (whole vectors and tails): torch's bf16 for every non-NaN value and
     0x7FC0 for every NaN, bit for bit (copy_segments.h float_to_bf16_rne)."""
     values = _special_fp32()
@@ -99,19 +99,10 @@ def test_the_cast_is_the_same_bits_at_every_vector_level():
         rows.append((raw.data_ptr() + 1 + 4 * at, 4 * width, out.data_ptr() + 1 + 2 * at, 2 * width, width, 1,
                      KIND_F32_TO_BF16))
         at += width
-    table = np.array(rows, dtype=np.int64)
-    before = native().set_host_simd(2)
-    levels = range(native().host_simd() + 1)
-    try:
-        for level in levels:
-            native().set_host_simd(level)
-            out.zero_()
-            native().execute_segments_host(table, 1)
-            got = out[1:1 + 2 * values.numel()].clone().view(torch.int16)
-            bad = (got != expected).nonzero()
-            assert len(bad) == 0, (level, len(bad), values[bad[0]].item())
-    finally:
-        native().set_host_simd(before)
+    native().execute_segments_host(np.array(rows, dtype=np.int64), 1)
+    got = out[1:1 + 2 * values.numel()].clone().view(torch.int16)  # off alignment: copied first
+    bad = (got != expected).nonzero()
+    assert len(bad) == 0, (simd, len(bad), values[bad[0]].item())
 
 
 def test_cast_of_each_special_value_alone():

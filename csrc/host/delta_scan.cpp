@@ -290,9 +290,10 @@ void Scanner::scan(const uint8_t* data, int64_t data_lo, int64_t lo, int64_t hi)
   window_lo = data_lo;
   int64_t offset = lo;
 #ifdef LLAMARL_HOST_X86
-  if (host_simd() == kSimdAvx512)
+  const HostSimd level = host_simd();
+  if (level == kSimdAvx512)
     offset = scan_blocks_avx512(*this, lo, hi);
-  else if (host_simd() == kSimdAvx2)
+  else if (level == kSimdAvx2)
     offset = scan_blocks_avx2(*this, lo, hi);
 #endif
   words(offset, hi);

@@ -252,8 +252,9 @@ class BucketCodec:
     where it lands in the receiver's tensors). Host tensors go through the native
     codec (csrc/host/delta_scan.cpp and delta_apply.cpp: one pass over the bytes,
     equal 64-byte blocks read once, vector code where the CPU has it: AVX-512,
-    or AVX2 for the scan; the scan split over threads), device tensors through torch ops; `native_host=False` sends host
-    tensors through torch too. Both make the same payloads."""
+    or AVX2 for the scan; the scan split over threads), device tensors through
+    torch ops; `native_host=False` sends host tensors through torch too. Both make
+    the same payloads."""
 
     def __init__(self, unpack: Sequence[Segment], native_host: bool = True):
         self.segments = list(unpack)
