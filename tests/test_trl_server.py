@@ -271,6 +271,8 @@ def test_deltas_into_the_server_point_to_point(server):
         transfer.destroy()
     with pytest.raises(ValueError, match="delta must be True or False"):
         DdmaWeightTransfer(url, delta="yes")
+    with pytest.raises(ValueError, match="timeout_s must be a finite, positive number of seconds, got nan"):
+        DdmaWeightTransfer(url, timeout_s=float("nan"))
 
 
 def test_sync_delta_reads_its_variable(monkeypatch):

@@ -63,6 +63,9 @@ def test_init_info_names_a_replica_outside_its_sync():
         ddma_init_info("127.0.0.1", 1234, layout, replica=3, num_replicas=3)
     with pytest.raises(ValueError, match="num_replicas must be >= 1, got 0"):
         ddma_init_info("127.0.0.1", 1234, layout, num_replicas=0)
+    for bad in (0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"timeout_s must be a finite, positive number of seconds, got {bad!r}"):
+            ddma_init_info("127.0.0.1", 1234, layout, timeout_s=bad)
 
 
 def engine_for(kind: str, tmp_path_factory):

@@ -21,7 +21,7 @@ from .engine import DEFAULT_COPY_TIMEOUT_S, check_local_tensors, tensors_device
 from .errors import SyncError, SyncTimeoutError
 from .layout import Layout
 from .plan import Segment, TransferPlan, bipartite_rounds, plan_transfer
-from .protocol import DST, P2P_WIRE_FORMAT, SRC, Channel, SenderWatch
+from .protocol import DST, P2P_WIRE_FORMAT, SRC, Channel, SenderWatch, check_timeout
 from .transports import P2P, check_transport_name, choose_transports, device_info, make_process_group
 
 
@@ -203,8 +203,7 @@ def check_endpoint(side: str, layout: Layout, rank: int, tensors: Mapping[str, t
     tensors' device."""
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"{side} rank {rank} is outside the layout's world size {layout.world_size}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
+    check_timeout(timeout)
     check_transport_name(transport)
     if any(size is not None and size <= 0 for size in bucket_sizes.values()):
         raise ValueError("bucket sizes must be positive, got " + ", ".join(f"{k}={v}" for k, v in bucket_sizes.items()))
@@ -231,6 +230,7 @@ class Endpoint:
         self._incarnation, self.group = registration.incarnation, registration.group
 
     def _deadline(self, timeout: float | None) -> float:
+        check_timeout(timeout, optional=True)
         if self._closed:
             raise SyncError(f"{self.side} rank {self.rank} is closed")
         return time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -277,10 +277,16 @@ class Endpoint:
 
 def p2p_failure(what: str, exc: RuntimeError) -> SyncError:
     """The sync's error for a failed point-to-point op: gloo reports its own timeouts
-    as RuntimeError ("Timed out waiting ..."), which is a SyncTimeoutError here."""
+    as RuntimeError ("Timed out waiting ..."), which is a SyncTimeoutError here. A
+    pair whose op timed out is closed for good by gloo (on both sides: the peer
+    reads it as a connection closed): every later op on it fails, which the error
+    says, with what to do."""
     if "Timed out" in str(exc):
         return SyncTimeoutError(f"{what} did not complete in time: {exc}")
-    return SyncError(f"{what} failed (a peer died or its connection broke): {exc}")
+    cause = ("a timeout on this pair closed it" if "timeout caused pair closure" in str(exc)
+             else "a peer died, timed out or its connection broke")
+    return SyncError(f"{what} failed ({cause}; a point-to-point pair cannot be used again: register every sender "
+                     f"and receiver again under a new name): {exc}")
 
 
 def written_runs(segments: list[Segment]) -> dict[str, np.ndarray] | None:

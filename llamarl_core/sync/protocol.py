@@ -62,6 +62,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
+import numbers
 import time
 from typing import Callable, Iterable, Mapping
 
@@ -74,6 +76,19 @@ from .errors import SyncError, SyncTimeoutError
 
 # A sync's set-up waits, and each send or receive by default, in seconds (every endpoint's `timeout`).
 DEFAULT_TIMEOUT_S = 120.0
+
+
+def check_timeout(value, name: str = "timeout", optional: bool = False) -> None:
+    """Refuse, with ValueError naming `name`, a timeout that is not a finite,
+    positive number of seconds (a bool, a string, NaN, inf, 0, a negative);
+    None passes where `optional` (the call's default then applies). Checked
+    before anything is sent or posted: a wait given NaN would never end, and a
+    point-to-point send that timed out at once would leave its header posted."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite, positive number of seconds, got {value!r}")
+
 
 SRC, DST = "src", "dst"
 # Set by abandon_receivers: the reason under this key.

@@ -26,7 +26,7 @@ from .delta_pair import HOLDING_TAG, WORDS_CHECKSUMS, WORDS_NONE, PairBase, Pair
 from .fp8 import Fp8Sources
 from .plan import DEFAULT_BUCKET_BYTES, source_address
 from .protocol import (ABANDONED, DEFAULT_TIMEOUT_S, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderBook,
-                       SenderReports)
+                       SenderReports, check_timeout)
 from .stream import NOTHING_FOLLOWS, P2PStream
 from .transports import P2P, SHM, OpenedCudaHandles, OpenedSharedStorages
 
@@ -60,6 +60,7 @@ class SendHandle:
         return self._future.exception()
 
     def _wait(self, timeout: float | None) -> None:
+        check_timeout(timeout, optional=True)
         # Not Future.result(timeout): its timeout is a TimeoutError, as is the send's own SyncTimeoutError.
         if not wait_futures([self._future], timeout).done:
             raise SyncTimeoutError(f"the send of version {self.version} is still running after {timeout} s")
@@ -104,7 +105,8 @@ class WeightSender(Endpoint):
     byte moves. The sender keeps what it last sent to each such receiver: one more
     byte of memory, on its device, per byte it sends them (plan.bytes_sent_by_src_rank,
     less the pairs on this host). Receivers on this host are written in place,
-    whole, as without it. `last_send` (delta_pair.SendStats): what the last send that
+    whole, as without it (transport="p2p" sends deltas to those on other GPUs of
+    this host too, through NCCL: docs/delta.md). `last_send` (delta_pair.SendStats): what the last send that
     completed moved (None before the first).
     secret: the sync's (auth.py), the same bytes on every sender and receiver;
     None reads LLAMARL_SECRET / LLAMARL_SECRET_FILE, and with neither set the
@@ -328,8 +330,8 @@ class WeightSender(Endpoint):
         flight or once closed, before anything changes; any other failure is reported
         to the receivers (see `abort`) before it is raised (wait=False: by the handle).
         A send clears the failure this rank reported last."""
-        if not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**63:
+            raise ValueError(f"version must be a non-negative int below 2**63 (it goes as an int64), got {version!r}")
         with self._state:
             deadline = self._deadline(timeout)  # raises once closed
             if self._sending is not None:
@@ -583,6 +585,7 @@ class WeightSender(Endpoint):
         `timeout` seconds at most (default: the sender's timeout); past it raises
         SyncTimeoutError with everything left mapped (a copy may still be running):
         call close() again. Closing a closed sender does nothing."""
+        check_timeout(timeout, optional=True)
         with self._state:
             if self._closed:
                 return

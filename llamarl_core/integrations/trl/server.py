@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ...control.auth import required_secret
 from ...sync import Layout, ParamSpec, SyncError, WeightSender
+from ...sync.protocol import check_timeout
 from ..vllm import BACKEND, ddma_init_info
 from .pairing import register_while, send_while
 
@@ -87,8 +88,7 @@ class DdmaWeightTransfer:
                  delta: bool = False):
         if not isinstance(server_url, str) or not server_url.startswith(("http://", "https://")):
             raise ValueError(f"server_url must be an http(s) URL, got {server_url!r}")
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        check_timeout(timeout_s, "timeout_s")
         self.server_url = server_url.rstrip("/")
         self.store_host = store_host
         self.timeout_s = float(timeout_s)

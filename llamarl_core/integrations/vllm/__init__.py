@@ -54,7 +54,7 @@ drops it too). What each vLLM worker does is in `engine.py`.
 from __future__ import annotations
 
 from ...control.auth import required_secret
-from ...sync.protocol import DEFAULT_TIMEOUT_S
+from ...sync.protocol import DEFAULT_TIMEOUT_S, check_timeout
 from ...sync.layout import Layout
 from ...sync.plan import check_replica
 
@@ -73,8 +73,7 @@ def ddma_init_info(store_host: str, store_port: int, trainer_layout: Layout, *, 
     relays each version on down a tree (WeightReceiver's replica / num_replicas)."""
     if not isinstance(trainer_layout, Layout):
         raise TypeError(f"trainer_layout must be a llamarl_core.sync.Layout, got {type(trainer_layout).__name__}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    check_timeout(timeout_s, "timeout_s")
     check_replica(replica, num_replicas)
     if secret is not None:
         secret = required_secret(secret, "ddma_init_info").hex()
