@@ -118,6 +118,8 @@ def test_load_task_errors():
     ({"max_new_tokens": True}, r"TrainConfig max_new_tokens must be int, got True \(bool\)"),
     ({"eps_low": "0.2"}, r"TrainConfig eps_low must be float, got '0.2' \(str\)"),
     ({"nonfinite_logprobs": "drop"}, r"nonfinite_logprobs must be one of \('raise', 'mask'\), got 'drop'"),
+    ({"sync_timeout_s": float("inf")}, r"sync_timeout_s must be a positive number of seconds, at most 9.223e\+09, got inf"),
+    ({"timeout_s": 0.0}, r"timeout_s must be a positive number of seconds, at most 9.223e\+09, got 0.0"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):

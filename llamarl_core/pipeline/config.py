@@ -22,6 +22,7 @@ from ..ops.fp8 import GRANULARITIES as FP8_GRANULARITIES
 from ..ops.fp8_linear import GEMMS as FP8_GEMMS
 from ..ops.objectives import DEFAULTS, LOSS_TYPES, PARAMETERS, Objective
 from ..spelling import option
+from ..sync.protocol import check_timeout
 from .gpu_share import generator_percent
 from .plugins import name_of, spec_of
 
@@ -464,9 +465,11 @@ class TrainConfig:
         for name in positive:
             if values[name] < 1:
                 raise ValueError(f"{option(name)} must be >= 1, got {values[name]}")
-        for name in ("temperature", "lr", "timeout_s", "sync_timeout_s"):
+        for name in ("temperature", "lr"):
             if not values[name] > 0:
                 raise ValueError(f"{option(name)} must be positive, got {values[name]}")
+        for name in ("timeout_s", "sync_timeout_s"):
+            check_timeout(values[name], option(name))
         for name in ("max_staleness", "warmup_steps", "eval_size", "eval_every", "lr_warmup_steps", "max_grad_norm",
                      "kl_coef", "micro_batch_size"):
             if values[name] < 0:

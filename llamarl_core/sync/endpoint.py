@@ -277,16 +277,16 @@ class Endpoint:
 
 def p2p_failure(what: str, exc: RuntimeError) -> SyncError:
     """The sync's error for a failed point-to-point op: gloo reports its own timeouts
-    as RuntimeError ("Timed out waiting ..."), which is a SyncTimeoutError here. A
-    pair whose op timed out is closed for good by gloo (on both sides: the peer
-    reads it as a connection closed): every later op on it fails, which the error
-    says, with what to do."""
+    as RuntimeError ("Timed out waiting ..."), which is a SyncTimeoutError here.
+    Once an op timed out gloo closes the rank's pairs for good (the peer reads it
+    as a connection closed): every later op on them fails, and the error says what
+    to do."""
+    again = "a point-to-point pair cannot be used again: register every sender and receiver again under a new name"
     if "Timed out" in str(exc):
-        return SyncTimeoutError(f"{what} did not complete in time: {exc}")
-    cause = ("a timeout on this pair closed it" if "timeout caused pair closure" in str(exc)
+        return SyncTimeoutError(f"{what} did not complete in time ({again}): {exc}")
+    cause = ("a timeout closed this rank's pairs" if "timeout caused pair closure" in str(exc)
              else "a peer died, timed out or its connection broke")
-    return SyncError(f"{what} failed ({cause}; a point-to-point pair cannot be used again: register every sender "
-                     f"and receiver again under a new name): {exc}")
+    return SyncError(f"{what} failed ({cause}; {again}): {exc}")
 
 
 def written_runs(segments: list[Segment]) -> dict[str, np.ndarray] | None:

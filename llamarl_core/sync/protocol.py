@@ -62,8 +62,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import math
 import numbers
+import threading
 import time
 from typing import Callable, Iterable, Mapping
 
@@ -79,15 +79,18 @@ DEFAULT_TIMEOUT_S = 120.0
 
 
 def check_timeout(value, name: str = "timeout", optional: bool = False) -> None:
-    """Refuse, with ValueError naming `name`, a timeout that is not a finite,
-    positive number of seconds (a bool, a string, NaN, inf, 0, a negative);
-    None passes where `optional` (the call's default then applies). Checked
-    before anything is sent or posted: a wait given NaN would never end, and a
-    point-to-point send that timed out at once would leave its header posted."""
+    """Refuse, with ValueError naming `name`, a timeout that is not a positive
+    number of seconds a wait can take (a bool, a string, NaN, 0, a negative, or
+    past threading.TIMEOUT_MAX, about 292 years: inf among them); None passes
+    where `optional` (the call's default then applies). Checked before anything
+    is sent or posted: a wait given NaN would never end, and a point-to-point
+    send that timed out at once would leave its header posted."""
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite, positive number of seconds, got {value!r}")
+    # Compared, not converted: NaN fails both comparisons, and an int past a float's range is no OverflowError.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= threading.TIMEOUT_MAX:
+        raise ValueError(f"{name} must be a positive number of seconds, at most {threading.TIMEOUT_MAX:.4g}, "
+                         f"got {value!r}")
 
 
 SRC, DST = "src", "dst"

@@ -571,7 +571,13 @@ class WeightSender(Endpoint):
         (receivers fed only point to point: in pending()), until this sender
         sends again. A send in flight is stopped at its next step (it raises
         SyncError, at once or after a bucket's copy); close() waits
-        for it. Raises what the Store raises if the report cannot be published."""
+        for it. A point-to-point receiver's version, once its stream began, is not
+        called back (a posted transfer cannot be): the stream ends when that
+        receiver has taken every bucket (the whole version lands there, the report
+        standing) or at the send's timeout, which closes the pair (docs/sync.md);
+        the send stops before the next receiver (after the last one it returns,
+        as on shared memory once the last copy is answered). Raises what the
+        Store raises if the report cannot be published."""
         with self._state:
             if self._sending is not None:
                 # Set before the report: a copy the send starts after reading it is in the
@@ -585,10 +591,10 @@ class WeightSender(Endpoint):
         `timeout` seconds at most (default: the sender's timeout); past it raises
         SyncTimeoutError with everything left mapped (a copy may still be running):
         call close() again. Closing a closed sender does nothing."""
-        check_timeout(timeout, optional=True)
         with self._state:
             if self._closed:
                 return
+            check_timeout(timeout, optional=True)
             if self._sending is not None:
                 self._stop = f"closed while sending version {self._sending}"
                 for board in list(self._boards.values()):
