@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -175,9 +176,13 @@ def test_run_across_two_hosts_learns(netns_hosts, tmp_path):
 
 def test_a_link_cut_mid_run_stops_it_naming_its_checkpoint(netns_hosts, tmp_path):
     """The generator host's link cut mid-run (its switch port down: silence, no
-    error): the trainer's weight sync times out (--sync-timeout-s 3) and the run stops
-    on the controller's host, naming the sync that failed and the checkpoint to
-    resume from; that host's agent exits instead of hanging."""
+    error): the run stops on the controller's host, naming what failed and the
+    checkpoint to resume from; that host's agent exits instead of hanging. What
+    fails first depends on where the cut finds the run: the trainer's weight sync
+    times out (--sync-timeout-s 3) when the trainer had the samples for a step;
+    the trainer waiting for samples (a loaded machine's generator falls behind),
+    the controller names a rank of the cut host whose heartbeat stopped, or the
+    generator replica it waited on, after --timeout-s (30 s)."""
     out = tmp_path / "run"
     procs = _agents_on_two_hosts(netns_hosts, tmp_path, "cut", [
         "--steps", "100000", "--warmup-steps", "5", "--checkpoint-every", "10", "--sync-timeout-s", "3", "--timeout-s",
@@ -202,7 +207,12 @@ def test_a_link_cut_mid_run_stops_it_naming_its_checkpoint(netns_hosts, tmp_path
     log = (tmp_path / "host0.log").read_text()
     print(f"link cut -> the controller's host stopped in {stopped_s:.1f} s")
     assert code != 0
-    assert "llamarl train: the run stopped: weight sync of version" in log, log[-3000:]
+    # Host 1 holds torchrun ranks 2 and 3 (the reward executor and generator replica 0).
+    assert re.search(r"llamarl train: the run stopped: (weight sync of version \d+"
+                     r"|\w+ rank \d+ is silent: torchrun rank [23] has not beaten for 30 s \(its host, or the link to it, "
+                     r"is down\)"
+                     r"|no executor reported anything for 30 s while waiting for .*issued to generator replica 0)",
+                     log), log[-3000:]
     assert f"the last checkpoint is in {out / 'checkpoint'}" in log, log[-3000:]
     assert stopped_s < 60
     from llamarl_core.pipeline.checkpoints import checkpoint_info
