@@ -168,8 +168,8 @@ def test_a_receive_told_its_version_will_not_come_leaves_the_offer_standing(stor
 BAD_TIMEOUTS = (0, -1.0, float("nan"), float("inf"), 10**400, True, "5")
 
 
-def bad_timeout(bad, name: str = "timeout") -> str:
-    return re.escape(f"{name} must be a positive number of seconds, at most 9.223e+09, got {bad!r}")
+def bad_timeout(bad) -> str:
+    return re.escape(f"timeout must be a positive number of seconds, at most 9.223e+09, got {bad!r}")
 
 
 def test_bad_timeouts_and_versions_are_refused_before_anything_is_posted(store):

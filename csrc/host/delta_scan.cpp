@@ -77,13 +77,21 @@ struct Scanner {
     last = e0 + 63 - __builtin_clzll(m);
   }
 
+  // The stretch of bucket byte `offset` (positions only increase) when bytes
+  // [offset, offset + len) are whole elements of it alone, else nullptr.
+  const Stretch* whole_elements(int64_t offset, int64_t len) {
+    while (offset >= st[s].end) ++s;
+    const Stretch& t = st[s];
+    return offset + len <= t.end && ((offset - t.start) & (t.size - 1)) == 0 ? &t : nullptr;
+  }
+
   // Marks the elements of the word at `offset` (`len` bytes) whose bytes the set
   // bits of `x` (fresh ^ base) cover.
   void mark_word(int64_t offset, int64_t len, uint64_t x) {
-    while (offset >= st[s].end) ++s;
-    const Stretch& t = st[s];
-    if (len == 8 && offset + 8 <= t.end && ((offset - t.start) & (t.size - 1)) == 0) {
+    const Stretch* whole = whole_elements(offset, len);
+    if (len == 8 && whole != nullptr) {
       // The word holds whole elements of one stretch: one test per element.
+      const Stretch& t = *whole;
       const int lane_bits = static_cast<int>(8 * t.size);
       const uint64_t lane = lane_bits == 64 ? ~uint64_t{0} : (uint64_t{1} << lane_bits) - 1;
       const int64_t e0 = t.first + ((offset - t.start) >> t.shift);
@@ -147,7 +155,6 @@ LLAMARL_TARGET_AVX512 inline __m512i checksum_terms(__m512i index, __m512i value
 LLAMARL_TARGET_AVX512 int64_t scan_blocks_avx512(Scanner& sc, int64_t lo, int64_t hi) {
   __m512i sum = _mm512_setzero_si512();
   const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
-  const std::vector<Stretch>& st = sc.st;
   int64_t offset = lo;
   for (; offset + 64 <= hi; offset += 64) {
     const __m512i now = _mm512_loadu_si512(sc.fresh(offset)), was = _mm512_loadu_si512(sc.base + offset);
@@ -157,9 +164,8 @@ LLAMARL_TARGET_AVX512 int64_t scan_blocks_avx512(Scanner& sc, int64_t lo, int64_
     sum = _mm512_mask_add_epi64(sum, words, sum,
                                 _mm512_sub_epi64(checksum_terms(index, now), checksum_terms(index, was)));
     if (sc.update_base) _mm512_storeu_si512(sc.base + offset, now);
-    while (offset >= st[sc.s].end) ++sc.s;
-    const Stretch& t = st[sc.s];
-    if (offset + 64 > t.end || ((offset - t.start) & (t.size - 1)) != 0) {
+    const Stretch* whole = sc.whole_elements(offset, 64);
+    if (whole == nullptr) {
       alignas(64) uint64_t a[8], b[8];
       _mm512_store_si512(a, now);
       _mm512_store_si512(b, was);
@@ -167,6 +173,7 @@ LLAMARL_TARGET_AVX512 int64_t scan_blocks_avx512(Scanner& sc, int64_t lo, int64_
         if (a[w] != b[w]) sc.mark_word(offset + 8 * w, 8, a[w] ^ b[w]);
       continue;
     }
+    const Stretch& t = *whole;
     // Compressed in a register, then stored whole (a compress straight to memory is
     // microcoded on some CPUs, Zen 4's among them): up to 63 bytes past the values.
     uint64_t m;
@@ -234,7 +241,6 @@ inline uint64_t element_bits(uint64_t bytes, int shift) {
 // holds whole elements of one stretch, word by word (mark_word) where it does not.
 // Returns the first byte it did not scan (a tail under 64 bytes).
 LLAMARL_TARGET_AVX2 int64_t scan_blocks_avx2(Scanner& sc, int64_t lo, int64_t hi) {
-  const std::vector<Stretch>& st = sc.st;
   int64_t offset = lo;
   for (; offset + 64 <= hi; offset += 64) {
     const uint8_t* fresh = sc.fresh(offset);
@@ -264,15 +270,15 @@ LLAMARL_TARGET_AVX2 int64_t scan_blocks_avx2(Scanner& sc, int64_t lo, int64_t hi
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(base), now0);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + 32), now1);
     }
-    while (offset >= st[sc.s].end) ++sc.s;
-    const Stretch& t = st[sc.s];
-    if (offset + 64 > t.end || ((offset - t.start) & (t.size - 1)) != 0) {
+    const Stretch* whole = sc.whole_elements(offset, 64);
+    if (whole == nullptr) {
       for (uint64_t m = words; m; m &= m - 1) {
         const int w = __builtin_ctzll(m);
         sc.mark_word(offset + 8 * w, 8, a[w] ^ b[w]);
       }
       continue;
     }
+    const Stretch& t = *whole;
     const uint64_t m = element_bits(bytes, t.shift);
     if (sc.values != nullptr) {  // 8 bytes an element: up to 7 past the values (room: 64 a thread)
       uint8_t* out = sc.values + sc.out.value_bytes;
