@@ -4,8 +4,10 @@ nvidia-cuda-mps-control and a GPU are."""
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import llamarl_here
@@ -55,6 +57,26 @@ def test_a_missing_control_program_is_said_before_anything_starts(monkeypatch):
     with pytest.raises(RuntimeError, match=f"gpu_share mps: {CONTROL} is not on PATH"):
         MpsDaemon.start()
     assert not [name for name in set(os.listdir("/tmp")) - before if name.startswith("llamarl-mps-")]
+
+
+def test_the_daemon_counts_alive_while_its_socket_answers_not_while_its_file_stays(tmp_path):
+    """stop() waits for the daemon by its control socket, not by the socket's file,
+    which a daemon that quit leaves behind (on an H200 the old check waited out its
+    30 s after a quit the daemon's log put at 22 ms): a listener answers; a file
+    nobody listens on, or none, does not, and stop() then removes the folder at once."""
+    daemon = MpsDaemon(CONTROL, tmp_path / "mps", tmp_path / "mps" / "log")
+    daemon.pipe.mkdir(parents=True)
+    assert not daemon.answers()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(daemon.pipe / "control"))
+    listener.listen()
+    try:
+        assert daemon.answers() and daemon.answers()  # each probe accepted into the queue, or taken
+    finally:
+        listener.close()
+    assert (daemon.pipe / "control").exists() and not daemon.answers()
+    started = time.monotonic()
+    assert daemon.stop() and not daemon.folder.exists() and time.monotonic() - started < 1
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -67,10 +68,11 @@ class MpsDaemon:
 
     @classmethod
     def start(cls, log_folder: Path | None = None, timeout_s: float = DAEMON_TIMEOUT_S) -> "MpsDaemon":
-        """Start the daemon, its control pipe in a fresh 0700 temporary folder and its
-        log in `log_folder` (default: beside the pipe, removed with it); RuntimeError
+        """Start the daemon, its control socket in a fresh 0700 temporary folder and its
+        log in `log_folder` (default: beside the socket, removed with it); RuntimeError
         naming gpu_share when it cannot (the control program missing, it exits with
-        an error, or its pipe does not appear within timeout_s), nothing left running."""
+        an error, or nothing listens on its socket within timeout_s), nothing left
+        running."""
         control = shutil.which(CONTROL)
         if control is None:
             raise RuntimeError(f"{option('gpu_share')} mps: {CONTROL} is not on PATH (it comes with the NVIDIA driver)")
@@ -85,10 +87,10 @@ class MpsDaemon:
                 raise RuntimeError(f"{option('gpu_share')} mps: {CONTROL} -d exited {proc.returncode}: "
                                    f"{(proc.stderr or proc.stdout).strip()[-500:]}")
             deadline = time.monotonic() + timeout_s
-            while not (daemon.pipe / "control").exists():
+            while not daemon.answers():
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{option('gpu_share')} mps: the MPS daemon did not open its control pipe in "
-                                       f"{daemon.pipe} within {timeout_s:.0f} s; its log: {daemon._log_tail()}")
+                    raise RuntimeError(f"{option('gpu_share')} mps: the MPS daemon did not listen on its control "
+                                       f"socket in {daemon.pipe} within {timeout_s:.0f} s; its log: {daemon._log_tail()}")
                 time.sleep(0.05)
         except BaseException:
             daemon.stop(timeout_s)
@@ -110,23 +112,38 @@ class MpsDaemon:
         log = self.log / "control.log"
         return log.read_text(errors="replace")[-800:] if log.exists() else "(none written)"
 
+    def answers(self) -> bool:
+        """Whether a daemon listens on this daemon's control socket. Not whether the
+        socket's file exists: the daemon leaves it behind when it quits (an H200 run
+        of stop() waited out its 30 s for the file to go, the daemon gone 22 ms
+        after `quit` by its log)."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)
+            try:
+                probe.connect(str(self.pipe / "control"))
+            except (FileNotFoundError, ConnectionRefusedError):  # no file; a file nobody listens on
+                return False
+            except OSError:  # a timeout (its queue full) or anything else: counted alive, never removed
+                return True
+            return True
+
     def stop(self, timeout_s: float = DAEMON_TIMEOUT_S) -> bool:
-        """Tell the daemon to quit (its server ends with it) and wait for its control
-        pipe to go; True when it has (or never started), the temporary folder then
-        removed. False: it did not answer within timeout_s; its folder stays, so that
-        `echo quit | CUDA_MPS_PIPE_DIRECTORY=<pipe> nvidia-cuda-mps-control` can still
-        end it. Never raises (it runs on error paths)."""
-        control = self.pipe / "control"
+        """Tell the daemon to quit (its server ends with it) and wait until nothing
+        listens on its control socket; True when it has quit (or never started), the
+        temporary folder then removed. False: it still answered after timeout_s; its
+        folder stays, so that `echo quit | CUDA_MPS_PIPE_DIRECTORY=<pipe>
+        nvidia-cuda-mps-control` can still end it. Never raises (it runs on error
+        paths)."""
         try:
-            if control.exists():
+            if self.answers():
                 subprocess.run([self.control], input="quit\n", env=self._env(), capture_output=True, text=True,
                                timeout=timeout_s)
                 deadline = time.monotonic() + timeout_s
-                while control.exists() and time.monotonic() < deadline:
+                while self.answers() and time.monotonic() < deadline:
                     time.sleep(0.05)
         except (OSError, subprocess.SubprocessError):
             pass
-        if control.exists():
+        if self.answers():
             return False
         shutil.rmtree(self.folder, ignore_errors=True)
         return True
