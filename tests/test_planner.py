@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import random
+import re
 
 import pytest
 
@@ -372,6 +373,14 @@ def test_choose_is_no_slower_than_the_given_placement():
     (lambda r: r["hf_config"].update(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
                                      n_shared_experts="x"), "n_shared_experts must be an integer >= 0"),
     (lambda r: r.update(gpu="cpu", cluster={"nic_GBps": 10}), "its measured figures (device_specs) need"),
+    (lambda r: r["generator"].update(dtype=["bf16"]), "generator.dtype ['bf16']: one of"),
+    (lambda r: r["trainer"].update(dtype={}), "trainer.dtype {}: one of"),
+    (lambda r: r["batch"].update(prompts=10**400), "batch.prompts must be a positive integer, at most 2**53"),
+    (lambda r: r["batch"].update(mean_new_tokens=1e300), "batch.mean_new_tokens must be a positive number, at most"),
+    (lambda r: r["hf_config"].update(hidden_size=10**400), "hidden_size must be a positive integer, at most 2**53"),
+    (lambda r: r.update(hf_config={"text_config": "x"}), "hf_config: text_config must be an object, got str"),
+    (lambda r: r["hf_config"].update(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                                     mlp_only_layers=5), "mlp_only_layers must be a list of layer indices, got 5"),
 ])
 def test_bad_scenarios_are_named(change, culprit):
     bad = copy.deepcopy(row(BY_MODEL["Llama-3.1-8B"], gpus=16))
@@ -379,6 +388,75 @@ def test_bad_scenarios_are_named(change, culprit):
     with pytest.raises(PlanError) as info:
         from_row(bad)
     assert culprit in str(info.value)
+
+
+def test_a_config_file_that_is_not_a_json_object_is_named(tmp_path):
+    for name, body in (("list.json", b"[1]"), ("binary.json", b"\xff\xfe\x00")):
+        (tmp_path / name).write_bytes(body)
+        with pytest.raises(PlanError, match=f"hf_config '{tmp_path / name}': "):
+            model_shape(str(tmp_path / name))
+
+
+def test_an_fp32_trainer_holds_fp32_weights_gradients_and_moments():
+    """Memory follows the trainer's dtype: fp32 weights and gradients (8 bytes a
+    parameter), the two moments sharded (8), inputs and the working set in fp32;
+    mixed precision (bf16, fp16, fp8) as in the hand-computed cases above."""
+    model = CostModel(FACTORS_MID)
+    params = 199_753_728 / 4
+    activations = {2: 1024 * 1024 * 2 * 4 * 2 + 34 * 1024 * 1024, 4: 1024 * 1024 * 4 * 4 * 2 + 68 * 1024 * 1024}
+    logits = 8 * 2048 * 16000
+    for dtype, state, width in (("fp32", params * 8 + params * 8 / 2, 4), ("bf16", params * 6 + params * 12 / 2, 2),
+                                ("fp8", params * 6 + params * 12 / 2, 2)):
+        s = from_row(row(DENSE, trainer={"tp": 2, "pp": 2, "dtype": dtype}))
+        assert model.trainer_memory(s) == pytest.approx((state + activations[width] + logits) / GiB, rel=1e-12)
+
+
+def test_calibrations_and_factors_of_the_wrong_shape_are_named(tmp_path):
+    shipped = json.loads(data_path(SHIPPED_CALIBRATION).read_text())
+    cases = [
+        (lambda c: c["fit"].update(held=5), "fit.held must list factors of"),
+        (lambda c: c["fit"].update(held=[["x"]]), "fit.held must list factors of"),
+        (lambda c: c["fit"].update(leave_one_out=5), "fit.leave_one_out must be a list of objects"),
+        (lambda c: c["fit"]["leave_one_out"][0].update(predicted_s="x"), "fit.leave_one_out must be a list"),
+        (lambda c: c["fit"]["leave_one_out"][0].update(error=float("nan")), "fit.leave_one_out must be a list"),
+        (lambda c: c.update(device="foo"), "device 'foo' is not in the planner's table"),
+        (lambda c: c.update(device=["H100"]), "device must be a device's name"),
+        (lambda c: c["factors"].pop("length_shape"), "factors: missing ['length_shape']"),
+        (lambda c: c["factors"].update(decode_bandwidth=0), "factor decode_bandwidth = 0 is outside"),
+    ]
+    assert shipped["fit"]["leave_one_out"], "the shipped calibration has leave-one-out entries to break"
+    for change, culprit in cases:
+        bad = copy.deepcopy(shipped)
+        change(bad)
+        path = tmp_path / "cal.json"
+        path.write_text(json.dumps(bad))
+        with pytest.raises(PlanError) as info:
+            Calibration.load(path)
+        assert str(info.value).startswith(f"--calibration {path}: ") and culprit in str(info.value), str(info.value)
+    cpu_specs = {"bf16_tflops": 1, "fp8_tflops": 1, "hbm_GBps": 10, "memory_GiB": 16, "nvlink_GBps": 5,
+                 "nic_GBps": 1, "host_GBps": 5}
+    for specs, culprit in (({**cpu_specs, "memory_GiB": True}, "missing or not a positive number: ['memory_GiB']"),
+                           ({**cpu_specs, "hbm_GBps": float("inf")}, "missing or not a positive number: ['hbm_GBps']"),
+                           ({**cpu_specs, "nvlink_domain": "x"}, "nvlink_domain must be a positive integer"),
+                           ({**cpu_specs, "nvlink_domain": -5}, "nvlink_domain must be a positive integer")):
+        with pytest.raises(PlanError, match=re.escape(culprit)):
+            device("cpu", specs)
+    assert device("cpu", {**cpu_specs, "nvlink_domain": 4}).nvlink_domain == 4
+    with pytest.raises(PlanError, match=r"factor decode_bandwidth = nan is outside"):
+        CostModel({**FACTORS_MID, "decode_bandwidth": float("nan")})
+    for top in (0, -1, True, 1.5):
+        with pytest.raises(PlanError, match="top must be a positive integer"):
+            choose(CostModel(FACTORS_MID), from_row(PUBLISHED[0]), top=top)
+
+
+def test_choose_keeps_the_assumptions_it_did_not_choose():
+    """The search chooses the trainer's pp and ep, keeps its cp as given: a cp the
+    row left out stays an assumption of every placement it returns."""
+    given = from_row(row(BY_MODEL["Llama-3.1-8B"], gpus=16))
+    assert ("trainer.cp", "trainer cp 1") in given.assumptions
+    for candidate, _ in choose(CostModel(FACTORS_MID), given, top=5):
+        assert ("trainer.cp", "trainer cp 1") in candidate.assumptions
+        assert not {"trainer.pp", "trainer.ep"} & {key for key, _ in candidate.assumptions}
 
 
 def test_placements_that_do_not_fit_are_refused_naming_what_overflows():
@@ -439,6 +517,19 @@ def test_plan_command(tmp_path):
     assert result.returncode == 2 and "runs[0] is not a row" in result.stderr
     result = llamarl_here("plan", "fit", str(bad_runs), "-o", str(tmp_path / "no" / "x.json"))
     assert result.returncode == 2 and "its folder does not exist" in result.stderr
+    result = llamarl_here("plan", "fit", str(bad_runs), "-o", str(tmp_path))  # before any fit
+    assert result.returncode == 2 and f"-o {tmp_path}: a folder; name the calibration JSON" in result.stderr
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"runs": []}))
+    for args in (["plan", str(empty)], ["plan", str(empty), "--json"],
+                 ["plan", "fit", str(empty), "-o", str(tmp_path / "e.json")]):
+        result = llamarl_here(*args)
+        assert result.returncode == 2 and f"{empty}: runs holds no row" in result.stderr, result.stderr
+    for measured in (5, {"step_time_s": float("inf")}, {"step_time_s": float("nan")}, {"step_time_s": -1}):
+        bad_runs.write_text(json.dumps({"runs": [{**PUBLISHED[0], "measured": measured}, PUBLISHED[1]]}))
+        result = llamarl_here("plan", "fit", str(bad_runs), "-o", str(tmp_path / "m.json"), "--no-leave-one-out")
+        assert result.returncode == 2 and "measured.step_time_s must be a positive number" in result.stderr
+        assert "Traceback" not in result.stderr and not (tmp_path / "m.json").exists()
     # A fit without leave-one-out on two runs writes a calibration that loads.
     runs = tmp_path / "runs.json"
     runs.write_text(json.dumps({"runs": PUBLISHED[:2]}))

@@ -258,6 +258,10 @@ def test_plan_and_auto_placement_commands(tmp_path):
                           ([str(tmp_path), "--calibration", str(cal)], "holds no run (no config.json)")):
         result = llamarl_here("plan", *args)
         assert result.returncode == 2 and culprit in result.stderr, result.stderr
+    for out, culprit in ((tmp_path, "a folder; name the calibration JSON"), (tmp_path / "no" / "c.json",
+                                                                           "its folder does not exist")):
+        result = llamarl_here("plan", "calibrate", "-o", str(out))  # before any probe runs
+        assert result.returncode == 2 and f"-o {out}: {culprit}" in result.stderr, result.stderr
     binary = tmp_path / "binary.json"
     binary.write_bytes(bytes(range(128, 256)))
     result = llamarl_here("plan", str(binary))

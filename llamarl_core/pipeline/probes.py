@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..planner.cli import check_out
 from ..planner.devices import PlanError
 from ..planner.local import Machine
 from ..planner.local_calibration import LocalCalibration, fit_local
@@ -131,8 +132,7 @@ def main_calibrate(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.steps < 5:
         parser.error(f"--steps must be at least 5 (the first step fills the pipeline), got {args.steps}")
-    if not args.out.resolve().parent.is_dir():
-        parser.error(f"-o {args.out}: its folder does not exist")
+    check_out(args.out, parser)
     start = time.monotonic()
     calibration = calibrate(args.out, args.steps, log=lambda line: print(line, file=sys.stderr, flush=True))
     fit = calibration.fit

@@ -90,16 +90,6 @@ def read_calibration(path):
         raise PlanError(f"--calibration {path}: {exc}") from None
 
 
-def check_factors(factors: dict, table: dict, where: str) -> None:
-    """PlanError naming the first factor of `factors` not in `table` or outside its bounds there."""
-    for name, value in factors.items():
-        if name not in table:
-            raise PlanError(f"{where}: unknown factor {name!r}")
-        lo, hi, _ = table[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-            raise PlanError(f"{where}: factor {name} = {value!r} is outside [{lo}, {hi}]")
-
-
 def minimize(loss, starts: list, iterations: int):
     """(z, loss(z)): Nelder-Mead from each of `starts` for `iterations`, then the best
     restarted twice with smaller simplices (it stalls on ridges). Deterministic."""
@@ -153,22 +143,40 @@ class Calibration:
                             "`llamarl train` run (its config.json), not rows in the published-runs format")
         if not isinstance(data, dict) or not isinstance(data.get("factors"), dict) or "device" not in data:
             raise PlanError(f"--calibration {path}: not a calibration (an object with device and factors)")
-        factors = data["factors"]
-        check_factors(factors, FACTORS, f"--calibration {path}")
-        CostModel(factors)  # every factor present
+        factors, where = data["factors"], f"--calibration {path}"
+        try:
+            CostModel(factors)  # every factor present, a number within its bounds
+        except PlanError as exc:
+            raise PlanError(f"{where}: {exc}") from None
         fit_info = data.get("fit") or {}
         if not isinstance(fit_info, dict):
-            raise PlanError(f"--calibration {path}: fit must be an object, got {type(fit_info).__name__}")
-        unknown = [name for name in fit_info.get("held") or [] if name not in FACTORS]
-        if unknown:
-            raise PlanError(f"--calibration {path}: fit.held names unknown factors {unknown}")
-        for entry in fit_info.get("leave_one_out") or []:
-            if not isinstance(entry, dict) or not {"name", "predicted_s", "error"} <= set(entry):
-                raise PlanError(f"--calibration {path}: a fit.leave_one_out entry lacks name, predicted_s or error")
+            raise PlanError(f"{where}: fit must be an object, got {type(fit_info).__name__}")
+        held = fit_info.get("held") or []
+        if not isinstance(held, list) or any(not isinstance(name, str) or name not in FACTORS for name in held):
+            raise PlanError(f"{where}: fit.held must list factors of {list(FACTORS)}, got {held!r}")
+        entries = fit_info.get("leave_one_out") or []
+        if not isinstance(entries, list) or not all(_loo_entry(entry) for entry in entries):
+            raise PlanError(f"{where}: fit.leave_one_out must be a list of objects with a name, predicted_s (a "
+                            "positive number) and error (a number)")
         specs = data.get("device_specs")
         if specs is not None and not isinstance(specs, dict):
-            raise PlanError(f"--calibration {path}: device_specs must be an object")
+            raise PlanError(f"{where}: device_specs must be an object")
+        if not isinstance(data["device"], str):
+            raise PlanError(f"{where}: device must be a device's name, got {data['device']!r}")
+        try:
+            device(data["device"], specs if data["device"].lower() == CPU else None)
+        except PlanError as exc:
+            raise PlanError(f"{where}: {exc}") from None
         return cls(data["device"], factors, fit_info, specs)
+
+
+def _loo_entry(entry) -> bool:
+    """Whether `entry` is a leave-one-out result as fit writes it."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        return False
+    predicted, error = entry.get("predicted_s"), entry.get("error")
+    return (all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (predicted, error))
+            and predicted > 0)
 
 
 STARTS = ({"decode_bandwidth": 0.5, "generation_compute": 0.5, "decode_step_s": 0.005,

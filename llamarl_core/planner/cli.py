@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -53,6 +54,8 @@ def _read_json(path: str, flag: str):
 
 def _rows(data, flag: str, path: str) -> list[dict]:
     if isinstance(data, dict) and isinstance(data.get("runs"), list):
+        if not data["runs"]:
+            raise PlanError(f"{flag} {path}: runs holds no row")
         for index, row in enumerate(data["runs"]):
             if not isinstance(row, dict):
                 raise PlanError(f"{flag} {path}: runs[{index}] is not a row (a JSON object), got "
@@ -74,8 +77,10 @@ def _loo_column(entry: dict | None) -> str:
 
 
 def _measured(row: dict) -> float | None:
+    """The row's measured.step_time_s where it is a positive number (shown beside a prediction), else None."""
     value = row["measured"].get("step_time_s") if isinstance(row.get("measured"), dict) else None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+    return float(value) if ok else None
 
 
 def _calibration(path: str | None) -> Calibration:
@@ -253,6 +258,14 @@ def _paper(args) -> int:
     return 0
 
 
+def check_out(out, parser: argparse.ArgumentParser) -> None:
+    """-o OUT, before any work: its folder exists and OUT is not a folder itself."""
+    if Path(out).is_dir():
+        parser.error(f"-o {out}: a folder; name the calibration JSON to write")
+    if not Path(out).resolve().parent.is_dir():
+        parser.error(f"-o {out}: its folder does not exist")
+
+
 def _hold(text: str) -> tuple[str, float]:
     name, _, value = text.partition("=")
     try:
@@ -273,16 +286,15 @@ def _fit(argv: list[str]) -> int:
                         help="skip the leave-one-out refits (one fit per run, spread over the cores: 3 minutes for "
                              "ten runs on 2 cores)")
     args = parser.parse_args(argv)
-    if not Path(args.out).resolve().parent.is_dir():
-        parser.error(f"-o {args.out}: its folder does not exist")
+    check_out(args.out, parser)
     base = Path(args.runs).parent
     rows = _rows(_read_json(args.runs, "RUNS"), "RUNS", args.runs)
     runs, kinds = [], set()
     for row in rows:
         measured = _measured(row)
-        if measured is None or measured <= 0:
-            raise PlanError(f"RUNS {args.runs}: {row.get('name', 'a row')}: measured.step_time_s must be a "
-                            f"positive number, got {(row.get('measured') or {}).get('step_time_s')!r}")
+        if measured is None:
+            raise PlanError(f"RUNS {args.runs}: {row.get('name', 'a row')}: measured.step_time_s must be a positive "
+                            f"number, got {row.get('measured')!r} for measured")
         scenario = from_row(row, base=base)
         kinds.add(scenario.device.name)
         runs.append((scenario, measured))

@@ -65,10 +65,12 @@ FACTORS = {
 # vLLM's default share of GPU memory, and what it keeps aside for activations.
 GPU_MEMORY_UTILIZATION = 0.9
 GENERATOR_RESERVE_GiB = 2.0
-# Bytes a trainer keeps per local parameter: bf16 weights and fp32 gradients, and (sharded over the data-parallel
-# ranks, Megatron's distributed optimizer) fp32 master weights and Adam's two moments.
-TRAINER_BYTES = 2 + 4
-OPTIMIZER_BYTES = 12
+# Bytes a trainer keeps per local parameter, by its dtype: in mixed precision (bf16, fp16, fp8 compute) 16-bit
+# weights and fp32 gradients, and (sharded over the data-parallel ranks, Megatron's distributed optimizer) fp32
+# master weights and Adam's two moments; in fp32, fp32 weights and gradients, and the two moments sharded.
+TRAINER_BYTES = {"fp32": 4 + 4}
+OPTIMIZER_BYTES = {"fp32": 8}
+MIXED_TRAINER_BYTES, MIXED_OPTIMIZER_BYTES = 2 + 4, 12
 ADAM_TOUCHED_BYTES = 32  # read and written per parameter by an Adam update
 KV_BYTES = 2  # the KV cache in bf16
 SLICES = 48  # decode steps integrated in this many slices
@@ -165,15 +167,27 @@ def model_span(t) -> int:
     return t.gpus if t.pp > 1 else t.tp * max(t.cp, t.ep)
 
 
+def check_factors(factors: dict, table: dict, where: str) -> None:
+    """PlanError naming the first factor of `factors` not in `table` or not a number within its bounds there."""
+    for name, value in factors.items():
+        if name not in table:
+            raise PlanError(f"{where}: unknown factor {name!r}")
+        lo, hi, _ = table[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+            raise PlanError(f"{where}: factor {name} = {value!r} is outside [{lo}, {hi}]")
+
+
 class CostModel:
     """Predictions for scenarios of one device kind, from its factors (name -> value, FACTORS' names)."""
 
     def __init__(self, factors: dict, notes: tuple = ()):
-        """notes: what the factors assume, said with every prediction (a factor held, not fit)."""
+        """notes: what the factors assume, said with every prediction (a factor held, not fit).
+        PlanError naming a factor missing, unknown, or not a number within its bounds."""
         missing = set(FACTORS) - set(factors)
         extra = set(factors) - set(FACTORS)
         if missing or extra:
             raise PlanError(f"factors: missing {sorted(missing)}, unknown {sorted(extra)}")
+        check_factors(factors, FACTORS, "factors")
         self.f = dict(factors)
         self.notes = tuple(notes)
 
@@ -323,8 +337,8 @@ class CostModel:
         """Bytes of weights, gradients and (sharded) optimizer state on one trainer GPU."""
         dense_local, expert_local = self._local_params(s)
         t = s.trainer
-        return TRAINER_BYTES * (dense_local + expert_local) + OPTIMIZER_BYTES * (
-            dense_local / (t.dp * t.cp) + expert_local / expert_dp(t))
+        return TRAINER_BYTES.get(t.dtype, MIXED_TRAINER_BYTES) * (dense_local + expert_local) + OPTIMIZER_BYTES.get(
+            t.dtype, MIXED_OPTIMIZER_BYTES) * (dense_local / (t.dp * t.cp) + expert_local / expert_dp(t))
 
     # ---- memory ----
     def generator_memory(self, s: Scenario) -> float:
@@ -351,11 +365,11 @@ class CostModel:
         m, t, b = s.model, s.trainer, s.batch
         state = self._trainer_state(s)
         # Full activation recomputation, one sequence of max_total_tokens a micro-batch: each of the first
-        # stage's layers / pp layers keeps its bf16 input for the pp micro-batches in flight (layers inputs in
-        # all), one layer's working set (~34 bytes a token and hidden unit, Korthikanti et al.), and the fp32
-        # logits and their gradient.
-        tokens = b.max_total_tokens / (t.tp * t.cp)
-        activations = (tokens * m.hidden * 2 * m.layers + 34 * tokens * m.hidden
+        # stage's layers / pp layers keeps its input (16-bit; fp32 in an fp32 trainer) for the pp micro-batches
+        # in flight (layers inputs in all), one layer's working set (~34 bytes a token and hidden unit in 16 bits,
+        # Korthikanti et al.; twice that in fp32), and the fp32 logits and their gradient.
+        tokens, width = b.max_total_tokens / (t.tp * t.cp), 2 if t.dtype != "fp32" else 4
+        activations = (tokens * m.hidden * width * m.layers + 17 * width * tokens * m.hidden
                        + 2 * 4 * b.max_total_tokens / t.cp * m.vocab / t.tp)
         if state + activations > s.device.memory_bytes:
             raise PlanError(f"{s.name}: the trainer needs {(state + activations) / GiB:.1f} GiB a GPU (weights, "

@@ -16,6 +16,7 @@ links (a row's `cluster`). fp32 math runs as TF32 on tensor cores: half the bf16
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, replace
 
 
@@ -74,6 +75,10 @@ ALIASES = {"H100": "H100-SXM-80GB", "H800": "H800-SXM-80GB", "H20": "H20-96GB", 
 CPU = "cpu"
 
 
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
 def device(name: str, measured: dict | None = None) -> Device:
     """The Device called `name` (a table name or its short alias, any case), or "cpu"
     from `measured` (a calibration's `device_specs`: the Device fields it measured).
@@ -90,11 +95,15 @@ def device(name: str, measured: dict | None = None) -> Device:
                             "machine's measured figures (device_specs); a `llamarl train` run of this machine is "
                             "predicted from its config.json under `llamarl plan calibrate`'s calibration instead")
         fields = [f.name for f in dataclasses.fields(Device) if f.name not in ("name", "nvlink_domain")]
-        missing = [f for f in fields if not isinstance(measured.get(f), (int, float)) or not measured[f] > 0]
+        missing = [f for f in fields if not _positive_number(measured.get(f))]
         unknown = sorted(set(measured) - set(fields) - {"nvlink_domain"})
         if missing or unknown:
             raise PlanError(f"device 'cpu': its measured figures (device_specs) need a positive {', '.join(fields)}; "
-                            f"missing or not positive: {missing}, unknown: {unknown}")
+                            f"missing or not a positive number: {missing}, unknown: {unknown}")
+        domain = measured.get("nvlink_domain")
+        if domain is not None and (isinstance(domain, bool) or not isinstance(domain, int) or domain < 1):
+            raise PlanError(f"device 'cpu': device_specs.nvlink_domain must be a positive integer (GPUs a fast "
+                            f"link joins) or null, got {domain!r}")
         return Device(name=CPU, **measured)
     raise PlanError(f"device {name!r} is not in the planner's table: one of {sorted(DEVICES)} (or their short "
                     f"names {sorted(ALIASES)}), or 'cpu' with a calibration")

@@ -40,8 +40,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .calibration import check_factors
-from .cost import Prediction
+from .cost import Prediction, check_factors
 from .devices import PlanError
 from .shapes import ModelShape
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .devices import Device, PlanError, device
-from .shapes import ModelShape, model_shape
+from .shapes import MAX_INT, ModelShape, model_shape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 ROW_KEYS = {"name", "source", "model", "hf_config", "gpu", "gpus_per_node", "placement", "generator", "trainer",
@@ -42,7 +42,7 @@ DEFAULTS = {
     "batch.logprob_passes": (2, "two forward passes for log-probs before training (old and reference policies)"),
     "batch.train_global_batch": (None, "one optimizer step per step (train_global_batch = all samples)"),
 }
-PLACED = ("trainer.pp", "trainer.cp", "trainer.ep")  # settings a placement search chooses
+PLACED = ("trainer.pp", "trainer.ep")  # settings a placement search chooses (search.py: cp kept as given)
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,8 @@ def _section(row: dict, key: str, allowed: set, name: str) -> dict:
 
 
 def _positive_int(value, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"{where} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_INT:
+        raise PlanError(f"{where} must be a positive integer, at most 2**53, got {value!r}")
     return value
 
 
@@ -212,15 +212,15 @@ def from_row(row: dict, measured_specs: dict | None = None, base: Path | None = 
                 values[key] = _positive_int(_get(section, key, f"trainer.{key}", assumptions),
                                             f"{name}: trainer.{key}")
         dtype = _get(section, "dtype", f"{side_name}.dtype", assumptions)
-        if dtype not in DTYPE_BYTES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
             raise PlanError(f"{name}: {side_name}.dtype {dtype!r}: one of {sorted(DTYPE_BYTES)}")
         sides.append(Side(dtype=dtype, **values))
     batch_values = {}
     for key in ("prompts", "samples_per_prompt", "prompt_tokens", "max_total_tokens"):
         batch_values[key] = _positive_int(batch_in.get(key), f"{name}: batch.{key}")
     mean = batch_in.get("mean_new_tokens")
-    if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not mean > 0:
-        raise PlanError(f"{name}: batch.mean_new_tokens must be a positive number, got {mean!r}")
+    if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not 0 < mean <= MAX_INT:
+        raise PlanError(f"{name}: batch.mean_new_tokens must be a positive number, at most 2**53, got {mean!r}")
     samples = batch_values["prompts"] * batch_values["samples_per_prompt"]
     global_batch = batch_in.get("train_global_batch")
     if global_batch is None:

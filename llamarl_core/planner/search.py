@@ -85,7 +85,10 @@ def splits(total: int, gpus_per_node: int) -> list[int]:
 
 def choose(model: CostModel, s: Scenario, top: int = 5) -> list[tuple[Scenario, Prediction]]:
     """The `top` placements of s's GPUs with the lowest predicted step times, best
-    first; s's own placement among the candidates."""
+    first; s's own placement among the candidates. PlanError for a `top` that is
+    not a positive integer."""
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise PlanError(f"top must be a positive integer, got {top!r}")
     total = s.gpus
     bound = s.max_staleness if s.mode == "async" and s.max_staleness >= 1 else 1
     found: list[tuple[Scenario, Prediction]] = []

@@ -21,14 +21,18 @@ MODEL_TYPES = DENSE + MOE + MLA
 TIED_BY_DEFAULT = ("gemma", "gemma2")  # transformers' default tie_word_embeddings for these is True
 
 
+MAX_INT = 2**53  # the largest integer a field may hold: every one is exact as a float in the arithmetic
+
+
 def _field(config: dict, *names, default=None, required=True, minimum=1):
     """The first of `names` the config sets, an integer >= minimum (PlanError naming it otherwise)."""
     for name in names:
         if config.get(name) is not None:
             value = config[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_INT:
                 kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-                raise PlanError(f"hf_config ({config.get('model_type')}): {name} must be {kind}, got {value!r}")
+                raise PlanError(f"hf_config ({config.get('model_type')}): {name} must be {kind}, at most 2**53, got "
+                                f"{value!r}")
             return value
     if required and default is None:
         raise PlanError(f"hf_config ({config.get('model_type')}): no {names[0]!r}")
@@ -117,9 +121,12 @@ def load_config(source) -> dict:
     if not path.is_file():
         raise PlanError(f"hf_config {str(source)!r}: no such config.json or model folder")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PlanError(f"hf_config {str(path)!r}: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise PlanError(f"hf_config {str(path)!r}: a config is a JSON object, got {type(config).__name__}")
+    return config
 
 
 def model_shape(source) -> ModelShape:
@@ -128,7 +135,10 @@ def model_shape(source) -> ModelShape:
     config of its type lacks."""
     config = load_config(source)
     if "text_config" in config and "hidden_size" not in config:
-        config = {**config["text_config"], "model_type": config["text_config"].get("model_type", "")}
+        text = config["text_config"]
+        if not isinstance(text, dict):
+            raise PlanError(f"hf_config: text_config must be an object, got {type(text).__name__}")
+        config = {**text, "model_type": text.get("model_type", "")}
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise PlanError(f"model_type {model_type!r}: the planner describes {', '.join(MODEL_TYPES)}")
@@ -183,7 +193,11 @@ def model_shape(source) -> ModelShape:
             moe_layers = sum(1 for i in range(layers) if i >= first_dense and i % freq == 0)
         else:  # Qwen-MoE: layer i routes when (i + 1) is a multiple of decoder_sparse_step, bar mlp_only_layers
             step = _field(config, "decoder_sparse_step", default=1, required=False)
-            only_mlp = set(config.get("mlp_only_layers") or [])
+            only_mlp = config.get("mlp_only_layers") or []
+            if not isinstance(only_mlp, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only_mlp):
+                raise PlanError(f"hf_config ({model_type}): mlp_only_layers must be a list of layer indices, got "
+                                f"{only_mlp!r}")
+            only_mlp = set(only_mlp)
             moe_layers = sum(1 for i in range(layers) if (i + 1) % step == 0 and i not in only_mlp)
     if model_type in MOE + MLA and not experts and model_type != "deepseek_v2":
         raise PlanError(f"hf_config ({model_type}): no routed experts (n_routed_experts / num_experts)")
