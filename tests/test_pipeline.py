@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import re
 import signal
 import subprocess
@@ -436,9 +437,10 @@ def test_train_run_writes_everything_and_respects_staleness(tmp_path, mode):
     assert sorted(e["args"]["step"] for e in trace if e["name"] == "train step") == list(range(12))
     info = checkpoint_info(out)  # the DCP folder's commit record (JSON); the tensors are safetensors
     assert info["step"] == 12 and info["data_position"] > 0
-    saved = {"model": {name: t for group in policy_tensors(out) for name, t in group.items()}}
     # The policy as a model folder: the checkpoint's weights, loaded by transformers with its tokenizer.
     exported = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
+    shapes = {name: tuple(t.shape) for name, t in exported.state_dict().items()}
+    saved = {"model": {name: t for group in policy_tensors(out, shapes) for name, t in group.items()}}
     assert all(torch.equal(p, saved["model"][n]) for n, p in exported.state_dict().items())
     tokenizer = transformers.AutoTokenizer.from_pretrained(out / "model")
     assert tokenizer("abc=")["input_ids"] == reverse_task().tokenizer().encode("abc=")
@@ -481,6 +483,22 @@ def test_fsdp2_trainer_and_tensor_parallel_generator(tmp_path):
         assert shards == [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)], shards
     # The reference is the policy RL starts from: no divergence at the first step, some once it has trained.
     assert metrics[0]["ref_kl"] == 0 and all(m["ref_kl"] > 0 for m in metrics[2:]), [m["ref_kl"] for m in metrics]
+    # Export from a checkpoint missing a rank's file, or with one cut short: refused naming the folder, no
+    # model written (rank 0's file gone, the tensors' extent is whole: uninitialised memory was exported before).
+    from llamarl_core.cli import main as cli_main
+
+    folder = out / "checkpoint" / info["folder"]
+    for damage, culprit in ((lambda f: f.unlink(), "lacks or holds in part"),
+                            (lambda f: os.truncate(f, 1000), "its files cannot be read")):
+        for rank in (1, 2):
+            broken = tmp_path / f"broken-{rank}"
+            shutil.copytree(out, broken)
+            damage(broken / "checkpoint" / info["folder"] / f"shard-0000{rank}-model-00001-of-00001.safetensors")
+            with pytest.raises(SystemExit) as stopped:
+                cli_main(["export", str(broken), str(tmp_path / "exported")])
+            assert f"{broken / 'checkpoint' / folder.name}" in str(stopped.value.code), stopped.value.code
+            assert culprit in str(stopped.value.code) and not (tmp_path / "exported").exists()
+            shutil.rmtree(broken)
 
 
 def test_fp8_generator_replicas_sample_with_the_weights_the_trainer_quantized(tmp_path):
@@ -654,8 +672,11 @@ def test_resumed_steps_are_checked_like_any_config(tmp_path):
     assert "steps must be >= 1, got 0" in train_error(*resume, "0")  # not ignored as falsy
     assert "steps must be >= 1, got -3" in train_error(*resume, "-3")
     assert "lr_warmup_steps 5 is more than the run's steps 3" in train_error(*resume, "3")
-    assert _resumed_config(tmp_path, 20) == TrainConfig(steps=20, lr_warmup_steps=5)
-    assert _resumed_config(tmp_path, None) == TrainConfig(steps=10, lr_warmup_steps=5)
+    assert _resumed_config(tmp_path, 20, None) == TrainConfig(steps=20, lr_warmup_steps=5)
+    assert _resumed_config(tmp_path, None, None) == TrainConfig(steps=10, lr_warmup_steps=5)
+    assert _resumed_config(tmp_path, None, 2) == TrainConfig(steps=10, lr_warmup_steps=5, trainer_world=2)
+    assert "--trainer-world must be >= 1, got 0" in train_error("--resume", "--out", str(tmp_path), "--trainer-world",
+                                                                "0")
 
 
 def test_bad_models_datasets_and_rewards_fail_before_anything_is_written(tmp_path):
@@ -814,6 +835,11 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
         ckpt = out / "checkpoint" / "trainer.json"
         _wait_for(lambda: ckpt.exists() and (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 12, 120,
                   "the run to reach a checkpoint")
+        # Resumed while it still runs: refused, nothing of the run's touched.
+        config = (out / "config.json").read_bytes()
+        busy = llamarl("--out", str(out), "--resume", "--quiet")
+        assert busy.returncode != 0 and f"{out} is in use by another run" in busy.stderr, busy.stderr[-2000:]
+        assert (out / "config.json").read_bytes() == config
         # The controller dies without any clean-up; its executors notice within
         # seconds and exit (Python's resource tracker, left alive, unlinks the
         # queues' semaphores).
@@ -831,8 +857,32 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     # that happen here every time (the resumed run must still finish).
     kept = [m for m in read_metrics(out) if m["step"] < saved_step - 1]
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
-    resumed = llamarl("--out", str(out), "--resume", "--steps", str(saved_step + 6), "--quiet")
+    # Resumes it cannot make: refused naming the culprit, before a byte of the run folder changes.
+    config, record = (out / "config.json").read_bytes(), (out / "checkpoint" / "trainer.json").read_bytes()
+    for damage, args, culprit in (
+            (None, ["--steps", str(saved_step - 1)], f"is below the step of its checkpoint, {saved_step}"),
+            (lambda: (out / "checkpoint" / "trainer.json").write_text("{garb"), [], "trainer.json: not a checkpoint "
+                                                                                    "record (not JSON"),
+            (lambda: (out / "checkpoint" / "trainer.json").unlink(), [], "but no record of it (trainer.json is "
+                                                                         "missing)")):
+        if damage is not None:
+            damage()
+        refused = llamarl("--out", str(out), "--resume", *args, "--quiet")
+        assert refused.returncode != 0 and culprit in refused.stderr and "Traceback" not in refused.stderr, \
+            refused.stderr[-2000:]
+        assert (out / "config.json").read_bytes() == config
+        (out / "checkpoint" / "trainer.json").write_bytes(record)
+    assert "drop --sync-delta" in train_error("--out", str(out), "--resume", "--sync-delta")
+    from llamarl_core.pipeline import Controller, RunFolderError
+
+    with pytest.raises(RunFolderError, match="seed, lr differ; a resumed run may change only steps and "
+                                             "trainer_world"):
+        Controller(TrainConfig.load(out / "config.json").replace(seed=5, lr=0.5), out, resume=True).run()
+    assert (out / "config.json").read_bytes() == config
+    # Resumed at another trainer world size: its 2 ranks read the 1 rank's shards back.
+    resumed = llamarl("--out", str(out), "--resume", "--steps", str(saved_step + 6), "--trainer-world", "2", "--quiet")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert TrainConfig.load(out / "config.json").trainer.world == 2
     steps = [m["step"] for m in read_metrics(out)]
     assert steps == list(range(saved_step - 1)) + list(range(saved_step, saved_step + 6))  # redone after the checkpoint
     assert checkpoint_info(out)["step"] == saved_step + 6

@@ -56,20 +56,36 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 
 def checkpoint_info(run_dir: str | Path) -> dict | None:
     """The commit record of `run_dir`'s last checkpoint, None before the first.
-    ValueError for a checkpoint of another format (an earlier llamarl's
-    `trainer.pt`, one torch.save file) or a record whose folder is gone."""
+    ValueError naming the file for a checkpoint of another format (an earlier
+    llamarl's `trainer.pt`, one torch.save file), a record that is not one (not
+    JSON, a field missing or of another type), a record whose folder is gone, or
+    committed step folders with no record (lost: a fresh start would delete them)."""
     folder = checkpoint_dir(run_dir)
     record = folder / "trainer.json"
     if not record.is_file():
         if (folder / "trainer.pt").is_file():
             raise ValueError(f"{folder / 'trainer.pt'} is an earlier llamarl's checkpoint (one torch.save file); this "
                              "version writes and reads torch.distributed.checkpoint folders: start the run anew")
+        committed = sorted(p.name for p in folder.glob("*-step-*") if p.is_dir() and not p.name.endswith(".partial"))
+        if committed:
+            raise ValueError(f"{folder} holds checkpoint {committed[-1]} but no record of it ({record.name} is "
+                             "missing): restore the record, or move the folder away to start the run anew")
         return None
-    info = json.loads(record.read_text())
+    try:
+        info = json.loads(record.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{record}: not a checkpoint record (not JSON: {exc})") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"{record}: not a checkpoint record (a JSON object), got {type(info).__name__}")
     if info.get("format") != FORMAT:
         raise ValueError(f"{record}: format {info.get('format')!r}, this version reads {FORMAT!r}")
-    if not (folder / info["folder"]).is_dir():
-        raise ValueError(f"{record} names {info['folder']}, which is not in {folder}")
+    for key in ("step", "data_position", "world", "serial"):
+        if isinstance(info.get(key), bool) or not isinstance(info.get(key), int) or info[key] < 0:
+            raise ValueError(f"{record}: not a checkpoint record ({key} must be an integer >= 0, got "
+                             f"{info.get(key)!r})")
+    name = info.get("folder")
+    if not isinstance(name, str) or not name or Path(name).name != name or not (folder / name).is_dir():
+        raise ValueError(f"{record} names {name!r}, which is not a folder in {folder}")
     return info
 
 
@@ -313,27 +329,43 @@ class TrainerCheckpoints:
         set_model_state_dict(model, model_state)
 
 
-def policy_tensors(run_dir: str | Path, skip: frozenset[str] = frozenset()) -> Iterator[dict[str, torch.Tensor]]:
+def policy_tensors(run_dir: str | Path, shapes: dict[str, tuple[int, ...]],
+                   skip: frozenset[str] = frozenset()) -> Iterator[dict[str, torch.Tensor]]:
     """The policy's weights of `run_dir`'s last checkpoint, whole, in groups of
     about 1 GiB ({name: tensor}, names without `model/`, `skip` left out): one
-    process, never the whole model in memory at once. ValueError without a
-    checkpoint."""
+    process, never the whole model in memory at once. shapes: the model's tensors
+    ({name: shape}, `skip` left out), which the checkpoint must hold whole and
+    alone: checked before anything is read. ValueError naming the folder without
+    a checkpoint, for a tensor it lacks, holds only in part (a rank's file
+    missing) or in another shape, and for files it cannot read."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     info = checkpoint_info(run_dir)
     if info is None:
         raise ValueError(f"{run_dir} holds no checkpoint: nothing trained to export yet")
-    folder = str(checkpoint_dir(run_dir) / info["folder"])
-    saved = HuggingFaceStorageReader(folder).read_metadata().state_dict_metadata
+    folder = checkpoint_dir(run_dir) / info["folder"]
+    try:
+        saved = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+    except Exception as exc:  # a truncated or foreign file: safetensors' and DCP's own errors
+        raise ValueError(f"{folder}: its files cannot be read ({type(exc).__name__}: {exc})") from None
     names = [k for k in saved if k.startswith("model/") and k[len("model/"):] not in skip]
+    extra = sorted(k[len("model/"):] for k in names if k[len("model/"):] not in shapes)
+    bad = _uncovered(folder, {f"model/{name}": shape for name, shape in shapes.items() if name not in skip})
+    if extra or bad:
+        raise ValueError(f"{folder} does not hold this run's model: " + "; ".join(
+            ([f"lacks or holds in part {few_names(bad, 3)} (a rank's file missing?)"] if bad else [])
+            + ([f"holds tensors the model does not: {few_names(extra, 3)}"] if extra else [])))
     group, size = {}, 0
     for key in names:
         meta = saved[key]
         group[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
         size += group[key].nbytes
         if size >= _GROUP_BYTES or key == names[-1]:
-            with _quiet_single_process():
-                dcp.load(group, storage_reader=HuggingFaceStorageReader(folder), no_dist=True)
+            try:
+                with _quiet_single_process():
+                    dcp.load(group, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=True)
+            except Exception as exc:  # a file truncated or replaced after its metadata was read
+                raise ValueError(f"{folder}: its files cannot be read ({type(exc).__name__}: {exc})") from None
             yield {k[len("model/"):]: v for k, v in group.items()}
             group, size = {}, 0

@@ -19,8 +19,11 @@ the trainer waits for them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
+import os
 import shutil
 import time
 import warnings
@@ -35,6 +38,7 @@ from ..models.checkpoint import check_generator_config
 from ..spelling import names_flags, option
 from ..sync.presets import vllm_llama_tp
 from ..sync.protocol import abandon_receivers
+from .checkpoints import checkpoint_info
 from .config import PLUGIN_FIELDS, TrainConfig
 from .data import RunData
 from .executors import CONTROLLER_BEAT, EVENTS, GENERATOR, REWARD, TRAINER, has_inbox, inbox_name, sync_name_of
@@ -85,6 +89,27 @@ TRAINER_STATS = tuple(f.name for f in dataclasses.fields(StepStats) if f.name !=
 
 class PipelineError(RuntimeError):
     """The run cannot go on (an executor failed, or nothing happened for too long)."""
+
+
+LOCK = ".llamarl-run.lock"  # in the run folder: held (flock) by the controller that runs in it
+
+
+@contextlib.contextmanager
+def _folder_lock(out: Path):
+    """Hold the run folder `out` for one controller: RunFolderError, before anything
+    is read or written there, while another holds it (a run still going, into the
+    same folder or resumed from it). An flock: the system drops it with its holder,
+    however that ends."""
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunFolderError(f"{out} is in use by another run (it holds {out / LOCK}): wait for it to end, or "
+                                 "pick another folder") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 class RunFolderError(ValueError):
@@ -555,21 +580,26 @@ class Controller:
         from its last checkpoint with `Controller(TrainConfig.load(out /
         "config.json"), out, resume=True).run()` (or `llamarl train --out OUT
         --resume`). RunFolderError, before anything starts, for a folder that
-        holds a run and resume=False, or a run of another configuration (other
-        than in `steps`). gpu_share "mps:P": the run's MPS daemon (its log in
+        holds a run and resume=False, a run of another configuration (other than
+        in `steps` and the trainer's world), a checkpoint it cannot resume
+        (_check_resumable), or a folder another controller holds (a run still
+        going there: _folder_lock). gpu_share "mps:P": the run's MPS daemon (its log in
         out/mps) starts before config.json is written (PipelineError if it does
         not) and is told to quit after the executors have ended."""
         cfg = self.config
         if isinstance(self.executors, LocalExecutors):
             check_main_guard()
         self.out.mkdir(parents=True, exist_ok=True)
+        with _folder_lock(self.out):
+            return self._run_locked(cfg)
+
+    def _run_locked(self, cfg: TrainConfig) -> dict:
         saved = self.out / "config.json"
         if saved.exists() and not self.resume:
             raise RunFolderError(f"{self.out} already holds a run ({saved}); resume=True (llamarl train --resume) "
                                  "continues it from its last checkpoint, or pick another folder")
-        if saved.exists() and TrainConfig.load(saved).replace(steps=cfg.run.steps) != cfg:
-            raise RunFolderError(f"{self.out} holds a run with a different configuration ({saved}); resume it with "
-                                 "the same configuration or pick another folder")
+        if saved.exists():
+            self._check_resumable(TrainConfig.load(saved))
         if generator_percent(cfg.generator.gpu_share) is None:
             return self._run(saved)
         try:  # before config.json: a daemon that does not start leaves no run behind
@@ -584,6 +614,25 @@ class Controller:
                 self.on_event(f"llamarl: the MPS daemon of {option('gpu_share', cfg.generator.gpu_share)} did not "
                               "quit; "
                               f"end it with: echo quit | CUDA_MPS_PIPE_DIRECTORY={daemon.pipe} {MPS_CONTROL}")
+
+    def _check_resumable(self, saved: TrainConfig) -> None:
+        """RunFolderError, before anything is written, unless this config resumes the
+        saved one: the same but for steps (no fewer than the checkpoint's) and the
+        trainer's world (its shards are read back at any), and the checkpoint's record
+        readable (its fields, its folder there)."""
+        cfg = self.config
+        before = saved.replace(steps=cfg.run.steps, trainer_world=cfg.trainer.world).flat()
+        changed = [name for name, value in cfg.flat().items() if before[name] != value]
+        if changed:
+            raise RunFolderError(f"{self.out} holds a run with a different configuration ({self.out / 'config.json'}):"
+                                 f" {', '.join(changed)} differ; a resumed run may change only steps and trainer_world")
+        try:
+            info = checkpoint_info(self.out)
+        except ValueError as exc:
+            raise RunFolderError(f"{self.out}: {exc}") from None
+        if info is not None and cfg.run.steps < info["step"]:
+            raise RunFolderError(f"{self.out}: steps {cfg.run.steps} is below the step of its checkpoint, "
+                                 f"{info['step']}: a resumed run goes on from there")
 
     def _run(self, saved: Path) -> dict:
         cfg = self.config

@@ -37,16 +37,19 @@ def export_policy(run_dir: str | Path, model_config, tokenizer, out: str | Path,
         model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
     generation = source.generation_config() if source is not None else None
     hf_tokenizer = tokenizer.hf if isinstance(tokenizer, ModelTokenizer) else tokenizer.to_transformers()
+    # What the checkpoint must hold: the state's tensors, a tied parameter once (under its first name).
+    tied = tied_aliases(model)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
     try:
         views = checkpoint_views(model, buffers=True)
     except ValueError:  # a conversion that computes rather than slices: transformers' save_pretrained undoes it
         model = empty_model(model_config, dtype=torch.float32, device="cpu")
-        copy_from_full(model, {name: t for group in policy_tensors(run_dir) for name, t in group.items()})
+        copy_from_full(model, {name: t for group in policy_tensors(run_dir, shapes) for name, t in group.items()})
         if generation is not None:
             model.generation_config = generation
         return save_model_folder(model, hf_tokenizer, out)
     # A tied parameter's second name (lm_head.weight) is not written, as transformers does.
-    groups = _checkpoint_tensors(policy_tensors(run_dir, skip=tied_aliases(model)), views)
+    groups = _checkpoint_tensors(policy_tensors(run_dir, shapes, skip=tied), views)
     return stream_model_folder(model_config, groups, hf_tokenizer, out, generation)
 
 

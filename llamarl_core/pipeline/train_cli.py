@@ -156,7 +156,7 @@ def parse_args(argv):
     parser.add_argument("--out", type=Path, help="output folder (default: a fresh folder under runs/)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in --out from its checkpoint, with its saved config.json (only --steps "
-                             "may change)")
+                             "and --trainer-world may change)")
     parser.add_argument("--task", help="module:attribute of a llamarl_core.pipeline.Task (default: string reversal)")
     parser.add_argument("--quiet", action="store_true", help="no per-step lines")
     parser.add_argument("--generator",
@@ -262,12 +262,15 @@ def _auto_placement(config: TrainConfig, calibration: Path) -> TrainConfig:
     return config
 
 
-def _resumed_config(out: Path, steps: int | None) -> TrainConfig:
+def _resumed_config(out: Path, steps: int | None, trainer_world: int | None) -> TrainConfig:
     """The saved config of the run in `out`, with `steps` (if given) as its new
-    total, checked again as a whole (steps against lr_warmup_steps, among others)."""
+    total and `trainer_world` (if given) as its trainer's ranks, checked again as a
+    whole (steps against lr_warmup_steps, among others)."""
     with _one_line_errors():
         config = TrainConfig.load(out / "config.json")
-        return config if steps is None else config.replace(steps=steps)
+        changes = {name: value for name, value in (("steps", steps), ("trainer_world", trainer_world))
+                   if value is not None}
+        return config.replace(**changes) if changes else config
 
 
 def run_one(config: TrainConfig, out: Path, quiet: bool, executors_for=None,
@@ -354,15 +357,15 @@ def _main(argv, executors_for) -> int:
         raise SystemExit(f"--resume: {args.out} holds no run (no config.json)")
     if args.resume:
         ignored = [f"--{name.replace('_', '-')}" for name in (*FLAGS, *NAMED_FLAGS)
-                   if name != "steps" and getattr(args, name) is not None]
+                   if name not in ("steps", "trainer_world") and getattr(args, name) is not None]
         ignored += [flag for flag, given in (("--mode", args.mode), ("--task", args.task), ("--compare", args.compare),
                                              ("--generator", args.generator), ("--keep-kv", args.keep_kv),
                                              ("--mask-truncated", args.mask_truncated),
-                                             ("--log-rollouts", args.log_rollouts),
+                                             ("--log-rollouts", args.log_rollouts), ("--sync-delta", args.sync_delta),
                                              ("--no-chat-template", args.no_chat_template)) if given]
         if ignored:
-            raise SystemExit(f"--resume continues the run with its saved config.json and takes only --steps; "
-                             f"drop {' '.join(ignored)}")
+            raise SystemExit(f"--resume continues the run with its saved config.json and takes only --steps and "
+                             f"--trainer-world; drop {' '.join(ignored)}")
     if args.calibration is not None and not args.auto_placement:
         raise SystemExit("--calibration takes effect with --auto-placement (the run's placement chosen by the cost "
                          "model)")
@@ -382,7 +385,7 @@ def _main(argv, executors_for) -> int:
         raise SystemExit(f"{args.out} already holds a run; pass --resume to continue it or pick another --out")
     mode = args.mode or "async"
     if not args.compare:
-        config = _resumed_config(args.out, args.steps) if args.resume else _config(args, mode)
+        config = _resumed_config(args.out, args.steps, args.trainer_world) if args.resume else _config(args, mode)
         if args.auto_placement:
             config = _auto_placement(config, args.calibration)
         out = args.out or _fresh_out(config.run.mode)
