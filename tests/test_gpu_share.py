@@ -77,6 +77,12 @@ def test_the_daemon_counts_alive_while_its_socket_answers_not_while_its_file_sta
     assert (daemon.pipe / "control").exists() and not daemon.answers()
     started = time.monotonic()
     assert daemon.stop() and not daemon.folder.exists() and time.monotonic() - started < 1
+    # A socket it cannot reach (its path past AF_UNIX's 108 bytes): an error, not "alive"; stop() keeps the folder.
+    far = MpsDaemon(CONTROL, tmp_path / ("x" * 120), tmp_path / "log")
+    far.pipe.mkdir(parents=True)
+    with pytest.raises(OSError):
+        far.answers()
+    assert not far.stop() and far.folder.exists()
 
 
 @pytest.mark.gpu

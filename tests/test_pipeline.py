@@ -488,7 +488,7 @@ def test_fsdp2_trainer_and_tensor_parallel_generator(tmp_path):
     from llamarl_core.cli import main as cli_main
 
     folder = out / "checkpoint" / info["folder"]
-    for damage, culprit in ((lambda f: f.unlink(), "lacks or holds in part"),
+    for damage, culprit in ((lambda f: f.unlink(), "lacks, or holds in part or in another shape,"),
                             (lambda f: os.truncate(f, 1000), "its files cannot be read")):
         for rank in (1, 2):
             broken = tmp_path / f"broken-{rank}"
@@ -864,7 +864,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
             (lambda: (out / "checkpoint" / "trainer.json").write_text("{garb"), [], "trainer.json: not a checkpoint "
                                                                                     "record (not JSON"),
             (lambda: (out / "checkpoint" / "trainer.json").unlink(), [], "but no record of it (trainer.json is "
-                                                                         "missing)")):
+                                                                         "missing: lost, or the run stopped")):
         if damage is not None:
             damage()
         refused = llamarl("--out", str(out), "--resume", *args, "--quiet")
@@ -887,6 +887,24 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert steps == list(range(saved_step - 1)) + list(range(saved_step, saved_step + 6))  # redone after the checkpoint
     assert checkpoint_info(out)["step"] == saved_step + 6
     assert json.loads((out / "summary.json").read_text())["steps"] == saved_step + 6
+
+
+def test_a_run_folder_on_a_filesystem_without_flock_runs_unlocked_and_says_so(tmp_path, monkeypatch):
+    """Lustre without -o flock, NFS without its lock service: flock fails (ENOSYS,
+    ENOLCK) and the run goes on, saying that the folder is not locked."""
+    import errno
+
+    from llamarl_core.pipeline import controller
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(controller.fcntl, "flock", no_flock)
+    said = []
+    with controller._folder_lock(tmp_path, said.append):
+        said.append("ran")
+    assert said == [f"llamarl: {tmp_path} cannot be locked ({os.strerror(errno.ENOLCK)}: its filesystem has no "
+                    "flock): another run into it is not refused", "ran"]
 
 
 def test_ctrl_c_says_in_one_line_what_was_saved_and_how_to_resume(tmp_path):

@@ -454,9 +454,20 @@ def test_choose_keeps_the_assumptions_it_did_not_choose():
     row left out stays an assumption of every placement it returns."""
     given = from_row(row(BY_MODEL["Llama-3.1-8B"], gpus=16))
     assert ("trainer.cp", "trainer cp 1") in given.assumptions
-    for candidate, _ in choose(CostModel(FACTORS_MID), given, top=5):
+    found = choose(CostModel(FACTORS_MID), given, top=50)
+    assert len(found) > 5 and any(candidate is given for candidate, _ in found)
+    for candidate, _ in found:
         assert ("trainer.cp", "trainer cp 1") in candidate.assumptions
-        assert not {"trainer.pp", "trainer.ep"} & {key for key, _ in candidate.assumptions}
+        chosen = {key for key, _ in candidate.assumptions} & {"trainer.pp", "trainer.ep"}
+        assert chosen == (set() if candidate is not given else {"trainer.pp", "trainer.ep"}), candidate.assumptions
+
+
+def test_a_model_of_any_depth_is_counted_at_once():
+    """Routed layers are counted, not walked: 2**50 layers take no longer than 8."""
+    qwen = model_shape({**MOE, "num_hidden_layers": 2**50, "decoder_sparse_step": 2, "mlp_only_layers": [1, 2, 5]})
+    assert qwen.moe_layers == 2**49 - 2  # layers 1, 3, 5, ... route; 1 and 5 of them are dense by mlp_only_layers
+    deepseek = model_shape({**MLA, "num_hidden_layers": 2**50, "moe_layer_freq": 3, "first_k_dense_replace": 4})
+    assert deepseek.moe_layers == len(range(6, 2**50, 3))
 
 
 def test_placements_that_do_not_fit_are_refused_naming_what_overflows():

@@ -69,7 +69,8 @@ def checkpoint_info(run_dir: str | Path) -> dict | None:
         committed = sorted(p.name for p in folder.glob("*-step-*") if p.is_dir() and not p.name.endswith(".partial"))
         if committed:
             raise ValueError(f"{folder} holds checkpoint {committed[-1]} but no record of it ({record.name} is "
-                             "missing): restore the record, or move the folder away to start the run anew")
+                             "missing: lost, or the run stopped before it recorded its first checkpoint); nothing "
+                             "resumes from it: move the folder away to start the run anew")
         return None
     try:
         info = json.loads(record.read_text())
@@ -84,7 +85,8 @@ def checkpoint_info(run_dir: str | Path) -> dict | None:
             raise ValueError(f"{record}: not a checkpoint record ({key} must be an integer >= 0, got "
                              f"{info.get(key)!r})")
     name = info.get("folder")
-    if not isinstance(name, str) or not name or Path(name).name != name or not (folder / name).is_dir():
+    if (not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name
+            or not (folder / name).is_dir()):
         raise ValueError(f"{record} names {name!r}, which is not a folder in {folder}")
     return info
 
@@ -351,10 +353,14 @@ def policy_tensors(run_dir: str | Path, shapes: dict[str, tuple[int, ...]],
         raise ValueError(f"{folder}: its files cannot be read ({type(exc).__name__}: {exc})") from None
     names = [k for k in saved if k.startswith("model/") and k[len("model/"):] not in skip]
     extra = sorted(k[len("model/"):] for k in names if k[len("model/"):] not in shapes)
-    bad = _uncovered(folder, {f"model/{name}": shape for name, shape in shapes.items() if name not in skip})
+    try:
+        bad = _uncovered(folder, {f"model/{name}": shape for name, shape in shapes.items() if name not in skip})
+    except Exception as exc:  # replaced since the read above (a run still going committed a checkpoint)
+        raise ValueError(f"{folder}: its files cannot be read ({type(exc).__name__}: {exc})") from None
     if extra or bad:
         raise ValueError(f"{folder} does not hold this run's model: " + "; ".join(
-            ([f"lacks or holds in part {few_names(bad, 3)} (a rank's file missing?)"] if bad else [])
+            ([f"lacks, or holds in part or in another shape, {few_names(bad, 3)} (a rank's file missing, or another "
+              "model's checkpoint)"] if bad else [])
             + ([f"holds tensors the model does not: {few_names(extra, 3)}"] if extra else [])))
     group, size = {}, 0
     for key in names:

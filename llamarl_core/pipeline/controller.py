@@ -95,18 +95,24 @@ LOCK = ".llamarl-run.lock"  # in the run folder: held (flock) by the controller 
 
 
 @contextlib.contextmanager
-def _folder_lock(out: Path):
-    """Hold the run folder `out` for one controller: RunFolderError, before anything
-    is read or written there, while another holds it (a run still going, into the
-    same folder or resumed from it). An flock: the system drops it with its holder,
-    however that ends."""
+def _folder_lock(out: Path, warn):
+    """Hold the run folder `out` for one controller: RunFolderError, before the run
+    reads or writes anything there, while another controller holds it (a run still
+    going, into the same folder or resumed from it). An flock: the system drops it
+    with its holder, however that ends (the executors of a controller killed
+    outright go on until their wait for its heartbeat ends, --timeout-s). On a
+    filesystem without flock (Lustre without -o flock, NFS without its lock
+    service) the run goes on unlocked, said through `warn`."""
     fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RunFolderError(f"{out} is in use by another run (it holds {out / LOCK}): wait for it to end, or "
-                                 "pick another folder") from None
+            raise RunFolderError(f"{out} is in use by another run (its controller holds {out / LOCK}): wait for it "
+                                 "to end, or pick another folder") from None
+        except OSError as exc:
+            warn(f"llamarl: {out} cannot be locked ({exc.strerror}: its filesystem has no flock): another run into "
+                 "it is not refused")
         yield
     finally:
         os.close(fd)
@@ -590,7 +596,7 @@ class Controller:
         if isinstance(self.executors, LocalExecutors):
             check_main_guard()
         self.out.mkdir(parents=True, exist_ok=True)
-        with _folder_lock(self.out):
+        with _folder_lock(self.out, self.on_event):
             return self._run_locked(cfg)
 
     def _run_locked(self, cfg: TrainConfig) -> dict:
@@ -620,9 +626,9 @@ class Controller:
         saved one: the same but for steps (no fewer than the checkpoint's) and the
         trainer's world (its shards are read back at any), and the checkpoint's record
         readable (its fields, its folder there)."""
-        cfg = self.config
-        before = saved.replace(steps=cfg.run.steps, trainer_world=cfg.trainer.world).flat()
-        changed = [name for name, value in cfg.flat().items() if before[name] != value]
+        before = saved.flat()
+        changed = [name for name, value in self.config.flat().items()
+                   if name not in ("steps", "trainer_world") and before[name] != value]
         if changed:
             raise RunFolderError(f"{self.out} holds a run with a different configuration ({self.out / 'config.json'}):"
                                  f" {', '.join(changed)} differ; a resumed run may change only steps and trainer_world")
@@ -630,8 +636,8 @@ class Controller:
             info = checkpoint_info(self.out)
         except ValueError as exc:
             raise RunFolderError(f"{self.out}: {exc}") from None
-        if info is not None and cfg.run.steps < info["step"]:
-            raise RunFolderError(f"{self.out}: steps {cfg.run.steps} is below the step of its checkpoint, "
+        if info is not None and self.config.run.steps < info["step"]:
+            raise RunFolderError(f"{self.out}: steps {self.config.run.steps} is below the step of its checkpoint, "
                                  f"{info['step']}: a resumed run goes on from there")
 
     def _run(self, saved: Path) -> dict:

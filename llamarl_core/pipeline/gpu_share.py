@@ -87,7 +87,7 @@ class MpsDaemon:
                 raise RuntimeError(f"{option('gpu_share')} mps: {CONTROL} -d exited {proc.returncode}: "
                                    f"{(proc.stderr or proc.stdout).strip()[-500:]}")
             deadline = time.monotonic() + timeout_s
-            while not daemon.answers():
+            while not daemon._listening():
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{option('gpu_share')} mps: the MPS daemon did not listen on its control "
                                        f"socket in {daemon.pipe} within {timeout_s:.0f} s; its log: {daemon._log_tail()}")
@@ -116,16 +116,25 @@ class MpsDaemon:
         """Whether a daemon listens on this daemon's control socket. Not whether the
         socket's file exists: the daemon leaves it behind when it quits (an H200 run
         of stop() waited out its 30 s for the file to go, the daemon gone 22 ms
-        after `quit` by its log)."""
+        after `quit` by its log). OSError for a socket it cannot reach (its path too
+        long, say)."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             probe.settimeout(1.0)
             try:
                 probe.connect(str(self.pipe / "control"))
             except (FileNotFoundError, ConnectionRefusedError):  # no file; a file nobody listens on
                 return False
-            except OSError:  # a timeout (its queue full) or anything else: counted alive, never removed
+            except TimeoutError:  # its queue full: alive
                 return True
             return True
+
+    def _listening(self) -> bool:
+        """answers(), with a socket it cannot reach said as start() says its failures."""
+        try:
+            return self.answers()
+        except OSError as exc:
+            raise RuntimeError(f"{option('gpu_share')} mps: its control socket {self.pipe / 'control'} cannot be "
+                               f"reached: {exc}") from None
 
     def stop(self, timeout_s: float = DAEMON_TIMEOUT_S) -> bool:
         """Tell the daemon to quit (its server ends with it) and wait until nothing
@@ -141,9 +150,9 @@ class MpsDaemon:
                 deadline = time.monotonic() + timeout_s
                 while self.answers() and time.monotonic() < deadline:
                     time.sleep(0.05)
-        except (OSError, subprocess.SubprocessError):
-            pass
-        if self.answers():
+            if self.answers():
+                return False
+        except (OSError, subprocess.SubprocessError):  # its socket unreachable: whether it quit is not known
             return False
         shutil.rmtree(self.folder, ignore_errors=True)
         return True

@@ -190,15 +190,15 @@ def model_shape(source) -> ModelShape:
         if mla:  # DeepSeek: layer i routes from first_k_dense_replace on, every moe_layer_freq-th
             first_dense = _field(config, "first_k_dense_replace", default=0, required=False, minimum=0)
             freq = _field(config, "moe_layer_freq", default=1, required=False)
-            moe_layers = sum(1 for i in range(layers) if i >= first_dense and i % freq == 0)
+            moe_layers = len(range(-(-first_dense // freq) * freq, layers, freq))  # counted, not walked
         else:  # Qwen-MoE: layer i routes when (i + 1) is a multiple of decoder_sparse_step, bar mlp_only_layers
             step = _field(config, "decoder_sparse_step", default=1, required=False)
             only_mlp = config.get("mlp_only_layers") or []
             if not isinstance(only_mlp, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only_mlp):
                 raise PlanError(f"hf_config ({model_type}): mlp_only_layers must be a list of layer indices, got "
                                 f"{only_mlp!r}")
-            only_mlp = set(only_mlp)
-            moe_layers = sum(1 for i in range(layers) if (i + 1) % step == 0 and i not in only_mlp)
+            routed = range(step - 1, layers, step)  # counted, not walked: layers may be any size
+            moe_layers = len(routed) - len({i for i in only_mlp if i in routed})
     if model_type in MOE + MLA and not experts and model_type != "deepseek_v2":
         raise PlanError(f"hf_config ({model_type}): no routed experts (n_routed_experts / num_experts)")
     return ModelShape(model_type=model_type, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
