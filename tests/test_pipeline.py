@@ -872,6 +872,14 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
             refused.stderr[-2000:]
         assert (out / "config.json").read_bytes() == config
         (out / "checkpoint" / "trainer.json").write_bytes(record)
+    shard = next((out / "checkpoint" / checkpoint_info(out)["folder"]).glob("*.safetensors"))
+    whole = shard.read_bytes()
+    os.truncate(shard, 1000)  # its header cut: found before the run starts, not in its trainer
+    refused = llamarl("--out", str(out), "--resume", "--quiet")
+    assert refused.returncode != 0 and f"{shard.parent}: its files cannot be read" in refused.stderr, \
+        refused.stderr[-2000:]
+    assert "Traceback" not in refused.stderr and (out / "config.json").read_bytes() == config
+    shard.write_bytes(whole)
     assert "drop --sync-delta" in train_error("--out", str(out), "--resume", "--sync-delta")
     from llamarl_core.pipeline import Controller, RunFolderError
 

@@ -175,13 +175,23 @@ def _file_index(flat: dict, world: int) -> dict[str, int]:
     return index
 
 
+def checkpoint_metadata(folder: Path) -> dict:
+    """The DCP folder's tensors ({key: their metadata}), read from its files'
+    headers. ValueError naming the folder when they cannot be read (a file cut
+    short or replaced, a folder replaced by a newer checkpoint meanwhile)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    try:
+        return HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+    except Exception as exc:  # safetensors' and DCP's own errors
+        raise ValueError(f"{folder}: its files cannot be read ({type(exc).__name__}: {exc})") from None
+
+
 def _uncovered(folder: Path, expected: dict[str, torch.Size]) -> list[str]:
     """The keys of `expected` (key -> global shape) that the DCP folder `folder`
     lacks, holds in another shape, or holds only in part (the saved pieces cover
     fewer elements than the tensor: a rank's file missing)."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    saved = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+    saved = checkpoint_metadata(folder)
     bad = []
     for key, shape in expected.items():
         meta = saved.get(key)
@@ -347,16 +357,10 @@ def policy_tensors(run_dir: str | Path, shapes: dict[str, tuple[int, ...]],
     if info is None:
         raise ValueError(f"{run_dir} holds no checkpoint: nothing trained to export yet")
     folder = checkpoint_dir(run_dir) / info["folder"]
-    try:
-        saved = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
-    except Exception as exc:  # a truncated or foreign file: safetensors' and DCP's own errors
-        raise ValueError(f"{folder}: its files cannot be read ({type(exc).__name__}: {exc})") from None
+    saved = checkpoint_metadata(folder)
     names = [k for k in saved if k.startswith("model/") and k[len("model/"):] not in skip]
     extra = sorted(k[len("model/"):] for k in names if k[len("model/"):] not in shapes)
-    try:
-        bad = _uncovered(folder, {f"model/{name}": shape for name, shape in shapes.items() if name not in skip})
-    except Exception as exc:  # replaced since the read above (a run still going committed a checkpoint)
-        raise ValueError(f"{folder}: its files cannot be read ({type(exc).__name__}: {exc})") from None
+    bad = _uncovered(folder, {f"model/{name}": shape for name, shape in shapes.items() if name not in skip})
     if extra or bad:
         raise ValueError(f"{folder} does not hold this run's model: " + "; ".join(
             ([f"lacks, or holds in part or in another shape, {few_names(bad, 3)} (a rank's file missing, or another "

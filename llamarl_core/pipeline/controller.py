@@ -38,7 +38,7 @@ from ..models.checkpoint import check_generator_config
 from ..spelling import names_flags, option
 from ..sync.presets import vllm_llama_tp
 from ..sync.protocol import abandon_receivers
-from .checkpoints import checkpoint_info
+from .checkpoints import checkpoint_dir, checkpoint_info, checkpoint_metadata
 from .config import PLUGIN_FIELDS, TrainConfig
 from .data import RunData
 from .executors import CONTROLLER_BEAT, EVENTS, GENERATOR, REWARD, TRAINER, has_inbox, inbox_name, sync_name_of
@@ -625,7 +625,7 @@ class Controller:
         """RunFolderError, before anything is written, unless this config resumes the
         saved one: the same but for steps (no fewer than the checkpoint's) and the
         trainer's world (its shards are read back at any), and the checkpoint's record
-        readable (its fields, its folder there)."""
+        readable (its fields, its folder there, its files' headers)."""
         before = saved.flat()
         changed = [name for name, value in self.config.flat().items()
                    if name not in ("steps", "trainer_world") and before[name] != value]
@@ -634,6 +634,8 @@ class Controller:
                                  f" {', '.join(changed)} differ; a resumed run may change only steps and trainer_world")
         try:
             info = checkpoint_info(self.out)
+            if info is not None:  # its files' headers readable (a file cut short fails here, not in a trainer)
+                checkpoint_metadata(checkpoint_dir(self.out) / info["folder"])
         except ValueError as exc:
             raise RunFolderError(f"{self.out}: {exc}") from None
         if info is not None and self.config.run.steps < info["step"]:
