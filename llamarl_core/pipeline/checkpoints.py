@@ -184,7 +184,11 @@ def checkpoint_metadata(folder: Path) -> dict:
     try:
         return HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
     except Exception as exc:  # safetensors' and DCP's own errors
-        raise ValueError(f"{folder}: its files cannot be read ({type(exc).__name__}: {exc})") from None
+        raise _unreadable(folder, exc) from None
+
+
+def _unreadable(folder: Path, exc: Exception) -> ValueError:
+    return ValueError(f"{folder}: its files cannot be read ({type(exc).__name__}: {exc})")
 
 
 def _uncovered(folder: Path, expected: dict[str, torch.Size]) -> list[str]:
@@ -360,7 +364,7 @@ def policy_tensors(run_dir: str | Path, shapes: dict[str, tuple[int, ...]],
     saved = checkpoint_metadata(folder)
     names = [k for k in saved if k.startswith("model/") and k[len("model/"):] not in skip]
     extra = sorted(k[len("model/"):] for k in names if k[len("model/"):] not in shapes)
-    bad = _uncovered(folder, {f"model/{name}": shape for name, shape in shapes.items() if name not in skip})
+    bad = _uncovered(folder, {f"model/{name}": shape for name, shape in shapes.items()})
     if extra or bad:
         raise ValueError(f"{folder} does not hold this run's model: " + "; ".join(
             ([f"lacks, or holds in part or in another shape, {few_names(bad, 3)} (a rank's file missing, or another "
@@ -376,6 +380,6 @@ def policy_tensors(run_dir: str | Path, shapes: dict[str, tuple[int, ...]],
                 with _quiet_single_process():
                     dcp.load(group, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=True)
             except Exception as exc:  # a file truncated or replaced after its metadata was read
-                raise ValueError(f"{folder}: its files cannot be read ({type(exc).__name__}: {exc})") from None
+                raise _unreadable(folder, exc) from None
             yield {k[len("model/"):]: v for k, v in group.items()}
             group, size = {}, 0

@@ -291,6 +291,7 @@ _FLAT_OF = {where: flat for flat, where in _RENAMED.items()}
 # Flat name -> (section, field), every field of every section.
 FLAT = {_FLAT_OF.get((section, f.name), f.name): (section, f.name)
         for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+RESUME_CHANGES = ("steps", "trainer_world")  # the fields a resumed run may change (its checkpoint reads back at any)
 _TYPES = {flat: typing.get_type_hints(SECTIONS[section])[name] for flat, (section, name) in FLAT.items()}
 
 

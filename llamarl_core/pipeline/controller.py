@@ -39,7 +39,7 @@ from ..spelling import names_flags, option
 from ..sync.presets import vllm_llama_tp
 from ..sync.protocol import abandon_receivers
 from .checkpoints import checkpoint_dir, checkpoint_info, checkpoint_metadata
-from .config import PLUGIN_FIELDS, TrainConfig
+from .config import PLUGIN_FIELDS, RESUME_CHANGES, TrainConfig
 from .data import RunData
 from .executors import CONTROLLER_BEAT, EVENTS, GENERATOR, REWARD, TRAINER, has_inbox, inbox_name, sync_name_of
 from .export import export_policy
@@ -628,7 +628,7 @@ class Controller:
         readable (its fields, its folder there, its files' headers)."""
         before = saved.flat()
         changed = [name for name, value in self.config.flat().items()
-                   if name not in ("steps", "trainer_world") and before[name] != value]
+                   if name not in RESUME_CHANGES and before[name] != value]
         if changed:
             raise RunFolderError(f"{self.out} holds a run with a different configuration ({self.out / 'config.json'}):"
                                  f" {', '.join(changed)} differ; a resumed run may change only steps and trainer_world")

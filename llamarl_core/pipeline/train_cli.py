@@ -28,8 +28,8 @@ from pathlib import Path
 
 from ..ops.objectives import DEFAULTS, LOSS_TYPES
 from ..spelling import flag_spelling
-from .config import (FP8_GEMMS, FP8_GRANULARITIES, LOSS_NORMALIZERS, LOSS_REDUCTIONS, NONFINITE_LOGPROBS, VLLM_DEFAULTS,
-                     TrainConfig)
+from .config import (FP8_GEMMS, FP8_GRANULARITIES, LOSS_NORMALIZERS, LOSS_REDUCTIONS, NONFINITE_LOGPROBS,
+                     RESUME_CHANGES, VLLM_DEFAULTS, TrainConfig)
 
 
 
@@ -268,9 +268,8 @@ def _resumed_config(out: Path, steps: int | None, trainer_world: int | None) -> 
     whole (steps against lr_warmup_steps, among others)."""
     with _one_line_errors():
         config = TrainConfig.load(out / "config.json")
-        changes = {name: value for name, value in (("steps", steps), ("trainer_world", trainer_world))
-                   if value is not None}
-        return config.replace(**changes) if changes else config
+        return config.replace(**{name: value for name, value in (("steps", steps), ("trainer_world", trainer_world))
+                                 if value is not None})
 
 
 def run_one(config: TrainConfig, out: Path, quiet: bool, executors_for=None,
@@ -357,7 +356,7 @@ def _main(argv, executors_for) -> int:
         raise SystemExit(f"--resume: {args.out} holds no run (no config.json)")
     if args.resume:
         ignored = [f"--{name.replace('_', '-')}" for name in (*FLAGS, *NAMED_FLAGS)
-                   if name not in ("steps", "trainer_world") and getattr(args, name) is not None]
+                   if name not in RESUME_CHANGES and getattr(args, name) is not None]
         ignored += [flag for flag, given in (("--mode", args.mode), ("--task", args.task), ("--compare", args.compare),
                                              ("--generator", args.generator), ("--keep-kv", args.keep_kv),
                                              ("--mask-truncated", args.mask_truncated),

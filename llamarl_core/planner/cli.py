@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 
 from .calibration import Calibration, fit, leave_one_out
 from .cost import FACTORS
-from .devices import PlanError
+from .devices import PlanError, positive_number
 from .scenario import from_row
 from .search import choose, describe
 
@@ -79,8 +78,7 @@ def _loo_column(entry: dict | None) -> str:
 def _measured(row: dict) -> float | None:
     """The row's measured.step_time_s where it is a positive number (shown beside a prediction), else None."""
     value = row["measured"].get("step_time_s") if isinstance(row.get("measured"), dict) else None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
-    return float(value) if ok else None
+    return float(value) if positive_number(value) else None
 
 
 def _calibration(path: str | None) -> Calibration:

@@ -65,12 +65,6 @@ FACTORS = {
 # vLLM's default share of GPU memory, and what it keeps aside for activations.
 GPU_MEMORY_UTILIZATION = 0.9
 GENERATOR_RESERVE_GiB = 2.0
-# Bytes a trainer keeps per local parameter, by its dtype: in mixed precision (bf16, fp16, fp8 compute) 16-bit
-# weights and fp32 gradients, and (sharded over the data-parallel ranks, Megatron's distributed optimizer) fp32
-# master weights and Adam's two moments; in fp32, fp32 weights and gradients, and the two moments sharded.
-TRAINER_BYTES = {"fp32": 4 + 4}
-OPTIMIZER_BYTES = {"fp32": 8}
-MIXED_TRAINER_BYTES, MIXED_OPTIMIZER_BYTES = 2 + 4, 12
 ADAM_TOUCHED_BYTES = 32  # read and written per parameter by an Adam update
 KV_BYTES = 2  # the KV cache in bf16
 SLICES = 48  # decode steps integrated in this many slices
@@ -165,6 +159,14 @@ def model_span(t) -> int:
     """Consecutive ranks one trainer model copy spans: with pipeline stages (outermost) all of the
     trainer's GPUs, else its tensor x context group, or tensor x expert where experts spread wider."""
     return t.gpus if t.pp > 1 else t.tp * max(t.cp, t.ep)
+
+
+def state_bytes(dtype: str) -> tuple[int, int]:
+    """Bytes a trainer of `dtype` keeps per local parameter: (on every data-parallel
+    rank, sharded over them: Megatron's distributed optimizer). Mixed precision
+    (bf16, fp16, fp8 compute): 16-bit weights and fp32 gradients; fp32 master
+    weights and Adam's two moments. fp32: fp32 weights and gradients; the moments."""
+    return (4 + 4, 8) if dtype == "fp32" else (2 + 4, 12)
 
 
 def check_factors(factors: dict, table: dict, where: str) -> None:
@@ -337,8 +339,9 @@ class CostModel:
         """Bytes of weights, gradients and (sharded) optimizer state on one trainer GPU."""
         dense_local, expert_local = self._local_params(s)
         t = s.trainer
-        return TRAINER_BYTES.get(t.dtype, MIXED_TRAINER_BYTES) * (dense_local + expert_local) + OPTIMIZER_BYTES.get(
-            t.dtype, MIXED_OPTIMIZER_BYTES) * (dense_local / (t.dp * t.cp) + expert_local / expert_dp(t))
+        replicated, sharded = state_bytes(t.dtype)
+        return replicated * (dense_local + expert_local) + sharded * (dense_local / (t.dp * t.cp)
+                                                                     + expert_local / expert_dp(t))
 
     # ---- memory ----
     def generator_memory(self, s: Scenario) -> float:

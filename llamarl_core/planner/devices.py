@@ -75,7 +75,8 @@ ALIASES = {"H100": "H100-SXM-80GB", "H800": "H800-SXM-80GB", "H20": "H20-96GB", 
 CPU = "cpu"
 
 
-def _positive_number(value) -> bool:
+def positive_number(value) -> bool:
+    """Whether `value` is a number (not a bool), positive and finite."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
@@ -95,7 +96,7 @@ def device(name: str, measured: dict | None = None) -> Device:
                             "machine's measured figures (device_specs); a `llamarl train` run of this machine is "
                             "predicted from its config.json under `llamarl plan calibrate`'s calibration instead")
         fields = [f.name for f in dataclasses.fields(Device) if f.name not in ("name", "nvlink_domain")]
-        missing = [f for f in fields if not _positive_number(measured.get(f))]
+        missing = [f for f in fields if not positive_number(measured.get(f))]
         unknown = sorted(set(measured) - set(fields) - {"nvlink_domain"})
         if missing or unknown:
             raise PlanError(f"device 'cpu': its measured figures (device_specs) need a positive {', '.join(fields)}; "
