@@ -336,3 +336,15 @@ def run_with_small_dev_shm(code: str, size: str = "1M") -> subprocess.CompletedP
     if proc.returncode == 97 or proc.stderr.startswith("unshare:"):
         pytest.skip(f"cannot mount a small /dev/shm in a mount namespace here: {proc.stderr.strip()}")
     return proc
+
+
+@contextlib.contextmanager
+def killed_process_env(env: Mapping[str, str]):
+    """`env` with TMPDIR a folder of its own, removed afterwards: for a command the
+    test SIGKILLs, whose multiprocessing temporary folder (its forkserver's socket
+    among what is there) its exit would have removed and a kill leaves behind."""
+    folder = tempfile.mkdtemp(prefix="killed-")
+    try:
+        yield {**env, "TMPDIR": folder}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

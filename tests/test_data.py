@@ -2,6 +2,7 @@
 split, verifiable rewards, the arithmetic dataset, model folders checked at the
 door, and the model tokenizer's chat template. No processes here."""
 
+import fcntl
 import json
 import os
 from fractions import Fraction
@@ -202,7 +203,8 @@ def test_a_run_of_python_objects_reads_them_from_its_run_folder(tmp_path):
 
 
 def test_python_inputs_are_refused_naming_the_argument_before_anything_stays(tmp_path):
-    from llamarl_core.pipeline import Controller
+    from llamarl_core.pipeline import Controller, RunFolderError
+    from llamarl_core.pipeline.controller import LOCK
 
     model, tokenizer = tiny_model()
     rows = [{"prompt": "1+1=", "answer": "2"}] * 4
@@ -224,6 +226,21 @@ def test_python_inputs_are_refused_naming_the_argument_before_anything_stays(tmp
     assert not out.exists()
     with pytest.raises(ValueError, match="a resumed run reads its inputs from its run folder"):
         Controller(TrainConfig(), out, resume=True, model=model, tokenizer=tokenizer)
+    # A folder another controller runs in (it holds the folder's flock from before it
+    # writes config.json): refused, its inputs not written over; free again, written.
+    out.mkdir()
+    (out / "inputs").mkdir()
+    (out / "inputs" / "dataset.jsonl").write_text("theirs\n")
+    holder = os.open(out / LOCK, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RunFolderError, match=f"{out} is in use by another run"):
+            Controller(TrainConfig(reward="math", max_new_tokens=4), out, model=model, tokenizer=tokenizer, dataset=rows)
+        assert (out / "inputs" / "dataset.jsonl").read_text() == "theirs\n"
+    finally:
+        os.close(holder)
+    written = Controller(TrainConfig(reward="math", max_new_tokens=4), out, model=model, tokenizer=tokenizer, dataset=rows).config.run.dataset
+    assert [json.loads(line) for line in Path(written).read_text().splitlines()] == rows
 
 
 def test_model_folder_round_trip_and_checks(tmp_path):

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+from helpers import killed_process_env
+
 # The executors run the CPU paths of the kernels, as a user's run does.
 RUN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
@@ -46,19 +48,20 @@ def test_a_killed_run_leaves_a_trace_and_metrics_that_parse(tmp_path):
     with a "train step" span for every step in metrics.jsonl, and every line of
     metrics.jsonl parses."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "llamarl_core.cli", "train", "--out", str(out), "--steps", "1000",
-                             "--warmup-steps", "5", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=RUN_ENV, cwd=tmp_path,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        metrics = out / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 20):
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "20 steps did not come within 180 s"
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the controller and its executors at once, mid-step
-        proc.wait(timeout=30)
+    metrics = out / "metrics.jsonl"
+    with killed_process_env(RUN_ENV) as env:
+        proc = subprocess.Popen([sys.executable, "-m", "llamarl_core.cli", "train", "--out", str(out), "--steps",
+                                 "1000", "--warmup-steps", "5", "--quiet"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, env=env, cwd=tmp_path, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 180
+            while not (metrics.exists() and metrics.read_text().count("\n") >= 20):
+                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+                assert time.monotonic() < deadline, "20 steps did not come within 180 s"
+                time.sleep(0.05)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # the controller and its executors at once, mid-step
+            proc.wait(timeout=30)
     lines = metrics.read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert len(records) >= 20 and [r["step"] for r in records] == list(range(len(records)))

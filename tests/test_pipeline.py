@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers
 
-from helpers import llamarl_here
+from helpers import killed_process_env, llamarl_here
 from llamarl_core.models import LlamaGenerator
 from llamarl_core.ops.aipo import aipo_loss_ref, group_advantages
 from llamarl_core.pipeline import (
@@ -828,28 +828,29 @@ def _wait_for(predicate, timeout, what):
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     out = tmp_path / "run"
     args = ["--steps", "400", "--warmup-steps", "5", "--prompts-per-step", "4", "--checkpoint-every", "5", "--quiet"]
-    proc = subprocess.Popen([*TRAIN, "--out", str(out), *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/", start_new_session=True,
-                            env=RUN_ENV)
-    try:
-        ckpt = out / "checkpoint" / "trainer.json"
-        _wait_for(lambda: ckpt.exists() and (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 12, 120,
-                  "the run to reach a checkpoint")
-        # Resumed while it still runs: refused, nothing of the run's touched.
-        config = (out / "config.json").read_bytes()
-        busy = llamarl("--out", str(out), "--resume", "--quiet")
-        assert busy.returncode != 0 and f"{out} is in use by another run" in busy.stderr, busy.stderr[-2000:]
-        assert (out / "config.json").read_bytes() == config
-        # The controller dies without any clean-up; its executors notice within
-        # seconds and exit (Python's resource tracker, left alive, unlinks the
-        # queues' semaphores).
-        executors = json.loads((out / "executors.json").read_text()).values()
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        _wait_for(lambda: not any(_alive(pid) for pid in executors), 30, "the executors to exit")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    with killed_process_env(RUN_ENV) as env:
+        proc = subprocess.Popen([*TRAIN, "--out", str(out), *args],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/", start_new_session=True,
+                                env=env)
+        try:
+            ckpt = out / "checkpoint" / "trainer.json"
+            _wait_for(lambda: ckpt.exists() and (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 12,
+                      120, "the run to reach a checkpoint")
+            # Resumed while it still runs: refused, nothing of the run's touched.
+            config = (out / "config.json").read_bytes()
+            busy = llamarl("--out", str(out), "--resume", "--quiet")
+            assert busy.returncode != 0 and f"{out} is in use by another run" in busy.stderr, busy.stderr[-2000:]
+            assert (out / "config.json").read_bytes() == config
+            # The controller dies without any clean-up; its executors notice within
+            # seconds and exit (Python's resource tracker, left alive, unlinks the
+            # queues' semaphores).
+            executors = json.loads((out / "executors.json").read_text()).values()
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            _wait_for(lambda: not any(_alive(pid) for pid in executors), 30, "the executors to exit")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
     saved_step = checkpoint_info(out)["step"]
     assert saved_step % 5 == 0 and saved_step >= 5
     # The record of the step just before the checkpoint is written once that step's

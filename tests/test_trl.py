@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,8 @@ def _environment_kept():
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 CHARS = "abcdefghijklmnopqrstuvwxyz="
+# The trainers' output_dir (save_strategy "no": nothing is saved there), removed with the process.
+OUTPUT_DIR = tempfile.TemporaryDirectory(prefix="trl-output-")
 
 
 def tokenizer():
@@ -72,9 +75,9 @@ def length_reward(prompts, completions, **kwargs):
 def config(loss_type: str, **options) -> trl.GRPOConfig:
     """float32 throughout (TRL's default is bf16 autocast, whose rounding two
     heads do not share)."""
-    return trl.GRPOConfig(output_dir="unused", loss_type=loss_type, per_device_train_batch_size=4, num_generations=4,
-                          max_completion_length=6, report_to=[], use_cpu=True, save_strategy="no", seed=0,
-                          logging_steps=1, bf16=False, **options)
+    return trl.GRPOConfig(output_dir=OUTPUT_DIR.name, loss_type=loss_type, per_device_train_batch_size=4,
+                          num_generations=4, max_completion_length=6, report_to=[], use_cpu=True, save_strategy="no",
+                          seed=0, logging_steps=1, bf16=False, **options)
 
 
 @pytest.fixture(scope="module")

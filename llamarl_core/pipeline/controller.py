@@ -129,8 +129,9 @@ class Controller:
     executors: where the executors run (processes.py): forked on this host unless
     given (torchrun ranks, from llamarl_core.launch). model, tokenizer, dataset:
     the run's inputs as Python objects, written into out_dir/inputs/ first
-    (inputs.py; a fresh run only), config.run.model / dataset then naming them;
-    removed again when a check refuses the run."""
+    (inputs.py; a fresh run only, refused while another controller holds the
+    folder), config.run.model / dataset then naming them; removed again when a
+    check refuses the run."""
 
     def __init__(self, config: TrainConfig, out_dir: Path, on_step=None, on_event=None, executors=None,
                  resume: bool = False, *, model=None, tokenizer=None, dataset=None):
@@ -143,17 +144,29 @@ class Controller:
         if given and resume:
             raise ValueError(f"{'= / '.join(given)}=: a resumed run reads its inputs from its run folder: "
                              f"Controller(TrainConfig.load(out / 'config.json'), out, resume=True)")
-        if given and (self.out / "config.json").exists():
-            raise RunFolderError(f"{self.out} already holds a run: pick another folder for a run of {', '.join(given)}=")
-        existed = self.out.exists()
-        self.config = write_inputs(self.out, config, model=model, tokenizer=tokenizer, dataset=dataset)
-        try:
+        if not given:
+            self.config = config
             self._check(executors)
+            return
+        existed = self.out.exists()
+        self.out.mkdir(parents=True, exist_ok=True)
+        wrote = False
+        try:
+            # Held while the inputs are written and checked: a controller running into
+            # this folder (its inputs read by its executors) is refused, not written
+            # over. run() warns where the filesystem has no flock.
+            with _folder_lock(self.out, lambda msg: None):
+                if (self.out / "config.json").exists():
+                    raise RunFolderError(f"{self.out} already holds a run: pick another folder for a run of "
+                                         f"{', '.join(given)}=")
+                self.config = write_inputs(self.out, config, model=model, tokenizer=tokenizer, dataset=dataset)
+                wrote = True
+                self._check(executors)
         except BaseException:
-            if given:  # what this run wrote, and the folder if it made it
+            if wrote:  # what this run wrote, and the folder if it made it
                 shutil.rmtree(self.out / INPUTS, ignore_errors=True)
-                if not existed:
-                    shutil.rmtree(self.out, ignore_errors=True)
+            if not existed:
+                shutil.rmtree(self.out, ignore_errors=True)
             raise
 
     def _check(self, executors) -> None:
