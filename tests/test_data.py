@@ -204,7 +204,7 @@ def test_a_run_of_python_objects_reads_them_from_its_run_folder(tmp_path):
 
 def test_python_inputs_are_refused_naming_the_argument_before_anything_stays(tmp_path):
     from llamarl_core.pipeline import Controller, RunFolderError
-    from llamarl_core.pipeline.controller import LOCK
+    from llamarl_core.pipeline.run_folder import LOCK
 
     model, tokenizer = tiny_model()
     rows = [{"prompt": "1+1=", "answer": "2"}] * 4

@@ -903,14 +903,14 @@ def test_a_run_folder_on_a_filesystem_without_flock_runs_unlocked_and_says_so(tm
     ENOLCK) and the run goes on, saying that the folder is not locked."""
     import errno
 
-    from llamarl_core.pipeline import controller
+    from llamarl_core.pipeline import run_folder
 
     def no_flock(fd, operation):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(controller.fcntl, "flock", no_flock)
+    monkeypatch.setattr(run_folder.fcntl, "flock", no_flock)
     said = []
-    with controller._folder_lock(tmp_path, said.append):
+    with run_folder.folder_lock(tmp_path, said.append):
         said.append("ran")
     assert said == [f"llamarl: {tmp_path} cannot be locked ({os.strerror(errno.ENOLCK)}: its filesystem has no "
                     "flock): another run into it is not refused", "ran"]

@@ -217,7 +217,7 @@ def test_main_guard_forms(test, guarded):
 
 
 def test_a_folder_holding_a_run_is_resumed_only_when_asked(tmp_path):
-    from llamarl_core.pipeline.controller import RunFolderError
+    from llamarl_core.pipeline import RunFolderError
 
     TrainConfig(steps=3).save(tmp_path / "config.json")
     with pytest.raises(RunFolderError, match="already holds a run .* resume=True"):

@@ -13,10 +13,11 @@ samples a step may train on, under bounded staleness).
 
 from .advantages import ADVANTAGES, AdvantageFn
 from .config import GeneratorConfig, LossConfig, RunConfig, SyncConfig, TrainConfig, TrainerConfig
-from .controller import Controller, PipelineError, RunFolderError
+from .controller import Controller, PipelineError
 from .generators import Generator, GeneratorContext
 from .learner import Batch, LossFn, StepContext, StepHook, StepStats, train_step
 from .rollout import RolloutEngine, Sample
+from .run_folder import RunFolderError
 from .scheduler import Scheduler
 from .task import CharTokenizer, Task, load_task, reverse_task
 

@@ -19,11 +19,8 @@ the trainer waits for them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import json
-import os
 import shutil
 import time
 import warnings
@@ -38,8 +35,7 @@ from ..models.checkpoint import check_generator_config
 from ..spelling import names_flags, option
 from ..sync.presets import vllm_llama_tp
 from ..sync.protocol import abandon_receivers
-from .checkpoints import checkpoint_dir, checkpoint_info, checkpoint_metadata
-from .config import PLUGIN_FIELDS, RESUME_CHANGES, TrainConfig
+from .config import PLUGIN_FIELDS, TrainConfig
 from .data import RunData
 from .executors import CONTROLLER_BEAT, EVENTS, GENERATOR, REWARD, TRAINER, has_inbox, inbox_name, sync_name_of
 from .export import export_policy
@@ -78,6 +74,7 @@ from .recorder import RunRecorder
 from .report import cpu_times, steal_fraction
 from .rollout import Sample
 from .rewards import check_reward_config
+from .run_folder import RunFolderError, check_run_folder, folder_lock
 from .scheduler import Scheduler
 
 EVENT_POLL_S = 0.05
@@ -89,37 +86,6 @@ TRAINER_STATS = tuple(f.name for f in dataclasses.fields(StepStats) if f.name !=
 
 class PipelineError(RuntimeError):
     """The run cannot go on (an executor failed, or nothing happened for too long)."""
-
-
-LOCK = ".llamarl-run.lock"  # in the run folder: held (flock) by the controller that runs in it
-
-
-@contextlib.contextmanager
-def _folder_lock(out: Path, warn):
-    """Hold the run folder `out` for one controller: RunFolderError, before the run
-    reads or writes anything there, while another controller holds it (a run still
-    going, into the same folder or resumed from it). An flock: the system drops it
-    with its holder, however that ends (the executors of a controller killed
-    outright go on until their wait for its heartbeat ends, --timeout-s). On a
-    filesystem without flock (Lustre without -o flock, NFS without its lock
-    service) the run goes on unlocked, said through `warn`."""
-    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RunFolderError(f"{out} is in use by another run (its controller holds {out / LOCK}): wait for it "
-                                 "to end, or pick another folder") from None
-        except OSError as exc:
-            warn(f"llamarl: {out} cannot be locked ({exc.strerror}: its filesystem has no flock): another run into "
-                 "it is not refused")
-        yield
-    finally:
-        os.close(fd)
-
-
-class RunFolderError(ValueError):
-    """The run folder holds another run, or a run to resume without resume=True."""
 
 
 class Controller:
@@ -155,7 +121,7 @@ class Controller:
             # Held while the inputs are written and checked: a controller running into
             # this folder (its inputs read by its executors) is refused, not written
             # over. run() warns where the filesystem has no flock.
-            with _folder_lock(self.out, lambda msg: None):
+            with folder_lock(self.out, lambda msg: None):
                 if (self.out / "config.json").exists():
                     raise RunFolderError(f"{self.out} already holds a run: pick another folder for a run of "
                                          f"{', '.join(given)}=")
@@ -601,24 +567,20 @@ class Controller:
         --resume`). RunFolderError, before anything starts, for a folder that
         holds a run and resume=False, a run of another configuration (other than
         in `steps` and the trainer's world), a checkpoint it cannot resume
-        (_check_resumable), or a folder another controller holds (a run still
-        going there: _folder_lock). gpu_share "mps:P": the run's MPS daemon (its log in
+        (run_folder.check_run_folder), or a folder another controller holds (a
+        run still going there: run_folder.folder_lock). gpu_share "mps:P": the run's MPS daemon (its log in
         out/mps) starts before config.json is written (PipelineError if it does
         not) and is told to quit after the executors have ended."""
         cfg = self.config
         if isinstance(self.executors, LocalExecutors):
             check_main_guard()
         self.out.mkdir(parents=True, exist_ok=True)
-        with _folder_lock(self.out, self.on_event):
+        with folder_lock(self.out, self.on_event):
             return self._run_locked(cfg)
 
     def _run_locked(self, cfg: TrainConfig) -> dict:
+        check_run_folder(self.out, cfg, self.resume)
         saved = self.out / "config.json"
-        if saved.exists() and not self.resume:
-            raise RunFolderError(f"{self.out} already holds a run ({saved}); resume=True (llamarl train --resume) "
-                                 "continues it from its last checkpoint, or pick another folder")
-        if saved.exists():
-            self._check_resumable(TrainConfig.load(saved))
         if generator_percent(cfg.generator.gpu_share) is None:
             return self._run(saved)
         try:  # before config.json: a daemon that does not start leaves no run behind
@@ -633,27 +595,6 @@ class Controller:
                 self.on_event(f"llamarl: the MPS daemon of {option('gpu_share', cfg.generator.gpu_share)} did not "
                               "quit; "
                               f"end it with: echo quit | CUDA_MPS_PIPE_DIRECTORY={daemon.pipe} {MPS_CONTROL}")
-
-    def _check_resumable(self, saved: TrainConfig) -> None:
-        """RunFolderError, before anything is written, unless this config resumes the
-        saved one: the same but for steps (no fewer than the checkpoint's) and the
-        trainer's world (its shards are read back at any), and the checkpoint's record
-        readable (its fields, its folder there, its files' headers)."""
-        before = saved.flat()
-        changed = [name for name, value in self.config.flat().items()
-                   if name not in RESUME_CHANGES and before[name] != value]
-        if changed:
-            raise RunFolderError(f"{self.out} holds a run with a different configuration ({self.out / 'config.json'}):"
-                                 f" {', '.join(changed)} differ; a resumed run may change only steps and trainer_world")
-        try:
-            info = checkpoint_info(self.out)
-            if info is not None:  # its files' headers readable (a file cut short fails here, not in a trainer)
-                checkpoint_metadata(checkpoint_dir(self.out) / info["folder"])
-        except ValueError as exc:
-            raise RunFolderError(f"{self.out}: {exc}") from None
-        if info is not None and self.config.run.steps < info["step"]:
-            raise RunFolderError(f"{self.out}: steps {self.config.run.steps} is below the step of its checkpoint, "
-                                 f"{info['step']}: a resumed run goes on from there")
 
     def _run(self, saved: Path) -> dict:
         cfg = self.config

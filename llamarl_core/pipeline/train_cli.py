@@ -278,7 +278,8 @@ def run_one(config: TrainConfig, out: Path, quiet: bool, executors_for=None,
     where its executors run (llamarl_core.launch: torchrun ranks); None: forked here."""
     from tqdm import tqdm
 
-    from .controller import Controller, PipelineError, RunFolderError
+    from .controller import Controller, PipelineError
+    from .run_folder import RunFolderError
     from .report import read_lines
 
     def on_step(m):

@@ -1,0 +1,71 @@
+"""The run folder as the controller finds it: held by one controller at a time
+(an flock on LOCK inside it), and either fresh or holding a run that this
+configuration may resume. Checked before the run writes a byte there."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+from .checkpoints import checkpoint_dir, checkpoint_info, checkpoint_metadata
+from .config import RESUME_CHANGES, TrainConfig
+
+LOCK = ".llamarl-run.lock"  # in the run folder: held (flock) by the controller that runs in it
+
+
+class RunFolderError(ValueError):
+    """The run folder holds another run, or a run to resume without resume=True."""
+
+
+@contextlib.contextmanager
+def folder_lock(out: Path, warn):
+    """Hold the run folder `out` for one controller: RunFolderError, before the run
+    reads or writes anything there, while another controller holds it (a run still
+    going, into the same folder or resumed from it). An flock: the system drops it
+    with its holder, however that ends (the executors of a controller killed
+    outright go on until their wait for its heartbeat ends, --timeout-s). On a
+    filesystem without flock (Lustre without -o flock, NFS without its lock
+    service) the run goes on unlocked, said through `warn`."""
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunFolderError(f"{out} is in use by another run (its controller holds {out / LOCK}): wait for it "
+                                 "to end, or pick another folder") from None
+        except OSError as exc:
+            warn(f"llamarl: {out} cannot be locked ({exc.strerror}: its filesystem has no flock): another run into "
+                 "it is not refused")
+        yield
+    finally:
+        os.close(fd)
+
+
+def check_run_folder(out: Path, config: TrainConfig, resume: bool) -> None:
+    """RunFolderError, before anything is written, unless `out` holds no run
+    (no config.json) or `resume` and `config` resumes the saved one: the same but
+    for steps (no fewer than the checkpoint's) and the trainer's world (its shards
+    are read back at any), and the checkpoint's record readable (its fields, its
+    folder there, its files' headers)."""
+    saved = out / "config.json"
+    if not saved.exists():
+        return
+    if not resume:
+        raise RunFolderError(f"{out} already holds a run ({saved}); resume=True (llamarl train --resume) "
+                             "continues it from its last checkpoint, or pick another folder")
+    before = TrainConfig.load(saved).flat()
+    changed = [name for name, value in config.flat().items() if name not in RESUME_CHANGES and before[name] != value]
+    if changed:
+        raise RunFolderError(f"{out} holds a run with a different configuration ({saved}): {', '.join(changed)} "
+                             "differ; a resumed run may change only steps and trainer_world")
+    try:
+        info = checkpoint_info(out)
+        if info is not None:  # its files' headers readable (a file cut short fails here, not in a trainer)
+            checkpoint_metadata(checkpoint_dir(out) / info["folder"])
+    except ValueError as exc:
+        raise RunFolderError(f"{out}: {exc}") from None
+    if info is not None and config.run.steps < info["step"]:
+        raise RunFolderError(f"{out}: steps {config.run.steps} is below the step of its checkpoint, {info['step']}: a "
+                             "resumed run goes on from there")
