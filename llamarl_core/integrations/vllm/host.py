@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 
@@ -96,12 +98,16 @@ def _load_weights(llm, weights) -> float:
     return time.monotonic() - start
 
 
-def _serve(conn, model_dir: str, engine_kwargs: dict) -> None:
+def _serve(conn, model_dir: str, engine_kwargs: dict, temp_dir: str) -> None:
     # What this process and its workers print goes to stderr: vLLM logs to stdout
     # (VLLM_LOGGING_STREAM's default, ext://sys.stdout, resolves to the fd below), and
     # the driving process's stdout carries its own output alone (`--json`).
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    # The temporary files of this process and its workers (vLLM's file:// rendezvous
+    # among them, which its exit below does not remove) go where EngineProcess.close
+    # removes them.
+    os.environ["TMPDIR"] = tempfile.tempdir = temp_dir
     for key, value in ENGINE_ENV.items():  # a user's own setting wins
         os.environ.setdefault(key, value)
     if engine_kwargs.get("tensor_parallel_size", 1) > 1:
@@ -158,18 +164,25 @@ def _serve(conn, model_dir: str, engine_kwargs: dict) -> None:
 class EngineProcess:
     """A vLLM engine for the model config in `model_dir` (weights: dummy until a
     sync), started in a spawned process. `call(kind, *args)` runs one of the
-    handlers in `_serve` there and returns its result (EngineError on failure)."""
+    handlers in `_serve` there and returns its result (EngineError on failure).
+    The engine's processes write their temporary files into a folder of their
+    own (TMPDIR), which close() removes; a failed start closes at once."""
 
     def __init__(self, model_dir: str, start_timeout: float = 300.0, **engine_kwargs):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
+        self.temp_dir = tempfile.mkdtemp(prefix="llamarl-vllm-")  # the engine's TMPDIR, removed by close()
         # Daemonic unless it starts worker processes of its own (tensor parallelism), which a
         # daemonic process may not; either way it ends when this process's end of the pipe closes.
         daemon = engine_kwargs.get("tensor_parallel_size", 1) == 1
-        self.proc = ctx.Process(target=_serve, args=(child, model_dir, engine_kwargs), daemon=daemon,
+        self.proc = ctx.Process(target=_serve, args=(child, model_dir, engine_kwargs, self.temp_dir), daemon=daemon,
                                 name="llamarl-vllm-engine")
-        self.proc.start()
-        self._reply(start_timeout, "start")
+        try:
+            self.proc.start()
+            self._reply(start_timeout, "start")
+        except BaseException:
+            self.close()
+            raise
 
     def _reply(self, timeout: float, what: str):
         deadline = time.monotonic() + timeout
@@ -192,10 +205,12 @@ class EngineProcess:
             self.conn.send(("stop", ()))
         except (BrokenPipeError, OSError):
             pass
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.join()
+        if self.proc.pid is not None:
+            self.proc.join(timeout=30)
+            if self.proc.is_alive():
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.join()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self):
         return self
