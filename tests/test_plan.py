@@ -216,6 +216,25 @@ def test_layout_validation_names_the_parameter():
         Layout(1, [ParamSpec("c", (4, 2), torch.float32, Fused((FusedPart("x", (4, 2), ((0, 5),)),)))])
     with pytest.raises(ValueError, match="tp_size 3"):
         vllm_llama_tp(small_config("llama_tied"), 3, torch.bfloat16)
+    for dtype in (torch.bool, torch.int16, torch.complex64, torch.float8_e5m2fnuz):
+        with pytest.raises(ValueError, match=f"'d': {dtype} is not a dtype a sync moves"):
+            Layout(1, [ParamSpec("d", (4,), dtype)])
+
+
+def test_plan_refuses_one_logical_tensor_held_in_two_dtypes_and_bad_bucket_sizes():
+    """Two source parameters holding one logical tensor: the copy reads one of them
+    and casts by one dtype, so they must agree (float16 and float32 holders read
+    float16 bytes as float32, past the end of the tensor)."""
+    src = Layout(1, [ParamSpec("a", (8,), torch.float16, source="x"),
+                     ParamSpec("b", (8,), torch.float32, source="x")])
+    dst = Layout(1, [ParamSpec("x", (8,), torch.bfloat16)])
+    with pytest.raises(ValueError, match=r"source parameters 'a' \(torch.float16\) and 'b' \(torch.float32\) hold 'x' "
+                                         "in different dtypes"):
+        plan_transfer(src, dst)
+    same = Layout(1, [ParamSpec("x", (8,), torch.float32)])
+    for bad in (0, -1, 1.5, float("nan"), True, "64"):
+        with pytest.raises(ValueError, match=f"bucket_bytes must be an int >= 1, got {bad!r}"):
+            plan_transfer(same, same, bucket_bytes=bad)
 
 
 def test_execute_local_refuses_bad_tensors_before_copying():

@@ -343,8 +343,31 @@ def test_registration_refuses_bad_tensors_before_publishing(store):
         WeightSender(store, layout, 0, shards, name="bad", timeout=1.0)
     with pytest.raises(ValueError, match="outside the layout's world size"):
         WeightSender(store, layout, 2, shards, name="bad", timeout=1.0)
+    shards["model.layers.1.mlp.up_proj.weight"] = torch.zeros(layout.local_shape("model.layers.1.mlp.up_proj.weight", 0))
+    # Arguments that are not ints, or too small (a float rank was published as "0.0" and
+    # both sides waited out their timeouts; a NaN bucket size cut the plan into elements).
+    for kwargs, named in [(dict(rank=0.0), "rank"), (dict(rank=False), "rank"), (dict(num_threads=-3), "num_threads"),
+                          (dict(num_threads=0), "num_threads"), (dict(num_threads=1.5), "num_threads"),
+                          (dict(num_threads="2"), "num_threads"), (dict(bucket_bytes=float("nan")), "bucket_bytes"),
+                          (dict(bucket_bytes=True), "bucket_bytes"), (dict(bucket_bytes="64"), "bucket_bytes")]:
+        args = {"rank": 0, **kwargs}
+        with pytest.raises(ValueError, match=f"^{named} must be an int >= "):
+            WeightSender(store, layout, args.pop("rank"), shards, name="bad", timeout=1.0, **args)
+        receiver_layout = vllm_llama_tp(config, 1, torch.float32)
+        args = {"rank": 0, **kwargs}
+        with pytest.raises(ValueError, match=f"^{named} must be an int >= "):
+            WeightReceiver(store, receiver_layout, args.pop("rank"), poisoned_destination(receiver_layout, 0),
+                           name="bad", timeout=1.0, **args)
+    # Tensors whose bytes are not their values: a lazily negated view, a meta tensor.
+    negated = dict(shards, **{"model.norm.weight": shards["model.norm.weight"].clone()._neg_view()})
+    with pytest.raises(ValueError, match=r"sender rank 0: 'model\.norm\.weight' is a lazily negated view"):
+        WeightSender(store, layout, 0, negated, name="bad", timeout=1.0)
+    with torch.device("meta"):
+        meta = poisoned_destination(receiver_layout, 0)
+    with pytest.raises(ValueError, match="receiver rank 0: '.*' is on the meta device"):
+        WeightReceiver(store, receiver_layout, 0, meta, name="bad", timeout=1.0)
     prefixed = dist.PrefixStore("llamarl/sync/bad/", store)
-    assert not prefixed.check(["src/0/info"])  # nothing was published
+    assert not prefixed.check(["src/0/info"]) and not prefixed.check(["dst/0/info"])  # nothing was published
 
 
 def choose_transport(requested, senders, receivers, pairs=None) -> str:
@@ -793,7 +816,7 @@ def test_replica_arguments_are_checked_before_registering(store):
     plain = vllm_llama_tp(config, 1, torch.bfloat16)
     with pytest.raises(ValueError, match=r"replica must be in \[0, 2\), got 2"):
         WeightReceiver(store, plain, 0, poisoned_destination(plain, 0), name="rep-bad", replica=2, num_replicas=2)
-    with pytest.raises(ValueError, match=r"num_replicas must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"num_replicas must be an int >= 1, got 0"):
         WeightReceiver(store, plain, 0, poisoned_destination(plain, 0), name="rep-bad", num_replicas=0)
     assert not dist.PrefixStore("llamarl/sync/rep-bad/", store).check(["dst/0/info"])  # nothing was published
 

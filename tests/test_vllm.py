@@ -61,7 +61,7 @@ def test_init_info_names_a_replica_outside_its_sync():
     assert (info["replica"], info["num_replicas"]) == (2, 3) and Layout.from_dict(info["trainer_layout"]) == layout
     with pytest.raises(ValueError, match=r"replica must be in \[0, 3\), got 3"):
         ddma_init_info("127.0.0.1", 1234, layout, replica=3, num_replicas=3)
-    with pytest.raises(ValueError, match="num_replicas must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_replicas must be an int >= 1, got 0"):
         ddma_init_info("127.0.0.1", 1234, layout, num_replicas=0)
     for bad in (0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=f"timeout_s must be a positive number of seconds, at most 9.223e.09, "

@@ -55,7 +55,9 @@ def segment_table(segments: Iterable, src_base: Callable, dst_base: Callable) ->
 
 def check_local_tensors(layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor] | None, side: str) -> None:
     """Every local tensor of `rank` (layout.local_tensor_specs) present, with its
-    shape and dtype, contiguous; no unknown names. Raises ValueError naming it."""
+    shape and dtype, contiguous, holding its values as bytes (not on the meta
+    device, not a lazily negated or conjugated view, whose bytes are not its
+    values); no unknown names. Raises ValueError naming it."""
     if tensors is None:
         raise ValueError(f"{side} rank {rank}: no tensors given")
     specs = layout.local_tensor_specs(rank)
@@ -72,6 +74,11 @@ def check_local_tensors(layout: Layout, rank: int, tensors: Mapping[str, torch.T
             raise ValueError(f"{side} rank {rank}: {name!r} has dtype {tensor.dtype}, expected {dtype}")
         if not tensor.is_contiguous():
             raise ValueError(f"{side} rank {rank}: {name!r} must be contiguous")
+        if tensor.is_meta:
+            raise ValueError(f"{side} rank {rank}: {name!r} is on the meta device (it holds no bytes)")
+        if tensor.is_neg() or tensor.is_conj():
+            raise ValueError(f"{side} rank {rank}: {name!r} is a lazily {'negated' if tensor.is_neg() else 'conjugated'}"
+                             " view (its bytes are not its values): pass it resolved (resolve_neg / resolve_conj)")
 
 
 def check_distinct_memory(tensors: Mapping[str, torch.Tensor], what: str) -> None:

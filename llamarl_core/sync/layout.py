@@ -42,6 +42,18 @@ _DTYPES = {
 }
 
 
+def check_int(value, name: str, minimum: int, optional: bool = False) -> None:
+    """Refuse, with ValueError naming `name`, anything but a Python int of at least
+    `minimum` (a bool, a float, NaN, a string, a numpy integer); None passes where
+    `optional`. Before anything is published: a float rank published its Store keys
+    under "0.0" and both sides waited out their timeouts; a NaN bucket size cut
+    the plan into one-element pieces."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -281,6 +293,9 @@ class Layout:
         name = spec.name
         if not isinstance(spec.dtype, torch.dtype):
             raise ValueError(f"parameter {name!r}: dtype must be a torch.dtype, got {spec.dtype!r}")
+        if dtype_name(spec.dtype) not in _DTYPES:
+            raise ValueError(f"parameter {name!r}: {spec.dtype} is not a dtype a sync moves (one of "
+                             f"{', '.join(sorted(_DTYPES))})")
         if any((not isinstance(d, int)) or d < 0 for d in spec.shape):
             raise ValueError(f"parameter {name!r}: shape must be non-negative ints, got {spec.shape}")
         if spec.fp8 is not None:

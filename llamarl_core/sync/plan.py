@@ -17,7 +17,7 @@ import torch
 from ..ops.fp8 import INPUT_DTYPES
 from .engine import check_local_tensors, run_segment_table, segment_table, tensors_device
 from .fp8 import Fp8Plan, Fp8Rect, Fp8Sources, ScaleWrite, held_layout
-from .layout import Fragment, Layout, view_2d
+from .layout import Fragment, Layout, check_int, view_2d
 
 # Casts a segment may do on the way; any other dtype pair is refused.
 SUPPORTED_CASTS = {(torch.float32, torch.bfloat16)}
@@ -162,14 +162,14 @@ def relay_tree(num_replicas: int) -> dict[int, list[int]]:
 
 
 def check_replicas(num_replicas: int) -> None:
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    check_int(num_replicas, "num_replicas", 1)
 
 
 def check_replica(replica: int, num_replicas: int) -> None:
     """ValueError naming `replica` or `num_replicas` when the one is not a replica of the other."""
     check_replicas(num_replicas)
-    if not 0 <= replica < num_replicas:
+    check_int(replica, "replica", 0)
+    if replica >= num_replicas:
         raise ValueError(f"replica must be in [0, {num_replicas}), got {replica}")
 
 
@@ -381,6 +381,20 @@ def _decompose(frag: Fragment, holders: list[_Holder], dst_rank: int, dst_name: 
     return [rect for band in bands for rect in band]
 
 
+def logical_dtypes(layout: Layout) -> dict[str, torch.dtype]:
+    """Logical tensor -> the dtype its parameters hold it in; ValueError naming two
+    parameters that hold one logical tensor in different dtypes (the copy reads
+    either, and casts by one dtype)."""
+    dtypes: dict[str, tuple[torch.dtype, str]] = {}
+    for spec in layout.params.values():
+        for source in spec.logical_shapes():
+            dtype, holder = dtypes.setdefault(source, (spec.dtype, spec.name))
+            if dtype != spec.dtype:
+                raise ValueError(f"source parameters {holder!r} ({dtype}) and {spec.name!r} ({spec.dtype}) hold "
+                                 f"{source!r} in different dtypes")
+    return {source: dtype for source, (dtype, _) in dtypes.items()}
+
+
 def plan_transfer(src_layout: Layout, dst_layout: Layout, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                   num_replicas: int = 1) -> TransferPlan:
     """Plan the copy of every destination parameter from the source layout, into
@@ -388,12 +402,12 @@ def plan_transfer(src_layout: Layout, dst_layout: Layout, bucket_bytes: int = DE
 
     Raises ValueError, naming the parameter, for: a destination reading a logical
     tensor the source does not have; a source parameter no destination uses; a
-    global shape mismatch; a dtype pair other than equal or float32 -> bfloat16;
+    global shape mismatch; source parameters holding one logical tensor in two
+    dtypes; a dtype pair other than equal or float32 -> bfloat16;
     destination writes that overlap, leave a gap, or fall outside the tensor; a
     source holding FP8 parameters (a replica) into any layout but its own.
     """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    check_int(bucket_bytes, "bucket_bytes", 1)
     check_replicas(num_replicas)
     held_fp8 = [name for name, spec in src_layout.params.items() if spec.fp8 is not None]
     if held_fp8:  # a source holding FP8 weights: a replica relaying them (see TransferPlan)
@@ -404,7 +418,7 @@ def plan_transfer(src_layout: Layout, dst_layout: Layout, bucket_bytes: int = DE
         return plan_transfer(held, held, bucket_bytes, num_replicas)
     src_shapes = src_layout.logical_shapes()
     dst_shapes = dst_layout.logical_shapes()
-    src_dtypes = {src: spec.dtype for spec in src_layout.params.values() for src in spec.logical_shapes()}
+    src_dtypes = logical_dtypes(src_layout)
 
     for spec in dst_layout.params.values():
         for source, shape in spec.logical_shapes().items():

@@ -134,18 +134,18 @@ class WeightReceiver(Endpoint):
                  p2p_bucket_bytes: int | None = None, replica: int = 0,
                  num_replicas: int = 1, relay_names: Mapping[int, str] | None = None, secret: bytes | None = None):
         check_replica(replica, num_replicas)
-        if num_replicas > 1:
-            p2p_bucket_bytes = min(p2p_bucket_bytes or RELAY_BUCKET_BYTES, RELAY_BUCKET_BYTES)
         children = relay_tree(num_replicas)[replica]
         relay_names = {child: relay_name(name, child) for child in children} | dict(relay_names or {})
         if sorted(relay_names) != children:
             raise ValueError(f"relay_names: replica {replica} feeds replicas {children}, got names for "
                              f"{sorted(relay_names)}")
+        device = check_endpoint(self.side, layout, rank, tensors, transport, timeout, num_threads,
+                                bucket_bytes=bucket_bytes, p2p_bucket_bytes=p2p_bucket_bytes)
         check_distinct_memory(tensors, f"receiver rank {rank}")
+        if num_replicas > 1:
+            p2p_bucket_bytes = min(p2p_bucket_bytes or RELAY_BUCKET_BYTES, RELAY_BUCKET_BYTES)
         channel = Channel(store, relay_name(name, replica), secret)
         self.watch = SenderWatch(channel, rank)
-        device = check_endpoint(self.side, layout, rank, tensors, transport, timeout, bucket_bytes=bucket_bytes,
-                                p2p_bucket_bytes=p2p_bucket_bytes)
         registration = register_receiver(channel, layout, rank, tensors, device, transport=transport, timeout=timeout,
                                          p2p_bucket_bytes=p2p_bucket_bytes, watch=self.watch)
         super().__init__(channel, layout, rank, tensors, device, registration, timeout=timeout,
