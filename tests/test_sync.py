@@ -358,6 +358,9 @@ def test_registration_refuses_bad_tensors_before_publishing(store):
         with pytest.raises(ValueError, match=f"^{named} must be an int >= "):
             WeightReceiver(store, receiver_layout, args.pop("rank"), poisoned_destination(receiver_layout, 0),
                            name="bad", timeout=1.0, **args)
+    for name in (None, 5, b"w", ""):
+        with pytest.raises(ValueError, match=f"^name must be a non-empty str, got {re.escape(repr(name))}"):
+            WeightSender(store, layout, 0, shards, name=name, timeout=1.0)
     # Tensors whose bytes are not their values: a lazily negated view, a meta tensor.
     negated = dict(shards, **{"model.norm.weight": shards["model.norm.weight"].clone()._neg_view()})
     with pytest.raises(ValueError, match=r"sender rank 0: 'model\.norm\.weight' is a lazily negated view"):

@@ -116,6 +116,8 @@ class Channel:
     always time out."""
 
     def __init__(self, store: dist.Store, name: str, secret: bytes | None):
+        if not isinstance(name, str) or not name:  # None and "None", 5 and "5" would be one sync
+            raise ValueError(f"name must be a non-empty str, got {name!r}")
         self.name = name
         prefix = f"llamarl/sync/{name}/"
         secret = required_secret(secret, f"the weight sync {name!r}")
