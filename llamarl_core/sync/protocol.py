@@ -116,8 +116,7 @@ class Channel:
     always time out."""
 
     def __init__(self, store: dist.Store, name: str, secret: bytes | None):
-        if not isinstance(name, str) or not name:  # None and "None", 5 and "5" would be one sync
-            raise ValueError(f"name must be a non-empty str, got {name!r}")
+        check_name(name)
         self.name = name
         prefix = f"llamarl/sync/{name}/"
         secret = required_secret(secret, f"the weight sync {name!r}")
@@ -452,6 +451,14 @@ def board_answers(slots: list, senders: list[int], expect: int | None,
     return answers
 
 
+def check_name(name) -> None:
+    """ValueError unless a sync's `name` is a non-empty str (None and "None", 5 and
+    "5" would be one sync)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+
+
 def relay_name(name: str, replica: int) -> str:
     """The Store namespace of the sync that fills `replica` (replica 0: the trainer's)."""
+    check_name(name)
     return f"{name}/replica{replica}" if replica else name
