@@ -155,6 +155,30 @@ def test_a_logit_transform_the_head_does_not_apply_is_refused_at_construction(ov
                     processing_class=tokenizer())
 
 
+def test_a_forward_set_on_the_instance_is_what_plain_calls_run_as_under_trl():
+    """An override of the model instance's forward (one token banned: what
+    generate() samples from without vLLM) is kept by the fused head, as TRL's keeps
+    it: outside fused_lm_head the trainer's model computes what TRL's does."""
+    ids = torch.tensor([[2, 3, 4, 5]])
+    logits = []
+    for cls in (trl.GRPOTrainer, GRPOTrainer):
+        model = tiny_llama(0)
+        plain = model.forward
+
+        def banned(*args, plain=plain, **kwargs):
+            out = plain(*args, **kwargs)
+            out.logits[..., 6] = -1e9
+            return out
+
+        model.forward = banned
+        run = cls(model=model, reward_funcs=length_reward, args=config("dapo"), train_dataset=prompts(),
+                  processing_class=tokenizer())
+        with torch.no_grad():
+            logits.append(run.model(input_ids=ids).logits)
+    assert (logits[0][..., 6] == -1e9).all()
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_an_lm_head_bias_and_unknown_outputs_are_refused():
     model = tiny_llama(0)
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))

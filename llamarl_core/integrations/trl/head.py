@@ -63,7 +63,9 @@ def add_fused_lm_head(model: torch.nn.Module, temperature: float = 1.0, cast_lm_
     given), `loss` (their negative mean, or sum / num_items_in_batch, plus the
     MoE load-balancing loss weighted by the config's router_aux_loss_coef when
     router logits are asked for), `aux_loss` and `label_mask`. Without
-    `fused_lm_head` the forward is the model class's own. temperature divides
+    `fused_lm_head` the forward is the one the model had (an override on the
+    instance, a user's or TRL's own head, kept as TRL's add_fused_lm_head keeps
+    it). temperature divides
     the logits; the projection runs in the autocast dtype under autocast, else in
     the hidden states' dtype (float32 with cast_lm_head_to_fp32). ValueError
     naming what the head does not reproduce (unsupported_head)."""
@@ -74,17 +76,17 @@ def add_fused_lm_head(model: torch.nn.Module, temperature: float = 1.0, cast_lm_
         raise ValueError(f"temperature must be positive, got {temperature}")
     from trl.trainer.utils import FusedCausalLMOutput
 
-    original_forward = type(model).forward
+    original_forward = model.forward  # bound: what the instance runs now
     text_config = model.config.get_text_config()
     with_entropy = "entropy" in outputs
 
     # The class's signature kept: generate() reads it (logits_to_keep at prefill, its model kwargs).
-    @functools.wraps(original_forward)
+    @functools.wraps(type(model).forward)
     def fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
                       **kwargs):
         if not fused_lm_head:
             passed = dict(labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
-            return original_forward(self, *args, **kwargs, **{k: v for k, v in passed.items() if v is not None})
+            return original_forward(*args, **kwargs, **{k: v for k, v in passed.items() if v is not None})
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
