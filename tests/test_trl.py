@@ -543,6 +543,13 @@ def test_what_the_colocated_sync_does_not_serve_is_named(monkeypatch):
         "some/model", 1, 1, False, peft_config=peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
     assert "embedding or lm_head" in colocate_refusal(
         "some/model", 1, 1, False, peft_config=peft.LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    # A loaded model's embeddings by what they are, whatever their names (GPT-2's wte, a
+    # regular expression): the in-place merge would reach the tied head.
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=40))
+    for lora_on in (peft.LoraConfig(target_modules=["c_attn", "wte"]), peft.LoraConfig(target_modules=r".*\.wte"),
+                    peft.LoraConfig(target_modules=["c_attn"], modules_to_save=["transformer.wte"])):
+        assert "embedding or lm_head" in colocate_refusal(gpt2, 1, 1, False, peft_config=lora_on), lora_on
+    assert colocate_refusal(gpt2, 1, 1, False, peft_config=peft.LoraConfig(target_modules=["c_attn"])) is None
     wrapped = peft.get_peft_model(tiny_llama(0), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
     assert "use_dora" in colocate_refusal(wrapped, 1, 1, False)  # a PEFT model's own config
     assert "a PEFT model with FSDP2" in colocate_refusal("some/model", 2, 1, False, peft_config=lora, sharding="FSDP2")

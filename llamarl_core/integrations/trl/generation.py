@@ -55,6 +55,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import re
 import socket
 from urllib.parse import urlparse
 
@@ -77,11 +78,36 @@ DELTA_ENV = "LLAMARL_SYNC_DELTA"  # "1": server mode's syncs go as deltas to a s
 TIMEOUT_S = 300.0
 
 
-def _peft_refusal(configs) -> str | None:
+def _embedding_names(model) -> list[str]:
+    """The module names of `model`'s input and output embeddings (a PEFT model's
+    base model's), whatever the family calls them (wte, word_embeddings, ...); none
+    for a model not yet loaded (a folder or hub id)."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embeddings = [getter() for getter in (getattr(base, "get_input_embeddings", None),
+                                          getattr(base, "get_output_embeddings", None)) if getter is not None]
+    return [name for name, module in base.named_modules() if any(module is e for e in embeddings if e is not None)]
+
+
+def _targets(config, names: list[str]) -> bool:
+    """Whether the LoraConfig's target_modules or modules_to_save reach one of
+    `names` by PEFT's rules: a list entry matches a module name or its last
+    dotted parts, a string target_modules the whole name as a regular expression."""
+    listed = [*(config.modules_to_save or ()),
+              *(() if isinstance(config.target_modules, str) else config.target_modules or ())]
+    if any(name == t or name.endswith("." + t) for name in names for t in listed):
+        return True
+    return isinstance(config.target_modules, str) and any(re.fullmatch(config.target_modules, n) for n in names)
+
+
+def _peft_refusal(configs, model) -> str | None:
     """Why the in-place merge cannot serve these PEFT configs, or None: LoRA alone
     (DoRA's and trainable tokens' merges rebind weights, prompt learning has none
-    to merge), never on a tied embedding (its delta would reach vLLM's tied
-    lm_head)."""
+    to merge), never on an embedding or lm_head (with tied embeddings its delta
+    would reach vLLM's tied lm_head), found by name and, on a loaded model, as
+    its embedding modules."""
+    embeddings = _embedding_names(model)
     for config in configs:
         kind = type(config).__name__
         if kind != "LoraConfig":
@@ -92,7 +118,7 @@ def _peft_refusal(configs) -> str | None:
         targets = {*(config.modules_to_save or ()),
                    *([config.target_modules] if isinstance(config.target_modules, str) else
                      config.target_modules or ())}
-        if any("embed" in t or "lm_head" in t for t in targets):
+        if any("embed" in t or "lm_head" in t for t in targets) or _targets(config, embeddings):
             return ("LoRA or modules_to_save on an embedding or lm_head (with tied embeddings its delta would reach "
                     "the other; the sync merges in place)")
     return None
@@ -180,7 +206,7 @@ def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enabl
     if quantization_config is not None or (isinstance(model, torch.nn.Module) and any(
             type(module).__module__.startswith("bitsandbytes") for module in model.modules())):
         return "a quantized model"
-    return _peft_refusal(configs)
+    return _peft_refusal(configs, model)
 
 
 def sync_delta() -> bool:
