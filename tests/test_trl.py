@@ -179,6 +179,12 @@ def test_a_forward_set_on_the_instance_is_what_plain_calls_run_as_under_trl():
     assert torch.equal(logits[0], logits[1])
 
 
+def test_an_argument_trl_does_not_take_is_named_as_trl_names_it():
+    for cls in (trl.GRPOTrainer, GRPOTrainer):
+        with pytest.raises(TypeError, match=r"^GRPOTrainer.__init__\(\) got an unexpected keyword argument 'tokenizer'"):
+            cls(model=tiny_llama(0), reward_funcs=length_reward, args=config("dapo"), tokenizer=tokenizer())
+
+
 def test_an_lm_head_bias_and_unknown_outputs_are_refused():
     model = tiny_llama(0)
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))

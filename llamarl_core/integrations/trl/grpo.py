@@ -43,7 +43,10 @@ class GRPOTrainer(trl.GRPOTrainer):
     """
 
     def __init__(self, *args, **kwargs):
-        bound = _SIGNATURE.bind(self, *args, **kwargs)
+        try:
+            bound = _SIGNATURE.bind(self, *args, **kwargs)
+        except TypeError as exc:  # as Python words it for trl.GRPOTrainer
+            raise TypeError(f"GRPOTrainer.__init__() {exc}") from None
         config = bound.arguments.get("args")
         ours = config is not None and config.use_vllm and config.vllm_mode in ("colocate", "server")
         if ours and config.vllm_mode == "colocate":
