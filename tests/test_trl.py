@@ -179,6 +179,28 @@ def test_a_forward_set_on_the_instance_is_what_plain_calls_run_as_under_trl():
     assert torch.equal(logits[0], logits[1])
 
 
+def test_the_fused_head_runs_the_module_it_is_called_on():
+    """A deep copy of the trainer's model (a reference or EMA model) computes with
+    its own weights, plain and fused; a second trainer on the same model replaces
+    the head rather than stacking another."""
+    import copy
+
+    model = tiny_llama(0)
+    for _ in range(2):
+        run = GRPOTrainer(model=model, reward_funcs=length_reward, args=config("dapo"), train_dataset=prompts(),
+                          processing_class=tokenizer())
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+        ids = torch.tensor([[2, 3, 4, 5]])
+        assert (twin(input_ids=ids).logits == 0).all()
+        fused = twin(input_ids=ids, labels=ids, fused_lm_head=True)
+        assert torch.allclose(fused.log_probs, torch.full_like(fused.log_probs, -math.log(model.config.vocab_size)))
+        assert not (model(input_ids=ids).logits == 0).all()
+    assert run.model is model and model.forward.__func__.llamarl_previous is None  # over the class's forward
+
+
 def test_an_argument_trl_does_not_take_is_named_as_trl_names_it():
     for cls in (trl.GRPOTrainer, GRPOTrainer):
         with pytest.raises(TypeError, match=r"^GRPOTrainer.__init__\(\) got an unexpected keyword argument 'tokenizer'"):

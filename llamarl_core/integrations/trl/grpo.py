@@ -65,12 +65,21 @@ class GRPOTrainer(trl.GRPOTrainer):
                 ours = False
         if ours:  # TRL's own engine is never built: this class builds its own after TRL's set-up
             config.use_vllm = False
+        given = bound.arguments["model"]
+        given = given.get_base_model() if hasattr(given, "get_base_model") else given
+        before = given.__dict__.get("forward") if isinstance(given, torch.nn.Module) else None
         try:
             super().__init__(*bound.args[1:], **bound.kwargs)
         finally:
             if ours:
                 config.use_vllm = True  # the same object: what TRL's set-up changed on it is kept
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        # llamarl's head in place of TRL's, over the forward the model had before TRL's (a
+        # user's override on the instance kept)
+        if policy is given and before is not None:
+            policy.forward = before
+        else:
+            policy.__dict__.pop("forward", None)
         add_fused_lm_head(policy, temperature=self.temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
                           outputs=("log_probs", "entropy"))
         if ours:

@@ -64,8 +64,8 @@ def add_fused_lm_head(model: torch.nn.Module, temperature: float = 1.0, cast_lm_
     MoE load-balancing loss weighted by the config's router_aux_loss_coef when
     router logits are asked for), `aux_loss` and `label_mask`. Without
     `fused_lm_head` the forward is the one the model had (an override on the
-    instance, a user's or TRL's own head, kept as TRL's add_fused_lm_head keeps
-    it). temperature divides
+    instance kept, as TRL's add_fused_lm_head keeps it; a llamarl head given
+    before replaced). temperature divides
     the logits; the projection runs in the autocast dtype under autocast, else in
     the hidden states' dtype (float32 with cast_lm_head_to_fp32). ValueError
     naming what the head does not reproduce (unsupported_head)."""
@@ -76,9 +76,19 @@ def add_fused_lm_head(model: torch.nn.Module, temperature: float = 1.0, cast_lm_
         raise ValueError(f"temperature must be positive, got {temperature}")
     from trl.trainer.utils import FusedCausalLMOutput
 
-    original_forward = model.forward  # bound: what the instance runs now
+    # What the instance runs now: an override of its own (bound to it: rebound to
+    # whichever module runs it, a deep copy included), else its class's forward.
+    previous = model.__dict__.get("forward")
+    previous = getattr(getattr(previous, "__func__", None), "llamarl_previous", previous)  # ours: replaced
     text_config = model.config.get_text_config()
     with_entropy = "entropy" in outputs
+
+    def original_forward(self, *args, **kwargs):
+        if previous is None:
+            return type(self).forward(self, *args, **kwargs)
+        if isinstance(previous, types.MethodType) and previous.__self__ is model:
+            return previous.__func__(self, *args, **kwargs)
+        return previous(*args, **kwargs)
 
     # The class's signature kept: generate() reads it (logits_to_keep at prefill, its model kwargs).
     @functools.wraps(type(model).forward)
@@ -86,7 +96,7 @@ def add_fused_lm_head(model: torch.nn.Module, temperature: float = 1.0, cast_lm_
                       **kwargs):
         if not fused_lm_head:
             passed = dict(labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
-            return original_forward(*args, **kwargs, **{k: v for k, v in passed.items() if v is not None})
+            return original_forward(self, *args, **kwargs, **{k: v for k, v in passed.items() if v is not None})
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
@@ -125,4 +135,5 @@ def add_fused_lm_head(model: torch.nn.Module, temperature: float = 1.0, cast_lm_
         return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask,
                                    aux_loss=aux_loss)
 
+    fused_forward.llamarl_previous = previous  # a second add_fused_lm_head replaces this head, not wraps it
     model.forward = types.MethodType(fused_forward, model)
