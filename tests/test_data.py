@@ -239,8 +239,16 @@ def test_python_inputs_are_refused_naming_the_argument_before_anything_stays(tmp
         assert (out / "inputs" / "dataset.jsonl").read_text() == "theirs\n"
     finally:
         os.close(holder)
-    written = Controller(TrainConfig(reward="math", max_new_tokens=4), out, model=model, tokenizer=tokenizer, dataset=rows).config.run.dataset
-    assert [json.loads(line) for line in Path(written).read_text().splitlines()] == rows
+    # A controller given inputs holds the folder from then until its run() ends: a second
+    # one is refused, the first's inputs kept; once the first is gone, the folder is free.
+    first = Controller(TrainConfig(reward="math", max_new_tokens=4), out, model=model, tokenizer=tokenizer,
+                       dataset=rows)
+    with pytest.raises(RunFolderError, match=f"{out} is in use by another run"):
+        Controller(TrainConfig(reward="math", max_new_tokens=4), out, model=model, tokenizer=tokenizer,
+                   dataset=rows[:1])
+    assert [json.loads(line) for line in Path(first.config.run.dataset).read_text().splitlines()] == rows
+    del first
+    Controller(TrainConfig(reward="math", max_new_tokens=4), out, model=model, tokenizer=tokenizer, dataset=rows)
 
 
 def test_model_folder_round_trip_and_checks(tmp_path):

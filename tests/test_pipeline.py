@@ -910,7 +910,7 @@ def test_a_run_folder_on_a_filesystem_without_flock_runs_unlocked_and_says_so(tm
 
     monkeypatch.setattr(run_folder.fcntl, "flock", no_flock)
     said = []
-    with run_folder.folder_lock(tmp_path, said.append):
+    with run_folder.FolderLock(tmp_path, said.append):
         said.append("ran")
     assert said == [f"llamarl: {tmp_path} cannot be locked ({os.strerror(errno.ENOLCK)}: its filesystem has no "
                     "flock): another run into it is not refused", "ran"]

@@ -74,7 +74,7 @@ from .recorder import RunRecorder
 from .report import cpu_times, steal_fraction
 from .rollout import Sample
 from .rewards import check_reward_config
-from .run_folder import RunFolderError, check_run_folder, folder_lock
+from .run_folder import FolderLock, RunFolderError, check_run_folder
 from .scheduler import Scheduler
 
 EVENT_POLL_S = 0.05
@@ -96,8 +96,8 @@ class Controller:
     given (torchrun ranks, from llamarl_core.launch). model, tokenizer, dataset:
     the run's inputs as Python objects, written into out_dir/inputs/ first
     (inputs.py; a fresh run only, refused while another controller holds the
-    folder), config.run.model / dataset then naming them; removed again when a
-    check refuses the run."""
+    folder, which this one then holds until run() ends), config.run.model /
+    dataset then naming them; removed again when a check refuses the run."""
 
     def __init__(self, config: TrainConfig, out_dir: Path, on_step=None, on_event=None, executors=None,
                  resume: bool = False, *, model=None, tokenizer=None, dataset=None):
@@ -110,29 +110,35 @@ class Controller:
         if given and resume:
             raise ValueError(f"{'= / '.join(given)}=: a resumed run reads its inputs from its run folder: "
                              f"Controller(TrainConfig.load(out / 'config.json'), out, resume=True)")
+        self._lock: FolderLock | None = None  # the run folder, held from here until run() ends (given inputs)
         if not given:
             self.config = config
             self._check(executors)
             return
-        existed = self.out.exists()
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out.mkdir()
+            made = True
+        except FileExistsError:
+            made = False
+        # Held while the inputs are written and checked, and on until run() ends: another
+        # controller (running here, or holding inputs of its own here) is refused, and
+        # none writes over this one's inputs.
+        self._lock = FolderLock(self.out, self.on_event)
         wrote = False
         try:
-            # Held while the inputs are written and checked: a controller running into
-            # this folder (its inputs read by its executors) is refused, not written
-            # over. run() warns where the filesystem has no flock.
-            with folder_lock(self.out, lambda msg: None):
-                if (self.out / "config.json").exists():
-                    raise RunFolderError(f"{self.out} already holds a run: pick another folder for a run of "
-                                         f"{', '.join(given)}=")
-                self.config = write_inputs(self.out, config, model=model, tokenizer=tokenizer, dataset=dataset)
-                wrote = True
-                self._check(executors)
+            if (self.out / "config.json").exists():
+                raise RunFolderError(f"{self.out} already holds a run: pick another folder for a run of "
+                                     f"{', '.join(given)}=")
+            self.config = write_inputs(self.out, config, model=model, tokenizer=tokenizer, dataset=dataset)
+            wrote = True
+            self._check(executors)
         except BaseException:
-            if wrote:  # what this run wrote, and the folder if it made it
+            if wrote:  # what this controller wrote, and the folder if it made it, while it holds it
                 shutil.rmtree(self.out / INPUTS, ignore_errors=True)
-            if not existed:
+            if made:
                 shutil.rmtree(self.out, ignore_errors=True)
+            self._lock.release()
             raise
 
     def _check(self, executors) -> None:
@@ -568,14 +574,17 @@ class Controller:
         holds a run and resume=False, a run of another configuration (other than
         in `steps` and the trainer's world), a checkpoint it cannot resume
         (run_folder.check_run_folder), or a folder another controller holds (a
-        run still going there: run_folder.folder_lock). gpu_share "mps:P": the run's MPS daemon (its log in
+        run still going there: run_folder.FolderLock). gpu_share "mps:P": the run's MPS daemon (its log in
         out/mps) starts before config.json is written (PipelineError if it does
         not) and is told to quit after the executors have ended."""
         cfg = self.config
         if isinstance(self.executors, LocalExecutors):
             check_main_guard()
-        self.out.mkdir(parents=True, exist_ok=True)
-        with folder_lock(self.out, self.on_event):
+        lock, self._lock = self._lock, None
+        if lock is None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            lock = FolderLock(self.out, self.on_event)
+        with lock:
             return self._run_locked(cfg)
 
     def _run_locked(self, cfg: TrainConfig) -> dict:

@@ -4,9 +4,9 @@ configuration may resume. Checked before the run writes a byte there."""
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
+import weakref
 from pathlib import Path
 
 from .checkpoints import checkpoint_dir, checkpoint_info, checkpoint_metadata
@@ -19,28 +19,35 @@ class RunFolderError(ValueError):
     """The run folder holds another run, or a run to resume without resume=True."""
 
 
-@contextlib.contextmanager
-def folder_lock(out: Path, warn):
-    """Hold the run folder `out` for one controller: RunFolderError, before the run
-    reads or writes anything there, while another controller holds it (a run still
-    going, into the same folder or resumed from it). An flock: the system drops it
-    with its holder, however that ends (the executors of a controller killed
-    outright go on until their wait for its heartbeat ends, --timeout-s). On a
-    filesystem without flock (Lustre without -o flock, NFS without its lock
-    service) the run goes on unlocked, said through `warn`."""
-    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+class FolderLock:
+    """The run folder `out` held for one controller, from construction until
+    release() (or the end of a `with` block, or this object's collection):
+    RunFolderError, before the run reads or writes anything there, while another
+    controller holds it (a run still going, into the same folder or resumed from
+    it, or one writing its inputs). An flock: the system drops it with its
+    holder, however that ends (the executors of a controller killed outright go
+    on until their wait for its heartbeat ends, --timeout-s). On a filesystem
+    without flock (Lustre without -o flock, NFS without its lock service) the run
+    goes on unlocked, said through `warn`."""
+
+    def __init__(self, out: Path, warn):
+        fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            os.close(fd)
             raise RunFolderError(f"{out} is in use by another run (its controller holds {out / LOCK}): wait for it "
                                  "to end, or pick another folder") from None
         except OSError as exc:
             warn(f"llamarl: {out} cannot be locked ({exc.strerror}: its filesystem has no flock): another run into "
                  "it is not refused")
-        yield
-    finally:
-        os.close(fd)
+        self.release = weakref.finalize(self, os.close, fd)  # closes the file once, called or not
+
+    def __enter__(self) -> FolderLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def check_run_folder(out: Path, config: TrainConfig, resume: bool) -> None:
