@@ -29,7 +29,8 @@ from helpers import (
     start_rank,
     store_client,
 )
-from llamarl_core.sync import RelayError, SyncError, SyncTimeoutError, TornWeightsError, WeightReceiver, WeightSender
+from llamarl_core.sync import (Layout, ParamSpec, RelayError, SyncError, SyncTimeoutError, TornWeightsError, WeightReceiver,
+                               WeightSender)
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 from llamarl_core.sync.protocol import abandon_receivers
 from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards
@@ -358,6 +359,13 @@ def test_registration_refuses_bad_tensors_before_publishing(store):
         with pytest.raises(ValueError, match=f"^{named} must be an int >= "):
             WeightReceiver(store, receiver_layout, args.pop("rank"), poisoned_destination(receiver_layout, 0),
                            name="bad", timeout=1.0, **args)
+    flags = Layout(1, [ParamSpec("flags", (4,), torch.bool)])
+    with pytest.raises(ValueError, match=r"^sender rank 0: parameter 'flags' is torch.bool, which a sync between "):
+        WeightSender(store, flags, 0, {"flags": torch.zeros(4, dtype=torch.bool)}, name="bad", timeout=1.0)
+    with pytest.raises(ValueError, match=r"^receiver rank 0: parameter 'flags' is torch.bool, which a sync between"):
+        WeightReceiver(store, flags, 0, {"flags": torch.zeros(4, dtype=torch.bool)}, name="bad", timeout=1.0)
+    with pytest.raises(ValueError, match="^bucket_bytes must be an int >= 1, got None"):
+        WeightSender(store, layout, 0, shards, name="bad", timeout=1.0, bucket_bytes=None)
     for name in (None, 5, b"w", ""):
         with pytest.raises(ValueError, match=f"^name must be a non-empty str, got {re.escape(repr(name))}"):
             WeightSender(store, layout, 0, shards, name=name, timeout=1.0)
@@ -821,6 +829,9 @@ def test_replica_arguments_are_checked_before_registering(store):
         WeightReceiver(store, plain, 0, poisoned_destination(plain, 0), name="rep-bad", replica=2, num_replicas=2)
     with pytest.raises(ValueError, match=r"num_replicas must be an int >= 1, got 0"):
         WeightReceiver(store, plain, 0, poisoned_destination(plain, 0), name="rep-bad", num_replicas=0)
+    with pytest.raises(ValueError, match=r"name must be a non-empty str, got None"):
+        WeightReceiver(store, plain, 0, poisoned_destination(plain, 0), name="rep-bad", num_replicas=2,
+                       relay_names={1: None})
     assert not dist.PrefixStore("llamarl/sync/rep-bad/", store).check(["dst/0/info"])  # nothing was published
 
 

@@ -578,6 +578,8 @@ def test_what_the_colocated_sync_does_not_serve_is_named(monkeypatch):
                     peft.LoraConfig(target_modules=["c_attn"], modules_to_save=["transformer.wte"])):
         assert "embedding or lm_head" in colocate_refusal(gpt2, 1, 1, False, peft_config=lora_on), lora_on
     assert colocate_refusal(gpt2, 1, 1, False, peft_config=peft.LoraConfig(target_modules=["c_attn"])) is None
+    assert colocate_refusal(gpt2, 1, 1, False, peft_config=peft.LoraConfig(target_modules=r".*",
+                                                                            exclude_modules=["wte", "lm_head"])) is None
     wrapped = peft.get_peft_model(tiny_llama(0), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
     assert "use_dora" in colocate_refusal(wrapped, 1, 1, False)  # a PEFT model's own config
     assert "a PEFT model with FSDP2" in colocate_refusal("some/model", 2, 1, False, peft_config=lora, sharding="FSDP2")

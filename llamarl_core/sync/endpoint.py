@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .engine import DEFAULT_COPY_TIMEOUT_S, check_local_tensors, tensors_device
 from .errors import SyncError, SyncTimeoutError
-from .layout import Layout, check_int
+from .layout import Layout, check_exchanged_dtypes, check_int
 from .plan import Segment, TransferPlan, bipartite_rounds, plan_transfer
 from .protocol import DST, P2P_WIRE_FORMAT, SRC, Channel, SenderWatch, check_timeout
 from .transports import P2P, check_transport_name, choose_transports, device_info, make_process_group
@@ -197,18 +197,19 @@ def relayed_buckets(relayed: list, pair: tuple[int, int], plan: TransferPlan, te
 
 
 def check_endpoint(side: str, layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor], transport: str,
-                   timeout: float, num_threads: int | None, **bucket_sizes: int | None) -> torch.device:
-    """The checks both sides make of their arguments before anything is published
-    (bucket_sizes: argument name -> its value, None for unset); returns the
-    tensors' device."""
+                   timeout: float, num_threads: int | None, bucket_bytes: int,
+                   p2p_bucket_bytes: int | None = None) -> torch.device:
+    """The checks both sides make of their arguments before anything is published;
+    returns the tensors' device."""
     check_int(rank, "rank", 0)
     if rank >= layout.world_size:
         raise ValueError(f"{side} rank {rank} is outside the layout's world size {layout.world_size}")
     check_timeout(timeout)
     check_transport_name(transport)
     check_int(num_threads, "num_threads", 1, optional=True)
-    for name, size in bucket_sizes.items():
-        check_int(size, name, 1, optional=True)
+    check_int(bucket_bytes, "bucket_bytes", 1)
+    check_int(p2p_bucket_bytes, "p2p_bucket_bytes", 1, optional=True)
+    check_exchanged_dtypes(layout, f"{side} rank {rank}")
     check_local_tensors(layout, rank, tensors, side)
     return tensors_device(tensors, f"{side} rank {rank}")
 

@@ -58,6 +58,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def check_exchanged_dtypes(layout: Layout, what: str) -> None:
+    """ValueError naming the first parameter of `layout` whose dtype the layouts two
+    processes exchange cannot carry (bool, int16, complex, ...: the local
+    TransferPlan.execute_local copies them; a sync refused them only after both
+    sides had published, naming no parameter)."""
+    for spec in layout.params.values():
+        if dtype_name(spec.dtype) not in _DTYPES:
+            raise ValueError(f"{what}: parameter {spec.name!r} is {spec.dtype}, which a sync between processes does "
+                             f"not carry (one of {', '.join(sorted(_DTYPES))})")
+
+
 def dtype_from_name(name: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(_DTYPES)}")
@@ -293,9 +304,6 @@ class Layout:
         name = spec.name
         if not isinstance(spec.dtype, torch.dtype):
             raise ValueError(f"parameter {name!r}: dtype must be a torch.dtype, got {spec.dtype!r}")
-        if dtype_name(spec.dtype) not in _DTYPES:
-            raise ValueError(f"parameter {name!r}: {spec.dtype} is not a dtype a sync moves (one of "
-                             f"{', '.join(sorted(_DTYPES))})")
         if any((not isinstance(d, int)) or d < 0 for d in spec.shape):
             raise ValueError(f"parameter {name!r}: shape must be non-negative ints, got {spec.shape}")
         if spec.fp8 is not None:

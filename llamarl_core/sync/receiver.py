@@ -21,7 +21,7 @@ from .delta_pair import HOLDING_TAG, WORDS_CHECKSUMS, WORDS_NONE, WORDS_VERSION,
 from .layout import Layout
 from .plan import DEFAULT_BUCKET_BYTES, check_replica, relay_tree
 from .protocol import (DEFAULT_TIMEOUT_S, DST, FAILED, FAILURE_POLL_S, LANDED, MIXED, REREGISTERED, Channel,
-                       ReceiveOutcome, SenderWatch, board_answers, decide_receive, relay_name)
+                       ReceiveOutcome, SenderWatch, board_answers, check_name, decide_receive, relay_name)
 from .relay import Forwarding, Relays, arrival_regions
 from .sender import WeightSender
 from .stream import NOTHING_FOLLOWS
@@ -139,8 +139,10 @@ class WeightReceiver(Endpoint):
         if sorted(relay_names) != children:
             raise ValueError(f"relay_names: replica {replica} feeds replicas {children}, got names for "
                              f"{sorted(relay_names)}")
-        device = check_endpoint(self.side, layout, rank, tensors, transport, timeout, num_threads,
-                                bucket_bytes=bucket_bytes, p2p_bucket_bytes=p2p_bucket_bytes)
+        for child_name in relay_names.values():
+            check_name(child_name)
+        device = check_endpoint(self.side, layout, rank, tensors, transport, timeout, num_threads, bucket_bytes,
+                                p2p_bucket_bytes)
         check_distinct_memory(tensors, f"receiver rank {rank}")
         if num_replicas > 1:
             p2p_bucket_bytes = min(p2p_bucket_bytes or RELAY_BUCKET_BYTES, RELAY_BUCKET_BYTES)
@@ -247,6 +249,7 @@ class WeightReceiver(Endpoint):
         waits for the child's receiver to register (seconds, while a new process
         starts), and this rank goes on meanwhile. The next receive() that relays to
         `child` waits for it, within its own timeout."""
+        check_name(name)
         self.relays.replace(child, name)
 
     def receive(self, timeout: float | None = None, relay_to: Iterable[int] | None = None,

@@ -149,8 +149,7 @@ class WeightSender(Endpoint):
         try:
             # A failure this rank reported before it registered again no longer stands.
             self.reports.clear()
-            device = check_endpoint(self.side, layout, rank, tensors, transport, timeout, num_threads,
-                                    bucket_bytes=bucket_bytes)
+            device = check_endpoint(self.side, layout, rank, tensors, transport, timeout, num_threads, bucket_bytes)
             if not isinstance(delta, bool):
                 raise ValueError(f"delta must be True or False, got {delta!r}")
             registration = register_sender(channel, layout, rank, tensors, device, transport=transport,

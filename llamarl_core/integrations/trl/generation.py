@@ -85,20 +85,29 @@ def _embedding_names(model) -> list[str]:
     if not isinstance(model, torch.nn.Module):
         return []
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    embeddings = [getter() for getter in (getattr(base, "get_input_embeddings", None),
-                                          getattr(base, "get_output_embeddings", None)) if getter is not None]
+    embeddings = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            embeddings.append(getattr(base, getter)())
+        except (AttributeError, NotImplementedError):  # a model that does not say: found by name alone
+            pass
     return [name for name, module in base.named_modules() if any(module is e for e in embeddings if e is not None)]
 
 
+def _matches(patterns, name: str) -> bool:
+    """PEFT's rule for target_modules and the like: a list entry matches a module
+    name or its last dotted parts, a string the whole name as a regular expression."""
+    if isinstance(patterns, str):
+        return re.fullmatch(patterns, name) is not None
+    return any(name == p or name.endswith("." + p) for p in patterns or ())
+
+
 def _targets(config, names: list[str]) -> bool:
-    """Whether the LoraConfig's target_modules or modules_to_save reach one of
-    `names` by PEFT's rules: a list entry matches a module name or its last
-    dotted parts, a string target_modules the whole name as a regular expression."""
-    listed = [*(config.modules_to_save or ()),
-              *(() if isinstance(config.target_modules, str) else config.target_modules or ())]
-    if any(name == t or name.endswith("." + t) for name in names for t in listed):
-        return True
-    return isinstance(config.target_modules, str) and any(re.fullmatch(config.target_modules, n) for n in names)
+    """Whether the LoraConfig's target_modules (less its exclude_modules) or
+    modules_to_save reach one of `names`."""
+    return any(_matches(config.modules_to_save, n) or
+               (_matches(config.target_modules, n) and not _matches(getattr(config, "exclude_modules", None), n))
+               for n in names)
 
 
 def _peft_refusal(configs, model) -> str | None:
