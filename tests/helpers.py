@@ -341,8 +341,8 @@ def run_with_small_dev_shm(code: str, size: str = "1M") -> subprocess.CompletedP
 @contextlib.contextmanager
 def killed_process_env(env: Mapping[str, str]):
     """`env` with TMPDIR a folder of its own, removed afterwards: for a command the
-    test SIGKILLs, whose multiprocessing temporary folder (its forkserver's socket
-    among what is there) its exit would have removed and a kill leaves behind."""
+    test stops with a signal, whose temporary files (a forkserver's socket folder,
+    vLLM's file:// rendezvous) its own exit would have removed, or never does."""
     folder = tempfile.mkdtemp(prefix="killed-")
     try:
         yield {**env, "TMPDIR": folder}

@@ -27,6 +27,7 @@ from llamarl_core.control.auth import SECRET_ENV, new_secret  # noqa: E402
 from llamarl_core.integrations.trl import DdmaWeightTransfer, GRPOTrainer  # noqa: E402
 from llamarl_core.sync import SyncError  # noqa: E402
 
+from helpers import killed_process_env  # noqa: E402
 from test_trl import config, length_reward, prompts, tokenizer, torchrun_ranks, vllm_llama_dir  # noqa: E402
 
 os.environ.clear()  # importing trl sets variables for the whole process (test_trl.py)
@@ -58,42 +59,44 @@ def server(tmp_path_factory):
     os.environ[SECRET_ENV] = new_secret().hex()
     logs = tmp_path_factory.mktemp("server-log")
     log = open(logs / "server.log", "w+")
-    process = subprocess.Popen(  # its own session: the engine's processes are stopped with it
-
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--load-format", "dummy",
-         "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "64",
-         "--max-num-seqs", "16", "--logprobs-mode", "processed_logprobs", "--enforce-eager",
-         "--weight-transfer-config", '{"backend": "llamarl_ddma"}'],
-        # VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's CPU platform then leaves the one worker inside the engine
-        # core's process (the server keeps its engine core apart): one process fewer importing vLLM.
-        env=dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"),
-        stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True, cwd=logs)  # not the repository root, which `-m` puts first on sys.path
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if process.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"the vLLM server exited with {process.returncode}:\n{log.read()[-3000:]}")
-            try:
-                if requests.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, f"the vLLM server did not start within {STARTUP_S} s"
-            time.sleep(0.2)
-        yield url, folder
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
+    # The server stops at a signal: its temporary files (vLLM's file:// rendezvous) go with its folder.
+    with killed_process_env(dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
+                                 VLLM_ENABLE_V1_MULTIPROCESSING="0")) as temp_env:
+        process = subprocess.Popen(  # its own session: the engine's processes are stopped with it
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--load-format", "dummy",
+             "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "64",
+             "--max-num-seqs", "16", "--logprobs-mode", "processed_logprobs", "--enforce-eager",
+             "--weight-transfer-config", '{"backend": "llamarl_ddma"}'],
+            # VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's CPU platform then leaves the one worker inside the engine
+            # core's process (the server keeps its engine core apart): one process fewer importing vLLM.
+            env=temp_env,
+            stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, cwd=logs)  # not the repository root, which `-m` puts first on sys.path
+        url = f"http://127.0.0.1:{port}"
         try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
-        os.environ.clear()
-        os.environ.update(saved)
+            deadline = time.monotonic() + STARTUP_S
+            while True:
+                if process.poll() is not None:
+                    log.seek(0)
+                    pytest.fail(f"the vLLM server exited with {process.returncode}:\n{log.read()[-3000:]}")
+                try:
+                    if requests.get(url + "/health", timeout=5).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                assert time.monotonic() < deadline, f"the vLLM server did not start within {STARTUP_S} s"
+                time.sleep(0.2)
+            yield url, folder
+        finally:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            log.close()
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 def server_logprobs(url: str, folder: str, ids: list[int]) -> torch.Tensor:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -104,7 +106,22 @@ class VllmGenerator(Generator):
                                tensor_parallel_size=tp, seed=seed, logprobs_mode="processed_logprobs",
                                disable_log_stats=True,
                                weight_transfer_config=WeightTransferConfig(backend="llamarl_ddma"))
-        self.llm = AsyncLLM.from_engine_args(args)
+        # The engine's processes (spawned now) write their temporary files into a folder of
+        # their own, which close() removes: vLLM's file:// rendezvous of tensor-parallel
+        # workers, which their shutdown leaves behind, among them.
+        self.temp_dir = tempfile.mkdtemp(prefix="llamarl-vllm-")
+        previous = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = self.temp_dir
+        try:
+            self.llm = AsyncLLM.from_engine_args(args)
+        except BaseException:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            raise
+        finally:
+            if previous is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = previous
         with torch.device("meta"):  # the trainer's layout, read off its model's class (any family)
             trainer_model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
         info = ddma_init_info("127.0.0.1", store_port, fsdp_layout(trainer_model, trainer_world, torch.float32),
@@ -230,3 +247,4 @@ class VllmGenerator(Generator):
         self.loop.run_until_complete(cancel_all())
         self.llm = None  # its __del__ shuts down again: now, not at interpreter exit
         self.loop.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
