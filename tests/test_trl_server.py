@@ -52,16 +52,43 @@ def server(tmp_path_factory):
     is the one compiled."""
     folder = vllm_llama_dir(tmp_path_factory.mktemp("tiny-llama-server"))
     chat_tokenizer().save_pretrained(folder)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     saved = dict(os.environ)
     os.environ[SECRET_ENV] = new_secret().hex()
     logs = tmp_path_factory.mktemp("server-log")
-    log = open(logs / "server.log", "w+")
     # The server stops at a signal: its temporary files (vLLM's file:// rendezvous) go with its folder.
     with killed_process_env(dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1",
-                                 VLLM_ENABLE_V1_MULTIPROCESSING="0")) as temp_env:
+                                 VLLM_ENABLE_V1_MULTIPROCESSING="0")) as env:
+        process = None
+        try:
+            # A port free when probed may be taken before the server binds it (a Store of the
+            # other worker's tests): another port then, a few times.
+            for attempt in range(3):
+                process, url, log_path = _start_server(folder, env, logs / f"server-{attempt}.log")
+                if process is not None:
+                    break
+            else:
+                pytest.fail(f"the vLLM server found its port taken 3 times:\n{log_path.read_text()[-3000:]}")
+            yield url, folder
+        finally:
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+def _start_server(folder: str, env: dict, log_path) -> tuple[subprocess.Popen | None, str, object]:
+    """Start the server on a free port and wait for its health: (process, url, log
+    path), or (None, url, log path) when another process took the port first."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
         process = subprocess.Popen(  # its own session: the engine's processes are stopped with it
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--load-format", "dummy",
              "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "64",
@@ -69,34 +96,28 @@ def server(tmp_path_factory):
              "--weight-transfer-config", '{"backend": "llamarl_ddma"}'],
             # VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's CPU platform then leaves the one worker inside the engine
             # core's process (the server keeps its engine core apart): one process fewer importing vLLM.
-            env=temp_env,
-            stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, cwd=logs)  # not the repository root, which `-m` puts first on sys.path
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + STARTUP_S
-            while True:
-                if process.poll() is not None:
-                    log.seek(0)
-                    pytest.fail(f"the vLLM server exited with {process.returncode}:\n{log.read()[-3000:]}")
-                try:
-                    if requests.get(url + "/health", timeout=5).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                assert time.monotonic() < deadline, f"the vLLM server did not start within {STARTUP_S} s"
-                time.sleep(0.2)
-            yield url, folder
-        finally:
-            os.killpg(process.pid, signal.SIGTERM)
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=log_path.parent)  # not the repository root, which `-m` puts first on sys.path
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if process.poll() is not None:
+                output = log_path.read_text()
+                if "Address already in use" in output:
+                    return None, url, log_path
+                pytest.fail(f"the vLLM server exited with {process.returncode}:\n{output[-3000:]}")
             try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-            log.close()
-            os.environ.clear()
-            os.environ.update(saved)
+                if requests.get(url + "/health", timeout=5).status_code == 200:
+                    return process, url, log_path
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, f"the vLLM server did not start within {STARTUP_S} s"
+            time.sleep(0.2)
+    except BaseException:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        raise
 
 
 def server_logprobs(url: str, folder: str, ids: list[int]) -> torch.Tensor:
