@@ -42,6 +42,7 @@ import torch
 
 from .._native import native
 from .endpoint import packed
+from .layout import check_int
 from .plan import Segment
 
 DENSE, MASK, RUNS = 0, 1, 2
@@ -235,11 +236,6 @@ class Scan:
     read_through: bool = False
 
 
-def _check_threads(threads: int) -> None:
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
-
-
 def moved_checksum(old: int, change: int) -> int:
     """The checksum of a bucket whose checksum was `old` before a scan that found
     its words moved it by `change` (Scan.checksum_change)."""
@@ -342,7 +338,7 @@ class BucketCodec:
         the host, for `threads` not an int >= 1, or for a table that does not write
         `staging` back to back."""
         self._check_through(staging, base, "pack_base")
-        _check_threads(threads)
+        check_int(threads, "threads", 1)
         try:
             return native().delta_pack_base_host(table, staging.data_ptr(), base.data_ptr(), self.nbytes, threads)
         except native().EngineError as error:
@@ -358,7 +354,7 @@ class BucketCodec:
     def _host_scan(self, threads: int, values: bool, run) -> Scan:
         """A native scan on up to `threads` threads: `run(bits address, values
         address or 0)` returns (changed, runs, value bytes, checksum change)."""
-        _check_threads(threads)
+        check_int(threads, "threads", 1)
         bits = torch.zeros(self.mask_bytes, dtype=torch.uint8)
         # Room for every element, and the 64 bytes a thread's native scan may write past its
         # values; pages past what it writes stay untouched.
