@@ -345,6 +345,7 @@ def test_registration_refuses_bad_tensors_before_publishing(store):
     with pytest.raises(ValueError, match="outside the layout's world size"):
         WeightSender(store, layout, 2, shards, name="bad", timeout=1.0)
     shards["model.layers.1.mlp.up_proj.weight"] = torch.zeros(layout.local_shape("model.layers.1.mlp.up_proj.weight", 0))
+    receiver_layout = vllm_llama_tp(config, 1, torch.float32)
     # Arguments that are not ints, or too small (a float rank was published as "0.0" and
     # both sides waited out their timeouts; a NaN bucket size cut the plan into elements).
     for kwargs, named in [(dict(rank=0.0), "rank"), (dict(rank=False), "rank"), (dict(num_threads=-3), "num_threads"),
@@ -354,7 +355,6 @@ def test_registration_refuses_bad_tensors_before_publishing(store):
         args = {"rank": 0, **kwargs}
         with pytest.raises(ValueError, match=f"^{named} must be an int >= "):
             WeightSender(store, layout, args.pop("rank"), shards, name="bad", timeout=1.0, **args)
-        receiver_layout = vllm_llama_tp(config, 1, torch.float32)
         args = {"rank": 0, **kwargs}
         with pytest.raises(ValueError, match=f"^{named} must be an int >= "):
             WeightReceiver(store, receiver_layout, args.pop("rank"), poisoned_destination(receiver_layout, 0),
