@@ -130,6 +130,9 @@ def main(argv=None) -> int:
                    help=f"completions per prompt (default: {RunConfig.samples_per_prompt}; 4 with --model)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="completion budget (default: the task's; 48 with --model)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="built-in model: supervised steps before RL, the same for every run (default: "
+                        f"{TrainerConfig.warmup_steps}, as `llamarl train`; 0 with --device cuda)")
     p.add_argument("--lr", type=float, default=None,
                    help=f"learning rate (default: {TrainerConfig.lr:g}; 1e-5 with --model)")
     p.add_argument("--repeats", type=int, default=None,
@@ -154,28 +157,39 @@ def main(argv=None) -> int:
         p.error(str(exc))
     if args.gpu_share != "none" and args.device != "cuda":
         p.error(f"--gpu-share {args.gpu_share} shares a GPU: it needs --device cuda")
+    if args.model and args.warmup_steps:
+        p.error("--warmup-steps is the built-in model's: a pretrained --model starts from its own weights")
     args.repeats = args.repeats or (1 if args.device == "cuda" else 3)
-    on_gpu = {"device": "cuda"} if args.device == "cuda" else {}
     with tempfile.TemporaryDirectory() as tmp:
-        if args.model:
-            # Small enough that a step of a 135M model takes seconds here, not minutes.
-            given = {"steps": args.steps or 10, "prompts_per_step": args.prompts_per_step or 4,
-                     "samples_per_prompt": args.samples_per_prompt or 4, "max_new_tokens": args.max_new_tokens or 48,
-                     "lr": args.lr or 1e-5}
-            dataset = args.dataset or str(Path(tmp) / "arithmetic.jsonl")
-            if not args.dataset:
-                Path(dataset).write_text("".join(json.dumps(row) + "\n" for row in arithmetic_problems(600)))
-            base = TrainConfig(model=args.model, dataset=dataset, reward=args.reward, warmup_steps=0, **given, **on_gpu)
-            args.skip_trl = True
-        else:
-            given = {k: v for k, v in (("steps", args.steps), ("prompts_per_step", args.prompts_per_step),
-                                       ("samples_per_prompt", args.samples_per_prompt),
-                                       ("max_new_tokens", args.max_new_tokens), ("lr", args.lr)) if v is not None}
-            if on_gpu:  # TRL runs on the CPU: not a peer here
-                given = {"steps": 20, "lr": 1e-5, **given, **GPU_MODEL, **on_gpu, "warmup_steps": 0}
-                args.skip_trl = True
-            base = TrainConfig(task=args.task, **given)
+        try:
+            with flag_spelling():
+                base = _base_config(args, tmp)
+        except ValueError as exc:  # a value TrainConfig refuses, named by its flag
+            p.error(str(exc))
         return _run(args, base, tmp)
+
+
+def _base_config(args, tmp: str) -> TrainConfig:
+    """The runs' config from the flags (with --model or --device cuda, TRL skipped)."""
+    on_gpu = {"device": "cuda"} if args.device == "cuda" else {}
+    flags = {k: v for k, v in (("steps", args.steps), ("prompts_per_step", args.prompts_per_step),
+                               ("samples_per_prompt", args.samples_per_prompt),
+                               ("max_new_tokens", args.max_new_tokens), ("lr", args.lr),
+                               ("warmup_steps", args.warmup_steps)) if v is not None}
+    if args.model:
+        # Small enough that a step of a 135M model takes seconds here, not minutes.
+        given = {"steps": 10, "prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 48, "lr": 1e-5,
+                 "warmup_steps": 0, **flags}
+        dataset = args.dataset or str(Path(tmp) / "arithmetic.jsonl")
+        if not args.dataset:
+            Path(dataset).write_text("".join(json.dumps(row) + "\n" for row in arithmetic_problems(600)))
+        args.skip_trl = True
+        return TrainConfig(model=args.model, dataset=dataset, reward=args.reward, **given, **on_gpu)
+    if on_gpu:  # TRL runs on the CPU: not a peer here
+        args.skip_trl = True
+        return TrainConfig(task=args.task, **{"steps": 20, "lr": 1e-5, "warmup_steps": 0, **flags, **GPU_MODEL,
+                                              **on_gpu})
+    return TrainConfig(task=args.task, **flags)
 
 
 def _run(args, base: TrainConfig, tmp: str) -> int:

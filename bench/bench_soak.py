@@ -2,9 +2,10 @@
 
 Two loops, each run for --steps steps with a sample every --every steps:
 - pipeline: the default `llamarl train` run (the Controller API, the built-in
-  task and model, a checkpoint every 50 steps), with an evaluation on the
+  task and model, a checkpoint every 50 steps; --warmup-steps), with an evaluation on the
   held-out prompts at every sample, sampled from its on_step callback;
-- sync: a WeightSender in this process and a WeightReceiver in a spawned one,
+- sync: a WeightSender in this process and a WeightReceiver in another (forked
+  from the forkserver the pipeline's executors fork from),
   one version per step over shared memory (the pipeline's own transport on one
   host), at the default task's model size.
 Each sample reads, for the controller (this process) and every executor (their
@@ -26,7 +27,6 @@ import argparse
 import datetime
 import itertools
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from llamarl_core import forkserver
 from llamarl_core.bench.harness import add_output_args, emit, record, share_secret, table
 from llamarl_core.pipeline.report import cpu_times, steal_fraction
 
@@ -126,7 +127,7 @@ def trend(x: list[float], y: list[float]) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- the pipeline
 
 
-def soak_pipeline(steps: int, every: int, out: Path, checkpoint_every: int) -> list[dict]:
+def soak_pipeline(steps: int, every: int, out: Path, checkpoint_every: int, warmup_steps: int) -> list[dict]:
     from llamarl_core.pipeline.config import TrainConfig
     from llamarl_core.pipeline.controller import Controller
 
@@ -138,8 +139,9 @@ def soak_pipeline(steps: int, every: int, out: Path, checkpoint_every: int) -> l
         sampler.step(record["step"], record["step_time_s"], holder[0].store, {"controller": os.getpid(), **pids},
                      {"gen": record["gen_time_s"], "train": record["train_time_s"], "sync": record["sync_time_s"]})
 
-    # Its defaults but for the checkpoints' interval; an evaluation at every sample too.
-    controller = Controller(TrainConfig(steps=steps, eval_every=every, checkpoint_every=checkpoint_every), out,
+    # Its defaults but for the checkpoints' interval and the warm-up; an evaluation at every sample too.
+    config = TrainConfig(steps=steps, eval_every=every, checkpoint_every=checkpoint_every, warmup_steps=warmup_steps)
+    controller = Controller(config, out,
                             on_step=on_step, on_event=lambda line: None)
     holder.append(controller)
     summary = controller.run()
@@ -181,7 +183,7 @@ def soak_sync(steps: int, every: int) -> list[dict]:
     src, _ = _layouts()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=120))
-    proc = mp.get_context("spawn").Process(target=_receiver, args=(store.port, steps), daemon=True)
+    proc = forkserver.context().Process(target=_receiver, args=(store.port, steps), daemon=True)
     proc.start()
     gen = torch.Generator().manual_seed(0)
     shards = {n: torch.randn(src.local_shape(n, 0), generator=gen) for n in src.params}
@@ -221,7 +223,7 @@ def report(name: str, rows: list[dict], start: int) -> tuple[str, dict]:
 
 
 def main(argv=None) -> int:
-    from llamarl_core.pipeline.config import RunConfig
+    from llamarl_core.pipeline.config import RunConfig, TrainerConfig
 
     parser = argparse.ArgumentParser(prog="llamarl bench soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -232,11 +234,15 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=["pipeline", "sync"], help="run one loop only (default: both)")
     parser.add_argument("--checkpoint-every", type=int, default=RunConfig.checkpoint_every,
                         help=f"the pipeline's checkpoint interval in steps (default {RunConfig.checkpoint_every})")
+    parser.add_argument("--warmup-steps", type=int, default=TrainerConfig.warmup_steps,
+                        help=f"the pipeline's supervised steps before RL (default {TrainerConfig.warmup_steps})")
     parser.add_argument("--out", type=Path, help="the pipeline run's folder (default: a temporary one)")
     add_output_args(parser)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.every < 1 or args.every > args.steps:
         parser.error(f"need 1 <= --every <= --steps, got --every {args.every} --steps {args.steps}")
+    if args.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     share_secret()
     results, bodies = {}, []
     with tempfile.TemporaryDirectory(prefix="llamarl-soak-") as tmp:
@@ -244,7 +250,8 @@ def main(argv=None) -> int:
             if args.only not in (None, name):
                 continue
             rows = soak_sync(args.steps, args.every) if name == "sync" else \
-                soak_pipeline(args.steps, args.every, args.out or Path(tmp) / "run", args.checkpoint_every)
+                soak_pipeline(args.steps, args.every, args.out or Path(tmp) / "run", args.checkpoint_every,
+                              args.warmup_steps)
             body, judged = report(name, rows, args.start)
             bodies.append(body)
             results[name] = {"rows": rows, "verdict": judged}

@@ -63,7 +63,19 @@ def simd(request):
     native().set_host_simd(before)
 
 
+# The modules that take longest (a full run's --cpu-log), slowest first; the others
+# follow in the order pytest collects them. pytest-xdist hands whole modules to its
+# workers in this order (scripts/run-tests.sh: --dist loadfile --no-loadscope-reorder;
+# its own order puts the modules with the most tests first, and left a vLLM module
+# running alone at the end while the other core idled).
+SLOWEST_FIRST = ("test_vllm", "test_pipeline", "test_sync", "test_bench", "test_launch", "test_trl", "test_trl_server",
+                 "test_real_model", "test_hosts", "test_long_runs", "test_build", "test_readme", "test_checkpoints",
+                 "test_aipo", "test_objectives", "test_plan", "test_control_plane", "test_plugins", "test_fp8")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module's tests keep their order
     # With a GPU the CPU tests' Triton cases run on CUDA tensors ("triton-cuda"); they are
     # not marked gpu: `pytest -m gpu` (llamarl check gpu) takes only the tests written for a GPU.
     if torch.cuda.is_available():
@@ -94,9 +106,19 @@ def pytest_sessionstart(session):
     # starts now, before the test modules are imported, with the session's environment
     # and sys.path: started inside a test, it would keep that test's monkeypatched
     # variables for the rest of the session.
+    # Started without TRITON_INTERPRET: the executors of the runs in this process take the
+    # kernels' CPU paths, as a user's run on this machine does (under the interpreter a
+    # SmolLM2 step's log-probs took 4 s instead of 0.2). A rank process a test starts
+    # sets the test's environment, the interpreter on, before it imports a kernel
+    # (helpers._child; the ops import their kernels at their first launch).
     from llamarl_core import forkserver
 
-    forkserver.start()
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        forkserver.start()
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from helpers import MODEL_CLASSES, poisoned_destination, small_config
+from helpers import MODEL_CLASSES, small_config
+from sync_checks import poisoned_destination
 from llamarl_core.models.llama_generator import LlamaGenerator
 from llamarl_core.sync import plan_transfer
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp

@@ -113,19 +113,6 @@ def deltas_by_size(limit: float = 1.0) -> None:
     DensityLimit.observe = lambda self, seconds, full_bytes, densities: None
 
 
-def poisoned_destination(layout: Layout, rank: int) -> dict[str, torch.Tensor]:
-    """Every tensor of `rank` (FP8 weights and scales included) NaN where a sync must
-    write, zeros in padding rows (as vLLM allocates them)."""
-    out = {}
-    for name, (shape, dtype) in layout.local_tensor_specs(rank).items():
-        t = torch.full(shape, float("nan")).to(dtype)
-        if name in layout.params:
-            start, stop = layout.padding_rows(name, rank)
-            t[start:stop] = 0
-        out[name] = t
-    return out
-
-
 def random_destination(layout: Layout, rank: int, seed: int) -> dict[str, torch.Tensor]:
     """Every tensor of `rank` filled with random bytes (seeded): a receiver's bytes
     a sync has not written, NaN patterns included."""
@@ -142,27 +129,6 @@ def unpack_bucket(unpack, data: torch.Tensor, tensors: Mapping[str, torch.Tensor
 
     table = segment_table(unpack, lambda seg: data.data_ptr(), lambda seg: tensors[seg.dst_name].data_ptr())
     run_segment_table(table, torch.device("cpu"), 1)
-
-
-def mismatches(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor]) -> list[str]:
-    """One line per tensor that is not bitwise equal: count, first bad index, NaNs."""
-    lines = []
-    for name in sorted(set(expected) | set(got)):
-        if name not in got or name not in expected:
-            lines.append(f"{name}: present on one side only")
-            continue
-        a, b = expected[name], got[name]
-        if a.shape != b.shape or a.dtype != b.dtype:
-            lines.append(f"{name}: {tuple(b.shape)} {b.dtype} != expected {tuple(a.shape)} {a.dtype}")
-            continue
-        a_bytes, b_bytes = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
-        if torch.equal(a_bytes, b_bytes):
-            continue
-        bad = (a_bytes != b_bytes).nonzero()
-        lines.append(
-            f"{name}: {len(bad)} bytes differ, first at byte {bad[0].item()}, NaN in result: {int(torch.isnan(b.float()).sum())}"
-        )
-    return lines
 
 
 def _child(target: Callable, kwargs: dict, queue, environ: dict, outputs: tuple[str, str] | None) -> None:
@@ -261,7 +227,7 @@ def llamarl_here(*args: str) -> subprocess.CompletedProcess:
     """`llamarl ARGS` run by this process as the console script runs it
     (cli.exit_status of cli.main), less the process around it: its exit status and
     what it printed. A `train` run's executors fork from the session's forkserver
-    (conftest; Triton's interpreter on, as there), so a run here skips what a fresh
+    (conftest; Triton's interpreter off, as there), so a run here skips what a fresh
     process spends importing torch and transformers twice (6-7 s of 2 cores a
     run). Run from the root folder as the subprocess runs were, sys.path restored
     after (cli.main appends the working folder). What the executors print goes to

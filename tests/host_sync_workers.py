@@ -1,6 +1,8 @@
 """A weight-sync rank run inside a namespace host by tests/test_hosts.py:
 `python host_sync_workers.py ROLE RANK STORE_ADDR STORE_PORT SCENARIO_JSON`.
-Sender 0 serves the Store (port 0: it reports the port it got). Each rank reports
+The scenario holds the model config's fields and the path of the versions' states,
+which the test computed (test_hosts.make_scenario): a rank imports neither transformers
+nor helpers.py. Sender 0 serves the Store (port 0: it reports the port it got). Each rank reports
 JSON lines: its host identity and the transport of each of its pairs, then, for
 a receiver, the mismatches against the plain-torch reference of every version.
 With "cut_timeout_s" in the scenario, after the versions each rank reports
@@ -13,11 +15,12 @@ import datetime
 import json
 import sys
 import time
+import types
 
 import torch
 import torch.distributed as dist
 
-from helpers import hf_state_dict, mismatches, poisoned_destination, small_config
+from sync_checks import mismatches, poisoned_destination
 from llamarl_core.sync import SyncError, WeightReceiver, WeightSender
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards
@@ -36,9 +39,9 @@ def main(role: str, rank: int, addr: str, port: int, scenario: dict) -> None:
     store = dist.TCPStore(addr, port, is_master=(role, rank) == ("sender", 0), timeout=timeout)
     if (role, rank) == ("sender", 0):
         report(port=store.port)
-    config = small_config(scenario["config"])
+    config = types.SimpleNamespace(**scenario["config"])  # what the layouts read of a transformers config
     fsdp, tp, versions = scenario["fsdp"], scenario["tp"], scenario["versions"]
-    states = {v: hf_state_dict(config, scenario["seed"] + v) for v in versions}
+    states = torch.load(scenario["states"], weights_only=True)
     if role == "sender":
         shards = reference_fsdp_shards(states[versions[0]], fsdp, torch.float32)[rank]
         with WeightSender(store, hf_llama_fsdp(config, fsdp, torch.float32), rank, shards, name="hosts",

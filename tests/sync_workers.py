@@ -12,7 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from helpers import deltas_by_size, hf_state_dict, mismatches, poisoned_destination, small_config
+from helpers import deltas_by_size, hf_state_dict, small_config
+from sync_checks import mismatches, poisoned_destination
 from llamarl_core.sync import RelayError, SyncError, WeightReceiver, WeightSender
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards

@@ -193,7 +193,7 @@ def test_bench_pipeline_reports_both_modes():
     # TRL is an optional bench dependency, not installed for the tests: our two modes only.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "llamarl_core.cli", "bench", "pipeline", "--steps", "3", "--skip-trl", "--repeats", "1",
-                          "--json"], capture_output=True, text=True, timeout=300,
+                          "--warmup-steps", "0", "--json"], capture_output=True, text=True, timeout=300,
                          cwd=tempfile.gettempdir(), env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import mismatches, random_destination, small_config, unpack_bucket
+from helpers import random_destination, small_config, unpack_bucket
+from sync_checks import mismatches
 from llamarl_core.sync import plan_transfer
 from llamarl_core.sync.delta import DENSE, BucketCodec, bucket_checksum, pair_codecs
 from llamarl_core.sync.endpoint import packed

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import sync_workers as workers
-from helpers import hf_state_dict, mismatches, poisoned_destination, run_processes, small_config
+from helpers import hf_state_dict, run_processes, small_config
+from sync_checks import mismatches, poisoned_destination
 from llamarl_core._native import native_cuda
 from llamarl_core.sync import plan_transfer
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp

@@ -11,10 +11,24 @@ import os
 import subprocess
 import sys
 
+import torch
+
+from helpers import hf_state_dict, small_config
 from netns_hosts import make_netns_hosts, netns_hosts, read_report  # noqa: F401 (pytest fixtures)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_sync_workers.py")
 VERSIONS = [1, 2]
+
+
+def make_scenario(folder, kind: str, seed: int, **fields) -> dict:
+    """What every rank reads (host_sync_workers.py): the config's fields, and the
+    versions' states (the real Hugging Face model class's parameters, seeded) in a
+    file, computed here once: a rank imports neither transformers nor helpers.py
+    (4-5 s of CPU a process)."""
+    config = small_config(kind)
+    path = folder / "states.pt"
+    torch.save({v: hf_state_dict(config, seed + v) for v in VERSIONS}, path)
+    return dict(config=config.to_dict(), states=str(path), versions=VERSIONS, **fields)
 
 
 def start_rank(host, role: str, rank: int, store_addr: str, port: int, scenario: dict) -> subprocess.Popen:
@@ -49,12 +63,12 @@ def run_sync(placement: dict[tuple[str, int], object], scenario: dict) -> dict[t
     return reports
 
 
-def test_no_shared_memory_across_hosts(netns_hosts):
+def test_no_shared_memory_across_hosts(netns_hosts, tmp_path):
     """One sender and one receiver on two hosts that share /dev/shm: point-to-point,
     and every version lands bitwise."""
     a, b = netns_hosts
-    scenario = dict(config="llama_gqa_bias", fsdp=1, tp=1, versions=VERSIONS, seed=7, bucket_bytes=16384)
-    reports = run_sync({("sender", 0): a, ("receiver", 0): b}, scenario)
+    reports = run_sync({("sender", 0): a, ("receiver", 0): b},
+                       make_scenario(tmp_path, "llama_gqa_bias", 7, fsdp=1, tp=1, bucket_bytes=16384))
     sender, receiver = reports[("sender", 0)][0], reports[("receiver", 0)][0]
     assert sender["host"] != receiver["host"]
     assert sender["host"].split("/")[:2] == receiver["host"].split("/")[:2]  # same hostname and boot id
@@ -63,13 +77,12 @@ def test_no_shared_memory_across_hosts(netns_hosts):
     assert [r["mismatches"] for r in reports[("receiver", 0)][1:]] == [[], []]
 
 
-def test_shared_memory_within_a_host_and_p2p_across(netns_hosts):
+def test_shared_memory_within_a_host_and_p2p_across(netns_hosts, tmp_path):
     """FSDP 2 -> TP 2 with a sender and a receiver on each host: the pairs within a
     host share memory, the pairs across hosts go point-to-point, in one sync."""
     a, b = netns_hosts
-    scenario = dict(config="qwen2", fsdp=2, tp=2, versions=VERSIONS, seed=11, bucket_bytes=16384)
     placement = {("sender", 0): a, ("receiver", 0): a, ("sender", 1): b, ("receiver", 1): b}
-    reports = run_sync(placement, scenario)
+    reports = run_sync(placement, make_scenario(tmp_path, "qwen2", 11, fsdp=2, tp=2, bucket_bytes=16384))
     expected = {"0->0": "shm", "0->1": "p2p", "1->0": "p2p", "1->1": "shm"}
     assert all(r[0]["transports"] == expected for r in reports.values())
     for rank in range(2):
@@ -77,16 +90,15 @@ def test_shared_memory_within_a_host_and_p2p_across(netns_hosts):
         assert [r["mismatches"] for r in reports[("receiver", rank)][1:]] == [[], []], rank
 
 
-def test_link_cut_mid_sync_times_out_on_both_sides(netns_hosts):
+def test_link_cut_mid_sync_times_out_on_both_sides(netns_hosts, tmp_path):
     """Two versions land across hosts, then the receiver's link is cut: the next
     sync raises SyncTimeoutError on the sender and the receiver within the timeout
     (the time to detect is printed: 3.00 s for a 3 s timeout here), and both exit
     cleanly: nothing hangs."""
     a, b = netns_hosts
     timeout_s = 3.0
-    scenario = dict(config="mistral", fsdp=1, tp=1, versions=VERSIONS, seed=13, bucket_bytes=16384,
-                    cut_timeout_s=timeout_s)
-    procs = start_sync({("sender", 0): a, ("receiver", 0): b}, scenario)
+    procs = start_sync({("sender", 0): a, ("receiver", 0): b},
+                       make_scenario(tmp_path, "mistral", 13, fsdp=1, tp=1, bucket_bytes=16384, cut_timeout_s=timeout_s))
     try:
         reports = read_versions(procs)
         assert [r["mismatches"] for r in reports[("receiver", 0)][1:]] == [[], []]

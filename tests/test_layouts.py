@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import chunks, local_tensors, random_placement
-from llamarl_core.sync import Explicit, Layout, ParamSpec, Replicate, Shard, plan_transfer
+from llamarl_core.sync import Explicit, Layout, ParamSpec, Shard, plan_transfer
 from llamarl_core.sync.layout import Fragment, box_fragments, strided_fragments, view_2d
 
 

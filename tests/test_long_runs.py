@@ -27,7 +27,8 @@ def test_soak_keeps_the_store_files_and_threads_flat(tmp_path):
     a file descriptor or a thread (1 of slack). Before ticket keys were deleted, the
     sync alone left 3 keys per version (180 more here)."""
     done = subprocess.run([sys.executable, "-m", "llamarl_core.bench.bench_soak", "--steps", "90", "--every", "30",
-                           "--from", "30", "--checkpoint-every", "15", "--json", "--out", str(tmp_path / "run")],
+                           "--from", "30", "--checkpoint-every", "15", "--warmup-steps", "0", "--json",
+                           "--out", str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=600, env=RUN_ENV, cwd=tmp_path)
     results = json.loads(done.stdout.splitlines()[-1]) if done.stdout.strip() else None
     assert results is not None, done.stderr[-3000:]

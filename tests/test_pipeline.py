@@ -370,10 +370,9 @@ def test_controller_drops_stale_groups_and_counts_them(tmp_path):
 # ----------------------------------------------------------------------------- whole runs
 
 
-# The runs started as commands of their own take the CPU paths of the kernels, as a
-# user's run on this machine does (conftest turns the Triton interpreter on for the
-# kernel tests; the runs in this process fork their executors from the session's
-# forkserver, the interpreter on there too).
+# The runs take the CPU paths of the kernels, as a user's run on this machine does:
+# conftest turns the Triton interpreter on for the kernel tests, and off in the
+# session's forkserver, which the runs in this process fork their executors from.
 RUN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
@@ -390,8 +389,7 @@ def llamarl(*args):
 
 def llamarl_command(*args, timeout=240):
     """`llamarl train ARGS` as a command of its own (RUN_ENV): for a test of the process's
-    own exit, and for a run whose executors quantize FP8 every step, which Triton's
-    interpreter would do 3x slower."""
+    own exit."""
     return subprocess.run([*TRAIN, *args], check=False, capture_output=True, text=True, timeout=timeout, cwd="/",
                           env=RUN_ENV)
 
@@ -508,8 +506,7 @@ def test_fp8_generator_replicas_sample_with_the_weights_the_trainer_quantized(tm
     from the trainer's by the FP8 rounding only: a mismatch KL above float32's
     (< 1e-5, the test above) and well below a different policy's."""
     out = tmp_path / "fp8"
-    proc = llamarl_command("--mode", "sync", "--generator-replicas", "2", "--generator-fp8", "block", "--out", str(out),
-                           *FAST)
+    proc = llamarl("--mode", "sync", "--generator-replicas", "2", "--generator-fp8", "block", "--out", str(out), *FAST)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert TrainConfig.load(out / "config.json").generator.fp8 == "block"
     metrics = read_metrics(out)
@@ -613,7 +610,8 @@ def test_tensor_parallel_generator_runs_past_a_pipe_of_commands(tmp_path):
     commands through rank 0 here (measured)."""
     out = tmp_path / "tp2"
     proc = llamarl_command("--generator-tp", "2", "--steps", "30", "--prompts-per-step", "96", "--samples-per-prompt",
-                           "2", "--warmup-steps", "0", "--checkpoint-every", "30", "--quiet", "--out", str(out))
+                           "2", "--max-new-tokens", "2", "--warmup-steps", "0", "--checkpoint-every", "30", "--quiet",
+                           "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(read_metrics(out)) == 30
 
@@ -947,7 +945,7 @@ def test_killed_replicas_are_restarted_alone_while_the_other_generates(tmp_path)
     and its parent feeds the new one. Then replica 0 killed: replica 1 generates
     while the trainer reconnects and re-syncs the new replica 0. The run completes."""
     out = tmp_path / "run"
-    args = ["--generator-replicas", "2", "--steps", "180", "--warmup-steps", "5", "--prompts-per-step", "4",
+    args = ["--generator-replicas", "2", "--steps", "100", "--warmup-steps", "5", "--prompts-per-step", "4",
             "--sync-timeout-s", "5", "--quiet"]
     proc = subprocess.Popen([*TRAIN, "--out", str(out), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/", start_new_session=True,
@@ -973,7 +971,7 @@ def test_killed_replicas_are_restarted_alone_while_the_other_generates(tmp_path)
     print(f"killed replica -> new process started: {detect[1]:.2f} s (replica 1), {detect[0]:.2f} s (replica 0)")
     assert "restarting it and re-syncing it with the next version (replicas 1; the others go on)" in stderr
     assert "restarting it and re-syncing weights" in stderr and "(replicas 0)" in stderr
-    assert json.loads((out / "summary.json").read_text())["steps"] == 180
+    assert json.loads((out / "summary.json").read_text())["steps"] == 100
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     generator = next(e["pid"] for e in events if e["ph"] == "M" and e["args"]["name"] == "generator")
     spans = [e for e in events if e["ph"] == "X" and e["pid"] == generator]

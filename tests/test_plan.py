@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-from helpers import (CONFIG_KINDS, MODEL_CLASSES, hf_state_dict, local_tensors, mismatches, poisoned_destination,
-                     random_placement, small_config)
+from helpers import CONFIG_KINDS, MODEL_CLASSES, hf_state_dict, local_tensors, random_placement, small_config
+from sync_checks import mismatches, poisoned_destination
 from llamarl_core.sync import Fused, Layout, ParamSpec, Replicate, Shard, plan_transfer
 from llamarl_core.sync.layout import FusedPart
 from llamarl_core.sync.plan import bipartite_rounds

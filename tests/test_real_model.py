@@ -8,6 +8,8 @@ over 2 generator ranks; a short `llamarl train
 import datetime
 import json
 import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -105,15 +107,31 @@ def test_nine_heads_over_two_generator_ranks_are_refused(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_train_on_arithmetic_with_math_reward_evaluates_and_exports(tmp_path):
+@pytest.fixture
+def memory_path(tmp_path):
+    """A folder in memory (/dev/shm where there is one, else tmp_path), removed after
+    the test: for a run that writes SmolLM2's checkpoint (1.6 GB with AdamW's state)
+    and its export. Written into fresh files on this machine's disk, 1.6 GB took 15-18
+    s of the kernel's CPU (0.9 s into /dev/shm): the cores the other tests run on."""
+    if not os.path.isdir("/dev/shm"):
+        yield tmp_path
+        return
+    folder = tempfile.mkdtemp(prefix="pytest-real-model-", dir="/dev/shm")
+    try:
+        yield Path(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_train_on_arithmetic_with_math_reward_evaluates_and_exports(memory_path):
     """One sync step: the generator's behaviour log-probs equal the trainer's (its
     weights came only by sync), the held-out prompts are evaluated at versions 0
     and 1 (the last), and the exported folder loads in transformers
     with weights that moved. The reward adds a hundredth of the completion length
     to the math reward, so that every group has an advantage to learn from."""
-    dataset = tmp_path / "arith.jsonl"
+    dataset = memory_path / "arith.jsonl"
     dataset.write_text("".join(json.dumps(row) + "\n" for row in arithmetic_problems(40, seed=0)))
-    out = tmp_path / "run"
+    out = memory_path / "run"
     proc = llamarl("--model", str(SMOLLM2), "--dataset", str(dataset), "--reward",
                    "math+0.01*pipeline_tasks:length_reward", "--mode", "sync", "--steps", "1", "--eval-every", "1",
                    "--eval-size", "2", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "12",

@@ -15,20 +15,9 @@ import torch
 import torch.distributed as dist
 
 import sync_workers as workers
-from helpers import (
-    CONFIG_KINDS,
-    hf_state_dict,
-    in_threads,
-    llamarl_shm_entries,
-    mismatches,
-    poisoned_destination,
-    rank_context,
-    run_processes,
-    run_with_small_dev_shm,
-    small_config,
-    start_rank,
-    store_client,
-)
+from helpers import (CONFIG_KINDS, hf_state_dict, in_threads, llamarl_shm_entries, rank_context, run_processes,
+                     run_with_small_dev_shm, small_config, start_rank, store_client)
+from sync_checks import mismatches, poisoned_destination
 from llamarl_core.sync import (Layout, ParamSpec, RelayError, SyncError, SyncTimeoutError, TornWeightsError, WeightReceiver,
                                WeightSender)
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
@@ -889,7 +878,8 @@ def test_fp8_sync_refuses_nonfinite_weights_before_writing(store):
 _RECEIVER_ON_SMALL_DEV_SHM = """
 import datetime, json, os, threading
 import torch, torch.distributed as dist
-from helpers import hf_state_dict, poisoned_destination, small_config
+from helpers import hf_state_dict, small_config
+from sync_checks import poisoned_destination
 from llamarl_core.sync import SyncError, WeightReceiver, WeightSender
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 from llamarl_core.sync.reference import reference_fsdp_shards

@@ -15,15 +15,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from helpers import (
-    hf_state_dict,
-    in_threads,
-    llamarl_shm_entries,
-    mismatches,
-    poisoned_destination,
-    small_config,
-    store_client,
-)
+from helpers import hf_state_dict, in_threads, llamarl_shm_entries, small_config, store_client
+from sync_checks import mismatches, poisoned_destination
 from llamarl_core.sync import (SendHandle, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError,
                                WeightReceiver, WeightSender, module_sender)
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp

@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import hf_state_dict, in_threads, mismatches, poisoned_destination, set_in_store, small_config, store_client
+from helpers import hf_state_dict, in_threads, set_in_store, small_config, store_client
+from sync_checks import mismatches, poisoned_destination
 from llamarl_core.control import auth
 from llamarl_core.sync import SyncError, SyncTimeoutError, WeightReceiver, WeightSender
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp

@@ -491,10 +491,12 @@ def colocated_ranks(tmp_path_factory) -> list[dict]:
     pytest.importorskip("vllm")
     out = tmp_path_factory.mktemp("colocated-ranks")
     # VLLM_CPU_CI_ENV: the switch vLLM's own CPU CI sets (an internal variable of vLLM's): the model traced but
-    # not compiled by Inductor, and the engine's warm-up skipped (30 s of each rank's CPU); the `colocated`
-    # engine is the one compiled.
+    # not compiled by Inductor, and the engine's warm-up skipped (30 s of each rank's CPU); TORCHDYNAMO_DISABLE:
+    # not traced either, nor the sampler's log-prob helper compiled at the first request (host.ENGINE_ENV). The
+    # `colocated` engine is the one compiled.
     return torchrun_ranks("trl_colocated_worker.py", out, vllm_llama_dir(out / "model"),
-                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"})
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1",
+                               "TORCHDYNAMO_DISABLE": "1"})
 
 
 def test_ddp_ranks_each_sync_their_own_colocated_engine(colocated_ranks):

@@ -31,6 +31,9 @@ def lora_run(tmp_path_factory):
     generation."""
     saved = dict(os.environ)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Not compiled by Inductor, as the engines of test_trl.py's DDP ranks (see there): test_trl.py's `colocated`
+    # is the one compiled.
+    os.environ["VLLM_CPU_CI_ENV"] = "1"
     folder = vllm_llama_dir(tmp_path_factory.mktemp("vllm-llama-lora"))
     run = GRPOTrainer(model=folder, reward_funcs=length_reward, train_dataset=prompts(), processing_class=tokenizer(),
                       args=config("dapo", use_vllm=True, vllm_mode="colocate", max_steps=2, learning_rate=5e-2,

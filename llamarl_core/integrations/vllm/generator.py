@@ -15,6 +15,7 @@ from, after temperature.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import shutil
@@ -28,7 +29,7 @@ from ...pipeline.rollout import Sample, stop_token_set
 from ...sync import SyncTimeoutError
 from ...sync.live import fsdp_layout
 from . import ddma_init_info
-from .host import share_cores_among_workers
+from .host import ENGINE_ENV, share_cores_among_workers
 
 # vLLM's CPU attention takes these head sizes only (CPUAttentionBackend).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -68,6 +69,33 @@ def check_cpu_vllm(model_config) -> None:
                          f"{model_config.hidden_size} / num_heads {model_config.num_attention_heads} = {head_dim}")
 
 
+@contextlib.contextmanager
+def _engine_start_settings(temp_dir: str):
+    """This process's settings while an engine starts, which its processes take (a
+    spawned one from the environment, a forked one from torch's config), restored
+    after: their temporary files in `temp_dir` (vLLM's file:// rendezvous of
+    tensor-parallel workers, which their shutdown leaves behind, among them), and
+    eager throughout, as enforce_eager asks (host.ENGINE_ENV), unless the user set
+    TORCHDYNAMO_DISABLE: vLLM wraps its sampler's log-prob helper in torch.compile,
+    10 s of Inductor at a run's first request here."""
+    import torch._dynamo
+
+    saved = {name: os.environ.get(name) for name in ("TMPDIR", "TORCHDYNAMO_DISABLE")}
+    disabled = torch._dynamo.config.disable  # read from the environment when torch was imported
+    os.environ["TMPDIR"] = temp_dir
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", ENGINE_ENV["TORCHDYNAMO_DISABLE"])
+    torch._dynamo.config.disable = os.environ["TORCHDYNAMO_DISABLE"] == "1"
+    try:
+        yield
+    finally:
+        torch._dynamo.config.disable = disabled
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class VllmGenerator(Generator):
     """See the module docstring. model_dir: where the model's config.json is
     written for vLLM (the weights come by sync); cpus: the CPU ids each worker
@@ -88,7 +116,7 @@ class VllmGenerator(Generator):
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU backend needs a size
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", ENGINE_ENV["VLLM_CPU_KVCACHE_SPACE"])  # a size it needs
         if tp == 1:
             # The worker inside the engine-core process (AsyncLLM keeps that process of its
             # own either way): one vLLM process fewer to start, 23 s instead of 36-45 s for
@@ -106,28 +134,23 @@ class VllmGenerator(Generator):
                                tensor_parallel_size=tp, seed=seed, logprobs_mode="processed_logprobs",
                                disable_log_stats=True,
                                weight_transfer_config=WeightTransferConfig(backend="llamarl_ddma"))
-        # The engine's processes (spawned now) write their temporary files into a folder of
-        # their own, which close() removes: vLLM's file:// rendezvous of tensor-parallel
-        # workers, which their shutdown leaves behind, among them.
         self.temp_dir = tempfile.mkdtemp(prefix="llamarl-vllm-")
-        previous = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = self.temp_dir
         try:
-            self.llm = AsyncLLM.from_engine_args(args)
+            with _engine_start_settings(self.temp_dir):
+                self.llm = AsyncLLM.from_engine_args(args)
         except BaseException:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             raise
-        finally:
-            if previous is None:
-                del os.environ["TMPDIR"]
-            else:
-                os.environ["TMPDIR"] = previous
-        with torch.device("meta"):  # the trainer's layout, read off its model's class (any family)
-            trainer_model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-        info = ddma_init_info("127.0.0.1", store_port, fsdp_layout(trainer_model, trainer_world, torch.float32),
-                              name=sync_name, timeout_s=timeout_s, secret=secret)
-        self._run(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
-                  timeout_s + ENGINE_CALL_MARGIN_S, "connecting the engine to the trainer")
+        try:  # the engine runs: a failure from here on shuts it down and removes its folder
+            with torch.device("meta"):  # the trainer's layout, read off its model's class (any family)
+                trainer_model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+            info = ddma_init_info("127.0.0.1", store_port, fsdp_layout(trainer_model, trainer_world, torch.float32),
+                                  name=sync_name, timeout_s=timeout_s, secret=secret)
+            self._run(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
+                      timeout_s + ENGINE_CALL_MARGIN_S, "connecting the engine to the trainer")
+        except BaseException:
+            self.close()
+            raise
         self.params = dict(max_tokens=max_new_tokens, temperature=temperature, logprobs=0, detokenize=False,
                            stop_token_ids=sorted(self.stop_ids), output_kind=RequestOutputKind.DELTA)
         self._sampling_params = SamplingParams
