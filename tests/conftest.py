@@ -106,19 +106,12 @@ def pytest_sessionstart(session):
     # starts now, before the test modules are imported, with the session's environment
     # and sys.path: started inside a test, it would keep that test's monkeypatched
     # variables for the rest of the session.
-    # Started without TRITON_INTERPRET: the executors of the runs in this process take the
-    # kernels' CPU paths, as a user's run on this machine does (under the interpreter a
-    # SmolLM2 step's log-probs took 4 s instead of 0.2). A rank process a test starts
-    # sets the test's environment, the interpreter on, before it imports a kernel
-    # (helpers._child; the ops import their kernels at their first launch).
+    # TRITON_INTERPRET stays on there: Triton's own @jit builtins (tl.max among them) are
+    # interpretable only if the interpreter was on when the server imported Triton (with
+    # transformers), whatever the environment of a rank process forked later.
     from llamarl_core import forkserver
 
-    interpret = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        forkserver.start()
-    finally:
-        if interpret is not None:
-            os.environ["TRITON_INTERPRET"] = interpret
+    forkserver.start()
 
 
 @pytest.hookimpl(hookwrapper=True)

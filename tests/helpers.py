@@ -227,7 +227,7 @@ def llamarl_here(*args: str) -> subprocess.CompletedProcess:
     """`llamarl ARGS` run by this process as the console script runs it
     (cli.exit_status of cli.main), less the process around it: its exit status and
     what it printed. A `train` run's executors fork from the session's forkserver
-    (conftest; Triton's interpreter off, as there), so a run here skips what a fresh
+    (conftest; Triton's interpreter on, as there), so a run here skips what a fresh
     process spends importing torch and transformers twice (6-7 s of 2 cores a
     run). Run from the root folder as the subprocess runs were, sys.path restored
     after (cli.main appends the working folder). What the executors print goes to

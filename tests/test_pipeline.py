@@ -370,9 +370,10 @@ def test_controller_drops_stale_groups_and_counts_them(tmp_path):
 # ----------------------------------------------------------------------------- whole runs
 
 
-# The runs take the CPU paths of the kernels, as a user's run on this machine does:
-# conftest turns the Triton interpreter on for the kernel tests, and off in the
-# session's forkserver, which the runs in this process fork their executors from.
+# The runs started as commands of their own take the CPU paths of the kernels, as a
+# user's run on this machine does (conftest turns the Triton interpreter on for the
+# kernel tests; the runs in this process fork their executors from the session's
+# forkserver, the interpreter on there too).
 RUN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
@@ -389,7 +390,8 @@ def llamarl(*args):
 
 def llamarl_command(*args, timeout=240):
     """`llamarl train ARGS` as a command of its own (RUN_ENV): for a test of the process's
-    own exit."""
+    own exit, and for a run whose executors quantize FP8 every step, which Triton's
+    interpreter would do 3x slower."""
     return subprocess.run([*TRAIN, *args], check=False, capture_output=True, text=True, timeout=timeout, cwd="/",
                           env=RUN_ENV)
 
@@ -506,7 +508,8 @@ def test_fp8_generator_replicas_sample_with_the_weights_the_trainer_quantized(tm
     from the trainer's by the FP8 rounding only: a mismatch KL above float32's
     (< 1e-5, the test above) and well below a different policy's."""
     out = tmp_path / "fp8"
-    proc = llamarl("--mode", "sync", "--generator-replicas", "2", "--generator-fp8", "block", "--out", str(out), *FAST)
+    proc = llamarl_command("--mode", "sync", "--generator-replicas", "2", "--generator-fp8", "block", "--out", str(out),
+                           *FAST)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert TrainConfig.load(out / "config.json").generator.fp8 == "block"
     metrics = read_metrics(out)
