@@ -140,8 +140,9 @@ def main(argv=None) -> int:
                         "(default 3; 1 with --device cuda)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: our two modes on one GPU (trainer and generator processes sharing it) with a Llama of "
-                        "about 1B parameters and random weights (unless --model), no warm-up; the table adds "
-                        "generation and training throughput, sync time and the generator's stall per step")
+                        "about 1B parameters and random weights (unless --model), no warm-up (unless --warmup-steps); "
+                        "the table adds generation and training throughput, sync time and the generator's stall per "
+                        "step")
     p.add_argument("--gpu-share", default="none",
                    help="with --device cuda, the async run's sharing of the one GPU (TrainConfig gpu_share): none, or "
                         "mps:P (MPS, the generator's kernels capped at P%% of the SMs, the trainer's at the rest); the "
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
         p.error(str(exc))
     if args.gpu_share != "none" and args.device != "cuda":
         p.error(f"--gpu-share {args.gpu_share} shares a GPU: it needs --device cuda")
-    if args.model and args.warmup_steps:
+    if args.model and args.warmup_steps is not None and args.warmup_steps > 0:
         p.error("--warmup-steps is the built-in model's: a pretrained --model starts from its own weights")
     args.repeats = args.repeats or (1 if args.device == "cuda" else 3)
     with tempfile.TemporaryDirectory() as tmp:

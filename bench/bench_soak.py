@@ -127,8 +127,8 @@ def trend(x: list[float], y: list[float]) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- the pipeline
 
 
-def soak_pipeline(steps: int, every: int, out: Path, checkpoint_every: int, warmup_steps: int) -> list[dict]:
-    from llamarl_core.pipeline.config import TrainConfig
+def soak_pipeline(config, every: int, out: Path) -> list[dict]:
+    """The pipeline loop: a run of `config` (a TrainConfig), sampled every `every` steps."""
     from llamarl_core.pipeline.controller import Controller
 
     sampler = Sampler(every)
@@ -139,10 +139,7 @@ def soak_pipeline(steps: int, every: int, out: Path, checkpoint_every: int, warm
         sampler.step(record["step"], record["step_time_s"], holder[0].store, {"controller": os.getpid(), **pids},
                      {"gen": record["gen_time_s"], "train": record["train_time_s"], "sync": record["sync_time_s"]})
 
-    # Its defaults but for the checkpoints' interval and the warm-up; an evaluation at every sample too.
-    config = TrainConfig(steps=steps, eval_every=every, checkpoint_every=checkpoint_every, warmup_steps=warmup_steps)
-    controller = Controller(config, out,
-                            on_step=on_step, on_event=lambda line: None)
+    controller = Controller(config, out, on_step=on_step, on_event=lambda line: None)
     holder.append(controller)
     summary = controller.run()
     print(f"pipeline: {summary['steps']} steps, reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f}",
@@ -223,7 +220,8 @@ def report(name: str, rows: list[dict], start: int) -> tuple[str, dict]:
 
 
 def main(argv=None) -> int:
-    from llamarl_core.pipeline.config import RunConfig, TrainerConfig
+    from llamarl_core.pipeline.config import RunConfig, TrainConfig, TrainerConfig
+    from llamarl_core.spelling import flag_spelling
 
     parser = argparse.ArgumentParser(prog="llamarl bench soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -234,15 +232,25 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=["pipeline", "sync"], help="run one loop only (default: both)")
     parser.add_argument("--checkpoint-every", type=int, default=RunConfig.checkpoint_every,
                         help=f"the pipeline's checkpoint interval in steps (default {RunConfig.checkpoint_every})")
-    parser.add_argument("--warmup-steps", type=int, default=TrainerConfig.warmup_steps,
+    parser.add_argument("--warmup-steps", type=int, default=None,
                         help=f"the pipeline's supervised steps before RL (default {TrainerConfig.warmup_steps})")
     parser.add_argument("--out", type=Path, help="the pipeline run's folder (default: a temporary one)")
     add_output_args(parser)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.every < 1 or args.every > args.steps:
         parser.error(f"need 1 <= --every <= --steps, got --every {args.every} --steps {args.steps}")
-    if args.warmup_steps < 0:
-        parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    config = None  # the pipeline loop's: `llamarl train`'s defaults, but for these; an evaluation at every sample
+    if args.only == "sync":
+        if args.warmup_steps is not None:
+            parser.error("--warmup-steps is the pipeline loop's: not with --only sync")
+    else:
+        warmup = {} if args.warmup_steps is None else {"warmup_steps": args.warmup_steps}
+        try:
+            with flag_spelling():
+                config = TrainConfig(steps=args.steps, eval_every=args.every, checkpoint_every=args.checkpoint_every,
+                                     **warmup)
+        except ValueError as exc:
+            parser.error(str(exc))
     share_secret()
     results, bodies = {}, []
     with tempfile.TemporaryDirectory(prefix="llamarl-soak-") as tmp:
@@ -250,8 +258,7 @@ def main(argv=None) -> int:
             if args.only not in (None, name):
                 continue
             rows = soak_sync(args.steps, args.every) if name == "sync" else \
-                soak_pipeline(args.steps, args.every, args.out or Path(tmp) / "run", args.checkpoint_every,
-                              args.warmup_steps)
+                soak_pipeline(config, args.every, args.out or Path(tmp) / "run")
             body, judged = report(name, rows, args.start)
             bodies.append(body)
             results[name] = {"rows": rows, "verdict": judged}

@@ -13,6 +13,5 @@ bash "$root/scripts/fetch-smollm2.sh" "$venv/bin/python"
 cd "$root"
 # The installed package is tested, not the source tree: pytest (not `python -m
 # pytest`) keeps the repository root off sys.path. Two pytest-xdist workers, each
-# taking whole modules (their shared runs and engines stay in one process), the
-# slowest first (tests/conftest.py: SLOWEST_FIRST).
-"$venv/bin/pytest" -n "${LLAMARL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+# taking whole modules (their shared runs and engines stay in one process).
+"$venv/bin/pytest" -n "${LLAMARL_TEST_WORKERS:-2}" --dist loadfile "$@"

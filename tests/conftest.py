@@ -63,19 +63,7 @@ def simd(request):
     native().set_host_simd(before)
 
 
-# The modules that take longest (a full run's --cpu-log), slowest first; the others
-# follow in the order pytest collects them. pytest-xdist hands whole modules to its
-# workers in this order (scripts/run-tests.sh: --dist loadfile --no-loadscope-reorder;
-# its own order puts the modules with the most tests first, and left a vLLM module
-# running alone at the end while the other core idled).
-SLOWEST_FIRST = ("test_vllm", "test_pipeline", "test_sync", "test_bench", "test_launch", "test_trl", "test_trl_server",
-                 "test_real_model", "test_hosts", "test_long_runs", "test_build", "test_readme", "test_checkpoints",
-                 "test_aipo", "test_objectives", "test_plan", "test_control_plane", "test_plugins", "test_fp8")
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module's tests keep their order
     # With a GPU the CPU tests' Triton cases run on CUDA tensors ("triton-cuda"); they are
     # not marked gpu: `pytest -m gpu` (llamarl check gpu) takes only the tests written for a GPU.
     if torch.cuda.is_available():

@@ -169,6 +169,16 @@ def test_a_plain_model_on_several_ranks_is_refused():
         module_layout(tiny_model("qwen3", 0), 2)
 
 
+def test_a_world_size_that_is_not_an_int_of_one_or_more_is_refused():
+    """A bool or a float world is refused as Layout refuses it, naming world_size (True passed as 1)."""
+    model = tiny_model("qwen3", 0)
+    for world in (True, 0, 2.0, -1):
+        for build in (lambda: module_layout(model, world), lambda: fsdp_layout(model, world, torch.float32),
+                      lambda: Layout(world, [])):
+            with pytest.raises(ValueError, match=rf"world_size must be an int >= 1, got {world!r}"):
+                build()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

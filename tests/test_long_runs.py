@@ -21,8 +21,8 @@ RUN_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 def test_soak_keeps_the_store_files_and_threads_flat(tmp_path):
-    """90 steps of the default pipeline (a checkpoint every 15, an evaluation every
-    30) and 90 syncs, sampled every 30 steps: from the first sample to the last the
+    """90 steps of the default pipeline without its warm-up (a checkpoint every 15, an
+    evaluation every 30) and 90 syncs, sampled every 30 steps: from the first sample to the last the
     Store holds the same keys (2 of slack: messages in flight), and no process gains
     a file descriptor or a thread (1 of slack). Before ticket keys were deleted, the
     sync alone left 3 keys per version (180 more here)."""

@@ -107,18 +107,31 @@ def test_nine_heads_over_two_generator_ranks_are_refused(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+MEMORY = Path("/dev/shm")
+MEMORY_NEEDED = 4 << 30  # the run's 2.1 GB, twice
+
+
 @pytest.fixture
 def memory_path(tmp_path):
-    """A folder in memory (/dev/shm where there is one, else tmp_path), removed after
-    the test: for a run that writes SmolLM2's checkpoint (1.6 GB with AdamW's state)
-    and its export. Written into fresh files on this machine's disk, 1.6 GB took 15-18
-    s of the kernel's CPU (0.9 s into /dev/shm): the cores the other tests run on."""
-    if not os.path.isdir("/dev/shm"):
+    """A folder in memory (/dev/shm, where it is writable with 4 GiB free; tmp_path
+    elsewhere), removed after the test: for a run that writes SmolLM2's checkpoint
+    (1.6 GB with AdamW's state) and its export. Written into fresh files on this
+    machine's disk, 1.6 GB took 15-18 s of the kernel's CPU (0.9 s into /dev/shm):
+    the cores the other tests run on. A folder a killed session left is removed by
+    the next (its pid in the name)."""
+    if not (os.access(MEMORY, os.W_OK) and shutil.disk_usage(MEMORY).free >= MEMORY_NEEDED):
         yield tmp_path
         return
-    folder = tempfile.mkdtemp(prefix="pytest-real-model-", dir="/dev/shm")
+    for left in MEMORY.glob("pytest-real-model-*-*"):
+        try:
+            os.kill(int(left.name.split("-")[3]), 0)
+        except ProcessLookupError:  # its session is gone
+            shutil.rmtree(left, ignore_errors=True)
+        except (ValueError, PermissionError):  # not named by us; a live process of another user
+            pass
+    folder = Path(tempfile.mkdtemp(prefix=f"pytest-real-model-{os.getpid()}-", dir=MEMORY))
     try:
-        yield Path(folder)
+        yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -31,8 +31,9 @@ def lora_run(tmp_path_factory):
     generation."""
     saved = dict(os.environ)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # Not compiled by Inductor, as the engines of test_trl.py's DDP ranks (see there): test_trl.py's `colocated`
-    # is the one compiled.
+    # The model traced but not compiled by Inductor, as in test_trl.py's DDP ranks (see there): test_trl.py's
+    # `colocated` is the engine compiled. vLLM reads its variables once a process: where test_trl.py's engine
+    # ran first in this pytest-xdist worker, this one is compiled too.
     os.environ["VLLM_CPU_CI_ENV"] = "1"
     folder = vllm_llama_dir(tmp_path_factory.mktemp("vllm-llama-lora"))
     run = GRPOTrainer(model=folder, reward_funcs=length_reward, train_dataset=prompts(), processing_class=tokenizer(),

@@ -327,6 +327,33 @@ def test_fp8_destinations_derived_with_their_scales(granularity):
         fp8_granularity(live)
 
 
+def test_engine_start_settings_hold_while_the_engine_starts_and_are_restored_after(tmp_path, monkeypatch):
+    """VllmGenerator starts its engine eager (TORCHDYNAMO_DISABLE, and torch's config
+    for a forked process) with its temporary files in a folder of its own; after the
+    start, whether it succeeded or raised, this process's settings are as they were.
+    A user's own TORCHDYNAMO_DISABLE=0 is kept (compiled, as asked)."""
+    import tempfile
+
+    import torch._dynamo
+
+    from llamarl_core.integrations.vllm.generator import _engine_start_settings
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "users"))
+    before = (torch._dynamo.config.disable, tempfile.tempdir)
+    with pytest.raises(RuntimeError, match="the start failed"):
+        with _engine_start_settings(str(tmp_path / "engine")):
+            assert os.environ["TMPDIR"] == tempfile.tempdir == str(tmp_path / "engine")
+            assert os.environ["TORCHDYNAMO_DISABLE"] == "1" and torch._dynamo.config.disable is True
+            raise RuntimeError("the start failed")
+    assert os.environ["TMPDIR"] == str(tmp_path / "users") and "TORCHDYNAMO_DISABLE" not in os.environ
+    assert (torch._dynamo.config.disable, tempfile.tempdir) == before
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    with _engine_start_settings(str(tmp_path / "engine")):
+        assert torch._dynamo.config.disable == before[0]
+    assert os.environ["TORCHDYNAMO_DISABLE"] == "0" and torch._dynamo.config.disable == before[0]
+
+
 def test_sync_while_requests_in_flight(store, tmp_path):
     """The pipeline's vLLM generator (AsyncLLM) on a Qwen2 config with tied
     embeddings (the tests above: Llama, untied): requests sampling at temperature

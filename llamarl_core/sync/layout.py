@@ -289,8 +289,7 @@ class Layout:
     """Parameters of one side over `world_size` ranks, validated on construction."""
 
     def __init__(self, world_size: int, params: Iterable[ParamSpec]):
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        check_int(world_size, "world_size", 1)
         self.world_size = world_size
         self.params: dict[str, ParamSpec] = {}
         for spec in params:

@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from .protocol import DEFAULT_TIMEOUT_S
 from .errors import SyncError
-from .layout import Explicit, Layout, ParamSpec, Replicate, Shard, chunk_bounds, contiguous_strides, strided_fragments
+from .layout import (Explicit, Layout, ParamSpec, Replicate, Shard, check_int, chunk_bounds, contiguous_strides,
+                     strided_fragments)
 from .plan import DEFAULT_BUCKET_BYTES
 from .probe import ProbeError, ViewProbe
 from .receiver import WeightReceiver
@@ -284,7 +285,7 @@ def module_layout(model: torch.nn.Module, world_size: int) -> Layout:
     a replicated model: rank 0 alone sends, with world_size 1), a placement
     other than Shard / _StridedShard / Replicate (Partial), a rank's shard that
     is not one box, a mesh over other ranks."""
-    _check_world_size(world_size)
+    check_int(world_size, "world_size", 1)
     model = _resharded(_unwrapped(model))
     params = dict(model.named_parameters())
     if world_size > 1 and not any(hasattr(p, "placements") for p in params.values()):
@@ -308,7 +309,7 @@ def fsdp_layout(model: torch.nn.Module, world_size: int, dtype: torch.dtype) -> 
     then when `fully_shard` covers every parameter on one 1-D mesh (senders and
     receivers plan again from the layouts they register when they connect). A
     model already sharded is read as it is (module_layout), in `dtype`."""
-    _check_world_size(world_size)
+    check_int(world_size, "world_size", 1)
     model = _unwrapped(model)
     if any(hasattr(p, "placements") for p in model.parameters()):
         live = module_layout(model, world_size)
@@ -357,11 +358,6 @@ def _resharded(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(module, FSDPModule):
             module.reshard()
     return model
-
-
-def _check_world_size(world_size: int) -> None:
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
 
 
 def local_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:

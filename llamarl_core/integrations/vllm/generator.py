@@ -72,23 +72,25 @@ def check_cpu_vllm(model_config) -> None:
 @contextlib.contextmanager
 def _engine_start_settings(temp_dir: str):
     """This process's settings while an engine starts, which its processes take (a
-    spawned one from the environment, a forked one from torch's config), restored
-    after: their temporary files in `temp_dir` (vLLM's file:// rendezvous of
-    tensor-parallel workers, which their shutdown leaves behind, among them), and
+    spawned one from the environment, a forked one from this process's memory),
+    restored after: their temporary files in `temp_dir` (vLLM's file:// rendezvous
+    of tensor-parallel workers, which their shutdown leaves behind, among them), and
     eager throughout, as enforce_eager asks (host.ENGINE_ENV), unless the user set
     TORCHDYNAMO_DISABLE: vLLM wraps its sampler's log-prob helper in torch.compile,
     10 s of Inductor at a run's first request here."""
     import torch._dynamo
 
     saved = {name: os.environ.get(name) for name in ("TMPDIR", "TORCHDYNAMO_DISABLE")}
-    disabled = torch._dynamo.config.disable  # read from the environment when torch was imported
-    os.environ["TMPDIR"] = temp_dir
+    saved_tempdir = tempfile.tempdir  # what tempfile cached of TMPDIR: a forked process's too
+    disabled = torch._dynamo.config.disable  # TORCH_COMPILE_DISABLE's, when torch was imported
+    os.environ["TMPDIR"] = tempfile.tempdir = temp_dir
     os.environ.setdefault("TORCHDYNAMO_DISABLE", ENGINE_ENV["TORCHDYNAMO_DISABLE"])
-    torch._dynamo.config.disable = os.environ["TORCHDYNAMO_DISABLE"] == "1"
+    torch._dynamo.config.disable = disabled or os.environ["TORCHDYNAMO_DISABLE"] == "1"
     try:
         yield
     finally:
         torch._dynamo.config.disable = disabled
+        tempfile.tempdir = saved_tempdir
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -149,7 +151,8 @@ class VllmGenerator(Generator):
             self._run(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
                       timeout_s + ENGINE_CALL_MARGIN_S, "connecting the engine to the trainer")
         except BaseException:
-            self.close()
+            with contextlib.suppress(Exception):  # the failure to report is the connection's
+                self.close()
             raise
         self.params = dict(max_tokens=max_new_tokens, temperature=temperature, logprobs=0, detokenize=False,
                            stop_token_ids=sorted(self.stop_ids), output_kind=RequestOutputKind.DELTA)
