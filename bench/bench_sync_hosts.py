@@ -23,6 +23,7 @@ exec`, which forks that host's ranks.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import select
@@ -65,6 +66,9 @@ ROUND_SHARE_OF_WAIT = 0.8
 MEMORY_SHARE = 0.6
 # What the driver and the ranks run (`python -m`; this file is __main__ in them).
 MODULE = "llamarl_core.bench.bench_sync_hosts"
+# prctl(PR_SET_PDEATHSIG, signal): the signal a process gets when its parent dies (Linux, as the hosts are).
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+_PR_SET_PDEATHSIG = 1
 
 
 class _Zygote:
@@ -92,28 +96,38 @@ class _Zygote:
         self.reader.start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
-            what, pid, *code = line.split()
+        try:
+            for line in self.proc.stdout:
+                match line.split():
+                    case ["started", pid] if pid.isdigit():
+                        with self.changed:
+                            self.exited.pop(int(pid), None)  # a pid the system gave again
+                            self.started.append(int(pid))
+                            self.changed.notify_all()
+                    case ["exited", pid, code] if pid.isdigit():
+                        with self.changed:
+                            self.exited[int(pid)] = int(code)
+                            self.changed.notify_all()
+                    case _:
+                        print(f"host {self.name}'s zygote: {line.rstrip()}", file=sys.stderr)
+        finally:
             with self.changed:
-                if what == "started":
-                    self.started.append(int(pid))
-                else:
-                    self.exited[int(pid)] = int(code[0])
+                self.gone = True
                 self.changed.notify_all()
-        with self.changed:
-            self.gone = True
-            self.changed.notify_all()
 
     def fork(self, call: dict) -> int:
         """Start a rank running `call`; its pid."""
         with self.changed:
             count = len(self.started)
-            self.proc.stdin.write(json.dumps(call) + "\n")
-            self.proc.stdin.flush()
+            try:
+                self.proc.stdin.write(json.dumps(call) + "\n")
+                self.proc.stdin.flush()
+            except OSError:  # its end of the pipe is closed: it is gone
+                self.changed.wait_for(lambda: self.gone, self.START_TIMEOUT_S)
             if not self.changed.wait_for(lambda: len(self.started) > count or self.gone, self.START_TIMEOUT_S):
                 raise RuntimeError(f"host {self.name}'s zygote started no rank within {self.START_TIMEOUT_S:.0f} s")
             if len(self.started) == count:
-                raise RuntimeError(f"host {self.name}'s zygote exited (code {self.proc.wait()})")
+                raise RuntimeError(f"host {self.name}'s zygote exited (code {self.proc.poll()})")
             return self.started[count]
 
     def exitcode(self, pid: int) -> int | None:
@@ -124,15 +138,32 @@ class _Zygote:
         with self.changed:
             self.changed.wait_for(lambda: pid in self.exited or self.gone, timeout)
 
-    def close(self) -> None:
-        """No more ranks: it exits once every rank it started has (killed past the ranks' wait)."""
-        self.proc.stdin.close()
+    def kill_ranks(self) -> None:
+        """SIGKILL every rank it started that has not exited (the hosts share the pid namespace)."""
+        with self.changed:
+            running = [pid for pid in self.started if pid not in self.exited]
+        for pid in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _close_zygotes(zygotes: list[_Zygote], kill: bool) -> None:
+    """No more ranks: each zygote exits once the ranks it started have (with `kill`,
+    they are killed first: the driver failed, and they would wait out their rounds).
+    Past the ranks' wait, a zygote is killed, and its ranks with it (PR_SET_PDEATHSIG)."""
+    for zygote in zygotes:
+        if kill:
+            zygote.kill_ranks()
+        with contextlib.suppress(OSError):  # one already gone
+            zygote.proc.stdin.close()
+    deadline = time.monotonic() + _WAIT.total_seconds()
+    for zygote in zygotes:
         try:
-            self.proc.wait(_WAIT.total_seconds())
+            zygote.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.reader.join()
+            zygote.proc.kill()
+            zygote.proc.wait()
+        zygote.reader.join()
 
 
 def _zygote_main() -> None:
@@ -153,11 +184,16 @@ def _zygote_main() -> None:
                 pid = os.fork()
                 if pid == 0:
                     reports.close()
-                    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)  # a zygote that dies takes its ranks with it
+                    devnull = os.open(os.devnull, os.O_RDONLY)
+                    os.dup2(devnull, 0)
+                    os.close(devnull)
                     code = 1
                     try:
                         _rank_main(json.loads(line))
                         code = 0
+                    except SystemExit as stop:  # as a process's exit status reads it
+                        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
                     except BaseException:
                         traceback.print_exc()
                     finally:
@@ -194,7 +230,8 @@ class _HostRank:
         return None if self.pid is None else self.zygote.exitcode(self.pid)
 
     def join(self, timeout=None) -> None:
-        self.zygote.join(self.pid, timeout)
+        if self.pid is not None:  # never started: nothing to wait for
+            self.zygote.join(self.pid, timeout)
 
     def is_alive(self) -> bool:
         return self.pid is not None and self.exitcode is None
@@ -219,11 +256,13 @@ def _rank_main(call: dict) -> None:
 def _drive(spec: SimpleNamespace, hosts: list[dict]) -> dict:
     """Inside host 0: time every method, rounds interleaved (the `drive` command)."""
     zygotes = [_Zygote(host) for host in hosts]  # importing while the rest is set up
+    done = False
     try:
-        return _drive_ranks(spec, hosts[0]["addr"], zygotes)
+        result = _drive_ranks(spec, hosts[0]["addr"], zygotes)
+        done = True
+        return result
     finally:
-        for zygote in zygotes:
-            zygote.close()
+        _close_zygotes(zygotes, kill=not done)
 
 
 def _drive_ranks(spec: SimpleNamespace, addr: str, hosts: list[_Zygote]) -> dict:
