@@ -138,13 +138,18 @@ class _Zygote:
         with self.changed:
             self.changed.wait_for(lambda: pid in self.exited or self.gone, timeout)
 
+    @staticmethod
+    def kill(pid: int) -> None:
+        """SIGKILL a rank it started (the hosts share the pid namespace); nothing if it is gone."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
     def kill_ranks(self) -> None:
-        """SIGKILL every rank it started that has not exited (the hosts share the pid namespace)."""
+        """SIGKILL every rank it started that has not exited."""
         with self.changed:
             running = [pid for pid in self.started if pid not in self.exited]
         for pid in running:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            self.kill(pid)
 
 
 def _close_zygotes(zygotes: list[_Zygote], kill: bool) -> None:
@@ -237,8 +242,7 @@ class _HostRank:
         return self.pid is not None and self.exitcode is None
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)  # the hosts share the pid namespace
+        self.zygote.kill(self.pid)
 
 
 def _rank_main(call: dict) -> None:

@@ -98,7 +98,8 @@ def test_link_cut_mid_sync_times_out_on_both_sides(netns_hosts, tmp_path):
     a, b = netns_hosts
     timeout_s = 3.0
     procs = start_sync({("sender", 0): a, ("receiver", 0): b},
-                       make_scenario(tmp_path, "mistral", 13, fsdp=1, tp=1, bucket_bytes=16384, cut_timeout_s=timeout_s))
+                       make_scenario(tmp_path, "mistral", 13, fsdp=1, tp=1, bucket_bytes=16384,
+                                     cut_timeout_s=timeout_s))
     try:
         reports = read_versions(procs)
         assert [r["mismatches"] for r in reports[("receiver", 0)][1:]] == [[], []]
