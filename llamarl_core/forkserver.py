@@ -32,6 +32,7 @@ import os
 import select
 import signal
 import threading
+from typing import Sequence
 
 # Third-party modules only: the server imports them on a sys.path that need not be
 # its parent's (Python 3.11 puts the working directory first: from a source checkout
@@ -40,6 +41,7 @@ import threading
 PRELOAD = ["torch.distributed", "transformers.models.llama.modeling_llama"]
 TRACKER_WAIT_S = 5.0  # stop() waits this long at most for the resource tracker to end
 OMP_SPIN = ("GOMP_SPINCOUNT", "10000")  # the server's OpenMP spin (see above)
+_preload: list[str] = []  # start()'s preload, imported after PRELOAD by a server launched from here on
 
 
 def context() -> multiprocessing.context.ForkServerContext:
@@ -49,17 +51,26 @@ def context() -> multiprocessing.context.ForkServerContext:
     return multiprocessing.get_context("forkserver")
 
 
-def start() -> None:
+def start(preload: Sequence[str] = ()) -> None:
     """Launch the server now, without waiting for its imports (nothing if it runs
     already). It starts with SIGINT ignored (Ctrl-C reaches the terminal's whole
     process group; the server ignores it once its imports are done, and is stopped
     by its parent's exit), and so do the processes forked from it, unless they set
-    their own handler; and with OMP_SPIN in its environment (not in this process's)."""
+    their own handler; and with OMP_SPIN in its environment (not in this process's).
+    `preload`: more modules the server imports after PRELOAD, found where the
+    server finds them: on its own sys.path, whose first entry is this process's
+    working directory now (Python 3.11's server does not take this process's
+    sys.path); one that fails to import is skipped, as the stdlib's server skips
+    it. The test suite launches it from tests/ with its helpers and this package's
+    pipeline: every rank process then starts with them imported."""
+    if isinstance(preload, str) or not all(isinstance(name, str) and name for name in preload):
+        raise ValueError(f"preload must be a sequence of module names, got {preload!r}")
+    _preload[:] = [name for name in preload if name not in PRELOAD]
     _launch()
 
 
 def _launch() -> None:
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD + _preload)
     main = threading.current_thread() is threading.main_thread()  # signal handlers are the main thread's
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # ignored stays ignored across exec
     spin = not {OMP_SPIN[0], "OMP_WAIT_POLICY"} & set(os.environ)

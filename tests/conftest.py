@@ -97,9 +97,18 @@ def pytest_sessionstart(session):
     # TRITON_INTERPRET stays on there: Triton's own @jit builtins (tl.max among them) are
     # interpretable only if the interpreter was on when the server imported Triton (with
     # transformers), whatever the environment of a rank process forked later.
+    # It imports the rank processes' own modules too (helpers, and through it this
+    # package's sync; the pipeline): each forked process starts with them imported. It
+    # finds them from its working directory, tests/ (not the repository's root, whose
+    # unbuilt package would shadow the installed one).
     from llamarl_core import forkserver
 
-    forkserver.start()
+    cwd = os.getcwd()
+    os.chdir(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        forkserver.start(preload=["llamarl_core.pipeline", "helpers"])
+    finally:
+        os.chdir(cwd)
 
 
 @pytest.hookimpl(hookwrapper=True)

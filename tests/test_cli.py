@@ -129,6 +129,26 @@ def test_a_callers_own_openmp_wait_setting_is_left_to_the_executors():
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
 
 
+def test_the_suites_forkserver_preloads_its_helpers_and_the_pipeline():
+    """start(preload=...), as conftest starts the session's server: a process forked
+    from it begins with those modules imported, this package the one the tests
+    import (the installed one, not a source tree's). A preload that is not a
+    sequence of module names is refused, before the server's modules change."""
+    import llamarl_core
+    from llamarl_core import forkserver
+
+    check = ("import sys; sys.exit(0 if all(m in sys.modules for m in ('helpers', 'llamarl_core.pipeline')) "
+             f"and sys.modules['llamarl_core'].__file__ == {llamarl_core.__file__!r} else 3)")
+    child = forkserver.context().Process(target=exec, args=(check,))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    for bad in ("helpers", ["helpers", ""], [3]):
+        with pytest.raises(ValueError, match="preload must be a sequence of module names"):
+            forkserver.start(preload=bad)
+    assert forkserver._preload == ["llamarl_core.pipeline", "helpers"]
+
+
 def _processes_with(marker: str) -> list[int]:
     """The pids of live processes whose environment holds `marker`."""
     from pathlib import Path
