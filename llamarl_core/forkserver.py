@@ -32,16 +32,16 @@ import os
 import select
 import signal
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 # Third-party modules only: the server imports them on a sys.path that need not be
 # its parent's (Python 3.11 puts the working directory first: from a source checkout
 # it would import this package's unbuilt tree); a process forked from it takes its
-# parent's sys.path and working directory before it imports this package.
+# parent's sys.path and working directory before it imports this package. A caller
+# that knows where the server starts adds its own modules (start's preload).
 PRELOAD = ["torch.distributed", "transformers.models.llama.modeling_llama"]
 TRACKER_WAIT_S = 5.0  # stop() waits this long at most for the resource tracker to end
 OMP_SPIN = ("GOMP_SPINCOUNT", "10000")  # the server's OpenMP spin (see above)
-_preload: list[str] = []  # start()'s preload, imported after PRELOAD by a server launched from here on
 
 
 def context() -> multiprocessing.context.ForkServerContext:
@@ -57,20 +57,27 @@ def start(preload: Sequence[str] = ()) -> None:
     process group; the server ignores it once its imports are done, and is stopped
     by its parent's exit), and so do the processes forked from it, unless they set
     their own handler; and with OMP_SPIN in its environment (not in this process's).
-    `preload`: more modules the server imports after PRELOAD, found where the
-    server finds them: on its own sys.path, whose first entry is this process's
-    working directory now (Python 3.11's server does not take this process's
-    sys.path); one that fails to import is skipped, as the stdlib's server skips
-    it. The test suite launches it from tests/ with its helpers and this package's
-    pipeline: every rank process then starts with them imported."""
-    if isinstance(preload, str) or not all(isinstance(name, str) and name for name in preload):
-        raise ValueError(f"preload must be a sequence of module names, got {preload!r}")
-    _preload[:] = [name for name in preload if name not in PRELOAD]
-    _launch()
+    `preload`: more modules for the server to import after PRELOAD, when this call
+    launches it (a server running already is kept as it is; one that `context()`
+    launches later, the first having died, imports PRELOAD alone). The server finds
+    them on its own sys.path: on Python 3.11 that begins with this process's
+    working directory, not with this process's sys.path (3.12.8 and later take the
+    latter). A module that fails to import there is skipped, as the stdlib's
+    server skips it. ValueError, before anything starts, for a preload that is not
+    a sequence of dotted module names."""
+    try:
+        names = None if isinstance(preload, (str, bytes)) else tuple(preload)
+    except TypeError:  # not iterable
+        names = None
+    if names is None or not all(isinstance(name, str) and all(part.isidentifier() for part in name.split("."))
+                                for name in names):
+        raise ValueError(f"preload must be a sequence of dotted module names, got {preload!r}")
+    _launch(names)
 
 
-def _launch() -> None:
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD + _preload)
+def _launch(preload: tuple[str, ...] = ()) -> None:
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        PRELOAD + [name for name in preload if name not in PRELOAD])
     main = threading.current_thread() is threading.main_thread()  # signal handlers are the main thread's
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # ignored stays ignored across exec
     spin = not {OMP_SPIN[0], "OMP_WAIT_POLICY"} & set(os.environ)

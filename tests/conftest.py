@@ -98,9 +98,10 @@ def pytest_sessionstart(session):
     # interpretable only if the interpreter was on when the server imported Triton (with
     # transformers), whatever the environment of a rank process forked later.
     # It imports the rank processes' own modules too (helpers, and through it this
-    # package's sync; the pipeline): each forked process starts with them imported. It
-    # finds them from its working directory, tests/ (not the repository's root, whose
-    # unbuilt package would shadow the installed one).
+    # package's sync; the pipeline): each forked process starts with them imported.
+    # Python 3.11's server finds them from its working directory first: launched from
+    # tests/, not from the repository's root, whose unbuilt package would shadow the
+    # installed one (the session is single-threaded here: the chdir is undone at once).
     from llamarl_core import forkserver
 
     cwd = os.getcwd()

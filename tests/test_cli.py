@@ -129,11 +129,11 @@ def test_a_callers_own_openmp_wait_setting_is_left_to_the_executors():
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
 
 
-def test_the_suites_forkserver_preloads_its_helpers_and_the_pipeline():
-    """start(preload=...), as conftest starts the session's server: a process forked
-    from it begins with those modules imported, this package the one the tests
-    import (the installed one, not a source tree's). A preload that is not a
-    sequence of module names is refused, before the server's modules change."""
+def test_the_suites_forkserver_preloads_its_helpers_and_the_pipeline(tmp_path):
+    """start(preload=...), as conftest starts the session's server (from tests/): a
+    process forked from it begins with those modules imported, this package the one
+    the tests import (the installed one, not a source tree's). A preload that is
+    not a sequence of dotted module names is refused before anything starts."""
     import llamarl_core
     from llamarl_core import forkserver
 
@@ -143,10 +143,20 @@ def test_the_suites_forkserver_preloads_its_helpers_and_the_pipeline():
     child.start()
     child.join(120)
     assert child.exitcode == 0
-    for bad in ("helpers", ["helpers", ""], [3]):
-        with pytest.raises(ValueError, match="preload must be a sequence of module names"):
+    # The server imported llamarl_core.control.hosts: each forked process still draws its own
+    # token (process_identity), as a container's process with an equal pid must not pass for it.
+    tokens = tmp_path / "tokens"
+    write = (f"from llamarl_core.control.hosts import process_identity; "
+             f"open({str(tokens)!r}, 'a').write(process_identity().split('/')[1] + '\\n')")
+    for _ in range(2):
+        child = forkserver.context().Process(target=exec, args=(write,))
+        child.start()
+        child.join(120)
+        assert child.exitcode == 0
+    assert len(set(tokens.read_text().split())) == 2
+    for bad in ("helpers", b"helpers", 3, ["helpers", ""], [3], ["a..b"], ["sync workers"]):
+        with pytest.raises(ValueError, match="preload must be a sequence of dotted module names"):
             forkserver.start(preload=bad)
-    assert forkserver._preload == ["llamarl_core.pipeline", "helpers"]
 
 
 def _processes_with(marker: str) -> list[int]:

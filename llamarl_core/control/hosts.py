@@ -33,8 +33,17 @@ def host_identity() -> str:
 
 
 # Told apart from the pid: containers on one host (one hostname and boot id) can
-# run processes with equal pids, and a pid alone would make them one process.
+# run processes with equal pids, and a pid alone would make them one process. Drawn
+# again in a forked child, which would otherwise share its parent's (a forkserver's).
 _PROCESS_TOKEN = uuid.uuid4().hex
+
+
+def _new_process_token() -> None:
+    global _PROCESS_TOKEN
+    _PROCESS_TOKEN = uuid.uuid4().hex
+
+
+os.register_at_fork(after_in_child=_new_process_token)
 
 
 def process_identity() -> str:
