@@ -159,6 +159,20 @@ def test_the_suites_forkserver_preloads_its_helpers_and_the_pipeline(tmp_path):
             forkserver.start(preload=bad)
 
 
+def test_the_executors_are_preloaded_only_where_the_server_finds_this_package(tmp_path, monkeypatch):
+    """The forkserver preloads this package's executors only where a fresh
+    interpreter in the working directory finds the package this process imported:
+    not from a folder holding another llamarl_core (a source checkout beside an
+    installed package), which Python 3.11's server would import instead."""
+    from llamarl_core import forkserver
+
+    monkeypatch.chdir(tmp_path)
+    assert forkserver._finds_this_package()
+    (tmp_path / "llamarl_core").mkdir()
+    (tmp_path / "llamarl_core" / "__init__.py").write_text("")
+    assert not forkserver._finds_this_package()
+
+
 def _processes_with(marker: str) -> list[int]:
     """The pids of live processes whose environment holds `marker`."""
     from pathlib import Path
