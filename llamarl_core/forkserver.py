@@ -6,8 +6,10 @@ it is safe and a child starts with those imports done. The executors preloaded:
 `llamarl train --steps 10` on 2 cores, 3 runs each, alternated: 20.2-20.7 ->
 17.8-19.5 busy CPU-s, 11.7-12.0 -> 10.1-11.4 s.
 
-`start()` launches it and returns at once; it imports PRELOAD while its caller
-goes on with imports of its own (on 2 cores, `llamarl train`'s first executor
+`start()` launches it and returns without waiting for its imports (once per
+working directory it first asks a fresh interpreter where it finds this package,
+a few hundredths of a second); it imports PRELOAD while its caller goes on with
+imports of its own (on 2 cores, `llamarl train`'s first executor
 then starts about 3 s sooner than when the server is launched by that first
 start). The first process started through `context()` waits for the imports
 to be done; a server already running is reused as it is. Importing this module
@@ -66,9 +68,10 @@ def start(preload: Sequence[str] = ()) -> None:
     process group; the server ignores it once its imports are done, and is stopped
     by its parent's exit), and so do the processes forked from it, unless they set
     their own handler; and with OMP_SPIN in its environment (not in this process's).
-    `preload`: more modules for the server to import after PRELOAD, when this call
-    launches it (a server running already is kept as it is; one that `context()`
-    launches later, the first having died, imports PRELOAD alone). The server finds
+    `preload`: more modules for the server to import after PRELOAD (and EXECUTORS,
+    where it finds this package), when this call launches it (a server running
+    already is kept as it is; one that `context()` launches later, the first having
+    died, imports no preload of a caller's). The server finds
     them on its own sys.path: on Python 3.11 that begins with this process's
     working directory, not with this process's sys.path (3.12.8 and later take the
     latter). A module that fails to import there is skipped, as the stdlib's
@@ -95,12 +98,13 @@ def _finds_this_package() -> bool:
     code = ("import importlib.util, sys; spec = importlib.util.find_spec('llamarl_core'); "
             "sys.stdout.write(spec.origin or '' if spec else '')")
     try:
-        found = subprocess.run([multiprocessing.spawn.get_executable(), *subprocess._args_from_interpreter_flags(),
-                                "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
+        found = os.fsdecode(subprocess.run([multiprocessing.spawn.get_executable(),
+                                            *subprocess._args_from_interpreter_flags(), "-c", code],
+                                           capture_output=True, timeout=10, check=True).stdout)
+        return bool(found) and os.path.realpath(found) == os.path.realpath(os.path.join(os.path.dirname(__file__),
+                                                                                          "__init__.py"))
+    except (OSError, ValueError, subprocess.SubprocessError):  # ValueError: a path it could not decode
         return False
-    return bool(found) and os.path.realpath(found) == os.path.realpath(os.path.join(os.path.dirname(__file__),
-                                                                                      "__init__.py"))
 
 
 def _launch(preload: tuple[str, ...] = ()) -> None:
@@ -108,8 +112,8 @@ def _launch(preload: tuple[str, ...] = ()) -> None:
     if cwd not in _found_here:  # asked once per working directory
         _found_here[cwd] = _finds_this_package()
     own = [EXECUTORS] if _found_here[cwd] else []
-    multiprocessing.get_context("forkserver").set_forkserver_preload(
-        PRELOAD + own + [name for name in preload if name not in PRELOAD + own])
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD + own + [name for name in preload if name not in PRELOAD + own])
     main = threading.current_thread() is threading.main_thread()  # signal handlers are the main thread's
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # ignored stays ignored across exec
     spin = not {OMP_SPIN[0], "OMP_WAIT_POLICY"} & set(os.environ)
@@ -118,6 +122,9 @@ def _launch(preload: tuple[str, ...] = ()) -> None:
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
+        # What a relaunch by the stdlib itself (a process started after the server died) imports:
+        # the third-party modules alone, wherever the working directory is then.
+        context.set_forkserver_preload(PRELOAD)
         if spin:
             del os.environ[OMP_SPIN[0]]
         if main:

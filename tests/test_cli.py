@@ -82,13 +82,15 @@ def test_train_starts_the_executor_forkserver_before_importing_the_pipeline():
     imports and the controller's run side by side: importing the CLI and
     llamarl_core.forkserver imports no torch, start() comes before the pipeline is
     imported, and a process started in the server's context begins with
-    torch.distributed and transformers' Llama imported, SIGINT ignored and
+    torch.distributed, transformers' Llama and this package's executors imported
+    (its working directory, /, holds no other llamarl_core), SIGINT ignored and
     OpenMP's spin bounded (GOMP_SPINCOUNT, in the server's environment alone)."""
     import subprocess
     import sys
 
     preloaded = " and ".join(f"{name!r} in sys.modules" for name in ("torch.distributed",
-                                                                   "transformers.models.llama.modeling_llama"))
+                                                                   "transformers.models.llama.modeling_llama",
+                                                                   "llamarl_core.pipeline.executors.run"))
     child = (f"import os, signal, sys; sys.exit(0 if {preloaded} and signal.getsignal(signal.SIGINT) == signal.SIG_IGN "
              "and os.environ.get('GOMP_SPINCOUNT') == '10000' else 3)")
     script = "\n".join([
