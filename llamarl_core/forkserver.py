@@ -2,13 +2,12 @@
 processes) are forked from: a single-threaded process that has imported torch,
 torch.distributed and transformers' Llama once (and this package's executors,
 where it finds the package its parent imported) and never ran an op, so forking
-it is safe and a child starts with those imports done. The executors preloaded:
-`llamarl train --steps 10` on 2 cores, 3 runs each, alternated: 20.2-20.7 ->
-17.8-19.5 busy CPU-s, 11.7-12.0 -> 10.1-11.4 s.
+it is safe and a child starts with those imports done (the executors' part of
+it measured in bench/RESULTS.md, the suite's time).
 
-`start()` launches it and returns without waiting for its imports (once per
-working directory it first asks a fresh interpreter where it finds this package,
-a few hundredths of a second); it imports PRELOAD while its caller goes on with
+`start()` launches it and returns without waiting for its imports (it first asks
+a fresh interpreter where it finds this package, a few hundredths of a second);
+it imports PRELOAD while its caller goes on with
 imports of its own (on 2 cores, `llamarl train`'s first executor
 then starts about 3 s sooner than when the server is launched by that first
 start). The first process started through `context()` waits for the imports
@@ -50,7 +49,6 @@ from collections.abc import Sequence
 # its own modules (start's preload).
 PRELOAD = ["torch.distributed", "transformers.models.llama.modeling_llama"]
 EXECUTORS = "llamarl_core.pipeline.executors.run"
-_found_here: dict[str, bool] = {}  # _finds_this_package's answer, by working directory
 TRACKER_WAIT_S = 5.0  # stop() waits this long at most for the resource tracker to end
 OMP_SPIN = ("GOMP_SPINCOUNT", "10000")  # the server's OpenMP spin (see above)
 
@@ -70,8 +68,8 @@ def start(preload: Sequence[str] = ()) -> None:
     their own handler; and with OMP_SPIN in its environment (not in this process's).
     `preload`: more modules for the server to import after PRELOAD (and EXECUTORS,
     where it finds this package), when this call launches it (a server running
-    already is kept as it is; one that `context()` launches later, the first having
-    died, imports no preload of a caller's). The server finds
+    already is kept as it is; one relaunched later, the first having died, imports
+    PRELOAD alone). The server finds
     them on its own sys.path: on Python 3.11 that begins with this process's
     working directory, not with this process's sys.path (3.12.8 and later take the
     latter). A module that fails to import there is skipped, as the stdlib's
@@ -108,12 +106,10 @@ def _finds_this_package() -> bool:
 
 
 def _launch(preload: tuple[str, ...] = ()) -> None:
-    cwd = os.getcwd()
-    if cwd not in _found_here:  # asked once per working directory
-        _found_here[cwd] = _finds_this_package()
-    own = [EXECUTORS] if _found_here[cwd] else []
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD + own + [name for name in preload if name not in PRELOAD + own])
+    if multiprocessing.forkserver._forkserver._forkserver_pid is None:  # this call launches it: what it imports
+        own = [EXECUTORS] if _finds_this_package() else []
+        context.set_forkserver_preload(PRELOAD + own + [name for name in preload if name not in PRELOAD + own])
     main = threading.current_thread() is threading.main_thread()  # signal handlers are the main thread's
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # ignored stays ignored across exec
     spin = not {OMP_SPIN[0], "OMP_WAIT_POLICY"} & set(os.environ)
