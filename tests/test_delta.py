@@ -391,6 +391,28 @@ def test_the_checksum_tells_apart_another_base():
             other[at] = 100 + change
             base[at] = 100
         assert bucket_checksum(other) != bucket_checksum(base), pattern
+    # ... and a linear sum with odd weights: the same top bit flipped up in one word and down
+    # in another (two fp32 signs: +-2**63 weighted by odd numbers cancel mod 2**64); two
+    # words swapped; a word's halves swapped.
+    words = base[:codec.nbytes // 8 * 8].view(torch.int64)
+    for _ in range(50):
+        i, j = rng.sample(range(words.numel()), 2)
+        other = base.clone()
+        flips = other[:words.numel() * 8].view(torch.int64)
+        words[i] &= (1 << 63) - 1
+        words[j] |= -(1 << 63)
+        flips[i], flips[j] = words[i] | -(1 << 63), words[j] & ((1 << 63) - 1)
+        assert bucket_checksum(other) != bucket_checksum(base)
+        other = base.clone()
+        swaps = other[:words.numel() * 8].view(torch.int64)
+        if words[i] != words[j]:
+            swaps[i], swaps[j] = words[j].clone(), words[i].clone()
+            assert bucket_checksum(other) != bucket_checksum(base)
+        other = base.clone()
+        halves = other[:words.numel() * 8].view(torch.int32)
+        if halves[2 * i] != halves[2 * i + 1]:
+            halves[2 * i], halves[2 * i + 1] = halves[2 * i + 1].clone(), halves[2 * i].clone()
+            assert bucket_checksum(other) != bucket_checksum(base)
     unpack_bucket(codec.segments, base, held)
     first = codec.segments[0]
     tensor = held[first.dst_name].view(-1).view(torch.uint8)
@@ -434,8 +456,9 @@ def test_bad_payloads_are_refused_with_nothing_written():
 
 def _reference_checksum(data: bytes, first: int) -> int:
     """csrc/host/checksum.h's sum in plain Python ints: each 8-byte word the bytes
-    touch (bytes at positions 8w .. 8w + 7, little-endian, absent ones zero) mixed
-    with its index w, summed mod 2**64, as a signed int."""
+    touch (bytes at positions 8w .. 8w + 7, little-endian, absent ones zero), masked
+    by its key w * K, the product of the masked word's halves plus the word with
+    its halves swapped, summed mod 2**64, as a signed int."""
     mask = (1 << 64) - 1
     words: dict[int, int] = {}
     for i, byte in enumerate(data):
@@ -443,12 +466,9 @@ def _reference_checksum(data: bytes, first: int) -> int:
         words[w] = words.get(w, 0) | byte << (8 * at)
     total = 0
     for w, value in words.items():
-        v = (w * 0x9E3779B97F4A7C15 + (value + 1) * 0xC2B2AE3D27D4EB4F) & mask
-        v ^= v >> 30
-        v = (v * 0xBF58476D1CE4E5B9) & mask
-        v ^= v >> 27
-        v = (v * 0x94D049BB133111EB) & mask
-        total = (total + (v ^ (v >> 31))) & mask
+        masked = value ^ ((w * 0x9E3779B97F4A7C15) & mask)
+        swapped = (value >> 32) | ((value & 0xFFFFFFFF) << 32)
+        total = (total + (masked & 0xFFFFFFFF) * (masked >> 32) + swapped) & mask
     return total - (1 << 64) if total >= 1 << 63 else total
 
 

@@ -6,18 +6,25 @@
 
 namespace llamarl {
 
-// One 8-byte word's term: a 64-bit mix of its index and value (splitmix64's
-// finaliser, logical shifts), so that no small pattern of changes cancels out in
-// the sum, as it can in a linear one. Word w holds the bytes at positions 8w ..
-// 8w + 7, little-endian; positions past the data read as zero bytes.
+// One 8-byte word's term: the product of the two 32-bit halves of the value
+// masked by a key of its index (index * K, a Weyl sequence), plus the value with
+// its halves swapped. The product is what keeps a pattern of changes from
+// cancelling out in the sum (as, in a linear sum, two flips of the same bit in two
+// words would); the swapped value keeps a change seen where the product cannot
+// (one half masked to zero). One 32 x 32 -> 64-bit multiply a word (AVX2's
+// vpmuludq) besides the key's: the receiver's checksum of what it holds runs at
+// memory speed. Word w holds the bytes at positions 8w .. 8w + 7, little-endian;
+// positions past the data read as zero bytes.
+constexpr uint64_t kChecksumKey = 0x9E3779B97F4A7C15ull;
+
+// The term of `value` at the word whose key (word index * kChecksumKey) is `key`.
+inline uint64_t checksum_keyed_term(uint64_t key, uint64_t value) {
+  const uint64_t masked = value ^ key;
+  return (masked & 0xFFFFFFFFull) * (masked >> 32) + ((value << 32) | (value >> 32));
+}
+
 inline uint64_t checksum_term(uint64_t word_index, uint64_t value) {
-  uint64_t v = word_index * 0x9E3779B97F4A7C15ull + (value + 1) * 0xC2B2AE3D27D4EB4Full;
-  v ^= v >> 30;
-  v *= 0xBF58476D1CE4E5B9ull;
-  v ^= v >> 27;
-  v *= 0x94D049BB133111EBull;
-  v ^= v >> 31;
-  return v;
+  return checksum_keyed_term(word_index * kChecksumKey, value);
 }
 
 // rows: `count` rows of 5 int64 [address, pitch, row_bytes, height, first_position]:

@@ -135,17 +135,13 @@ struct Scanner {
 };
 
 #ifdef LLAMARL_HOST_X86
-// checksum_term of 8 words at once.
+// checksum_term of 8 words at once, written with the compiler's vector types (the
+// same C arithmetic as checksum_term, lane by lane).
 LLAMARL_TARGET_AVX512 inline __m512i checksum_terms(__m512i index, __m512i value) {
-  __m512i v = _mm512_add_epi64(
-      _mm512_mullo_epi64(index, _mm512_set1_epi64(static_cast<long long>(0x9E3779B97F4A7C15ull))),
-      _mm512_mullo_epi64(_mm512_add_epi64(value, _mm512_set1_epi64(1)),
-                         _mm512_set1_epi64(static_cast<long long>(0xC2B2AE3D27D4EB4Full))));
-  v = _mm512_mullo_epi64(_mm512_xor_si512(v, _mm512_srli_epi64(v, 30)),
-                         _mm512_set1_epi64(static_cast<long long>(0xBF58476D1CE4E5B9ull)));
-  v = _mm512_mullo_epi64(_mm512_xor_si512(v, _mm512_srli_epi64(v, 27)),
-                         _mm512_set1_epi64(static_cast<long long>(0x94D049BB133111EBull)));
-  return _mm512_xor_si512(v, _mm512_srli_epi64(v, 31));
+  typedef uint64_t Lanes __attribute__((vector_size(64)));
+  const Lanes v = reinterpret_cast<Lanes>(value);
+  const Lanes masked = v ^ (reinterpret_cast<Lanes>(index) * kChecksumKey);
+  return reinterpret_cast<__m512i>((masked & 0xFFFFFFFFull) * (masked >> 32) + ((v << 32) | (v >> 32)));
 }
 
 // The whole 64-byte blocks of [lo, hi) (lo a multiple of 64) with AVX-512: a block

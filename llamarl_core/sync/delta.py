@@ -72,24 +72,19 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-# csrc/host/checksum.h checksum_term's constants, as int64.
-_K_POS, _K_BYTE = _signed(0x9E3779B97F4A7C15), _signed(0xC2B2AE3D27D4EB4F)
-_K_MIX1, _K_MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-
-
-def _shifted(v: torch.Tensor, bits: int) -> torch.Tensor:
-    """v >> bits with zeros shifted in (torch shifts int64 arithmetically)."""
-    return (v >> bits) & ((1 << (64 - bits)) - 1)
+# csrc/host/checksum.h kChecksumKey, as int64.
+_KEY = _signed(0x9E3779B97F4A7C15)
+_LOW = (1 << 32) - 1
 
 
 def _word_terms(words: torch.Tensor, first_word: int) -> torch.Tensor:
     """csrc/host/checksum.h checksum_term of int64 words whose first is word
-    `first_word`, with torch ops (wrapping int64 arithmetic)."""
-    v = torch.arange(first_word, first_word + words.numel(), dtype=torch.int64, device=words.device)
-    v.mul_(_K_POS).add_((words + 1) * _K_BYTE)
-    v.bitwise_xor_(_shifted(v, 30)).mul_(_K_MIX1)
-    v.bitwise_xor_(_shifted(v, 27)).mul_(_K_MIX2)
-    return v.bitwise_xor_(_shifted(v, 31))
+    `first_word`, with torch ops (wrapping int64 arithmetic; >> 32 of an int64
+    shifts its sign in, hence the masks)."""
+    masked = torch.arange(first_word, first_word + words.numel(), dtype=torch.int64, device=words.device)
+    masked.mul_(_KEY).bitwise_xor_(words)
+    product = (masked & _LOW).mul_((masked >> 32) & _LOW)
+    return product.add_((words << 32) | ((words >> 32) & _LOW))
 
 
 class _DeviceSum:
@@ -173,8 +168,9 @@ def _checksum_rows(rows: list[tuple[torch.Tensor, int, int, int, int]], device: 
 
 def bucket_checksum(data: torch.Tensor) -> int:
     """The checksum of a bucket's bytes (1-D uint8, packed order), a signed 64-bit
-    int: the sum modulo 2**64 of a 64-bit mix of each 8-byte word's index and value
-    (csrc/host/checksum.h; the last word padded with zero bytes)."""
+    int: the sum modulo 2**64 of each 8-byte word's term, a nonlinear mix of its
+    index and value (csrc/host/checksum.h checksum_term; the last word padded with
+    zero bytes)."""
     return _checksum_rows([(data, 0, data.numel(), data.numel(), 1)], data.device)
 
 
