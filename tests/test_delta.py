@@ -233,6 +233,36 @@ def test_native_and_torch_codecs_agree_on_unaligned_layouts(simd):
         assert torch.equal(kept, new), case
 
 
+def test_the_native_runs_equal_the_torch_ones_across_mask_blocks(simd):
+    """The host's runs of a scan's bitmask (csrc/host/delta_scan.cpp, at each vector
+    level, which pairs the starts and stops of 64 mask words at a time) equal the
+    torch codec's: masks of several such blocks at densities from none to all, runs
+    across a block's edge, a run to the end of a whole last word or of a partial
+    one; a wrong run count is refused."""
+    from llamarl_core._native import native
+
+    gen = torch.Generator().manual_seed(5)
+    rng = random.Random(5)
+    for case in range(60):
+        elements = rng.choice([1, 63, 64, 4096, 4097, 64 * 64 * 3, rng.randint(1, 20000)])
+        mask = torch.rand(elements, generator=gen) < rng.choice([0.0, 0.01, 0.3, 0.9, 1.0])
+        for edge in rng.sample(range(0, elements, 4096), min(2, len(range(0, elements, 4096)))):
+            mask[max(0, edge - rng.randint(1, 70)):edge + rng.randint(1, 70)] = True  # across a block's edge
+        if rng.random() < 0.3:
+            mask[-rng.randint(1, min(elements, 100)):] = True  # a run to the end
+        want = BucketCodec._runs(mask)
+        bits = torch.cat([mask, mask.new_zeros((-elements) % 8)]).view(-1, 8).to(torch.uint8)
+        bits = (bits << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
+        out = torch.full((want.shape[0] * 2 + 1,), -7, dtype=torch.int32)
+        native().delta_runs_host(bits.data_ptr(), elements, out.data_ptr(), want.shape[0], 4)
+        assert torch.equal(out[:-1].view(-1, 2).to(torch.int64), want), (case, elements)
+        assert out[-1] == -7, case  # nothing written past the runs
+        if want.shape[0]:
+            with pytest.raises(RuntimeError, match="runs, the scan counted"):
+                native().delta_runs_host(bits.data_ptr(), elements, out.data_ptr(), want.shape[0] - 1, 4)
+            assert out[-1] == -7, case
+
+
 def test_a_scan_through_the_pack_table_equals_one_of_the_packed_bytes(simd):
     """The sender's scan straight from its tensors (BucketCodec.scan_packing: the
     pack table read 64 KiB at a time, the staging buffer left unwritten) finds what

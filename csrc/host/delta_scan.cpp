@@ -515,12 +515,75 @@ int64_t delta_pack_base_host(const CopySegment* pack, int64_t pack_count, int64_
   return static_cast<int64_t>(total);
 }
 
-#ifdef LLAMARL_HOST_X86
 namespace {
 
-// The positions (base + bit) of the set bits of x, written 16 at a time from out
-// (up to 48 past them are written too); returns how many.
-LLAMARL_TARGET_AVX512 inline int64_t bit_positions(uint64_t x, int32_t base, int32_t* out) {
+// The positions (base + bit) of the set bits of x, written from out without a
+// branch for up to 4 of them (up to 4 are written past them); returns how many.
+// At the densities deltas pay at, most mask words hold no run or one: a loop over
+// the bits mispredicts about once a word that holds one, this does not.
+__attribute__((always_inline)) inline int64_t bit_positions_scalar(uint64_t x, int32_t base, int32_t* out) {
+  constexpr uint64_t kTop = uint64_t{1} << 63;  // bounds the count of zeros once x is empty (the writes past it)
+  const int64_t n = __builtin_popcountll(x);
+  for (int k = 0; k < 4; ++k, x &= x - 1) out[k] = base + __builtin_ctzll(x | kTop);
+  for (int64_t k = 4; k < n; ++k, x &= x - 1) out[k] = base + __builtin_ctzll(x);
+  return n;
+}
+
+// delta_runs_host with int32 indices, branch-free per mask word: each word's run
+// starts and stops (a set bit after a clear one, a clear bit after a set one, the
+// bit past the last element included) found with shifts and written by
+// `positions` (bit_positions_*: up to 64 past them) into buffers on the stack, 64
+// words at a time, then paired into `runs`. Returns the runs found; another count
+// than run_count is an error (runs holds part of them: never more than
+// run_count, and the count returned once more are found).
+template <typename Positions>
+__attribute__((always_inline)) inline int64_t runs_body(const uint8_t* mask, int64_t elements, int32_t* runs,
+                                                        int64_t run_count, Positions positions) {
+  constexpr int64_t kWords = 64, kRoom = 64 * kWords + 64;
+  int32_t starts[kRoom + 1], stops[kRoom];  // starts: one more, a run still open from the block before
+  int64_t found = 0, ns = 0, ne = 0;
+  uint64_t carry = 0;  // the last bit of the word before
+  const int64_t words = (elements + 63) / 64;
+  for (int64_t block = 0; block < words; block += kWords) {
+    const int64_t end = std::min(words, block + kWords);
+    for (int64_t w = block; w < end; ++w) {
+      const int64_t rest = elements - 64 * w;
+      uint64_t x;
+      if (rest >= 64)
+        std::memcpy(&x, mask + 8 * w, 8);
+      else
+        x = load_word(mask + 8 * w, (rest + 7) / 8) & ((uint64_t{1} << rest) - 1);
+      const uint64_t before = (x << 1) | carry;
+      const uint64_t up = x & ~before, down = ~x & before;
+      carry = x >> 63;
+      ns += positions(up, static_cast<int32_t>(64 * w), starts + ns);
+      ne += positions(down, static_cast<int32_t>(64 * w), stops + ne);
+    }
+    if (end == words && carry) stops[ne++] = static_cast<int32_t>(elements);  // a run to the end of a whole last word
+    if (found + ne > run_count) return found + ne;
+    for (int64_t r = 0; r < ne; ++r) {
+      runs[2 * (found + r)] = starts[r];
+      runs[2 * (found + r) + 1] = stops[r] - starts[r];
+    }
+    found += ne;
+    if (ns > ne) starts[0] = starts[ne];  // the run still open
+    ns -= ne;
+    ne = 0;
+  }
+  return found;
+}
+
+int64_t runs_plain(const uint8_t* mask, int64_t elements, int32_t* runs, int64_t run_count) {
+  return runs_body(mask, elements, runs, run_count, bit_positions_scalar);
+}
+
+#ifdef LLAMARL_HOST_X86
+LLAMARL_TARGET_AVX2 int64_t runs_avx2(const uint8_t* mask, int64_t elements, int32_t* runs, int64_t run_count) {
+  return runs_body(mask, elements, runs, run_count, bit_positions_scalar);
+}
+
+// bit_positions_scalar with AVX-512's compress, 16 at a time (up to 48 past them).
+LLAMARL_TARGET_AVX512 inline int64_t bit_positions_avx512(uint64_t x, int32_t base, int32_t* out) {
   const __m512i iota = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44,
                                        43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24,
                                        23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
@@ -536,63 +599,42 @@ LLAMARL_TARGET_AVX512 inline int64_t bit_positions(uint64_t x, int32_t base, int
   return n;
 }
 
-// delta_runs_host with int32 indices, branch-free per mask word: each word's run
-// starts and stops (a set bit after a clear one, a clear bit after a set one, the
-// bit past the last element included) found with shifts and written with
-// compress, then paired. Returns the runs found (another count than run_count:
-// nothing written to `runs`; writing stops once more than run_count are found).
 LLAMARL_TARGET_AVX512 int64_t runs_avx512(const uint8_t* mask, int64_t elements, int32_t* runs, int64_t run_count) {
-  std::vector<int32_t> starts(static_cast<size_t>(run_count) + 64), stops(static_cast<size_t>(run_count) + 64);
-  int64_t ns = 0, ne = 0;
-  uint64_t carry = 0;  // the last bit of the word before
-  for (int64_t w = 0; 64 * w < elements; ++w) {
-    const int64_t rest = elements - 64 * w;
-    uint64_t x;
-    if (rest >= 64)
-      std::memcpy(&x, mask + 8 * w, 8);
-    else
-      x = load_word(mask + 8 * w, (rest + 7) / 8) & ((uint64_t{1} << rest) - 1);
-    const uint64_t before = (x << 1) | carry;
-    const uint64_t up = x & ~before, down = ~x & before;
-    carry = x >> 63;
-    if (ns + __builtin_popcountll(up) > run_count) return ns + __builtin_popcountll(up);
-    ns += bit_positions(up, static_cast<int32_t>(64 * w), starts.data() + ns);
-    ne += bit_positions(down, static_cast<int32_t>(64 * w), stops.data() + ne);
+  return runs_body(mask, elements, runs, run_count, bit_positions_avx512);
+}
+#endif
+
+// The int32 runs at the host's vector level.
+int64_t runs_int32(const uint8_t* mask, int64_t elements, int32_t* runs, int64_t run_count) {
+#ifdef LLAMARL_HOST_X86
+  switch (host_simd()) {
+    case kSimdAvx512:
+      return runs_avx512(mask, elements, runs, run_count);
+    case kSimdAvx2:
+      return runs_avx2(mask, elements, runs, run_count);
+    default:
+      break;
   }
-  if (carry) stops[ne++] = static_cast<int32_t>(elements);  // a run to the end of a whole last word
-  if (ne != ns) return -1;
-  if (ns != run_count) return ns;
-  for (int64_t r = 0; r < ns; ++r) {
-    runs[2 * r] = starts[r];
-    runs[2 * r + 1] = stops[r] - starts[r];
-  }
-  return ns;
+#endif
+  return runs_plain(mask, elements, runs, run_count);
 }
 
 }  // namespace
-#endif
 
 void delta_runs_host(const uint8_t* mask, int64_t elements, uint8_t* runs, int64_t run_count, int64_t index_size) {
   LLAMARL_CHECK(index_size == 4 || index_size == 8, "index size " << index_size << " (4 or 8)");
   LLAMARL_CHECK(elements >= 0 && run_count >= 0, "negative element or run count");
   LLAMARL_CHECK(index_size == 8 || elements <= INT32_MAX, "int32 runs for a bucket of " << elements << " elements");
-#ifdef LLAMARL_HOST_X86
-  if (index_size == 4 && host_simd() == kSimdAvx512) {
-    const int64_t found = runs_avx512(mask, elements, reinterpret_cast<int32_t*>(runs), run_count);
+  if (index_size == 4) {
+    const int64_t found = runs_int32(mask, elements, reinterpret_cast<int32_t*>(runs), run_count);
     LLAMARL_CHECK(found == run_count, "found " << found << " runs, the scan counted " << run_count);
     return;
   }
-#endif
-  int64_t run = 0;
+  int64_t run = 0;  // int64 runs (a bucket of 2**31 elements or more)
   for_each_mask_run(mask, elements, [&](int64_t first, int64_t count) {
     LLAMARL_CHECK(run < run_count, "more than the " << run_count << " runs the scan counted");
-    if (index_size == 4) {
-      const int32_t pair[2] = {static_cast<int32_t>(first), static_cast<int32_t>(count)};
-      std::memcpy(runs + run * 8, pair, 8);
-    } else {
-      const int64_t pair[2] = {first, count};
-      std::memcpy(runs + run * 16, pair, 16);
-    }
+    const int64_t pair[2] = {first, count};
+    std::memcpy(runs + run * 16, pair, 16);
     run += 1;
   });
   LLAMARL_CHECK(run == run_count, "found " << run << " runs, the scan counted " << run_count);
