@@ -12,10 +12,7 @@ beside the paths vLLM offers, same engine, same run.
                   the worker (what verl, TRL and PipelineRL do)
 
 Each figure is the time generation is paused, from the first call to the last
-one returning. DDMA's pause begins once the engine's workers are offered the
-version (its pending version, polled as a server polls it between decode
-steps): what a trainer rank does before its offer (the scans of a delta) runs
-beside generation. The two vLLM paths are handed tensors already in the engine's
+one returning. The two vLLM paths are handed tensors already in the engine's
 process (no transfer counted, no gather of shards: their best case); DDMA's time
 includes moving every byte out of the trainer processes. GB/s = model bytes /
 that time. The bytes each trainer rank sends (from the plan) are printed beside
@@ -29,7 +26,6 @@ import datetime
 import math
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -108,13 +104,8 @@ def _ddma_rounds(engine, store, layout, spec, name: str, transport: str,
                                        transport=transport), timeout=600)
     planned = engine.call("planned_bytes_by_src_rank")
     updates = []
-    for v in range(1, rounds + 1):  # the pause begins once every trainer rank offers version v
+    for v in range(1, rounds + 1):  # the pause begins once every trainer rank holds version v
         store.wait([f"{name}/ready/{v}/{rank}" for rank in range(spec.trainer_world)], _WAIT)
-        deadline = time.monotonic() + _WAIT.total_seconds()
-        while engine.call("pending_version") != v:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the engine was not offered version {v} within {_WAIT.total_seconds():.0f} s")
-            time.sleep(0.001)
         updates.append(engine.call("ddma_update", v, 600.0, timeout=600))
         store.set(f"{name}/done/{v}", b"1")
     for trainer in trainers:

@@ -66,18 +66,12 @@ def _corrupting(versions_sent: list[int], version: int) -> None:
 
 
 def sender(port: int, rank: int, world: int, tp: int, config_name: str, seed: int, bucket_bytes: int,
-           corrupt_version: int | None = None, limit: float = 1.0, prescan_share: float | None = None) -> list[dict]:
+           corrupt_version: int | None = None, limit: float = 1.0) -> list[dict]:
     """Send every version with delta=True, under a fixed density `limit`; returns
     each send's last_send, as a dict. corrupt_version: in that version, this rank's
-    first delta bucket lies about its size (the receiver must refuse it).
-    prescan_share: stream.PRESCAN_SHARE in this process (a small one: a version's
-    first buckets scanned before the offer, the rest as they are sent)."""
+    first delta bucket lies about its size (the receiver must refuse it)."""
     torch.set_num_threads(1)
     deltas_by_size(limit)
-    if prescan_share is not None:
-        from llamarl_core.sync import stream
-
-        stream.PRESCAN_SHARE = prescan_share
     sent = [0]
     if corrupt_version is not None:
         _corrupting(sent, corrupt_version)

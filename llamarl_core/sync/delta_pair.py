@@ -34,7 +34,7 @@ class DensityLimit:
     """The changed fraction above which a point-to-point pair's buckets go whole
     rather than as deltas, from the measured time of the pair's sends (the
     sender's stream from the receiver's word on, less what a relay waited for its
-    buckets to land, plus the scans made before the offer: stream.prescan):
+    buckets to land):
 
     - a version sent whole gives the seconds per byte of a full send; the least of
       the last FULL_KEPT stands (a send slowed by set-up or a late receiver does not);
@@ -242,21 +242,18 @@ class PairBase:
     def encode(self, index: int, new: torch.Tensor, scan: Scan | None, delta: bool) -> BucketDelta:
         """Bucket `index` (`new`, its packed bytes; `scan`, this base's scan of it) as
         the smallest delta when `delta` and it is no denser than the density limit,
-        else DENSE (also where the delta cannot be made). What is sent is told
-        to `sent`."""
+        else DENSE (also where the delta cannot be made)."""
         codec = self.codecs[index]
         if scan is not None and delta and not self.density.whole(scan.changed, codec.elements):
             try:
-                return codec.encode(new, scan)
+                out = codec.encode(new, scan)
             except RuntimeError:  # out of memory, say: the bucket goes whole
                 pass
+            else:
+                if out.encoding != DENSE:
+                    self._densities.append(scan.changed / max(1, codec.elements))
+                return out
         return BucketDelta(DENSE, new, codec.elements, codec.elements)
-
-    def sent(self, delta: BucketDelta) -> None:
-        """A bucket of the send under way went as `delta`: the density of one sent
-        as a delta counts for the density limit (finish)."""
-        if delta.encoding != DENSE:
-            self._densities.append(delta.changed / max(1, delta.elements))
 
 
 class PairHeld:

@@ -74,13 +74,6 @@ def _ddma_update(llm, version: int, timeout_s: float | None) -> tuple[float, flo
     return paused, max(llm.collective_rpc(lambda worker: worker.weight_transfer_engine.commit_seconds))
 
 
-def _pending_version(llm) -> int | None:
-    """The version every worker's receiver is offered and has not taken, None
-    while one of them has none."""
-    versions = llm.collective_rpc(lambda worker: worker.weight_transfer_engine.pending_version())
-    return None if any(v is None for v in versions) else min(versions)
-
-
 def _random_weights(shapes: dict, seed: int) -> list:
     """Random tensors of the given checkpoint names and shapes, made in this process."""
     import torch
@@ -139,8 +132,6 @@ def _serve(conn, model_dir: str, engine_kwargs: dict, temp_dir: str) -> None:
         "ddma_update": lambda version, timeout_s=None: _ddma_update(llm, version, timeout_s),
         "greedy": lambda prompts, max_tokens: _greedy(llm, prompts, max_tokens),
         "weight_version": llm.get_weight_version,
-        # The version every worker is offered and has not taken (None where one has none).
-        "pending_version": lambda: _pending_version(llm),
         "make_hf_weights": lambda key, shapes, seed: held.__setitem__(key, _random_weights(shapes, seed)),
         # The bytes each trainer rank sends per version, by the plan every worker holds.
         "planned_bytes_by_src_rank": lambda: llm.collective_rpc(
