@@ -524,8 +524,10 @@ namespace {
 __attribute__((always_inline)) inline int64_t bit_positions_scalar(uint64_t x, int32_t base, int32_t* out) {
   constexpr uint64_t kTop = uint64_t{1} << 63;  // bounds the count of zeros once x is empty (the writes past it)
   const int64_t n = __builtin_popcountll(x);
-  for (int k = 0; k < 4; ++k, x &= x - 1) out[k] = base + __builtin_ctzll(x | kTop);
-  for (int64_t k = 4; k < n; ++k, x &= x - 1) out[k] = base + __builtin_ctzll(x);
+  // Unsigned sums: a filler past the count may pass INT32_MAX in a bucket of nearly 2**31 elements.
+  const uint32_t at = static_cast<uint32_t>(base);
+  for (int k = 0; k < 4; ++k, x &= x - 1) out[k] = static_cast<int32_t>(at + __builtin_ctzll(x | kTop));
+  for (int64_t k = 4; k < n; ++k, x &= x - 1) out[k] = static_cast<int32_t>(at + __builtin_ctzll(x));
   return n;
 }
 
