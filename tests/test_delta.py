@@ -240,6 +240,7 @@ def test_the_native_runs_equal_the_torch_ones_across_mask_blocks(simd):
     across a block's edge, a run to the end of a whole last word or of a partial
     one; a wrong run count is refused."""
     from llamarl_core._native import native
+    from llamarl_core.sync.delta import _pack_bits
 
     gen = torch.Generator().manual_seed(5)
     rng = random.Random(5)
@@ -251,8 +252,7 @@ def test_the_native_runs_equal_the_torch_ones_across_mask_blocks(simd):
         if rng.random() < 0.3:
             mask[-rng.randint(1, min(elements, 100)):] = True  # a run to the end
         want = BucketCodec._runs(mask)
-        bits = torch.cat([mask, mask.new_zeros((-elements) % 8)]).view(-1, 8).to(torch.uint8)
-        bits = (bits << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
+        bits = _pack_bits(mask)
         out = torch.full((want.shape[0] * 2 + 1,), -7, dtype=torch.int32)
         native().delta_runs_host(bits.data_ptr(), elements, out.data_ptr(), want.shape[0], 4)
         assert torch.equal(out[:-1].view(-1, 2).to(torch.int64), want), (case, elements)
