@@ -72,8 +72,8 @@ def test_bad_placement_stops_every_rank(tmp_path):
     """A placement that does not fit the run is refused by the controller's rank in
     one line, and every other rank (waiting for an assignment) ends with it."""
     start = time.monotonic()
-    proc = subprocess.run([*torchrun(tmp_path), "--standalone", "--nproc-per-node", "4", *LAUNCH,
-                           "--placement", "controller:0,trainer:1,generator:2-3", *SMALL, "--out", str(tmp_path / "r")],
+    proc = subprocess.run([*torchrun(tmp_path), "--standalone", "--nproc-per-node", "3", *LAUNCH,
+                           "--placement", "controller:0,trainer:1,generator:2", *SMALL, "--out", str(tmp_path / "r")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env=RUN_ENV)
     assert proc.returncode != 0
     assert "llamarl train: --placement: reward has 0 ranks, the run needs 1" in proc.stderr, proc.stderr[-3000:]

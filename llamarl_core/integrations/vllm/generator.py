@@ -118,7 +118,9 @@ class VllmGenerator(Generator):
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", ENGINE_ENV["VLLM_CPU_KVCACHE_SPACE"])  # a size it needs
+        # vLLM's CPU backend refuses to start without a KV-cache size; 1 GiB holds thousands of
+        # sequences of a small model's length (a user's own setting wins).
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if tp == 1:
             # The worker inside the engine-core process (AsyncLLM keeps that process of its
             # own either way): one vLLM process fewer to start, 23 s instead of 36-45 s for

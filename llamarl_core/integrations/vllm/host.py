@@ -12,7 +12,6 @@ of 37 s with an engine-core process of its own), so tensors handed to
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -21,16 +20,22 @@ import tempfile
 import time
 import traceback
 
+from ... import forkserver
+
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     # Eager throughout, as enforce_eager asks: vLLM still wraps a few helpers in
     # torch.compile (the sampler's log-prob ranks), which cost each engine process
     # 4 s of Inductor on its first request with log-probs, for one comparison a step.
     "TORCHDYNAMO_DISABLE": "1",
-    # vLLM's CPU backend refuses to start without a KV-cache size; 1 GiB holds
-    # thousands of 128-token sequences of the small models run here.
-    "VLLM_CPU_KVCACHE_SPACE": "1",
 }
+# The engine's KV cache unless engine_kwargs or VLLM_CPU_KVCACHE_SPACE (whole GiB,
+# which vLLM's CPU backend takes over the argument) says otherwise: the requests
+# sent here are a few short sequences (64 MiB holds 2,048 tokens of the bench's
+# 0.58 GiB Llama in float32). vLLM's CPU backend wants a size; the 1 GiB that the
+# variable's smallest value gives took 5-7 s of an engine's start to allocate on a
+# 2-core machine short of free memory (0.04 s for this).
+KV_CACHE_BYTES = 64 << 20
 
 
 def share_cores_among_workers(tp: int) -> None:
@@ -110,6 +115,8 @@ def _serve(conn, model_dir: str, engine_kwargs: dict, temp_dir: str) -> None:
     os.environ["TMPDIR"] = tempfile.tempdir = temp_dir
     for key, value in ENGINE_ENV.items():  # a user's own setting wins
         os.environ.setdefault(key, value)
+    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        engine_kwargs = {"kv_cache_memory_bytes": KV_CACHE_BYTES, **engine_kwargs}
     if engine_kwargs.get("tensor_parallel_size", 1) > 1:
         # vLLM's CPU workers bind their threads to a NUMA node each by default, and
         # refuse to start with fewer nodes than workers; unbound unless told.
@@ -163,13 +170,17 @@ def _serve(conn, model_dir: str, engine_kwargs: dict, temp_dir: str) -> None:
 
 class EngineProcess:
     """A vLLM engine for the model config in `model_dir` (weights: dummy until a
-    sync), started in a spawned process. `call(kind, *args)` runs one of the
+    sync), started in a process forked from llamarl_core.forkserver's server
+    (torch and transformers imported there once: an engine's start then imports
+    vLLM alone), its KV cache KV_CACHE_BYTES unless `engine_kwargs` sets
+    kv_cache_memory_bytes or the environment VLLM_CPU_KVCACHE_SPACE (whole GiB,
+    which vLLM's CPU backend takes first). `call(kind, *args)` runs one of the
     handlers in `_serve` there and returns its result (EngineError on failure).
     The engine's processes write their temporary files into a folder of their
     own (TMPDIR), which close() removes; a failed start closes at once."""
 
     def __init__(self, model_dir: str, start_timeout: float = 300.0, **engine_kwargs):
-        ctx = mp.get_context("spawn")
+        ctx = forkserver.context()
         self.conn, child = ctx.Pipe()
         self.temp_dir = tempfile.mkdtemp(prefix="llamarl-vllm-")  # the engine's TMPDIR, removed by close()
         # Daemonic unless it starts worker processes of its own (tensor parallelism), which a
