@@ -155,8 +155,9 @@ def rank_context(start_method: str = "forkserver"):
     """The multiprocessing context rank processes start in: forked from the
     executors' forkserver (llamarl_core.forkserver: torch and transformers imported,
     no CUDA, no op run: safe to fork); or "spawn", a fresh interpreter, for a rank
-    whose memory is measured (a forked process maps the forkserver's pages as it
-    first touches them, and counts them in its resident memory then)."""
+    whose memory is measured against a tight bound (a forked process maps the
+    forkserver's pages as it first touches them, and counts them in its resident
+    memory then)."""
     return forkserver.context() if start_method == "forkserver" else mp.get_context(start_method)
 
 

@@ -45,7 +45,7 @@ def _full(model) -> dict[str, torch.Tensor]:
 
 def _portable(value):
     """`value` with every tensor as a numpy array (bfloat16 as float32, exact): what
-    a spawned rank can hand back through a pipe after it exits."""
+    a rank process can hand back through a pipe after it exits."""
     if isinstance(value, torch.Tensor):
         return value.float().numpy() if value.dtype == torch.bfloat16 else value.numpy()
     if isinstance(value, dict):

@@ -31,8 +31,9 @@ ENGINE_ENV = {
 }
 # The engine's KV cache unless engine_kwargs or VLLM_CPU_KVCACHE_SPACE (whole GiB,
 # which vLLM's CPU backend takes over the argument) says otherwise: the requests
-# sent here are a few short sequences (64 MiB holds 2,048 tokens of the bench's
-# 0.58 GiB Llama in float32). vLLM's CPU backend wants a size; the 1 GiB that the
+# sent here are a few short sequences (64 MiB holds 4,096 tokens of the bench's
+# 0.58 GiB Llama in float32). On CPU only: a GPU engine sizes its own from
+# gpu_memory_utilization. vLLM's CPU backend wants a size; the 1 GiB that the
 # variable's smallest value gives took 5-7 s of an engine's start to allocate on a
 # 2-core machine short of free memory (0.04 s for this).
 KV_CACHE_BYTES = 64 << 20
@@ -103,7 +104,13 @@ def _load_weights(llm, weights) -> float:
     return time.monotonic() - start
 
 
-def _serve(conn, model_dir: str, engine_kwargs: dict, temp_dir: str) -> None:
+def _serve(conn, model_dir: str, engine_kwargs: dict, temp_dir: str, environ: dict) -> None:
+    # The caller's environment when it started the engine (CUDA_VISIBLE_DEVICES, VLLM_*,
+    # OMP_NUM_THREADS among it), not the forkserver's from its own start; and Ctrl-C ends
+    # the engine as it ends its caller (processes forked from the server ignore SIGINT).
+    os.environ.clear()
+    os.environ.update(environ)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # What this process and its workers print goes to stderr: vLLM logs to stdout
     # (VLLM_LOGGING_STREAM's default, ext://sys.stdout, resolves to the fd below), and
     # the driving process's stdout carries its own output alone (`--json`).
@@ -115,7 +122,9 @@ def _serve(conn, model_dir: str, engine_kwargs: dict, temp_dir: str) -> None:
     os.environ["TMPDIR"] = tempfile.tempdir = temp_dir
     for key, value in ENGINE_ENV.items():  # a user's own setting wins
         os.environ.setdefault(key, value)
-    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+    import torch
+
+    if not torch.cuda.is_available() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         engine_kwargs = {"kv_cache_memory_bytes": KV_CACHE_BYTES, **engine_kwargs}
     if engine_kwargs.get("tensor_parallel_size", 1) > 1:
         # vLLM's CPU workers bind their threads to a NUMA node each by default, and
@@ -174,7 +183,10 @@ class EngineProcess:
     (torch and transformers imported there once: an engine's start then imports
     vLLM alone), its KV cache KV_CACHE_BYTES unless `engine_kwargs` sets
     kv_cache_memory_bytes or the environment VLLM_CPU_KVCACHE_SPACE (whole GiB,
-    which vLLM's CPU backend takes first). `call(kind, *args)` runs one of the
+    which vLLM's CPU backend takes first), on CPU. The engine runs with this
+    process's environment as it is at the start; it finds this package as the
+    forkserver does (not through a sys.path entry this process added itself).
+    `call(kind, *args)` runs one of the
     handlers in `_serve` there and returns its result (EngineError on failure).
     The engine's processes write their temporary files into a folder of their
     own (TMPDIR), which close() removes; a failed start closes at once."""
@@ -186,7 +198,9 @@ class EngineProcess:
         # Daemonic unless it starts worker processes of its own (tensor parallelism), which a
         # daemonic process may not; either way it ends when this process's end of the pipe closes.
         daemon = engine_kwargs.get("tensor_parallel_size", 1) == 1
-        self.proc = ctx.Process(target=_serve, args=(child, model_dir, engine_kwargs, self.temp_dir), daemon=daemon,
+        # A path from here, not from the forkserver's working directory.
+        self.proc = ctx.Process(target=_serve, args=(child, os.path.abspath(model_dir), engine_kwargs, self.temp_dir,
+                                                     dict(os.environ)), daemon=daemon,
                                 name="llamarl-vllm-engine")
         try:
             self.proc.start()
