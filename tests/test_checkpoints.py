@@ -204,7 +204,7 @@ def _peak_job(rank, world, mesh, config, folder):
 def test_no_rank_ever_holds_the_whole_model_while_it_loads(tmp_path):
     """Four ranks load a 229 MiB float32 model (a bfloat16 checkpoint): each rank's
     peak resident memory grows by its shards (a quarter), the checkpoint pages of its
-    rows it maps (an eighth) and one tensor's rows, about half the model (0.46-0.54x
+    rows it maps (an eighth) and one tensor's rows, about half the model (0.46-0.55x
     spawned in one run); a rank that held the whole model once would grow by all of it
     (1.0x) and more. The ranks fork from the forkserver: their growth also counts
     the forkserver's library pages they first touch while loading (6-7 MiB more than
