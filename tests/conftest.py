@@ -77,8 +77,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_addoption(parser):
     parser.addoption("--cpu-log", metavar="PATH",
                      help="append each test's id, wall seconds and the machine's busy CPU seconds over it (all cores, "
-                          "from /proc/stat) to PATH, tab-separated: where the suite's time goes, and whether a test "
-                          "computes or waits")
+                          "from /proc/stat), its pytest-xdist worker and its start (Unix time) to PATH, "
+                          "tab-separated: where the suite's time goes, whether a test computes or waits, and how "
+                          "the workers' loads end")
 
 
 def _busy_cpu_seconds() -> float:
@@ -118,7 +119,9 @@ def pytest_runtest_protocol(item, nextitem):
     if path is None:
         yield
         return
-    busy, start = _busy_cpu_seconds(), time.monotonic()
+    busy, start, began = _busy_cpu_seconds(), time.monotonic(), time.time()
     yield
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
     with open(path, "a") as log:
-        log.write(f"{item.nodeid}\t{time.monotonic() - start:.2f}\t{_busy_cpu_seconds() - busy:.2f}\n")
+        log.write(f"{item.nodeid}\t{time.monotonic() - start:.2f}\t{_busy_cpu_seconds() - busy:.2f}\t{worker}"
+                  f"\t{began:.1f}\n")
