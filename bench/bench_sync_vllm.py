@@ -12,7 +12,11 @@ beside the paths vLLM offers, same engine, same run.
                   the worker (what verl, TRL and PipelineRL do)
 
 Each figure is the time generation is paused, from the first call to the last
-one returning. The two vLLM paths are handed tensors already in the engine's
+one returning. DDMA's pause begins once the engine's workers are offered the
+version (its pending version, polled as a server polls it between decode
+steps): what a trainer rank does before its offer (the scans of a delta) runs
+beside generation; with --delta each delta is also timed pausing once the
+trainer holds the version, as the pipeline's generators and TRL pause. The two vLLM paths are handed tensors already in the engine's
 process (no transfer counted, no gather of shards: their best case); DDMA's time
 includes moving every byte out of the trainer processes. GB/s = model bytes /
 that time. The bytes each trainer rank sends (from the plan) are printed beside
@@ -26,6 +30,7 @@ import datetime
 import math
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -87,10 +92,13 @@ def _trainer(port: int, layout_dict: dict, rank: int, versions: list[int], name:
 
 
 def _ddma_rounds(engine, store, layout, spec, name: str, transport: str,
-                 delta_fraction: float | None) -> tuple[list, dict]:
+                 delta_fraction: float | None, on_offer: bool = True) -> tuple[list, dict]:
     """One llamarl_ddma method: trainer processes and the engine's init, one update per
     round, shut down after; (every round's (paused, commit) seconds, the bytes each
-    trainer rank's plan sends)."""
+    trainer rank's plan sends). Each pause begins once the engine is offered the
+    version (`on_offer`: a server polling its pending version), or once every trainer
+    rank holds it, as the pipeline's generators and TRL pause (the trainer's send
+    then runs its scans before the offer inside the pause)."""
     from llamarl_core.integrations.vllm import ddma_init_info
 
     rounds = spec.warmup + spec.repeats
@@ -104,8 +112,13 @@ def _ddma_rounds(engine, store, layout, spec, name: str, transport: str,
                                        transport=transport), timeout=600)
     planned = engine.call("planned_bytes_by_src_rank")
     updates = []
-    for v in range(1, rounds + 1):  # the pause begins once every trainer rank holds version v
+    for v in range(1, rounds + 1):
         store.wait([f"{name}/ready/{v}/{rank}" for rank in range(spec.trainer_world)], _WAIT)
+        deadline = time.monotonic() + _WAIT.total_seconds()
+        while on_offer and engine.call("pending_version") != v:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine was not offered version {v} within {_WAIT.total_seconds():.0f} s")
+            time.sleep(0.001)
         updates.append(engine.call("ddma_update", v, 600.0, timeout=600))
         store.set(f"{name}/done/{v}", b"1")
     for trainer in trainers:
@@ -136,10 +149,14 @@ def run(spec) -> dict:
             commit = summarize([c for _, c in ddma[spec.warmup:]])
             # Deltas point to point (as across hosts), beside the full point-to-point sync: the pause
             # less the commit (the CPU re-pack, which a GPU engine does not do) is the transfer.
-            for fraction in [None, *spec.delta] if spec.delta else []:
-                method = "p2p" if fraction is None else f"p2p_delta{fraction:g}"
-                rounds_of = _ddma_rounds(engine, store, layout, spec, f"bench-{method}", "p2p", fraction)[0][spec.warmup:]
-                transfers[method] = {"fraction": fraction, "paused": summarize([p for p, _ in rounds_of]),
+            # Each delta pausing on the offer and at the send (its scans then in the pause).
+            for fraction, on_offer in [(None, True)] + [(f, o) for f in spec.delta for o in (True, False)] \
+                    if spec.delta else []:
+                method = "p2p" if fraction is None else f"p2p_delta{fraction:g}" + ("" if on_offer else "_at_send")
+                rounds_of = _ddma_rounds(engine, store, layout, spec, f"bench-{method}", "p2p", fraction,
+                                         on_offer)[0][spec.warmup:]
+                transfers[method] = {"fraction": fraction, "on_offer": on_offer,
+                                     "paused": summarize([p for p, _ in rounds_of]),
                                      "transfer": summarize([p - c for p, c in rounds_of])}
             engine.call("make_hf_weights", "hf", logical, 1, timeout=600)
             for path in ("reload_weights", "load_weights"):
@@ -193,12 +210,18 @@ def report(result: dict) -> str:
         rows = [["llamarl_ddma, point to point", "paused, median s", "transfer (paused less commit), median s",
                  "transfer / full's"]]
         for method, row in result["deltas"].items():
-            rows.append(["full sync" if row["fraction"] is None else f"delta, {row['fraction']:g} of the elements changed",
+            pause = "pausing on the offer" if row["on_offer"] else "pausing at the send"
+            rows.append(["full sync" if row["fraction"] is None else
+                         f"delta, {row['fraction']:g} of the elements changed, {pause}",
                          f"{row['paused']['median']:.3f}", f"{row['transfer']['median']:.3f}",
                          f"{row['transfer']['median'] / full:.3f}"])
         text += (f"\nDeltas (WeightSender delta=True) into the same engine, point to point over this host's loopback "
                  f"(transport p2p, as across hosts), beside the full point-to-point sync; the trainer changes that "
-                 f"fraction of its elements before every version after the first:\n\n{table(rows)}\n")
+                 f"fraction of its elements before every version after the first. Each delta twice: the engine "
+                 f"pausing once it is offered the version (a server polling its pending version: the sender's scans "
+                 f"run before the offer, beside generation), and pausing once the trainer holds the version (as the "
+                 f"pipeline's generators and TRL pause: the scans in the pause, the receiver's checksums read "
+                 f"meanwhile):\n\n{table(rows)}\n")
     return text
 
 

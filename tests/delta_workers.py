@@ -66,12 +66,18 @@ def _corrupting(versions_sent: list[int], version: int) -> None:
 
 
 def sender(port: int, rank: int, world: int, tp: int, config_name: str, seed: int, bucket_bytes: int,
-           corrupt_version: int | None = None, limit: float = 1.0) -> list[dict]:
+           corrupt_version: int | None = None, limit: float = 1.0, prescan_share: float | None = None) -> list[dict]:
     """Send every version with delta=True, under a fixed density `limit`; returns
     each send's last_send, as a dict. corrupt_version: in that version, this rank's
-    first delta bucket lies about its size (the receiver must refuse it)."""
+    first delta bucket lies about its size (the receiver must refuse it).
+    prescan_share: stream.PRESCAN_SHARE in this process (a small one: a version's
+    first buckets scanned before the offer, the rest as they are sent)."""
     torch.set_num_threads(1)
     deltas_by_size(limit)
+    if prescan_share is not None:
+        from llamarl_core.sync import stream
+
+        stream.PRESCAN_SHARE = prescan_share
     sent = [0]
     if corrupt_version is not None:
         _corrupting(sent, corrupt_version)
@@ -108,24 +114,33 @@ def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica
     that version, or ["not taken: <error>"] for a receive that raised SyncError naming a
     bucket refused or not written in; "relayed": per version and child replica, the relay's
     last_send (delta_pair.SendStats as a dict); "checksums": per version, the buckets
-    whose checksum this rank read for its senders. write_here: each bucket
+    whose checksum this rank read for its senders on their headers' ask, and "early":
+    those it read ahead, while a header was on its way. write_here: each bucket
     written in on the receiving thread, as on a GPU; slow_writes: every 16th
     delta applied 5 ms late (a bucket two later must wait to land in its buffer);
     fail_write_version: in that version the second bucket unpacked whole fails to
     be written in (its copy raises)."""
     import llamarl_core.sync.receiver as receiver_module
     from llamarl_core.sync.delta import BucketCodec
+    from llamarl_core.sync.delta_pair import PairHeld
 
     torch.set_num_threads(1)
     deltas_by_size(limit)  # its relays'
-    checksums = [0]
-    checksum = BucketCodec.destination_checksum
+    checksums, early, ahead = [0], [0], [False]  # per version: read on a header's ask, read ahead of it
+    checksum, early_checksums = BucketCodec.destination_checksum, PairHeld.early_checksums
 
     def counted(self, tensors):
-        checksums[-1] += 1
+        (early if ahead[0] else checksums)[-1] += 1
         return checksum(self, tensors)
 
-    BucketCodec.destination_checksum = counted
+    def counted_ahead(self, tensors, come):
+        ahead[0] = True
+        try:
+            return early_checksums(self, tensors, come)
+        finally:
+            ahead[0] = False
+
+    BucketCodec.destination_checksum, PairHeld.early_checksums = counted, counted_ahead
     if slow_writes:
         apply, applied = BucketCodec.apply, [0]
 
@@ -157,6 +172,7 @@ def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica
         for version, state in enumerate(states(config_name, seed), start=1):
             try:
                 checksums.append(0)
+                early.append(0)
                 receiving[0] = version
                 assert sync.receive() == version
                 for child in sync.relays.children:  # what the relay to each child put on the wire
@@ -172,4 +188,4 @@ def receiver(port: int, rank: int, tp: int, config_name: str, seed: int, replica
             if version == POKED_AFTER:  # bytes changed outside the sync: the next version must still land whole
                 name = sorted(params)[0]
                 params[name].view(-1)[0] = 123.0
-    return {"mismatches": out, "relayed": relayed, "checksums": checksums[1:]}
+    return {"mismatches": out, "relayed": relayed, "checksums": checksums[1:], "early": early[1:]}

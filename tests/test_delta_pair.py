@@ -3,6 +3,7 @@ the sender's base and density limit, the receiver's words), driven alone through
 random orders of sends, failures and restarts, and between real processes: every
 version lands on every receiver bit for bit as a full send writes it."""
 
+import itertools
 import random
 
 import numpy as np
@@ -84,7 +85,9 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
     holds part of it), a receiver restarted (its weights poisoned afresh, nothing
     held), a sender restarted (no base), bytes of the receiver changed outside the
     sync; density limits that send changed buckets whole, unscanned; probes (a
-    version whole, unscanned). Every delta is
+    version whole, unscanned); half the versions scanned before the offer
+    (stream.prescan) as far as a random bucket; half the receives' checksums read
+    ahead (PairHeld.early_checksums) as far as a random bucket. Every delta is
     applied to exactly the bytes it was made against, and
     after every completed send the receiver's tensors equal, bit for bit, those of
     a receiver that took every version whole."""
@@ -99,7 +102,7 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
     unpacks = [packed(b)[1] for b in buckets]
     layout, rank, cpu = plan.dst_layout, pair[1], torch.device("cpu")
     rng = random.Random(41)
-    deltas = fulls = whole_versions = 0  # whole_versions: a base stood, yet every bucket went whole unscanned
+    deltas = fulls = whole_versions = prescans = 0  # whole_versions: a base stood, yet every bucket went whole unscanned
     for run in range(600):
         gen = torch.Generator().manual_seed(run)
         version_bytes = [torch.randint(0, 256, (c.nbytes,), dtype=torch.uint8, generator=gen) for c in codecs]
@@ -134,7 +137,24 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
             base.density.probe = rng.random() < 0.1  # a probe: the version whole and unscanned
             standing = base.begin()  # the header asks for words; the receiver sends them
             asked = WORDS_CHECKSUMS if base.wants_checksums(standing) else WORDS_VERSION
-            words = [held.word(i, tensors, cpu, checksum=asked == WORDS_CHECKSUMS).tolist()
+            # Half the versions scanned before the offer (stream.prescan), as far as a random bucket
+            # (the share of payloads kept): their deltas kept, each sent or not as the word says.
+            scanned, kept, was_then = set(), {}, {}
+            if asked == WORDS_CHECKSUMS and rng.random() < 0.5:
+                for i in range(rng.randint(0, len(codecs))):
+                    if not base.skips_scan(i):
+                        scanned.add(i)
+                        was_then[i] = base.bytes[base.starts[i]:base.starts[i] + codecs[i].nbytes].clone()
+                        kept[i] = base.encode(i, version_bytes[i], base.scan(i, version_bytes[i], delta=True), True)
+                        prescans += 1
+            # Half the receives read their checksums ahead, as far as a random bucket, while the header
+            # is on its way (PairHeld.early_checksums): none where it holds no version of the pair.
+            early = None
+            if rng.random() < 0.5:
+                ahead, asks = rng.randint(0, len(codecs)), itertools.count()
+                early = held.early_checksums(tensors, lambda: next(asks) >= ahead)
+                assert len(early) == (0 if held.version is None else ahead), (run, early, ahead)
+            words = [held.word(i, tensors, cpu, checksum=asked == WORDS_CHECKSUMS, early=early).tolist()
                      for i in range(PairHeld.words(len(codecs), asked))]
             if asked == WORDS_VERSION:  # every bucket goes whole: the receiver read none of what it holds
                 assert words == [[-1 if held.version is None else held.version]]
@@ -146,14 +166,19 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
             for i, (codec, unpack, data) in enumerate(zip(codecs, unpacks, version_bytes)):
                 if i == last:
                     break
-                was = base.bytes[base.starts[i]:base.starts[i] + codec.nbytes].clone()
-                if base.skips_scan(i):  # as the stream does: whole unscanned, or no values where use[i] is not
-                    assert base.take_whole(i, data)
-                    scan = None
+                if i in scanned:  # its base took the version's bytes before the offer
+                    delta = kept[i] if use[i] and kept[i].encoding != DENSE else base.encode(i, data, None, False)
+                    was = was_then[i]
                 else:
-                    scan = base.scan(i, data, delta=use[i])
-                delta = base.encode(i, data, scan, use[i])
-                assert not base.density.probe or (scan is None and delta.encoding == DENSE)
+                    was = base.bytes[base.starts[i]:base.starts[i] + codec.nbytes].clone()
+                    if base.skips_scan(i):  # as the stream does: whole unscanned, or no values where use[i] is not
+                        assert base.take_whole(i, data)
+                        scan = None
+                    else:
+                        scan = base.scan(i, data, delta=use[i])
+                    delta = base.encode(i, data, scan, use[i])
+                    assert not base.density.probe or (scan is None and delta.encoding == DENSE)
+                base.sent(delta)
                 if delta.encoding == DENSE:
                     fulls += 1
                     unpack_bucket(unpack, delta.payload, tensors)
@@ -170,7 +195,8 @@ def test_random_orders_of_sends_failures_restarts_and_pokes_never_apply_a_delta_
             else:  # the reference takes the whole version once the next send completes
                 for unpack, data in zip(unpacks, version_bytes):
                     unpack_bucket(unpack, data, reference)
-    assert deltas > 500 and fulls > 500 and whole_versions > 50, (deltas, fulls, whole_versions)
+    assert deltas > 500 and fulls > 500 and whole_versions > 50 and prescans > 300, \
+        (deltas, fulls, whole_versions, prescans)
 
 
 def test_the_density_limit_follows_the_measured_times_in_random_orders():
@@ -263,8 +289,10 @@ def test_deltas_point_to_point_land_every_version_whole(tmp_path):
     changed goes whole unscanned). Every version equals the reference bit for bit
     on every receiver, including the one after a receiver changed an element of
     its own weights (the sender learns it from the checksum and sends that bucket
-    whole), on both replicas. send() returns the bytes put on the wire, last_send
-    counts them."""
+    whole), on both replicas. The senders scan buckets before the offer (sender
+    0 only a version's first few, the rest as it sends them). send() returns the
+    bytes put on the wire, last_send counts them; receivers read checksums only for
+    versions where a bucket may go as a delta."""
     import datetime
 
     import torch.distributed as dist
@@ -274,7 +302,9 @@ def test_deltas_point_to_point_land_every_version_whole(tmp_path):
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
     case = dict(tp=2, config_name="llama_gqa_bias", seed=7, limit=0.5)
-    jobs = [(delta_workers.sender, dict(port=store.port, rank=r, world=2, bucket_bytes=4096, **case)) for r in range(2)]
+    # Sender 0 keeps few deltas scanned before the offer (the rest scanned as they are sent), sender 1 all of them.
+    jobs = [(delta_workers.sender, dict(port=store.port, rank=r, world=2, bucket_bytes=4096,
+                                        prescan_share=0.01 if r == 0 else None, **case)) for r in range(2)]
     # Replica 0 writes each bucket in on its writer thread, some late; replica 1 on the receiving thread.
     jobs += [(delta_workers.receiver, dict(port=store.port, rank=r, replica=replica, num_replicas=2,
                                            write_here=replica == 1, slow_writes=replica == 0, **case))
@@ -310,8 +340,17 @@ def test_deltas_point_to_point_land_every_version_whole(tmp_path):
     assert everything["delta_buckets"] == 0 and after["delta_buckets"] == 0 and after["full_receivers"] == 0
     assert after["dense_buckets"] == after["unscanned_buckets"] == everything["dense_buckets"], (everything, after)
     assert everything["unscanned_buckets"] == 0 and all(s["density_limit"] == 0.5 for s in senders[0])
-    for got in receivers:  # checksums read only where some bucket could go as a delta: not the first, not after
-        assert got["checksums"][0] == got["checksums"][7] == 0 and min(got["checksums"][1:7]) > 0, got["checksums"]
+    # Checksums asked for only where some bucket could go as a delta: not the first version, not the one
+    # after everything changed; nor, on replica 0, everything's own: the trainer ranks scanned it before
+    # the offer (stream.prescan) and found every bucket past the limit (replica 0's relays scan as buckets
+    # land). A receiver also reads ahead while a header is on its way (as far as it has come: timing), never
+    # for the first version (it holds none): where checksums are asked for, each bucket is read once, ahead
+    # or on the ask.
+    for index, got in enumerate(receivers):
+        asked = [False] + [True] * (5 if index < 2 else 6) + [False] * (2 if index < 2 else 1)
+        assert all(n == 0 for n, a in zip(got["checksums"], asked) if not a) and got["early"][0] == 0, (index, got)
+        read = {n + e for n, e, a in zip(got["checksums"], got["early"], asked) if a}
+        assert len(read) == 1 and read.pop() > 0, (index, got)
 
 
 def test_a_refused_delta_bucket_tears_one_version_and_the_next_comes_whole():

@@ -108,10 +108,12 @@ def assert_preset_equals_derived(kind: str, trainer: Layout, derived: Layout) ->
 
 def sync_from_trainer(host: EngineProcess, store, kind: str, world: int, versions: list[int], name: str, seed: int = 0,
                       update_timeout: float = 60.0, prompts=PROMPTS, loader_check=None, transport: str = "auto",
-                      **trainer_kwargs):
+                      on_offer: bool = False, **trainer_kwargs):
     """Trainer ranks (real processes) and the engine's init + one update per
     version, at once; returns (trainer states, engine outputs after each version).
-    loader_check: a folder; the last version's tensors are then checked bit for
+    on_offer: each update starts once ddma_pending_version says every worker is
+    offered the version (as a server polling it would pause), which says None
+    once the update took it. loader_check: a folder; the last version's tensors are then checked bit for
     bit against what vLLM's own load_weights writes from the same weights, on
     every engine worker (differences_from_loader)."""
     from transformers import AutoModelForCausalLM
@@ -140,7 +142,12 @@ def sync_from_trainer(host: EngineProcess, store, kind: str, world: int, version
             if kind in PRESET_KINDS:
                 assert_preset_equals_derived(kind, layout, Layout.from_json(host.call("engine_layout")))
             for version in versions:
+                deadline = time.monotonic() + update_timeout
+                while on_offer and host.call("pending_version") != version:
+                    assert time.monotonic() < deadline, f"version {version} was never offered"
+                    time.sleep(0.01)
                 host.call("ddma_update", version, update_timeout)
+                assert not on_offer or host.call("pending_version") is None
                 outputs.append(host.call("greedy", prompts, MAX_TOKENS))
             states = trainers.result()[0]
             if loader_check is not None:
@@ -202,10 +209,11 @@ def test_delta_versions_into_the_engine_match_transformers(llama_engine, store):
     elements of each rank's shard of each matrix changed, 4 with nothing changed.
     After each, vLLM's greedy tokens equal transformers' on the trainer's weights
     (log-probs within 1e-4), and versions 3 and 4 put a small part of a full
-    sync's bytes on the wire."""
+    sync's bytes on the wire. The engine pauses for each once
+    ddma_pending_version says it is offered (the senders scan before the offer)."""
     name = "llama-delta"
     states, outputs = sync_from_trainer(llama_engine, store, "llama", 2, [1, 2, 3, 4], name, seed=3,
-                                        transport="p2p", delta=True, steps={2: "few", 3: "none"})
+                                        transport="p2p", delta=True, steps={2: "few", 3: "none"}, on_offer=True)
     for state, output in zip(states, outputs):
         assert_matches_transformers("llama", state, output)
     assert outputs[1] != outputs[0]

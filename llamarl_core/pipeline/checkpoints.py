@@ -8,8 +8,9 @@ Layout of a run folder's `checkpoint/`:
   shards are on disk: {"format", "step", "data_position", "world", "folder",
   "serial"}. A crash before it is replaced leaves the previous checkpoint whole.
 - `<serial>-step-<step>/`: the committed DCP folder, each rank's shards in
-  `shard-<rank>-model-<i>-of-<n>.safetensors` files of about 1 GiB (DCP's
-  writer builds a file in memory), holding `model/<fqn>` (the float32 master
+  `shard-<rank>-model-<i>-of-<n>.safetensors` files of about 256 MiB (DCP's
+  writer builds each file in memory, twice: a rank's save holds about 512 MiB
+  beside its state), holding `model/<fqn>` (the float32 master
   weights; a tied parameter once) and `optimizer/<fqn>/<stat>` (AdamW's
   moments and step). The optimizer's hyper-parameters are the run's config, not
   saved. Rank 0 renames it from `.partial` only after checking that it holds
@@ -46,7 +47,11 @@ from ..models.sharded import few_names, tied_aliases
 
 FORMAT = "llamarl-dcp-safetensors/1"
 _GROUP_BYTES = 1 << 30  # export reads and writes the policy this many bytes at a time
-_FILE_BYTES = 1 << 30  # a rank's checkpoint file holds about this many bytes
+# A rank's checkpoint file holds about this many bytes. DCP's HuggingFaceStorageWriter
+# builds each file with safetensors.torch.save, which holds it twice in memory; 1 GiB
+# files took SmolLM2-135M's final checkpoint (1.6 GB with AdamW's state) 21.8 s into
+# /dev/shm here, most of it faulting in that transient memory.
+_FILE_BYTES = 256 << 20
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:

@@ -34,7 +34,7 @@ class DensityLimit:
     """The changed fraction above which a point-to-point pair's buckets go whole
     rather than as deltas, from the measured time of the pair's sends (the
     sender's stream from the receiver's word on, less what a relay waited for its
-    buckets to land):
+    buckets to land, plus the scans made before the offer: stream.prescan):
 
     - a version sent whole gives the seconds per byte of a full send; the least of
       the last FULL_KEPT stands (a send slowed by set-up or a late receiver does not);
@@ -242,18 +242,21 @@ class PairBase:
     def encode(self, index: int, new: torch.Tensor, scan: Scan | None, delta: bool) -> BucketDelta:
         """Bucket `index` (`new`, its packed bytes; `scan`, this base's scan of it) as
         the smallest delta when `delta` and it is no denser than the density limit,
-        else DENSE (also where the delta cannot be made)."""
+        else DENSE (also where the delta cannot be made). What is sent is told
+        to `sent`."""
         codec = self.codecs[index]
         if scan is not None and delta and not self.density.whole(scan.changed, codec.elements):
             try:
-                out = codec.encode(new, scan)
+                return codec.encode(new, scan)
             except RuntimeError:  # out of memory, say: the bucket goes whole
                 pass
-            else:
-                if out.encoding != DENSE:
-                    self._densities.append(scan.changed / max(1, codec.elements))
-                return out
         return BucketDelta(DENSE, new, codec.elements, codec.elements)
+
+    def sent(self, delta: BucketDelta) -> None:
+        """A bucket of the send under way went as `delta`: the density of one sent
+        as a delta counts for the density limit (finish)."""
+        if delta.encoding != DENSE:
+            self._densities.append(delta.changed / max(1, delta.elements))
 
 
 class PairHeld:
@@ -277,14 +280,35 @@ class PairHeld:
             raise ValueError(f"a header asking for words {asked!r} (WORDS_NONE, WORDS_VERSION or WORDS_CHECKSUMS)")
         return {WORDS_NONE: 0, WORDS_VERSION: 1, WORDS_CHECKSUMS: max(1, buckets)}[asked]
 
+    def early_checksums(self, tensors: Mapping[str, torch.Tensor], come) -> list[int]:
+        """The checksums of the pair's buckets in order, read from `tensors` while a
+        header is on its way: until `come()` says it has come (checked before each
+        bucket), every bucket at most; none where the receiver holds no version of
+        the pair (a header then asks for no checksum it could use). The receive
+        they are read in must not write the pair's bytes before its words are
+        made (`word`'s `early`)."""
+        sums: list[int] = []
+        if self.version is None:
+            return sums
+        for codec in self.codecs:
+            if come():
+                break
+            sums.append(codec.destination_checksum(tensors))
+        return sums
+
     def word(self, index: int, tensors: Mapping[str, torch.Tensor], device: torch.device,
-             checksum: bool = True) -> torch.Tensor:
+             checksum: bool = True, early: list[int] | None = None) -> torch.Tensor:
         """Word `index` (tag HOLDING_TAG + index) on what the receiver holds, sent
         as each is made, so that the sender decides bucket i as soon as word i
         comes: word 0 [version or -1, checksum of bucket 0], word i > 0 [checksum
-        of bucket i], over the bytes the pair writes in `tensors`, read now; without
-        `checksum` (WORDS_VERSION), or for a pair without buckets: [version or -1]."""
-        sums = [self.codecs[index].destination_checksum(tensors)] if checksum and index < len(self.codecs) else []
+        of bucket i], over the bytes the pair writes in `tensors`, read now, or
+        taken from `early` (early_checksums of this receive) where it holds it;
+        without `checksum` (WORDS_VERSION), or for a pair without buckets:
+        [version or -1]."""
+        sums = []
+        if checksum and index < len(self.codecs):
+            sums = [early[index] if early is not None and index < len(early)
+                    else self.codecs[index].destination_checksum(tensors)]
         head = [-1 if self.version is None else self.version] if index == 0 else []
         return torch.tensor(head + sums, dtype=torch.int64, device=device)
 

@@ -44,6 +44,10 @@ def _outcome(wrote: bool, was_torn: bool) -> str:
     return "nothing was written" + (" (the weights are still torn from an earlier receive)" if was_torn else "")
 
 
+# A header's fields before it lands (no count or version is ever this).
+_UNSET = -(1 << 62)
+
+
 class _Refused(SyncError):
     """A sender's delta bucket not taken (refused: it did not describe itself truly;
     or its write failed); the rest of that sender's version was taken off the wire,
@@ -79,7 +83,11 @@ class WeightReceiver(Endpoint):
     once its header of a version asks, this rank tells it what it holds of it (the
     version, and where some bucket may go as a delta a checksum of each bucket read
     from its tensors: one pass over the bytes that sender writes) and applies what
-    comes in place; its relays then send deltas
+    comes in place. On the host it reads those checksums while the header is on its
+    way (a sender on the host scans the version before it offers it: the pause of
+    a generator that calls receive() before the offer holds both at once), until
+    the header comes; those read ahead of a header that asks for none go unused.
+    Its relays then send deltas
     too (each against what it last sent its child rank, point to point: the same
     elements, as each bucket lands).
     replica / num_replicas: this rank's generator replica, of that many
@@ -373,9 +381,21 @@ class WeightReceiver(Endpoint):
             if held is not None and held.broken:
                 raise SyncError(f"receiver rank {self.rank}: {held.broken}; its messages can no longer be read "
                                 "in step: register every sender and receiver again under a new name")
+            early: list[int] = []  # checksums read while the header was on its way
             while True:
-                header = torch.empty(4, dtype=torch.int64, device=self.device)
-                self._wait_work(self._post("recv", header, src, 0, what), deadline, what)
+                header = torch.full((4,), _UNSET, dtype=torch.int64, device=self.device)
+                work = self._post("recv", header, src, 0, what)
+                if held is not None and not early and self.device.type == "cpu":
+                    # The sender of deltas may be scanning before its header (stream.prescan): this
+                    # rank reads its checksums meanwhile. Gloo lands the header in place before its
+                    # work completes (is_completed says so only after wait()): the count read here,
+                    # in a race with that write, only says when to stop reading ahead.
+                    try:
+                        early = held.early_checksums(self.tensors, lambda: int(header[1]) != _UNSET)
+                    except Exception as exc:  # its header is left on the wire: out of step
+                        held.broken = f"its checksums of what it holds of sender {src} could not be read: {exc}"
+                        raise SyncError(f"receiver rank {self.rank}: {held.broken}") from exc
+                self._wait_work(work, deadline, what)
                 version, num_buckets, offered, asked = (int(x) for x in header.tolist())
                 error = None
                 if num_buckets not in (NOTHING_FOLLOWS, len(self._unpack[src])):
@@ -392,7 +412,8 @@ class WeightReceiver(Endpoint):
                 words = []
                 for i in range(PairHeld.words(num_buckets, asked) if held is not None else 0):
                     try:
-                        word = held.word(i, self.tensors, self.device, checksum=asked == WORDS_CHECKSUMS)
+                        word = held.word(i, self.tensors, self.device, checksum=asked == WORDS_CHECKSUMS,
+                                         early=early)
                     except Exception as exc:  # the sender waits for a word that does not come: out of step
                         held.broken = f"its word on what it holds of sender {src} could not be made: {exc}"
                         raise SyncError(f"receiver rank {self.rank}: {held.broken}") from exc

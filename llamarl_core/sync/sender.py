@@ -27,7 +27,7 @@ from .fp8 import Fp8Sources
 from .plan import DEFAULT_BUCKET_BYTES, source_address
 from .protocol import (ABANDONED, DEFAULT_TIMEOUT_S, DST, FAILURE_POLL_S, REREGISTERED, Channel, SenderBook,
                        SenderReports, check_timeout)
-from .stream import NOTHING_FOLLOWS, P2PStream
+from .stream import NOTHING_FOLLOWS, P2PStream, prescan
 from .transports import P2P, SHM, OpenedCudaHandles, OpenedSharedStorages
 
 class SendHandle:
@@ -104,7 +104,12 @@ class WeightSender(Endpoint):
     bytes changed since: each bucket's checksum tells) goes whole, decided before a
     byte moves. The sender keeps what it last sent to each such receiver: one more
     byte of memory, on its device, per byte it sends them (plan.bytes_sent_by_src_rank,
-    less the pairs on this host). Receivers on this host are written in place,
+    less the pairs on this host). On the host it scans a version's buckets before
+    it offers the version (a generator polling the receiver's pending() keeps
+    generating meanwhile), keeping the deltas found until they are sent: about an
+    eighth of a byte more per byte at most (stream.PRESCAN_SHARE, and the delta
+    that passes it; the buckets after it are scanned as they are sent). Receivers
+    on this host are written in place,
     whole, as without it (transport="p2p" sends deltas to those on other GPUs of
     this host too, through NCCL: docs/delta.md). `last_send` (delta_pair.SendStats): what the last send that
     completed moved (None before the first).
@@ -396,6 +401,8 @@ class WeightSender(Endpoint):
                 self._quantize_fp8(version, deadline)
             self._follow_reregistered(deadline)
             self._check_stop()
+            # Deltas on the host are scanned before the offers: a generator polling pending() keeps on meanwhile.
+            prescans = {dst: prescan(self, dst) for dst in self._p2p_peers}
         except BaseException as exc:
             # Reported first (receivers on this host see it); those fed point to point
             # wait on the pair: each is offered the version and told nothing follows.
@@ -436,7 +443,8 @@ class WeightSender(Endpoint):
             for dst in self._p2p_peers:  # in round order
                 self._check_stop()
                 started += 1
-                written += P2PStream(self, dst, version, deadline, offered=True, stats=stats).finish()
+                written += P2PStream(self, dst, version, deadline, offered=True, stats=stats,
+                                     prescanned=prescans[dst]).finish()
         except BaseException as exc:
             self._report_early(exc)
             self._tell_nothing_follows(self._p2p_peers[started:], version, exc)

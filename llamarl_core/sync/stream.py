@@ -4,11 +4,12 @@ WeightSender or from a generator replica's relay (relay.py) to one receiver."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from .delta import DENSE
+from .delta import DENSE, BucketDelta
 from .delta_pair import DESCRIPTION_BYTES, WORDS_CHECKSUMS, WORDS_NONE, WORDS_VERSION, SendStats
 from .engine import default_num_threads, run_segment_table
 
@@ -18,6 +19,62 @@ if TYPE_CHECKING:
 # A header's bucket count when the sender wrote nothing of the version to that receiver
 # (WeightSender._tell_nothing_follows).
 NOTHING_FOLLOWS = -1
+# The delta payloads a prescan keeps for one receiver until they are sent: at most this
+# share of the pair's bytes (the buckets past it are scanned as they are sent).
+PRESCAN_SHARE = 1 / 8
+
+
+@dataclass
+class Prescan:
+    """A version's buckets for one point-to-point receiver, scanned against the
+    pair's base before the receiver is offered the version (`prescan`): the base
+    as it stood before (PairBase.begin's), the buckets scanned (the base holds
+    their new bytes), of them those that go as a delta if the receiver's word
+    allows (their payloads; the others go whole, packed when sent), and the
+    seconds it took (counted in the pair's send time for the density limit)."""
+
+    standing: tuple
+    scanned: set[int] = field(default_factory=set)
+    deltas: dict[int, BucketDelta] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def prescan(sender: WeightSender, dst: int) -> Prescan | None:
+    """Scan and encode the buckets of a version for receiver `dst` before it is
+    offered (WeightSender._send), where the pair sends deltas on the host (its
+    buckets read straight from the tensors): a generator that polls pending()
+    keeps generating meanwhile, and its pause holds the words, the payloads and
+    the applies alone. Each bucket scanned as the stream would (PairBase.scan,
+    values copied out) and its delta kept, until the payloads kept pass
+    PRESCAN_SHARE of the pair's bytes (the delta that passes it kept too; the
+    buckets after it scanned as they are sent); no bucket where every one goes
+    whole anyway (no base stands, a probe), nor one that goes whole unscanned.
+    None for a pair without deltas or off the host (the stream scans as it sends)."""
+    base, tables = sender._bases.get(dst), sender._tables[dst]
+    if base is None or not all(base.reads_through(i, sender._staging_bufs[i % 2][:nbytes])
+                               for i, (_table, nbytes) in enumerate(tables)):
+        return None
+    start = time.monotonic()
+    out = Prescan(base.begin())
+    if not base.wants_checksums(out.standing):
+        return out
+    threads = sender.num_threads or default_num_threads()
+    room = PRESCAN_SHARE * sum(nbytes for _table, nbytes in tables)
+    for i, (table, nbytes) in enumerate(tables):
+        if base.skips_scan(i):
+            continue
+        sender._check_stop()
+        staging = sender._staging_bufs[i % 2][:nbytes]  # what the table writes: not written by the scan
+        scan = base.scan(i, staging, table, threads=threads, delta=True)
+        out.scanned.add(i)
+        delta = base.encode(i, staging, scan, True)
+        if delta.encoding != DENSE:
+            out.deltas[i] = delta
+            room -= delta.nbytes
+            if room < 0:
+                break
+    out.seconds = time.monotonic() - start
+    return out
 
 
 class P2PStream:
@@ -44,10 +101,12 @@ class P2PStream:
     changed elements; tag 1 + 2i) and its payload (tag 2 + 2i). On the host it
     reads a bucket straight from the tensors (PairBase.reads_through): scanned,
     then packed only if it goes whole, or, going whole unscanned, packed together
-    with the base."""
+    with the base; there the sender scanned the buckets before the offer
+    (`prescanned`, see prescan), and a bucket scanned then goes as its delta or
+    whole as the receiver's word says."""
 
     def __init__(self, sender: WeightSender, dst: int, version: int, deadline: float, offered: bool = False,
-                 stats: SendStats | None = None):
+                 stats: SendStats | None = None, prescanned: Prescan | None = None):
         self.sender, self.deadline, self.version, self.stats = sender, deadline, version, stats
         sender._finish_header(dst, deadline)
         if not offered:
@@ -64,8 +123,9 @@ class P2PStream:
         self.use_delta: list[bool] = []  # per bucket, from the checksums taken so far
         self.held_version: int | None = None
         self.asked = WORDS_NONE
+        self.prescanned = prescanned
         if self.base is not None:
-            self.standing = self.base.begin()
+            self.standing = self.base.begin() if prescanned is None else prescanned.standing
             self.asked = WORDS_CHECKSUMS if self.base.wants_checksums(self.standing) else WORDS_VERSION
         self.header = torch.tensor([version, len(self.tables), sender.book.sends[dst], self.asked],
                                    dtype=torch.int64, device=sender.device)
@@ -108,16 +168,23 @@ class P2PStream:
             scan, packed = None, not through
             if not through:
                 pack()
-            if self.base.skips_scan(i):
-                packed = self.base.take_whole(i, staging, table if through else None, threads)
-                if self.stats is not None:
-                    self.stats.unscanned_buckets += 1
+            if self.prescanned is not None and i in self.prescanned.scanned:
+                # Scanned before the offer: its delta, where one was kept and the receiver holds the base.
+                delta = self.prescanned.deltas.pop(i, None)
+                if delta is None or not self._usable(i):
+                    delta = self.base.encode(i, staging, None, False)
             else:
-                # Whether the receiver may take a delta of it, as far as its words have come:
-                # checksums asked for (a base stands), and no word i saying otherwise.
-                may = self.asked == WORDS_CHECKSUMS and (len(self.use_delta) <= i or self.use_delta[i])
-                scan = self.base.scan(i, staging, table if through else None, threads=threads, delta=may)
-            delta = self.base.encode(i, staging, scan, self._usable(i))
+                if self.base.skips_scan(i):
+                    packed = self.base.take_whole(i, staging, table if through else None, threads)
+                    if self.stats is not None:
+                        self.stats.unscanned_buckets += 1
+                else:
+                    # Whether the receiver may take a delta of it, as far as its words have come:
+                    # checksums asked for (a base stands), and no word i saying otherwise.
+                    may = self.asked == WORDS_CHECKSUMS and (len(self.use_delta) <= i or self.use_delta[i])
+                    scan = self.base.scan(i, staging, table if through else None, threads=threads, delta=may)
+                delta = self.base.encode(i, staging, scan, self._usable(i))
+            self.base.sent(delta)
             if delta.encoding == DENSE and not packed:
                 pack()
             meta = torch.tensor([delta.encoding, delta.nbytes, delta.changed], dtype=torch.int64, device=s.device)
@@ -167,7 +234,8 @@ class P2PStream:
                 (self.use_delta and not any(self.use_delta))
             if self.stats is not None and self.tables and held_none:
                 self.stats.full_receivers += 1  # it held no base: every bucket went whole
-            self.base.finish(self.version, self.full_bytes, time.monotonic() - self.clock - self.waited)
+            prescan_s = self.prescanned.seconds if self.prescanned is not None else 0.0
+            self.base.finish(self.version, self.full_bytes, time.monotonic() - self.clock - self.waited + prescan_s)
             if self.stats is not None:
                 self.stats.density_limit = min(self.stats.density_limit, self.base.density.limit)
         return self.written

@@ -19,7 +19,8 @@ own parameters. One sync, with `info = ddma_init_info(...)` built on the trainer
 
     trainer ranks (each)                                 vLLM (the engine's RLHF API)
     sender = module_sender(store, model, rank, world)    llm.init_weight_transfer_engine({"init_info": info})
-    ... optimizer step ...                               (pause generation)
+    ... optimizer step ...                               (pause generation: at once, or once
+                                                          ddma_pending_version(llm) == version)
     sender.send(version)                                 llm.start_weight_update()
                                                          llm.update_weights({"update_info": {"version": version}})
                                                          llm.finish_weight_update(weight_version=str(version))
@@ -80,6 +81,19 @@ def ddma_init_info(store_host: str, store_port: int, trainer_layout: Layout, *, 
     return {"store_host": store_host, "store_port": int(store_port), "trainer_layout": trainer_layout.to_dict(),
             "name": name, "timeout_s": float(timeout_s), "transport": transport, "secret": secret,
             "replica": int(replica), "num_replicas": int(num_replicas)}
+
+
+def ddma_pending_version(llm) -> int | None:
+    """The version the trainer ranks offer every worker of the in-process engine
+    `llm` (a vLLM `LLM` whose backend is llamarl_ddma, initialised) and its workers
+    have not taken yet, None while some worker has none (WeightReceiver.pending: a
+    few Store requests a worker, no wait). A server that polls it between decode
+    steps and pauses for the update once it returns the version keeps generating
+    while the senders work before their offer: with `delta=True`, their scans of
+    what changed (on CPU the larger part of a delta's time). SyncError (raised in
+    the workers) where a sender reported a failure that still stands."""
+    versions = llm.collective_rpc(lambda worker: worker.weight_transfer_engine.pending_version())
+    return None if any(v is None for v in versions) else min(versions)
 
 
 def register() -> None:

@@ -219,6 +219,15 @@ class DdmaWeightTransferEngine(WeightTransferEngine[DdmaInitInfo, DdmaUpdateInfo
                                        transport=init_info.transport, timeout=init_info.timeout_s, secret=secret,
                                        replica=init_info.replica, num_replicas=init_info.num_replicas)
 
+    def pending_version(self) -> int | None:
+        """The version the trainer ranks offer this worker and it has not taken yet
+        (WeightReceiver.pending: no wait), None while there is none: a server
+        pauses generation for an update once every worker has one, and the senders'
+        work before their offer (the scans of a delta) runs beside generation."""
+        if self.receiver is None:
+            raise SyncError("llamarl_ddma: call init_weight_transfer_engine before asking for a pending version")
+        return self.receiver.pending()
+
     def start_weight_update(self) -> None:
         if self.receiver is None:
             raise SyncError("llamarl_ddma: call init_weight_transfer_engine before a weight update")

@@ -21,6 +21,7 @@ import time
 import traceback
 
 from ... import forkserver
+from . import ddma_pending_version
 
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -148,6 +149,7 @@ def _serve(conn, model_dir: str, engine_kwargs: dict, temp_dir: str, environ: di
         "ddma_update": lambda version, timeout_s=None: _ddma_update(llm, version, timeout_s),
         "greedy": lambda prompts, max_tokens: _greedy(llm, prompts, max_tokens),
         "weight_version": llm.get_weight_version,
+        "pending_version": lambda: ddma_pending_version(llm),
         "make_hf_weights": lambda key, shapes, seed: held.__setitem__(key, _random_weights(shapes, seed)),
         # The bytes each trainer rank sends per version, by the plan every worker holds.
         "planned_bytes_by_src_rank": lambda: llm.collective_rpc(
