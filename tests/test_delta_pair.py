@@ -346,6 +346,7 @@ def test_deltas_point_to_point_land_every_version_whole(tmp_path):
     # land). A receiver also reads ahead while a header is on its way (as far as it has come: timing), never
     # for the first version (it holds none): where checksums are asked for, each bucket is read once, ahead
     # or on the ask.
+    assert sum(sum(got["early"]) for got in receivers) > 0  # the senders scan before their headers
     for index, got in enumerate(receivers):
         asked = [False] + [True] * (5 if index < 2 else 6) + [False] * (2 if index < 2 else 1)
         assert all(n == 0 for n, a in zip(got["checksums"], asked) if not a) and got["early"][0] == 0, (index, got)

@@ -590,3 +590,42 @@ def test_the_package_exports_its_api_and_a_moved_name_still_imports_with_a_warni
     assert fsdp_sender is module_sender
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         sync.no_such_name  # noqa: B018
+
+
+def test_a_version_scanned_before_its_offer_is_timed_from_the_receivers_first_word(store, monkeypatch):
+    """A delta pair on the host scans a version before the offer (stream.prescan).
+    Where every element changed, no delta is kept and every bucket goes whole: the
+    pair's send is still timed from the receiver's first word on, each bucket's
+    packing included (here slowed to 50 ms), so that the density limit's figure
+    for a full send is that send's time, not the scans' alone."""
+    from llamarl_core.sync import stream
+    from llamarl_core.sync.delta_pair import DensityLimit
+
+    observed, observe, pack = [], DensityLimit.observe, stream.run_segment_table
+
+    def timed(self, seconds, full_bytes, densities):
+        observed.append(seconds)
+        return observe(self, seconds, full_bytes, densities)
+
+    def slow_pack(*args, **kwargs):
+        time.sleep(0.05)
+        return pack(*args, **kwargs)
+
+    monkeypatch.setattr(DensityLimit, "observe", timed)
+    (sender,), receiver = _pair(store, "prescan-timed", transport="p2p", bucket_bytes=1 << 16, delta=True)
+    buckets = len(sender._tables[0])
+    assert buckets >= 3
+    for version in (1, 2):
+        if version == 2:
+            with torch.no_grad():
+                for t in sender.tensors.values():
+                    t.add_(1.0)  # every bf16 element of the receiver changes
+            monkeypatch.setattr(stream, "run_segment_table", slow_pack)
+        handle = sender.send(version, wait=False)
+        assert receiver.receive(timeout=30) == version and handle.wait(timeout=30) > 0
+    assert sender.last_send.dense_buckets == buckets and sender.last_send.delta_buckets == 0
+    assert len(observed) == 2 and observed[1] >= 0.05 * buckets * 0.9, (observed, buckets)
+    moved = {n: t + 1.0 for n, t in hf_state_dict(CONFIG, 41).items()}  # version 1's state, every element + 1
+    assert mismatches(reference_vllm_tp_shards(moved, CONFIG, 1, torch.bfloat16)[0], receiver.weights()) == []
+    sender.close()
+    receiver.close()

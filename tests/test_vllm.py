@@ -112,8 +112,8 @@ def sync_from_trainer(host: EngineProcess, store, kind: str, world: int, version
     """Trainer ranks (real processes) and the engine's init + one update per
     version, at once; returns (trainer states, engine outputs after each version).
     on_offer: each update starts once ddma_pending_version says every worker is
-    offered the version (as a server polling it would pause), which says None
-    once the update took it. loader_check: a folder; the last version's tensors are then checked bit for
+    offered the version (as a server polling it would pause), which no longer
+    says that version once the update took it. loader_check: a folder; the last version's tensors are then checked bit for
     bit against what vLLM's own load_weights writes from the same weights, on
     every engine worker (differences_from_loader)."""
     from transformers import AutoModelForCausalLM
@@ -147,7 +147,8 @@ def sync_from_trainer(host: EngineProcess, store, kind: str, world: int, version
                     assert time.monotonic() < deadline, f"version {version} was never offered"
                     time.sleep(0.01)
                 host.call("ddma_update", version, update_timeout)
-                assert not on_offer or host.call("pending_version") is None
+                # Taken: no longer pending (the trainer may be offering the next already).
+                assert not on_offer or host.call("pending_version") != version
                 outputs.append(host.call("greedy", prompts, MAX_TOKENS))
             states = trainers.result()[0]
             if loader_check is not None:

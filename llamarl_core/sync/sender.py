@@ -108,7 +108,8 @@ class WeightSender(Endpoint):
     it offers the version (a generator polling the receiver's pending() keeps
     generating meanwhile), keeping the deltas found until they are sent: about an
     eighth of a byte more per byte at most (stream.PRESCAN_SHARE, and the delta
-    that passes it; the buckets after it are scanned as they are sent). Receivers
+    that passes it; the buckets after it are scanned as they are sent); not where
+    it also writes receivers on this host (their offers would wait for the scans). Receivers
     on this host are written in place,
     whole, as without it (transport="p2p" sends deltas to those on other GPUs of
     this host too, through NCCL: docs/delta.md). `last_send` (delta_pair.SendStats): what the last send that
@@ -401,8 +402,9 @@ class WeightSender(Endpoint):
                 self._quantize_fp8(version, deadline)
             self._follow_reregistered(deadline)
             self._check_stop()
-            # Deltas on the host are scanned before the offers: a generator polling pending() keeps on meanwhile.
-            prescans = {dst: prescan(self, dst) for dst in self._p2p_peers}
+            # Deltas on the host are scanned before the offers: a generator polling pending() keeps on
+            # meanwhile. Not where receivers on this host take the version too: their offers would wait.
+            prescans = {dst: None if self._local_receivers else prescan(self, dst) for dst in self._p2p_peers}
         except BaseException as exc:
             # Reported first (receivers on this host see it); those fed point to point
             # wait on the pair: each is offered the version and told nothing follows.

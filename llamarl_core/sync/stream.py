@@ -170,8 +170,10 @@ class P2PStream:
                 pack()
             if self.prescanned is not None and i in self.prescanned.scanned:
                 # Scanned before the offer: its delta, where one was kept and the receiver holds the base.
+                # Word i taken first, as for a bucket scanned now: the pair's clock starts at word 0.
+                usable = self._usable(i)
                 delta = self.prescanned.deltas.pop(i, None)
-                if delta is None or not self._usable(i):
+                if delta is None or not usable:
                     delta = self.base.encode(i, staging, None, False)
             else:
                 if self.base.skips_scan(i):

@@ -84,14 +84,16 @@ def ddma_init_info(store_host: str, store_port: int, trainer_layout: Layout, *, 
 
 
 def ddma_pending_version(llm) -> int | None:
-    """The version the trainer ranks offer every worker of the in-process engine
-    `llm` (a vLLM `LLM` whose backend is llamarl_ddma, initialised) and its workers
+    """The version the trainer ranks offer every worker of `llm` and its workers
     have not taken yet, None while some worker has none (WeightReceiver.pending: a
-    few Store requests a worker, no wait). A server that polls it between decode
-    steps and pauses for the update once it returns the version keeps generating
-    while the senders work before their offer: with `delta=True`, their scans of
-    what changed (on CPU the larger part of a delta's time). SyncError (raised in
-    the workers) where a sender reported a failure that still stands."""
+    few Store requests a worker, no wait). `llm`: a vLLM `LLM` in this process
+    whose backend is llamarl_ddma, initialised (its collective_rpc returns; an
+    AsyncLLM's is a coroutine: await `llm.collective_rpc` with the same function
+    and take the least, None where a worker says None). Polled between decode
+    steps, the update started once it returns the version: generation goes on while
+    the senders work before their offer, with `delta=True` their scans of what
+    changed (on CPU the larger part of a delta's time). A sender's failure that
+    still stands raises SyncError in the workers (vLLM's executor may wrap it)."""
     versions = llm.collective_rpc(lambda worker: worker.weight_transfer_engine.pending_version())
     return None if any(v is None for v in versions) else min(versions)
 
