@@ -102,8 +102,10 @@ FAILURES = f"{SRC}/failures"
 REREGISTERED = f"{DST}/reregistered"
 # The point-to-point messages' format (stream.py, receiver.py), in every rank's device
 # info and checked at set-up: ranks of two llamarl_core versions are refused, named,
-# instead of misreading each other. 2: a header of 4 int64 asking for the receiver's words.
-P2P_WIRE_FORMAT = 2
+# instead of misreading each other. 2: a header of 4 int64 asking for the receiver's words;
+# 3: the keyed product checksum of the receiver's words (505fef6: one of format 2 never
+# matches it, and every version would go whole unsaid).
+P2P_WIRE_FORMAT = 3
 # The longest pause between two polls of a wait that watches for failures: a failure
 # is seen within this of its report. Every poll is a request or two to the Store (a
 # check of the keys, a read of the failure count), about 8 a second while a wait lasts.
