@@ -204,7 +204,7 @@ def test_a_run_of_python_objects_reads_them_from_its_run_folder(tmp_path):
 
 def test_python_inputs_are_refused_naming_the_argument_before_anything_stays(tmp_path):
     from llamarl_core.pipeline import Controller, RunFolderError
-    from llamarl_core.pipeline.run_folder import LOCK
+    from llamarl_core.pipeline.run_folder import EXECUTORS_LOCK, LOCK, executor_hold
 
     model, tokenizer = tiny_model()
     rows = [{"prompt": "1+1=", "answer": "2"}] * 4
@@ -247,7 +247,24 @@ def test_python_inputs_are_refused_naming_the_argument_before_anything_stays(tmp
         Controller(TrainConfig(reward="math", max_new_tokens=4), out, model=model, tokenizer=tokenizer,
                    dataset=rows[:1])
     assert [json.loads(line) for line in Path(first.config.run.dataset).read_text().splitlines()] == rows
-    del first
+    # An executor of the first still holds the folder after its controller is gone (killed outright,
+    # say): refused, naming them; once it has ended (its flock dropped), the folder is free.
+    executor = executor_hold(out)
+    assert executor is not None
+    try:
+        del first
+        with pytest.raises(RunFolderError, match=f"{out} is in use by executors of an earlier run"):
+            Controller(TrainConfig(reward="math", max_new_tokens=4), out, model=model, tokenizer=tokenizer,
+                       dataset=rows)
+    finally:
+        os.close(executor)
+    taking = os.open(out / EXECUTORS_LOCK, os.O_RDWR)  # a controller checking for them: one starting now leaves
+    try:
+        fcntl.flock(taking, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit, match="another controller is taking the run folder"):
+            executor_hold(out)
+    finally:
+        os.close(taking)
     Controller(TrainConfig(reward="math", max_new_tokens=4), out, model=model, tokenizer=tokenizer, dataset=rows)
 
 

@@ -32,6 +32,7 @@ from llamarl_core.pipeline import (
     load_task,
 )
 from llamarl_core.pipeline.checkpoints import checkpoint_info, policy_tensors
+from llamarl_core.pipeline.run_folder import EXECUTORS_LOCK
 from llamarl_core.pipeline.learner import collate, policy_loss
 from llamarl_core.pipeline.messages import Train
 from llamarl_core.pipeline.scheduler import Scheduler
@@ -818,6 +819,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _flock_holders(path) -> set[int]:
+    """The pids of the flocks held on the file `path` (/proc/locks: the process that took each)."""
+    inode = os.stat(path).st_ino
+    holders = set()
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if "FLOCK" in fields and int(fields[-3].split(":")[-1]) == inode:
+            holders.add(int(fields[-4]))
+    return holders
+
+
 def _wait_for(predicate, timeout, what):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -845,7 +857,12 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
             # The controller dies without any clean-up; its executors notice within
             # seconds and exit (Python's resource tracker, left alive, unlinks the
             # queues' semaphores).
-            executors = json.loads((out / "executors.json").read_text()).values()
+            executors = json.loads((out / "executors.json").read_text())
+            # The executors that write into the folder hold it (shared) for their lives: a controller
+            # started before they end is refused (test_data.py), even with this one gone.
+            writers = {pid for name, pid in executors.items() if name.split("/")[0] in ("trainer", "generator")}
+            assert len(writers) == 2 and _flock_holders(out / EXECUTORS_LOCK) >= writers, executors
+            executors = executors.values()
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
             _wait_for(lambda: not any(_alive(pid) for pid in executors), 30, "the executors to exit")

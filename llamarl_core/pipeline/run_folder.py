@@ -13,6 +13,8 @@ from .checkpoints import checkpoint_dir, checkpoint_info, checkpoint_metadata
 from .config import RESUME_CHANGES, TrainConfig
 
 LOCK = ".llamarl-run.lock"  # in the run folder: held (flock) by the controller that runs in it
+# In the run folder: held shared (flock) by each executor that writes there, for its life.
+EXECUTORS_LOCK = ".llamarl-executors.lock"
 
 
 class RunFolderError(ValueError):
@@ -24,20 +26,25 @@ class FolderLock:
     release() (or the end of a `with` block, or this object's collection):
     RunFolderError, before the run reads or writes anything there, while another
     controller holds it (a run still going, into the same folder or resumed from
-    it, or one writing its inputs). An flock: the system drops it with its
-    holder, however that ends (the executors of a controller killed outright go
-    on until their wait for its heartbeat ends, --timeout-s). On a filesystem
-    without flock (Lustre without -o flock, NFS without its lock service) the run
-    goes on unlocked, said through `warn`."""
+    it, or one writing its inputs), or while executors of an earlier run still
+    hold theirs (`executor_hold`: a controller killed outright, whose executors
+    go on until they find it gone, within --timeout-s of its silence). Flocks: the
+    system drops each with its holder, however that ends. On a filesystem without
+    flock (Lustre without -o flock, NFS without its lock service) the run goes on
+    unlocked, said through `warn`."""
 
     def __init__(self, out: Path, warn):
         fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _no_executors(out)
         except BlockingIOError:
             os.close(fd)
             raise RunFolderError(f"{out} is in use by another run (its controller holds {out / LOCK}): wait for it "
                                  "to end, or pick another folder") from None
+        except RunFolderError:
+            os.close(fd)
+            raise
         except OSError as exc:
             warn(f"llamarl: {out} cannot be locked ({exc.strerror}: its filesystem has no flock): another run into "
                  "it is not refused")
@@ -49,6 +56,42 @@ class FolderLock:
     def __exit__(self, *exc) -> None:
         self.release()
 
+
+def _no_executors(out: Path) -> None:
+    """RunFolderError while an executor holds `out`'s EXECUTORS_LOCK (asked by a
+    controller holding LOCK, before any executor of its own has started)."""
+    fd = os.open(out / EXECUTORS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunFolderError(f"{out} is in use by executors of an earlier run (they hold {out / EXECUTORS_LOCK}: "
+                             "its controller was killed outright, and they end once they find it gone, within its "
+                             "--timeout-s; or end them): wait for them, or pick another folder") from None
+    finally:
+        os.close(fd)  # the test's lock, if taken, with it
+
+
+def executor_hold(out: Path) -> int | None:
+    """For an executor that writes into the run folder `out`: a shared flock on its
+    EXECUTORS_LOCK, held until the returned fd is closed (at the latest when the
+    process ends), so that no controller takes the folder while this executor may
+    still write there (FolderLock). SystemExit when a controller is taking the
+    folder now (this executor's own holds it from before any executor starts: it
+    is gone); None where the folder cannot be locked (no such folder on this host,
+    a filesystem without flock: as FolderLock, unlocked)."""
+    try:
+        fd = os.open(Path(out) / EXECUTORS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SystemExit(f"{out}: another controller is taking the run folder (this executor's is gone)") from None
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 def check_run_folder(out: Path, config: TrainConfig, resume: bool) -> None:
     """RunFolderError, before anything is written, unless `out` holds no run

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ...spelling import set_spelling
 from ..config import TrainConfig
 from ..messages import Failed
+from ..run_folder import executor_hold
 from .generator import run_generator
 from .link import GENERATOR, REWARD, TRAINER, Link
 from .resources import end_process_group, select_gpu, setup_threads
@@ -37,6 +38,8 @@ def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, ext
     launched = extra.pop("launched", False)  # a torchrun rank (llamarl_core.launch), not forked by the controller
     set_spelling(flags=extra.pop("flags", False))  # this process is the executor's own
     os.environ.update(extra.pop("mps_env", None) or {})  # CUDA reads them when it starts (select_gpu)
+    # Held while this executor may write into the run folder: no controller takes it meanwhile.
+    folder = executor_hold(extra["out_dir"]) if "out_dir" in extra else None
     link = Link(store, role, rank, extra["incarnation"] if role == GENERATOR else None, inbox, config.run.timeout_s,
                 secret)
     try:
@@ -60,6 +63,8 @@ def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, ext
     finally:
         end_process_group()
         link.close()
+        if folder is not None:
+            os.close(folder)
 
 
 def exit_on_sigterm(signum, frame) -> None:
