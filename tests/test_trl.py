@@ -155,6 +155,17 @@ def test_a_logit_transform_the_head_does_not_apply_is_refused_at_construction(ov
                     processing_class=tokenizer())
 
 
+def test_a_model_given_by_name_is_refused_from_its_config_before_trl_loads_it(tmp_path):
+    """A folder's config.json with a logit scale: refused before TRL builds
+    anything (the folder holds no weights, which TRL's load would fail on)."""
+    model = tiny_llama(0)
+    model.config.logit_scale = 0.5
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="cannot score this model: the model's config sets logit_scale=0.5"):
+        GRPOTrainer(model=str(tmp_path), reward_funcs=length_reward, args=config("dapo"), train_dataset=prompts(),
+                    processing_class=tokenizer())
+
+
 def test_a_forward_set_on_the_instance_is_what_plain_calls_run_as_under_trl():
     """An override of the model instance's forward (one token banned: what
     generate() samples from without vLLM) is kept by the fused head, as TRL's keeps
@@ -585,3 +596,14 @@ def test_what_the_colocated_sync_does_not_serve_is_named(monkeypatch):
     wrapped = peft.get_peft_model(tiny_llama(0), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
     assert "use_dora" in colocate_refusal(wrapped, 1, 1, False)  # a PEFT model's own config
     assert "a PEFT model with FSDP2" in colocate_refusal("some/model", 2, 1, False, peft_config=lora, sharding="FSDP2")
+    # From the model's config: experts on a GPU (the engine writes them on CPU only); a float16
+    # checkpoint (vLLM holds float16) unless the trainer holds float16 too.
+    moe = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64, num_experts=4)
+    assert "a model of 4 experts on cuda" in colocate_refusal("some/moe", 1, 1, False, model_config=moe,
+                                                             device_type="cuda")
+    assert colocate_refusal("some/moe", 1, 1, False, model_config=moe, device_type="cpu") is None
+    half = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                    num_attention_heads=4, vocab_size=64, dtype="float16")
+    assert "a float16 checkpoint trained in float32" in colocate_refusal("some/model", 1, 1, False, model_config=half)
+    assert colocate_refusal("some/model", 1, 1, False, model_config=half, trainer_dtype="float16") is None

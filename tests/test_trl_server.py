@@ -299,6 +299,38 @@ def test_deltas_into_the_server_point_to_point(server):
         DdmaWeightTransfer(url, timeout_s=float("nan"))
 
 
+def test_the_stores_address_follows_the_server_and_the_transport_is_checked_at_once(monkeypatch):
+    """DdmaWeightTransfer's store_host by default: the loopback for a server on this
+    host, this host's address on the route to a server elsewhere (the server's
+    workers connect back to it), LLAMARL_STORE_HOST where set, a host without a
+    route named by the argument that gave it; a transport DDMA does not have:
+    refused at construction, not at the first sync. No server is reached."""
+    import socket
+
+    from llamarl_core.integrations.trl.server import address_toward
+
+    monkeypatch.delenv("LLAMARL_STORE_HOST", raising=False)
+    assert DdmaWeightTransfer("http://localhost:8000").store_host == "127.0.0.1"
+    assert DdmaWeightTransfer("http://127.0.0.1:8000", store_host="10.1.2.3").store_host == "10.1.2.3"
+    try:  # the kernel's source address toward TEST-NET-1 (no packet is sent), if this machine routes out
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))
+            outward = probe.getsockname()[0]
+    except OSError:
+        outward = None
+    if outward is not None:
+        assert outward != "127.0.0.1" and DdmaWeightTransfer("http://192.0.2.1:8000").store_host == outward
+    # A broadcast address: no route a UDP socket may take (refused locally, no name looked up).
+    with pytest.raises(ValueError, match="server_url's host '255.255.255.255': no route to it"):
+        DdmaWeightTransfer("http://255.255.255.255:8000")
+    with pytest.raises(ValueError, match="vllm_server_host '255.255.255.255': no route to it"):
+        address_toward("255.255.255.255", "vllm_server_host")
+    monkeypatch.setenv("LLAMARL_STORE_HOST", "10.9.8.7")
+    assert DdmaWeightTransfer("http://255.255.255.255:8000").store_host == "10.9.8.7"
+    with pytest.raises(ValueError, match="transport must be 'auto' or one of"):
+        DdmaWeightTransfer("http://localhost:8000", transport="tcp")
+
+
 def test_sync_delta_reads_its_variable(monkeypatch):
     from llamarl_core.integrations.trl.generation import sync_delta
 

