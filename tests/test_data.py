@@ -204,7 +204,7 @@ def test_a_run_of_python_objects_reads_them_from_its_run_folder(tmp_path):
 
 def test_python_inputs_are_refused_naming_the_argument_before_anything_stays(tmp_path):
     from llamarl_core.pipeline import Controller, RunFolderError
-    from llamarl_core.pipeline.run_folder import EXECUTORS_LOCK, LOCK, executor_hold
+    from llamarl_core.pipeline.run_folder import EXECUTORS_LOCK, LOCK, executor_hold, executor_release
 
     model, tokenizer = tiny_model()
     rows = [{"prompt": "1+1=", "answer": "2"}] * 4
@@ -253,11 +253,12 @@ def test_python_inputs_are_refused_naming_the_argument_before_anything_stays(tmp
     assert executor is not None
     try:
         del first
-        with pytest.raises(RunFolderError, match=f"{out} is in use by executors of an earlier run"):
+        with pytest.raises(RunFolderError, match=f"{out} is in use by executors of an earlier run "
+                                                 fr"\(processes {os.getpid()} hold "):
             Controller(TrainConfig(reward="math", max_new_tokens=4), out, model=model, tokenizer=tokenizer,
                        dataset=rows)
     finally:
-        os.close(executor)
+        executor_release(executor)
     taking = os.open(out / EXECUTORS_LOCK, os.O_RDWR)  # a controller checking for them: one starting now leaves
     try:
         fcntl.flock(taking, fcntl.LOCK_EX | fcntl.LOCK_NB)

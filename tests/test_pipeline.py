@@ -32,7 +32,8 @@ from llamarl_core.pipeline import (
     load_task,
 )
 from llamarl_core.pipeline.checkpoints import checkpoint_info, policy_tensors
-from llamarl_core.pipeline.run_folder import EXECUTORS_LOCK
+from llamarl_core.pipeline.run_folder import (EXECUTORS_LOCK, FolderLock, executor_hold, executor_release,
+                                              flock_holders)
 from llamarl_core.pipeline.learner import collate, policy_loss
 from llamarl_core.pipeline.messages import Train
 from llamarl_core.pipeline.scheduler import Scheduler
@@ -819,23 +820,31 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _flock_holders(path) -> set[int]:
-    """The pids of the flocks held on the file `path` (/proc/locks: the process that took each)."""
-    inode = os.stat(path).st_ino
-    holders = set()
-    for line in Path("/proc/locks").read_text().splitlines():
-        fields = line.split()
-        if "FLOCK" in fields and int(fields[-3].split(":")[-1]) == inode:
-            holders.add(int(fields[-4]))
-    return holders
-
-
 def _wait_for(predicate, timeout, what):
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(what)
         time.sleep(0.1)
+
+
+def test_a_process_forked_from_an_executor_does_not_keep_the_run_folder(tmp_path):
+    """A process an executor forks (vLLM's engine core, say) holds no copy of the
+    executor's hold on the run folder: once the executor has let it go, a
+    controller takes the folder while that process still runs."""
+    hold = executor_hold(tmp_path)
+    pid = os.fork()
+    if pid == 0:  # the forked process: alive until killed
+        time.sleep(60)
+        os._exit(0)
+    try:
+        assert flock_holders(tmp_path / EXECUTORS_LOCK) == {os.getpid()}
+        executor_release(hold)
+        with FolderLock(tmp_path, warn=pytest.fail):
+            pass
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
@@ -861,7 +870,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
             # The executors that write into the folder hold it (shared) for their lives: a controller
             # started before they end is refused (test_data.py), even with this one gone.
             writers = {pid for name, pid in executors.items() if name.split("/")[0] in ("trainer", "generator")}
-            assert len(writers) == 2 and _flock_holders(out / EXECUTORS_LOCK) >= writers, executors
+            assert len(writers) == 2 and flock_holders(out / EXECUTORS_LOCK) >= writers, executors
             executors = executors.values()
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)

@@ -64,17 +64,35 @@ def _no_executors(out: Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise RunFolderError(f"{out} is in use by executors of an earlier run (they hold {out / EXECUTORS_LOCK}: "
-                             "its controller was killed outright, and they end once they find it gone, within its "
+        pids = flock_holders(out / EXECUTORS_LOCK)
+        named = f"processes {', '.join(map(str, sorted(pids)))} hold" if pids else "they hold"
+        raise RunFolderError(f"{out} is in use by executors of an earlier run ({named} {out / EXECUTORS_LOCK}: its "
+                             "controller was killed outright, and they end once they find it gone, within its "
                              "--timeout-s; or end them): wait for them, or pick another folder") from None
     finally:
         os.close(fd)  # the test's lock, if taken, with it
 
 
+def flock_holders(path: Path) -> set[int]:
+    """The pids of the processes that took the flocks on the file `path` (Linux's
+    /proc/locks; none where it is not there)."""
+    try:
+        inode, lines = os.stat(path).st_ino, Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return set()
+    holders = set()
+    for line in lines:
+        fields = line.split()  # "1: FLOCK  ADVISORY  READ  1234 00:2a:5678 0 EOF" (a blocked one: "-> FLOCK ...")
+        if "FLOCK" in fields and len(fields) >= 4 and fields[-3].rsplit(":", 1)[-1] == str(inode):
+            holders.add(int(fields[-4]))
+    return holders
+
+
 def executor_hold(out: Path) -> int | None:
     """For an executor that writes into the run folder `out`: a shared flock on its
-    EXECUTORS_LOCK, held until the returned fd is closed (at the latest when the
-    process ends), so that no controller takes the folder while this executor may
+    EXECUTORS_LOCK, held until executor_release(the returned fd) (at the latest
+    when the process ends; a process forked from it, such as an engine's, does
+    not keep it), so that no controller takes the folder while this executor may
     still write there (FolderLock). SystemExit when a controller is taking the
     folder now (this executor's own holds it from before any executor starts: it
     is gone); None where the folder cannot be locked (no such folder on this host,
@@ -91,7 +109,29 @@ def executor_hold(out: Path) -> int | None:
     except OSError:
         os.close(fd)
         return None
+    _HELD.add(fd)
     return fd
+
+
+def executor_release(fd: int | None) -> None:
+    """End an executor_hold (None: nothing held)."""
+    if fd is not None:
+        _HELD.discard(fd)
+        os.close(fd)
+
+
+_HELD: set[int] = set()  # this process's executor_hold fds
+
+
+def _drop_held_in_child() -> None:
+    """In a process just forked (an engine's, say): its copies of the holds closed
+    (the hold is its parent's: an flock lasts while any copy of its fd is open)."""
+    for fd in _HELD:
+        os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_held_in_child)
 
 def check_run_folder(out: Path, config: TrainConfig, resume: bool) -> None:
     """RunFolderError, before anything is written, unless `out` holds no run

@@ -55,6 +55,7 @@ processes.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import hashlib
 import os
@@ -236,7 +237,7 @@ def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enabl
 
 
 # Config fields by which a family counts its routed experts (vLLM's and TRL's reading of them).
-_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def sync_delta() -> bool:
@@ -363,13 +364,18 @@ class DdmaVLLMGeneration(VLLMGeneration):
         in (the same dtype, or float32 cast to bfloat16: plan.SUPPORTED_CASTS)."""
         engine = self.llm.model_config.dtype
         sent = self._peft_weights.values() if is_peft_model(self.model) else self.model.parameters()
-        mine = {t.dtype for t in sent if t.is_floating_point()}
-        bad = sorted(str(d) for d in mine if d != engine and (d, engine) not in SUPPORTED_CASTS)
-        if bad:
+        counts = collections.Counter()
+        for t in sent:
+            if t.is_floating_point():
+                counts[t.dtype] += t.numel()
+        # The dtype most of the weights are in (a few kept in float32 on both sides, such as a router's
+        # bias, are the sync's to check per parameter).
+        mine = counts.most_common(1)[0][0] if counts else engine
+        if mine != engine and (mine, engine) not in SUPPORTED_CASTS:
             raise ValueError(f"llamarl's colocated vLLM sync: the engine holds its weights in {engine} (vLLM's "
-                             f"dtype for {self.model.name_or_path}), the trainer's parameters are {', '.join(bad)}: "
-                             "a cast the sync does not make (it casts float32 to bfloat16 only); load the model "
-                             "in the engine's dtype (GRPOConfig(model_init_kwargs={'dtype': ...}))")
+                             f"dtype for {self.model.name_or_path}), the trainer's are {mine}: a cast the sync does "
+                             "not make (it casts float32 to bfloat16 only); load the model in the engine's dtype "
+                             "(GRPOConfig(model_init_kwargs={'dtype': ...}))")
 
     def _sharding(self) -> str | None:
         """What shards the model's parameters over the processes now, as

@@ -56,7 +56,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         init_kwargs = (getattr(config, "model_init_kwargs", None) or {}) if config is not None else {}
         # Before TRL builds anything (its engine, a reference model): what the head refuses, as far as
         # the model's config tells (a model given by name: its config.json; the rest once it is built).
-        model_config = _model_config(bound.arguments["model"], init_kwargs)
+        model_config = _model_config(bound.arguments["model"], init_kwargs, getattr(config, "trust_remote_code", False))
         reason = unsupported_config(model_config)
         if reason is not None:
             raise ValueError(f"llamarl's fused LM head cannot score this model: {reason}")
@@ -133,17 +133,19 @@ class GRPOTrainer(trl.GRPOTrainer):
 GRPOTrainer.__init__.__signature__ = _SIGNATURE
 
 
-def _model_config(model, init_kwargs: dict):
+def _model_config(model, init_kwargs: dict, trust_remote_code: bool):
     """The transformers config of the trainer's `model` argument: the model's own,
-    or a folder's or hub id's config.json; None where it cannot be read here
-    (the checks of the built model and of the first sync still refuse)."""
+    or a folder's or hub id's config.json (read as TRL reads it: its
+    model_init_kwargs' trust_remote_code, else the config's, its revision, token,
+    cache and subfolder); None where it cannot be read here (the checks of the
+    built model and of the first sync still refuse)."""
     if isinstance(model, torch.nn.Module):
         config = getattr(model, "config", None)
     else:
+        given = {k: init_kwargs[k] for k in ("revision", "token", "cache_dir", "subfolder") if k in init_kwargs}
         try:
             config = transformers.AutoConfig.from_pretrained(
-                model, trust_remote_code=init_kwargs.get("trust_remote_code", False),
-                revision=init_kwargs.get("revision"))
+                model, trust_remote_code=init_kwargs.get("trust_remote_code", trust_remote_code), **given)
         except Exception:  # noqa: BLE001 - unreadable here (offline, remote code): checked once built
             config = None
     return config if hasattr(config, "get_text_config") else None
@@ -151,11 +153,11 @@ def _model_config(model, init_kwargs: dict):
 
 def _trainer_dtype(model, init_kwargs: dict, model_config) -> str | None:
     """The dtype of the trainer's parameters as TRL will load them ("float32": its
-    default, "auto": the checkpoint's), None where not known."""
+    default, "auto" or None: the checkpoint's), None where not known."""
     if isinstance(model, torch.nn.Module):
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     else:
         dtype = init_kwargs.get("dtype", "float32")
-        if dtype == "auto" and model_config is not None:
+        if dtype in ("auto", None) and model_config is not None:  # None: transformers reads it as "auto"
             dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
     return None if dtype is None or dtype == "auto" else str(dtype).removeprefix("torch.")

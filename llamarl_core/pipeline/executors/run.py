@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ...spelling import set_spelling
 from ..config import TrainConfig
 from ..messages import Failed
-from ..run_folder import executor_hold
+from ..run_folder import executor_hold, executor_release
 from .generator import run_generator
 from .link import GENERATOR, REWARD, TRAINER, Link
 from .resources import end_process_group, select_gpu, setup_threads
@@ -38,11 +38,12 @@ def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, ext
     launched = extra.pop("launched", False)  # a torchrun rank (llamarl_core.launch), not forked by the controller
     set_spelling(flags=extra.pop("flags", False))  # this process is the executor's own
     os.environ.update(extra.pop("mps_env", None) or {})  # CUDA reads them when it starts (select_gpu)
-    # Held while this executor may write into the run folder: no controller takes it meanwhile.
-    folder = executor_hold(extra["out_dir"]) if "out_dir" in extra else None
     link = Link(store, role, rank, extra["incarnation"] if role == GENERATOR else None, inbox, config.run.timeout_s,
                 secret)
+    folder = None
     try:
+        # Held while this executor may write into the run folder: no controller takes it meanwhile.
+        folder = executor_hold(extra["out_dir"]) if "out_dir" in extra else None
         setup_threads(config, role, rank, launched)
         if config.run.device == "cuda" and role != REWARD:
             select_gpu(config, role, rank, launched)
@@ -63,8 +64,7 @@ def run_executor(role: str, rank: int, config_dict: dict, store: dist.Store, ext
     finally:
         end_process_group()
         link.close()
-        if folder is not None:
-            os.close(folder)
+        executor_release(folder)
 
 
 def exit_on_sigterm(signum, frame) -> None:
