@@ -299,12 +299,11 @@ def test_deltas_into_the_server_point_to_point(server):
         DdmaWeightTransfer(url, timeout_s=float("nan"))
 
 
-def test_the_stores_address_follows_the_server_and_the_transport_is_checked_at_once(monkeypatch):
+def test_the_stores_address_follows_the_server(monkeypatch):
     """DdmaWeightTransfer's store_host by default: the loopback for a server on this
     host, this host's address on the route to a server elsewhere (the server's
     workers connect back to it), LLAMARL_STORE_HOST where set, a host without a
-    route named by the argument that gave it; a transport DDMA does not have:
-    refused at construction, not at the first sync. No server is reached."""
+    route named by the argument that gave it. No server is reached."""
     import socket
 
     from llamarl_core.integrations.trl.server import address_toward
@@ -327,8 +326,6 @@ def test_the_stores_address_follows_the_server_and_the_transport_is_checked_at_o
         address_toward("255.255.255.255", "vllm_server_host")
     monkeypatch.setenv("LLAMARL_STORE_HOST", "10.9.8.7")
     assert DdmaWeightTransfer("http://255.255.255.255:8000").store_host == "10.9.8.7"
-    with pytest.raises(ValueError, match="transport must be 'auto' or one of"):
-        DdmaWeightTransfer("http://localhost:8000", transport="tcp")
 
 
 def test_sync_delta_reads_its_variable(monkeypatch):

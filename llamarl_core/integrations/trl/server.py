@@ -48,7 +48,6 @@ import torch.distributed as dist
 from ...control.auth import required_secret
 from ...sync import Layout, ParamSpec, SyncError, WeightSender
 from ...sync.protocol import check_timeout
-from ...sync.transports import check_transport_name
 from ..vllm import BACKEND, ddma_init_info
 from .pairing import register_while, send_while
 
@@ -117,7 +116,6 @@ class DdmaWeightTransfer:
         if not isinstance(server_url, str) or not server_url.startswith(("http://", "https://")):
             raise ValueError(f"server_url must be an http(s) URL, got {server_url!r}")
         check_timeout(timeout_s, "timeout_s")
-        check_transport_name(transport)
         self.server_url = server_url.rstrip("/")
         self.store_host = store_host if store_host is not None else \
             address_toward(urlparse(self.server_url).hostname, "server_url's host")
