@@ -13,6 +13,7 @@ import datetime
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -142,13 +143,18 @@ def test_forged_values_at_every_key_change_nothing(store, transport):
     decoy = {n: torch.full(shape, 7.0, dtype=dtype) for n, (shape, dtype) in dst.local_tensor_specs(0).items()}
     planted = _plant(store_client(store), name, share_in_place(decoy, "the decoy"))
     before = auth.refused_count()
-    made = in_threads(
-        lambda: WeightReceiver(store_client(store), dst, 0, poisoned_destination(dst, 0), name=name,
-                               transport=transport, timeout=30, secret=SECRET),
-        lambda: WeightSender(store_client(store), src, 0, _shards(1, 0, 1), name=name, transport=transport,
-                             timeout=30, secret=SECRET))
-    assert not any(isinstance(m, Exception) for m in made), made
-    receiver, sender = made
+    # The receiver first, until it has read a forged value (the senders' layout, which it waits for):
+    # started together, the sender may overwrite every key the receiver reads before it reads one.
+    with ThreadPoolExecutor(1) as pool:
+        receiving = pool.submit(lambda: WeightReceiver(store_client(store), dst, 0, poisoned_destination(dst, 0),
+                                                       name=name, transport=transport, timeout=30, secret=SECRET))
+        deadline = time.monotonic() + 30
+        while auth.refused_count() == before:
+            assert time.monotonic() < deadline and not receiving.done(), "the receiver read no forged value"
+            time.sleep(0.01)
+        sender = WeightSender(store_client(store), src, 0, _shards(1, 0, 1), name=name, transport=transport,
+                              timeout=30, secret=SECRET)
+        receiver = receiving.result(timeout=60)
     for version in (1, 2, 3):
         sender.tensors.update({n: t.copy_(_shards(1, 0, version)[n]) for n, t in sender.tensors.items()})
         results = in_threads(receiver.receive, lambda v=version: sender.send(v))
