@@ -77,13 +77,14 @@ def flock_holders(path: Path) -> set[int]:
     """The pids of the processes that took the flocks on the file `path` (Linux's
     /proc/locks; none where it is not there)."""
     try:
-        inode, lines = os.stat(path).st_ino, Path("/proc/locks").read_text().splitlines()
+        st, lines = os.stat(path), Path("/proc/locks").read_text().splitlines()
     except OSError:
         return set()
+    file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"  # as /proc/locks names it
     holders = set()
     for line in lines:
         fields = line.split()  # "1: FLOCK  ADVISORY  READ  1234 00:2a:5678 0 EOF" (a blocked one: "-> FLOCK ...")
-        if "FLOCK" in fields and len(fields) >= 4 and fields[-3].rsplit(":", 1)[-1] == str(inode):
+        if "FLOCK" in fields and len(fields) >= 4 and fields[-3] == file:
             holders.add(int(fields[-4]))
     return holders
 
