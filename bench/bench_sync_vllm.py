@@ -16,10 +16,10 @@ one returning. DDMA's pause begins once the engine's workers are offered the
 version (its pending version, polled as a server polls it between decode
 steps): what a trainer rank does before its offer (the scans of a delta) runs
 beside generation; with --delta each delta is also timed pausing once the
-trainer holds the version, as the pipeline's generators and TRL pause. The two vLLM paths are handed tensors already in the engine's
-process (no transfer counted, no gather of shards: their best case); DDMA's time
-includes moving every byte out of the trainer processes. GB/s = model bytes /
-that time. The bytes each trainer rank sends (from the plan) are printed beside
+trainer holds the version, as the pipeline's generators and TRL pause. The two
+vLLM paths are handed tensors already in the engine's process (no transfer
+counted, no gather of shards: their best case); DDMA's time includes moving
+every byte out of the trainer processes. GB/s = model bytes / that time. The bytes each trainer rank sends (from the plan) are printed beside
 the bytes of its own shards: no rank sends more than it holds.
 """
 

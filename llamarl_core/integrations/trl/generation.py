@@ -211,8 +211,7 @@ def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enabl
         if experts and device_type != "cpu":
             return (f"a model of {experts} experts on {device_type} (llamarl_ddma writes MoE experts into CPU "
                     "engines only: the GPU kernels' layout of them is not verified)")
-        dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
-        if str(dtype).removeprefix("torch.") == "float16" and (trainer_dtype or "float32") != "float16":
+        if checkpoint_dtype(model_config) == "float16" and (trainer_dtype or "float32") != "float16":
             return (f"a float16 checkpoint trained in {trainer_dtype or 'float32'} (vLLM holds it in float16; the "
                     "sync casts float32 to bfloat16 only, TRL's load_weights casts any)")
     configs = [peft_config] if peft_config is not None else []
@@ -234,6 +233,13 @@ def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enabl
             type(module).__module__.startswith("bitsandbytes") for module in model.modules())):
         return "a quantized model"
     return _peft_refusal(configs, model)
+
+
+def checkpoint_dtype(model_config) -> str | None:
+    """The dtype a transformers config says its checkpoint holds ("float16", ...;
+    `dtype`, or the older `torch_dtype`), None where it says none."""
+    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 # Config fields by which a family counts its routed experts (vLLM's and TRL's reading of them).

@@ -16,8 +16,8 @@ import transformers
 import trl
 from accelerate import PartialState
 
-from .generation import (DTENSORS, FSDP2, DdmaVLLMGeneration, colocate_refusal, dtensor_shards, several_hosts,
-                         sharding_of)
+from .generation import (DTENSORS, FSDP2, DdmaVLLMGeneration, checkpoint_dtype, colocate_refusal, dtensor_shards,
+                         several_hosts, sharding_of)
 from .head import add_fused_lm_head, unsupported_config
 
 _SIGNATURE = inspect.signature(trl.GRPOTrainer.__init__)
@@ -158,6 +158,6 @@ def _trainer_dtype(model, init_kwargs: dict, model_config) -> str | None:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     else:
         dtype = init_kwargs.get("dtype", "float32")
-        if dtype in ("auto", None) and model_config is not None:  # None: transformers reads it as "auto"
-            dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
-    return None if dtype is None or dtype == "auto" else str(dtype).removeprefix("torch.")
+        if dtype in ("auto", None):  # None: transformers reads it as "auto"
+            return checkpoint_dtype(model_config) if model_config is not None else None
+    return None if dtype is None else str(dtype).removeprefix("torch.")
