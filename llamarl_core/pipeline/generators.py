@@ -4,8 +4,9 @@ any Generator of yours (`--generator module:Class`, TrainConfig(generator=Class)
 
 The generator executor only ever calls these: submit samples, run a segment
 (generation with the current weights until a segment's budget, a finished
-sample, or `stop()` between decode steps), update the weights (generation paused
-meanwhile), and read the version and per-segment counts. Every token a
+sample, or `stop()` between decode steps), ask whether an announced version is
+offered yet, update the weights (generation paused meanwhile), and read the
+version and per-segment counts. Every token a
 generator produces records the version of the weights that sampled it and its
 behaviour log-prob (from the distribution it was sampled from: after
 temperature).
@@ -78,6 +79,17 @@ class Generator(ABC):
         cache recomputed (vLLM: unless told to keep it). relay_to: the replicas this
         one relays the version to (None: all it feeds). Raises SyncError when it did
         not land (version None: no weights to sample with until one does)."""
+
+    def weights_offered(self, version: int) -> bool:
+        """Asked between decode steps while `version` is announced and samples are
+        in flight: True once the trainer offers it, when the executor pauses and
+        calls update_weights(); until then generation goes on (the trainer's work
+        before its offer, such as a delta's scans, runs beside it). A few Store
+        requests at most; a failure the receiver would report returns True (the
+        update reports it). The default, True: pause as soon as it is announced
+        (a receiver's `pending()` tells the offer: ours asks it). The executor
+        pauses anyway after the sync's timeout without an offer."""
+        return True
 
     def evaluate(self, samples: list[Sample]) -> list[Sample]:
         """Complete `samples` greedily with the current weights, to their end (eos or
@@ -177,6 +189,13 @@ class LlamaGeneratorBackend(Generator):
 
     def run_segment(self, stop: Callable[[], bool]) -> list[Sample]:
         return self.engine.run_segment(self.version, stop=stop)
+
+    def weights_offered(self, version: int) -> bool:
+        try:
+            offered = self.receiver.pending()
+        except SyncError:
+            return True  # a sender's failure: receive() raises it
+        return offered is not None and offered >= version
 
     def update_weights(self, version: int, timeout_s: float, relay_to: Sequence[int] | None = None) -> int:
         self.relay_failures = {}

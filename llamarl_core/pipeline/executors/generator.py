@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -20,33 +21,74 @@ from .link import GENERATOR, INBOX_POLL_S, Link, dispatch, sync_name_of
 from .resources import ALL_CORES, process_group
 
 
+class OfferWait:
+    """When a generator replica pauses for a version the controller announced (a
+    Receive): once the trainer's senders offer it (`offered(version)`: the
+    receiver's pending(), asked by the replica's leader), not as soon as it is
+    announced, so that a sender's work before its offer (the scans of a delta,
+    stream.prescan) runs beside generation and the pause holds the transfer alone;
+    at once for a Stop; and after `patience_s` without an offer of that version
+    (its receive then waits, and times out, as any receive does). A pure
+    decision: the caller asks it with the commands waiting, in order, and the
+    time; the clock starts when a Receive (version and attempt) is first seen."""
+
+    def __init__(self, patience_s: float):
+        if not patience_s > 0:
+            raise ValueError(f"patience_s must be > 0, got {patience_s!r}")
+        self.patience_s = patience_s
+        self._seen: tuple[tuple[int, int], float] | None = None  # ((version, attempt), first seen)
+
+    def pause(self, commands, now: float, offered: Callable[[int], bool]) -> bool:
+        """Whether to pause now (end the segment; take the commands up to and
+        including the first Receive). `offered` is called only for the first
+        Receive waiting, and only before its patience has run out."""
+        if any(isinstance(command, Stop) for command in commands):
+            return True
+        receive = next((command for command in commands if isinstance(command, Receive)), None)
+        if receive is None:
+            self._seen = None
+            return False
+        key = (receive.version, receive.attempt)
+        if self._seen is None or self._seen[0] != key:
+            self._seen = (key, now)
+        return now - self._seen[1] >= self.patience_s or offered(receive.version)
+
+
 class CommandFeed:
     """A replica's generator ranks' shared view of the controller's commands: its
     rank 0 (the leader) reads the inbox and broadcasts what it read over the
-    replica's tensor-parallel group, so every rank takes the same decisions at the
-    same decode step."""
+    replica's tensor-parallel group, with its decision whether to pause for an
+    announced version (OfferWait, on its own receiver's offers: the senders offer
+    every rank of the replica at once), so every rank takes the same decisions at
+    the same decode step."""
 
-    def __init__(self, link: Link, tp_size: int, leader: bool):
-        self.link, self.tp_size, self.leader = link, tp_size, leader
+    def __init__(self, link: Link, tp_size: int, leader: bool, offered: Callable[[int], bool], patience_s: float):
+        self.link, self.tp_size, self.leader, self.offered = link, tp_size, leader, offered
         self.pending: deque = deque()
+        self.wait = OfferWait(patience_s)
 
-    def poll(self, block_s: float = 0.0) -> None:
-        new = []
+    def poll(self, block_s: float = 0.0, decide: bool = False) -> bool:
+        """Read what the inbox holds (waiting up to block_s for a first command);
+        with decide, return whether to pause for a version (OfferWait.pause), the
+        leader's decision on every rank."""
+        new, verdict = [], False
         if self.leader:
             first = self.link.get(block_s) if block_s > 0 else self.link.get_nowait()
             while first is not None:
                 new.append(first)
                 first = self.link.get_nowait()
+            if decide:
+                verdict = self.wait.pause([*self.pending, *new], time.monotonic(), self.offered)
         if self.tp_size > 1:
-            box = [new]
+            box = [(new, verdict)]
             dist.broadcast_object_list(box, src=0)
-            new = box[0]
+            new, verdict = box[0]
         self.pending.extend(new)
+        return verdict
 
     def weights_waiting(self) -> bool:
-        """Asked between decode steps: is a new version (or a stop) waiting?"""
-        self.poll()
-        return any(isinstance(command, (Receive, Stop)) for command in self.pending)
+        """Asked between decode steps: is a new version offered (or a stop) waiting?"""
+        return self.poll(decide=True)
 
 
 def make_generator(config: TrainConfig, data: RunData, store, secret: bytes, rank: int, incarnation: int, out_dir: str,
@@ -114,18 +156,15 @@ def update_weights(generator, command: Receive, timeout_s: float, tp: int) -> tu
 
 
 class GeneratorRank:
-    """Generator rank `rank` of all replicas': rank `tp_rank` of replica `replica`.
-    Its replica's rank 0, the leader, reads the commands and reports for it."""
+    """Rank `tp_rank` of a generator replica, serving `generator` (make_generator's)
+    with the controller's commands. The replica's rank 0, the leader, reads the
+    commands and reports for it."""
 
-    def __init__(self, link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str,
-                 children: dict[int, int]):
-        self.link, self.config = link, config
+    def __init__(self, link: Link, config: TrainConfig, generator, tp_rank: int):
+        self.link, self.config, self.generator = link, config, generator
         self.tp = config.generator.processes
-        replica, tp_rank = divmod(rank, self.tp)
-        self.generator = make_generator(config, RunData(config), store, link.secret, tp_rank, incarnation, out_dir,
-                                        replica, children)
         self.leader = tp_rank == 0
-        self.feed = CommandFeed(link, self.tp, self.leader)
+        self.feed = CommandFeed(link, self.tp, self.leader, generator.weights_offered, config.sync.timeout_s)
         self.busy = 0.0  # generating seconds not reported yet
         self.handlers = {Prompts: self.prompts, Relay: self.relay, Receive: self.receive}
 
@@ -134,6 +173,8 @@ class GeneratorRank:
         self.link.ready()
         while True:
             while self.feed.pending:
+                if self._sampling_on() and not self.feed.weights_waiting():
+                    break  # the version is announced, not offered yet: sample on (OfferWait)
                 command = self.feed.pending.popleft()
                 if isinstance(command, Stop):
                     return
@@ -149,6 +190,12 @@ class GeneratorRank:
             if done and self.leader:
                 self.link.send(Samples(samples=done, busy=self.busy))
                 self.busy = 0.0
+
+    def _sampling_on(self) -> bool:
+        """Whether a Receive heads the commands while this replica has samples to go
+        on with (and weights to sample them with): it is taken once offered."""
+        return (isinstance(self.feed.pending[0], Receive) and self.generator.version is not None
+                and self.generator.busy)
 
     def prompts(self, command: Prompts) -> None:
         self.generator.submit([Sample(group, ids) for group, ids in command.groups
@@ -180,15 +227,15 @@ class GeneratorRank:
             if self.leader:
                 link.send(Samples(samples=done, busy=0.0))
 
-    def close(self) -> None:
-        self.generator.close()
-
 
 def run_generator(link: Link, config: TrainConfig, store, rank: int, incarnation: int, out_dir: str,
                   children: dict[int, int]) -> None:
-    """Run generator rank `rank` until the controller says stop."""
-    executor = GeneratorRank(link, config, store, rank, incarnation, out_dir, children)
+    """Run generator rank `rank` of all replicas' (rank `rank % tp` of replica
+    `rank // tp`) until the controller says stop."""
+    replica, tp_rank = divmod(rank, config.generator.processes)
+    generator = make_generator(config, RunData(config), store, link.secret, tp_rank, incarnation, out_dir, replica,
+                               children)
     try:
-        executor.run()
+        GeneratorRank(link, config, generator, tp_rank).run()
     finally:
-        executor.close()
+        generator.close()
