@@ -7,6 +7,7 @@ offered, and pausing once it is."""
 import datetime
 import random
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from llamarl_core.control.auth import new_secret
 from llamarl_core.models.sharded import init_random
 from llamarl_core.pipeline.config import TrainConfig
 from llamarl_core.pipeline.data import RunData
-from llamarl_core.pipeline.executors.generator import GeneratorRank, OfferWait
+from llamarl_core.pipeline.executors.generator import SAMPLE, STOP, TAKE, GeneratorRank, OfferWait
 from llamarl_core.pipeline.executors.link import EVENTS, GENERATOR, Link, inbox_name, sync_name_of
 from llamarl_core.pipeline.executors.trainer import trainer_model
 from llamarl_core.pipeline.generators import LlamaGeneratorBackend
@@ -33,11 +34,13 @@ def _receive(version: int, attempt: int = 1) -> Receive:
 
 
 def test_offer_wait_over_random_orders_of_commands_offers_and_clocks():
-    """Pauses at once for a Stop anywhere in the queue; never without a Receive
-    (and then forgets the clock); for the first Receive waiting: once offered that
-    version (asked only for it), or once `patience_s` has passed since that
-    Receive (version and attempt) was first seen, the clock restarting for another."""
+    """Without a Receive: take the commands if a Stop waits, else sample on (and
+    forget the clock). With one, for the first Receive waiting (asked of its offer
+    alone): take it once offered; else stop if a Stop waits; else take it once
+    `patience_s` has passed since that Receive (version and attempt) was first
+    seen, the clock restarting for another; else sample on."""
     rng = random.Random(41)
+    verdicts = set()
     for _ in range(300):
         patience = rng.choice([0.5, 1.0, 3.0])
         wait = OfferWait(patience)
@@ -53,22 +56,26 @@ def test_offer_wait_over_random_orders_of_commands_offers_and_clocks():
                 asked.append(version)
                 return offer is not None and offer >= version
 
-            got = wait.pause(commands, now, offered)
+            got = wait.decide(commands, now, offered)
+            verdicts.add(got)
             receives = [c for c in commands if isinstance(c, Receive)]
-            if any(isinstance(c, Stop) for c in commands):
-                assert got and not asked
-                continue
+            stop = any(isinstance(c, Stop) for c in commands)
             if not receives:
-                assert not got and not asked
+                assert got == (TAKE if stop else SAMPLE) and not asked
                 first_seen.clear()
                 continue
             key = (receives[0].version, receives[0].attempt)
             if key not in first_seen:
                 first_seen.clear()
                 first_seen[key] = now
-            timed_out = now - first_seen[key] >= patience
-            assert got == (timed_out or offer is not None and offer >= key[0])
-            assert asked == ([] if timed_out else [key[0]])
+            assert asked == [key[0]]
+            if offer is not None and offer >= key[0]:
+                assert got == TAKE
+            elif stop:
+                assert got == STOP
+            else:
+                assert got == (TAKE if now - first_seen[key] >= patience else SAMPLE)
+    assert verdicts == {SAMPLE, TAKE, STOP}
 
 
 def test_offer_wait_refuses_a_patience_that_is_not_positive():
@@ -92,7 +99,8 @@ def test_the_executor_samples_on_until_an_announced_version_is_offered_then_take
     that version the replica samples every prompt to its end with the weights it
     holds, and takes the version once it has nothing to sample (before, it paused
     at once and sampled nothing until the trainer sent). A version announced and
-    offered while it samples is taken between two decode steps."""
+    offered while it samples is taken between two decode steps. A Stop behind a
+    version never offered stops it at once."""
     config = TrainConfig()
     data = RunData(config)
     secret, name = new_secret(), sync_name_of(1)
@@ -110,6 +118,22 @@ def test_the_executor_samples_on_until_an_announced_version_is_offered_then_take
                                                        num_threads=1, secret=secret))
     assert not any(isinstance(m, Exception) for m in made), made
     backend, sender = made
+    # Version 3 is sent once the replica has asked for it a few times (each decode step
+    # asks), and the replica held in that ask until the offer shows: so the version lands
+    # mid-way through the samples, however slow this machine runs.
+    offered, asks = backend.weights_offered, []
+
+    def offered_after_a_few_steps(version: int) -> bool:
+        asks.append(version)
+        if version == 3 and asks.count(3) == 5:
+            asks.append(sender.send(3, wait=False))
+            deadline = time.monotonic() + 30
+            while not offered(3):
+                assert time.monotonic() < deadline, "version 3 was not offered within 30 s"
+                time.sleep(0.01)
+        return offered(version)
+
+    backend.weights_offered = offered_after_a_few_steps
     inbox = inbox_name(GENERATOR, 0, 1)
     link = Link(store_client(store), GENERATOR, 0, 1, inbox, timeout_s=60, secret=secret)
     commands, events = StoreQueue(store_client(store), inbox, secret), StoreQueue(store_client(store), EVENTS, secret)
@@ -135,17 +159,27 @@ def test_the_executor_samples_on_until_an_announced_version_is_offered_then_take
         assert _events_until(events, Received)[-1].version == 2
 
         commands.put(prompts)
-        commands.put(_receive(3))
-        handle = sender.send(3, wait=False)  # offered while the replica samples with version 2
+        commands.put(_receive(3))  # offered while the replica samples with version 2
         reports = []
         while sum(len(r.samples) for r in reports if isinstance(r, Samples)) < 4 * config.run.samples_per_prompt:
             reports += _events_until(events, Samples)
+        handle = asks[asks.index(3) + 5]
         assert handle.wait(timeout=30) > 0
         assert [r.version for r in reports if isinstance(r, Received)] == [3]
         samples = [x for r in reports if isinstance(r, Samples) for x in r.samples]
         # Taken between two decode steps, the samples going on with it (partial rollouts).
         for x in samples:
-            assert 3 in x.versions and x.versions == sorted(x.versions) and set(x.versions) <= {2, 3}, x.versions
+            assert x.versions[0] == 2 and x.versions[-1] == 3 and x.versions == sorted(x.versions), x.versions
+
+        # The run stops (on an error) with a version announced that the trainer never
+        # offers: the replica stops at once, not after a receive's timeout (20 s).
+        commands.put(prompts)
+        commands.put(_receive(4))
+        commands.put(Stop())
+        start = time.monotonic()
+        thread.join(30)
+        assert not thread.is_alive() and time.monotonic() - start < 5
+        assert 4 in asks
     finally:
         commands.put(Stop())
         thread.join(30)

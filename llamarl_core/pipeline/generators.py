@@ -82,13 +82,15 @@ class Generator(ABC):
 
     def weights_offered(self, version: int) -> bool:
         """Asked between decode steps while `version` is announced and samples are
-        in flight: True once the trainer offers it, when the executor pauses and
-        calls update_weights(); until then generation goes on (the trainer's work
-        before its offer, such as a delta's scans, runs beside it). A few Store
-        requests at most; a failure the receiver would report returns True (the
-        update reports it). The default, True: pause as soon as it is announced
+        in flight (or a stop waits behind it): True once the trainer offers it,
+        when the executor pauses and calls update_weights(); until then generation
+        goes on (the trainer's work before its offer, such as a delta's scans, runs
+        beside it). A few Store requests at most; a failure the receiver would
+        report (SyncError from `pending()`) returns True, not raised: the update
+        reports it. The default, True: pause as soon as it is announced
         (a receiver's `pending()` tells the offer: ours asks it). The executor
-        pauses anyway after the sync's timeout without an offer."""
+        pauses anyway after half the sync's timeout without an offer, and stops
+        without the version where the run stops before it is offered."""
         return True
 
     def evaluate(self, samples: list[Sample]) -> list[Sample]:

@@ -21,16 +21,26 @@ from .link import GENERATOR, INBOX_POLL_S, Link, dispatch, sync_name_of
 from .resources import ALL_CORES, process_group
 
 
+# OfferWait's verdicts.
+SAMPLE = "sample"  # sample on: no version (or stop) is to be acted on yet
+TAKE = "take"  # take the commands waiting, in order (a Receive: pause and receive it)
+STOP = "stop"  # stop now: a Stop waits behind a version the trainer has not offered
+
+
 class OfferWait:
     """When a generator replica pauses for a version the controller announced (a
     Receive): once the trainer's senders offer it (`offered(version)`: the
     receiver's pending(), asked by the replica's leader), not as soon as it is
     announced, so that a sender's work before its offer (the scans of a delta,
     stream.prescan) runs beside generation and the pause holds the transfer alone;
-    at once for a Stop; and after `patience_s` without an offer of that version
-    (its receive then waits, and times out, as any receive does). A pure
-    decision: the caller asks it with the commands waiting, in order, and the
-    time; the clock starts when a Receive (version and attempt) is first seen."""
+    and after `patience_s` without an offer of that version (its receive then
+    waits, and times out, as any receive does: the executor's patience is half the
+    sync's timeout, so that a receive it starts then still meets the senders'
+    deadline). A Stop is taken at once, and stops the replica at once where a
+    version not offered is waiting before it (the run is ending on an error: the
+    controller stops only once every sync has landed). A pure decision: the caller
+    asks it with the commands waiting, in order, and the time; the clock starts
+    when a Receive (version and attempt) is first seen."""
 
     def __init__(self, patience_s: float):
         if not patience_s > 0:
@@ -38,47 +48,49 @@ class OfferWait:
         self.patience_s = patience_s
         self._seen: tuple[tuple[int, int], float] | None = None  # ((version, attempt), first seen)
 
-    def pause(self, commands, now: float, offered: Callable[[int], bool]) -> bool:
-        """Whether to pause now (end the segment; take the commands up to and
-        including the first Receive). `offered` is called only for the first
-        Receive waiting, and only before its patience has run out."""
-        if any(isinstance(command, Stop) for command in commands):
-            return True
+    def decide(self, commands, now: float, offered: Callable[[int], bool]) -> str:
+        """SAMPLE, TAKE or STOP (above). `offered` is called for the first Receive
+        waiting alone."""
+        stop = any(isinstance(command, Stop) for command in commands)
         receive = next((command for command in commands if isinstance(command, Receive)), None)
         if receive is None:
             self._seen = None
-            return False
+            return TAKE if stop else SAMPLE
         key = (receive.version, receive.attempt)
         if self._seen is None or self._seen[0] != key:
             self._seen = (key, now)
-        return now - self._seen[1] >= self.patience_s or offered(receive.version)
+        if offered(receive.version):
+            return TAKE
+        if stop:
+            return STOP
+        return TAKE if now - self._seen[1] >= self.patience_s else SAMPLE
 
 
 class CommandFeed:
     """A replica's generator ranks' shared view of the controller's commands: its
     rank 0 (the leader) reads the inbox and broadcasts what it read over the
-    replica's tensor-parallel group, with its decision whether to pause for an
-    announced version (OfferWait, on its own receiver's offers: the senders offer
-    every rank of the replica at once), so every rank takes the same decisions at
-    the same decode step."""
+    replica's tensor-parallel group, with its OfferWait verdict where asked for one
+    (on its own receiver's offers, standing for the replica's: a version's senders
+    offer each of its ranks as soon as they have prepared it), so every rank takes
+    the same decisions at the same decode step."""
 
     def __init__(self, link: Link, tp_size: int, leader: bool, offered: Callable[[int], bool], patience_s: float):
         self.link, self.tp_size, self.leader, self.offered = link, tp_size, leader, offered
         self.pending: deque = deque()
         self.wait = OfferWait(patience_s)
 
-    def poll(self, block_s: float = 0.0, decide: bool = False) -> bool:
+    def poll(self, block_s: float = 0.0, decide: bool = False) -> str | None:
         """Read what the inbox holds (waiting up to block_s for a first command);
-        with decide, return whether to pause for a version (OfferWait.pause), the
-        leader's decision on every rank."""
-        new, verdict = [], False
+        with decide, return the leader's OfferWait verdict on the commands then
+        waiting, the same on every rank (None without decide)."""
+        new, verdict = [], None
         if self.leader:
             first = self.link.get(block_s) if block_s > 0 else self.link.get_nowait()
             while first is not None:
                 new.append(first)
                 first = self.link.get_nowait()
             if decide:
-                verdict = self.wait.pause([*self.pending, *new], time.monotonic(), self.offered)
+                verdict = self.wait.decide([*self.pending, *new], time.monotonic(), self.offered)
         if self.tp_size > 1:
             box = [(new, verdict)]
             dist.broadcast_object_list(box, src=0)
@@ -87,8 +99,8 @@ class CommandFeed:
         return verdict
 
     def weights_waiting(self) -> bool:
-        """Asked between decode steps: is a new version offered (or a stop) waiting?"""
-        return self.poll(decide=True)
+        """Asked between decode steps: is an offered version, or a stop, waiting?"""
+        return self.poll(decide=True) != SAMPLE
 
 
 def make_generator(config: TrainConfig, data: RunData, store, secret: bytes, rank: int, incarnation: int, out_dir: str,
@@ -164,7 +176,7 @@ class GeneratorRank:
         self.link, self.config, self.generator = link, config, generator
         self.tp = config.generator.processes
         self.leader = tp_rank == 0
-        self.feed = CommandFeed(link, self.tp, self.leader, generator.weights_offered, config.sync.timeout_s)
+        self.feed = CommandFeed(link, self.tp, self.leader, generator.weights_offered, config.sync.timeout_s / 2)
         self.busy = 0.0  # generating seconds not reported yet
         self.handlers = {Prompts: self.prompts, Relay: self.relay, Receive: self.receive}
 
@@ -173,8 +185,12 @@ class GeneratorRank:
         self.link.ready()
         while True:
             while self.feed.pending:
-                if self._sampling_on() and not self.feed.weights_waiting():
-                    break  # the version is announced, not offered yet: sample on (OfferWait)
+                if self._offer_matters():
+                    verdict = self.feed.poll(decide=True)
+                    if verdict == STOP:
+                        return
+                    if verdict == SAMPLE:
+                        break  # the version is announced, not offered yet: sample on
                 command = self.feed.pending.popleft()
                 if isinstance(command, Stop):
                     return
@@ -191,11 +207,14 @@ class GeneratorRank:
                 self.link.send(Samples(samples=done, busy=self.busy))
                 self.busy = 0.0
 
-    def _sampling_on(self) -> bool:
-        """Whether a Receive heads the commands while this replica has samples to go
-        on with (and weights to sample them with): it is taken once offered."""
-        return (isinstance(self.feed.pending[0], Receive) and self.generator.version is not None
-                and self.generator.busy)
+    def _offer_matters(self) -> bool:
+        """Whether the Receive heading the commands waits for its offer (OfferWait):
+        while this replica has samples to go on with (and weights to sample them
+        with), or a Stop waits behind it. An idle replica waits in the receive."""
+        pending = self.feed.pending
+        return isinstance(pending[0], Receive) and (
+            self.generator.version is not None and self.generator.busy
+            or any(isinstance(command, Stop) for command in pending))
 
     def prompts(self, command: Prompts) -> None:
         self.generator.submit([Sample(group, ids) for group, ids in command.groups
