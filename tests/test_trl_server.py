@@ -295,6 +295,8 @@ def test_deltas_into_the_server_point_to_point(server):
         transfer.destroy()
     with pytest.raises(ValueError, match="delta must be True or False"):
         DdmaWeightTransfer(url, delta="yes")
+    with pytest.raises(ValueError, match="transport must be 'auto' or one of .*, got 'nccl'"):
+        DdmaWeightTransfer(url, transport="nccl")
     with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds, at most 9.223e.09, got nan"):
         DdmaWeightTransfer(url, timeout_s=float("nan"))
 

@@ -52,7 +52,8 @@ LONG_PROMPT = [1] + [(7 * i) % 990 + 3 for i in range(69)]
 
 
 def test_init_info_names_a_replica_outside_its_sync():
-    """ddma_init_info's replica arguments checked before an engine sees them."""
+    """ddma_init_info's replica, timeout and transport arguments checked before an
+    engine sees them."""
     from llamarl_core.integrations.vllm import ddma_init_info
     from llamarl_core.sync import ParamSpec
 
@@ -67,6 +68,8 @@ def test_init_info_names_a_replica_outside_its_sync():
         with pytest.raises(ValueError, match=f"timeout_s must be a positive number of seconds, at most 9.223e.09, "
                                              f"got {bad!r}"):
             ddma_init_info("127.0.0.1", 1234, layout, timeout_s=bad)
+    with pytest.raises(ValueError, match="transport must be 'auto' or one of .*, got 'rdma'"):
+        ddma_init_info("127.0.0.1", 1234, layout, transport="rdma")
 
 
 def engine_for(kind: str, tmp_path_factory):

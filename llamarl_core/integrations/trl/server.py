@@ -48,6 +48,7 @@ import torch.distributed as dist
 from ...control.auth import required_secret
 from ...sync import Layout, ParamSpec, SyncError, WeightSender
 from ...sync.protocol import check_timeout
+from ...sync.transports import check_transport_name
 from ..vllm import BACKEND, ddma_init_info
 from .pairing import register_while, send_while
 
@@ -123,6 +124,7 @@ class DdmaWeightTransfer:
         self.secret = required_secret(secret, "DdmaWeightTransfer")
         if not isinstance(delta, bool):
             raise ValueError(f"delta must be True or False, got {delta!r}")
+        check_transport_name(transport)  # here, not at the first sync (after a training step)
         self.transport = transport
         self.delta = delta
         self.version = 0

@@ -58,6 +58,7 @@ from ...control.auth import required_secret
 from ...sync.protocol import DEFAULT_TIMEOUT_S, check_timeout
 from ...sync.layout import Layout
 from ...sync.plan import check_replica
+from ...sync.transports import check_transport_name
 
 BACKEND = "llamarl_ddma"
 
@@ -75,6 +76,7 @@ def ddma_init_info(store_host: str, store_port: int, trainer_layout: Layout, *, 
     if not isinstance(trainer_layout, Layout):
         raise TypeError(f"trainer_layout must be a llamarl_core.sync.Layout, got {type(trainer_layout).__name__}")
     check_timeout(timeout_s, "timeout_s")
+    check_transport_name(transport)
     check_replica(replica, num_replicas)
     if secret is not None:
         secret = required_secret(secret, "ddma_init_info").hex()
