@@ -274,7 +274,9 @@ def test_async_grpo_trainer_with_the_ddma_backend(server, monkeypatch):
 def test_deltas_into_the_server_point_to_point(server):
     """DdmaWeightTransfer(delta=True) over p2p: after a whole first sync, a sync
     that changed three elements puts under a tenth of the bytes on the wire, and
-    the server computes with the trainer's weights after it."""
+    the server computes with the trainer's weights after it. TRL's pause() pauses
+    nothing by itself: send_weights pauses the server once its send has offered
+    the version (the delta scanned), before the update; resume() resumes it."""
     url, folder = server
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     transfer = DdmaWeightTransfer(url, transport="p2p", delta=True)
@@ -286,7 +288,24 @@ def test_deltas_into_the_server_point_to_point(server):
         assert first.full_receivers == 1 and first.delta_buckets == 0  # no base yet: whole
         with torch.no_grad():
             model.model.norm.weight[:3] += 0.5
+        # The routes called, each /pause checked against the send's handle (SyncTimeoutError unless offered).
+        routes, handles = [], []
+        call, send = transfer._call, transfer._sender.send
+        transfer._sender.send = lambda *args, **kwargs: handles.append(send(*args, **kwargs)) or handles[-1]
+
+        def spy(method, route, **kwargs):
+            if route == "/pause":
+                handles[-1].offered(timeout=1e-3)
+            routes.append(route)
+            return call(method, route, **kwargs)
+
+        transfer._call = spy
+        transfer.pause()
+        assert routes == []
         transfer.send_weights(model.named_parameters())
+        assert routes[:3] == ["/pause", "/start_weight_update", "/update_weights"], routes
+        transfer.resume()
+        assert routes[-1] == "/resume" and routes.count("/pause") == 1
         sent = transfer.last_send
         assert sent.changed == 3 and sent.wire_bytes < 0.1 * sent.full_bytes, sent
         ids = tokenizer()("hello=abc")["input_ids"]

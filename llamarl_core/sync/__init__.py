@@ -27,7 +27,8 @@ reference.py (the shards a sync must land, computed the slow way: test oracles),
 live.py (layouts of live modules: `fsdp_layout` of a model before sharding,
 `checkpoint_views`), layout.py and plan.py (fragments, segments: how a plan is
 made; `relay_tree`, which replica relays to which), protocol.py (the Store keys
-and the decisions on them; `abandon_receivers`, `DEFAULT_TIMEOUT_S`), probe.py
+and the decisions on them; `abandon_receivers`, `DEFAULT_TIMEOUT_S`, the
+checks of a timeout and a transport's name), probe.py
 (view probes: how an engine's weight loaders are read into a layout), errors.py.
 The rest are this package's own: endpoint.py (each side's set-up, register_sender and
 register_receiver, over shared steps),

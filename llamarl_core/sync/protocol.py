@@ -93,6 +93,17 @@ def check_timeout(value, name: str = "timeout", optional: bool = False) -> None:
                          f"got {value!r}")
 
 
+SHM, CUDA_IPC, P2P = "shm", "cuda_ipc", "p2p"  # how a sender and a receiver rank may pair (transports.py)
+TRANSPORTS = (SHM, CUDA_IPC, P2P)
+
+
+def check_transport_name(requested: str) -> None:
+    """Refuse, with ValueError naming `transport`, anything but "auto" or one of
+    TRANSPORTS (checked where the argument is given, before anything is set up)."""
+    if requested not in ("auto", *TRANSPORTS):
+        raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got {requested!r}")
+
+
 SRC, DST = "src", "dst"
 # Set by abandon_receivers: the reason under this key.
 ABANDONED = "abandoned"

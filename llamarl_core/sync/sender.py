@@ -38,9 +38,10 @@ class SendHandle:
     the send copies from them in place, and a change would tear the version the
     receivers get. version: the version this send moves."""
 
-    def __init__(self, version: int, future: Future):
+    def __init__(self, version: int, future: Future, offers_made: threading.Event):
         self.version = version
         self._future = future
+        self._offers_made = offers_made
 
     def done(self) -> bool:
         """Whether the send has ended (returned or raised); never blocks."""
@@ -58,6 +59,16 @@ class SendHandle:
         """The send's error once it has ended, None if it succeeded; `timeout` as in wait()."""
         self._wait(timeout)
         return self._future.exception()
+
+    def offered(self, timeout: float | None = None) -> None:
+        """Returns once the send has offered the version to every receiver (its
+        work before the offers done: FP8 quantization, a delta's scans on the host)
+        or has ended (wait() tells how). An engine that pauses its generation for
+        the receive can pause then: its pause holds the transfer alone. `timeout`
+        as in wait(); past it SyncTimeoutError, the send going on."""
+        check_timeout(timeout, optional=True)
+        if not self._offers_made.wait(timeout):
+            raise SyncTimeoutError(f"the send of version {self.version} has not offered it after {timeout} s")
 
     def _wait(self, timeout: float | None) -> None:
         check_timeout(timeout, optional=True)
@@ -149,6 +160,7 @@ class WeightSender(Endpoint):
         self._opened: dict[int, object] = {}  # receiver on this host -> its memory, mapped (closed by close())
         self._state = threading.Condition()  # guards _sending, _stop and _closed
         self._sending: int | None = None  # the version of the send running now
+        self._offers_made = threading.Event()  # set once the running send has offered its version, or ended
         self._stop: str | None = None  # why the running send must stop (close, abort)
         self._worker: ThreadPoolExecutor | None = None  # runs the sends started with wait=False
         self._send_stream: torch.cuda.Stream | None = None  # the worker's CUDA stream (see _run)
@@ -344,6 +356,7 @@ class WeightSender(Endpoint):
                 raise SyncError(f"sender rank {self.rank}: the send of version {self._sending} is still in flight; "
                                 "wait for it (its handle's wait()) before the next send")
             self._sending, self._stop = version, None
+            self._offers_made = threading.Event()
         try:
             if self._reported:
                 self.reports.clear()
@@ -363,7 +376,7 @@ class WeightSender(Endpoint):
                 ready.record(torch.cuda.current_stream(self.device))
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"llamarl-send-{self.rank}")
-            return SendHandle(version, self._worker.submit(self._run, version, deadline, ready))
+            return SendHandle(version, self._worker.submit(self._run, version, deadline, ready), self._offers_made)
         except BaseException as exc:  # nothing started: the next send may
             self._end_send(exc)
             raise
@@ -416,6 +429,7 @@ class WeightSender(Endpoint):
         # round by round would hold back behind the transfers of the rounds before.
         for dst in [*self._local_receivers, *self._p2p_peers]:
             self._offer(dst, version)
+        self._offers_made.set()
         written, started = 0, 0
         stats = SendStats(version)
         try:
@@ -538,6 +552,7 @@ class WeightSender(Endpoint):
             self._report_raised(exc)
         with self._state:
             self._sending = None
+            self._offers_made.set()
             self._state.notify_all()
 
     def _report(self, message: str) -> None:

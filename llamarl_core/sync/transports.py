@@ -33,9 +33,8 @@ import torch.distributed as dist
 
 from .._native import native, native_cuda
 from ..control.hosts import host_identity, process_identity
+from .protocol import CUDA_IPC, P2P, SHM, check_transport_name
 
-SHM, CUDA_IPC, P2P = "shm", "cuda_ipc", "p2p"
-TRANSPORTS = (SHM, CUDA_IPC, P2P)
 
 
 def device_info(device: torch.device, tensors: Mapping[str, torch.Tensor] | None = None) -> dict:
@@ -70,11 +69,6 @@ def cuda_ipc_error(tensors: Mapping[str, torch.Tensor], index: int) -> str | Non
                 "in the receiving process"
             )
     return None
-
-
-def check_transport_name(requested: str) -> None:
-    if requested not in ("auto", *TRANSPORTS):
-        raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got {requested!r}")
 
 
 def cuda_ipc_obstacle(senders: Sequence[dict], receivers: Sequence[dict], pairs) -> str | None:

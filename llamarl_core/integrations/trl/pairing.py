@@ -35,13 +35,20 @@ def register_while(make_sender: Callable[[], WeightSender], init_engine: Callabl
     return made["sender"]
 
 
-def send_while(sender: WeightSender, version: int, update_engine: Callable[[], None], timeout_s: float) -> None:
+def send_while(sender: WeightSender, version: int, update_engine: Callable[[], None], timeout_s: float,
+               pause_engine: Callable[[], None] | None = None) -> None:
     """Version `version` sent while `update_engine()` (the engine's start / update
     / finish) takes it; returns once every byte is copied (the optimizer may step
-    then). An error of `update_engine` aborts the send, waits for it to stop and
-    is raised: no copy is left running."""
+    then). pause_engine: where the engine's generation is to pause for the
+    update, called once the send has offered the version (SendHandle.offered:
+    what the sender does before, a delta's scans, runs while the engine
+    generates), before update_engine. An error of either aborts the send, waits
+    for it to stop and is raised: no copy is left running."""
     handle = sender.send(version, wait=False)
     try:
+        if pause_engine is not None:
+            handle.offered(timeout=timeout_s)
+            pause_engine()
         update_engine()
     except BaseException as exc:
         sender.abort(f"the engine's update failed: {type(exc).__name__}: {exc}")

@@ -47,8 +47,7 @@ import torch.distributed as dist
 
 from ...control.auth import required_secret
 from ...sync import Layout, ParamSpec, SyncError, WeightSender
-from ...sync.protocol import check_timeout
-from ...sync.transports import check_transport_name
+from ...sync.protocol import check_timeout, check_transport_name
 from ..vllm import BACKEND, ddma_init_info
 from .pairing import register_while, send_while
 
@@ -128,6 +127,7 @@ class DdmaWeightTransfer:
         self.transport = transport
         self.delta = delta
         self.version = 0
+        self._pause_due = self._paused = False  # pause() called; the server paused by send_weights
         self._store: dist.TCPStore | None = None
         self._server_dtype = ""
         self._sources: dict[str, torch.Tensor] | None = None  # the copy the sender sends from
@@ -182,11 +182,24 @@ class DdmaWeightTransfer:
                                         timeout=datetime.timedelta(seconds=self.timeout_s))
 
     def pause(self) -> None:
-        """Generation paused, requests in flight kept (they resume after the sync)."""
-        self._call("POST", "/pause", params={"mode": "keep"})
+        """Generation to pause, requests in flight kept (they resume after the
+        sync), for the send_weights that follows: paused there once this trainer
+        has copied the version TRL hands it and offered it to the server's workers
+        (with delta: once it has scanned what changed), so that the server
+        generates meanwhile and its pause holds the transfer alone. Nothing is
+        paused without a send_weights after it."""
+        self._pause_due = True
 
     def resume(self) -> None:
-        self._call("POST", "/resume")
+        """Generation resumed, where send_weights paused it."""
+        paused, self._paused, self._pause_due = self._paused, False, False
+        if paused:
+            self._call("POST", "/resume")
+
+    def _pause_now(self) -> None:
+        if self._pause_due and not self._paused:
+            self._call("POST", "/pause", params={"mode": "keep"})
+            self._paused = True
 
     def send_weights(self, iterator: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One version of the (name, whole tensor) pairs into the server's
@@ -196,6 +209,7 @@ class DdmaWeightTransfer:
             if self._store is None:  # a trainer that trains again after destroy()
                 self.init_weight_transfer()
             if self._sources is None:
+                self._pause_now()  # the workers' receivers are set up (an earlier trainer's shut down) paused
                 self._connect(pairs)
             else:
                 self._stage(pairs)
@@ -211,7 +225,7 @@ class DdmaWeightTransfer:
                                                                         "timeout_s": self.timeout_s}})
             self._call("POST", "/finish_weight_update", json={"weight_version": str(self.version)})
 
-        send_while(self._sender, self.version, update, self.timeout_s)
+        send_while(self._sender, self.version, update, self.timeout_s, pause_engine=self._pause_now)
         # The scheduler's prefix cache was computed under the last version. vLLM drops it only when no block is
         # held: requests kept across a pause (mode=keep) hold theirs, and go on under the new weights, as TRL's own
         # sync leaves them; their prefixes stay cached, which is said, never passed over.

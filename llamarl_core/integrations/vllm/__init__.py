@@ -55,10 +55,9 @@ drops it too). What each vLLM worker does is in `engine.py`.
 from __future__ import annotations
 
 from ...control.auth import required_secret
-from ...sync.protocol import DEFAULT_TIMEOUT_S, check_timeout
+from ...sync.protocol import DEFAULT_TIMEOUT_S, check_timeout, check_transport_name
 from ...sync.layout import Layout
 from ...sync.plan import check_replica
-from ...sync.transports import check_transport_name
 
 BACKEND = "llamarl_ddma"
 
