@@ -208,8 +208,9 @@ def test_a_point_to_point_timeout_ends_the_pair_and_the_errors_say_what_to_do(st
     pairs for good, and the timeout and every later receive say that the pair
     cannot be used again and to register anew (not only that a peer died). The
     sender's send of the next version may pass into its socket's buffers before
-    it reads the pair closed: when it fails, it says the same."""
-    (sender,), receiver = _pair(store, "timed-out", transport="p2p")
+    it reads the pair closed: when it fails (the pair closed, or its send timed
+    out on it: both seen here), it says the same."""
+    (sender,), receiver = _pair(store, "timed-out", transport="p2p", timeout=15)
     again = "a point-to-point pair cannot be used again: register every sender and receiver again under a new name"
     with pytest.raises(SyncTimeoutError, match=re.escape(f"did not complete in time ({again})")):
         receiver.receive(timeout=0.5)
@@ -218,7 +219,27 @@ def test_a_point_to_point_timeout_ends_the_pair_and_the_errors_say_what_to_do(st
         with pytest.raises(SyncError, match=re.escape(f"(a timeout closed this rank's pairs; {again})")):
             receiver.receive(timeout=10)
     error = handle.exception(timeout=30)
-    assert error is None or f"(a peer died, timed out or its connection broke; {again})" in str(error), error
+    assert error is None or isinstance(error, SyncError) and f"{again})" in str(error), error
+    sender.close()
+    receiver.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "p2p"])
+def test_a_handle_says_when_its_send_has_offered_the_version(store, transport):
+    """SendHandle.offered() returns once the send has offered its version (the
+    receiver's pending() shows it; over p2p with delta, after the sender's scans),
+    before the receive takes it; at once for a send that has ended. A bad timeout
+    is refused."""
+    (sender,), receiver = _pair(store, f"offered-{transport}", transport=transport, delta=transport == "p2p")
+    for version in (1, 2):  # p2p: the second a delta against the first
+        handle = sender.send(version, wait=False)
+        handle.offered(timeout=10)
+        assert receiver.pending() == version
+        assert receiver.receive(timeout=10) == version and handle.wait(timeout=10) >= 0
+        handle.offered(timeout=1e-3)  # ended: at once
+    assert mismatches(_expected(1, 0, 1), receiver.weights()) == []
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        handle.offered(timeout=float("nan"))
     sender.close()
     receiver.close()
 
