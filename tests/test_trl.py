@@ -607,3 +607,42 @@ def test_what_the_colocated_sync_does_not_serve_is_named(monkeypatch):
                                     num_attention_heads=4, vocab_size=64, dtype="float16")
     assert "a float16 checkpoint trained in float32" in colocate_refusal("some/model", 1, 1, False, model_config=half)
     assert colocate_refusal("some/model", 1, 1, False, model_config=half, trainer_dtype="float16") is None
+
+
+def test_a_send_that_fails_before_its_offer_pauses_no_engine():
+    """pairing.send_while with a pause (DdmaWeightTransfer's): a send that fails
+    before it offers its version (a NaN for an FP8 destination) raises its own
+    error, naming the tensor; the engine is neither paused nor updated, and the
+    receiver keeps its weights."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from helpers import hf_state_dict, in_threads, small_config, store_client
+    from llamarl_core.integrations.trl.pairing import send_while
+    from llamarl_core.sync import SyncError, WeightReceiver, WeightSender
+    from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
+    from llamarl_core.sync.reference import reference_fsdp_shards
+    from sync_checks import poisoned_destination
+
+    config = small_config("llama_gqa_bias")
+    state = hf_state_dict(config, 22)
+    state["model.layers.0.mlp.up_proj.weight"][1, 2] = float("nan")
+    src, dst = hf_llama_fsdp(config, 1, torch.float32), vllm_llama_tp(config, 1, torch.bfloat16, fp8="tensor")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60))
+    params = poisoned_destination(dst, 0)
+    before = {n: t.clone() for n, t in params.items()}
+    receiver, sender = in_threads(
+        lambda: WeightReceiver(store_client(store), dst, 0, params, name="early", timeout=30),
+        lambda: WeightSender(store_client(store), src, 0, reference_fsdp_shards(state, 1, torch.float32)[0],
+                             name="early", timeout=30))
+    engine = []
+    try:
+        with pytest.raises(SyncError, match=r"source 'model\.layers\.0\.mlp\.up_proj\.weight' .*contains NaN or inf"):
+            send_while(sender, 1, lambda: engine.append("update"), 30, pause_engine=lambda: engine.append("pause"))
+        assert engine == []
+        assert all(torch.equal(t.reshape(-1).view(torch.uint8), params[n].reshape(-1).view(torch.uint8))
+                   for n, t in before.items())
+    finally:
+        sender.close()
+        receiver.close()

@@ -22,7 +22,8 @@ from .errors import SyncError, SyncTimeoutError
 from .layout import Layout, check_exchanged_dtypes, check_int
 from .plan import Segment, TransferPlan, bipartite_rounds, plan_transfer
 from .protocol import DST, P2P_WIRE_FORMAT, SRC, Channel, SenderWatch, check_timeout
-from .transports import P2P, check_transport_name, choose_transports, device_info, make_process_group
+from .protocol import P2P, check_transport_name
+from .transports import choose_transports, device_info, make_process_group
 
 
 @dataclasses.dataclass
@@ -247,7 +248,8 @@ class Endpoint:
         remaining = deadline - time.monotonic()
         try:
             if remaining <= 0 or not work.wait(datetime.timedelta(seconds=remaining)):
-                raise SyncTimeoutError(f"{what} did not complete in time")
+                # The op stays posted on the pair: what the next one would read is not its own.
+                raise SyncTimeoutError(f"{what} did not complete in time ({P2P_AGAIN})")
         except RuntimeError as exc:
             if isinstance(exc, SyncError):
                 raise
@@ -278,18 +280,20 @@ class Endpoint:
         self.close()
 
 
+P2P_AGAIN = "a point-to-point pair cannot be used again: register every sender and receiver again under a new name"
+
+
 def p2p_failure(what: str, exc: RuntimeError) -> SyncError:
     """The sync's error for a failed point-to-point op: gloo reports its own timeouts
     as RuntimeError ("Timed out waiting ..."), which is a SyncTimeoutError here.
     Once an op timed out gloo closes the rank's pairs for good (the peer reads it
     as a connection closed): every later op on them fails, and the error says what
     to do."""
-    again = "a point-to-point pair cannot be used again: register every sender and receiver again under a new name"
     if "Timed out" in str(exc):
-        return SyncTimeoutError(f"{what} did not complete in time ({again}): {exc}")
+        return SyncTimeoutError(f"{what} did not complete in time ({P2P_AGAIN}): {exc}")
     cause = ("a timeout closed this rank's pairs" if "timeout caused pair closure" in str(exc)
              else "a peer died, timed out or its connection broke")
-    return SyncError(f"{what} failed ({cause}; {again}): {exc}")
+    return SyncError(f"{what} failed ({cause}; {P2P_AGAIN}): {exc}")
 
 
 def written_runs(segments: list[Segment]) -> dict[str, np.ndarray] | None:

@@ -356,7 +356,7 @@ class WeightSender(Endpoint):
                 raise SyncError(f"sender rank {self.rank}: the send of version {self._sending} is still in flight; "
                                 "wait for it (its handle's wait()) before the next send")
             self._sending, self._stop = version, None
-            self._offers_made = threading.Event()
+            offers_made = self._offers_made = threading.Event()
         try:
             if self._reported:
                 self.reports.clear()
@@ -376,7 +376,7 @@ class WeightSender(Endpoint):
                 ready.record(torch.cuda.current_stream(self.device))
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"llamarl-send-{self.rank}")
-            return SendHandle(version, self._worker.submit(self._run, version, deadline, ready), self._offers_made)
+            return SendHandle(version, self._worker.submit(self._run, version, deadline, ready), offers_made)
         except BaseException as exc:  # nothing started: the next send may
             self._end_send(exc)
             raise

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from ...sync import SyncError, WeightSender
+from ...sync import SendHandle, SyncError, WeightSender
 
 
 def register_while(make_sender: Callable[[], WeightSender], init_engine: Callable[[], None],
@@ -41,17 +41,31 @@ def send_while(sender: WeightSender, version: int, update_engine: Callable[[], N
     / finish) takes it; returns once every byte is copied (the optimizer may step
     then). pause_engine: where the engine's generation is to pause for the
     update, called once the send has offered the version (SendHandle.offered:
-    what the sender does before, a delta's scans, runs while the engine
-    generates), before update_engine. An error of either aborts the send, waits
-    for it to stop and is raised: no copy is left running."""
+    what the sender does before, a delta's scans on the host, runs while the
+    engine generates), before update_engine; a send that failed before then
+    raises its own error, the engine neither paused nor updated. An error of
+    either aborts the send, waits for it to stop and is raised: no copy is left
+    running."""
     handle = sender.send(version, wait=False)
+    if pause_engine is not None:
+        try:
+            handle.offered(timeout=timeout_s)
+        except BaseException as exc:  # not offered in time
+            _stop(sender, handle, "the send did not offer its version in time", exc, timeout_s)
+            raise
+        if handle.done():
+            handle.wait()  # raises the send's error (its receivers told of it); a send already over returns
     try:
         if pause_engine is not None:
-            handle.offered(timeout=timeout_s)
             pause_engine()
         update_engine()
     except BaseException as exc:
-        sender.abort(f"the engine's update failed: {type(exc).__name__}: {exc}")
-        handle.exception(timeout=timeout_s)
+        _stop(sender, handle, "the engine's update failed", exc, timeout_s)
         raise
     handle.wait(timeout=timeout_s)
+
+
+def _stop(sender: WeightSender, handle: SendHandle, why: str, exc: BaseException, timeout_s: float) -> None:
+    """The send aborted (`why`, for `exc`), once it has stopped."""
+    sender.abort(f"{why}: {type(exc).__name__}: {exc}")
+    handle.exception(timeout=timeout_s)

@@ -185,16 +185,18 @@ class DdmaWeightTransfer:
         """Generation to pause, requests in flight kept (they resume after the
         sync), for the send_weights that follows: paused there once this trainer
         has copied the version TRL hands it and offered it to the server's workers
-        (with delta: once it has scanned what changed), so that the server
-        generates meanwhile and its pause holds the transfer alone. Nothing is
-        paused without a send_weights after it."""
+        (a CPU trainer with delta: once it has scanned what changed), so that the
+        server generates meanwhile and its pause holds the transfer alone (the
+        first sync pauses before it connects the workers). Nothing is paused
+        without a send_weights after it; a send that fails before its offer
+        raises its error with the server generating on."""
         self._pause_due = True
 
     def resume(self) -> None:
         """Generation resumed, where send_weights paused it."""
-        paused, self._paused, self._pause_due = self._paused, False, False
-        if paused:
+        if self._paused:
             self._call("POST", "/resume")
+        self._paused = self._pause_due = False
 
     def _pause_now(self) -> None:
         if self._pause_due and not self._paused:
@@ -240,6 +242,7 @@ class DdmaWeightTransfer:
         sender, self._sender = self._sender, None
         self._sources = None
         self._store = None
+        self._pause_due = self._paused = False  # a server left paused by a failed sync stays so (torn weights)
         if sender is None:
             return
         try:
