@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -415,6 +416,43 @@ def test_sync_while_requests_in_flight(store, tmp_path):
             expected = reference_logprobs(kind, states[version - 1], s.prompt, s.tokens, temperature)
             worst = max(abs(s.logprobs[i] - expected[i]) for i in at)
             assert worst <= LOGPROB_TOL, f"prompt {s.prompt}, version {version}: log-probs differ by {worst:.2e}"
+
+
+def _children() -> set[int]:
+    """The pids of this process's children (from /proc)."""
+    mine = str(os.getpid())
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[1] == mine:
+                    found.add(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_generator_that_cannot_reach_its_trainer_shuts_its_engine_down(store, tmp_path):
+    """VllmGenerator whose trainer never registers: connecting the engine to it
+    times out naming what it waited for, and by then the engine is shut down (no
+    process of it left) and its temporary folder removed (about 15 s here)."""
+    import tempfile
+
+    from llamarl_core.integrations.vllm.generator import VllmGenerator
+
+    children = _children()
+    folders = set(os.listdir(tempfile.gettempdir()))
+    # vLLM passes the worker's SyncTimeoutError on as an Exception quoting it.
+    with pytest.raises(Exception, match=re.escape("timed out waiting for both sides' layouts: no word from sender "
+                                                  "rank 0")):
+        VllmGenerator(tiny_config("llama"), tp=1, store_port=store.port, secret=auth.secret_from_env(),
+                      sync_name="nobody", trainer_world=1, timeout_s=3, max_new_tokens=8, temperature=1.0,
+                      eos_token_id=2, seed=0, recompute_kv=True, model_dir=tmp_path / "model", cpus=None)
+    deadline = time.monotonic() + 10  # a child may take a moment to be reaped
+    while _children() - children and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _children() - children, f"processes of the engine left: {_children() - children}"
+    assert not [f for f in set(os.listdir(tempfile.gettempdir())) - folders if f.startswith("llamarl-vllm-")]
 
 
 def test_train_qwen3_moe_with_vllm_generator(tmp_path):
