@@ -21,8 +21,7 @@ from .engine import DEFAULT_COPY_TIMEOUT_S, check_local_tensors, tensors_device
 from .errors import SyncError, SyncTimeoutError
 from .layout import Layout, check_exchanged_dtypes, check_int
 from .plan import Segment, TransferPlan, bipartite_rounds, plan_transfer
-from .protocol import DST, P2P_WIRE_FORMAT, SRC, Channel, SenderWatch, check_timeout
-from .protocol import P2P, check_transport_name
+from .protocol import DST, P2P, P2P_WIRE_FORMAT, SRC, Channel, SenderWatch, check_timeout, check_transport_name
 from .transports import choose_transports, device_info, make_process_group
 
 
