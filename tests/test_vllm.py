@@ -432,27 +432,73 @@ def _children() -> set[int]:
     return found
 
 
-def test_a_generator_that_cannot_reach_its_trainer_shuts_its_engine_down(store, tmp_path):
-    """VllmGenerator whose trainer never registers: connecting the engine to it
-    times out naming what it waited for, and by then the engine is shut down (no
-    process of it left) and its temporary folder removed (about 15 s here)."""
+def _fails_and_leaves_nothing(store, tmp_path, match: str, timeout_s: float, while_connecting=None) -> None:
+    """Start a VllmGenerator whose trainer never registers (`while_connecting`, if
+    given, called with the engine's pids once the engine waits for the trainer):
+    it raises matching `match`, and by then the engine's processes have ended and
+    been collected (not one child of this process left, zombies included) and its
+    temporary folder is removed."""
     import tempfile
+    import threading
 
     from llamarl_core.integrations.vllm.generator import VllmGenerator
 
     children = _children()
     folders = set(os.listdir(tempfile.gettempdir()))
-    # vLLM passes the worker's SyncTimeoutError on as an Exception quoting it.
-    with pytest.raises(Exception, match=re.escape("timed out waiting for both sides' layouts: no word from sender "
-                                                  "rank 0")):
-        VllmGenerator(tiny_config("llama"), tp=1, store_port=store.port, secret=auth.secret_from_env(),
-                      sync_name="nobody", trainer_world=1, timeout_s=3, max_new_tokens=8, temperature=1.0,
-                      eos_token_id=2, seed=0, recompute_kv=True, model_dir=tmp_path / "model", cpus=None)
-    deadline = time.monotonic() + 10  # a child may take a moment to be reaped
-    while _children() - children and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _children() - children, f"processes of the engine left: {_children() - children}"
+    name = f"nobody-{time.monotonic_ns()}"
+    done = threading.Event()
+
+    sync_keys = dist.PrefixStore(f"llamarl/sync/{name}/", store)  # as the sync's Channel keys them
+
+    def watch():  # the engine waits for the trainer once its receiver has posted its layout
+        while not done.wait(0.05):
+            if sync_keys.check(["dst/layout"]):
+                while_connecting(_children() - children)
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    if while_connecting is not None:
+        watcher.start()
+    try:
+        with pytest.raises(Exception, match=match):
+            VllmGenerator(tiny_config("llama"), tp=1, store_port=store.port, secret=auth.secret_from_env(),
+                          sync_name=name, trainer_world=1, timeout_s=timeout_s, max_new_tokens=8, temperature=1.0,
+                          eos_token_id=2, seed=0, recompute_kv=True, model_dir=tmp_path / "model", cpus=None)
+    finally:
+        done.set()
+        if watcher.is_alive():
+            watcher.join(5)
+    left = {pid: open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] for pid in _children() - children}
+    assert not left, f"processes of the engine left (pid: state): {left}"
     assert not [f for f in set(os.listdir(tempfile.gettempdir())) - folders if f.startswith("llamarl-vllm-")]
+
+
+def test_a_generator_that_cannot_reach_its_trainer_shuts_its_engine_down(store, tmp_path):
+    """VllmGenerator whose trainer never registers: connecting the engine to it
+    times out naming what it waited for, and by then the engine is shut down and
+    its temporary folder removed (about 15 s here)."""
+    # vLLM passes the worker's SyncTimeoutError on as an Exception quoting it.
+    _fails_and_leaves_nothing(store, tmp_path, re.escape("timed out waiting for both sides' layouts: no word from "
+                                                         "sender rank 0"), timeout_s=3)
+
+
+def test_a_generator_gives_up_on_a_stuck_engine_and_collects_its_process(store, tmp_path, monkeypatch):
+    """An engine that stops answering while it connects (SIGSTOP: it takes
+    SIGTERM only once killed): the generator gives up after the sync's timeout
+    plus its margin, and its engine process, which vLLM's shutdown kills after its
+    5 s grace without collecting it, is collected (no zombie; about 20 s here)."""
+    import signal
+
+    from llamarl_core.integrations.vllm import generator
+
+    monkeypatch.setattr(generator, "ENGINE_CALL_MARGIN_S", 1.0)
+
+    def stop(pids):
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+
+    _fails_and_leaves_nothing(store, tmp_path, "connecting the engine to the trainer did not finish within 6 s",
+                              timeout_s=5, while_connecting=stop)
 
 
 def test_train_qwen3_moe_with_vllm_generator(tmp_path):

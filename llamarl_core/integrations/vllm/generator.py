@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -40,6 +41,9 @@ POLL_S = 0.002
 # The engine's own calls around a sync (pause, resume, the RPCs) get this much
 # beyond the sync's timeout before the generator gives up on a stuck engine.
 ENGINE_CALL_MARGIN_S = 60.0
+# How long close() waits for an engine process that vLLM's shutdown has stopped, or
+# killed after its own grace, to end before it kills and collects it.
+REAP_S = 10.0
 
 
 def missing_vllm_message() -> str | None:
@@ -139,12 +143,14 @@ class VllmGenerator(Generator):
                                disable_log_stats=True,
                                weight_transfer_config=WeightTransferConfig(backend="llamarl_ddma"))
         self.temp_dir = tempfile.mkdtemp(prefix="llamarl-vllm-")
+        before = set(multiprocessing.active_children())
         try:
             with _engine_start_settings(self.temp_dir):
                 self.llm = AsyncLLM.from_engine_args(args)
         except BaseException:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             raise
+        self._processes = [p for p in multiprocessing.active_children() if p not in before]  # the engine's
         try:  # the engine runs: a failure from here on shuts it down and removes its folder
             with torch.device("meta"):  # the trainer's layout, read off its model's class (any family)
                 trainer_model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
@@ -260,9 +266,11 @@ class VllmGenerator(Generator):
         return {"tokens": tokens}
 
     def close(self) -> None:
-        """Cancel the requests, shut the engine down, and finish every task of the
-        loop (vLLM's output handler included): a task left pending keeps its ZeroMQ
-        sockets open, and the process then hangs at exit terminating their context."""
+        """Cancel the requests, shut the engine down, finish every task of the loop
+        (vLLM's output handler included: a task left pending keeps its ZeroMQ sockets
+        open, and the process then hangs at exit terminating their context), and
+        collect the engine's processes: vLLM's shutdown kills one that outlives its
+        grace (5 s) without collecting it, which would leave a zombie per engine."""
 
         async def cancel_all():
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -275,4 +283,10 @@ class VllmGenerator(Generator):
         self.loop.run_until_complete(cancel_all())
         self.llm = None  # its __del__ shuts down again: now, not at interpreter exit
         self.loop.close()
+        deadline = time.monotonic() + REAP_S
+        for process in self._processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(REAP_S)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
