@@ -41,6 +41,9 @@ BENCH_REPEATS = 3
 # Test processes pytest-xdist runs the gpu tests in, where it is installed (tests spread one by one:
 # by file, test_gpu.py's and test_pipeline.py's ran one after the other, 150 s on an H200).
 TEST_WORKERS = 6
+# Each gpu test's own limit (pytest-timeout, where installed): under the step's, so that a hang
+# fails its test with its stack printed and the others' results are kept.
+GPU_TEST_TIMEOUT_S = 150
 
 
 # Every step's name (--skip names them): the GPU plan's, in order, and the check without a GPU.
@@ -120,7 +123,8 @@ def build(ctx: Context) -> Step:
         tools = (f"import setuptools, shutil, sys; print('setuptools', setuptools.__version__, 'python', sys.version); "
                  f"print({{t: shutil.which(t, path={env['PATH']!r}) for t in ('make', 'ninja', 'cmake', 'nvcc')}})")
         run_command(ctx, "build tools", [ctx.python, "-c", tools], 30)
-        cmd = [ctx.python, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-e", str(ctx.root)]
+        cmd = [ctx.python, "-m", "pip", "install", "--disable-pip-version-check", "--no-build-isolation", "--no-deps",
+               "-e", str(ctx.root)]  # nothing from an index: the machine may have no network
         status, out = run_command(ctx, "build", cmd, timeout_s, env={**env, "CUDAARCHS": f"{ctx.arch}-real"})
         if status == 0:
             return Outcome(True, f"installed, llamarl_core._C built for sm_{ctx.arch} alone")
@@ -151,8 +155,10 @@ def cuda_backend(ctx: Context, needs: tuple[str, ...]) -> Step:
 def gpu_tests(ctx: Context, needs: tuple[str, ...]) -> Step:
     def run(timeout_s: float) -> Outcome:
         workers = ["-n", str(TEST_WORKERS), "--dist", "load"] if _has_module(ctx, "xdist") else []
+        # A hung test fails alone, its stack printed, before the step's own timeout ends the whole group.
+        limit = [f"--timeout={GPU_TEST_TIMEOUT_S}"] if _has_module(ctx, "pytest_timeout") else []
         cmd = [ctx.python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--durations=15", *workers,
-               str(ctx.tests)]
+               *limit, str(ctx.tests)]
         status, out = run_command(ctx, "gpu tests", cmd, timeout_s, cwd=ctx.tests.parent)
         summary = _PYTEST_SUMMARY.findall(out)
         line = summary[-1][0] if summary else "no pytest summary"
@@ -270,8 +276,10 @@ def memcheck(ctx: Context, needs: tuple[str, ...]) -> Step:
             return Outcome(False, "compute-sanitizer not found (PATH, beside nvcc, $CUDA_HOME/bin, "
                                   "/usr/local/cuda/bin)", skipped=True)
         test_file, test_name = SANITIZED_TEST
-        cmd = [sanitizer, "--tool", "memcheck", "--target-processes", "all", ctx.python, "-m", "pytest", "-q", "-p",
-               "no:cacheprovider", f"{ctx.tests / test_file}::{test_name}"]
+        # --error-exitcode: a rank process with an error exits 1 (its test fails) even where it ends by os._exit,
+        # which prints no summary.
+        cmd = [sanitizer, "--tool", "memcheck", "--target-processes", "all", "--error-exitcode", "1", ctx.python,
+               "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{ctx.tests / test_file}::{test_name}"]
         status, out = run_command(ctx, "memcheck", cmd, timeout_s, cwd=ctx.tests.parent)
         if "Device not supported" in out:
             return Outcome(False, "compute-sanitizer does not support this device here (\"Device not supported\")",
