@@ -145,7 +145,8 @@ def test_the_head_equals_a_float64_reference_and_trls_head(temperature):
 
 
 @pytest.mark.parametrize("override,named", [(dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
-                                            (dict(logits_scaling=4.0), "logits_scaling=4.0")])
+                                            (dict(logits_scaling=4.0), "logits_scaling=4.0"),
+                                            (dict(logits_mup_width_multiplier=2.0), "logits_mup_width_multiplier=2.0")])
 def test_a_logit_transform_the_head_does_not_apply_is_refused_at_construction(override, named):
     model = tiny_llama(0)
     for key, value in override.items():
@@ -216,6 +217,52 @@ def test_an_argument_trl_does_not_take_is_named_as_trl_names_it():
     for cls in (trl.GRPOTrainer, GRPOTrainer):
         with pytest.raises(TypeError, match=r"^GRPOTrainer.__init__\(\) got an unexpected keyword argument 'tokenizer'"):
             cls(model=tiny_llama(0), reward_funcs=length_reward, args=config("dapo"), tokenizer=tokenizer())
+
+
+def test_every_logit_transform_of_transformers_causal_lms_is_refused():
+    """Each config field by which a `*ForCausalLM.forward` of the installed
+    transformers scales or caps its logits, or the hidden states the lm-head
+    takes (`logits = logits / self.config.logits_scaling`, ...), is one the head
+    refuses: a family added with a field of its own fails here, not silently in a
+    user's run."""
+    import re
+
+    from llamarl_core.integrations.trl.head import _LOGIT_TRANSFORMS
+
+    models = Path(transformers.__file__).parent / "models"
+    scaled = re.compile(r"(?:logits|hidden_states)\s*=\s*[^=\n]*?[*/]\s*self\.(?:model\.)?config\.(?:text_config\.)?"
+                        r"(\w+)")
+    fields = {}
+    for path in models.glob("*/modeling_*.py"):
+        for match in re.finditer(r"\nclass \w+ForCausalLM\(.*?(?=\nclass |\Z)", path.read_text(), re.S):
+            for field in scaled.findall(match.group(0)):
+                fields.setdefault(field, path.parent.name)
+    assert {"final_logit_softcapping", "logits_scaling"} <= fields.keys(), fields  # the scan finds what it should
+    missed = {field: family for field, family in fields.items() if field not in _LOGIT_TRANSFORMS}
+    assert not missed, f"logit transforms the head does not refuse (field: a family using it): {missed}"
+
+
+def test_a_lora_adapter_on_the_lm_head_is_refused_and_modules_to_save_served():
+    """LoRA on lm_head (peft's layer reads .weight as the base layer's: the
+    adapter would be left out) is refused naming it; modules_to_save's trained
+    copy of the head is what the head scores with (against the model's own
+    logits in float64)."""
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(tiny_llama(0), peft.LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ValueError, match="a PEFT adapter on the lm-head .*reads its base weight alone"):
+        add_fused_lm_head(lora.get_base_model())
+    saved = peft.get_peft_model(tiny_llama(0), peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                                modules_to_save=["lm_head"]))
+    base = saved.get_base_model()
+    with torch.no_grad():  # the trained copy apart from the original head
+        base.lm_head.modules_to_save["default"].weight.normal_()
+    add_fused_lm_head(base)
+    ids = torch.randint(0, base.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = base(input_ids=ids, labels=ids, fused_lm_head=True).log_probs
+        logits = base(input_ids=ids).logits.double()
+    expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
 
 
 def test_an_lm_head_bias_and_unknown_outputs_are_refused():
@@ -433,8 +480,13 @@ def test_a_colocated_engine_computes_with_the_trainers_weights_after_ddma_syncs(
     log-probs of fixed sequences equal the model's within the engine's bf16 (the
     dtype vLLM picks on CPU for a float32 checkpoint, as TRL leaves it). The run
     logged TRL's metrics, vLLM's importance-sampling ones among them."""
+    from llamarl_core.integrations.trl.generation import engine_dtype
+
     generation = colocated.vllm_generation
     assert generation.version == 3 and len(colocated.state.log_history) >= 3
+    # GRPOTrainer's check before the engine is built reads the dtype the built engine holds.
+    checkpoint = transformers.AutoConfig.from_pretrained(colocated.model.name_or_path)
+    assert engine_dtype(checkpoint) == str(generation.llm.model_config.dtype).removeprefix("torch.") == "bfloat16"
     assert "sampling/importance_sampling_ratio/mean" in colocated.state.log_history[0]
     model = colocated.model.eval()
 
@@ -548,7 +600,7 @@ def test_what_the_colocated_sync_does_not_serve_is_named(monkeypatch):
     naming the reason), decided from the constructor's arguments."""
     from types import SimpleNamespace
 
-    from llamarl_core.integrations.trl.generation import colocate_refusal, sharding_of
+    from llamarl_core.integrations.trl.generation import colocate_refusal, engine_dtype, sharding_of
 
     for name in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "FSDP_OFFLOAD_PARAMS"):
         monkeypatch.delenv(name, raising=False)
@@ -596,8 +648,8 @@ def test_what_the_colocated_sync_does_not_serve_is_named(monkeypatch):
     wrapped = peft.get_peft_model(tiny_llama(0), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
     assert "use_dora" in colocate_refusal(wrapped, 1, 1, False)  # a PEFT model's own config
     assert "a PEFT model with FSDP2" in colocate_refusal("some/model", 2, 1, False, peft_config=lora, sharding="FSDP2")
-    # From the model's config: experts on a GPU (the engine writes them on CPU only); a float16
-    # checkpoint (vLLM holds float16) unless the trainer holds float16 too.
+    # From the model's config: experts on a GPU (the engine writes them on CPU only); a dtype vLLM
+    # holds the model in (its own resolution on this platform) that the trainer's cannot be cast to.
     moe = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=64, num_experts=4)
     assert "a model of 4 experts on cuda" in colocate_refusal("some/moe", 1, 1, False, model_config=moe,
@@ -605,8 +657,44 @@ def test_what_the_colocated_sync_does_not_serve_is_named(monkeypatch):
     assert colocate_refusal("some/moe", 1, 1, False, model_config=moe, device_type="cpu") is None
     half = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                     num_attention_heads=4, vocab_size=64, dtype="float16")
-    assert "a float16 checkpoint trained in float32" in colocate_refusal("some/model", 1, 1, False, model_config=half)
+    assert "a model vLLM holds in float16 on this device, trained in float32" in colocate_refusal(
+        "some/model", 1, 1, False, model_config=half)
     assert colocate_refusal("some/model", 1, 1, False, model_config=half, trainer_dtype="float16") is None
+    full = transformers.LlamaConfig(**{**half.to_diff_dict(), "dtype": "float32"})
+    assert engine_dtype(full) == "bfloat16"  # vLLM's CPU platform holds a float32 checkpoint in bfloat16
+    assert colocate_refusal("some/model", 1, 1, False, model_config=full) is None  # float32 -> bfloat16
+    assert "a model vLLM holds in bfloat16 on this device, trained in float16" in colocate_refusal(
+        "some/model", 1, 1, False, model_config=full, trainer_dtype="float16")
+
+
+def test_on_the_cpu_what_the_colocated_sync_does_not_serve_is_refused_before_trl_loads(tmp_path):
+    """On a CPU engine, where TRL's own sync fails, a set-up DDMA does not serve is
+    a ValueError naming it, not a warning and a run that fails at its first sync;
+    raised before TRL loads anything (the folders hold no weights, which its
+    load would fail on). A model given by name is read as modules on the meta
+    device: LoRA on GPT-2's `wte`, found as its embedding, not by its name."""
+    peft = pytest.importorskip("peft")
+    llama = tmp_path / "llama"
+    tiny_llama(0).config.save_pretrained(llama)
+    colocated = dict(use_vllm=True, vllm_mode="colocate")
+    with pytest.raises(ValueError, match="does not serve vllm_enable_sleep_mode=True .*, and TRL's own fails on "
+                                         "vLLM's CPU engine"):
+        GRPOTrainer(model=str(llama), reward_funcs=length_reward, args=config("dapo", vllm_enable_sleep_mode=True,
+                                                                              **colocated),
+                    train_dataset=prompts(), processing_class=tokenizer())
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=40).save_pretrained(gpt2)
+    with pytest.raises(ValueError, match="does not serve LoRA or modules_to_save on an embedding or lm_head"):
+        GRPOTrainer(model=str(gpt2), reward_funcs=length_reward, args=config("dapo", **colocated),
+                    train_dataset=prompts(), processing_class=tokenizer(),
+                    peft_config=peft.LoraConfig(target_modules=["c_attn", "wte"]))
+    with pytest.raises(ValueError, match="LLAMARL_SYNC_TIMEOUT_S must be a positive number of seconds"):
+        os.environ["LLAMARL_SYNC_TIMEOUT_S"] = "0"
+        try:
+            GRPOTrainer(model=str(llama), reward_funcs=length_reward, args=config("dapo", **colocated),
+                        train_dataset=prompts(), processing_class=tokenizer())
+        finally:
+            del os.environ["LLAMARL_SYNC_TIMEOUT_S"]
 
 
 def test_a_send_that_fails_before_its_offer_pauses_no_engine():

@@ -362,10 +362,24 @@ def test_sync_delta_reads_its_variable(monkeypatch):
         sync_delta()
 
 
+def test_sync_timeout_reads_its_variable(monkeypatch):
+    from llamarl_core.integrations.trl.generation import TIMEOUT_S, sync_timeout_s
+
+    monkeypatch.delenv("LLAMARL_SYNC_TIMEOUT_S", raising=False)
+    assert sync_timeout_s() == TIMEOUT_S
+    monkeypatch.setenv("LLAMARL_SYNC_TIMEOUT_S", "1800")
+    assert sync_timeout_s() == 1800.0
+    for bad in ("soon", "0", "-5", "nan", "inf"):
+        monkeypatch.setenv("LLAMARL_SYNC_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="LLAMARL_SYNC_TIMEOUT_S must be a positive number of seconds"):
+            sync_timeout_s()
+
+
 @pytest.mark.vllm
 def test_what_the_transfer_refuses_is_named(server):
-    """A URL without a scheme, no secret, a later sync handing a name the first did
-    not or another shape: refused naming it, before anything is sent, TRL's
+    """A URL without a scheme, no secret, a first sync handing a dtype the server's
+    cannot be cast from, a later sync handing a name the first did not or another
+    shape: refused naming it, before anything is sent, TRL's
     iterator walked to its end all the same (the server then still computes with
     the first sync's weights). A trainer connects to a server whose last trainer
     died connected."""
@@ -387,6 +401,14 @@ def test_what_the_transfer_refuses_is_named(server):
     crashed.init_weight_transfer()
     crashed.send_weights(transformers.AutoModelForCausalLM.from_pretrained(folder).named_parameters())
     crashed._sender.close()
+    half = DdmaWeightTransfer(url)  # float16 into the float32 server: no cast the sync makes
+    half.init_weight_transfer()
+    walked = []
+    with pytest.raises(SyncError, match="serves in float32, the weights handed are float16: a cast the sync does "
+                                        "not make"):
+        half.send_weights(walked.append(name) or (name, p.half()) for name, p in model.named_parameters())
+    assert len(walked) == len(list(model.parameters()))
+    half.destroy()
     transfer = DdmaWeightTransfer(url)
     transfer.init_weight_transfer()
     try:

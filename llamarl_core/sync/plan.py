@@ -22,6 +22,12 @@ from .layout import Fragment, Layout, check_int, view_2d
 # Casts a segment may do on the way; any other dtype pair is refused.
 SUPPORTED_CASTS = {(torch.float32, torch.bfloat16)}
 
+
+def castable(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether a sync writes `src` values into a `dst` destination (the same
+    dtype, or a SUPPORTED_CASTS pair)."""
+    return src == dst or (src, dst) in SUPPORTED_CASTS
+
 # Where a segment reads on its sender (Segment.source): the sender's own tensor; its
 # FP8 buffer (an FP8 destination, see fp8.py); its FP8 scales vector.
 SOURCE_TENSOR, SOURCE_FP8, SOURCE_SCALES = "tensor", "fp8", "scales"
@@ -434,7 +440,7 @@ def plan_transfer(src_layout: Layout, dst_layout: Layout, bucket_bytes: int = DE
                 if pair[0] not in INPUT_DTYPES:
                     raise ValueError(f"FP8 destination {spec.name!r}: cannot quantize {source!r} from {pair[0]} "
                                      "(bfloat16, float16 or float32 only)")
-            elif pair[0] != pair[1] and pair not in SUPPORTED_CASTS:
+            elif not castable(*pair):
                 raise ValueError(
                     f"destination {spec.name!r}: cannot cast {source!r} from {pair[0]} to {pair[1]} "
                     f"(supported: equal dtypes, float32 -> bfloat16)"

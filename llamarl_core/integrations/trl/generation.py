@@ -36,11 +36,14 @@ Several processes, each with its own engine as in TRL's colocate mode:
 
 What it does not serve (colocate_refusal: FSDP1's flat parameters and DeepSpeed
 ZeRO-3's partitions on several processes, FSDP2 over several hosts or with its
-shards offloaded to the CPU, a sharded PEFT model; an engine tensor-parallel group; vLLM's sleep mode, which discards
-the weights a sync writes into; a quantized model; a model of experts on a GPU; a
-float16 checkpoint trained in another dtype) GRPOTrainer leaves to TRL's own
-engine and sync, with a warning naming the reason (ZeRO-3 it refuses before, for
-its head). An engine built in a dtype the sync cannot write the trainer's
+shards offloaded to the CPU, a sharded PEFT model; an engine tensor-parallel
+group; vLLM's sleep mode, which discards the weights a sync writes into; a
+quantized model; a model of experts on a GPU; a model vLLM holds in a dtype the
+sync cannot write the trainer's into) GRPOTrainer leaves to TRL's own engine and
+sync on a GPU, with a warning naming the reason, and refuses on a CPU engine,
+where TRL's own sync fails (its load_weights on the layers vLLM's CPU backend
+re-packs after loading: `llamarl bench trl --vllm`); ZeRO-3 it refuses before,
+for its head. An engine built in a dtype the sync cannot write the trainer's
 parameters in is refused at construction (_check_engine_dtype).
 
 Server (`vllm_mode="server"`): TRL's client generates as it does; a server
@@ -72,13 +75,15 @@ from trl.trainer.utils import ensure_master_addr_port
 
 from ...control.auth import SECRET_BYTES, new_secret
 from ...sync import Layout, ParamSpec, SyncError, WeightSender, module_layout, module_sender
-from ...sync.plan import SUPPORTED_CASTS
+from ...sync.plan import castable
+from ...sync.protocol import check_timeout
 from ..vllm import BACKEND, ddma_init_info
 from .pairing import register_while, send_while
 from .server import DdmaWeightTransfer, address_toward
 
 SYNC_NAME = "trl-colocate"
 DELTA_ENV = "LLAMARL_SYNC_DELTA"  # "1": server mode's syncs go as deltas to a server on another host
+TIMEOUT_ENV = "LLAMARL_SYNC_TIMEOUT_S"  # seconds a registration or a sync may take (TIMEOUT_S unless set)
 TIMEOUT_S = 300.0
 
 
@@ -184,10 +189,10 @@ def dtensor_shards(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.to_local() for p in model.parameters() if hasattr(p, "to_local")]
 
 
-def _local_store(port: int = 0) -> dist.TCPStore:
+def _local_store(timeout_s: float, port: int = 0) -> dist.TCPStore:
     """A TCPStore on 127.0.0.1 served by this process (port 0: on a free port), or the one served at `port`."""
     return dist.TCPStore("127.0.0.1", port, is_master=port == 0, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enable_sleep_mode: bool,
@@ -202,18 +207,21 @@ def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enabl
     process is not refused here, the sync's own registration refuses what it
     cannot read); hosts_apart: whether the processes span several hosts
     (several_hosts); model_config: the model's transformers config where known
-    (a model of experts on a GPU, a float16 checkpoint the trainer does not hold
-    in float16); device_type: the engine's ("cpu", "cuda"); trainer_dtype: the
-    trainer's parameters' ("float32", ...; None: float32, TRL's default)."""
+    (a model of experts on a GPU; a model vLLM holds in a dtype, engine_dtype, the
+    sync cannot write the trainer's into: a float16 checkpoint, or any on a GPU
+    below compute capability 8.0, trained in float32); device_type: the engine's
+    ("cpu", "cuda"); trainer_dtype: the trainer's parameters' ("float32", ...;
+    None: float32, TRL's default)."""
     if model_config is not None:
         text = model_config.get_text_config()
         experts = max((getattr(text, f, None) or 0 for f in _EXPERT_FIELDS), default=0)
         if experts and device_type != "cpu":
             return (f"a model of {experts} experts on {device_type} (llamarl_ddma writes MoE experts into CPU "
                     "engines only: the GPU kernels' layout of them is not verified)")
-        if checkpoint_dtype(model_config) == "float16" and (trainer_dtype or "float32") != "float16":
-            return (f"a float16 checkpoint trained in {trainer_dtype or 'float32'} (vLLM holds it in float16; the "
-                    "sync casts float32 to bfloat16 only, TRL's load_weights casts any)")
+        engine, trainer = engine_dtype(model_config), trainer_dtype or "float32"
+        if engine is not None and not castable(getattr(torch, trainer), getattr(torch, engine)):
+            return (f"a model vLLM holds in {engine} on this device, trained in {trainer} (the sync casts float32 "
+                    "to bfloat16 only, TRL's load_weights casts any)")
     configs = [peft_config] if peft_config is not None else []
     configs += list(getattr(model, "peft_config", {}).values()) if isinstance(model, torch.nn.Module) else []
     if num_processes != 1 and sharding is not None:
@@ -242,8 +250,44 @@ def checkpoint_dtype(model_config) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
+def engine_dtype(model_config) -> str | None:
+    """The dtype vLLM holds a model of this transformers config in on this
+    process's platform with its dtype "auto", as TRL's colocated engine and this
+    module's are built: vLLM 0.32's own resolution (a float32 checkpoint in the
+    platform's first supported dtype; a dtype the platform lacks replaced by it:
+    float16 for a bfloat16 checkpoint on a GPU below compute capability 8.0).
+    None where the config names no dtype (vLLM would read the checkpoint's
+    files) or vLLM does not resolve it here (the engine then says why, or the
+    check of the built engine refuses)."""
+    if (checkpoint_dtype(model_config) or checkpoint_dtype(model_config.get_text_config())) is None:
+        return None
+    try:
+        from vllm.config.model import _get_and_verify_dtype  # pyproject pins vLLM's minor version
+
+        dtype = _get_and_verify_dtype("", model_config, "auto", is_pooling_model=False)
+    except (ImportError, ValueError):
+        return None
+    return str(dtype).removeprefix("torch.")
+
+
 # Config fields by which a family counts its routed experts (vLLM's and TRL's reading of them).
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def sync_timeout_s() -> float:
+    """LLAMARL_SYNC_TIMEOUT_S: the seconds GRPOTrainer's DDMA set-up and each of its
+    syncs may take (colocated and server mode), TIMEOUT_S where unset (a first
+    sync of a 14B float32 model over 1 Gbit takes longer). ValueError naming the
+    variable for anything but a positive number of seconds."""
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None:
+        return TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = value
+    check_timeout(seconds, TIMEOUT_ENV)
+    return seconds
 
 
 def sync_delta() -> bool:
@@ -294,6 +338,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
     _rank_store: tuple[dist.Store, bytes] | None = None  # colocated, whole models: this rank's sync's, its secret
 
     def _init_vllm(self) -> None:
+        self.timeout_s = sync_timeout_s()
         if self.mode == "server":
             self._init_server()
         elif self.mode == "colocate":
@@ -317,7 +362,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
                 backend = (self.vllm_client.get_server_info().get("weight_transfer_config") or {}).get("backend")
                 if backend == BACKEND:
                     self.transfer = DdmaWeightTransfer(
-                        base_url, store_host=address_toward(urlparse(base_url).hostname, named), timeout_s=TIMEOUT_S,
+                        base_url, store_host=address_toward(urlparse(base_url).hostname, named), timeout_s=self.timeout_s,
                         delta=sync_delta())
                     self.transfer.init_weight_transfer()
                     finding[0] = 1
@@ -367,7 +412,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
     def _check_engine_dtype(self) -> None:
         """ValueError, at construction rather than at the first sync, where the engine
         holds its weights in a dtype the sync cannot write the trainer's parameters
-        in (the same dtype, or float32 cast to bfloat16: plan.SUPPORTED_CASTS)."""
+        in (the same dtype, or float32 cast to bfloat16: plan.castable)."""
         engine = self.llm.model_config.dtype
         sent = self._peft_weights.values() if is_peft_model(self.model) else self.model.parameters()
         counts = collections.Counter()
@@ -377,7 +422,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
         # The dtype most of the weights are in (a few kept in float32 on both sides, such as a router's
         # bias, are the sync's to check per parameter).
         mine = counts.most_common(1)[0][0] if counts else engine
-        if mine != engine and (mine, engine) not in SUPPORTED_CASTS:
+        if not castable(mine, engine):
             raise ValueError(f"llamarl's colocated vLLM sync: the engine holds its weights in {engine} (vLLM's "
                              f"dtype for {self.model.name_or_path}), the trainer's are {mine}: a cast the sync does "
                              "not make (it casts float32 to bfloat16 only); load the model in the engine's dtype "
@@ -414,7 +459,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
         """The Store of this rank's own sync (its whole model into its engine),
         served by this process, and its secret, handed to the engine in-process."""
         if self._rank_store is None:
-            self._rank_store = (_local_store(), new_secret())
+            self._rank_store = (_local_store(self.timeout_s), new_secret())
         return self._rank_store
 
     def _shared_store(self) -> tuple[dist.Store, bytes]:
@@ -430,7 +475,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
             store, error = None, None
             if self.accelerator.is_main_process:
                 try:
-                    store = _local_store()
+                    store = _local_store(self.timeout_s)
                     port[0] = store.port
                     secret.copy_(torch.frombuffer(bytearray(new_secret()), dtype=torch.uint8))
                 except Exception as exc:  # noqa: BLE001 - raised below, after every rank has heard
@@ -438,7 +483,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
             port, secret = broadcast(port, from_process=0), broadcast(secret, from_process=0)
             if store is None and int(port[0]) >= 0:
                 try:
-                    store = _local_store(int(port[0]))
+                    store = _local_store(self.timeout_s, int(port[0]))
                 except Exception as exc:  # noqa: BLE001 - raised below, after every rank has heard
                     error = exc
             failed = any_rank(store is None, device)
@@ -496,9 +541,9 @@ class DdmaVLLMGeneration(VLLMGeneration):
 
         def make_sender():
             if self._peft_weights is None:
-                return module_sender(store, self.model, rank, world, name=name, timeout=TIMEOUT_S, secret=secret)
+                return module_sender(store, self.model, rank, world, name=name, timeout=self.timeout_s, secret=secret)
             self._peft_weights = peft_base_weights(self.model)
-            return WeightSender(store, self._layout, 0, self._peft_weights, name=name, timeout=TIMEOUT_S,
+            return WeightSender(store, self._layout, 0, self._peft_weights, name=name, timeout=self.timeout_s,
                                 secret=secret)
 
         error = sender = None
@@ -510,10 +555,10 @@ class DdmaVLLMGeneration(VLLMGeneration):
             # every rank's shards into rank 0's engine (replica 0), relayed on to the others' (sharded), or this
             # rank's whole model into its own engine
             layout = self._layout if self._peft_weights is not None else module_layout(self.model, world)
-            info = ddma_init_info("127.0.0.1", store.port, layout, name=name, timeout_s=TIMEOUT_S, secret=secret,
+            info = ddma_init_info("127.0.0.1", store.port, layout, name=name, timeout_s=self.timeout_s, secret=secret,
                                   replica=rank, num_replicas=world)
             sender = register_while(make_sender, lambda: self.llm.init_weight_transfer_engine({"init_info": info}),
-                                    TIMEOUT_S)
+                                    self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
             error = exc
         failed = any_rank(error is not None, self.accelerator.device)
@@ -549,7 +594,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
             self.llm.finish_weight_update(weight_version=str(self.version))
 
         if self._peft_weights is None:
-            send_while(sender, self.version, update, TIMEOUT_S)  # the optimizer may step once it returns
+            send_while(sender, self.version, update, self.timeout_s)  # the optimizer may step once it returns
         else:
             self._send_merged(sender, update)
         self.llm.reset_prefix_cache()
@@ -566,7 +611,7 @@ class DdmaVLLMGeneration(VLLMGeneration):
             if moved:
                 raise SyncError(f"merging the PEFT adapters rebound {moved[0]!r}: the sync would send the unmerged "
                                 "weights")
-            send_while(sender, self.version, update, TIMEOUT_S)
+            send_while(sender, self.version, update, self.timeout_s)
         finally:
             self.model.unmerge_adapter()
             for name, value in kept.items():

@@ -17,7 +17,7 @@ import trl
 from accelerate import PartialState
 
 from .generation import (DTENSORS, FSDP2, DdmaVLLMGeneration, checkpoint_dtype, colocate_refusal, dtensor_shards,
-                         several_hosts, sharding_of)
+                         several_hosts, sharding_of, sync_delta, sync_timeout_s)
 from .head import add_fused_lm_head, unsupported_config
 
 _SIGNATURE = inspect.signature(trl.GRPOTrainer.__init__)
@@ -40,9 +40,10 @@ class GRPOTrainer(trl.GRPOTrainer):
       processes, FSDP2 over several hosts or with CPU offload, a PEFT
       model with FSDP2, engine tensor parallelism, sleep mode, a quantized model
       (`quantization_config`, or in `args.model_init_kwargs`), a model of experts
-      on a GPU, a float16 checkpoint trained in another dtype, a PEFT method
-      other than plain LoRA) keeps TRL's own engine and sync, with a warning
-      naming why;
+      on a GPU, a model vLLM holds in a dtype the sync cannot write the
+      trainer's into, a PEFT method other than plain LoRA) keeps TRL's own engine
+      and sync, with a warning naming why, on a GPU; on the CPU, where TRL's sync
+      fails on vLLM's re-packed layers, ValueError naming it;
     - with `use_vllm=True, vllm_mode="server"`, a server running the
       llamarl_ddma backend synced by DDMA (server.py), another server by TRL.
     """
@@ -61,19 +62,27 @@ class GRPOTrainer(trl.GRPOTrainer):
         if reason is not None:
             raise ValueError(f"llamarl's fused LM head cannot score this model: {reason}")
         ours = config is not None and config.use_vllm and config.vllm_mode in ("colocate", "server")
+        if ours:  # the sync's variables, refused before TRL builds anything
+            sync_timeout_s(), sync_delta()
         if ours and config.vllm_mode == "colocate":
             state, sharding, model = PartialState(), sharding_of(config), bound.arguments["model"]
             if sharding is None and isinstance(model, torch.nn.Module) and dtensor_shards(model):
                 sharding = DTENSORS  # sharded by the caller
             # where the ranks run matters to shards only (a collective: every rank constructs the trainer)
             apart = sharding in (FSDP2, DTENSORS) and several_hosts(state.num_processes, state.device)
-            reason = colocate_refusal(model, state.num_processes,
+            peft_config = bound.arguments.get("peft_config")
+            # A model given by name: its modules on the meta device, for the embeddings an adapter may reach.
+            probe = _skeleton(model_config) if peft_config is not None and isinstance(model, str) else model
+            reason = colocate_refusal(probe or model, state.num_processes,
                                       config.vllm_tensor_parallel_size, config.vllm_enable_sleep_mode,
                                       bound.arguments.get("quantization_config")
-                                      or init_kwargs.get("quantization_config"), bound.arguments.get("peft_config"),
+                                      or init_kwargs.get("quantization_config"), peft_config,
                                       sharding=sharding, hosts_apart=apart, model_config=model_config,
                                       device_type=state.device.type,
                                       trainer_dtype=_trainer_dtype(model, init_kwargs, model_config))
+            if reason is not None and state.device.type == "cpu":
+                raise ValueError(f"llamarl's colocated vLLM sync does not serve {reason}, and TRL's own fails on "
+                                 "vLLM's CPU engine (its load_weights on the layers the CPU backend re-packs)")
             if reason is not None:
                 warnings.warn(f"llamarl: the colocated vLLM engine is TRL's own, synced by TRL: DDMA does not serve "
                               f"{reason}", stacklevel=2)
@@ -149,6 +158,19 @@ def _model_config(model, init_kwargs: dict, trust_remote_code: bool):
         except Exception:  # noqa: BLE001 - unreadable here (offline, remote code): checked once built
             config = None
     return config if hasattr(config, "get_text_config") else None
+
+
+def _skeleton(model_config):
+    """The causal LM of `model_config` built on the meta device (no memory), or
+    None where transformers cannot build it here (remote code, a config without
+    a causal LM class)."""
+    if model_config is None:
+        return None
+    try:
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(model_config)
+    except Exception:  # noqa: BLE001 - the check of the built model still refuses
+        return None
 
 
 def _trainer_dtype(model, init_kwargs: dict, model_config) -> str | None:

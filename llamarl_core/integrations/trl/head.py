@@ -10,8 +10,10 @@ one chunk of logits at a time, the backward in one vocabulary pass a chunk):
 TRL's trainer code, its loss among it, runs unchanged on what it returns.
 
 Refused by name, at installation, rather than computed differently: a logit
-soft-cap (Gemma 2), a logit scale (Cohere, Granite, MiniCPM3, Falcon-H1, ...),
-an lm-head bias, the per-token fields beyond log-probs and entropies, and
+soft-cap (Gemma 2, xLSTM), a logit scale (Cohere, Granite, MiniCPM3, Falcon-H1,
+Inkling's muP width, ...), an lm-head bias, a PEFT adapter on the lm-head (LoRA:
+its weight reads as the base layer's; `modules_to_save`'s trained copy is
+served), the per-token fields beyond log-probs and entropies, and
 DeepSpeed ZeRO-3 (its partitioned lm-head is gathered only inside the head's
 own forward).
 """
@@ -28,7 +30,7 @@ from ...ops.logprob import linear_token_logprobs
 OUTPUTS = ("log_probs", "entropy")
 # Config fields by which a family scales or caps its logits before the softmax.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
-                     "logits_scaling")
+                     "logits_scaling", "logits_mup_width_multiplier", "output_logit_soft_cap")
 
 
 def unsupported_config(config=None, outputs: tuple[str, ...] = OUTPUTS) -> str | None:
@@ -58,6 +60,9 @@ def unsupported_head(model: torch.nn.Module, outputs: tuple[str, ...] = OUTPUTS)
     head = model.get_output_embeddings()
     if head is None:
         return f"{type(model).__name__} has no output embeddings (an lm-head) to score with"
+    if getattr(head, "base_layer", None) is not None:  # peft's tuner layers: .weight is the base layer's alone
+        return (f"a PEFT adapter on the lm-head ({type(head).__module__}.{type(head).__name__}; llamarl's head reads "
+                "its base weight alone)")
     if getattr(head, "bias", None) is not None:
         return "the lm-head has a bias (llamarl's head computes hidden @ weight.T)"
     return None

@@ -25,9 +25,10 @@ gathered tensor freed) and sends it to the server's workers in one transfer,
 straight into their parameters. Transports as DDMA's: shared memory or CUDA IPC
 on one host, p2p across hosts (`store_host` must then be an address the
 server's workers reach); the trainer's tensors and the server's on one device
-type (a CPU trainer and a GPU server do not pair). A dtype other than the
-server's is cast on the way (a warning says so, as TRL's own client does: the
-precision gap biases the importance ratio).
+type (a CPU trainer and a GPU server do not pair). float32 into a bfloat16
+server is cast on the way (a warning says so, as TRL's own client does: the
+precision gap biases the importance ratio); any other pair of dtypes is refused
+at the first sync, naming both, before anything is sent.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import torch.distributed as dist
 
 from ...control.auth import required_secret
 from ...sync import Layout, ParamSpec, SyncError, WeightSender
+from ...sync.plan import castable
 from ...sync.protocol import check_timeout, check_transport_name
 from ..vllm import BACKEND, ddma_init_info
 from .pairing import register_while, send_while
@@ -101,8 +103,9 @@ class DdmaWeightTransfer:
 
     Raises (RuntimeError, naming the server and what to change) when the server
     does not answer within timeout_s or does not run the llamarl_ddma backend;
-    SyncError when a later sync hands other names, shapes or dtypes than the
-    first (before anything is sent) or when the transfer fails (the send is
+    SyncError when the first sync hands a dtype the server's cannot be cast from,
+    or a later one other names, shapes or dtypes than the first (before anything
+    is sent) or when the transfer fails (the send is
     stopped first: no copy is left running). On any error the rest of TRL's
     iterator is still walked (under FSDP each item is a collective the other
     ranks take part in), then the error raised. A server that still holds the
@@ -262,9 +265,14 @@ class DdmaWeightTransfer:
         if not sources:
             raise SyncError("weight_transfer: the first sync handed no parameters")
         sent = Counter(str(t.dtype).removeprefix("torch.") for t in sources.values()).most_common(1)[0][0]
-        if self._server_dtype and sent != self._server_dtype:
-            warnings.warn(f"the vLLM server at {self.server_url} serves in {self._server_dtype}, the weights sent are "
-                          f"{sent}: cast on the way (start the server with --dtype {sent} to serve the trainer's)",
+        served = self._server_dtype
+        if served and not castable(getattr(torch, sent), getattr(torch, served)):
+            raise SyncError(f"the vLLM server at {self.server_url} serves in {served}, the weights handed are {sent}: "
+                            f"a cast the sync does not make (it casts float32 to bfloat16 only); start the server "
+                            f"with --dtype {sent}, or train in {served}")
+        if served and sent != served:
+            warnings.warn(f"the vLLM server at {self.server_url} serves in {served}, the weights sent are {sent}: "
+                          f"cast on the way (start the server with --dtype {sent} to serve the trainer's)",
                           stacklevel=3)
         layout = Layout(1, [ParamSpec(name, tuple(t.shape), t.dtype) for name, t in sources.items()])
         info = ddma_init_info(self.store_host, self._store.port, layout, name=SYNC_NAME, timeout_s=self.timeout_s,

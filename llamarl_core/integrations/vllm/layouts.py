@@ -158,7 +158,9 @@ def derive_rank_layout(model: torch.nn.Module, logical: dict[str, tuple[int, ...
             if padding is None or written != padding[0] * cols:
                 raise ValueError(f"vLLM worker {rank}: the engine's parameter {name!r} {shape} gets "
                                  f"{written} of its {rows * cols} elements from the trainer's tensors; a sync "
-                                 "would leave the rest stale (a trainer of another model or family?)")
+                                 "would leave the rest stale (a trainer that hands only some tensors, such as one that "
+                                 "sends its trainable parameters alone, with some frozen; or a trainer of another "
+                                 "model or family?)")
         sources = tuple((source, tuple(logical[source])) for source in sorted({f.source for f in fragments}))
         placement = Explicit(sources, (shape,), (tuple(fragments),), (padding,) if padding else None)
         specs.append(ParamSpec(name, shape, live[name].dtype, placement))
