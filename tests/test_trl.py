@@ -220,26 +220,33 @@ def test_an_argument_trl_does_not_take_is_named_as_trl_names_it():
 
 
 def test_every_logit_transform_of_transformers_causal_lms_is_refused():
-    """Each config field by which a `*ForCausalLM.forward` of the installed
-    transformers scales or caps its logits, or the hidden states the lm-head
-    takes (`logits = logits / self.config.logits_scaling`, ...), is one the head
-    refuses: a family added with a field of its own fails here, not silently in a
-    user's run."""
+    """Each config field a `*ForCausalLM` class of the installed transformers reads
+    whose name speaks of logits, a cap, a multiplier or a scale is one the head
+    refuses or one known not to change the log-probs it computes: a family added
+    with a field of its own fails here, not silently in a user's run. (A field
+    read only by the backbone's class, as Falcon-H1's lm_head_multiplier, is
+    listed in the head by hand.)"""
     import re
 
     from llamarl_core.integrations.trl.head import _LOGIT_TRANSFORMS
 
+    # Read by causal LMs, and no transform of the logits the head computes.
+    not_transforms = {"num_logits_to_keep": "how many positions get logits",
+                      "output_router_logits": "an MoE's router outputs, beside the logits",
+                      "guidance_scale": "MusicGen's classifier-free guidance, inside generate()"}
     models = Path(transformers.__file__).parent / "models"
-    scaled = re.compile(r"(?:logits|hidden_states)\s*=\s*[^=\n]*?[*/]\s*self\.(?:model\.)?config\.(?:text_config\.)?"
-                        r"(\w+)")
+    read = re.compile(r"config\.(?:text_config\.)?(\w*(?:logit|cap|multiplier|scal)\w*)")
     fields = {}
     for path in models.glob("*/modeling_*.py"):
         for match in re.finditer(r"\nclass \w+ForCausalLM\(.*?(?=\nclass |\Z)", path.read_text(), re.S):
-            for field in scaled.findall(match.group(0)):
+            for field in read.findall(match.group(0)):
                 fields.setdefault(field, path.parent.name)
-    assert {"final_logit_softcapping", "logits_scaling"} <= fields.keys(), fields  # the scan finds what it should
-    missed = {field: family for field, family in fields.items() if field not in _LOGIT_TRANSFORMS}
-    assert not missed, f"logit transforms the head does not refuse (field: a family using it): {missed}"
+    # The scan finds what it should: Gemma 2's one-line cap, RecurrentGemma's two-line one, Cohere's
+    # scale kept on the module.
+    assert {"final_logit_softcapping", "logits_soft_cap", "logit_scale"} <= fields.keys(), fields
+    missed = {field: family for field, family in fields.items()
+              if field not in _LOGIT_TRANSFORMS and field not in not_transforms}
+    assert not missed, f"logit transforms the head does not refuse (field: a family reading it): {missed}"
 
 
 def test_a_lora_adapter_on_the_lm_head_is_refused_and_modules_to_save_served():
@@ -655,6 +662,8 @@ def test_what_the_colocated_sync_does_not_serve_is_named(monkeypatch):
     assert "a model of 4 experts on cuda" in colocate_refusal("some/moe", 1, 1, False, model_config=moe,
                                                              device_type="cuda")
     assert colocate_refusal("some/moe", 1, 1, False, model_config=moe, device_type="cpu") is None
+    # vLLM's own resolution of the engine's dtype (this machine's CPU platform: a float32 checkpoint in bfloat16).
+    pytest.importorskip("vllm")
     half = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                     num_attention_heads=4, vocab_size=64, dtype="float16")
     assert "a model vLLM holds in float16 on this device, trained in float32" in colocate_refusal(
@@ -665,6 +674,12 @@ def test_what_the_colocated_sync_does_not_serve_is_named(monkeypatch):
     assert colocate_refusal("some/model", 1, 1, False, model_config=full) is None  # float32 -> bfloat16
     assert "a model vLLM holds in bfloat16 on this device, trained in float16" in colocate_refusal(
         "some/model", 1, 1, False, model_config=full, trainer_dtype="float16")
+    assert colocate_refusal("some/model", 1, 1, False, model_config=half, trainer_dtype="bf16") is None  # TRL's
+    # A multimodal config naming its dtype in its text config alone.
+    vision = transformers.LlavaConfig(text_config=half.to_dict())
+    vision.dtype = None
+    assert vision.get_text_config().dtype is not None and "vLLM holds in float16" in colocate_refusal(
+        "some/model", 1, 1, False, model_config=vision)
 
 
 def test_on_the_cpu_what_the_colocated_sync_does_not_serve_is_refused_before_trl_loads(tmp_path):
@@ -688,6 +703,16 @@ def test_on_the_cpu_what_the_colocated_sync_does_not_serve_is_refused_before_trl
         GRPOTrainer(model=str(gpt2), reward_funcs=length_reward, args=config("dapo", **colocated),
                     train_dataset=prompts(), processing_class=tokenizer(),
                     peft_config=peft.LoraConfig(target_modules=["c_attn", "wte"]))
+    # A model loaded in float32 from a float16 checkpoint (its config now says float32): the engine
+    # reads the checkpoint's config.json, and holds float16.
+    half = tmp_path / "half"
+    tiny_llama(0).half().save_pretrained(half)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(half, dtype=torch.float32)
+    assert str(loaded.config.dtype).removeprefix("torch.") == "float32"
+    with pytest.raises(ValueError, match="does not serve a model vLLM holds in float16 on this device, trained in "
+                                         "float32"):
+        GRPOTrainer(model=loaded, reward_funcs=length_reward, args=config("dapo", **colocated),
+                    train_dataset=prompts(), processing_class=tokenizer())
     with pytest.raises(ValueError, match="LLAMARL_SYNC_TIMEOUT_S must be a positive number of seconds"):
         os.environ["LLAMARL_SYNC_TIMEOUT_S"] = "0"
         try:

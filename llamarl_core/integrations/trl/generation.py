@@ -219,7 +219,8 @@ def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enabl
             return (f"a model of {experts} experts on {device_type} (llamarl_ddma writes MoE experts into CPU "
                     "engines only: the GPU kernels' layout of them is not verified)")
         engine, trainer = engine_dtype(model_config), trainer_dtype or "float32"
-        if engine is not None and not castable(getattr(torch, trainer), getattr(torch, engine)):
+        held = getattr(torch, trainer, None)  # a name torch does not know is TRL's loading's to refuse
+        if engine is not None and isinstance(held, torch.dtype) and not castable(held, getattr(torch, engine)):
             return (f"a model vLLM holds in {engine} on this device, trained in {trainer} (the sync casts float32 "
                     "to bfloat16 only, TRL's load_weights casts any)")
     configs = [peft_config] if peft_config is not None else []
@@ -245,9 +246,24 @@ def colocate_refusal(model, num_processes: int, tensor_parallel_size: int, enabl
 
 def checkpoint_dtype(model_config) -> str | None:
     """The dtype a transformers config says its checkpoint holds ("float16", ...;
-    `dtype`, or the older `torch_dtype`), None where it says none."""
-    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
-    return None if dtype is None else str(dtype).removeprefix("torch.")
+    `dtype`, or the older `torch_dtype`; a multimodal config's text config's
+    where the config itself names none), None where it says none."""
+    for config in (model_config, model_config.get_text_config()):
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if dtype is not None:
+            return str(dtype).removeprefix("torch.")
+    return None
+
+
+def engine_device_type() -> str | None:
+    """The device type a vLLM engine built in this process runs on ("cpu",
+    "cuda", ...: vLLM's platform here, whatever device the trainer computes on),
+    None without vLLM."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    return current_platform.device_type
 
 
 def engine_dtype(model_config) -> str | None:
@@ -259,7 +275,7 @@ def engine_dtype(model_config) -> str | None:
     None where the config names no dtype (vLLM would read the checkpoint's
     files) or vLLM does not resolve it here (the engine then says why, or the
     check of the built engine refuses)."""
-    if (checkpoint_dtype(model_config) or checkpoint_dtype(model_config.get_text_config())) is None:
+    if checkpoint_dtype(model_config) is None:
         return None
     try:
         from vllm.config.model import _get_and_verify_dtype  # pyproject pins vLLM's minor version

@@ -17,7 +17,7 @@ import trl
 from accelerate import PartialState
 
 from .generation import (DTENSORS, FSDP2, DdmaVLLMGeneration, checkpoint_dtype, colocate_refusal, dtensor_shards,
-                         several_hosts, sharding_of, sync_delta, sync_timeout_s)
+                         engine_device_type, several_hosts, sharding_of, sync_delta, sync_timeout_s)
 from .head import add_fused_lm_head, unsupported_config
 
 _SIGNATURE = inspect.signature(trl.GRPOTrainer.__init__)
@@ -63,24 +63,36 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise ValueError(f"llamarl's fused LM head cannot score this model: {reason}")
         ours = config is not None and config.use_vllm and config.vllm_mode in ("colocate", "server")
         if ours:  # the sync's variables, refused before TRL builds anything
-            sync_timeout_s(), sync_delta()
+            sync_timeout_s()
+            if config.vllm_mode == "server":
+                sync_delta()
         if ours and config.vllm_mode == "colocate":
             state, sharding, model = PartialState(), sharding_of(config), bound.arguments["model"]
             if sharding is None and isinstance(model, torch.nn.Module) and dtensor_shards(model):
                 sharding = DTENSORS  # sharded by the caller
             # where the ranks run matters to shards only (a collective: every rank constructs the trainer)
             apart = sharding in (FSDP2, DTENSORS) and several_hosts(state.num_processes, state.device)
-            peft_config = bound.arguments.get("peft_config")
-            # A model given by name: its modules on the meta device, for the embeddings an adapter may reach.
-            probe = _skeleton(model_config) if peft_config is not None and isinstance(model, str) else model
-            reason = colocate_refusal(probe or model, state.num_processes,
-                                      config.vllm_tensor_parallel_size, config.vllm_enable_sleep_mode,
-                                      bound.arguments.get("quantization_config")
-                                      or init_kwargs.get("quantization_config"), peft_config,
-                                      sharding=sharding, hosts_apart=apart, model_config=model_config,
-                                      device_type=state.device.type,
-                                      trainer_dtype=_trainer_dtype(model, init_kwargs, model_config))
-            if reason is not None and state.device.type == "cpu":
+            trust = init_kwargs.get("trust_remote_code", getattr(config, "trust_remote_code", False))
+            engine_config = model_config
+            if isinstance(model, torch.nn.Module) and getattr(model, "name_or_path", ""):
+                # The engine reads the checkpoint's config.json: a loaded model's own config holds the
+                # dtype it was loaded in, not the checkpoint's.
+                engine_config = _model_config(model.name_or_path, init_kwargs, trust) or model_config
+            engine_device = engine_device_type() or state.device.type
+
+            def refusal(probe):
+                return colocate_refusal(probe, state.num_processes, config.vllm_tensor_parallel_size,
+                                        config.vllm_enable_sleep_mode, bound.arguments.get("quantization_config")
+                                        or init_kwargs.get("quantization_config"), bound.arguments.get("peft_config"),
+                                        sharding=sharding, hosts_apart=apart, model_config=engine_config,
+                                        device_type=engine_device,
+                                        trainer_dtype=_trainer_dtype(model, init_kwargs, model_config))
+
+            reason = refusal(model)
+            if reason is None and bound.arguments.get("peft_config") is not None and isinstance(model, str):
+                # A model given by name: its modules on the meta device, for the embeddings an adapter may reach.
+                reason = refusal(_skeleton(model_config, trust) or model)
+            if reason is not None and engine_device == "cpu":
                 raise ValueError(f"llamarl's colocated vLLM sync does not serve {reason}, and TRL's own fails on "
                                  "vLLM's CPU engine (its load_weights on the layers the CPU backend re-packs)")
             if reason is not None:
@@ -160,15 +172,16 @@ def _model_config(model, init_kwargs: dict, trust_remote_code: bool):
     return config if hasattr(config, "get_text_config") else None
 
 
-def _skeleton(model_config):
+def _skeleton(model_config, trust_remote_code: bool):
     """The causal LM of `model_config` built on the meta device (no memory), or
-    None where transformers cannot build it here (remote code, a config without
-    a causal LM class)."""
+    None where transformers cannot build it here (remote code not trusted, a
+    config without a causal LM class)."""
     if model_config is None:
         return None
     try:
         with torch.device("meta"):
-            return transformers.AutoModelForCausalLM.from_config(model_config)
+            return transformers.AutoModelForCausalLM.from_config(model_config,
+                                                                  trust_remote_code=bool(trust_remote_code))
     except Exception:  # noqa: BLE001 - the check of the built model still refuses
         return None
 

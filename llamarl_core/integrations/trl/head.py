@@ -10,7 +10,7 @@ one chunk of logits at a time, the backward in one vocabulary pass a chunk):
 TRL's trainer code, its loss among it, runs unchanged on what it returns.
 
 Refused by name, at installation, rather than computed differently: a logit
-soft-cap (Gemma 2, xLSTM), a logit scale (Cohere, Granite, MiniCPM3, Falcon-H1,
+soft-cap (Gemma 2, RecurrentGemma, xLSTM), a logit scale (Cohere, Granite, MiniCPM3, Falcon-H1,
 Inkling's muP width, ...), an lm-head bias, a PEFT adapter on the lm-head (LoRA:
 its weight reads as the base layer's; `modules_to_save`'s trained copy is
 served), the per-token fields beyond log-probs and entropies, and
@@ -30,7 +30,7 @@ from ...ops.logprob import linear_token_logprobs
 OUTPUTS = ("log_probs", "entropy")
 # Config fields by which a family scales or caps its logits before the softmax.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
-                     "logits_scaling", "logits_mup_width_multiplier", "output_logit_soft_cap")
+                     "logits_scaling", "logits_mup_width_multiplier", "output_logit_soft_cap", "logits_soft_cap")
 
 
 def unsupported_config(config=None, outputs: tuple[str, ...] = OUTPUTS) -> str | None:

@@ -214,8 +214,9 @@ class DdmaWeightTransfer:
             if self._store is None:  # a trainer that trains again after destroy()
                 self.init_weight_transfer()
             if self._sources is None:
+                sources = self._first_sources(pairs)  # refused before the server is paused or told anything
                 self._pause_now()  # the workers' receivers are set up (an earlier trainer's shut down) paused
-                self._connect(pairs)
+                self._connect(sources)
             else:
                 self._stage(pairs)
         except BaseException:
@@ -256,7 +257,9 @@ class DdmaWeightTransfer:
             sender.close(timeout=self.timeout_s)
 
     # -- the copy sent from ----------------------------------------------------------
-    def _connect(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def _first_sources(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The first sync's copy of what TRL hands; SyncError for a name handed
+        twice, nothing handed, or a dtype the server's cannot be cast from."""
         sources: dict[str, torch.Tensor] = {}
         for name, tensor in pairs:
             if name in sources:
@@ -274,6 +277,9 @@ class DdmaWeightTransfer:
             warnings.warn(f"the vLLM server at {self.server_url} serves in {served}, the weights sent are {sent}: "
                           f"cast on the way (start the server with --dtype {sent} to serve the trainer's)",
                           stacklevel=3)
+        return sources
+
+    def _connect(self, sources: dict[str, torch.Tensor]) -> None:
         layout = Layout(1, [ParamSpec(name, tuple(t.shape), t.dtype) for name, t in sources.items()])
         info = ddma_init_info(self.store_host, self._store.port, layout, name=SYNC_NAME, timeout_s=self.timeout_s,
                               transport=self.transport)  # no secret: the server's workers read their environment's

@@ -42,7 +42,7 @@ POLL_S = 0.002
 # beyond the sync's timeout before the generator gives up on a stuck engine.
 ENGINE_CALL_MARGIN_S = 60.0
 # How long close() waits for an engine process that vLLM's shutdown has stopped, or
-# killed after its own grace, to end before it kills and collects it.
+# killed after its own grace, to end before it kills and collects it (_collect).
 REAP_S = 10.0
 
 
@@ -102,6 +102,17 @@ def _engine_start_settings(temp_dir: str):
                 os.environ[name] = value
 
 
+def _collect(processes: list, timeout_s: float = REAP_S) -> None:
+    """Wait up to `timeout_s` for the multiprocessing `processes` to end, kill
+    those still running, and collect every one (no zombie left)."""
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(timeout_s)
+
+
 class VllmGenerator(Generator):
     """See the module docstring. model_dir: where the model's config.json is
     written for vLLM (the weights come by sync); cpus: the CPU ids each worker
@@ -148,6 +159,7 @@ class VllmGenerator(Generator):
             with _engine_start_settings(self.temp_dir):
                 self.llm = AsyncLLM.from_engine_args(args)
         except BaseException:
+            _collect([p for p in multiprocessing.active_children() if p not in before])  # one started, if any
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             raise
         self._processes = [p for p in multiprocessing.active_children() if p not in before]  # the engine's
@@ -278,15 +290,12 @@ class VllmGenerator(Generator):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-        self.loop.run_until_complete(cancel_all())
-        self.llm.shutdown()
-        self.loop.run_until_complete(cancel_all())
-        self.llm = None  # its __del__ shuts down again: now, not at interpreter exit
-        self.loop.close()
-        deadline = time.monotonic() + REAP_S
-        for process in self._processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                process.join(REAP_S)
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        try:
+            self.loop.run_until_complete(cancel_all())
+            self.llm.shutdown()
+            self.loop.run_until_complete(cancel_all())
+            self.llm = None  # its __del__ shuts down again: now, not at interpreter exit
+            self.loop.close()
+        finally:
+            _collect(self._processes)
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
