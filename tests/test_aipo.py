@@ -422,6 +422,12 @@ def test_group_advantages():
     assert torch.allclose(group_advantages(rewards, groups), torch.tensor([1 / 3, -2 / 3, 1 / 3, 5 / 3, -1 / 3, -4 / 3]))
     std = group_advantages(rewards, groups, normalize_std=True)
     assert torch.allclose(std[:3], torch.tensor([1 / 3, -2 / 3, 1 / 3]) / torch.tensor([1.0, 0.0, 1.0]).std() , atol=1e-5)
+    # One NaN reward would spread over its group: refused naming it.
+    with pytest.raises(ValueError, match=r"rewards\[4\] = nan: rewards must be finite"):
+        group_advantages(torch.tensor([1.0, 0.0, 1.0, 5.0, float("nan"), 2.0]), groups)
+    for eps in (float("nan"), -1e-6, True):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            group_advantages(rewards, groups, normalize_std=True, eps=eps)
 
 
 def test_mismatch_kl_estimates_kl_of_behaviour_from_learner(monkeypatch):

@@ -825,6 +825,42 @@ def test_a_nonfinite_log_prob_is_refused_by_name_or_masked_as_asked(name, value)
                                  nonfinite_logprobs="mask")[0])
 
 
+def test_a_bad_advantage_mask_or_sequence_id_is_refused_naming_it():
+    """A counted token's advantage that is not finite, a mask value that is NaN,
+    inf or negative (a weight, never a sign), float sequence_ids: ValueError
+    naming the argument and position (never a NaN or sign-flipped loss). The
+    same values where the token does not count (mask 0, IGNORE_INDEX target)
+    change nothing."""
+    batch = _batch(8)
+    assert batch["mask"][0, 1] == 1 and batch["targets"][0, 1] != IGNORE_INDEX
+    kw = dict(loss_type="ppo_tis", sequence_ids=batch["sequence_ids"], temperature=TEMPERATURE,
+              old_logprobs=batch["old_logprobs"])
+
+    def loss(b):
+        return aipo_loss(b["logits"], b["targets"], b["behavior_logprobs"], b["advantages"], b["mask"], **kw)[0]
+
+    counted = ((batch["mask"][0] != 0) & (batch["targets"][0] != IGNORE_INDEX)).nonzero()
+    for value in (float("nan"), float("inf")):  # one a row: named at row 0's first counted token
+        with pytest.raises(ValueError, match=rf"advantages\[0, {int(counted[0])}\] = {value}: an advantage must "
+                                             "be finite"):
+            loss(_with_bad(batch, "advantages", value, where=(0,)))
+    for value in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match=rf"mask\[0, 1\] = {value}: a token's weight must be finite and >= 0"):
+            loss(_with_bad(batch, "mask", value))
+    masked_row = _with_bad(_with_bad(batch, "mask", 0.0, where=(2,)), "advantages", float("nan"), where=(2,))
+    assert torch.equal(loss(masked_row), loss(batch))  # row 2 counts no token: its advantage is never read
+    ignored = _with_bad(_with_bad(batch, "targets", IGNORE_INDEX), "mask", float("nan"))
+    assert torch.equal(loss(ignored), loss(_with_bad(batch, "targets", IGNORE_INDEX)))
+    with pytest.raises(ValueError, match=r"vocab >= 1, got shape \(4, 0\)"):
+        aipo_loss(torch.zeros(4, 0), torch.zeros(4, dtype=torch.long), torch.zeros(4), torch.zeros(4))
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer, got 2.5"):
+        linear_aipo_loss(torch.randn(4, 8), torch.randn(5, 8), torch.zeros(4, dtype=torch.long), torch.zeros(4) - 1,
+                         torch.zeros(4), chunk_size=2.5)
+    with pytest.raises(ValueError, match="sequence_ids must be integer ids, got torch.float32"):
+        aipo_loss(batch["logits"], batch["targets"], batch["behavior_logprobs"], batch["advantages"], batch["mask"],
+                  **{**kw, "sequence_ids": batch["sequence_ids"].float() + 0.5})
+
+
 def test_probabilities_passed_as_log_probs_are_refused():
     """A counted log-prob above 1e-3 (a probability, say) raises naming the
     argument and position, whichever rule for non-finite values; 1e-4 above 0

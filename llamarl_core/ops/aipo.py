@@ -27,6 +27,7 @@ File order: reference -> functional.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -253,7 +254,7 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
     Returns (loss, AIPOStats), stats.logprobs in the targets' shape.
 
     Host syncs: in eager mode on a GPU, the waits for the input checks
-    (aipo_inputs.TargetCheck, LogprobCheck: both copies queued before the
+    (aipo_inputs.TargetCheck, ValueCheck: both copies queued before the
     kernels, so the second wait finds its copy done) after the kernels are
     queued, so that a counted target outside the vocabulary or a log-prob the
     rules refuse raises here naming its position (with process_group the shard
@@ -279,12 +280,21 @@ def aipo_loss(logits, targets, behavior_logprobs, advantages, mask=None, *, rho=
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = False,
                      eps: float = 1e-6) -> torch.Tensor:
     """A = r - mean(r over the samples of the same prompt) (AIPO); with
-    normalize_std, divided by the group's std + eps (GRPO). rewards, group_ids: (num_samples,)."""
+    normalize_std, divided by the group's std + eps (GRPO). rewards, group_ids: (num_samples,).
+    ValueError naming the first reward that is not finite (one NaN would spread
+    over its whole group), and an eps that is not a finite number >= 0. Host
+    syncs: the groups are counted on the host."""
     if rewards.shape != group_ids.shape or rewards.dim() != 1:
         raise ValueError(f"rewards and group_ids must be 1-D of one shape, got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    r = rewards.to(torch.float32)
+    bad = ~torch.isfinite(r)
+    if bool(bad.any()):
+        first = int(bad.to(torch.uint8).argmax())
+        raise ValueError(f"rewards[{first}] = {float(r[first])}: rewards must be finite")
     _, index = torch.unique(group_ids, return_inverse=True)
     groups = int(index.max()) + 1 if index.numel() else 0
-    r = rewards.to(torch.float32)
     counts = torch.zeros(groups, device=r.device).index_add_(0, index, torch.ones_like(r))
     means = torch.zeros(groups, device=r.device).index_add_(0, index, r) / counts
     centered = r - means[index]

@@ -39,6 +39,11 @@ does not count, as if its mask were 0. A counted log-prob above
 LOGPROB_SLACK (1e-3, far beyond float rounding) raises ValueError: a
 log-probability is <= 0 (probabilities passed as log-probs?).
 
+Advantages and mask. A counted token's advantage that is not finite raises
+ValueError naming its position; so does a mask value that is not finite or is
+negative on a token whose target is not IGNORE_INDEX (a weight, never a sign).
+sequence_ids must be integers (float ids would be truncated into one sequence).
+
 Normalizer: None (the reduction's own denominator), a positive number
 (Dr.GRPO's constant) or a one-element tensor (a token or sequence count of the
 whole batch, across micro-batches and data-parallel ranks), replacing the token
@@ -104,8 +109,9 @@ def check_target_ids(targets: torch.Tensor) -> None:
 
 def check_logits(logits: torch.Tensor) -> None:
     """ValueError unless logits are (num_tokens, vocab) or (..., vocab) in a float dtype the kernels take."""
-    if logits.dim() < 2:
-        raise ValueError(f"logits must be (num_tokens, vocab) or (..., vocab), got shape {tuple(logits.shape)}")
+    if logits.dim() < 2 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be (num_tokens, vocab) or (..., vocab) with vocab >= 1, got shape "
+                         f"{tuple(logits.shape)}")
     if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"logits dtype must be bfloat16, float16 or float32, got {logits.dtype}")
 
@@ -171,6 +177,8 @@ def sequence_index(sequence_ids: torch.Tensor | None, shape: torch.Size, needed:
     the targets' shape. Flat: tokens with one id are one sequence. Batched (...,
     T): one sequence a row without sequence_ids; with them, the tokens of one
     row with one id. No host sync either way (_dense_sequences)."""
+    if sequence_ids is not None and (sequence_ids.dtype.is_floating_point or sequence_ids.dtype.is_complex):
+        raise ValueError(f"sequence_ids must be integer ids, got {sequence_ids.dtype}")
     ids = _per_token(sequence_ids, "sequence_ids", shape, device, torch.int64)
     if len(shape) < 2:
         if ids is None:
@@ -260,43 +268,55 @@ def _position(index: int, shape: tuple) -> str:
     return ", ".join(str(int(i)) for i in numpy.unravel_index(index, shape))
 
 
-class LogprobCheck:
-    """The log-prob rules of the module docstring on the counted tokens, read
-    after the op as TargetCheck's on a GPU (queued first, one wait after the
-    kernels), on CPU too, so that a bad target is named first everywhere;
-    skipped under torch.compile or graph capture, where a NaN then reaches the
-    loss. wait() raises ValueError naming the first argument and position that
-    breaks one."""
+class ValueCheck:
+    """The value rules of the module docstring, read after the op as
+    TargetCheck's on a GPU (queued first, one wait after the kernels), on CPU
+    too, so that a bad target is named first everywhere; skipped under
+    torch.compile or graph capture, where a NaN then reaches the loss: a counted
+    token's log-probs (finite unless nonfinite_logprobs="mask", <= LOGPROB_SLACK)
+    and advantage (finite); the mask of a token whose target is not IGNORE_INDEX
+    (finite, >= 0). wait() raises ValueError naming the first argument and
+    position that breaks one."""
 
-    def __init__(self, logprobs: dict[str, torch.Tensor | None], counted: torch.Tensor, shape: torch.Size,
+    def __init__(self, logprobs: dict[str, torch.Tensor | None], advantages: torch.Tensor,
+                 mask: torch.Tensor | None, counted: torch.Tensor, targeted: torch.Tensor, shape: torch.Size,
                  nonfinite_logprobs: str):
-        self.names, self.shape, self.read = [], tuple(shape), None
-        given = {name: x for name, x in logprobs.items() if x is not None}
-        if not given or counted.numel() == 0 or _skipped(counted):
+        self.checks, self.shape, self.read = [], tuple(shape), None
+        if counted.numel() == 0 or _skipped(counted):
             return
         parts = []
-        for name, x in given.items():
+
+        def add(name: str, bad: torch.Tensor, x: torch.Tensor, rule) -> None:
+            is_bad, first, value = _first_bad(bad, x)
+            parts.extend([is_bad, first, value.to(torch.float64).view(torch.int64)])  # the value's bits, read back
+            self.checks.append((name, rule))
+
+        if mask is not None:
+            add("mask", targeted & ~(torch.isfinite(mask) & (mask >= 0)), mask,
+                lambda value: ": a token's weight must be finite and >= 0")
+        add("advantages", counted & ~torch.isfinite(advantages), advantages,
+            lambda value: ": an advantage must be finite on a token that counts")
+        for name, x in logprobs.items():
+            if x is None:
+                continue
             bad = counted & torch.isfinite(x) & (x > LOGPROB_SLACK)
             if nonfinite_logprobs == "raise":
                 bad = bad | (counted & ~torch.isfinite(x))
-            is_bad, first, value = _first_bad(bad, x)
-            parts += [is_bad, first, value.to(torch.float64).view(torch.int64)]  # the value's bits, read back below
-            self.names.append(name)
+            add(name, bad, x, lambda value: ": a log-probability is <= 0 (probabilities passed as log-probs?)"
+                if math.isfinite(value) else " on a token that counts (nonfinite_logprobs=\"mask\" leaves such "
+                                             "tokens out)")
         self.read = _DeferredRead(torch.cat(parts))
 
     def wait(self) -> None:
         if self.read is None:
             return
         info = self.read.get()
-        for i, name in enumerate(self.names):
+        for i, (name, rule) in enumerate(self.checks):
             is_bad, index, bits = info[3 * i : 3 * i + 3]
             if not is_bad:
                 continue
             value = float(numpy.array(bits, dtype=numpy.int64).view(numpy.float64))
-            where = f"{name}[{_position(index, self.shape)}] = {value}"
-            if math.isfinite(value):
-                raise ValueError(f"{where}: a log-probability is <= 0 (probabilities passed as log-probs?)")
-            raise ValueError(f"{where} on a token that counts (nonfinite_logprobs=\"mask\" leaves such tokens out)")
+            raise ValueError(f"{name}[{_position(index, self.shape)}] = {value}{rule(value)}")
 
 
 class TargetCheck:
@@ -359,7 +379,7 @@ class TokenInputs:
     weights: torch.Tensor  # reduction_weights
     sequences: Sequences | None  # each token's sequence, where known
     shape: torch.Size  # the targets' shape, that of per-token outputs
-    check: LogprobCheck  # waited for once the op's kernels are queued
+    check: ValueCheck  # waited for once the op's kernels are queued
 
     @property
     def counted(self) -> torch.Tensor:
@@ -381,8 +401,9 @@ def prepare_inputs(shape: torch.Size, device, targets, behavior, advantages, mas
     normalizer = check_normalizer(normalizer, device)
     check_target_ids(targets)
     targets = _per_token(targets, "targets", shape, device, torch.int64)
-    m = torch.ones(shape.numel(), device=device) if mask is None else _per_token(mask, "mask", shape, device)
-    m = torch.where(targets != IGNORE_INDEX, m, 0.0)
+    given_mask = _per_token(mask, "mask", shape, device)
+    targeted = targets != IGNORE_INDEX
+    m = torch.where(targeted, torch.ones(shape.numel(), device=device) if mask is None else given_mask, 0.0)
     logprobs = {"behavior_logprobs": _per_token(behavior, "behavior_logprobs", shape, device),
                 "old_logprobs": _per_token(old, "old_logprobs", shape, device),
                 "ref_logprobs": _per_token(ref, "ref_logprobs", shape, device)}
@@ -398,10 +419,11 @@ def prepare_inputs(shape: torch.Size, device, targets, behavior, advantages, mas
         return None if flat is None else torch.where(counted, flat, 0.0)
 
     behavior, old, ref = (per_token(logprobs[k]) for k in ("behavior_logprobs", "old_logprobs", "ref_logprobs"))
-    advantages = per_token(advantages)
+    raw_advantages, advantages = advantages, per_token(advantages)
     needed = (f'loss_type="{cfg.loss_type}"' if cfg.loss_type in SEQUENCE_TYPES
               else 'reduction="sequence_mean"' if reduction == "sequence_mean" else None)
     sequences = sequence_index(sequence_ids, shape, needed, device)
     weights = reduction_weights(m, reduction, sequences, normalizer)
-    check = LogprobCheck(logprobs, counted, shape, nonfinite_logprobs)  # every shape checked first
+    check = ValueCheck(logprobs, raw_advantages, given_mask, counted, targeted, shape,
+                       nonfinite_logprobs)  # every shape checked first
     return TokenInputs(targets, behavior, advantages, old, ref, m, weights, sequences, shape, check)

@@ -38,6 +38,8 @@ ops/logprob_launch.py) -> vocabulary shards -> autograd -> functional.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.distributed as dist
 
@@ -440,9 +442,9 @@ def check_linear(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | N
         raise ValueError(f"hidden dtype must be bfloat16, float16 or float32, got {hidden.dtype}")
     if chunk_size is None:
         return linear_chunk_tokens(weight.shape[0], hidden.dtype, hidden.device)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return chunk_size
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    return int(chunk_size)
 
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
