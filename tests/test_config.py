@@ -134,7 +134,7 @@ def test_a_changed_copy_keeps_what_it_does_not_change():
     assert (vllm.generator.backend, vllm.generator.tp, vllm.generator.temperature) == ("vllm", 2, 0.7)
     assert config.replace(loss=LossConfig(objective="cispo")).loss == LossConfig(objective="cispo")
     assert config.replace(run=RunConfig(steps=9), lr=0.5).run.steps == 9
-    with pytest.raises(ValueError, match="lr_warmup_steps 10 is more than the run's steps 5"):
+    with pytest.raises(ValueError, match="lr_warmup_steps=10 is more than the run's steps=5"):
         config.replace(lr_warmup_steps=10)  # checked again
     with pytest.raises(TypeError, match="should be called on dataclass instances"):
         dataclasses.replace(config, loss="ppo")

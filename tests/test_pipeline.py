@@ -103,8 +103,12 @@ def test_load_task_errors():
 @pytest.mark.parametrize("bad, match", [
     ({"mode": "eager"}, "mode"), ({"max_staleness": 0}, "max_staleness"), ({"samples_per_prompt": 1}, "samples_per_prompt"),
     ({"prompts_per_step": 3, "trainer_world": 2}, "split evenly"), ({"lr": 0.0}, "lr"), ({"steps": 0}, "steps"),
-    ({"num_heads": 5}, "num_heads 5 must divide hidden_size 96"),
-    ({"num_kv_heads": 3}, "num_kv_heads 3 must divide num_heads 4"),
+    ({"num_heads": 5}, "num_heads=5 must divide hidden_size=96"),
+    ({"num_kv_heads": 3}, "num_kv_heads=3 must divide num_heads=4"),
+    ({"lr": float("inf")}, "lr must be a finite number > 0, got inf"),
+    ({"temperature": float("nan")}, "temperature must be a finite number > 0, got nan"),
+    ({"max_grad_norm": float("nan")}, "max_grad_norm must be a finite number >= 0, got nan"),
+    ({"kl_coef": float("inf")}, "kl_coef must be a finite number >= 0, got inf"),
     ({"loss_reduction": "sum"}, r"loss_reduction must be one of \('token_mean', 'sequence_mean'\)"),
     ({"loss_reduction": "sequence_mean", "loss_normalizer": "dr_grpo"}, "'sequence_mean' and a constant normalizer"),
     ({"generator_fp8": "row"}, r"generator_fp8 must be one of \('tensor', 'channel', 'block'\) or None, got 'row'"),
@@ -633,7 +637,8 @@ def train_error(*args) -> str:
 
 
 def test_bad_arguments_fail_before_anything_runs(tmp_path):
-    assert "max_staleness" in train_error("--max-staleness", "0", "--out", str(tmp_path / "x"), "--quiet")
+    assert "--mode async needs --max-staleness >= 1" in train_error("--max-staleness", "0", "--out", str(tmp_path / "x"),
+                                                                    "--quiet")
     assert "holds no run" in train_error("--resume", "--out", str(tmp_path / "none"))
     assert "cannot load task" in train_error("--task", "no_such_module:task", "--out", str(tmp_path / "y"), "--quiet")
     assert "not divisible by tp_size 3" in train_error("--generator-tp", "3", "--out", str(tmp_path / "tp"), "--quiet")
@@ -644,6 +649,13 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path):
     assert "drop --lr --mode" in message  # not silently ignored
     assert "--keep-kv needs --generator vllm" in train_error("--keep-kv", "--out", str(tmp_path / "k"), "--quiet")
     assert not (tmp_path / "k").exists()
+    # Values a run cannot train with (an infinite learning rate, a NaN clip) named by their flags, before
+    # the run folder is made.
+    for flag, value, rule in (("--lr", "inf", "a finite number > 0"), ("--max-grad-norm", "nan", "a finite number >= 0"),
+                              ("--num-heads", "5", "must divide --hidden-size")):
+        message = train_error(flag, value, "--out", str(tmp_path / "v"), "--quiet")
+        assert message.startswith(f"llamarl train: {flag}") and rule in message, message
+        assert not (tmp_path / "v").exists()
     # A loss parameter the loss does not read would do nothing: refused, naming both.
     message = train_error("--loss", "gspo", "--rho", "2", "--out", str(tmp_path / "g"), "--quiet")
     assert message == 'llamarl train: loss_type="gspo" does not read rho (it reads eps_low, eps_high)', message
@@ -674,7 +686,7 @@ def test_resumed_steps_are_checked_like_any_config(tmp_path):
     resume = ("--resume", "--out", str(tmp_path), "--steps")
     assert "steps must be >= 1, got 0" in train_error(*resume, "0")  # not ignored as falsy
     assert "steps must be >= 1, got -3" in train_error(*resume, "-3")
-    assert "lr_warmup_steps 5 is more than the run's steps 3" in train_error(*resume, "3")
+    assert "--lr-warmup-steps 5 is more than the run's --steps 3" in train_error(*resume, "3")
     assert _resumed_config(tmp_path, 20, None) == TrainConfig(steps=20, lr_warmup_steps=5)
     assert _resumed_config(tmp_path, None, None) == TrainConfig(steps=10, lr_warmup_steps=5)
     assert _resumed_config(tmp_path, None, 2) == TrainConfig(steps=10, lr_warmup_steps=5, trainer_world=2)

@@ -455,8 +455,8 @@ class TrainConfig:
             raise ValueError(f"{option('gpu_share', gen.gpu_share)} lets generation and training run at once; "
                              f"{option('mode', 'sync')} runs them one after the other, each with the whole GPU")
         if gen.replicas > 1 and gen.backend != "llama":
-            raise ValueError(f"generator_replicas > 1 runs replicas of our generator; generator {gen.backend!r} "
-                             "is one replica")
+            raise ValueError(f"{option('generator_replicas', gen.replicas)} runs replicas of our generator; "
+                             f"{option('generator', gen.backend)} is one replica")
         if not gen.recompute_kv and gen.backend != "vllm":
             raise ValueError("recompute_kv=False (keep the KV cache across weight updates) needs generator 'vllm'; "
                              "our generator always re-prefills")
@@ -467,29 +467,32 @@ class TrainConfig:
             if values[name] < 1:
                 raise ValueError(f"{option(name)} must be >= 1, got {values[name]}")
         for name in ("temperature", "lr"):
-            if not values[name] > 0:
-                raise ValueError(f"{option(name)} must be positive, got {values[name]}")
+            if not (math.isfinite(values[name]) and values[name] > 0):
+                raise ValueError(f"{option(name)} must be a finite number > 0, got {values[name]}")
         for name in ("timeout_s", "sync_timeout_s"):
             check_timeout(values[name], option(name))
         for name in ("max_staleness", "warmup_steps", "eval_size", "eval_every", "lr_warmup_steps", "max_grad_norm",
                      "kl_coef", "micro_batch_size"):
-            if values[name] < 0:
-                raise ValueError(f"{option(name)} must be >= 0, got {values[name]}")
+            if not (math.isfinite(values[name]) and values[name] >= 0):  # NaN fails both
+                raise ValueError(f"{option(name)} must be a finite number >= 0, got {values[name]}")
         if run.hidden_size % run.num_heads:
-            raise ValueError(f"num_heads {run.num_heads} must divide hidden_size {run.hidden_size}")
+            raise ValueError(f"{option('num_heads', run.num_heads)} must divide "
+                             f"{option('hidden_size', run.hidden_size)}")
         if run.num_heads % run.num_kv_heads:
-            raise ValueError(f"num_kv_heads {run.num_kv_heads} must divide num_heads {run.num_heads}")
+            raise ValueError(f"{option('num_kv_heads', run.num_kv_heads)} must divide "
+                             f"{option('num_heads', run.num_heads)}")
         if trainer.lr_warmup_steps > run.steps:
-            raise ValueError(f"lr_warmup_steps {trainer.lr_warmup_steps} is more than the run's steps {run.steps}")
+            raise ValueError(f"{option('lr_warmup_steps', trainer.lr_warmup_steps)} is more than the run's "
+                             f"{option('steps', run.steps)}")
         if not 0 <= trainer.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {trainer.min_lr_ratio}")
+            raise ValueError(f"{option('min_lr_ratio')} must be in [0, 1], got {trainer.min_lr_ratio}")
         if gen.max_new_tokens is not None and gen.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {gen.max_new_tokens}")
+            raise ValueError(f"{option('max_new_tokens')} must be >= 1, got {gen.max_new_tokens}")
         if run.dataset is not None and run.model is None:
             raise ValueError(f"a dataset needs a model with its own tokenizer ({option('model')}): the built-in toy model "
                              "knows only its task's characters")
         if run.eval_every and not run.eval_size:
-            raise ValueError("eval_every needs held-out prompts: eval_size must be >= 1")
+            raise ValueError(f"{option('eval_every')} needs held-out prompts: {option('eval_size')} must be >= 1")
         if run.reward is not None and run.reward_model is not None:
             raise ValueError(f"give a rule reward ({option('reward')}) or a reward model ({option('reward_model')}), not "
                              "both")
@@ -498,12 +501,13 @@ class TrainConfig:
         if run.mode == "sync":
             run.max_staleness = 0
         elif run.max_staleness < 1:
-            raise ValueError("async mode needs max_staleness >= 1 (0 is the sync mode)")
+            raise ValueError(f"{option('mode', 'async')} needs {option('max_staleness')} >= 1 (0 is the sync mode)")
         if run.samples_per_prompt < 2:
-            raise ValueError("samples_per_prompt must be >= 2: advantages are rewards centred per prompt group")
+            raise ValueError(f"{option('samples_per_prompt')} must be >= 2: advantages are rewards centred per prompt "
+                             f"group, got {run.samples_per_prompt}")
         if run.prompts_per_step % trainer.world:
-            raise ValueError(f"prompts_per_step {run.prompts_per_step} must split evenly over "
-                             f"trainer_world {trainer.world} ranks")
+            raise ValueError(f"{option('prompts_per_step', run.prompts_per_step)} must split evenly over "
+                             f"{option('trainer_world', trainer.world)} ranks")
         check_loss(loss.objective, loss.parameters, temperature=gen.temperature, kl_coef=loss.kl_coef,
                    entropy_coef=loss.entropy_coef)
         natural_reduction(loss.objective, loss.reduction, loss.normalizer == "dr_grpo")
