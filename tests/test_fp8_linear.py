@@ -105,7 +105,8 @@ def test_fp8_linear_refuses_what_it_does_not_compute():
         ((x, q[:24], scale[:24]), r"\(24, 64\) is not a multiple of 16"),
         ((x, q.float(), scale), "contiguous torch.float8_e4m3fn"),
         ((x, q.t().contiguous().t(), scale), "contiguous"),
-        ((x, q, scale[:16]), "32 values"),
+        ((x, q, scale[:16]), r"of shape \(32,\) or \(32, 1\)"),
+        ((x, q, scale.reshape(1, 32)), r"of shape \(32,\) or \(32, 1\)"),  # 32 values, not one a channel
         ((x, q, scale.double()), "float32"),
         ((torch.randn(4, 32).to(torch.bfloat16), q, scale), r"x \(4, 32\)"),
         ((x, q, scale, torch.zeros(32)), r"bias must be bfloat16 of shape \(32,\)"),

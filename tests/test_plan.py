@@ -257,8 +257,24 @@ def test_execute_local_refuses_bad_tensors_before_copying():
     wrong_dtype["model.norm.weight"] = torch.zeros(96, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"destination rank 1: 'model\.norm\.weight' has dtype"):
         plan.execute_local(src_shards, {0: dst_shards[0], 1: wrong_dtype})
+    # Destinations written twice (two ranks handed one dict), or written while read (the sources handed
+    # as destinations), and a thread count of 0; sources sharing memory with one another are read only.
+    with pytest.raises(ValueError, match=r"execute_local: 'destination rank 0: .*' and 'destination rank 1: .*' share "
+                                         "memory"):
+        plan.execute_local(src_shards, {0: dst_shards[0], 1: dst_shards[0]})
+    same = plan_transfer(src, src)
+    with pytest.raises(ValueError, match=r"'(source|destination) rank 0: .*' and '(source|destination) rank 0: .*' "
+                                         "share memory"):
+        same.execute_local(src_shards, src_shards)
+    with pytest.raises(ValueError, match="num_threads must be"):
+        plan.execute_local(src_shards, dst_shards, num_threads=0)
     for r in range(2):
         assert all(torch.equal(before[r][n].view(torch.uint8), dst_shards[r][n].view(torch.uint8)) for n in before[r])
+    tied = {r: dict(shards) for r, shards in src_shards.items()}
+    name = next(iter(tied[1]))
+    tied[1][name] = tied[0][name].view(tied[1][name].shape) if tied[0][name].numel() == tied[1][name].numel() else \
+        tied[1][name]
+    plan.execute_local(tied, dst_shards)  # a source read twice is fine
 
 
 def test_layout_round_trips_through_json():

@@ -17,8 +17,8 @@ import transformers
 
 from helpers import hf_state_dict, in_threads, llamarl_shm_entries, small_config, store_client
 from sync_checks import mismatches, poisoned_destination
-from llamarl_core.sync import (SendHandle, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError,
-                               WeightReceiver, WeightSender, module_sender)
+from llamarl_core.sync import (Layout, SendHandle, StaleReceiveError, SyncError, SyncTimeoutError, TornWeightsError,
+                               WeightReceiver, WeightSender, module_layout, module_sender)
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 from llamarl_core.sync.reference import reference_fsdp_shards, reference_vllm_tp_shards
 
@@ -181,6 +181,15 @@ def test_bad_timeouts_and_versions_are_refused_before_anything_is_posted(store):
         with pytest.raises(ValueError, match=bad_timeout(bad)):
             WeightReceiver(store_client(store), dst, 0, poisoned_destination(dst, 0), name="bad-set-up",
                            transport="p2p", timeout=bad)
+    # No layout, or one of nothing (an empty model): refused, not a sync that "succeeds" with no version.
+    with pytest.raises(TypeError, match="layout must be a llamarl_core.sync.Layout, got NoneType"):
+        WeightSender(store_client(store), None, 0, {}, name="bad-set-up")
+    with pytest.raises(ValueError, match="the layout has no parameters"):
+        WeightReceiver(store_client(store), Layout(1, []), 0, {}, name="bad-set-up")
+    with pytest.raises(ValueError, match="Module has no parameters: nothing to sync"):
+        module_layout(torch.nn.Module(), 1)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
+        module_layout({"w": torch.zeros(2)}, 1)
     (sender,), receiver = _pair(store, "bad-args", transport="p2p")
     for bad in BAD_TIMEOUTS:
         message = bad_timeout(bad)

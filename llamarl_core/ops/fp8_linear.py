@@ -78,20 +78,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     inf gets an inf scale, so its outputs are not finite either.
     ValueError (naming what) when fp8_gemm_refusal gives a reason."""
     n, k = weight.shape
-    reason = fp8_gemm_refusal(x.dtype, x.device, n, k)
-    if reason is not None:
-        raise ValueError(f"fp8_linear: {reason}")
     if weight.dtype != FP8_DTYPE or not weight.is_contiguous() or weight.data_ptr() % ALIGNMENT:
         raise ValueError(f"fp8_linear: weight must be a contiguous {FP8_DTYPE} tensor at a {ALIGNMENT}-byte aligned "
                          f"address, got {weight.dtype} with strides {weight.stride()}")
     if x.shape[-1] != k or weight.device != x.device:
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} on {x.device} against weight {(n, k)} on {weight.device}")
-    if weight_scale.dtype != torch.float32 or weight_scale.numel() != n or weight_scale.device != x.device:
-        raise ValueError(f"fp8_linear: weight_scale must be float32 with {n} values on {x.device}, got "
-                         f"{weight_scale.dtype} {tuple(weight_scale.shape)} on {weight_scale.device}")
+    # By shape, not count: a block scale of (N / 128, K / 128) can hold N values too.
+    if (weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) not in ((n,), (n, 1))
+            or weight_scale.device != x.device):
+        raise ValueError(f"fp8_linear: weight_scale must be float32 of shape ({n},) or ({n}, 1) (one a channel) on "
+                         f"{x.device}, got {weight_scale.dtype} {tuple(weight_scale.shape)} on {weight_scale.device}")
     if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (n,) or bias.device != x.device):
         raise ValueError(f"fp8_linear: bias must be bfloat16 of shape ({n},) on {x.device}, got {bias.dtype} "
                          f"{tuple(bias.shape)} on {bias.device}")
+    reason = fp8_gemm_refusal(x.dtype, x.device, n, k)
+    if reason is not None:
+        raise ValueError(f"fp8_linear: {reason}")
     rows = x.reshape(-1, k)
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n)

@@ -201,6 +201,10 @@ def check_endpoint(side: str, layout: Layout, rank: int, tensors: Mapping[str, t
                    p2p_bucket_bytes: int | None = None) -> torch.device:
     """The checks both sides make of their arguments before anything is published;
     returns the tensors' device."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a llamarl_core.sync.Layout, got {type(layout).__name__}")
+    if not layout.params:
+        raise ValueError(f"{side}: the layout has no parameters: a sync of nothing (an empty model?)")
     check_int(rank, "rank", 0)
     if rank >= layout.world_size:
         raise ValueError(f"{side} rank {rank} is outside the layout's world size {layout.world_size}")

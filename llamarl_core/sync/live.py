@@ -286,8 +286,12 @@ def module_layout(model: torch.nn.Module, world_size: int) -> Layout:
     other than Shard / _StridedShard / Replicate (Partial), a rank's shard that
     is not one box, a mesh over other ranks."""
     check_int(world_size, "world_size", 1)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     model = _resharded(_unwrapped(model))
     params = dict(model.named_parameters())
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no parameters: nothing to sync")
     if world_size > 1 and not any(hasattr(p, "placements") for p in params.values()):
         raise ValueError(f"{type(model).__name__}'s parameters are plain tensors, whole on every rank (DDP or a "
                          f"single process), yet world_size is {world_size}: register rank 0 alone, with "

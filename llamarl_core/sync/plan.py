@@ -15,7 +15,7 @@ from typing import Mapping
 import torch
 
 from ..ops.fp8 import INPUT_DTYPES
-from .engine import check_local_tensors, run_segment_table, segment_table, tensors_device
+from .engine import check_distinct_memory, check_local_tensors, run_segment_table, segment_table, tensors_device
 from .fp8 import Fp8Plan, Fp8Rect, Fp8Sources, ScaleWrite, held_layout
 from .layout import Fragment, Layout, check_int, view_2d
 
@@ -277,9 +277,12 @@ class TransferPlan:
             check_local_tensors(self.src_layout, rank, src_shards.get(rank), "source")
         for rank in range(self.dst_layout.world_size):
             check_local_tensors(self.dst_layout, rank, dst_shards.get(rank), "destination")
-        everything = {(side, r, n): t for side, shards in (("src", src_shards), ("dst", dst_shards))
-                      for r in shards for n, t in shards[r].items()}
+        check_int(num_threads, "num_threads", 1, optional=True)
+        sides = (("source", src_shards), ("destination", dst_shards))
+        everything = {f"{side} rank {r}: {n}": t for side, shards in sides for r in shards for n, t in shards[r].items()}
         device = tensors_device(everything, "execute_local")
+        # Destinations written twice, or written while read: sources may share memory with one another (tied weights).
+        check_distinct_memory(everything, "execute_local", frozenset(k for k in everything if k.startswith("source")))
         sources: dict[int, Fp8Sources] = {}
         if self.fp8 is not None:  # what each sender rank does, for every rank here (fp8.py)
             for r in range(self.src_layout.world_size):
