@@ -2,7 +2,7 @@
 backward, beside the naive torch loss and Liger-Kernel's GRPO loss.
 
 For every objective of ops/objectives.py (--loss-types, default all: aipo, ppo,
-ppo_tis, icepop, seq_tis, seq_mis, geo_mask, gspo, cispo), on the same batched
+ppo_tis, icepop, seq_tis, seq_mis, geo_mask, gspo, cispo, sapo, vespo), on the same batched
 (B, T) inputs (one sequence a row, 10% of the tokens masked; old_logprobs for
 the types that read them), measured in the same run:
   aipo_loss          llamarl, from logits (B, T, vocab)
@@ -63,7 +63,7 @@ import time
 import torch
 
 from llamarl_core.bench.bench_aipo_sweep import SWEEP_CHUNK_MIB, gpu_sweep, sweep_report
-from llamarl_core.bench.harness import add_output_args, emit, record, summarize, table
+from llamarl_core.bench.harness import add_output_args, at_least, emit, record, summarize, table
 from llamarl_core.cli import HelpFormatter
 from llamarl_core.ops.objectives import DEFAULTS, LOSS_TYPES, OLD_POLICY_TYPES
 
@@ -472,17 +472,17 @@ def report(result: dict) -> str:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="llamarl bench aipo", description=__doc__,
                                 formatter_class=HelpFormatter)
-    p.add_argument("--batch", type=int, default=8, help="rows (sequences) in the batch, B")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens a row, T")
-    p.add_argument("--vocabs", type=int, nargs="+", default=[32000], help="vocabulary sizes, one run each")
-    p.add_argument("--hidden", type=int, default=512, help="hidden size (the linear variants' lm-head input)")
+    p.add_argument("--batch", type=at_least(1), default=8, help="rows (sequences) in the batch, B")
+    p.add_argument("--seq-len", type=at_least(1), default=128, help="tokens a row, T")
+    p.add_argument("--vocabs", type=at_least(1), nargs="+", default=[32000], help="vocabulary sizes, one run each")
+    p.add_argument("--hidden", type=at_least(1), default=512, help="hidden size (the linear variants' lm-head input)")
     p.add_argument("--loss-types", nargs="+", default=list(LOSS_TYPES), choices=LOSS_TYPES, metavar="TYPE",
                    help=f"the objectives to time (default all: {', '.join(LOSS_TYPES)})")
     p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS, help="the losses to time")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the inputs and the losses run")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="the logits' / hidden states' and weight's dtype (auto: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--repeats", type=at_least(1), default=1,
                    help="rounds of timed calls: each loss type of each variant, once a round")
     p.add_argument("--stat", choices=["median", "min"], default="median",
                    help="the statistic of the timed calls shown and used in the ratios (min: the fastest call)")
@@ -491,14 +491,11 @@ def parse_args(argv):
     p.add_argument("--gpu-sweep", action="store_true",
                    help="on a CUDA device: time every candidate config of the log-prob kernels and "
                         "linear_aipo_loss by chunk size (see above); the other options but --json / --record are unused")
-    p.add_argument("--sweep-chunks-mib", type=int, nargs="+", default=list(SWEEP_CHUNK_MIB),
+    p.add_argument("--sweep-chunks-mib", type=at_least(1), nargs="+", default=list(SWEEP_CHUNK_MIB),
                    help="--gpu-sweep: linear_aipo_loss chunk sizes, MiB of bf16 logits")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     add_output_args(p)
     spec = p.parse_args(argv)
-    for name in ("batch", "seq_len", "hidden", "repeats"):
-        if getattr(spec, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
     if not spec.gpu_sweep and spec.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
     return spec

@@ -64,19 +64,13 @@ from llamarl_core.models.llama_family import hf_llama_shapes
 from llamarl_core.sync.presets import hf_llama_fsdp, vllm_llama_tp
 
 from llamarl_core.bench.versions import fraction_arg, load_versions, perturb, version_loader, version_shards
-from llamarl_core.bench.harness import add_model_args, add_output_args, emit, record, share_secret, summarize, table
+from llamarl_core.bench.harness import (add_model_args, add_output_args, at_least, check_model_args, emit, record,
+                                       share_secret, summarize, table)
 from llamarl_core.cli import HelpFormatter
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Each rank of every method waits at most this long for a signal.
 _WAIT = datetime.timedelta(seconds=300)
-
-
-def _replica_count(text: str) -> int:
-    count = int(text)
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"a replica count must be >= 1, got {count}")
-    return count
 
 
 def model_config(args) -> SimpleNamespace:
@@ -549,12 +543,12 @@ def parse_args(argv):
     p.add_argument("--into", choices=["vllm"],
                    help="into a running vLLM engine instead, beside vLLM's own paths (llamarl bench sync --into vllm --help)")
     add_model_args(p, hidden=2048, intermediate=5632, layers=9, size="1.00 GiB in bf16")
-    p.add_argument("--fsdp", type=int, default=2, help="trainer ranks")
-    p.add_argument("--tp", type=int, default=2, help="generator tensor-parallel ranks")
+    p.add_argument("--fsdp", type=at_least(1), default=2, help="trainer ranks")
+    p.add_argument("--tp", type=at_least(1), default=2, help="generator tensor-parallel ranks")
     p.add_argument("--src-dtype", choices=sorted(DTYPES), default="bf16", help="the trainer's dtype (generator: bf16)")
     p.add_argument("--transports", nargs="+", choices=["auto", "shm", "cuda_ipc", "p2p"],
                    help="the transports to time, one run each (default: auto p2p; with --replicas one, default auto)")
-    p.add_argument("--replicas", nargs="+", type=_replica_count,
+    p.add_argument("--replicas", nargs="+", type=at_least(1),
                    help="sync one version into each number R of generator replicas instead, beside R x one replica "
                         "and the memcpy of R x the model's bytes (1 is always measured; default: no replicas, "
                         "the transports' comparison)")
@@ -579,11 +573,15 @@ def parse_args(argv):
                         "bandwidth over the bytes it must move; default: none, bf16 weights)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where every rank holds its tensors (cuda: GPU 0, one process per rank)")
-    p.add_argument("--threads", type=int, default=0, help="copy threads per sender (default: cores / senders)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed syncs first (the first ones run 30-50%% slower)")
-    p.add_argument("--repeats", type=int, default=5, help="timed syncs of each method")
+    p.add_argument("--threads", type=at_least(0), default=0, help="copy threads per sender (default: cores / senders)")
+    p.add_argument("--warmup", type=at_least(0), default=2,
+                   help="untimed syncs first (the first ones run 30-50%% slower)")
+    p.add_argument("--repeats", type=at_least(1), default=5, help="timed syncs of each method")
     add_output_args(p)
-    return p.parse_args(argv)
+    spec = p.parse_args(argv)
+    if not spec.delta_versions:  # those folders' config.json gives the model
+        check_model_args(p, spec, spec.tp)
+    return spec
 
 
 def _main_replicas(spec) -> int:

@@ -122,16 +122,43 @@ def record(folder: Path | None, bench: str, figures: dict[str, float], params: d
     update_results_md(folder / "RESULTS.md", section, body)
 
 
+def at_least(minimum: int):
+    """An argparse type: an integer >= minimum (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
 def add_model_args(parser, hidden: int, intermediate: int, layers: int, size: str) -> None:
     """The Llama-shaped model a sync bench moves (16 heads, 4 KV heads, vocabulary 32000 unless told); `size`:
     what the default shape weighs, for the help."""
-    parser.add_argument("--hidden", type=int, default=hidden, help="the model's hidden size")
-    parser.add_argument("--intermediate", type=int, default=intermediate, help="the model's MLP size")
-    parser.add_argument("--layers", type=int, default=layers,
+    parser.add_argument("--hidden", type=at_least(1), default=hidden, help="the model's hidden size")
+    parser.add_argument("--intermediate", type=at_least(1), default=intermediate, help="the model's MLP size")
+    parser.add_argument("--layers", type=at_least(1), default=layers,
                         help=f"decoder layers (default {layers}: {size} at the default shape)")
-    parser.add_argument("--heads", type=int, default=16, help="attention heads")
-    parser.add_argument("--kv-heads", type=int, default=4, help="key / value heads")
-    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    parser.add_argument("--heads", type=at_least(1), default=16, help="attention heads")
+    parser.add_argument("--kv-heads", type=at_least(1), default=4, help="key / value heads")
+    parser.add_argument("--vocab", type=at_least(1), default=32000, help="vocabulary size")
+
+
+def check_model_args(parser, spec, tp: int = 1) -> None:
+    """parser.error naming the flags where add_model_args' shape is not a model
+    (heads not dividing the hidden size, ...) or does not split over `tp` ranks."""
+    if spec.hidden % spec.heads:
+        parser.error(f"--heads {spec.heads} must divide --hidden {spec.hidden}")
+    if spec.heads % spec.kv_heads:
+        parser.error(f"--kv-heads {spec.kv_heads} must divide --heads {spec.heads}")
+    if spec.heads % tp or spec.intermediate % tp:
+        parser.error(f"--tp {tp} must divide --heads {spec.heads} and --intermediate {spec.intermediate}")
 
 
 def add_output_args(parser) -> None:

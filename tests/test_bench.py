@@ -263,6 +263,29 @@ def test_transformers_char_tokenizer_has_our_ids():
         assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids) == task.reference(prompt)
 
 
+def test_bench_arguments_that_measure_nothing_are_refused_naming_the_flag(capsys):
+    """A rank count, size or repeat count below what measures anything (0 ranks, an
+    empty model, no timed repeat), a shape that is no model or does not split over
+    the tensor-parallel ranks: argparse's error naming the flag, before a rank starts."""
+    from llamarl_core.bench.bench_aipo import parse_args as aipo_args
+    from llamarl_core.bench.bench_sync import parse_args as sync_args
+
+    small = ["--hidden", "64", "--intermediate", "128", "--vocab", "1000", "--layers", "1"]
+    cases = [(sync_args, ["--fsdp", "0"], "argument --fsdp: an integer >= 1, got 0"),
+             (sync_args, ["--hidden", "0"], "argument --hidden: an integer >= 1, got 0"),
+             (sync_args, ["--repeats", "0"], "argument --repeats: an integer >= 1, got 0"),
+             (sync_args, ["--threads", "-2"], "argument --threads: an integer >= 0, got -2"),
+             (sync_args, ["--tp", "3"], "--tp 3 must divide --heads 16 and --intermediate 128"),
+             (sync_args, ["--heads", "5"], "--heads 5 must divide --hidden 64"),
+             (aipo_args, ["--vocabs", "-5"], "argument --vocabs: an integer >= 1, got -5"),
+             (aipo_args, ["--repeats", "x"], "argument --repeats: an integer >= 1, got 'x'")]
+    for parse, args, message in cases:
+        with pytest.raises(SystemExit):
+            parse(small + args if parse is sync_args else args)
+        assert message in capsys.readouterr().err, (args, message)
+    assert sync_args(small).fsdp == 2  # the defaults pass
+
+
 def test_bench_sync_delta_versions_refuses_bad_folders_before_any_host(tmp_path):
     """--delta-versions: named in one line each, before a host is made: without
     --hosts, a folder save_versions did not write, one with fewer versions than the
