@@ -649,6 +649,8 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path):
     assert "drop --lr --mode" in message  # not silently ignored
     assert "--keep-kv needs --generator vllm" in train_error("--keep-kv", "--out", str(tmp_path / "k"), "--quiet")
     assert not (tmp_path / "k").exists()
+    assert "--compare runs both modes, sync then async; drop --mode sync" in train_error(
+        "--compare", "--mode", "sync", "--out", str(tmp_path / "c"), "--quiet")
     # Values a run cannot train with (an infinite learning rate, a NaN clip) named by their flags, before
     # the run folder is made.
     for flag, value, rule in (("--lr", "inf", "a finite number > 0"), ("--max-grad-norm", "nan", "a finite number >= 0"),

@@ -500,6 +500,8 @@ def test_plan_command(tmp_path):
     assert table.returncode == 0 and "absolute error: median" in table.stdout
     chosen = llamarl_here("plan", str(one), "--choose", "--top", "2", "--json")
     assert chosen.returncode == 0 and len(json.loads(chosen.stdout)["best"]) == 2
+    alone = llamarl_here("plan", str(one), "--top", "2")  # --top without --choose would print nothing more
+    assert alone.returncode == 2 and "--top says how many placements --choose prints: it needs --choose" in alone.stderr
     paper = llamarl_here("plan", "--paper", "--json")
     assert paper.returncode == 0
     papers = json.loads(paper.stdout)

@@ -366,6 +366,8 @@ def _main(argv, executors_for) -> int:
         if ignored:
             raise SystemExit(f"--resume continues the run with its saved config.json and takes only --steps and "
                              f"--trainer-world; drop {' '.join(ignored)}")
+    if args.compare and args.mode is not None:
+        raise SystemExit(f"--compare runs both modes, sync then async; drop --mode {args.mode}")
     if args.calibration is not None and not args.auto_placement:
         raise SystemExit("--calibration takes effect with --auto-placement (the run's placement chosen by the cost "
                          "model)")

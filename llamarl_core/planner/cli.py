@@ -347,10 +347,13 @@ def main(argv: list[str], local=None) -> int:
         parser.add_argument("--json", action="store_true", help="print one JSON object")
         parser.add_argument("--choose", action="store_true",
                             help="search the mode, the split and each side's parallelism for the lowest step time")
-        parser.add_argument("--top", type=int, default=5, help="placements --choose prints (default: 5)")
+        parser.add_argument("--top", type=int, help="placements --choose prints (default: 5)")
         parser.add_argument("--paper", action="store_true",
                             help="LlamaRL's table and NeMo-RL's calibration runs beside the predictions")
         args = parser.parse_args(argv)
+        if args.top is not None and not args.choose:
+            parser.error("--top says how many placements --choose prints: it needs --choose")
+        args.top = 5 if args.top is None else args.top
         if args.top < 1:
             parser.error("--top must be at least 1")
         if args.paper == (args.scenario is not None):
