@@ -861,6 +861,17 @@ def test_a_bad_advantage_mask_or_sequence_id_is_refused_naming_it():
                   **{**kw, "sequence_ids": batch["sequence_ids"].float() + 0.5})
 
 
+def test_an_objective_parameter_that_is_not_a_number_is_refused_naming_it():
+    """rho="4" or rho=True was read as 4.0 / 1.0 by float(): refused, as a
+    normalizer that is a bool is."""
+    from llamarl_core.ops.objectives import Objective
+
+    for name, bad in (("rho", "4"), ("rho", True), ("temperature", "1.0"), ("kl_coef", "0.1")):
+        with pytest.raises(ValueError, match=f"{name} must be a number, got"):
+            Objective("aipo", **{name: bad})
+    assert Objective("aipo", rho=4).rho == 4  # an int is a number
+
+
 def test_probabilities_passed_as_log_probs_are_refused():
     """A counted log-prob above 1e-3 (a probability, say) raises naming the
     argument and position, whichever rule for non-finite values; 1e-4 above 0

@@ -42,6 +42,7 @@ objective: + kl_coef * k3(ref_t - logp_t) (reference_kl) - entropy_coef * H_t.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +139,10 @@ class Objective:
         if unread:
             raise ValueError(f'loss_type="{self.loss_type}" does not read {", ".join(unread)} (it reads '
                              f'{", ".join(reads)})')
+        for name in (*reads, "temperature", "kl_coef", "entropy_coef"):
+            given = getattr(self, name)
+            if given is not None and (isinstance(given, bool) or not isinstance(given, numbers.Real)):
+                raise ValueError(f"{name} must be a number, got {given!r} ({type(given).__name__})")
         values = {name: default if getattr(self, name) is None else float(getattr(self, name))
                   for name, default in reads.items()}
         for name, value in values.items():
