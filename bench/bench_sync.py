@@ -580,7 +580,12 @@ def parse_args(argv):
     add_output_args(p)
     spec = p.parse_args(argv)
     if not spec.delta_versions:  # those folders' config.json gives the model
-        check_model_args(p, spec, spec.tp)
+        check_model_args(p, spec)
+        try:  # the layouts the ranks will build, by the presets' own rules (GQA replication, vocabulary padding)
+            hf_llama_fsdp(model_config(spec), spec.fsdp, DTYPES[spec.src_dtype])
+            vllm_llama_tp(model_config(spec), spec.tp, torch.bfloat16, spec.fp8)
+        except ValueError as exc:
+            p.error(f"--fsdp {spec.fsdp} / --tp {spec.tp} over this model: {exc}")
     return spec
 
 

@@ -150,15 +150,13 @@ def add_model_args(parser, hidden: int, intermediate: int, layers: int, size: st
     parser.add_argument("--vocab", type=at_least(1), default=32000, help="vocabulary size")
 
 
-def check_model_args(parser, spec, tp: int = 1) -> None:
+def check_model_args(parser, spec) -> None:
     """parser.error naming the flags where add_model_args' shape is not a model
-    (heads not dividing the hidden size, ...) or does not split over `tp` ranks."""
+    (heads not dividing the hidden size, KV heads not dividing the heads)."""
     if spec.hidden % spec.heads:
         parser.error(f"--heads {spec.heads} must divide --hidden {spec.hidden}")
     if spec.heads % spec.kv_heads:
         parser.error(f"--kv-heads {spec.kv_heads} must divide --heads {spec.heads}")
-    if spec.heads % tp or spec.intermediate % tp:
-        parser.error(f"--tp {tp} must divide --heads {spec.heads} and --intermediate {spec.intermediate}")
 
 
 def add_output_args(parser) -> None:

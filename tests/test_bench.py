@@ -275,7 +275,9 @@ def test_bench_arguments_that_measure_nothing_are_refused_naming_the_flag(capsys
              (sync_args, ["--hidden", "0"], "argument --hidden: an integer >= 1, got 0"),
              (sync_args, ["--repeats", "0"], "argument --repeats: an integer >= 1, got 0"),
              (sync_args, ["--threads", "-2"], "argument --threads: an integer >= 0, got -2"),
-             (sync_args, ["--tp", "3"], "--tp 3 must divide --heads 16 and --intermediate 128"),
+             (sync_args, ["--tp", "3"], "--tp 3 over this model: num_attention_heads 16 is not divisible by tp_size 3"),
+             (sync_args, ["--heads", "12", "--kv-heads", "3", "--hidden", "96", "--tp", "4"],
+              "tp_size 4 > num_key_value_heads 3 must be a multiple of it"),
              (sync_args, ["--heads", "5"], "--heads 5 must divide --hidden 64"),
              (aipo_args, ["--vocabs", "-5"], "argument --vocabs: an integer >= 1, got -5"),
              (aipo_args, ["--repeats", "x"], "argument --repeats: an integer >= 1, got 'x'")]

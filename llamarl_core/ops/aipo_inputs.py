@@ -280,22 +280,22 @@ class ValueCheck:
 
     def __init__(self, logprobs: dict[str, torch.Tensor | None], advantages: torch.Tensor,
                  mask: torch.Tensor | None, counted: torch.Tensor, targeted: torch.Tensor, shape: torch.Size,
-                 nonfinite_logprobs: str):
+                 nonfinite_logprobs: str, advantages_shape: torch.Size | None = None):
         self.checks, self.shape, self.read = [], tuple(shape), None
         if counted.numel() == 0 or _skipped(counted):
             return
         parts = []
 
-        def add(name: str, bad: torch.Tensor, x: torch.Tensor, rule) -> None:
+        def add(name: str, bad: torch.Tensor, x: torch.Tensor, rule, given_shape=None) -> None:
             is_bad, first, value = _first_bad(bad, x)
             parts.extend([is_bad, first, value.to(torch.float64).view(torch.int64)])  # the value's bits, read back
-            self.checks.append((name, rule))
+            self.checks.append((name, rule, given_shape))
 
         if mask is not None:
             add("mask", targeted & ~(torch.isfinite(mask) & (mask >= 0)), mask,
                 lambda value: ": a token's weight must be finite and >= 0")
         add("advantages", counted & ~torch.isfinite(advantages), advantages,
-            lambda value: ": an advantage must be finite on a token that counts")
+            lambda value: ": an advantage must be finite on a token that counts", advantages_shape)
         for name, x in logprobs.items():
             if x is None:
                 continue
@@ -311,12 +311,16 @@ class ValueCheck:
         if self.read is None:
             return
         info = self.read.get()
-        for i, (name, rule) in enumerate(self.checks):
+        for i, (name, rule, given_shape) in enumerate(self.checks):
             is_bad, index, bits = info[3 * i : 3 * i + 3]
             if not is_bad:
                 continue
             value = float(numpy.array(bits, dtype=numpy.int64).view(numpy.float64))
-            raise ValueError(f"{name}[{_position(index, self.shape)}] = {value}{rule(value)}")
+            position = _position(index, self.shape)
+            if given_shape is not None and tuple(given_shape) != self.shape:  # one a row: the row, as given
+                row = position.rsplit(", ", 1)[0]
+                position = row if len(given_shape) == len(self.shape) - 1 else f"{row}, 0"
+            raise ValueError(f"{name}[{position}] = {value}{rule(value)}")
 
 
 class TargetCheck:
@@ -407,6 +411,7 @@ def prepare_inputs(shape: torch.Size, device, targets, behavior, advantages, mas
     logprobs = {"behavior_logprobs": _per_token(behavior, "behavior_logprobs", shape, device),
                 "old_logprobs": _per_token(old, "old_logprobs", shape, device),
                 "ref_logprobs": _per_token(ref, "ref_logprobs", shape, device)}
+    given_advantages = advantages
     advantages = _per_token(per_token_advantages(advantages, shape), "advantages", shape, device)
     if nonfinite_logprobs == "mask":
         for x in logprobs.values():
@@ -424,6 +429,6 @@ def prepare_inputs(shape: torch.Size, device, targets, behavior, advantages, mas
               else 'reduction="sequence_mean"' if reduction == "sequence_mean" else None)
     sequences = sequence_index(sequence_ids, shape, needed, device)
     weights = reduction_weights(m, reduction, sequences, normalizer)
-    check = ValueCheck(logprobs, raw_advantages, given_mask, counted, targeted, shape,
-                       nonfinite_logprobs)  # every shape checked first
+    check = ValueCheck(logprobs, raw_advantages, given_mask, counted, targeted, shape, nonfinite_logprobs,
+                       given_advantages.shape)  # every shape checked first
     return TokenInputs(targets, behavior, advantages, old, ref, m, weights, sequences, shape, check)

@@ -81,12 +81,13 @@ def check_local_tensors(layout: Layout, rank: int, tensors: Mapping[str, torch.T
                              " view (its bytes are not its values): pass it resolved (resolve_neg / resolve_conj)")
 
 
-def check_distinct_memory(tensors: Mapping[str, torch.Tensor], what: str, read_only: frozenset[str] = frozenset()
-                          ) -> None:
+def check_distinct_memory(tensors: Mapping[str, torch.Tensor], what: str, read_only: frozenset[str] = frozenset(),
+                          advice: str = "register each parameter once, in memory of its own") -> None:
     """ValueError naming two tensors whose bytes overlap (one an alias of the
     other, or of a part of it: tied weights registered under two names): a sync
-    would write both into the same bytes. Tensors named in `read_only` (what a
-    sync reads from) may share memory with one another, never with the others."""
+    would write both into the same bytes, or write what it reads. Tensors named
+    in `read_only` (what a sync reads from) may share memory with one another,
+    never with the others. `advice` ends the message."""
     spans = sorted((str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
                    for name, t in tensors.items() if t.numel() and t.is_contiguous())  # others: refused as such
     # The spans reaching furthest so far on this device, of any tensor and of one written: (device, end, name).
@@ -95,9 +96,10 @@ def check_distinct_memory(tensors: Mapping[str, torch.Tensor], what: str, read_o
         written = name not in read_only
         for before in ((reach,) if written else ()) + (reach_written,):
             if before is not None and before[0] == device and start < before[1]:
+                effect = "write both into the same bytes" if name not in read_only and before[2] not in read_only \
+                    else "write bytes it reads"
                 raise ValueError(f"{what}: {before[2]!r} and {name!r} share memory (one is an alias of the other): "
-                                 "a sync would write both into the same bytes; register each parameter once, in "
-                                 "memory of its own")
+                                 f"a sync would {effect}; {advice}")
         if reach is None or reach[0] != device or end > reach[1]:
             reach = (device, end, name)
         if written and (reach_written is None or reach_written[0] != device or end > reach_written[1]):

@@ -282,7 +282,8 @@ class TransferPlan:
         everything = {f"{side} rank {r}: {n}": t for side, shards in sides for r in shards for n, t in shards[r].items()}
         device = tensors_device(everything, "execute_local")
         # Destinations written twice, or written while read: sources may share memory with one another (tied weights).
-        check_distinct_memory(everything, "execute_local", frozenset(k for k in everything if k.startswith("source")))
+        check_distinct_memory(everything, "execute_local", frozenset(k for k in everything if k.startswith("source")),
+                              "give each destination memory of its own, apart from the sources")
         sources: dict[int, Fp8Sources] = {}
         if self.fp8 is not None:  # what each sender rank does, for every rank here (fp8.py)
             for r in range(self.src_layout.world_size):
