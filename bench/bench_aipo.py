@@ -2,9 +2,9 @@
 backward, beside the naive torch loss and Liger-Kernel's GRPO loss.
 
 For every objective of ops/objectives.py (--loss-types, default all: aipo, ppo,
-ppo_tis, icepop, seq_tis, seq_mis, geo_mask, gspo, cispo, sapo, vespo), on the same batched
-(B, T) inputs (one sequence a row, 10% of the tokens masked; old_logprobs for
-the types that read them), measured in the same run:
+ppo_tis, icepop, seq_tis, seq_mis, geo_mask, gspo, cispo, sapo, vespo), on the
+same batched (B, T) inputs (one sequence a row, 10% of the tokens masked;
+old_logprobs for the types that read them), measured in the same run:
   aipo_loss          llamarl, from logits (B, T, vocab)
   naive_logits       the same objective written naively: log_softmax + gather +
                      autograd in the logits' dtype (aipo_loss_ref, compute_dtype=None)

@@ -316,9 +316,10 @@ class ValueCheck:
             if not is_bad:
                 continue
             value = float(numpy.array(bits, dtype=numpy.int64).view(numpy.float64))
-            position = _position(index, self.shape)
-            if given_shape is not None and tuple(given_shape) != self.shape:  # one a row: the row, as given
-                row = position.rsplit(", ", 1)[0]
+            if given_shape is None or tuple(given_shape) == self.shape:
+                position = _position(index, self.shape)
+            else:  # one a row: the row, as given ((..., B) or (..., B, 1))
+                row = _position(index // self.shape[-1], self.shape[:-1])
                 position = row if len(given_shape) == len(self.shape) - 1 else f"{row}, 0"
             raise ValueError(f"{name}[{position}] = {value}{rule(value)}")
 
@@ -411,7 +412,7 @@ def prepare_inputs(shape: torch.Size, device, targets, behavior, advantages, mas
     logprobs = {"behavior_logprobs": _per_token(behavior, "behavior_logprobs", shape, device),
                 "old_logprobs": _per_token(old, "old_logprobs", shape, device),
                 "ref_logprobs": _per_token(ref, "ref_logprobs", shape, device)}
-    given_advantages = advantages
+    advantages_shape = advantages.shape
     advantages = _per_token(per_token_advantages(advantages, shape), "advantages", shape, device)
     if nonfinite_logprobs == "mask":
         for x in logprobs.values():
@@ -430,5 +431,5 @@ def prepare_inputs(shape: torch.Size, device, targets, behavior, advantages, mas
     sequences = sequence_index(sequence_ids, shape, needed, device)
     weights = reduction_weights(m, reduction, sequences, normalizer)
     check = ValueCheck(logprobs, raw_advantages, given_mask, counted, targeted, shape, nonfinite_logprobs,
-                       given_advantages.shape)  # every shape checked first
+                       advantages_shape)  # every shape checked first
     return TokenInputs(targets, behavior, advantages, old, ref, m, weights, sequences, shape, check)

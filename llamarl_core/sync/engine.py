@@ -94,12 +94,12 @@ def check_distinct_memory(tensors: Mapping[str, torch.Tensor], what: str, read_o
     reach = reach_written = None
     for device, start, end, name in spans:
         written = name not in read_only
-        for before in ((reach,) if written else ()) + (reach_written,):
-            if before is not None and before[0] == device and start < before[1]:
-                effect = "write both into the same bytes" if name not in read_only and before[2] not in read_only \
-                    else "write bytes it reads"
-                raise ValueError(f"{what}: {before[2]!r} and {name!r} share memory (one is an alias of the other): "
-                                 f"a sync would {effect}; {advice}")
+        before = reach if written else reach_written  # a written span meets any, a read one the written alone
+        if before is not None and before[0] == device and start < before[1]:
+            effect = "write both into the same bytes" if written and before[2] not in read_only else \
+                "write bytes it reads"
+            raise ValueError(f"{what}: {before[2]!r} and {name!r} share memory (one is an alias of the other): "
+                             f"a sync would {effect}; {advice}")
         if reach is None or reach[0] != device or end > reach[1]:
             reach = (device, end, name)
         if written and (reach_written is None or reach_written[0] != device or end > reach_written[1]):

@@ -28,6 +28,7 @@ def castable(src: torch.dtype, dst: torch.dtype) -> bool:
     dtype, or a SUPPORTED_CASTS pair)."""
     return src == dst or (src, dst) in SUPPORTED_CASTS
 
+
 # Where a segment reads on its sender (Segment.source): the sender's own tensor; its
 # FP8 buffer (an FP8 destination, see fp8.py); its FP8 scales vector.
 SOURCE_TENSOR, SOURCE_FP8, SOURCE_SCALES = "tensor", "fp8", "scales"

@@ -36,7 +36,6 @@ from ..control.hosts import host_identity, process_identity
 from .protocol import CUDA_IPC, P2P, SHM, check_transport_name
 
 
-
 def device_info(device: torch.device, tensors: Mapping[str, torch.Tensor] | None = None) -> dict:
     """What choose_transports needs to know of one rank: host, process, device type;
     on CUDA also its GPU's UUID, the GPUs visible here (UUID -> whether this GPU can

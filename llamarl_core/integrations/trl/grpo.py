@@ -57,7 +57,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         init_kwargs = (getattr(config, "model_init_kwargs", None) or {}) if config is not None else {}
         # Before TRL builds anything (its engine, a reference model): what the head refuses, as far as
         # the model's config tells (a model given by name: its config.json; the rest once it is built).
-        model_config = _model_config(bound.arguments["model"], init_kwargs, getattr(config, "trust_remote_code", False))
+        # As TRL reads it: its model_init_kwargs' trust_remote_code, else the config's.
+        trust = init_kwargs.get("trust_remote_code", getattr(config, "trust_remote_code", False))
+        model_config = _model_config(bound.arguments["model"], init_kwargs, trust)
         reason = unsupported_config(model_config)
         if reason is not None:
             raise ValueError(f"llamarl's fused LM head cannot score this model: {reason}")
@@ -72,7 +74,6 @@ class GRPOTrainer(trl.GRPOTrainer):
                 sharding = DTENSORS  # sharded by the caller
             # where the ranks run matters to shards only (a collective: every rank constructs the trainer)
             apart = sharding in (FSDP2, DTENSORS) and several_hosts(state.num_processes, state.device)
-            trust = init_kwargs.get("trust_remote_code", getattr(config, "trust_remote_code", False))
             engine_config = model_config
             if isinstance(model, torch.nn.Module) and getattr(model, "name_or_path", ""):
                 # The engine reads the checkpoint's config.json: a loaded model's own config holds the
@@ -156,17 +157,17 @@ GRPOTrainer.__init__.__signature__ = _SIGNATURE
 
 def _model_config(model, init_kwargs: dict, trust_remote_code: bool):
     """The transformers config of the trainer's `model` argument: the model's own,
-    or a folder's or hub id's config.json (read as TRL reads it: its
-    model_init_kwargs' trust_remote_code, else the config's, its revision, token,
-    cache and subfolder); None where it cannot be read here (the checks of the
-    built model and of the first sync still refuse)."""
+    or a folder's or hub id's config.json (read as TRL reads it: with
+    trust_remote_code and its model_init_kwargs' revision, token, cache and
+    subfolder); None where it cannot be read here (the checks of the built model
+    and of the first sync still refuse)."""
     if isinstance(model, torch.nn.Module):
         config = getattr(model, "config", None)
     else:
         given = {k: init_kwargs[k] for k in ("revision", "token", "cache_dir", "subfolder") if k in init_kwargs}
         try:
             config = transformers.AutoConfig.from_pretrained(
-                model, trust_remote_code=init_kwargs.get("trust_remote_code", trust_remote_code), **given)
+                model, trust_remote_code=trust_remote_code, **given)
         except Exception:  # noqa: BLE001 - unreadable here (offline, remote code): checked once built
             config = None
     return config if hasattr(config, "get_text_config") else None

@@ -10,10 +10,10 @@ one chunk of logits at a time, the backward in one vocabulary pass a chunk):
 TRL's trainer code, its loss among it, runs unchanged on what it returns.
 
 Refused by name, at installation, rather than computed differently: a logit
-soft-cap (Gemma 2, RecurrentGemma, xLSTM), a logit scale (Cohere, Granite, MiniCPM3, Falcon-H1,
-Inkling's muP width, ...), an lm-head bias, a PEFT adapter on the lm-head (LoRA:
-its weight reads as the base layer's; `modules_to_save`'s trained copy is
-served), the per-token fields beyond log-probs and entropies, and
+soft-cap (Gemma 2, RecurrentGemma, xLSTM), a logit scale (Cohere, Granite,
+MiniCPM3, Falcon-H1, Inkling's muP width, ...), an lm-head bias, a PEFT adapter
+on the lm-head (LoRA: its weight reads as the base layer's; `modules_to_save`'s
+trained copy is served), the per-token fields beyond log-probs and entropies, and
 DeepSpeed ZeRO-3 (its partitioned lm-head is gathered only inside the head's
 own forward).
 """

@@ -102,6 +102,11 @@ def _engine_start_settings(temp_dir: str):
                 os.environ[name] = value
 
 
+def _started_since(before: set) -> list:
+    """The multiprocessing children of this process started since `before` (a set of active_children())."""
+    return [p for p in multiprocessing.active_children() if p not in before]
+
+
 def _collect(processes: list, timeout_s: float = REAP_S) -> None:
     """Wait up to `timeout_s` for the multiprocessing `processes` to end, kill
     those still running, and collect every one (no zombie left)."""
@@ -159,10 +164,10 @@ class VllmGenerator(Generator):
             with _engine_start_settings(self.temp_dir):
                 self.llm = AsyncLLM.from_engine_args(args)
         except BaseException:
-            _collect([p for p in multiprocessing.active_children() if p not in before])  # one started, if any
+            _collect(_started_since(before))  # one started, if any
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             raise
-        self._processes = [p for p in multiprocessing.active_children() if p not in before]  # the engine's
+        self._processes = _started_since(before)  # the engine's
         try:  # the engine runs: a failure from here on shuts it down and removes its folder
             with torch.device("meta"):  # the trainer's layout, read off its model's class (any family)
                 trainer_model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
