@@ -64,7 +64,9 @@ def simd(request):
     native().set_host_simd(before)
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected: the order of the tests that run
 def pytest_collection_modifyitems(config, items):
+    items[:] = gpu_order(items)
     # With a GPU the CPU tests' Triton cases run on CUDA tensors ("triton-cuda"); they are
     # not marked gpu: `pytest -m gpu` (llamarl check gpu) takes only the tests written for a GPU.
     if torch.cuda.is_available():
@@ -73,6 +75,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def gpu_order(items: list) -> list:
+    """The tests marked gpu(seconds=N) first, longest first, each followed by one other
+    test, then the rest in their collected order (every pytest-xdist worker computes
+    the same order). `pytest -m gpu -n 8 --dist load` (llamarl check gpu) hands each
+    worker two consecutive tests first, then more from the front as it finishes: the
+    long tests start at once, none behind another on one worker (a 58 s test collected
+    late set an H200's 118 s for `pytest -m gpu -n 6`). N: the test's seconds on an H200
+    (bench/gpu/), for this order alone. Without such a test the order is unchanged."""
+    long = sorted((item for item in items if _gpu_seconds(item)), key=_gpu_seconds, reverse=True)
+    rest = [item for item in items if not _gpu_seconds(item)]
+    paired = [item for pair in zip(long, rest) for item in pair]
+    return paired + long[len(rest):] + rest[len(long):]
+
+
+def _gpu_seconds(item) -> float:
+    marker = item.get_closest_marker("gpu")
+    return marker.kwargs.get("seconds", 0) if marker is not None else 0
 
 
 def pytest_addoption(parser):

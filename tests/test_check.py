@@ -25,13 +25,18 @@ class Clock:
 
 
 def _random_steps(rng, clock):
-    steps, names = [], []
+    steps, names, group = [], [], []
     for i in range(rng.randint(0, 8)):
         estimate = rng.uniform(1, 60)
         timeout = estimate * rng.uniform(1, 4)
         duration = rng.uniform(0, timeout)
         verdict = rng.choice(["pass", "fail", "raise"])
-        needs = tuple(rng.sample(names, rng.randint(0, min(2, len(names)))))
+        # Beside the step before it: it runs in a thread within that one's time (its clock stays), and
+        # needs none of the steps it runs with.
+        beside = names[-1] if names and rng.random() < 0.3 else None
+        group = group + [names[-1]] if beside else []
+        needs = tuple(rng.sample([n for n in names if n not in group], rng.randint(0, min(2, len(names) - len(group)))))
+        duration = 0.0 if beside else duration
 
         def run(timeout_s, duration=duration, verdict=verdict, timeout=timeout, name=f"step{i}"):
             assert timeout_s == timeout
@@ -40,7 +45,7 @@ def _random_steps(rng, clock):
                 raise RuntimeError("broken step")
             return Outcome(verdict == "pass", verdict, [{"name": f"row of {name}"}])
 
-        steps.append(Step(f"step{i}", estimate, timeout, run, needs))
+        steps.append(Step(f"step{i}", estimate, timeout, run, needs, beside))
         names.append(f"step{i}")
     return steps
 
@@ -64,17 +69,20 @@ def test_a_step_starts_only_when_the_budget_left_covers_it_and_its_needs_passed(
             def run(timeout_s):
                 left_at[step.name] = budget - (clock.now - start)
                 return original[step.name](timeout_s)
-            return Step(step.name, step.estimate_s, step.timeout_s, run, step.needs)
+            return Step(step.name, step.estimate_s, step.timeout_s, run, step.needs, step.beside)
 
         records = runner.run([watched(s) for s in steps])
         assert [r.name for r in records] == [s.name for s in steps]
-        status, spent = {}, spent_before
+        status, spent, group_spent = {}, spent_before, spent_before
         for step, record in zip(steps, records):
+            if step.beside is None:  # a new group: decided on the time spent before it
+                group_spent = spent
             needs_ok = all(status[n] == PASSED for n in step.needs)
-            starts = step.name not in left_out and needs_ok and step.estimate_s <= budget - spent
+            starts = step.name not in left_out and needs_ok and step.estimate_s <= budget - group_spent
             assert (record.status != SKIPPED) == starts, (step, record)
             if starts:
-                assert left_at[step.name] == pytest.approx(budget - spent)
+                if step.beside is None:  # a step beside it may start first, its clock never moving
+                    assert left_at[step.name] == pytest.approx(budget - spent)
                 assert record.status in (PASSED, FAILED) and record.seconds >= 0
                 assert (record.status == PASSED) == (record.summary == "pass")
                 if record.summary == "RuntimeError: broken step":  # a step that raised: failed, no figures
@@ -88,9 +96,50 @@ def test_a_step_starts_only_when_the_budget_left_covers_it_and_its_needs_passed(
                 else:
                     assert ("budget left" in record.summary) == needs_ok
             status[step.name] = record.status
-            spent += record.seconds
-        assert sum(r.seconds for r in records) == pytest.approx(clock.now - start - spent_before)
+            if step.beside is None:
+                spent += record.seconds
+        leaders = [r.seconds for r, s in zip(records, steps) if s.beside is None]
+        assert sum(leaders) == pytest.approx(clock.now - start - spent_before)
         assert len(events) == len(records) + sum(r.status != SKIPPED for r in records)
+
+
+def test_a_step_beside_another_is_decided_alone_and_runs_at_the_same_time():
+    """Real threads and a real clock: two steps that each wait for the other to have
+    started can end only side by side; the next step starts after both, decided on
+    the budget left then; the records keep the plan's order."""
+    import threading
+    import time
+
+    started = {name: threading.Event() for name in ("tests", "memcheck")}
+    order = []
+
+    def waits_for(other, name):
+        def run(timeout_s):
+            started[name].set()
+            ok = started[other].wait(5)
+            time.sleep(0.2)
+            order.append(name)
+            return Outcome(ok, f"{name} saw {other} running: {ok}")
+        return run
+
+    steps = [Step("tests", 1, 10, waits_for("memcheck", "tests")),
+             Step("memcheck", 2, 10, waits_for("tests", "memcheck"), beside="tests"),
+             Step("bench", 1, 10, lambda timeout_s: order.append("bench") or Outcome(True, "after both"))]
+    began = time.monotonic()
+    records = BudgetRun(60).run(steps)
+    assert time.monotonic() - began < 2  # side by side: one after the other would wait 5 s
+    assert [(r.name, r.status) for r in records] == [("tests", PASSED), ("memcheck", PASSED), ("bench", PASSED)]
+    assert order[2] == "bench" and all(0.2 <= r.seconds < 2 for r in records[:2])
+    # Each decided alone: a step beside one whose needs failed, or past the budget, is skipped by itself.
+    clock = Clock()
+    fail = Step("build", 1, 1, lambda timeout_s: Outcome(False, "broken"))
+    records = BudgetRun(10, clock=clock).run([
+        fail, Step("tests", 5, 5, lambda t: Outcome(True, "ran"), needs=("build",)),
+        Step("memcheck", 5, 5, lambda t: Outcome(True, "ran"), beside="tests"),
+        Step("big", 20, 20, lambda t: Outcome(True, "ran"), beside="memcheck")])
+    assert [(r.name, r.status) for r in records] == [("build", FAILED), ("tests", SKIPPED), ("memcheck", PASSED),
+                                                     ("big", SKIPPED)]
+    assert records[3].summary == "skipped: needs about 20 s, 10 s of the budget left"
 
 
 def test_a_skip_for_the_budget_names_the_estimate_and_what_is_left():
@@ -131,6 +180,13 @@ def test_bad_steps_and_budgets_are_refused_by_name():
         BudgetRun(10).run([Step("y", 1, 1, run, needs=("z",))])
     with pytest.raises(ValueError, match=r"skip names no step: \['z'\] \(the steps: \['x'\]\)"):
         BudgetRun(10, skip=["z"]).run([Step("x", 1, 1, run)])
+    with pytest.raises(ValueError, match="step 'y' runs beside 'z', which is not the step before it"):
+        BudgetRun(10).run([Step("z", 1, 1, run), Step("x", 1, 1, run), Step("y", 1, 1, run, beside="z")])
+    with pytest.raises(ValueError, match="step 'y' runs beside 'x', which is not the step before it"):
+        BudgetRun(10).run([Step("y", 1, 1, run, beside="x")])
+    with pytest.raises(ValueError, match="step 'z' needs 'x', which it runs beside"):
+        BudgetRun(10).run([Step("x", 1, 1, run), Step("y", 1, 1, run, beside="x"),
+                           Step("z", 1, 1, run, needs=("x",), beside="y")])
 
 
 def test_step_names_are_those_the_plans_run(tmp_path):
@@ -144,6 +200,27 @@ def test_step_names_are_those_the_plans_run(tmp_path):
     ctx = Context(python=sys.executable, root=root, tests=root / "tests", log=tmp_path / "log", scratch=tmp_path,
                   arch="90")
     assert [s.name for s in gpu_plan(ctx)] + [compile_check().name] == list(STEP_NAMES)
+
+
+def test_the_gpu_tests_are_handed_out_longest_first_each_beside_a_short_one():
+    """`pytest -m gpu` (check gpu's command, less its workers) collects the tests marked
+    gpu(seconds=N) first, longest first, each followed by an unmarked one: xdist's
+    load scheduling then starts every long test at once on a worker of its own."""
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    files = ["test_gpu_share.py", "test_gpu.py", "test_pipeline.py"]
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                          *files], capture_output=True, text=True, timeout=120, cwd=tests)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    ids = [line.split("::", 1)[1] for line in out.stdout.splitlines() if "::" in line]
+    assert ids[0::2][:5] == ["test_train_run_on_cuda[float32-1e-05-False]", "test_train_run_on_cuda[auto-0.05-True]",
+                             "test_the_daemon_serves_a_capped_client_and_quits",
+                             "test_fp8_triton_kernel_on_gpu_matches_reference[tensor]",
+                             "test_fp8_triton_kernel_on_gpu_matches_reference[channel]"]
+    assert not any(name.startswith(("test_train_run_on_cuda", "test_fp8_triton", "test_the_daemon"))
+                   for name in ids[1:10:2])
+    assert len(ids) == len(set(ids)) and "test_copy_kernel_launch_is_captured_in_a_cuda_graph" in ids
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="with a GPU, llamarl check gpu runs the GPU steps")

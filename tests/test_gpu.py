@@ -202,6 +202,7 @@ def _assert_fp8_matches_reference(w, granularity, **kw):
         assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)), (granularity, check, "scale given")
 
 
+@pytest.mark.gpu(seconds=19)
 @pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
 def test_fp8_triton_kernel_on_gpu_matches_reference(granularity):
     """bf16 at every tiling's shape; fp16, fp32 and transposed (strided) weights at
@@ -215,6 +216,7 @@ def test_fp8_triton_kernel_on_gpu_matches_reference(granularity):
                     _assert_fp8_matches_reference(_fp8_weight(shape, dtype, transposed), granularity)
 
 
+@pytest.mark.gpu(seconds=14)
 def test_fp8_every_sweep_tiling_on_gpu_matches_reference():
     """Each candidate `llamarl bench fp8 --gpu-sweep` times gives the reference's bits."""
     from llamarl_core.ops.fp8 import quantize_fp8_ref
@@ -285,6 +287,7 @@ def _tolerance(dtype, naive_error: float) -> float:
     return 1e-5 if dtype == torch.float32 else 2 * naive_error + 1e-6
 
 
+@pytest.mark.gpu(seconds=7)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, v", [(97, 1001), (300, 128256)])
 def test_aipo_triton_kernels_on_gpu_match_reference(dtype, n, v):

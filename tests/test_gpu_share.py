@@ -85,7 +85,7 @@ def test_the_daemon_counts_alive_while_its_socket_answers_not_while_its_file_sta
     assert not far.stop() and far.folder.exists()
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(seconds=36)
 def test_the_daemon_serves_a_capped_client_and_quits():
     """A process given client_env(25) initialises CUDA through the run's daemon (whose
     server starts at a client's first connection: get_server_list names it) and

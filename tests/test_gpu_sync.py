@@ -318,6 +318,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.gpu(seconds=6)
 def test_expandable_segments_are_refused_by_name_for_cuda_ipc():
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     result = subprocess.run([sys.executable, "-c", _EXPANDABLE_PROBE], capture_output=True, text=True, timeout=120,
@@ -345,6 +346,7 @@ def test_cudamalloc_memory_is_ipc_capable():
 # ----------------------------------------------------------------------------- f: moved storage
 
 
+@pytest.mark.gpu(seconds=6)
 def test_fp8_destination_on_gpu_holds_its_fp8_weights_and_scales_only(store):
     """A generator process on the GPU receiving 64 MiB of FP8 weights (per channel
     and per block) over CUDA IPC from a float32 trainer process: its allocator's

@@ -678,7 +678,7 @@ def test_vocabulary_parallel_equals_the_single_rank_op(world, monkeypatch):
     assert not bad, (bad, REPRO)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(seconds=6)
 def test_every_objective_on_cuda_matches_the_float64_reference():
     """The compiled kernels on a GPU, the objective kernel among them (the CPU
     tests run them in Triton's interpreter): each objective once in the logits

@@ -3,17 +3,17 @@
 On a CUDA device, in priority order (check/steps.py, docs/gpu.md): from a source
 checkout, the package installed with its native module built for this device's
 architecture alone (`pip install --no-build-isolation --no-deps -e .` with
-CUDAARCHS) and its CUDA backend probed; the tests marked `gpu`; the kernel benches
-(`llamarl bench gpu --parts kernels`: FP8 quantization, the FP8 GEMM, aipo_loss and
-every loss_type, linear_aipo_loss); the weight-sync benches (`--parts sync`: 1 and
-8 GiB over CUDA IPC from bf16 and fp32, with the generator's stall; FP8 in the
-sync); a ~1B Llama pipeline in both modes on this one GPU (`llamarl bench pipeline
---device cuda`); the default task learning in both modes (`llamarl train --device
-cuda --compare`); compute-sanitizer memcheck on the sync test. Each step carries an
-estimate of its time and starts only if the budget left covers it (else a line
-says it was skipped); a started step runs to its end under its own timeout
-(check/budget.py). Without a GPU it says so and compiles every Triton kernel
-variant for sm_80 / sm_90 / sm_100 instead.
+CUDAARCHS) and its CUDA backend probed; the tests marked `gpu`, with
+compute-sanitizer memcheck on the sync test between processes and the default task
+learning in both modes (`llamarl train --device cuda --compare`) beside them; the
+kernel benches (`llamarl bench gpu --parts kernels`: FP8 quantization, the FP8 GEMM,
+aipo_loss and every loss_type, linear_aipo_loss); the weight-sync benches (`--parts
+sync`: 1 and 8 GiB over CUDA IPC from bf16 and fp32, with the generator's stall; FP8
+in the sync); a ~1B Llama pipeline in both modes on this one GPU (`llamarl bench
+pipeline --device cuda`). Each step carries an estimate of its time and starts only
+if the budget left covers it (else a line says it was skipped); a started step runs
+to its end under its own timeout (check/budget.py). Without a GPU it says so and
+compiles every Triton kernel variant for sm_80 / sm_90 / sm_100 instead.
 
 It prints each step as it starts and ends, then one table of the steps and one of
 the figures (`name, value, unit, limit, ratio, target`, ratio >= target being met:

@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,16 +40,19 @@ BIG_PIPELINE_SHARE = "mps:50"
 # Timed repeats of each bench (medians): few, the check runs once in a short lease.
 BENCH_REPEATS = 3
 # Test processes pytest-xdist runs the gpu tests in, where it is installed (tests spread one by one:
-# by file, test_gpu.py's and test_pipeline.py's ran one after the other, 150 s on an H200).
-TEST_WORKERS = 6
+# by file, test_gpu.py's and test_pipeline.py's ran one after the other, 150 s on an H200), the
+# longest first (tests/conftest.py gpu_order; 16 cores on the lent machines).
+TEST_WORKERS = 8
 # Each gpu test's own limit (pytest-timeout, where installed): under the step's, so that a hang
 # fails its test with its stack printed and the others' results are kept.
 GPU_TEST_TIMEOUT_S = 150
 
 
 # Every step's name (--skip names them): the GPU plan's, in order, and the check without a GPU.
-STEP_NAMES = ("build", "cuda backend", "gpu tests", "bench kernels", "bench sync", "pipeline ~1B", "default task",
-              "memcheck", "compile check")
+STEP_NAMES = ("build", "cuda backend", "gpu tests", "memcheck", "default task", "bench kernels", "bench sync",
+              "pipeline ~1B", "compile check")
+# Where steps' commands append their output to the log at once (memcheck and the default task beside the gpu tests).
+_LOG_LOCK = threading.Lock()
 
 
 @dataclass
@@ -85,7 +89,7 @@ def run_command(ctx: Context, title: str, cmd: list[str], timeout_s: float, *, c
             proc.wait()
             out = "(its output was lost: a process it started in a session of its own kept the pipe open)"
         status = None
-    with ctx.log.open("a") as log:
+    with _LOG_LOCK, ctx.log.open("a") as log:
         log.write(f"\n===== {title}: {' '.join(cmd)}\n{out}\n===== {title}: "
                   f"{'timed out' if status is None else f'exit {status}'}\n")
     return status, out
@@ -166,7 +170,7 @@ def gpu_tests(ctx: Context, needs: tuple[str, ...]) -> Step:
             _show_tail("pytest -m gpu", out)
         return Outcome(status == 0, f"pytest -m gpu{' -n ' + str(TEST_WORKERS) if workers else ''}: {line}")
 
-    return Step("gpu tests", estimate_s=120, timeout_s=240, run=run, needs=needs)
+    return Step("gpu tests", estimate_s=75, timeout_s=240, run=run, needs=needs)
 
 
 def _has_module(ctx: Context, name: str) -> bool:
@@ -221,16 +225,18 @@ def big_pipeline(ctx: Context, needs: tuple[str, ...]) -> Step:
                      figure(f"{mode} mode, {what}: training time a step", r["train_time_s"] * 1e3, "ms"),
                      figure(f"{mode} mode, {what}: start-up, to the first weight sync", r["wall_time_s"] - r["rl_time_s"],
                             "s"),
-                     figure(f"{mode} mode, {what}: after the last step (export, shutdown)",
+                     figure(f"{mode} mode, {what}: after the last step (shutdown; no checkpoint or export)",
                             r["total_s"] - r["wall_time_s"], "s")]
         return Outcome(True, f"async / sync step time {rows[0]['value'] / rows[0]['limit']:.2f}x", rows)
 
-    return Step("pipeline ~1B", estimate_s=165, timeout_s=300, run=run, needs=needs)
+    return Step("pipeline ~1B", estimate_s=110, timeout_s=300, run=run, needs=needs)
 
 
-def default_task(ctx: Context, needs: tuple[str, ...]) -> Step:
+def default_task(ctx: Context, needs: tuple[str, ...], beside: str | None) -> Step:
     """`llamarl train --device cuda --compare` on the default task: whether the reward
-    rose by LEARNED_MARGIN in both modes, and the async / sync step time."""
+    rose by LEARNED_MARGIN in both modes, and the async / sync step time. Beside the
+    gpu tests where they run (`beside`; 80 s saved): its step times are then not
+    the GPU's alone, and their row says so."""
 
     def run(timeout_s: float) -> Outcome:
         out_dir = ctx.scratch / "compare"
@@ -241,7 +247,7 @@ def default_task(ctx: Context, needs: tuple[str, ...]) -> Step:
         if status != 0 or not (out_dir / "compare.json").exists():
             return _failed("llamarl train --device cuda --compare", status, out, timeout_s)
         result = json.loads((out_dir / "compare.json").read_text())
-        what = f"default task on one GPU, {PIPELINE_STEPS} RL steps"
+        what = f"default task on one GPU, {PIPELINE_STEPS} RL steps{', beside the gpu tests' if beside else ''}"
         rows = [figure(f"{what}: async step time (limit: the sync step's)", result["async"]["step_time_s"] * 1e3,
                        "ms", result["sync"]["step_time_s"] * 1e3)]
         learned = {}
@@ -255,7 +261,7 @@ def default_task(ctx: Context, needs: tuple[str, ...]) -> Step:
         return Outcome(all(learned.values()), f"{rewards}; async / sync step time "
                                               f"{result['step_time_ratio']:.2f}x{verdict}", rows)
 
-    return Step("default task", estimate_s=80, timeout_s=200, run=run, needs=needs)
+    return Step("default task", estimate_s=80, timeout_s=200, run=run, needs=needs, beside=beside)
 
 
 def find_sanitizer() -> str | None:
@@ -267,8 +273,9 @@ def find_sanitizer() -> str | None:
 
 
 def memcheck(ctx: Context, needs: tuple[str, ...]) -> Step:
-    """compute-sanitizer memcheck on the sync test between processes; skipped (not
-    failed) where the tool is missing or refuses the device (gVisor machines)."""
+    """compute-sanitizer memcheck on the sync test between processes, beside the gpu
+    tests (neither measures anything: 37 s on an H200 saved); skipped (not failed)
+    where the tool is missing or refuses the device (gVisor machines)."""
 
     def run(timeout_s: float) -> Outcome:
         sanitizer = find_sanitizer()
@@ -291,21 +298,21 @@ def memcheck(ctx: Context, needs: tuple[str, ...]) -> Step:
         return Outcome(ok, f"memcheck on {test_name}: {sum(errors)} errors in {len(errors)} processes, "
                            f"{'timed out' if status is None else f'exit {status}'}")
 
-    return Step("memcheck", estimate_s=40, timeout_s=150, run=run, needs=needs)
+    return Step("memcheck", estimate_s=40, timeout_s=150, run=run, needs=needs, beside="gpu tests")
 
 
 def gpu_plan(ctx: Context) -> list[Step]:
     """Every step, in priority order: the build and its CUDA backend (from a source
-    checkout), the gpu tests, the kernel benches, the weight-sync benches, the ~1B
-    pipeline, the default task's compare run, memcheck."""
+    checkout), the gpu tests with memcheck and the default task's compare run beside
+    them (none of the three times the GPU alone), the kernel benches, the
+    weight-sync benches, the ~1B pipeline."""
     steps = [build(ctx), cuda_backend(ctx, ("build",))] if ctx.root is not None else []
     built, cuda = (("build",), ("cuda backend",)) if steps else ((), ())
     if ctx.tests is not None:
-        steps.append(gpu_tests(ctx, built))
-    steps += [bench_gpu(ctx, "kernels", 15, 120, built), bench_gpu(ctx, "sync", 130, 240, cuda),
-              big_pipeline(ctx, cuda), default_task(ctx, cuda)]
-    if ctx.tests is not None:
-        steps.append(memcheck(ctx, cuda))
+        steps += [gpu_tests(ctx, built), memcheck(ctx, cuda)]
+    steps += [default_task(ctx, cuda, "memcheck" if steps and steps[-1].name == "memcheck" else None),
+              bench_gpu(ctx, "kernels", 15, 120, built), bench_gpu(ctx, "sync", 60, 240, cuda),
+              big_pipeline(ctx, cuda)]
     return steps
 
 
