@@ -135,6 +135,33 @@ def _load_job(rank, world, mesh, config, folder):
     return _full(model)
 
 
+@pytest.mark.gpu
+def test_random_init_on_a_gpu_is_drawn_there_seeded_with_the_models_own_distribution():
+    """A model on a GPU draws its weights there (a CPU thread takes 13 s for 1B): the
+    same seed gives the same weights, another seed others; the model's own statistics;
+    the buffers as the CPU computes them; the CPU's and the GPU's generators as before."""
+    config = _config(intermediate_size=256, hidden_size=128)
+    cpu_state, gpu_state = torch.get_rng_state(), torch.cuda.get_rng_state()
+    built = []
+    for seed in (7, 7, 8):
+        model = empty_model(config, dtype=torch.float32, device="cuda")
+        init_random(model, seed)
+        built.append({k: v.cpu() for k, v in _full(model).items()})
+    assert torch.equal(torch.get_rng_state(), cpu_state) and torch.equal(torch.cuda.get_rng_state(), gpu_state)
+    assert all(torch.equal(built[0][k], built[1][k]) for k in built[0])
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(built[0][up], built[2][up])
+    on_cpu = empty_model(config, dtype=torch.float32, device="cpu")
+    init_random(on_cpu, 7)
+    for name, t in _full(on_cpu).items():
+        if name.endswith("norm.weight") or "inv_freq" in name:
+            assert torch.equal(built[0][name], t), name
+        else:
+            assert abs(built[0][name].std().item() - config.initializer_range) < 0.2 * config.initializer_range, name
+            assert abs(built[0][name].mean().item()) < 0.2 * config.initializer_range, name
+
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_a_safetensors_checkpoint_loads_shard_by_shard_equal_to_transformers(tmp_path, tie):
     config = _config(tie)

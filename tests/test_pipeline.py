@@ -861,6 +861,21 @@ def test_a_process_forked_from_an_executor_does_not_keep_the_run_folder(tmp_path
         os.waitpid(pid, 0)
 
 
+def test_a_run_without_checkpoints_writes_none_and_no_model(tmp_path):
+    """--checkpoint-every 0 (a benchmark's run): no checkpoint, no KL reference saved,
+    no model/ at the end; the metrics as any run's. A negative count is refused."""
+    out = tmp_path / "run"
+    proc = llamarl("--mode", "sync", "--out", str(out), "--steps", "3", "--warmup-steps", "0", "--prompts-per-step",
+                   "2", "--samples-per-prompt", "2", "--checkpoint-every", "0", "--kl-coef", "0.01", "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(no checkpoint or model/: --checkpoint-every 0)" in proc.stdout
+    assert [m["step"] for m in read_metrics(out)] == [0, 1, 2] and checkpoint_info(out) is None
+    assert not (out / "model").exists() and not any((out / "checkpoint").rglob("*"))
+    bad = llamarl("--out", str(tmp_path / "bad"), "--checkpoint-every", "-1")
+    assert bad.returncode == 1 and "--checkpoint-every must be a finite number >= 0, got -1" in bad.stderr, bad.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     out = tmp_path / "run"
     args = ["--steps", "400", "--warmup-steps", "5", "--prompts-per-step", "4", "--checkpoint-every", "5", "--quiet"]
@@ -1141,7 +1156,7 @@ def test_every_other_loss_runs_the_default_task_with_its_statistics(tmp_path):
             assert all(isinstance(x, float) and math.isfinite(x) for x in numbers), (loss, m)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(seconds=58)
 @pytest.mark.parametrize("dtype, bound, resume", [("float32", 1e-5, False), ("auto", 5e-2, True)])
 def test_train_run_on_cuda(tmp_path, dtype, bound, resume):
     """Trainer and generator on GPUs (CUDA IPC sync), sync mode: the generator's
@@ -1150,14 +1165,17 @@ def test_train_run_on_cuda(tmp_path, dtype, bound, resume):
     default dtype's DCP checkpoints (over the cpu:gloo,cuda:nccl group) resume on
     the GPU: the resumed steps match as closely."""
     out = tmp_path / dtype
-    proc = llamarl("--device", "cuda", "--dtype", dtype, "--mode", "sync", "--out", str(out), *FAST)
+    # Shorter than FAST: two runs, each starting its processes and CUDA, in `llamarl check gpu`'s budget.
+    proc = llamarl("--device", "cuda", "--dtype", dtype, "--mode", "sync", "--out", str(out), "--steps", "6",
+                   "--warmup-steps", "2", "--prompts-per-step", "4", "--samples-per-prompt", "4", "--checkpoint-every",
+                   "3", "--quiet")
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(out)
-    assert len(metrics) == 12 and all(abs(m["mismatch_kl"]) < bound for m in metrics), metrics
-    assert checkpoint_info(out)["step"] == 12
+    assert len(metrics) == 6 and all(abs(m["mismatch_kl"]) < bound for m in metrics), metrics
+    assert checkpoint_info(out)["step"] == 6
     if not resume:
         return
-    resumed = llamarl("--out", str(out), "--resume", "--steps", "15", "--quiet")
+    resumed = llamarl("--out", str(out), "--resume", "--steps", "8", "--quiet")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     metrics = read_metrics(out)
-    assert [m["step"] for m in metrics] == list(range(15)) and all(abs(m["mismatch_kl"]) < bound for m in metrics)
+    assert [m["step"] for m in metrics] == list(range(8)) and all(abs(m["mismatch_kl"]) < bound for m in metrics)

@@ -127,7 +127,8 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gen
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype, device) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
+    # skip_init: not drawn first (a CPU thread took 17 s to draw the ~1B generator's weights), zeros below.
+    layer = nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
     layer.weight.requires_grad_(False)
     nn.init.zeros_(layer.weight)
     if bias:
@@ -286,7 +287,7 @@ class LlamaGenerator(nn.Module):
         vocab_local = self.layout.local_shape("model.embed_tokens.weight", tp_rank)[0]
         self.vocab_start = tp_rank * vocab_local
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(vocab_local, d.hidden, dtype=dtype, device=device)
+        self.model.embed_tokens = nn.utils.skip_init(nn.Embedding, vocab_local, d.hidden, dtype=dtype, device=device)
         self.model.embed_tokens.weight.requires_grad_(False)
         nn.init.zeros_(self.model.embed_tokens.weight)
         self.model.layers = nn.ModuleList(_Layer(d, eps, tp_size, dtype, device, fp8, fp8_gemm)

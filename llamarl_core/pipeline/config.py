@@ -128,7 +128,9 @@ class RunConfig:
     prompts_per_step: int = 8  # prompt groups per trainer step
     samples_per_prompt: int = 8  # completions per prompt (the AIPO / GRPO group)
     max_staleness: int = 1  # async: a sample whose oldest token is version v trains at step s only if s - v <= this
-    checkpoint_every: int = 50  # trainer steps between checkpoints (and one at the end)
+    # trainer steps between checkpoints (and one at the end); 0: none, so no model/ at the end and a resumed run
+    # starts over (a benchmark's run, whose last checkpoint of a 1B model and its Adam state is 12 GB)
+    checkpoint_every: int = 50
     timeout_s: float = 60.0  # longest wait for any executor before the run stops with an error
     dtype: str = "auto"  # the generator's weights and the trainer's compute: "auto" = float32 on CPU, bfloat16 on GPU
     device: str = "cpu"  # where the trainer and our generator run: "cpu" or "cuda"
@@ -462,7 +464,7 @@ class TrainConfig:
                              "our generator always re-prefills")
         positive = ("steps", "prompts_per_step", "samples_per_prompt", "segment_tokens", "hidden_size",
                     "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "trainer_world",
-                    "generator_tp", "generator_replicas", "checkpoint_every", "warmup_batch", "reward_batch")
+                    "generator_tp", "generator_replicas", "warmup_batch", "reward_batch")
         for name in positive:
             if values[name] < 1:
                 raise ValueError(f"{option(name)} must be >= 1, got {values[name]}")
@@ -472,7 +474,7 @@ class TrainConfig:
         for name in ("timeout_s", "sync_timeout_s"):
             check_timeout(values[name], option(name))
         for name in ("max_staleness", "warmup_steps", "eval_size", "eval_every", "lr_warmup_steps", "max_grad_norm",
-                     "kl_coef", "micro_batch_size"):
+                     "kl_coef", "micro_batch_size", "checkpoint_every"):
             if not (math.isfinite(values[name]) and values[name] >= 0):  # NaN fails both
                 raise ValueError(f"{option(name)} must be a finite number >= 0, got {values[name]}")
         if run.hidden_size % run.num_heads:

@@ -511,7 +511,7 @@ class Controller:
             part = [x for g in batch.groups[rank * per_rank:(rank + 1) * per_rank] for x in g]
             self.inboxes[(TRAINER, rank)].put(Train(step=batch.step, samples=part))
         done = batch.step + 1
-        if done % cfg.run.checkpoint_every == 0 or done == cfg.run.steps:
+        if cfg.run.checkpoint_every and (done % cfg.run.checkpoint_every == 0 or done == cfg.run.steps):
             # Saved once its step's weights are on their way (see _begin_sync), with the data
             # position after its batch.
             self.checkpoint_due = (done, self.scheduler.data_position)
@@ -575,8 +575,9 @@ class Controller:
             self._wait_ready()
             self._loop()
             summary = self.recorder.summary(steal_fraction(self.cpu_before, cpu_times()))
-            export_policy(self.out, self.data.model_config, self.data.tokenizer, self.out / "model",
-                          self.data.model)
+            if cfg.run.checkpoint_every:  # the policy of the last checkpoint
+                export_policy(self.out, self.data.model_config, self.data.tokenizer, self.out / "model",
+                              self.data.model)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             return summary
         finally:

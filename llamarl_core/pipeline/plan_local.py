@@ -63,7 +63,7 @@ def _unpriced(config: TrainConfig) -> list[tuple[str, str]]:
         out.append(("eval_every", f"held-out evaluations every {run.eval_every} versions are not priced"))
     if trainer.step_hook:
         out.append(("step_hook", f"the step hook {trainer.step_hook} is not priced"))
-    if run.checkpoint_every < run.steps:
+    if 0 < run.checkpoint_every < run.steps:
         out.append(("checkpoint_every", f"checkpoints every {run.checkpoint_every} steps are not priced"))
     if ":" in loss.objective or ":" in loss.advantage:
         out.append(("loss", "a loss or advantage of yours is priced as the built-in ones"))

@@ -69,7 +69,8 @@ FLAGS = {
     "generator_replicas": "data-parallel generator replicas; the trainer sends each version to replica 0, which "
                           "relays it to the others",
     "seed": "random seed (model initialisation, sampling, data order)",
-    "checkpoint_every": "trainer steps between checkpoints (and one at the end)",
+    "checkpoint_every": "trainer steps between checkpoints (and one at the end); 0: none, so no model/ at the end "
+                        "and --resume starts over",
     "timeout_s": "seconds without any executor reporting before the run stops with an error",
     "sync_timeout_s": "seconds a weight sync may take",
     "eval_size": "held-out prompts for --eval-every",
@@ -321,7 +322,8 @@ def _resume_hint(out: Path) -> str:
     except ValueError as exc:  # a checkpoint of an earlier llamarl: nothing this version resumes
         return str(exc)
     if info is None:
-        return f"no checkpoint yet in {out} (the first comes after --checkpoint-every steps): nothing to resume"
+        return (f"no checkpoint yet in {out} (the first comes after --checkpoint-every steps; none with 0): nothing "
+                "to resume")
     return f"{checkpoint_dir(out)} holds step {info['step']}: continue with `llamarl train --out {out} --resume`"
 
 
@@ -393,8 +395,9 @@ def _main(argv, executors_for) -> int:
         out = args.out or _fresh_out(config.run.mode)
         summary, _ = run_one(config, out, args.quiet, executors_for, resume=args.resume)
         _print_summary(summary)
-        print(f"wrote {out}/: metrics.jsonl summary.json reward.png trace.json checkpoint/ model/ (the trained policy, "
-              "a transformers model folder)")
+        kept = ("checkpoint/ model/ (the trained policy, a transformers model folder)" if config.run.checkpoint_every
+                else "(no checkpoint or model/: --checkpoint-every 0)")
+        print(f"wrote {out}/: metrics.jsonl summary.json reward.png trace.json {kept}")
         return 0
     configs = {mode: _config(args, mode) for mode in ("sync", "async")}  # both checked before either runs
     out = args.out or _fresh_out("compare")

@@ -122,9 +122,10 @@ class TrainerRank:
                                          config.trainer.warmup_batch, rank,
                                          world)
             link.span("supervised warm-up", start, time.monotonic(), steps=config.trainer.warmup_steps, loss=loss)
-        if config.loss.kl_coef and not checkpoints.has_reference():  # the weights RL starts from, saved once
+        if config.loss.kl_coef and not checkpoints.has_reference():  # the weights RL starts from
             copy_shards(self.reference, model)
-            checkpoints.save_reference(self.reference)
+            if config.run.checkpoint_every:  # saved once, for a resumed run
+                checkpoints.save_reference(self.reference)
         self.autocast = config.run.torch_dtype if config.run.torch_dtype != torch.float32 else None
         self.generator = incarnation  # the generator incarnation the sender serves
         self.sender = self._connect()
