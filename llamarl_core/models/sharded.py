@@ -11,7 +11,7 @@ are then filled by one of:
   full-size copy seeded from (seed, module name), drawn on the device the model
   is on (a CPU thread draws about 80M values a second: 13 s for 1B parameters on
   the 2-core machine; a GPU, milliseconds): the same weights at any world size,
-  and on any device of one type;
+  on the CPU or on GPUs of one model (CUDA's draws depend on the SM count);
 - `load_shards`: a safetensors checkpoint under the model's or its family's
   checkpoint names (a MoE's per-expert tensors, which transformers fuses on
   load), each rank reading only its rows of each tensor (memory-mapped), and
@@ -195,8 +195,8 @@ def init_random(model, seed: int) -> None:
     """Fill `model` (from `empty_model`) with the model's own initialisation,
     module by module, each seeded from (seed, its name) and drawn on the device the
     model is on (each module's full size there at a time): the same weights at any
-    world size, and on any device of one type (a GPU's generator draws other values
-    than the CPU's)."""
+    world size, on the CPU or on GPUs of one model (a GPU draws other values than
+    the CPU, and GPUs of other SM counts other values again)."""
     _fill_from_init(model, seed, "parameter")
 
 
