@@ -310,7 +310,7 @@ def gpu_plan(ctx: Context) -> list[Step]:
     built, cuda = (("build",), ("cuda backend",)) if steps else ((), ())
     if ctx.tests is not None:
         steps += [gpu_tests(ctx, built), memcheck(ctx, cuda)]
-    steps += [default_task(ctx, cuda, "memcheck" if steps and steps[-1].name == "memcheck" else None),
+    steps += [default_task(ctx, cuda, "memcheck" if ctx.tests is not None else None),
               bench_gpu(ctx, "kernels", 15, 120, built), bench_gpu(ctx, "sync", 60, 240, cuda),
               big_pipeline(ctx, cuda)]
     return steps
